@@ -1,0 +1,1 @@
+"""Loom: PyTorch-native parallel training of transformer language models."""

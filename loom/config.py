@@ -1,0 +1,462 @@
+"""Loom's configuration: typed nested dataclasses, read from TOML plus ``--section.key=value``.
+
+Resolution order: dataclass defaults < the model preset named by ``model.preset`` < the TOML file
+< command-line overrides. ``load_config`` parses and type-checks every value (unknown keys are
+refused with a "did you mean"), then ``validate`` checks every cross-field rule (world size equals
+the product of the parallel degrees; heads, KV heads, layers, vocabulary and batch divisible by the
+degrees that split them; ...). Both raise ``ConfigError`` naming the field, the value and the rule,
+before any process starts or any file is written; the CLI turns that into exit code 2.
+
+The config is plain data: ``to_dict`` / ``to_toml`` write the resolved config next to each run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from loom.models.llama import TransformerArgs
+from loom.models.presets import PRESETS
+
+from loom.topology import AXES  # noqa: E402  (one list of axis names)
+
+
+class ConfigError(ValueError):
+    """A config value breaks a rule. ``str()`` names the field, the value and the rule."""
+
+    def __init__(self, field_name: str, value: Any, rule: str) -> None:
+        self.field_name, self.value, self.rule = field_name, value, rule
+        super().__init__(f"config error: {field_name}={value!r}: {rule}")
+
+
+@dataclass
+class ModelConfig(TransformerArgs):
+    """The model shape: a preset, then any field overridden. ``vocab_size=0`` means: the
+    tokenizer's vocabulary rounded up to a multiple of ``vocab_multiple`` (so it splits evenly)."""
+
+    preset: str = "tiny"
+    vocab_size: int = 0
+    vocab_multiple: int = 64
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of each mesh axis (see ``loom.topology``); their product is the world size.
+
+    ``ep`` multiplies the world like the others: dense layers treat it as one more data-parallel
+    axis, expert layers shard their experts along it.
+    """
+
+    pp: int = 1
+    dp_replicate: int = -1  # -1: whatever the other degrees leave of the world size
+    dp_shard: int = 1
+    ep: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    def degrees(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in AXES}
+
+    @property
+    def dp(self) -> int:
+        """Degree of data parallelism seen by the batch: replicate x shard x expert axes."""
+        return self.dp_replicate * self.dp_shard * self.ep
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    global_batch_size: int = 16  # sequences per optimizer step, over all data-parallel ranks
+    micro_batch_size: int = 8  # sequences per forward/backward on one rank
+    seed: int = 1234
+    device: str = "auto"  # auto | cpu | cuda | cuda:N ...
+    backend: str = "auto"  # auto | gloo | nccl
+    dtype: Literal["fp32", "bf16"] = "fp32"  # bf16 = autocast compute, fp32 master weights
+    grad_clip: float = 1.0  # max global grad norm; 0 disables
+    eval_every: int = 50  # steps; 0 disables
+    eval_batches: int = 4
+    run_dir: str = ""  # empty: runs/<timestamp>
+    threads: int = 0  # intra-op threads per rank; 0: cores / local ranks
+    timeout_s: float = 600.0  # collective timeout: a hung peer fails the job instead of hanging it
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # "stdlib" (the Python standard library's .py files) or a path
+    extensions: tuple[str, ...] = (".py", ".txt", ".md")
+    tokenizer: Literal["byte", "bpe"] = "byte"
+    bpe_vocab_size: int = 2048
+    seq_len: int = 256
+    val_fraction: float = 0.05
+    max_bytes: int = 0  # 0: the whole corpus
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0  # steps between checkpoints; 0: only the final weights
+    keep: int = 2
+
+
+@dataclass
+class MetricsConfig:
+    log_every: int = 1
+    jsonl: bool = True
+    tensorboard: bool = True
+    progress: bool = True
+    plot: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing
+
+
+def _sections() -> dict[str, type]:
+    return {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+
+
+def known_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in _sections().items() for f in dataclasses.fields(cls)]
+
+
+def _suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(key: str, raw: Any, kind: Any) -> Any:
+    """Convert ``raw`` (TOML value or command-line string) to ``kind`` or raise ConfigError."""
+    origin = typing.get_origin(kind)
+    if origin is Literal:
+        choices = typing.get_args(kind)
+        if raw not in choices:
+            raise ConfigError(key, raw, f"must be one of {', '.join(map(str, choices))}"
+                              + _suggest(str(raw), [str(c) for c in choices]))
+        return raw
+    if origin is tuple or kind is tuple:
+        items = raw.split(",") if isinstance(raw, str) else raw
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(key, raw, "must be a list (TOML array or comma-separated)")
+        return tuple(str(item).strip() for item in items if str(item).strip())
+    if kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return raw.lower() in ("true", "1", "yes", "on")
+        raise ConfigError(key, raw, "must be a boolean (true or false)")
+    if kind is int:
+        if isinstance(raw, bool):
+            raise ConfigError(key, raw, "must be an integer")
+        try:
+            value = int(raw) if isinstance(raw, (int, str)) else None
+        except ValueError:
+            value = None
+        if value is None:
+            raise ConfigError(key, raw, "must be an integer")
+        return value
+    if kind is float:
+        try:
+            if isinstance(raw, bool):
+                raise ValueError
+            return float(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(key, raw, "must be a number") from None
+    if kind is str:
+        if not isinstance(raw, str):
+            raise ConfigError(key, raw, "must be a string")
+        return raw
+    raise TypeError(f"unsupported config field type {kind} for {key}")  # a bug in Config itself
+
+
+def parse_overrides(argv: list[str]) -> dict[str, str]:
+    """``["--train.steps=5", "--model.dim", "64"]`` -> ``{"train.steps": "5", "model.dim": "64"}``."""
+    overrides: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(arg, arg, "expected --section.key=value")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        elif i + 1 < len(argv):
+            key, value = arg[2:], argv[i + 1]
+            i += 1
+        else:
+            raise ConfigError(arg[2:], None, "has no value; write --section.key=value")
+        overrides[key] = value
+        i += 1
+    return overrides
+
+
+def _flatten_toml(table: dict[str, Any]) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for section, body in table.items():
+        if not isinstance(body, dict):
+            raise ConfigError(section, body, "top-level keys must be sections like [train]"
+                              + _suggest(section, list(_sections())))
+        for key, value in body.items():
+            flat[f"{section}.{key}"] = value
+    return flat
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Build a Config from an optional TOML file and ``section.key -> value`` overrides.
+
+    Every value is type-checked and every key must exist. Cross-field rules are *not* checked here
+    (see ``validate``) so that callers can adjust e.g. the world size first.
+    """
+    flat: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError("--config", str(path), "file does not exist")
+        try:
+            flat.update(_flatten_toml(tomllib.loads(path.read_text())))
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError("--config", str(path), f"is not valid TOML: {err}") from None
+    flat.update(overrides or {})
+
+    sections = _sections()
+    for key in flat:
+        section, _, name = key.partition(".")
+        if section not in sections:
+            raise ConfigError(key, flat[key], "unknown section" + _suggest(section, list(sections)))
+        if name not in {f.name for f in dataclasses.fields(sections[section])}:
+            raise ConfigError(key, flat[key], "unknown key" + _suggest(key, known_keys()))
+
+    preset_name = flat.get("model.preset", ModelConfig.preset)
+    if preset_name not in PRESETS:
+        raise ConfigError("model.preset", preset_name,
+                          f"unknown preset; known: {', '.join(PRESETS)}"
+                          + _suggest(str(preset_name), list(PRESETS)))
+    shape = dataclasses.asdict(PRESETS[preset_name])
+    shape["vocab_size"] = 0  # presets' vocab sizes are for planning; local runs size from the tokenizer
+    if preset_name not in ("tiny", "debug"):
+        shape["vocab_size"] = PRESETS[preset_name].vocab_size
+    config = Config(model=ModelConfig(preset=preset_name, **shape))
+
+    for key, raw in flat.items():
+        section, _, name = key.partition(".")
+        target = getattr(config, section)
+        setattr(target, name, _coerce(key, raw, _field_types(type(target))[name]))
+    return config
+
+
+# --------------------------------------------------------------------------------------------
+# Cross-field validation
+
+
+def resolve(config: Config, world_size: int) -> Config:
+    """Fill the derived values (``dp_replicate=-1``, ``vocab_size=0``) and ``validate``.
+
+    Returns a new Config; raises ConfigError on the first broken rule.
+    """
+    config = dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model),
+        parallel=dataclasses.replace(config.parallel),
+    )
+    par = config.parallel
+    for axis in AXES:
+        degree = getattr(par, axis)
+        if degree < 1 and not (axis == "dp_replicate" and degree == -1):
+            raise ConfigError(f"parallel.{axis}", degree, "must be >= 1"
+                              + (" (or -1 to fill the world)" if axis == "dp_replicate" else ""))
+    if par.dp_replicate == -1:
+        others = math.prod(getattr(par, a) for a in AXES if a != "dp_replicate")
+        if world_size % others:
+            raise ConfigError("parallel", par.degrees(),
+                              f"world size {world_size} is not divisible by pp*dp_shard*ep*cp*tp"
+                              f" = {others}")
+        par.dp_replicate = world_size // others
+    if config.model.vocab_size == 0:
+        from loom.data.tokenizer import tokenizer_vocab_size
+
+        base = tokenizer_vocab_size(config.data.tokenizer, config.data.bpe_vocab_size)
+        multiple = config.model.vocab_multiple
+        config.model.vocab_size = -(-base // multiple) * multiple
+    validate(config, world_size)
+    return config
+
+
+def _nearest_multiples(value: int, divisor: int) -> str:
+    low = (value // divisor) * divisor
+    options = [v for v in (low, low + divisor) if v > 0]
+    return " or ".join(str(v) for v in options)
+
+
+def _require_divisible(field_name: str, value: int, divisor: int, what: str) -> None:
+    if divisor > 1 and value % divisor:
+        raise ConfigError(field_name, value, f"must be divisible by {what} = {divisor};"
+                          f" nearest valid: {_nearest_multiples(value, divisor)}")
+
+
+def _require_positive(config: Config, keys: list[str], minimum: float = 1) -> None:
+    for key in keys:
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        if value < minimum:
+            raise ConfigError(key, value, f"must be >= {minimum}")
+
+
+def validate(config: Config, world_size: int) -> None:
+    """Check every cross-field rule; raise ConfigError naming the first broken one."""
+    m, par, tr, data, opt = config.model, config.parallel, config.train, config.data, config.optim
+    _require_positive(config, ["model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
+                               "model.ffn_dim", "model.vocab_size", "model.max_seq_len",
+                               "model.vocab_multiple", "train.steps", "train.global_batch_size",
+                               "train.micro_batch_size", "train.eval_batches", "data.seq_len",
+                               "data.bpe_vocab_size", "checkpoint.keep", "metrics.log_every"])
+    _require_positive(config, ["train.eval_every", "train.grad_clip", "train.threads",
+                               "data.max_bytes", "checkpoint.interval", "optim.warmup_steps",
+                               "optim.weight_decay"], minimum=0)
+    if opt.lr <= 0:
+        raise ConfigError("optim.lr", opt.lr, "must be > 0")
+    if not 0 <= opt.min_lr_ratio <= 1:
+        raise ConfigError("optim.min_lr_ratio", opt.min_lr_ratio, "must be in [0, 1]")
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(opt, key) < 1:
+            raise ConfigError(f"optim.{key}", getattr(opt, key), "must be in [0, 1)")
+    if opt.warmup_steps > tr.steps:
+        raise ConfigError("optim.warmup_steps", opt.warmup_steps,
+                          f"must not exceed train.steps = {tr.steps}")
+    if not 0 < data.val_fraction < 1:
+        raise ConfigError("data.val_fraction", data.val_fraction, "must be in (0, 1)")
+    if data.tokenizer == "bpe" and data.bpe_vocab_size < 260:
+        raise ConfigError("data.bpe_vocab_size", data.bpe_vocab_size,
+                          "must be >= 260 (256 byte symbols plus special tokens)")
+
+    # Model shape.
+    _require_divisible("model.dim", m.dim, m.n_heads, "model.n_heads")
+    if m.head_dim % 2:
+        raise ConfigError("model.dim", m.dim, f"dim / n_heads = {m.head_dim} must be even (RoPE"
+                          " rotates pairs of channels)")
+    _require_divisible("model.n_heads", m.n_heads, m.n_kv_heads, "model.n_kv_heads")
+    if data.seq_len > m.max_seq_len:
+        raise ConfigError("data.seq_len", data.seq_len,
+                          f"must not exceed model.max_seq_len = {m.max_seq_len}")
+    from loom.data.tokenizer import tokenizer_vocab_size
+
+    needed = tokenizer_vocab_size(data.tokenizer, data.bpe_vocab_size)
+    if m.vocab_size < needed:
+        raise ConfigError("model.vocab_size", m.vocab_size,
+                          f"must be >= the {data.tokenizer} tokenizer's vocabulary ({needed})")
+
+    # Parallel layout.
+    degrees = par.degrees()
+    product = math.prod(degrees.values())
+    if product != world_size:
+        raise ConfigError("parallel", degrees,
+                          f"the product of the degrees ({product}) must equal the world size"
+                          f" ({world_size} processes)")
+    _require_divisible("model.n_heads", m.n_heads, par.tp, "parallel.tp")
+    _require_divisible("model.n_kv_heads", m.n_kv_heads, par.tp, "parallel.tp")
+    _require_divisible("model.ffn_dim", m.ffn_dim, par.tp, "parallel.tp")
+    _require_divisible("model.vocab_size", m.vocab_size, par.tp, "parallel.tp")
+    _require_divisible("data.seq_len", data.seq_len, par.tp * par.cp, "parallel.tp * parallel.cp")
+    if par.pp > m.n_layers:
+        raise ConfigError("parallel.pp", par.pp,
+                          f"must not exceed model.n_layers = {m.n_layers} (one layer per stage)")
+    if m.tie_embeddings and par.pp > 1:
+        raise ConfigError("model.tie_embeddings", True,
+                          "tied embeddings need the embedding and head on one stage: use pp = 1")
+
+    # Batch.
+    _require_divisible("train.global_batch_size", tr.global_batch_size, par.dp,
+                       "the data-parallel degree dp_replicate*dp_shard*ep")
+    local_batch = tr.global_batch_size // par.dp
+    if local_batch % tr.micro_batch_size:
+        raise ConfigError("train.micro_batch_size", tr.micro_batch_size,
+                          f"must divide the per-rank batch global_batch_size / dp ="
+                          f" {tr.global_batch_size} / {par.dp} = {local_batch}")
+
+    # What this version of Loom runs: each later parallelism lifts its own rule when it lands.
+    for axis in ("pp", "dp_shard", "ep", "cp", "tp"):
+        if degrees[axis] > 1:
+            raise ConfigError(f"parallel.{axis}", degrees[axis],
+                              "this Loom version supports only data parallelism (dp_replicate);"
+                              f" {axis} > 1 is not implemented yet")
+    if tr.backend not in ("auto", "gloo", "nccl"):
+        raise ConfigError("train.backend", tr.backend, "must be one of auto, gloo, nccl")
+    if not (tr.device in ("auto", "cpu") or tr.device.startswith(("cuda", "xpu", "mps"))):
+        raise ConfigError("train.device", tr.device, "must be auto, cpu, cuda or cuda:N")
+    if tr.backend == "nccl" and tr.device == "cpu":
+        raise ConfigError("train.backend", tr.backend, "nccl needs a GPU device, not train.device=cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+
+
+def to_dict(config: Config) -> dict[str, dict[str, Any]]:
+    out = dataclasses.asdict(config)
+    for section in out.values():
+        for key, value in section.items():
+            if isinstance(value, tuple):
+                section[key] = list(value)
+    return out
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def to_toml(config: Config) -> str:
+    """The resolved config as TOML that ``load_config`` reads back to an equal Config."""
+    lines: list[str] = []
+    for section, body in to_dict(config).items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in body.items())
+        lines.append("")
+    return "\n".join(lines)
+
+
+def from_dict(table: dict[str, dict[str, Any]]) -> Config:
+    """Inverse of ``to_dict`` (used by workers and ``loom generate``)."""
+    return load_config(None, {f"{s}.{k}": v for s, body in table.items() for k, v in body.items()})
+
+
+__all__ = ["AXES", "Config", "ConfigError", "load_config", "parse_overrides", "resolve",
+           "validate", "to_dict", "to_toml", "from_dict"]

@@ -1,0 +1,210 @@
+"""A Llama-style decoder-only transformer in plain PyTorch.
+
+RMSNorm, rotary position embeddings (RoPE), SwiGLU MLP and grouped-query attention, optionally with
+the output head tied to the token embedding. The module is written for a single device and imports
+nothing from ``torch.distributed``: every parallelism is applied from outside (``loom.parallel``).
+Three seams make that possible:
+
+* layers live in a ``ModuleDict`` keyed by their *global* index, and the embedding, the final norm
+  and the output head are optional, so a pipeline stage can hold any contiguous slice of the model
+  and parameter names stay the same under every layout (which is what makes seeded initialisation
+  and checkpoints layout-independent);
+* attention reshapes with ``-1`` heads, so tensor parallelism can shard the projections by heads
+  without touching this file;
+* ``Attention.core`` (scaled dot-product attention on ``[B, N, S, Hd]``) is an attribute that
+  context parallelism can swap for a distributed implementation, and ``forward`` takes explicit
+  token ``positions`` so RoPE stays correct when the sequence is sharded.
+
+Shape legend: B batch, S sequence, D model dim, N query heads, K key/value heads, Hd head dim,
+F MLP hidden dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class TransformerArgs:
+    """Shape of a decoder. ``ffn_dim`` is the SwiGLU hidden size (three D x F matrices)."""
+
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    ffn_dim: int = 768
+    vocab_size: int = 320
+    max_seq_len: int = 1024
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+def sdpa_causal(q_BNSH: torch.Tensor, k_BNSH: torch.Tensor, v_BNSH: torch.Tensor) -> torch.Tensor:
+    """Causal attention on one device; key/value heads are already repeated to match the queries."""
+    return F.scaled_dot_product_attention(q_BNSH, k_BNSH, v_BNSH, is_causal=True)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of RoPE angles, ``[max_seq_len, head_dim // 2]``, computed in fp64 then fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x_BSNH: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x0, x1), (x2, x3), ... as Llama does (complex multiplication)."""
+    x = x_BSNH.float().unflatten(-1, (-1, 2))
+    x_even, x_odd = x[..., 0], x[..., 1]
+    cos, sin = cos_SH[None, :, None, :], sin_SH[None, :, None, :]
+    rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x_BSNH)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention. Head counts are inferred from weight shapes at run time."""
+
+    def __init__(self, args: TransformerArgs) -> None:
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        # The seam for context parallelism: any callable with sdpa_causal's signature.
+        self.core: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = sdpa_causal
+
+    def forward(self, x_BSD: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q = self.wq(x_BSD).view(B, S, -1, self.head_dim)
+        k = self.wk(x_BSD).view(B, S, -1, self.head_dim)
+        v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
+        q, k = apply_rope(q, cos_SH, sin_SH), apply_rope(k, cos_SH, sin_SH)
+        group = q.shape[2] // k.shape[2]  # query heads per key/value head
+        k = k.repeat_interleave(group, dim=2)
+        v = v.repeat_interleave(group, dim=2)
+        out_BNSH = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out_BNSH.transpose(1, 2).reshape(B, S, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, args: TransformerArgs) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x_BSD)) * self.w3(x_BSD))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, args: TransformerArgs) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x_BSD: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) -> torch.Tensor:
+        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos_SH, sin_SH)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """A decoder, or any contiguous slice of one (a pipeline stage).
+
+    ``layer_ids`` selects which global layers this module holds; ``with_embedding`` and
+    ``with_head`` (final norm + output projection) say whether the ends are included. The input is
+    token ids when the embedding is present, else hidden states ``[B, S, D]``; the output is logits
+    ``[B, S, V]`` when the head is present, else hidden states.
+    """
+
+    def __init__(
+        self,
+        args: TransformerArgs,
+        *,
+        layer_ids: Iterable[int] | None = None,
+        with_embedding: bool = True,
+        with_head: bool = True,
+    ) -> None:
+        super().__init__()
+        self.args = args
+        layer_ids = range(args.n_layers) if layer_ids is None else list(layer_ids)
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) if with_embedding else None
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in layer_ids})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps) if with_head else None
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if with_head else None
+        if args.tie_embeddings and with_embedding and with_head:
+            self.output.weight = self.tok_embeddings.weight
+        # RoPE tables are derived data, not state: rebuilt by reset_parameters after meta init.
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        if positions is None:
+            cos, sin = self.rope_cos[: h.shape[1]], self.rope_sin[: h.shape[1]]
+        else:  # a shard of the sequence (context parallelism) knows its global positions
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.norm is not None:
+            h = self.output(self.norm(h))
+        return h
+
+
+def _param_seed(seed: int, name: str) -> int:
+    """A stable per-parameter seed: the same name gets the same numbers on every rank and layout."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def initial_value(name: str, shape: torch.Size, args: TransformerArgs, seed: int) -> torch.Tensor:
+    """The full initial value of the parameter called ``name`` (fp32, on the CPU).
+
+    Norm weights are ones; embeddings and projections are N(0, 0.02); the two projections that
+    write into the residual stream (``wo``, ``w2``) use 0.02 / sqrt(2 * n_layers) as in GPT-2, so
+    the residual variance does not grow with depth.
+    """
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    std = 0.02
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        std = 0.02 / math.sqrt(2 * args.n_layers)
+    generator = torch.Generator().manual_seed(_param_seed(seed, name))
+    return torch.randn(shape, generator=generator) * std
+
+
+def reset_parameters(
+    model: Transformer,
+    seed: int,
+    load: Callable[[nn.Parameter, torch.Tensor], None] | None = None,
+) -> None:
+    """Initialise every parameter from ``initial_value`` and rebuild the RoPE tables in place.
+
+    ``load(param, full_value)`` writes a full CPU tensor into a parameter; parallel wrappers pass
+    one that keeps only their shard, so the weights are bit-identical under every layout.
+    """
+    load = load or (lambda param, value: param.copy_(value))
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # tied weights are yielded once
+            load(param, initial_value(name, param.shape, model.args, seed))
+        cos, sin = rope_tables(model.args.head_dim, model.args.max_seq_len, model.args.rope_theta)
+        model.rope_cos.copy_(cos)
+        model.rope_sin.copy_(sin)

@@ -1,0 +1,144 @@
+"""The named rank grid every parallelism is built from, and the torch DeviceMesh made from it.
+
+Axes, outermost first (ranks are laid out row-major, so the last axis varies fastest and its groups
+are the most local — tensor parallelism, the chattiest, stays inside a node):
+
+=============  ==================================================================================
+axis           what is split along it
+=============  ==================================================================================
+pp             pipeline stages (layers)
+dp_replicate   the batch; parameters replicated (DDP, or the replicate half of HSDP)
+dp_shard       the batch; parameters / gradients / optimizer state sharded (ZeRO, FSDP)
+ep             the batch for dense layers; the experts of MoE layers
+cp             the sequence (context parallelism: Ulysses, ring attention)
+tp             attention heads and MLP columns/rows (tensor + sequence parallelism)
+=============  ==================================================================================
+
+``RankGrid`` is pure Python (no torch): rank <-> coordinates and the groups of ranks along any set
+of axes, printable so anyone can see who talks to whom. ``build_mesh`` makes the torch
+``DeviceMesh`` with the same axis names, plus the flattened ``dp`` axis (dp_replicate x dp_shard x
+ep) used for batch splitting and gradient reduction. Nothing here is global: the grid and mesh are
+values passed to whoever needs them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
+DATA_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard", "ep")
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    """A row-major grid of ranks over the named axes; axes not given have degree 1."""
+
+    degrees: tuple[tuple[str, int], ...]
+
+    def __init__(self, degrees: Mapping[str, int]) -> None:
+        unknown = set(degrees) - set(AXES)
+        if unknown:
+            raise ValueError(f"unknown axes {sorted(unknown)}; axes are {', '.join(AXES)}")
+        for axis, degree in degrees.items():
+            if not isinstance(degree, int) or degree < 1:
+                raise ValueError(f"degree of axis {axis!r} must be a positive integer, got {degree!r}")
+        object.__setattr__(self, "degrees", tuple((a, int(degrees.get(a, 1))) for a in AXES))
+
+    # -- shape ---------------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(d for _, d in self.degrees)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def degree(self, *axes: str) -> int:
+        """Product of the degrees of ``axes`` (e.g. ``degree(*DATA_AXES)`` is the dp degree)."""
+        self._check_axes(axes)
+        lookup = dict(self.degrees)
+        return math.prod(lookup[a] for a in axes)
+
+    # -- rank <-> coordinates --------------------------------------------------------------------
+    def coords(self, rank: int) -> dict[str, int]:
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} outside a grid of {self.size} ranks")
+        out: dict[str, int] = {}
+        for axis, degree in reversed(self.degrees):
+            rank, out[axis] = divmod(rank, degree)
+        return {axis: out[axis] for axis in AXES}
+
+    def rank(self, **coords: int) -> int:
+        """The rank at the given coordinates (axes left out are at 0)."""
+        self._check_axes(coords)
+        rank = 0
+        for axis, degree in self.degrees:
+            index = coords.get(axis, 0)
+            if not 0 <= index < degree:
+                raise ValueError(f"coordinate {axis}={index} outside degree {degree}")
+            rank = rank * degree + index
+        return rank
+
+    def index(self, rank: int, *axes: str) -> int:
+        """Position of ``rank`` inside its group along ``axes`` (row-major over those axes)."""
+        self._check_axes(axes)
+        coords, lookup = self.coords(rank), dict(self.degrees)
+        position = 0
+        for axis in (a for a in AXES if a in axes):
+            position = position * lookup[axis] + coords[axis]
+        return position
+
+    # -- groups -----------------------------------------------------------------------------------
+    def group(self, rank: int, *axes: str) -> tuple[int, ...]:
+        """Ranks that share every coordinate of ``rank`` except those along ``axes``."""
+        self._check_axes(axes)
+        fixed = self.coords(rank)
+        varying = [a for a in AXES if a in axes]
+        lookup = dict(self.degrees)
+        members = []
+        for values in itertools.product(*(range(lookup[a]) for a in varying)):
+            members.append(self.rank(**{**fixed, **dict(zip(varying, values))}))
+        return tuple(members)
+
+    def groups(self, *axes: str) -> list[tuple[int, ...]]:
+        """All groups along ``axes``, a partition of the ranks, ordered by their first rank."""
+        seen: dict[tuple[int, ...], None] = {}
+        for rank in range(self.size):
+            seen.setdefault(self.group(rank, *axes), None)
+        return list(seen)
+
+    def _check_axes(self, axes: Iterable[str]) -> None:
+        bad = [a for a in axes if a not in AXES]
+        if bad:
+            raise ValueError(f"unknown axes {bad}; axes are {', '.join(AXES)}")
+
+    # -- printing ---------------------------------------------------------------------------------
+    def __str__(self) -> str:
+        active = [(a, d) for a, d in self.degrees if d > 1]
+        header = " x ".join(f"{a}={d}" for a, d in active) or "single rank"
+        lines = [f"RankGrid({header}; {self.size} ranks)"]
+        names = [a for a, _ in active]
+        if names:
+            lines.append("rank  " + "  ".join(f"{n:>12}" for n in names))
+            for rank in range(self.size):
+                c = self.coords(rank)
+                lines.append(f"{rank:>4}  " + "  ".join(f"{c[n]:>12}" for n in names))
+            for axis in names:
+                lines.append(f"{axis} groups: " + " ".join(str(list(g)) for g in self.groups(axis)))
+        return "\n".join(lines)
+
+
+def build_mesh(grid: RankGrid, device_type: str):
+    """The torch ``DeviceMesh`` with the grid's axes (all six, degree-1 ones included, so code can
+    always ask for ``mesh["tp"]``) and a flattened ``dp`` axis over ``DATA_AXES``.
+
+    Requires the default process group to be initialised with ``grid.size`` ranks.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, grid.shape, mesh_dim_names=AXES)
+    mesh[DATA_AXES]._flatten("dp")
+    return mesh
