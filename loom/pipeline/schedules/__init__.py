@@ -6,6 +6,10 @@ cites the paper and states the valid microbatch counts. ``get(name)`` returns th
 
 Not provided, and why:
 
+* Hanayo (Liu et al. SC'23): its wave placement exists (``v_placement(p, 2 * waves)``), but I
+  found no closed form for its warm-up per wave and rank, and deriving it with Loom's greedy
+  scheduler (full backwards, 1F1B's budget of p units) gave bubbles about 3x those of 1F1B,
+  the opposite of the paper's claim; so nothing is registered under Hanayo's name yet.
 * BitPipe (Wu et al. 2024) and the bidirectional DualPipe (DeepSeek-V3 report) send half the
   microbatches through a second, mirrored copy of the model, so a microbatch visits only one of
   two stage sets and the weights exist twice. Loom's IR has one stage set that every microbatch
@@ -19,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from loom.pipeline.ir import Schedule
+from loom.pipeline.schedules.controllable_memory import v_half, v_min
+from loom.pipeline.schedules.dualpipev import dualpipev
 from loom.pipeline.schedules.gpipe import gpipe
 from loom.pipeline.schedules.interleaved import interleaved_1f1b
 from loom.pipeline.schedules.looped_bfs import looped_bfs
@@ -36,6 +42,9 @@ _REGISTRY: dict[str, Generator] = {
     "zb_h1": zb_h1,
     "zb_h2": zb_h2,
     "zbv": zbv,
+    "v_half": v_half,
+    "v_min": v_min,
+    "dualpipev": dualpipev,
 }
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 
 from loom.pipeline.ir import Action, Op, Schedule
@@ -85,3 +85,16 @@ def microbatch_groups(microbatches: int, group_size: int) -> list[range]:
         groups.append(range(start, start + size))
         start += size
     return groups
+
+
+class RankWriter:
+    """Appends one rank's actions for its local chunks, numbering microbatches per (chunk, op)."""
+
+    def __init__(self, stages: tuple[int, int]):
+        self.stages = stages
+        self.actions: list[Action] = []
+        self.count: Counter[tuple[int, Op]] = Counter()
+
+    def add(self, chunk: int, op: Op) -> None:
+        self.actions.append(Action(self.stages[chunk], op, self.count[chunk, op]))
+        self.count[chunk, op] += 1

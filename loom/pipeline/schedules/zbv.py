@@ -15,23 +15,8 @@ the order valid but leaves bubbles.
 
 from __future__ import annotations
 
-from collections import Counter
-
-from loom.pipeline.ir import Action, Op, Schedule, v_placement
-from loom.pipeline.schedules._common import check_sizes, make_schedule
-
-
-class _RankWriter:
-    """Appends a rank's actions, numbering microbatches per (chunk, op) in order."""
-
-    def __init__(self, stages: tuple[int, int]):
-        self.stages = stages
-        self.actions: list[Action] = []
-        self.count: Counter[tuple[int, Op]] = Counter()
-
-    def add(self, chunk: int, op: Op) -> None:
-        self.actions.append(Action(self.stages[chunk], op, self.count[chunk, op]))
-        self.count[chunk, op] += 1
+from loom.pipeline.ir import Op, Schedule, v_placement
+from loom.pipeline.schedules._common import RankWriter, check_sizes, make_schedule
 
 
 def zbv(pp_size: int, microbatches: int) -> Schedule:
@@ -41,7 +26,7 @@ def zbv(pp_size: int, microbatches: int) -> Schedule:
     generated = max(microbatches, 2 * p - 1)
     rows = []
     for rank in range(p):
-        w = _RankWriter((rank, 2 * p - 1 - rank))
+        w = RankWriter((rank, 2 * p - 1 - rank))
         for _ in range(2 * (p - rank) - 1):
             w.add(0, Op.F)
         for _ in range(rank):

@@ -4,16 +4,19 @@ Bubbles are measured with Loom's ASAP in-order execution at T_F = T_I = T_W = 1 
 full backward is an input plus a weight gradient); the formulas are Table 2 of Qi et al. 2024.
 """
 
+import math
+
 import pytest
 
 from loom.pipeline import Op, execute, peak_memory, validate
 from loom.pipeline.schedules import get, names
+from loom.pipeline.schedules.controllable_memory import v_half_budget, v_min_budget
 
 PP_SIZES = (2, 4, 8, 16)
 UNIT = {Op.F: 1, Op.I: 1, Op.W: 1, Op.B: 2}
 
 # Smallest valid microbatch count per family, as a function of p (see each docstring).
-MIN_MICROBATCHES = {"interleaved_1f1b": lambda p: p}
+MIN_MICROBATCHES = {"interleaved_1f1b": lambda p: p, "dualpipev": lambda p: 2 * p}
 SPLIT_BACKWARD = {"zb_h1", "zb_h2", "zbv", "v_half", "v_min"}
 
 
@@ -54,6 +57,24 @@ def test_peak_memory_of_the_single_chunk_families(p):
 @pytest.mark.parametrize("p", PP_SIZES)
 def test_peak_memory_of_the_v_shaped_zero_bubble_matches_1f1b(p):
     assert max(peak_memory(get("zbv")(p, 4 * p))) == p
+
+
+@pytest.mark.parametrize("p", PP_SIZES)
+def test_controllable_memory_schedules_stay_within_their_budgets(p):
+    # Qi et al. 2024b: V-Half about 1/2 and V-Min about 1/3 of 1F1B's p units (+1 working unit)
+    assert max(peak_memory(get("v_half")(p, 4 * p))) <= v_half_budget(p) == p // 2 + 1
+    assert max(peak_memory(get("v_min")(p, 4 * p))) <= v_min_budget(p) == math.ceil(p / 3) + 1
+
+
+@pytest.mark.parametrize("p", (4, 8))
+def test_v_half_halves_the_1f1b_bubble(p):
+    # In chunk-sized steps 1F1B idles 2 * 3(p-1); V-Half about half of that (paper: B/2).
+    assert _worst_bubble(get("v_half")(p, 4 * p)) <= 2 * 3 * (p - 1) * 0.6
+
+
+def test_dualpipev_mixes_full_and_split_backwards():
+    ops = {a.op for row in get("dualpipev")(4, 8).actions for a in row}
+    assert ops == {Op.F, Op.B, Op.I, Op.W}
 
 
 @pytest.mark.parametrize("p", (2, 4, 8))
