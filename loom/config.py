@@ -353,9 +353,9 @@ def validate(config: Config, world_size: int) -> None:
     for key in ("beta1", "beta2"):
         if not 0 <= getattr(opt, key) < 1:
             raise ConfigError(f"optim.{key}", getattr(opt, key), "must be in [0, 1)")
-    if opt.warmup_steps > tr.steps:
-        raise ConfigError("optim.warmup_steps", opt.warmup_steps,
-                          f"must not exceed train.steps = {tr.steps}")
+    if data.source != "stdlib" and not Path(data.source).exists():
+        raise ConfigError("data.source", data.source,
+                          "must be 'stdlib' or an existing text file or directory")
     if not 0 < data.val_fraction < 1:
         raise ConfigError("data.val_fraction", data.val_fraction, "must be in (0, 1)")
     if data.tokenizer == "bpe" and data.bpe_vocab_size < 260:

@@ -16,8 +16,9 @@ tp             attention heads and MLP columns/rows (tensor + sequence paralleli
 
 ``RankGrid`` is pure Python (no torch): rank <-> coordinates and the groups of ranks along any set
 of axes, printable so anyone can see who talks to whom. ``build_mesh`` makes the torch
-``DeviceMesh`` with the same axis names, plus the flattened ``dp`` axis (dp_replicate x dp_shard x
-ep) used for batch splitting and gradient reduction. Nothing here is global: the grid and mesh are
+``DeviceMesh`` with the same axis names, plus the flattened ``dp`` mesh (dp_replicate x dp_shard x
+ep) used for batch splitting and gradient reduction; it keeps the flattened mesh itself rather
+than slicing it back out of the root (torch deprecates that). Nothing here is global: the grid and mesh are
 values passed to whoever needs them.
 """
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 DATA_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard", "ep")
@@ -131,14 +132,19 @@ class RankGrid:
         return "\n".join(lines)
 
 
-def build_mesh(grid: RankGrid, device_type: str):
-    """The torch ``DeviceMesh`` with the grid's axes (all six, degree-1 ones included, so code can
-    always ask for ``mesh["tp"]``) and a flattened ``dp`` axis over ``DATA_AXES``.
+@dataclass(frozen=True)
+class Meshes:
+    """The torch meshes of one job: ``root`` has the six named axes (degree-1 ones included, so
+    code can always ask for ``root["tp"]``); ``dp`` is the flattened data axes (dp_replicate x
+    dp_shard x ep), used for batch splitting and gradient reduction."""
 
-    Requires the default process group to be initialised with ``grid.size`` ranks.
-    """
+    root: Any
+    dp: Any
+
+
+def build_mesh(grid: RankGrid, device_type: str) -> Meshes:
+    """The torch ``DeviceMesh``es of ``grid``; the default process group must span its ranks."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, grid.shape, mesh_dim_names=AXES)
-    mesh[DATA_AXES]._flatten("dp")
-    return mesh
+    root = init_device_mesh(device_type, grid.shape, mesh_dim_names=AXES)
+    return Meshes(root=root, dp=root[DATA_AXES]._flatten("dp"))

@@ -1,0 +1,70 @@
+"""Sampling text from a trained run, so a user can see what the model learned.
+
+Reads ``config.toml``, the tokenizer and ``model.safetensors`` from the run directory (tensors
+only, no pickle), then samples autoregressively with temperature and top-k on one device. The
+model has no key/value cache, so each new token re-runs the visible window; fine for the small
+models trained locally, and it keeps the model file free of inference-only code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from loom.config import load_config
+from loom.data.tokenizer import load_tokenizer
+from loom.models import build_model, reset_parameters
+from loom.train.trainer import model_args
+
+
+def load_trained_model(run_dir: Path, device: torch.device):
+    """The run's model with its final weights, in eval mode, and its tokenizer."""
+    from safetensors.torch import load_file
+
+    run_dir = Path(run_dir)
+    weights = run_dir / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights} not found: has the run in {run_dir} finished?")
+    config = load_config(run_dir / "config.toml")
+    args = model_args(config)
+    model = build_model(args, device="meta")
+    model.to_empty(device=device)
+    reset_parameters(model, seed=0)  # rebuilds the RoPE tables; every weight is then loaded
+    state = load_file(str(weights), device=str(device))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    allowed_missing = {"output.weight"} if args.tie_embeddings else set()
+    if set(missing) - allowed_missing or unexpected:
+        raise ValueError(f"{weights} does not match the run's model: missing {missing},"
+                         f" unexpected {unexpected}")
+    return model.eval(), load_tokenizer(run_dir / "data"), config
+
+
+@torch.no_grad()
+def generate(run_dir: Path, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
+             top_k: int = 50, seed: int = 0, device: str = "cpu") -> str:
+    """The prompt followed by ``max_new_tokens`` sampled tokens (stops at end-of-document)."""
+    dev = torch.device(device)
+    model, tokenizer, config = load_trained_model(run_dir, dev)
+    window = min(config.data.seq_len, config.model.max_seq_len)
+    ids = torch.as_tensor(tokenizer.encode(prompt), dtype=torch.long, device=dev)[None]
+    if ids.numel() == 0:
+        ids = torch.tensor([[tokenizer.eos_id]], device=dev)
+    generator = torch.Generator(device=dev).manual_seed(seed)
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        logits = model(ids[:, -window:])[0, -1].float()
+        logits[tokenizer.vocab_size:] = -float("inf")  # padding rows of the embedding
+        if temperature <= 0:
+            token = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if 0 < top_k < logits.numel():
+                cutoff = logits.topk(top_k).values[-1]
+                logits[logits < cutoff] = -float("inf")
+            token = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+        if token == tokenizer.eos_id:
+            break
+        new.append(token)
+        ids = torch.cat([ids, torch.tensor([[token]], device=dev)], dim=1)
+    return prompt + tokenizer.decode(new)

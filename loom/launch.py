@@ -1,0 +1,123 @@
+"""Starting the ranks of a job: N local workers through torch's elastic launcher, or this process
+as one rank of a job that ``torchrun`` / ``srun`` started.
+
+``loom train --nproc N`` runs ``torch.distributed.launcher.elastic_launch`` — the machinery behind
+``torchrun`` — with a c10d rendezvous on localhost, so the one-process and N-process paths are the
+same code and the same code runs multi-node under an external launcher (see ``examples/slurm``).
+The elastic agent watches its workers: when one dies, it stops the others and raises
+``ChildFailedError``, which ``run_job`` turns into a message naming the failed rank(s), so a crash
+never leaves the job hanging.
+
+Everything that can be wrong with the config is checked before this module is reached; the run
+directory and the token files are made here, in the launching process, before any worker starts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from loom.config import Config, from_dict, to_dict, to_toml
+
+THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def under_external_launcher() -> bool:
+    """True when torchrun / torch elastic / Slurm-with-torchrun already made this process a rank."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ)
+
+
+def prepare_run_dir(config: Config, run_dir: Path, *, is_main: bool = True) -> Path:
+    """Write the resolved config and the token files of the run (idempotent); return the data dir."""
+    from loom.data.loader import prepare_data
+
+    data_dir = run_dir / "data"
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = run_dir / "config.toml.tmp"
+        tmp.write_text(to_toml(config))
+        os.replace(tmp, run_dir / "config.toml")
+        prepare_data(config.data, data_dir)
+    return data_dir
+
+
+@record  # torch elastic's error recorder: a worker's traceback reaches the launcher's message
+def worker_main(config_table: dict[str, Any], run_dir: str) -> dict[str, float]:
+    """Entry point of every rank: build the Trainer and run it to the end."""
+    import torch.distributed as dist
+
+    from loom.train.distributed import init_distributed
+    from loom.train.trainer import Trainer
+
+    config = from_dict(config_table)
+    tr = config.train
+    ctx = init_distributed(tr.device, tr.backend, tr.timeout_s, tr.threads)
+    try:
+        if under_external_launcher():  # no parent prepared the run: local rank 0 of each node does
+            prepare_run_dir(config, Path(run_dir), is_main=ctx.local_rank == 0)
+            dist.barrier()
+        trainer = Trainer(config, Path(run_dir) / "data", run_dir, ctx)
+        return trainer.fit()
+    finally:
+        dist.destroy_process_group()
+
+
+def launch_local(config: Config, run_dir: Path, nproc: int) -> dict[str, float]:
+    """Run ``nproc`` workers on this machine; return rank 0's final metrics.
+
+    Raises ``WorkerFailed`` naming the rank(s) when any worker fails.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    for key, value in THREAD_ENV.items():
+        os.environ.setdefault(key, value)
+    launch_config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"loom-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.2,
+        start_method="spawn",
+    )
+    try:
+        results = elastic_launch(launch_config, worker_main)(to_dict(config), str(run_dir))
+    except ChildFailedError as err:
+        raise WorkerFailed(_describe_failures(err)) from None
+    return results[0]
+
+
+class WorkerFailed(RuntimeError):
+    """One or more ranks failed; the message names them and their error."""
+
+
+def _describe_failures(err: Any) -> str:
+    lines = []
+    for rank, failure in sorted(err.failures.items()):
+        message = failure.message
+        if isinstance(message, dict):
+            message = message.get("message", "")
+        message = (message or "").strip()
+        detail = message.splitlines()[-1] if message else f"exit code {failure.exitcode}"
+        if failure.exitcode is not None and failure.exitcode < 0:
+            detail = f"killed by signal {-failure.exitcode}"
+        lines.append(f"worker rank {rank} (local rank {failure.local_rank}) failed: {detail}")
+    lines.append("the other workers were stopped")
+    return "\n".join(lines)
+
+
+def run_job(config: Config, run_dir: Path, nproc: int) -> int:
+    """Run training and return a process exit code (0 ok, 1 a worker failed)."""
+    if under_external_launcher():
+        worker_main(to_dict(config), str(run_dir))
+        return 0
+    prepare_run_dir(config, run_dir)
+    try:
+        launch_local(config, run_dir, nproc)
+    except WorkerFailed as err:
+        print(f"loom train: {err}", file=sys.stderr)
+        return 1
+    return 0

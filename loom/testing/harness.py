@@ -1,0 +1,174 @@
+"""Run a test body on W local ranks (gloo, CPU), reusing the worker processes across tests.
+
+Starting ranks is the slow part of a distributed test on a small machine (``import torch`` costs
+2-3 s per process, a 4-rank ``torchrun`` about 9 s), so a ``WorkerPool`` starts W processes once,
+initialises a gloo process group among them with a short timeout, and then executes any number
+of tasks: ``pool.run(fn, *args)`` calls ``fn(ctx, *args)`` on every rank, where ``ctx`` is the
+rank's ``DistContext``, and returns the per-rank results in rank order.
+
+``fn`` and its arguments are pickled by reference, so ``fn`` must be a module-level function of an
+importable module (a test file is fine). A task that raises on any rank, or does not finish within
+``task_timeout_s``, fails the call with every rank's traceback, and the pool shuts itself down —
+its process group may be wedged — so the next call gets fresh workers (``PoolRegistry`` does this).
+
+Usage (see ``tests/conftest.py`` for the shared fixture)::
+
+    def body(ctx, x):                       # runs on every rank
+        return ctx.rank * x
+
+    registry = PoolRegistry()
+    assert registry.run(4, body, 10) == [0, 10, 20, 30]
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
+
+
+class HarnessError(RuntimeError):
+    """A task failed or timed out on at least one rank; the message holds every rank's report."""
+
+
+def _worker_loop(rank: int, world_size: int, init_file: str, tasks: Any, results: Any,
+                 pg_timeout_s: float) -> None:
+    os.environ.update(WORKER_ENV)
+    import torch
+    import torch.distributed as dist
+
+    from loom.train.distributed import DistContext
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=pg_timeout_s))
+    ctx = DistContext(rank, world_size, rank, world_size, torch.device("cpu"), "gloo")
+    results.put((rank, "ready", None))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, "ok", fn(ctx, *args, **kwargs)))
+        except BaseException:  # report everything, including assertion errors, to the parent
+            results.put((rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    """W long-lived ranks in one gloo process group."""
+
+    def __init__(self, world_size: int, *, pg_timeout_s: float = 60.0,
+                 start_timeout_s: float = 120.0) -> None:
+        self.world_size = world_size
+        self.pg_timeout_s = pg_timeout_s
+        context = mp.get_context("spawn")  # fork after OpenMP use can hang the child
+        self._tmp = tempfile.TemporaryDirectory(prefix="loom-pool-")
+        init_file = str(Path(self._tmp.name) / "rendezvous")
+        self._results = context.Queue()
+        self._tasks = [context.Queue() for _ in range(world_size)]
+        saved = {k: os.environ.get(k) for k in WORKER_ENV}
+        os.environ.update(WORKER_ENV)  # children read it before importing torch
+        try:
+            self._procs = [
+                context.Process(target=_worker_loop, daemon=True, name=f"loom-rank{rank}",
+                                args=(rank, world_size, init_file, self._tasks[rank],
+                                      self._results, pg_timeout_s))
+                for rank in range(world_size)
+            ]
+            for proc in self._procs:
+                proc.start()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        self.alive = True
+        self._collect("start", start_timeout_s)
+
+    def run(self, fn: Callable[..., Any], *args: Any, task_timeout_s: float = 300.0,
+            **kwargs: Any) -> list[Any]:
+        """``fn(ctx, *args, **kwargs)`` on every rank; the results in rank order."""
+        if not self.alive:
+            raise HarnessError("this pool was shut down after an earlier failure")
+        for tasks in self._tasks:
+            tasks.put((fn, args, kwargs))
+        return self._collect(getattr(fn, "__qualname__", repr(fn)), task_timeout_s)
+
+    def _collect(self, what: str, timeout_s: float) -> list[Any]:
+        deadline = time.monotonic() + timeout_s
+        reports: dict[int, tuple[str, Any]] = {}
+        while len(reports) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if any(status == "error" for status, _ in reports.values()):
+                remaining = min(remaining, 5.0)  # peers of a failed rank may never answer
+            dead = [p.name for p in self._procs if not p.is_alive()]
+            try:
+                rank, status, payload = self._results.get(timeout=max(0.05, min(remaining, 1.0)))
+                reports[rank] = (status, payload)
+                continue
+            except queue.Empty:
+                pass
+            if dead or time.monotonic() >= deadline:
+                self.close()
+                missing = sorted(set(range(self.world_size)) - set(reports))
+                detail = "\n".join(f"--- rank {r}: {s}\n{p}" for r, (s, p) in sorted(reports.items())
+                                   if s == "error")
+                cause = f"processes died: {dead}" if dead else f"timed out after {timeout_s:.0f} s"
+                raise HarnessError(f"{what} on {self.world_size} ranks: {cause}; no answer from "
+                                   f"ranks {missing}\n{detail}")
+        errors = {r: p for r, (s, p) in reports.items() if s == "error"}
+        if errors:
+            self.close()
+            detail = "\n".join(f"--- rank {r}:\n{p}" for r, p in sorted(errors.items()))
+            raise HarnessError(f"{what} failed on ranks {sorted(errors)}:\n{detail}")
+        return [reports[r][1] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        for tasks in self._tasks:
+            try:
+                tasks.put(None)
+            except (OSError, ValueError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self._tmp.cleanup()
+
+
+class PoolRegistry:
+    """One live ``WorkerPool`` per world size, created on first use and replaced after a failure."""
+
+    def __init__(self, **pool_kwargs: Any) -> None:
+        self._pools: dict[int, WorkerPool] = {}
+        self._pool_kwargs = pool_kwargs
+
+    def pool(self, world_size: int) -> WorkerPool:
+        pool = self._pools.get(world_size)
+        if pool is None or not pool.alive:
+            pool = self._pools[world_size] = WorkerPool(world_size, **self._pool_kwargs)
+        return pool
+
+    def run(self, world_size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        return self.pool(world_size).run(fn, *args, **kwargs)
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()

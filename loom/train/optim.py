@@ -1,0 +1,70 @@
+"""AdamW with linear warmup and cosine decay, and gradient clipping by the global norm.
+
+The clipping norm is *global*: the square root of the sum of squares of every gradient element of
+the whole model, however it is split. Each rank sums the squares of the gradient elements it owns;
+the sums are all-reduced over the groups along which the model (not the data) is split — none for
+pure data parallelism, whose gradients are identical on every rank after the reduction. This is
+written here rather than taken from ``torch.nn.utils.clip_grad_norm_`` because that function only
+sees the local parameters; the later tensor, pipeline and sharded layouts pass their groups in.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
+                    eps: float) -> torch.optim.AdamW:
+    """AdamW; 1-D parameters (norm weights) are not decayed, as in GPT-2, Llama and TorchTitan."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps,
+                             foreach=True if params and params[0].device.type != "meta" else None)
+
+
+def lr_at(step: int, *, total_steps: int, warmup_steps: int, min_ratio: float) -> float:
+    """Multiplier of the peak LR at optimizer step ``step`` (0-based).
+
+    Linear warmup from 1/warmup to 1 over ``warmup_steps``, then cosine decay to ``min_ratio`` at
+    the last step.
+    """
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max(1, total_steps - warmup_steps - 1)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, *, total_steps: int, warmup_steps: int,
+                    min_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_at(step, total_steps=total_steps, warmup_steps=warmup_steps,
+                           min_ratio=min_ratio),
+    )
+
+
+@torch.no_grad()
+def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float,
+                   model_parallel_groups: Sequence[dist.ProcessGroup] = ()) -> torch.Tensor:
+    """Clip gradients in place to a global norm of ``max_norm`` (0: only measure); return the
+    norm before clipping, as an fp32 scalar tensor on the gradients' device."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    squares = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+    for group in model_parallel_groups:
+        dist.all_reduce(squares, group=group)
+    norm = squares.sqrt()
+    if max_norm > 0:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, scale)
+    return norm

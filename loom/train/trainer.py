@@ -1,0 +1,203 @@
+"""The training loop of one rank: setup is a short list of builder calls, a step is explicit.
+
+``Trainer(config, data_dir, run_dir)`` builds, in order: the rank's process context, the
+``RankGrid`` and ``DeviceMesh``, the model on the meta device, its parallel form
+(``loom.parallel.parallelize``), the seeded weights, AdamW with warmup + cosine, and the sharded
+data loader. ``train_step`` does one optimizer step: split the rank's batch into microbatches,
+forward/backward each (gradient all-reduce only on the last, overlapped with its backward),
+clip by the global norm, step. ``fit`` loops, evaluates, logs and saves the final weights.
+
+What one step communicates (data parallelism): the gradient all-reduce over ``dp`` issued by DDP,
+plus one 1-element all-reduce of the loss for logging.
+
+The loss is the mean token cross entropy over the *global* batch: each microbatch's mean is
+divided by the number of microbatches and DDP averages over equally sized rank batches, so every
+layout computes the same number as one process (the parity tests check exactly that).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from loom.config import Config
+from loom.data.loader import DataFiles, DistributedLoader, GlobalBatchSampler, PackedSequences
+from loom.data.loader import eval_batches
+from loom.models import TransformerArgs, build_model, reset_parameters
+from loom.parallel import no_gradient_sync, parallelize, unwrap
+from loom.topology import DATA_AXES, RankGrid, build_mesh
+from loom.train.distributed import DistContext, init_distributed
+from loom.train.flops import device_peak_flops, training_flops_per_token
+from loom.train.metrics import MetricsLogger, StepTimer, peak_memory_bytes
+from loom.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+
+
+def model_args(config: Config) -> TransformerArgs:
+    """The model shape of a resolved config (drops the config-only fields)."""
+    fields = {f.name for f in dataclasses.fields(TransformerArgs)}
+    return TransformerArgs(**{k: v for k, v in dataclasses.asdict(config.model).items() if k in fields})
+
+
+def cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy, computed in fp32 whatever the compute dtype."""
+    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten(0, 1))
+
+
+class Trainer:
+    """One rank's model, optimizer and data, driven by ``train_step`` / ``fit``."""
+
+    def __init__(self, config: Config, data_dir: str | Path, run_dir: str | Path | None = None,
+                 ctx: DistContext | None = None) -> None:
+        tr = config.train
+        self.config = config
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.ctx = ctx or init_distributed(tr.device, tr.backend, tr.timeout_s, tr.threads)
+        self.grid = RankGrid(config.parallel.degrees())
+        if self.grid.size != self.ctx.world_size:
+            raise ValueError(f"layout {config.parallel.degrees()} needs {self.grid.size} ranks,"
+                             f" the job has {self.ctx.world_size}")
+        self.meshes = build_mesh(self.grid, self.ctx.device.type)
+        self.dp_group = self.meshes.dp.get_group()
+        self.dp_rank = self.grid.index(self.ctx.rank, *DATA_AXES)
+        self.dp_size = self.grid.degree(*DATA_AXES)
+
+        self.args = model_args(config)
+        model = build_model(self.args, device="meta")
+        model.to_empty(device=self.ctx.device)
+        reset_parameters(model, tr.seed)  # identical on every rank: seeded by parameter name
+        self.model = parallelize(model, self.meshes)
+
+        opt = config.optim
+        self.optimizer = build_optimizer(self.model, lr=opt.lr, weight_decay=opt.weight_decay,
+                                         betas=(opt.beta1, opt.beta2), eps=opt.eps)
+        self.scheduler = build_scheduler(self.optimizer, total_steps=tr.steps,
+                                         warmup_steps=opt.warmup_steps,
+                                         min_ratio=opt.min_lr_ratio)
+
+        self.data = DataFiles.open(data_dir)
+        seq_len = config.data.seq_len
+        self.train_set = PackedSequences(self.data.train_path, seq_len, self.data.dtype)
+        self.val_set = PackedSequences(self.data.val_path, seq_len, self.data.dtype)
+        sampler = GlobalBatchSampler(len(self.train_set), tr.global_batch_size, tr.seed)
+        self.loader = DistributedLoader(self.train_set, sampler, self.dp_rank, self.dp_size,
+                                        self.ctx.device)
+        self.step = 0
+        self.autocast_dtype = torch.bfloat16 if tr.dtype == "bf16" else None
+
+    # -- one step ---------------------------------------------------------------------------------
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.ctx.device.type, dtype=self.autocast_dtype)
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over the next global batch; returns loss, grad norm and lr."""
+        inputs, targets = self.loader.next_batch()
+        micro = self.config.train.micro_batch_size
+        n_micro = inputs.shape[0] // micro
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.ctx.device)
+        for i in range(n_micro):
+            rows = slice(i * micro, (i + 1) * micro)
+            last = i == n_micro - 1
+            with contextlib.nullcontext() if last else no_gradient_sync(self.model):
+                with self._autocast():
+                    logits = self.model(inputs[rows])
+                loss = cross_entropy(logits, targets[rows]) / n_micro
+                loss.backward()
+            loss_sum += loss.detach()
+        grad_norm = clip_grad_norm(self.model.parameters(), self.config.train.grad_clip)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        return {"loss": self._mean_over_dp(loss_sum), "grad_norm": float(grad_norm), "lr": lr}
+
+    def _mean_over_dp(self, value: torch.Tensor) -> float:
+        if self.dp_size > 1:
+            value = value.clone()
+            dist.all_reduce(value, group=self.dp_group)
+            value /= self.dp_size
+        return float(value)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the first ``train.eval_batches`` global batches of the validation split."""
+        tr = self.config.train
+        losses = [cross_entropy(self.model(x), y)
+                  for x, y in eval_batches(self.val_set, tr.global_batch_size, tr.eval_batches,
+                                           self.dp_rank, self.dp_size, self.ctx.device)]
+        if not losses:
+            return math.nan
+        return self._mean_over_dp(torch.stack(losses).mean())
+
+    # -- state ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The training state beyond the weights: step, optimizer, LR schedule and data position."""
+        return {"step": self.step, "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "data": self.loader.state_dict()}
+
+    def named_gradients(self) -> dict[str, torch.Tensor]:
+        """Every parameter's full gradient by its model name (for parity tests)."""
+        return {name: p.grad.detach().clone()
+                for name, p in unwrap(self.model).named_parameters() if p.grad is not None}
+
+    def save_weights(self, path: Path) -> None:
+        """The full model weights as safetensors (main rank; written to a temp file, renamed)."""
+        from safetensors.torch import save_file
+
+        if not self.ctx.is_main:
+            return
+        model = unwrap(self.model)
+        state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+        if self.args.tie_embeddings:
+            state.pop("output.weight", None)  # the same tensor as the embedding
+        tmp = path.with_suffix(".tmp")
+        save_file(state, str(tmp), metadata={"format": "pt", "loom_step": str(self.step)})
+        os.replace(tmp, path)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def fit(self) -> dict[str, float]:
+        """Train ``train.steps`` steps with logging and evaluation; save the final weights."""
+        cfg, tr = self.config, self.config.train
+        tokens_per_step = tr.global_batch_size * cfg.data.seq_len
+        compute_dtype = torch.bfloat16 if tr.dtype == "bf16" else torch.float32
+        peak, peak_source = device_peak_flops(self.ctx.device, compute_dtype)
+        flops = training_flops_per_token(
+            dim=self.args.dim, n_layers=self.args.n_layers, n_heads=self.args.n_heads,
+            n_kv_heads=self.args.n_kv_heads, head_dim=self.args.head_dim,
+            ffn_dim=self.args.ffn_dim, vocab_size=self.args.vocab_size, seq_len=cfg.data.seq_len)
+        timer = StepTimer(flops_per_token=flops, peak_flops=peak, n_devices=self.ctx.world_size,
+                          device=self.ctx.device)
+        mc = cfg.metrics
+        logger = MetricsLogger(self.run_dir, is_main=self.ctx.is_main, jsonl=mc.jsonl,
+                               tensorboard=mc.tensorboard, progress=mc.progress,
+                               total_steps=tr.steps, log_every=mc.log_every)
+        logger.log_text(f"{self.grid}\nmodel: {sum(p.numel() for p in self.model.parameters()):,}"
+                        f" parameters; device {self.ctx.device} ({self.ctx.backend});"
+                        f" peak {peak / 1e9:.1f} GFLOP/s per device ({peak_source})")
+        last: dict[str, float] = {}
+        with logger:
+            while self.step < tr.steps:
+                timer.start()
+                last = self.train_step()
+                timing = timer.stop(tokens_per_step)
+                last.update(timing.as_dict(), peak_mem_bytes=peak_memory_bytes(self.ctx.device))
+                logger.log_step(self.step, last)
+                if not math.isfinite(last["loss"]):
+                    raise FloatingPointError(f"non-finite loss {last['loss']} at step {self.step}")
+                if tr.eval_every and (self.step % tr.eval_every == 0 or self.step == tr.steps):
+                    last["val_loss"] = self.evaluate()
+                    logger.log_eval(self.step, {"loss": last["val_loss"]})
+            if self.run_dir is not None:
+                self.save_weights(self.run_dir / "model.safetensors")
+            logger.close(plot=mc.plot)
+        return last

@@ -1,0 +1,51 @@
+"""Shared fixtures: the multi-process worker pools and a small prepared corpus.
+
+``dist`` is a ``loom.testing.harness.PoolRegistry`` shared by the whole session: ``dist.run(W,
+fn, *args)`` runs ``fn(ctx, *args)`` on W long-lived gloo ranks and returns their results, so
+process groups are started once per world size, not once per test.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)  # before any worker is forked or spawned
+
+from loom.testing.harness import PoolRegistry  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def dist():
+    registry = PoolRegistry(pg_timeout_s=60.0)
+    yield registry
+    registry.close()
+
+
+class _SmallData:
+    source = "stdlib"
+    extensions = (".py",)
+    tokenizer = "byte"
+    bpe_vocab_size = 2048
+    seq_len = 32
+    val_fraction = 0.05
+    max_bytes = 200_000
+
+
+@pytest.fixture(scope="session")
+def small_data_dir(tmp_path_factory) -> str:
+    """Byte-tokenized first ~200 kB of the standard library, sequences of 32 tokens."""
+    from loom.data.loader import prepare_data
+
+    out = tmp_path_factory.mktemp("data")
+    prepare_data(_SmallData(), out)
+    return str(out)
+
+
+SMALL_DATA_OVERRIDES = {"data.seq_len": _SmallData.seq_len, "data.max_bytes": _SmallData.max_bytes,
+                        "data.extensions": ",".join(_SmallData.extensions)}

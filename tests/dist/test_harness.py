@@ -1,0 +1,37 @@
+"""The multi-process harness itself: results in rank order, real collectives, failures reported."""
+
+import pytest
+import torch
+import torch.distributed as dist_api
+
+from loom.testing.harness import HarnessError
+
+
+def rank_times(ctx, x):
+    return ctx.rank * x
+
+
+def all_reduce_rank(ctx):
+    t = torch.tensor([float(ctx.rank)])
+    dist_api.all_reduce(t)
+    return t.item()
+
+
+def fail_on_rank_one(ctx):
+    if ctx.rank == 1:
+        raise ValueError("boom on rank one")
+    return ctx.rank
+
+
+def test_results_come_back_in_rank_order(dist):
+    assert dist.run(4, rank_times, 10) == [0, 10, 20, 30]
+
+
+def test_collectives_span_the_pool(dist):
+    assert dist.run(4, all_reduce_rank) == [6.0] * 4
+
+
+def test_a_failing_rank_is_named_and_the_pool_is_replaced(dist):
+    with pytest.raises(HarnessError, match=r"failed on ranks \[1\][\s\S]*boom on rank one"):
+        dist.run(2, fail_on_rank_one)
+    assert dist.run(2, rank_times, 1) == [0, 1]  # a fresh pool answers
