@@ -240,19 +240,29 @@ def validate(schedule: Schedule, memory_limit: float | None = None) -> None:
     _check_rank_order(schedule)
     execution = execute(schedule)
     if not execution.completed:
-        blocked = [row[0] for row in execution.pending if row]
-        waits = "; ".join(
-            f"{a} waits for {', '.join(str(d) for d in dependencies(schedule, a) if d not in execution.finish)}"
-            for a in blocked
-        )
-        raise ScheduleError(
-            "deadlock",
-            f"no rank can progress under in-order execution: {waits}",
-            format_grid(schedule, execution, mark=blocked),
-            blocked,
-        )
+        raise deadlock_error(schedule, execution)
     if memory_limit is not None:
         _check_memory(schedule, memory_limit, execution)
+
+
+def deadlock_error(schedule: Schedule, execution: Execution | None = None) -> ScheduleError:
+    """The ``deadlock`` error for a schedule whose in-order execution stops early.
+
+    Shared with ``loom.sim.simulate``: whether in-order execution finishes does not depend on the
+    durations, so the unit-step grid explains a stall the simulator meets with any costs.
+    """
+    execution = execution or execute(schedule)
+    blocked = [row[0] for row in execution.pending if row]
+    waits = "; ".join(
+        f"{a} waits for {', '.join(str(d) for d in dependencies(schedule, a) if d not in execution.finish)}"
+        for a in blocked
+    )
+    return ScheduleError(
+        "deadlock",
+        f"no rank can progress under in-order execution: {waits}",
+        format_grid(schedule, execution, mark=blocked),
+        blocked,
+    )
 
 
 def _check_complete(schedule: Schedule, seen: Counter[Action]) -> None:
