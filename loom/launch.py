@@ -33,6 +33,14 @@ def under_external_launcher() -> bool:
         "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ)
 
 
+def _name_process(name: str) -> None:
+    """Show the rank in ``ps`` / ``top`` (Linux; best effort, 15 characters at most)."""
+    try:
+        Path("/proc/self/comm").write_text(name[:15])
+    except OSError:
+        pass
+
+
 def prepare_run_dir(config: Config, run_dir: Path, *, is_main: bool = True) -> Path:
     """Write the resolved config and the token files of the run (idempotent); return the data dir."""
     from loom.data.loader import prepare_data
@@ -58,6 +66,7 @@ def worker_main(config_table: dict[str, Any], run_dir: str) -> dict[str, float]:
     config = from_dict(config_table)
     tr = config.train
     ctx = init_distributed(tr.device, tr.backend, tr.timeout_s, tr.threads)
+    _name_process(f"loom-rank{ctx.rank}")
     try:
         if under_external_launcher():  # no parent prepared the run: local rank 0 of each node does
             prepare_run_dir(config, Path(run_dir), is_main=ctx.local_rank == 0)

@@ -145,6 +145,13 @@ class Trainer:
         return {"step": self.step, "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "data": self.loader.state_dict()}
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state_dict()`` output (weights are loaded separately)."""
+        self.step = int(state["step"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.loader.load_state_dict(state["data"])
+
     def named_gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's full gradient by its model name (for parity tests)."""
         return {name: p.grad.detach().clone()
