@@ -1,0 +1,337 @@
+"""``loom schedule list | show | export | simulate``: pipeline schedules from the command line.
+
+``add_schedule_commands(subparsers)`` registers the ``schedule`` command on the top-level
+``loom`` parser (``loom/cli.py`` wires it in); ``main(argv)`` runs these commands on their own,
+for tests and for ``python -m loom.pipeline.cli``. Handlers take ``(args, extra)`` like the
+other ``loom`` commands.
+
+A schedule is named by its family (``1f1b``, ``zbv``, ... see ``list``) with ``--pp``,
+``--microbatches`` and, for families that take it, ``--chunks``; or by a schedule file written by
+``export`` (``.json``, or torch's ``.csv``). Costs are ``--costs F,I,W[,LATENCY]`` on every stage
+or ``--cost-file`` (JSON or CSV, see ``loom.sim.cost.StageCosts.from_file``). A bad argument
+prints one line naming it and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import sys
+from typing import Any, NoReturn
+
+from loom.pipeline.ir import Schedule, csv_text
+from loom.pipeline.schedules import get, names
+from loom.pipeline.validate import ScheduleError, format_grid, validate
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A bad argument: ``argument`` names it, the message says why."""
+
+    def __init__(self, argument: str, message: str):
+        super().__init__(f"{argument}: {message}")
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Reports a bad argument as one line (no usage dump), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1 or str(value) != text.strip():
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+def _takes_chunks(family: str) -> bool:
+    return "chunks" in inspect.signature(get(family)).parameters
+
+
+def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments that pick a schedule and its costs (shared by show/export/simulate)."""
+    parser.add_argument("name", help="schedule family (see `loom schedule list`) or a schedule "
+                                     "file written by `export` (.json or torch .csv)")
+    parser.add_argument("--pp", type=_positive_int, help="pipeline ranks (required for a family)")
+    parser.add_argument("--microbatches", "-m", type=_positive_int,
+                        help="microbatches per step (default: 2 x --pp)")
+    parser.add_argument("--chunks", type=_positive_int,
+                        help="stages per rank, for families that take it (interleaved_1f1b, "
+                             "looped_bfs)")
+    costs = parser.add_mutually_exclusive_group()
+    costs.add_argument("--costs", default="1,1,1", metavar="F,I,W[,LATENCY]",
+                       help="durations of F, I, W on every stage (B = I + W) and the send "
+                            "latency between ranks (default 1,1,1)")
+    costs.add_argument("--cost-file", metavar="PATH",
+                       help="per-stage costs, JSON or CSV with columns F,I,W[,B]")
+    parser.add_argument("--memory-limit", type=_positive_float, metavar="UNITS",
+                        help="fail if a rank's peak activation memory exceeds UNITS (one rank's "
+                             "activations for one microbatch = 1)")
+
+
+def add_schedule_commands(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``schedule`` and its sub-commands on ``subparsers`` (from ``add_subparsers``)."""
+    schedule = subparsers.add_parser(
+        "schedule", help="list, draw, export and simulate pipeline schedules",
+        description="List, draw, export and simulate pipeline schedules.")
+    sub = schedule.add_subparsers(dest="schedule_command", required=True,
+                                  parser_class=_OneLineParser, metavar="COMMAND")
+
+    listing = sub.add_parser("list", help="the schedule families and their valid sizes")
+    listing.set_defaults(handler=_list)
+
+    show = sub.add_parser("show", help="print the rank-by-step grid, or draw a Gantt chart")
+    _add_schedule_arguments(show)
+    show.add_argument("-o", "--output", metavar="FILE",
+                      help="draw to FILE: .png, .svg or .html (Gantt chart with memory), or "
+                           ".json (Chrome / Perfetto trace)")
+    show.set_defaults(handler=_show)
+
+    export = sub.add_parser("export", help="write the schedule file")
+    _add_schedule_arguments(export)
+    export.add_argument("--format", choices=("torch-csv", "json"),
+                        help="torch's compute-only CSV or Loom's JSON (default: from the -o "
+                             "suffix, else torch-csv)")
+    export.add_argument("-o", "--output", metavar="FILE", help="write here (default: stdout)")
+    export.set_defaults(handler=_export)
+
+    simulate = sub.add_parser("simulate", help="print makespan, bubbles and peak memory")
+    _add_schedule_arguments(simulate)
+    simulate.add_argument("--json", action="store_true", help="print the figures as JSON")
+    simulate.add_argument("-o", "--output", metavar="FILE",
+                          help="also write the full result (timeline, memory curves) as JSON")
+    simulate.set_defaults(handler=_simulate)
+
+    # `loom schedule search` (the planner's schedule search, a later issue) belongs here: a
+    # sub-parser that reuses _add_schedule_arguments for the costs and --memory-limit, and
+    # _load / _costs / _check_memory below, then ranks the candidates by simulated makespan.
+    return schedule
+
+
+# ----------------------------------------------------------------------------------------------
+# Handlers: (args, extra) -> exit code
+
+
+def _run(handler: Any) -> Any:
+    """Turn a UsageError into one line on stderr and exit code 2."""
+
+    def wrapped(args: argparse.Namespace, extra: list[str]) -> int:
+        try:
+            if extra:
+                raise UsageError("arguments", f"unexpected {' '.join(extra)}")
+            return handler(args)
+        except UsageError as err:
+            print(f"loom schedule {args.schedule_command}: {err}", file=sys.stderr)
+            return EXIT_USAGE
+
+    return wrapped
+
+
+@_run
+def _list(args: argparse.Namespace) -> int:
+    width = max(len(name) for name in names())
+    for name in names():
+        doc = (inspect.getdoc(get(name)) or "").splitlines()[0]
+        chunks = " [--chunks]" if _takes_chunks(name) else ""
+        print(f"{name:<{width}}  {doc}{chunks}")
+    return 0
+
+
+@_run
+def _show(args: argparse.Namespace) -> int:
+    schedule = _load(args)
+    result = _simulated(args, schedule)
+    if not args.output:
+        print("order, one step per action (-o chart.png draws the timed Gantt chart):")
+        print(format_grid(schedule, max_steps=10_000))
+        print(_summary_line(result))
+        return 0
+    path = args.output
+    if path.lower().endswith(".json"):
+        from loom.sim.render import write_chrome_trace
+
+        write_chrome_trace(result, path)
+    else:
+        from loom.sim.render import render_gantt
+
+        try:
+            render_gantt(schedule, result, path)
+        except ValueError as err:
+            raise UsageError("-o", str(err)) from None
+    print(f"wrote {path}  ({_summary_line(result)})")
+    return 0
+
+
+@_run
+def _export(args: argparse.Namespace) -> int:
+    schedule = _load(args)
+    if args.memory_limit is not None:
+        _simulated(args, schedule)
+    fmt = args.format or ("json" if (args.output or "").lower().endswith(".json") else "torch-csv")
+    text = schedule.to_json() + "\n" if fmt == "json" else csv_text(schedule)
+    if args.output:
+        with open(args.output, "w", newline="") as handle:
+            handle.write(text)
+        print(f"wrote {args.output} ({fmt}, {schedule.pp_size} ranks)")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+@_run
+def _simulate(args: argparse.Namespace) -> int:
+    result = _simulated(args, _load(args))
+    if args.output:
+        with open(args.output, "w") as handle:
+            handle.write(result.to_json(indent=1))
+    if args.json:
+        print(json.dumps(result.summary(), indent=2))
+        return 0
+    figures = result.summary()
+    print(f"{result.name}: p={result.pp_size} m={result.num_microbatches} "
+          f"stages={result.num_stages}; costs {result.costs}")
+    print(f"makespan           {figures['makespan']:g}")
+    print(f"bubble (ZB)        {figures['bubble_zb']:.4f}  idle {figures['bubble_time_zb']:g} "
+          "in the longest rank span")
+    print(f"bubble (makespan)  {figures['bubble_makespan']:.4f}  makespan minus the busiest "
+          "rank's work")
+    print(f"peak memory        {_numbers(figures['peak_memory'])}  (per rank; 1 = one rank's "
+          "activations for one microbatch)")
+    print(f"busy               {_numbers(figures['busy'])}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared steps (also for the future `search`)
+
+
+def _load(args: argparse.Namespace) -> Schedule:
+    """The schedule named by ``args.name``: a family built with --pp/-m/--chunks, or a file."""
+    if os.path.splitext(args.name)[1].lower() in (".json", ".csv"):
+        schedule = _load_file(args)
+    else:
+        schedule = _build(args)
+    try:
+        validate(schedule)
+    except ScheduleError as err:
+        raise UsageError(args.name, f"[{err.rule}] {err.reason}\n{err.grid}") from None
+    return schedule
+
+
+def _build(args: argparse.Namespace) -> Schedule:
+    try:
+        generator = get(args.name)
+    except KeyError as err:
+        raise UsageError("name", str(err.args[0])) from None
+    if args.pp is None:
+        raise UsageError("--pp", f"required to build {args.name} (pipeline ranks, e.g. --pp 4)")
+    options = {}
+    if args.chunks is not None:
+        if not _takes_chunks(args.name):
+            takes = ", ".join(n for n in names() if _takes_chunks(n))
+            raise UsageError("--chunks", f"{args.name} has a fixed number of stages per rank; "
+                                         f"families with --chunks: {takes}")
+        options["chunks"] = args.chunks
+    microbatches = args.microbatches or 2 * args.pp
+    try:
+        return generator(args.pp, microbatches, **options)
+    except ValueError as err:
+        text = str(err)
+        argument = next((flag for word, flag in (("microbatches", "--microbatches"),
+                                                 ("chunks", "--chunks"), ("pp_size", "--pp"))
+                         if word in text), "arguments")
+        raise UsageError(argument, text) from None
+
+
+def _load_file(args: argparse.Namespace) -> Schedule:
+    try:
+        if args.name.lower().endswith(".json"):
+            with open(args.name) as handle:
+                schedule = Schedule.from_json(handle.read())
+        else:
+            schedule = Schedule.from_torch_csv(args.name, num_microbatches=args.microbatches)
+    except (OSError, ValueError, KeyError) as err:
+        raise UsageError(args.name, f"cannot read the schedule: {err}") from None
+    if args.pp is not None and args.pp != schedule.pp_size:
+        raise UsageError("--pp", f"{args.pp} given but {args.name} has {schedule.pp_size} ranks")
+    return schedule
+
+
+def _costs(args: argparse.Namespace) -> Any:
+    from loom.sim.cost import StageCosts, parse_cost_spec
+
+    if args.cost_file:
+        try:
+            return StageCosts.from_file(args.cost_file)
+        except (OSError, ValueError, KeyError) as err:
+            raise UsageError("--cost-file", str(err)) from None
+    try:
+        return parse_cost_spec(args.costs)
+    except ValueError as err:
+        raise UsageError("--costs", str(err)) from None
+
+
+def _simulated(args: argparse.Namespace, schedule: Schedule) -> Any:
+    """Simulate with the given costs, then enforce --memory-limit on the simulated peaks."""
+    from loom.sim.simulate import simulate
+
+    costs = _costs(args)
+    try:
+        result = simulate(schedule, costs)
+    except ValueError as err:  # costs that do not fit the schedule
+        raise UsageError("--cost-file" if args.cost_file else "--costs", str(err)) from None
+    _check_memory(args, result)
+    return result
+
+
+def _check_memory(args: argparse.Namespace, result: Any) -> None:
+    if args.memory_limit is None:
+        return
+    peak = max(result.peak_memory)
+    if peak > args.memory_limit:
+        rank = list(result.peak_memory).index(peak)
+        raise UsageError("--memory-limit", f"{result.name} peaks at {float(peak):g} activation "
+                         f"units on rank {rank}, over the limit of {args.memory_limit:g}")
+
+
+def _numbers(values: list[float]) -> str:
+    return " ".join(f"{v:g}" for v in values)
+
+
+def _summary_line(result: Any) -> str:
+    return (f"makespan {float(result.makespan):g}, bubble ZB {float(result.bubble_zb):.1%}, "
+            f"makespan-bubble {float(result.bubble_makespan):.1%}, peak memory "
+            f"{_numbers([float(m) for m in result.peak_memory])}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``schedule ...`` commands without the rest of ``loom`` (tests, ``python -m``)."""
+    parser = argparse.ArgumentParser(prog="loom")
+    add_schedule_commands(parser.add_subparsers(dest="command", required=True))
+    try:
+        args, extra = parser.parse_known_args(argv)
+        return args.handler(args, extra)
+    except SystemExit as exit_:  # argparse: --help (0) or a bad argument (2)
+        return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
