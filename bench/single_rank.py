@@ -51,7 +51,7 @@ def plain_loop(config, batch):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.train.grad_clip)
         opt.step()
-        return float(loss)
+        return float(loss.detach())
 
     return step
 

@@ -1,4 +1,4 @@
-"""The ``loom`` command: ``loom train``, ``loom generate``.
+"""The ``loom`` command: ``loom train``, ``loom generate``, ``loom schedule ...``.
 
 ``loom train [--config FILE] [--nproc N] [--section.key=value ...]`` loads and validates the whole
 configuration *before* anything is written or started: a bad value prints one line naming the
@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=50)
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(handler=_generate)
+
+    from loom.pipeline.cli import add_schedule_commands
+
+    add_schedule_commands(sub)
     return parser
 
 

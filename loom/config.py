@@ -78,7 +78,7 @@ class ParallelConfig:
 class TrainConfig:
     steps: int = 200
     global_batch_size: int = 16  # sequences per optimizer step, over all data-parallel ranks
-    micro_batch_size: int = 8  # sequences per forward/backward on one rank
+    micro_batch_size: int = 4  # sequences per forward/backward on one rank
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda | cuda:N ...
     backend: str = "auto"  # auto | gloo | nccl
@@ -194,9 +194,12 @@ def _coerce(key: str, raw: Any, kind: Any) -> Any:
         try:
             if isinstance(raw, bool):
                 raise ValueError
-            return float(raw)
+            value = float(raw)
         except (TypeError, ValueError):
             raise ConfigError(key, raw, "must be a number") from None
+        if not math.isfinite(value):
+            raise ConfigError(key, raw, "must be a finite number")
+        return value
     if kind is str:
         if not isinstance(raw, str):
             raise ConfigError(key, raw, "must be a string")
@@ -214,7 +217,7 @@ def parse_overrides(argv: list[str]) -> dict[str, str]:
             raise ConfigError(arg, arg, "expected --section.key=value")
         if "=" in arg:
             key, value = arg[2:].split("=", 1)
-        elif i + 1 < len(argv):
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
             key, value = arg[2:], argv[i + 1]
             i += 1
         else:
@@ -305,6 +308,7 @@ def resolve(config: Config, world_size: int) -> Config:
                               f"world size {world_size} is not divisible by pp*dp_shard*ep*cp*tp"
                               f" = {others}")
         par.dp_replicate = world_size // others
+    _check_bpe_vocab(config.data)
     if config.model.vocab_size == 0:
         from loom.data.tokenizer import tokenizer_vocab_size
 
@@ -335,6 +339,12 @@ def _require_positive(config: Config, keys: list[str], minimum: float = 1) -> No
             raise ConfigError(key, value, f"must be >= {minimum}")
 
 
+def _check_bpe_vocab(data: DataConfig) -> None:
+    if data.tokenizer == "bpe" and data.bpe_vocab_size < 260:
+        raise ConfigError("data.bpe_vocab_size", data.bpe_vocab_size,
+                          "must be >= 260 (256 byte symbols plus special tokens)")
+
+
 def validate(config: Config, world_size: int) -> None:
     """Check every cross-field rule; raise ConfigError naming the first broken one."""
     m, par, tr, data, opt = config.model, config.parallel, config.train, config.data, config.optim
@@ -345,7 +355,7 @@ def validate(config: Config, world_size: int) -> None:
                                "data.bpe_vocab_size", "checkpoint.keep", "metrics.log_every"])
     _require_positive(config, ["train.eval_every", "train.grad_clip", "train.threads",
                                "data.max_bytes", "checkpoint.interval", "optim.warmup_steps",
-                               "optim.weight_decay"], minimum=0)
+                               "optim.weight_decay", "optim.eps"], minimum=0)
     if opt.lr <= 0:
         raise ConfigError("optim.lr", opt.lr, "must be > 0")
     if not 0 <= opt.min_lr_ratio <= 1:
@@ -358,9 +368,9 @@ def validate(config: Config, world_size: int) -> None:
                           "must be 'stdlib' or an existing text file or directory")
     if not 0 < data.val_fraction < 1:
         raise ConfigError("data.val_fraction", data.val_fraction, "must be in (0, 1)")
-    if data.tokenizer == "bpe" and data.bpe_vocab_size < 260:
-        raise ConfigError("data.bpe_vocab_size", data.bpe_vocab_size,
-                          "must be >= 260 (256 byte symbols plus special tokens)")
+    _check_bpe_vocab(data)
+    if tr.timeout_s <= 0:
+        raise ConfigError("train.timeout_s", tr.timeout_s, "must be > 0")
 
     # Model shape.
     _require_divisible("model.dim", m.dim, m.n_heads, "model.n_heads")

@@ -205,6 +205,8 @@ def reset_parameters(
     with torch.no_grad():
         for name, param in model.named_parameters():  # tied weights are yielded once
             load(param, initial_value(name, param.shape, model.args, seed))
+        if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+            model.output.weight = model.tok_embeddings.weight  # Module.to_empty() unties them
         cos, sin = rope_tables(model.args.head_dim, model.args.max_seq_len, model.args.rope_theta)
         model.rope_cos.copy_(cos)
         model.rope_sin.copy_(sin)

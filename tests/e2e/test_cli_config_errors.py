@@ -46,10 +46,7 @@ CASES = {
     "bpe-vocab-too-small": Case(("--data.tokenizer=bpe", "--data.bpe_vocab_size=100"),
                                 ("data.bpe_vocab_size", "100")),
 }
-KNOWN_BUGS = {
-    "bpe-vocab-too-small": "bug: resolve() calls tokenizer_vocab_size() before validate(), whose"
-                           " ValueError escapes the CLI as a traceback with exit code 1",
-}
+KNOWN_BUGS: dict[str, str] = {}  # case name -> reason, for a strict xfail
 
 
 @dataclass

@@ -201,9 +201,6 @@ def test_untied_embeddings_are_separate() -> None:
     assert not torch.equal(model.output.weight, model.tok_embeddings.weight)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: Module.to_empty() replaces the shared meta Parameter"
-                   " by two separate ones, and reset_parameters does not re-tie them, so the"
-                   " trainer's meta -> to_empty -> reset path trains an untied head")
 def test_tied_embeddings_survive_meta_construction() -> None:
     model = build_model(args_for(tie_embeddings=True))
     model.to_empty(device="cpu")
