@@ -1,0 +1,132 @@
+"""One pipeline stage: a slice of the model and its forward, I, W and B on one microbatch.
+
+``PipelineStage`` wraps the ``Transformer`` slice of one stage (``build_stages`` makes the slices
+a rank owns under a schedule's placement, each initialised with the seeded weights of the full
+model) and keeps, per microbatch in flight, what its backward needs. It computes only; moving
+tensors between ranks is ``loom.pipeline.runtime``'s job, so nothing here communicates.
+
+The I/W split. ``I`` (gradient w.r.t. the stage input) and ``W`` (gradients w.r.t. the weights)
+must give the same numbers as one full backward ``B`` without running the backward twice. Loom
+calls torch's ``stage_backward_input`` / ``stage_backward_weight``
+(``torch.distributed.pipelining._backward``): I runs ``autograd.grad`` to the input only, with
+pre-hooks that capture the gradients flowing into the "intermediate" nodes where the weight
+branches join the input path; W then starts ``autograd.grad`` from those saved gradients to the
+weights, so the shared part of the graph is not recomputed. The graph walk that finds those nodes
+is subtle (it must not double count descendants), is maintained with torch's own ZB schedules and
+tested there, and a second copy in Loom would be a liability; the module is private, so
+``tests/unit/pipeline/test_stage.py`` pins the behaviour Loom relies on (I+W == B, bit for bit
+on CPU). The first stage has no input gradient (its input is token ids), so its I is a no-op and
+its W is the full backward, as in torch's own runtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+from loom.models import Transformer, TransformerArgs, build_model, reset_parameters
+from loom.pipeline.ir import Schedule
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class _InFlight:
+    """What one microbatch's backward needs: the stage input (a leaf when it needs a gradient),
+    the output (or the loss on the last stage), and after I the saved gradients for W."""
+
+    inputs: torch.Tensor
+    output: torch.Tensor
+    output_grad: torch.Tensor | None = None
+    param_groups: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class PipelineStage:
+    """Stage ``index`` of ``num_stages``: its module and the microbatches it holds activations for."""
+
+    index: int
+    num_stages: int
+    module: Transformer
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    _in_flight: dict[int, _InFlight] = field(default_factory=dict)
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def forward(self, microbatch: int, inputs: torch.Tensor, targets: torch.Tensor | None = None,
+                loss_fn: LossFn | None = None, *, training: bool = True) -> torch.Tensor:
+        """Run the slice. Returns the output (hidden states) or, on the last stage, the loss of
+        ``loss_fn(logits, targets)``. With ``training`` the graph is kept for the backward."""
+        if not training:
+            with torch.no_grad(), self.autocast():
+                out = self.module(inputs)
+            return loss_fn(out, targets) if self.is_last else out
+        if not self.is_first:  # a leaf, so I can ask autograd for its gradient
+            inputs = inputs.detach().requires_grad_(True)
+        with self.autocast():
+            out = self.module(inputs)
+        if self.is_last:
+            out = loss_fn(out, targets)
+        self._in_flight[microbatch] = _InFlight(inputs, out)
+        return out
+
+    def backward_input(self, microbatch: int, output_grad: torch.Tensor | None) -> torch.Tensor | None:
+        """I: the gradient w.r.t. the stage input (None on the first stage); W must follow."""
+        state = self._in_flight[microbatch]
+        state.output_grad = output_grad
+        if self.is_first:
+            return None  # token ids have no gradient; W does the whole backward
+        grads = None if output_grad is None else [output_grad]
+        dinputs, state.param_groups = stage_backward_input(
+            [state.output], grads, [state.inputs], self.parameters())
+        state.inputs = state.output = None  # type: ignore[assignment]  (W needs only the groups)
+        return dinputs[0]
+
+    def backward_weight(self, microbatch: int) -> None:
+        """W: accumulate the weight gradients of ``microbatch`` into ``.grad``; frees its state."""
+        state = self._in_flight.pop(microbatch)
+        if self.is_first:
+            torch.autograd.backward(state.output, state.output_grad)
+        else:
+            stage_backward_weight(self.parameters(), state.param_groups)
+
+    def backward(self, microbatch: int, output_grad: torch.Tensor | None) -> torch.Tensor | None:
+        """B: one backward pass for the input and the weights; returns the input gradient."""
+        state = self._in_flight.pop(microbatch)
+        torch.autograd.backward(state.output, output_grad)  # loss: output_grad None means 1
+        return None if self.is_first else state.inputs.grad
+
+    @property
+    def holds_activations(self) -> bool:
+        return bool(self._in_flight)
+
+
+def build_stages(args: TransformerArgs, schedule: Schedule, layers: Sequence[range], rank: int,
+                 device: torch.device | str, seed: int,
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 ) -> dict[int, PipelineStage]:
+    """The stages ``rank`` owns under ``schedule.placement``, with ``layers[stage]`` each, made on
+    the meta device and initialised by name, so every slice holds the full model's weights."""
+    stages = {}
+    for index in schedule.stages_of(rank):
+        module = build_model(args, device="meta", layer_ids=layers[index],
+                             with_embedding=index == 0, with_head=index == schedule.num_stages - 1)
+        module.to_empty(device=device)
+        reset_parameters(module, seed)
+        stages[index] = PipelineStage(index, schedule.num_stages, module, autocast)
+    return stages
