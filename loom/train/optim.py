@@ -57,14 +57,17 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float,
                    model_parallel_groups: Sequence[dist.ProcessGroup] = ()) -> torch.Tensor:
     """Clip gradients in place to a global norm of ``max_norm`` (0: only measure); return the
     norm before clipping, as an fp32 scalar tensor on the gradients' device."""
-    grads = [p.grad for p in parameters if p.grad is not None]
+    parameters = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in parameters]
     if not grads:
         return torch.zeros(())
-    squares = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
-    for group in model_parallel_groups:
-        dist.all_reduce(squares, group=group)
-    norm = squares.sqrt()
+    # torch's fused per-tensor norms for the local part; the cross-rank sum is ours.
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).float()
+    if model_parallel_groups:
+        squares = norm.pow(2)
+        for group in model_parallel_groups:
+            dist.all_reduce(squares, group=group)
+        norm = squares.sqrt()
     if max_norm > 0:
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, scale)
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach=True)
     return norm
