@@ -22,7 +22,7 @@ from loom.testing.harness import PoolRegistry  # noqa: E402
 
 @pytest.fixture(scope="session")
 def dist():
-    registry = PoolRegistry(pg_timeout_s=60.0)
+    registry = PoolRegistry(pg_timeout_s=120.0)  # short enough to fail fast, long enough for a loaded 2-core box
     yield registry
     registry.close()
 
