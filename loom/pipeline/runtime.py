@@ -1,0 +1,261 @@
+"""The one pipeline interpreter: runs any validated ``Schedule`` on the stages of this rank.
+
+``PipelineRuntime.step`` walks this rank's action list in order and, for each action, does the
+compute of ``loom.pipeline.stage`` plus the communication the action implies. There is no
+separate lowered schedule with SEND/RECV actions: which transfers an action needs follows from
+the placement alone, so the interpreter derives them on the fly, the same way for every family.
+
+What it communicates, per microbatch and stage boundary that crosses ranks (``pp`` group, gloo or
+NCCL point-to-point, fp32 ``[micro, seq, dim]``, i.e. 4·micro·seq·dim bytes each way):
+
+* F(s, m) sends its output to the rank of stage s+1; I(s, m) or B(s, m) sends the input gradient
+  to the rank of stage s-1. Stage transitions within one rank (the turn of a V placement) hand
+  the tensor over in memory, with no communication.
+* Receives are posted ``recv_lookahead`` actions ahead of their use into preallocated buffers
+  (shapes are known in advance), so they overlap the compute before it; every send is
+  asynchronous and only waited for at the end of the step, so no ordering of sends and receives
+  can deadlock a schedule that ``loom.pipeline.validate`` accepts.
+* Tags: the transfer into stage ``s`` for microbatch ``m`` in direction ``d`` (0 activation, 1
+  gradient) uses tag ``(s·M + m)·2 + d``. Every transfer of a step has its own tag, so matching
+  by (source, tag) cannot pair the wrong messages whatever order the ranks post them in.
+* Data parallelism (``dp`` group, when its degree is > 1): as soon as a stage has run its last
+  W (or B) of the step, one asynchronous all-reduce of that stage's gradients, flattened into one
+  buffer and pre-divided by the degree (gloo has no average), overlapping the rest of the
+  schedule; ``finish_gradient_reduction`` waits for all of them before clipping. DDP is not used:
+  its hooks assume one backward per step and per module, not a stream of I and W pieces.
+* After the step: one 1-element all-reduce over ``pp`` so every rank reports the loss, which only
+  the last stage computes.
+
+Written here rather than taken from ``torch.distributed.pipelining``: torch's runtime interprets
+a lowered schedule only for its own ``PipelineStage`` (which traces shapes with a meta forward
+and owns DDP/FSDP wrapping), while Loom's IR and stages are its own; the interpreter is ~200 lines.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from loom.pipeline import schedules
+from loom.pipeline.ir import Action, Op, Schedule
+from loom.pipeline.partition import partition_model
+from loom.pipeline.stage import LossFn, PipelineStage, build_stages
+from loom.pipeline.validate import validate
+
+ACTIVATION, GRADIENT = 0, 1
+WIRE_DTYPE = torch.float32  # activations and their gradients travel in fp32 (see step())
+
+
+@dataclass(frozen=True)
+class _Transfer:
+    """A point-to-point message: into ``stage`` for ``microbatch``, ``direction`` 0 or 1."""
+
+    stage: int
+    microbatch: int
+    direction: int
+    peer: int  # pipeline rank of the other side
+
+    def tag(self, num_microbatches: int) -> int:
+        return (self.stage * num_microbatches + self.microbatch) * 2 + self.direction
+
+
+class ChunksError(ValueError):
+    """``chunks`` given for a family whose number of stages per rank is fixed."""
+
+
+def schedule_for(name: str, pp: int, microbatches: int, chunks: int = 0) -> Schedule:
+    """The validated schedule of family ``name`` (``parallel.schedule``) for ``pp`` ranks and
+    ``microbatches``; ``chunks`` stages per rank, 0 for the family's default. Raises ValueError
+    with the family's rule when the sizes are invalid, ``ChunksError`` for a fixed-chunk family
+    given another count."""
+    generator = schedules.get(name)
+    if chunks and "chunks" not in inspect.signature(generator).parameters:
+        schedule = generator(pp, microbatches)
+        if schedule.chunks_per_rank != chunks:
+            raise ChunksError(f"schedule {name!r} places a fixed {schedule.chunks_per_rank} "
+                              f"stage(s) per rank; use chunks = 0 or {schedule.chunks_per_rank}")
+    else:
+        schedule = generator(pp, microbatches, chunks=chunks) if chunks else generator(pp, microbatches)
+    validate(schedule)
+    return schedule
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """An F-only schedule with ``schedule``'s placement: each rank runs its stages in increasing
+    order, every microbatch of a stage before the next (deadlock-free: data flows to higher
+    stages only). Used for evaluation."""
+    rows = []
+    for rank in range(schedule.pp_size):
+        rows.append(tuple(Action(stage, Op.F, mb) for stage in schedule.stages_of(rank)
+                          for mb in range(schedule.num_microbatches)))
+    return Schedule(schedule.num_stages, schedule.num_microbatches, schedule.placement,
+                    tuple(rows), name=f"{schedule.name}-forward")
+
+
+class PipelineRuntime:
+    """Executes schedules on ``stages`` (this rank's, by stage index) of pipeline rank ``pp_rank``.
+
+    ``pp_ranks[i]`` is the global rank of pipeline rank ``i`` in this rank's ``pp`` group.
+    """
+
+    def __init__(self, schedule: Schedule, stages: dict[int, PipelineStage], pp_rank: int,
+                 pp_ranks: Sequence[int], pp_group: dist.ProcessGroup | None,
+                 dp_group: dist.ProcessGroup | None = None, dp_size: int = 1,
+                 recv_lookahead: int = 4) -> None:
+        if sorted(stages) != list(schedule.stages_of(pp_rank)):
+            raise ValueError(f"rank {pp_rank} holds stages {sorted(stages)}, the schedule places "
+                             f"{list(schedule.stages_of(pp_rank))} on it")
+        self.schedule = schedule
+        self.stages = stages
+        self.pp_rank = pp_rank
+        self.pp_ranks = tuple(pp_ranks)
+        self.pp_group = pp_group
+        self.dp_group = dp_group
+        self.dp_size = dp_size
+        self.recv_lookahead = recv_lookahead
+        self._reductions: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = []
+
+    # -- which transfers an action implies ----------------------------------------------------------
+    def _incoming(self, schedule: Schedule, action: Action) -> _Transfer | None:
+        """The receive ``action`` needs from another rank, if any."""
+        s, mb = action.stage, action.microbatch
+        if action.op is Op.F and s > 0 and schedule.rank_of(s - 1) != self.pp_rank:
+            return _Transfer(s, mb, ACTIVATION, schedule.rank_of(s - 1))
+        if action.op in (Op.I, Op.B) and s < schedule.num_stages - 1 \
+                and schedule.rank_of(s + 1) != self.pp_rank:
+            return _Transfer(s, mb, GRADIENT, schedule.rank_of(s + 1))
+        return None
+
+    def _outgoing(self, schedule: Schedule, action: Action) -> _Transfer | None:
+        """Where the result of ``action`` goes: a transfer into the neighbouring stage (its
+        ``peer`` is this rank when the neighbour is local), or None at the ends."""
+        s, mb = action.stage, action.microbatch
+        if action.op is Op.F and s < schedule.num_stages - 1:
+            return _Transfer(s + 1, mb, ACTIVATION, schedule.rank_of(s + 1))
+        if action.op in (Op.I, Op.B) and s > 0:
+            return _Transfer(s - 1, mb, GRADIENT, schedule.rank_of(s - 1))
+        return None
+
+    # -- one step -----------------------------------------------------------------------------------
+    def step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
+             loss_fn: LossFn, *, schedule: Schedule | None = None, training: bool = True,
+             activation_shape: Sequence[int]) -> torch.Tensor:
+        """Run ``schedule`` (default: the training schedule) over the microbatches ``inputs`` /
+        ``targets`` (every rank passes all of them; only the ends read them). Returns the sum of
+        the microbatch losses, identical on every pipeline rank. ``loss_fn`` should already be
+        scaled (e.g. divided by the number of microbatches) as the caller wants it summed."""
+        schedule = schedule or self.schedule
+        if len(inputs) != schedule.num_microbatches:
+            raise ValueError(f"{len(inputs)} microbatches for a schedule of "
+                             f"{schedule.num_microbatches}")
+        row = schedule.actions[self.pp_rank]
+        device = next(iter(self.stages.values())).module.rope_cos.device
+        last_piece = {}  # stage -> index of its last backward piece: when to reduce over dp
+        for index, action in enumerate(row):
+            if action.op in (Op.W, Op.B):
+                last_piece[action.stage] = index
+        posted: dict[_Transfer, tuple[dist.Work, torch.Tensor]] = {}
+        next_to_post = 0
+        local: dict[_Transfer, torch.Tensor] = {}  # same-rank hand-overs
+        sends: list[dist.Work] = []
+        loss_sum = torch.zeros((), device=device)
+
+        for index, action in enumerate(row):
+            # Post the receives of the next few actions before computing this one.
+            while next_to_post < min(len(row), index + 1 + self.recv_lookahead):
+                incoming = self._incoming(schedule, row[next_to_post])
+                if incoming is not None:
+                    buffer = torch.empty(tuple(activation_shape), dtype=WIRE_DTYPE, device=device)
+                    work = dist.irecv(buffer, src=self.pp_ranks[incoming.peer],
+                                      group=self.pp_group,
+                                      tag=incoming.tag(schedule.num_microbatches))
+                    posted[incoming] = (work, buffer)
+                next_to_post += 1
+            received = self._receive(schedule, action, posted, local)
+            stage = self.stages[action.stage]
+            mb = action.microbatch
+            if action.op is Op.F:
+                x = inputs[mb] if stage.is_first else received
+                out = stage.forward(mb, x, targets[mb], loss_fn, training=training)
+                result = None if stage.is_last else out
+                if stage.is_last:
+                    loss_sum += out.detach().float()
+            elif action.op is Op.I:
+                result = stage.backward_input(mb, received)
+            elif action.op is Op.B:
+                result = stage.backward(mb, received)
+            else:
+                result = stage.backward_weight(mb)
+            outgoing = self._outgoing(schedule, action)
+            if outgoing is not None and result is not None:
+                # fp32 on the wire: under bf16 autocast the residual stream is still fp32
+                # (the embedding is fp32), so this is a no-op copy-free view in practice.
+                payload = result.detach().to(WIRE_DTYPE).contiguous()
+                if outgoing.peer == self.pp_rank:
+                    local[outgoing] = payload
+                else:
+                    sends.append(dist.isend(payload, dst=self.pp_ranks[outgoing.peer],
+                                            group=self.pp_group,
+                                            tag=outgoing.tag(schedule.num_microbatches)))
+            if training and last_piece.get(action.stage) == index:
+                self._start_gradient_reduction(stage)
+        for work in sends:
+            work.wait()
+        if len(self.pp_ranks) > 1:
+            dist.all_reduce(loss_sum, group=self.pp_group)  # only the last stage's is non-zero
+        return loss_sum
+
+    def _receive(self, schedule: Schedule, action: Action,
+                 posted: dict[_Transfer, tuple[dist.Work, torch.Tensor]],
+                 local: dict[_Transfer, torch.Tensor]) -> torch.Tensor | None:
+        """The tensor ``action`` consumes from a neighbouring stage (waiting just before use)."""
+        incoming = self._incoming(schedule, action)
+        if incoming is not None:
+            work, buffer = posted.pop(incoming)
+            work.wait()
+            return buffer
+        s, mb = action.stage, action.microbatch
+        if action.op is Op.F and s > 0:
+            return local.pop(_Transfer(s, mb, ACTIVATION, self.pp_rank))
+        if action.op in (Op.I, Op.B) and s < schedule.num_stages - 1:
+            return local.pop(_Transfer(s, mb, GRADIENT, self.pp_rank))
+        return None
+
+    # -- data-parallel gradient reduction -------------------------------------------------------------
+    def _start_gradient_reduction(self, stage: PipelineStage) -> None:
+        if self.dp_size <= 1:
+            return
+        grads = [p.grad for p in stage.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.dp_size)
+        work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
+        self._reductions.append((work, flat, grads))
+
+    def finish_gradient_reduction(self) -> None:
+        """Wait for every stage's all-reduce and write the averaged gradients back."""
+        for work, flat, grads in self._reductions:
+            work.wait()
+            offset = 0
+            for grad in grads:
+                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+        self._reductions.clear()
+
+
+def build_pipeline(args, schedule: Schedule, *, grid, meshes, rank: int, device: torch.device,
+                   seed: int, seq_len: int, autocast=None) -> PipelineRuntime:
+    """This rank's stages (layers split by ``partition_model``) and the runtime that drives them,
+    with the ``pp`` and ``dp`` groups of ``meshes`` (a ``loom.topology.Meshes`` of ``grid``)."""
+    from loom.topology import DATA_AXES
+
+    layers = partition_model(args, schedule.num_stages, seq_len)
+    pp_rank = grid.coords(rank)["pp"]
+    kwargs = {"autocast": autocast} if autocast is not None else {}
+    stages = build_stages(args, schedule, layers, pp_rank, device, seed, **kwargs)
+    dp_size = grid.degree(*DATA_AXES)
+    return PipelineRuntime(schedule, stages, pp_rank, grid.group(rank, "pp"),
+                           meshes.root["pp"].get_group(),
+                           meshes.dp.get_group() if dp_size > 1 else None, dp_size)
