@@ -64,6 +64,10 @@ class ParallelConfig:
     ep: int = 1
     cp: int = 1
     tp: int = 1
+    # Pipeline schedule family (``loom schedule list``) and stages per rank; 0: the family's own
+    # (1 for 1F1B-like families, 2 for interleaved/V-shaped ones). Used when pp > 1.
+    schedule: str = "1f1b"
+    chunks: int = 0
 
     def degrees(self) -> dict[str, int]:
         return {axis: getattr(self, axis) for axis in AXES}
@@ -415,19 +419,53 @@ def validate(config: Config, world_size: int) -> None:
         raise ConfigError("train.micro_batch_size", tr.micro_batch_size,
                           f"must divide the per-rank batch global_batch_size / dp ="
                           f" {tr.global_batch_size} / {par.dp} = {local_batch}")
+    _validate_schedule(config)
 
     # What this version of Loom runs: each later parallelism lifts its own rule when it lands.
-    for axis in ("pp", "dp_shard", "ep", "cp", "tp"):
+    for axis in ("dp_shard", "ep", "cp", "tp"):
         if degrees[axis] > 1:
             raise ConfigError(f"parallel.{axis}", degrees[axis],
-                              "this Loom version supports only data parallelism (dp_replicate);"
-                              f" {axis} > 1 is not implemented yet")
+                              "this Loom version supports only data parallelism (dp_replicate)"
+                              f" and pipeline parallelism (pp); {axis} > 1 is not implemented yet")
     if tr.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError("train.backend", tr.backend, "must be one of auto, gloo, nccl")
     if not (tr.device in ("auto", "cpu") or tr.device.startswith(("cuda", "xpu", "mps"))):
         raise ConfigError("train.device", tr.device, "must be auto, cpu, cuda or cuda:N")
     if tr.backend == "nccl" and tr.device == "cpu":
         raise ConfigError("train.backend", tr.backend, "nccl needs a GPU device, not train.device=cpu")
+
+
+def _validate_schedule(config: Config) -> None:
+    """The pipeline rules: a known schedule family, chunks it accepts, a layer per stage and a
+    microbatch count m = global_batch_size / (dp * micro_batch_size) the family can schedule."""
+    from loom.pipeline.runtime import ChunksError, schedule_for  # config -> Schedule, one place
+    from loom.pipeline.schedules import names
+
+    par, tr, m = config.parallel, config.train, config.model
+    known = names()
+    if par.schedule.lower().replace("-", "_") not in known:
+        raise ConfigError("parallel.schedule", par.schedule, f"unknown schedule; known: "
+                          f"{', '.join(known)}" + _suggest(par.schedule.lower(), known))
+    if par.chunks < 0:
+        raise ConfigError("parallel.chunks", par.chunks, "must be >= 0 (0: the family's default)")
+    if par.pp == 1:
+        return
+    micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
+    how = (f"microbatches per pipeline m = global_batch_size / (dp * micro_batch_size) ="
+           f" {tr.global_batch_size} / ({par.dp} * {tr.micro_batch_size}) = {micro}")
+    try:
+        schedule = schedule_for(par.schedule, par.pp, micro, par.chunks)
+    except ChunksError as err:  # the family has a fixed number of stages per rank
+        raise ConfigError("parallel.chunks", par.chunks, str(err)) from None
+    except ValueError as err:
+        raise ConfigError("parallel.schedule", par.schedule, f"{how}: {err}") from None
+    if schedule.num_stages > m.n_layers:
+        field_name, value = (("parallel.chunks", par.chunks) if par.chunks
+                             else ("parallel.schedule", par.schedule))
+        raise ConfigError(field_name, value,
+                          f"{schedule.num_stages} stages (pp = {par.pp} x"
+                          f" {schedule.chunks_per_rank} per rank) need model.n_layers >="
+                          f" {schedule.num_stages}, got {m.n_layers} (one layer per stage)")
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,7 +8,10 @@ forward/backward each (gradient all-reduce only on the last, overlapped with its
 clip by the global norm, step. ``fit`` loops, evaluates, logs and saves the final weights.
 
 What one step communicates (data parallelism): the gradient all-reduce over ``dp`` issued by DDP,
-plus one 1-element all-reduce of the loss for logging.
+plus one 1-element all-reduce of the loss for logging. With ``pp > 1`` the model is split into
+stages and ``loom.pipeline.runtime`` runs the configured schedule instead of the microbatch loop
+(its docstring lists the point-to-point traffic and the per-stage dp all-reduce); the step adds a
+1-element all-reduce over ``pp`` for the clipping norm and one for the loss.
 
 The loss is the mean token cross entropy over the *global* batch: each microbatch's mean is
 divided by the number of microbatches and DDP averages over equally sized rank batches, so every
@@ -27,12 +30,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from loom.config import Config
 from loom.data.loader import DataFiles, DistributedLoader, GlobalBatchSampler, PackedSequences
 from loom.data.loader import eval_batches
 from loom.models import TransformerArgs, build_model, reset_parameters
 from loom.parallel import no_gradient_sync, parallelize, unwrap
+from loom.pipeline.runtime import PipelineRuntime, build_pipeline, forward_only, schedule_for
 from loom.topology import DATA_AXES, RankGrid, build_mesh
 from loom.train.distributed import DistContext, init_distributed
 from loom.train.flops import device_peak_flops, training_flops_per_token
@@ -70,10 +75,25 @@ class Trainer:
         self.dp_size = self.grid.degree(*DATA_AXES)
 
         self.args = model_args(config)
-        model = build_model(self.args, device="meta")
-        model.to_empty(device=self.ctx.device)
-        reset_parameters(model, tr.seed)  # identical on every rank: seeded by parameter name
-        self.model = parallelize(model, self.meshes)
+        self.autocast_dtype = torch.bfloat16 if tr.dtype == "bf16" else None
+        self.pipeline: PipelineRuntime | None = None
+        if self.grid.degree("pp") > 1:
+            # This rank's stages of the schedule; the ModuleList is for the optimizer and the
+            # parameter count only (the runtime drives the stages; names stay global).
+            par = config.parallel
+            local_batch = tr.global_batch_size // self.dp_size
+            schedule = schedule_for(par.schedule, par.pp, local_batch // tr.micro_batch_size,
+                                    par.chunks)
+            self.pipeline = build_pipeline(self.args, schedule, grid=self.grid,
+                                           meshes=self.meshes, rank=self.ctx.rank,
+                                           device=self.ctx.device, seed=tr.seed,
+                                           seq_len=config.data.seq_len, autocast=self._autocast)
+            self.model = nn.ModuleList(s.module for _, s in sorted(self.pipeline.stages.items()))
+        else:
+            model = build_model(self.args, device="meta")
+            model.to_empty(device=self.ctx.device)
+            reset_parameters(model, tr.seed)  # identical on every rank: seeded by parameter name
+            self.model = parallelize(model, self.meshes)
 
         opt = config.optim
         self.optimizer = build_optimizer(self.model, lr=opt.lr, weight_decay=opt.weight_decay,
@@ -90,7 +110,6 @@ class Trainer:
         self.loader = DistributedLoader(self.train_set, sampler, self.dp_rank, self.dp_size,
                                         self.ctx.device)
         self.step = 0
-        self.autocast_dtype = torch.bfloat16 if tr.dtype == "bf16" else None
 
     # -- one step ---------------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -104,6 +123,8 @@ class Trainer:
         micro = self.config.train.micro_batch_size
         n_micro = inputs.shape[0] // micro
         self.optimizer.zero_grad(set_to_none=True)
+        if self.pipeline is not None:
+            return self._pipeline_step(inputs, targets)
         loss_sum = torch.zeros((), device=self.ctx.device)
         for i in range(n_micro):
             rows = slice(i * micro, (i + 1) * micro)
@@ -121,6 +142,32 @@ class Trainer:
         self.step += 1
         return {"loss": self._mean_over_dp(loss_sum), "grad_norm": float(grad_norm), "lr": lr}
 
+    def _pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+        """``train_step`` with pp > 1: the schedule runs every microbatch's forward and backward
+        (and starts each stage's dp all-reduce after its last W); the loss arrives on every rank;
+        the clipping norm sums the squares over the ``pp`` group (each rank owns other weights)."""
+        loss_sum = self._run_pipeline(inputs, targets, training=True)
+        self.pipeline.finish_gradient_reduction()
+        grad_norm = clip_grad_norm(self.model.parameters(), self.config.train.grad_clip,
+                                   [self.pipeline.pp_group])
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        return {"loss": self._mean_over_dp(loss_sum), "grad_norm": float(grad_norm), "lr": lr}
+
+    def _run_pipeline(self, inputs: torch.Tensor, targets: torch.Tensor, *,
+                      training: bool) -> torch.Tensor:
+        """The summed loss of the rank's batch through the pipeline; each microbatch's mean is
+        divided by their number, as in the one-process loop."""
+        micro = self.config.train.micro_batch_size
+        n_micro = inputs.shape[0] // micro
+        schedule = self.pipeline.schedule if training else forward_only(self.pipeline.schedule)
+        return self.pipeline.step(
+            inputs.split(micro), targets.split(micro),
+            lambda logits, y: cross_entropy(logits, y) / n_micro, schedule=schedule,
+            training=training, activation_shape=(micro, inputs.shape[1], self.args.dim))
+
     def _mean_over_dp(self, value: torch.Tensor) -> float:
         if self.dp_size > 1:
             value = value.clone()
@@ -132,9 +179,12 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over the first ``train.eval_batches`` global batches of the validation split."""
         tr = self.config.train
-        losses = [cross_entropy(self.model(x), y)
-                  for x, y in eval_batches(self.val_set, tr.global_batch_size, tr.eval_batches,
-                                           self.dp_rank, self.dp_size, self.ctx.device)]
+        batches = eval_batches(self.val_set, tr.global_batch_size, tr.eval_batches,
+                               self.dp_rank, self.dp_size, self.ctx.device)
+        if self.pipeline is not None:  # forward-only through the stages, loss shared over pp
+            losses = [self._run_pipeline(x, y, training=False) for x, y in batches]
+        else:
+            losses = [cross_entropy(self.model(x), y) for x, y in batches]
         if not losses:
             return math.nan
         return self._mean_over_dp(torch.stack(losses).mean())
@@ -153,18 +203,47 @@ class Trainer:
         self.loader.load_state_dict(state["data"])
 
     def named_gradients(self) -> dict[str, torch.Tensor]:
-        """Every parameter's full gradient by its model name (for parity tests)."""
+        """Every parameter's full gradient by its model name (for parity tests); with pp > 1
+        gathered from every stage over the ``pp`` group (a collective: call it on every rank)."""
+        if self.pipeline is not None:
+            return self._gather_over_pp(
+                {n: p.grad for n, p in self._stage_parameters() if p.grad is not None})
         return {name: p.grad.detach().clone()
                 for name, p in unwrap(self.model).named_parameters() if p.grad is not None}
+
+    def _stage_parameters(self):
+        """(global name, parameter) of every stage this rank holds."""
+        for module in self.model:
+            yield from module.named_parameters()
+
+    def _gather_over_pp(self, tensors: dict[str, torch.Tensor],
+                        to_main: bool = False) -> dict[str, torch.Tensor]:
+        """Merge name -> tensor dicts of the ``pp`` group (CPU copies, pickled: fine for tests
+        and final weights, not for per-step use); ``to_main``: only pp rank 0 receives."""
+        local = {k: v.detach().cpu().clone() for k, v in tensors.items()}
+        parts: list[Any] = [None] * len(self.pipeline.pp_ranks)
+        if to_main:
+            dist.gather_object(local, parts if self.pipeline.pp_rank == 0 else None,
+                               dst=self.pipeline.pp_ranks[0], group=self.pipeline.pp_group)
+        else:
+            dist.all_gather_object(parts, local, group=self.pipeline.pp_group)
+        return {k: v for part in parts if part for k, v in part.items()}
 
     def save_weights(self, path: Path) -> None:
         """The full model weights as safetensors (main rank; written to a temp file, renamed)."""
         from safetensors.torch import save_file
 
+        if self.pipeline is not None and self.dp_rank == 0:  # the first pipeline gathers
+            state = self._gather_over_pp(
+                {k: v for module in self.model for k, v in module.state_dict().items()},
+                to_main=True)
+        elif self.pipeline is not None or not self.ctx.is_main:
+            return
+        else:
+            state = {k: v.detach().cpu().contiguous()
+                     for k, v in unwrap(self.model).state_dict().items()}
         if not self.ctx.is_main:
             return
-        model = unwrap(self.model)
-        state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
         if self.args.tie_embeddings:
             state.pop("output.weight", None)  # the same tensor as the embedding
         tmp = path.with_suffix(".tmp")
