@@ -1,0 +1,170 @@
+"""Pipeline parallelism is one process, split: every schedule family gives the same numbers.
+
+For every registered family, p in {2, 4} and m in {p, 2p+1} microbatches per pipeline, three
+optimizer steps on the pipeline give the same loss, gradient norm and every parameter's gradient
+as one process with the same global batch (fp32, debug preset with 8 layers so that p = 4 with
+two stages per rank still has a layer per stage). Then the validation loss (forward-only through
+the stages) and the saved weights (gathered to rank 0) must match too. The same for every family
+combined with data parallelism (pp = 2 x dp = 2). Families that cannot schedule a combination
+(DualPipeV needs m >= 2p) are skipped with the family's own rule as the reason.
+
+Last, the command line: ``loom train --nproc 2 --parallel.pp=2 --parallel.schedule=zbv`` runs,
+and a schedule the config cannot run exits 2 before any process starts.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loom.pipeline.runtime import schedule_for
+from loom.pipeline.schedules import names
+from loom.testing.parity import assert_parity, layout_config
+from tests.conftest import SMALL_DATA_OVERRIDES
+
+STEPS = 3
+BASE = {
+    **SMALL_DATA_OVERRIDES,
+    "model.preset": "debug",
+    "model.n_layers": 8,
+    "train.steps": STEPS,
+    "train.micro_batch_size": 1,
+    "train.eval_batches": 2,
+    "optim.warmup_steps": 2,
+    "optim.lr": 1e-3,
+    "train.grad_clip": 1.0,
+}
+# Same reasoning as tests/dist/test_data_parallel.py. Step 1 starts from identical weights and
+# the microbatches are the same sizes as the reference's, so the pipeline differs only in the
+# order in which microbatch gradients accumulate (each schedule has its own W order) and in the
+# pp-summed clipping norm: rounding level, measured 0 to ~2e-7 of the largest gradient.
+RTOL_FIRST, ATOL_FIRST = 1e-5, 1e-6
+# Later steps: Adam amplifies rounding-level gradient differences of elements whose gradient is
+# itself near zero (each element is divided by its own RMS), and the next gradients inherit it.
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def record_pipeline(ctx, config_table: dict, data_dir: str, steps: int, weights_path: str) -> dict:
+    """Per step: loss, grad norm and named gradients; then the validation loss and, on rank 0,
+    the saved weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    from loom.config import from_dict
+    from loom.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    trainer = Trainer(from_dict(config_table), Path(data_dir), None, ctx)
+    record: dict = {"loss": [], "grad_norm": [], "grads": []}
+    for _ in range(steps):
+        metrics = trainer.train_step()
+        record["loss"].append(metrics["loss"])
+        record["grad_norm"].append(metrics["grad_norm"])
+        record["grads"].append({k: v.cpu() for k, v in trainer.named_gradients().items()})
+    record["val_loss"] = trainer.evaluate()
+    path = Path(weights_path) / f"{trainer.config.parallel.pp}-{ctx.world_size}.safetensors"
+    trainer.save_weights(path)
+    record["weights"] = load_file(str(path)) if ctx.rank == 0 else None
+    return record
+
+
+@pytest.fixture(scope="module")
+def references(dist, small_data_dir, tmp_path_factory):
+    """One-process runs by global batch size, computed on first use."""
+    cache: dict[int, dict] = {}
+    out = tmp_path_factory.mktemp("weights-ref")
+
+    def get(global_batch: int) -> dict:
+        if global_batch not in cache:
+            config = layout_config({**BASE, "train.global_batch_size": global_batch}, 1)
+            cache[global_batch] = dist.run(1, record_pipeline, config, small_data_dir, STEPS,
+                                           str(out))[0]
+        return cache[global_batch]
+
+    return get
+
+
+def check(reference: dict, results: list[dict], label: str) -> None:
+    import torch
+
+    for rank, result in enumerate(results):
+        where = f"{label} rank {rank}"
+        assert_parity(reference, result, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=where,
+                      steps=range(1))
+        assert_parity(reference, result, rtol=RTOL, atol=ATOL, label=where)
+        torch.testing.assert_close(torch.tensor(result["val_loss"]),
+                                   torch.tensor(reference["val_loss"]), rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"{where} validation loss: {m}")
+    saved, expected = results[0]["weights"], reference["weights"]
+    assert set(saved) == set(expected), f"{label}: saved weights have other names"
+    for name, value in expected.items():
+        torch.testing.assert_close(saved[name], value, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, n=name: f"{label} saved {n}: {m}")
+
+
+def skip_unless_schedulable(family: str, pp: int, microbatches: int) -> None:
+    try:
+        schedule_for(family, pp, microbatches)
+    except ValueError as err:
+        pytest.skip(f"not a valid combination: {err}")
+
+
+CASES = [(family, pp, m) for family in names() for pp in (2, 4) for m in (pp, 2 * pp + 1)]
+
+
+@pytest.mark.parametrize("family, pp, microbatches", CASES,
+                         ids=[f"{f}-p{p}-m{m}" for f, p, m in CASES])
+def test_pipeline_matches_one_process(dist, small_data_dir, references, tmp_path, family, pp,
+                                      microbatches):
+    skip_unless_schedulable(family, pp, microbatches)
+    config = layout_config({**BASE, "train.global_batch_size": microbatches,
+                            "parallel.schedule": family}, pp, pp=pp)
+    results = dist.run(pp, record_pipeline, config, small_data_dir, STEPS, str(tmp_path))
+    check(references(microbatches), results, f"{family} pp={pp} m={microbatches}")
+
+
+@pytest.mark.parametrize("family", names())
+def test_pipeline_with_data_parallel_matches_one_process(dist, small_data_dir, references,
+                                                         tmp_path, family):
+    microbatches = 4  # per pipeline; valid for every family at p = 2 (DualPipeV needs 2p)
+    config = layout_config({**BASE, "train.global_batch_size": 2 * microbatches,
+                            "parallel.schedule": family}, 4, pp=2, dp_replicate=2)
+    results = dist.run(4, record_pipeline, config, small_data_dir, STEPS, str(tmp_path))
+    check(references(2 * microbatches), results, f"{family} pp=2 x dp=2")
+
+
+def test_the_loss_actually_moves(references):
+    reference = references(4)
+    assert reference["loss"][-1] < reference["loss"][0] - 0.1
+
+
+# -- the command line -------------------------------------------------------------------------------
+
+
+def loom(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    return subprocess.run([sys.executable, "-m", "loom", *args], cwd=cwd, env=env, text=True,
+                          capture_output=True, timeout=300)
+
+
+def test_loom_train_runs_a_zbv_pipeline(tmp_path):
+    result = loom("train", "--nproc", "2", "--parallel.pp=2", "--parallel.schedule=zbv",
+                  "--model.preset=debug", "--train.steps=2", "--train.global_batch_size=4",
+                  "--train.micro_batch_size=1", "--data.seq_len=32", "--data.max_bytes=100000",
+                  "--train.eval_every=2", "--optim.warmup_steps=1", "--metrics.tensorboard=false",
+                  "--metrics.plot=false", "--train.run_dir=runs/pp", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "runs" / "pp" / "model.safetensors").exists()
+
+
+def test_loom_train_rejects_an_unschedulable_pipeline_before_starting(tmp_path):
+    result = loom("train", "--nproc", "2", "--parallel.pp=2", "--parallel.schedule=dualpipev",
+                  "--train.global_batch_size=2", "--train.micro_batch_size=1",
+                  "--train.run_dir=runs/bad", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "parallel.schedule='dualpipev'" in result.stderr and "m = " in result.stderr
+    assert not (tmp_path / "runs").exists()

@@ -1,0 +1,85 @@
+"""The pipeline rules of loom.config: schedule family, chunks, layers per stage, microbatches.
+
+Every refused config names the field, the value and the rule (``config error: FIELD=VALUE:
+RULE``); the valid ones resolve. ``loom train`` turns these errors into exit code 2 before any
+process starts (checked end to end in tests/dist/test_pipeline_parity.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loom.config import ConfigError, load_config, resolve
+
+torch.set_num_threads(1)
+
+PP2 = {"parallel.pp": "2", "train.global_batch_size": "8", "train.micro_batch_size": "1"}
+
+# Columns: overrides, world size, field named, "field=value" as printed, words of the rule.
+REJECTED = [
+    ({**PP2, "parallel.schedule": "zbvv"}, 2, "parallel.schedule", "parallel.schedule='zbvv'",
+     ["unknown schedule", "known: gpipe, 1f1b", "did you mean 'zbv'?"]),
+    ({**PP2, "parallel.schedule": "interleaved"}, 2, "parallel.schedule",
+     "parallel.schedule='interleaved'", ["unknown schedule", "did you mean 'interleaved_1f1b'?"]),
+    ({**PP2, "parallel.chunks": "-1"}, 2, "parallel.chunks", "parallel.chunks=-1",
+     ["must be >= 0", "family's default"]),
+    ({**PP2, "parallel.schedule": "zbv", "parallel.chunks": "3"}, 2, "parallel.chunks",
+     "parallel.chunks=3", ["'zbv' places a fixed 2 stage(s) per rank", "use chunks = 0 or 2"]),
+    ({**PP2, "parallel.schedule": "1f1b", "parallel.chunks": "2"}, 2, "parallel.chunks",
+     "parallel.chunks=2", ["fixed 1 stage(s) per rank"]),
+    # Layers: pp alone, then the stages a family with several chunks per rank needs.
+    ({**PP2, "parallel.pp": "8"}, 8, "parallel.pp", "parallel.pp=8",
+     ["must not exceed model.n_layers = 4"]),
+    ({**PP2, "parallel.pp": "4", "parallel.schedule": "zbv"}, 4, "parallel.schedule",
+     "parallel.schedule='zbv'", ["8 stages (pp = 4 x 2 per rank)", "model.n_layers >= 8, got 4"]),
+    ({**PP2, "parallel.schedule": "looped_bfs", "parallel.chunks": "3"}, 2, "parallel.chunks",
+     "parallel.chunks=3", ["6 stages", "model.n_layers >= 6, got 4"]),
+    # Microbatches per pipeline m = global_batch_size / (dp * micro_batch_size).
+    ({**PP2, "parallel.schedule": "dualpipev", "train.global_batch_size": "3"}, 2,
+     "parallel.schedule", "parallel.schedule='dualpipev'",
+     ["m = global_batch_size / (dp * micro_batch_size) = 3 / (1 * 1) = 3",
+      "needs microbatches >= 4 for pp_size=2"]),
+    ({**PP2, "parallel.pp": "4", "model.n_layers": "8", "parallel.schedule": "interleaved_1f1b",
+      "train.global_batch_size": "6"}, 8, "parallel.schedule",
+     "parallel.schedule='interleaved_1f1b'",
+     ["= 6 / (2 * 1) = 3", "needs microbatches >= 4 for pp_size=4"]),
+    # Pipelines still cannot be combined with what is not implemented yet.
+    ({**PP2, "parallel.tp": "2"}, 4, "parallel.tp", "parallel.tp=2",
+     ["pipeline parallelism (pp)", "tp > 1 is not implemented"]),
+    ({**PP2, "model.tie_embeddings": "true"}, 2, "model.tie_embeddings",
+     "model.tie_embeddings=True", ["use pp = 1"]),
+]
+
+
+@pytest.mark.parametrize("overrides, world_size, field_name, field_and_value, rule_words",
+                         REJECTED, ids=[f"{i:02d}-{case[2]}" for i, case in enumerate(REJECTED)])
+def test_bad_pipeline_config_is_refused(overrides, world_size, field_name, field_and_value,
+                                        rule_words) -> None:
+    with pytest.raises(ConfigError) as info:
+        resolve(load_config(None, overrides), world_size)
+    message = str(info.value)
+    assert info.value.field_name == field_name, message
+    assert field_and_value in message
+    for words in rule_words:
+        assert words in message, f"{words!r} not in {message!r}"
+
+
+@pytest.mark.parametrize("overrides, world_size", [
+    (PP2, 2),
+    ({**PP2, "parallel.schedule": "zbv"}, 2),
+    ({**PP2, "parallel.schedule": "zbv", "parallel.chunks": "2"}, 2),
+    ({**PP2, "parallel.schedule": "interleaved-1F1B", "parallel.chunks": "2"}, 4),
+    ({**PP2, "parallel.schedule": "dualpipev"}, 2),  # m = 8 >= 2p
+    ({**PP2, "parallel.pp": "4", "model.n_layers": "8", "parallel.schedule": "v_min"}, 8),
+    # With pp = 1 the schedule is not used, but its name is still checked; chunks are ignored.
+    ({"parallel.schedule": "gpipe", "parallel.chunks": "5"}, 1),
+])
+def test_valid_pipeline_configs_resolve(overrides, world_size) -> None:
+    config = resolve(load_config(None, overrides), world_size)
+    assert config.parallel.pp * config.parallel.dp == world_size
+
+
+def test_defaults_are_1f1b_with_the_family_chunks() -> None:
+    config = load_config(None, {})
+    assert (config.parallel.schedule, config.parallel.chunks) == ("1f1b", 0)
