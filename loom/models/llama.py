@@ -11,9 +11,11 @@ Three seams make that possible:
   and checkpoints layout-independent);
 * attention reshapes with ``-1`` heads, so tensor parallelism can shard the projections by heads
   without touching this file;
-* ``Attention.core`` (scaled dot-product attention on ``[B, N, S, Hd]``) is an attribute that
-  context parallelism can swap for a distributed implementation, and ``forward`` takes explicit
-  token ``positions`` so RoPE stays correct when the sequence is sharded.
+* ``Attention.core`` (causal attention of ``[B, N, S, Hd]`` queries on ``[B, K, S, Hd]`` keys and
+  values, K dividing N: the key/value heads are *not* repeated yet, so a distributed core can move
+  K heads instead of N) is an attribute that context parallelism can swap for a distributed
+  implementation, and ``forward`` takes explicit token ``positions`` so RoPE stays correct when
+  the sequence is sharded.
 
 Shape legend: B batch, S sequence, D model dim, N query heads, K key/value heads, Hd head dim,
 F MLP hidden dim, V vocabulary.
@@ -51,8 +53,11 @@ class TransformerArgs:
         return self.dim // self.n_heads
 
 
-def sdpa_causal(q_BNSH: torch.Tensor, k_BNSH: torch.Tensor, v_BNSH: torch.Tensor) -> torch.Tensor:
-    """Causal attention on one device; key/value heads are already repeated to match the queries."""
+def sdpa_causal(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor) -> torch.Tensor:
+    """Causal attention on one device; each of the K key/value heads serves N/K query heads."""
+    group = q_BNSH.shape[1] // k_BKSH.shape[1]  # query heads per key/value head
+    k_BNSH = k_BKSH.repeat_interleave(group, dim=1)
+    v_BNSH = v_BKSH.repeat_interleave(group, dim=1)
     return F.scaled_dot_product_attention(q_BNSH, k_BNSH, v_BNSH, is_causal=True)
 
 
@@ -82,7 +87,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        # The seam for context parallelism: any callable with sdpa_causal's signature.
+        # The seam for context parallelism: any callable with sdpa_causal's signature
+        # (queries [B, N, S, Hd], un-repeated keys/values [B, K, S, Hd], causal over S).
         self.core: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = sdpa_causal
 
     def forward(self, x_BSD: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) -> torch.Tensor:
@@ -91,9 +97,7 @@ class Attention(nn.Module):
         k = self.wk(x_BSD).view(B, S, -1, self.head_dim)
         v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
         q, k = apply_rope(q, cos_SH, sin_SH), apply_rope(k, cos_SH, sin_SH)
-        group = q.shape[2] // k.shape[2]  # query heads per key/value head
-        k = k.repeat_interleave(group, dim=2)
-        v = v.repeat_interleave(group, dim=2)
+        # Key/value heads go to the core un-repeated (GQA): context parallelism then moves K heads.
         out_BNSH = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out_BNSH.transpose(1, 2).reshape(B, S, -1))
 

@@ -1,0 +1,243 @@
+"""Context parallelism on the ``cp`` mesh axis: the sequence of every sample is split over cp ranks.
+
+Three modes, one layout ``CPLayout(size=cp, ulysses=u)`` with ``cp = u * r``:
+
+=========  ====  ====  ==========================================================================
+mode       u     r     attention
+=========  ====  ====  ==========================================================================
+ulysses    cp    1     all-to-all sequence shards -> head shards, local causal attention, back
+ring       1     cp    ring attention over zig-zag shards (``loom.parallel.ring_attention``)
+hybrid     u     cp/u  Ulysses inside groups of u consecutive cp ranks, ring across the r groups
+=========  ====  ====  ==========================================================================
+
+Sharding (``sequence_positions``): the sequence is cut into ``2r`` chunks, ring group ``j`` holds
+chunks ``j`` and ``2r-1-j`` (zig-zag, so causal work is balanced) and the ``u`` ranks of the
+group hold consecutive ``1/u`` slices of that pair. For ``r = 1`` this is plain contiguous
+sharding, which is what Ulysses wants: its all-to-all gathers the group's tokens in rank order,
+so the gathered sequence is in global order and the ordinary causal mask is right. Inputs and
+targets are sharded identically; RoPE gets the global ``positions``.
+
+Collectives per layer, per rank (S_loc = S/cp tokens, fp32 4-byte elements, N/K query/kv heads
+local to the cp group, Hd head dim), all counted in the ``CommLedger`` under axis ``cp``:
+
+* Ulysses forward: 4 all-to-alls (q, k, v, out) of ``B*S_loc*(2N+2K)*Hd`` elements in all;
+  backward: the same 4 inverse all-to-alls on the gradients. Wire bytes ``(u-1)/u`` of that.
+* ring forward: ``r-1`` sends of the key/value block ``2*B*(K/u)*(S/r)*Hd``; backward
+  ``2(r-1)`` sends of that size (key/value again, and the travelling dK/dV sum).
+* Gradients of the (replicated) parameters: averaged over cp, by ``reduce_gradients_over_cp``
+  (one all-reduce per parameter) or, in the trainer, by DDP over the flattened ``dp x cp`` group.
+
+The loss is the mean over local tokens; every cp rank has the same token count, so the mean of
+the cp ranks' losses is the global mean, and averaging gradients over cp gives its gradient.
+
+Degree 1: ``apply_context_parallel`` returns the model untouched; nothing is communicated.
+Why hand-written: torch's context parallelism has no CPU backward and no causal load balancing
+we can run on gloo. The model never imports any of this: only ``Attention.core`` is swapped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.models.llama import sdpa_causal
+from loom.parallel import comm
+from loom.parallel.comm import CommLedger
+from loom.parallel.ring_attention import Ring, ring_attention, zigzag_positions
+
+Mode = Literal["ulysses", "ring", "hybrid"]
+MODES: tuple[str, ...] = ("ulysses", "ring", "hybrid")
+
+
+@dataclass(frozen=True)
+class CPLayout:
+    """cp = ulysses x ring; Ulysses groups are runs of ``ulysses`` consecutive cp ranks."""
+
+    size: int
+    ulysses: int
+
+    @property
+    def ring(self) -> int:
+        return self.size // self.ulysses
+
+    @classmethod
+    def from_mode(cls, mode: Mode, size: int, ulysses_degree: int = 0) -> "CPLayout":
+        """``ulysses_degree`` is only read for ``hybrid``; 0 picks the largest divisor u of cp
+        with u <= cp/u (cp=4 -> 2x2, cp=8 -> 2x4; cp=2 -> 1x2, i.e. ring)."""
+        if mode not in MODES:
+            raise ValueError(f"context parallel mode {mode!r} is not one of {MODES}")
+        if mode == "ulysses":
+            return cls(size, size)
+        if mode == "ring":
+            return cls(size, 1)
+        u = ulysses_degree or max(d for d in range(1, size + 1) if size % d == 0 and d * d <= size)
+        if size % u:
+            raise ValueError(f"ulysses degree {u} does not divide cp degree {size}")
+        return cls(size, u)
+
+
+def check_layout(layout: CPLayout, seq_len: int, n_heads: int, n_kv_heads: int) -> None:
+    """The rules a config must satisfy; raises ``ValueError`` naming the value and the rule.
+    ``n_heads``/``n_kv_heads`` are the heads one cp rank holds before Ulysses (divide by tp)."""
+    cp, u, r = layout.size, layout.ulysses, layout.ring
+    multiple = cp * 2 if r > 1 else cp  # zig-zag: 2r chunks, each pair split u ways
+    if seq_len % multiple:
+        nearest = max(multiple, round(seq_len / multiple) * multiple)
+        raise ValueError(f"seq_len={seq_len} must be divisible by {multiple} "
+                         f"({'2 * cp for zig-zag ring' if r > 1 else 'cp'}); nearest: {nearest}")
+    for name, heads in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
+        if heads % u:
+            raise ValueError(f"{name}={heads} must be divisible by the Ulysses degree {u} "
+                             f"(all-to-all splits heads over the Ulysses group)")
+
+
+def sequence_positions(seq_len: int, cp_rank: int, layout: CPLayout) -> torch.Tensor:
+    """Global positions (int64 ``[seq_len / cp]``) of the tokens ``cp_rank`` holds, in order."""
+    ring_rank, ulysses_rank = divmod(cp_rank, layout.ulysses)
+    pair = zigzag_positions(seq_len, ring_rank, layout.ring)  # r=1: the whole sequence
+    return pair.chunk(layout.ulysses)[ulysses_rank]
+
+
+def shard_sequence(tokens_BS: torch.Tensor, cp_rank: int,
+                   layout: CPLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's tokens (``[B, S/cp]``) and their global positions (for RoPE). Shard targets
+    with the same call."""
+    positions = sequence_positions(tokens_BS.shape[1], cp_rank, layout).to(tokens_BS.device)
+    return tokens_BS[:, positions], positions
+
+
+# -- Ulysses all-to-all -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Group:
+    group: Any
+    ledger: CommLedger | None
+    axis: str = "cp"
+
+
+def _all_to_all(send: torch.Tensor, g: _Group) -> torch.Tensor:
+    received = torch.empty_like(send)
+    comm.all_to_all_single(received, send, g.group, axis=g.axis, ledger=g.ledger)
+    return received
+
+
+def _seq_to_heads(x_BNSH: torch.Tensor, g: _Group) -> torch.Tensor:
+    """[B, N, S/u, Hd] (all heads, my tokens) -> [B, N/u, S, Hd] (my heads, the group's tokens)."""
+    B, N, S, Hd = x_BNSH.shape
+    u = dist.get_world_size(g.group)
+    send = x_BNSH.reshape(B, u, N // u, S, Hd).transpose(0, 1).contiguous()  # chunk i -> rank i
+    received = _all_to_all(send, g)  # received[i]: rank i's tokens of my heads
+    return received.permute(1, 2, 0, 3, 4).reshape(B, N // u, u * S, Hd)
+
+
+def _heads_to_seq(x_BNSH: torch.Tensor, g: _Group) -> torch.Tensor:
+    """The inverse: [B, N/u, S, Hd] -> [B, N, S/u, Hd]."""
+    B, N, S, Hd = x_BNSH.shape
+    u = dist.get_world_size(g.group)
+    send = x_BNSH.reshape(B, N, u, S // u, Hd).permute(2, 0, 1, 3, 4).contiguous()
+    received = _all_to_all(send, g)  # received[i]: my tokens of rank i's heads
+    return received.transpose(0, 1).reshape(B, u * N, S // u, Hd)
+
+
+class _Redistribute(torch.autograd.Function):
+    """One all-to-all layout change; its backward is the inverse change of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, g: _Group, to_heads: bool) -> torch.Tensor:
+        ctx.g, ctx.to_heads = g, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, g)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad, ctx.g), None, None
+
+
+# -- groups and the attention core --------------------------------------------------------------
+@dataclass(frozen=True)
+class CPGroups:
+    """This rank's context-parallel process groups. ``ulysses``/``ring`` are ``None`` at degree 1."""
+
+    layout: CPLayout
+    cp_rank: int
+    cp: Any
+    ulysses: Any
+    ring: Any
+    ring_ranks: tuple[int, ...]
+
+
+def new_cp_groups(cp_rank_groups: Sequence[Sequence[int]], layout: CPLayout,
+                  rank: int) -> CPGroups:
+    """Create the cp, Ulysses and ring groups of every cp group (e.g. ``RankGrid.groups("cp")``,
+    each listing global ranks in cp order). Collective: every rank of the default group must call
+    it with the same arguments (``new_group`` is; gloo has no ``split_group``)."""
+    u, r = layout.ulysses, layout.ring
+    mine: dict[str, Any] = {}
+    for ranks in cp_rank_groups:
+        ranks = list(ranks)
+        if len(ranks) != layout.size:
+            raise ValueError(f"cp group {ranks} has {len(ranks)} ranks, layout says {layout.size}")
+        cp_group = dist.new_group(ranks)
+        if rank in ranks:
+            mine.update(cp=cp_group, cp_rank=ranks.index(rank))
+        for i in range(r):  # Ulysses: u consecutive cp ranks
+            members = ranks[i * u:(i + 1) * u]
+            group = dist.new_group(members) if u > 1 else None
+            if rank in members:
+                mine["ulysses"] = group
+        for t in range(u):  # ring: every u-th cp rank
+            members = ranks[t::u]
+            group = dist.new_group(members) if r > 1 else None
+            if rank in members:
+                mine.update(ring=group, ring_ranks=tuple(members))
+    return CPGroups(layout=layout, **mine)
+
+
+class ContextParallelAttention:
+    """A drop-in ``Attention.core``: queries ``[B, N, S/cp, Hd]``, un-repeated keys/values
+    ``[B, K, S/cp, Hd]`` of this rank's shard -> its attention output ``[B, N, S/cp, Hd]``."""
+
+    def __init__(self, groups: CPGroups, ledger: CommLedger | None = None, axis: str = "cp"):
+        self.ulysses = _Group(groups.ulysses, ledger, axis) if groups.layout.ulysses > 1 else None
+        self.ring = None
+        if groups.layout.ring > 1:
+            self.ring = Ring(groups.ring, groups.ring_ranks,
+                             groups.cp_rank // groups.layout.ulysses, ledger, axis)
+
+    def __call__(self, q_BNSH: torch.Tensor, k_BKSH: torch.Tensor,
+                 v_BKSH: torch.Tensor) -> torch.Tensor:
+        if self.ulysses is not None:
+            q_BNSH, k_BKSH, v_BKSH = (_Redistribute.apply(t, self.ulysses, True)
+                                      for t in (q_BNSH, k_BKSH, v_BKSH))
+        if self.ring is not None:
+            out_BNSH = ring_attention(q_BNSH, k_BKSH, v_BKSH, self.ring)
+        else:  # Ulysses only: the whole sequence, in global order, for my heads
+            out_BNSH = sdpa_causal(q_BNSH, k_BKSH, v_BKSH)
+        if self.ulysses is not None:
+            out_BNSH = _Redistribute.apply(out_BNSH, self.ulysses, False)
+        return out_BNSH
+
+
+def apply_context_parallel(model: nn.Module, groups: CPGroups,
+                           ledger: CommLedger | None = None) -> nn.Module:
+    """Swap every attention core of ``model`` for the cp one; identity at cp degree 1."""
+    if groups.layout.size == 1:
+        return model
+    core = ContextParallelAttention(groups, ledger)
+    for layer in model.layers.values():
+        layer.attention.core = core
+    return model
+
+
+def reduce_gradients_over_cp(model: nn.Module, groups: CPGroups,
+                             ledger: CommLedger | None = None) -> None:
+    """Average every gradient over the cp group (sum / cp): each rank's loss is the mean over its
+    own equal share of tokens. In the trainer, DDP over the flattened dp x cp group does this."""
+    if groups.layout.size == 1:
+        return
+    for param in model.parameters():
+        if param.grad is not None:
+            comm.all_reduce(param.grad, groups.cp, axis="cp", ledger=ledger)
+            param.grad.div_(groups.layout.size)

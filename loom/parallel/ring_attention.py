@@ -1,0 +1,251 @@
+"""Ring attention: causal attention over a sequence sharded zig-zag across the ranks of a ring.
+
+Mesh axis: ``cp`` (the whole cp group for ``mode="ring"``, the ring sub-group of a hybrid layout).
+
+Layout. The sequence is cut into ``2r`` equal chunks and ring rank ``j`` holds chunks ``j`` and
+``2r-1-j`` (zig-zag), concatenated in that order: every rank then owns the same amount of causal
+work, and each step of the ring is one of three block shapes (``block_kind``):
+
+* step 0, own keys: ``diagonal``, plain causal attention on the local ``2c`` tokens (the local
+  order is increasing in global position, so the usual lower triangle is the right mask);
+* keys from a lower ring rank: ``kv_first_half``, every local query sees the sender's first chunk
+  in full and none of its second one;
+* keys from a higher ring rank: ``q_second_half``, only the local second chunk attends, to all
+  of the sender's keys, unmasked.
+
+Each non-diagonal step is exactly half of a full block, so there is no idle half-masked work.
+
+Forward: ``r`` steps; at each one the key/value block travels one hop around the ring
+(``isend`` to the next rank, ``irecv`` from the previous, posted *before* the block is computed so
+transfer overlaps compute), and the block's output is merged into the running output with the
+online softmax (running log-sum-exp). ``r-1`` sends of ``2 * B*K*S_loc*Hd`` elements per layer.
+
+Backward (the flash/ring-attention backward): blocks are recomputed from the saved queries, keys,
+values, output and final log-sum-exp; ``dQ`` accumulates locally; the key/value blocks go around
+the ring again (``r-1`` sends), and the ``dK, dV`` of the block a rank holds travels with it as a
+running sum that reaches its owner after ``r-1`` hops (``r-1`` sends of the same size): the owner's
+own diagonal contribution never leaves it. Per layer and step, ring traffic is therefore
+``3 (r-1)`` sends of ``2 * B*K*S_loc*Hd`` elements per rank.
+
+Keys and values are *not* repeated to the query heads (the model hands them over un-repeated), so
+the ring carries ``K`` heads, a factor ``N/K`` less than repeated keys would; the block math
+broadcasts each key head over its ``N/K`` query heads.
+
+Degree 1: ``ring_attention`` is plain causal attention (one diagonal block), no communication.
+
+Why hand-written: torch's context-parallel attention (``torch.distributed.tensor.experimental``)
+has no CPU backward and no causal load balancing we could test on gloo; this file is plain torch
+math (fp32 accumulation) plus point-to-point messages through ``loom.parallel.comm``.
+
+Shape legend: B batch, N query heads, K key/value heads, G = N/K, Sq/Sk query/key tokens of a
+block, Hd head dim, r ring size, c chunk length (S_loc = 2c tokens per rank).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from loom.parallel import comm
+from loom.parallel.comm import CommLedger
+
+BlockKind = Literal["diagonal", "kv_first_half", "q_second_half"]
+KV_TAG, DKV_TAG = 0, 1  # separate tags keep key/value blocks and gradient sums from crossing
+
+
+def zigzag_positions(seq_len: int, ring_rank: int, ring_size: int) -> torch.Tensor:
+    """Global positions held by ``ring_rank``: chunks ``j`` and ``2r-1-j`` of ``2r``, in order."""
+    if seq_len % (2 * ring_size):
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2 * ring size "
+                         f"{2 * ring_size} (zig-zag needs 2 equal chunks per rank)")
+    chunk = seq_len // (2 * ring_size)
+    first, second = ring_rank * chunk, (2 * ring_size - 1 - ring_rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+
+
+def block_kind(q_rank: int, kv_rank: int) -> BlockKind:
+    """Which part of a zig-zag block is causal-visible (see the module docstring)."""
+    if q_rank == kv_rank:
+        return "diagonal"
+    return "kv_first_half" if kv_rank < q_rank else "q_second_half"
+
+
+def block_slices(kind: BlockKind, local_len: int) -> tuple[slice, slice, bool]:
+    """(query rows, key columns, causal?) of a block of ``local_len`` queries and keys."""
+    half, every = local_len // 2, slice(None)
+    if kind == "diagonal":
+        return every, every, True
+    if kind == "kv_first_half":
+        return every, slice(0, half), False
+    return slice(half, None), every, False
+
+
+def _scores(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Scaled scores ``[B, K, G, Sq, Sk]`` (fp32); each key head broadcasts over its G queries."""
+    B, N, Sq, Hd = q_BNSH.shape
+    K = k_BKSH.shape[1]
+    q_BKGSH = q_BNSH.float().view(B, K, N // K, Sq, Hd)
+    scores = q_BKGSH @ k_BKSH.float().unsqueeze(2).transpose(-1, -2) / math.sqrt(Hd)
+    if causal:
+        Sk = k_BKSH.shape[2]
+        future = torch.ones(Sq, Sk, dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return scores
+
+
+def attend_block(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
+                 causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of one block: output ``[B, N, Sq, Hd]`` and log-sum-exp ``[B, N, Sq]``,
+    both fp32. Every query row must see at least one key (true of all three zig-zag blocks)."""
+    B, N, Sq, Hd = q_BNSH.shape
+    scores = _scores(q_BNSH, k_BKSH, causal)
+    lse = scores.logsumexp(-1)
+    out = torch.exp(scores - lse.unsqueeze(-1)) @ v_BKSH.float().unsqueeze(2)
+    return out.reshape(B, N, Sq, Hd), lse.reshape(B, N, Sq)
+
+
+def merge_block(out_BNSH: torch.Tensor, lse_BNS: torch.Tensor, block_out_BNSH: torch.Tensor,
+                block_lse_BNS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online softmax: combine two partial attentions over disjoint key sets. A running
+    ``lse = -inf`` (no keys yet) takes the block as it is."""
+    lse = torch.logaddexp(lse_BNS, block_lse_BNS)
+    out = (out_BNSH * torch.exp(lse_BNS - lse).unsqueeze(-1)
+           + block_out_BNSH * torch.exp(block_lse_BNS - lse).unsqueeze(-1))
+    return out, lse
+
+
+def attend_block_backward(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
+                          dout_BNSH: torch.Tensor, lse_BNS: torch.Tensor, delta_BNS: torch.Tensor,
+                          causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one block given the *final* log-sum-exp and ``delta = sum(dout * out, -1)``
+    of the rows (the flash-attention backward): ``dq [B,N,Sq,Hd]``, ``dk, dv [B,K,Sk,Hd]``, fp32."""
+    B, N, Sq, Hd = q_BNSH.shape
+    K = k_BKSH.shape[1]
+    G = N // K
+    probs = torch.exp(_scores(q_BNSH, k_BKSH, causal) - lse_BNS.view(B, K, G, Sq, 1))
+    dout_BKGSH = dout_BNSH.float().view(B, K, G, Sq, Hd)
+    dv = (probs.transpose(-1, -2) @ dout_BKGSH).sum(2)
+    dprobs = dout_BKGSH @ v_BKSH.float().unsqueeze(2).transpose(-1, -2)
+    dscores = probs * (dprobs - delta_BNS.view(B, K, G, Sq, 1)) / math.sqrt(Hd)
+    dq = (dscores @ k_BKSH.float().unsqueeze(2)).reshape(B, N, Sq, Hd)
+    dk = (dscores.transpose(-1, -2) @ q_BNSH.float().view(B, K, G, Sq, Hd)).sum(2)
+    return dq, dk, dv
+
+
+@dataclass(frozen=True)
+class Ring:
+    """This rank's ring: the process group, its members' global ranks in ring order, and where
+    messages are counted (``ledger`` under ``axis``)."""
+
+    group: Any
+    ranks: tuple[int, ...]
+    index: int
+    ledger: CommLedger | None = None
+    axis: str = "cp"
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def next(self) -> int:
+        return self.ranks[(self.index + 1) % self.size]
+
+    @property
+    def prev(self) -> int:
+        return self.ranks[(self.index - 1) % self.size]
+
+    def send(self, tensor: torch.Tensor, tag: int) -> Any:
+        return comm.isend(tensor, self.next, self.group, axis=self.axis, ledger=self.ledger, tag=tag)
+
+    def recv(self, tensor: torch.Tensor, tag: int) -> Any:
+        return comm.irecv(tensor, self.prev, self.group, axis=self.axis, ledger=self.ledger, tag=tag)
+
+    def shift(self, tensor: torch.Tensor, tag: int) -> tuple[torch.Tensor, list[Any]]:
+        """Start passing ``tensor`` to the next rank; return the buffer the previous rank's
+        tensor will land in and the requests to wait on."""
+        buffer = torch.empty_like(tensor)
+        return buffer, [self.send(tensor, tag), self.recv(buffer, tag)]
+
+
+def _wait(requests: list[Any]) -> None:
+    for request in requests:
+        request.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
+                ring: Ring) -> torch.Tensor:
+        B, N, S, Hd = q_BNSH.shape
+        out = torch.zeros(B, N, S, Hd, dtype=torch.float32, device=q_BNSH.device)
+        lse = torch.full((B, N, S), float("-inf"), dtype=torch.float32, device=q_BNSH.device)
+        kv = torch.stack([k_BKSH, v_BKSH]).contiguous()  # one message per hop, not two
+        for step in range(ring.size):
+            last = step == ring.size - 1
+            if not last:  # post the transfer first: it overlaps the block below
+                incoming, requests = ring.shift(kv, KV_TAG)
+            rows, cols, causal = block_slices(
+                block_kind(ring.index, (ring.index - step) % ring.size), S)
+            block_out, block_lse = attend_block(q_BNSH[:, :, rows], kv[0][:, :, cols],
+                                                kv[1][:, :, cols], causal)
+            out[:, :, rows], lse[:, :, rows] = merge_block(out[:, :, rows], lse[:, :, rows],
+                                                           block_out, block_lse)
+            if not last:
+                _wait(requests)
+                kv = incoming
+        ctx.ring = ring
+        ctx.save_for_backward(q_BNSH, k_BKSH, v_BKSH, out, lse)
+        return out.to(q_BNSH.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dout_BNSH: torch.Tensor):
+        ring: Ring = ctx.ring
+        q_BNSH, k_BKSH, v_BKSH, out, lse = ctx.saved_tensors
+        S = q_BNSH.shape[2]
+        delta = (dout_BNSH.float() * out).sum(-1)
+        dq = torch.zeros_like(out)
+        kv = torch.stack([k_BKSH, v_BKSH]).contiguous()
+        own = None  # dK/dV of this rank's block from its own queries; never travels
+        pending_sum: list[Any] = []  # irecv of the running dK/dV sum for the next block
+        sends: list[tuple[Any, torch.Tensor]] = []  # keep sent tensors alive until delivered
+        incoming_sum = None
+        for step in range(ring.size):
+            last = step == ring.size - 1
+            if not last:
+                incoming, requests = ring.shift(kv, KV_TAG)
+            rows, cols, causal = block_slices(
+                block_kind(ring.index, (ring.index - step) % ring.size), S)
+            dq_b, dk_b, dv_b = attend_block_backward(
+                q_BNSH[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], dout_BNSH[:, :, rows],
+                lse[:, :, rows], delta[:, :, rows], causal)
+            dq[:, :, rows] += dq_b
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            dkv[0][:, :, cols], dkv[1][:, :, cols] = dk_b, dv_b
+            if step == 0:
+                own = dkv
+            else:
+                if step >= 2:  # the previous ranks' share of this block's gradient
+                    _wait(pending_sum)
+                    dkv += incoming_sum
+                # Pass the running sum on; after r-1 hops it reaches the block's owner.
+                sends.append((ring.send(dkv, DKV_TAG), dkv))
+                incoming_sum = torch.empty_like(dkv)
+                pending_sum = [ring.recv(incoming_sum, DKV_TAG)]
+            if not last:
+                _wait(requests)
+                kv = incoming
+        if ring.size > 1:
+            _wait(pending_sum)  # the sum over every other rank's queries, for this rank's keys
+            own = own + incoming_sum
+        _wait([request for request, _ in sends])
+        return (dq.to(q_BNSH.dtype), own[0].to(k_BKSH.dtype), own[1].to(v_BKSH.dtype), None)
+
+
+def ring_attention(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
+                   ring: Ring) -> torch.Tensor:
+    """Causal attention of this rank's zig-zag shard against the whole ring's keys and values."""
+    return _RingAttention.apply(q_BNSH, k_BKSH, v_BKSH, ring)
