@@ -173,6 +173,8 @@ def new_cp_groups(cp_rank_groups: Sequence[Sequence[int]], layout: CPLayout,
     """Create the cp, Ulysses and ring groups of every cp group (e.g. ``RankGrid.groups("cp")``,
     each listing global ranks in cp order). Collective: every rank of the default group must call
     it with the same arguments (``new_group`` is; gloo has no ``split_group``)."""
+    if layout.size == 1:  # nothing to create; the model is left untouched
+        return CPGroups(layout, 0, None, None, None, (rank,))
     u, r = layout.ulysses, layout.ring
     mine: dict[str, Any] = {}
     for ranks in cp_rank_groups:

@@ -34,8 +34,9 @@ broadcasts each key head over its ``N/K`` query heads.
 Degree 1: ``ring_attention`` is plain causal attention (one diagonal block), no communication.
 
 Why hand-written: torch's context-parallel attention (``torch.distributed.tensor.experimental``)
-has no CPU backward and no causal load balancing we could test on gloo; this file is plain torch
-math (fp32 accumulation) plus point-to-point messages through ``loom.parallel.comm``.
+has no CPU backward and no causal load balancing we could test on gloo; this file is the block
+math (torch's CPU flash kernels, which expose the log-sum-exp, or plain fp32 torch elsewhere),
+the online-softmax merge and point-to-point messages through ``loom.parallel.comm``.
 
 Shape legend: B batch, N query heads, K key/value heads, G = N/K, Sq/Sk query/key tokens of a
 block, Hd head dim, r ring size, c chunk length (S_loc = 2c tokens per rank).
@@ -96,15 +97,42 @@ def _scores(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, causal: bool) -> torch.T
     return scores
 
 
-def attend_block(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
-                 causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_block_math(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
+                      causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of one block: output ``[B, N, Sq, Hd]`` and log-sum-exp ``[B, N, Sq]``,
-    both fp32. Every query row must see at least one key (true of all three zig-zag blocks)."""
+    both fp32, in plain torch (the reference, and the path off the CPU). Every query row must see
+    at least one key (true of all three zig-zag blocks)."""
     B, N, Sq, Hd = q_BNSH.shape
     scores = _scores(q_BNSH, k_BKSH, causal)
     lse = scores.logsumexp(-1)
     out = torch.exp(scores - lse.unsqueeze(-1)) @ v_BKSH.float().unsqueeze(2)
     return out.reshape(B, N, Sq, Hd), lse.reshape(B, N, Sq)
+
+
+# torch's CPU flash-attention kernels return and accept the log-sum-exp the ring needs; ~10x the
+# plain math above at S=2048 (bench/context_parallel.py). Private ops, hence the fallback.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BACKWARD = getattr(torch.ops.aten,
+                              "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _use_flash(q_BNSH: torch.Tensor) -> bool:
+    return q_BNSH.device.type == "cpu" and _FLASH_CPU_BACKWARD is not None
+
+
+def _repeat_heads(x_BKSH: torch.Tensor, group: int) -> torch.Tensor:
+    return x_BKSH.float().repeat_interleave(group, dim=1).contiguous()
+
+
+def attend_block(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
+                 causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attend_block_math``'s result, from torch's flash kernel where there is one."""
+    if not _use_flash(q_BNSH):
+        return attend_block_math(q_BNSH, k_BKSH, v_BKSH, causal)
+    group = q_BNSH.shape[1] // k_BKSH.shape[1]
+    out, lse = _FLASH_CPU(q_BNSH.float().contiguous(), _repeat_heads(k_BKSH, group),
+                          _repeat_heads(v_BKSH, group), 0.0, causal)[:2]
+    return out, lse
 
 
 def merge_block(out_BNSH: torch.Tensor, lse_BNS: torch.Tensor, block_out_BNSH: torch.Tensor,
@@ -117,22 +145,41 @@ def merge_block(out_BNSH: torch.Tensor, lse_BNS: torch.Tensor, block_out_BNSH: t
     return out, lse
 
 
-def attend_block_backward(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
-                          dout_BNSH: torch.Tensor, lse_BNS: torch.Tensor, delta_BNS: torch.Tensor,
-                          causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of one block given the *final* log-sum-exp and ``delta = sum(dout * out, -1)``
-    of the rows (the flash-attention backward): ``dq [B,N,Sq,Hd]``, ``dk, dv [B,K,Sk,Hd]``, fp32."""
+def attend_block_backward_math(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
+                               out_BNSH: torch.Tensor, dout_BNSH: torch.Tensor,
+                               lse_BNS: torch.Tensor, causal: bool,
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one block given the rows' *final* output and log-sum-exp (the flash-attention
+    backward): ``dq [B,N,Sq,Hd]``, ``dk, dv [B,K,Sk,Hd]``, fp32."""
     B, N, Sq, Hd = q_BNSH.shape
     K = k_BKSH.shape[1]
     G = N // K
+    delta = (dout_BNSH.float() * out_BNSH.float()).sum(-1)  # = sum_k P dP, per query row
     probs = torch.exp(_scores(q_BNSH, k_BKSH, causal) - lse_BNS.view(B, K, G, Sq, 1))
     dout_BKGSH = dout_BNSH.float().view(B, K, G, Sq, Hd)
     dv = (probs.transpose(-1, -2) @ dout_BKGSH).sum(2)
     dprobs = dout_BKGSH @ v_BKSH.float().unsqueeze(2).transpose(-1, -2)
-    dscores = probs * (dprobs - delta_BNS.view(B, K, G, Sq, 1)) / math.sqrt(Hd)
+    dscores = probs * (dprobs - delta.view(B, K, G, Sq, 1)) / math.sqrt(Hd)
     dq = (dscores @ k_BKSH.float().unsqueeze(2)).reshape(B, N, Sq, Hd)
     dk = (dscores.transpose(-1, -2) @ q_BNSH.float().view(B, K, G, Sq, Hd)).sum(2)
     return dq, dk, dv
+
+
+def attend_block_backward(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
+                          out_BNSH: torch.Tensor, dout_BNSH: torch.Tensor, lse_BNS: torch.Tensor,
+                          causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``attend_block_backward_math``'s result, from torch's flash kernel where there is one."""
+    if not _use_flash(q_BNSH):
+        return attend_block_backward_math(q_BNSH, k_BKSH, v_BKSH, out_BNSH, dout_BNSH, lse_BNS,
+                                          causal)
+    B, N, Sq, Hd = q_BNSH.shape
+    K, Sk = k_BKSH.shape[1], k_BKSH.shape[2]
+    dq, dk, dv = _FLASH_CPU_BACKWARD(
+        dout_BNSH.float().contiguous(), q_BNSH.float().contiguous(),
+        _repeat_heads(k_BKSH, N // K), _repeat_heads(v_BKSH, N // K),
+        out_BNSH.float().contiguous(), lse_BNS.float().contiguous(), 0.0, causal)
+    # Each key head served N/K query heads: its gradient is the sum over them.
+    return dq, dk.view(B, K, N // K, Sk, Hd).sum(2), dv.view(B, K, N // K, Sk, Hd).sum(2)
 
 
 @dataclass(frozen=True)
@@ -180,6 +227,13 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
                 ring: Ring) -> torch.Tensor:
+        with torch.autocast(q_BNSH.device.type, enabled=False):  # fp32 softmax statistics
+            out = _RingAttention._forward(ctx, q_BNSH, k_BKSH, v_BKSH, ring)
+        return out.to(q_BNSH.dtype)
+
+    @staticmethod
+    def _forward(ctx: Any, q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
+                 ring: Ring) -> torch.Tensor:
         B, N, S, Hd = q_BNSH.shape
         out = torch.zeros(B, N, S, Hd, dtype=torch.float32, device=q_BNSH.device)
         lse = torch.full((B, N, S), float("-inf"), dtype=torch.float32, device=q_BNSH.device)
@@ -199,14 +253,18 @@ class _RingAttention(torch.autograd.Function):
                 kv = incoming
         ctx.ring = ring
         ctx.save_for_backward(q_BNSH, k_BKSH, v_BKSH, out, lse)
-        return out.to(q_BNSH.dtype)
+        return out
 
     @staticmethod
     def backward(ctx: Any, dout_BNSH: torch.Tensor):
+        with torch.autocast(dout_BNSH.device.type, enabled=False):
+            return _RingAttention._backward(ctx, dout_BNSH)
+
+    @staticmethod
+    def _backward(ctx: Any, dout_BNSH: torch.Tensor):
         ring: Ring = ctx.ring
         q_BNSH, k_BKSH, v_BKSH, out, lse = ctx.saved_tensors
         S = q_BNSH.shape[2]
-        delta = (dout_BNSH.float() * out).sum(-1)
         dq = torch.zeros_like(out)
         kv = torch.stack([k_BKSH, v_BKSH]).contiguous()
         own = None  # dK/dV of this rank's block from its own queries; never travels
@@ -220,8 +278,8 @@ class _RingAttention(torch.autograd.Function):
             rows, cols, causal = block_slices(
                 block_kind(ring.index, (ring.index - step) % ring.size), S)
             dq_b, dk_b, dv_b = attend_block_backward(
-                q_BNSH[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], dout_BNSH[:, :, rows],
-                lse[:, :, rows], delta[:, :, rows], causal)
+                q_BNSH[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows],
+                dout_BNSH[:, :, rows], lse[:, :, rows], causal)
             dq[:, :, rows] += dq_b
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             dkv[0][:, :, cols], dkv[1][:, :, cols] = dk_b, dv_b

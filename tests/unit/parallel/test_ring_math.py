@@ -11,8 +11,10 @@ import torch
 
 from loom.models.llama import sdpa_causal
 from loom.parallel.context import CPLayout, check_layout, sequence_positions, shard_sequence
-from loom.parallel.ring_attention import (attend_block, attend_block_backward, block_kind,
-                                          block_slices, merge_block, zigzag_positions)
+from loom.parallel.ring_attention import (Ring, attend_block, attend_block_backward,
+                                          attend_block_backward_math, attend_block_math, block_kind,
+                                          block_slices, merge_block, ring_attention,
+                                          zigzag_positions)
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -101,11 +103,10 @@ def _simulated_ring(q, k, v, dout, r):
             o[:, :, rows], lse[:, :, rows] = merge_block(
                 o[:, :, rows], lse[:, :, rows], *attend_block(qj[:, :, rows], kc, vc, causal))
         out[:, :, pos[j]] = o
-        delta = (doj * o).sum(-1)
         for src, rows, cols, causal in plan:
             kc, vc = k[:, :, pos[src]][:, :, cols], v[:, :, pos[src]][:, :, cols]
-            dq_b, dk_b, dv_b = attend_block_backward(qj[:, :, rows], kc, vc, doj[:, :, rows],
-                                                     lse[:, :, rows], delta[:, :, rows], causal)
+            dq_b, dk_b, dv_b = attend_block_backward(qj[:, :, rows], kc, vc, o[:, :, rows],
+                                                     doj[:, :, rows], lse[:, :, rows], causal)
             dq[:, :, pos[j][rows]] += dq_b
             dk[:, :, pos[src][cols]] += dk_b
             dv[:, :, pos[src][cols]] += dv_b
@@ -127,3 +128,41 @@ def test_blockwise_ring_matches_sdpa_causal(r, n_kv):
     for name, got, want in (("out", out, ref), ("dq", dq, q.grad), ("dk", dk, k.grad),
                             ("dv", dv, v.grad)):
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_ring_of_one_is_causal_attention_and_keeps_fp32_statistics_under_autocast():
+    # A ring of one rank runs the autograd Function without any message: forward and backward
+    # must equal sdpa's; under bf16 autocast the softmax statistics must stay fp32 (autocast off
+    # inside), so the result is as close to the fp32 reference as bf16 inputs allow.
+    torch.manual_seed(3)
+    q = torch.randn(2, 4, 16, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2, 16, 8, requires_grad=True) for _ in range(2))
+    dout = torch.randn(2, 4, 16, 8)
+    ring = Ring(group=None, ranks=(0,), index=0)
+    got = ring_attention(q, k, v, ring)
+    grads = torch.autograd.grad(got, (q, k, v), dout)
+    want = sdpa_causal(q, k, v)
+    want_grads = torch.autograd.grad(want, (q, k, v), dout)
+    for g, w in zip((got, *grads), (want, *want_grads)):
+        torch.testing.assert_close(g, w, rtol=RTOL, atol=ATOL)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = ring_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), ring)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), want, rtol=0, atol=3e-2)
+
+
+@pytest.mark.parametrize("causal, sq, sk", [(True, 12, 12), (False, 6, 12), (False, 12, 6)])
+def test_flash_kernel_path_equals_the_plain_math(causal, sq, sk):
+    # The CPU path uses torch's flash kernels (they expose the log-sum-exp); the plain math is
+    # the reference and the path elsewhere. Same results up to rounding, GQA included.
+    torch.manual_seed(5)
+    q, dout = torch.randn(2, 4, sq, 8), torch.randn(2, 4, sq, 8)
+    k, v = torch.randn(2, 2, sk, 8), torch.randn(2, 2, sk, 8)
+    out, lse = attend_block(q, k, v, causal)
+    ref_out, ref_lse = attend_block_math(q, k, v, causal)
+    torch.testing.assert_close(out, ref_out, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(lse, ref_lse, rtol=RTOL, atol=ATOL)
+    got = attend_block_backward(q, k, v, out, dout, lse, causal)
+    want = attend_block_backward_math(q, k, v, out, dout, lse, causal)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=RTOL, atol=ATOL)
