@@ -84,6 +84,28 @@ def schedule_for(name: str, pp: int, microbatches: int, chunks: int = 0) -> Sche
     return schedule
 
 
+def incoming(schedule: Schedule, rank: int, action: Action) -> _Transfer | None:
+    """The receive ``action`` (on ``rank``) needs from another rank, if any."""
+    s, mb = action.stage, action.microbatch
+    if action.op is Op.F and s > 0 and schedule.rank_of(s - 1) != rank:
+        return _Transfer(s, mb, ACTIVATION, schedule.rank_of(s - 1))
+    if action.op in (Op.I, Op.B) and s < schedule.num_stages - 1 \
+            and schedule.rank_of(s + 1) != rank:
+        return _Transfer(s, mb, GRADIENT, schedule.rank_of(s + 1))
+    return None
+
+
+def outgoing(schedule: Schedule, action: Action) -> _Transfer | None:
+    """Where the result of ``action`` goes: a transfer into the neighbouring stage (its ``peer``
+    is the sender's own rank when the neighbour is local), or None at the ends and for W."""
+    s, mb = action.stage, action.microbatch
+    if action.op is Op.F and s < schedule.num_stages - 1:
+        return _Transfer(s + 1, mb, ACTIVATION, schedule.rank_of(s + 1))
+    if action.op in (Op.I, Op.B) and s > 0:
+        return _Transfer(s - 1, mb, GRADIENT, schedule.rank_of(s - 1))
+    return None
+
+
 def forward_only(schedule: Schedule) -> Schedule:
     """An F-only schedule with ``schedule``'s placement: each rank runs its stages in increasing
     order, every microbatch of a stage before the next (deadlock-free: data flows to higher
@@ -119,27 +141,6 @@ class PipelineRuntime:
         self.recv_lookahead = recv_lookahead
         self._reductions: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = []
 
-    # -- which transfers an action implies ----------------------------------------------------------
-    def _incoming(self, schedule: Schedule, action: Action) -> _Transfer | None:
-        """The receive ``action`` needs from another rank, if any."""
-        s, mb = action.stage, action.microbatch
-        if action.op is Op.F and s > 0 and schedule.rank_of(s - 1) != self.pp_rank:
-            return _Transfer(s, mb, ACTIVATION, schedule.rank_of(s - 1))
-        if action.op in (Op.I, Op.B) and s < schedule.num_stages - 1 \
-                and schedule.rank_of(s + 1) != self.pp_rank:
-            return _Transfer(s, mb, GRADIENT, schedule.rank_of(s + 1))
-        return None
-
-    def _outgoing(self, schedule: Schedule, action: Action) -> _Transfer | None:
-        """Where the result of ``action`` goes: a transfer into the neighbouring stage (its
-        ``peer`` is this rank when the neighbour is local), or None at the ends."""
-        s, mb = action.stage, action.microbatch
-        if action.op is Op.F and s < schedule.num_stages - 1:
-            return _Transfer(s + 1, mb, ACTIVATION, schedule.rank_of(s + 1))
-        if action.op in (Op.I, Op.B) and s > 0:
-            return _Transfer(s - 1, mb, GRADIENT, schedule.rank_of(s - 1))
-        return None
-
     # -- one step -----------------------------------------------------------------------------------
     def step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
              loss_fn: LossFn, *, schedule: Schedule | None = None, training: bool = True,
@@ -167,13 +168,13 @@ class PipelineRuntime:
         for index, action in enumerate(row):
             # Post the receives of the next few actions before computing this one.
             while next_to_post < min(len(row), index + 1 + self.recv_lookahead):
-                incoming = self._incoming(schedule, row[next_to_post])
-                if incoming is not None:
+                needed = incoming(schedule, self.pp_rank, row[next_to_post])
+                if needed is not None:
                     buffer = torch.empty(tuple(activation_shape), dtype=WIRE_DTYPE, device=device)
-                    work = dist.irecv(buffer, src=self.pp_ranks[incoming.peer],
+                    work = dist.irecv(buffer, src=self.pp_ranks[needed.peer],
                                       group=self.pp_group,
-                                      tag=incoming.tag(schedule.num_microbatches))
-                    posted[incoming] = (work, buffer)
+                                      tag=needed.tag(schedule.num_microbatches))
+                    posted[needed] = (work, buffer)
                 next_to_post += 1
             received = self._receive(schedule, action, posted, local)
             stage = self.stages[action.stage]
@@ -190,17 +191,17 @@ class PipelineRuntime:
                 result = stage.backward(mb, received)
             else:
                 result = stage.backward_weight(mb)
-            outgoing = self._outgoing(schedule, action)
-            if outgoing is not None and result is not None:
+            transfer = outgoing(schedule, action)
+            if transfer is not None and result is not None:
                 # fp32 on the wire: under bf16 autocast the residual stream is still fp32
                 # (the embedding is fp32), so this is a no-op copy-free view in practice.
                 payload = result.detach().to(WIRE_DTYPE).contiguous()
-                if outgoing.peer == self.pp_rank:
-                    local[outgoing] = payload
+                if transfer.peer == self.pp_rank:
+                    local[transfer] = payload
                 else:
-                    sends.append(dist.isend(payload, dst=self.pp_ranks[outgoing.peer],
+                    sends.append(dist.isend(payload, dst=self.pp_ranks[transfer.peer],
                                             group=self.pp_group,
-                                            tag=outgoing.tag(schedule.num_microbatches)))
+                                            tag=transfer.tag(schedule.num_microbatches)))
             if training and last_piece.get(action.stage) == index:
                 self._start_gradient_reduction(stage)
         for work in sends:
@@ -213,9 +214,9 @@ class PipelineRuntime:
                  posted: dict[_Transfer, tuple[dist.Work, torch.Tensor]],
                  local: dict[_Transfer, torch.Tensor]) -> torch.Tensor | None:
         """The tensor ``action`` consumes from a neighbouring stage (waiting just before use)."""
-        incoming = self._incoming(schedule, action)
-        if incoming is not None:
-            work, buffer = posted.pop(incoming)
+        needed = incoming(schedule, self.pp_rank, action)
+        if needed is not None:
+            work, buffer = posted.pop(needed)
             work.wait()
             return buffer
         s, mb = action.stage, action.microbatch
