@@ -198,3 +198,30 @@ def test_attention_core_matches_sdpa(dist, mode, cp, ulysses):
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, (want, q.grad, k.grad, v.grad)):
         torch.testing.assert_close(g, w, rtol=RTOL_FIRST, atol=ATOL_FIRST,
                                    msg=lambda m: f"{mode} cp={cp} {name}: {m}")
+
+
+def ddp_over_dp_x_cp(ctx):
+    """The trainer's wiring: DDP over the flattened dp x cp group averages the gradients that
+    ``reduce_gradients_over_cp`` would, and over dp as well; each dp slice is sharded over cp."""
+    from loom.parallel.data import apply_data_parallel
+    from loom.topology import RankGrid, build_mesh
+
+    grid = RankGrid({"dp_replicate": 2, "cp": 2})
+    meshes = build_mesh(grid, "cpu")
+    dp_cp = meshes.root[("dp_replicate", "dp_shard", "ep", "cp")]._flatten("dp_cp")
+    layout = CPLayout.from_mode("ring", 2)
+    groups = new_cp_groups(grid.groups("cp"), layout, ctx.rank)
+    model = apply_data_parallel(apply_context_parallel(_model(), groups), dp_cp)
+    inputs, targets = _batches()[0]
+    row = grid.index(ctx.rank, "dp_replicate")  # the data loader splits the batch over dp only
+    (inputs, positions), (targets, _) = (shard_sequence(t[row:row + 1], groups.cp_rank, layout)
+                                         for t in (inputs, targets))
+    F.cross_entropy(model(inputs, positions=positions).flatten(0, 1), targets.flatten()).backward()
+    return {n: p.grad for n, p in model.module.named_parameters()}
+
+
+def test_ddp_over_flattened_dp_and_cp_matches_one_process(dist, reference):
+    for grads in dist.run(4, ddp_over_dp_x_cp):
+        for name, want in reference["grads"][0].items():
+            torch.testing.assert_close(grads[name], want, rtol=RTOL_FIRST, atol=ATOL_FIRST,
+                                       msg=lambda m: f"dp2 x cp2 {name}: {m}")
