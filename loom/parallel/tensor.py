@@ -40,6 +40,13 @@ trainer does). For a model parallelized while still on the meta device, pass ``l
 ``reset_parameters(model, seed, load=load_shard)``: each rank computes the full seeded value and
 copies in its shard, so weights are bit-identical to one process's either way.
 
+Composition with data parallelism: torch's ``DistributedDataParallel`` does not accept DTensor
+parameters (its reducer fails with "got mixed torch.Tensor and DTensor"), and torch 2.13's
+``tensor.parallel.ddp._pre_dp_module_transform`` drops the DTensor parameters from
+``named_parameters`` (both checked). TP x DP therefore needs a DTensor-aware data-parallel step
+(FSDP2 ``fully_shard`` / ``replicate`` on the ``dp`` mesh, or an all-reduce of each local gradient
+shard over ``dp``) in ``data.py``.
+
 Gradient clipping must count each sharded element once: squares of Shard-placed gradients are
 summed locally and all-reduced over ``tp``; replicated gradients (identical on every TP rank) are
 added once, not all-reduced — ``clip_grad_norm`` below.
