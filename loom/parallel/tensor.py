@@ -244,11 +244,12 @@ def _is_sharded(t: torch.Tensor) -> bool:
 
 @torch.no_grad()
 def clip_grad_norm(parameters, max_norm: float, *, tp: TensorParallel | None,
-                   other_groups: tuple = ()) -> torch.Tensor:
+                   other_groups: tuple[tuple[str, object], ...] = ()) -> torch.Tensor:
     """Clip to a global norm ``max_norm`` (0: only measure); return the norm before clipping.
 
     Sharded gradients: local sum of squares, all-reduced over ``tp``. Replicated gradients: the
-    same on every TP rank, counted once. ``other_groups`` (e.g. pipeline stages) sum both.
+    same on every TP rank, counted once. ``other_groups``, ``(axis, process group)`` pairs along
+    which the model is split further (e.g. ``("pp", stage_group)``), sum both.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
@@ -260,8 +261,8 @@ def clip_grad_norm(parameters, max_norm: float, *, tp: TensorParallel | None,
     if tp is not None:
         comm.all_reduce(sharded_sq, tp.mesh.get_group(), axis="tp", ledger=tp.ledger)
     total = sharded_sq + sq(replicated)
-    for group in other_groups:
-        torch.distributed.all_reduce(total, group=group)
+    for axis, group in other_groups:
+        comm.all_reduce(total, group, axis=axis, ledger=tp.ledger if tp else None)
     norm = total.sqrt()
     if max_norm > 0 and local:  # torch's clip_grads_with_norm_ formula, on the local shards
         torch._foreach_mul_(local, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
