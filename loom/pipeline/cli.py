@@ -1,4 +1,4 @@
-"""``loom schedule list | show | export | simulate``: pipeline schedules from the command line.
+"""``loom schedule list | show | export | simulate | search``: pipeline schedules from the command line.
 
 ``add_schedule_commands(subparsers)`` registers the ``schedule`` command on the top-level
 ``loom`` parser (``loom/cli.py`` wires it in); ``main(argv)`` runs these commands on their own,
@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 
 from loom.pipeline.ir import Schedule, csv_text
 from loom.pipeline.schedules import get, names
+from loom.pipeline.search import DEFAULT_EFFORT, PLACEMENTS
 from loom.pipeline.validate import ScheduleError, format_grid, validate
 
 EXIT_USAGE = 2
@@ -76,15 +77,20 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunks", type=_positive_int,
                         help="stages per rank, for families that take it (interleaved_1f1b, "
                              "looped_bfs)")
-    costs = parser.add_mutually_exclusive_group()
-    costs.add_argument("--costs", default="1,1,1", metavar="F,I,W[,LATENCY]",
-                       help="durations of F, I, W on every stage (B = I + W) and the send "
-                            "latency between ranks (default 1,1,1)")
-    costs.add_argument("--cost-file", metavar="PATH",
-                       help="per-stage costs, JSON or CSV with columns F,I,W[,B]")
+    _add_cost_arguments(parser, "on every stage", "per-stage costs")
     parser.add_argument("--memory-limit", type=_positive_float, metavar="UNITS",
                         help="fail if a rank's peak activation memory exceeds UNITS (one rank's "
                              "activations for one microbatch = 1)")
+
+
+def _add_cost_arguments(parser: argparse.ArgumentParser, where: str, per_file: str) -> None:
+    """--costs F,I,W[,LATENCY] or --cost-file (one of them)."""
+    costs = parser.add_mutually_exclusive_group()
+    costs.add_argument("--costs", default="1,1,1", metavar="F,I,W[,LATENCY]",
+                       help=f"durations of F, I, W {where} (B = I + W) and the send latency "
+                            "between ranks (default 1,1,1)")
+    costs.add_argument("--cost-file", metavar="PATH",
+                       help=f"{per_file}, JSON or CSV with columns F,I,W[,B]")
 
 
 def add_schedule_commands(subparsers: Any) -> argparse.ArgumentParser:
@@ -120,9 +126,25 @@ def add_schedule_commands(subparsers: Any) -> argparse.ArgumentParser:
                           help="also write the full result (timeline, memory curves) as JSON")
     simulate.set_defaults(handler=_simulate)
 
-    # `loom schedule search` (the planner's schedule search, a later issue) belongs here: a
-    # sub-parser that reuses _add_schedule_arguments for the costs and --memory-limit, and
-    # _load / _costs / _check_memory below, then ranks the candidates by simulated makespan.
+    search = sub.add_parser("search", help="find the shortest schedule under a memory limit")
+    search.add_argument("--pp", type=_positive_int, required=True, help="pipeline ranks")
+    search.add_argument("--microbatches", "-m", type=_positive_int,
+                        help="microbatches per step (default: 2 x --pp)")
+    _add_cost_arguments(search, "of one full stage (a rank's whole share; a chunk of a "
+                                "v-chunk placement takes 1/v)", "full-stage costs, one row per rank")
+    search.add_argument("--memory-limit", type=_positive_float, required=True, metavar="UNITS",
+                        help="peak activation units per rank (1F1B needs --pp; minimum 1)")
+    search.add_argument("--placement", default="any", choices=("any", *PLACEMENTS),
+                        help="looped (1 stage per rank), interleaved (2, looped), v (2, V shape)")
+    search.add_argument("--effort", type=_positive_int, default=DEFAULT_EFFORT,
+                        help=f"simulated actions to spend (default {DEFAULT_EFFORT})")
+    search.add_argument("--time-budget", type=_positive_float, metavar="SECONDS",
+                        help="also stop after this long (the result may then vary by machine)")
+    search.add_argument("--format", choices=("torch-csv", "json"),
+                        help="file format for -o (default: from the suffix, else torch-csv)")
+    search.add_argument("-o", "--output", metavar="FILE", help="write the schedule here")
+    search.add_argument("--json", action="store_true", help="print the result as JSON")
+    search.set_defaults(handler=_search)
     return schedule
 
 
@@ -219,8 +241,41 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+@_run
+def _search(args: argparse.Namespace) -> int:
+    from loom.pipeline.search import SearchError, search
+
+    microbatches = args.microbatches or 2 * args.pp
+    costs = _costs(args)
+    try:
+        found = search(args.pp, microbatches, costs, args.memory_limit, args.placement,
+                       effort=args.effort, time_budget_s=args.time_budget)
+    except SearchError as err:
+        text = str(err)
+        argument = "--memory-limit" if "memory_limit" in text else (
+            "--cost-file" if args.cost_file else "--costs") if "costs" in text else "arguments"
+        raise UsageError(argument, text) from None
+    schedule = found.schedule
+    if args.output:
+        fmt = args.format or ("json" if args.output.lower().endswith(".json") else "torch-csv")
+        text = schedule.to_json() + "\n" if fmt == "json" else csv_text(schedule)
+        with open(args.output, "w", newline="") as handle:
+            handle.write(text)
+    if args.json:
+        print(json.dumps(found.summary(), indent=2))
+        return 0
+    print(f"{schedule.name}: p={args.pp} m={microbatches} placement={found.best.placement}, "
+          f"{found.candidates_tried} candidates; full-stage costs {costs.describe()}")
+    print(_summary_line(found.sim_result) + f" (limit {args.memory_limit:g})")
+    for rank, candidate in enumerate(found.leaderboard, 1):
+        print(f"  {rank}. {candidate.label:<60} makespan {candidate.makespan:g}")
+    if args.output:
+        print(f"wrote {args.output}")
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------
-# Shared steps (also for the future `search`)
+# Shared steps
 
 
 def _load(args: argparse.Namespace) -> Schedule:

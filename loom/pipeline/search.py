@@ -1,0 +1,314 @@
+"""Schedule search (``loom schedule search``): the shortest pipeline schedule under a memory limit.
+
+Given per-stage costs of F, I and W, a send latency, a placement family and a memory limit,
+``search`` returns the candidate with the shortest simulated makespan whose peak activation
+memory stays within the limit on every rank. Memory follows ``loom.pipeline.validate``: a
+(stage, microbatch) is live from the start of its F to the end of its last backward piece, one
+unit is one full rank's activations for one microbatch, a chunk of a v-chunk placement weighs
+1/v. So 1F1B needs p units, and no schedule fits below 1 unit (one microbatch in flight).
+
+Candidates, all ranked by the same replay (``search_eval``) and the winner re-simulated with
+``loom.sim.simulate``:
+
+a. every registered family (``loom.pipeline.schedules``) whose placement is allowed and whose
+   peak fits the limit;
+b. the parametric list scheduler of ``search_greedy`` (ZB-1p / ZB-2p style) on each allowed
+   placement, with a coordinate sweep over its knobs (reservation, warm-up caps, patience,
+   W backlog, depth-first forwards);
+c. local improvement of the best orders: move one W earlier or later on its rank, keep the move
+   when the order stays valid, within the limit, and the makespan drops.
+
+Why hand-written: no library does pipeline-schedule search. torch.distributed.pipelining ships
+fixed families and a CSV loader; the Zero Bubble authors' ILP/heuristic lives inside their
+Megatron fork and assumes their own schedule representation. This module works on Loom's IR,
+so what it returns is what the simulator replays and the runtime executes.
+
+Costs are those of one *full* stage (one rank's whole share of the model). On a placement with
+v chunks per rank each chunk gets 1/v of them (``placement_costs``); the send latency is per
+message and does not shrink. Give one ``OpCosts`` for every stage or one per rank.
+
+Deterministic: the effort is counted in simulated actions, not seconds, so the same inputs give
+the same schedule on any machine; ``time_budget_s`` is an extra safety stop that, when it fires,
+trades that determinism for a bound on wall time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from fractions import Fraction
+from numbers import Rational
+
+from loom.pipeline.ir import Schedule, looped_placement, v_placement
+from loom.pipeline.schedules import get, names
+from loom.pipeline.search_eval import EPS, Costs, Row, decode, encode, peak_units, replay
+from loom.pipeline.search_greedy import Knobs, list_schedule
+from loom.pipeline.search_local import improve
+from loom.pipeline.validate import validate
+from loom.sim.cost import OpCosts, StageCosts
+from loom.sim.simulate import SimResult, simulate
+
+PLACEMENTS = ("looped", "interleaved", "v")  # v=1 looped; v=2 looped (interleaved); v=2 V shape
+MIN_MEMORY_LIMIT = 1.0  # one microbatch in flight: every chunk of it is live on its rank at once
+DEFAULT_EFFORT = 500_000  # simulated actions over all candidates (p=32, m=256: ~12 candidates)
+LOCAL_MAX_ACTIONS = 5_000  # local improvement only below this size: each try replays everything
+
+
+class SearchError(ValueError):
+    """The search cannot run with these inputs (the message names the argument and the rule)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One ranked candidate: where it came from and its replayed makespan and peak memory."""
+
+    label: str
+    placement: str
+    makespan: float
+    peak: float
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The best schedule, its reference simulation, and what the search looked at."""
+
+    schedule: Schedule
+    sim_result: SimResult
+    costs: StageCosts  # the placement-scaled costs ``sim_result`` was simulated with
+    memory_limit: float
+    candidates_tried: int
+    best: Candidate
+    leaderboard: tuple[Candidate, ...] = field(default=())  # the best few, best first
+
+    def summary(self) -> dict:
+        return {
+            "schedule": self.schedule.name,
+            "placement": self.best.placement,
+            "memory_limit": self.memory_limit,
+            "candidates_tried": self.candidates_tried,
+            **self.sim_result.summary(),
+            "leaderboard": [dataclasses.asdict(c) for c in self.leaderboard],
+        }
+
+
+def placement_of(name: str, pp: int) -> tuple[int, ...]:
+    """The stage -> rank tuple of a placement family."""
+    if name == "looped":
+        return looped_placement(pp)
+    if name == "interleaved":
+        return looped_placement(pp, 2)
+    if name == "v":
+        return v_placement(pp, 2)
+    raise SearchError(f"placement: unknown {name!r}; choose from any, {', '.join(PLACEMENTS)}")
+
+
+def placement_costs(costs: StageCosts, placement: tuple[int, ...]) -> StageCosts:
+    """``costs`` of full stages, per global stage of ``placement`` (a chunk gets 1/v of them)."""
+    pp = max(placement) + 1
+    if len(costs.stages) not in (1, pp):
+        raise SearchError(
+            f"costs: give one F,I,W for every stage or one per rank ({pp}), got {len(costs.stages)}"
+        )
+    if costs.activation is not None:
+        raise SearchError("costs: per-stage activation weights are not supported by the search; "
+                          "it uses the validator's units (a chunk of v weighs 1/v)")
+    chunks = [placement.count(rank) for rank in range(pp)]
+    stages = []
+    for rank in placement:
+        full = costs.stages[0] if len(costs.stages) == 1 else costs.stages[rank]
+        v = chunks[rank]
+        stages.append(OpCosts(*(None if x is None else _share(x, v) for x in
+                                (full.f, full.i, full.w, full.b))))
+    return dataclasses.replace(costs, stages=tuple(stages))
+
+
+def _share(value: float, v: int) -> float:
+    if v == 1:
+        return value
+    if isinstance(value, Rational):
+        share = Fraction(value) / v
+        return int(share) if share.denominator == 1 else share
+    return value / v
+
+
+def search(
+    pp: int,
+    microbatches: int,
+    costs: StageCosts,
+    memory_limit: float,
+    placement: str = "any",
+    *,
+    effort: int = DEFAULT_EFFORT,
+    time_budget_s: float | None = None,
+) -> SearchResult:
+    """The shortest-makespan schedule found whose peak memory is within ``memory_limit`` units."""
+    if pp < 1 or microbatches < 1:
+        raise SearchError(f"pp and microbatches must be >= 1, got pp={pp}, "
+                          f"microbatches={microbatches}")
+    if not memory_limit >= MIN_MEMORY_LIMIT:
+        raise SearchError(
+            f"memory_limit={memory_limit:g} is below the minimum of {MIN_MEMORY_LIMIT:g} unit: "
+            "every schedule keeps at least one microbatch's activations (1 unit) live on each "
+            f"rank; use memory_limit >= {MIN_MEMORY_LIMIT:g}"
+        )
+    allowed = PLACEMENTS if placement == "any" else (placement,)
+    layouts = {name: placement_of(name, pp) for name in allowed}
+    scaled = {name: placement_costs(costs, layout) for name, layout in layouts.items()}
+    shapes = {name: Schedule(len(layout), microbatches, layout, [[] for _ in range(pp)])
+              for name, layout in layouts.items()}
+    fast = {name: Costs.of(scaled[name], shapes[name]) for name in allowed}
+    budget = _Budget(effort, time_budget_s)
+    pool = _Pool()
+
+    for name, schedule in _families(pp, microbatches, layouts, budget):
+        rows = encode(schedule)
+        budget.spend(sum(map(len, rows)))
+        pool.tried += 1
+        peak = max(peak_units(rows, schedule.placement))
+        if peak > memory_limit + EPS:
+            continue
+        makespan = replay(rows, schedule.placement, microbatches, fast[name])
+        if makespan is not None:
+            pool.add(Candidate(schedule.name, name, makespan, peak), rows)
+
+    shares = len(allowed)
+    for name in allowed:  # an equal share of what is left for each placement's sweep
+        share = budget.share(shares)
+        shares -= 1
+        _sweep(name, layouts[name], microbatches, fast[name], memory_limit, share, pool)
+        budget.spend(share.spent)
+
+    for candidate, rows in pool.best(3):
+        if budget.exhausted() or sum(map(len, rows)) > LOCAL_MAX_ACTIONS:
+            break
+        layout = layouts[candidate.placement]
+        better = improve(rows, layout, microbatches, fast[candidate.placement], memory_limit,
+                         candidate.makespan, budget)
+        if better is not None:
+            new_rows, makespan = better
+            pool.add(Candidate(candidate.label + "+local", candidate.placement, makespan,
+                               max(peak_units(new_rows, layout))), new_rows)
+
+    if not pool.entries:  # cannot happen for limit >= 1: reserve=all always fits
+        raise SearchError(f"no schedule fits memory_limit={memory_limit:g}")
+    best, rows = pool.best(1)[0]
+    schedule = decode(rows, shapes[best.placement], f"search[{best.label}]")
+    validate(schedule, memory_limit=memory_limit + EPS)
+    result = simulate(schedule, scaled[best.placement])
+    return SearchResult(
+        schedule=schedule,
+        sim_result=result,
+        costs=scaled[best.placement],
+        memory_limit=memory_limit,
+        candidates_tried=pool.tried,
+        best=best,
+        leaderboard=tuple(c for c, _ in pool.best(5)),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+class _Budget:
+    """Effort counted in simulated actions (deterministic), plus an optional wall-time stop."""
+
+    def __init__(self, effort: int, time_budget_s: float | None, deadline: float | None = None):
+        self.left = effort
+        self.spent = 0
+        self.deadline = deadline
+        if time_budget_s is not None:
+            self.deadline = time.monotonic() + time_budget_s
+
+    def spend(self, actions: int) -> None:
+        self.left -= actions
+        self.spent += actions
+
+    def share(self, parts: int) -> _Budget:
+        """A budget of 1/parts of what is left (the caller spends what the share spent)."""
+        return _Budget(max(self.left, 0) // max(parts, 1), None, self.deadline)
+
+    def exhausted(self) -> bool:
+        late = self.deadline is not None and time.monotonic() > self.deadline
+        return self.left <= 0 or late
+
+
+class _Pool:
+    """Every candidate that fits; ``best`` orders by makespan, then peak, then arrival."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[Candidate, list[Row]]] = []
+        self.tried = 0
+
+    def add(self, candidate: Candidate, rows: list[Row]) -> None:
+        self.entries.append((candidate, rows))
+
+    def best(self, count: int) -> list[tuple[Candidate, list[Row]]]:
+        order = sorted(range(len(self.entries)), key=lambda n: (
+            round(self.entries[n][0].makespan / EPS) * EPS, self.entries[n][0].peak, n))
+        return [self.entries[n] for n in order[:count]]
+
+
+# Families tried first: the ones that most often win (ZB-V is zero-bubble at T_F = T_I = T_W);
+# the unit-step greedy ones (v_half, v_min) are slow to build and the list scheduler covers them.
+_FAMILY_ORDER = ["zbv", "zb_h2", "zb_h1", "dualpipev", "interleaved_1f1b", "1f1b", "gpipe",
+                 "looped_bfs"]
+
+
+def _families(pp: int, microbatches: int, layouts: dict[str, tuple[int, ...]], budget: _Budget
+              ) -> Iterator[tuple[str, Schedule]]:
+    """Registered families whose placement is one of ``layouts`` (sizes they reject skipped)."""
+    by_layout = {layout: name for name, layout in layouts.items()}
+    for family in sorted(names(), key=lambda f: (_FAMILY_ORDER + [f]).index(f)):
+        if budget.exhausted():
+            return
+        try:
+            schedule = get(family)(pp, microbatches)
+        except ValueError:
+            continue
+        if schedule.placement in by_layout:
+            yield by_layout[schedule.placement], schedule
+
+
+def _sweep(name: str, layout: tuple[int, ...], microbatches: int, costs: Costs, limit: float,
+           budget: _Budget, pool: _Pool) -> None:
+    """Coordinate search over the list scheduler's knobs, starting from the safe default."""
+    pp = max(layout) + 1
+    actions = 3 * len(layout) * microbatches
+    shortest = min(min(d[:3]) for d in costs.duration)
+    chunked = len(layout) > pp
+    caps = [tuple(min(limit, a * (pp - 1 - r) / (len(layout) // pp) + 1 + b) for r in range(pp))
+            for a, b in ((1, 0), (2, 0), (1, 1), (2, 1))]
+    axes: list[tuple[str, list]] = [  # most useful first: the budget may end the sweep early
+        ("reserve", [None, 1, 0, 2] if chunked else [None]),
+        ("forward_first", [False, True]),
+        ("patience", [0.0, costs.send * 2, shortest / 2]),
+        ("w_fill", [0.0, 0.5, 1.0]),
+        ("caps", [None, *caps]),
+        ("depth_first", [True, False]),
+        ("w_backlog", [None, 0, pp // 2, pp]),
+    ]
+    best_knobs, best_time = Knobs(), float("inf")
+    seen: set[Knobs] = set()
+    for _round in range(2):
+        improved = False
+        for axis, values in axes:
+            for value in values:
+                knobs = dataclasses.replace(best_knobs, **{axis: value})
+                if knobs in seen:
+                    continue
+                if budget.exhausted() and best_time < float("inf"):
+                    return
+                seen.add(knobs)
+                budget.spend(actions)
+                pool.tried += 1
+                made = list_schedule(layout, microbatches, costs, limit, knobs)
+                if made is None:
+                    continue
+                rows, makespan, peak = made
+                pool.add(Candidate(f"greedy:{name}:{knobs.label()}", name, makespan, peak), rows)
+                if makespan < best_time - EPS:
+                    best_knobs, best_time, improved = knobs, makespan, True
+        if not improved:
+            return
