@@ -1,0 +1,192 @@
+"""Benchmark A, schedule quality: Loom's ``schedule search`` vs the best PyTorch 2.13 schedule.
+
+For every cell (p, m, cost profile, memory limit) this builds every schedule family that
+``torch.distributed.pipelining`` 2.13 ships, from torch's own ``pipeline_order`` (computed by the
+schedule constructors on fake stages, no processes, as in
+``tests/unit/pipeline/test_pipeline_torch_interop.py``), keeps those whose peak activation memory
+fits the limit, and simulates them with Loom's simulator; then it runs ``loom.pipeline.search``
+with the same costs and limit and compares makespans. Both sides use the same cost convention:
+the profile gives a full stage's F, I, W; a chunk of a v-chunk placement gets 1/v of them.
+
+torch's ``Schedule1F1B`` order names a microbatch that does not exist on its last rank (an
+off-by-one recorded in the interop tests; its runtime uses its own loop, not that order), so the
+1F1B baseline is that order with the off-by-one repaired, which is exactly Loom's ``1f1b``.
+
+    python bench/schedules.py            # full grid, about 5-10 minutes on 2 cores
+    python bench/schedules.py --quick    # p in {4, 8} only
+
+Writes ``bench/out/schedules.md`` (the table), ``bench/out/schedules.json`` and Gantt charts
+``docs/img/schedules_*.png``. This is a script, not a test: nothing here runs in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+from torch.distributed.pipelining import schedules as ts
+
+from loom.pipeline import Action, Op, Schedule, ScheduleError, from_torch_rows, validate
+from loom.pipeline.search import placement_costs, search
+from loom.pipeline.search_eval import encode, peak_units
+from loom.sim.cost import StageCosts
+from loom.sim.render import render_gantt
+from loom.sim.simulate import SimResult, simulate
+
+torch.set_num_threads(1)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROFILES = {
+    "F=1 I=1 W=1 lat=0": StageCosts.uniform(1, 1, 1, 0),
+    "F=1 I=1 W=0.5 lat=0.05": StageCosts.uniform(1, 1, 0.5, 0.05),
+}
+# (torch class, stages per rank); every class torch 2.13 ships, interleaved ones with 2 chunks
+TORCH = [
+    (ts.ScheduleGPipe, 1), (ts.Schedule1F1B, 1), (ts.ScheduleInterleavedZeroBubble, 1),
+    (ts.ScheduleInterleaved1F1B, 2), (ts.ScheduleLoopedBFS, 2),
+    (ts.ScheduleInterleavedZeroBubble, 2), (ts.ScheduleZBVZeroBubble, 2),
+    (ts.ScheduleDualPipeV, 2),
+]
+
+
+class FakeStage:
+    """The attributes torch's schedule constructors read from a pipeline stage."""
+
+    def __init__(self, index: int, num_stages: int, pp: int):
+        self.stage_index, self.num_stages, self.group_size, self.group_rank = index, num_stages, pp, 0
+        self.submod = None
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+
+
+def torch_schedule(cls: type, chunks: int, p: int, m: int) -> Schedule | None:
+    """torch's own order for (p, m) as a Loom Schedule, or None if torch rejects the sizes."""
+    num_stages = p * chunks
+    try:
+        if chunks == 1 and issubclass(cls, ts.PipelineScheduleSingle):
+            made = cls(FakeStage(0, num_stages, p), m)
+        else:
+            made = cls([FakeStage(i, num_stages, p) for i in range(chunks)], m)
+    except Exception:  # noqa: BLE001  (torch raises assorted errors for sizes it does not take)
+        return None
+    order = made.pipeline_order
+    name = f"torch:{cls.__name__.removeprefix('Schedule')}" + (f"(v={chunks})" if chunks > 1 else "")
+    schedule = from_torch_rows((order[r] for r in sorted(order)), num_microbatches=m, name=name)
+    if cls is ts.Schedule1F1B:  # repair the last rank's off-by-one (see the module docstring)
+        last = tuple(Action(a.stage, a.op, a.microbatch - 1) if a.op is Op.F else a
+                     for a in schedule.actions[-1])
+        schedule = Schedule(schedule.num_stages, m, schedule.placement,
+                            (*schedule.actions[:-1], last), name)
+    try:
+        validate(schedule)
+    except ScheduleError:
+        return None
+    return schedule
+
+
+def best_torch(p: int, m: int, costs: StageCosts, limit: float
+               ) -> tuple[Schedule, SimResult] | None:
+    best = None
+    for cls, chunks in TORCH:
+        schedule = torch_schedule(cls, chunks, p, m)
+        if schedule is None or max(peak_units(encode(schedule), schedule.placement)) > limit:
+            continue
+        result = simulate(schedule, placement_costs(costs, schedule.placement))
+        if best is None or result.makespan < best[1].makespan:
+            best = (schedule, result)
+    return best
+
+
+def run(sizes: list[int], charts: bool) -> list[dict]:
+    rows = []
+    for profile, costs in PROFILES.items():
+        for p in sizes:
+            for m in (p, 2 * p, 4 * p):
+                for limit in (p, 2 * p):
+                    started = time.monotonic()
+                    found = search(p, m, costs, limit)
+                    seconds = time.monotonic() - started
+                    theirs = best_torch(p, m, costs, limit)
+                    ours = found.sim_result
+                    row = {
+                        "profile": profile, "p": p, "m": m, "limit": limit,
+                        "loom_makespan": float(ours.makespan), "loom": found.best.label,
+                        "loom_bubble_zb": float(ours.bubble_zb),
+                        "loom_peak": float(max(ours.peak_memory)), "search_s": seconds,
+                        "torch_makespan": None if theirs is None else float(theirs[1].makespan),
+                        "torch": None if theirs is None else theirs[0].name,
+                        "torch_bubble_zb": None if theirs is None else float(theirs[1].bubble_zb),
+                    }
+                    rows.append(row)
+                    print(_line(row), flush=True)
+                    if charts and (p, m) in ((4, 8), (8, 32)) and theirs is not None:
+                        _charts(found.schedule, ours, theirs, p, m, limit, profile)
+    return rows
+
+
+def _charts(schedule: Schedule, ours: SimResult, theirs: tuple[Schedule, SimResult], p: int,
+            m: int, limit: float, profile: str) -> None:
+    tag = "w1" if "W=1 " in profile else "w05"
+    if not (limit == p and (tag == "w05" or p == 4)):
+        return
+    folder = os.path.join(ROOT, "docs", "img")
+    os.makedirs(folder, exist_ok=True)
+    render_gantt(schedule, ours, os.path.join(folder, f"schedules_loom_p{p}_m{m}_{tag}.png"))
+    render_gantt(theirs[0], theirs[1], os.path.join(folder, f"schedules_torch_p{p}_m{m}_{tag}.png"))
+
+
+def _ratio(row: dict) -> float | None:
+    return None if row["torch_makespan"] is None else row["loom_makespan"] / row["torch_makespan"]
+
+
+def _line(row: dict) -> str:
+    ratio = _ratio(row)
+    torch_part = "no torch schedule fits" if ratio is None else (
+        f"{row['torch_makespan']:.2f} {row['torch']:<28} ratio {ratio:.4f}")
+    return (f"{row['profile']:<22} p={row['p']:<2} m={row['m']:<3} limit={row['limit']:<3} "
+            f"loom {row['loom_makespan']:.2f} (bubble {row['loom_bubble_zb']:.2%}) | {torch_part}")
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| profile | p | m | limit | Loom makespan | Loom bubble (ZB) | Loom schedule | "
+        "best torch makespan | torch bubble (ZB) | best torch schedule | Loom / torch |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        ratio = _ratio(row)
+        torch_cells = ("-", "-", "none fits") if ratio is None else (
+            f"{row['torch_makespan']:.2f}", f"{row['torch_bubble_zb']:.2%}", row["torch"])
+        lines.append(
+            f"| {row['profile']} | {row['p']} | {row['m']} | {row['limit']} | "
+            f"{row['loom_makespan']:.2f} | {row['loom_bubble_zb']:.2%} | {row['loom']} | "
+            f"{' | '.join(torch_cells)} | {'-' if ratio is None else f'{ratio:.4f}'} |")
+    better = sum(1 for r in rows if _ratio(r) is not None and _ratio(r) < 1 - 1e-9)
+    worse = sum(1 for r in rows if _ratio(r) is not None and _ratio(r) > 1 + 1e-9)
+    equal = sum(1 for r in rows if _ratio(r) is not None) - better - worse
+    lines.append("")
+    lines.append(f"{len(rows)} cells: Loom better in {better}, equal in {equal}, worse in {worse}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="p in {4, 8} only")
+    parser.add_argument("--no-charts", action="store_true")
+    args = parser.parse_args(argv)
+    rows = run([4, 8] if args.quick else [4, 8, 16, 32], charts=not args.no_charts)
+    out = os.path.join(ROOT, "bench", "out")
+    os.makedirs(out, exist_ok=True)
+    table = markdown(rows)
+    with open(os.path.join(out, "schedules.md"), "w") as handle:
+        handle.write(table)
+    with open(os.path.join(out, "schedules.json"), "w") as handle:
+        json.dump({"torch": torch.__version__, "rows": rows}, handle, indent=1)
+    print(table.splitlines()[-1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
