@@ -24,7 +24,10 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     try:
         if args.nproc < 1:
             raise ConfigError("--nproc", args.nproc, "must be >= 1")
-        config = load_config(args.config, parse_overrides(extra))
+        overrides = parse_overrides(extra)
+        if args.resume:
+            overrides["checkpoint.resume"] = args.resume
+        config = load_config(args.config, overrides)
         external = under_external_launcher()
         world_size = int(os.environ["WORLD_SIZE"]) if external else args.nproc
         config = resolve(config, world_size)
@@ -66,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="TOML config file (defaults apply for missing keys)")
     train.add_argument("--nproc", type=int, default=1,
                        help="local worker processes to start (ignored under torchrun)")
+    train.add_argument("--resume", help="'auto' (newest complete checkpoint of the run) or a"
+                                        " checkpoint directory; same as --checkpoint.resume")
     train.set_defaults(handler=_train)
 
     gen = sub.add_parser("generate", help="sample text from a trained run")

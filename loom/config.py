@@ -119,8 +119,9 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    interval: int = 0  # steps between checkpoints; 0: only the final weights
-    keep: int = 2
+    interval: int = 0  # steps between checkpoints (and one at the end); 0: only the final weights
+    keep: int = 2  # newest complete checkpoints kept; 0 keeps all
+    resume: str = ""  # "" (fresh), "auto" (newest complete one of this run) or a checkpoint dir
 
 
 @dataclass
@@ -356,9 +357,10 @@ def validate(config: Config, world_size: int) -> None:
                                "model.ffn_dim", "model.vocab_size", "model.max_seq_len",
                                "model.vocab_multiple", "train.steps", "train.global_batch_size",
                                "train.micro_batch_size", "train.eval_batches", "data.seq_len",
-                               "data.bpe_vocab_size", "checkpoint.keep", "metrics.log_every"])
+                               "data.bpe_vocab_size", "metrics.log_every"])
     _require_positive(config, ["train.eval_every", "train.grad_clip", "train.threads",
-                               "data.max_bytes", "checkpoint.interval", "optim.warmup_steps",
+                               "data.max_bytes", "checkpoint.interval", "checkpoint.keep",
+                               "optim.warmup_steps",
                                "optim.weight_decay", "optim.eps"], minimum=0)
     if opt.lr <= 0:
         raise ConfigError("optim.lr", opt.lr, "must be > 0")
@@ -373,6 +375,10 @@ def validate(config: Config, world_size: int) -> None:
     if not 0 < data.val_fraction < 1:
         raise ConfigError("data.val_fraction", data.val_fraction, "must be in (0, 1)")
     _check_bpe_vocab(data)
+    resume = config.checkpoint.resume
+    if resume not in ("", "auto") and not (Path(resume) / "COMMITTED").is_file():
+        raise ConfigError("checkpoint.resume", resume,
+                          "must be '', 'auto' or a complete checkpoint directory (with COMMITTED)")
     if tr.timeout_s <= 0:
         raise ConfigError("train.timeout_s", tr.timeout_s, "must be > 0")
 

@@ -130,3 +130,28 @@ def build_stages(args: TransformerArgs, schedule: Schedule, layers: Sequence[ran
         reset_parameters(module, seed)
         stages[index] = PipelineStage(index, schedule.num_stages, module, autocast)
     return stages
+
+
+class LocalStages(nn.Module):
+    """The stages one rank holds, under the full model's parameter names.
+
+    Its attributes mirror ``Transformer`` (``tok_embeddings``, ``layers``, ``norm``, ``output``)
+    and refer to the stages' own submodules — no copies — so ``named_parameters()`` and
+    ``state_dict()`` use the same global names under every pipeline layout. That is what the
+    optimizer's state, checkpoints (DCP matches tensors by name) and parity tests key on. It is a
+    container only: the runtime runs the stages, never this module's ``forward``.
+    """
+
+    def __init__(self, modules: Sequence[Transformer]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict()
+        for module in modules:
+            if module.tok_embeddings is not None:
+                self.tok_embeddings = module.tok_embeddings
+            for name, layer in module.layers.items():
+                self.layers[name] = layer
+            if module.output is not None:
+                self.norm, self.output = module.norm, module.output
+
+    def forward(self, *args: Any) -> None:  # pragma: no cover - a container, not a model
+        raise RuntimeError("LocalStages holds a rank's pipeline stages; run them with the runtime")

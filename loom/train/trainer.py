@@ -38,6 +38,7 @@ from loom.data.loader import eval_batches
 from loom.models import TransformerArgs, build_model, reset_parameters
 from loom.parallel import no_gradient_sync, parallelize, unwrap
 from loom.pipeline.runtime import PipelineRuntime, build_pipeline, forward_only, schedule_for
+from loom.pipeline.stage import LocalStages
 from loom.topology import DATA_AXES, RankGrid, build_mesh
 from loom.train.distributed import DistContext, init_distributed
 from loom.train.flops import device_peak_flops, training_flops_per_token
@@ -78,8 +79,8 @@ class Trainer:
         self.autocast_dtype = torch.bfloat16 if tr.dtype == "bf16" else None
         self.pipeline: PipelineRuntime | None = None
         if self.grid.degree("pp") > 1:
-            # This rank's stages of the schedule; the ModuleList is for the optimizer and the
-            # parameter count only (the runtime drives the stages; names stay global).
+            # This rank's stages of the schedule; ``LocalStages`` presents them under global
+            # parameter names for the optimizer, checkpoints and parity (the runtime drives them).
             par = config.parallel
             local_batch = tr.global_batch_size // self.dp_size
             schedule = schedule_for(par.schedule, par.pp, local_batch // tr.micro_batch_size,
@@ -88,7 +89,7 @@ class Trainer:
                                            meshes=self.meshes, rank=self.ctx.rank,
                                            device=self.ctx.device, seed=tr.seed,
                                            seq_len=config.data.seq_len, autocast=self._autocast)
-            self.model = nn.ModuleList(s.module for _, s in sorted(self.pipeline.stages.items()))
+            self.model = LocalStages([s.module for _, s in sorted(self.pipeline.stages.items())])
         else:
             model = build_model(self.args, device="meta")
             model.to_empty(device=self.ctx.device)
@@ -202,6 +203,73 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["data"])
 
+    # -- checkpoints ------------------------------------------------------------------------------
+    def _checkpoint_tensors(self) -> dict[str, Any]:
+        """Model and optimizer state keyed by the full model's parameter names (DDP and pipeline
+        containers stripped), so any layout can load what any other saved."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
+                                            options=self._state_dict_options())
+        return {"model": model_sd, "optim": optim_sd}
+
+    @staticmethod
+    def _state_dict_options():
+        """Flattened optimizer state (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``): with
+        per-parameter keys, ranks holding different parameters (pipeline stages) never write the
+        same key with different contents, so DCP can reshard the optimizer across layouts."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def save_checkpoint(self, root: Path | None = None) -> Path:
+        """Save the full training state as checkpoint ``step`` under ``root`` (collective)."""
+        from loom.config import to_dict
+        from loom.train import checkpoint
+
+        root = root or self.run_dir / "checkpoints"
+        extra = {"step": self.step, "scheduler": self.scheduler.state_dict(),
+                 "data": self.loader.state_dict(), "config": to_dict(self.config)}
+        return checkpoint.save(root, self.step, self._checkpoint_tensors(), extra,
+                               keep=self.config.checkpoint.keep, device=self.ctx.device)
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Continue from a checkpoint saved under this or any other layout (collective)."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from loom.train import checkpoint
+
+        tensors = self._checkpoint_tensors()
+        extra = checkpoint.load(path, tensors, device=self.ctx.device)
+        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
+                       optim_state_dict=tensors["optim"], options=self._state_dict_options())
+        self.step = int(extra["step"])
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.loader.load_state_dict(extra["data"])
+
+    def resume(self, spec: str, log=print) -> Path | None:
+        """``spec`` is ``auto`` (the newest checkpoint of this run that verifies; none: start
+        fresh) or a checkpoint directory. Refused checkpoints are logged, never loaded."""
+        from loom.train import checkpoint
+
+        if spec != "auto":
+            path = Path(spec)
+        else:
+            found: list[Any] = [None, []]
+            if self.ctx.is_main:  # one rank reads and hashes the files; all follow its choice
+                found = list(checkpoint.latest_loadable(self.run_dir / "checkpoints"))
+            if dist.is_initialized():
+                dist.broadcast_object_list(found, src=0)
+            path, refused = found
+            for reason in refused:
+                log(f"resume: skipping {reason}")
+            if path is None:
+                log("resume: no complete checkpoint found; starting from step 0")
+                return None
+        self.load_checkpoint(path)
+        log(f"resume: continuing from {path} (step {self.step})")
+        return path
+
     def named_gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's full gradient by its model name (for parity tests); with pp > 1
         gathered from every stage over the ``pp`` group (a collective: call it on every rank)."""
@@ -213,8 +281,7 @@ class Trainer:
 
     def _stage_parameters(self):
         """(global name, parameter) of every stage this rank holds."""
-        for module in self.model:
-            yield from module.named_parameters()
+        return self.model.named_parameters()
 
     def _gather_over_pp(self, tensors: dict[str, torch.Tensor],
                         to_main: bool = False) -> dict[str, torch.Tensor]:
@@ -234,9 +301,7 @@ class Trainer:
         from safetensors.torch import save_file
 
         if self.pipeline is not None and self.dp_rank == 0:  # the first pipeline gathers
-            state = self._gather_over_pp(
-                {k: v for module in self.model for k, v in module.state_dict().items()},
-                to_main=True)
+            state = self._gather_over_pp(self.model.state_dict(), to_main=True)
         elif self.pipeline is not None or not self.ctx.is_main:
             return
         else:
@@ -271,7 +336,10 @@ class Trainer:
                         f" parameters; device {self.ctx.device} ({self.ctx.backend});"
                         f" peak {peak / 1e9:.1f} GFLOP/s per device ({peak_source})")
         last: dict[str, float] = {}
+        ck = cfg.checkpoint
         with logger:
+            if ck.resume and self.run_dir is not None:
+                self.resume(ck.resume, log=logger.log_text)
             while self.step < tr.steps:
                 timer.start()
                 last = self.train_step()
@@ -283,7 +351,11 @@ class Trainer:
                 if tr.eval_every and (self.step % tr.eval_every == 0 or self.step == tr.steps):
                     last["val_loss"] = self.evaluate()
                     logger.log_eval(self.step, {"loss": last["val_loss"]})
+                if self.run_dir is not None and ck.interval and self.step % ck.interval == 0:
+                    self.save_checkpoint()
             if self.run_dir is not None:
+                if ck.interval and self.step % ck.interval:  # the end, unless just saved
+                    self.save_checkpoint()
                 self.save_weights(self.run_dir / "model.safetensors")
             logger.close(plot=mc.plot)
         return last
