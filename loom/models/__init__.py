@@ -11,10 +11,11 @@ from typing import Iterable
 import torch
 
 from loom.models.llama import Transformer, TransformerArgs, initial_value, reset_parameters
-from loom.models.presets import PRESETS, parameter_count, preset
+from loom.models.presets import PRESETS, active_parameter_count, parameter_count, preset
 
 __all__ = [
-    "PRESETS", "Transformer", "TransformerArgs", "build_model", "initial_value",
+    "PRESETS", "Transformer", "TransformerArgs", "active_parameter_count", "build_model",
+    "initial_value",
     "parameter_count", "preset", "reset_parameters",
 ]
 

@@ -17,6 +17,10 @@ Three seams make that possible:
   implementation, and ``forward`` takes explicit token ``positions`` so RoPE stays correct when
   the sequence is sharded.
 
+A fourth seam is the feed-forward: with ``n_experts > 0`` the MoE layers (``moe_layer``) use
+``loom.models.moe.MoEFeedForward``, whose expert computation is a swappable ``dispatcher`` (expert
+parallelism replaces it); its load-balancing loss is read through ``Transformer.moe_aux_loss()``.
+
 Shape legend: B batch, S sequence, D model dim, N query heads, K key/value heads, Hd head dim,
 F MLP hidden dim, V vocabulary.
 """
@@ -35,7 +39,16 @@ from torch import nn
 
 @dataclass
 class TransformerArgs:
-    """Shape of a decoder. ``ffn_dim`` is the SwiGLU hidden size (three D x F matrices)."""
+    """Shape of a decoder. ``ffn_dim`` is the SwiGLU hidden size (three D x F matrices).
+
+    Mixture of experts (``loom.models.moe``; ``n_experts=0`` is a dense model): ``n_experts``
+    routed SwiGLU experts of hidden size ``expert_ffn_dim`` (0: ``ffn_dim``), ``top_k`` per token
+    (weights renormalised over the top k when ``renormalize_top_k``, as Mixtral), plus
+    ``n_shared_experts`` always-active experts (DeepSeekMoE). ``capacity_factor`` 0 is dropless;
+    otherwise each expert takes at most ``ceil(capacity_factor * S * top_k / n_experts)``
+    assignments per sequence. Layer i is MoE when ``i >= n_dense_layers`` and
+    ``(i + 1) % moe_every == 0``. ``aux_loss_coef`` weighs the load-balancing loss the trainer adds.
+    """
 
     dim: int = 256
     n_layers: int = 4
@@ -47,10 +60,24 @@ class TransformerArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
+    n_experts: int = 0
+    top_k: int = 2
+    expert_ffn_dim: int = 0
+    n_shared_experts: int = 0
+    capacity_factor: float = 0.0
+    moe_every: int = 1
+    n_dense_layers: int = 0
+    renormalize_top_k: bool = True
+    aux_loss_coef: float = 0.01
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    def moe_layer(self, layer_id: int) -> bool:
+        """Whether global layer ``layer_id`` has a mixture-of-experts feed-forward."""
+        return (self.n_experts > 0 and layer_id >= self.n_dense_layers
+                and (layer_id + 1) % self.moe_every == 0)
 
 
 def sdpa_causal(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor) -> torch.Tensor:
@@ -118,12 +145,17 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
 
-    def __init__(self, args: TransformerArgs) -> None:
+    def __init__(self, args: TransformerArgs, layer_id: int = 0) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        if args.moe_layer(layer_id):
+            from loom.models.moe import MoEFeedForward  # moe.py builds on FeedForward above
+
+            self.feed_forward: nn.Module = MoEFeedForward(args)
+        else:
+            self.feed_forward = FeedForward(args)
 
     def forward(self, x_BSD: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) -> torch.Tensor:
         h = x_BSD + self.attention(self.attention_norm(x_BSD), cos_SH, sin_SH)
@@ -151,7 +183,7 @@ class Transformer(nn.Module):
         self.args = args
         layer_ids = range(args.n_layers) if layer_ids is None else list(layer_ids)
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) if with_embedding else None
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in layer_ids})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps) if with_head else None
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if with_head else None
         if args.tie_embeddings and with_embedding and with_head:
@@ -173,6 +205,16 @@ class Transformer(nn.Module):
             h = self.output(self.norm(h))
         return h
 
+    def moe_aux_loss(self) -> torch.Tensor:
+        """Sum over this module's MoE layers of the load-balancing loss of the last forward.
+
+        The training loss is ``cross_entropy + args.aux_loss_coef * model.moe_aux_loss()``; call
+        it after each forward (each microbatch). Zero for a dense model or slice.
+        """
+        losses = [layer.feed_forward.aux_loss for layer in self.layers.values()
+                  if getattr(layer.feed_forward, "aux_loss", None) is not None]
+        return torch.stack(losses).sum() if losses else torch.zeros(())
+
 
 def _param_seed(seed: int, name: str) -> int:
     """A stable per-parameter seed: the same name gets the same numbers on every rank and layout."""
@@ -189,7 +231,8 @@ def initial_value(name: str, shape: torch.Size, args: TransformerArgs, seed: int
     if name.endswith("norm.weight"):
         return torch.ones(shape)
     std = 0.02
-    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.experts.w2",
+                      "feed_forward.shared.w2.weight")):
         std = 0.02 / math.sqrt(2 * args.n_layers)
     generator = torch.Generator().manual_seed(_param_seed(seed, name))
     return torch.randn(shape, generator=generator) * std

@@ -11,6 +11,13 @@ never instantiated on this machine. Published shapes:
   two h x 4h matrices, so parameter count and FLOPs match the published shape.
 * GPT 1T: the largest configuration of Narayanan et al. 2021, Table 1 (h = 25,600, 128 layers,
   160 heads), MLP chosen the same way (F = 8h/3 rounded to a multiple of 256).
+* Mixtral 8x7B: Jiang et al. 2024 ("Mixtral of Experts"), Table 1 (dim 4,096, 32 layers, 32
+  heads, 8 KV heads, 8 experts top-2 of hidden 14,336, vocabulary 32,000, context 32,768, RoPE
+  theta 1e6). 46.7B parameters, 12.9B active per token.
+* DeepSeekMoE 16B: Dai et al. 2024 (arXiv 2401.06066) §5 and the released ``config.json`` of
+  deepseek-moe-16b-base (hidden 2,048, 28 layers, 16 heads without GQA, vocabulary 102,400, first
+  layer dense with FFN 10,944, then 64 routed experts top-6 plus 2 shared experts of hidden 1,408,
+  top-k weights not renormalised). 16.4B parameters, 2.8B active.
 """
 
 from __future__ import annotations
@@ -38,6 +45,18 @@ PRESETS: dict[str, TransformerArgs] = {
     "gpt-1t": TransformerArgs(dim=25600, n_layers=128, n_heads=160, n_kv_heads=160,
                               ffn_dim=68352, vocab_size=51200, max_seq_len=2048,
                               tie_embeddings=True),
+    # Mixture of experts, every feature on (shared expert, a dense first layer): tests and CPU.
+    "tiny-moe": TransformerArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                                vocab_size=320, max_seq_len=256, n_experts=4, top_k=2,
+                                expert_ffn_dim=64, n_shared_experts=1, n_dense_layers=1),
+    "mixtral-8x7b": TransformerArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                                    ffn_dim=14336, vocab_size=32000, max_seq_len=32768,
+                                    rope_theta=1e6, n_experts=8, top_k=2, expert_ffn_dim=14336),
+    "deepseek-moe-16b": TransformerArgs(dim=2048, n_layers=28, n_heads=16, n_kv_heads=16,
+                                        ffn_dim=10944, vocab_size=102400, max_seq_len=4096,
+                                        n_experts=64, top_k=6, expert_ffn_dim=1408,
+                                        n_shared_experts=2, n_dense_layers=1,
+                                        renormalize_top_k=False, aux_loss_coef=0.001),
 }
 
 
@@ -48,19 +67,34 @@ def preset(name: str) -> TransformerArgs:
     return dataclasses.replace(PRESETS[name])
 
 
-def parameter_count(args: TransformerArgs, *, include_embedding: bool = True) -> int:
-    """Exact number of parameters of ``Transformer(args)``.
+def parameter_count(args: TransformerArgs, *, include_embedding: bool = True,
+                    active: bool = False) -> int:
+    """Exact number of parameters of ``Transformer(args)`` (``active``: those one token uses).
 
-    Per layer: attention D*(N*Hd) + 2*D*(K*Hd) + (N*Hd)*D, MLP 3*D*F, two norms 2*D. Ends: the
-    embedding V*D, the final norm D and the head V*D (counted once when tied).
+    Per layer: attention D*(N*Hd) + 2*D*(K*Hd) + (N*Hd)*D, two norms 2*D, and the feed-forward:
+    dense 3*D*F; MoE a router D*E plus 3*D*F_e per routed expert (E of them, or top_k when
+    ``active``) and per shared expert. Ends: the embedding V*D, the final norm D and the head
+    V*D (counted once when tied).
     """
     q_width = args.n_heads * args.head_dim
     kv_width = args.n_kv_heads * args.head_dim
-    per_layer = 2 * args.dim * q_width + 2 * args.dim * kv_width + 3 * args.dim * args.ffn_dim
-    per_layer += 2 * args.dim
+    per_layer = 2 * args.dim * q_width + 2 * args.dim * kv_width + 2 * args.dim
     total = args.n_layers * per_layer + args.dim
+    expert = 3 * args.dim * (args.expert_ffn_dim or args.ffn_dim)
+    for layer_id in range(args.n_layers):
+        if args.moe_layer(layer_id):
+            routed = args.top_k if active else args.n_experts
+            total += args.dim * args.n_experts + (routed + args.n_shared_experts) * expert
+        else:
+            total += 3 * args.dim * args.ffn_dim
     head = args.vocab_size * args.dim
     total += head if args.tie_embeddings else 2 * head
     if not include_embedding:
         total -= head  # the embedding is a lookup, not a matmul
     return total
+
+
+def active_parameter_count(args: TransformerArgs, *, include_embedding: bool = True) -> int:
+    """Parameters one token passes through: ``top_k`` routed experts per MoE layer, not all E
+    (Mixtral 8x7B: 12.9B of 46.7B). Equals ``parameter_count`` for a dense model."""
+    return parameter_count(args, include_embedding=include_embedding, active=True)

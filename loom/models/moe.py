@@ -1,0 +1,154 @@
+"""Mixture-of-experts feed-forward (top-k softmax router, SwiGLU experts), single device.
+
+``MoEFeedForward`` replaces ``FeedForward`` in the layers ``TransformerArgs.moe_layer`` selects.
+Per token: router logits ``x W_r`` (D -> E), softmax in fp32, the top ``k`` experts, their weights
+renormalised to sum to one (Mixtral; DeepSeekMoE keeps the raw probabilities:
+``renormalize_top_k=False``); the output is ``sum_k w_k * expert_k(x)`` plus, when
+``n_shared_experts > 0``, an always-active SwiGLU of hidden size ``n_shared * F_e`` (DeepSeekMoE's
+shared experts, fused into one: a sum of SwiGLUs is one SwiGLU with the hidden dims concatenated).
+
+**Routing group = one sequence.** Capacity and the load-balancing statistics are computed per
+sequence (per row of the ``[B, S, D]`` input), never over the batch. A sequence is never split by
+data or expert parallelism or by microbatching, so every layout routes, drops and balances
+exactly as one process does (parity tests depend on it; only context parallelism, which splits
+sequences, would change the groups). The balancing loss is therefore the sequence-wise form of
+DeepSeek-V3 (eq. 17-20), with the normalisation of Switch Transformer (eq. 4-6) / DeepSeekMoE:
+
+    aux = mean over sequences of  E * sum_e f_e * P_e,
+    f_e = (assignments of the sequence to expert e) / (S * k),  P_e = mean router prob of e,
+
+so a perfectly balanced router scores 1.0 whatever E and k. f is a count (no gradient); the
+gradient flows through P into the router.
+
+**Capacity** (``capacity_factor > 0``): each expert takes at most ``C = ceil(capacity_factor * S
+* k / E)`` assignments per sequence. Priority is GShard's: all first choices in token order, then
+all second choices, and so on; assignments past C are dropped (that expert contributes nothing
+to the token; the residual stream carries it). The kept weights are not renormalised.
+``capacity_factor = 0`` is dropless: every assignment is computed.
+
+Experts are ``GroupedExperts``: ``w1``, ``w3`` ``[E, D, F]`` and ``w2`` ``[E, F, D]`` stacked
+along dim 0, so expert parallelism shards dim 0 and keeps global parameter names. The expert
+computation goes through ``MoEFeedForward.dispatcher(x_AD, counts_E, experts)`` (tokens sorted
+by global expert id, counts per global expert); ``loom.parallel.expert`` swaps it for the
+all-to-all version. Nothing here imports ``torch.distributed``.
+
+Shape legend: B batch, S sequence, D model dim, E experts, K top-k, F expert hidden dim,
+T tokens (B*S), A kept token-expert assignments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.models.llama import FeedForward, TransformerArgs
+
+
+class Routing(NamedTuple):
+    """The router's decisions for one forward, assignments sorted by expert (stable)."""
+
+    token_A: torch.Tensor  # flat token index (b * S + s) of each kept assignment
+    expert_A: torch.Tensor  # its global expert id, non-decreasing
+    weight_A: torch.Tensor  # its combine weight (fp32, differentiable)
+    counts_E: torch.Tensor  # kept assignments per expert (int64)
+    topi_BSK: torch.Tensor  # chosen experts before dropping
+    keep_BSK: torch.Tensor  # False where capacity dropped the assignment
+    aux_loss: torch.Tensor  # scalar load-balancing loss, mean over sequences
+
+
+def capacity(seq_len: int, n_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Assignments one expert accepts per sequence; 0 means unlimited (dropless)."""
+    if capacity_factor <= 0:
+        return 0
+    return math.ceil(capacity_factor * seq_len * top_k / n_experts)
+
+
+def route(logits_BSE: torch.Tensor, top_k: int, capacity_factor: float = 0.0,
+          renormalize: bool = True) -> Routing:
+    """Top-k routing with per-sequence capacity and balancing loss (see the module docstring)."""
+    B, S, E = logits_BSE.shape
+    probs_BSE = logits_BSE.float().softmax(dim=-1)  # fp32 router as Mixtral / Switch
+    topw_BSK, topi_BSK = probs_BSE.topk(top_k, dim=-1)
+    if renormalize:
+        topw_BSK = topw_BSK / topw_BSK.sum(dim=-1, keepdim=True)
+    onehot_BSKE = F.one_hot(topi_BSK, E)
+    f_BE = onehot_BSKE.sum(dim=(1, 2)).float() / (S * top_k)
+    aux_loss = (E * (f_BE * probs_BSE.mean(dim=1)).sum(dim=-1)).mean()
+
+    keep_BSK = torch.ones_like(topi_BSK, dtype=torch.bool)
+    cap = capacity(S, E, top_k, capacity_factor)
+    if cap:
+        # Queue position of each assignment at its expert, slot-major (first choices first).
+        onehot_BAE = onehot_BSKE.transpose(1, 2).reshape(B, top_k * S, E)
+        position_BA = ((onehot_BAE.cumsum(dim=1) - 1) * onehot_BAE).sum(dim=-1)
+        keep_BSK = (position_BA < cap).view(B, top_k, S).transpose(1, 2)
+
+    # Flat assignments in token order, kept ones only, then stably sorted by expert.
+    kept = keep_BSK.flatten().nonzero().squeeze(1)
+    kept = kept[torch.argsort(topi_BSK.flatten()[kept], stable=True)]
+    expert_A = topi_BSK.flatten()[kept]
+    return Routing(token_A=kept // top_k, expert_A=expert_A, weight_A=topw_BSK.flatten()[kept],
+                   counts_E=torch.bincount(expert_A, minlength=E), topi_BSK=topi_BSK,
+                   keep_BSK=keep_BSK, aux_loss=aux_loss)
+
+
+class GroupedExperts(nn.Module):
+    """SwiGLU experts with stacked weights; may hold a contiguous shard of the experts (EP)."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+
+    def forward(self, x_AD: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows grouped by (local) expert, ``counts[e]`` rows for expert e, in order."""
+        outs = []
+        for e, x in enumerate(x_AD.split(counts)):  # a loop: CPU has no grouped GEMM
+            outs.append((F.silu(x @ self.w1[e]) * (x @ self.w3[e])) @ self.w2[e])
+        return torch.cat(outs)
+
+
+Dispatcher = Callable[[torch.Tensor, torch.Tensor, GroupedExperts], torch.Tensor]
+
+
+def local_dispatch(x_AD: torch.Tensor, counts_E: torch.Tensor,
+                   experts: GroupedExperts) -> torch.Tensor:
+    """Every expert is local: compute each group of rows with its expert."""
+    return experts(x_AD, counts_E.tolist())
+
+
+class MoEFeedForward(nn.Module):
+    """Routed experts (+ optional shared experts); sets ``self.aux_loss`` on every forward."""
+
+    def __init__(self, args: TransformerArgs) -> None:
+        super().__init__()
+        self.n_experts, self.top_k = args.n_experts, args.top_k
+        self.capacity_factor, self.renormalize = args.capacity_factor, args.renormalize_top_k
+        hidden = args.expert_ffn_dim or args.ffn_dim
+        self.router = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.experts = GroupedExperts(args.n_experts, args.dim, hidden)
+        shared_args = dataclasses.replace(args, ffn_dim=args.n_shared_experts * hidden)
+        self.shared = FeedForward(shared_args) if args.n_shared_experts else None
+        # The seam for expert parallelism (a plain callable, not a submodule).
+        self.dispatcher: Dispatcher = local_dispatch
+        self.aux_loss: torch.Tensor | None = None
+        self.routing: Routing | None = None  # the last forward's decisions (tests, metrics)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        routing = route(self.router(x_BSD), self.top_k, self.capacity_factor, self.renormalize)
+        self.aux_loss, self.routing = routing.aux_loss, routing
+        x_TD = x_BSD.reshape(B * S, D)
+        y_AD = self.dispatcher(x_TD[routing.token_A], routing.counts_E, self.experts)
+        y_AD = y_AD * routing.weight_A.unsqueeze(1).to(y_AD.dtype)
+        out_TD = torch.zeros_like(x_TD).index_add(0, routing.token_A, y_AD)
+        out_BSD = out_TD.view(B, S, D)
+        if self.shared is not None:
+            out_BSD = out_BSD + self.shared(x_BSD)
+        return out_BSD
