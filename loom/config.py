@@ -68,6 +68,14 @@ class ParallelConfig:
     # (1 for 1F1B-like families, 2 for interleaved/V-shaped ones). Used when pp > 1.
     schedule: str = "1f1b"
     chunks: int = 0
+    # Tensor parallelism (tp > 1): Megatron sequence parallelism for norms and residuals, and the
+    # vocabulary-parallel embedding / head / fused cross entropy.
+    sequence_parallel: bool = False
+    vocab_parallel: bool = True
+    # Context parallelism (cp > 1): "ring" (zig-zag ring attention), "ulysses" (all-to-all to
+    # heads) or "hybrid" (Ulysses inside groups of cp_ulysses ranks, ring across; 0 = auto).
+    cp_mode: Literal["ring", "ulysses", "hybrid"] = "ring"
+    cp_ulysses: int = 0
 
     def degrees(self) -> dict[str, int]:
         return {axis: getattr(self, axis) for axis in AXES}
@@ -131,6 +139,7 @@ class MetricsConfig:
     tensorboard: bool = True
     progress: bool = True
     plot: bool = True
+    comm: bool = False  # count every collective per axis and op and log it each step
 
 
 @dataclass
@@ -408,8 +417,16 @@ def validate(config: Config, world_size: int) -> None:
     _require_divisible("model.n_heads", m.n_heads, par.tp, "parallel.tp")
     _require_divisible("model.n_kv_heads", m.n_kv_heads, par.tp, "parallel.tp")
     _require_divisible("model.ffn_dim", m.ffn_dim, par.tp, "parallel.tp")
-    _require_divisible("model.vocab_size", m.vocab_size, par.tp, "parallel.tp")
-    _require_divisible("data.seq_len", data.seq_len, par.tp * par.cp, "parallel.tp * parallel.cp")
+    if par.vocab_parallel:
+        _require_divisible("model.vocab_size", m.vocab_size, par.tp,
+                           "parallel.tp (vocab_parallel splits the vocabulary)")
+    elif m.tie_embeddings and par.tp > 1:
+        raise ConfigError("parallel.vocab_parallel", False, "tied embeddings under tp > 1 need"
+                          " vocab_parallel = true (embedding and head split the same way)")
+    _validate_context_parallel(config)
+    if par.sequence_parallel and par.tp > 1:
+        _require_divisible("data.seq_len", data.seq_len // par.cp, par.tp,
+                           "parallel.tp (sequence parallelism splits each cp shard)")
     if par.pp > m.n_layers:
         raise ConfigError("parallel.pp", par.pp,
                           f"must not exceed model.n_layers = {m.n_layers} (one layer per stage)")
@@ -428,17 +445,42 @@ def validate(config: Config, world_size: int) -> None:
     _validate_schedule(config)
 
     # What this version of Loom runs: each later parallelism lifts its own rule when it lands.
-    for axis in ("dp_shard", "ep", "cp", "tp"):
+    for axis in ("dp_shard", "ep"):
         if degrees[axis] > 1:
-            raise ConfigError(f"parallel.{axis}", degrees[axis],
-                              "this Loom version supports only data parallelism (dp_replicate)"
-                              f" and pipeline parallelism (pp); {axis} > 1 is not implemented yet")
+            raise ConfigError(f"parallel.{axis}", degrees[axis], f"{axis} > 1 is not implemented"
+                              " yet in this Loom version (dp_replicate, pp, tp and cp are)")
+    for axis in ("tp", "cp"):
+        if degrees[axis] > 1 and par.pp > 1:
+            raise ConfigError(f"parallel.{axis}", degrees[axis], f"{axis} > 1 inside pipeline"
+                              " stages (pp > 1) is not implemented yet; use one or the other")
     if tr.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError("train.backend", tr.backend, "must be one of auto, gloo, nccl")
     if not (tr.device in ("auto", "cpu") or tr.device.startswith(("cuda", "xpu", "mps"))):
         raise ConfigError("train.device", tr.device, "must be auto, cpu, cuda or cuda:N")
     if tr.backend == "nccl" and tr.device == "cpu":
         raise ConfigError("train.backend", tr.backend, "nccl needs a GPU device, not train.device=cpu")
+
+
+def _validate_context_parallel(config: Config) -> None:
+    """cp rules: the zig-zag ring needs seq_len divisible by 2*cp (cp for Ulysses alone); the
+    Ulysses degree must divide cp and the heads each tp rank holds."""
+    par, m = config.parallel, config.model
+    if par.cp_ulysses < 0:
+        raise ConfigError("parallel.cp_ulysses", par.cp_ulysses, "must be >= 0 (0: automatic)")
+    if par.cp == 1:
+        return
+    from loom.parallel.context import CPLayout, check_layout
+
+    if par.cp_mode == "hybrid" and par.cp_ulysses and par.cp % par.cp_ulysses:
+        raise ConfigError("parallel.cp_ulysses", par.cp_ulysses,
+                          f"must divide parallel.cp = {par.cp}")
+    layout = CPLayout.from_mode(par.cp_mode, par.cp, par.cp_ulysses)
+    try:
+        check_layout(layout, config.data.seq_len, m.n_heads // par.tp, m.n_kv_heads // par.tp)
+    except ValueError as err:
+        field = "data.seq_len" if "seq_len" in str(err) else "parallel.cp"
+        value = config.data.seq_len if field == "data.seq_len" else par.cp
+        raise ConfigError(field, value, f"{err} (parallel.cp_mode={par.cp_mode})") from None
 
 
 def _validate_schedule(config: Config) -> None:

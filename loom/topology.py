@@ -140,6 +140,7 @@ class Meshes:
 
     root: Any
     dp: Any
+    dp_cp: Any  # dp x cp flattened (the gradient-averaging group under context parallelism)
 
 
 def build_mesh(grid: RankGrid, device_type: str) -> Meshes:
@@ -147,4 +148,6 @@ def build_mesh(grid: RankGrid, device_type: str) -> Meshes:
     from torch.distributed.device_mesh import init_device_mesh
 
     root = init_device_mesh(device_type, grid.shape, mesh_dim_names=AXES)
-    return Meshes(root=root, dp=root[DATA_AXES]._flatten("dp"))
+    dp = root[DATA_AXES]._flatten("dp")
+    dp_cp = root[(*DATA_AXES, "cp")]._flatten("dp_cp") if grid.degree("cp") > 1 else dp
+    return Meshes(root=root, dp=dp, dp_cp=dp_cp)

@@ -26,8 +26,11 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps,
-                             foreach=True if params and params[0].device.type != "meta" else None)
+    # The fused multi-tensor path cannot mix DTensor (tensor-parallel) and plain parameters, as
+    # with tp > 1 and a replicated, not vocab-parallel, embedding.
+    kinds = {type(p).__name__ == "DTensor" for p in params}
+    foreach = len(kinds) == 1 and bool(params) and params[0].device.type != "meta"
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=foreach or None)
 
 
 def lr_at(step: int, *, total_steps: int, warmup_steps: int, min_ratio: float) -> float:

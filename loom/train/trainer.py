@@ -36,7 +36,8 @@ from loom.config import Config
 from loom.data.loader import DataFiles, DistributedLoader, GlobalBatchSampler, PackedSequences
 from loom.data.loader import eval_batches
 from loom.models import TransformerArgs, build_model, reset_parameters
-from loom.parallel import no_gradient_sync, parallelize, unwrap
+from loom.parallel import finish_gradient_sync, no_gradient_sync, parallelize, unwrap
+from loom.parallel.comm import CommLedger
 from loom.pipeline.runtime import PipelineRuntime, build_pipeline, forward_only, schedule_for
 from loom.pipeline.stage import LocalStages
 from loom.topology import DATA_AXES, RankGrid, build_mesh
@@ -71,9 +72,20 @@ class Trainer:
             raise ValueError(f"layout {config.parallel.degrees()} needs {self.grid.size} ranks,"
                              f" the job has {self.ctx.world_size}")
         self.meshes = build_mesh(self.grid, self.ctx.device.type)
-        self.dp_group = self.meshes.dp.get_group()
         self.dp_rank = self.grid.index(self.ctx.rank, *DATA_AXES)
         self.dp_size = self.grid.degree(*DATA_AXES)
+        # The loss is averaged over every rank holding a different part of the batch: the data
+        # axes, and cp (each cp rank holds a different part of every sequence).
+        self.loss_group = self.meshes.dp_cp.get_group()
+        self.loss_group_size = self.meshes.dp_cp.size()
+        self.ledger = CommLedger() if config.metrics.comm else None
+        self.cp_groups = None
+        if self.grid.degree("cp") > 1:
+            from loom.parallel.context import CPLayout, new_cp_groups
+
+            par = config.parallel
+            layout = CPLayout.from_mode(par.cp_mode, par.cp, par.cp_ulysses)
+            self.cp_groups = new_cp_groups(self.grid.groups("cp"), layout, self.ctx.rank)
 
         self.args = model_args(config)
         self.autocast_dtype = torch.bfloat16 if tr.dtype == "bf16" else None
@@ -94,7 +106,13 @@ class Trainer:
             model = build_model(self.args, device="meta")
             model.to_empty(device=self.ctx.device)
             reset_parameters(model, tr.seed)  # identical on every rank: seeded by parameter name
-            self.model = parallelize(model, self.meshes)
+            # TP keeps each rank's slice of the full seeded value: weights equal one process's.
+            self.model = parallelize(model, self.meshes, config.parallel,
+                                     cp_groups=self.cp_groups, ledger=self.ledger)
+        from loom.parallel.tensor import tensor_parallel_of
+
+        self.tp = tensor_parallel_of(self.model)
+        self.loss_fn = self.tp.loss if self.tp is not None else cross_entropy
 
         opt = config.optim
         self.optimizer = build_optimizer(self.model, lr=opt.lr, weight_decay=opt.weight_decay,
@@ -126,22 +144,52 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.pipeline is not None:
             return self._pipeline_step(inputs, targets)
+        inputs, targets, positions = self._shard_sequence(inputs, targets)
         loss_sum = torch.zeros((), device=self.ctx.device)
         for i in range(n_micro):
             rows = slice(i * micro, (i + 1) * micro)
             last = i == n_micro - 1
-            with contextlib.nullcontext() if last else no_gradient_sync(self.model):
+            with contextlib.nullcontext() if last else no_gradient_sync(self.model), \
+                    self._counting():
                 with self._autocast():
-                    logits = self.model(inputs[rows])
-                loss = cross_entropy(logits, targets[rows]) / n_micro
+                    logits = self.model(inputs[rows], positions=positions)
+                loss = self.loss_fn(logits, targets[rows]) / n_micro
                 loss.backward()
             loss_sum += loss.detach()
-        grad_norm = clip_grad_norm(self.model.parameters(), self.config.train.grad_clip)
+        finish_gradient_sync(self.model)
+        grad_norm = self._clip()
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
         return {"loss": self._mean_over_dp(loss_sum), "grad_norm": float(grad_norm), "lr": lr}
+
+    def _shard_sequence(self, inputs: torch.Tensor, targets: torch.Tensor):
+        """With cp > 1: this rank's part of every sequence and its global positions (for RoPE);
+        the loss over the local tokens, averaged over cp, is the global mean (equal shares)."""
+        if self.cp_groups is None:
+            return inputs, targets, None
+        from loom.parallel.context import shard_sequence
+
+        rank, layout = self.cp_groups.cp_rank, self.cp_groups.layout
+        inputs, positions = shard_sequence(inputs, rank, layout)
+        targets, _ = shard_sequence(targets, rank, layout)
+        return inputs, targets, positions
+
+    def _counting(self) -> contextlib.AbstractContextManager:
+        """Count DTensor's (tensor-parallel) collectives into the ledger, forward and backward."""
+        if self.tp is None or self.ledger is None:
+            return contextlib.nullcontext()
+        return self.tp.counting()
+
+    def _clip(self) -> torch.Tensor:
+        """Global-norm clipping: sharded (TP) gradients are summed over ``tp``, once."""
+        clip = self.config.train.grad_clip
+        if self.tp is not None:
+            from loom.parallel.tensor import clip_grad_norm as tp_clip_grad_norm
+
+            return tp_clip_grad_norm(self.model.parameters(), clip, tp=self.tp)
+        return clip_grad_norm(self.model.parameters(), clip)
 
     def _pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
         """``train_step`` with pp > 1: the schedule runs every microbatch's forward and backward
@@ -170,10 +218,11 @@ class Trainer:
             training=training, activation_shape=(micro, inputs.shape[1], self.args.dim))
 
     def _mean_over_dp(self, value: torch.Tensor) -> float:
-        if self.dp_size > 1:
+        """The mean of a per-rank loss over the ranks that hold different data (dp, and cp)."""
+        if self.loss_group_size > 1:
             value = value.clone()
-            dist.all_reduce(value, group=self.dp_group)
-            value /= self.dp_size
+            dist.all_reduce(value, group=self.loss_group)
+            value /= self.loss_group_size
         return float(value)
 
     @torch.no_grad()
@@ -185,7 +234,10 @@ class Trainer:
         if self.pipeline is not None:  # forward-only through the stages, loss shared over pp
             losses = [self._run_pipeline(x, y, training=False) for x, y in batches]
         else:
-            losses = [cross_entropy(self.model(x), y) for x, y in batches]
+            losses = []
+            for x, y in batches:
+                x, y, positions = self._shard_sequence(x, y)
+                losses.append(self.loss_fn(self.model(x, positions=positions), y))
         if not losses:
             return math.nan
         return self._mean_over_dp(torch.stack(losses).mean())
@@ -276,8 +328,9 @@ class Trainer:
         if self.pipeline is not None:
             return self._gather_over_pp(
                 {n: p.grad for n, p in self._stage_parameters() if p.grad is not None})
-        return {name: p.grad.detach().clone()
-                for name, p in unwrap(self.model).named_parameters() if p.grad is not None}
+        from loom.parallel.tensor import full_named_gradients
+
+        return full_named_gradients(unwrap(self.model))  # full tensors under TP (collective)
 
     def _stage_parameters(self):
         """(global name, parameter) of every stage this rank holds."""
@@ -302,11 +355,11 @@ class Trainer:
 
         if self.pipeline is not None and self.dp_rank == 0:  # the first pipeline gathers
             state = self._gather_over_pp(self.model.state_dict(), to_main=True)
-        elif self.pipeline is not None or not self.ctx.is_main:
+        elif self.pipeline is not None:
             return
-        else:
-            state = {k: v.detach().cpu().contiguous()
-                     for k, v in unwrap(self.model).state_dict().items()}
+        else:  # every rank takes part in gathering TP shards, then only the main rank writes
+            state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+                     .contiguous() for k, v in unwrap(self.model).state_dict().items()}
         if not self.ctx.is_main:
             return
         if self.args.tie_embeddings:
@@ -345,6 +398,9 @@ class Trainer:
                 last = self.train_step()
                 timing = timer.stop(tokens_per_step)
                 last.update(timing.as_dict(), peak_mem_bytes=peak_memory_bytes(self.ctx.device))
+                if self.ledger is not None:  # this step's collectives, per axis and op
+                    last.update(self.ledger.summary())
+                    self.ledger.reset()
                 logger.log_step(self.step, last)
                 if not math.isfinite(last["loss"]):
                     raise FloatingPointError(f"non-finite loss {last['loss']} at step {self.step}")

@@ -1,0 +1,54 @@
+"""The parity matrix through the real Trainer: tensor, sequence, vocabulary and context
+parallelism, alone and combined with data parallelism, give one process's loss and gradients.
+
+Same model (debug preset with 4 query and 4 key/value heads so tp=4 fits), seed and data; 3
+optimizer steps, fp32. The technique-level tests (tests/dist/test_tensor_parallel.py,
+test_context_parallel.py) check each module in isolation; these check the composition the trainer
+actually runs: parallelize() order, loss averaging over dp x cp, gradient reduction over dp x cp
+of local (DTensor) gradients, TP-aware clipping and full-gradient gathering.
+"""
+
+import pytest
+
+from loom.testing.parity import assert_parity, layout_config, record_training
+from tests.conftest import SMALL_DATA_OVERRIDES
+
+STEPS = 3
+BASE = {**SMALL_DATA_OVERRIDES, "model.preset": "debug", "model.n_kv_heads": 4,
+        "train.steps": STEPS, "train.global_batch_size": 8, "train.micro_batch_size": 2,
+        "optim.warmup_steps": 1, "optim.lr": 1e-3, "train.grad_clip": 1.0}
+# As in test_data_parallel.py: step 1 differs only by summation order; later steps inherit Adam's
+# amplification of rounding-level gradient elements.
+RTOL_FIRST, ATOL_FIRST = 1e-5, 1e-6
+RTOL, ATOL = 1e-4, 1e-5
+
+LAYOUTS = {
+    "tp2": (2, {"tp": 2}),
+    "tp2-sp": (2, {"tp": 2, "sequence_parallel": True}),
+    "tp2-no-vocab-parallel": (2, {"tp": 2, "vocab_parallel": False}),
+    "tp4-sp": (4, {"tp": 4, "sequence_parallel": True}),
+    "cp2-ring": (2, {"cp": 2, "cp_mode": "ring"}),
+    "cp2-ulysses": (2, {"cp": 2, "cp_mode": "ulysses"}),
+    "cp4-hybrid": (4, {"cp": 4, "cp_mode": "hybrid"}),
+    "dp2-tp2": (4, {"dp_replicate": 2, "tp": 2}),
+    "dp2-cp2": (4, {"dp_replicate": 2, "cp": 2}),
+    "tp2-cp2-sp": (4, {"tp": 2, "cp": 2, "sequence_parallel": True}),
+    "dp2-tp2-cp2": (8, {"dp_replicate": 2, "tp": 2, "cp": 2, "sequence_parallel": True}),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(dist, small_data_dir):
+    return dist.run(1, record_training, layout_config(BASE, 1), small_data_dir, STEPS)[0]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_one_process(dist, small_data_dir, reference, layout):
+    world, parallel = LAYOUTS[layout]
+    config = layout_config(BASE, world, **parallel)
+    results = dist.run(world, record_training, config, small_data_dir, STEPS)
+    for rank, result in enumerate(results):
+        label = f"{layout} rank {rank}"
+        assert_parity(reference, result, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=label,
+                      steps=range(1))
+        assert_parity(reference, result, rtol=RTOL, atol=ATOL, label=label)
