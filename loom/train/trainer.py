@@ -220,8 +220,11 @@ class Trainer:
     def _mean_over_dp(self, value: torch.Tensor) -> float:
         """The mean of a per-rank loss over the ranks that hold different data (dp, and cp)."""
         if self.loss_group_size > 1:
+            from loom.parallel import comm
+
             value = value.clone()
-            dist.all_reduce(value, group=self.loss_group)
+            axis = "dp_cp" if self.cp_groups is not None else "dp"
+            comm.all_reduce(value, self.loss_group, axis=axis, ledger=self.ledger)
             value /= self.loss_group_size
         return float(value)
 
