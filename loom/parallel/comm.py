@@ -104,9 +104,19 @@ def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, group: Any
 
 
 def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, group: Any, *, axis: str,
-                      ledger: CommLedger | None = None, async_op: bool = False):
-    _record(ledger, axis, "all_to_all", _nbytes(tensor), group, lambda n: (n - 1) / n)
-    return dist.all_to_all_single(output, tensor, group=group, async_op=async_op)
+                      ledger: CommLedger | None = None, async_op: bool = False,
+                      output_split_sizes: list[int] | None = None,
+                      input_split_sizes: list[int] | None = None):
+    """Equal splits of dim 0 unless split sizes are given (rows per peer, as in torch). With
+    uneven splits the wire bytes are exact: the input minus the rows this rank keeps."""
+    if input_split_sizes is None:
+        _record(ledger, axis, "all_to_all", _nbytes(tensor), group, lambda n: (n - 1) / n)
+    elif ledger is not None:
+        kept = input_split_sizes[dist.get_rank(group)] * _nbytes(tensor[:1])  # 0 if empty
+        ledger.add(axis, "all_to_all", _nbytes(tensor), float(_nbytes(tensor) - kept))
+    return dist.all_to_all_single(output, tensor, output_split_sizes=output_split_sizes,
+                                  input_split_sizes=input_split_sizes, group=group,
+                                  async_op=async_op)
 
 
 def isend(tensor: torch.Tensor, dst: int, group: Any, *, axis: str,
