@@ -201,23 +201,25 @@ def test_attention_core_matches_sdpa(dist, mode, cp, ulysses):
 
 
 def ddp_over_dp_x_cp(ctx):
-    """The trainer's wiring: DDP over the flattened dp x cp group averages the gradients that
-    ``reduce_gradients_over_cp`` would, and over dp as well; each dp slice is sharded over cp."""
-    from loom.parallel.data import apply_data_parallel
+    """The trainer's wiring: data parallelism over the flattened dp x cp group averages the
+    gradients that ``reduce_gradients_over_cp`` would, and over dp as well; each dp slice is
+    sharded over cp."""
+    from loom.parallel.data import apply_data_parallel, finish_gradient_sync
     from loom.topology import RankGrid, build_mesh
 
     grid = RankGrid({"dp_replicate": 2, "cp": 2})
     meshes = build_mesh(grid, "cpu")
-    dp_cp = meshes.root[("dp_replicate", "dp_shard", "ep", "cp")]._flatten("dp_cp")
     layout = CPLayout.from_mode("ring", 2)
     groups = new_cp_groups(grid.groups("cp"), layout, ctx.rank)
-    model = apply_data_parallel(apply_context_parallel(_model(), groups), dp_cp)
+    model = apply_data_parallel(apply_context_parallel(_model(), groups),
+                                meshes.dp_cp.get_group(), meshes.dp_cp.size())
     inputs, targets = _batches()[0]
     row = grid.index(ctx.rank, "dp_replicate")  # the data loader splits the batch over dp only
     (inputs, positions), (targets, _) = (shard_sequence(t[row:row + 1], groups.cp_rank, layout)
                                          for t in (inputs, targets))
     F.cross_entropy(model(inputs, positions=positions).flatten(0, 1), targets.flatten()).backward()
-    return {n: p.grad for n, p in model.module.named_parameters()}
+    finish_gradient_sync(model)
+    return {n: p.grad for n, p in model.named_parameters()}
 
 
 def test_ddp_over_flattened_dp_and_cp_matches_one_process(dist, reference):
