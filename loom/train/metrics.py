@@ -194,7 +194,8 @@ class MetricsLogger:
             shown = [_fmt(k, clean[k]) for k in ("loss", "tokens_per_s", "mfu") if k in clean]
             self._bar.set_postfix_str(" | ".join(shown), refresh=False)
         elif self._progress and (step % self.log_every == 0 or step == self.total_steps):
-            body = " | ".join(_fmt(k, v) for k, v in clean.items())
+            # Per-axis communication counters go to JSONL/TensorBoard only: too many for a line.
+            body = " | ".join(_fmt(k, v) for k, v in clean.items() if not k.startswith("comm/"))
             self._print(f"step {step}/{self.total_steps} | {body}")
 
     def log_eval(self, step: int, metrics: dict[str, Any]) -> None:
