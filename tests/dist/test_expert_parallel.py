@@ -10,6 +10,7 @@ A 4-rank run folds the axes (dp_replicate=2 x ep=2, DDP on the dense part) as th
 """
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from loom.models.moe import MoEFeedForward
 from loom.parallel import comm
 from loom.parallel.comm import CommLedger
 from loom.parallel.expert import (apply_expert_parallel, clip_grad_norm, expert_parameter_names,
-                                  reduce_gradients)
+                                  gather_expert_weights, reduce_gradients)
 
 ARGS = TransformerArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=64,
                        max_seq_len=64, n_experts=4, top_k=2, expert_ffn_dim=64,
@@ -52,6 +53,11 @@ def _model(capacity_factor):
     model = Transformer(_args(capacity_factor))
     reset_parameters(model, SEED)
     return model
+
+
+@functools.cache
+def _expert_names():
+    return frozenset(expert_parameter_names(_model(0.0)))
 
 
 def _moes(model):
@@ -85,6 +91,7 @@ def ep_training(ctx, ep, capacity_factor):
     group = dist.group.WORLD
     ledger = CommLedger()
     model = apply_expert_parallel(_model(capacity_factor), group, ledger)
+    initial = gather_expert_weights(model)  # before the ledger is reset by the first step
     per_rank = BATCH // ep
 
     def average_loss(loss):  # every rank holds the same number of tokens and sequences
@@ -97,6 +104,7 @@ def ep_training(ctx, ep, capacity_factor):
     out = _train(model, slice(ctx.rank * per_rank, (ctx.rank + 1) * per_rank), after_backward,
                  average_loss, ledger)
     out["clip_norm"] = clip_grad_norm(model, 0.0, model.expert_parallel).item()
+    out["initial_experts"] = initial
     return out
 
 
@@ -124,7 +132,7 @@ def runs(dist):
 
 def _shard(name, full, ep, rank):
     """The rows of a one-process gradient that ep rank ``rank`` holds."""
-    if name not in expert_parameter_names(_model(0.0)):
+    if name not in _expert_names():
         return full
     shard = ARGS.n_experts // ep
     return full[rank * shard:(rank + 1) * shard]
@@ -160,6 +168,15 @@ def test_training_matches_one_process(runs, ep, capacity_factor):
                                            msg=lambda m: f"{label} {name}: {m}")
 
 
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_shards_are_cut_from_the_seeded_full_value(runs, ep):
+    reference = dict(_model(0.0).named_parameters())
+    for result in runs(ep, 0.0):
+        assert result["initial_experts"].keys() == _expert_names()
+        for name, full in result["initial_experts"].items():
+            assert torch.equal(full, reference[name]), name  # bit for bit
+
+
 @pytest.mark.parametrize("ep, capacity_factor", LAYOUTS)
 def test_gradient_norm_counts_each_expert_shard_once(runs, ep, capacity_factor):
     want = _reference(capacity_factor)["clip_norm"]
@@ -171,6 +188,8 @@ def _expected_comm(ep, capacity_factor, step):
     """Analytical bytes of one rank per training step (forward + backward), by (axis, op)."""
     E, D, per_rank, local = ARGS.n_experts, ARGS.dim, BATCH // ep, ARGS.n_experts // ep
     expected = []
+    dense = [p for n, p in _model(capacity_factor).named_parameters() if n not in _expert_names()]
+    dense_bytes = sum(p.numel() for p in dense) * FP32
     for rank in range(ep):
         calls = payload = wire = 0
         for topi, keep in _reference(capacity_factor)["routing"][step]:
@@ -188,10 +207,6 @@ def _expected_comm(ep, capacity_factor, step):
             wire += E * INT64 * (ep - 1) / ep + 2 * (a_out + a_in - 2 * a_self) * D * FP32
         entry = {("ep", "all_to_all"): (calls, payload, wire)}
         # Dense gradients averaged over ep: one all-reduce each, 2 (ep-1)/ep of the bytes.
-        model = _model(capacity_factor)
-        experts = expert_parameter_names(model)
-        dense = [p for n, p in model.named_parameters() if n not in experts]
-        dense_bytes = sum(p.numel() for p in dense) * FP32
         entry[("ep", "all_reduce")] = (len(dense), dense_bytes, 2 * (ep - 1) / ep * dense_bytes)
         expected.append(entry)
     return expected
@@ -212,23 +227,24 @@ def test_counted_bytes_equal_the_formulas(runs, ep, capacity_factor):
 
 
 def folded_training(ctx):
-    """dp_replicate=2 x ep=2: attention sees 4-way data parallelism (DDP over the flattened dp
-    mesh, expert weights ignored by it), experts are 2-way sharded and 2-way replicated."""
-    from torch.nn.parallel import DistributedDataParallel
-
+    """dp_replicate=2 x ep=2, wired as the trainer should: attention and every replicated weight
+    average over the 4 data-parallel ranks (Loom's ``GradientReducer`` on the flattened dp mesh,
+    given only the dense parameters); each expert shard is held by 2 ranks (one per dp_replicate
+    coordinate), summed over them and divided by dp x ep = 4 (``reduce_gradients(dense=False)``)."""
+    from loom.parallel.data import GradientReducer
     from loom.topology import RankGrid, build_mesh
 
     grid = RankGrid({"dp_replicate": 2, "ep": 2})
     meshes = build_mesh(grid, "cpu")
     model = apply_expert_parallel(_model(CAPACITY), meshes.root["ep"].get_group())
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-        model, sorted(expert_parameter_names(model)))
-    ddp = DistributedDataParallel(model, process_group=meshes.dp.get_group(), init_sync=False,
-                                  broadcast_buffers=False)
+    experts = expert_parameter_names(model)
+    dense = [p for n, p in model.named_parameters() if n not in experts]
+    reducer = GradientReducer(dense, meshes.dp.get_group(), meshes.dp.size())
     row = grid.index(ctx.rank, "dp_replicate", "ep")  # the loader splits the batch over dp x ep
     inputs, targets = (t[row:row + 1] for t in _batch())
-    loss = F.cross_entropy(ddp(inputs).flatten(0, 1), targets.flatten())
+    loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
     (loss + ARGS.aux_loss_coef * model.moe_aux_loss()).backward()
+    reducer.finish()
     reduce_gradients(model, model.expert_parallel,
                      dp_group=meshes.root["dp_replicate"].get_group(), dense=False)
     return grid.index(ctx.rank, "ep"), {n: p.grad for n, p in model.named_parameters()}
