@@ -67,26 +67,33 @@ def preset(name: str) -> TransformerArgs:
     return dataclasses.replace(PRESETS[name])
 
 
+def layer_parameter_count(args: TransformerArgs, layer_id: int, *, active: bool = False) -> int:
+    """Parameters of global layer ``layer_id`` (``active``: those one token uses, which is also
+    its matmul multiply-adds per token, attention scores aside).
+
+    Attention D*(N*Hd) + 2*D*(K*Hd) + (N*Hd)*D and two norms 2*D, plus the feed-forward: dense
+    3*D*F; MoE a router D*E and 3*D*F_e per routed expert (E of them, or top_k when ``active``)
+    and per shared expert.
+    """
+    q_width = args.n_heads * args.head_dim
+    kv_width = args.n_kv_heads * args.head_dim
+    count = 2 * args.dim * q_width + 2 * args.dim * kv_width + 2 * args.dim
+    if not args.moe_layer(layer_id):
+        return count + 3 * args.dim * args.ffn_dim
+    routed = args.top_k if active else args.n_experts
+    expert = 3 * args.dim * (args.expert_ffn_dim or args.ffn_dim)
+    return count + args.dim * args.n_experts + (routed + args.n_shared_experts) * expert
+
+
 def parameter_count(args: TransformerArgs, *, include_embedding: bool = True,
                     active: bool = False) -> int:
     """Exact number of parameters of ``Transformer(args)`` (``active``: those one token uses).
 
-    Per layer: attention D*(N*Hd) + 2*D*(K*Hd) + (N*Hd)*D, two norms 2*D, and the feed-forward:
-    dense 3*D*F; MoE a router D*E plus 3*D*F_e per routed expert (E of them, or top_k when
-    ``active``) and per shared expert. Ends: the embedding V*D, the final norm D and the head
-    V*D (counted once when tied).
+    The layers (``layer_parameter_count``), then the ends: the embedding V*D, the final norm D
+    and the head V*D (counted once when tied).
     """
-    q_width = args.n_heads * args.head_dim
-    kv_width = args.n_kv_heads * args.head_dim
-    per_layer = 2 * args.dim * q_width + 2 * args.dim * kv_width + 2 * args.dim
-    total = args.n_layers * per_layer + args.dim
-    expert = 3 * args.dim * (args.expert_ffn_dim or args.ffn_dim)
-    for layer_id in range(args.n_layers):
-        if args.moe_layer(layer_id):
-            routed = args.top_k if active else args.n_experts
-            total += args.dim * args.n_experts + (routed + args.n_shared_experts) * expert
-        else:
-            total += 3 * args.dim * args.ffn_dim
+    total = sum(layer_parameter_count(args, i, active=active) for i in range(args.n_layers))
+    total += args.dim
     head = args.vocab_size * args.dim
     total += head if args.tie_embeddings else 2 * head
     if not include_embedding:

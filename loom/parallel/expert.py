@@ -188,10 +188,10 @@ def reduce_gradients(model: nn.Module, ep: ExpertParallel, *, dp_group: Any = No
 def gather_expert_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """The full value of every expert weight by name (collective over ep: call on every ep rank),
     e.g. to save a one-file checkpoint; shards are stacked back in rank order along dim 0."""
-    ep = expert_parallel_of(model)
+    ep, experts = expert_parallel_of(model), expert_parameter_names(model)
     out = {}
     for name, param in model.named_parameters():
-        if name in expert_parameter_names(model):
+        if name in experts:
             full = param.new_empty((param.shape[0] * ep.size, *param.shape[1:]))
             comm.all_gather_into_tensor(full, param.detach().contiguous(), ep.group, axis="ep",
                                         ledger=ep.ledger)

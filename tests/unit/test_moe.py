@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from loom.models import (PRESETS, active_parameter_count, build_model, parameter_count, preset,
                          reset_parameters)
 from loom.models.moe import GroupedExperts, MoEFeedForward, capacity, route
+from loom.models.presets import layer_parameter_count
 
 torch.set_num_threads(1)
 
@@ -221,6 +222,14 @@ def test_parameter_count_equals_the_real_count(args) -> None:
     routed_per_layer = 3 * args.dim * (args.expert_ffn_dim or args.ffn_dim)
     moe_layers = sum(args.moe_layer(i) for i in range(args.n_layers))
     assert active_parameter_count(args) == dense + moe_layers * args.top_k * routed_per_layer
+
+
+def test_layer_parameter_count_per_layer() -> None:
+    args = moe_args()  # layer 0 dense, layers 1-3 MoE
+    model = build_model(args)
+    for i in range(args.n_layers):
+        layer = model.layers[str(i)]
+        assert layer_parameter_count(args, i) == sum(p.numel() for p in layer.parameters())
 
 
 @pytest.mark.parametrize("name, total, active", [
