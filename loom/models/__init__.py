@@ -1,4 +1,4 @@
-"""Plain single-device models. Nothing here imports ``torch.distributed``.
+"""Plain single-device models. Nothing here imports the distributed package of torch.
 
 ``build_model`` makes a model (or a pipeline stage's slice of one) on any device, the meta device
 included; ``reset_parameters`` then gives it the seeded, layout-independent initial weights.

@@ -2,7 +2,7 @@
 
 RMSNorm, rotary position embeddings (RoPE), SwiGLU MLP and grouped-query attention, optionally with
 the output head tied to the token embedding. The module is written for a single device and imports
-nothing from ``torch.distributed``: every parallelism is applied from outside (``loom.parallel``).
+nothing from torch's distributed package: every parallelism is applied from outside (``loom.parallel``).
 Three seams make that possible:
 
 * layers live in a ``ModuleDict`` keyed by their *global* index, and the embedding, the final norm
