@@ -250,7 +250,7 @@ def folded_training(ctx):
     return grid.index(ctx.rank, "ep"), {n: p.grad for n, p in model.named_parameters()}
 
 
-def test_folded_dp_x_ep_with_ddp_matches_one_process(dist):
+def test_folded_dp_x_ep_with_the_gradient_reducer_matches_one_process(dist):
     reference = _reference(CAPACITY)["grads"][0]
     for ep_rank, grads in dist.run(4, folded_training):
         for name, full in reference.items():
