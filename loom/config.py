@@ -284,7 +284,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
                           + _suggest(str(preset_name), list(PRESETS)))
     shape = dataclasses.asdict(PRESETS[preset_name])
     shape["vocab_size"] = 0  # presets' vocab sizes are for planning; local runs size from the tokenizer
-    if preset_name not in ("tiny", "debug"):
+    if preset_name not in ("tiny", "debug", "tiny-moe"):
         shape["vocab_size"] = PRESETS[preset_name].vocab_size
     config = Config(model=ModelConfig(preset=preset_name, **shape))
 
@@ -424,6 +424,7 @@ def validate(config: Config, world_size: int) -> None:
         raise ConfigError("parallel.vocab_parallel", False, "tied embeddings under tp > 1 need"
                           " vocab_parallel = true (embedding and head split the same way)")
     _validate_context_parallel(config)
+    _validate_experts(config)
     if par.sequence_parallel and par.tp > 1:
         _require_divisible("data.seq_len", data.seq_len // par.cp, par.tp,
                            "parallel.tp (sequence parallelism splits each cp shard)")
@@ -445,7 +446,7 @@ def validate(config: Config, world_size: int) -> None:
     _validate_schedule(config)
 
     # What this version of Loom runs: each later parallelism lifts its own rule when it lands.
-    for axis in ("dp_shard", "ep"):
+    for axis in ("dp_shard",):
         if degrees[axis] > 1:
             raise ConfigError(f"parallel.{axis}", degrees[axis], f"{axis} > 1 is not implemented"
                               " yet in this Loom version (dp_replicate, pp, tp and cp are)")
@@ -459,6 +460,45 @@ def validate(config: Config, world_size: int) -> None:
         raise ConfigError("train.device", tr.device, "must be auto, cpu, cuda or cuda:N")
     if tr.backend == "nccl" and tr.device == "cpu":
         raise ConfigError("train.backend", tr.backend, "nccl needs a GPU device, not train.device=cpu")
+
+
+def _validate_experts(config: Config) -> None:
+    """MoE shape rules, and what expert parallelism composes with in this version."""
+    m, par = config.model, config.parallel
+    if m.n_experts < 0:
+        raise ConfigError("model.n_experts", m.n_experts, "must be >= 0 (0: a dense model)")
+    if m.n_experts == 0:
+        if par.ep > 1:
+            raise ConfigError("parallel.ep", par.ep, "expert parallelism needs an MoE model"
+                              " (model.n_experts > 0); for data parallelism use dp_replicate")
+        return
+    if not 1 <= m.top_k <= m.n_experts:
+        raise ConfigError("model.top_k", m.top_k, f"must be in [1, model.n_experts = {m.n_experts}]")
+    for key in ("expert_ffn_dim", "n_shared_experts", "n_dense_layers"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key}", getattr(m, key), "must be >= 0")
+    if m.capacity_factor < 0 or m.aux_loss_coef < 0:
+        key = "capacity_factor" if m.capacity_factor < 0 else "aux_loss_coef"
+        raise ConfigError(f"model.{key}", getattr(m, key), "must be >= 0")
+    if m.moe_every < 1:
+        raise ConfigError("model.moe_every", m.moe_every, "must be >= 1")
+    if not any(m.moe_layer(i) for i in range(m.n_layers)):
+        raise ConfigError("model.n_dense_layers", m.n_dense_layers, "leaves no MoE layer"
+                          f" (n_layers = {m.n_layers}, moe_every = {m.moe_every})")
+    _require_divisible("model.n_experts", m.n_experts, par.ep,
+                       "parallel.ep (each ep rank holds n_experts / ep experts)")
+    for axis, why in (("tp", "the tensor-parallel plan has no expert layout yet"),
+                      ("cp", "routing groups are whole sequences, which cp splits"),
+                      ("pp", "stages other than the last cannot back-propagate their balancing"
+                             " loss yet"),
+                      ("dp_shard", "ZeRO sharding of expert shards is not wired yet")):
+        if getattr(par, axis) > 1:
+            raise ConfigError(f"parallel.{axis}", getattr(par, axis),
+                              f"MoE models with {axis} > 1 are not supported yet: {why}")
+    ck = config.checkpoint
+    if par.ep > 1 and (ck.interval or ck.resume):
+        raise ConfigError("parallel.ep", par.ep, "checkpoints with ep > 1 are not supported yet"
+                          " (expert shards share names across ep ranks); use checkpoint.interval=0")
 
 
 def _validate_context_parallel(config: Config) -> None:

@@ -141,6 +141,7 @@ class Meshes:
     root: Any
     dp: Any
     dp_cp: Any  # dp x cp flattened (the gradient-averaging group under context parallelism)
+    dp_no_ep: Any = None  # dp_replicate x dp_shard (expert weights are replicated only there)
 
 
 def build_mesh(grid: RankGrid, device_type: str) -> Meshes:
@@ -150,4 +151,7 @@ def build_mesh(grid: RankGrid, device_type: str) -> Meshes:
     root = init_device_mesh(device_type, grid.shape, mesh_dim_names=AXES)
     dp = root[DATA_AXES]._flatten("dp")
     dp_cp = root[(*DATA_AXES, "cp")]._flatten("dp_cp") if grid.degree("cp") > 1 else dp
-    return Meshes(root=root, dp=dp, dp_cp=dp_cp)
+    dp_no_ep = None
+    if grid.degree("ep") > 1 and grid.degree("dp_replicate", "dp_shard") > 1:
+        dp_no_ep = root[("dp_replicate", "dp_shard")]._flatten("dp_no_ep")
+    return Meshes(root=root, dp=dp, dp_cp=dp_cp, dp_no_ep=dp_no_ep)

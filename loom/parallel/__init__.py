@@ -8,7 +8,9 @@ on, because each later step must see the module the earlier ones produced:
    DTensors sharded by heads, MLP columns/rows and vocabulary;
 2. context parallelism on ``cp`` (``context.py``): the attention core is swapped for Ulysses,
    ring or hybrid attention over sequence shards (it sees the local heads left by step 1);
-3. expert parallelism on ``ep``                  (not yet in this version)
+3. expert parallelism on ``ep`` (``expert.py``): each ep rank keeps E/ep experts of every MoE
+   layer and tokens travel by all-to-all; the data-parallel step below then reduces only the
+   dense parameters (expert gradients follow ``expert.reduce_gradients``' rule);
 4. activation recomputation                      (not yet in this version)
 5. data parallelism (``data.py``), always last: it must see the final (local) parameters. Its
    group is ``dp`` (dp_replicate x dp_shard x ep), or ``dp x cp`` when cp > 1, because cp ranks
@@ -49,5 +51,15 @@ def parallelize(model: nn.Module, meshes: Meshes, parallel: Any, *, cp_groups: A
 
         model = apply_context_parallel(model, cp_groups, ledger)
     dp_mesh, axis = (meshes.dp_cp, "dp_cp") if parallel.cp > 1 else (meshes.dp, "dp")
+    if parallel.ep > 1:
+        from loom.parallel.data import GradientReducer
+        from loom.parallel.expert import apply_expert_parallel, expert_parameter_names
+
+        model = apply_expert_parallel(model, meshes.root["ep"].get_group(), ledger)
+        experts = expert_parameter_names(model)
+        dense = [p for n, p in model.named_parameters() if n not in experts]
+        model._loom_grad_reducer = GradientReducer(dense, dp_mesh.get_group(), dp_mesh.size(),
+                                                   ledger=ledger, axis=axis)
+        return model
     return apply_data_parallel(model, dp_mesh.get_group(), dp_mesh.size(), ledger=ledger,
                                axis=axis)

@@ -111,8 +111,13 @@ class Trainer:
                                      cp_groups=self.cp_groups, ledger=self.ledger)
         from loom.parallel.tensor import tensor_parallel_of
 
+        from loom.parallel.expert import expert_parallel_of
+
         self.tp = tensor_parallel_of(self.model)
+        self.ep = expert_parallel_of(self.model)
         self.loss_fn = self.tp.loss if self.tp is not None else cross_entropy
+        # Mixture of experts: the load-balancing loss joins the objective with its coefficient.
+        self.aux_coef = self.args.aux_loss_coef if self.args.n_experts > 0 else 0.0
 
         opt = config.optim
         self.optimizer = build_optimizer(self.model, lr=opt.lr, weight_decay=opt.weight_decay,
@@ -146,6 +151,7 @@ class Trainer:
             return self._pipeline_step(inputs, targets)
         inputs, targets, positions = self._shard_sequence(inputs, targets)
         loss_sum = torch.zeros((), device=self.ctx.device)
+        aux_sum = torch.zeros((), device=self.ctx.device)
         for i in range(n_micro):
             rows = slice(i * micro, (i + 1) * micro)
             last = i == n_micro - 1
@@ -154,15 +160,29 @@ class Trainer:
                 with self._autocast():
                     logits = self.model(inputs[rows], positions=positions)
                 loss = self.loss_fn(logits, targets[rows]) / n_micro
-                loss.backward()
+                objective = loss
+                if self.aux_coef:
+                    aux = unwrap(self.model).moe_aux_loss() / n_micro
+                    objective = loss + self.aux_coef * aux
+                    aux_sum += aux.detach()
+                objective.backward()
             loss_sum += loss.detach()
         finish_gradient_sync(self.model)
+        if self.ep is not None:  # expert shards: summed over dp outside ep, divided by dp x ep
+            from loom.parallel.expert import reduce_gradients
+
+            no_ep = self.meshes.dp_no_ep
+            reduce_gradients(self.model, self.ep, dense=False,
+                             dp_group=no_ep.get_group() if no_ep is not None else None)
         grad_norm = self._clip()
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        return {"loss": self._mean_over_dp(loss_sum), "grad_norm": float(grad_norm), "lr": lr}
+        metrics = {"loss": self._mean_over_dp(loss_sum), "grad_norm": float(grad_norm), "lr": lr}
+        if self.aux_coef:
+            metrics["moe_aux_loss"] = self._mean_over_dp(aux_sum)
+        return metrics
 
     def _shard_sequence(self, inputs: torch.Tensor, targets: torch.Tensor):
         """With cp > 1: this rank's part of every sequence and its global positions (for RoPE);
@@ -185,6 +205,10 @@ class Trainer:
     def _clip(self) -> torch.Tensor:
         """Global-norm clipping: sharded (TP) gradients are summed over ``tp``, once."""
         clip = self.config.train.grad_clip
+        if self.ep is not None:  # expert shards' squares summed over ep, replicated ones once
+            from loom.parallel.expert import clip_grad_norm as ep_clip_grad_norm
+
+            return ep_clip_grad_norm(self.model, clip, self.ep)
         if self.tp is not None:
             from loom.parallel.tensor import clip_grad_norm as tp_clip_grad_norm
 
@@ -333,7 +357,17 @@ class Trainer:
                 {n: p.grad for n, p in self._stage_parameters() if p.grad is not None})
         from loom.parallel.tensor import full_named_gradients
 
-        return full_named_gradients(unwrap(self.model))  # full tensors under TP (collective)
+        grads = full_named_gradients(unwrap(self.model))  # full tensors under TP (collective)
+        if self.ep is not None:  # expert shards stacked back in ep-rank order (collective)
+            from loom.parallel import comm
+            from loom.parallel.expert import expert_parameter_names
+
+            for name in sorted(expert_parameter_names(self.model) & set(grads)):
+                shard = grads[name].contiguous()
+                full = shard.new_empty((shard.shape[0] * self.ep.size, *shard.shape[1:]))
+                comm.all_gather_into_tensor(full, shard, self.ep.group, axis="ep")
+                grads[name] = full
+        return grads
 
     def _stage_parameters(self):
         """(global name, parameter) of every stage this rank holds."""
@@ -360,9 +394,13 @@ class Trainer:
             state = self._gather_over_pp(self.model.state_dict(), to_main=True)
         elif self.pipeline is not None:
             return
-        else:  # every rank takes part in gathering TP shards, then only the main rank writes
+        else:  # every rank takes part in gathering TP / EP shards, then only the main rank writes
             state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
                      .contiguous() for k, v in unwrap(self.model).state_dict().items()}
+            if self.ep is not None:
+                from loom.parallel.expert import gather_expert_weights
+
+                state.update({k: v.cpu() for k, v in gather_expert_weights(self.model).items()})
         if not self.ctx.is_main:
             return
         if self.args.tie_embeddings:
