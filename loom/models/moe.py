@@ -30,7 +30,7 @@ Experts are ``GroupedExperts``: ``w1``, ``w3`` ``[E, D, F]`` and ``w2`` ``[E, F,
 along dim 0, so expert parallelism shards dim 0 and keeps global parameter names. The expert
 computation goes through ``MoEFeedForward.dispatcher(x_AD, counts_E, experts)`` (tokens sorted
 by global expert id, counts per global expert); ``loom.parallel.expert`` swaps it for the
-all-to-all version. Nothing here imports ``torch.distributed``.
+all-to-all version. Nothing here imports torch's distributed package.
 
 Shape legend: B batch, S sequence, D model dim, E experts, K top-k, F expert hidden dim,
 T tokens (B*S), A kept token-expert assignments.
