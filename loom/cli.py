@@ -24,6 +24,8 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     try:
         if args.nproc < 1:
             raise ConfigError("--nproc", args.nproc, "must be >= 1")
+        if args.max_restarts < 0:
+            raise ConfigError("--max-restarts", args.max_restarts, "must be >= 0")
         overrides = parse_overrides(extra)
         if args.resume:
             overrides["checkpoint.resume"] = args.resume
@@ -40,7 +42,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         name = os.environ.get("TORCHELASTIC_RUN_ID") if external else None
         run_dir = f"runs/{name or time.strftime('%Y%m%d-%H%M%S')}"
         config.train.run_dir = run_dir
-    return run_job(config, Path(run_dir), args.nproc)
+    return run_job(config, Path(run_dir), args.nproc, args.max_restarts)
 
 
 def _generate(args: argparse.Namespace, extra: list[str]) -> int:
@@ -69,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="TOML config file (defaults apply for missing keys)")
     train.add_argument("--nproc", type=int, default=1,
                        help="local worker processes to start (ignored under torchrun)")
+    train.add_argument("--max-restarts", type=int, default=0,
+                       help="restart all workers up to N times when one fails; they resume from"
+                            " the newest complete checkpoint (set --checkpoint.interval)")
     train.add_argument("--resume", help="'auto' (newest complete checkpoint of the run) or a"
                                         " checkpoint directory; same as --checkpoint.resume")
     train.set_defaults(handler=_train)

@@ -6,7 +6,10 @@ as one rank of a job that ``torchrun`` / ``srun`` started.
 same code and the same code runs multi-node under an external launcher (see ``examples/slurm``).
 The elastic agent watches its workers: when one dies, it stops the others and raises
 ``ChildFailedError``, which ``run_job`` turns into a message naming the failed rank(s), so a crash
-never leaves the job hanging.
+never leaves the job hanging. With ``--max-restarts N`` the agent instead restarts every worker
+(up to N times); a restarted worker resumes from the newest complete checkpoint of the run
+(``checkpoint.resume = auto`` is implied on a restart), so with a deterministic setup the final
+weights equal an uninterrupted run's bit for bit.
 
 Everything that can be wrong with the config is checked before this module is reached; the run
 directory and the token files are made here, in the launching process, before any worker starts.
@@ -64,6 +67,8 @@ def worker_main(config_table: dict[str, Any], run_dir: str) -> dict[str, float]:
     from loom.train.trainer import Trainer
 
     config = from_dict(config_table)
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not config.checkpoint.resume:
+        config.checkpoint.resume = "auto"  # a restarted worker continues, never starts over
     tr = config.train
     ctx = init_distributed(tr.device, tr.backend, tr.timeout_s, tr.threads)
     _name_process(f"loom-rank{ctx.rank}")
@@ -77,7 +82,8 @@ def worker_main(config_table: dict[str, Any], run_dir: str) -> dict[str, float]:
         dist.destroy_process_group()
 
 
-def launch_local(config: Config, run_dir: Path, nproc: int) -> dict[str, float]:
+def launch_local(config: Config, run_dir: Path, nproc: int,
+                 max_restarts: int = 0) -> dict[str, float]:
     """Run ``nproc`` workers on this machine; return rank 0's final metrics.
 
     Raises ``WorkerFailed`` naming the rank(s) when any worker fails.
@@ -89,7 +95,7 @@ def launch_local(config: Config, run_dir: Path, nproc: int) -> dict[str, float]:
         os.environ.setdefault(key, value)
     launch_config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"loom-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.2,
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts, monitor_interval=0.2,
         start_method="spawn",
     )
     try:
@@ -118,14 +124,14 @@ def _describe_failures(err: Any) -> str:
     return "\n".join(lines)
 
 
-def run_job(config: Config, run_dir: Path, nproc: int) -> int:
+def run_job(config: Config, run_dir: Path, nproc: int, max_restarts: int = 0) -> int:
     """Run training and return a process exit code (0 ok, 1 a worker failed)."""
     if under_external_launcher():
         worker_main(to_dict(config), str(run_dir))
         return 0
     prepare_run_dir(config, run_dir)
     try:
-        launch_local(config, run_dir, nproc)
+        launch_local(config, run_dir, nproc, max_restarts)
     except WorkerFailed as err:
         print(f"loom train: {err}", file=sys.stderr)
         return 1

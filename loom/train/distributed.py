@@ -83,14 +83,33 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
         if "MASTER_ADDR" not in env:  # a plain one-process run outside any launcher
             env.setdefault("MASTER_ADDR", "127.0.0.1")
             env.setdefault("MASTER_PORT", str(_free_port()))
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
-            chosen_backend, rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            chosen_backend, rank=rank, world_size=world_size, timeout=timeout,
+            store=_restart_store(env, rank, world_size, timeout),
             device_id=dev if dev.type == "cuda" else None,
         )
     else:
         chosen_backend = dist.get_backend()
     return DistContext(rank, world_size, local_rank, local_world_size, dev, chosen_backend)
+
+
+def _restart_store(env, rank: int, world_size: int, timeout: datetime.timedelta):
+    """After an elastic restart, a store whose keys cannot collide with the failed attempt's.
+
+    The elastic agent keeps its TCP store across restarts (``TORCHELASTIC_USE_AGENT_STORE``), so
+    a restarted rank could read the *dead* attempt's gloo addresses before its peers overwrite
+    them and fail with "connection refused" (seen here, depending on start-up order). A prefix
+    per attempt makes each attempt's keys its own. None on the first attempt: torch's default.
+    """
+    attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or "MASTER_ADDR" not in env:
+        return None
+    agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size,
+                          is_master=not agent_store and rank == 0, timeout=timeout,
+                          multi_tenant=not agent_store)
+    return dist.PrefixStore(f"loom/attempt_{attempt}", store)
 
 
 def _free_port() -> int:

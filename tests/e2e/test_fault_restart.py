@@ -1,0 +1,67 @@
+"""Fault tolerance end to end: a worker SIGKILLed mid-run under `--max-restarts` makes the elastic
+agent restart the job, which resumes from the newest complete checkpoint and finishes with final
+weights bit-identical to an uninterrupted run (fp32, deterministic CPU kernels)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.e2e.test_cli_train import _worker_pids
+
+STEPS = 24
+ARGS = ["--nproc", "2", f"--train.steps={STEPS}", "--checkpoint.interval=4",
+        "--model.preset=tiny", "--data.max_bytes=300000", "--data.seq_len=64",
+        "--train.global_batch_size=4", "--train.micro_batch_size=2", "--train.eval_every=0",
+        "--metrics.tensorboard=false", "--metrics.plot=false"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "model.safetensors"))
+
+
+def _steps_logged(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return path.read_text().count('"loss"') if path.exists() else 0
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to find the worker processes")
+def test_a_killed_worker_is_restarted_and_the_run_ends_bit_identical(tmp_path):
+    straight = subprocess.run([sys.executable, "-m", "loom", "train", *ARGS,
+                               "--train.run_dir=runs/straight"], cwd=tmp_path, env=ENV,
+                              capture_output=True, text=True, timeout=600)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+
+    run_dir = tmp_path / "runs" / "faulty"
+    proc = subprocess.Popen([sys.executable, "-m", "loom", "train", *ARGS, "--max-restarts", "1",
+                             "--train.run_dir=runs/faulty"], cwd=tmp_path, env=ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    # Past the first checkpoint (step 4) and well before the end.
+    while _steps_logged(run_dir) < 6:
+        assert proc.poll() is None and time.monotonic() < deadline, "training did not progress"
+        time.sleep(0.05)
+    killed_at = _steps_logged(run_dir)
+    assert killed_at < STEPS, "the run finished before the fault could be injected"
+    os.kill(_worker_pids(proc.pid)[1], signal.SIGKILL)
+    try:
+        _, stderr = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "resume: continuing from" in stderr, stderr[-3000:]
+
+    expected, got = _weights(tmp_path / "runs" / "straight"), _weights(run_dir)
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), f"{name} differs after the restart"
