@@ -1,0 +1,160 @@
+"""``loom hf import | export``: move Llama weights between Loom runs and Hugging Face directories.
+
+``loom hf import HF_DIR --run RUN_DIR`` reads a ``transformers`` ``LlamaForCausalLM`` directory
+(``config.json`` plus ``model.safetensors`` or a sharded ``model.safetensors.index.json``) and
+writes a Loom run directory: ``config.toml`` with every model field explicit, and
+``model.safetensors`` in Loom's names and RoPE layout (fp32), the two files ``loom generate`` and
+``read_run`` read. The tokenizer is not converted, so the run has no ``data/``.
+
+``loom hf export RUN_DIR OUT_DIR`` writes the run's ``config.toml`` + ``model.safetensors`` as an
+HF directory (``config.json`` + ``model.safetensors``) that ``LlamaForCausalLM.from_pretrained``
+loads. Neither direction needs ``transformers`` installed; the conversion itself is
+``loom.models.hf``.
+
+``add_hf_commands(subparsers)`` registers ``hf`` on the top-level ``loom`` parser; ``main(argv)``
+runs these commands on their own (tests, ``python -m loom.hf_cli``). A checkpoint Loom cannot
+convert exactly prints one line naming the field and exits with code 2; a missing file exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from loom.models.hf import (SINGLE_FILE, HFConversionError, atomic_save_safetensors,
+                            read_hf_checkpoint, write_hf_checkpoint)
+from loom.models.llama import TransformerArgs
+
+EXIT_USAGE = 2
+CONFIG_FILE = "config.toml"
+
+
+def write_run(run_dir: str | Path, args: TransformerArgs, state: dict[str, torch.Tensor],
+              origin: str = "") -> None:
+    """A Loom run directory holding a model: ``config.toml`` and ``model.safetensors``."""
+    from loom.config import load_config, to_toml
+
+    run_dir = Path(run_dir)
+    # Every shape field is explicit, so the preset (the default one) contributes nothing.
+    overrides = {f"model.{k}": v for k, v in dataclasses.asdict(args).items()}
+    config = load_config(None, overrides)
+    config.train.run_dir = str(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_save_safetensors(state, run_dir / SINGLE_FILE, {"loom_origin": origin})
+    header = (f"# Imported by `loom hf import` from {origin}; model.preset is unused.\n"
+              if origin else "")
+    (run_dir / CONFIG_FILE).write_text(header + to_toml(config))
+
+
+def read_run(run_dir: str | Path) -> tuple[TransformerArgs, dict[str, torch.Tensor]]:
+    """A run's model shape (from ``config.toml``) and final weights (``model.safetensors``)."""
+    from safetensors.torch import load_file
+
+    from loom.config import load_config
+    from loom.train.trainer import model_args
+
+    run_dir = Path(run_dir)
+    for name in (CONFIG_FILE, SINGLE_FILE):
+        if not (run_dir / name).is_file():
+            raise FileNotFoundError(f"{run_dir / name} not found: not a finished Loom run")
+    args = model_args(load_config(run_dir / CONFIG_FILE))
+    return args, load_file(str(run_dir / SINGLE_FILE))
+
+
+def import_hf(hf_dir: str | Path, run_dir: str | Path) -> TransformerArgs:
+    """Convert an HF Llama directory into a Loom run directory; returns the model shape."""
+    args, state = read_hf_checkpoint(hf_dir)
+    write_run(run_dir, args, state, origin=str(Path(hf_dir).resolve()))
+    return args
+
+
+def _tokenizer_ids(run_dir: Path) -> dict[str, Any]:
+    """The end-of-document id of the run's tokenizer, so HF generation stops where Loom's does."""
+    meta = run_dir / "data" / "tokenizer_meta.json"
+    if not meta.is_file():
+        return {}
+    return {"eos_token_id": int(json.loads(meta.read_text())["eos_id"]), "bos_token_id": None}
+
+
+def export_hf(run_dir: str | Path, out_dir: str | Path) -> TransformerArgs:
+    """Convert a Loom run's model into an HF Llama directory; returns the model shape."""
+    args, state = read_run(run_dir)
+    write_hf_checkpoint(out_dir, args, state, extra_config=_tokenizer_ids(Path(run_dir)))
+    return args
+
+
+def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
+    existing = [str(p) for p in paths if p.exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"{', '.join(existing)} already exist (--overwrite replaces them)")
+
+
+def _describe(args: TransformerArgs) -> str:
+    return (f"{args.n_layers} layers, dim {args.dim}, {args.n_heads} heads / {args.n_kv_heads} kv,"
+            f" vocab {args.vocab_size}{', tied embeddings' if args.tie_embeddings else ''}")
+
+
+def _run(command: str, convert: Callable[[], TransformerArgs], target: Path, outputs: list[str],
+         args: argparse.Namespace, extra: list[str]) -> int:
+    """Shared error handling of both commands: one line, exit 2 for a bad input, 1 for files."""
+    if extra:
+        print(f"loom hf {command}: unexpected arguments {extra}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        _refuse_existing([target / name for name in outputs], args.overwrite)
+        shape = convert()
+    except HFConversionError as err:
+        print(f"loom hf {command}: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except (FileNotFoundError, FileExistsError) as err:
+        print(f"loom hf {command}: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {target} ({_describe(shape)})")
+    return 0
+
+
+def _import(args: argparse.Namespace, extra: list[str]) -> int:
+    return _run("import", lambda: import_hf(args.hf_dir, args.run), Path(args.run),
+                [CONFIG_FILE, SINGLE_FILE], args, extra)
+
+
+def _export(args: argparse.Namespace, extra: list[str]) -> int:
+    return _run("export", lambda: export_hf(args.run_dir, args.out_dir), Path(args.out_dir),
+                ["config.json", SINGLE_FILE], args, extra)
+
+
+def add_hf_commands(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``hf import`` and ``hf export`` on ``subparsers`` (from ``add_subparsers``)."""
+    hf = subparsers.add_parser("hf", help="import / export Hugging Face Llama checkpoints",
+                               description="Convert between Loom runs and Hugging Face"
+                                           " LlamaForCausalLM directories (safetensors only).")
+    sub = hf.add_subparsers(dest="hf_command", required=True, metavar="COMMAND")
+    imp = sub.add_parser("import", help="HF directory -> Loom run (config.toml, model.safetensors)")
+    imp.add_argument("hf_dir", metavar="HF_DIR", help="directory with config.json and safetensors")
+    imp.add_argument("--run", required=True, metavar="RUN_DIR", help="Loom run directory to write")
+    imp.add_argument("--overwrite", action="store_true", help="replace existing files")
+    imp.set_defaults(handler=_import)
+    exp = sub.add_parser("export", help="Loom run -> HF directory (config.json, model.safetensors)")
+    exp.add_argument("run_dir", metavar="RUN_DIR", help="a finished run (config.toml + weights)")
+    exp.add_argument("out_dir", metavar="OUT_DIR", help="HF directory to write")
+    exp.add_argument("--overwrite", action="store_true", help="replace existing files")
+    exp.set_defaults(handler=_export)
+    return hf
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``hf ...`` commands without the rest of ``loom``."""
+    parser = argparse.ArgumentParser(prog="loom")
+    add_hf_commands(parser.add_subparsers(dest="command", required=True))
+    args, extra = parser.parse_known_args(argv)
+    return args.handler(args, extra)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
