@@ -101,6 +101,7 @@ class TrainConfig:
     run_dir: str = ""  # empty: runs/<timestamp>
     threads: int = 0  # intra-op threads per rank; 0: cores / local ranks
     timeout_s: float = 600.0  # collective timeout: a hung peer fails the job instead of hanging it
+    nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss or grad norm: stop, or skip the step
 
 
 @dataclass

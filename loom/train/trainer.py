@@ -134,6 +134,7 @@ class Trainer:
         self.loader = DistributedLoader(self.train_set, sampler, self.dp_rank, self.dp_size,
                                         self.ctx.device)
         self.step = 0
+        self.skipped_steps = 0
 
     # -- one step ---------------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -175,13 +176,30 @@ class Trainer:
             reduce_gradients(self.model, self.ep, dense=False,
                              dp_group=no_ep.get_group() if no_ep is not None else None)
         grad_norm = self._clip()
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.step += 1
-        metrics = {"loss": self._mean_over_dp(loss_sum), "grad_norm": float(grad_norm), "lr": lr}
+        metrics = self._finish_step(loss_sum, grad_norm)
         if self.aux_coef:
             metrics["moe_aux_loss"] = self._mean_over_dp(aux_sum)
+        return metrics
+
+    def _finish_step(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> dict[str, float]:
+        """Check, then apply. The global loss and gradient norm are the same on every rank, so
+        all ranks take the same decision: a non-finite step is never applied; with
+        ``train.nonfinite = stop`` the run stops naming the step, with ``skip`` the step is
+        counted and skipped (the batch and the LR schedule still advance, as in Megatron)."""
+        loss, norm = self._mean_over_dp(loss_sum), float(grad_norm)
+        metrics = {"loss": loss, "grad_norm": norm, "lr": self.optimizer.param_groups[0]["lr"]}
+        if math.isfinite(loss) and math.isfinite(norm):
+            self.optimizer.step()
+        elif self.config.train.nonfinite == "stop":
+            raise FloatingPointError(
+                f"non-finite loss ({loss}) or gradient norm ({norm}) at step {self.step + 1} on"
+                f" rank {self.ctx.rank}; the step was not applied (train.nonfinite=stop)")
+        else:
+            self.skipped_steps += 1
+            self.optimizer.zero_grad(set_to_none=True)
+        metrics["skipped_steps"] = self.skipped_steps
+        self.scheduler.step()
+        self.step += 1
         return metrics
 
     def _shard_sequence(self, inputs: torch.Tensor, targets: torch.Tensor):
@@ -223,11 +241,7 @@ class Trainer:
         self.pipeline.finish_gradient_reduction()
         grad_norm = clip_grad_norm(self.model.parameters(), self.config.train.grad_clip,
                                    [self.pipeline.pp_group])
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.step += 1
-        return {"loss": self._mean_over_dp(loss_sum), "grad_norm": float(grad_norm), "lr": lr}
+        return self._finish_step(loss_sum, grad_norm)
 
     def _run_pipeline(self, inputs: torch.Tensor, targets: torch.Tensor, *,
                       training: bool) -> torch.Tensor:
@@ -307,10 +321,27 @@ class Trainer:
         from loom.train import checkpoint
 
         root = root or self.run_dir / "checkpoints"
+        self._refuse_non_finite_weights()
         extra = {"step": self.step, "scheduler": self.scheduler.state_dict(),
                  "data": self.loader.state_dict(), "config": to_dict(self.config)}
         return checkpoint.save(root, self.step, self._checkpoint_tensors(), extra,
                                keep=self.config.checkpoint.keep, device=self.ctx.device)
+
+    def _refuse_non_finite_weights(self) -> None:
+        """A checkpoint never holds NaN or infinity: checked on every rank's local values."""
+        bad = torch.zeros((), device=self.ctx.device)
+        for param in self.model.parameters():
+            local = getattr(param, "_local_tensor", param)
+            if not torch.isfinite(local).all():
+                bad.fill_(1)
+                break
+        if dist.is_initialized():
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item():
+            from loom.train.checkpoint import CheckpointError
+
+            raise CheckpointError(f"refusing to save step {self.step}: the weights hold"
+                                  " non-finite values")
 
     def load_checkpoint(self, path: Path) -> None:
         """Continue from a checkpoint saved under this or any other layout (collective)."""
@@ -443,8 +474,6 @@ class Trainer:
                     last.update(self.ledger.summary())
                     self.ledger.reset()
                 logger.log_step(self.step, last)
-                if not math.isfinite(last["loss"]):
-                    raise FloatingPointError(f"non-finite loss {last['loss']} at step {self.step}")
                 if tr.eval_every and (self.step % tr.eval_every == 0 or self.step == tr.steps):
                     last["val_loss"] = self.evaluate()
                     logger.log_eval(self.step, {"loss": last["val_loss"]})
