@@ -1,4 +1,4 @@
-"""The ``loom`` command: ``loom train``, ``loom generate``, ``loom schedule ...``.
+"""The ``loom`` command: ``loom train``, ``loom generate``, ``loom schedule ...``, ``loom hf ...``.
 
 ``loom train [--config FILE] [--nproc N] [--section.key=value ...]`` loads and validates the whole
 configuration *before* anything is written or started: a bad value prints one line naming the
@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     from loom.pipeline.cli import add_schedule_commands
 
     add_schedule_commands(sub)
+
+    from loom.hf_cli import add_hf_commands
+
+    add_hf_commands(sub)
     return parser
 
 
