@@ -36,6 +36,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,9 @@ from loom.pipeline.ir import Action, Op, Schedule
 from loom.pipeline.partition import partition_model
 from loom.pipeline.stage import LossFn, PipelineStage, build_stages
 from loom.pipeline.validate import validate
+
+if TYPE_CHECKING:
+    from loom.pipeline.profile import PipelineRecorder
 
 ACTIVATION, GRADIENT = 0, 1
 WIRE_DTYPE = torch.float32  # activations and their gradients travel in fp32 (see step())
@@ -122,12 +126,14 @@ class PipelineRuntime:
     """Executes schedules on ``stages`` (this rank's, by stage index) of pipeline rank ``pp_rank``.
 
     ``pp_ranks[i]`` is the global rank of pipeline rank ``i`` in this rank's ``pp`` group.
+    ``recorder`` (``loom.pipeline.profile.PipelineRecorder``, default None: off) is told when each
+    step and each action's compute begins and ends; set or clear it between steps.
     """
 
     def __init__(self, schedule: Schedule, stages: dict[int, PipelineStage], pp_rank: int,
                  pp_ranks: Sequence[int], pp_group: dist.ProcessGroup | None,
                  dp_group: dist.ProcessGroup | None = None, dp_size: int = 1,
-                 recv_lookahead: int = 4) -> None:
+                 recv_lookahead: int = 4, recorder: PipelineRecorder | None = None) -> None:
         if sorted(stages) != list(schedule.stages_of(pp_rank)):
             raise ValueError(f"rank {pp_rank} holds stages {sorted(stages)}, the schedule places "
                              f"{list(schedule.stages_of(pp_rank))} on it")
@@ -139,6 +145,7 @@ class PipelineRuntime:
         self.dp_group = dp_group
         self.dp_size = dp_size
         self.recv_lookahead = recv_lookahead
+        self.recorder = recorder
         self._reductions: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = []
 
     # -- one step -----------------------------------------------------------------------------------
@@ -153,6 +160,9 @@ class PipelineRuntime:
         if len(inputs) != schedule.num_microbatches:
             raise ValueError(f"{len(inputs)} microbatches for a schedule of "
                              f"{schedule.num_microbatches}")
+        recorder = self.recorder
+        if recorder is not None:
+            recorder.step_begin()
         row = schedule.actions[self.pp_rank]
         device = next(iter(self.stages.values())).module.rope_cos.device
         last_piece = {}  # stage -> index of its last backward piece: when to reduce over dp
@@ -177,6 +187,8 @@ class PipelineRuntime:
                     posted[needed] = (work, buffer)
                 next_to_post += 1
             received = self._receive(schedule, action, posted, local)
+            if recorder is not None:  # after the receive: waiting for a message is not compute
+                recorder.begin(action)
             stage = self.stages[action.stage]
             mb = action.microbatch
             if action.op is Op.F:
@@ -202,12 +214,16 @@ class PipelineRuntime:
                     sends.append(dist.isend(payload, dst=self.pp_ranks[transfer.peer],
                                             group=self.pp_group,
                                             tag=transfer.tag(schedule.num_microbatches)))
+            if recorder is not None:
+                recorder.end(action)
             if training and last_piece.get(action.stage) == index:
                 self._start_gradient_reduction(stage)
         for work in sends:
             work.wait()
         if len(self.pp_ranks) > 1:
             dist.all_reduce(loss_sum, group=self.pp_group)  # only the last stage's is non-zero
+        if recorder is not None:
+            recorder.step_end()
         return loss_sum
 
     def _receive(self, schedule: Schedule, action: Action,
