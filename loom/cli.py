@@ -36,6 +36,12 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     except ConfigError as err:
         print(f"loom train: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    from loom.train.memory import check_memory_limit
+
+    refusal = check_memory_limit(config)  # before anything is written or started
+    if refusal:
+        print(f"loom train: {refusal}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     run_dir = config.train.run_dir
     if not run_dir:
         # Every rank of a multi-node job must agree on the directory: use the job's run id there.
@@ -43,6 +49,27 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         run_dir = f"runs/{name or time.strftime('%Y%m%d-%H%M%S')}"
         config.train.run_dir = run_dir
     return run_job(config, Path(run_dir), args.nproc, args.max_restarts)
+
+
+def _estimate_memory(args: argparse.Namespace, extra: list[str]) -> int:
+    """Predicted bytes per rank of a config's layout, before launch (``loom.train.memory``)."""
+    from loom.train.memory import GiB, device_limit_bytes, estimate_memory
+
+    try:
+        config = resolve(load_config(args.config, parse_overrides(extra)), args.nproc)
+    except ConfigError as err:
+        print(f"loom estimate-memory: {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    par = config.parallel
+    print(f"layout: {par.degrees()} zero_stage={par.zero_stage if par.dp_shard > 1 else '-'}"
+          f" recompute={config.train.recompute} dtype={config.train.dtype}"
+          f" micro_batch={config.train.micro_batch_size} seq={config.data.seq_len}")
+    estimate = estimate_memory(config)
+    print(estimate.table())
+    limit = device_limit_bytes(config)
+    if limit:
+        print(f"limit {limit / GiB:.3f} GiB: {'fits' if estimate.total <= limit else 'EXCEEDS'}")
+    return 0
 
 
 def _generate(args: argparse.Namespace, extra: list[str]) -> int:
@@ -77,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", help="'auto' (newest complete checkpoint of the run) or a"
                                         " checkpoint directory; same as --checkpoint.resume")
     train.set_defaults(handler=_train)
+
+    mem = sub.add_parser("estimate-memory", help="predict per-rank memory of a layout",
+                         epilog="Any config field can be set as --section.key=value.")
+    mem.add_argument("--config", help="TOML config file (defaults apply for missing keys)")
+    mem.add_argument("--nproc", type=int, default=1, help="world size of the layout")
+    mem.set_defaults(handler=_estimate_memory)
 
     gen = sub.add_parser("generate", help="sample text from a trained run")
     gen.add_argument("--run", required=True, help="run directory of a finished `loom train`")

@@ -76,6 +76,14 @@ class ParallelConfig:
     # heads) or "hybrid" (Ulysses inside groups of cp_ulysses ranks, ring across; 0 = auto).
     cp_mode: Literal["ring", "ulysses", "hybrid"] = "ring"
     cp_ulysses: int = 0
+    # Sharded data parallelism on dp_shard (> 1), ZeRO's stages: 1 optimizer state, 2 + gradients
+    # (Loom's own sharded optimizer), 3 + parameters (FSDP2). Default 3: a dp_shard axis exists to
+    # shard, and stage 3 is the only one whose per-rank model state keeps shrinking with the
+    # degree; 1 and 2 trade memory for 2/3 of stage 3's traffic. Moot at dp_shard = 1.
+    zero_stage: int = 3
+    # Stage 3: free the gathered parameters after forward (and gather again in backward), as in
+    # ZeRO-3; false keeps them gathered until backward (stage-2 traffic, more memory).
+    reshard_after_forward: bool = True
 
     def degrees(self) -> dict[str, int]:
         return {axis: getattr(self, axis) for axis in AXES}
@@ -102,6 +110,17 @@ class TrainConfig:
     threads: int = 0  # intra-op threads per rank; 0: cores / local ranks
     timeout_s: float = 600.0  # collective timeout: a hung peer fails the job instead of hanging it
     nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss or grad norm: stop, or skip the step
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype of the gradient reduction
+    # Activation recomputation (loom/parallel/activation.py): none, full (every block), selective
+    # (the attention core only), every_k (full recomputation of every recompute_every-th block).
+    recompute: Literal["none", "full", "selective", "every_k"] = "none"
+    recompute_every: int = 2
+    offload_activations: bool = False  # saved activations to host memory (no-op on CPU devices)
+    offload_optimizer: bool = False  # optimizer state and step on the host (no-op on CPU devices)
+    # Refuse to launch when the estimated peak per rank (loom estimate-memory) exceeds this;
+    # 0: the CUDA device's total memory, or no check on CPU. ignore_memory_limit overrides.
+    memory_limit_gb: float = 0.0
+    ignore_memory_limit: bool = False
 
 
 @dataclass
@@ -447,10 +466,7 @@ def validate(config: Config, world_size: int) -> None:
     _validate_schedule(config)
 
     # What this version of Loom runs: each later parallelism lifts its own rule when it lands.
-    for axis in ("dp_shard",):
-        if degrees[axis] > 1:
-            raise ConfigError(f"parallel.{axis}", degrees[axis], f"{axis} > 1 is not implemented"
-                              " yet in this Loom version (dp_replicate, pp, tp and cp are)")
+    _validate_zero(config)
     for axis in ("tp", "cp"):
         if degrees[axis] > 1 and par.pp > 1:
             raise ConfigError(f"parallel.{axis}", degrees[axis], f"{axis} > 1 inside pipeline"
@@ -461,6 +477,38 @@ def validate(config: Config, world_size: int) -> None:
         raise ConfigError("train.device", tr.device, "must be auto, cpu, cuda or cuda:N")
     if tr.backend == "nccl" and tr.device == "cpu":
         raise ConfigError("train.backend", tr.backend, "nccl needs a GPU device, not train.device=cpu")
+
+
+def _validate_zero(config: Config) -> None:
+    """ZeRO / FSDP, recomputation and memory rules (the combinations not built yet are named)."""
+    par, tr = config.parallel, config.train
+    if par.zero_stage not in (1, 2, 3):
+        raise ConfigError("parallel.zero_stage", par.zero_stage, "must be 1, 2 or 3")
+    if tr.recompute_every < 1:
+        raise ConfigError("train.recompute_every", tr.recompute_every, "must be >= 1")
+    if tr.memory_limit_gb < 0:
+        raise ConfigError("train.memory_limit_gb", tr.memory_limit_gb,
+                          "must be >= 0 (0: the device's memory, or no check on CPU)")
+    if tr.offload_optimizer and par.dp_shard == 1:
+        raise ConfigError("train.offload_optimizer", True, "needs a sharded optimizer:"
+                          " parallel.dp_shard > 1 (ZeRO keeps its shard on the host)")
+    if par.dp_shard == 1:
+        return
+    ck = config.checkpoint
+    if par.zero_stage < 3 and (ck.interval or ck.resume):
+        raise ConfigError("parallel.zero_stage", par.zero_stage, "checkpoints of ZeRO-1/2 (flat"
+                          " optimizer shards) are not implemented yet; use zero_stage = 3 or"
+                          " checkpoint.interval = 0")
+    for axis, why in (("pp", "the pipeline runtime does not drive sharded stages yet"),
+                      ("cp", "sharding over dp_shard x cp is not wired yet"),
+                      ("ep", "expert parameters need their own sharding group")):
+        if getattr(par, axis) > 1:
+            raise ConfigError(f"parallel.{axis}", getattr(par, axis),
+                              f"{axis} > 1 with dp_shard > 1 is not implemented yet ({why});"
+                              " use dp_replicate for data parallelism")
+    if par.zero_stage < 3 and par.tp > 1:
+        raise ConfigError("parallel.zero_stage", par.zero_stage, "ZeRO-1/2 with tp > 1 is not"
+                          " implemented yet; use zero_stage = 3 (FSDP2 composes with TP)")
 
 
 def _validate_experts(config: Config) -> None:

@@ -24,21 +24,25 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from loom.parallel.comm import CommLedger
-from loom.parallel.data import apply_data_parallel, finish_gradient_sync, no_gradient_sync, unwrap
+from loom.parallel.data import apply_data_parallel, apply_fully_shard, finish_gradient_sync, no_gradient_sync, unwrap
 from loom.topology import Meshes
 
 __all__ = ["parallelize", "finish_gradient_sync", "no_gradient_sync", "unwrap"]
 
 
 def parallelize(model: nn.Module, meshes: Meshes, parallel: Any, *, cp_groups: Any = None,
-                ledger: CommLedger | None = None) -> nn.Module:
+                ledger: CommLedger | None = None, train: Any = None,
+                offload_optimizer: bool = False) -> nn.Module:
     """Apply every parallelism whose degree is > 1, in the order above.
 
     ``parallel`` is a ``ParallelConfig``; ``cp_groups`` the rank's ``context.CPGroups`` (made by
-    the caller, because creating groups is collective) or None at cp = 1.
+    the caller, because creating groups is collective) or None at cp = 1; ``train`` the
+    ``TrainConfig`` (recomputation, compute and gradient-reduction dtypes; None: defaults);
+    ``offload_optimizer`` the resolved ``offload.OffloadPlan.optimizer``.
     """
     if parallel.tp > 1:
         from loom.parallel.tensor import apply_tensor_parallel
@@ -50,6 +54,24 @@ def parallelize(model: nn.Module, meshes: Meshes, parallel: Any, *, cp_groups: A
         from loom.parallel.context import apply_context_parallel
 
         model = apply_context_parallel(model, cp_groups, ledger)
+    if train is not None and train.recompute != "none":
+        from loom.parallel.activation import apply_activation_checkpointing
+
+        model = apply_activation_checkpointing(model, train.recompute, train.recompute_every)
+    reduce_dtype = torch.bfloat16 if train is not None and train.grad_reduce_dtype == "bf16" \
+        else torch.float32
+    if parallel.dp_shard > 1 and parallel.zero_stage == 3:
+        mesh = (meshes.root[("dp_replicate", "dp_shard")] if parallel.dp_replicate > 1
+                else meshes.root["dp_shard"])
+        compute = torch.bfloat16 if train is not None and train.dtype == "bf16" else None
+        return apply_fully_shard(model, mesh, reshard_after_forward=parallel.reshard_after_forward,
+                                 param_dtype=compute, reduce_dtype=reduce_dtype,
+                                 offload_optimizer=offload_optimizer, ledger=ledger)
+    if parallel.dp_shard > 1:
+        from loom.parallel.zero import apply_zero
+
+        return apply_zero(model, parallel.zero_stage, meshes, reduce_dtype=reduce_dtype,
+                          offload=offload_optimizer, ledger=ledger)
     dp_mesh, axis = (meshes.dp_cp, "dp_cp") if parallel.cp > 1 else (meshes.dp, "dp")
     if parallel.ep > 1:
         from loom.parallel.data import GradientReducer
@@ -62,4 +84,4 @@ def parallelize(model: nn.Module, meshes: Meshes, parallel: Any, *, cp_groups: A
                                                    ledger=ledger, axis=axis)
         return model
     return apply_data_parallel(model, dp_mesh.get_group(), dp_mesh.size(), ledger=ledger,
-                               axis=axis)
+                               axis=axis, reduce_dtype=reduce_dtype)

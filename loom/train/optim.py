@@ -20,7 +20,15 @@ from torch import nn
 
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
                     eps: float) -> torch.optim.AdamW:
-    """AdamW; 1-D parameters (norm weights) are not decayed, as in GPT-2, Llama and TorchTitan."""
+    """AdamW; 1-D parameters (norm weights) are not decayed, as in GPT-2, Llama and TorchTitan.
+
+    Under ZeRO-1/2 (``loom.parallel.zero``) the AdamW steps this rank's slices of the flat
+    parameter buckets instead (same groups, same hyper-parameters; elementwise, so exact)."""
+    from loom.parallel.zero import zero_of
+
+    zero = zero_of(model)
+    if zero is not None:
+        return zero.build_optimizer(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
@@ -73,4 +81,39 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float,
         norm = squares.sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach=True)
+    return norm
+
+
+@torch.no_grad()
+def clip_grad_norm_dtensor(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global-norm clipping when gradients are DTensors on any mesh (FSDP2, FSDP2 x TP, HSDP).
+
+    Each gradient's local sum of squares is added to the bucket of the mesh dims it is sharded
+    on (``Shard`` / ``_StridedShard``); each bucket is all-reduced over exactly those dims, so
+    every element is counted once and replicated dims are not summed (explicit, rather than
+    DTensor's norm, so the collectives are a fixed, short list: one per mesh dim per bucket).
+    """
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    local = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
+    buckets: dict[tuple, tuple[object, torch.Tensor]] = {}
+    for grad, part in zip(grads, local):
+        mesh = grad.device_mesh if isinstance(grad, DTensor) else None
+        # _StridedShard (FSDP2 over TP's Shard(0)) is not ``is_shard()`` in torch 2.13
+        dims = tuple(i for i, p in enumerate(grad.placements)
+                     if not (p.is_replicate() or p.is_partial())) if mesh else ()
+        key = (id(mesh), dims)
+        square = part.float().pow(2).sum()
+        buckets[key] = (mesh, buckets[key][1] + square if key in buckets else square)
+    total = torch.zeros((), dtype=torch.float32, device=local[0].device)
+    for (_, dims), (mesh, squares) in buckets.items():
+        for dim in dims:
+            dist.all_reduce(squares, group=mesh.get_group(dim))
+        total = total + squares
+    norm = total.sqrt()
+    if max_norm > 0:
+        torch._foreach_mul_(local, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return norm

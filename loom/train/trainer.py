@@ -38,6 +38,9 @@ from loom.data.loader import eval_batches
 from loom.models import TransformerArgs, build_model, reset_parameters
 from loom.parallel import finish_gradient_sync, no_gradient_sync, parallelize, unwrap
 from loom.parallel.comm import CommLedger
+from loom.parallel.data import is_fully_sharded
+from loom.parallel.offload import activation_offload
+from loom.parallel.zero import zero_of
 from loom.pipeline.runtime import PipelineRuntime, build_pipeline, forward_only, schedule_for
 from loom.pipeline.stage import LocalStages
 from loom.topology import DATA_AXES, RankGrid, build_mesh
@@ -88,6 +91,10 @@ class Trainer:
             self.cp_groups = new_cp_groups(self.grid.groups("cp"), layout, self.ctx.rank)
 
         self.args = model_args(config)
+        from loom.parallel.offload import plan_offload
+
+        self.offload = plan_offload(self.ctx.device, activations=tr.offload_activations,
+                                    optimizer=tr.offload_optimizer)
         self.autocast_dtype = torch.bfloat16 if tr.dtype == "bf16" else None
         self.pipeline: PipelineRuntime | None = None
         if self.grid.degree("pp") > 1:
@@ -102,13 +109,18 @@ class Trainer:
                                            device=self.ctx.device, seed=tr.seed,
                                            seq_len=config.data.seq_len, autocast=self._autocast)
             self.model = LocalStages([s.module for _, s in sorted(self.pipeline.stages.items())])
+            from loom.parallel.activation import apply_activation_checkpointing
+
+            # parallelize's step 4 on the stages' blocks (LocalStages.layers holds them all)
+            apply_activation_checkpointing(self.model, tr.recompute, tr.recompute_every)
         else:
             model = build_model(self.args, device="meta")
             model.to_empty(device=self.ctx.device)
             reset_parameters(model, tr.seed)  # identical on every rank: seeded by parameter name
             # TP keeps each rank's slice of the full seeded value: weights equal one process's.
             self.model = parallelize(model, self.meshes, config.parallel,
-                                     cp_groups=self.cp_groups, ledger=self.ledger)
+                                     cp_groups=self.cp_groups, ledger=self.ledger, train=tr,
+                                     offload_optimizer=self.offload.optimizer)
         from loom.parallel.tensor import tensor_parallel_of
 
         from loom.parallel.expert import expert_parallel_of
@@ -157,7 +169,7 @@ class Trainer:
             rows = slice(i * micro, (i + 1) * micro)
             last = i == n_micro - 1
             with contextlib.nullcontext() if last else no_gradient_sync(self.model), \
-                    self._counting():
+                    self._counting(), activation_offload(self.offload):
                 with self._autocast():
                     logits = self.model(inputs[rows], positions=positions)
                 loss = self.loss_fn(logits, targets[rows]) / n_micro
@@ -223,6 +235,13 @@ class Trainer:
     def _clip(self) -> torch.Tensor:
         """Global-norm clipping: sharded (TP) gradients are summed over ``tp``, once."""
         clip = self.config.train.grad_clip
+        zero = zero_of(self.model)
+        if zero is not None:  # ZeRO-1/2: the reduced slices, squares summed over dp_shard
+            return zero.clip_grad_norm(clip)
+        if is_fully_sharded(self.model):  # ZeRO-3: DTensor gradients on (dp x tp) meshes
+            from loom.train.optim import clip_grad_norm_dtensor
+
+            return clip_grad_norm_dtensor(self.model.parameters(), clip)
         if self.ep is not None:  # expert shards' squares summed over ep, replicated ones once
             from loom.parallel.expert import clip_grad_norm as ep_clip_grad_norm
 
@@ -388,6 +407,8 @@ class Trainer:
                 {n: p.grad for n, p in self._stage_parameters() if p.grad is not None})
         from loom.parallel.tensor import full_named_gradients
 
+        if zero_of(self.model) is not None:  # ZeRO-1/2: the reduced slices, all-gathered
+            return zero_of(self.model).full_named_gradients()
         grads = full_named_gradients(unwrap(self.model))  # full tensors under TP (collective)
         if self.ep is not None:  # expert shards stacked back in ep-rank order (collective)
             from loom.parallel import comm
@@ -463,6 +484,8 @@ class Trainer:
         last: dict[str, float] = {}
         ck = cfg.checkpoint
         with logger:
+            for note in self.offload.notes:
+                logger.log_text(note)
             if ck.resume and self.run_dir is not None:
                 self.resume(ck.resume, log=logger.log_text)
             while self.step < tr.steps:

@@ -22,6 +22,8 @@ LAYOUTS = {  # name -> (world size, parallel degrees and schedule)
     "pp2-interleaved": (2, {"pp": 2, "schedule": "interleaved_1f1b", "chunks": 2}),
     "pp2-zbv": (2, {"pp": 2, "schedule": "zbv"}),
     "pp2xdp2": (4, {"pp": 2, "dp_replicate": 2, "schedule": "1f1b"}),
+    "zero3-dp2": (2, {"dp_shard": 2, "zero_stage": 3}),
+    "hsdp-2x2": (4, {"dp_replicate": 2, "dp_shard": 2, "zero_stage": 3}),
 }
 
 
@@ -34,9 +36,10 @@ def _full_state(trainer) -> dict:
     """Model and optimizer state (tensors and hyper-parameters) of the whole model, by name, on
     every rank (gathered)."""
     tensors = trainer._checkpoint_tensors()
-    flat = {f"model/{k}": v.detach().cpu().clone() for k, v in tensors["model"].items()}
+    full = lambda v: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+    flat = {f"model/{k}": full(v) for k, v in tensors["model"].items()}  # ZeRO-3: DTensors
     for key, value in tensors["optim"].items():  # flattened: state.<fqn>.exp_avg, param_groups...
-        flat[f"optim/{key}"] = value.detach().cpu().clone() if torch.is_tensor(value) else value
+        flat[f"optim/{key}"] = full(value) if torch.is_tensor(value) else value
     parts = [None] * dist_api.get_world_size()
     dist_api.all_gather_object(parts, flat)
     return {k: v for part in parts for k, v in part.items()}
@@ -107,7 +110,9 @@ def test_stop_and_resume_is_bit_exact(dist, small_data_dir, tmp_path, layout):
 
 
 @pytest.mark.parametrize("source, target", [("dp2", "single"), ("pp2-interleaved", "dp2"),
-                                            ("pp2xdp2", "pp2-zbv"), ("single", "pp2xdp2")])
+                                            ("pp2xdp2", "pp2-zbv"), ("single", "pp2xdp2"),
+                                            ("zero3-dp2", "single"), ("zero3-dp2", "pp2-zbv"),
+                                            ("dp2", "hsdp-2x2")])
 def test_a_checkpoint_reshards_to_another_layout(dist, small_data_dir, tmp_path, source, target):
     path, saved = dist.run(LAYOUTS[source][0], save_after, config_for(source), small_data_dir,
                            str(tmp_path), 2)[0]

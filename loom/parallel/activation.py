@@ -1,0 +1,71 @@
+"""Activation recomputation: what a transformer block keeps for backward, and what it recomputes.
+
+Mesh axes: none (a per-rank memory/compute trade). No collectives of its own; a recomputed region
+that contains collectives (TP's all-reduces, CP's exchanges) issues them again in backward.
+
+Policies (``train.recompute``), with the bytes a block keeps per microbatch (Korthikanti et al.
+2022 Table 2, adjusted to Loom's block in docs/benchmarks.md "Activation memory per layer"):
+
+* ``none``: everything the block saves (no TP: ``sbh·e·(10 + 4f/h) + 4sb(2 + a)``);
+* ``full``: every block is one checkpoint: only its input ``sbh·e`` is kept and the whole block
+  runs forward again in backward (+1 forward, about +33% FLOPs);
+* ``selective``: only the attention core (``Attention.core``: SDPA, or a CP core) is recomputed,
+  Korthikanti's selective recomputation. Loom's CPU core is a flash kernel that saves only its
+  output and logsumexp, so the saving here is small; on kernels that store ``a·s²`` it is most;
+* ``every_k``: full recomputation of blocks ``0, k, 2k, ...`` only (``train.recompute_every``):
+  a middle point between the two, Megatron's "uniform/block" granularity.
+
+``torch.utils.checkpoint`` with ``use_reentrant=False``: it works with keyword arguments, with
+DTensor and FSDP2 hooks inside, and recomputes lazily when backward first needs a saved tensor.
+The block's ``forward`` is wrapped in place (no wrapper module), so parameter names — which
+checkpoints, the optimizer and parity tests key on — do not change. Applied in ``parallelize``
+after TP/CP (it recomputes whatever they produced) and before data parallelism (FSDP2 gathers the
+parameters before the block's backward, so recomputation finds them unsharded). Degree of
+parallelism plays no part; ``none`` attaches nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+POLICIES = ("none", "full", "selective", "every_k")
+
+
+def _checkpointed(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+    run._loom_recompute = True  # type: ignore[attr-defined]
+    return run
+
+
+def recomputed_layers(layer_ids: list[int], policy: str, every: int) -> list[int]:
+    """Which global layer ids ``policy`` recomputes in full (``selective``: none in full)."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown recompute policy {policy!r}; known: {', '.join(POLICIES)}")
+    if policy == "full":
+        return list(layer_ids)
+    if policy == "every_k":
+        return [i for i in layer_ids if i % every == 0]
+    return []
+
+
+def apply_activation_checkpointing(model: nn.Module, policy: str, every: int = 1) -> nn.Module:
+    """Wrap the blocks of ``model`` (a ``Transformer`` or a pipeline stage of one) per ``policy``."""
+    layers = getattr(model, "layers", None)
+    if policy == "none" or layers is None:
+        return model
+    if policy == "selective":
+        for block in layers.values():
+            block.attention.core = _checkpointed(block.attention.core)
+        return model
+    full = set(recomputed_layers([int(k) for k in layers], policy, every))
+    for key, block in layers.items():
+        if int(key) in full:
+            block.forward = _checkpointed(block.forward)  # instance attribute: names unchanged
+    return model

@@ -1,0 +1,220 @@
+"""ZeRO stages 1 and 2 on ``dp_shard``: parameters replicated, optimizer state (stage 1) and also
+gradients (stage 2) sharded — Loom's own sharded optimizer (stage 3 is FSDP2, ``data.py``).
+
+Mesh axes: ``dp_shard`` (size d: the shard group) and ``dp_replicate`` (HSDP: a rank's reduced
+gradient slice is further averaged over it). Degree 1: ``apply_zero`` is never called (plain data
+parallelism, ``GradientReducer``).
+
+Layout. Trainable parameters are packed into flat fp32 buckets (~25 MB, each holding one weight-
+decay group, in reverse parameter order: the order backward produces gradients), each padded to a
+multiple of d. Every parameter becomes a view into its bucket. Rank r owns slice r of every
+bucket: a ``Parameter`` sharing the bucket's storage, and the only thing the (elementwise) AdamW
+steps — so its two fp32 moments are 1/d of the model, and the result is exactly one process's.
+
+Collectives (wire bytes per rank, P parameters, fp32; ``grad_reduce_dtype=bf16`` halves the
+reduce-scatter's):
+
+* backward, last microbatch: when a bucket's gradients are all ready, one reduce-scatter of the
+  bucket over ``dp_shard``: ``(d-1)/d * 4P`` per step; HSDP adds an all-reduce of the slice over
+  ``dp_replicate``. Stage 1 keeps a persistent full-size gradient buffer (autograd accumulates
+  into views of it: 4P at rest); stage 2 packs the gradients into a temporary buffer, frees them
+  and keeps only its slice (4P/d at rest);
+* after the optimizer step: one all-gather of every bucket over ``dp_shard``: ``(d-1)/d * 4P``;
+* clipping: one scalar all-reduce (each element's square is counted by its owner only).
+
+Both stages move ``2 (d-1)/d * 4P``, the same as plain data parallelism (ZeRO §7: P_os and P_os+g
+cost 2Ψ). Reduce-scatter instead of all-reduce for stage 1 too: only the owner's slice of a
+reduced gradient is ever used.
+
+Why hand-written: FSDP2 always shards parameters at rest, so it cannot express stages 1 and 2;
+torch's ``ZeroRedundancyOptimizer`` shards whole parameters (uneven shards, no gradient sharding)
+and issues its collectives where ``comm.py`` cannot count them. Flat buffers make the shards even
+and every collective one call per bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from loom.parallel import comm
+from loom.parallel.data import BUCKET_BYTES
+
+
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    names: list[str]
+    decay: bool
+    flat: torch.Tensor  # the parameters' storage, padded to a multiple of d
+    shard: nn.Parameter  # this rank's slice (a view of ``flat``, or a host copy when offloading)
+    grad_flat: torch.Tensor | None = None  # stage 1: persistent full-size gradient buffer
+    grad_shard: torch.Tensor | None = None  # the reduced gradient slice (persistent)
+    ready: int = 0
+    pending: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+
+
+class ZeroShardedOptimizer:
+    """Flat buckets, gradient reduce-scatter hooks and the sharded AdamW of ZeRO-1/2."""
+
+    def __init__(self, model: nn.Module, stage: int, shard_group: Any, shard_size: int,
+                 shard_rank: int, *, replicate_group: Any = None, replicate_size: int = 1,
+                 reduce_dtype: torch.dtype = torch.float32, offload: bool = False,
+                 ledger: comm.CommLedger | None = None, bucket_bytes: int = BUCKET_BYTES,
+                 decays: Callable[[nn.Parameter], bool] = lambda p: p.ndim >= 2) -> None:
+        self.stage, self.group, self.d, self.rank = stage, shard_group, shard_size, shard_rank
+        self.replicate_group, self.replicate_size = replicate_group, replicate_size
+        self.reduce_dtype, self.offload, self.ledger = reduce_dtype, offload, ledger
+        self.sync = True
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.buckets: list[_Bucket] = []
+        for decay in (True, False):
+            group = [(n, p) for n, p in reversed(named) if decays(p) == decay]
+            current: list[tuple[str, nn.Parameter]] = []
+            size = 0
+            for name, param in group:
+                current.append((name, param))
+                size += param.numel() * param.element_size()
+                if size >= bucket_bytes:
+                    self._add_bucket(current, decay)
+                    current, size = [], 0
+            if current:
+                self._add_bucket(current, decay)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._next = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient_ready)
+                       for b in self.buckets for p in b.params]
+
+    def _add_bucket(self, named: list[tuple[str, nn.Parameter]], decay: bool) -> None:
+        params = [p for _, p in named]
+        numel = sum(p.numel() for p in params)
+        padded = -(-numel // self.d) * self.d
+        flat = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
+        offset = 0
+        for param in params:  # each parameter becomes a view of the bucket
+            view = flat[offset:offset + param.numel()].view_as(param)
+            view.copy_(param.detach())
+            param.data = view
+            offset += param.numel()
+        piece = flat[self.rank * padded // self.d:(self.rank + 1) * padded // self.d]
+        shard = nn.Parameter(piece.to("cpu", copy=True) if self.offload else piece)
+        bucket = _Bucket(params, [n for n, _ in named], decay, flat, shard)
+        if self.stage == 1:  # autograd accumulates straight into views of one buffer
+            bucket.grad_flat = torch.zeros_like(flat)
+            offset = 0
+            for param in params:
+                param.grad = bucket.grad_flat[offset:offset + param.numel()].view_as(param)
+                offset += param.numel()
+        bucket.grad_shard = torch.zeros(padded // self.d, dtype=flat.dtype, device=flat.device)
+        self.buckets.append(bucket)
+
+    # -- backward -------------------------------------------------------------------------------
+    def _on_gradient_ready(self, param: nn.Parameter) -> None:
+        if not self.sync:
+            return
+        self._bucket_of[id(param)].ready += 1
+        while self._next < len(self.buckets) and \
+                self.buckets[self._next].ready == len(self.buckets[self._next].params):
+            self._launch(self.buckets[self._next])
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if bucket.grad_flat is not None:  # stage 1: the gradients already are the buffer
+            flat = bucket.grad_flat
+        else:  # stage 2: pack, then free the full-size gradients
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = nn.functional.pad(flat, (0, bucket.flat.numel() - flat.numel()))
+            for param in bucket.params:
+                param.grad = None
+        send = flat.to(self.reduce_dtype)
+        out = torch.empty(flat.numel() // self.d, dtype=self.reduce_dtype, device=flat.device)
+        work = comm.reduce_scatter_tensor(out, send, self.group, axis="dp_shard",
+                                          ledger=self.ledger, async_op=True)
+        bucket.pending.append((work, out))
+        bucket.ready = 0
+        self._next += 1
+
+    def finish(self) -> None:
+        """Reduce what backward did not reach (unused parameters), wait, average the slices and
+        hand them to the optimizer's shard parameters as their gradients."""
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+        for bucket in self.buckets:
+            for work, out in bucket.pending:
+                work.wait()
+                if self.replicate_size > 1:
+                    comm.all_reduce(out, self.replicate_group, axis="dp_replicate",
+                                    ledger=self.ledger)
+                bucket.grad_shard.copy_(out).div_(self.d * self.replicate_size)
+            bucket.pending.clear()
+            bucket.shard.grad = bucket.grad_shard.to(bucket.shard.device)
+        self._next = 0
+
+    # -- optimizer ------------------------------------------------------------------------------
+    def build_optimizer(self, *, lr: float, weight_decay: float, betas: tuple[float, float],
+                        eps: float) -> torch.optim.AdamW:
+        """AdamW over this rank's slices (decay and no-decay groups, as ``optim.build_optimizer``);
+        after each step the updated slices are all-gathered into every rank's parameters."""
+        groups = [{"params": [b.shard for b in self.buckets if b.decay],
+                   "weight_decay": weight_decay},
+                  {"params": [b.shard for b in self.buckets if not b.decay],
+                   "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas,
+                                      eps=eps)
+        optimizer.register_step_post_hook(lambda *_: self.gather_parameters())
+        return optimizer
+
+    @torch.no_grad()
+    def gather_parameters(self) -> None:
+        """All-gather the updated slices; stage 1 also clears its gradient buffer for the next
+        accumulation (the views stay attached)."""
+        for bucket in self.buckets:
+            mine = bucket.shard.detach().to(bucket.flat.device).clone()
+            comm.all_gather_into_tensor(bucket.flat, mine, self.group, axis="dp_shard",
+                                        ledger=self.ledger)
+            if bucket.grad_flat is not None:
+                bucket.grad_flat.zero_()
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global-norm clipping of the reduced slices (padding is zero; every element once)."""
+        grads = [b.shard.grad for b in self.buckets]
+        squares = sum(g.float().pow(2).sum() for g in grads).reshape(1).to(self.buckets[0].flat)
+        comm.all_reduce(squares, self.group, axis="dp_shard", ledger=self.ledger)
+        norm = squares.sqrt()[0]
+        if max_norm > 0:
+            torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0).item())
+        return norm
+
+    def full_named_gradients(self) -> dict[str, torch.Tensor]:
+        """Every parameter's reduced (and clipped) gradient by name: the slices all-gathered
+        (a collective over ``dp_shard``; for tests and inspection)."""
+        out = {}
+        for bucket in self.buckets:
+            full = torch.empty_like(bucket.flat)
+            comm.all_gather_into_tensor(full, bucket.shard.grad.to(full.device).contiguous(),
+                                        self.group, axis="dp_shard")
+            offset = 0
+            for name, param in zip(bucket.names, bucket.params):
+                out[name] = full[offset:offset + param.numel()].view_as(param).clone()
+                offset += param.numel()
+        return out
+
+
+def apply_zero(model: nn.Module, stage: int, meshes: Any, *, reduce_dtype: torch.dtype,
+               offload: bool = False, ledger: comm.CommLedger | None = None) -> nn.Module:
+    """Attach ZeRO-1/2 over ``dp_shard`` (and ``dp_replicate``); ``zero_of(model)`` finds it."""
+    shard_mesh, replicate_mesh = meshes.root["dp_shard"], meshes.root["dp_replicate"]
+    model._loom_grad_reducer = ZeroShardedOptimizer(
+        model, stage, shard_mesh.get_group(), shard_mesh.size(), shard_mesh.get_local_rank(),
+        replicate_group=replicate_mesh.get_group(), replicate_size=replicate_mesh.size(),
+        reduce_dtype=reduce_dtype, offload=offload, ledger=ledger)
+    return model
+
+
+def zero_of(model: nn.Module) -> ZeroShardedOptimizer | None:
+    reducer = getattr(model, "_loom_grad_reducer", None)
+    return reducer if isinstance(reducer, ZeroShardedOptimizer) else None

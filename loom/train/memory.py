@@ -1,0 +1,225 @@
+"""Per-rank memory before launch: parameters, gradients, optimizer state and activations.
+
+``estimate_memory(config)`` predicts the bytes each rank will hold for any layout (pp, dp_replicate,
+dp_shard with ZeRO stage 1/2/3, cp, tp with or without SP and vocabulary parallelism), compute dtype,
+recomputation policy and pipeline schedule, and reports the worst rank. ``loom estimate-memory``
+prints it; ``loom train`` refuses a layout whose estimate exceeds ``train.memory_limit_gb``.
+
+Model state (ZeRO §3, Rajbhandari et al. 2020; Ψ = the rank's parameters after TP and PP, d = the
+``dp_shard`` degree). Loom keeps fp32 parameters: with ``train.dtype = bf16`` they *are* the fp32
+master weights and autocast makes the bf16 copies, so K = 8 (two AdamW moments) and
+
+=========  ==============  ==============  =================  =================================
+ZeRO       parameters      gradients       optimizer (AdamW)  paper, mixed precision (K = 12)
+=========  ==============  ==============  =================  =================================
+none       4Ψ              4Ψ              8Ψ                 16Ψ
+1          4Ψ              4Ψ              8Ψ/d               4Ψ + 12Ψ/d
+2          4Ψ              4Ψ/d            8Ψ/d               2Ψ + 14Ψ/d
+3          4Ψ/d            4Ψ/d            8Ψ/d               16Ψ/d
+=========  ==============  ==============  =================  =================================
+
+The per-rank totals equal the paper's at every stage (4 + 4 + 8 = 2 + 2 + 12); only the split
+differs. ZeRO-3 adds the gathered (unsharded) parameters of the block in use and of the prefetched
+one (compute dtype), and stage 2 the full-size gradients of the bucket being reduced, as
+``transient``.
+
+Activations per layer and microbatch (docs/benchmarks.md "Activation memory per layer": Korthikanti
+et al. 2022 Table 2 adjusted to Loom's block and measured to the byte; x = s·b·h, e = bytes per
+element, f = FFN width, a = query heads, k = key/value heads; s is the cp shard):
+
+* no TP: ``x·e·(10 + 4f/h) + 4sb(2 + a)``; TP: ``x·e·(6 + (4 + 4f/h)/t) + 4sb(2 + a/t)``;
+  TP + SP: ``x·e·(2 + (8 + 4f/h)/t) + 4sb(2 + a)/t``;
+* full recomputation keeps the block input ``x·e`` (plus one block's full set while it is
+  recomputed); ``every_k`` does that for every k-th block; selective keeps everything but the
+  attention core's own saved tensors (the GQA-repeated k and v and the logsumexp);
+* the ends: the head's input and the final norm ``3x·e + 4sb``, the fp32 log-softmax of the
+  logits ``4sbV/t`` (vocab parallel) and the logits themselves;
+* in flight: 1 microbatch without a pipeline; the schedule's peak in units of one rank's
+  microbatch (``pipeline.validate.peak_memory``) with one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loom.config import Config
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on the worst rank, by component."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    transient: float
+    rank: int = 0  # the pipeline rank it describes
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.transient
+
+    @property
+    def model_state(self) -> float:
+        return self.parameters + self.gradients + self.optimizer
+
+    def components(self) -> dict[str, float]:
+        return {"parameters": self.parameters, "gradients": self.gradients,
+                "optimizer": self.optimizer, "activations": self.activations,
+                "transient": self.transient}
+
+    def largest(self) -> tuple[str, float]:
+        return max(self.components().items(), key=lambda kv: kv[1])
+
+    def table(self) -> str:
+        lines = [f"{name:<12} {value / GiB:12.3f} GiB  {value:>16,.0f} B"
+                 for name, value in self.components().items()]
+        lines.append(f"{'total':<12} {self.total / GiB:12.3f} GiB  {self.total:>16,.0f} B"
+                     f"  (pipeline rank {self.rank})")
+        return "\n".join(lines)
+
+
+def layer_activation_bytes(config: Config, *, layer_recomputed: bool = False) -> float:
+    """Saved-for-backward bytes of one transformer block for one microbatch on one rank."""
+    m, par, tr = config.model, config.parallel, config.train
+    s, b, h, f = config.data.seq_len // par.cp, tr.micro_batch_size, m.dim, m.ffn_dim
+    a, kv, t = m.n_heads, m.n_kv_heads, par.tp
+    e = 2 if tr.dtype == "bf16" else 4
+    x = s * b * h
+    if layer_recomputed:
+        return x * e
+    if t == 1:
+        full = x * e * (10 + 4 * f / h) + 4 * s * b * (2 + a)
+    elif par.sequence_parallel:
+        full = x * e * (2 + (8 + 4 * f / h) / t) + 4 * s * b * (2 + a) / t
+    else:
+        full = x * e * (6 + (4 + 4 * f / h) / t) + 4 * s * b * (2 + a / t)
+    if tr.recompute == "selective":  # the core's own: repeated k, v beyond q's inputs; lse
+        full -= (2 * x * e * (1 - kv / a) + 4 * s * b * a) / t
+    return full
+
+
+def _head_activation_bytes(config: Config) -> float:
+    m, par, tr = config.model, config.parallel, config.train
+    s, b = config.data.seq_len // par.cp, tr.micro_batch_size
+    e = 2 if tr.dtype == "bf16" else 4
+    vocab = m.vocab_size // (par.tp if par.vocab_parallel else 1)
+    # final norm (input, output, rstd) + the fp32 log-softmax and the logits (e bytes each)
+    return 2 * s * b * m.dim * e + 4 * s * b + 4 * s * b * vocab + e * s * b * vocab
+
+
+def _rank_layers(config: Config) -> list[tuple[list[int], bool, bool, float]]:
+    """Per pipeline rank: (its layer ids, has embedding, has head, peak microbatches in flight)."""
+    par, tr = config.parallel, config.train
+    if par.pp == 1:
+        return [(list(range(config.model.n_layers)), True, True, 1.0)]
+    from loom.pipeline.partition import partition_model
+    from loom.pipeline.runtime import schedule_for
+    from loom.pipeline.validate import peak_memory
+
+    micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
+    schedule = schedule_for(par.schedule, par.pp, micro, par.chunks)
+    ranges = partition_model(config.model, schedule.num_stages, config.data.seq_len)
+    peaks = peak_memory(schedule)
+    out = []
+    for rank in range(par.pp):
+        stages = [s for s, r in enumerate(schedule.placement) if r == rank]
+        layers = [i for s in stages for i in ranges[s]]
+        # peak units are already "one rank's microbatch" (a stage of v weighs 1/v)
+        out.append((layers, 0 in stages, schedule.num_stages - 1 in stages, float(peaks[rank])))
+    return out
+
+
+def _parameter_count(config: Config, layers: list[int], embedding: bool, head: bool) -> float:
+    """Parameters one rank holds after TP (norms and a non-vocab-parallel embedding replicated)."""
+    from loom.models.presets import layer_parameter_count
+
+    m, par = config.model, config.parallel
+    t = par.tp
+    norms = 2 * m.dim
+    total = sum((layer_parameter_count(m, i) - norms) / t + norms for i in layers)
+    vocab = m.vocab_size * m.dim / (t if par.vocab_parallel else 1)
+    if embedding:
+        total += vocab
+    if head:
+        total += m.dim + (0 if m.tie_embeddings and embedding else vocab)
+    return total
+
+
+def estimate_memory(config: Config) -> MemoryEstimate:
+    """The worst pipeline rank's bytes for a resolved config (see the module docstring)."""
+    par, tr, m = config.parallel, config.train, config.model
+    d = par.dp_shard
+    stage = par.zero_stage if d > 1 else 0
+    compute = 2 if tr.dtype == "bf16" else 4
+    best: MemoryEstimate | None = None
+    for rank, (layers, embedding, head, in_flight) in enumerate(_rank_layers(config)):
+        psi = _parameter_count(config, layers, embedding, head)
+        params = 4 * psi / (d if stage == 3 else 1)
+        grads = 4 * psi / (d if stage >= 2 else 1)
+        optim = 8 * psi / (d if stage >= 1 else 1)
+        if tr.offload_optimizer and d > 1 and not tr.device.startswith("cpu"):
+            optim = 0.0  # on the host (a CPU device has nothing to offload to)
+        transient = 0.0
+        if stage == 3 and layers:  # gathered block in use + the prefetched one
+            from loom.models.presets import layer_parameter_count
+
+            block = max(layer_parameter_count(m, i) for i in layers) / par.tp
+            transient = 2 * compute * block
+        if tr.recompute == "full":
+            recomputed = set(layers)
+        elif tr.recompute == "every_k":
+            recomputed = {i for i in layers if i % tr.recompute_every == 0}
+        else:
+            recomputed = set()
+        per_micro = sum(layer_activation_bytes(config, layer_recomputed=i in recomputed)
+                        for i in layers)
+        if recomputed:  # one block's full set lives again while it is recomputed
+            per_micro += layer_activation_bytes(config)
+        if head:
+            per_micro += _head_activation_bytes(config)
+        acts = 0.0 if tr.offload_activations and not tr.device.startswith("cpu") \
+            else per_micro * in_flight
+        estimate = MemoryEstimate(params, grads, optim, acts, transient, rank)
+        if best is None or estimate.total > best.total:
+            best = estimate
+    assert best is not None
+    return best
+
+
+def device_limit_bytes(config: Config) -> float:
+    """``train.memory_limit_gb`` in bytes, or the CUDA device's memory when it is 0 (0: none)."""
+    if config.train.memory_limit_gb > 0:
+        return config.train.memory_limit_gb * GiB
+    device = config.train.device
+    if device.startswith("cuda") or device == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            index = int(device.split(":")[1]) if ":" in device else 0
+            return float(torch.cuda.get_device_properties(index).total_memory)
+    return 0.0
+
+
+def check_memory_limit(config: Config) -> str | None:
+    """None when the estimate fits (or no limit is known, or the check is overridden); else the
+    refusal message naming the estimate and its largest component."""
+    limit = device_limit_bytes(config)
+    if limit <= 0 or config.train.ignore_memory_limit:
+        return None
+    estimate = estimate_memory(config)
+    if estimate.total <= limit:
+        return None
+    name, value = estimate.largest()
+    return (f"estimated peak memory {estimate.total / GiB:.2f} GiB per rank (pipeline rank"
+            f" {estimate.rank}) exceeds the limit {limit / GiB:.2f} GiB; largest component:"
+            f" {name} {value / GiB:.2f} GiB ({100 * value / estimate.total:.0f}%). Shard more"
+            f" (parallel.dp_shard, zero_stage), recompute (train.recompute) or pass"
+            f" --train.ignore_memory_limit=true")
+
+
+__all__ = ["MemoryEstimate", "estimate_memory", "layer_activation_bytes", "check_memory_limit",
+           "device_limit_bytes", "GiB"]
