@@ -108,7 +108,10 @@ class ZeroShardedOptimizer:
             for param in params:
                 param.grad = bucket.grad_flat[offset:offset + param.numel()].view_as(param)
                 offset += param.numel()
-        bucket.grad_shard = torch.zeros(padded // self.d, dtype=flat.dtype, device=flat.device)
+        piece = slice(self.rank * padded // self.d, (self.rank + 1) * padded // self.d)
+        bucket.grad_shard = (bucket.grad_flat[piece] if bucket.grad_flat is not None  # no copy
+                             else torch.zeros(padded // self.d, dtype=flat.dtype,
+                                              device=flat.device))
         self.buckets.append(bucket)
 
     # -- backward -------------------------------------------------------------------------------
@@ -165,18 +168,26 @@ class ZeroShardedOptimizer:
         optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas,
                                       eps=eps)
         optimizer.register_step_post_hook(lambda *_: self.gather_parameters())
+        plain_zero_grad = optimizer.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:  # + stage 1's accumulation buffer
+            plain_zero_grad(set_to_none)
+            for bucket in self.buckets:
+                if bucket.grad_flat is not None:
+                    bucket.grad_flat.zero_()
+
+        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
         return optimizer
 
     @torch.no_grad()
     def gather_parameters(self) -> None:
-        """All-gather the updated slices; stage 1 also clears its gradient buffer for the next
-        accumulation (the views stay attached)."""
+        """All-gather the updated slices into every rank's parameters. (Stage 1's gradient buffer
+        is cleared by the optimizer's ``zero_grad``, so the reduced slice, which lives in it,
+        stays readable until the next step.)"""
         for bucket in self.buckets:
             mine = bucket.shard.detach().to(bucket.flat.device).clone()
             comm.all_gather_into_tensor(bucket.flat, mine, self.group, axis="dp_shard",
                                         ledger=self.ledger)
-            if bucket.grad_flat is not None:
-                bucket.grad_flat.zero_()
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
