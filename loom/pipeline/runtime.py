@@ -246,7 +246,9 @@ class PipelineRuntime:
     def _start_gradient_reduction(self, stage: PipelineStage) -> None:
         if self.dp_size <= 1:
             return
-        grads = [p.grad for p in stage.parameters() if p.grad is not None]
+        # Local storage: under tensor parallelism the gradients are DTensor shards.
+        grads = [getattr(p.grad, "_local_tensor", p.grad) for p in stage.parameters()
+                 if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.dp_size)
         work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
         self._reductions.append((work, flat, grads))
@@ -263,16 +265,32 @@ class PipelineRuntime:
 
 
 def build_pipeline(args, schedule: Schedule, *, grid, meshes, rank: int, device: torch.device,
-                   seed: int, seq_len: int, autocast=None) -> PipelineRuntime:
+                   seed: int, seq_len: int, autocast=None, parallel=None, cp_groups=None,
+                   ledger=None) -> PipelineRuntime:
     """This rank's stages (layers split by ``partition_model``) and the runtime that drives them,
-    with the ``pp`` and ``dp`` groups of ``meshes`` (a ``loom.topology.Meshes`` of ``grid``)."""
-    from loom.topology import DATA_AXES
+    with the ``pp`` and data groups of ``meshes`` (a ``loom.topology.Meshes`` of ``grid``).
 
+    ``parallel`` (a ``ParallelConfig``) adds tensor and context parallelism *inside* each stage,
+    in ``loom.parallel``'s order: TP on the ``tp`` mesh, then the cp attention core; gradients
+    are then averaged over dp x cp (cp ranks hold the same weights, other tokens).
+    """
     layers = partition_model(args, schedule.num_stages, seq_len)
     pp_rank = grid.coords(rank)["pp"]
     kwargs = {"autocast": autocast} if autocast is not None else {}
     stages = build_stages(args, schedule, layers, pp_rank, device, seed, **kwargs)
-    dp_size = grid.degree(*DATA_AXES)
+    if parallel is not None and parallel.tp > 1:
+        from loom.parallel.tensor import apply_tensor_parallel
+
+        for stage in stages.values():
+            apply_tensor_parallel(stage.module, meshes.root["tp"],
+                                  sequence_parallel=parallel.sequence_parallel,
+                                  vocab_parallel=parallel.vocab_parallel, ledger=ledger)
+    if parallel is not None and parallel.cp > 1:
+        from loom.parallel.context import apply_context_parallel
+
+        for stage in stages.values():
+            apply_context_parallel(stage.module, cp_groups, ledger)
+    data = meshes.dp_cp if parallel is not None and parallel.cp > 1 else meshes.dp
     return PipelineRuntime(schedule, stages, pp_rank, grid.group(rank, "pp"),
                            meshes.root["pp"].get_group(),
-                           meshes.dp.get_group() if dp_size > 1 else None, dp_size)
+                           data.get_group() if data.size() > 1 else None, data.size())

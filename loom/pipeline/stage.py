@@ -55,6 +55,9 @@ class PipelineStage:
     num_stages: int
     module: Transformer
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    # Global token positions of this rank's sequence shard (context parallelism), for RoPE;
+    # None: the whole sequence in order. Set by the trainer before each step.
+    positions: torch.Tensor | None = None
     _in_flight: dict[int, _InFlight] = field(default_factory=dict)
 
     @property
@@ -74,12 +77,16 @@ class PipelineStage:
         ``loss_fn(logits, targets)``. With ``training`` the graph is kept for the backward."""
         if not training:
             with torch.no_grad(), self.autocast():
-                out = self.module(inputs)
+                out = self.module(inputs, positions=self.positions)
             return loss_fn(out, targets) if self.is_last else out
         if not self.is_first:  # a leaf, so I can ask autograd for its gradient
             inputs = inputs.detach().requires_grad_(True)
         with self.autocast():
-            out = self.module(inputs)
+            out = self.module(inputs, positions=self.positions)
+        if not self.is_last and out._is_view():
+            # Under sequence parallelism the output is a view of a DTensor's local shard;
+            # torch's stage_backward_input detaches stage outputs in place, which views forbid.
+            out = out.clone()
         if self.is_last:
             out = loss_fn(out, targets)
         self._in_flight[microbatch] = _InFlight(inputs, out)

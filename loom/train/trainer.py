@@ -107,7 +107,9 @@ class Trainer:
             self.pipeline = build_pipeline(self.args, schedule, grid=self.grid,
                                            meshes=self.meshes, rank=self.ctx.rank,
                                            device=self.ctx.device, seed=tr.seed,
-                                           seq_len=config.data.seq_len, autocast=self._autocast)
+                                           seq_len=config.data.seq_len, autocast=self._autocast,
+                                           parallel=par, cp_groups=self.cp_groups,
+                                           ledger=self.ledger)
             self.model = LocalStages([s.module for _, s in sorted(self.pipeline.stages.items())])
             from loom.parallel.activation import apply_activation_checkpointing
 
@@ -126,6 +128,8 @@ class Trainer:
         from loom.parallel.expert import expert_parallel_of
 
         self.tp = tensor_parallel_of(self.model)
+        if self.tp is None and self.pipeline is not None:  # TP inside stages: any stage's record
+            self.tp = tensor_parallel_of(next(iter(self.pipeline.stages.values())).module)
         self.ep = expert_parallel_of(self.model)
         self.loss_fn = self.tp.loss if self.tp is not None else cross_entropy
         # Mixture of experts: the load-balancing loss joins the objective with its coefficient.
@@ -258,8 +262,14 @@ class Trainer:
         the clipping norm sums the squares over the ``pp`` group (each rank owns other weights)."""
         loss_sum = self._run_pipeline(inputs, targets, training=True)
         self.pipeline.finish_gradient_reduction()
-        grad_norm = clip_grad_norm(self.model.parameters(), self.config.train.grad_clip,
-                                   [self.pipeline.pp_group])
+        clip = self.config.train.grad_clip
+        if self.tp is not None:  # TP shards' squares over tp, then every stage's over pp
+            from loom.parallel.tensor import clip_grad_norm as tp_clip_grad_norm
+
+            grad_norm = tp_clip_grad_norm(self.model.parameters(), clip, tp=self.tp,
+                                          other_groups=(("pp", self.pipeline.pp_group),))
+        else:
+            grad_norm = clip_grad_norm(self.model.parameters(), clip, [self.pipeline.pp_group])
         return self._finish_step(loss_sum, grad_norm)
 
     def _run_pipeline(self, inputs: torch.Tensor, targets: torch.Tensor, *,
@@ -269,10 +279,17 @@ class Trainer:
         micro = self.config.train.micro_batch_size
         n_micro = inputs.shape[0] // micro
         schedule = self.pipeline.schedule if training else forward_only(self.pipeline.schedule)
+        inputs, targets, positions = self._shard_sequence(inputs, targets)
+        for stage in self.pipeline.stages.values():  # this rank's cp shard of every sequence
+            stage.positions = positions
+        wire_seq = inputs.shape[1]  # what travels between stages: the cp shard ...
+        if self.tp is not None and self.tp.sequence_parallel:
+            wire_seq //= self.tp.mesh.size()  # ... and, under SP, this tp rank's part of it
+        loss_fn = self.loss_fn
         return self.pipeline.step(
             inputs.split(micro), targets.split(micro),
-            lambda logits, y: cross_entropy(logits, y) / n_micro, schedule=schedule,
-            training=training, activation_shape=(micro, inputs.shape[1], self.args.dim))
+            lambda logits, y: loss_fn(logits, y) / n_micro, schedule=schedule,
+            training=training, activation_shape=(micro, wire_seq, self.args.dim))
 
     def _mean_over_dp(self, value: torch.Tensor) -> float:
         """The mean of a per-rank loss over the ranks that hold different data (dp, and cp)."""
@@ -402,10 +419,10 @@ class Trainer:
     def named_gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's full gradient by its model name (for parity tests); with pp > 1
         gathered from every stage over the ``pp`` group (a collective: call it on every rank)."""
-        if self.pipeline is not None:
-            return self._gather_over_pp(
-                {n: p.grad for n, p in self._stage_parameters() if p.grad is not None})
         from loom.parallel.tensor import full_named_gradients
+
+        if self.pipeline is not None:  # full tensors under TP (collective over tp), then pp
+            return self._gather_over_pp(full_named_gradients(self.model))
 
         if zero_of(self.model) is not None:  # ZeRO-1/2: the reduced slices, all-gathered
             return zero_of(self.model).full_named_gradients()
@@ -443,7 +460,9 @@ class Trainer:
         from safetensors.torch import save_file
 
         if self.pipeline is not None and self.dp_rank == 0:  # the first pipeline gathers
-            state = self._gather_over_pp(self.model.state_dict(), to_main=True)
+            state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v  # TP: collective
+                     for k, v in self.model.state_dict().items()}
+            state = self._gather_over_pp(state, to_main=True)
         elif self.pipeline is not None:
             return
         else:  # every rank takes part in gathering TP / EP shards, then only the main rank writes

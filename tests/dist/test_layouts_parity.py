@@ -52,3 +52,28 @@ def test_layout_matches_one_process(dist, small_data_dir, reference, layout):
         assert_parity(reference, result, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=label,
                       steps=range(1))
         assert_parity(reference, result, rtol=RTOL, atol=ATOL, label=label)
+
+
+# Tensor and context parallelism inside pipeline stages (8 ranks: the combinations).
+PIPELINE_LAYOUTS = {
+    "pp2-tp2": (4, {"pp": 2, "tp": 2, "schedule": "1f1b"}),
+    "pp2-tp2-zbv": (4, {"pp": 2, "tp": 2, "schedule": "zbv"}),
+    "pp2-tp2-sp": (4, {"pp": 2, "tp": 2, "sequence_parallel": True, "schedule": "1f1b"}),
+    "pp2-cp2-ring": (4, {"pp": 2, "cp": 2, "schedule": "interleaved_1f1b", "chunks": 2}),
+    "pp2-tp2-dp2": (8, {"pp": 2, "tp": 2, "dp_replicate": 2, "schedule": "1f1b"}),
+    "pp2-cp2-tp2": (8, {"pp": 2, "cp": 2, "tp": 2, "sequence_parallel": True,
+                        "schedule": "interleaved_1f1b", "chunks": 2}),
+    "pp2-cp2-tp2-zbh1": (8, {"pp": 2, "cp": 2, "tp": 2, "schedule": "zb_h1"}),
+}
+
+
+@pytest.mark.parametrize("layout", list(PIPELINE_LAYOUTS))
+def test_parallelism_inside_pipeline_stages_matches_one_process(dist, small_data_dir, reference,
+                                                               layout):
+    world, parallel = PIPELINE_LAYOUTS[layout]
+    config = layout_config(BASE, world, **parallel)
+    for rank, result in enumerate(dist.run(world, record_training, config, small_data_dir, STEPS)):
+        label = f"{layout} rank {rank}"
+        assert_parity(reference, result, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=label,
+                      steps=range(1))
+        assert_parity(reference, result, rtol=RTOL, atol=ATOL, label=label)
