@@ -95,6 +95,7 @@ class WorkerPool:
                 else:
                     os.environ[key] = value
         self.alive = True
+        self.tasks_run = 0
         self._collect("start", start_timeout_s)
 
     def run(self, fn: Callable[..., Any], *args: Any, task_timeout_s: float = 300.0,
@@ -104,6 +105,7 @@ class WorkerPool:
             raise HarnessError("this pool was shut down after an earlier failure")
         for tasks in self._tasks:
             tasks.put((fn, args, kwargs))
+        self.tasks_run += 1
         return self._collect(getattr(fn, "__qualname__", repr(fn)), task_timeout_s)
 
     def _collect(self, what: str, timeout_s: float) -> list[Any]:
@@ -153,14 +155,25 @@ class WorkerPool:
 
 
 class PoolRegistry:
-    """One live ``WorkerPool`` per world size, created on first use and replaced after a failure."""
+    """One live ``WorkerPool`` per world size, created on first use and replaced after a failure
+    or after ``max_tasks`` tasks.
 
-    def __init__(self, **pool_kwargs: Any) -> None:
+    Why recycle: every task that builds a DeviceMesh creates process groups, each with its own
+    gloo I/O threads, and torch's DTensor caches keep meshes (and so their groups) alive, so
+    they cannot simply be destroyed between tasks. A worker that ran the whole suite grew past a
+    thousand threads and slowed everything down (load average in the hundreds, measured);
+    starting a fresh pool every few tasks costs a few seconds instead.
+    """
+
+    def __init__(self, *, max_tasks: int = 12, **pool_kwargs: Any) -> None:
         self._pools: dict[int, WorkerPool] = {}
         self._pool_kwargs = pool_kwargs
+        self.max_tasks = max_tasks
 
     def pool(self, world_size: int) -> WorkerPool:
         pool = self._pools.get(world_size)
+        if pool is not None and pool.alive and pool.tasks_run >= self.max_tasks:
+            pool.close()
         if pool is None or not pool.alive:
             pool = self._pools[world_size] = WorkerPool(world_size, **self._pool_kwargs)
         return pool
