@@ -24,6 +24,8 @@ LAYOUTS = {  # name -> (world size, parallel degrees and schedule)
     "pp2xdp2": (4, {"pp": 2, "dp_replicate": 2, "schedule": "1f1b"}),
     "zero3-dp2": (2, {"dp_shard": 2, "zero_stage": 3}),
     "hsdp-2x2": (4, {"dp_replicate": 2, "dp_shard": 2, "zero_stage": 3}),
+    "tp2-sp-dp2": (4, {"tp": 2, "sequence_parallel": True, "dp_replicate": 2}),
+    "cp2": (2, {"cp": 2}),
 }
 
 
@@ -112,7 +114,8 @@ def test_stop_and_resume_is_bit_exact(dist, small_data_dir, tmp_path, layout):
 @pytest.mark.parametrize("source, target", [("dp2", "single"), ("pp2-interleaved", "dp2"),
                                             ("pp2xdp2", "pp2-zbv"), ("single", "pp2xdp2"),
                                             ("zero3-dp2", "single"), ("zero3-dp2", "pp2-zbv"),
-                                            ("dp2", "hsdp-2x2")])
+                                            ("dp2", "hsdp-2x2"), ("tp2-sp-dp2", "pp2-zbv"),
+                                            ("pp2xdp2", "tp2-sp-dp2"), ("cp2", "zero3-dp2")])
 def test_a_checkpoint_reshards_to_another_layout(dist, small_data_dir, tmp_path, source, target):
     path, saved = dist.run(LAYOUTS[source][0], save_after, config_for(source), small_data_dir,
                            str(tmp_path), 2)[0]
