@@ -213,7 +213,8 @@ class Trainer:
         else:
             self.skipped_steps += 1
             self.optimizer.zero_grad(set_to_none=True)
-        metrics["skipped_steps"] = self.skipped_steps
+        if self.skipped_steps:  # shown once there is something to show
+            metrics["skipped_steps"] = self.skipped_steps
         self.scheduler.step()
         self.step += 1
         return metrics
