@@ -25,7 +25,7 @@ local to the cp group, Hd head dim), all counted in the ``CommLedger`` under axi
 * ring forward: ``r-1`` sends of the key/value block ``2*B*(K/u)*(S/r)*Hd``; backward
   ``2(r-1)`` sends of that size (key/value again, and the travelling dK/dV sum).
 * Gradients of the (replicated) parameters: averaged over cp, by ``reduce_gradients_over_cp``
-  (one all-reduce per parameter) or, in the trainer, by DDP over the flattened ``dp x cp`` group.
+  (one all-reduce per parameter) or, in the trainer, by the data-parallel reducer over the flattened ``dp x cp`` group.
 
 The loss is the mean over local tokens; every cp rank has the same token count, so the mean of
 the cp ranks' losses is the global mean, and averaging gradients over cp gives its gradient.
@@ -236,7 +236,7 @@ def apply_context_parallel(model: nn.Module, groups: CPGroups,
 def reduce_gradients_over_cp(model: nn.Module, groups: CPGroups,
                              ledger: CommLedger | None = None) -> None:
     """Average every gradient over the cp group (sum / cp): each rank's loss is the mean over its
-    own equal share of tokens. In the trainer, DDP over the flattened dp x cp group does this."""
+    own equal share of tokens. In the trainer, the data-parallel reducer over the flattened dp x cp group does this."""
     if groups.layout.size == 1:
         return
     for param in model.parameters():

@@ -120,11 +120,16 @@ class GradientReducer:
             self._launch(self._next)
         for work, flat, grads in self._pending:
             work.wait()
-            offset = 0
-            for grad in grads:
-                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+            copy_back(flat, grads)
         self._reset()
+
+
+def copy_back(flat: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
+    """Write a reduced flat buffer back into the gradients it was packed from, in order."""
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
 
 
 def apply_data_parallel(model: nn.Module, group: Any, size: int, *,

@@ -165,7 +165,8 @@ def reduce_gradients(model: nn.Module, ep: ExpertParallel, *, dp_group: Any = No
     ``dp_group``: the data-parallel ranks outside ep holding the same experts (dp_replicate x
     dp_shard; None at degree 1). Expert gradients: summed over ``dp_group``, divided by dp x ep.
     Dense gradients (``dense=True``): summed over ep then dp, divided by dp x ep; pass
-    ``dense=False`` when DDP over the flattened dp x ep mesh already averages them.
+    ``dense=False`` when the data-parallel reducer over the flattened dp x ep mesh already
+    averages them.
     """
     dp = dist.get_world_size(dp_group) if dp_group is not None else 1
     experts = expert_parameter_names(model)

@@ -255,12 +255,11 @@ class PipelineRuntime:
 
     def finish_gradient_reduction(self) -> None:
         """Wait for every stage's all-reduce and write the averaged gradients back."""
+        from loom.parallel.data import copy_back
+
         for work, flat, grads in self._reductions:
             work.wait()
-            offset = 0
-            for grad in grads:
-                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+            copy_back(flat, grads)
         self._reductions.clear()
 
 

@@ -7,14 +7,15 @@ data loader. ``train_step`` does one optimizer step: split the rank's batch into
 forward/backward each (gradient all-reduce only on the last, overlapped with its backward),
 clip by the global norm, step. ``fit`` loops, evaluates, logs and saves the final weights.
 
-What one step communicates (data parallelism): the gradient all-reduce over ``dp`` issued by DDP,
+What one step communicates (data parallelism): the gradient all-reduce over ``dp`` issued by
+``loom.parallel.data``'s reducer (or ZeRO's reduce-scatter / all-gather),
 plus one 1-element all-reduce of the loss for logging. With ``pp > 1`` the model is split into
 stages and ``loom.pipeline.runtime`` runs the configured schedule instead of the microbatch loop
 (its docstring lists the point-to-point traffic and the per-stage dp all-reduce); the step adds a
 1-element all-reduce over ``pp`` for the clipping norm and one for the loss.
 
 The loss is the mean token cross entropy over the *global* batch: each microbatch's mean is
-divided by the number of microbatches and DDP averages over equally sized rank batches, so every
+divided by the number of microbatches and the reducer averages over equally sized rank batches, so every
 layout computes the same number as one process (the parity tests check exactly that).
 """
 
@@ -335,7 +336,7 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------------------
     def _checkpoint_tensors(self) -> dict[str, Any]:
-        """Model and optimizer state keyed by the full model's parameter names (DDP and pipeline
+        """Model and optimizer state keyed by the full model's parameter names (FSDP and pipeline
         containers stripped), so any layout can load what any other saved."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
