@@ -1,0 +1,271 @@
+"""Cross-field rules of Loom's config: what ``validate`` checks before any process starts.
+
+``loom.config`` owns the schema (dataclasses, parsing, TOML); this module owns the rules that tie
+fields together: the world equals the product of the parallel degrees; heads, KV heads, layers,
+vocabulary, sequence and batch are divisible by the degrees that split them; and the combinations
+this version of Loom does not run yet are refused by name. Every rule raises ``ConfigError``
+naming the field, the value and the rule, and the nearest valid value where one exists.
+
+Split out of ``config.py`` so that a parallelism landing edits its own rule here, next to its
+neighbours, without touching parsing.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from loom.config import Config, ConfigError, _check_bpe_vocab, _suggest
+
+def _nearest_multiples(value: int, divisor: int) -> str:
+    low = (value // divisor) * divisor
+    options = [v for v in (low, low + divisor) if v > 0]
+    return " or ".join(str(v) for v in options)
+
+
+def _require_divisible(field_name: str, value: int, divisor: int, what: str) -> None:
+    if divisor > 1 and value % divisor:
+        raise ConfigError(field_name, value, f"must be divisible by {what} = {divisor};"
+                          f" nearest valid: {_nearest_multiples(value, divisor)}")
+
+
+def _require_positive(config: Config, keys: list[str], minimum: float = 1) -> None:
+    for key in keys:
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        if value < minimum:
+            raise ConfigError(key, value, f"must be >= {minimum}")
+
+
+def validate(config: Config, world_size: int) -> None:
+    """Check every cross-field rule; raise ConfigError naming the first broken one."""
+    m, par, tr, data, opt = config.model, config.parallel, config.train, config.data, config.optim
+    _require_positive(config, ["model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
+                               "model.ffn_dim", "model.vocab_size", "model.max_seq_len",
+                               "model.vocab_multiple", "train.steps", "train.global_batch_size",
+                               "train.micro_batch_size", "train.eval_batches", "data.seq_len",
+                               "data.bpe_vocab_size", "metrics.log_every"])
+    _require_positive(config, ["train.eval_every", "train.grad_clip", "train.threads",
+                               "data.max_bytes", "checkpoint.interval", "checkpoint.keep",
+                               "optim.warmup_steps",
+                               "optim.weight_decay", "optim.eps"], minimum=0)
+    if opt.lr <= 0:
+        raise ConfigError("optim.lr", opt.lr, "must be > 0")
+    if not 0 <= opt.min_lr_ratio <= 1:
+        raise ConfigError("optim.min_lr_ratio", opt.min_lr_ratio, "must be in [0, 1]")
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(opt, key) < 1:
+            raise ConfigError(f"optim.{key}", getattr(opt, key), "must be in [0, 1)")
+    if data.source != "stdlib" and not Path(data.source).exists():
+        raise ConfigError("data.source", data.source,
+                          "must be 'stdlib' or an existing text file or directory")
+    if not 0 < data.val_fraction < 1:
+        raise ConfigError("data.val_fraction", data.val_fraction, "must be in (0, 1)")
+    _check_bpe_vocab(data)
+    resume = config.checkpoint.resume
+    if resume not in ("", "auto") and not (Path(resume) / "COMMITTED").is_file():
+        raise ConfigError("checkpoint.resume", resume,
+                          "must be '', 'auto' or a complete checkpoint directory (with COMMITTED)")
+    if tr.timeout_s <= 0:
+        raise ConfigError("train.timeout_s", tr.timeout_s, "must be > 0")
+
+    # Model shape.
+    _require_divisible("model.dim", m.dim, m.n_heads, "model.n_heads")
+    if m.head_dim % 2:
+        raise ConfigError("model.dim", m.dim, f"dim / n_heads = {m.head_dim} must be even (RoPE"
+                          " rotates pairs of channels)")
+    _require_divisible("model.n_heads", m.n_heads, m.n_kv_heads, "model.n_kv_heads")
+    if data.seq_len > m.max_seq_len:
+        raise ConfigError("data.seq_len", data.seq_len,
+                          f"must not exceed model.max_seq_len = {m.max_seq_len}")
+    from loom.data.tokenizer import tokenizer_vocab_size
+
+    needed = tokenizer_vocab_size(data.tokenizer, data.bpe_vocab_size)
+    if m.vocab_size < needed:
+        raise ConfigError("model.vocab_size", m.vocab_size,
+                          f"must be >= the {data.tokenizer} tokenizer's vocabulary ({needed})")
+
+    # Parallel layout.
+    degrees = par.degrees()
+    product = math.prod(degrees.values())
+    if product != world_size:
+        raise ConfigError("parallel", degrees,
+                          f"the product of the degrees ({product}) must equal the world size"
+                          f" ({world_size} processes)")
+    _require_divisible("model.n_heads", m.n_heads, par.tp, "parallel.tp")
+    _require_divisible("model.n_kv_heads", m.n_kv_heads, par.tp, "parallel.tp")
+    _require_divisible("model.ffn_dim", m.ffn_dim, par.tp, "parallel.tp")
+    if par.vocab_parallel:
+        _require_divisible("model.vocab_size", m.vocab_size, par.tp,
+                           "parallel.tp (vocab_parallel splits the vocabulary)")
+    elif m.tie_embeddings and par.tp > 1:
+        raise ConfigError("parallel.vocab_parallel", False, "tied embeddings under tp > 1 need"
+                          " vocab_parallel = true (embedding and head split the same way)")
+    _validate_context_parallel(config)
+    _validate_experts(config)
+    if par.sequence_parallel and par.tp > 1:
+        _require_divisible("data.seq_len", data.seq_len // par.cp, par.tp,
+                           "parallel.tp (sequence parallelism splits each cp shard)")
+    if par.pp > m.n_layers:
+        raise ConfigError("parallel.pp", par.pp,
+                          f"must not exceed model.n_layers = {m.n_layers} (one layer per stage)")
+    if m.tie_embeddings and par.pp > 1:
+        raise ConfigError("model.tie_embeddings", True,
+                          "tied embeddings need the embedding and head on one stage: use pp = 1")
+
+    # Batch.
+    _require_divisible("train.global_batch_size", tr.global_batch_size, par.dp,
+                       "the data-parallel degree dp_replicate*dp_shard*ep")
+    local_batch = tr.global_batch_size // par.dp
+    if local_batch % tr.micro_batch_size:
+        raise ConfigError("train.micro_batch_size", tr.micro_batch_size,
+                          f"must divide the per-rank batch global_batch_size / dp ="
+                          f" {tr.global_batch_size} / {par.dp} = {local_batch}")
+    _validate_schedule(config)
+
+    # What this version of Loom runs: each later parallelism lifts its own rule when it lands.
+    _validate_zero(config)
+    if tr.backend not in ("auto", "gloo", "nccl"):
+        raise ConfigError("train.backend", tr.backend, "must be one of auto, gloo, nccl")
+    if not (tr.device in ("auto", "cpu") or tr.device.startswith(("cuda", "xpu", "mps"))):
+        raise ConfigError("train.device", tr.device, "must be auto, cpu, cuda or cuda:N")
+    if tr.backend == "nccl" and tr.device == "cpu":
+        raise ConfigError("train.backend", tr.backend, "nccl needs a GPU device, not train.device=cpu")
+
+
+def _validate_zero(config: Config) -> None:
+    """ZeRO / FSDP, recomputation and memory rules (the combinations not built yet are named)."""
+    par, tr = config.parallel, config.train
+    if par.zero_stage not in (1, 2, 3):
+        raise ConfigError("parallel.zero_stage", par.zero_stage, "must be 1, 2 or 3")
+    if tr.recompute_every < 1:
+        raise ConfigError("train.recompute_every", tr.recompute_every, "must be >= 1")
+    if tr.memory_limit_gb < 0:
+        raise ConfigError("train.memory_limit_gb", tr.memory_limit_gb,
+                          "must be >= 0 (0: the device's memory, or no check on CPU)")
+    if tr.offload_optimizer and par.dp_shard == 1:
+        raise ConfigError("train.offload_optimizer", True, "needs a sharded optimizer:"
+                          " parallel.dp_shard > 1 (ZeRO keeps its shard on the host)")
+    if par.dp_shard == 1:
+        return
+    ck = config.checkpoint
+    if par.zero_stage < 3 and (ck.interval or ck.resume):
+        raise ConfigError("parallel.zero_stage", par.zero_stage, "checkpoints of ZeRO-1/2 (flat"
+                          " optimizer shards) are not implemented yet; use zero_stage = 3 or"
+                          " checkpoint.interval = 0")
+    for axis, why in (("pp", "the pipeline runtime does not drive sharded stages yet"),
+                      ("cp", "sharding over dp_shard x cp is not wired yet"),
+                      ("ep", "expert parameters need their own sharding group")):
+        if getattr(par, axis) > 1:
+            raise ConfigError(f"parallel.{axis}", getattr(par, axis),
+                              f"{axis} > 1 with dp_shard > 1 is not implemented yet ({why});"
+                              " use dp_replicate for data parallelism")
+    if par.zero_stage < 3 and par.tp > 1:
+        raise ConfigError("parallel.zero_stage", par.zero_stage, "ZeRO-1/2 with tp > 1 is not"
+                          " implemented yet; use zero_stage = 3 (FSDP2 composes with TP)")
+
+
+def _validate_experts(config: Config) -> None:
+    """MoE shape rules, and what expert parallelism composes with in this version."""
+    m, par = config.model, config.parallel
+    if m.n_experts < 0:
+        raise ConfigError("model.n_experts", m.n_experts, "must be >= 0 (0: a dense model)")
+    if m.n_experts == 0:
+        if par.ep > 1:
+            raise ConfigError("parallel.ep", par.ep, "expert parallelism needs an MoE model"
+                              " (model.n_experts > 0); for data parallelism use dp_replicate")
+        return
+    if not 1 <= m.top_k <= m.n_experts:
+        raise ConfigError("model.top_k", m.top_k, f"must be in [1, model.n_experts = {m.n_experts}]")
+    for key in ("expert_ffn_dim", "n_shared_experts", "n_dense_layers"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key}", getattr(m, key), "must be >= 0")
+    if m.capacity_factor < 0 or m.aux_loss_coef < 0:
+        key = "capacity_factor" if m.capacity_factor < 0 else "aux_loss_coef"
+        raise ConfigError(f"model.{key}", getattr(m, key), "must be >= 0")
+    if m.moe_every < 1:
+        raise ConfigError("model.moe_every", m.moe_every, "must be >= 1")
+    if not any(m.moe_layer(i) for i in range(m.n_layers)):
+        raise ConfigError("model.n_dense_layers", m.n_dense_layers, "leaves no MoE layer"
+                          f" (n_layers = {m.n_layers}, moe_every = {m.moe_every})")
+    _require_divisible("model.n_experts", m.n_experts, par.ep,
+                       "parallel.ep (each ep rank holds n_experts / ep experts)")
+    for axis, why in (("tp", "the tensor-parallel plan has no expert layout yet"),
+                      ("cp", "routing groups are whole sequences, which cp splits"),
+                      ("pp", "stages other than the last cannot back-propagate their balancing"
+                             " loss yet"),
+                      ("dp_shard", "ZeRO sharding of expert shards is not wired yet")):
+        if getattr(par, axis) > 1:
+            raise ConfigError(f"parallel.{axis}", getattr(par, axis),
+                              f"MoE models with {axis} > 1 are not supported yet: {why}")
+    ck = config.checkpoint
+    if par.ep > 1 and (ck.interval or ck.resume):
+        raise ConfigError("parallel.ep", par.ep, "checkpoints with ep > 1 are not supported yet"
+                          " (expert shards share names across ep ranks); use checkpoint.interval=0")
+
+
+def _validate_context_parallel(config: Config) -> None:
+    """cp rules: the zig-zag ring needs seq_len divisible by 2*cp (cp for Ulysses alone); the
+    Ulysses degree must divide cp and the heads each tp rank holds."""
+    par, m = config.parallel, config.model
+    if par.cp_ulysses < 0:
+        raise ConfigError("parallel.cp_ulysses", par.cp_ulysses, "must be >= 0 (0: automatic)")
+    if par.cp == 1:
+        return
+    from loom.parallel.context import CPLayout, check_layout
+
+    if par.cp_mode == "hybrid" and par.cp_ulysses and par.cp % par.cp_ulysses:
+        raise ConfigError("parallel.cp_ulysses", par.cp_ulysses,
+                          f"must divide parallel.cp = {par.cp}")
+    layout = CPLayout.from_mode(par.cp_mode, par.cp, par.cp_ulysses)
+    try:
+        check_layout(layout, config.data.seq_len, m.n_heads // par.tp, m.n_kv_heads // par.tp)
+    except ValueError as err:
+        field = "data.seq_len" if "seq_len" in str(err) else "parallel.cp"
+        value = config.data.seq_len if field == "data.seq_len" else par.cp
+        raise ConfigError(field, value, f"{err} (parallel.cp_mode={par.cp_mode})") from None
+
+
+def _validate_schedule(config: Config) -> None:
+    """The pipeline rules: a known schedule family, chunks it accepts, a layer per stage and a
+    microbatch count m = global_batch_size / (dp * micro_batch_size) the family can schedule."""
+    from loom.pipeline.runtime import ChunksError, schedule_for  # config -> Schedule, one place
+    from loom.pipeline.schedules import names
+
+    par, tr, m = config.parallel, config.train, config.model
+    known = names()
+    if par.schedule.lower().replace("-", "_") not in known:
+        raise ConfigError("parallel.schedule", par.schedule, f"unknown schedule; known: "
+                          f"{', '.join(known)}" + _suggest(par.schedule.lower(), known))
+    if par.chunks < 0:
+        raise ConfigError("parallel.chunks", par.chunks, "must be >= 0 (0: the family's default)")
+    if par.pp == 1:
+        return
+    micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
+    how = (f"microbatches per pipeline m = global_batch_size / (dp * micro_batch_size) ="
+           f" {tr.global_batch_size} / ({par.dp} * {tr.micro_batch_size}) = {micro}")
+    try:
+        schedule = schedule_for(par.schedule, par.pp, micro, par.chunks)
+    except ChunksError as err:  # the family has a fixed number of stages per rank
+        raise ConfigError("parallel.chunks", par.chunks, str(err)) from None
+    except ValueError as err:
+        raise ConfigError("parallel.schedule", par.schedule, f"{how}: {err}") from None
+    if schedule.num_stages > m.n_layers:
+        field_name, value = (("parallel.chunks", par.chunks) if par.chunks
+                             else ("parallel.schedule", par.schedule))
+        raise ConfigError(field_name, value,
+                          f"{schedule.num_stages} stages (pp = {par.pp} x"
+                          f" {schedule.chunks_per_rank} per rank) need model.n_layers >="
+                          f" {schedule.num_stages}, got {m.n_layers} (one layer per stage)")
+    splits_backward = any(a.op.name in ("I", "W") for row in schedule.actions for a in row)
+    if par.tp > 1 and par.sequence_parallel and splits_backward:
+        # Measured: gradients then differ from one process by ~4e-5 (relative), not rounding.
+        raise ConfigError("parallel.sequence_parallel", True,
+                          f"sequence parallelism inside a pipeline whose schedule splits the"
+                          f" backward into I and W ({par.schedule}) is not exact yet; use a"
+                          " schedule with full backwards (1f1b, gpipe, interleaved_1f1b,"
+                          " looped_bfs) or parallel.sequence_parallel=false")
+
+
+# --------------------------------------------------------------------------------------------
+# Output
