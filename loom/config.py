@@ -110,6 +110,9 @@ class TrainConfig:
     threads: int = 0  # intra-op threads per rank; 0: cores / local ranks
     timeout_s: float = 600.0  # collective timeout: a hung peer fails the job instead of hanging it
     nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss or grad norm: stop, or skip the step
+    # Step the optimizer before the global grad norm / non-finite check arrives, roll back if it
+    # says so (loom/train/post_validation.py); bit-identical either way. pp/dp layouts only.
+    post_validation: bool = False
     grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype of the gradient reduction
     # Activation recomputation (loom/parallel/activation.py): none, full (every block), selective
     # (the attention core only), every_k (full recomputation of every recompute_every-th block).

@@ -125,6 +125,7 @@ def validate(config: Config, world_size: int) -> None:
 
     # What this version of Loom runs: each later parallelism lifts its own rule when it lands.
     _validate_zero(config)
+    _validate_post_validation(config)
     if tr.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError("train.backend", tr.backend, "must be one of auto, gloo, nccl")
     if not (tr.device in ("auto", "cpu") or tr.device.startswith(("cuda", "xpu", "mps"))):
@@ -163,6 +164,21 @@ def _validate_zero(config: Config) -> None:
     if par.zero_stage < 3 and par.tp > 1:
         raise ConfigError("parallel.zero_stage", par.zero_stage, "ZeRO-1/2 with tp > 1 is not"
                           " implemented yet; use zero_stage = 3 (FSDP2 composes with TP)")
+
+
+def _validate_post_validation(config: Config) -> None:
+    """The post-validated optimizer step needs the global gradient norm to be one reduction
+    over pp (or none): TP, EP and ZeRO sum their squares over other or chained groups."""
+    par = config.parallel
+    if not config.train.post_validation:
+        return
+    for axis, why in (("tp", "the norm sums shards over tp, then over pp"),
+                      ("ep", "the norm sums expert shards over ep"),
+                      ("dp_shard", "ZeRO's norm sums slices over dp_shard")):
+        if getattr(par, axis) > 1:
+            raise ConfigError("train.post_validation", True,
+                              f"not implemented with {axis} > 1 ({why}); use"
+                              " train.post_validation = false")
 
 
 def _validate_experts(config: Config) -> None:

@@ -63,25 +63,68 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, total_steps: int, warmu
     )
 
 
+def local_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of the gradients this rank holds (torch's fused per-tensor norms), fp32."""
+    return torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).float()
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch's clipping factor min(max_norm / (norm + 1e-6), 1): the gradients are scaled by it.
+    Exactly 1 means clipping leaves every gradient bit unchanged (x * 1.0 == x)."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+@torch.no_grad()
+def clip_to_norm(parameters: Sequence[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale the gradients in place by ``clip_coefficient(norm, max_norm)`` (0: leave them)."""
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach=True)
+
+
 @torch.no_grad()
 def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float,
                    model_parallel_groups: Sequence[dist.ProcessGroup] = ()) -> torch.Tensor:
     """Clip gradients in place to a global norm of ``max_norm`` (0: only measure); return the
     norm before clipping, as an fp32 scalar tensor on the gradients' device."""
     parameters = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in parameters]
-    if not grads:
+    if not parameters:
         return torch.zeros(())
-    # torch's fused per-tensor norms for the local part; the cross-rank sum is ours.
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).float()
-    if model_parallel_groups:
+    norm = local_grad_norm([p.grad for p in parameters])
+    if model_parallel_groups:  # squares summed over the ranks holding other parts of the model
         squares = norm.pow(2)
         for group in model_parallel_groups:
             dist.all_reduce(squares, group=group)
         norm = squares.sqrt()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach=True)
+    clip_to_norm(parameters, max_norm, norm)
     return norm
+
+
+@torch.no_grad()
+def clip_gradients(model: nn.Module, max_norm: float, *, tp=None, ep=None,
+                   pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Global-norm clipping for any layout of ``model`` (the trainer's model: plain, DP, TP, EP,
+    ZeRO-1/2, FSDP2, or a rank's pipeline stages with ``pp_group``); returns the norm before
+    clipping. Each gradient element is counted once: ZeRO-1/2 sum their slices' squares over
+    dp_shard, FSDP2 over the mesh dims each gradient is sharded on, EP the experts' over ep, TP
+    the shards' over tp, and a pipeline every stage's over ``pp_group``."""
+    from loom.parallel.data import is_fully_sharded
+    from loom.parallel.zero import zero_of
+
+    zero = zero_of(model)
+    if zero is not None:
+        return zero.clip_grad_norm(max_norm)
+    if is_fully_sharded(model):
+        return clip_grad_norm_dtensor(model.parameters(), max_norm)
+    if ep is not None:
+        from loom.parallel.expert import clip_grad_norm as ep_clip_grad_norm
+
+        return ep_clip_grad_norm(model, max_norm, ep)
+    if tp is not None:
+        from loom.parallel.tensor import clip_grad_norm as tp_clip_grad_norm
+
+        other = (("pp", pp_group),) if pp_group is not None else ()
+        return tp_clip_grad_norm(model.parameters(), max_norm, tp=tp, other_groups=other)
+    return clip_grad_norm(model.parameters(), max_norm, [pp_group] if pp_group is not None else [])
 
 
 @torch.no_grad()

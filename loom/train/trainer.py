@@ -39,7 +39,6 @@ from loom.data.loader import eval_batches
 from loom.models import TransformerArgs, build_model, reset_parameters
 from loom.parallel import finish_gradient_sync, no_gradient_sync, parallelize, unwrap
 from loom.parallel.comm import CommLedger
-from loom.parallel.data import is_fully_sharded
 from loom.parallel.offload import activation_offload
 from loom.parallel.zero import zero_of
 from loom.pipeline.runtime import PipelineRuntime, build_pipeline, forward_only, schedule_for
@@ -48,7 +47,8 @@ from loom.topology import DATA_AXES, RankGrid, build_mesh
 from loom.train.distributed import DistContext, init_distributed
 from loom.train.flops import device_peak_flops, training_flops_per_token
 from loom.train.metrics import MetricsLogger, StepTimer, peak_memory_bytes
-from loom.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from loom.train.optim import build_optimizer, build_scheduler
+from loom.train.post_validation import PendingMean, optimizer_step_for
 
 
 def model_args(config: Config) -> TransformerArgs:
@@ -142,6 +142,10 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, total_steps=tr.steps,
                                          warmup_steps=opt.warmup_steps,
                                          min_ratio=opt.min_lr_ratio)
+        # Clip, check, step: synchronous, or post-validated (loom/train/post_validation.py)
+        self.optimizer_step = optimizer_step_for(
+            tr, self.optimizer, self.model, self._pending_mean, tp=self.tp, ep=self.ep,
+            pp_group=self.pipeline.pp_group if self.pipeline is not None else None)
 
         self.data = DataFiles.open(data_dir)
         seq_len = config.data.seq_len
@@ -192,28 +196,21 @@ class Trainer:
             no_ep = self.meshes.dp_no_ep
             reduce_gradients(self.model, self.ep, dense=False,
                              dp_group=no_ep.get_group() if no_ep is not None else None)
-        grad_norm = self._clip()
-        metrics = self._finish_step(loss_sum, grad_norm)
+        metrics = self._optimizer_step(loss_sum)
         if self.aux_coef:
             metrics["moe_aux_loss"] = self._mean_over_dp(aux_sum)
         return metrics
 
-    def _finish_step(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> dict[str, float]:
-        """Check, then apply. The global loss and gradient norm are the same on every rank, so
-        all ranks take the same decision: a non-finite step is never applied; with
-        ``train.nonfinite = stop`` the run stops naming the step, with ``skip`` the step is
-        counted and skipped (the batch and the LR schedule still advance, as in Megatron)."""
-        loss, norm = self._mean_over_dp(loss_sum), float(grad_norm)
-        metrics = {"loss": loss, "grad_norm": norm, "lr": self.optimizer.param_groups[0]["lr"]}
-        if math.isfinite(loss) and math.isfinite(norm):
-            self.optimizer.step()
-        elif self.config.train.nonfinite == "stop":
-            raise FloatingPointError(
-                f"non-finite loss ({loss}) or gradient norm ({norm}) at step {self.step + 1} on"
-                f" rank {self.ctx.rank}; the step was not applied (train.nonfinite=stop)")
-        else:
-            self.skipped_steps += 1
-            self.optimizer.zero_grad(set_to_none=True)
+    def _optimizer_step(self, loss_sum: torch.Tensor) -> dict[str, float]:
+        """Clip, check, apply, on gradients already reduced over the data group. The global
+        loss and gradient norm are the same on every rank, so all ranks take the same decision:
+        a non-finite step is never applied; with ``train.nonfinite = stop`` the run stops naming
+        the step, with ``skip`` the step is counted and skipped (the batch and the LR schedule
+        still advance, as in Megatron). Synchronous, or post-validated (same result)."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        outcome = self.optimizer_step(loss_sum, f"at step {self.step + 1} on rank {self.ctx.rank}")
+        metrics = {"loss": outcome.loss, "grad_norm": outcome.grad_norm, "lr": lr}
+        self.skipped_steps += not outcome.applied
         if self.skipped_steps:  # shown once there is something to show
             metrics["skipped_steps"] = self.skipped_steps
         self.scheduler.step()
@@ -238,41 +235,13 @@ class Trainer:
             return contextlib.nullcontext()
         return self.tp.counting()
 
-    def _clip(self) -> torch.Tensor:
-        """Global-norm clipping: sharded (TP) gradients are summed over ``tp``, once."""
-        clip = self.config.train.grad_clip
-        zero = zero_of(self.model)
-        if zero is not None:  # ZeRO-1/2: the reduced slices, squares summed over dp_shard
-            return zero.clip_grad_norm(clip)
-        if is_fully_sharded(self.model):  # ZeRO-3: DTensor gradients on (dp x tp) meshes
-            from loom.train.optim import clip_grad_norm_dtensor
-
-            return clip_grad_norm_dtensor(self.model.parameters(), clip)
-        if self.ep is not None:  # expert shards' squares summed over ep, replicated ones once
-            from loom.parallel.expert import clip_grad_norm as ep_clip_grad_norm
-
-            return ep_clip_grad_norm(self.model, clip, self.ep)
-        if self.tp is not None:
-            from loom.parallel.tensor import clip_grad_norm as tp_clip_grad_norm
-
-            return tp_clip_grad_norm(self.model.parameters(), clip, tp=self.tp)
-        return clip_grad_norm(self.model.parameters(), clip)
-
     def _pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
         """``train_step`` with pp > 1: the schedule runs every microbatch's forward and backward
         (and starts each stage's dp all-reduce after its last W); the loss arrives on every rank;
         the clipping norm sums the squares over the ``pp`` group (each rank owns other weights)."""
         loss_sum = self._run_pipeline(inputs, targets, training=True)
         self.pipeline.finish_gradient_reduction()
-        clip = self.config.train.grad_clip
-        if self.tp is not None:  # TP shards' squares over tp, then every stage's over pp
-            from loom.parallel.tensor import clip_grad_norm as tp_clip_grad_norm
-
-            grad_norm = tp_clip_grad_norm(self.model.parameters(), clip, tp=self.tp,
-                                          other_groups=(("pp", self.pipeline.pp_group),))
-        else:
-            grad_norm = clip_grad_norm(self.model.parameters(), clip, [self.pipeline.pp_group])
-        return self._finish_step(loss_sum, grad_norm)
+        return self._optimizer_step(loss_sum)
 
     def _run_pipeline(self, inputs: torch.Tensor, targets: torch.Tensor, *,
                       training: bool) -> torch.Tensor:
@@ -293,16 +262,15 @@ class Trainer:
             lambda logits, y: loss_fn(logits, y) / n_micro, schedule=schedule,
             training=training, activation_shape=(micro, wire_seq, self.args.dim))
 
-    def _mean_over_dp(self, value: torch.Tensor) -> float:
-        """The mean of a per-rank loss over the ranks that hold different data (dp, and cp)."""
-        if self.loss_group_size > 1:
-            from loom.parallel import comm
+    def _pending_mean(self, value: torch.Tensor) -> PendingMean:
+        """The mean of a per-rank loss over the ranks that hold different data (dp, and cp),
+        all-reduced in the background."""
+        axis = "dp_cp" if self.cp_groups is not None else "dp"
+        return PendingMean(value, self.loss_group, self.loss_group_size, axis=axis,
+                           ledger=self.ledger)
 
-            value = value.clone()
-            axis = "dp_cp" if self.cp_groups is not None else "dp"
-            comm.all_reduce(value, self.loss_group, axis=axis, ledger=self.ledger)
-            value /= self.loss_group_size
-        return float(value)
+    def _mean_over_dp(self, value: torch.Tensor) -> float:
+        return self._pending_mean(value).result()
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -1,0 +1,253 @@
+"""The optimizer step without a global barrier: Zero Bubble's post-validation.
+
+Every optimizer step depends on two global facts: the gradient norm of the whole model (for
+clipping) and whether any loss or gradient value is non-finite. The synchronous step
+(``train.post_validation = false``) learns both from blocking all-reduces and only then steps.
+``PostValidatedStep`` (``train.post_validation = true``) instead, on each rank:
+
+1. computes the squared norm of the gradients it holds and starts its all-reduce over the
+   model-parallel group (``pp``) without waiting; the trainer has started the loss mean over the
+   data group (dp, or dp x cp) the same way (``PendingMean``). These two reductions are also the
+   non-finite flag: a NaN or infinite gradient anywhere makes the summed squares NaN or infinite
+   on every rank, a non-finite loss makes the mean non-finite, so no third collective is needed;
+2. copies what the step will change (``OptimizerSnapshot``: each parameter with a gradient and
+   its optimizer state) and steps the optimizer optimistically on the unclipped gradients;
+3. waits for both results and validates. The step stands when both are finite and the clip
+   coefficient min(max_norm / (norm + 1e-6), 1) is exactly 1: clipping would then multiply every
+   gradient by 1.0, which changes no bit. Otherwise it restores the copy, clips with the global
+   norm and redoes the step; for a non-finite value it applies ``train.nonfinite`` to the
+   restored weights (stop: raise naming the step; skip: drop the gradients, apply nothing).
+
+The outcome is bit-identical to the synchronous step: the same local norm, the same collectives
+in the same precision, torch's clipping formula, and AdamW run on the same inputs from the same
+state (the restore copies back every bit, and a parameter that had no optimizer state yet gets
+none, so the redo initialises it as the first step would). Without a model-parallel group (pp = 1)
+the norm is local and known at once, so clipping is applied before the step exactly as in the
+synchronous path, and only the non-finite check is validated afterwards.
+
+What overlaps with what: the two 4-byte all-reduces (squares over ``pp``, loss over the data
+group) run in the background while the rank copies its rollback state and runs AdamW. Validation
+waits at the end of ``Trainer.train_step``, before it returns the step's loss and norm, hence
+before the parameters are next used (next forward, evaluation, checkpoint). Nothing can be
+overlapped beyond that in Loom today: the pipeline runtime ends every step with a blocking loss
+all-reduce over ``pp`` and does not start the next step's forwards inside the current step, so a
+rank's optimizer step could at most hide the norm reduction's latency (docs/benchmarks.md measures
+what that is worth on CPU).
+
+Communication: the same collectives and bytes as the synchronous step; only the waiting moves.
+
+Memory: the rollback copy holds every parameter the rank steps plus its optimizer state. For
+fp32 AdamW that is parameter + exp_avg + exp_avg_sq = 12 bytes per parameter (and a 4-byte step
+counter per tensor): 3/4 of the 16 B/param model state again, for the rank's own parameters only
+(a pipeline rank holds 1/pp of them). The buffers are allocated once and reused every step. Time:
+one 12 B/param copy per step, plus the restore and a second optimizer step on the steps that clip
+or are non-finite.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.train.optim import clip_coefficient, clip_gradients, clip_to_norm, local_grad_norm
+
+
+class PendingMean:
+    """The mean of a per-rank scalar over ``group`` (``size`` ranks), all-reduced in the
+    background from construction; ``result()`` waits and returns it as a float."""
+
+    def __init__(self, value: torch.Tensor, group: Any, size: int, *, axis: str,
+                 ledger: Any = None) -> None:
+        self.value, self.size, self.work = value, size, None
+        if size > 1:
+            from loom.parallel import comm
+
+            self.value = value.clone()
+            self.work = comm.all_reduce(self.value, group, axis=axis, ledger=ledger,
+                                        async_op=True)
+
+    def result(self) -> float:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            self.value /= self.size
+        return float(self.value)
+
+
+def apply_if_finite(optimizer: torch.optim.Optimizer, loss: float, norm: float,
+                    nonfinite: Literal["stop", "skip"], where: str) -> bool:
+    """Step when the global loss and gradient norm are finite; otherwise ``stop`` raises
+    (naming ``where``, e.g. "at step 3 on rank 1") and ``skip`` drops the gradients. Every rank
+    sees the same two numbers, so every rank decides the same. Returns whether it stepped."""
+    if math.isfinite(loss) and math.isfinite(norm):
+        optimizer.step()
+        return True
+    if nonfinite == "stop":
+        raise FloatingPointError(f"non-finite loss ({loss}) or gradient norm ({norm}) {where};"
+                                 " the step was not applied (train.nonfinite=stop)")
+    optimizer.zero_grad(set_to_none=True)
+    return False
+
+
+def _copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``targets[i].copy_(sources[i])``, fused per device pair (a step counter may live on the
+    host while its parameter is on an accelerator)."""
+    pairs: dict[tuple, tuple[list, list]] = defaultdict(lambda: ([], []))
+    for target, source in zip(targets, sources):
+        pair = pairs[(target.device, source.device)]
+        pair[0].append(target)
+        pair[1].append(source)
+    for dsts, srcs in pairs.values():
+        torch._foreach_copy_(dsts, srcs)
+
+
+class OptimizerSnapshot:
+    """A copy of everything ``optimizer.step()`` is about to change, and its exact restore.
+
+    Covers each parameter that has a gradient (AdamW leaves the others alone) and every tensor
+    of its optimizer state (AdamW: ``step``, ``exp_avg``, ``exp_avg_sq``; AdamW keeps no
+    non-tensor per-parameter state). A parameter without state before the step is restored to
+    having none. Buffers are reused across steps while the shapes stay the same.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self._entries: list[tuple[nn.Parameter, tuple[str, ...] | None]] = []
+        self._buffers: list[torch.Tensor] = []
+
+    def save(self) -> None:
+        entries, sources = [], []
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.optimizer.state.get(param)  # .get: the state is a defaultdict
+                keys = tuple(sorted(k for k, v in state.items() if torch.is_tensor(v))) \
+                    if state else None
+                entries.append((param, keys))
+                sources.append(param.detach())
+                sources.extend(state[k] for k in keys or ())
+        layout = [(s.shape, s.dtype, s.device) for s in sources]
+        if layout != [(b.shape, b.dtype, b.device) for b in self._buffers]:
+            self._buffers = [torch.empty_like(s) for s in sources]
+        _copy(self._buffers, sources)
+        self._entries = entries
+
+    def restore(self) -> None:
+        targets = []
+        for param, keys in self._entries:
+            targets.append(param.detach())
+            if keys is None:
+                self.optimizer.state.pop(param, None)
+            else:
+                state = self.optimizer.state[param]
+                targets.extend(state[k] for k in keys)
+        _copy(targets, self._buffers)
+
+    def nbytes(self) -> int:
+        """Bytes held by the rollback copy."""
+        return sum(b.numel() * b.element_size() for b in self._buffers)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    loss: float
+    grad_norm: float
+    applied: bool  # False: a non-finite step skipped under train.nonfinite = skip
+
+
+MeanOf = Callable[[torch.Tensor], PendingMean]  # starts a per-rank loss's mean over the data
+
+
+class SynchronousStep:
+    """The reference step: clip with the global norm (``optim.clip_gradients``, any layout;
+    blocking reductions), then the blocking loss mean, then check and step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, mean: MeanOf, *,
+                 max_norm: float, nonfinite: Literal["stop", "skip"], tp: Any = None,
+                 ep: Any = None, pp_group: dist.ProcessGroup | None = None) -> None:
+        self.optimizer, self.model, self.mean = optimizer, model, mean
+        self.max_norm, self.nonfinite = max_norm, nonfinite
+        self.tp, self.ep, self.pp_group = tp, ep, pp_group
+
+    def __call__(self, loss_sum: torch.Tensor, where: str) -> StepOutcome:
+        """One step of the gradients now in the model; ``loss_sum`` is this rank's loss,
+        ``where`` names the step for a stop message."""
+        grad_norm = clip_gradients(self.model, self.max_norm, tp=self.tp, ep=self.ep,
+                                   pp_group=self.pp_group)
+        loss, norm = self.mean(loss_sum).result(), float(grad_norm)
+        return StepOutcome(loss, norm, apply_if_finite(self.optimizer, loss, norm,
+                                                       self.nonfinite, where))
+
+
+class PostValidatedStep:
+    """Clip, check and step, with the global norm and loss validated after the optimistic step.
+
+    ``pp_group``: the group the squared gradient norm is summed over (a pipeline's), or None
+    when every rank holds whole gradients (data parallelism: the reduced gradients, hence their
+    norm, are the same everywhere). Layouts whose norm needs other or chained reductions (TP, EP,
+    ZeRO) are not supported: ``optimizer_step_for`` and ``loom.config_rules`` refuse them.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, mean: MeanOf, *,
+                 max_norm: float, nonfinite: Literal["stop", "skip"],
+                 pp_group: dist.ProcessGroup | None = None) -> None:
+        self.optimizer, self.model, self.mean = optimizer, model, mean
+        self.max_norm, self.nonfinite, self.pp_group = max_norm, nonfinite, pp_group
+        self.snapshot = OptimizerSnapshot(optimizer)
+        self.rollbacks = 0  # steps restored after validation (then redone clipped, or skipped)
+
+    @torch.no_grad()
+    def __call__(self, loss_sum: torch.Tensor, where: str) -> StepOutcome:
+        """As ``SynchronousStep.__call__``, with the same result."""
+        parameters = [p for p in self.model.parameters() if p.grad is not None]
+        norm = local_grad_norm([p.grad for p in parameters]) if parameters else torch.zeros(())
+        pending = None
+        if self.pp_group is not None and parameters:
+            squares = norm.pow(2)
+            pending = dist.all_reduce(squares, group=self.pp_group, async_op=True)
+        else:  # the norm is already global: clip now, as the synchronous step does
+            clip_to_norm(parameters, self.max_norm, norm)
+        loss = self.mean(loss_sum)  # started: waited for below
+        self.snapshot.save()
+        self.optimizer.step()  # optimistic; validated below
+        if pending is not None:
+            pending.wait()
+            norm = squares.sqrt()
+        loss_value, norm_value = loss.result(), float(norm)
+        finite = math.isfinite(loss_value) and math.isfinite(norm_value)
+        clips = pending is not None and self.max_norm > 0 and bool(
+            clip_coefficient(norm, self.max_norm) < 1)
+        if finite and not clips:
+            return StepOutcome(loss_value, norm_value, True)
+        self.snapshot.restore()
+        self.rollbacks += 1
+        if pending is not None:  # the synchronous step clips before it checks
+            clip_to_norm(parameters, self.max_norm, norm)
+        applied = apply_if_finite(self.optimizer, loss_value, norm_value, self.nonfinite, where)
+        return StepOutcome(loss_value, norm_value, applied)
+
+
+def optimizer_step_for(train: Any, optimizer: torch.optim.Optimizer, model: nn.Module,
+                       mean: MeanOf, *, tp: Any = None, ep: Any = None,
+                       pp_group: dist.ProcessGroup | None = None
+                       ) -> SynchronousStep | PostValidatedStep:
+    """The step ``train`` (a ``TrainConfig``) asks for: ``train.post_validation`` picks the
+    post-validated step, which needs a norm that is one reduction over ``pp`` (or none)."""
+    kwargs = {"max_norm": train.grad_clip, "nonfinite": train.nonfinite, "pp_group": pp_group}
+    if not train.post_validation:
+        return SynchronousStep(optimizer, model, mean, tp=tp, ep=ep, **kwargs)
+    from loom.parallel.data import is_fully_sharded
+    from loom.parallel.zero import zero_of
+
+    if tp is not None or ep is not None or zero_of(model) is not None \
+            or is_fully_sharded(model):
+        raise ValueError("train.post_validation supports plain, data-parallel and pipeline"
+                         " layouts only (not tp, ep or dp_shard)")
+    return PostValidatedStep(optimizer, model, mean, **kwargs)
