@@ -304,22 +304,11 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------------------
     def _checkpoint_tensors(self) -> dict[str, Any]:
-        """Model and optimizer state keyed by the full model's parameter names (FSDP and pipeline
-        containers stripped), so any layout can load what any other saved."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        """Model and optimizer state keyed by the full model's parameter names and shapes, so any
+        layout can load what any other saved (``loom.train.checkpoint_state``)."""
+        from loom.train.checkpoint_state import training_state
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
-                                            options=self._state_dict_options())
-        return {"model": model_sd, "optim": optim_sd}
-
-    @staticmethod
-    def _state_dict_options():
-        """Flattened optimizer state (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``): with
-        per-parameter keys, ranks holding different parameters (pipeline stages) never write the
-        same key with different contents, so DCP can reshard the optimizer across layouts."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        return StateDictOptions(flatten_optimizer_state_dict=True)
+        return training_state(self.model, self.optimizer)
 
     def save_checkpoint(self, root: Path | None = None) -> Path:
         """Save the full training state as checkpoint ``step`` under ``root`` (collective)."""
@@ -351,14 +340,12 @@ class Trainer:
 
     def load_checkpoint(self, path: Path) -> None:
         """Continue from a checkpoint saved under this or any other layout (collective)."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
         from loom.train import checkpoint
+        from loom.train.checkpoint_state import load_training_state
 
         tensors = self._checkpoint_tensors()
         extra = checkpoint.load(path, tensors, device=self.ctx.device)
-        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
-                       optim_state_dict=tensors["optim"], options=self._state_dict_options())
+        load_training_state(self.model, self.optimizer, tensors)
         self.step = int(extra["step"])
         self.scheduler.load_state_dict(extra["scheduler"])
         self.loader.load_state_dict(extra["data"])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist_api
 
 from loom.config import from_dict
 from loom.testing.parity import layout_config
@@ -36,15 +35,10 @@ def config_for(layout: str) -> dict:
 
 def _full_state(trainer) -> dict:
     """Model and optimizer state (tensors and hyper-parameters) of the whole model, by name, on
-    every rank (gathered)."""
-    tensors = trainer._checkpoint_tensors()
-    full = lambda v: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
-    flat = {f"model/{k}": full(v) for k, v in tensors["model"].items()}  # ZeRO-3: DTensors
-    for key, value in tensors["optim"].items():  # flattened: state.<fqn>.exp_avg, param_groups...
-        flat[f"optim/{key}"] = full(value) if torch.is_tensor(value) else value
-    parts = [None] * dist_api.get_world_size()
-    dist_api.all_gather_object(parts, flat)
-    return {k: v for part in parts for k, v in part.items()}
+    every rank (gathered: DTensors, ZeRO-1/2 slices and expert shards become full tensors)."""
+    from loom.train.checkpoint_state import gather_full
+
+    return gather_full(trainer._checkpoint_tensors())
 
 
 def train_straight(ctx, config_table, data_dir, steps):
@@ -95,7 +89,7 @@ def state_after_load(ctx, config_table, data_dir, path):
     return (trainer.step, state) if ctx.rank == 0 else None
 
 
-def _assert_equal_states(got: dict, expected: dict, label: str) -> None:
+def assert_equal_states(got: dict, expected: dict, label: str) -> None:
     assert set(got) == set(expected), f"{label}: {sorted(set(got) ^ set(expected))[:5]}"
     for name, value in expected.items():
         same = torch.equal(got[name], value) if torch.is_tensor(value) else got[name] == value
@@ -108,7 +102,7 @@ def test_stop_and_resume_is_bit_exact(dist, small_data_dir, tmp_path, layout):
     config = config_for(layout)
     straight = dist.run(world, train_straight, config, small_data_dir, STEPS)[0]
     resumed = dist.run(world, train_stop_resume, config, small_data_dir, str(tmp_path), STEPS)[0]
-    _assert_equal_states(resumed, straight, f"{layout} resumed vs straight")
+    assert_equal_states(resumed, straight, f"{layout} resumed vs straight")
 
 
 @pytest.mark.parametrize("source, target", [("dp2", "single"), ("pp2-interleaved", "dp2"),
@@ -122,4 +116,4 @@ def test_a_checkpoint_reshards_to_another_layout(dist, small_data_dir, tmp_path,
     step, loaded = dist.run(LAYOUTS[target][0], state_after_load, config_for(target),
                             small_data_dir, path)[0]
     assert step == 2
-    _assert_equal_states(loaded, saved, f"{source} -> {target}")
+    assert_equal_states(loaded, saved, f"{source} -> {target}")

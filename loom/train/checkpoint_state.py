@@ -1,0 +1,360 @@
+"""What a checkpoint holds: the model and optimizer state under the full model's names and full
+shapes, whatever the layout, so that any layout loads what any other saved.
+
+``training_state(model, optimizer)`` returns ``{"model": ..., "optim": ...}``: the model's
+``state_dict`` by fully qualified name (FSDP and pipeline containers stripped) and the optimizer
+state *flattened* (``state.<fqn>.exp_avg``, ``state.<fqn>.step``, ``param_groups.<fqn>.lr`` ...),
+as ``torch.distributed.checkpoint.state_dict.get_state_dict`` writes it. Each value is one of:
+
+* a plain tensor: the whole value, identical on every rank that holds it (DCP writes it once);
+* a DTensor (tensor parallelism, FSDP2): DCP reads its placement;
+* a ``ShardedTensor`` built here, for the two layouts whose local tensors do not say where they
+  sit in the global one:
+
+  - ZeRO-1/2 (``loom.parallel.zero``): rank r owns a contiguous range of a flat bucket, which
+    covers parts of several parameters. A parameter's part of that range is a run of its
+    row-major elements, cut here into at most ``2 ndim - 1`` boxes (partial row, whole rows,
+    partial row, recursively), each a contiguous view of the flat moment, so the moments are
+    saved and loaded in place in the parameter's own shape;
+  - expert parallelism (``loom.parallel.expert``): ep rank r holds experts ``[r E/ep, (r+1)
+    E/ep)`` under the global name, saved as that slice of the ``[E, ...]`` tensor. An expert
+    weight that is also a DTensor (expert-TP) contributes its tp-local box within that slice.
+
+``load_training_state`` copies what ``dcp.load`` filled back into the model and optimizer (for
+the two cases above it was filled in place already; only hyper-parameters and step counts are
+set). ``gather_full`` turns any of these values into full tensors (tests, inspection).
+
+Collectives: building a ``ShardedTensor`` state needs every rank's boxes, exchanged in one
+``all_gather_object`` over the world (a few hundred bytes per sharded tensor) per call;
+``gather_full`` is one ``all_gather_object`` of the local pieces (for tests, not per step).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in the global tensor
+
+
+def _options():
+    """Flattened optimizer state (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``): with
+    per-parameter keys, ranks holding different parameters (pipeline stages) never write the
+    same key with different contents, so DCP can reshard the optimizer across layouts."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Boxes and ShardedTensors
+
+
+def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
+    """Split the row-major elements ``[start, stop)`` of a tensor of ``shape`` into boxes, in
+    order; each box is a contiguous run of elements, so ``flat[start:stop]`` splits into views
+    of the boxes' sizes."""
+    if stop <= start:
+        return []
+    if len(shape) <= 1:
+        return [((start,) * len(shape), (stop - start,) * len(shape))]
+    inner = math.prod(shape[1:])
+    first, last = start // inner, (stop - 1) // inner
+    if first == last:  # inside one row: recurse into it
+        return [((first, *off), (1, *size))
+                for off, size in flat_range_boxes(shape[1:], start - first * inner,
+                                                  stop - first * inner)]
+    boxes: list[Box] = []
+    whole_from, whole_to = first, last + 1
+    if start % inner:  # the end of a partial first row
+        boxes += flat_range_boxes(shape, start, (first + 1) * inner)
+        whole_from = first + 1
+    tail = flat_range_boxes(shape, last * inner, stop) if stop % inner else []
+    if tail:
+        whole_to = last
+    if whole_to > whole_from:
+        boxes.append(((whole_from, *(0,) * (len(shape) - 1)),
+                      (whole_to - whole_from, *shape[1:])))
+    return boxes + tail
+
+
+def _exchange_boxes(local: dict[str, list[Box]]) -> list[dict[str, list[Box]]]:
+    """Every rank's boxes by key (one object all-gather over the world)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [local]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    return everyone
+
+
+def _sharded_tensor(shape: tuple[int, ...], pieces: list[tuple[Box, torch.Tensor]],
+                    boxes_by_rank: list[list[Box]]) -> Any:
+    """A ``ShardedTensor`` of global ``shape`` whose local shards are ``pieces`` (views, so DCP
+    loads in place). Ranks holding the same box (replicas) each list it as their own; every box
+    appears once in the global metadata, placed on this rank when it holds it."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
+                                                                   TensorProperties)
+    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+
+    me = dist.get_rank() if dist.is_initialized() else 0
+    device = pieces[0][1].device if pieces else torch.device("cpu")
+    where = lambda rank: f"rank:{rank}/{device}"  # noqa: E731 (only this rank's is checked)
+    mine = {box for box, _ in pieces}
+    placed: dict[Box, int] = {box: me for box in mine}
+    for rank, boxes in enumerate(boxes_by_rank):
+        for box in boxes:
+            placed.setdefault(box, rank)
+    shards_md = [ShardMetadata(list(off), list(size), where(rank))
+                 for (off, size), rank in placed.items()]
+    local = [Shard(t, ShardMetadata(list(off), list(size), where(me))) for (off, size), t in pieces]
+    template = pieces[0][1] if pieces else torch.empty(0)
+    props = TensorProperties.create_from_tensor(template)
+    props.requires_grad = False
+    meta = ShardedTensorMetadata(shards_md, torch.Size(shape), props)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local, meta, sharding_spec=EnumerableShardingSpec(shards_md))
+
+
+def _as_sharded(state: dict[str, Any], local: dict[str, tuple[tuple[int, ...],
+                                                               list[tuple[Box, torch.Tensor]]]]
+                ) -> None:
+    """Replace ``state[key]`` by a ShardedTensor for every ``key`` of ``local`` (collective)."""
+    everyone = _exchange_boxes({k: [box for box, _ in pieces] for k, (_, pieces) in local.items()})
+    for key, (shape, pieces) in local.items():
+        state[key] = _sharded_tensor(shape, pieces, [r.get(key, []) for r in everyone])
+
+
+def sharded_tensor_to_cpu(value: Any) -> Any:
+    """A CPU copy of a ShardedTensor built here (the staging of an asynchronous save; DCP's own
+    stager copies plain tensors and DTensors but not ShardedTensors)."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
+    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+
+    def on_cpu(md: Any) -> Any:
+        return ShardMetadata(md.shard_offsets, md.shard_sizes, f"rank:{md.placement.rank()}/cpu")
+
+    meta = value.metadata()
+    shards_md = [on_cpu(md) for md in meta.shards_metadata]
+    local = [Shard(s.tensor.detach().to("cpu", copy=True), on_cpu(s.metadata))
+             for s in value.local_shards()]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local, ShardedTensorMetadata(shards_md, meta.size, meta.tensor_properties),
+        sharding_spec=EnumerableShardingSpec(shards_md))
+
+
+def is_sharded_tensor(value: Any) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(value, ShardedTensor)
+
+
+# ---------------------------------------------------------------------------------------------
+# ZeRO-1/2: flat bucket slices
+
+
+def _adamw_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, Any]:
+    """The optimizer state of ``param``, created as AdamW creates it when it has none yet (a
+    fresh trainer that loads a checkpoint): step 0 and zero moments, filled by the load."""
+    state = optimizer.state[param]
+    if not state:
+        from torch.optim.optimizer import _get_scalar_dtype
+
+        state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    return state
+
+
+def _zero_optimizer_state(zero: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The flattened optimizer state of ZeRO-1/2 under per-parameter names and full shapes."""
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    out: dict[str, Any] = {}
+    local: dict[str, Any] = {}
+    for bucket in zero.buckets:
+        state = _adamw_state(optimizer, bucket.shard)
+        hyper = {k: v for k, v in group_of[id(bucket.shard)].items() if k != "params"}
+        per_rank = bucket.flat.numel() // zero.d
+        lo, hi = zero.rank * per_rank, (zero.rank + 1) * per_rank
+        offset = 0
+        for name, param in zip(bucket.names, bucket.params):
+            begin, end = max(offset, lo), min(offset + param.numel(), hi)
+            boxes = flat_range_boxes(tuple(param.shape), begin - offset, end - offset)
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.shape == bucket.shard.shape:  # moments
+                    views, at = [], begin - lo
+                    for box in boxes:
+                        n = math.prod(box[1])
+                        views.append((box, value[at:at + n].view(box[1])))
+                        at += n
+                    local[f"state.{name}.{key}"] = (tuple(param.shape), views)
+                else:  # the step count; a copy per name, so a load can check they agree
+                    out[f"state.{name}.{key}"] = value.detach().clone()
+            out.update({f"param_groups.{name}.{k}": v for k, v in hyper.items()})
+            offset += param.numel()
+    _as_sharded(out, local)
+    return out
+
+
+def _load_zero_optimizer_state(zero: Any, optimizer: torch.optim.Optimizer,
+                               optim_sd: dict[str, Any]) -> None:
+    """After ``dcp.load`` filled the moments in place: step counts and hyper-parameters, and the
+    host copy of each slice (optimizer offload) refreshed from the loaded weights."""
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    for bucket in zero.buckets:
+        state = optimizer.state[bucket.shard]
+        group = group_of[id(bucket.shard)]
+        for key, value in list(state.items()):
+            if not (torch.is_tensor(value) and value.shape == bucket.shard.shape):
+                values = [optim_sd[f"state.{n}.{key}"] for n in bucket.names]
+                _require_one({repr(v.tolist()) for v in values}, f"state.*.{key}", bucket.names)
+                value.copy_(values[0])
+        for k in [k for k in group if k != "params"]:
+            values = [optim_sd[f"param_groups.{n}.{k}"] for n in bucket.names]
+            _require_one(set(map(repr, values)), f"param_groups.*.{k}", bucket.names)
+            group[k] = values[0]
+        if bucket.shard.untyped_storage().data_ptr() != bucket.flat.untyped_storage().data_ptr():
+            # optimizer offload: the slice is a host copy of the (just loaded) weights
+            per_rank = bucket.flat.numel() // zero.d
+            bucket.shard.data.copy_(bucket.flat[zero.rank * per_rank:(zero.rank + 1) * per_rank])
+
+
+def _require_one(values: set, key: str, names: list[str]) -> None:
+    if len(values) != 1:
+        from loom.train.checkpoint import CheckpointError
+
+        raise CheckpointError(f"{key}: the checkpoint holds different values for parameters"
+                              f" that share one ZeRO bucket ({names[0]} ...): {sorted(values)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert parallelism: slices of the global expert tensors
+
+
+def _expert_pieces(value: torch.Tensor, ep: Any) -> tuple[tuple[int, ...],
+                                                         list[tuple[Box, torch.Tensor]]]:
+    """(global shape, [(box, local view)]) of an ep rank's experts of one weight (or moment)."""
+    local = value
+    offset = [0] * value.ndim
+    shape = list(value.shape)
+    if hasattr(value, "device_mesh"):  # expert-TP: the tp-local box inside this ep slice
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh,
+                                                          value.placements)
+        offset = list(offset)
+        local = value.to_local()
+    experts = shape[0]
+    offset[0] += ep.rank * experts
+    shape[0] = experts * ep.size
+    return tuple(shape), [((tuple(offset), tuple(local.shape)), local.detach())]
+
+
+def _experts_as_slices(model: nn.Module, ep: Any, model_sd: dict[str, Any],
+                       optim_sd: dict[str, Any]) -> None:
+    from loom.parallel.expert import expert_parameter_names
+
+    names = expert_parameter_names(model)
+    local: dict[str, Any] = {}
+    for name in sorted(names):
+        local[name] = _expert_pieces(model_sd[name], ep)
+        for key, value in optim_sd.items():
+            if key.startswith(f"state.{name}.") and torch.is_tensor(value) and value.ndim:
+                local[key] = _expert_pieces(value, ep)
+    sharded: dict[str, Any] = {}
+    _as_sharded(sharded, local)
+    for key, value in sharded.items():
+        (model_sd if key in names else optim_sd)[key] = value
+
+
+# ---------------------------------------------------------------------------------------------
+# The two entry points
+
+
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` for DCP (see the module docstring); collective when a
+    layout needs ShardedTensors (ZeRO-1/2, ep > 1)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    from loom.parallel.expert import expert_parallel_of
+    from loom.parallel.zero import zero_of
+
+    zero = zero_of(model)
+    if zero is not None:  # its optimizer steps flat slices, which get_state_dict cannot name
+        return {"model": get_model_state_dict(model, options=_options()),
+                "optim": _zero_optimizer_state(zero, optimizer)}
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
+    ep = expert_parallel_of(model)
+    if ep is not None:
+        _experts_as_slices(model, ep, model_sd, optim_sd)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _locals(state: dict[str, Any]) -> dict[str, Any]:
+    """ShardedTensors (expert slices) replaced by their one local tensor, which DCP filled."""
+    out = {}
+    for key, value in state.items():
+        if is_sharded_tensor(value):
+            (shard,) = value.local_shards()
+            value = shard.tensor
+        out[key] = value
+    return out
+
+
+def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                        tensors: dict[str, Any]) -> None:
+    """Apply ``tensors`` (``training_state``'s dict, filled by ``dcp.load``) to the model and
+    optimizer."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    from loom.parallel.zero import zero_of
+
+    zero = zero_of(model)
+    if zero is not None:
+        set_model_state_dict(model, tensors["model"], options=_options())
+        _load_zero_optimizer_state(zero, optimizer, tensors["optim"])
+        return
+    set_state_dict(model, optimizer, model_state_dict=_locals(tensors["model"]),
+                   optim_state_dict=_locals(tensors["optim"]), options=_options())
+
+
+def gather_full(tensors: dict[str, Any]) -> dict[str, Any]:
+    """``training_state``'s dict as ``"model/<fqn>"`` / ``"optim/<key>"`` -> full tensor (or
+    hyper-parameter), the same on every rank (collective over the world; for tests)."""
+    flat: dict[str, Any] = {}
+    pieces: dict[str, Any] = {}
+    for part in ("model", "optim"):
+        for key, value in tensors[part].items():
+            name = f"{part}/{key}"
+            if is_sharded_tensor(value):
+                pieces[name] = (tuple(value.size()), [
+                    (tuple(s.metadata.shard_offsets), s.tensor.detach().cpu().clone())
+                    for s in value.local_shards()])
+            elif hasattr(value, "full_tensor"):
+                flat[name] = value.full_tensor().detach().cpu().clone()
+            elif torch.is_tensor(value):
+                flat[name] = value.detach().cpu().clone()
+            else:
+                flat[name] = value
+    everyone: list[Any] = [(flat, pieces)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (flat, pieces))
+    out: dict[str, Any] = {}
+    for rank_flat, _ in everyone:
+        out.update(rank_flat)
+    for rank_flat, rank_pieces in everyone:
+        for name, (shape, parts) in rank_pieces.items():
+            if name not in out:
+                template = parts[0][1] if parts else torch.empty(0)
+                out[name] = torch.full(shape, float("nan"), dtype=template.dtype)
+            for offsets, value in parts:
+                out[name][tuple(slice(o, o + n) for o, n in zip(offsets, value.shape))] = value
+    return out
