@@ -149,11 +149,6 @@ def _validate_zero(config: Config) -> None:
                           " parallel.dp_shard > 1 (ZeRO keeps its shard on the host)")
     if par.dp_shard == 1:
         return
-    ck = config.checkpoint
-    if par.zero_stage < 3 and (ck.interval or ck.resume):
-        raise ConfigError("parallel.zero_stage", par.zero_stage, "checkpoints of ZeRO-1/2 (flat"
-                          " optimizer shards) are not implemented yet; use zero_stage = 3 or"
-                          " checkpoint.interval = 0")
     for axis, why in (("pp", "the pipeline runtime does not drive sharded stages yet"),
                       ("cp", "sharding over dp_shard x cp is not wired yet"),
                       ("ep", "expert parameters need their own sharding group")):
