@@ -201,8 +201,13 @@ def _validate_experts(config: Config) -> None:
                           f" (n_layers = {m.n_layers}, moe_every = {m.moe_every})")
     _require_divisible("model.n_experts", m.n_experts, par.ep,
                        "parallel.ep (each ep rank holds n_experts / ep experts)")
-    for axis, why in (("tp", "the tensor-parallel plan has no expert layout yet"),
-                      ("cp", "routing groups are whole sequences, which cp splits"),
+    hidden = m.expert_ffn_dim or m.ffn_dim
+    if hidden % par.tp:
+        raise ConfigError("model.expert_ffn_dim" if m.expert_ffn_dim else "model.ffn_dim", hidden,
+                          f"must be divisible by parallel.tp = {par.tp} (expert-TP = TP splits"
+                          f" every expert's hidden dim); nearest valid:"
+                          f" {_nearest_multiples(hidden, par.tp)}")
+    for axis, why in (("cp", "routing groups are whole sequences, which cp splits"),
                       ("pp", "stages other than the last cannot back-propagate their balancing"
                              " loss yet"),
                       ("dp_shard", "ZeRO sharding of expert shards is not wired yet")):

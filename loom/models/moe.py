@@ -30,7 +30,10 @@ Experts are ``GroupedExperts``: ``w1``, ``w3`` ``[E, D, F]`` and ``w2`` ``[E, F,
 along dim 0, so expert parallelism shards dim 0 and keeps global parameter names. The expert
 computation goes through ``MoEFeedForward.dispatcher(x_AD, counts_E, experts)`` (tokens sorted
 by global expert id, counts per global expert); ``loom.parallel.expert`` swaps it for the
-all-to-all version. Nothing here imports torch's distributed package.
+all-to-all version. ``forward`` is ``route_tokens`` then ``experts_output``, so tensor
+parallelism can route on the full tokens and run the experts on its weight shards (passing the
+``experts``/``shared`` callables) between its own collectives without re-implementing either.
+Nothing here imports torch's distributed package.
 
 Shape legend: B batch, S sequence, D model dim, E experts, K top-k, F expert hidden dim,
 T tokens (B*S), A kept token-expert assignments.
@@ -114,7 +117,9 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs)
 
 
-Dispatcher = Callable[[torch.Tensor, torch.Tensor, GroupedExperts], torch.Tensor]
+# (rows, counts per global expert, experts) -> rows; ``experts`` is a ``GroupedExperts`` or any
+# callable with its ``(x_AD, counts)`` signature (tensor parallelism passes its local shards).
+Dispatcher = Callable[[torch.Tensor, torch.Tensor, Callable], torch.Tensor]
 
 
 def local_dispatch(x_AD: torch.Tensor, counts_E: torch.Tensor,
@@ -141,14 +146,31 @@ class MoEFeedForward(nn.Module):
         self.routing: Routing | None = None  # the last forward's decisions (tests, metrics)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        B, S, D = x_BSD.shape
+        return self.experts_output(x_BSD, self.route_tokens(x_BSD))
+
+    def route_tokens(self, x_BSD: torch.Tensor) -> Routing:
+        """The router's decisions for ``x_BSD`` (whole sequences); recorded on the module."""
         routing = route(self.router(x_BSD), self.top_k, self.capacity_factor, self.renormalize)
         self.aux_loss, self.routing = routing.aux_loss, routing
+        return routing
+
+    def experts_output(self, x_BSD: torch.Tensor, routing: Routing,
+                       experts: Callable | None = None,
+                       shared: Callable | None = None) -> torch.Tensor:
+        """``sum_k w_k expert_k(x)`` over the kept assignments, plus the shared experts.
+
+        The second seam (after ``dispatcher``): ``experts`` and ``shared`` default to this
+        module's; tensor parallelism passes callables over its local weight shards, which makes
+        the result this rank's partial sum.
+        """
+        B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
-        y_AD = self.dispatcher(x_TD[routing.token_A], routing.counts_E, self.experts)
+        experts = self.experts if experts is None else experts
+        y_AD = self.dispatcher(x_TD[routing.token_A], routing.counts_E, experts)
         y_AD = y_AD * routing.weight_A.unsqueeze(1).to(y_AD.dtype)
         out_TD = torch.zeros_like(x_TD).index_add(0, routing.token_A, y_AD)
         out_BSD = out_TD.view(B, S, D)
-        if self.shared is not None:
-            out_BSD = out_BSD + self.shared(x_BSD)
+        shared = self.shared if shared is None else shared
+        if shared is not None:
+            out_BSD = out_BSD + shared(x_BSD)
         return out_BSD

@@ -1,4 +1,5 @@
-"""Expert parallelism on the ``ep`` mesh axis: experts sharded, tokens moved by all-to-all.
+"""Expert parallelism on the ``ep`` mesh axis (experts sharded, tokens moved by all-to-all), and
+expert tensor parallelism on ``tp`` (every expert's hidden dim split, see below).
 
 Layout. ep rank r holds experts ``[r E/ep, (r+1) E/ep)`` of every MoE layer: rows of dim 0 of the
 stacked ``w1``, ``w3``, ``w2`` (global names kept), cut from the seeded full value, so the weights
@@ -26,6 +27,42 @@ be averaged over ep, but summed over the ranks outside ep that hold the same exp
 (dp_replicate x dp_shard) and divided by the whole data-parallel degree dp x ep. One rule for
 both kinds: sum over the ranks holding the parameter, divide by dp x ep.
 
+**Expert tensor parallelism: expert-TP = TP** (``apply_expert_tensor_parallel``, called by
+``tensor.apply_tensor_parallel`` for every MoE block). Attention keeps its TP layout; the MoE layer
+uses the same tp group with Megatron's expert-TP folding at ETP = TP: every expert's ``w1``/``w3``
+split by hidden columns (``Shard(2)`` of ``[E, D, F]``) and ``w2`` by hidden rows (``Shard(1)`` of
+``[E, F, D]``), the shared experts like the dense MLP, the router replicated (a plain parameter).
+Tokens are replicated over tp (under SP the sequence is all-gathered first), every tp rank routes
+the same tokens identically, runs all of the routed rows through its hidden slice and produces a
+partial output; one all-reduce (SP: reduce-scatter) sums it. With ep > 1 the all-to-all runs
+among the ranks of one tp coordinate, each moving the same rows as without tp.
+
+Why this folding and not tp folded into the all-to-all group: it needs no change to routing or
+dispatch (one process's per-sequence routing, so capacity drops and the balancing loss are those
+of one process by construction), the collectives are exactly the dense MLP's, and the global
+parameter names and shapes stay those of one process (DTensors on the tp mesh, ep rows cut from
+dim 0 as before), so DCP can reshard them. The price is that every tp rank computes the router
+and moves the full token rows in the all-to-all; folding tp into ep would cut the all-to-all
+bytes per rank by t (each rank would dispatch only its 1/t of the tokens to ep x t holders of
+E/(ep t) whole experts), but needs E divisible by ep x t and a second routing layout.
+
+Collectives on ``tp`` per MoE layer per microbatch (T = B*S tokens of the rank, D model dim,
+A kept assignments, b bytes per element; all under axis ``tp`` in the ledger):
+
+* forward: all-reduce of the partial output, T*D*b (SP: all-gather of the input, T*D*b gathered,
+  and reduce-scatter of the output, T*D*b input);
+* backward: all-reduce of the experts' input gradient, T*D*b (SP: all-gather of the output
+  gradient and reduce-scatter of the input gradient), and all-reduce of the combine weights'
+  gradient, A*4 bytes (fp32): each tp rank's gradient of a combine weight is its partial expert
+  output dotted with the output gradient, a partial sum. Reducing A weights instead of the router
+  gradient keeps the router gradient complete and identical on every tp rank (the balancing
+  loss's part is already complete there and must not be summed t times).
+
+Wire bytes: the dense MLP's ``4 (t-1)/t T D b`` per layer, plus ``2 (t-1)/t A 4`` (tested,
+``tests/dist/test_expert_tp.py``). Gradients: expert shards are tp shards of the ep shard, reduced
+by the rule above on their local tensors; the router is replicated over tp and dp x ep (dense);
+clipping sums the expert squares over ep, then every tp-sharded square over tp.
+
 Degree 1: ``apply_expert_parallel`` returns the model untouched. Why hand-written: torch has no
 expert-parallel layer; TorchTitan's relies on CUDA kernels (grouped GEMM, token permutation).
 Here the experts stay a plain ``GroupedExperts`` shard and only ``MoEFeedForward.dispatcher`` is
@@ -37,11 +74,13 @@ Shape legend: D model dim, E experts (global), A rows of token-expert assignment
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.func import functional_call
 
 from loom.models.moe import GroupedExperts, MoEFeedForward
 from loom.parallel import comm
@@ -118,6 +157,154 @@ class ExpertParallelDispatcher:
         return _AllToAll.apply(y_in, ep, send_splits, recv_splits)
 
 
+# -- expert tensor parallelism (expert-TP = TP) ----------------------------------------------------
+@dataclass(frozen=True)
+class ExpertTensorParallel:
+    """The tp group as MoE layers use it (what ``apply_expert_tensor_parallel`` leaves)."""
+
+    mesh: Any
+    group: Any
+    size: int
+    sequence_parallel: bool
+    ledger: CommLedger | None = None
+
+
+# Placement of each weight over tp: SwiGLU's w1/w3 by columns (the hidden dim), w2 by rows.
+_EXPERT_SHARD_DIM = {"w1": 2, "w3": 2, "w2": 1}  # GroupedExperts, [E, D, F] / [E, F, D]
+_SHARED_SHARD_DIM = {"w1.weight": 0, "w3.weight": 0, "w2.weight": 1}  # nn.Linear, [out, in]
+
+
+def _gather_sequence(x_BsD: torch.Tensor, etp: ExpertTensorParallel) -> torch.Tensor:
+    """[B, S/t, D] sequence shards -> [B, S, D] (all-gather of B*S*D elements)."""
+    B, s, D = x_BsD.shape
+    out = x_BsD.new_empty((etp.size * B, s, D))  # rank-major along dim 0, as gloo wants
+    comm.all_gather_into_tensor(out, x_BsD.contiguous(), etp.group, axis="tp", ledger=etp.ledger)
+    return out.view(etp.size, B, s, D).movedim(0, 1).reshape(B, etp.size * s, D)
+
+
+def _reduce_scatter_sequence(x_BSD: torch.Tensor, etp: ExpertTensorParallel) -> torch.Tensor:
+    """Partial [B, S, D] -> summed [B, S/t, D] (reduce-scatter of B*S*D elements)."""
+    B, S, D = x_BSD.shape
+    parts = x_BSD.reshape(B, etp.size, S // etp.size, D).movedim(1, 0)
+    parts = parts.reshape(etp.size * B, S // etp.size, D)  # rank-major along dim 0
+    out = x_BSD.new_empty((B, S // etp.size, D))
+    comm.reduce_scatter_tensor(out, parts, etp.group, axis="tp", ledger=etp.ledger)
+    return out
+
+
+def _all_reduce(x: torch.Tensor, etp: ExpertTensorParallel) -> torch.Tensor:
+    out = x.contiguous().clone()  # never reduce a tensor autograd may still hold in place
+    comm.all_reduce(out, etp.group, axis="tp", ledger=etp.ledger)
+    return out
+
+
+def _sequence_chunk(x_BSD: torch.Tensor, etp: ExpertTensorParallel) -> torch.Tensor:
+    return x_BSD.chunk(etp.size, dim=1)[etp.mesh.get_local_rank()]
+
+
+class _EnterExperts(torch.autograd.Function):
+    """x -> (x_router, x_experts), both the full tokens of this tp group.
+
+    Forward: under SP all-gather the sequence, else identity. Backward: the router path's
+    gradient is complete on every rank (the routing is replicated), the experts path's is this
+    rank's partial sum; so the input gradient is g_router + all-reduce(g_experts), or under SP
+    this rank's chunk of g_router + reduce-scatter(g_experts). One collective each way.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, etp: ExpertTensorParallel):
+        ctx.etp = etp
+        full = _gather_sequence(x, etp) if etp.sequence_parallel else x
+        return full.view_as(full), full.view_as(full)
+
+    @staticmethod
+    def backward(ctx: Any, g_router: torch.Tensor | None, g_experts: torch.Tensor | None):
+        etp = ctx.etp
+        g_router = torch.zeros_like(g_experts) if g_router is None else g_router
+        g_experts = torch.zeros_like(g_router) if g_experts is None else g_experts
+        if etp.sequence_parallel:
+            return _sequence_chunk(g_router, etp) + _reduce_scatter_sequence(g_experts, etp), None
+        return g_router + _all_reduce(g_experts, etp), None
+
+
+class _ExitExperts(torch.autograd.Function):
+    """This rank's partial expert output -> the sum over tp (all-reduce; SP: reduce-scatter to
+    the sequence shard). Backward: identity (SP: all-gather of the shard gradients)."""
+
+    @staticmethod
+    def forward(ctx: Any, partial: torch.Tensor, etp: ExpertTensorParallel) -> torch.Tensor:
+        ctx.etp = etp
+        if etp.sequence_parallel:
+            return _reduce_scatter_sequence(partial, etp)
+        return _all_reduce(partial, etp)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        etp = ctx.etp
+        return (_gather_sequence(grad, etp) if etp.sequence_parallel else grad), None
+
+
+class _SumGradient(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over tp. For the combine weights: each
+    rank's gradient is its partial expert output dotted with the output gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, etp: ExpertTensorParallel) -> torch.Tensor:
+        ctx.etp = etp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return _all_reduce(grad, ctx.etp), None
+
+
+def _local(module: nn.Module) -> Callable:
+    """``module`` called with the local shard of each DTensor weight (autograd flows back)."""
+    params = {n: p.to_local() if isinstance(p, DTensor) else p
+              for n, p in module.named_parameters()}
+    return lambda *args: functional_call(module, params, args)
+
+
+def _expert_tensor_parallel_forward(moe: MoEFeedForward, etp: ExpertTensorParallel) -> Callable:
+    def forward(x_BSD: torch.Tensor) -> torch.Tensor:
+        local = x_BSD.to_local() if isinstance(x_BSD, DTensor) else x_BSD
+        x_router, x_experts = _EnterExperts.apply(local, etp)
+        routing = moe.route_tokens(x_router)  # replicated over tp: every rank routes the same
+        routing = routing._replace(weight_A=_SumGradient.apply(routing.weight_A, etp))
+        shared = _local(moe.shared) if moe.shared is not None else None
+        partial = moe.experts_output(x_experts, routing, _local(moe.experts), shared)
+        out = _ExitExperts.apply(partial, etp)
+        if etp.sequence_parallel:  # the residual stream is a DTensor sharded on the sequence
+            return DTensor.from_local(out, etp.mesh, [Shard(1)], run_check=False)
+        return out
+
+    return forward
+
+
+def apply_expert_tensor_parallel(moe: MoEFeedForward, tp_mesh: Any, *, sequence_parallel: bool,
+                                 ledger: CommLedger | None = None) -> MoEFeedForward:
+    """Shard one MoE layer's experts over the 1-D ``tp_mesh`` (expert-TP = TP), in place.
+
+    Every expert's (and the shared experts') w1/w3 become DTensors split by hidden columns, w2 by
+    hidden rows; the router stays a replicated plain parameter. Each rank keeps its slice of the
+    full value it holds (call after ``reset_parameters``; ``tensor.load_shard`` for meta init).
+    ``forward`` is replaced on the instance (names unchanged) by: enter (SP: all-gather), route
+    on the full tokens, the local shards' partial output, exit (all-reduce; SP: reduce-scatter).
+    """
+    etp = ExpertTensorParallel(tp_mesh, tp_mesh.get_group(), tp_mesh.size(), sequence_parallel,
+                               ledger)
+    for module, dims in ((moe.experts, _EXPERT_SHARD_DIM), (moe.shared, _SHARED_SHARD_DIM)):
+        for name, dim in dims.items() if module is not None else ():
+            owner, _, leaf = name.rpartition(".")
+            holder = module.get_submodule(owner) if owner else module
+            param = getattr(holder, leaf)
+            value = distribute_tensor(param.detach(), tp_mesh, [Shard(dim)], src_data_rank=None)
+            setattr(holder, leaf, nn.Parameter(value, requires_grad=param.requires_grad))
+    moe.forward = _expert_tensor_parallel_forward(moe, etp)
+    moe.expert_tensor_parallel = etp
+    return moe
+
+
 def moe_layers(model: nn.Module) -> Iterator[MoEFeedForward]:
     return (m for m in model.modules() if isinstance(m, MoEFeedForward))
 
@@ -146,7 +333,11 @@ def apply_expert_parallel(model: nn.Module, group: Any,
         shard = moe.n_experts // size
         start = ep.rank * shard
         for name, param in list(moe.experts.named_parameters(recurse=False)):
-            value = param.detach()[start:start + shard].clone()
+            if isinstance(param, DTensor):  # expert-TP first: cut the ep rows of the tp shard
+                value = DTensor.from_local(param.to_local()[start:start + shard].clone(),
+                                           param.device_mesh, param.placements, run_check=False)
+            else:
+                value = param.detach()[start:start + shard].clone()
             setattr(moe.experts, name, nn.Parameter(value, requires_grad=param.requires_grad))
         moe.dispatcher = ExpertParallelDispatcher(ep)
     model.expert_parallel = ep
@@ -173,16 +364,21 @@ def reduce_gradients(model: nn.Module, ep: ExpertParallel, *, dp_group: Any = No
     for name, param in model.named_parameters():
         if param.grad is None:
             continue
+        grad = _local_tensor(param.grad)  # a tp shard under expert-TP: reduced as it is
         if name in experts:
             if dp > 1:
-                comm.all_reduce(param.grad, dp_group, axis="dp", ledger=ep.ledger)
+                comm.all_reduce(grad, dp_group, axis="dp", ledger=ep.ledger)
         elif dense:
-            comm.all_reduce(param.grad, ep.group, axis="ep", ledger=ep.ledger)
+            comm.all_reduce(grad, ep.group, axis="ep", ledger=ep.ledger)
             if dp > 1:
-                comm.all_reduce(param.grad, dp_group, axis="dp", ledger=ep.ledger)
+                comm.all_reduce(grad, dp_group, axis="dp", ledger=ep.ledger)
         else:
             continue
-        param.grad.div_(dp * ep.size)
+        grad.div_(dp * ep.size)
+
+
+def _local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @torch.no_grad()
@@ -193,26 +389,46 @@ def gather_expert_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, param in model.named_parameters():
         if name in experts:
-            full = param.new_empty((param.shape[0] * ep.size, *param.shape[1:]))
-            comm.all_gather_into_tensor(full, param.detach().contiguous(), ep.group, axis="ep",
-                                        ledger=ep.ledger)
+            shard = param.detach()
+            shard = (shard.full_tensor() if isinstance(shard, DTensor) else shard).contiguous()
+            full = shard.new_empty((shard.shape[0] * ep.size, *shard.shape[1:]))
+            comm.all_gather_into_tensor(full, shard, ep.group, axis="ep", ledger=ep.ledger)
             out[name] = full
     return out
 
 
 @torch.no_grad()
-def clip_grad_norm(model: nn.Module, max_norm: float, ep: ExpertParallel) -> torch.Tensor:
-    """Global gradient norm (each expert shard counted once: squares summed over ep, replicated
-    gradients counted once), clipped to ``max_norm`` (0: only measure). Returns the norm."""
+def clip_grad_norm(model: nn.Module, max_norm: float, ep: ExpertParallel,
+                   tp: Any = None) -> torch.Tensor:
+    """Global gradient norm, each element counted once, clipped to ``max_norm`` (0: only measure).
+
+    Expert shards' squares are summed over ep; then, under tensor parallelism (``tp``, a
+    ``tensor.TensorParallel``; default: the one ``apply_tensor_parallel`` left on ``model``),
+    every tp-sharded square (experts and dense) over tp; replicated gradients are added once.
+    Returns the norm.
+    """
+    from loom.parallel.tensor import tensor_parallel_of  # tensor.py imports this module
+
+    tp = tp if tp is not None else tensor_parallel_of(model)
     experts = expert_parameter_names(model)
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    squares = [torch.zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.float32)]
+    expert_sq, sharded_sq, replicated_sq = (torch.zeros((), dtype=torch.float32) for _ in range(3))
     for name, grad in grads.items():
-        squares[name in experts] += grad.float().pow(2).sum().cpu()
-    comm.all_reduce(squares[1], ep.group, axis="ep", ledger=ep.ledger)
-    norm = (squares[0] + squares[1]).sqrt()
+        square = _local_tensor(grad).float().pow(2).sum().cpu()
+        if name in experts:
+            expert_sq += square
+        elif isinstance(grad, DTensor) and any(p.is_shard() for p in grad.placements):
+            sharded_sq += square
+        else:
+            replicated_sq += square
+    comm.all_reduce(expert_sq, ep.group, axis="ep", ledger=ep.ledger)
+    sharded_sq += expert_sq
+    if tp is not None:  # under expert-TP every expert shard is a tp shard too
+        comm.all_reduce(sharded_sq, tp.mesh.get_group(), axis="tp", ledger=tp.ledger)
+    norm = (sharded_sq + replicated_sq).sqrt()
     if max_norm > 0:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for grad in grads.values():
+            grad = _local_tensor(grad)
             grad.mul_(scale.to(grad.device))
     return norm

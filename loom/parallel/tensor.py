@@ -15,6 +15,9 @@ dtype; fp32 = 4 bytes):
   kv heads its query heads read, so grouped-query attention needs no communication); ``wo``
   row-parallel. Rule: t divides ``n_kv_heads`` (and so ``n_heads``).
 * MLP (SwiGLU): ``w1``, ``w3`` column-parallel, ``w2`` row-parallel. Rule: t divides ``ffn_dim``.
+  An MoE block's feed-forward gets expert-TP = TP instead (``expert.apply_expert_tensor_parallel``:
+  every expert split the same way, router replicated; the same two collectives as this MLP plus
+  one all-reduce of the combine weights' gradient). Rule: t divides the expert hidden dim.
 * without SP, per block: forward one all-reduce of the row-parallel output (b·s·h), backward one
   all-reduce of the input gradient (b·s·h) — the block input is made *one* DTensor
   (``PrepareModuleInput``) so the three q/k/v (two w1/w3) partial gradients are summed locally and
@@ -67,9 +70,11 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                PrepareModuleOutput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
+from loom.models.moe import MoEFeedForward
 from loom.parallel import comm
 from loom.parallel.comm import CommLedger
 from loom.parallel.comm_trace import CollectiveCounter
+from loom.parallel.expert import apply_expert_tensor_parallel
 from loom.parallel.vocab import cross_entropy
 
 
@@ -101,6 +106,9 @@ def check_divisible(model: nn.Module, degree: int, *, vocab_parallel: bool) -> N
              ("ffn_dim", args.ffn_dim, "the SwiGLU hidden dim is split across TP ranks")]
     if vocab_parallel:
         rules.append(("vocab_size", args.vocab_size, "vocabulary rows/columns are split"))
+    if args.n_experts:
+        rules.append(("expert_ffn_dim", args.expert_ffn_dim or args.ffn_dim,
+                      "every expert's hidden dim is split across TP ranks (expert-TP = TP)"))
     for field, value, why in rules:
         if value % degree:
             raise ValueError(f"tensor parallelism: tp={degree} must divide model.{field}={value}"
@@ -108,8 +116,9 @@ def check_divisible(model: nn.Module, degree: int, *, vocab_parallel: bool) -> N
                              f"{[d for d in range(1, value + 1) if value % d == 0]}")
 
 
-def _block_plan(sp: bool) -> dict[str, object]:
-    """TorchTitan's plan for one ``TransformerBlock`` (module names of ``loom.models.llama``)."""
+def _block_plan(sp: bool, dense_ffn: bool = True) -> dict[str, object]:
+    """TorchTitan's plan for one ``TransformerBlock`` (module names of ``loom.models.llama``);
+    without the feed-forward entries for an MoE block (``expert.apply_expert_tensor_parallel``)."""
     seq = Shard(1) if sp else Replicate()
     # One DTensor for the block input: with SP it is all-gathered once; without, the q/k/v (w1/w3)
     # partial input gradients are summed locally and all-reduced once instead of three times.
@@ -129,6 +138,8 @@ def _block_plan(sp: bool) -> dict[str, object]:
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=seq, use_local_output=not sp),
     }
+    if not dense_ffn:
+        plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
     if sp:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()
@@ -181,7 +192,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
         raise ValueError("tensor parallelism with tie_embeddings needs vocab_parallel=True (the"
                          " embedding and head are then split along the same vocabulary dim)")
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, _block_plan(sequence_parallel), src_data_rank=None)
+        moe = isinstance(block.feed_forward, MoEFeedForward)
+        parallelize_module(block, tp_mesh, _block_plan(sequence_parallel, dense_ffn=not moe),
+                           src_data_rank=None)
+        if moe:  # same tp group, its own layout and collectives (see loom.parallel.expert)
+            apply_expert_tensor_parallel(block.feed_forward, tp_mesh,
+                                         sequence_parallel=sequence_parallel, ledger=ledger)
     ends = _ends_plan(model, sequence_parallel, vocab_parallel)
     root_in, root_out = ends.pop("", None), ends.pop("__output__", None)
     parallelize_module(model, tp_mesh, ends, src_data_rank=None)

@@ -1,0 +1,44 @@
+"""Config rules for mixture-of-experts models: what composes with MoE, and what is still refused
+by name (``loom.config_rules._validate_experts``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loom.config import ConfigError, load_config, resolve
+
+MOE = {"model.preset": "tiny-moe"}
+
+
+def _resolve(overrides: dict, world: int):
+    return resolve(load_config(None, {**MOE, **overrides}), world)
+
+
+@pytest.mark.parametrize("overrides, world", [
+    ({"parallel.tp": 2}, 2),
+    ({"parallel.tp": 2, "parallel.sequence_parallel": True}, 2),
+    ({"parallel.ep": 2, "parallel.tp": 2}, 4),
+    ({"parallel.ep": 2, "parallel.tp": 2, "parallel.dp_replicate": 2}, 8),
+])
+def test_moe_with_tensor_parallelism_is_accepted(overrides, world) -> None:
+    config = _resolve(overrides, world)
+    assert config.parallel.tp == 2
+
+
+@pytest.mark.parametrize("overrides, world, field, words", [
+    # expert-TP = TP splits every expert's hidden dim (expert_ffn_dim, else ffn_dim)
+    ({"parallel.tp": 2, "model.expert_ffn_dim": 63}, 2, "model.expert_ffn_dim",
+     ["must be divisible by parallel.tp = 2", "expert-TP", "nearest valid: 62 or 64"]),
+    ({"parallel.tp": 2, "model.expert_ffn_dim": 0, "model.ffn_dim": 129}, 2, "model.ffn_dim",
+     ["must be divisible by parallel.tp = 2"]),
+    # still refused, each naming its rule
+    ({"parallel.cp": 2}, 2, "parallel.cp", ["MoE models with cp > 1", "whole sequences"]),
+    ({"parallel.dp_shard": 2}, 2, "parallel.dp_shard", ["MoE models with dp_shard > 1"]),
+    ({"parallel.ep": 3}, 3, "model.n_experts", ["must be divisible by parallel.ep", "= 3"]),
+])
+def test_moe_combinations_refused_by_name(overrides, world, field, words) -> None:
+    with pytest.raises(ConfigError) as info:
+        _resolve(overrides, world)
+    assert info.value.field_name == field, str(info.value)
+    for word in words:
+        assert word in str(info.value), str(info.value)
