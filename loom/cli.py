@@ -1,4 +1,4 @@
-"""The ``loom`` command: ``loom train``, ``loom generate``, ``loom schedule ...``, ``loom hf ...``.
+"""The ``loom`` command: ``loom train``, ``generate``, ``schedule ...``, ``hf ...``, ``plan``.
 
 ``loom train [--config FILE] [--nproc N] [--section.key=value ...]`` loads and validates the whole
 configuration *before* anything is written or started: a bad value prints one line naming the
@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     from loom.hf_cli import add_hf_commands
 
     add_hf_commands(sub)
+
+    from loom.plan.cli import add_plan_commands
+
+    add_plan_commands(sub)
     return parser
 
 

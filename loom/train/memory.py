@@ -82,33 +82,59 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
-def layer_activation_bytes(config: Config, *, layer_recomputed: bool = False) -> float:
-    """Saved-for-backward bytes of one transformer block for one microbatch on one rank."""
-    m, par, tr = config.model, config.parallel, config.train
-    s, b, h, f = config.data.seq_len // par.cp, tr.micro_batch_size, m.dim, m.ffn_dim
-    a, kv, t = m.n_heads, m.n_kv_heads, par.tp
-    e = 2 if tr.dtype == "bf16" else 4
+def block_activation_bytes(*, s: int, b: int, h: int, f: float, a: int, kv: int, t: int = 1,
+                           sequence_parallel: bool = False, e: int = 4,
+                           recompute: str = "none") -> float:
+    """Saved-for-backward bytes of one transformer block for one microbatch on one rank.
+
+    ``s`` is the rank's sequence shard (after cp), ``f`` the FFN width (an MoE layer passes its
+    effective width, see ``loom.sim.cost_model``), ``recompute`` one of none, selective, full
+    (the block recomputed: only its input is kept). The formulas are the module docstring's.
+    """
     x = s * b * h
-    if layer_recomputed:
+    if recompute == "full":
         return x * e
     if t == 1:
         full = x * e * (10 + 4 * f / h) + 4 * s * b * (2 + a)
-    elif par.sequence_parallel:
+    elif sequence_parallel:
         full = x * e * (2 + (8 + 4 * f / h) / t) + 4 * s * b * (2 + a) / t
     else:
         full = x * e * (6 + (4 + 4 * f / h) / t) + 4 * s * b * (2 + a / t)
-    if tr.recompute == "selective":  # the core's own: repeated k, v beyond q's inputs; lse
+    if recompute == "selective":  # the core's own: repeated k, v beyond q's inputs; lse
         full -= (2 * x * e * (1 - kv / a) + 4 * s * b * a) / t
     return full
 
 
+def head_activation_bytes(*, s: int, b: int, h: int, vocab: int, e: int = 4) -> float:
+    """The head's saved bytes for one microbatch: final norm (input, output, rstd), the fp32
+    log-softmax and the logits (``vocab`` is the rank's share of the vocabulary)."""
+    return 2 * s * b * h * e + 4 * s * b + 4 * s * b * vocab + e * s * b * vocab
+
+
+def model_state_bytes(psi: float, shard: int, stage: int) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer) bytes for ``psi`` parameters under ZeRO ``stage`` (0:
+    none) over ``shard`` ranks, with fp32 parameters and gradients and two AdamW moments."""
+    d = shard if stage else 1
+    return (4 * psi / (d if stage == 3 else 1), 4 * psi / (d if stage >= 2 else 1),
+            8 * psi / (d if stage >= 1 else 1))
+
+
+def layer_activation_bytes(config: Config, *, layer_recomputed: bool = False) -> float:
+    """Saved-for-backward bytes of one transformer block for one microbatch on one rank."""
+    m, par, tr = config.model, config.parallel, config.train
+    recompute = "full" if layer_recomputed else ("selective" if tr.recompute == "selective"
+                                                 else "none")
+    return block_activation_bytes(
+        s=config.data.seq_len // par.cp, b=tr.micro_batch_size, h=m.dim, f=m.ffn_dim,
+        a=m.n_heads, kv=m.n_kv_heads, t=par.tp, sequence_parallel=par.sequence_parallel,
+        e=2 if tr.dtype == "bf16" else 4, recompute=recompute)
+
+
 def _head_activation_bytes(config: Config) -> float:
     m, par, tr = config.model, config.parallel, config.train
-    s, b = config.data.seq_len // par.cp, tr.micro_batch_size
-    e = 2 if tr.dtype == "bf16" else 4
-    vocab = m.vocab_size // (par.tp if par.vocab_parallel else 1)
-    # final norm (input, output, rstd) + the fp32 log-softmax and the logits (e bytes each)
-    return 2 * s * b * m.dim * e + 4 * s * b + 4 * s * b * vocab + e * s * b * vocab
+    return head_activation_bytes(s=config.data.seq_len // par.cp, b=tr.micro_batch_size, h=m.dim,
+                                 vocab=m.vocab_size // (par.tp if par.vocab_parallel else 1),
+                                 e=2 if tr.dtype == "bf16" else 4)
 
 
 def _rank_layers(config: Config) -> list[tuple[list[int], bool, bool, float]]:
@@ -158,9 +184,7 @@ def estimate_memory(config: Config) -> MemoryEstimate:
     best: MemoryEstimate | None = None
     for rank, (layers, embedding, head, in_flight) in enumerate(_rank_layers(config)):
         psi = _parameter_count(config, layers, embedding, head)
-        params = 4 * psi / (d if stage == 3 else 1)
-        grads = 4 * psi / (d if stage >= 2 else 1)
-        optim = 8 * psi / (d if stage >= 1 else 1)
+        params, grads, optim = model_state_bytes(psi, d, stage)
         if tr.offload_optimizer and d > 1 and not tr.device.startswith("cpu"):
             optim = 0.0  # on the host (a CPU device has nothing to offload to)
         transient = 0.0
@@ -222,4 +246,5 @@ def check_memory_limit(config: Config) -> str | None:
 
 
 __all__ = ["MemoryEstimate", "estimate_memory", "layer_activation_bytes", "check_memory_limit",
+           "block_activation_bytes", "head_activation_bytes", "model_state_bytes",
            "device_limit_bytes", "GiB"]

@@ -1,0 +1,181 @@
+"""``loom plan``: rank the layouts of a model on a cluster, explain one, write the best as a config.
+
+    loom plan --model llama3-70b --gpus 512 --gpu H100-SXM --gpus-per-node 8 --seq 8192 \\
+              --global-batch-tokens 8388608 [--top 5] [--json] [--explain [N]] [-o plan.toml]
+    loom plan --model gpt-1t --gpus 3072 --gpu A100-80GB --seq 2048 --global-batch-tokens ... \\
+              --layout pp=64,tp=8,dp_replicate=6,schedule=interleaved_1f1b,chunks=2,recompute=full
+    loom plan --calibrate [--nproc 4]          # measure this machine; --gpu local then uses it
+
+Bad input (an unknown model, accelerator or link, a batch that does not divide into sequences,
+a layout field that does not exist) is refused with the field and the rule, exit code 2, before
+anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+EXIT_BAD_INPUT = 2
+
+
+class PlanInputError(ValueError):
+    """A ``loom plan`` argument breaks a rule; ``str()`` names the argument and the rule."""
+
+
+def add_plan_commands(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser("plan", help="predict and rank parallel layouts for a model on a cluster",
+                          description=__doc__.splitlines()[0])
+    plan.add_argument("--model", help="a preset name (loom.models.presets) or a Loom TOML config")
+    plan.add_argument("--gpus", type=int, help="number of accelerators")
+    plan.add_argument("--gpu", default="H100-SXM",
+                      help="accelerator type from the catalog, or 'local' (the calibrated machine)")
+    plan.add_argument("--gpus-per-node", type=int, default=0, help="0: the accelerator's default")
+    plan.add_argument("--intra", help="intra-node link name (default: the accelerator's)")
+    plan.add_argument("--inter", help="inter-node link name (default: the accelerator's)")
+    plan.add_argument("--hardware", help="TOML file adding or overriding catalog entries")
+    plan.add_argument("--seq", type=int, help="sequence length (default: the config's)")
+    plan.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
+    plan.add_argument("--top", type=int, default=5)
+    plan.add_argument("--json", action="store_true", help="print the ranking as JSON")
+    plan.add_argument("--explain", nargs="?", const=1, type=int, metavar="N",
+                      help="time and memory breakdown of the N-th ranked layout (default 1)")
+    plan.add_argument("--layout", help="price this one layout instead of searching, as"
+                                       " field=value pairs of loom.sim.cost_model.Layout")
+    plan.add_argument("-o", "--output", help="write the chosen layout's Loom config here")
+    plan.add_argument("--memory-fraction", type=float, default=0.9,
+                      help="share of device memory a layout may plan to use")
+    plan.add_argument("--any", action="store_true",
+                      help="rank layouts this version of Loom refuses too (for what-if planning)")
+    plan.add_argument("--calibrate", action="store_true", help="measure this machine and store"
+                                                               " the profile --gpu local uses")
+    plan.add_argument("--nproc", type=int, default=0, help="processes for --calibrate (and"
+                                                           " --gpu local's default --gpus)")
+    plan.add_argument("--profile", help="calibration profile path (default ~/.cache/loom/local.json)")
+    plan.set_defaults(handler=_plan)
+
+
+def parse_layout(text: str):
+    """``pp=8,tp=8,...`` -> Layout, every field checked by name and type."""
+    from loom.sim.cost_model import Layout
+
+    fields = {f.name: f for f in dataclasses.fields(Layout)}
+    values: dict[str, object] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, raw = part.partition("=")
+        if not sep or key not in fields:
+            raise PlanInputError(f"--layout {part!r}: expected field=value with field in"
+                                 f" {', '.join(fields)}")
+        kind = type(getattr(Layout(), key))
+        try:
+            values[key] = (raw.lower() in ("1", "true", "yes")) if kind is bool else kind(raw)
+        except ValueError:
+            raise PlanInputError(f"--layout {key}={raw}: must be {kind.__name__}") from None
+    return Layout(**values)
+
+
+def _workload(args: argparse.Namespace):
+    from loom.models.presets import PRESETS
+    from loom.plan.space import Workload
+
+    if not args.model:
+        raise PlanInputError("--model: required (a preset name or a Loom TOML config)")
+    config_path = None
+    if args.model in PRESETS:
+        model, name, default_seq = PRESETS[args.model], args.model, PRESETS[args.model].max_seq_len
+    elif Path(args.model).is_file():
+        from loom.config import load_config
+
+        config = load_config(args.model)
+        model, name, config_path = config.model, Path(args.model).stem, args.model
+        default_seq = config.data.seq_len
+    else:
+        raise PlanInputError(f"--model {args.model}: neither a preset ({', '.join(PRESETS)})"
+                             " nor an existing config file")
+    seq = args.seq or default_seq
+    if seq < 1:
+        raise PlanInputError(f"--seq {seq}: must be >= 1")
+    if not args.global_batch_tokens or args.global_batch_tokens < seq:
+        raise PlanInputError(f"--global-batch-tokens {args.global_batch_tokens}: required, at"
+                             f" least one sequence of --seq {seq}")
+    if args.global_batch_tokens % seq:
+        raise PlanInputError(f"--global-batch-tokens {args.global_batch_tokens}: must be a multiple"
+                             f" of --seq {seq} (whole sequences per step)")
+    return Workload(name, model, seq, args.global_batch_tokens // seq, config_path)
+
+
+def _cluster(args: argparse.Namespace):
+    from loom.plan.hardware import load_catalog, make_cluster
+
+    catalog = load_catalog(args.hardware)
+    if args.gpu == "local":
+        from loom.plan.calibrate import load_profile
+
+        gpu, link = load_profile(args.profile)
+        catalog[0][gpu.name], catalog[1][link.name] = gpu, link
+        args.gpu = gpu.name
+        args.gpus = args.gpus or args.nproc or gpu.gpus_per_node
+    if not args.gpus or args.gpus < 1:
+        raise PlanInputError(f"--gpus {args.gpus}: required, >= 1")
+    defaults = catalog[2]
+    return make_cluster(args.gpu or defaults.get("gpu"), args.gpus,
+                        args.gpus_per_node or defaults.get("gpus_per_node"),
+                        intra=args.intra or defaults.get("intra"),
+                        inter=args.inter or defaults.get("inter"), catalog=catalog)
+
+
+def _plan(args: argparse.Namespace, extra: list[str]) -> int:
+    from loom.config import ConfigError
+    from loom.plan.hardware import HardwareError
+
+    if extra:
+        print(f"loom plan: unexpected arguments {extra}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        if args.calibrate:
+            from loom.plan.calibrate import calibrate
+
+            path = calibrate(args.nproc or 2, args.profile)
+            print(f"calibration profile written to {path}")
+            return 0
+        return _run(args)
+    except (PlanInputError, HardwareError, ConfigError) as err:
+        print(f"loom plan: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _run(args: argparse.Namespace) -> int:
+    from loom.plan import explain
+    from loom.plan.search import Plan, plan, simulate_step
+    from loom.sim.cost_model import CostModel
+
+    if args.top < 1 or not 0 < args.memory_fraction <= 1:
+        raise PlanInputError("--top must be >= 1 and --memory-fraction in (0, 1]")
+    work, cluster = _workload(args), _cluster(args)
+    if args.layout:
+        layout = parse_layout(args.layout)
+        if layout.world != cluster.gpus:
+            raise PlanInputError(f"--layout: the degrees multiply to {layout.world}, not --gpus"
+                                 f" {cluster.gpus}")
+        model = CostModel(work.model, work.seq_len, work.global_batch, cluster)
+        cost = simulate_step(model, model.evaluate(layout))
+        result = Plan(work, cluster, cluster.gpu.memory_bytes * args.memory_fraction, [cost], 1,
+                      int(cost.memory_total <= cluster.gpu.memory_bytes * args.memory_fraction))
+        print(explain.to_json(result) if args.json else explain.breakdown(result, cost))
+        return 0
+    result = plan(work, cluster, top=args.top, memory_fraction=args.memory_fraction,
+                  runnable_only=not args.any)
+    print(explain.to_json(result) if args.json else explain.table(result))
+    if args.explain and result.ranked:
+        index = min(args.explain, len(result.ranked)) - 1
+        print()
+        print(explain.breakdown(result, result.ranked[index]))
+    if args.output and result.ranked:
+        command = explain.write_chosen(result, result.ranked[0], args.output)
+        print(f"\nwrote {args.output}; launch with:\n  {command}")
+    return 0 if result.ranked else 1
+
+
+__all__ = ["add_plan_commands", "parse_layout", "PlanInputError"]

@@ -1,0 +1,134 @@
+"""What the planner prints and writes: the ranked table, one layout's breakdown, TOML and launch.
+
+Everything here formats numbers the cost model and the search already computed; nothing is
+estimated here. ``write_chosen`` writes the chosen layout as a Loom config (the same TOML ``loom
+train --config`` reads, validated by Loom's own rules before it is written) and the torchrun
+command that launches it on the cluster's nodes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from loom.plan.hardware import GiB
+from loom.plan.search import Plan, to_config
+from loom.sim.cost_model import StepCost
+
+
+def row(plan: Plan, cost: StepCost) -> dict[str, Any]:
+    """One ranked layout as plain data (the ``--json`` output and the table's source)."""
+    lay = cost.layout
+    return {
+        "layout": lay.label(),
+        "degrees": {axis: getattr(lay, axis) for axis in
+                    ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")},
+        "zero_stage": lay.zero_stage, "cp_mode": lay.cp_mode if lay.cp > 1 else None,
+        "sequence_parallel": lay.sequence_parallel,
+        "schedule": lay.schedule if lay.pp > 1 else None, "chunks": lay.chunks,
+        "micro_batch": lay.micro_batch, "microbatches": lay.microbatches,
+        "recompute": lay.recompute,
+        "step_time_s": cost.step_time,
+        "tokens_per_s_per_gpu": plan.tokens_per_second_per_gpu(cost),
+        "mfu": plan.mfu(cost),
+        "memory_gib": cost.memory_total / GiB,
+        "bubble": cost.bubble,
+        "simulated": cost.simulated,
+    }
+
+
+def table(plan: Plan) -> str:
+    work, cluster = plan.workload, plan.cluster
+    lines = [f"{work.name}: seq {work.seq_len}, {work.global_batch} sequences"
+             f" ({work.tokens_per_step:,} tokens) per step on {cluster.describe()}",
+             f"searched {plan.considered:,} layouts, {plan.fitting:,} fit in"
+             f" {plan.memory_budget / GiB:.1f} GiB, in {plan.seconds:.1f} s", ""]
+    header = f"{'#':>2}  {'layout':<58} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6}" \
+             f" {'mem GiB':>8} {'bubble':>7}"
+    lines += [header, "-" * len(header)]
+    for rank, cost in enumerate(plan.ranked, 1):
+        r = row(plan, cost)
+        lines.append(f"{rank:>2}  {r['layout']:<58} {r['step_time_s']:>8.3f}"
+                     f" {r['tokens_per_s_per_gpu']:>10,.0f} {r['mfu']:>6.1%}"
+                     f" {r['memory_gib']:>8.1f} {r['bubble']:>7.1%}")
+    if not plan.ranked:
+        lines.append("   no layout fits in memory and is runnable by this version of Loom")
+    if plan.best_refused is not None:
+        b = row(plan, plan.best_refused)
+        lines += ["", f"faster but refused by this version of Loom: {b['layout']}"
+                      f" ({b['step_time_s']:.3f} s, MFU {b['mfu']:.1%})"]
+    if plan.refused:
+        lines.append("refused layouts by rule (loom/config_rules.py):")
+        for rule, count in plan.refused.most_common(5):
+            lines.append(f"  {count:>6,}  {rule[:150]}")
+    return "\n".join(lines)
+
+
+def breakdown(plan: Plan, cost: StepCost) -> str:
+    """``--explain``: where the step's time and one GPU's memory go."""
+    lay = cost.layout
+    step = cost.step_time
+    lines = [f"layout {lay.label()}  (world {lay.world})",
+             f"step {step:.4f} s = pipelined forward/backward {cost.pipeline:.4f}"
+             f" + exposed data-parallel {cost.dp_exposed:.4f} + optimizer {cost.optimizer:.4f}",
+             f"  busiest rank's compute (with exposed tp/cp/ep comm): {cost.compute:.4f} s;"
+             f" bubble {cost.bubble:.1%}"
+             + (" (simulated schedule)" if cost.simulated and lay.pp > 1 else ""),
+             "  communication per step on one rank (s, before overlap where overlapped):"]
+    for axis, seconds in cost.comm.items():
+        if seconds:
+            lines.append(f"    {axis:<3} {seconds:.4f}")
+    if cost.stage_costs is not None:
+        f, i, w = cost.stage_costs.ops[len(cost.stage_costs.ops) // 2]
+        lines.append(f"  a middle stage per microbatch: F {f * 1e3:.2f} ms, I {i * 1e3:.2f} ms,"
+                     f" W {w * 1e3:.2f} ms; send {cost.stage_costs.send * 1e6:.1f} us")
+    lines.append(f"throughput {plan.tokens_per_second_per_gpu(cost):,.0f} tokens/s/GPU,"
+                 f" MFU {plan.mfu(cost):.1%} (model FLOPs), hardware FLOPs"
+                 f" {cost.hardware_flops / step / lay.world / 1e12:.1f} TFLOP/s/GPU")
+    lines.append(f"memory per GPU (worst pipeline rank) {cost.memory_total / GiB:.2f} GiB"
+                 f" of {plan.memory_budget / GiB:.1f} GiB:")
+    for name, value in cost.memory.items():
+        lines.append(f"    {name:<12} {value / GiB:10.3f} GiB")
+    return "\n".join(lines)
+
+
+def launch_command(plan: Plan, config_path: str) -> str:
+    nodes = max(1, plan.cluster.gpus // plan.cluster.gpus_per_node)
+    per_node = min(plan.cluster.gpus, plan.cluster.gpus_per_node)
+    if nodes == 1:
+        return f"loom train --config {config_path} --nproc {per_node}"
+    return (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d"
+            f" --rdzv-endpoint $HEAD_NODE:29500 -m loom train --config {config_path}")
+
+
+def write_chosen(plan: Plan, cost: StepCost, path: str | Path) -> str:
+    """Write ``cost``'s layout as a Loom TOML config at ``path``; return the launch command."""
+    from loom.config import to_toml
+
+    config = to_config(cost.layout, plan.workload)  # Loom's rules, once more
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    header = (f"# written by `loom plan`: {cost.layout.label()}\n"
+              f"# predicted {cost.step_time:.4f} s/step, {plan.tokens_per_second_per_gpu(cost):,.0f}"
+              f" tokens/s/GPU, MFU {plan.mfu(cost):.1%}, {cost.memory_total / GiB:.1f} GiB/GPU"
+              f" on {plan.cluster.describe()}\n")
+    tmp.write_text(header + to_toml(config))
+    tmp.replace(path)  # never a half-written config
+    return launch_command(plan, str(path))
+
+
+def to_json(plan: Plan) -> str:
+    return json.dumps({
+        "workload": {"model": plan.workload.name, "seq_len": plan.workload.seq_len,
+                     "global_batch": plan.workload.global_batch},
+        "cluster": plan.cluster.describe(), "considered": plan.considered,
+        "fitting": plan.fitting, "seconds": plan.seconds,
+        "ranked": [row(plan, cost) for cost in plan.ranked],
+        "best_refused": row(plan, plan.best_refused) if plan.best_refused else None,
+        "refused": dict(plan.refused),
+    }, indent=2)
+
+
+__all__ = ["table", "breakdown", "row", "write_chosen", "launch_command", "to_json"]

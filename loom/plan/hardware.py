@@ -1,0 +1,213 @@
+"""The accelerators and links the planner knows: a catalog of datasheet numbers, user-extendable.
+
+A ``Gpu`` is what the cost model divides work by: dense 16-bit peak FLOP/s, memory, HBM bandwidth
+(for the memory-bound optimizer step and element-wise ops) and the achievable fraction of peak for
+large matmuls. A ``Link`` is one class of connection between two accelerators (alpha-beta: a
+latency per message and a per-direction bandwidth per accelerator, times the fraction collective
+libraries achieve on it). A ``Cluster`` is N accelerators of one type, K per node, an intra-node
+and an inter-node link.
+
+Sources. Peaks are the dense (non-sparse) BF16 tensor-core numbers of ``../shared/REFERENCE.md``
+§0 (torchtitan's ``get_peak_flops``, Narayanan et al. 2021 for the A100); MI250X is AMD's datasheet
+383 TFLOP/s per module (two GCDs; we count a module as one device). Memory and bandwidth are the
+vendors' datasheets. Link bandwidths are per direction per accelerator: NVLink 3/4/5 = 300/450/900
+GB/s (600/900/1800 GB/s bidirectional), HDR InfiniBand 200 Gb/s = 25 GB/s and NDR / 400G RoCE
+= 50 GB/s per accelerator (one NIC per GPU, as on Selene, Grand Teton and the Llama 3 cluster).
+Latencies (5 us inside a node, 10 us across) and the achievable fractions (0.8 of link bandwidth,
+``matmul_efficiency`` 0.7-0.75 of peak) are typical NCCL / cuBLAS figures, not datasheet values;
+``loom plan --calibrate`` measures them for the local machine, and a TOML file (``--hardware``)
+may override any entry or add new ones::
+
+    [gpu.my-gpu]                 # every Gpu field; missing ones are refused by name
+    peak_flops = 400e12
+    memory_gb = 96
+    hbm_gbps = 3000
+    [link.my-fabric]
+    bandwidth_gbps = 100         # GB/s per direction per accelerator
+    latency_us = 8
+    [cluster]                    # optional defaults for --gpu / --gpus-per-node / links
+    gpu = "my-gpu"
+    inter = "my-fabric"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GB = 1e9
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One accelerator type."""
+
+    name: str
+    peak_flops: float  # dense 16-bit FLOP/s
+    memory_bytes: float
+    hbm_bandwidth: float  # bytes/s
+    matmul_efficiency: float = 0.7  # fraction of peak a large matmul reaches
+    matmul_knee: float = 128.0  # smallest GEMM dimension at which efficiency is half its maximum
+    intra: str = "nvlink4"  # default link inside a node
+    inter: str = "ndr-ib"  # default link between nodes
+    gpus_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        for key in ("peak_flops", "memory_bytes", "hbm_bandwidth", "matmul_knee"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"gpu {self.name}: {key} must be > 0, got {getattr(self, key)}")
+        if not 0 < self.matmul_efficiency <= 1:
+            raise ValueError(f"gpu {self.name}: matmul_efficiency must be in (0, 1]")
+
+    def matmul_rate(self, smallest_dim: float) -> float:
+        """FLOP/s of a matmul whose smallest dimension is ``smallest_dim``: the efficiency rises
+        as d / (d + knee), the usual saturating shape of GEMM throughput against tile occupancy."""
+        return self.peak_flops * self.matmul_efficiency * smallest_dim / (smallest_dim + self.matmul_knee)
+
+
+@dataclass(frozen=True)
+class Link:
+    """One class of connection: alpha-beta with a per-direction bandwidth per accelerator."""
+
+    name: str
+    bandwidth: float  # bytes/s per direction per accelerator
+    latency: float  # seconds per message step
+    efficiency: float = 0.8  # fraction of ``bandwidth`` collectives reach
+
+    def __post_init__(self) -> None:
+        if self.bandwidth <= 0 or self.latency < 0 or not 0 < self.efficiency <= 1:
+            raise ValueError(f"link {self.name}: bandwidth > 0, latency >= 0 and efficiency in"
+                             " (0, 1] are required")
+
+    @property
+    def effective_bandwidth(self) -> float:
+        return self.bandwidth * self.efficiency
+
+
+GPUS: dict[str, Gpu] = {g.name: g for g in (
+    Gpu("A100-40GB", 312e12, 40 * GiB, 1555 * GB, 0.75, intra="nvlink3", inter="hdr-ib"),
+    Gpu("A100-80GB", 312e12, 80 * GiB, 2039 * GB, 0.75, intra="nvlink3", inter="hdr-ib"),
+    Gpu("H100-SXM", 989e12, 80 * GiB, 3350 * GB, 0.7),
+    Gpu("H100-NVL", 835e12, 94 * GB, 3900 * GB, 0.7),
+    Gpu("H100-PCIe", 756e12, 80 * GiB, 2000 * GB, 0.7, intra="pcie5", gpus_per_node=8),
+    Gpu("H200", 989e12, 141 * GB, 4800 * GB, 0.7),
+    Gpu("B200", 2.25e15, 180 * GB, 8000 * GB, 0.65, intra="nvlink5"),
+    Gpu("MI250X", 383e12, 128 * GB, 3200 * GB, 0.55, intra="infinity-fabric-3",
+        inter="slingshot-11", gpus_per_node=4),
+    Gpu("MI300X", 1300e12, 192 * GB, 5300 * GB, 0.6, intra="infinity-fabric-4", inter="ndr-ib"),
+)}
+
+LINKS: dict[str, Link] = {link.name: link for link in (
+    Link("nvlink3", 300 * GB, 5e-6),
+    Link("nvlink4", 450 * GB, 5e-6),
+    Link("nvlink5", 900 * GB, 5e-6),
+    Link("pcie5", 64 * GB, 5e-6),
+    Link("infinity-fabric-3", 100 * GB, 6e-6),  # MI250X: per-GCD-pair links of 50-100 GB/s
+    Link("infinity-fabric-4", 448 * GB, 6e-6),  # MI300X: 7 x 64 GB/s per direction
+    Link("hdr-ib", 25 * GB, 10e-6),  # 200 Gb/s per GPU
+    Link("ndr-ib", 50 * GB, 10e-6),  # 400 Gb/s per GPU
+    Link("roce-400", 50 * GB, 12e-6),
+    Link("slingshot-11", 25 * GB, 10e-6),  # 200 Gb/s per NIC, one NIC per MI250X module
+)}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """N accelerators of one type, ``gpus_per_node`` of them per node."""
+
+    gpu: Gpu
+    gpus: int
+    gpus_per_node: int
+    intra: Link
+    inter: Link
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise ValueError("cluster: gpus and gpus_per_node must be >= 1")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise ValueError(f"cluster: gpus={self.gpus} must be a multiple of gpus_per_node="
+                             f"{self.gpus_per_node}")
+
+    def link_for(self, group_size: int, stride: int) -> Link:
+        """The link a group of ``group_size`` ranks ``stride`` apart in the rank order uses: the
+        intra-node link when the whole group sits inside one node (ranks are packed node by node),
+        else the inter-node link, which bounds a hierarchical or flat collective alike."""
+        return self.intra if group_size * stride <= self.gpus_per_node else self.inter
+
+    def describe(self) -> str:
+        nodes = max(1, self.gpus // self.gpus_per_node)
+        return (f"{self.gpus} x {self.gpu.name} ({nodes} node(s) of {self.gpus_per_node}; "
+                f"{self.intra.name} {self.intra.bandwidth / GB:g} GB/s inside a node, "
+                f"{self.inter.name} {self.inter.bandwidth / GB:g} GB/s between nodes)")
+
+
+class HardwareError(ValueError):
+    """An unknown accelerator or link, or a malformed hardware file; names the entry."""
+
+
+def _from_table(kind: type, name: str, table: dict[str, Any]) -> Any:
+    fields = {f.name for f in dataclasses.fields(kind)} - {"name"}
+    unknown = set(table) - fields - {"memory_gb", "hbm_gbps", "bandwidth_gbps", "latency_us"}
+    if unknown:
+        raise HardwareError(f"{kind.__name__.lower()}.{name}: unknown key(s) {sorted(unknown)};"
+                            f" known: {sorted(fields)}")
+    values = dict(table)
+    if "memory_gb" in values:
+        values["memory_bytes"] = float(values.pop("memory_gb")) * GB
+    if "hbm_gbps" in values:
+        values["hbm_bandwidth"] = float(values.pop("hbm_gbps")) * GB
+    if "bandwidth_gbps" in values:
+        values["bandwidth"] = float(values.pop("bandwidth_gbps")) * GB
+    if "latency_us" in values:
+        values["latency"] = float(values.pop("latency_us")) * 1e-6
+    try:
+        return kind(name=name, **values)
+    except (TypeError, ValueError) as err:
+        raise HardwareError(f"{kind.__name__.lower()}.{name}: {err}") from None
+
+
+def load_catalog(path: str | Path | None = None) -> tuple[dict[str, Gpu], dict[str, Link], dict]:
+    """The built-in catalog, extended or overridden by the TOML file at ``path``."""
+    gpus, links, defaults = dict(GPUS), dict(LINKS), {}
+    if path is None:
+        return gpus, links, defaults
+    try:
+        table = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise HardwareError(f"--hardware {path}: file does not exist") from None
+    except tomllib.TOMLDecodeError as err:
+        raise HardwareError(f"--hardware {path}: not valid TOML: {err}") from None
+    for name, entry in table.get("gpu", {}).items():
+        gpus[name] = _from_table(Gpu, name, entry)
+    for name, entry in table.get("link", {}).items():
+        links[name] = _from_table(Link, name, entry)
+    defaults = table.get("cluster", {})
+    return gpus, links, defaults
+
+
+def make_cluster(gpu: str, gpus: int, gpus_per_node: int | None = None, *, intra: str | None = None,
+                 inter: str | None = None, catalog: tuple[dict, dict, dict] | None = None) -> Cluster:
+    """Build a Cluster from catalog names; unknown names are refused with the known ones."""
+    gpu_table, link_table, _ = catalog or (GPUS, LINKS, {})
+    key = next((k for k in gpu_table if k.lower() == gpu.lower()), None)
+    if key is None:
+        raise HardwareError(f"--gpu {gpu}: unknown accelerator; known: {', '.join(gpu_table)}")
+    device = gpu_table[key]
+    links = []
+    for role, name in (("intra", intra or device.intra), ("inter", inter or device.inter)):
+        if name not in link_table:
+            raise HardwareError(f"--{role} {name}: unknown link; known: {', '.join(link_table)}")
+        links.append(link_table[name])
+    per_node = gpus_per_node or device.gpus_per_node
+    try:
+        return Cluster(device, gpus, min(per_node, gpus), *links)
+    except ValueError as err:
+        raise HardwareError(str(err)) from None
+
+
+__all__ = ["Gpu", "Link", "Cluster", "GPUS", "LINKS", "GB", "GiB", "HardwareError",
+           "load_catalog", "make_cluster"]

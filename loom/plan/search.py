@@ -1,0 +1,197 @@
+"""Rank every layout of a workload on a cluster by predicted step time, within memory.
+
+Three passes, each cheaper per layout than the next:
+
+1. **Screen** every layout of ``loom.plan.space`` with ``CostModel.evaluate``: memory from the
+   estimator's formulas, the pipelined part from the family's closed-form bubble. Layouts over
+   the memory budget are dropped; of a group that differs only in recomputation the first that
+   fits is kept (more recomputation is never faster).
+2. **Simulate** the best ``finalists`` with Loom's own schedule generator and event simulator
+   (``loom.sim.simulate``) on the per-stage F / I / W costs, so the ranking rests on the schedule
+   the runtime would execute. Long pipelines are simulated for ``2p`` microbatches and extended
+   linearly: past the warm-up every further microbatch adds exactly the busiest rank's work (the
+   steady state of every family; checked against full simulations in the tests).
+3. **Check runnability** with Loom's own config rules (``loom.config.resolve``): combinations this
+   version of Loom still refuses are reported with the rule, not proposed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from loom.plan.hardware import Cluster
+from loom.plan.space import Workload, layouts
+from loom.sim.cost_model import CostModel, Layout, StepCost
+
+
+@dataclass
+class Plan:
+    """The ranked answer of ``plan``."""
+
+    workload: Workload
+    cluster: Cluster
+    memory_budget: float
+    ranked: list[StepCost]
+    considered: int
+    fitting: int
+    refused: Counter = field(default_factory=Counter)  # rule -> layouts refused by Loom's rules
+    seconds: float = 0.0
+    best_refused: StepCost | None = None  # faster than the first ranked, but Loom refuses it
+
+    def tokens_per_second_per_gpu(self, cost: StepCost) -> float:
+        return self.workload.tokens_per_step / cost.step_time / self.cluster.gpus
+
+    def mfu(self, cost: StepCost) -> float:
+        return cost.model_flops / cost.step_time / (self.cluster.gpus * self.cluster.gpu.peak_flops)
+
+
+def simulate_step(model: CostModel, cost: StepCost, *, max_simulated: int | None = None) -> StepCost:
+    """``cost`` with its pipelined part replaced by the simulated makespan of the real schedule."""
+    lay = cost.layout
+    if lay.pp == 1 or cost.stage_costs is None:
+        return replace(cost, simulated=True)
+    from loom.pipeline import schedules
+    from loom.sim.simulate import simulate
+
+    p, m = lay.pp, lay.microbatches
+    simulated_m = min(m, max_simulated or 2 * p)
+    generator = schedules.get(lay.schedule)
+    # the families' generators are validated for these sizes by their tests; the runtime's
+    # schedule_for would validate again, which costs more than the simulation itself
+    schedule = generator(p, simulated_m, chunks=lay.chunks) if lay.schedule == "interleaved_1f1b" \
+        else generator(p, simulated_m)
+    result = simulate(schedule, cost.stage_costs.build())
+    per_microbatch = cost.compute / m  # the busiest rank's F + I + W of one microbatch
+    pipeline = float(result.makespan) + (m - simulated_m) * per_microbatch
+    return replace(cost, pipeline=pipeline, simulated=True)
+
+
+def to_config(layout: Layout, work: Workload) -> Any:
+    """The resolved Loom ``Config`` that trains ``work`` under ``layout`` (raises ConfigError)."""
+    from loom.config import load_config, resolve
+
+    return resolve(load_config(work.config_path, to_overrides(layout, work)), layout.world)
+
+
+def runnable(layout: Layout, work: Workload, *, exact: bool = True) -> str | None:
+    """None when Loom's config rules accept ``layout`` for ``work``; else the refusal.
+
+    ``exact=False`` checks the same layout with the fewest microbatches the space allows
+    (m = pp): the rules then see the same combination of axes, schedule and knobs, while the
+    schedule they generate and validate is small (a 64-stage pipeline with 512 microbatches takes
+    seconds to validate; the space only yields m >= pp, which every family accepts)."""
+    from loom.config import ConfigError
+
+    if not exact and layout.pp > 1 and layout.microbatches > layout.pp:
+        work = replace(work, global_batch=layout.dp * layout.micro_batch * layout.pp)
+        layout = replace(layout, microbatches=layout.pp)
+    try:
+        to_config(layout, work)
+    except ConfigError as err:
+        return f"{err.field_name}: {err.rule}"
+    return None
+
+
+def to_overrides(layout: Layout, work: Workload) -> dict[str, Any]:
+    """The ``section.key`` values that, over ``work``'s config file (or its model preset), make
+    the Loom config training ``work`` under ``layout``."""
+    values: dict[str, Any] = {} if work.config_path else {"model.preset": work.name}
+    values.update({
+        "data.seq_len": work.seq_len,
+        "train.global_batch_size": work.global_batch,
+        "train.micro_batch_size": layout.micro_batch,
+        "train.dtype": "bf16",
+        "train.recompute": layout.recompute,
+        "parallel.pp": layout.pp,
+        "parallel.dp_replicate": layout.dp_replicate,
+        "parallel.dp_shard": layout.dp_shard,
+        "parallel.ep": layout.ep,
+        "parallel.cp": layout.cp,
+        "parallel.tp": layout.tp,
+        "parallel.sequence_parallel": layout.sequence_parallel,
+    })
+    if layout.zero_stage:
+        values["parallel.zero_stage"] = layout.zero_stage
+        if layout.pp > 1 and layout.zero_stage == 3:  # gathered once per step per stage, as priced
+            values["parallel.reshard_after_forward"] = False
+    if layout.cp > 1:
+        values["parallel.cp_mode"] = layout.cp_mode
+    if layout.pp > 1:
+        values["parallel.schedule"] = layout.schedule
+        values["parallel.chunks"] = layout.chunks
+    return values
+
+
+def _structure(lay: Layout) -> tuple:
+    """What Loom's "not implemented yet" rules look at: which axes are > 1 and the knobs. Sizes
+    themselves are the space's business (it only yields divisible ones)."""
+    return (lay.pp > 1, lay.dp_replicate > 1, lay.dp_shard > 1, lay.zero_stage, lay.ep > 1,
+            lay.cp > 1, lay.cp_mode if lay.cp > 1 else "", lay.tp > 1, lay.sequence_parallel,
+            lay.schedule, lay.chunks, lay.recompute)
+
+
+def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 16,
+         memory_fraction: float = 0.9, runnable_only: bool = True,
+         cost_model: CostModel | None = None,
+         space: dict[str, Any] | None = None) -> Plan:
+    """The ``top`` fastest layouts of ``work`` on ``cluster`` that fit in ``memory_fraction`` of
+    the accelerator's memory (the rest is left to the allocator, the CUDA context and the
+    communication buffers) and that this version of Loom runs (unless ``runnable_only`` is off).
+    The fastest layout Loom refuses is kept in ``Plan.best_refused`` for comparison."""
+    started = time.perf_counter()
+    model = cost_model or CostModel(work.model, work.seq_len, work.global_batch, cluster)
+    budget = cluster.gpu.memory_bytes * memory_fraction
+    keep = max(finalists * 2, top * 4)
+    heap: list[tuple[float, int, StepCost]] = []  # max-heap by step time (negated)
+    verdicts: dict[tuple, str | None] = {}
+    refused: Counter = Counter()
+    best_refused: StepCost | None = None
+    considered = fitting = 0
+    for group in layouts(work, cluster.gpus, cluster.gpus_per_node, **(space or {})):
+        for layout in group:
+            considered += 1
+            memory = model.memory(layout)
+            if sum(memory.values()) > budget:
+                continue
+            cost = model.evaluate(layout, memory)
+            fitting += 1
+            if runnable_only:
+                key = _structure(layout)
+                if key not in verdicts:
+                    verdicts[key] = runnable(layout, work, exact=False)
+                if verdicts[key]:
+                    refused[verdicts[key]] += 1
+                    if best_refused is None or cost.step_time < best_refused.step_time:
+                        best_refused = cost
+                    break
+            entry = (-cost.step_time, considered, cost)
+            if len(heap) < keep:
+                heapq.heappush(heap, entry)
+            elif entry[0] > heap[0][0]:
+                heapq.heapreplace(heap, entry)
+            break  # the rest of the group recomputes more: never faster
+    screened = sorted((entry[2] for entry in heap), key=lambda c: c.step_time)
+    finals = sorted((simulate_step(model, c) for c in screened[:finalists]),
+                    key=lambda c: c.step_time)
+    ranked: list[StepCost] = []
+    for cost in finals + screened[finalists:]:
+        if len(ranked) == top:
+            break
+        reason = runnable(cost.layout, work, exact=False) if runnable_only else None
+        if reason:  # a size-dependent rule the structure check could not see
+            refused[reason] += 1
+            continue
+        ranked.append(cost)
+    if best_refused is not None and ranked and best_refused.step_time >= ranked[0].step_time:
+        best_refused = None  # only worth showing when it would have won
+    result = Plan(work, cluster, budget, ranked, considered, fitting, refused,
+                  time.perf_counter() - started)
+    result.best_refused = simulate_step(model, best_refused) if best_refused else None
+    return result
+
+
+__all__ = ["Plan", "plan", "simulate_step", "runnable", "to_overrides"]

@@ -1,0 +1,158 @@
+"""The planner's search space: every layout of a model on a cluster that Loom's rules allow.
+
+A layout is a factorisation of the world into Loom's axes (pp, dp_replicate, dp_shard, ep, cp,
+tp), the ZeRO stage on dp_shard, the context-parallel mode, the microbatch size (the count
+follows from the global batch), the pipeline schedule family and its chunks, and the
+recomputation policy. ``layouts`` yields them all, pruned only by shape rules (what divides what)
+and by two dominance rules stated where they are applied:
+
+* sequence parallelism is always on under tp > 1: it moves the same bytes as plain TP
+  (all-gather + reduce-scatter = all-reduce) and holds less activation memory, so a layout without
+  it is never better (Korthikanti et al. 2022 §4.2);
+* ZeRO-1 is never better than ZeRO-2 in Loom: the same traffic (reduce-scatter + all-gather) and
+  more gradient memory, so only stages 2 and 3 are searched on a dp_shard axis.
+
+Which of these Loom can run today (some combinations are still refused by
+``loom.config_rules``) is decided by the search, which asks the config rules themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from loom.models.llama import TransformerArgs
+from loom.sim.cost_model import Layout
+
+# Families the planner considers, with the chunks per rank they are searched at. GPipe and the
+# looped breadth-first schedule are left out: they take 1F1B's time with m microbatches in flight
+# instead of p (or pp x chunks of interleaving), i.e. they are dominated.
+SCHEDULES: dict[str, tuple[int, ...]] = {
+    "1f1b": (1,),
+    "interleaved_1f1b": (2, 4),
+    "zb_h1": (1,),
+    "zb_h2": (1,),
+    "zbv": (2,),
+    "v_half": (2,),
+    "v_min": (2,),
+}
+FULL_BACKWARD = ("1f1b", "interleaved_1f1b", "gpipe", "looped_bfs")
+RECOMPUTE = ("none", "selective", "full")
+MICRO_BATCHES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained: a model shape, a sequence length and the global batch per step."""
+
+    name: str
+    model: TransformerArgs
+    seq_len: int
+    global_batch: int  # sequences per optimizer step
+    config_path: str | None = None  # a Loom TOML whose model (and other sections) to plan for
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.global_batch
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _tp_ok(m: TransformerArgs, tp: int, seq: int, cp: int) -> bool:
+    return (m.n_heads % tp == 0 and m.n_kv_heads % tp == 0 and m.vocab_size % tp == 0
+            and (seq // cp) % tp == 0)
+
+
+def _cp_modes(m: TransformerArgs, tp: int, cp: int, seq: int) -> list[str]:
+    """Context-parallel modes whose shape rules hold (``loom.parallel.context.check_layout``)."""
+    if cp == 1:
+        return ["ring"]
+    from loom.parallel.context import CPLayout, check_layout
+
+    modes = []
+    for mode in ("ring", "ulysses", "hybrid"):
+        try:
+            layout = CPLayout.from_mode(mode, cp)
+            if mode == "hybrid" and layout.ulysses in (1, cp):
+                continue  # the same as ring or ulysses
+            check_layout(layout, seq, m.n_heads // tp, m.n_kv_heads // tp)
+        except ValueError:
+            continue
+        modes.append(mode)
+    return modes
+
+
+def layouts(work: Workload, world: int, gpus_per_node: int, *,
+            max_cp: int = 16, schedules: dict[str, tuple[int, ...]] | None = None,
+            micro_batches: tuple[int, ...] = MICRO_BATCHES,
+            recompute: tuple[str, ...] = RECOMPUTE) -> Iterator[tuple[Layout, ...]]:
+    """Every layout of ``work`` on ``world`` accelerators (see the module docstring), in groups
+    that differ only in the recomputation policy, cheapest first: a search may stop at the first
+    of a group that fits in memory, since recomputing more never makes a step faster."""
+    m, seq, batch = work.model, work.seq_len, work.global_batch
+    families = SCHEDULES if schedules is None else schedules
+    experts = m.n_experts
+    for tp in divisors(world):
+        if tp > gpus_per_node or m.n_heads % tp or m.n_kv_heads % tp or m.vocab_size % tp:
+            continue  # tensor parallelism stays inside a node (its traffic is per layer)
+        for cp in divisors(world // tp):
+            if cp > max_cp or seq % cp or not _tp_ok(m, tp, seq, cp):
+                continue
+            modes = _cp_modes(m, tp, cp, seq)
+            for ep in divisors(world // (tp * cp)) if experts else [1]:
+                if experts and experts % ep:
+                    continue
+                rest = world // (tp * cp * ep)
+                for pp in divisors(rest):
+                    if pp > m.n_layers:
+                        continue
+                    dp = rest // pp  # dp_replicate x dp_shard
+                    if batch % (dp * ep):
+                        continue
+                    local = batch // (dp * ep)
+                    yield from _inner(m, pp, dp, ep, cp, tp, local, modes, gpus_per_node,
+                                      families, micro_batches, recompute)
+
+
+def _shard_options(dp: int, inner: int, gpus_per_node: int) -> list[int]:
+    """dp_shard degrees: 1 (plain data parallelism), all of dp (ZeRO over every replica) and,
+    for HSDP, the largest degree that keeps a shard group inside a node."""
+    options = {1, dp}
+    node = max(1, gpus_per_node // inner)
+    local = max((d for d in divisors(dp) if d <= node), default=1)
+    if 1 < local < dp:
+        options.add(local)
+    return sorted(options)
+
+
+def _inner(m, pp, dp, ep, cp, tp, local, modes, gpus_per_node, families, micro_batches,
+           recompute) -> Iterator[tuple[Layout, ...]]:
+    for shard in _shard_options(dp, tp * cp * ep, gpus_per_node):
+        stages = (0,) if shard == 1 else (2, 3)
+        for zero in stages:
+            for b in micro_batches:
+                if local % b:
+                    continue
+                micro = local // b
+                if pp == 1:
+                    plans = [("none", 1)]
+                else:
+                    plans = [(name, v) for name, chunks in families.items() for v in chunks
+                             if micro >= pp and m.n_layers >= pp * v]
+                for schedule, chunks in plans:
+                    # Loom refuses SP inside pipelines that split the backward into I and W
+                    # (``config_rules``: measured 4e-5 off one process); plain TP there.
+                    sp = tp > 1 and (pp == 1 or schedule in FULL_BACKWARD)
+                    for mode in modes:
+                        yield tuple(
+                            Layout(pp=pp, dp_replicate=dp // shard, dp_shard=shard, ep=ep,
+                                   cp=cp, tp=tp, zero_stage=zero, sequence_parallel=sp,
+                                   cp_mode=mode, schedule=schedule, chunks=chunks,
+                                   micro_batch=b, microbatches=micro, recompute=rc)
+                            for rc in recompute)
+
+
+__all__ = ["Workload", "layouts", "divisors", "SCHEDULES", "RECOMPUTE", "MICRO_BATCHES"]

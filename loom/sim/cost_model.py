@@ -1,0 +1,549 @@
+"""The planner's cost model: time, memory and FLOPs of one training step under a layout.
+
+``CostModel(model, seq_len, global_batch, cluster).evaluate(layout)`` prices one step of Loom's
+runtime on a cluster: per-stage F / I / W durations (``StageCosts``, what ``loom.sim.simulate``
+replays, so the pipeline part of the step is the simulator's, not a formula's), the exposed
+communication around it, the optimizer step, and the bytes every rank holds. It lives beside
+``cost.py`` (the simulator's cost container) so that the planner and the simulator share one
+notion of cost.
+
+Compute (per layer, per microbatch, on one rank; T = b·s/cp tokens, h dim, a / k query / KV
+heads of width d, f FFN width, t = tp; a matmul of m x k by k x n is 2mkn FLOPs):
+
+* projections 2T·h·d·(2a + 2k)/t, SwiGLU MLP 6T·h·f/t, attention core 4T·s·a·d/t halved for a
+  causal mask (the work a mask-skipping kernel does; MFU below counts the full square, as PaLM
+  and TorchTitan do); an MoE layer replaces the MLP by a router 2T·h·E and top_k routed plus
+  n_shared experts of width f_e: 6T·h·f_e·(top_k + n_shared)/t;
+* backward after Zero Bubble (Qi et al. 2024, Table 1): I = the matmuls again plus twice the
+  attention core, W = the matmuls again; full recomputation adds F to I, selective the core;
+* matmul time = FLOPs / ``Gpu.matmul_rate(smallest dim)``; element-wise work (norms, residuals,
+  RoPE, SwiGLU) is memory-bound: about 20 reads or writes of T·h elements per layer forward
+  (8 replicated and 12 split by tp, all split under sequence parallelism), twice that backward,
+  at the HBM bandwidth; plus a fixed ``op_overhead`` per layer pass (kernel launches).
+
+Communication, alpha-beta per link class (``Cluster.link_for``: a group inside one node uses the
+intra-node link, otherwise the inter-node one; n ranks, M bytes, beta = effective bandwidth):
+ring all-reduce 2(n-1)/n·M/beta + 2(n-1)·alpha, tree all-reduce 2·M/beta + 2·log2(n)·alpha (the
+cheaper is used, as NCCL picks), all-gather / reduce-scatter (n-1)/n·M/beta + (n-1)·alpha,
+all-to-all (n-1)/n·M/beta + (n-1)·alpha, point-to-point alpha + M/beta. What overlaps follows
+Loom's runtime:
+
+* tp: two all-reduces of T·h·e forward and two backward per layer (all-gather + reduce-scatter
+  pairs under SP, the same time), not overlapped; a fully recomputed layer repeats the forward's;
+* cp ring: cp-1 steps passing K and V (2T·k·d·e/t bytes), overlapped with the attention block
+  of the step (exposed only beyond it), twice the bytes in backward; Ulysses: all-to-alls of q,
+  k, v and the output forward, the same backward, not overlapped; hybrid: both, at their degrees;
+* ep: dispatch and combine all-to-alls of T·top_k·h·e forward, the same backward, per MoE layer;
+* pp: one activation of T·h·e (T·h·e/t under SP) per stage boundary, as the simulator's send;
+* data parallelism (group dp_replicate·dp_shard·ep·cp, gradients in ``grad_bytes`` per element):
+  all-reduce; ZeRO-1/2 reduce-scatter + all-gather of parameters (the same 2Ψ); ZeRO-3 all-gathers
+  the parameters of each layer forward and backward, per microbatch without a pipeline and once
+  per step per stage with one, prefetched so only what exceeds the layer's compute is exposed,
+  plus one reduce-scatter; HSDP adds an all-reduce of 1/dp_shard over dp_replicate. The gradient
+  reduction overlaps the last microbatch's backward of the rank; only the excess (at least one
+  bucket of 1/layers) is exposed;
+* optimizer: AdamW reads and writes 28 bytes per local parameter shard at HBM bandwidth.
+
+Memory is ``loom.train.memory``'s formulas (the estimator ``loom estimate-memory`` uses, measured
+to within 2% on this machine): ZeRO model state, per-block activations by tp / SP / cp /
+recomputation, the head's, and the schedule's peak microbatches in flight (``PEAK_IN_FLIGHT``,
+closed forms checked against ``loom.pipeline.validate.peak_memory`` in the tests).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from loom.models.llama import TransformerArgs
+from loom.sim.cost import OpCosts, StageCosts
+
+ELEMENTWISE_PASSES = 20  # activation-sized reads + writes per layer forward (see docstring)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the planner's search space: Loom's parallel degrees and the step's knobs."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    ep: int = 1
+    cp: int = 1
+    tp: int = 1
+    zero_stage: int = 0  # 0 (no sharding), 1, 2, 3; needs dp_shard > 1 when > 0
+    sequence_parallel: bool = False
+    cp_mode: str = "ring"  # ring | ulysses | hybrid
+    schedule: str = "none"  # a schedule family when pp > 1
+    chunks: int = 1  # stages per pipeline rank
+    micro_batch: int = 1
+    microbatches: int = 1  # per pipeline per step
+    recompute: str = "none"  # none | selective | full
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.ep * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Degree seen by the batch (Loom's ``ParallelConfig.dp``)."""
+        return self.dp_replicate * self.dp_shard * self.ep
+
+    def label(self) -> str:
+        parts = [f"{axis}{getattr(self, axis)}" for axis in
+                 ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp") if getattr(self, axis) > 1]
+        text = " ".join(parts) or "single"
+        if self.zero_stage:
+            text += f" zero{self.zero_stage}"
+        if self.tp > 1 and self.sequence_parallel:
+            text += " sp"
+        if self.cp > 1:
+            text += f" {self.cp_mode}"
+        if self.pp > 1:
+            text += f" {self.schedule}" + (f"x{self.chunks}" if self.chunks > 1 else "")
+        text += f" mb{self.micro_batch}x{self.microbatches}"
+        if self.recompute != "none":
+            text += f" rc-{self.recompute}"
+        return text
+
+
+# Peak microbatches in flight on the worst rank, in units of one rank's microbatch (a chunk of v
+# weighs 1/v), for m >= p; the validator's accounting. Checked against peak_memory in the tests.
+PEAK_IN_FLIGHT = {
+    "gpipe": lambda p, m, v: m,
+    "looped_bfs": lambda p, m, v: m,
+    "1f1b": lambda p, m, v: p,
+    "zb_h1": lambda p, m, v: p,
+    "zbv": lambda p, m, v: p,
+    "interleaved_1f1b": lambda p, m, v: p + (p - 1) / v,
+    "zb_h2": lambda p, m, v: 2 * p - 1,
+    "v_half": lambda p, m, v: p // 2 + 1,
+    "v_min": lambda p, m, v: (p - 1) // 3 + 2,
+    "dualpipev": lambda p, m, v: p + 0.5,
+}
+V_SHAPED = {"zbv", "v_half", "v_min", "dualpipev"}
+
+
+class _LazyStageCosts:
+    """Per-stage (F, I, W) and the send time; the validated ``StageCosts`` is built on demand
+    (thousands of layouts are priced, a few are simulated)."""
+
+    def __init__(self, ops: list[tuple[float, float, float]], send: float):
+        self.ops, self.send = ops, send
+
+    def build(self) -> StageCosts:
+        return StageCosts(tuple(OpCosts(f, i, w) for f, i, w in self.ops), latency=self.send)
+
+
+@dataclass
+class StepCost:
+    """What ``CostModel.evaluate`` predicts for one layout (seconds, bytes, FLOPs)."""
+
+    layout: Layout
+    stage_costs: _LazyStageCosts | None  # per global stage, for the simulator (None: pp == 1)
+    compute: float  # one rank's F+I+W over the step, with the exposed tp/cp/ep communication
+    pipeline: float  # the forward/backward part of the step (simulated or analytical)
+    dp_exposed: float
+    optimizer: float
+    memory: dict[str, float]
+    model_flops: float  # per step, all ranks (MFU numerator)
+    hardware_flops: float  # per step, all ranks, with recomputation
+    comm: dict[str, float] = field(default_factory=dict)  # seconds per step by axis (exposed)
+    simulated: bool = False
+
+    @property
+    def step_time(self) -> float:
+        return self.pipeline + self.dp_exposed + self.optimizer
+
+    @property
+    def memory_total(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def bubble(self) -> float:
+        """Fraction of the pipeline part a rank idles (makespan minus the busiest rank's work)."""
+        return max(0.0, 1 - self.compute / self.pipeline) if self.pipeline else 0.0
+
+
+def allreduce_time(nbytes: float, n: int, link) -> float:
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    beta = link.effective_bandwidth
+    ring = 2 * (n - 1) / n * nbytes / beta + 2 * (n - 1) * link.latency
+    tree = 2 * nbytes / beta + 2 * math.ceil(math.log2(n)) * link.latency
+    return min(ring, tree)
+
+
+def gather_time(nbytes: float, n: int, link) -> float:
+    """All-gather or reduce-scatter of ``nbytes`` (the full, gathered size)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) / n * nbytes / link.effective_bandwidth + (n - 1) * link.latency
+
+
+all_to_all_time = gather_time  # the same alpha-beta form: (n-1)/n of the bytes cross, n-1 steps
+
+
+def p2p_time(nbytes: float, link) -> float:
+    return link.latency + nbytes / link.effective_bandwidth
+
+
+class CostModel:
+    """Prices layouts of ``model`` at ``seq_len`` with ``global_batch`` sequences per step."""
+
+    def __init__(self, model: TransformerArgs, seq_len: int, global_batch: int, cluster: Any, *,
+                 dtype_bytes: int = 2, grad_bytes: int = 4, op_overhead: float | None = None):
+        self.model, self.seq, self.batch, self.cluster = model, seq_len, global_batch, cluster
+        self.e, self.grad_bytes = dtype_bytes, grad_bytes
+        self.op_overhead = getattr(cluster.gpu, "op_overhead", 0.0) if op_overhead is None \
+            else op_overhead
+        self.moe_layers = sum(1 for i in range(model.n_layers) if self._is_moe(i))
+        self._geometry_cache: dict[tuple, tuple] = {}
+        self._times_cache: dict[tuple, tuple] = {}
+        self._model_flops: float | None = None
+
+    # ----- FLOPs -------------------------------------------------------------------------
+    def layer_flops(self, tokens: float, tp: int, moe: bool) -> tuple[float, float]:
+        """(matmul FLOPs outside the attention core, causal attention-core FLOPs) of one layer's
+        forward for ``tokens`` tokens on one rank, split by ``tp``."""
+        m = self.model
+        d = m.head_dim
+        proj = 2 * tokens * m.dim * d * (2 * m.n_heads + 2 * m.n_kv_heads)
+        if moe:
+            width = m.expert_ffn_dim or m.ffn_dim
+            mlp = 6 * tokens * m.dim * width * (m.top_k + m.n_shared_experts)
+            router = 2 * tokens * m.dim * m.n_experts
+        else:
+            mlp, router = 6 * tokens * m.dim * m.ffn_dim, 0.0
+        core = 4 * tokens * self.seq * m.n_heads * d / 2  # causal: half the square
+        return (proj + mlp) / tp + router, core / tp
+
+    def model_flops_per_step(self) -> float:
+        if self._model_flops is None:
+            self._model_flops = self._count_model_flops()
+        return self._model_flops
+
+    def _count_model_flops(self) -> float:
+        """MFU's numerator for one step: 6 x active matmul parameters + 12·l·s·a·d per token
+        (full attention square), the ``loom.train.flops`` convention, over every token."""
+        m = self.model
+        tokens = self.batch * self.seq
+        dense, core = 0.0, 0.0
+        for i in range(m.n_layers):
+            mat, att = self.layer_flops(1, 1, bool(m.n_experts) and m.moe_layer(i))
+            dense += mat
+            core += att * 2  # back to the full square
+        head = 2 * m.dim * m.vocab_size
+        return 3 * tokens * (dense + core + head)
+
+    # ----- time of one layer pass ----------------------------------------------------------
+    def _layer_times(self, lay: Layout, moe: bool) -> tuple[float, float, float, dict[str, float]]:
+        """(F, I, W) seconds of one layer for one microbatch on one rank, with the exposed tp /
+        cp / ep communication, and that communication by axis (forward + backward)."""
+        m, gpu, c = self.model, self.cluster.gpu, self.cluster
+        s_local = self.seq // lay.cp
+        tokens = lay.micro_batch * s_local
+        mat, core = self.layer_flops(tokens, lay.tp, moe)
+        smallest = min(tokens, m.dim / lay.tp, (m.expert_ffn_dim or m.ffn_dim) / lay.tp if moe
+                       else m.ffn_dim / lay.tp)
+        t_mat = mat / gpu.matmul_rate(smallest)
+        t_core = core / gpu.matmul_rate(min(s_local, m.head_dim))
+        split = ELEMENTWISE_PASSES if lay.sequence_parallel and lay.tp > 1 else 12
+        kept = 0 if lay.sequence_parallel and lay.tp > 1 else ELEMENTWISE_PASSES - 12
+        t_elem = tokens * m.dim * self.e * (kept + split / lay.tp) / gpu.hbm_bandwidth
+        comm: dict[str, float] = {}
+        # tensor parallelism: 2 all-reduces (or AG + RS pairs) each way
+        tp_link = c.link_for(lay.tp, 1)
+        tp_one = allreduce_time(tokens * m.dim * self.e, lay.tp, tp_link)
+        tp_fwd = 2 * tp_one
+        # context parallelism
+        cp_fwd = cp_bwd = 0.0
+        if lay.cp > 1:
+            from loom.parallel.context import CPLayout  # Loom's own split of cp into u x r
+
+            split = CPLayout.from_mode(lay.cp_mode, lay.cp)
+            ulysses, ring = split.ulysses, split.ring
+            stride = lay.tp
+            if ulysses > 1:
+                qkvo = tokens * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads) / lay.tp * self.e
+                cp_fwd += all_to_all_time(qkvo, ulysses, c.link_for(ulysses, stride))
+                cp_bwd += all_to_all_time(qkvo, ulysses, c.link_for(ulysses, stride))
+            if ring > 1:
+                kv = 2 * tokens * m.n_kv_heads * m.head_dim / lay.tp * self.e * ulysses
+                link = c.link_for(ring, stride * ulysses)
+                block = t_core / ring
+                cp_fwd += (ring - 1) * max(0.0, p2p_time(kv, link) - block)
+                cp_bwd += (ring - 1) * max(0.0, p2p_time(2 * kv, link) - 2 * block)
+        ep_fwd = 0.0
+        if moe and lay.ep > 1:
+            rows = tokens * m.top_k * m.dim * self.e
+            ep_link = c.link_for(lay.ep, lay.cp * lay.tp)
+            ep_fwd = 2 * all_to_all_time(rows, lay.ep, ep_link)
+        overhead = self.op_overhead
+        f = t_mat + t_core + t_elem + tp_fwd + cp_fwd + ep_fwd + overhead
+        i = t_mat + 2 * t_core + 2 * t_elem + tp_fwd + cp_bwd + ep_fwd + overhead
+        w = t_mat + overhead
+        if lay.recompute == "full":
+            i += f
+            comm_tp = 2 * tp_fwd
+        elif lay.recompute == "selective":
+            i += t_core
+            comm_tp = tp_fwd
+        else:
+            comm_tp = tp_fwd
+        comm = {"tp": tp_fwd + comm_tp, "cp": cp_fwd + cp_bwd, "ep": 2 * ep_fwd}
+        return f, i, w, comm
+
+    def _head_times(self, lay: Layout) -> tuple[float, float, float]:
+        m, gpu = self.model, self.cluster.gpu
+        tokens = lay.micro_batch * self.seq // lay.cp
+        flops = 2 * tokens * m.dim * m.vocab_size / lay.tp
+        t = flops / gpu.matmul_rate(min(tokens, m.dim, m.vocab_size / lay.tp))
+        # log-softmax over the logits: read and write them twice (fp32)
+        t_elem = 4 * tokens * m.vocab_size / lay.tp * 4 / gpu.hbm_bandwidth
+        return t + t_elem, t + t_elem, t
+
+    # ----- parameters per rank -------------------------------------------------------------
+    def _layer_params(self, moe: bool, lay: Layout) -> float:
+        """Parameters of one (MoE or dense) layer one rank holds (experts split by ep and tp)."""
+        m = self.model
+        attn = m.dim * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads) / lay.tp
+        norms = 2 * m.dim
+        if moe:
+            width = m.expert_ffn_dim or m.ffn_dim
+            experts = 3 * m.dim * width * m.n_experts / (lay.ep * lay.tp)
+            shared = 3 * m.dim * width * m.n_shared_experts / lay.tp
+            return attn + norms + experts + shared + m.dim * m.n_experts
+        return attn + norms + 3 * m.dim * m.ffn_dim / lay.tp
+
+    def _geometry(self, pp: int, chunks: int, schedule: str) -> tuple:
+        """Cached: per global stage (dense layers, MoE layers, parameters at tp = ep = 1 are not
+        needed), the placement, and each rank's stages. Layers split evenly, the remainder on the
+        middle stages (the ends also carry the embedding and the head)."""
+        key = (pp, chunks, schedule in V_SHAPED)
+        if key not in self._geometry_cache:
+            stages = pp * chunks
+            n = self.model.n_layers
+            base, extra = divmod(n, stages)
+            order = sorted(range(stages), key=lambda s: abs(s - (stages - 1) / 2))
+            sizes = [base + (1 if s in order[:extra] else 0) for s in range(stages)]
+            counts, start = [], 0
+            for size in sizes:
+                moe = sum(1 for i in range(start, start + size) if self._is_moe(i))
+                counts.append((size - moe, moe))
+                start += size
+            if schedule in V_SHAPED:
+                placement = tuple(list(range(pp)) + list(range(pp - 1, -1, -1)))
+            else:
+                placement = tuple(s % pp for s in range(stages))
+            owned = [[s for s in range(stages) if placement[s] == r] for r in range(pp)]
+            self._geometry_cache[key] = (counts, placement, owned)
+        return self._geometry_cache[key]
+
+    def _is_moe(self, i: int) -> bool:
+        return bool(self.model.n_experts) and self.model.moe_layer(i)
+
+    def _times(self, lay: Layout, moe: bool) -> tuple[float, float, float, dict[str, float]]:
+        key = (lay.tp, lay.cp, lay.cp_mode, lay.ep, lay.sequence_parallel, lay.micro_batch,
+               lay.recompute, moe)
+        if key not in self._times_cache:
+            self._times_cache[key] = self._layer_times(lay, moe)
+        return self._times_cache[key]
+
+    # ----- the whole step ------------------------------------------------------------------
+    def _rank_params(self, lay: Layout) -> dict[int, float]:
+        """Parameters on the end pipeline ranks (the embedding's and the head's, the worst)."""
+        m = self.model
+        counts, _, owned = self._geometry(lay.pp, lay.chunks, lay.schedule)
+        last = len(counts) - 1
+        dense_params = self._layer_params(False, lay)
+        moe_params = self._layer_params(True, lay) if self.moe_layers else dense_params
+        vocab = m.vocab_size * m.dim / lay.tp
+        out = {}
+        for r in sorted({0, lay.pp - 1}):
+            psi = sum(counts[s][0] * dense_params + counts[s][1] * moe_params for s in owned[r])
+            if 0 in owned[r]:
+                psi += vocab
+            if last in owned[r]:
+                psi += m.dim + (0 if m.tie_embeddings and lay.pp == 1 else vocab)
+            out[r] = psi
+        return out
+
+    def evaluate(self, lay: Layout, memory: dict[str, float] | None = None) -> StepCost:
+        """Price ``lay`` (``memory``: its ``self.memory(lay)`` when already computed). The
+        pipelined part is a fast analytical estimate here (``simulate_step`` replaces it by the
+        simulator's makespan)."""
+        m, c = self.model, self.cluster
+        counts, placement, owned = self._geometry(lay.pp, lay.chunks, lay.schedule)
+        dense = self._times(lay, False)
+        moe = self._times(lay, True) if self.moe_layers else dense
+        head = self._head_times(lay)
+        last = len(counts) - 1
+        ops = []
+        for s, (nd, nm) in enumerate(counts):
+            f = nd * dense[0] + nm * moe[0]
+            i = nd * dense[1] + nm * moe[1]
+            w = nd * dense[2] + nm * moe[2]
+            if s == last:
+                f, i, w = f + head[0], i + head[1], w + head[2]
+            ops.append((f, i, w))
+        totals = [f + i + w for f, i, w in ops]
+        rank_work = [sum(totals[s] for s in own) for own in owned]
+        compute = max(rank_work) * lay.microbatches
+        stage_costs, send = None, 0.0
+        per_rank_mb = lay.microbatches / lay.pp
+        n_dense = m.n_layers - self.moe_layers
+        comm = {k: (n_dense * dense[3][k] + self.moe_layers * moe[3][k]) * per_rank_mb
+                for k in ("tp", "cp", "ep")}
+        if lay.pp > 1:
+            act = lay.micro_batch * self.seq / lay.cp * m.dim * self.e
+            if lay.sequence_parallel and lay.tp > 1:
+                act /= lay.tp
+            pp_stride = lay.dp_replicate * lay.dp_shard * lay.ep * lay.cp * lay.tp
+            send = p2p_time(act, c.link_for(lay.pp, pp_stride))
+            stage_costs = _LazyStageCosts(ops, send)
+            pipeline = self._pipeline_estimate(lay, ops, max(rank_work), send)
+            comm["pp"] = 2 * send * per_rank_mb * lay.pp * lay.chunks
+        else:
+            pipeline = compute
+        # data parallelism and the optimizer on the end ranks (embedding, head: the worst)
+        rank_params = self._rank_params(lay)
+        rank_bwd, rank_layers = {}, {}
+        for r in rank_params:
+            rank_bwd[r] = sum(ops[s][1] + ops[s][2] for s in owned[r])
+            rank_layers[r] = sum(sum(counts[s]) for s in owned[r])
+        dp_exposed, comm["dp"] = self._data_parallel(lay, rank_params, rank_bwd, rank_layers)
+        psi = max(rank_params.values())
+        shard = lay.dp_shard if lay.zero_stage else 1
+        optimizer = 28 * psi / shard / c.gpu.hbm_bandwidth
+        memory = memory if memory is not None else self.memory(lay)
+        model_flops = self.model_flops_per_step()
+        extra = 0.0
+        if lay.recompute == "full":
+            extra = model_flops / 3
+        elif lay.recompute == "selective":  # the attention core's forward again
+            extra = self.batch * self.seq * m.n_layers * self.layer_flops(1, 1, False)[1] * 2
+        return StepCost(lay, stage_costs, compute, pipeline, dp_exposed, optimizer, memory,
+                        model_flops, model_flops + extra, comm)
+
+    def _pipeline_estimate(self, lay: Layout, ops: list[tuple[float, float, float]], busiest: float,
+                           send: float) -> float:
+        """A fast estimate of the pipelined part (the planner simulates its finalists exactly):
+        the busiest rank's work per microbatch times m plus the family's warm-up and cool-down,
+        (p - 1) rank passes scaled by the family's published bubble (REFERENCE.md §1.1, §5.2)."""
+        p, m, v = lay.pp, lay.microbatches, lay.chunks
+        mid = ops[len(ops) // 2]
+        f, i, w = mid[0] * v, mid[1] * v, mid[2] * v  # one rank's share of a microbatch
+        name = lay.schedule
+        if name in ("gpipe", "1f1b", "looped_bfs"):
+            bubble = (p - 1) * (f + i + w)
+        elif name == "interleaved_1f1b":
+            bubble = (p - 1) * (f + i + w) / v
+        elif name == "zb_h1":
+            bubble = (p - 1) * max(f + i - w, 0)
+        elif name in ("zb_h2", "zbv", "dualpipev"):
+            bubble = (p - 1) * max(f + i - 2 * w, 0)
+        elif name == "v_half":
+            bubble = (p - 1) * (f + i + w) / 2
+        else:  # v_min
+            bubble = (p - 1) * (f + i + w) * 2 / 3
+        hops = 2 * (p - 1) * (2 if name in V_SHAPED else v)
+        return busiest * m + bubble + hops * send
+
+    def _data_parallel(self, lay: Layout, rank_params: dict[int, float],
+                       rank_bwd: dict[int, float], rank_layers: dict[int, int]
+                       ) -> tuple[float, float]:
+        """(exposed seconds, total seconds) of gradient reduction and ZeRO parameter gathers on
+        the worst pipeline rank."""
+        c = self.cluster
+        group = lay.dp_replicate * lay.dp_shard * lay.ep * lay.cp
+        worst_exposed = worst_total = 0.0
+        if group <= 1:
+            return 0.0, 0.0
+        for r, psi in rank_params.items():
+            grads = psi * self.grad_bytes
+            layers = max(1, rank_layers[r])
+            gathers = 0.0
+            if lay.zero_stage and lay.dp_shard > 1:
+                shard_link = c.link_for(lay.dp_shard, lay.tp * lay.cp * lay.ep)
+                others = lay.dp_replicate * lay.ep * lay.cp
+                rep_link = c.link_for(others, lay.tp * lay.dp_shard)
+                reduce = gather_time(grads, lay.dp_shard, shard_link) + \
+                    allreduce_time(grads / lay.dp_shard, others, rep_link)
+                params = psi * (self.e if lay.zero_stage == 3 else 4)
+                ag = gather_time(params, lay.dp_shard, shard_link)
+                if lay.zero_stage == 3:
+                    # gathered per microbatch forward and backward without a pipeline; once per
+                    # step per stage with one (kept through the schedule window)
+                    passes = 2 * lay.microbatches if lay.pp == 1 else 1
+                    per_layer = ag / layers
+                    layer_fwd = rank_bwd[r] / 2 / layers  # F ~ half of I + W
+                    gathers = passes * layers * max(per_layer - layer_fwd, 0.0) + per_layer
+                    total = reduce + passes * ag
+                else:
+                    gathers = ag  # after the optimizer step, before the next forward
+                    total = reduce + ag
+            else:
+                reduce = allreduce_time(grads, group, c.link_for(group, lay.tp))
+                total = reduce
+            exposed = max(reduce / layers, reduce - rank_bwd[r]) + gathers
+            worst_exposed = max(worst_exposed, exposed)
+            worst_total = max(worst_total, total)
+        return worst_exposed, worst_total
+
+    # ----- memory --------------------------------------------------------------------------
+    def memory(self, lay: Layout) -> dict[str, float]:
+        """Bytes by component on the worst pipeline rank (checked first: most layouts of a large
+        model do not fit, and this is a fraction of ``evaluate``'s work)."""
+        counts, _, owned = self._geometry(lay.pp, lay.chunks, lay.schedule)
+        rank_params = self._rank_params(lay)
+        ends = list(rank_params)
+        from loom.train.memory import block_activation_bytes, head_activation_bytes, \
+            model_state_bytes
+
+        m = self.model
+        s_local, b = self.seq // lay.cp, lay.micro_batch
+        sp = lay.sequence_parallel and lay.tp > 1
+        width = m.expert_ffn_dim or m.ffn_dim
+        moe_f = width * (m.top_k + m.n_shared_experts) + (m.top_k - 1) * m.dim / 4
+
+        def block(f: float, recompute: str) -> float:
+            return block_activation_bytes(s=s_local, b=b, h=m.dim, f=f, a=m.n_heads,
+                                          kv=m.n_kv_heads, t=lay.tp, sequence_parallel=sp,
+                                          e=self.e, recompute=recompute)
+
+        dense_act, moe_act = block(m.ffn_dim, lay.recompute), block(moe_f, lay.recompute)
+        head = head_activation_bytes(s=s_local, b=b, h=m.dim, vocab=m.vocab_size // lay.tp,
+                                     e=self.e)
+        peak = PEAK_IN_FLIGHT.get(lay.schedule, lambda p, mm, v: 1)(lay.pp, lay.microbatches,
+                                                                   lay.chunks)
+        last = len(counts) - 1
+        worst: dict[str, float] | None = None
+        for r in ends:
+            own = owned[r]
+            per_mb = sum(counts[s][0] * dense_act + counts[s][1] * moe_act for s in own)
+            # in flight on rank r: the schedule's peak on rank 0 (and on every rank of a V, whose
+            # ranks are balanced), one fewer per rank further down a looped pipeline
+            in_flight = peak if (r == 0 or lay.schedule in V_SHAPED) else max(1.0, peak - r)
+            acts = per_mb * in_flight
+            if lay.recompute == "full":
+                acts += block(m.ffn_dim, "none")  # one block's full set while it is recomputed
+            if last in own:  # the head's logits live from its F to its backward: briefly
+                acts += head
+            params, grads, optim = model_state_bytes(rank_params[r], lay.dp_shard,
+                                                     lay.zero_stage)
+            transient = 0.0
+            if lay.zero_stage == 3:  # the gathered block in use and the prefetched one
+                transient = 2 * self.e * max(self._layer_params(True, lay),
+                                             self._layer_params(False, lay))
+            entry = {"parameters": params, "gradients": grads, "optimizer": optim,
+                     "activations": acts, "transient": transient}
+            if worst is None or sum(entry.values()) > sum(worst.values()):
+                worst = entry
+        assert worst is not None
+        return worst
+
+
+__all__ = ["Layout", "CostModel", "StepCost", "PEAK_IN_FLIGHT", "allreduce_time", "gather_time",
+           "all_to_all_time", "p2p_time"]
