@@ -214,10 +214,6 @@ def _validate_experts(config: Config) -> None:
         if getattr(par, axis) > 1:
             raise ConfigError(f"parallel.{axis}", getattr(par, axis),
                               f"MoE models with {axis} > 1 are not supported yet: {why}")
-    ck = config.checkpoint
-    if par.ep > 1 and (ck.interval or ck.resume):
-        raise ConfigError("parallel.ep", par.ep, "checkpoints with ep > 1 are not supported yet"
-                          " (expert shards share names across ep ranks); use checkpoint.interval=0")
 
 
 def _validate_context_parallel(config: Config) -> None:
