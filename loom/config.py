@@ -153,6 +153,9 @@ class CheckpointConfig:
     interval: int = 0  # steps between checkpoints (and one at the end); 0: only the final weights
     keep: int = 2  # newest complete checkpoints kept; 0 keeps all
     resume: str = ""  # "" (fresh), "auto" (newest complete one of this run) or a checkpoint dir
+    # Stage the tensors to CPU memory and write them in the background (DCP async_save); the
+    # commit marker still follows the finished write. The run waits for the last save at exit.
+    async_save: bool = False
 
 
 @dataclass

@@ -21,8 +21,19 @@ refuses the checkpoint if the pickle names anything else. RNG files are read wit
 ``weights_only=True``. This module is Loom's own because DCP leaves commit markers, checksums,
 retention and safe metadata to the caller.
 
+Asynchronous saving (``save(async_save=True)``, ``checkpoint.async_save``): DCP's ``async_save``
+copies the tensors to CPU memory before returning (the only part training waits for, besides a
+barrier and the small files), then writes them from a background thread. The commit (manifest,
+marker, rename, retention) runs on the main rank only after that write has finished on every
+rank, so the crash-consistency above holds unchanged: a kill during the background write leaves
+``step_<N>.partial`` without a marker, and the previous checkpoint stays the newest complete one.
+Retention only ever deletes committed checkpoints, so it never touches one being written.
+
 Collectives: ``save`` and ``load`` are collective over the given process group (every rank calls
 them): DCP's own planning collectives, plus barriers and a broadcast of the verification verdict.
+An asynchronous save runs DCP's collectives (a gather and a scatter of the save plans, a gather
+of the write results: small objects) in the background thread on a separate gloo group over the
+same ranks, created by the first asynchronous save.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import os
 import pickle
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -183,9 +195,98 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+class PendingSave:
+    """A checkpoint whose tensors are being written in the background (``save(async_save=True)``).
+
+    ``path`` is where it will be once committed; ``wait()`` blocks until the write and (on the
+    main rank) the commit have finished, re-raising any error of either."""
+
+    def __init__(self, path: Path, future: Future) -> None:
+        self.path = path
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> Path:
+        self._future.result()
+        return self.path
+
+
+class _Stager:
+    """DCP's default CPU staging, plus the ShardedTensors Loom builds (ZeRO-1/2 slices, expert
+    slices), which DCP's stager cannot copy. Synchronous: the copy is complete on return."""
+
+    should_synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self._default = DefaultStager(StagingOptions(use_pinned_memory=False,
+                                                     use_shared_memory=False,
+                                                     use_async_staging=False,
+                                                     use_non_blocking_copy=False))
+
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        from loom.train.checkpoint_state import is_sharded_tensor, sharded_tensor_to_cpu
+
+        plain = {part: {k: v for k, v in values.items() if not is_sharded_tensor(v)}
+                 for part, values in state.items()}
+        staged = self._default.stage(plain)
+        for part, values in state.items():
+            staged[part].update({k: sharded_tensor_to_cpu(v) for k, v in values.items()
+                                 if is_sharded_tensor(v)})
+        return staged
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._default.close()
+
+
+_ASYNC_GROUPS: dict[Any, Any] = {}
+
+
+def _async_group(group: Any) -> Any:
+    """A gloo group over the same ranks for the background writer's collectives (created once,
+    collectively). DCP's planning and finishing collectives then run in the writer thread while
+    training issues its own on the other groups; sharing one group between two threads could
+    interleave their collectives."""
+    if not dist.is_initialized():
+        return None
+    if group is not None:
+        raise ValueError("asynchronous checkpoints are written by every rank of the job"
+                         " (group=None)")
+    if None not in _ASYNC_GROUPS:
+        _ASYNC_GROUPS[None] = dist.new_group(backend="gloo")
+    return _ASYNC_GROUPS[None]
+
+
+def _commit(root: Path, partial: Path, final: Path, step: int, keep: int) -> None:
+    """Main rank, after every rank's files are on disk: manifest, marker, rename, retention.
+    Retention only ever removes committed checkpoints, never one still being written."""
+    files = {str(p.relative_to(partial)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in _files(partial)}
+    _write_atomic(partial / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
+    _write_atomic(partial / COMMIT_MARKER, json.dumps({"step": step, "time": time.time()}))
+    if final.exists():  # an older save of the same step (e.g. after a restart)
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    if keep > 0:
+        for old in complete_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def save(root: Path, step: int, tensors: dict[str, Any], extra: dict[str, Any], *,
-         keep: int = 0, device: torch.device = torch.device("cpu"), group: Any = None) -> Path:
-    """Write step ``step`` (collective); keep the newest ``keep`` complete ones (0: all)."""
+         keep: int = 0, device: torch.device = torch.device("cpu"), group: Any = None,
+         async_save: bool = False) -> Path | PendingSave:
+    """Write step ``step`` (collective); keep the newest ``keep`` complete ones (0: all).
+
+    ``async_save``: DCP stages the tensors to CPU memory before this returns, then writes them
+    from a background thread; the main rank commits (manifest, marker, rename, retention) only
+    once that write has finished everywhere, so a crash meanwhile leaves the previous checkpoint
+    the newest complete one. Returns a ``PendingSave``; wait for it before the next save."""
     import torch.distributed.checkpoint as dcp
 
     root = Path(root)
@@ -197,22 +298,34 @@ def save(root: Path, step: int, tensors: dict[str, Any], extra: dict[str, Any], 
         partial.mkdir()
         (partial / "rng").mkdir()
     _barrier(group)
-    dcp.save(tensors, checkpoint_id=str(partial), process_group=group)
+    # The small files first: once any rank's DCP write has finished, every rank has passed here.
     torch.save(rng_state(device), partial / "rng" / f"rank{_rank(group)}.pt")
     if _is_main(group):
         (partial / EXTRA).write_text(json.dumps(extra, indent=1, sort_keys=True))
+    if async_save:
+        stager = _Stager()
+        written = dcp.async_save(tensors, checkpoint_id=str(partial),
+                                 process_group=_async_group(group), async_stager=stager)
+        main = _is_main(group)
+
+        def finish() -> None:
+            try:
+                written.result()
+            finally:
+                stager.close()
+            # DCP's last step gathers every rank's write results to rank 0 before it writes
+            # .metadata, so when rank 0's write is done, every rank's files are on disk.
+            if main:
+                _commit(root, partial, final, step, keep)
+
+        runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-checkpoint")
+        future = runner.submit(finish)
+        runner.shutdown(wait=False)
+        return PendingSave(final, future)
+    dcp.save(tensors, checkpoint_id=str(partial), process_group=group)
     _barrier(group)  # every rank's files are on disk before the manifest is computed
     if _is_main(group):
-        files = {str(p.relative_to(partial)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-                 for p in _files(partial)}
-        _write_atomic(partial / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
-        _write_atomic(partial / COMMIT_MARKER, json.dumps({"step": step, "time": time.time()}))
-        if final.exists():  # an older save of the same step (e.g. after a restart)
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        if keep > 0:
-            for old in complete_checkpoints(root)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+        _commit(root, partial, final, step, keep)
     _barrier(group)
     return final
 

@@ -155,6 +155,7 @@ class Trainer:
         self.loader = DistributedLoader(self.train_set, sampler, self.dp_rank, self.dp_size,
                                         self.ctx.device)
         self.step = 0
+        self._pending_save = None  # an asynchronous checkpoint being written (checkpoint.py)
         self.skipped_steps = 0
 
     # -- one step ---------------------------------------------------------------------------------
@@ -311,16 +312,28 @@ class Trainer:
         return training_state(self.model, self.optimizer)
 
     def save_checkpoint(self, root: Path | None = None) -> Path:
-        """Save the full training state as checkpoint ``step`` under ``root`` (collective)."""
+        """Save the full training state as checkpoint ``step`` under ``root`` (collective).
+        With ``checkpoint.async_save`` the write continues in the background (one at a time:
+        this first waits for the previous one); the returned path exists once it is committed."""
         from loom.config import to_dict
         from loom.train import checkpoint
 
         root = root or self.run_dir / "checkpoints"
+        self.wait_for_checkpoint()
         self._refuse_non_finite_weights()
         extra = {"step": self.step, "scheduler": self.scheduler.state_dict(),
                  "data": self.loader.state_dict(), "config": to_dict(self.config)}
-        return checkpoint.save(root, self.step, self._checkpoint_tensors(), extra,
-                               keep=self.config.checkpoint.keep, device=self.ctx.device)
+        saved = checkpoint.save(root, self.step, self._checkpoint_tensors(), extra,
+                                keep=self.config.checkpoint.keep, device=self.ctx.device,
+                                async_save=self.config.checkpoint.async_save)
+        if isinstance(saved, checkpoint.PendingSave):
+            self._pending_save, saved = saved, saved.path
+        return saved
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Block until the background checkpoint write (if any) is written and committed."""
+        pending, self._pending_save = self._pending_save, None
+        return pending.wait() if pending is not None else None
 
     def _refuse_non_finite_weights(self) -> None:
         """A checkpoint never holds NaN or infinity: checked on every rank's local values."""
@@ -481,6 +494,7 @@ class Trainer:
             if self.run_dir is not None:
                 if ck.interval and self.step % ck.interval:  # the end, unless just saved
                     self.save_checkpoint()
+                self.wait_for_checkpoint()  # an asynchronous save is committed before exit
                 self.save_weights(self.run_dir / "model.safetensors")
             logger.close(plot=mc.plot)
         return last
