@@ -242,9 +242,15 @@ def _validate_schedule(config: Config) -> None:
     """The pipeline rules: a known schedule family, chunks it accepts, a layer per stage and a
     microbatch count m = global_batch_size / (dp * micro_batch_size) the family can schedule."""
     from loom.pipeline.runtime import ChunksError, schedule_for  # config -> Schedule, one place
-    from loom.pipeline.schedules import names
+    from loom.pipeline.schedules import names, simulation_only
 
     par, tr, m = config.parallel, config.train, config.model
+    if par.schedule.lower().replace("-", "_") in simulation_only():
+        raise ConfigError("parallel.schedule", par.schedule,
+                          "simulation only: its microbatches take two routes through two copies"
+                          " of the model, which the pipeline runtime does not run (one copy per"
+                          " stage, no gradient sum between copies); use it with loom schedule"
+                          " show|simulate, and train with zbv, dualpipev or 1f1b")
     known = names()
     if par.schedule.lower().replace("-", "_") not in known:
         raise ConfigError("parallel.schedule", par.schedule, f"unknown schedule; known: "

@@ -22,7 +22,7 @@ import sys
 from typing import Any, NoReturn
 
 from loom.pipeline.ir import Schedule, csv_text
-from loom.pipeline.schedules import get, names
+from loom.pipeline.schedules import get, names, simulation_only
 from loom.pipeline.search import DEFAULT_EFFORT, PLACEMENTS
 from loom.pipeline.validate import ScheduleError, format_grid, validate
 
@@ -169,11 +169,12 @@ def _run(handler: Any) -> Any:
 
 @_run
 def _list(args: argparse.Namespace) -> int:
-    width = max(len(name) for name in names())
-    for name in names():
+    width = max(len(name) for name in names() + simulation_only())
+    for name in names() + simulation_only():
         doc = (inspect.getdoc(get(name)) or "").splitlines()[0]
         chunks = " [--chunks]" if _takes_chunks(name) else ""
-        print(f"{name:<{width}}  {doc}{chunks}")
+        only = " [simulation only: not trainable]" if name in simulation_only() else ""
+        print(f"{name:<{width}}  {doc}{chunks}{only}")
     return 0
 
 
@@ -208,7 +209,10 @@ def _export(args: argparse.Namespace) -> int:
     if args.memory_limit is not None:
         _simulated(args, schedule)
     fmt = args.format or ("json" if (args.output or "").lower().endswith(".json") else "torch-csv")
-    text = schedule.to_json() + "\n" if fmt == "json" else csv_text(schedule)
+    try:
+        text = schedule.to_json() + "\n" if fmt == "json" else csv_text(schedule)
+    except ValueError as err:  # e.g. routes, which torch's CSV cannot express
+        raise UsageError("--format", str(err)) from None
     if args.output:
         with open(args.output, "w", newline="") as handle:
             handle.write(text)

@@ -6,6 +6,14 @@ An action is ``Action(stage, op, microbatch)`` and prints in PyTorch's one-token
 through its CSV format (one row per rank, one action per cell). Idle steps are not part of the
 IR: a rank simply waits for the dependencies of its next action (see ``loom.pipeline.validate``).
 
+Routes (replicated stages). By default every microbatch visits every stage, 0 to n-1. A schedule
+may instead hold ``num_routes`` copies of an L-stage model: stage ``r * L + j`` is copy ``r`` of
+stage j, and microbatch m visits only the stages of its route ``routes[m]``, in order. This is
+what bidirectional schedules (BitPipe, Chimera, DualPipe) need: two copies of the model placed in
+opposite directions, half the microbatches through each; the copies' weight gradients must be
+summed before the optimizer step. torch's CSV cannot say which route a microbatch takes, so such
+schedules travel as JSON only.
+
 Everything that runs, simulates or plans a pipeline consumes this one type. Nothing here imports
 torch.
 """
@@ -20,6 +28,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import IO
 
 
@@ -119,6 +128,10 @@ class Schedule:
     ``placement[stage]`` is the pipeline rank that owns ``stage``; ``actions[rank]`` is what that
     rank runs, in order. Construction only checks shapes; ``loom.pipeline.validate`` checks the
     rules (completeness, ownership, dependencies, deadlock, memory).
+
+    ``num_routes`` > 1 splits the stages into that many copies of ``stages_per_route`` stages,
+    and ``routes[m]`` is the copy microbatch m goes through (see the module docstring; empty
+    means route 0 for every microbatch).
     """
 
     num_stages: int
@@ -126,6 +139,8 @@ class Schedule:
     placement: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
     name: str = "custom"
+    num_routes: int = 1
+    routes: tuple[int, ...] = ()
     # action -> (rank, index in that rank's list); first occurrence wins. Built once, so that
     # dependency look-ups stay O(1) for the validator and the simulators built on this IR.
     _positions: dict[Action, tuple[int, int]] = field(
@@ -143,6 +158,14 @@ class Schedule:
             raise ValueError(
                 f"placement uses rank {max(self.placement)} but actions has {len(self.actions)} ranks"
             )
+        object.__setattr__(self, "routes", tuple(int(r) for r in self.routes))
+        if self.num_routes < 1 or self.num_stages % self.num_routes:
+            raise ValueError(f"num_routes={self.num_routes} must be >= 1 and divide "
+                             f"num_stages={self.num_stages}")
+        if self.routes and (len(self.routes) != self.num_microbatches
+                            or not all(0 <= r < self.num_routes for r in self.routes)):
+            raise ValueError(f"routes must give one route in 0..{self.num_routes - 1} per "
+                             f"microbatch ({self.num_microbatches}), got {list(self.routes)}")
         positions: dict[Action, tuple[int, int]] = {}
         for rank, row in enumerate(self.actions):
             for index, action in enumerate(row):
@@ -167,6 +190,36 @@ class Schedule:
         """The rank that owns ``stage``."""
         return self.placement[stage]
 
+    @property
+    def stages_per_route(self) -> int:
+        """Stages one microbatch goes through (all of them unless the schedule has routes)."""
+        return self.num_stages // self.num_routes
+
+    def route_of(self, microbatch: int) -> int:
+        """The copy of the stages ``microbatch`` goes through."""
+        return self.routes[microbatch] if self.routes else 0
+
+    def route_stages(self, microbatch: int) -> range:
+        """The stages ``microbatch`` visits, in order."""
+        first = self.route_of(microbatch) * self.stages_per_route
+        return range(first, first + self.stages_per_route)
+
+    def is_first(self, stage: int) -> bool:
+        """``stage`` starts its route (it takes the tokens)."""
+        return stage % self.stages_per_route == 0
+
+    def is_last(self, stage: int) -> bool:
+        """``stage`` ends its route (it computes the loss)."""
+        return stage % self.stages_per_route == self.stages_per_route - 1
+
+    def stage_weight(self, stage: int) -> Fraction:
+        """Activation memory of one microbatch of ``stage``, in units of one full rank's: 1/v
+        when the rank owns v stages of ``stage``'s route (a route holds the whole model)."""
+        route = stage // self.stages_per_route
+        owned = [s for s in self.stages_of(self.rank_of(stage))
+                 if s // self.stages_per_route == route]
+        return Fraction(1, len(owned))
+
     def position(self, action: Action) -> tuple[int, int] | None:
         """``(rank, index)`` of ``action`` in this schedule, or None if it is not scheduled."""
         return self._positions.get(action)
@@ -178,22 +231,27 @@ class Schedule:
         rows = "\n".join(
             f"  rank {rank}: {' '.join(map(str, row))}" for rank, row in enumerate(self.actions)
         )
+        routes = (f", {self.num_routes} routes {list(self.routes)}" if self.num_routes > 1
+                  else "")
         return (
             f"Schedule {self.name!r}: {self.num_stages} stages, {self.num_microbatches} "
-            f"microbatches, placement {list(self.placement)}\n{rows}"
+            f"microbatches, placement {list(self.placement)}{routes}\n{rows}"
         )
 
     # -- JSON -----------------------------------------------------------------------------------
 
     def to_dict(self) -> dict:
-        """Plain data: actions as PyTorch tokens, one list per rank."""
-        return {
+        """Plain data: actions as PyTorch tokens, one list per rank (and the routes, if any)."""
+        data = {
             "name": self.name,
             "num_stages": self.num_stages,
             "num_microbatches": self.num_microbatches,
             "placement": list(self.placement),
             "actions": [[str(action) for action in row] for row in self.actions],
         }
+        if self.num_routes > 1:
+            data.update(num_routes=self.num_routes, routes=list(self.routes))
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping) -> Schedule:
@@ -203,6 +261,8 @@ class Schedule:
             placement=tuple(data["placement"]),
             actions=tuple(tuple(Action.parse(t) for t in row) for row in data["actions"]),
             name=str(data.get("name", "custom")),
+            num_routes=int(data.get("num_routes", 1)),
+            routes=tuple(data.get("routes", ())),
         )
 
     def to_json(self) -> str:
@@ -221,6 +281,9 @@ class Schedule:
         The CSV has no room for the name, the microbatch count or the placement: torch infers
         the placement from which row holds a stage, and so does ``from_torch_csv``.
         """
+        if self.num_routes > 1:
+            raise ValueError(f"{self.name}: torch's CSV cannot say which of the {self.num_routes}"
+                             " routes (copies of the stages) a microbatch takes; export JSON")
         rows = [[str(action) for action in row] for row in self.actions]
         if isinstance(destination, (str, os.PathLike)):
             with open(destination, "w", newline="") as handle:

@@ -10,7 +10,10 @@ reuse them:
 * ``memory_profile`` / ``peak_memory``: live activations per rank, in units of one full rank's
   activations for one microbatch. A (stage, microbatch) is live from the start of its F to the
   end of its last backward piece (W, or B when not split); a stage on a rank that owns v stages
-  weighs 1/v.
+  (of its route) weighs 1/v.
+
+With routes (``Schedule.num_routes`` > 1) "the next stage" and "the last stage" are those of the
+microbatch's route, and a microbatch needs actions only on the stages of its route.
 """
 
 from __future__ import annotations
@@ -38,15 +41,16 @@ def dependencies(schedule: Schedule, action: Action) -> tuple[Action, ...]:
     """The actions that must finish before ``action`` starts.
 
     F(s,m) needs F(s-1,m). I or B(s,m) needs F(s,m) and the input gradient of (s+1,m), i.e.
-    I(s+1,m) when that stage splits its backward, else B(s+1,m). W(s,m) needs I(s,m).
+    I(s+1,m) when that stage splits its backward, else B(s+1,m). W(s,m) needs I(s,m). (The
+    first and last stages are those of m's route.)
     """
     stage, op, microbatch = action.stage, action.op, action.microbatch
     if op is Op.F:
-        return (Action(stage - 1, Op.F, microbatch),) if stage > 0 else ()
+        return () if schedule.is_first(stage) else (Action(stage - 1, Op.F, microbatch),)
     if op is Op.W:
         return (Action(stage, Op.I, microbatch),)
     needed = [Action(stage, Op.F, microbatch)]
-    if stage < schedule.num_stages - 1:
+    if not schedule.is_last(stage):
         split = Action(stage + 1, Op.I, microbatch)
         needed.append(split if split in schedule else Action(stage + 1, Op.B, microbatch))
     return tuple(needed)
@@ -129,10 +133,6 @@ def execute(schedule: Schedule, durations: Mapping[Op, int] = UNIT_DURATIONS) ->
     )
 
 
-def _stage_weight(schedule: Schedule, stage: int) -> Fraction:
-    return Fraction(1, len(schedule.stages_of(schedule.rank_of(stage))))
-
-
 def memory_profile(schedule: Schedule, rank: int) -> tuple[Fraction, ...]:
     """Live activation units on ``rank`` while each of its actions runs (exact fractions)."""
     row = schedule.actions[rank]
@@ -143,7 +143,7 @@ def memory_profile(schedule: Schedule, rank: int) -> tuple[Fraction, ...]:
     live = Fraction(0)
     levels = []
     for index, action in enumerate(row):
-        weight = _stage_weight(schedule, action.stage)
+        weight = schedule.stage_weight(action.stage)
         if action.op is Op.F:
             live += weight
         levels.append(live)
@@ -214,7 +214,8 @@ def _fail(schedule: Schedule, rule: str, reason: str, *actions: Action) -> Sched
 def validate(schedule: Schedule, memory_limit: float | None = None) -> None:
     """Raise ``ScheduleError`` unless ``schedule`` is complete, well placed and runnable.
 
-    Rules, checked in this order: ``range`` (stage and microbatch exist), ``placement`` (each
+    Rules, checked in this order: ``range`` (stage and microbatch exist), ``route`` (the stage
+    is on the microbatch's route, when the schedule has routes), ``placement`` (each
     action on the rank owning its stage), ``duplicate``, ``missing`` (each (stage, microbatch)
     has F and either B or I and W), ``mixed`` (not both), ``order`` (a dependency on the same
     rank comes earlier in its list), ``deadlock`` (in-order execution finishes), ``memory``
@@ -229,6 +230,10 @@ def validate(schedule: Schedule, memory_limit: float | None = None) -> None:
             if not (0 <= action.microbatch < schedule.num_microbatches):
                 raise _fail(schedule, "range", f"{action}: microbatch {action.microbatch} does "
                             f"not exist (num_microbatches={schedule.num_microbatches})", action)
+            if action.stage not in schedule.route_stages(action.microbatch):
+                raise _fail(schedule, "route", f"{action}: microbatch {action.microbatch} takes "
+                            f"route {schedule.route_of(action.microbatch)}, stages "
+                            f"{_span(schedule.route_stages(action.microbatch))}", action)
             owner = schedule.rank_of(action.stage)
             if owner != rank:
                 raise _fail(schedule, "placement", f"{action} is on rank {rank} but stage "
@@ -265,9 +270,15 @@ def deadlock_error(schedule: Schedule, execution: Execution | None = None) -> Sc
     )
 
 
+def _span(stages: range) -> str:
+    return f"{stages.start}..{stages.stop - 1}"
+
+
 def _check_complete(schedule: Schedule, seen: Counter[Action]) -> None:
     for stage in range(schedule.num_stages):
         for mb in range(schedule.num_microbatches):
+            if stage not in schedule.route_stages(mb):
+                continue  # another route's copy of the stage
             has = {op: Action(stage, op, mb) in seen for op in Op}
             where = f"stage {stage} microbatch {mb}"
             if not has[Op.F]:

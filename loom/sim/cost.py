@@ -202,10 +202,11 @@ class StageCosts:
         return self.latency + _divide(self.message_bytes, self.bandwidth)
 
     def activation_weight(self, schedule: Schedule, stage: int) -> Number:
-        """Memory held by one microbatch of ``stage`` (default 1/v of a full rank's)."""
+        """Memory held by one microbatch of ``stage`` (default 1/v of a full rank's, v the
+        rank's stages on that stage's route: ``Schedule.stage_weight``)."""
         if self.activation is not None:
             return self.activation[stage]
-        return Fraction(1, len(schedule.stages_of(schedule.rank_of(stage))))
+        return schedule.stage_weight(stage)
 
     def describe(self) -> str:
         """Short human form, e.g. ``F=1 I=1 W=1 latency=0`` (per-stage costs: the source)."""

@@ -1,21 +1,22 @@
 """Schedule generators, one module per family, and a registry by name.
 
 Every generator is a pure function ``(pp_size, microbatches, ...) -> Schedule``; its docstring
-cites the paper and states the valid microbatch counts. ``get(name)`` returns the generator,
-``names()`` lists them.
+cites the paper and states the valid microbatch counts. ``get(name)`` returns the generator;
+``names()`` lists the families the training runtime runs, and ``simulation_only()`` the ones it
+does not (they validate, simulate and export, and the config refuses them for training by name).
+
+* ``bidirectional_v`` (simulation only): BitPipe's shape, two V pipelines in opposite directions
+  over two copies of the model, with a per-microbatch route (``Schedule.routes``). The runtime
+  runs one copy of each stage, so it cannot train it yet (see the module).
 
 Not provided, and why:
 
-* Hanayo (Liu et al. SC'23): its wave placement exists (``v_placement(p, 2 * waves)``), but I
-  found no closed form for its warm-up per wave and rank, and deriving it with Loom's greedy
-  scheduler (full backwards, 1F1B's budget of p units) gave bubbles about 3x those of 1F1B,
-  the opposite of the paper's claim; so nothing is registered under Hanayo's name yet.
-* BitPipe (Wu et al. 2024) and the bidirectional DualPipe (DeepSeek-V3 report) send half the
-  microbatches through a second, mirrored copy of the model, so a microbatch visits only one of
-  two stage sets and the weights exist twice. Loom's IR has one stage set that every microbatch
-  visits; expressing them needs a per-microbatch route (or replica) field that the runtime,
-  lowering and simulator would have to agree on first. DualPipeV, the V-shaped single-copy
-  variant, is provided.
+* Hanayo (Liu et al. SC'23): its wave placement exists (``v_placement(p, 2 * waves)``) and
+  needs no routes (one copy, every microbatch visits every stage; the runtime's same-rank
+  hand-over already covers its turns). What is missing is the order: I found no closed form for
+  its warm-up per wave and rank, and Loom's greedy scheduler (full backwards, 1F1B's budget of p
+  units) gives about twice 1F1B's bubble (docs/design.md), the opposite of the paper's claim; so
+  nothing is registered under Hanayo's name.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from loom.pipeline.ir import Schedule
+from loom.pipeline.schedules.bidirectional import bidirectional_v
 from loom.pipeline.schedules.controllable_memory import v_half, v_min
 from loom.pipeline.schedules.dualpipev import dualpipev
 from loom.pipeline.schedules.gpipe import gpipe
@@ -48,17 +50,31 @@ _REGISTRY: dict[str, Generator] = {
 }
 
 
+# Families the runtime cannot train (it runs one copy of each stage): validated, simulated,
+# exported, and refused by the config for training, by name.
+_SIMULATION_ONLY: dict[str, Generator] = {
+    "bidirectional_v": bidirectional_v,
+}
+
+
 def names() -> list[str]:
-    """Registered schedule families, in registration order."""
+    """Schedule families the training runtime runs, in registration order."""
     return list(_REGISTRY)
+
+
+def simulation_only() -> list[str]:
+    """Schedule families that validate and simulate but that the runtime cannot train."""
+    return list(_SIMULATION_ONLY)
 
 
 def get(name: str) -> Generator:
     """The generator registered as ``name`` (case-insensitive; '-' and '_' are equivalent)."""
     key = name.lower().replace("-", "_")
-    if key not in _REGISTRY:
-        raise KeyError(f"unknown pipeline schedule {name!r}; known: {', '.join(names())}")
-    return _REGISTRY[key]
+    generator = _REGISTRY.get(key) or _SIMULATION_ONLY.get(key)
+    if generator is None:
+        known = ", ".join(names() + [f"{n} (simulation only)" for n in simulation_only()])
+        raise KeyError(f"unknown pipeline schedule {name!r}; known: {known}")
+    return generator
 
 
-__all__ = ["Generator", "get", "names"]
+__all__ = ["Generator", "get", "names", "simulation_only"]
