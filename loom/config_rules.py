@@ -149,13 +149,14 @@ def _validate_zero(config: Config) -> None:
                           " parallel.dp_shard > 1 (ZeRO keeps its shard on the host)")
     if par.dp_shard == 1:
         return
-    for axis, why in (("pp", "the pipeline runtime does not drive sharded stages yet"),
-                      ("cp", "sharding over dp_shard x cp is not wired yet"),
+    for axis, why in (("cp", "sharding over dp_shard x cp is not wired yet"),
                       ("ep", "expert parameters need their own sharding group")):
         if getattr(par, axis) > 1:
             raise ConfigError(f"parallel.{axis}", getattr(par, axis),
                               f"{axis} > 1 with dp_shard > 1 is not implemented yet ({why});"
                               " use dp_replicate for data parallelism")
+    if par.pp > 1:
+        _validate_zero_pipeline(config)
     if par.zero_stage < 3 and par.tp > 1:
         raise ConfigError("parallel.zero_stage", par.zero_stage, "ZeRO-1/2 with tp > 1 is not"
                           " implemented yet; use zero_stage = 3 (FSDP2 composes with TP)")
@@ -174,6 +175,32 @@ def _validate_post_validation(config: Config) -> None:
             raise ConfigError("train.post_validation", True,
                               f"not implemented with {axis} > 1 ({why}); use"
                               " train.post_validation = false")
+
+
+def _validate_zero_pipeline(config: Config) -> None:
+    """ZeRO inside pipeline stages (pp > 1, dp_shard > 1): stage 3 only, without TP, and a
+    schedule that splits the backward into I and W keeps its stages gathered across the step."""
+    par = config.parallel
+    if par.zero_stage < 3:
+        raise ConfigError("parallel.zero_stage", par.zero_stage, "ZeRO-1/2 inside pipeline stages"
+                          " (pp > 1) is not implemented yet; use zero_stage = 3")
+    if par.tp > 1:
+        raise ConfigError("parallel.tp", par.tp, "tp > 1 with pp > 1 and dp_shard > 1 is not"
+                          " implemented yet (no parity test of the three together); use"
+                          " dp_replicate for data parallelism")
+    from loom.pipeline.runtime import schedule_for
+
+    tr = config.train
+    micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
+    schedule = schedule_for(par.schedule, par.pp, micro, par.chunks)
+    if par.reshard_after_forward and any(a.op.name in ("I", "W") for row in schedule.actions
+                                         for a in row):
+        raise ConfigError("parallel.reshard_after_forward", True,
+                          f"schedule {par.schedule!r} splits the backward into I and W, and a W"
+                          " needs the gathered weights its I used: with pp > 1 and dp_shard > 1"
+                          " set parallel.reshard_after_forward = false (each stage gathered once"
+                          " per step) or use a full-backward schedule (1f1b, gpipe,"
+                          " interleaved_1f1b, looped_bfs)")
 
 
 def _validate_experts(config: Config) -> None:

@@ -11,13 +11,18 @@ on, because each later step must see the module the earlier ones produced:
 3. expert parallelism on ``ep`` (``expert.py``): each ep rank keeps E/ep experts of every MoE
    layer and tokens travel by all-to-all; the data-parallel step below then reduces only the
    dense parameters (expert gradients follow ``expert.reduce_gradients``' rule);
-4. activation recomputation                      (not yet in this version)
+4. activation recomputation (``activation.py``, ``train.recompute``): blocks wrapped in place;
 5. data parallelism (``data.py``), always last: it must see the final (local) parameters. Its
    group is ``dp`` (dp_replicate x dp_shard x ep), or ``dp x cp`` when cp > 1, because cp ranks
-   hold the same weights and average their gradients like replicas.
+   hold the same weights and average their gradients like replicas. With ``dp_shard > 1`` it is
+   ZeRO instead: stage 3 through FSDP2 (``data.apply_fully_shard``), 1 and 2 ``zero.py``'s.
 
 Pipeline parallelism is applied before all of these by splitting the model into stages
-(``loom.pipeline``). Every step is the identity at degree 1.
+(``loom.pipeline``); ``loom.pipeline.runtime.build_pipeline`` then calls ``parallelize`` on every
+stage module, and the runtime decides when each stage's gradients are reduced (after its last
+backward piece of the step). Under pp > 1, ZeRO-3 with ``reshard_after_forward = false`` keeps a
+stage's parameters gathered across the whole step (one all-gather per step, not per microbatch).
+Every step is the identity at degree 1.
 """
 
 from __future__ import annotations
@@ -64,9 +69,13 @@ def parallelize(model: nn.Module, meshes: Meshes, parallel: Any, *, cp_groups: A
         mesh = (meshes.root[("dp_replicate", "dp_shard")] if parallel.dp_replicate > 1
                 else meshes.root["dp_shard"])
         compute = torch.bfloat16 if train is not None and train.dtype == "bf16" else None
+        # Under a pipeline, reshard_after_forward = false means "gathered across the step":
+        # the runtime reshards after the stage's last backward piece, FSDP2 never by itself.
+        after_backward = parallel.pp == 1 or parallel.reshard_after_forward
         return apply_fully_shard(model, mesh, reshard_after_forward=parallel.reshard_after_forward,
-                                 param_dtype=compute, reduce_dtype=reduce_dtype,
-                                 offload_optimizer=offload_optimizer, ledger=ledger)
+                                 reshard_after_backward=after_backward, param_dtype=compute,
+                                 reduce_dtype=reduce_dtype, offload_optimizer=offload_optimizer,
+                                 ledger=ledger)
     if parallel.dp_shard > 1:
         from loom.parallel.zero import apply_zero
 

@@ -33,11 +33,15 @@ then one reduce-scatter of its gradients, ``(d-1)/d * 4P_block``; HSDP adds the 
 gradient shard over ``dp_replicate``. Per step ``3 (d-1)/d * 4P`` against plain data
 parallelism's ``2 (d-1)/d * 4P``: ZeRO's 1.5x (per microbatch the two all-gathers repeat; the
 reduce-scatter runs on the last microbatch only, so m microbatches move ``(2m+1)/2`` times plain
-data parallelism's bytes — the pipeline's breadth-first motive). The next block's all-gather is prefetched (issued
-before the current block computes; on a GPU it runs on its own stream). FSDP2's collectives go
-through ``comm.py`` (``set_custom_all_gather`` / ``set_custom_reduce_scatter``), so the ledger
-counts them like Loom's own. gloo has no ``PREMUL_SUM`` / ``AVG``: reductions are forced to
-``SUM`` and FSDP2 divides by the data-parallel size afterwards (the average).
+data parallelism's bytes). Pipeline stages can instead stay gathered across the whole step
+(``reshard_after_backward=False``; the runtime ``flush``es after the stage's last backward piece):
+one all-gather and one reduce-scatter per step, ``2 (d-1)/d * 4P_stage``, plain data
+parallelism's bytes (the breadth-first insight). The next block's all-gather is prefetched
+(issued before the current block computes; on a GPU it runs on its own stream). FSDP2's
+all-gathers and reduce-scatters go through ``comm.py`` (``set_custom_all_gather`` /
+``set_custom_reduce_scatter``), so the ledger counts them like Loom's own. gloo has no
+``PREMUL_SUM`` / ``AVG``: reductions are forced to ``SUM`` and FSDP2 divides by the data-parallel
+size afterwards (the average).
 
 Why FSDP2 for stage 3: per-parameter DTensor sharding composes with TP and with DCP (checkpoints
 reshard across layouts by name), and its gather/free/prefetch machinery is what stage 3 needs.
@@ -114,10 +118,16 @@ class GradientReducer:
         self._pending.append((work, flat, grads))
         self._next = index + 1
 
-    def finish(self) -> None:
-        """Launch what backward did not (unused parameters), wait, write the averages back."""
+    def flush(self) -> None:
+        """Launch every bucket not launched yet: the unused parameters' after a backward, or all
+        of them when the gradients were accumulated with ``sync`` off (a pipeline stage's last
+        backward piece, which may be a W that autograd's accumulate hooks never see)."""
         while self._next < len(self.buckets):
             self._launch(self._next)
+
+    def finish(self) -> None:
+        """Launch what backward did not (unused parameters), wait, write the averages back."""
+        self.flush()
         for work, flat, grads in self._pending:
             work.wait()
             copy_back(flat, grads)
@@ -143,8 +153,12 @@ def apply_data_parallel(model: nn.Module, group: Any, size: int, *,
     return model
 
 
-def _reducer(model: nn.Module) -> GradientReducer | None:
+def gradient_reducer(model: nn.Module) -> Any:
+    """The object that reduces ``model``'s gradients over its data group (``GradientReducer``,
+    ZeRO-3's ``FullyShardedSync`` or ZeRO-1/2's optimizer), None at data-parallel degree 1.
+    Each has ``sync`` (off: accumulate locally), ``finish()``, and the first two ``flush()``."""
     return getattr(model, "_loom_grad_reducer", None)
+
 
 
 @contextlib.contextmanager
@@ -158,13 +172,13 @@ def _sync_off(reducer: GradientReducer):
 
 def no_gradient_sync(model: nn.Module) -> ContextManager:
     """Skip the reduction for all but the last microbatch of a gradient-accumulation step."""
-    reducer = _reducer(model)
+    reducer = gradient_reducer(model)
     return _sync_off(reducer) if reducer is not None else contextlib.nullcontext()
 
 
 def finish_gradient_sync(model: nn.Module) -> None:
     """Wait for this step's gradient reductions (call before clipping and the optimizer step)."""
-    reducer = _reducer(model)
+    reducer = gradient_reducer(model)
     if reducer is not None:
         reducer.finish()
 
@@ -192,12 +206,25 @@ class _CountedReduceScatter(_CountedAllGather):
 
 
 class _FullyShardedSync:
-    """``no_gradient_sync`` / ``finish_gradient_sync`` for an FSDP2 model: ``sync = False`` keeps
-    the unsharded gradients of the non-final microbatches (no reduce-scatter); FSDP2 waits for its
-    reductions at the end of backward, so ``finish`` has nothing left to do."""
+    """The gradient synchronisation of an FSDP2 model (``gradient_reducer`` of it).
 
-    def __init__(self, model: nn.Module) -> None:
+    ``sync = False`` keeps the unsharded gradients of the non-final microbatches (no
+    reduce-scatter) and tells FSDP2 the next backward is not the last. FSDP2 waits for its
+    reductions at the end of the last backward, so ``finish`` has nothing left to do.
+
+    Pipeline stages (``loom.pipeline.runtime``) accumulate every backward piece with ``sync``
+    off, then call ``flush`` once after the stage's last piece of the step: it runs FSDP2's
+    post-backward of every unit by hand (reduce-scatter, plus HSDP's all-reduce) and reshards.
+    By hand because a W piece (Zero Bubble's weight gradient) computes its gradients with
+    ``autograd.grad`` from saved intermediates, outside the module hooks that would fire FSDP2's
+    post-backward, and after the I piece that already passed them. ``per_microbatch``: False
+    keeps the stage's parameters gathered from its first F to ``flush`` (one all-gather per
+    step); True lets FSDP2 reshard after every forward and backward (one per F and per B).
+    """
+
+    def __init__(self, model: nn.Module, per_microbatch: bool = True) -> None:
         self._model = model
+        self.per_microbatch = per_microbatch
 
     @property
     def sync(self) -> bool:
@@ -206,13 +233,34 @@ class _FullyShardedSync:
     @sync.setter
     def sync(self, value: bool) -> None:
         self._model.set_requires_gradient_sync(value)
+        self._model.set_is_last_backward(value)
+
+    def flush(self) -> None:
+        """Reduce the gradients accumulated with ``sync`` off, now; then reshard."""
+        from torch.distributed.fsdp import fully_shard
+
+        self.sync = True
+        state = fully_shard.state(self._model)  # the root's; its context lists every unit
+        for unit in state._state_ctx.all_states:
+            for group in unit._fsdp_param_groups:
+                group.post_backward()  # accumulated grads -> reduce-scatter (-> all-reduce)
+        state._root_post_backward_final_callback()  # wait for the reductions, reset for the next
+        self.reshard()
+
+    def reshard(self) -> None:
+        """Free every unit's gathered parameters (a no-op for units already sharded)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self._model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def finish(self) -> None:
         pass
 
 
 def apply_fully_shard(model: nn.Module, mesh: Any, *, reshard_after_forward: bool = True,
-                      param_dtype: torch.dtype | None = None,
+                      reshard_after_backward: bool = True, param_dtype: torch.dtype | None = None,
                       reduce_dtype: torch.dtype = torch.float32, offload_optimizer: bool = False,
                       ledger: comm.CommLedger | None = None, axis: str = "dp_shard") -> nn.Module:
     """ZeRO-3 with FSDP2 over ``mesh`` (1-D ``dp_shard`` or 2-D ``(dp_replicate, dp_shard)``).
@@ -222,6 +270,9 @@ def apply_fully_shard(model: nn.Module, mesh: Any, *, reshard_after_forward: boo
     gathered parameters (bf16 mixed precision; the sharded fp32 values are the master weights);
     ``reduce_dtype``: the dtype of the reduce-scatter. ``offload_optimizer``: FSDP2's CPU offload
     (sharded parameters, gradients and the optimizer step on the host; for accelerators).
+    ``reshard_after_backward=False`` (with ``reshard_after_forward=False``) keeps the parameters
+    gathered until ``reshard`` / ``flush``: a pipeline stage held across its schedule window.
+    The ledger counts the all-gathers and reduce-scatters (through ``comm.py``).
     """
     from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
                                         fully_shard)
@@ -241,16 +292,29 @@ def apply_fully_shard(model: nn.Module, mesh: Any, *, reshard_after_forward: boo
         unit.set_force_sum_reduction_for_comms(True)  # gloo: SUM, then FSDP2 divides by dp
         unit.set_custom_all_gather(_CountedAllGather(ledger, axis))
         unit.set_custom_reduce_scatter(_CountedReduceScatter(ledger, axis))
+        unit.set_reshard_after_backward(reshard_after_backward, recurse=False)
     # Explicit prefetch: the next block's all-gather is issued before this one computes.
     for current, following in zip(blocks, blocks[1:]):
         current.set_modules_to_forward_prefetch([following])
         following.set_modules_to_backward_prefetch([current])
-    model._loom_grad_reducer = _FullyShardedSync(model)
+    model._loom_grad_reducer = _FullyShardedSync(model, per_microbatch=reshard_after_backward)
     return model
 
 
 def is_fully_sharded(model: nn.Module) -> bool:
-    return isinstance(getattr(model, "_loom_grad_reducer", None), _FullyShardedSync)
+    """Whether ``model`` holds ZeRO-3 (FSDP2) parameters: the model itself, or pipeline stages
+    (``LocalStages``) whose blocks are FSDP2 units."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(module, FSDPModule) for module in model.modules())
+
+
+def reshard(model: nn.Module) -> None:
+    """Free a ZeRO-3 model's gathered parameters (after a forward-only pass that kept them);
+    a no-op for any other model."""
+    reducer = gradient_reducer(model)
+    if isinstance(reducer, _FullyShardedSync):
+        reducer.reshard()
 
 
 def unwrap(model: nn.Module) -> nn.Module:

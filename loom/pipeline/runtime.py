@@ -18,10 +18,19 @@ NCCL point-to-point, fp32 ``[micro, seq, dim]``, i.e. 4·micro·seq·dim bytes e
 * Tags: the transfer into stage ``s`` for microbatch ``m`` in direction ``d`` (0 activation, 1
   gradient) uses tag ``(s·M + m)·2 + d``. Every transfer of a step has its own tag, so matching
   by (source, tag) cannot pair the wrong messages whatever order the ranks post them in.
-* Data parallelism (``dp`` group, when its degree is > 1): as soon as a stage has run its last
-  W (or B) of the step, one asynchronous all-reduce of that stage's gradients, flattened into one
-  buffer and pre-divided by the degree (gloo has no average), overlapping the rest of the
-  schedule; ``finish_gradient_reduction`` waits for all of them before clipping. DDP is not used:
+* Data parallelism: each stage's gradients are reduced by the reducer ``loom.parallel``
+  attached to it (``parallelize`` runs on every stage module, in its one order), driven here:
+  every backward piece accumulates with the reducer's ``sync`` off, and as soon as a stage has
+  run its last W (or B) of the step the runtime ``flush``es it, overlapping the rest of the
+  schedule; ``finish_gradient_reduction`` waits for all of them before clipping. Plain data
+  parallelism (``dp``, or ``dp_cp`` under cp): the ``GradientReducer``'s bucketed all-reduce
+  through ``comm.py``, ``2 (d-1)/d * 4P_stage`` wire bytes per rank per step. ZeRO-3 (FSDP2 on
+  ``dp_shard``, HSDP with ``dp_replicate``): ``flush`` runs FSDP2's post-backward by hand (one
+  reduce-scatter per unit, ``(d-1)/d * 4P_stage``, and HSDP's all-reduce) and reshards. With
+  ``parallel.reshard_after_forward = false`` a stage is gathered once per step, at its first F,
+  and held until that flush: ``2 (d-1)/d * 4P_stage`` in all, plain data parallelism's bytes;
+  with ``true`` FSDP2 gathers per unit for every F and B (``(2m+1) (d-1)/d * 4P_stage``),
+  which only full-backward schedules allow (a W needs the weights its I saw). DDP is not used:
   its hooks assume one backward per step and per module, not a stream of I and W pieces.
 * After the step: one 1-element all-reduce over ``pp`` so every rank reports the loss, which only
   the last stage computes.
@@ -41,6 +50,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from loom.parallel.data import gradient_reducer, reshard
 from loom.pipeline import schedules
 from loom.pipeline.ir import Action, Op, Schedule
 from loom.pipeline.partition import partition_model
@@ -132,7 +142,6 @@ class PipelineRuntime:
 
     def __init__(self, schedule: Schedule, stages: dict[int, PipelineStage], pp_rank: int,
                  pp_ranks: Sequence[int], pp_group: dist.ProcessGroup | None,
-                 dp_group: dist.ProcessGroup | None = None, dp_size: int = 1,
                  recv_lookahead: int = 4, recorder: PipelineRecorder | None = None) -> None:
         if sorted(stages) != list(schedule.stages_of(pp_rank)):
             raise ValueError(f"rank {pp_rank} holds stages {sorted(stages)}, the schedule places "
@@ -142,11 +151,16 @@ class PipelineRuntime:
         self.pp_rank = pp_rank
         self.pp_ranks = tuple(pp_ranks)
         self.pp_group = pp_group
-        self.dp_group = dp_group
-        self.dp_size = dp_size
         self.recv_lookahead = recv_lookahead
         self.recorder = recorder
-        self._reductions: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = []
+        # The data-parallel reducer of each stage (None at degree 1), attached by parallelize.
+        self.reducers = {index: reducer for index, stage in stages.items()
+                         if (reducer := gradient_reducer(stage.module)) is not None}
+        splits = any(a.op in (Op.I, Op.W) for a in schedule.actions[pp_rank])
+        if splits and any(getattr(r, "per_microbatch", False) for r in self.reducers.values()):
+            raise ValueError(f"schedule {schedule.name!r} splits the backward into I and W: its "
+                             "ZeRO-3 stages must stay gathered across the step "
+                             "(reshard_after_forward = false)")
 
     # -- one step -----------------------------------------------------------------------------------
     def step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
@@ -174,6 +188,9 @@ class PipelineRuntime:
         local: dict[_Transfer, torch.Tensor] = {}  # same-rank hand-overs
         sends: list[dist.Work] = []
         loss_sum = torch.zeros((), device=device)
+        if training:  # accumulate every piece locally; each stage's last one flushes it
+            for reducer in self.reducers.values():
+                reducer.sync = False
 
         for index, action in enumerate(row):
             # Post the receives of the next few actions before computing this one.
@@ -216,10 +233,16 @@ class PipelineRuntime:
                                             tag=transfer.tag(schedule.num_microbatches)))
             if recorder is not None:
                 recorder.end(action)
-            if training and last_piece.get(action.stage) == index:
-                self._start_gradient_reduction(stage)
+            if training and last_piece.get(action.stage) == index \
+                    and action.stage in self.reducers:
+                self.reducers[action.stage].flush()  # overlaps the rest of the schedule
         for work in sends:
             work.wait()
+        for index, stage in self.stages.items():
+            if training and index in self.reducers:
+                self.reducers[index].sync = True
+            elif not training:  # ZeRO-3 stages held gathered through the forward passes
+                reshard(stage.module)
         if len(self.pp_ranks) > 1:
             dist.all_reduce(loss_sum, group=self.pp_group)  # only the last stage's is non-zero
         if recorder is not None:
@@ -243,53 +266,34 @@ class PipelineRuntime:
         return None
 
     # -- data-parallel gradient reduction -------------------------------------------------------------
-    def _start_gradient_reduction(self, stage: PipelineStage) -> None:
-        if self.dp_size <= 1:
-            return
-        # Local storage: under tensor parallelism the gradients are DTensor shards.
-        grads = [getattr(p.grad, "_local_tensor", p.grad) for p in stage.parameters()
-                 if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.dp_size)
-        work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
-        self._reductions.append((work, flat, grads))
-
     def finish_gradient_reduction(self) -> None:
-        """Wait for every stage's all-reduce and write the averaged gradients back."""
-        from loom.parallel.data import copy_back
-
-        for work, flat, grads in self._reductions:
-            work.wait()
-            copy_back(flat, grads)
-        self._reductions.clear()
+        """Wait for every stage's gradient reduction and write the averages back."""
+        for reducer in self.reducers.values():
+            reducer.finish()
 
 
 def build_pipeline(args, schedule: Schedule, *, grid, meshes, rank: int, device: torch.device,
                    seed: int, seq_len: int, autocast=None, parallel=None, cp_groups=None,
-                   ledger=None) -> PipelineRuntime:
+                   ledger=None, train=None, offload_optimizer: bool = False) -> PipelineRuntime:
     """This rank's stages (layers split by ``partition_model``) and the runtime that drives them,
-    with the ``pp`` and data groups of ``meshes`` (a ``loom.topology.Meshes`` of ``grid``).
+    with the ``pp`` group of ``meshes`` (a ``loom.topology.Meshes`` of ``grid``).
 
-    ``parallel`` (a ``ParallelConfig``) adds tensor and context parallelism *inside* each stage,
-    in ``loom.parallel``'s order: TP on the ``tp`` mesh, then the cp attention core; gradients
-    are then averaged over dp x cp (cp ranks hold the same weights, other tokens).
+    ``parallel`` (a ``ParallelConfig``; None: none) applies ``loom.parallel.parallelize`` to each
+    stage module, so a stage gets exactly what a whole model gets, in the same order: TP on the
+    ``tp`` mesh, the cp attention core, recomputation (``train``'s policy), then the data-parallel
+    reducer (over dp, or dp x cp) or ZeRO-3 on ``dp_shard`` (gathered across the step unless
+    ``parallel.reshard_after_forward``).
     """
+    from loom.parallel import parallelize
+
     layers = partition_model(args, schedule.num_stages, seq_len)
     pp_rank = grid.coords(rank)["pp"]
     kwargs = {"autocast": autocast} if autocast is not None else {}
     stages = build_stages(args, schedule, layers, pp_rank, device, seed, **kwargs)
-    if parallel is not None and parallel.tp > 1:
-        from loom.parallel.tensor import apply_tensor_parallel
-
+    if parallel is not None:
         for stage in stages.values():
-            apply_tensor_parallel(stage.module, meshes.root["tp"],
-                                  sequence_parallel=parallel.sequence_parallel,
-                                  vocab_parallel=parallel.vocab_parallel, ledger=ledger)
-    if parallel is not None and parallel.cp > 1:
-        from loom.parallel.context import apply_context_parallel
-
-        for stage in stages.values():
-            apply_context_parallel(stage.module, cp_groups, ledger)
-    data = meshes.dp_cp if parallel is not None and parallel.cp > 1 else meshes.dp
+            stage.module = parallelize(stage.module, meshes, parallel, cp_groups=cp_groups,
+                                       ledger=ledger, train=train,
+                                       offload_optimizer=offload_optimizer)
     return PipelineRuntime(schedule, stages, pp_rank, grid.group(rank, "pp"),
-                           meshes.root["pp"].get_group(),
-                           data.get_group() if data.size() > 1 else None, data.size())
+                           meshes.root["pp"].get_group())

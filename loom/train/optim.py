@@ -114,11 +114,12 @@ def clip_gradients(model: nn.Module, max_norm: float, *, tp=None, ep=None,
     if zero is not None:
         return zero.clip_grad_norm(max_norm)
     if is_fully_sharded(model):
-        return clip_grad_norm_dtensor(model.parameters(), max_norm)
+        return clip_grad_norm_dtensor(model.parameters(), max_norm,
+                                      [pp_group] if pp_group is not None else [])
     if ep is not None:
         from loom.parallel.expert import clip_grad_norm as ep_clip_grad_norm
 
-        return ep_clip_grad_norm(model, max_norm, ep)
+        return ep_clip_grad_norm(model, max_norm, ep, pp_group=pp_group)
     if tp is not None:
         from loom.parallel.tensor import clip_grad_norm as tp_clip_grad_norm
 
@@ -128,13 +129,16 @@ def clip_gradients(model: nn.Module, max_norm: float, *, tp=None, ep=None,
 
 
 @torch.no_grad()
-def clip_grad_norm_dtensor(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_dtensor(parameters: Iterable[nn.Parameter], max_norm: float,
+                           model_parallel_groups: Sequence[dist.ProcessGroup] = ()
+                           ) -> torch.Tensor:
     """Global-norm clipping when gradients are DTensors on any mesh (FSDP2, FSDP2 x TP, HSDP).
 
     Each gradient's local sum of squares is added to the bucket of the mesh dims it is sharded
     on (``Shard`` / ``_StridedShard``); each bucket is all-reduced over exactly those dims, so
     every element is counted once and replicated dims are not summed (explicit, rather than
     DTensor's norm, so the collectives are a fixed, short list: one per mesh dim per bucket).
+    ``model_parallel_groups`` (a pipeline's ``pp``): the total is summed over them too.
     """
     from torch.distributed.tensor import DTensor
 
@@ -156,6 +160,8 @@ def clip_grad_norm_dtensor(parameters: Iterable[nn.Parameter], max_norm: float) 
         for dim in dims:
             dist.all_reduce(squares, group=mesh.get_group(dim))
         total = total + squares
+    for group in model_parallel_groups:  # every rank holds other stages' gradients
+        dist.all_reduce(total, group=group)
     norm = total.sqrt()
     if max_norm > 0:
         torch._foreach_mul_(local, torch.clamp(max_norm / (norm + 1e-6), max=1.0))

@@ -110,12 +110,9 @@ class Trainer:
                                            device=self.ctx.device, seed=tr.seed,
                                            seq_len=config.data.seq_len, autocast=self._autocast,
                                            parallel=par, cp_groups=self.cp_groups,
-                                           ledger=self.ledger)
+                                           ledger=self.ledger, train=tr,
+                                           offload_optimizer=self.offload.optimizer)
             self.model = LocalStages([s.module for _, s in sorted(self.pipeline.stages.items())])
-            from loom.parallel.activation import apply_activation_checkpointing
-
-            # parallelize's step 4 on the stages' blocks (LocalStages.layers holds them all)
-            apply_activation_checkpointing(self.model, tr.recompute, tr.recompute_every)
         else:
             model = build_model(self.args, device="meta")
             model.to_empty(device=self.ctx.device)
@@ -429,12 +426,12 @@ class Trainer:
         """The full model weights as safetensors (main rank; written to a temp file, renamed)."""
         from safetensors.torch import save_file
 
-        if self.pipeline is not None and self.dp_rank == 0:  # the first pipeline gathers
-            state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v  # TP: collective
+        if self.pipeline is not None:  # TP / ZeRO-3 gathers (collectives over tp, dp_shard) ...
+            state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
                      for k, v in self.model.state_dict().items()}
-            state = self._gather_over_pp(state, to_main=True)
-        elif self.pipeline is not None:
-            return
+            if self.dp_rank != 0:
+                return
+            state = self._gather_over_pp(state, to_main=True)  # ... then the first pipeline's
         else:  # every rank takes part in gathering TP / EP shards, then only the main rank writes
             state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
                      .contiguous() for k, v in unwrap(self.model).state_dict().items()}

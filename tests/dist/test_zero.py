@@ -81,8 +81,9 @@ def test_layout_matches_one_process(dist, small_data_dir, reference, layout):
 
 
 def step_bytes(ctx, config_table, data_dir):
-    """Wire bytes per rank of the gradient/parameter traffic of step 2 (step 1 warms up), and
-    the number of trainable parameters."""
+    """Step 2's ledger, ``"axis/op" -> (calls, wire bytes)`` per rank (step 1 warms up), the
+    number of parameters this rank holds whole or in part (a DTensor's numel is its global one;
+    under pp: the rank's stages') and the model's (every gradient, gathered)."""
     from loom.parallel.comm import CommLedger
     from loom.train.trainer import Trainer
 
@@ -92,7 +93,7 @@ def step_bytes(ctx, config_table, data_dir):
     ledger.reset()
     trainer.train_step()
     records = {f"{a}/{op}": (r.calls, r.wire_bytes) for (a, op), r in ledger.records.items()}
-    params = sum(p.numel() for p in trainer.model.parameters())  # local numel, see below
+    params = sum(p.numel() for p in trainer.model.parameters())
     full = sum(t.numel() for t in trainer.named_gradients().values())
     return records, params, full
 
