@@ -39,9 +39,10 @@ one all-gather and one reduce-scatter per step, ``2 (d-1)/d * 4P_stage``, plain 
 parallelism's bytes (the breadth-first insight). The next block's all-gather is prefetched
 (issued before the current block computes; on a GPU it runs on its own stream). FSDP2's
 all-gathers and reduce-scatters go through ``comm.py`` (``set_custom_all_gather`` /
-``set_custom_reduce_scatter``), so the ledger counts them like Loom's own. gloo has no
-``PREMUL_SUM`` / ``AVG``: reductions are forced to ``SUM`` and FSDP2 divides by the data-parallel
-size afterwards (the average).
+``set_custom_reduce_scatter``), so the ledger counts them like Loom's own; HSDP's all-reduce is
+recorded by an all-reduce hook (``_CountedReplicateAllReduce``). gloo has no ``PREMUL_SUM`` /
+``AVG``: reductions are forced to ``SUM`` and FSDP2 divides by the data-parallel size afterwards
+(the average).
 
 Why FSDP2 for stage 3: per-parameter DTensor sharding composes with TP and with DCP (checkpoints
 reshard across layouts by name), and its gather/free/prefetch machinery is what stage 3 needs.
@@ -205,6 +206,21 @@ class _CountedReduceScatter(_CountedAllGather):
                                           ledger=self.ledger, op=op, async_op=async_op)
 
 
+class _CountedReplicateAllReduce:
+    """HSDP's all-reduce of each reduced gradient shard over ``dp_replicate``, counted. FSDP2
+    issues that collective itself (there is no custom-collective seam for it, unlike the gather
+    and the reduce-scatter); its all-reduce hook runs right after it on the same buffer, so the
+    hook records the call and its bytes and does nothing else."""
+
+    def __init__(self, ledger: comm.CommLedger, size: int) -> None:
+        self.ledger, self.size = ledger, size
+
+    def __call__(self, reduced: torch.Tensor) -> None:
+        payload = reduced.numel() * reduced.element_size()
+        self.ledger.add("dp_replicate", "all_reduce", payload,
+                        2 * (self.size - 1) / self.size * payload)
+
+
 class _FullyShardedSync:
     """The gradient synchronisation of an FSDP2 model (``gradient_reducer`` of it).
 
@@ -272,7 +288,8 @@ def apply_fully_shard(model: nn.Module, mesh: Any, *, reshard_after_forward: boo
     (sharded parameters, gradients and the optimizer step on the host; for accelerators).
     ``reshard_after_backward=False`` (with ``reshard_after_forward=False``) keeps the parameters
     gathered until ``reshard`` / ``flush``: a pipeline stage held across its schedule window.
-    The ledger counts the all-gathers and reduce-scatters (through ``comm.py``).
+    The ledger counts the all-gathers and reduce-scatters (through ``comm.py``) and, with a 2-D
+    mesh, HSDP's all-reduce over ``dp_replicate``.
     """
     from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
                                         fully_shard)
@@ -293,6 +310,8 @@ def apply_fully_shard(model: nn.Module, mesh: Any, *, reshard_after_forward: boo
         unit.set_custom_all_gather(_CountedAllGather(ledger, axis))
         unit.set_custom_reduce_scatter(_CountedReduceScatter(ledger, axis))
         unit.set_reshard_after_backward(reshard_after_backward, recurse=False)
+        if ledger is not None and mesh.ndim == 2:
+            unit.set_all_reduce_hook(_CountedReplicateAllReduce(ledger, mesh.size(0)))
     # Explicit prefetch: the next block's all-gather is issued before this one computes.
     for current, following in zip(blocks, blocks[1:]):
         current.set_modules_to_forward_prefetch([following])

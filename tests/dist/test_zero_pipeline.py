@@ -10,7 +10,8 @@ before its one reduce-scatter.
 Bytes (``metrics.comm``, step 2; the ledger counts what goes through ``comm.py`` and FSDP2's
 collectives): pp2 x dp2 all-reduces exactly 2 (d-1)/d x its stages' gradient bytes (plus the
 4-byte loss); ZeRO-3 in a pipeline moves the same bytes when the stages are held across the step
-and (2m+1)/2 times them when gathered per microbatch.
+and (2m+1)/2 times them when gathered per microbatch; HSDP 2x2's all-reduce over dp_replicate is
+2 (r-1)/r x the reduced shard.
 
 Tolerances are test_pipeline_parity.py's (its ``check``): step 1 differs from one process only
 by summation order (rtol 1e-5, atol 1e-6); later steps inherit Adam's amplification of
@@ -88,3 +89,14 @@ def test_zero3_pipeline_bytes(dist, small_data_dir, held):
         assert ratio == pytest.approx(1.0 if held else (2 * m + 1) / 2, rel=1e-12), \
             f"rank {rank}: {records}"
 
+
+def test_hsdp_replicate_all_reduce_is_counted(dist, small_data_dir):
+    """HSDP 2 x 2: FSDP2 reduce-scatters over dp_shard, then all-reduces the 1/d shard over
+    dp_replicate (r = 2): 2 (r-1)/r x 4P/d bytes per rank per step."""
+    r, d = 2, 2
+    config = layout_config({**BASE, "metrics.comm": True, "train.micro_batch_size": 2}, 4,
+                           dp_replicate=r, dp_shard=d)
+    for rank, (records, params, _) in enumerate(dist.run(4, step_bytes, config, small_data_dir)):
+        calls, wire = records["dp_replicate/all_reduce"]
+        assert calls == 5, f"rank {rank}: one per FSDP unit (4 blocks and the root)"
+        assert wire / (2 * (r - 1) / r * 4 * params / d) == 1.0, f"rank {rank}: {records}"
