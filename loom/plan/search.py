@@ -8,9 +8,11 @@ Three passes, each cheaper per layout than the next:
    fits is kept (more recomputation is never faster).
 2. **Simulate** the best ``finalists`` with Loom's own schedule generator and event simulator
    (``loom.sim.simulate``) on the per-stage F / I / W costs, so the ranking rests on the schedule
-   the runtime would execute. Long pipelines are simulated for ``2p`` microbatches and extended
-   linearly: past the warm-up every further microbatch adds exactly the busiest rank's work (the
-   steady state of every family; checked against full simulations in the tests).
+   the runtime would execute. Long pipelines are simulated for ``2p`` and ``3p`` microbatches and
+   extended linearly: past the warm-up every family settles into a steady state that adds the
+   same time per microbatch (the busiest rank's work, or more for V-Half and V-Min, whose
+   steady state keeps a bubble when F, I and W differ); checked against full simulations in
+   the tests.
 3. **Check runnability** with Loom's own config rules (``loom.config.resolve``): combinations this
    version of Loom still refuses are reported with the rule, not proposed.
 """
@@ -58,23 +60,52 @@ def simulate_step(model: CostModel, cost: StepCost, *, max_simulated: int | None
     from loom.sim.simulate import simulate
 
     p, m = lay.pp, lay.microbatches
-    simulated_m = min(m, max_simulated or 2 * p)
+    first = min(m, max_simulated or 2 * p)
     generator = schedules.get(lay.schedule)
-    # the families' generators are validated for these sizes by their tests; the runtime's
-    # schedule_for would validate again, which costs more than the simulation itself
-    schedule = generator(p, simulated_m, chunks=lay.chunks) if lay.schedule == "interleaved_1f1b" \
-        else generator(p, simulated_m)
-    result = simulate(schedule, cost.stage_costs.build())
-    per_microbatch = cost.compute / m  # the busiest rank's F + I + W of one microbatch
-    pipeline = float(result.makespan) + (m - simulated_m) * per_microbatch
+    stage_costs = cost.stage_costs.build()
+
+    def makespan(microbatches: int) -> float:
+        # the families' generators are validated for these sizes by their tests; the runtime's
+        # schedule_for would validate again, which costs more than the simulation itself
+        schedule = generator(p, microbatches, chunks=lay.chunks) \
+            if lay.schedule == "interleaved_1f1b" else generator(p, microbatches)
+        return float(simulate(schedule, stage_costs).makespan)
+
+    pipeline = makespan(first)
+    if m > first:  # extend by the steady state's slope, measured one pipeline length later
+        second = min(m, first + p)
+        later = makespan(second)
+        pipeline = later + (m - second) * (later - pipeline) / (second - first)
     return replace(cost, pipeline=pipeline, simulated=True)
 
 
+_BASE_CONFIGS: dict[tuple, Any] = {}
+
+
 def to_config(layout: Layout, work: Workload) -> Any:
-    """The resolved Loom ``Config`` that trains ``work`` under ``layout`` (raises ConfigError)."""
+    """The resolved Loom ``Config`` that trains ``work`` under ``layout`` (raises ConfigError).
+
+    The file or preset is parsed once per workload; each layout then only replaces the parallel
+    and train fields it sets (parsing TOML and presets per layout dominated the planner's time)."""
+    import dataclasses
+
     from loom.config import load_config, resolve
 
-    return resolve(load_config(work.config_path, to_overrides(layout, work)), layout.world)
+    values = to_overrides(layout, work)
+    key = (work.config_path, work.name, work.seq_len)
+    if key not in _BASE_CONFIGS:
+        base = {k: v for k, v in values.items() if k.startswith(("model.", "data."))}
+        _BASE_CONFIGS[key] = load_config(work.config_path, base)
+    base = _BASE_CONFIGS[key]
+    sections = {name: {} for name in ("parallel", "train")}
+    for dotted, value in values.items():
+        section, _, name = dotted.partition(".")
+        if section in sections:
+            sections[section][name] = value
+    config = dataclasses.replace(
+        base, parallel=dataclasses.replace(base.parallel, **sections["parallel"]),
+        train=dataclasses.replace(base.train, **sections["train"]))
+    return resolve(config, layout.world)
 
 
 def runnable(layout: Layout, work: Workload, *, exact: bool = True) -> str | None:
@@ -131,7 +162,7 @@ def _structure(lay: Layout) -> tuple:
     themselves are the space's business (it only yields divisible ones)."""
     return (lay.pp > 1, lay.dp_replicate > 1, lay.dp_shard > 1, lay.zero_stage, lay.ep > 1,
             lay.cp > 1, lay.cp_mode if lay.cp > 1 else "", lay.tp > 1, lay.sequence_parallel,
-            lay.schedule, lay.chunks, lay.recompute)
+            lay.schedule, lay.recompute != "none")
 
 
 def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 16,

@@ -140,8 +140,11 @@ def _inner(m, pp, dp, ep, cp, tp, local, modes, gpus_per_node, families, micro_b
                 if pp == 1:
                     plans = [("none", 1)]
                 else:
+                    # interleaving needs m a multiple of p (Megatron's rule; Loom runs any
+                    # m >= p, but with a deeper, irregular memory peak the planner does not model)
                     plans = [(name, v) for name, chunks in families.items() for v in chunks
-                             if micro >= pp and m.n_layers >= pp * v]
+                             if micro >= pp and m.n_layers >= pp * v
+                             and (name != "interleaved_1f1b" or micro % pp == 0)]
                 for schedule, chunks in plans:
                     # Loom refuses SP inside pipelines that split the backward into I and W
                     # (``config_rules``: measured 4e-5 off one process); plain TP there.

@@ -109,15 +109,18 @@ class Layout:
 
 
 # Peak microbatches in flight on the worst rank, in units of one rank's microbatch (a chunk of v
-# weighs 1/v), for m >= p; the validator's accounting. Checked against peak_memory in the tests.
+# weighs 1/v), for m >= p (dualpipev: m >= 2p); the validator's accounting. Checked against
+# ``loom.pipeline.validate.peak_memory`` in tests/unit/plan/test_cost_model.py.
 PEAK_IN_FLIGHT = {
     "gpipe": lambda p, m, v: m,
     "looped_bfs": lambda p, m, v: m,
     "1f1b": lambda p, m, v: p,
     "zb_h1": lambda p, m, v: p,
     "zbv": lambda p, m, v: p,
-    "interleaved_1f1b": lambda p, m, v: p + (p - 1) / v,
-    "zb_h2": lambda p, m, v: 2 * p - 1,
+    # m a multiple of p (Megatron's rule; the planner's space keeps to it): at m = p every
+    # microbatch is in flight at once
+    "interleaved_1f1b": lambda p, m, v: p if m == p else p + (p - 1) / v,
+    "zb_h2": lambda p, m, v: min(2 * p - 1, m),
     "v_half": lambda p, m, v: p // 2 + 1,
     "v_min": lambda p, m, v: (p - 1) // 3 + 2,
     "dualpipev": lambda p, m, v: p + 0.5,

@@ -1,0 +1,199 @@
+"""The planner's cost model against hand-derived FLOPs, memory and alpha-beta formulas.
+
+Each expected value is written out from the formula in ``loom/sim/cost_model.py``'s docstring
+(or REFERENCE.md), not computed by the code under test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from loom.config import load_config, resolve
+from loom.models.llama import TransformerArgs
+from loom.models.presets import PRESETS, parameter_count
+from loom.pipeline import schedules
+from loom.pipeline.validate import peak_memory
+from loom.plan.hardware import GB, Cluster, Gpu, Link, make_cluster
+from loom.plan.space import SCHEDULES
+from loom.sim.cost_model import (PEAK_IN_FLIGHT, CostModel, Layout, all_to_all_time,
+                                 allreduce_time, gather_time, p2p_time)
+from loom.train.flops import training_flops_per_token
+from loom.train.memory import estimate_memory
+
+# debug shape: h 64, 4 layers, 4 heads (d 16), 2 KV heads, FFN 128, vocab 320
+DEBUG = PRESETS["debug"]
+FAST = Link("fast", 100 * GB, 1e-6, efficiency=1.0)
+SLOW = Link("slow", 10 * GB, 1e-5, efficiency=1.0)
+UNIT = Gpu("unit", peak_flops=1e12, memory_bytes=80 * 2**30, hbm_bandwidth=1e12,
+           matmul_efficiency=1.0, matmul_knee=1e-9)
+
+
+def cluster(gpus: int, per_node: int = 8) -> Cluster:
+    return Cluster(UNIT, gpus, per_node, FAST, SLOW)
+
+
+def test_layer_flops_by_hand():
+    model = CostModel(DEBUG, seq_len=32, global_batch=8, cluster=cluster(1))
+    tokens = 2 * 32
+    # projections 2T·h·d·(2a + 2k), SwiGLU 6T·h·f; attention core 4T·s·a·d halved (causal)
+    proj = 2 * tokens * 64 * 16 * (2 * 4 + 2 * 2)
+    mlp = 6 * tokens * 64 * 128
+    core = 4 * tokens * 32 * 4 * 16 / 2
+    assert model.layer_flops(tokens, 1, moe=False) == (proj + mlp, core)
+    assert model.layer_flops(tokens, 2, moe=False) == ((proj + mlp) / 2, core / 2)
+
+
+def test_moe_layer_flops_count_routed_and_shared_experts():
+    moe = PRESETS["tiny-moe"]  # h 64, 4 experts top-2 of width 64, 1 shared expert
+    model = CostModel(moe, seq_len=16, global_batch=4, cluster=cluster(1))
+    proj = 2 * 10 * 64 * 16 * (2 * 4 + 2 * 2)
+    experts = 6 * 10 * 64 * 64 * (2 + 1)
+    router = 2 * 10 * 64 * 4
+    matmul, _ = model.layer_flops(10, 1, moe=True)
+    assert matmul == proj + experts + router
+
+
+def test_model_flops_equal_the_mfu_convention():
+    """MFU's numerator is loom.train.flops' per-token count (6N + 12·l·s·a·d) times tokens."""
+    for name, seq in (("debug", 32), ("llama3-8b", 8192), ("gpt3-175b", 2048)):
+        m = PRESETS[name]
+        model = CostModel(m, seq_len=seq, global_batch=4, cluster=cluster(1))
+        per_token = training_flops_per_token(
+            dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
+            head_dim=m.head_dim, ffn_dim=m.ffn_dim, vocab_size=m.vocab_size, seq_len=seq)
+        assert model.model_flops_per_step() == pytest.approx(per_token * 4 * seq, rel=1e-12)
+
+
+def test_full_recompute_costs_one_more_forward():
+    """Megatron's hardware FLOPs with full recomputation are 4/3 of the model FLOPs (eq. 3 of
+    Narayanan et al. 2021 over eq. 7 of Korthikanti et al. 2022: 96 / 72)."""
+    model = CostModel(PRESETS["gpt3-175b"], seq_len=2048, global_batch=8, cluster=cluster(8))
+    cost = model.evaluate(Layout(tp=8, recompute="full"))
+    assert cost.hardware_flops == pytest.approx(cost.model_flops * 4 / 3)
+
+
+@pytest.mark.parametrize("name", ["debug", "llama3-8b", "gpt3-175b", "tiny-moe"])
+def test_parameters_on_one_rank_equal_the_preset_count(name):
+    m = PRESETS[name]
+    model = CostModel(m, seq_len=64, global_batch=4, cluster=cluster(1))
+    assert model._rank_params(Layout())[0] == parameter_count(m)
+
+
+@pytest.mark.parametrize("stage, factor", [(0, (4, 4, 8)), (2, (4, 4 / 8, 8 / 8)),
+                                           (3, (4 / 8, 4 / 8, 8 / 8))])
+def test_model_state_follows_the_zero_formulas(stage, factor):
+    """(parameters, gradients, optimizer) = (4, 4, 8)·Ψ with fp32 master weights and AdamW,
+    each divided by the shard degree from its ZeRO stage on (ZeRO §3: 16Ψ -> 16Ψ/N_d)."""
+    psi = parameter_count(DEBUG)
+    model = CostModel(DEBUG, seq_len=32, global_batch=8, cluster=cluster(8))
+    shard = 8 if stage else 1
+    memory = model.memory(Layout(dp_shard=shard, dp_replicate=8 // shard, zero_stage=stage))
+    assert (memory["parameters"], memory["gradients"], memory["optimizer"]) == \
+        pytest.approx(tuple(f * psi for f in factor))
+
+
+@pytest.mark.parametrize("parallel, layout", [
+    ({}, Layout(micro_batch=2, microbatches=4)),
+    ({"parallel.tp": "2", "parallel.sequence_parallel": "true"},
+     Layout(tp=2, sequence_parallel=True, micro_batch=2, microbatches=4)),
+    ({"parallel.tp": "2"}, Layout(tp=2, micro_batch=2, microbatches=4)),
+    ({"parallel.cp": "2"}, Layout(cp=2, micro_batch=2, microbatches=4)),
+    ({"train.recompute": "selective"}, Layout(micro_batch=2, microbatches=4,
+                                              recompute="selective")),
+    ({"train.recompute": "full"}, Layout(micro_batch=2, microbatches=4, recompute="full")),
+    ({"parallel.dp_shard": "2", "parallel.dp_replicate": "1"},
+     Layout(dp_shard=2, zero_stage=3, micro_batch=2, microbatches=2)),
+])
+def test_memory_equals_the_estimator(parallel, layout):
+    """Without a pipeline the planner's memory is the launch-time estimator's (measured within
+    2% of allocated bytes, docs/benchmarks.md), component by component."""
+    config = resolve(load_config(None, {"model.preset": "debug", "data.seq_len": "32",
+                                        "train.micro_batch_size": "2",
+                                        "train.global_batch_size": "8", "train.dtype": "bf16",
+                                        **parallel}), layout.world)
+    expected = estimate_memory(config)
+    model = CostModel(config.model, seq_len=32, global_batch=8, cluster=cluster(layout.world))
+    got = model.memory(layout)
+    for name in ("parameters", "gradients", "optimizer", "activations", "transient"):
+        assert got[name] == pytest.approx(getattr(expected, name), rel=1e-9), name
+
+
+@pytest.mark.parametrize("name", sorted(set(SCHEDULES) | {"gpipe", "looped_bfs", "dualpipev"}))
+def test_peak_in_flight_closed_forms_match_the_validator(name):
+    chunks = SCHEDULES.get(name, (2 if name != "gpipe" else 1,))
+    for p in range(2, 9):
+        sizes = {"dualpipev": (2 * p, 2 * p + 1, 3 * p), "interleaved_1f1b": (p, 2 * p, 3 * p)}
+        for m in sizes.get(name, (p, p + 1, 2 * p + 1, 3 * p)):
+            for v in chunks:
+                generator = schedules.get(name)
+                schedule = generator(p, m, chunks=v) if name == "interleaved_1f1b" \
+                    else generator(p, m)
+                v = schedule.chunks_per_rank
+                assert PEAK_IN_FLIGHT[name](p, m, v) == pytest.approx(
+                    float(max(peak_memory(schedule)))), (name, p, m, v)
+
+
+def test_alpha_beta_collectives_by_hand():
+    link = Link("l", 10 * GB, 1e-5, efficiency=0.5)  # 5 GB/s effective
+    beta, alpha, nbytes = 5 * GB, 1e-5, 1e9
+    ring = 2 * 7 / 8 * nbytes / beta + 2 * 7 * alpha
+    tree = 2 * nbytes / beta + 2 * 3 * alpha
+    assert allreduce_time(nbytes, 8, link) == pytest.approx(min(ring, tree))
+    assert gather_time(nbytes, 8, link) == pytest.approx(7 / 8 * nbytes / beta + 7 * alpha)
+    assert all_to_all_time(nbytes, 4, link) == pytest.approx(3 / 4 * nbytes / beta + 3 * alpha)
+    assert p2p_time(nbytes, link) == pytest.approx(alpha + nbytes / beta)
+    assert allreduce_time(nbytes, 1, link) == 0.0
+    # small messages on many ranks: the tree's log2(n) latency wins
+    assert allreduce_time(8, 1024, link) == pytest.approx(2 * 8 / beta + 2 * 10 * alpha)
+
+
+def test_groups_inside_a_node_use_the_fast_link():
+    c = cluster(32, per_node=8)
+    assert c.link_for(8, 1) is FAST  # tp 8 on one node
+    assert c.link_for(2, 4) is FAST  # 2 ranks 4 apart: ranks 0 and 4
+    assert c.link_for(4, 8) is SLOW  # one rank per node
+    assert c.link_for(16, 1) is SLOW
+
+
+def test_tensor_parallel_communication_is_four_all_reduces_per_layer():
+    """Megatron: 2 all-reduces of b·s·h forward and 2 backward per layer (8bsh(t-1)/t bytes
+    per element size, REFERENCE.md §1.1), not overlapped: F and I each carry two."""
+    m = TransformerArgs(dim=1024, n_layers=2, n_heads=8, n_kv_heads=8, ffn_dim=4096,
+                        vocab_size=1024)
+    model = CostModel(m, seq_len=512, global_batch=2, cluster=cluster(8), dtype_bytes=2)
+    f1, i1, w1, _ = model._layer_times(Layout(tp=1), moe=False)
+    f4, i4, w4, comm = model._layer_times(Layout(tp=4), moe=False)
+    one = allreduce_time(1 * 512 * 1024 * 2, 4, FAST)
+    assert comm["tp"] == pytest.approx(4 * one)
+    # compute splits by 4 (the unit GPU runs every matmul at peak); elementwise 8 + 12/t passes
+    elementwise = lambda t: 512 * 1024 * 2 * (8 + 12 / t) / 1e12  # noqa: E731
+    assert f4 - 2 * one - elementwise(4) == pytest.approx((f1 - elementwise(1)) / 4)
+    assert w4 == pytest.approx(w1 / 4)
+
+
+def test_single_rank_step_is_the_sum_of_its_passes():
+    model = CostModel(DEBUG, seq_len=32, global_batch=8, cluster=cluster(1))
+    lay = Layout(micro_batch=2, microbatches=4)
+    cost = model.evaluate(lay)
+    f, i, w, _ = model._layer_times(lay, moe=False)
+    head = model._head_times(lay)
+    per_microbatch = 4 * (f + i + w) + sum(head)
+    assert cost.pipeline == pytest.approx(4 * per_microbatch)
+    assert cost.dp_exposed == 0 and cost.bubble == 0
+
+
+def test_data_parallel_reduction_hides_behind_the_last_backward():
+    """The all-reduce of 4-byte gradients overlaps the last microbatch's backward (I + W of
+    every layer and the head); only the excess, and at least one layer's bucket, is exposed."""
+    m = PRESETS["llama3-8b"]
+    model = CostModel(m, seq_len=4096, global_batch=64, cluster=make_cluster("H100-SXM", 64, 8))
+    lay = Layout(dp_replicate=64, micro_batch=1, microbatches=1)
+    cost = model.evaluate(lay)
+    total = allreduce_time(parameter_count(m) * 4, 64, model.cluster.inter)
+    assert cost.comm["dp"] == pytest.approx(total)
+    _, i, w, _ = model._layer_times(lay, moe=False)
+    _, head_i, head_w = model._head_times(lay)
+    backward = m.n_layers * (i + w) + head_i + head_w
+    assert cost.dp_exposed == pytest.approx(max(total / m.n_layers, total - backward))

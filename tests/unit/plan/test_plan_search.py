@@ -1,0 +1,143 @@
+"""The planner's search: what it ranks, what it refuses, how it simulates, and its CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loom.cli import main
+from loom.config import load_config, resolve
+from loom.models.presets import PRESETS
+from loom.pipeline import schedules
+from loom.plan.hardware import make_cluster
+from loom.plan.search import plan, runnable, simulate_step, to_config
+from loom.plan.space import SCHEDULES, Workload, layouts
+from loom.sim.cost_model import CostModel, Layout
+from loom.sim.simulate import simulate
+
+WORK = Workload("llama3-8b", PRESETS["llama3-8b"], 4096, 64)
+
+
+def test_every_layout_of_the_space_multiplies_to_the_world_and_divides_the_batch():
+    seen = 0
+    for group in layouts(WORK, 16, 8):
+        assert [lay.recompute for lay in group] == ["none", "selective", "full"]
+        for lay in group:
+            seen += 1
+            assert lay.world == 16
+            assert WORK.global_batch == lay.dp * lay.micro_batch * lay.microbatches
+            assert lay.tp <= 8 and WORK.model.n_heads % lay.tp == 0
+            assert lay.pp == 1 or lay.microbatches >= lay.pp
+            assert lay.zero_stage == 0 if lay.dp_shard == 1 else lay.zero_stage in (2, 3)
+    assert seen > 1000
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_simulating_2p_microbatches_and_extending_equals_the_full_simulation(name):
+    """Past the warm-up every further microbatch adds the busiest rank's work: the planner's
+    shortcut for long pipelines is checked against simulating all m microbatches."""
+    model = CostModel(WORK.model, WORK.seq_len, 128, make_cluster("H100-SXM", 32, 8))
+    chunks = SCHEDULES[name][0]
+    lay = Layout(pp=4, dp_replicate=8, schedule=name, chunks=chunks, micro_batch=1,
+                 microbatches=16)
+    cost = model.evaluate(lay)
+    short = simulate_step(model, cost, max_simulated=8)
+    generator = schedules.get(name)
+    full_schedule = generator(4, 16, chunks=chunks) if name == "interleaved_1f1b" \
+        else generator(4, 16)
+    full = float(simulate(full_schedule, cost.stage_costs.build()).makespan)
+    assert short.pipeline == pytest.approx(full, rel=0.01)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_the_screening_estimate_is_close_to_the_simulation(name):
+    model = CostModel(WORK.model, WORK.seq_len, 128, make_cluster("H100-SXM", 32, 8))
+    lay = Layout(pp=4, dp_replicate=8, schedule=name, chunks=SCHEDULES[name][0],
+                 micro_batch=1, microbatches=16)
+    cost = model.evaluate(lay)
+    assert simulate_step(model, cost).pipeline == pytest.approx(cost.pipeline, rel=0.1)
+
+
+def test_plan_ranks_fitting_runnable_layouts_fastest_first():
+    result = plan(WORK, make_cluster("H100-SXM", 8, 8), top=5)
+    assert len(result.ranked) == 5
+    times = [cost.step_time for cost in result.ranked]
+    assert times == sorted(times)
+    for cost in result.ranked:
+        assert cost.memory_total <= result.memory_budget
+        assert runnable(cost.layout, WORK) is None
+        assert cost.simulated
+    assert result.considered > result.fitting > 0
+
+
+def test_a_model_too_large_for_the_cluster_has_no_layout():
+    result = plan(Workload("gpt-1t", PRESETS["gpt-1t"], 2048, 64), make_cluster("A100-80GB", 8, 8))
+    assert result.ranked == [] and result.fitting == 0
+
+
+def test_refused_combinations_are_reported_not_proposed():
+    """Tied embeddings cannot span pipeline stages in this version of Loom: the 175B preset gets
+    only pp = 1 layouts, and the refusal is counted by its rule."""
+    work = Workload("gpt3-175b", PRESETS["gpt3-175b"], 2048, 256)
+    small = {"schedules": {"1f1b": (1,)}, "micro_batches": (1,)}  # a smaller space, same rule
+    result = plan(work, make_cluster("A100-80GB", 128, 8), top=3, space=small)
+    assert all(cost.layout.pp == 1 for cost in result.ranked)
+    assert any("tie_embeddings" in rule for rule in result.refused)
+    anything = plan(work, make_cluster("A100-80GB", 128, 8), top=3, runnable_only=False,
+                    space=small)
+    assert anything.ranked[0].step_time <= result.ranked[0].step_time
+
+
+def test_the_chosen_layout_becomes_a_loom_config():
+    result = plan(WORK, make_cluster("H100-SXM", 8, 8), top=1)
+    lay = result.ranked[0].layout
+    config = to_config(lay, WORK)
+    par = config.parallel
+    assert (par.pp, par.dp_replicate, par.dp_shard, par.cp, par.tp) == \
+        (lay.pp, lay.dp_replicate, lay.dp_shard, lay.cp, lay.tp)
+    assert config.train.micro_batch_size == lay.micro_batch
+    assert config.train.global_batch_size == WORK.global_batch
+
+
+def test_cli_plans_explains_and_writes_a_config(tmp_path, capsys):
+    out = tmp_path / "plan.toml"
+    code = main(["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "H100-SXM", "--seq",
+                 "4096", "--global-batch-tokens", str(64 * 4096), "--top", "3", "--explain",
+                 "-o", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0
+    assert "tok/s/GPU" in text and "memory per GPU" in text and "loom train --config" in text
+    config = resolve(load_config(out), 8)  # what loom train would read
+    assert config.model.dim == PRESETS["llama3-8b"].dim and config.data.seq_len == 4096
+
+
+def test_cli_json_and_a_given_layout(capsys):
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--seq", "4096",
+                 "--global-batch-tokens", str(64 * 4096), "--json", "--top", "2"]) == 0
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    assert len(ranked) == 2 and ranked[0]["step_time_s"] <= ranked[1]["step_time_s"]
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--seq", "4096",
+                 "--global-batch-tokens", str(64 * 4096),
+                 "--layout", "pp=2,dp_replicate=4,schedule=1f1b,microbatches=16"]) == 0
+    assert "step" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--model", "nope", "--gpus", "8", "--global-batch-tokens", "8192"], "--model"),
+    (["--model", "llama3-8b", "--gpus", "8", "--gpu", "Z80", "--global-batch-tokens", "8192"],
+     "--gpu"),
+    (["--model", "llama3-8b", "--gpus", "8", "--seq", "4096", "--global-batch-tokens", "5000"],
+     "--global-batch-tokens"),
+    (["--model", "llama3-8b", "--gpus", "12", "--gpus-per-node", "8", "--seq", "4096",
+      "--global-batch-tokens", "8192"], "gpus_per_node"),
+    (["--model", "llama3-8b", "--gpus", "8", "--seq", "4096", "--global-batch-tokens", "8192",
+      "--layout", "pp=2,warp=9"], "--layout"),
+    (["--model", "llama3-8b", "--gpus", "8", "--seq", "4096", "--global-batch-tokens", "8192",
+      "--layout", "pp=4"], "--layout"),
+])
+def test_cli_bad_input_names_the_argument(args, named, tmp_path, capsys):
+    out = tmp_path / "never.toml"
+    assert main(["plan", *args, "-o", str(out)]) == 2
+    assert named in capsys.readouterr().err
+    assert not out.exists()
