@@ -18,7 +18,9 @@ DeepSeek-V3 (eq. 17-20), with the normalisation of Switch Transformer (eq. 4-6) 
     f_e = (assignments of the sequence to expert e) / (S * k),  P_e = mean router prob of e,
 
 so a perfectly balanced router scores 1.0 whatever E and k. f is a count (no gradient); the
-gradient flows through P into the router.
+gradient flows through P into the router. The trainer adds ``aux_loss_coef * aux_loss`` to its
+objective; where no single objective sees every layer (pipeline stages), the layer itself adds the
+loss's gradient in backward (``aux_loss_backward_scale``, through the combine weights).
 
 **Capacity** (``capacity_factor > 0``): each expert takes at most ``C = ceil(capacity_factor * S
 * k / E)`` assignments per sequence. Priority is GShard's: all first choices in token order, then
@@ -128,6 +130,24 @@ def local_dispatch(x_AD: torch.Tensor, counts_E: torch.Tensor,
     return experts(x_AD, counts_E.tolist())
 
 
+class _AuxLossGradient(torch.autograd.Function):
+    """Identity on the combine weights; their backward also starts the balancing loss's backward
+    with gradient ``scale`` (the role of Megatron's ``MoEAuxLossAutoScaler``). The loss value is
+    unchanged; the gradient is that of ``loss + scale * aux_loss``."""
+
+    @staticmethod
+    def forward(ctx, weight_A: torch.Tensor, aux_loss: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.aux_meta = (aux_loss.shape, aux_loss.dtype, aux_loss.device)
+        return weight_A.view_as(weight_A)
+
+    @staticmethod
+    def backward(ctx, grad_A: torch.Tensor):
+        shape, dtype, device = ctx.aux_meta
+        return grad_A, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
 class MoEFeedForward(nn.Module):
     """Routed experts (+ optional shared experts); sets ``self.aux_loss`` on every forward."""
 
@@ -143,6 +163,10 @@ class MoEFeedForward(nn.Module):
         # The seam for expert parallelism (a plain callable, not a submodule).
         self.dispatcher: Dispatcher = local_dispatch
         self.aux_loss: torch.Tensor | None = None
+        # > 0: the balancing loss's gradient, times this, joins backward inside the layer
+        # (``_AuxLossGradient``), for callers that cannot add it to the loss (pipeline stages:
+        # only the last one holds the loss). 0: the caller adds ``aux_loss`` to its objective.
+        self.aux_loss_backward_scale = 0.0
         self.routing: Routing | None = None  # the last forward's decisions (tests, metrics)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
@@ -152,6 +176,10 @@ class MoEFeedForward(nn.Module):
         """The router's decisions for ``x_BSD`` (whole sequences); recorded on the module."""
         routing = route(self.router(x_BSD), self.top_k, self.capacity_factor, self.renormalize)
         self.aux_loss, self.routing = routing.aux_loss, routing
+        if self.aux_loss_backward_scale and torch.is_grad_enabled():
+            weight_A = _AuxLossGradient.apply(routing.weight_A, routing.aux_loss,
+                                              self.aux_loss_backward_scale)
+            routing = routing._replace(weight_A=weight_A)
         return routing
 
     def experts_output(self, x_BSD: torch.Tensor, routing: Routing,
@@ -174,3 +202,11 @@ class MoEFeedForward(nn.Module):
         if shared is not None:
             out_BSD = out_BSD + shared(x_BSD)
         return out_BSD
+
+
+def set_aux_loss_backward_scale(model: nn.Module, scale: float) -> None:
+    """Make every MoE layer of ``model`` add ``scale`` x its balancing loss's gradient in backward
+    (``MoEFeedForward.aux_loss_backward_scale``); 0 turns it off."""
+    for module in model.modules():
+        if isinstance(module, MoEFeedForward):
+            module.aux_loss_backward_scale = scale

@@ -399,13 +399,13 @@ def gather_expert_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def clip_grad_norm(model: nn.Module, max_norm: float, ep: ExpertParallel,
-                   tp: Any = None) -> torch.Tensor:
+                   tp: Any = None, pp_group: Any = None) -> torch.Tensor:
     """Global gradient norm, each element counted once, clipped to ``max_norm`` (0: only measure).
 
     Expert shards' squares are summed over ep; then, under tensor parallelism (``tp``, a
     ``tensor.TensorParallel``; default: the one ``apply_tensor_parallel`` left on ``model``),
-    every tp-sharded square (experts and dense) over tp; replicated gradients are added once.
-    Returns the norm.
+    every tp-sharded square (experts and dense) over tp; replicated gradients are added once;
+    with pipeline stages (``pp_group``) the total is summed over pp. Returns the norm.
     """
     from loom.parallel.tensor import tensor_parallel_of  # tensor.py imports this module
 
@@ -425,7 +425,10 @@ def clip_grad_norm(model: nn.Module, max_norm: float, ep: ExpertParallel,
     sharded_sq += expert_sq
     if tp is not None:  # under expert-TP every expert shard is a tp shard too
         comm.all_reduce(sharded_sq, tp.mesh.get_group(), axis="tp", ledger=tp.ledger)
-    norm = (sharded_sq + replicated_sq).sqrt()
+    total = sharded_sq + replicated_sq
+    if pp_group is not None:  # each pipeline rank holds other layers
+        comm.all_reduce(total, pp_group, axis="pp", ledger=ep.ledger)
+    norm = total.sqrt()
     if max_norm > 0:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for grad in grads.values():

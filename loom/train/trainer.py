@@ -129,9 +129,20 @@ class Trainer:
         if self.tp is None and self.pipeline is not None:  # TP inside stages: any stage's record
             self.tp = tensor_parallel_of(next(iter(self.pipeline.stages.values())).module)
         self.ep = expert_parallel_of(self.model)
+        if self.ep is None and self.pipeline is not None:  # EP inside stages: any stage's record
+            self.ep = expert_parallel_of(next(iter(self.pipeline.stages.values())).module)
+            if self.ep is not None:  # LocalStages presents it too (checkpoints, weight gathering)
+                self.model.expert_parallel = self.ep
         self.loss_fn = self.tp.loss if self.tp is not None else cross_entropy
         # Mixture of experts: the load-balancing loss joins the objective with its coefficient.
         self.aux_coef = self.args.aux_loss_coef if self.args.n_experts > 0 else 0.0
+        if self.aux_coef and self.pipeline is not None:
+            from loom.models.moe import set_aux_loss_backward_scale
+
+            # Only the last stage holds the loss: each MoE layer adds its balancing loss's
+            # gradient in backward, scaled as the one-process objective scales it.
+            n_micro = tr.global_batch_size // self.dp_size // tr.micro_batch_size
+            set_aux_loss_backward_scale(self.model, self.aux_coef / n_micro)
 
         opt = config.optim
         self.optimizer = build_optimizer(self.model, lr=opt.lr, weight_decay=opt.weight_decay,
@@ -188,12 +199,7 @@ class Trainer:
                 objective.backward()
             loss_sum += loss.detach()
         finish_gradient_sync(self.model)
-        if self.ep is not None:  # expert shards: summed over dp outside ep, divided by dp x ep
-            from loom.parallel.expert import reduce_gradients
-
-            no_ep = self.meshes.dp_no_ep
-            reduce_gradients(self.model, self.ep, dense=False,
-                             dp_group=no_ep.get_group() if no_ep is not None else None)
+        self._reduce_expert_gradients()
         metrics = self._optimizer_step(loss_sum)
         if self.aux_coef:
             metrics["moe_aux_loss"] = self._mean_over_dp(aux_sum)
@@ -239,7 +245,19 @@ class Trainer:
         the clipping norm sums the squares over the ``pp`` group (each rank owns other weights)."""
         loss_sum = self._run_pipeline(inputs, targets, training=True)
         self.pipeline.finish_gradient_reduction()
+        self._reduce_expert_gradients()
         return self._optimizer_step(loss_sum)
+
+    def _reduce_expert_gradients(self) -> None:
+        """Expert shards: summed over dp outside ep, divided by dp x ep (the dense parameters
+        were averaged by the data-parallel reducer)."""
+        if self.ep is None:
+            return
+        from loom.parallel.expert import reduce_gradients
+
+        no_ep = self.meshes.dp_no_ep
+        reduce_gradients(self.model, self.ep, dense=False,
+                         dp_group=no_ep.get_group() if no_ep is not None else None)
 
     def _run_pipeline(self, inputs: torch.Tensor, targets: torch.Tensor, *,
                       training: bool) -> torch.Tensor:
@@ -388,13 +406,17 @@ class Trainer:
         gathered from every stage over the ``pp`` group (a collective: call it on every rank)."""
         from loom.parallel.tensor import full_named_gradients
 
-        if self.pipeline is not None:  # full tensors under TP (collective over tp), then pp
-            return self._gather_over_pp(full_named_gradients(self.model))
+        if self.pipeline is not None:  # full tensors under TP (collective over tp), ep, then pp
+            return self._gather_over_pp(self._gather_experts(full_named_gradients(self.model)))
 
         if zero_of(self.model) is not None:  # ZeRO-1/2: the reduced slices, all-gathered
             return zero_of(self.model).full_named_gradients()
-        grads = full_named_gradients(unwrap(self.model))  # full tensors under TP (collective)
-        if self.ep is not None:  # expert shards stacked back in ep-rank order (collective)
+        # full tensors under TP (collective)
+        return self._gather_experts(full_named_gradients(unwrap(self.model)))
+
+    def _gather_experts(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Expert shards stacked back in ep-rank order (collective over ep)."""
+        if self.ep is not None:
             from loom.parallel import comm
             from loom.parallel.expert import expert_parameter_names
 
@@ -429,6 +451,10 @@ class Trainer:
         if self.pipeline is not None:  # TP / ZeRO-3 gathers (collectives over tp, dp_shard) ...
             state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
                      for k, v in self.model.state_dict().items()}
+            if self.ep is not None:  # expert shards stacked back over ep (collective)
+                from loom.parallel.expert import gather_expert_weights
+
+                state.update(gather_expert_weights(self.model))
             if self.dp_rank != 0:
                 return
             state = self._gather_over_pp(state, to_main=True)  # ... then the first pipeline's

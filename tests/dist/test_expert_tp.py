@@ -63,19 +63,24 @@ def references(dist, small_data_dir):
     return get
 
 
+def assert_layout_matches(dist, data_dir: str, reference: dict, world: int, degrees: dict,
+                          overrides: dict, label: str) -> None:
+    """Train the layout through the Trainer; every rank's record must equal ``reference``."""
+    config = layout_config({**BASE, **overrides}, world, **degrees)
+    for rank, result in enumerate(dist.run(world, record_training, config, data_dir, STEPS)):
+        where = f"{label} rank {rank}"
+        assert_parity(reference, result, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=where,
+                      steps=range(1))
+        assert_parity(reference, result, rtol=RTOL, atol=ATOL, label=where)
+    assert reference["loss"][-1] < reference["loss"][0]  # the runs really train
+
+
 @pytest.mark.parametrize("layout, routing", CASES, ids=[f"{a}-{b}" for a, b in CASES])
 def test_moe_tensor_parallel_trainer_matches_one_process(dist, small_data_dir, references,
                                                          layout, routing):
     world, degrees, extra = LAYOUTS[layout]
-    config = layout_config({**BASE, **ROUTING[routing], **extra}, world, **degrees)
-    reference = references(routing)
-    for rank, result in enumerate(dist.run(world, record_training, config, small_data_dir,
-                                           STEPS)):
-        label = f"{layout} {routing} rank {rank}"
-        assert_parity(reference, result, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=label,
-                      steps=range(1))
-        assert_parity(reference, result, rtol=RTOL, atol=ATOL, label=label)
-    assert reference["loss"][-1] < reference["loss"][0]  # the runs really train
+    assert_layout_matches(dist, small_data_dir, references(routing), world, degrees,
+                          {**ROUTING[routing], **extra}, f"{layout} {routing}")
 
 
 # -- communication volume ----------------------------------------------------------------------

@@ -246,3 +246,28 @@ def test_moe_presets_match_published_sizes(name, total, active) -> None:
 def test_dense_presets_have_equal_total_and_active_counts() -> None:
     for name in ("tiny", "debug", "llama3-8b"):
         assert active_parameter_count(PRESETS[name]) == parameter_count(PRESETS[name])
+
+
+def test_aux_loss_backward_scale_equals_adding_the_loss_to_the_objective() -> None:
+    """Pipeline stages cannot add the balancing loss to the last stage's loss; the layer adds its
+    gradient in backward instead. Both give the same gradient of every parameter, bit for bit."""
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(5))
+    coef = 0.25
+
+    def gradients(in_layer: bool) -> dict[str, torch.Tensor]:
+        model = build_model(moe_args(vocab_size=64, max_seq_len=32), device="cpu")
+        reset_parameters(model, 3)
+        for module in model.modules():
+            if isinstance(module, MoEFeedForward):
+                module.aux_loss_backward_scale = coef if in_layer else 0.0
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        if not in_layer:
+            loss = loss + coef * model.moe_aux_loss()
+        loss.backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    in_layer, in_objective = gradients(True), gradients(False)
+    router = "layers.1.feed_forward.router.weight"
+    assert in_objective[router].abs().max() > 0
+    for name, grad in in_objective.items():
+        assert torch.equal(in_layer[name], grad), name
