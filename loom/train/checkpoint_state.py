@@ -271,7 +271,9 @@ def _experts_as_slices(model: nn.Module, ep: Any, model_sd: dict[str, Any],
     sharded: dict[str, Any] = {}
     _as_sharded(sharded, local)
     for key, value in sharded.items():
-        (model_sd if key in names else optim_sd)[key] = value
+        state = model_sd if key in names else optim_sd
+        value._loom_unsharded = state[key]  # what the load hands back (a DTensor under TP)
+        state[key] = value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,14 +300,9 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
 
 
 def _locals(state: dict[str, Any]) -> dict[str, Any]:
-    """ShardedTensors (expert slices) replaced by their one local tensor, which DCP filled."""
-    out = {}
-    for key, value in state.items():
-        if is_sharded_tensor(value):
-            (shard,) = value.local_shards()
-            value = shard.tensor
-        out[key] = value
-    return out
+    """Expert slices (ShardedTensors) replaced by the rank's own tensor they view, which
+    ``dcp.load`` filled in place."""
+    return {key: getattr(value, "_loom_unsharded", value) for key, value in state.items()}
 
 
 def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
