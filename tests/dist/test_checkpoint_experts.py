@@ -25,6 +25,7 @@ LAYOUTS = {  # name -> (world size, parallel degrees); tiny-moe has 4 experts
     "dp2-ep2": (4, {"ep": 2, "dp_replicate": 2}),
     "ep2-tp2": (4, {"ep": 2, "tp": 2, "dp_replicate": 1}),  # expert-TP inside each ep slice
     "tp2": (2, {"tp": 2}),
+    "pp2-ep2": (4, {"pp": 2, "ep": 2, "dp_replicate": 1, "schedule": "1f1b"}),
 }
 
 
@@ -51,13 +52,14 @@ def test_an_ep2_checkpoint_loads_bit_identically(dist, small_data_dir, ep2_saved
 
 @pytest.mark.parametrize("source, target", [("ep4", "ep2"), ("dp2-ep2", "ep4"),
                                             ("single", "ep2"), ("ep2-tp2", "single"),
-                                            ("ep4", "ep2-tp2"), ("tp2", "ep2")])
+                                            ("ep4", "ep2-tp2"), ("tp2", "ep2"),
+                                            ("pp2-ep2", "single"), ("ep4", "pp2-ep2")])
 def test_other_expert_layouts_reshard(dist, small_data_dir, tmp_path, source, target):
     check_reshard(dist, small_data_dir, tmp_path, (LAYOUTS[source][0], config_for(source)),
                   (LAYOUTS[target][0], config_for(target)), f"{source} -> {target}")
 
 
-@pytest.mark.parametrize("layout", ["ep2", "dp2-ep2", "ep2-tp2"])
+@pytest.mark.parametrize("layout", ["ep2", "dp2-ep2", "ep2-tp2", "pp2-ep2"])
 def test_an_expert_parallel_run_resumes_bit_exact(dist, small_data_dir, tmp_path, layout):
     check_resume(dist, small_data_dir, tmp_path, LAYOUTS[layout][0], config_for(layout), layout,
                  steps=STEPS)

@@ -21,6 +21,8 @@ def _resolve(overrides: dict, world: int):
     ({"parallel.ep": 2, "parallel.tp": 2, "parallel.dp_replicate": 2}, 8),
     ({"parallel.pp": 2}, 2),
     ({"parallel.pp": 2, "parallel.ep": 2, "parallel.schedule": "zbv"}, 4),
+    # checkpoints of pp x ep: tests/dist/test_checkpoint_experts.py (pp2-ep2)
+    ({"parallel.pp": 2, "parallel.ep": 2, "checkpoint.interval": 1}, 4),
 ])
 def test_moe_with_tensor_or_pipeline_parallelism_is_accepted(overrides, world) -> None:
     config = _resolve(overrides, world)
@@ -38,8 +40,6 @@ def test_moe_with_tensor_or_pipeline_parallelism_is_accepted(overrides, world) -
     ({"parallel.dp_shard": 2}, 2, "parallel.dp_shard", ["MoE models with dp_shard > 1"]),
     ({"parallel.pp": 2, "parallel.tp": 2}, 4, "parallel.tp",
      ["MoE models with pp > 1 and tp > 1", "no parity test"]),
-    ({"parallel.pp": 2, "parallel.ep": 2, "checkpoint.interval": 1}, 4, "parallel.ep",
-     ["checkpoints of MoE models with pp > 1 and ep > 1", "checkpoint.interval = 0"]),
     ({"parallel.ep": 3}, 3, "model.n_experts", ["must be divisible by parallel.ep", "= 3"]),
 ])
 def test_moe_combinations_refused_by_name(overrides, world, field, words) -> None:
