@@ -28,6 +28,7 @@ LAYOUTS = {  # name -> (world size, parallel degrees and schedule)
     "zero1-dp2": (2, {"dp_shard": 2, "zero_stage": 1}),
     "zero2-dp2": (2, {"dp_shard": 2, "zero_stage": 2}),
     "zero2-hsdp-2x2": (4, {"dp_replicate": 2, "dp_shard": 2, "zero_stage": 2}),
+    "pp2-zero3-dp2": (4, {"pp": 2, "dp_shard": 2, "zero_stage": 3, "schedule": "1f1b"}),
 }
 
 
@@ -144,7 +145,10 @@ def check_resume(dist, data_dir, run_dir, world: int, config: dict, label: str,
                                             ("zero1-dp2", "zero3-dp2"), ("zero3-dp2", "zero2-dp2"),
                                             ("zero2-dp2", "single"), ("pp2-zbv", "zero2-dp2"),
                                             ("zero2-hsdp-2x2", "zero1-dp2"),
-                                            ("zero1-dp2", "zero2-hsdp-2x2")])
+                                            ("zero1-dp2", "zero2-hsdp-2x2"),
+                                            # ZeRO-3 inside pipeline stages
+                                            ("pp2-zero3-dp2", "single"),
+                                            ("zero1-dp2", "pp2-zero3-dp2")])
 def test_a_checkpoint_reshards_to_another_layout(dist, small_data_dir, tmp_path, source, target):
     check_reshard(dist, small_data_dir, tmp_path, (LAYOUTS[source][0], config_for(source)),
                   (LAYOUTS[target][0], config_for(target)), f"{source} -> {target}")
