@@ -15,9 +15,9 @@ they are counted is ``CollectiveCounter``, a ``TorchDispatchMode``:
   backward node would not survive to the next node. ``tests/dist/test_tensor_parallel.py`` checks
   that backward collectives are seen.
 
-Collectives on groups that are not in the map are recorded under axis ``"?"`` so nothing is lost
-silently. ``c10d.*`` (in-place, non-functional) ops are not counted here: those are the ones
-``comm.py`` issues and already counted. The mode costs one Python call per dispatched op, so it
+Collectives on groups that are not in the map, by name or by member ranks, are recorded under
+axis ``"?"`` so nothing is lost silently. ``c10d.*`` (in-place, non-functional) ops are not
+counted here: those are the ones ``comm.py`` issues and already counted. The mode costs one Python call per dispatched op, so it
 is for measurement steps and tests, not every production step.
 """
 
@@ -54,6 +54,10 @@ class CollectiveCounter(TorchDispatchMode):
         self.ledger = ledger
         # group name -> (axis, group size); only 1-D meshes name a single group
         self.groups = {mesh.get_group().group_name: (axis, mesh.size()) for axis, mesh in axes.items()}
+        # ... and by member ranks: DTensor's sharding cache can hand back an equal mesh built
+        # earlier in the process, whose group has another name but the same ranks.
+        self.by_ranks = {tuple(torch.distributed.get_process_group_ranks(mesh.get_group())):
+                         (axis, mesh.size()) for axis, mesh in axes.items()}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -67,8 +71,10 @@ class CollectiveCounter(TorchDispatchMode):
             op, group_index, payload_factor = spec
             group_name = args[group_index] if len(args) > group_index else kwargs.get("group_name")
             axis, n = self.groups.get(group_name, ("?", 0))
-            if n == 0:  # unknown group: size from the collective itself
-                n = torch.distributed.distributed_c10d._resolve_process_group(group_name).size()
+            if n == 0:  # another name: known by its ranks, else size from the collective itself
+                group = torch.distributed.distributed_c10d._resolve_process_group(group_name)
+                ranks = tuple(torch.distributed.get_process_group_ranks(group))
+                axis, n = self.by_ranks.get(ranks, ("?", group.size()))
             tensor = args[0]
             payload = tensor.numel() * tensor.element_size() * payload_factor(n)
             self.ledger.add(axis, op, payload, _WIRE[op](n) * payload)

@@ -90,24 +90,12 @@ ARGS = TransformerArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=128,
                        n_shared_experts=1)  # both layers MoE, dropless
 
 
-_MESHES: dict = {}  # per worker process: one mesh per layout, built once
-
-
-def _meshes(grid: RankGrid):
-    # A second mesh of the same layout in one process can share torch's cached groups under
-    # other names, and the counter (which maps group names to axes) would see '?'.
-    key = tuple(grid.shape)
-    if key not in _MESHES:
-        _MESHES[key] = build_mesh(grid, "cpu")
-    return _MESHES[key]
-
-
 def comm_body(ctx, sp: bool, ep: int) -> dict:
     """One forward + backward on this rank's B sequences; the ledger's records of each half."""
     from loom.parallel.expert import apply_expert_parallel
 
     grid = RankGrid({"ep": ep, "tp": ctx.world_size // ep})
-    meshes = _meshes(grid)
+    meshes = build_mesh(grid, "cpu")
     ledger = CommLedger()
     model = Transformer(ARGS)
     reset_parameters(model, 1234)
