@@ -1,0 +1,201 @@
+"""Loom's planner against published large-scale training runs (docs/planner.md).
+
+For every BF16 / mixed-precision run of ``bench/planner_published.toml`` (collected from the
+papers and repositories named in each row) this prices the *published* layout with Loom's cost
+model and simulator (``loom plan --layout``), puts the prediction beside the published number in
+the same FLOP convention, and asks the planner for its own best layout of the same model, batch
+and cluster (``loom plan --any``: what-if, including layouts this version of Loom refuses).
+
+Mapping a published row to Loom's model: GPT rows have a 4h GELU MLP (8h^2 weights); Loom's block
+is SwiGLU, so F = 8h/3 gives the same parameters and FLOPs (as ``loom.models.presets`` does for
+GPT-3). Unstated knobs take the value stated in the row's notes or Megatron's default: micro batch
+1, interleaving with 2 chunks, no sequence parallelism before Korthikanti et al. 2022, full
+recomputation for the 2021 Megatron rows (their FLOP formula includes it). FP8 rows and MoE rows
+with features Loom's model lacks (MLA, attention sinks) are listed as skipped with the reason.
+
+    python bench/planner_published.py            # markdown tables on stdout
+    python bench/planner_published.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+from loom.models.llama import TransformerArgs
+from loom.plan.hardware import make_cluster
+from loom.plan.search import plan, simulate_step
+from loom.plan.space import Workload
+from loom.sim.cost_model import CostModel, Layout
+
+HERE = Path(__file__).parent
+
+
+def gpu_of(row: dict) -> tuple[str, str, str] | None:
+    """(catalog accelerator, intra link, inter link) for a row, or None when not in the catalog."""
+    name = row.get("gpu", "")
+    if "A100" in name or "Ampere" in name:
+        return "A100-80GB", "nvlink3", "hdr-ib"  # Selene: one 200 Gb/s HCA per GPU
+    if "H100" in name:
+        inter = "roce-400" if "llama3-405b" in row["name"] else "ndr-ib"
+        return "H100-SXM", "nvlink4", inter
+    return None
+
+
+def skip_reason(row: dict) -> str | None:
+    precision = str(row.get("precision", "")).lower()
+    if "fp8" in precision or "float8" in precision:
+        return "FP8 GEMMs: not comparable with a BF16 peak and cost model"
+    if gpu_of(row) is None:
+        return f"accelerator {row.get('gpu')} not in Loom's catalog"
+    model = row["model"]
+    if model.get("attention") == "MLA" or "head_dim" in model:
+        return "attention shape Loom's model lacks (MLA / head_dim != hidden/heads)"
+    if row["layout"].get("ep", 1) > 1:
+        return "MoE with features beyond Loom's MoE layer"
+    return None
+
+
+def model_of(row: dict) -> TransformerArgs:
+    m = row["model"]
+    h = m["hidden"]
+    swiglu = m.get("activation") == "swiglu"
+    ffn = m["ffn_dim"] if swiglu and "ffn_dim" in m else round(8 * h / 3)
+    return TransformerArgs(dim=h, n_layers=m["layers"], n_heads=m["heads"],
+                           n_kv_heads=m.get("kv_heads", m["heads"]), ffn_dim=ffn,
+                           vocab_size=m["vocab"], max_seq_len=m["seq_len"])
+
+
+def layout_of(row: dict) -> tuple[Layout, list[str]]:
+    """The published layout as a Loom Layout, and the assumptions made for unstated knobs."""
+    lay, assumed = row["layout"], []
+    pp, tp, cp = lay.get("pp", 1), lay.get("tp", 1), lay.get("cp", 1)
+    dp = lay["dp"]
+    batch = lay.get("global_batch_size") or lay.get("batch_per_dp", 1) * dp
+    micro = lay.get("micro_batch_size")
+    if micro is None:
+        micro = 1
+        assumed.append("micro batch 1")
+    sharded = "fsdp" in lay and "none" not in str(lay["fsdp"]).lower()
+    zero = lay.get("zero_stage", 0)
+    if sharded:
+        zero = 2 if "not resharded" in str(lay["fsdp"]) else 3
+    schedule, chunks = "none", 1
+    if pp > 1:
+        if "interleaved" in str(lay.get("schedule", "")) or "virtual_stages" in lay:
+            schedule = "interleaved_1f1b"
+            chunks = lay.get("virtual_stages") or 2
+            if "virtual_stages" not in lay:
+                assumed.append("2 chunks per rank")
+        else:
+            schedule = "1f1b"
+            if "schedule" not in lay:
+                assumed.append("1F1B")
+    recompute = lay.get("recompute")
+    if recompute is None:
+        recompute = "none"
+        assumed.append("no recomputation")
+    sp = lay.get("sequence_parallel")
+    if sp is None:
+        sp = False
+    layout = Layout(pp=pp, dp_replicate=1 if (sharded or zero) else dp,
+                    dp_shard=dp if (sharded or zero) else 1, cp=cp, tp=tp, zero_stage=zero,
+                    sequence_parallel=bool(sp) and tp > 1, schedule=schedule, chunks=chunks,
+                    micro_batch=micro, microbatches=batch // (dp * micro), recompute=recompute)
+    return layout, assumed
+
+
+def megatron_eq3(batch: int, seq: int, model: TransformerArgs) -> float:
+    """Narayanan et al. 2021 eq. 3: FLOPs per iteration including the recompute forward."""
+    h, l, v = model.dim, model.n_layers, model.vocab_size
+    return 96 * batch * seq * l * h * h * (1 + seq / (6 * h) + v / (16 * l * h))
+
+
+def compare(row: dict) -> dict:
+    model = model_of(row)
+    seq = row["model"]["seq_len"]
+    layout, assumed = layout_of(row)
+    batch = layout.dp * layout.micro_batch * layout.microbatches
+    gpu, intra, inter = gpu_of(row)
+    cluster = make_cluster(gpu, row["gpus"], row.get("gpus_per_node", 8), intra=intra, inter=inter)
+    cost_model = CostModel(model, seq, batch, cluster)
+    cost = simulate_step(cost_model, cost_model.evaluate(layout))
+    step = cost.step_time
+    rep, derived = row["reported"], row.get("derived") or {}
+    out = {"name": row["name"], "source": row["source"], "gpus": row["gpus"], "gpu": gpu,
+           "layout": layout.label(), "assumed": assumed, "predicted_step_s": step,
+           "memory_gib": cost.memory_total / 2**30, "bubble": cost.bubble}
+    convention = str(row.get("flops_convention", ""))
+    if "tflops_per_gpu" in rep and "megatron-eq3" in convention:
+        out["metric"] = "TFLOP/s/GPU (Megatron eq. 3)"
+        out["published"] = rep["tflops_per_gpu"]
+        out["predicted"] = megatron_eq3(batch, seq, model) / step / row["gpus"] / 1e12
+    elif "iteration_time_s" in rep:
+        out["metric"] = "iteration time (s)"
+        out["published"] = rep["iteration_time_s"]
+        out["predicted"] = step
+    elif "mfu" in rep:
+        out["metric"] = "MFU"
+        out["published"] = rep["mfu"]
+        out["predicted"] = cost.model_flops / step / (row["gpus"] * cluster.gpu.peak_flops)
+    else:
+        out["metric"] = "tokens/s/GPU"
+        out["published"] = rep["tokens_per_s_per_gpu"]
+        out["predicted"] = batch * seq / step / row["gpus"]
+    # time-like metrics: predicted / published > 1 means Loom predicts slower than published
+    slower = out["predicted"] / out["published"]
+    out["ratio"] = slower if out["metric"].startswith("iteration") else 1 / slower
+    started = time.perf_counter()
+    best = plan(Workload(row["name"], model, seq, batch), cluster, top=1, runnable_only=False)
+    out["plan_seconds"] = time.perf_counter() - started
+    if best.ranked:
+        top = best.ranked[0]
+        out["planner_best"] = top.layout.label()
+        out["planner_best_step_s"] = top.step_time
+        out["planner_speedup_vs_published_layout"] = step / top.step_time
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="also write the rows as JSON here")
+    args = parser.parse_args(argv)
+    rows = tomllib.loads((HERE / "planner_published.toml").read_text())["run"]
+    results, skipped = [], []
+    for row in rows:
+        reason = skip_reason(row)
+        if reason:
+            skipped.append((row["name"], reason))
+            continue
+        results.append(compare(row))
+        print(f"priced {row['name']}", file=sys.stderr)
+    print("| run | GPUs | published layout (as priced) | metric | published | Loom | "
+          "time ratio Loom/published |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['name']} | {r['gpus']} {r['gpu']} | {r['layout']}"
+              + (f" (assumed: {', '.join(r['assumed'])})" if r["assumed"] else "")
+              + f" | {r['metric']} | {r['published']:g} | {r['predicted']:.3g} |"
+              f" {r['ratio']:.2f} |")
+    print()
+    print("| run | planner's best layout | predicted step (s) | vs published layout | "
+          "search time (s) |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        if "planner_best" in r:
+            print(f"| {r['name']} | {r['planner_best']} | {r['planner_best_step_s']:.2f} |"
+                  f" {r['planner_speedup_vs_published_layout']:.2f}x | {r['plan_seconds']:.1f} |")
+    print()
+    for name, reason in skipped:
+        print(f"- skipped {name}: {reason}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": results, "skipped": skipped}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
