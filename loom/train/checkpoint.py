@@ -17,8 +17,10 @@ Loading refuses what it cannot trust: a missing, truncated or altered file (the 
 and SHA-256 do not match), and anything that would execute code when unpickled. DCP reads its
 tensors with ``torch.load(weights_only=True)``, but it reads its ``.metadata`` file with plain
 ``pickle.load``; Loom first unpickles that file with an allow-list of DCP's metadata classes and
-refuses the checkpoint if the pickle names anything else. RNG files are read with
-``weights_only=True``. This module is Loom's own because DCP leaves commit markers, checksums,
+refuses the checkpoint if the pickle names anything else. DCP also stores non-tensor values
+(hyper-parameters such as ``lr`` and ``betas``) as pickles and unpickles them with
+``weights_only=False``; Loom's load planner reads them with ``weights_only=True``, so a crafted
+value is refused instead of run. RNG files are read with ``weights_only=True``. This module is Loom's own because DCP leaves commit markers, checksums,
 retention and safe metadata to the caller.
 
 Asynchronous saving (``save(async_save=True)``, ``checkpoint.async_save``): DCP's ``async_save``
@@ -330,6 +332,31 @@ def save(root: Path, step: int, tensors: dict[str, Any], extra: dict[str, Any], 
     return final
 
 
+def _weights_only_load_planner() -> Any:
+    """DCP's default load planner, except that non-tensor values (hyper-parameters such as
+    ``lr`` and ``betas``) are unpickled with ``weights_only=True``: DCP's own ``load_bytes``
+    uses ``weights_only=False``, which would run whatever a crafted checkpoint names."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            try:
+                loaded = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as err:
+                raise CheckpointError(
+                    f"refusing to load {read_item.dest_index.fqn}: a non-tensor value that is"
+                    f" not plain data (it could execute code): {str(err).splitlines()[-1]}"
+                ) from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict,
+                            self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return WeightsOnlyLoadPlanner()
+
+
 def load(path: Path, tensors: dict[str, Any], *, device: torch.device = torch.device("cpu"),
          group: Any = None) -> dict[str, Any]:
     """Verify ``path`` (main rank), then load it into ``tensors`` in place (collective) and
@@ -348,7 +375,15 @@ def load(path: Path, tensors: dict[str, Any], *, device: torch.device = torch.de
                                    group=group)
     if verdict[0] is not None:
         raise CheckpointError(verdict[0])
-    dcp.load(tensors, checkpoint_id=str(path), process_group=group)
+    try:
+        dcp.load(tensors, checkpoint_id=str(path), process_group=group,
+                 planner=_weights_only_load_planner())
+    except dcp.api.CheckpointException as err:  # DCP gathers every rank's failure
+        # each failure is (exception, traceback summary)
+        refused = [exc for exc, _ in err.failures.values() if isinstance(exc, CheckpointError)]
+        if refused:
+            raise CheckpointError(f"{path}: {refused[0]}") from None
+        raise
     rng_file = path / "rng" / f"rank{_rank(group)}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than saved
         set_rng_state(torch.load(rng_file, weights_only=True), device)

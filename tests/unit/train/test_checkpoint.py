@@ -101,6 +101,34 @@ def test_metadata_that_would_execute_code_is_refused_even_with_a_matching_manife
         ckpt.verify(path)
 
 
+class _MakeDir:
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+def test_a_non_tensor_value_that_would_execute_code_is_refused(tmp_path):
+    """DCP stores non-tensor values (hyper-parameters) as pickles and its own loader unpickles
+    them with weights_only=False; Loom's loader refuses anything but plain data."""
+    victim = tmp_path / "pwned"
+    path = ckpt.save(tmp_path / "ck", 1, {"optim": {"param_groups.w.lr": _MakeDir(victim)}},
+                     {"step": 1})
+    ckpt.verify(path)  # a consistent checkpoint: only its contents are hostile
+    with pytest.raises(ckpt.CheckpointError, match="could execute code"):
+        ckpt.load(path, {"optim": {"param_groups.w.lr": 0.0}})
+    assert not victim.exists()
+
+
+def test_plain_non_tensor_values_load(tmp_path):
+    values = {"lr": 0.5, "betas": (0.9, 0.95), "amsgrad": False, "fused": None, "n": 3}
+    path = ckpt.save(tmp_path, 1, {"optim": dict(values)}, {"step": 1})
+    loaded = {"optim": {k: None for k in values}}
+    ckpt.load(path, loaded)
+    assert loaded["optim"] == values
+
+
 def test_the_rng_state_is_restored(tmp_path):
     torch.manual_seed(123)
     path, model = _save(tmp_path, 1)
