@@ -234,10 +234,6 @@ def _validate_experts(config: Config) -> None:
                           f"must be divisible by parallel.tp = {par.tp} (expert-TP = TP splits"
                           f" every expert's hidden dim); nearest valid:"
                           f" {_nearest_multiples(hidden, par.tp)}")
-    if par.pp > 1 and par.tp > 1:
-        raise ConfigError("parallel.tp", par.tp, "MoE models with pp > 1 and tp > 1 are not"
-                          " supported yet (no parity test of the combination); use tp = 1 or"
-                          " pp = 1")
     for axis, why in (("cp", "routing groups are whole sequences, which cp splits"),
                       ("dp_shard", "ZeRO sharding of expert shards is not wired yet")):
         if getattr(par, axis) > 1:

@@ -6,7 +6,9 @@ trainer), the role of Megatron's ``MoEAuxLossAutoScaler``. Parity through the re
 with the base config, tolerances and comparison of ``test_expert_tp.py``: the ``tiny-moe`` model
 (layer 0 dense, layers 1-3 MoE, so both stages hold MoE layers), 3 AdamW steps in fp32 with
 clipping, on one process and on pp2 (1F1B, and ZB-V whose backward is split into I and W), pp2 x
-ep2 (1F1B, dropless and with capacity drops) and pp2 x ep2 with ZB-V. Loss, gradient norm and
+ep2 (1F1B, dropless and with capacity drops), pp2 x ep2 with ZB-V, and pp2 x tp2 with 1F1B
+(expert-TP = TP inside the stages; without and with sequence parallelism, the latter also with
+capacity drops). Loss, gradient norm and
 every parameter's full gradient must match; a run whose stages dropped their balancing-loss
 gradient differs in the routers' gradients (checked: the pp2 1F1B case fails without it).
 """
@@ -22,8 +24,12 @@ LAYOUTS = {  # name: (world, degrees, extra overrides)
     "pp2-zbv": (2, {"pp": 2, "dp_replicate": 1}, {"parallel.schedule": "zbv"}),
     "pp2-ep2-1f1b": (4, {"pp": 2, "ep": 2, "dp_replicate": 1}, {"parallel.schedule": "1f1b"}),
     "pp2-ep2-zbv": (4, {"pp": 2, "ep": 2, "dp_replicate": 1}, {"parallel.schedule": "zbv"}),
+    "pp2-tp2-1f1b": (4, {"pp": 2, "tp": 2, "dp_replicate": 1}, {"parallel.schedule": "1f1b"}),
+    "pp2-tp2-sp-1f1b": (4, {"pp": 2, "tp": 2, "dp_replicate": 1},
+                        {"parallel.schedule": "1f1b", "parallel.sequence_parallel": True}),
 }
-CASES = [(layout, "dropless") for layout in LAYOUTS] + [("pp2-ep2-1f1b", "capacity-1.0")]
+CASES = [(layout, "dropless") for layout in LAYOUTS] + [("pp2-ep2-1f1b", "capacity-1.0"),
+                                                         ("pp2-tp2-sp-1f1b", "capacity-1.0")]
 
 
 @pytest.mark.parametrize("layout, routing", CASES, ids=[f"{a}-{b}" for a, b in CASES])

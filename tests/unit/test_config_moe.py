@@ -23,10 +23,13 @@ def _resolve(overrides: dict, world: int):
     ({"parallel.pp": 2, "parallel.ep": 2, "parallel.schedule": "zbv"}, 4),
     # checkpoints of pp x ep: tests/dist/test_checkpoint_experts.py (pp2-ep2)
     ({"parallel.pp": 2, "parallel.ep": 2, "checkpoint.interval": 1}, 4),
+    # pp x tp: tests/dist/test_expert_pipeline.py (pp2-tp2, with and without SP)
+    ({"parallel.pp": 2, "parallel.tp": 2}, 4),
+    ({"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True}, 4),
 ])
 def test_moe_with_tensor_or_pipeline_parallelism_is_accepted(overrides, world) -> None:
     config = _resolve(overrides, world)
-    assert config.parallel.degrees()["pp"] * config.parallel.tp == 2
+    assert config.parallel.degrees()["pp"] * config.parallel.tp in (2, 4)
 
 
 @pytest.mark.parametrize("overrides, world, field, words", [
@@ -38,8 +41,6 @@ def test_moe_with_tensor_or_pipeline_parallelism_is_accepted(overrides, world) -
     # still refused, each naming its rule
     ({"parallel.cp": 2}, 2, "parallel.cp", ["MoE models with cp > 1", "whole sequences"]),
     ({"parallel.dp_shard": 2}, 2, "parallel.dp_shard", ["MoE models with dp_shard > 1"]),
-    ({"parallel.pp": 2, "parallel.tp": 2}, 4, "parallel.tp",
-     ["MoE models with pp > 1 and tp > 1", "no parity test"]),
     ({"parallel.ep": 3}, 3, "model.n_experts", ["must be divisible by parallel.ep", "= 3"]),
 ])
 def test_moe_combinations_refused_by_name(overrides, world, field, words) -> None:
