@@ -55,6 +55,7 @@ class Gpu:
     intra: str = "nvlink4"  # default link inside a node
     inter: str = "ndr-ib"  # default link between nodes
     gpus_per_node: int = 8
+    op_overhead: float = 0.0  # seconds per layer pass (F, I or W) not tied to FLOPs or bytes
 
     def __post_init__(self) -> None:
         for key in ("peak_flops", "memory_bytes", "hbm_bandwidth", "matmul_knee"):

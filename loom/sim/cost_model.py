@@ -199,8 +199,7 @@ class CostModel:
                  dtype_bytes: int = 2, grad_bytes: int = 4, op_overhead: float | None = None):
         self.model, self.seq, self.batch, self.cluster = model, seq_len, global_batch, cluster
         self.e, self.grad_bytes = dtype_bytes, grad_bytes
-        self.op_overhead = getattr(cluster.gpu, "op_overhead", 0.0) if op_overhead is None \
-            else op_overhead
+        self.op_overhead = cluster.gpu.op_overhead if op_overhead is None else op_overhead
         self.moe_layers = sum(1 for i in range(model.n_layers) if self._is_moe(i))
         self._geometry_cache: dict[tuple, tuple] = {}
         self._times_cache: dict[tuple, tuple] = {}
