@@ -6,7 +6,10 @@ separate lowered schedule with SEND/RECV actions: which transfers an action need
 the placement alone, so the interpreter derives them on the fly, the same way for every family.
 
 What it communicates, per microbatch and stage boundary that crosses ranks (``pp`` group, gloo or
-NCCL point-to-point, fp32 ``[micro, seq, dim]``, i.e. 4·micro·seq·dim bytes each way):
+NCCL point-to-point, fp32 ``[micro, seq, dim]``, i.e. 4·micro·seq·dim bytes each way; under
+sequence parallelism each tp rank sends its own sequence shard, ``[micro, seq/tp, dim]``). Every
+transfer and reduction below goes through ``loom.parallel.comm`` with the trainer's ledger (axis
+``pp``), so ``metrics.comm`` counts it (``tests/dist/test_pipeline_comm.py``: exactly this volume):
 
 * F(s, m) sends its output to the rank of stage s+1; I(s, m) or B(s, m) sends the input gradient
   to the rank of stage s-1. Stage transitions within one rank (the turn of a V placement) hand
@@ -50,6 +53,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from loom.parallel import comm
+from loom.parallel.comm import CommLedger
 from loom.parallel.data import gradient_reducer, reshard
 from loom.pipeline import schedules
 from loom.pipeline.ir import Action, Op, Schedule
@@ -142,7 +147,8 @@ class PipelineRuntime:
 
     def __init__(self, schedule: Schedule, stages: dict[int, PipelineStage], pp_rank: int,
                  pp_ranks: Sequence[int], pp_group: dist.ProcessGroup | None,
-                 recv_lookahead: int = 4, recorder: PipelineRecorder | None = None) -> None:
+                 recv_lookahead: int = 4, recorder: PipelineRecorder | None = None,
+                 ledger: CommLedger | None = None) -> None:
         if sorted(stages) != list(schedule.stages_of(pp_rank)):
             raise ValueError(f"rank {pp_rank} holds stages {sorted(stages)}, the schedule places "
                              f"{list(schedule.stages_of(pp_rank))} on it")
@@ -153,6 +159,7 @@ class PipelineRuntime:
         self.pp_group = pp_group
         self.recv_lookahead = recv_lookahead
         self.recorder = recorder
+        self.ledger = ledger  # counts the sends, receives and reductions over "pp" (comm.py)
         # The data-parallel reducer of each stage (None at degree 1), attached by parallelize.
         self.reducers = {index: reducer for index, stage in stages.items()
                          if (reducer := gradient_reducer(stage.module)) is not None}
@@ -198,8 +205,8 @@ class PipelineRuntime:
                 needed = incoming(schedule, self.pp_rank, row[next_to_post])
                 if needed is not None:
                     buffer = torch.empty(tuple(activation_shape), dtype=WIRE_DTYPE, device=device)
-                    work = dist.irecv(buffer, src=self.pp_ranks[needed.peer],
-                                      group=self.pp_group,
+                    work = comm.irecv(buffer, self.pp_ranks[needed.peer], self.pp_group,
+                                      axis="pp", ledger=self.ledger,
                                       tag=needed.tag(schedule.num_microbatches))
                     posted[needed] = (work, buffer)
                 next_to_post += 1
@@ -228,8 +235,8 @@ class PipelineRuntime:
                 if transfer.peer == self.pp_rank:
                     local[transfer] = payload
                 else:
-                    sends.append(dist.isend(payload, dst=self.pp_ranks[transfer.peer],
-                                            group=self.pp_group,
+                    sends.append(comm.isend(payload, self.pp_ranks[transfer.peer],
+                                            self.pp_group, axis="pp", ledger=self.ledger,
                                             tag=transfer.tag(schedule.num_microbatches)))
             if recorder is not None:
                 recorder.end(action)
@@ -243,8 +250,8 @@ class PipelineRuntime:
                 self.reducers[index].sync = True
             elif not training:  # ZeRO-3 stages held gathered through the forward passes
                 reshard(stage.module)
-        if len(self.pp_ranks) > 1:
-            dist.all_reduce(loss_sum, group=self.pp_group)  # only the last stage's is non-zero
+        if len(self.pp_ranks) > 1:  # only the last stage's is non-zero
+            comm.all_reduce(loss_sum, self.pp_group, axis="pp", ledger=self.ledger)
         if recorder is not None:
             recorder.step_end()
         return loss_sum
@@ -296,4 +303,4 @@ def build_pipeline(args, schedule: Schedule, *, grid, meshes, rank: int, device:
                                        ledger=ledger, train=train,
                                        offload_optimizer=offload_optimizer)
     return PipelineRuntime(schedule, stages, pp_rank, grid.group(rank, "pp"),
-                           meshes.root["pp"].get_group())
+                           meshes.root["pp"].get_group(), ledger=ledger)

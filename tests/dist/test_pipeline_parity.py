@@ -48,9 +48,10 @@ RTOL_FIRST, ATOL_FIRST = 1e-5, 1e-6
 RTOL, ATOL = 1e-4, 1e-5
 
 
-def record_pipeline(ctx, config_table: dict, data_dir: str, steps: int, weights_path: str) -> dict:
-    """Per step: loss, grad norm and named gradients; then the validation loss and, on rank 0,
-    the saved weights."""
+def record_pipeline(ctx, config_table: dict, data_dir: str, steps: int, weights_path: str,
+                    observe=None) -> dict:
+    """Per step: loss, grad norm and named gradients (and ``observe(trainer)``'s result under
+    "observed", when given); then the validation loss and, on rank 0, the saved weights."""
     import torch
     from safetensors.torch import load_file
 
@@ -59,12 +60,14 @@ def record_pipeline(ctx, config_table: dict, data_dir: str, steps: int, weights_
 
     torch.set_num_threads(1)
     trainer = Trainer(from_dict(config_table), Path(data_dir), None, ctx)
-    record: dict = {"loss": [], "grad_norm": [], "grads": []}
+    record: dict = {"loss": [], "grad_norm": [], "grads": [], "observed": []}
     for _ in range(steps):
         metrics = trainer.train_step()
         record["loss"].append(metrics["loss"])
         record["grad_norm"].append(metrics["grad_norm"])
         record["grads"].append({k: v.cpu() for k, v in trainer.named_gradients().items()})
+        if observe is not None:
+            record["observed"].append(observe(trainer))
     record["val_loss"] = trainer.evaluate()
     path = Path(weights_path) / f"{trainer.config.parallel.pp}-{ctx.world_size}.safetensors"
     trainer.save_weights(path)
@@ -72,20 +75,25 @@ def record_pipeline(ctx, config_table: dict, data_dir: str, steps: int, weights_
     return record
 
 
-@pytest.fixture(scope="module")
-def references(dist, small_data_dir, tmp_path_factory):
-    """One-process runs by global batch size, computed on first use."""
+def reference_runs(dist, data_dir: str, out: str, base: dict, steps: int):
+    """A function of the global batch size: the one-process run of ``base`` with it
+    (``record_pipeline``), computed on first use."""
     cache: dict[int, dict] = {}
-    out = tmp_path_factory.mktemp("weights-ref")
 
     def get(global_batch: int) -> dict:
         if global_batch not in cache:
-            config = layout_config({**BASE, "train.global_batch_size": global_batch}, 1)
-            cache[global_batch] = dist.run(1, record_pipeline, config, small_data_dir, STEPS,
-                                           str(out))[0]
+            config = layout_config({**base, "train.global_batch_size": global_batch}, 1)
+            cache[global_batch] = dist.run(1, record_pipeline, config, data_dir, steps, out)[0]
         return cache[global_batch]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def references(dist, small_data_dir, tmp_path_factory):
+    """One-process runs by global batch size, computed on first use."""
+    return reference_runs(dist, small_data_dir, str(tmp_path_factory.mktemp("weights-ref")), BASE,
+                          STEPS)
 
 
 def check(reference: dict, results: list[dict], label: str) -> None:
