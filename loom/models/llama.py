@@ -238,6 +238,13 @@ def initial_value(name: str, shape: torch.Size, args: TransformerArgs, seed: int
     return torch.randn(shape, generator=generator) * std
 
 
+def seeded_name(name: str, args: TransformerArgs) -> str:
+    """The name whose seed initialises parameter ``name``. A tied head is the embedding: a
+    pipeline's last stage holds its own copy of it (no embedding there), and that copy must
+    start from the embedding's value on the first stage."""
+    return "tok_embeddings.weight" if args.tie_embeddings and name == "output.weight" else name
+
+
 def reset_parameters(
     model: Transformer,
     seed: int,
@@ -251,7 +258,8 @@ def reset_parameters(
     load = load or (lambda param, value: param.copy_(value))
     with torch.no_grad():
         for name, param in model.named_parameters():  # tied weights are yielded once
-            load(param, initial_value(name, param.shape, model.args, seed))
+            load(param, initial_value(seeded_name(name, model.args), param.shape, model.args,
+                                      seed))
         if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
             model.output.weight = model.tok_embeddings.weight  # Module.to_empty() unties them
         cos, sin = rope_tables(model.args.head_dim, model.args.max_seq_len, model.args.rope_theta)

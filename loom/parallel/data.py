@@ -90,8 +90,19 @@ class GradientReducer:
         if current:
             self.buckets.append(current)
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient_ready)
-                       for bucket in self.buckets for p in bucket]
+        self._hooks = {id(p): p.register_post_accumulate_grad_hook(self._on_gradient_ready)
+                       for bucket in self.buckets for p in bucket}
+        self._reset()
+
+    def drop(self, params: Sequence[nn.Parameter]) -> None:
+        """Stop reducing ``params``: a pipeline rank that holds both ends of a tied embedding
+        shares one Parameter between two stages, and only the first stage's reducer keeps it."""
+        ids = {id(p) for p in params}
+        self.buckets = [kept for bucket in self.buckets
+                        if (kept := [p for p in bucket if id(p) not in ids])]
+        self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        for key in ids & set(self._hooks):
+            self._hooks.pop(key).remove()
         self._reset()
 
     def _reset(self) -> None:

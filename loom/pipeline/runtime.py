@@ -35,6 +35,12 @@ transfer and reduction below goes through ``loom.parallel.comm`` with the traine
   with ``true`` FSDP2 gathers per unit for every F and B (``(2m+1) (d-1)/d * 4P_stage``),
   which only full-backward schedules allow (a W needs the weights its I saw). DDP is not used:
   its hooks assume one backward per step and per module, not a stream of I and W pieces.
+* Tied embeddings (``tie_embedding``): the first stage's embedding and the last stage's head are
+  two copies of one weight when they sit on different ranks; after the data-parallel reduction,
+  ``finish_gradient_reduction`` sums their gradients over the 2-rank group {first stage's rank,
+  last stage's rank}: one all-reduce of 4·V·D bytes (/tp under vocab parallelism, /dp_shard
+  under ZeRO-3) per step on those two ranks, axis ``pp_tie``. On one rank (V placements) they are
+  one Parameter and nothing moves.
 * After the step: one 1-element all-reduce over ``pp`` so every rank reports the loss, which only
   the last stage computes.
 
@@ -52,10 +58,11 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from loom.parallel import comm
 from loom.parallel.comm import CommLedger
-from loom.parallel.data import gradient_reducer, reshard
+from loom.parallel.data import GradientReducer, gradient_reducer, reshard
 from loom.pipeline import schedules
 from loom.pipeline.ir import Action, Op, Schedule
 from loom.pipeline.partition import partition_model
@@ -148,7 +155,8 @@ class PipelineRuntime:
     def __init__(self, schedule: Schedule, stages: dict[int, PipelineStage], pp_rank: int,
                  pp_ranks: Sequence[int], pp_group: dist.ProcessGroup | None,
                  recv_lookahead: int = 4, recorder: PipelineRecorder | None = None,
-                 ledger: CommLedger | None = None) -> None:
+                 ledger: CommLedger | None = None,
+                 tie_group: dist.ProcessGroup | None = None) -> None:
         if sorted(stages) != list(schedule.stages_of(pp_rank)):
             raise ValueError(f"rank {pp_rank} holds stages {sorted(stages)}, the schedule places "
                              f"{list(schedule.stages_of(pp_rank))} on it")
@@ -160,6 +168,7 @@ class PipelineRuntime:
         self.recv_lookahead = recv_lookahead
         self.recorder = recorder
         self.ledger = ledger  # counts the sends, receives and reductions over "pp" (comm.py)
+        self.tie_group = tie_group  # {first stage's rank, last stage's rank} of a tied model
         # The data-parallel reducer of each stage (None at degree 1), attached by parallelize.
         self.reducers = {index: reducer for index, stage in stages.items()
                          if (reducer := gradient_reducer(stage.module)) is not None}
@@ -190,6 +199,10 @@ class PipelineRuntime:
         for index, action in enumerate(row):
             if action.op in (Op.W, Op.B):
                 last_piece[action.stage] = index
+        final = schedule.num_stages - 1
+        if self.shares_tied_weight and 0 in last_piece and final in last_piece:
+            # The first stage's reducer holds the shared weight: reduce it once both are done.
+            last_piece[0] = max(last_piece[0], last_piece[final])
         posted: dict[_Transfer, tuple[dist.Work, torch.Tensor]] = {}
         next_to_post = 0
         local: dict[_Transfer, torch.Tensor] = {}  # same-rank hand-overs
@@ -274,9 +287,38 @@ class PipelineRuntime:
 
     # -- data-parallel gradient reduction -------------------------------------------------------------
     def finish_gradient_reduction(self) -> None:
-        """Wait for every stage's gradient reduction and write the averages back."""
+        """Wait for every stage's gradient reduction and write the averages back; then sum the
+        two copies of a tied embedding's gradient over the tie group."""
         for reducer in self.reducers.values():
             reducer.finish()
+        if self.tie_group is not None:
+            param = self.tied_weight
+            if param.grad is None:  # cannot happen in a training step; keeps the pair matched
+                param.grad = torch.zeros_like(param)
+            # Data parallelism first (each copy averaged over dp by its stage's reducer, inside
+            # the schedule), then this sum: both are linear, so the order does not change the
+            # result, and this way the dp reduction keeps overlapping the schedule. A sum of two
+            # values is the same bits on both ranks, so the copies stay identical.
+            local = getattr(param.grad, "_local_tensor", param.grad)
+            comm.all_reduce(local, self.tie_group, axis="pp_tie", ledger=self.ledger)
+
+    @property
+    def tied_weight(self) -> nn.Parameter | None:
+        """This rank's copy of a tied embedding (the embedding on the first stage, the head on
+        the last), None for an untied model or a rank holding neither end."""
+        final = self.schedule.num_stages - 1
+        if not self.stages[next(iter(self.stages))].module.args.tie_embeddings:
+            return None
+        if 0 in self.stages:
+            return self.stages[0].module.tok_embeddings.weight
+        return self.stages[final].module.output.weight if final in self.stages else None
+
+    @property
+    def shares_tied_weight(self) -> bool:
+        """Whether this rank holds both ends of a tied model: then one shared Parameter."""
+        final = self.schedule.num_stages - 1
+        return (final > 0 and 0 in self.stages and final in self.stages
+                and self.stages[0].module.args.tie_embeddings)
 
 
 def build_pipeline(args, schedule: Schedule, *, grid, meshes, rank: int, device: torch.device,
@@ -302,5 +344,46 @@ def build_pipeline(args, schedule: Schedule, *, grid, meshes, rank: int, device:
             stage.module = parallelize(stage.module, meshes, parallel, cp_groups=cp_groups,
                                        ledger=ledger, train=train,
                                        offload_optimizer=offload_optimizer)
+    tie_group = tie_embedding(args, schedule, stages, grid, rank)
     return PipelineRuntime(schedule, stages, pp_rank, grid.group(rank, "pp"),
-                           meshes.root["pp"].get_group(), ledger=ledger)
+                           meshes.root["pp"].get_group(), ledger=ledger, tie_group=tie_group)
+
+
+def tie_embedding(args, schedule: Schedule, stages: dict[int, PipelineStage], grid,
+                  rank: int) -> dist.ProcessGroup | None:
+    """Tie the embedding (first stage) to the output head (last stage), Megatron's way.
+
+    Both start from the embedding's seeded value (``loom.models.llama.seeded_name``). When one
+    rank holds both ends (V placements) they are one Parameter: it is re-tied here after
+    ``parallelize`` (TP makes a new DTensor per stage) and only the first stage's data-parallel
+    reducer keeps it. Otherwise each end's rank holds a copy, and the runtime sums the two
+    gradients after the step over the 2-rank group {first stage's rank, last stage's rank} of
+    each pipeline, returned here for this rank (None when it holds neither end or both).
+    Creating the groups is collective: every rank calls this with the same schedule.
+    """
+    final = schedule.num_stages - 1
+    if not args.tie_embeddings or final == 0:
+        return None
+    first_rank, last_rank = schedule.rank_of(0), schedule.rank_of(final)
+    if first_rank == last_rank:
+        if 0 not in stages:
+            return None
+        shared, head = stages[0].module.tok_embeddings.weight, stages[final].module.output
+        for index in (0, final):
+            reducer = gradient_reducer(stages[index].module)
+            if reducer is not None and not isinstance(reducer, GradientReducer):
+                raise ValueError("tied embeddings on one pipeline rank (a V placement) share one"
+                                 " Parameter between two stages, which ZeRO-3 cannot shard"
+                                 " twice; use dp_replicate or a looped schedule")
+        replaced, head.weight = head.weight, shared
+        reducer = gradient_reducer(stages[final].module)
+        if reducer is not None:
+            reducer.drop([replaced, shared])
+        return None
+    mine = None
+    for members in grid.groups("pp"):  # ordered by pp coordinate
+        pair = [members[first_rank], members[last_rank]]
+        group = dist.new_group(pair)
+        if rank in pair:
+            mine = group
+    return mine

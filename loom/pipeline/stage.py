@@ -134,9 +134,21 @@ def build_stages(args: TransformerArgs, schedule: Schedule, layers: Sequence[ran
         module = build_model(args, device="meta", layer_ids=layers[index],
                              with_embedding=index == 0, with_head=index == schedule.num_stages - 1)
         module.to_empty(device=device)
-        reset_parameters(module, seed)
+        reset_parameters(module, seed)  # a tied head starts as the embedding (seeded_name)
         stages[index] = PipelineStage(index, schedule.num_stages, module, autocast)
+    last = schedule.num_stages - 1
+    if args.tie_embeddings and last > 0 and 0 in stages and last in stages:
+        # Both ends on this rank (a V placement): one Parameter, as in the unsplit model.
+        stages[last].module.output.weight = stages[0].module.tok_embeddings.weight
     return stages
+
+
+class _TiedHead(nn.Module):
+    """Presents a last stage's copy of a tied embedding under the embedding's name."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
 
 
 class LocalStages(nn.Module):
@@ -147,18 +159,32 @@ class LocalStages(nn.Module):
     ``state_dict()`` use the same global names under every pipeline layout. That is what the
     optimizer's state, checkpoints (DCP matches tensors by name) and parity tests key on. It is a
     container only: the runtime runs the stages, never this module's ``forward``.
+
+    Tied embeddings: the last stage's head weight is registered first as
+    ``tok_embeddings.weight`` (and again as ``output.weight``, as in the unsplit model's state
+    dict), so every copy has the one global name. On a rank without the first stage that copy is
+    a *replica* (``tied_replicas``): the first stage's rank holds the same gradient after the
+    runtime's tie reduction, so the global norm counts it there only.
     """
 
     def __init__(self, modules: Sequence[Transformer]) -> None:
         super().__init__()
         self.layers = nn.ModuleDict()
+        self._tie_replica = False
         for module in modules:
             if module.tok_embeddings is not None:
                 self.tok_embeddings = module.tok_embeddings
             for name, layer in module.layers.items():
                 self.layers[name] = layer
             if module.output is not None:
+                if module.args.tie_embeddings and "tok_embeddings" not in self._modules:
+                    self.tok_embeddings = _TiedHead(module.output.weight)
+                    self._tie_replica = True
                 self.norm, self.output = module.norm, module.output
+
+    def tied_replicas(self) -> list[nn.Parameter]:
+        """The tied head weight when this rank holds it without the embedding, else nothing."""
+        return [self.output.weight] if self._tie_replica else []
 
     def forward(self, *args: Any) -> None:  # pragma: no cover - a container, not a model
         raise RuntimeError("LocalStages holds a rank's pipeline stages; run them with the runtime")

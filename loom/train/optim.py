@@ -99,6 +99,13 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float,
     return norm
 
 
+def tied_replicas(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters whose gradient another rank holds too and counts in the global norm: a
+    pipeline's last-stage copy of a tied embedding (``loom.pipeline.stage.LocalStages``)."""
+    replicas = getattr(model, "tied_replicas", None)
+    return replicas() if callable(replicas) else []
+
+
 @torch.no_grad()
 def clip_gradients(model: nn.Module, max_norm: float, *, tp=None, ep=None,
                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -106,10 +113,25 @@ def clip_gradients(model: nn.Module, max_norm: float, *, tp=None, ep=None,
     ZeRO-1/2, FSDP2, or a rank's pipeline stages with ``pp_group``); returns the norm before
     clipping. Each gradient element is counted once: ZeRO-1/2 sum their slices' squares over
     dp_shard, FSDP2 over the mesh dims each gradient is sharded on, EP the experts' over ep, TP
-    the shards' over tp, and a pipeline every stage's over ``pp_group``."""
+    the shards' over tp, and a pipeline every stage's over ``pp_group``; a tied embedding's
+    replica is left out of the sum and scaled like the original, so both stay identical."""
     from loom.parallel.data import is_fully_sharded
     from loom.parallel.zero import zero_of
 
+    replicas = [p for p in tied_replicas(model) if p.grad is not None]
+    if replicas:  # counted on the rank holding the original; scaled here by the same factor
+        grads = [p.grad for p in replicas]
+        for param in replicas:
+            param.grad = None
+        try:
+            norm = clip_gradients(model, max_norm, tp=tp, ep=ep, pp_group=pp_group)
+        finally:
+            for param, grad in zip(replicas, grads):
+                param.grad = grad
+        if max_norm > 0:
+            torch._foreach_mul_([getattr(g, "_local_tensor", g) for g in grads],
+                                clip_coefficient(norm, max_norm))
+        return norm
     zero = zero_of(model)
     if zero is not None:
         return zero.clip_grad_norm(max_norm)

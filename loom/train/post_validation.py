@@ -55,7 +55,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loom.train.optim import clip_coefficient, clip_gradients, clip_to_norm, local_grad_norm
+from loom.train.optim import (clip_coefficient, clip_gradients, clip_to_norm, local_grad_norm,
+                              tied_replicas)
 
 
 class PendingMean:
@@ -207,7 +208,9 @@ class PostValidatedStep:
     def __call__(self, loss_sum: torch.Tensor, where: str) -> StepOutcome:
         """As ``SynchronousStep.__call__``, with the same result."""
         parameters = [p for p in self.model.parameters() if p.grad is not None]
-        norm = local_grad_norm([p.grad for p in parameters]) if parameters else torch.zeros(())
+        replicas = {id(p) for p in tied_replicas(self.model)}  # counted on another rank
+        counted = [p.grad for p in parameters if id(p) not in replicas]
+        norm = local_grad_norm(counted) if counted else torch.zeros(())
         pending = None
         if self.pp_group is not None and parameters:
             squares = norm.pow(2)

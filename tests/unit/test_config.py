@@ -132,8 +132,9 @@ REJECTED = [
                                              "reshard_after_forward = false"]),
     ({"parallel.pp": "8"}, 8, "parallel.pp", "parallel.pp=8",
      ["must not exceed model.n_layers = 4"]),
-    ({"parallel.pp": "2", "model.tie_embeddings": "true"}, 2, "model.tie_embeddings",
-     "model.tie_embeddings=True", ["tied embeddings", "use pp = 1"]),
+    ({"parallel.pp": "2", "model.tie_embeddings": "true", "model.n_experts": "4"}, 2,
+     "model.tie_embeddings", "model.tie_embeddings=True",
+     ["tied embeddings in an MoE pipeline", "use pp = 1 or untie"]),
     # Batch.
     ({}, 3, "train.global_batch_size", "train.global_batch_size=16",
      ["must be divisible by the data-parallel degree", "= 3", "nearest valid: 15 or 18"]),

@@ -48,8 +48,12 @@ REJECTED = [
     ({**PP2, "parallel.tp": "2", "parallel.sequence_parallel": "true",
       "parallel.schedule": "zb_h2"}, 4, "parallel.sequence_parallel",
      "parallel.sequence_parallel=True", ["is not exact yet", "full backwards"]),
-    ({**PP2, "model.tie_embeddings": "true"}, 2, "model.tie_embeddings",
-     "model.tie_embeddings=True", ["use pp = 1"]),
+    # Tied embeddings across stages: a V placement shares one Parameter, which ZeRO-3 cannot
+    # shard in two stages.
+    ({**PP2, "model.tie_embeddings": "true", "parallel.schedule": "zbv",
+      "parallel.dp_shard": "2", "parallel.reshard_after_forward": "false"}, 4,
+     "parallel.dp_shard", "parallel.dp_shard=2", ["first and last stage on one rank",
+                                                  "use dp_replicate or a looped schedule"]),
 ]
 
 
@@ -73,12 +77,19 @@ def test_bad_pipeline_config_is_refused(overrides, world_size, field_name, field
     ({**PP2, "parallel.schedule": "interleaved-1F1B", "parallel.chunks": "2"}, 4),
     ({**PP2, "parallel.schedule": "dualpipev"}, 2),  # m = 8 >= 2p
     ({**PP2, "parallel.pp": "4", "model.n_layers": "8", "parallel.schedule": "v_min"}, 8),
+    # Tied embeddings across stages (tests/dist/test_pipeline_tied.py).
+    ({**PP2, "model.tie_embeddings": "true"}, 2),
+    ({**PP2, "model.tie_embeddings": "true", "parallel.schedule": "zbv"}, 2),
+    ({**PP2, "model.tie_embeddings": "true", "parallel.tp": "2",
+      "parallel.vocab_parallel": "true"}, 4),
+    ({**PP2, "model.tie_embeddings": "true", "parallel.dp_shard": "2",
+      "parallel.reshard_after_forward": "false"}, 4),
     # With pp = 1 the schedule is not used, but its name is still checked; chunks are ignored.
     ({"parallel.schedule": "gpipe", "parallel.chunks": "5"}, 1),
 ])
 def test_valid_pipeline_configs_resolve(overrides, world_size) -> None:
     config = resolve(load_config(None, overrides), world_size)
-    assert config.parallel.pp * config.parallel.dp == world_size
+    assert config.parallel.pp * config.parallel.dp * config.parallel.tp == world_size
 
 
 def test_defaults_are_1f1b_with_the_family_chunks() -> None:
