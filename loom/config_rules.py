@@ -146,12 +146,11 @@ def _validate_zero(config: Config) -> None:
                           " parallel.dp_shard > 1 (ZeRO keeps its shard on the host)")
     if par.dp_shard == 1:
         return
-    for axis, why in (("cp", "sharding over dp_shard x cp is not wired yet"),
-                      ("ep", "expert parameters need their own sharding group")):
-        if getattr(par, axis) > 1:
-            raise ConfigError(f"parallel.{axis}", getattr(par, axis),
-                              f"{axis} > 1 with dp_shard > 1 is not implemented yet ({why});"
-                              " use dp_replicate for data parallelism")
+    # cp > 1 composes: ZeRO shards over dp_shard x cp (cp ranks hold the same weights).
+    if par.ep > 1:
+        raise ConfigError("parallel.ep", par.ep, "ep > 1 with dp_shard > 1 is not implemented yet"
+                          " (expert parameters need their own sharding group); use dp_replicate"
+                          " for data parallelism")
     if par.pp > 1:
         _validate_zero_pipeline(config)
     if par.zero_stage < 3 and par.tp > 1:
@@ -175,12 +174,10 @@ def _validate_post_validation(config: Config) -> None:
 
 
 def _validate_zero_pipeline(config: Config) -> None:
-    """ZeRO inside pipeline stages (pp > 1, dp_shard > 1): stage 3 only, without TP, and a
-    schedule that splits the backward into I and W keeps its stages gathered across the step."""
+    """ZeRO inside pipeline stages (pp > 1, dp_shard > 1): without TP, and under ZeRO-3 a
+    schedule that splits the backward into I and W keeps its stages gathered across the step
+    (ZeRO-1/2 never reshard: their parameters stay whole)."""
     par = config.parallel
-    if par.zero_stage < 3:
-        raise ConfigError("parallel.zero_stage", par.zero_stage, "ZeRO-1/2 inside pipeline stages"
-                          " (pp > 1) is not implemented yet; use zero_stage = 3")
     if par.tp > 1:
         raise ConfigError("parallel.tp", par.tp, "tp > 1 with pp > 1 and dp_shard > 1 is not"
                           " implemented yet (no parity test of the three together); use"
@@ -190,8 +187,8 @@ def _validate_zero_pipeline(config: Config) -> None:
     tr = config.train
     micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
     schedule = schedule_for(par.schedule, par.pp, micro, par.chunks)
-    if par.reshard_after_forward and any(a.op.name in ("I", "W") for row in schedule.actions
-                                         for a in row):
+    splits = any(a.op.name in ("I", "W") for row in schedule.actions for a in row)
+    if par.zero_stage == 3 and par.reshard_after_forward and splits:
         raise ConfigError("parallel.reshard_after_forward", True,
                           f"schedule {par.schedule!r} splits the backward into I and W, and a W"
                           " needs the gathered weights its I used: with pp > 1 and dp_shard > 1"

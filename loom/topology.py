@@ -142,6 +142,11 @@ class Meshes:
     dp: Any
     dp_cp: Any  # dp x cp flattened (the gradient-averaging group under context parallelism)
     dp_no_ep: Any = None  # dp_replicate x dp_shard (expert weights are replicated only there)
+    # ZeRO under context parallelism (dp_shard > 1, cp > 1): cp ranks hold the same weights, so
+    # the shard group is dp_shard x cp flattened (TorchTitan's choice); ``shard_2d`` is HSDP's
+    # (dp_replicate, dp_shard_cp) mesh when dp_replicate > 1. None otherwise.
+    dp_shard_cp: Any = None
+    shard_2d: Any = None
 
 
 def build_mesh(grid: RankGrid, device_type: str) -> Meshes:
@@ -154,4 +159,12 @@ def build_mesh(grid: RankGrid, device_type: str) -> Meshes:
     dp_no_ep = None
     if grid.degree("ep") > 1 and grid.degree("dp_replicate", "dp_shard") > 1:
         dp_no_ep = root[("dp_replicate", "dp_shard")]._flatten("dp_no_ep")
-    return Meshes(root=root, dp=dp, dp_cp=dp_cp, dp_no_ep=dp_no_ep)
+    dp_shard_cp = shard_2d = None
+    if grid.degree("cp") > 1 and grid.degree("dp_shard") > 1:
+        dp_shard_cp = root[("dp_shard", "cp")]._flatten("dp_shard_cp")
+        if grid.degree("dp_replicate") > 1:  # unflatten, not slice: torch deprecates slicing
+            shard_2d = root[("dp_replicate", "dp_shard", "cp")]._flatten("dp_rep_shard_cp") \
+                ._unflatten(0, (grid.degree("dp_replicate"), dp_shard_cp.size()),
+                            ("dp_replicate", "dp_shard_cp"))
+    return Meshes(root=root, dp=dp, dp_cp=dp_cp, dp_no_ep=dp_no_ep, dp_shard_cp=dp_shard_cp,
+                  shard_2d=shard_2d)

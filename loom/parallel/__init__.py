@@ -39,6 +39,18 @@ from loom.topology import Meshes
 __all__ = ["parallelize", "finish_gradient_sync", "no_gradient_sync", "unwrap"]
 
 
+def zero_mesh(meshes: Meshes, parallel: Any) -> tuple[Any, str]:
+    """ZeRO's mesh and its ledger axis name: ``dp_shard``, or ``dp_shard x cp`` flattened when
+    cp > 1 (cp ranks hold the same weights, so they shard them too, and their gradients are
+    averaged with the data-parallel ones); 2-D with ``dp_replicate`` first for HSDP."""
+    if parallel.cp > 1:
+        mesh = meshes.shard_2d if parallel.dp_replicate > 1 else meshes.dp_shard_cp
+        return mesh, "dp_shard_cp"
+    if parallel.dp_replicate > 1:
+        return meshes.root[("dp_replicate", "dp_shard")], "dp_shard"
+    return meshes.root["dp_shard"], "dp_shard"
+
+
 def parallelize(model: nn.Module, meshes: Meshes, parallel: Any, *, cp_groups: Any = None,
                 ledger: CommLedger | None = None, train: Any = None,
                 offload_optimizer: bool = False) -> nn.Module:
@@ -66,8 +78,7 @@ def parallelize(model: nn.Module, meshes: Meshes, parallel: Any, *, cp_groups: A
     reduce_dtype = torch.bfloat16 if train is not None and train.grad_reduce_dtype == "bf16" \
         else torch.float32
     if parallel.dp_shard > 1 and parallel.zero_stage == 3:
-        mesh = (meshes.root[("dp_replicate", "dp_shard")] if parallel.dp_replicate > 1
-                else meshes.root["dp_shard"])
+        mesh, axis = zero_mesh(meshes, parallel)
         compute = torch.bfloat16 if train is not None and train.dtype == "bf16" else None
         # Under a pipeline, reshard_after_forward = false means "gathered across the step":
         # the runtime reshards after the stage's last backward piece, FSDP2 never by itself.
@@ -75,12 +86,15 @@ def parallelize(model: nn.Module, meshes: Meshes, parallel: Any, *, cp_groups: A
         return apply_fully_shard(model, mesh, reshard_after_forward=parallel.reshard_after_forward,
                                  reshard_after_backward=after_backward, param_dtype=compute,
                                  reduce_dtype=reduce_dtype, offload_optimizer=offload_optimizer,
-                                 ledger=ledger)
+                                 ledger=ledger, axis=axis)
     if parallel.dp_shard > 1:
         from loom.parallel.zero import apply_zero
 
-        return apply_zero(model, parallel.zero_stage, meshes, reduce_dtype=reduce_dtype,
-                          offload=offload_optimizer, ledger=ledger)
+        mesh, axis = zero_mesh(meshes, parallel)
+        shard_mesh = mesh[mesh.mesh_dim_names[-1]] if mesh.ndim == 2 else mesh
+        return apply_zero(model, parallel.zero_stage, shard_mesh, meshes.root["dp_replicate"],
+                          axis=axis, reduce_dtype=reduce_dtype, offload=offload_optimizer,
+                          ledger=ledger)
     dp_mesh, axis = (meshes.dp_cp, "dp_cp") if parallel.cp > 1 else (meshes.dp, "dp")
     if parallel.ep > 1:
         from loom.parallel.data import GradientReducer

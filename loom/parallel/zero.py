@@ -34,6 +34,7 @@ and every collective one call per bucket.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -64,8 +65,11 @@ class ZeroShardedOptimizer:
                  shard_rank: int, *, replicate_group: Any = None, replicate_size: int = 1,
                  reduce_dtype: torch.dtype = torch.float32, offload: bool = False,
                  ledger: comm.CommLedger | None = None, bucket_bytes: int = BUCKET_BYTES,
-                 decays: Callable[[nn.Parameter], bool] = lambda p: p.ndim >= 2) -> None:
+                 decays: Callable[[nn.Parameter], bool] = lambda p: p.ndim >= 2,
+                 axis: str = "dp_shard") -> None:
         self.stage, self.group, self.d, self.rank = stage, shard_group, shard_size, shard_rank
+        self.axis = axis  # the ledger's name of the shard group
+        self.pp_group: Any = None  # set on the merged view of a rank's stages (``of_stages``)
         self.replicate_group, self.replicate_size = replicate_group, replicate_size
         self.reduce_dtype, self.offload, self.ledger = reduce_dtype, offload, ledger
         self.sync = True
@@ -134,17 +138,23 @@ class ZeroShardedOptimizer:
                 param.grad = None
         send = flat.to(self.reduce_dtype)
         out = torch.empty(flat.numel() // self.d, dtype=self.reduce_dtype, device=flat.device)
-        work = comm.reduce_scatter_tensor(out, send, self.group, axis="dp_shard",
+        work = comm.reduce_scatter_tensor(out, send, self.group, axis=self.axis,
                                           ledger=self.ledger, async_op=True)
         bucket.pending.append((work, out))
         bucket.ready = 0
         self._next += 1
 
+    def flush(self) -> None:
+        """Launch every bucket not launched yet: the unused parameters' after a backward, or all
+        of them when the gradients were accumulated with ``sync`` off (a pipeline stage after its
+        last backward piece, which may be a W that the accumulate hooks never see)."""
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+
     def finish(self) -> None:
         """Reduce what backward did not reach (unused parameters), wait, average the slices and
         hand them to the optimizer's shard parameters as their gradients."""
-        while self._next < len(self.buckets):
-            self._launch(self.buckets[self._next])
+        self.flush()
         for bucket in self.buckets:
             for work, out in bucket.pending:
                 work.wait()
@@ -186,7 +196,7 @@ class ZeroShardedOptimizer:
         stays readable until the next step.)"""
         for bucket in self.buckets:
             mine = bucket.shard.detach().to(bucket.flat.device).clone()
-            comm.all_gather_into_tensor(bucket.flat, mine, self.group, axis="dp_shard",
+            comm.all_gather_into_tensor(bucket.flat, mine, self.group, axis=self.axis,
                                         ledger=self.ledger)
 
     @torch.no_grad()
@@ -194,7 +204,9 @@ class ZeroShardedOptimizer:
         """Global-norm clipping of the reduced slices (padding is zero; every element once)."""
         grads = [b.shard.grad for b in self.buckets]
         squares = sum(g.float().pow(2).sum() for g in grads).reshape(1).to(self.buckets[0].flat)
-        comm.all_reduce(squares, self.group, axis="dp_shard", ledger=self.ledger)
+        comm.all_reduce(squares, self.group, axis=self.axis, ledger=self.ledger)
+        if self.pp_group is not None:  # a rank's pipeline stages: the other stages' squares
+            comm.all_reduce(squares, self.pp_group, axis="pp", ledger=self.ledger)
         norm = squares.sqrt()[0]
         if max_norm > 0:
             torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0).item())
@@ -207,7 +219,7 @@ class ZeroShardedOptimizer:
         for bucket in self.buckets:
             full = torch.empty_like(bucket.flat)
             comm.all_gather_into_tensor(full, bucket.shard.grad.to(full.device).contiguous(),
-                                        self.group, axis="dp_shard")
+                                        self.group, axis=self.axis)
             offset = 0
             for name, param in zip(bucket.names, bucket.params):
                 out[name] = full[offset:offset + param.numel()].view_as(param).clone()
@@ -215,15 +227,32 @@ class ZeroShardedOptimizer:
         return out
 
 
-def apply_zero(model: nn.Module, stage: int, meshes: Any, *, reduce_dtype: torch.dtype,
+def apply_zero(model: nn.Module, stage: int, shard_mesh: Any, replicate_mesh: Any, *,
+               axis: str = "dp_shard", reduce_dtype: torch.dtype = torch.float32,
                offload: bool = False, ledger: comm.CommLedger | None = None) -> nn.Module:
-    """Attach ZeRO-1/2 over ``dp_shard`` (and ``dp_replicate``); ``zero_of(model)`` finds it."""
-    shard_mesh, replicate_mesh = meshes.root["dp_shard"], meshes.root["dp_replicate"]
+    """Attach ZeRO-1/2 over ``shard_mesh`` (``dp_shard``, or ``dp_shard x cp`` flattened) and
+    ``replicate_mesh`` (``dp_replicate``); ``zero_of(model)`` finds it."""
     model._loom_grad_reducer = ZeroShardedOptimizer(
         model, stage, shard_mesh.get_group(), shard_mesh.size(), shard_mesh.get_local_rank(),
         replicate_group=replicate_mesh.get_group(), replicate_size=replicate_mesh.size(),
-        reduce_dtype=reduce_dtype, offload=offload, ledger=ledger)
+        reduce_dtype=reduce_dtype, offload=offload, ledger=ledger, axis=axis)
     return model
+
+
+def of_stages(stage_modules: list[nn.Module], pp_group: Any) -> ZeroShardedOptimizer | None:
+    """One ZeRO-1/2 optimizer over the buckets of a rank's pipeline stages (None unless every
+    stage has one). Each stage keeps its own instance, hooks and ``flush`` (the runtime reduces
+    a stage's gradients after its last backward piece); this view, with the same shard group,
+    steps, gathers and clips them together, and sums the clipping norm over ``pp_group``."""
+    parts = [getattr(m, "_loom_grad_reducer", None) for m in stage_modules]
+    if not parts or not all(isinstance(p, ZeroShardedOptimizer) for p in parts):
+        return None
+    merged = copy.copy(parts[0])
+    merged.buckets = [bucket for part in parts for bucket in part.buckets]
+    merged._bucket_of = {id(p): b for b in merged.buckets for p in b.params}
+    merged._hooks = []  # the stages' own hooks drive the reduction
+    merged.pp_group = pp_group
+    return merged
 
 
 def zero_of(model: nn.Module) -> ZeroShardedOptimizer | None:

@@ -112,7 +112,13 @@ class Trainer:
                                            parallel=par, cp_groups=self.cp_groups,
                                            ledger=self.ledger, train=tr,
                                            offload_optimizer=self.offload.optimizer)
-            self.model = LocalStages([s.module for _, s in sorted(self.pipeline.stages.items())])
+            modules = [s.module for _, s in sorted(self.pipeline.stages.items())]
+            self.model = LocalStages(modules)
+            from loom.parallel.zero import of_stages
+
+            zero = of_stages(modules, self.pipeline.pp_group)  # ZeRO-1/2: one optimizer view
+            if zero is not None:
+                self.model._loom_grad_reducer = zero
         else:
             model = build_model(self.args, device="meta")
             model.to_empty(device=self.ctx.device)
@@ -407,7 +413,10 @@ class Trainer:
         from loom.parallel.tensor import full_named_gradients
 
         if self.pipeline is not None:  # full tensors under TP (collective over tp), ep, then pp
-            return self._gather_over_pp(self._gather_experts(full_named_gradients(self.model)))
+            zero = zero_of(self.model)  # ZeRO-1/2: the stages' reduced slices, all-gathered
+            grads = zero.full_named_gradients() if zero is not None else \
+                full_named_gradients(self.model)
+            return self._gather_over_pp(self._gather_experts(grads))
 
         if zero_of(self.model) is not None:  # ZeRO-1/2: the reduced slices, all-gathered
             return zero_of(self.model).full_named_gradients()

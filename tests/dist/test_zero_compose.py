@@ -1,0 +1,111 @@
+"""ZeRO composed with the other parallelisms, through the real Trainer: parity with one process
+(5 steps, fp32: loss, gradient norm, every gradient) and bit-exact resume from a checkpoint.
+
+* ZeRO-3 (FSDP2) and ZeRO-1/2 with context parallelism: the shard group is dp_shard x cp
+  flattened (cp ranks hold the same weights; their gradients are averaged with the
+  data-parallel ones), HSDP adds dp_replicate.
+* ZeRO-1/2 inside pipeline stages: each stage reduce-scatters its buckets after its last
+  backward piece (the runtime's ``flush``), one optimizer steps every stage's slices, the
+  clipping norm sums the slices' squares over the shard group, then over pp. Checked with the
+  pipeline tests' ``check`` (per-step numbers, validation loss, saved weights) under 1F1B, ZB-V
+  (I/W split, two stages per rank) and interleaved 1F1B.
+
+Tolerances as in test_zero.py: step 1 differs from one process only by summation order (rtol
+1e-5, atol 1e-6); later steps inherit Adam's amplification of rounding-level elements (rtol 1e-4,
+atol 1e-5, justified in tests/dist/test_data_parallel.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from loom.testing.parity import assert_parity, layout_config, record_training
+from tests.dist.test_pipeline_parity import check, record_pipeline
+from tests.dist.test_zero import ATOL, ATOL_FIRST, BASE, RTOL, RTOL_FIRST, STEPS
+from tests.dist.test_zero_pipeline import BASE as PIPE_BASE
+
+RING = {"cp": 2, "cp_mode": "ring"}
+
+LAYOUTS = {  # name -> (world size, parallel settings)
+    "zero3-dp2-cp2-ring": (4, {"dp_shard": 2, "zero_stage": 3, **RING}),
+    "zero1-dp2-cp2-ring": (4, {"dp_shard": 2, "zero_stage": 1, **RING}),
+    "zero2-dp2-cp2-ring": (4, {"dp_shard": 2, "zero_stage": 2, **RING}),
+    "hsdp-2x2-cp2-ulysses": (8, {"dp_replicate": 2, "dp_shard": 2, "zero_stage": 3, "cp": 2,
+                                 "cp_mode": "ulysses"}),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(dist, small_data_dir):
+    return dist.run(1, record_training, layout_config(BASE, 1), small_data_dir, STEPS)[0]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_zero_composition_matches_one_process(dist, small_data_dir, reference, layout):
+    world, parallel = LAYOUTS[layout]
+    config = layout_config(BASE, world, **parallel)
+    for rank, result in enumerate(dist.run(world, record_training, config, small_data_dir,
+                                           STEPS)):
+        label = f"{layout} rank {rank}"
+        assert_parity(reference, result, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=label,
+                      steps=range(1))
+        assert_parity(reference, result, rtol=RTOL, atol=ATOL, label=label)
+
+
+PIPELINES = {  # name -> (world size, parallel settings); 4 microbatches per pipeline
+    "zero1-pp2-dp2-1f1b": (4, {"pp": 2, "dp_shard": 2, "zero_stage": 1, "schedule": "1f1b"}),
+    "zero2-pp2-dp2-zbv": (4, {"pp": 2, "dp_shard": 2, "zero_stage": 2, "schedule": "zbv"}),
+    "zero1-pp2-dp2-interleaved": (4, {"pp": 2, "dp_shard": 2, "zero_stage": 1,
+                                      "schedule": "interleaved_1f1b", "chunks": 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def pipe_reference(dist, small_data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("weights-ref")
+    return dist.run(1, record_pipeline, layout_config(PIPE_BASE, 1), small_data_dir, STEPS,
+                    str(out))[0]
+
+
+@pytest.mark.parametrize("layout", list(PIPELINES))
+def test_zero12_pipeline_matches_one_process(dist, small_data_dir, pipe_reference, tmp_path,
+                                             layout):
+    world, parallel = PIPELINES[layout]
+    results = dist.run(world, record_pipeline, layout_config(PIPE_BASE, world, **parallel),
+                       small_data_dir, STEPS, str(tmp_path))
+    check(pipe_reference, results, layout)
+
+
+# -- checkpoints of the new layouts (tests.dist.test_checkpoint_resume's helpers) ------------------
+
+RESUMES = {  # name -> (world size, parallel settings)
+    "zero3-dp2-cp2-ring": LAYOUTS["zero3-dp2-cp2-ring"],
+    "zero2-dp2-cp2-ring": LAYOUTS["zero2-dp2-cp2-ring"],
+    "zero2-pp2-dp2-zbv": PIPELINES["zero2-pp2-dp2-zbv"],
+}
+
+
+def resume_config(layout: str) -> tuple[int, dict]:
+    from tests.dist.test_checkpoint_resume import BASE as CKPT_BASE
+
+    world, parallel = RESUMES[layout]
+    return world, layout_config(CKPT_BASE, world, **parallel)
+
+
+@pytest.mark.parametrize("layout", list(RESUMES))
+def test_zero_composition_resumes_bit_exact(dist, small_data_dir, tmp_path, layout):
+    from tests.dist.test_checkpoint_resume import check_resume
+
+    world, config = resume_config(layout)
+    check_resume(dist, small_data_dir, tmp_path, world, config, layout)
+
+
+@pytest.mark.parametrize("source, target", [("zero2-dp2-cp2-ring", "single"),
+                                            ("zero3-dp2-cp2-ring", "zero2-pp2-dp2-zbv"),
+                                            ("zero2-pp2-dp2-zbv", "zero3-dp2-cp2-ring")])
+def test_zero_composition_checkpoint_reshards(dist, small_data_dir, tmp_path, source, target):
+    from tests.dist.test_checkpoint_resume import check_reshard, config_for
+
+    ends = [(1, config_for("single")) if name == "single" else resume_config(name)
+            for name in (source, target)]
+    check_reshard(dist, small_data_dir, tmp_path, ends[0], ends[1], f"{source} -> {target}")
