@@ -29,6 +29,9 @@ LAYOUTS = {  # name -> (world size, parallel degrees and schedule)
     "zero2-dp2": (2, {"dp_shard": 2, "zero_stage": 2}),
     "zero2-hsdp-2x2": (4, {"dp_replicate": 2, "dp_shard": 2, "zero_stage": 2}),
     "pp2-zero3-dp2": (4, {"pp": 2, "dp_shard": 2, "zero_stage": 3, "schedule": "1f1b"}),
+    # the 8-rank combination: every kind of axis at once, multi-chunk schedule
+    "pp2xtp2xdp2-8rank": (8, {"pp": 2, "tp": 2, "sequence_parallel": True, "dp_replicate": 2,
+                              "schedule": "interleaved_1f1b", "chunks": 2}),
 }
 
 
