@@ -11,7 +11,7 @@ the saved weights too (``test_pipeline_parity.check``). Layouts: pp2 1F1B, pp2 i
 (2 chunks per rank), pp2 ZB-V (same rank), ZB-V x dp2 (the shared weight reduced once by the
 first stage's reducer), pp2 x dp2, pp2 x tp2 with vocab_parallel (each tp rank ties its own vocab
 shard; with and without sequence parallelism), pp2 x dp_shard2 (ZeRO-3: each copy sharded, the
-local shards summed). After every step the embedding on the first stage and the head on the last
+local shards summed), and pp2 1F1B with the post-validated optimizer step. After every step the embedding on the first stage and the head on the last
 stage must be bit-identical, weights and gradients (``torch.equal``), on every rank that holds
 one. The tie all-reduce is counted: 4·V·D/t bytes per tie rank per step.
 
@@ -47,6 +47,8 @@ LAYOUTS = {  # name -> (world size, parallel settings)
                               "sequence_parallel": True, "schedule": "1f1b"}),
     "1f1b-zero3": (4, {"pp": 2, "dp_shard": 2, "schedule": "1f1b",
                        "reshard_after_forward": False}),
+    # The post-validated optimizer step leaves the replica out of its norm too.
+    "1f1b-post-validation": (2, {"pp": 2, "schedule": "1f1b"}, {"train.post_validation": True}),
 }
 
 
@@ -75,10 +77,10 @@ def references(dist, small_data_dir, tmp_path_factory):
 def test_tied_pipeline_matches_one_process(dist, small_data_dir, references, tmp_path, layout):
     import torch
 
-    world, parallel = LAYOUTS[layout]
+    world, parallel, *train = LAYOUTS[layout]
     dp = parallel.get("dp_replicate", 1) * parallel.get("dp_shard", 1)
-    config = layout_config({**BASE, "train.global_batch_size": MICRO * dp,
-                            "metrics.comm": True}, world, **parallel)
+    config = layout_config({**BASE, "train.global_batch_size": MICRO * dp, "metrics.comm": True,
+                            **(train[0] if train else {})}, world, **parallel)
     results = dist.run(world, record_pipeline, config, small_data_dir, STEPS, str(tmp_path),
                        tied_copy)
     check(references(MICRO * dp), results, f"tied {layout}")
