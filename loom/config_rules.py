@@ -228,11 +228,14 @@ def _validate_experts(config: Config) -> None:
                           f"must be divisible by parallel.tp = {par.tp} (expert-TP = TP splits"
                           f" every expert's hidden dim); nearest valid:"
                           f" {_nearest_multiples(hidden, par.tp)}")
-    for axis, why in (("cp", "routing groups are whole sequences, which cp splits"),
-                      ("dp_shard", "ZeRO sharding of expert shards is not wired yet")):
-        if getattr(par, axis) > 1:
-            raise ConfigError(f"parallel.{axis}", getattr(par, axis),
-                              f"MoE models with {axis} > 1 are not supported yet: {why}")
+    if par.cp > 1 and m.capacity_factor > 0:
+        raise ConfigError("model.capacity_factor", m.capacity_factor, f"must be 0 (dropless)"
+                          f" with parallel.cp = {par.cp}: capacity is per sequence, and a queue"
+                          " position depends on the order of all of a sequence's tokens, which"
+                          " cp splits over ranks")
+    if par.dp_shard > 1:
+        raise ConfigError("parallel.dp_shard", par.dp_shard, "MoE models with dp_shard > 1 are"
+                          " not supported yet: ZeRO sharding of expert shards is not wired yet")
 
 
 def _validate_context_parallel(config: Config) -> None:

@@ -22,6 +22,14 @@ gradient flows through P into the router. The trainer adds ``aux_loss_coef * aux
 objective; where no single objective sees every layer (pipeline stages), the layer itself adds the
 loss's gradient in backward (``aux_loss_backward_scale``, through the combine weights).
 
+**Sequences split over ranks** (context parallelism): a rank holds ``S/parts`` tokens of every
+sequence. ``MoEFeedForward.sequence_statistics`` (set from outside, ``None`` by default) then
+averages the two per-sequence statistics ``f`` and ``P`` (``[2, B, E]``, computed over the local
+tokens) over the parts: the parts are equal shares, so the mean of the parts' ``f`` and ``P`` is
+the whole sequence's, and the balancing loss is one process's on every part. Routing itself is
+per token, so dropless routing needs nothing else. Capacity cannot be split this way (a queue
+position depends on the order of all the sequence's tokens), so ``route`` refuses the pair.
+
 **Capacity** (``capacity_factor > 0``): each expert takes at most ``C = ceil(capacity_factor * S
 * k / E)`` assignments per sequence. Priority is GShard's: all first choices in token order, then
 all second choices, and so on; assignments past C are dropped (that expert contributes nothing
@@ -73,9 +81,17 @@ def capacity(seq_len: int, n_experts: int, top_k: int, capacity_factor: float) -
     return math.ceil(capacity_factor * seq_len * top_k / n_experts)
 
 
+# ``[2, B, E]`` (f, P) of this rank's part of each sequence -> their mean over the parts (the
+# whole sequences'), differentiable in P; see the module docstring. Context parallelism sets it.
+SequenceStatistics = Callable[[torch.Tensor], torch.Tensor]
+
+
 def route(logits_BSE: torch.Tensor, top_k: int, capacity_factor: float = 0.0,
-          renormalize: bool = True) -> Routing:
-    """Top-k routing with per-sequence capacity and balancing loss (see the module docstring)."""
+          renormalize: bool = True,
+          sequence_statistics: SequenceStatistics | None = None) -> Routing:
+    """Top-k routing with per-sequence capacity and balancing loss (see the module docstring).
+    ``sequence_statistics``: the rows are parts of longer sequences; it averages f and P over
+    the parts (dropless only)."""
     B, S, E = logits_BSE.shape
     probs_BSE = logits_BSE.float().softmax(dim=-1)  # fp32 router as Mixtral / Switch
     topw_BSK, topi_BSK = probs_BSE.topk(top_k, dim=-1)
@@ -83,7 +99,14 @@ def route(logits_BSE: torch.Tensor, top_k: int, capacity_factor: float = 0.0,
         topw_BSK = topw_BSK / topw_BSK.sum(dim=-1, keepdim=True)
     onehot_BSKE = F.one_hot(topi_BSK, E)
     f_BE = onehot_BSKE.sum(dim=(1, 2)).float() / (S * top_k)
-    aux_loss = (E * (f_BE * probs_BSE.mean(dim=1)).sum(dim=-1)).mean()
+    P_BE = probs_BSE.mean(dim=1)
+    if sequence_statistics is not None:
+        if capacity_factor > 0:
+            raise ValueError(f"capacity_factor={capacity_factor} needs whole sequences (a queue"
+                             " position depends on the order of all of a sequence's tokens);"
+                             " split sequences route dropless only (capacity_factor = 0)")
+        f_BE, P_BE = sequence_statistics(torch.stack([f_BE, P_BE])).unbind(0)
+    aux_loss = (E * (f_BE * P_BE).sum(dim=-1)).mean()
 
     keep_BSK = torch.ones_like(topi_BSK, dtype=torch.bool)
     cap = capacity(S, E, top_k, capacity_factor)
@@ -168,13 +191,16 @@ class MoEFeedForward(nn.Module):
         # only the last one holds the loss). 0: the caller adds ``aux_loss`` to its objective.
         self.aux_loss_backward_scale = 0.0
         self.routing: Routing | None = None  # the last forward's decisions (tests, metrics)
+        # The seam for sequences split over ranks (a callable, not a submodule).
+        self.sequence_statistics: SequenceStatistics | None = None
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         return self.experts_output(x_BSD, self.route_tokens(x_BSD))
 
     def route_tokens(self, x_BSD: torch.Tensor) -> Routing:
         """The router's decisions for ``x_BSD`` (whole sequences); recorded on the module."""
-        routing = route(self.router(x_BSD), self.top_k, self.capacity_factor, self.renormalize)
+        routing = route(self.router(x_BSD), self.top_k, self.capacity_factor, self.renormalize,
+                        self.sequence_statistics)
         self.aux_loss, self.routing = routing.aux_loss, routing
         if self.aux_loss_backward_scale and torch.is_grad_enabled():
             weight_A = _AuxLossGradient.apply(routing.weight_A, routing.aux_loss,

@@ -24,6 +24,9 @@ local to the cp group, Hd head dim), all counted in the ``CommLedger`` under axi
   backward: the same 4 inverse all-to-alls on the gradients. Wire bytes ``(u-1)/u`` of that.
 * ring forward: ``r-1`` sends of the key/value block ``2*B*(K/u)*(S/r)*Hd``; backward
   ``2(r-1)`` sends of that size (key/value again, and the travelling dK/dV sum).
+* MoE layers (dropless): one all-reduce per MoE layer per forward of the balancing loss's
+  per-sequence statistics f and P (``[2, B, E]`` fp32, 8*B*E bytes, wire ``2(cp-1)/cp`` of that),
+  averaged over cp (``SequenceStatisticsMean``); nothing in backward (see there).
 * Gradients of the (replicated) parameters: averaged over cp, by ``reduce_gradients_over_cp``
   (one all-reduce per parameter) or, in the trainer, by the data-parallel reducer over the flattened ``dp x cp`` group.
 
@@ -45,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.models.llama import sdpa_causal
+from loom.models.moe import MoEFeedForward
 from loom.parallel import comm
 from loom.parallel.comm import CommLedger
 from loom.parallel.ring_attention import Ring, ring_attention, zigzag_positions
@@ -222,14 +226,52 @@ class ContextParallelAttention:
         return out_BNSH
 
 
+# -- mixture of experts: the balancing loss's statistics of split sequences --------------------
+class _MeanOverParts(torch.autograd.Function):
+    """Forward: the mean over the cp group (all-reduce, / cp). Backward: the identity.
+
+    Why the identity: every cp rank's objective holds the same balancing loss, and the gradients
+    are then averaged over cp. With the true backward of the mean (the gradient / cp on each
+    rank, for its own tokens), that average would scale the loss's gradient by 1/cp; the
+    identity (cp x 1/cp) makes the averaged gradient exactly one process's.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, stats: torch.Tensor, g: _Group, size: int) -> torch.Tensor:
+        out = stats.detach().clone()  # never reduce a tensor autograd still holds, in place
+        comm.all_reduce(out, g.group, axis=g.axis, ledger=g.ledger)
+        return out.div_(size)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return grad, None, None
+
+
+class SequenceStatisticsMean:
+    """``MoEFeedForward.sequence_statistics`` under cp: the balancing loss's per-sequence f and
+    P (``[2, B, E]``) of this rank's equal share of every sequence -> the whole sequence's (their
+    mean over the cp group). One all-reduce of 8*B*E bytes per call."""
+
+    def __init__(self, groups: CPGroups, ledger: CommLedger | None = None, axis: str = "cp"):
+        self.g, self.size = _Group(groups.cp, ledger, axis), groups.layout.size
+
+    def __call__(self, stats_2BE: torch.Tensor) -> torch.Tensor:
+        return _MeanOverParts.apply(stats_2BE, self.g, self.size)
+
+
 def apply_context_parallel(model: nn.Module, groups: CPGroups,
                            ledger: CommLedger | None = None) -> nn.Module:
-    """Swap every attention core of ``model`` for the cp one; identity at cp degree 1."""
+    """Swap every attention core of ``model`` for the cp one, and give every MoE layer the
+    statistics mean over cp; identity at cp degree 1."""
     if groups.layout.size == 1:
         return model
     core = ContextParallelAttention(groups, ledger)
     for layer in model.layers.values():
         layer.attention.core = core
+    statistics = SequenceStatisticsMean(groups, ledger)
+    for module in model.modules():
+        if isinstance(module, MoEFeedForward):
+            module.sequence_statistics = statistics
     return model
 
 

@@ -25,7 +25,10 @@ parallelism does. An expert's gradient already arrives summed over every ep rank
 backward all-to-all brings it home), i.e. it is ep times the one-process gradient: it must not
 be averaged over ep, but summed over the ranks outside ep that hold the same expert
 (dp_replicate x dp_shard) and divided by the whole data-parallel degree dp x ep. One rule for
-both kinds: sum over the ranks holding the parameter, divide by dp x ep.
+both kinds: sum over the ranks holding the parameter, divide by dp x ep. Under context
+parallelism (cp ranks hold other tokens of the same sequences, and the same experts; the ep
+all-to-all runs among the ranks of one cp coordinate) cp joins both: expert gradients are summed
+over dp_replicate x dp_shard and cp, everything is divided by dp x ep x cp.
 
 **Expert tensor parallelism: expert-TP = TP** (``apply_expert_tensor_parallel``, called by
 ``tensor.apply_tensor_parallel`` for every MoE block). Attention keeps its TP layout; the MoE layer
@@ -350,31 +353,33 @@ def expert_parallel_of(model: nn.Module) -> ExpertParallel | None:
 
 @torch.no_grad()
 def reduce_gradients(model: nn.Module, ep: ExpertParallel, *, dp_group: Any = None,
-                     dense: bool = True) -> None:
+                     cp_group: Any = None, dense: bool = True) -> None:
     """Turn every local gradient into the one-process gradient of the global-mean loss.
 
     ``dp_group``: the data-parallel ranks outside ep holding the same experts (dp_replicate x
-    dp_shard; None at degree 1). Expert gradients: summed over ``dp_group``, divided by dp x ep.
-    Dense gradients (``dense=True``): summed over ep then dp, divided by dp x ep; pass
-    ``dense=False`` when the data-parallel reducer over the flattened dp x ep mesh already
-    averages them.
+    dp_shard; None at degree 1); ``cp_group``: the context-parallel ranks (None at degree 1).
+    Expert gradients: summed over ``dp_group`` and ``cp_group``, divided by dp x ep x cp. Dense
+    gradients (``dense=True``): summed over ep, dp and cp, divided by dp x ep x cp; pass
+    ``dense=False`` when the data-parallel reducer over the flattened dp x ep (x cp) mesh
+    already averages them.
     """
     dp = dist.get_world_size(dp_group) if dp_group is not None else 1
+    cp = dist.get_world_size(cp_group) if cp_group is not None else 1
+    holders = [(g, axis) for g, n, axis in ((dp_group, dp, "dp"), (cp_group, cp, "cp")) if n > 1]
     experts = expert_parameter_names(model)
     for name, param in model.named_parameters():
         if param.grad is None:
             continue
         grad = _local_tensor(param.grad)  # a tp shard under expert-TP: reduced as it is
         if name in experts:
-            if dp > 1:
-                comm.all_reduce(grad, dp_group, axis="dp", ledger=ep.ledger)
+            groups = holders
         elif dense:
-            comm.all_reduce(grad, ep.group, axis="ep", ledger=ep.ledger)
-            if dp > 1:
-                comm.all_reduce(grad, dp_group, axis="dp", ledger=ep.ledger)
+            groups = [(ep.group, "ep"), *holders]
         else:
             continue
-        grad.div_(dp * ep.size)
+        for group, axis in groups:
+            comm.all_reduce(grad, group, axis=axis, ledger=ep.ledger)
+        grad.div_(dp * ep.size * cp)
 
 
 def _local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -255,15 +255,16 @@ class Trainer:
         return self._optimizer_step(loss_sum)
 
     def _reduce_expert_gradients(self) -> None:
-        """Expert shards: summed over dp outside ep, divided by dp x ep (the dense parameters
-        were averaged by the data-parallel reducer)."""
+        """Expert shards: summed over dp outside ep and cp, divided by dp x ep x cp (the dense
+        parameters were averaged by the data-parallel reducer)."""
         if self.ep is None:
             return
         from loom.parallel.expert import reduce_gradients
 
         no_ep = self.meshes.dp_no_ep
         reduce_gradients(self.model, self.ep, dense=False,
-                         dp_group=no_ep.get_group() if no_ep is not None else None)
+                         dp_group=no_ep.get_group() if no_ep is not None else None,
+                         cp_group=self.cp_groups.cp if self.cp_groups is not None else None)
 
     def _run_pipeline(self, inputs: torch.Tensor, targets: torch.Tensor, *,
                       training: bool) -> torch.Tensor:

@@ -26,10 +26,17 @@ def _resolve(overrides: dict, world: int):
     # pp x tp: tests/dist/test_expert_pipeline.py (pp2-tp2, with and without SP)
     ({"parallel.pp": 2, "parallel.tp": 2}, 4),
     ({"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True}, 4),
+    # cp (dropless): tests/dist/test_expert_context.py
+    ({"parallel.cp": 2}, 2),
+    ({"parallel.cp": 2, "parallel.cp_mode": "ulysses"}, 2),
+    ({"parallel.cp": 2, "parallel.ep": 2}, 4),
+    ({"parallel.cp": 2, "parallel.tp": 2}, 4),
+    ({"parallel.cp": 2, "parallel.pp": 2}, 4),
 ])
-def test_moe_with_tensor_or_pipeline_parallelism_is_accepted(overrides, world) -> None:
+def test_moe_with_tensor_pipeline_or_context_parallelism_is_accepted(overrides, world) -> None:
     config = _resolve(overrides, world)
-    assert config.parallel.degrees()["pp"] * config.parallel.tp in (2, 4)
+    degrees = config.parallel.degrees()
+    assert degrees["pp"] * degrees["tp"] * degrees["cp"] in (2, 4)
 
 
 @pytest.mark.parametrize("overrides, world, field, words", [
@@ -39,7 +46,8 @@ def test_moe_with_tensor_or_pipeline_parallelism_is_accepted(overrides, world) -
     ({"parallel.tp": 2, "model.expert_ffn_dim": 0, "model.ffn_dim": 129}, 2, "model.ffn_dim",
      ["must be divisible by parallel.tp = 2"]),
     # still refused, each naming its rule
-    ({"parallel.cp": 2}, 2, "parallel.cp", ["MoE models with cp > 1", "whole sequences"]),
+    ({"parallel.cp": 2, "model.capacity_factor": 1.0}, 2, "model.capacity_factor",
+     ["must be 0 (dropless) with parallel.cp = 2", "queue position", "cp splits"]),
     ({"parallel.dp_shard": 2}, 2, "parallel.dp_shard", ["MoE models with dp_shard > 1"]),
     ({"parallel.ep": 3}, 3, "model.n_experts", ["must be divisible by parallel.ep", "= 3"]),
 ])

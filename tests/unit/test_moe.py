@@ -271,3 +271,30 @@ def test_aux_loss_backward_scale_equals_adding_the_loss_to_the_objective() -> No
     assert in_objective[router].abs().max() > 0
     for name, grad in in_objective.items():
         assert torch.equal(in_layer[name], grad), name
+
+
+def test_split_sequences_average_their_statistics_to_the_whole_sequences_loss() -> None:
+    """Context parallelism's seam, in one process: each half of every sequence routes its own
+    tokens; ``sequence_statistics`` averages (f, P) over the halves with an identity backward
+    (as ``context.SequenceStatisticsMean`` does over cp). Each half's balancing loss is then the
+    whole sequences', and the mean of the halves' gradients (the cp gradient average) is the
+    whole sequences' gradient."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 8, 4, generator=g, requires_grad=True)
+    whole = route(logits, top_k=2)
+    (want,) = torch.autograd.grad(whole.aux_loss, logits)
+
+    halves = logits.chunk(2, dim=1)
+    stats = []  # each half's own (f, P), detached: what the all-reduce receives from peers
+    for half in halves:
+        route(half.detach(), 2, sequence_statistics=lambda s: stats.append(s.detach()) or s)
+    mean = torch.stack(stats).mean(0)
+    grads = []
+    for half in halves:
+        part = route(half, 2, sequence_statistics=lambda s: s + (mean - s).detach())
+        torch.testing.assert_close(part.aux_loss, whole.aux_loss, rtol=1e-6, atol=0)
+        grads.append(torch.autograd.grad(part.aux_loss, half, retain_graph=True)[0])
+    torch.testing.assert_close(torch.cat(grads, dim=1) / 2, want, rtol=1e-6, atol=1e-8)
+    # Capacity needs whole sequences (queue positions follow all of a sequence's tokens).
+    with pytest.raises(ValueError, match="capacity_factor=1.0 needs whole sequences"):
+        route(halves[0], 2, capacity_factor=1.0, sequence_statistics=lambda s: s)
