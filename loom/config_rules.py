@@ -267,6 +267,14 @@ def _validate_tied_pipeline(config: Config, schedule) -> None:
     if m.n_experts > 0:
         raise ConfigError("model.tie_embeddings", True, "tied embeddings in an MoE pipeline"
                           " (pp > 1, n_experts > 0) are not tested yet; use pp = 1 or untie")
+    if par.dp_shard > 1 and par.zero_stage < 3:
+        raise ConfigError("parallel.zero_stage", par.zero_stage, "tied embeddings across pipeline"
+                          " stages with ZeRO-1/2 are not implemented yet (the tie sum would miss"
+                          " the reduced gradient slices the optimizer steps); use zero_stage = 3"
+                          " or dp_replicate")
+    if par.cp > 1:
+        raise ConfigError("parallel.cp", par.cp, "tied embeddings across pipeline stages with"
+                          " cp > 1 are not tested yet; use cp = 1 or untie")
     if par.dp_shard > 1 and schedule.rank_of(0) == schedule.rank_of(schedule.num_stages - 1):
         raise ConfigError("parallel.dp_shard", par.dp_shard,
                           f"schedule {par.schedule!r} puts the first and last stage on one rank,"

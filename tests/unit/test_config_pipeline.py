@@ -54,6 +54,11 @@ REJECTED = [
       "parallel.dp_shard": "2", "parallel.reshard_after_forward": "false"}, 4,
      "parallel.dp_shard", "parallel.dp_shard=2", ["first and last stage on one rank",
                                                   "use dp_replicate or a looped schedule"]),
+    ({**PP2, "model.tie_embeddings": "true", "parallel.dp_shard": "2",
+      "parallel.zero_stage": "1"}, 4, "parallel.zero_stage", "parallel.zero_stage=1",
+     ["tied embeddings across pipeline stages with ZeRO-1/2", "use zero_stage = 3"]),
+    ({**PP2, "model.tie_embeddings": "true", "parallel.cp": "2"}, 4, "parallel.cp",
+     "parallel.cp=2", ["with cp > 1 are not tested yet"]),
 ]
 
 
