@@ -153,9 +153,6 @@ def _validate_zero(config: Config) -> None:
                           " for data parallelism")
     if par.pp > 1:
         _validate_zero_pipeline(config)
-    if par.zero_stage < 3 and par.tp > 1:
-        raise ConfigError("parallel.zero_stage", par.zero_stage, "ZeRO-1/2 with tp > 1 is not"
-                          " implemented yet; use zero_stage = 3 (FSDP2 composes with TP)")
 
 
 def _validate_post_validation(config: Config) -> None:

@@ -94,7 +94,8 @@ def parallelize(model: nn.Module, meshes: Meshes, parallel: Any, *, cp_groups: A
         shard_mesh = mesh[mesh.mesh_dim_names[-1]] if mesh.ndim == 2 else mesh
         return apply_zero(model, parallel.zero_stage, shard_mesh, meshes.root["dp_replicate"],
                           axis=axis, reduce_dtype=reduce_dtype, offload=offload_optimizer,
-                          ledger=ledger)
+                          ledger=ledger,
+                          tp_group=meshes.root["tp"].get_group() if parallel.tp > 1 else None)
     dp_mesh, axis = (meshes.dp_cp, "dp_cp") if parallel.cp > 1 else (meshes.dp, "dp")
     if parallel.ep > 1:
         from loom.parallel.data import GradientReducer

@@ -1,9 +1,17 @@
 """ZeRO stages 1 and 2 on ``dp_shard``: parameters replicated, optimizer state (stage 1) and also
 gradients (stage 2) sharded — Loom's own sharded optimizer (stage 3 is FSDP2, ``data.py``).
 
-Mesh axes: ``dp_shard`` (size d: the shard group) and ``dp_replicate`` (HSDP: a rank's reduced
+Mesh axes: ``dp_shard`` (size d: the shard group; ``dp_shard x cp`` flattened under context
+parallelism, whose ranks hold the same weights) and ``dp_replicate`` (HSDP: a rank's reduced
 gradient slice is further averaged over it). Degree 1: ``apply_zero`` is never called (plain data
 parallelism, ``GradientReducer``).
+
+Composition. Under TP the buckets hold each rank's local tp shards (a DTensor parameter's local
+tensor becomes a view of its bucket; tp-sharded and replicated parameters go to separate
+buckets), so the shard group is the dp_shard ranks of one tp coordinate and nothing crosses tp
+but the clipping norm's squares of tp-sharded buckets. Inside pipeline stages every stage has its
+own instance, driven by the runtime (``sync`` off, ``flush`` after the stage's last backward
+piece), and ``of_stages`` gives one optimizer view over a rank's stages.
 
 Layout. Trainable parameters are packed into flat fp32 buckets (~25 MB, each holding one weight-
 decay group, in reverse parameter order: the order backward produces gradients), each padded to a
@@ -20,7 +28,9 @@ reduce-scatter's):
   into views of it: 4P at rest); stage 2 packs the gradients into a temporary buffer, frees them
   and keeps only its slice (4P/d at rest);
 * after the optimizer step: one all-gather of every bucket over ``dp_shard``: ``(d-1)/d * 4P``;
-* clipping: one scalar all-reduce (each element's square is counted by its owner only).
+* clipping: one 2-element all-reduce over the shard group (each element's square is counted by
+  its owner only), under TP one scalar all-reduce over tp (the tp-sharded squares), under pp one
+  over pp.
 
 Both stages move ``2 (d-1)/d * 4P``, the same as plain data parallelism (ZeRO §7: P_os and P_os+g
 cost 2Ψ). Reduce-scatter instead of all-reduce for stage 1 too: only the owner's slice of a
@@ -42,7 +52,22 @@ import torch
 from torch import nn
 
 from loom.parallel import comm
-from loom.parallel.data import BUCKET_BYTES
+from loom.parallel.data import BUCKET_BYTES, _local
+
+
+def _tp_sharded(param: torch.Tensor) -> bool:
+    """A DTensor split over tp (its local elements are its own); replicated ones are whole."""
+    return any(p.is_shard() for p in getattr(param, "placements", ()))
+
+
+def _as_param_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``local`` presented like ``param``: a DTensor with its mesh and placements, or as is."""
+    if not hasattr(param, "device_mesh"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
 
 
 @dataclass
@@ -50,6 +75,7 @@ class _Bucket:
     params: list[nn.Parameter]
     names: list[str]
     decay: bool
+    tp_sharded: bool  # its parameters are tp shards (their squares are summed over tp)
     flat: torch.Tensor  # the parameters' storage, padded to a multiple of d
     shard: nn.Parameter  # this rank's slice (a view of ``flat``, or a host copy when offloading)
     grad_flat: torch.Tensor | None = None  # stage 1: persistent full-size gradient buffer
@@ -66,52 +92,60 @@ class ZeroShardedOptimizer:
                  reduce_dtype: torch.dtype = torch.float32, offload: bool = False,
                  ledger: comm.CommLedger | None = None, bucket_bytes: int = BUCKET_BYTES,
                  decays: Callable[[nn.Parameter], bool] = lambda p: p.ndim >= 2,
-                 axis: str = "dp_shard") -> None:
+                 axis: str = "dp_shard", tp_group: Any = None) -> None:
         self.stage, self.group, self.d, self.rank = stage, shard_group, shard_size, shard_rank
         self.axis = axis  # the ledger's name of the shard group
         self.pp_group: Any = None  # set on the merged view of a rank's stages (``of_stages``)
+        self.tp_group = tp_group  # tensor parallelism: parameters are DTensors, buckets local
         self.replicate_group, self.replicate_size = replicate_group, replicate_size
         self.reduce_dtype, self.offload, self.ledger = reduce_dtype, offload, ledger
         self.sync = True
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.buckets: list[_Bucket] = []
-        for decay in (True, False):
-            group = [(n, p) for n, p in reversed(named) if decays(p) == decay]
+        for decay, sharded in ((True, True), (True, False), (False, True), (False, False)):
+            group = [(n, p) for n, p in reversed(named)
+                     if decays(p) == decay and _tp_sharded(p) == sharded]
             current: list[tuple[str, nn.Parameter]] = []
             size = 0
             for name, param in group:
                 current.append((name, param))
-                size += param.numel() * param.element_size()
+                size += _local(param).numel() * param.element_size()
                 if size >= bucket_bytes:
-                    self._add_bucket(current, decay)
+                    self._add_bucket(current, decay, sharded)
                     current, size = [], 0
             if current:
-                self._add_bucket(current, decay)
+                self._add_bucket(current, decay, sharded)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient_ready)
                        for b in self.buckets for p in b.params]
 
-    def _add_bucket(self, named: list[tuple[str, nn.Parameter]], decay: bool) -> None:
+    def _add_bucket(self, named: list[tuple[str, nn.Parameter]], decay: bool,
+                    tp_sharded: bool) -> None:
         params = [p for _, p in named]
-        numel = sum(p.numel() for p in params)
+        locals_ = [_local(p) for p in params]  # under TP: each rank's shard of the DTensor
+        numel = sum(t.numel() for t in locals_)
         padded = -(-numel // self.d) * self.d
-        flat = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
+        flat = torch.zeros(padded, dtype=params[0].dtype, device=locals_[0].device)
         offset = 0
-        for param in params:  # each parameter becomes a view of the bucket
-            view = flat[offset:offset + param.numel()].view_as(param)
-            view.copy_(param.detach())
-            param.data = view
-            offset += param.numel()
+        for param, local in zip(params, locals_):  # each parameter becomes a view of the bucket
+            view = flat[offset:offset + local.numel()].view_as(local)
+            view.copy_(local.detach())
+            if local is param:
+                param.data = view
+            else:  # a DTensor: ``.data`` would not share storage; its local tensor does
+                param._local_tensor = view
+            offset += local.numel()
         piece = flat[self.rank * padded // self.d:(self.rank + 1) * padded // self.d]
         shard = nn.Parameter(piece.to("cpu", copy=True) if self.offload else piece)
-        bucket = _Bucket(params, [n for n, _ in named], decay, flat, shard)
+        bucket = _Bucket(params, [n for n, _ in named], decay, tp_sharded, flat, shard)
         if self.stage == 1:  # autograd accumulates straight into views of one buffer
             bucket.grad_flat = torch.zeros_like(flat)
             offset = 0
-            for param in params:
-                param.grad = bucket.grad_flat[offset:offset + param.numel()].view_as(param)
-                offset += param.numel()
+            for param, local in zip(params, locals_):
+                grad = bucket.grad_flat[offset:offset + local.numel()].view_as(local)
+                param.grad = _as_param_like(grad, param)
+                offset += local.numel()
         piece = slice(self.rank * padded // self.d, (self.rank + 1) * padded // self.d)
         bucket.grad_shard = (bucket.grad_flat[piece] if bucket.grad_flat is not None  # no copy
                              else torch.zeros(padded // self.d, dtype=flat.dtype,
@@ -131,7 +165,8 @@ class ZeroShardedOptimizer:
         if bucket.grad_flat is not None:  # stage 1: the gradients already are the buffer
             flat = bucket.grad_flat
         else:  # stage 2: pack, then free the full-size gradients
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+            grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))
+                     for p in bucket.params]
             flat = torch.cat([g.reshape(-1) for g in grads])
             flat = nn.functional.pad(flat, (0, bucket.flat.numel() - flat.numel()))
             for param in bucket.params:
@@ -201,20 +236,29 @@ class ZeroShardedOptimizer:
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Global-norm clipping of the reduced slices (padding is zero; every element once)."""
-        grads = [b.shard.grad for b in self.buckets]
-        squares = sum(g.float().pow(2).sum() for g in grads).reshape(1).to(self.buckets[0].flat)
+        """Global-norm clipping of the reduced slices (padding is zero; every element once):
+        squares summed over the shard group; under TP the tp shards' also over tp (replicated
+        parameters are whole on every tp rank: counted once); over pp for a rank's stages."""
+        squares = torch.zeros(2, dtype=torch.float32, device=self.buckets[0].flat.device)
+        for bucket in self.buckets:  # [tp-sharded, whole]
+            squares[0 if bucket.tp_sharded else 1] += \
+                bucket.shard.grad.float().pow(2).sum().to(squares.device)
         comm.all_reduce(squares, self.group, axis=self.axis, ledger=self.ledger)
+        if self.tp_group is not None:
+            comm.all_reduce(squares[:1], self.tp_group, axis="tp", ledger=self.ledger)
+        squares = squares.sum().reshape(1)
         if self.pp_group is not None:  # a rank's pipeline stages: the other stages' squares
             comm.all_reduce(squares, self.pp_group, axis="pp", ledger=self.ledger)
         norm = squares.sqrt()[0]
         if max_norm > 0:
-            torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0).item())
+            torch._foreach_mul_([b.shard.grad for b in self.buckets],
+                                torch.clamp(max_norm / (norm + 1e-6), max=1.0).item())
         return norm
 
     def full_named_gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's reduced (and clipped) gradient by name: the slices all-gathered
-        (a collective over ``dp_shard``; for tests and inspection)."""
+        (a collective over the shard group, and over tp for DTensors; for tests and
+        inspection)."""
         out = {}
         for bucket in self.buckets:
             full = torch.empty_like(bucket.flat)
@@ -222,20 +266,24 @@ class ZeroShardedOptimizer:
                                         self.group, axis=self.axis)
             offset = 0
             for name, param in zip(bucket.names, bucket.params):
-                out[name] = full[offset:offset + param.numel()].view_as(param).clone()
-                offset += param.numel()
+                local = _local(param)
+                grad = _as_param_like(full[offset:offset + local.numel()].view_as(local), param)
+                out[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).clone()
+                offset += local.numel()
         return out
 
 
 def apply_zero(model: nn.Module, stage: int, shard_mesh: Any, replicate_mesh: Any, *,
                axis: str = "dp_shard", reduce_dtype: torch.dtype = torch.float32,
-               offload: bool = False, ledger: comm.CommLedger | None = None) -> nn.Module:
+               offload: bool = False, ledger: comm.CommLedger | None = None,
+               tp_group: Any = None) -> nn.Module:
     """Attach ZeRO-1/2 over ``shard_mesh`` (``dp_shard``, or ``dp_shard x cp`` flattened) and
-    ``replicate_mesh`` (``dp_replicate``); ``zero_of(model)`` finds it."""
+    ``replicate_mesh`` (``dp_replicate``); ``tp_group``: the model's tensor-parallel group
+    (its DTensor parameters are bucketed by local shard); ``zero_of(model)`` finds it."""
     model._loom_grad_reducer = ZeroShardedOptimizer(
         model, stage, shard_mesh.get_group(), shard_mesh.size(), shard_mesh.get_local_rank(),
         replicate_group=replicate_mesh.get_group(), replicate_size=replicate_mesh.size(),
-        reduce_dtype=reduce_dtype, offload=offload, ledger=ledger, axis=axis)
+        reduce_dtype=reduce_dtype, offload=offload, ledger=ledger, axis=axis, tp_group=tp_group)
     return model
 
 

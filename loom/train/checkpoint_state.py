@@ -185,8 +185,10 @@ def _zero_optimizer_state(zero: Any, optimizer: torch.optim.Optimizer) -> dict[s
         lo, hi = zero.rank * per_rank, (zero.rank + 1) * per_rank
         offset = 0
         for name, param in zip(bucket.names, bucket.params):
-            begin, end = max(offset, lo), min(offset + param.numel(), hi)
-            boxes = flat_range_boxes(tuple(param.shape), begin - offset, end - offset)
+            part = getattr(param, "_local_tensor", param)  # under TP: the rank's tp shard
+            begin, end = max(offset, lo), min(offset + part.numel(), hi)
+            boxes = _in_global(flat_range_boxes(tuple(part.shape), begin - offset, end - offset),
+                               param)
             for key, value in state.items():
                 if torch.is_tensor(value) and value.shape == bucket.shard.shape:  # moments
                     views, at = [], begin - lo
@@ -198,9 +200,21 @@ def _zero_optimizer_state(zero: Any, optimizer: torch.optim.Optimizer) -> dict[s
                 else:  # the step count; a copy per name, so a load can check they agree
                     out[f"state.{name}.{key}"] = value.detach().clone()
             out.update({f"param_groups.{name}.{k}": v for k, v in hyper.items()})
-            offset += param.numel()
+            offset += part.numel()
     _as_sharded(out, local)
     return out
+
+
+def _in_global(boxes: list[Box], param: torch.Tensor) -> list[Box]:
+    """Boxes of a DTensor's local shard moved to where that shard sits in the global tensor
+    (ZeRO-1/2 under TP); a plain tensor's unchanged."""
+    if not hasattr(param, "device_mesh"):
+        return boxes
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, shift = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                     param.placements)
+    return [(tuple(o + s for o, s in zip(off, shift)), size) for off, size in boxes]
 
 
 def _load_zero_optimizer_state(zero: Any, optimizer: torch.optim.Optimizer,

@@ -6,8 +6,11 @@ recomputation policy and pipeline schedule, and reports the worst rank. ``loom e
 prints it; ``loom train`` refuses a layout whose estimate exceeds ``train.memory_limit_gb``.
 
 Model state (ZeRO §3, Rajbhandari et al. 2020; Ψ = the rank's parameters after TP and PP, d = the
-``dp_shard`` degree). Loom keeps fp32 parameters: with ``train.dtype = bf16`` they *are* the fp32
-master weights and autocast makes the bf16 copies, so K = 8 (two AdamW moments) and
+``dp_shard`` degree times ``cp``: ZeRO shards over dp_shard x cp, whose ranks hold the same
+weights; ZeRO-1/2 under TP bucket each rank's tp shards, so Ψ is the local count there too;
+measured to the byte, docs/benchmarks.md). Loom keeps fp32 parameters: with ``train.dtype =
+bf16`` they *are* the fp32 master weights and autocast makes the bf16 copies, so K = 8 (two
+AdamW moments) and
 
 =========  ==============  ==============  =================  =================================
 ZeRO       parameters      gradients       optimizer (AdamW)  paper, mixed precision (K = 12)
@@ -178,14 +181,14 @@ def _parameter_count(config: Config, layers: list[int], embedding: bool, head: b
 def estimate_memory(config: Config) -> MemoryEstimate:
     """The worst pipeline rank's bytes for a resolved config (see the module docstring)."""
     par, tr, m = config.parallel, config.train, config.model
-    d = par.dp_shard
-    stage = par.zero_stage if d > 1 else 0
+    d = par.dp_shard * par.cp  # ZeRO shards over dp_shard x cp (cp ranks hold the same weights)
+    stage = par.zero_stage if par.dp_shard > 1 else 0
     compute = 2 if tr.dtype == "bf16" else 4
     best: MemoryEstimate | None = None
     for rank, (layers, embedding, head, in_flight) in enumerate(_rank_layers(config)):
         psi = _parameter_count(config, layers, embedding, head)
         params, grads, optim = model_state_bytes(psi, d, stage)
-        if tr.offload_optimizer and d > 1 and not tr.device.startswith("cpu"):
+        if tr.offload_optimizer and stage and not tr.device.startswith("cpu"):
             optim = 0.0  # on the host (a CPU device has nothing to offload to)
         transient = 0.0
         if stage == 3 and layers:  # gathered block in use + the prefetched one

@@ -9,6 +9,10 @@
   clipping norm sums the slices' squares over the shard group, then over pp. Checked with the
   pipeline tests' ``check`` (per-step numbers, validation loss, saved weights) under 1F1B, ZB-V
   (I/W split, two stages per rank) and interleaved 1F1B.
+* ZeRO-1/2 with tensor parallelism: the buckets hold each rank's local tp shards (a DTensor's
+  local tensor becomes a view of the bucket), reduce-scattered over the dp_shard ranks of the
+  same tp coordinate; the clipping norm sums tp-sharded squares over tp and counts replicated
+  parameters once. With and without sequence and vocabulary parallelism.
 
 Tolerances as in test_zero.py: step 1 differs from one process only by summation order (rtol
 1e-5, atol 1e-6); later steps inherit Adam's amplification of rounding-level elements (rtol 1e-4,
@@ -32,6 +36,9 @@ LAYOUTS = {  # name -> (world size, parallel settings)
     "zero2-dp2-cp2-ring": (4, {"dp_shard": 2, "zero_stage": 2, **RING}),
     "hsdp-2x2-cp2-ulysses": (8, {"dp_replicate": 2, "dp_shard": 2, "zero_stage": 3, "cp": 2,
                                  "cp_mode": "ulysses"}),
+    "zero1-dp2-tp2": (4, {"dp_shard": 2, "zero_stage": 1, "tp": 2}),
+    "zero2-dp2-tp2-sp-vocab": (4, {"dp_shard": 2, "zero_stage": 2, "tp": 2,
+                                   "sequence_parallel": True, "vocab_parallel": True}),
 }
 
 
@@ -82,6 +89,8 @@ RESUMES = {  # name -> (world size, parallel settings)
     "zero3-dp2-cp2-ring": LAYOUTS["zero3-dp2-cp2-ring"],
     "zero2-dp2-cp2-ring": LAYOUTS["zero2-dp2-cp2-ring"],
     "zero2-pp2-dp2-zbv": PIPELINES["zero2-pp2-dp2-zbv"],
+    "zero1-dp2-tp2": LAYOUTS["zero1-dp2-tp2"],
+    "zero2-dp2-tp2-sp-vocab": LAYOUTS["zero2-dp2-tp2-sp-vocab"],
 }
 
 
@@ -102,7 +111,10 @@ def test_zero_composition_resumes_bit_exact(dist, small_data_dir, tmp_path, layo
 
 @pytest.mark.parametrize("source, target", [("zero2-dp2-cp2-ring", "single"),
                                             ("zero3-dp2-cp2-ring", "zero2-pp2-dp2-zbv"),
-                                            ("zero2-pp2-dp2-zbv", "zero3-dp2-cp2-ring")])
+                                            ("zero2-pp2-dp2-zbv", "zero3-dp2-cp2-ring"),
+                                            ("zero1-dp2-tp2", "single"),
+                                            ("zero3-dp2-cp2-ring", "zero2-dp2-tp2-sp-vocab"),
+                                            ("zero2-dp2-tp2-sp-vocab", "zero1-dp2-tp2")])
 def test_zero_composition_checkpoint_reshards(dist, small_data_dir, tmp_path, source, target):
     from tests.dist.test_checkpoint_resume import check_reshard, config_for
 

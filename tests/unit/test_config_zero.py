@@ -20,8 +20,6 @@ def test_dp_shard_defaults_to_zero3_and_is_part_of_dp():
 @pytest.mark.parametrize("overrides, world, field, words", [
     ({"parallel.dp_shard": "2", "parallel.zero_stage": "4"}, 2, "parallel.zero_stage",
      "must be 1, 2 or 3"),
-    ({"parallel.dp_shard": "2", "parallel.zero_stage": "1", "parallel.tp": "2"}, 4,
-     "parallel.zero_stage", "use zero_stage = 3"),
     ({"train.recompute_every": "0"}, 1, "train.recompute_every", ">= 1"),
     ({"train.recompute": "some"}, 1, "train.recompute", "must be one of"),
     ({"train.offload_optimizer": "true"}, 1, "train.offload_optimizer", "dp_shard > 1"),
@@ -41,6 +39,8 @@ def test_rules(overrides, world, field, words):
     ({"parallel.dp_shard": "2", "parallel.zero_stage": "1", "checkpoint.resume": "auto"}, 2),
     ({"parallel.dp_shard": "2", "parallel.dp_replicate": "2"}, 4),
     ({"parallel.dp_shard": "2", "parallel.tp": "2", "model.n_kv_heads": "4"}, 4),
+    # ZeRO-1/2 bucket each rank's tp shards (tests/dist/test_zero_compose.py)
+    ({"parallel.dp_shard": "2", "parallel.zero_stage": "1", "parallel.tp": "2"}, 4),
     ({"parallel.dp_shard": "2", "train.offload_optimizer": "true"}, 2),
     # ZeRO shards over dp_shard x cp (tests/dist/test_zero_compose.py)
     ({"parallel.dp_shard": "2", "parallel.cp": "2", "parallel.cp_mode": "ring"}, 4),

@@ -33,6 +33,17 @@ def test_model_state_per_zero_stage(stage, params, grads, optim):
     assert est.model_state == params + grads + optim
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_shards_over_dp_shard_times_cp(stage):
+    """cp ranks hold the same weights, so ZeRO shards over dp_shard x cp: dp_shard 2 x cp 2 is
+    dp_shard 4's model state (measured to the byte: docs/benchmarks.md, ZeRO compositions)."""
+    over = {"parallel.zero_stage": str(stage)}
+    with_cp = estimate_memory(config(4, **over, **{"parallel.dp_shard": "2", "parallel.cp": "2",
+                                                   "parallel.cp_mode": "ring"}))
+    assert with_cp.model_state == estimate_memory(config(4, **over, **{
+        "parallel.dp_shard": "4"})).model_state
+
+
 def test_zero3_transient_is_two_gathered_blocks():
     assert estimate_memory(config(2, **{"parallel.dp_shard": "2"})).transient == 2 * 4 * 36_992
 
