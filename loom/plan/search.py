@@ -190,6 +190,8 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 16,
                 continue
             cost = model.evaluate(layout, memory)
             fitting += 1
+            if len(heap) == keep and -cost.step_time <= heap[0][0]:
+                break  # slower than every layout kept (and recomputing more is slower still)
             if runnable_only:
                 key = _structure(layout)
                 if key not in verdicts:

@@ -29,7 +29,7 @@ from loom.sim.cost_model import Layout
 # instead of p (or pp x chunks of interleaving), i.e. they are dominated.
 SCHEDULES: dict[str, tuple[int, ...]] = {
     "1f1b": (1,),
-    "interleaved_1f1b": (2, 4),
+    "interleaved_1f1b": (2, 3, 4),
     "zb_h1": (1,),
     "zb_h2": (1,),
     "zbv": (2,),
