@@ -171,14 +171,10 @@ def _validate_post_validation(config: Config) -> None:
 
 
 def _validate_zero_pipeline(config: Config) -> None:
-    """ZeRO inside pipeline stages (pp > 1, dp_shard > 1): without TP, and under ZeRO-3 a
-    schedule that splits the backward into I and W keeps its stages gathered across the step
-    (ZeRO-1/2 never reshard: their parameters stay whole)."""
+    """ZeRO inside pipeline stages (pp > 1, dp_shard > 1): under ZeRO-3 a schedule that splits
+    the backward into I and W keeps its stages gathered across the step (ZeRO-1/2 never
+    reshard: their parameters stay whole)."""
     par = config.parallel
-    if par.tp > 1:
-        raise ConfigError("parallel.tp", par.tp, "tp > 1 with pp > 1 and dp_shard > 1 is not"
-                          " implemented yet (no parity test of the three together); use"
-                          " dp_replicate for data parallelism")
     from loom.pipeline.runtime import schedule_for
 
     tr = config.train

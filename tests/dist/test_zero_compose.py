@@ -13,6 +13,7 @@
   local tensor becomes a view of the bucket), reduce-scattered over the dp_shard ranks of the
   same tp coordinate; the clipping norm sums tp-sharded squares over tp and counts replicated
   parameters once. With and without sequence and vocabulary parallelism.
+* ZeRO-1 and ZeRO-3 inside pipeline stages with TP (pp2 x dp_shard2 x tp2, 8 ranks).
 
 Tolerances as in test_zero.py: step 1 differs from one process only by summation order (rtol
 1e-5, atol 1e-6); later steps inherit Adam's amplification of rounding-level elements (rtol 1e-4,
@@ -83,6 +84,55 @@ def test_zero12_pipeline_matches_one_process(dist, small_data_dir, pipe_referenc
     check(pipe_reference, results, layout)
 
 
+PLAIN_PP_TP = {"pp": 2, "dp_replicate": 2, "tp": 2, "schedule": "1f1b"}
+PIPELINES_TP = {  # 8 ranks: pp2 x dp_shard2 x tp2
+    "zero1-pp2-dp2-tp2-1f1b": {"pp": 2, "dp_shard": 2, "tp": 2, "zero_stage": 1,
+                               "schedule": "1f1b"},
+    "zero3-pp2-dp2-tp2-1f1b": {"pp": 2, "dp_shard": 2, "tp": 2, "zero_stage": 3,
+                               "schedule": "1f1b", "reshard_after_forward": False},
+}
+
+
+@pytest.fixture(scope="module")
+def plain_pp_tp(dist, small_data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("weights-pp-tp")
+    return dist.run(8, record_pipeline, layout_config(PIPE_BASE, 8, **PLAIN_PP_TP),
+                    small_data_dir, STEPS, str(out))[0]
+
+
+@pytest.mark.parametrize("layout", list(PIPELINES_TP))
+def test_zero_pipeline_with_tp_matches(dist, small_data_dir, pipe_reference, plain_pp_tp,
+                                       tmp_path, layout):
+    """pp2 x dp_shard2 x tp2: loss, gradient norm and every gradient of 5 steps, and the
+    validation loss, against one process; the saved weights against plain data parallelism of
+    the same shape (pp2 x dp_replicate2 x tp2), with step 1's tight tolerance.
+
+    Why the weights are not compared with one process here: after 5 steps that plain layout
+    (accepted, tested for 3 steps in test_pipeline_parity.py) itself differs from one process in
+    one element of 4096 of layers.3.attention.wo.weight by 1.7e-5 (atol 1e-5): Adam's
+    amplification of a rounding-level gradient element, measured identically with and without
+    ZeRO. ZeRO-1 and ZeRO-3 here differ from that layout by at most 7.5e-9 in any weight and
+    3e-8 in any gradient (measured)."""
+    import torch
+
+    results = dist.run(8, record_pipeline,
+                       layout_config(PIPE_BASE, 8, **PIPELINES_TP[layout]), small_data_dir,
+                       STEPS, str(tmp_path))
+    for rank, result in enumerate(results):
+        where = f"{layout} rank {rank}"
+        assert_parity(pipe_reference, result, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=where,
+                      steps=range(1))
+        assert_parity(pipe_reference, result, rtol=RTOL, atol=ATOL, label=where)
+        torch.testing.assert_close(torch.tensor(result["val_loss"]),
+                                   torch.tensor(pipe_reference["val_loss"]), rtol=RTOL,
+                                   atol=ATOL, msg=lambda m: f"{where} validation loss: {m}")
+    saved, expected = results[0]["weights"], plain_pp_tp["weights"]
+    assert set(saved) == set(expected) == set(pipe_reference["weights"])
+    for name, value in expected.items():
+        torch.testing.assert_close(saved[name], value, rtol=RTOL_FIRST, atol=ATOL_FIRST,
+                                   msg=lambda m, n=name: f"{layout} saved {n}: {m}")
+
+
 # -- checkpoints of the new layouts (tests.dist.test_checkpoint_resume's helpers) ------------------
 
 RESUMES = {  # name -> (world size, parallel settings)
@@ -91,6 +141,7 @@ RESUMES = {  # name -> (world size, parallel settings)
     "zero2-pp2-dp2-zbv": PIPELINES["zero2-pp2-dp2-zbv"],
     "zero1-dp2-tp2": LAYOUTS["zero1-dp2-tp2"],
     "zero2-dp2-tp2-sp-vocab": LAYOUTS["zero2-dp2-tp2-sp-vocab"],
+    "zero1-pp2-dp2-tp2-1f1b": (8, PIPELINES_TP["zero1-pp2-dp2-tp2-1f1b"]),
 }
 
 

@@ -122,8 +122,6 @@ REJECTED = [
      "parallel.cp_ulysses", "parallel.cp_ulysses=3", ["must divide parallel.cp = 4"]),
     ({"parallel.cp_mode": "zigzag"}, 1, "parallel.cp_mode", "parallel.cp_mode='zigzag'",
      ["must be one of ring, ulysses, hybrid"]),
-    ({"parallel.dp_shard": "2", "parallel.pp": "2", "parallel.tp": "2"}, 8, "parallel.tp",
-     "parallel.tp=2", ["tp > 1 with pp > 1 and dp_shard > 1 is not implemented yet"]),
     ({"parallel.dp_shard": "2", "parallel.pp": "2", "parallel.schedule": "zbv",
       "train.global_batch_size": "8"}, 4, "parallel.reshard_after_forward",
      "parallel.reshard_after_forward=True", ["splits the backward into I and W",

@@ -41,6 +41,7 @@ def test_rules(overrides, world, field, words):
     ({"parallel.dp_shard": "2", "parallel.tp": "2", "model.n_kv_heads": "4"}, 4),
     # ZeRO-1/2 bucket each rank's tp shards (tests/dist/test_zero_compose.py)
     ({"parallel.dp_shard": "2", "parallel.zero_stage": "1", "parallel.tp": "2"}, 4),
+    ({"parallel.dp_shard": "2", "parallel.pp": "2", "parallel.tp": "2"}, 8),
     ({"parallel.dp_shard": "2", "train.offload_optimizer": "true"}, 2),
     # ZeRO shards over dp_shard x cp (tests/dist/test_zero_compose.py)
     ({"parallel.dp_shard": "2", "parallel.cp": "2", "parallel.cp_mode": "ring"}, 4),
