@@ -172,3 +172,22 @@ def test_zero_composition_checkpoint_reshards(dist, small_data_dir, tmp_path, so
     ends = [(1, config_for("single")) if name == "single" else resume_config(name)
             for name in (source, target)]
     check_reshard(dist, small_data_dir, tmp_path, ends[0], ends[1], f"{source} -> {target}")
+
+
+def test_zero_over_dp_shard_x_cp_moves_the_ring_volume_of_four_ranks(dist, small_data_dir):
+    """dp_shard2 x cp2 shards over 4 ranks: ZeRO-2's reduce-scatter + all-gather move
+    2 (n-1)/n x 4Ψ with n = 4 (plain data parallelism's volume over dp x cp), ZeRO-3's 1.5x that;
+    counted by the ledger on the ``dp_shard_cp`` axis (step 2, one microbatch per step)."""
+    from tests.dist.test_zero import step_bytes
+
+    n = 4
+    base = {**BASE, "metrics.comm": True, "train.micro_batch_size": 4}
+    for stage, ratio in ((2, 1.0), (3, 1.5)):
+        config = layout_config(base, 4, dp_shard=2, zero_stage=stage, **RING)
+        for rank, (records, _, psi) in enumerate(dist.run(4, step_bytes, config,
+                                                          small_data_dir)):
+            moved = records["dp_shard_cp/reduce_scatter"][1] + \
+                records["dp_shard_cp/all_gather"][1]
+            # flat buckets (ZeRO-2) and FSDP2's dim-0 shards are padded to a multiple of n
+            assert moved / (2 * (n - 1) / n * 4 * psi) == pytest.approx(ratio, rel=0.01), \
+                f"ZeRO-{stage} rank {rank}: {records}"
