@@ -28,9 +28,9 @@ reduce-scatter's):
   into views of it: 4P at rest); stage 2 packs the gradients into a temporary buffer, frees them
   and keeps only its slice (4P/d at rest);
 * after the optimizer step: one all-gather of every bucket over ``dp_shard``: ``(d-1)/d * 4P``;
-* clipping: one 2-element all-reduce over the shard group (each element's square is counted by
-  its owner only), under TP one scalar all-reduce over tp (the tp-sharded squares), under pp one
-  over pp.
+* clipping: one scalar all-reduce over the shard group (each element's square is counted by its
+  owner only; under TP two: the tp-sharded and the replicated squares), under TP one scalar
+  all-reduce over tp (the tp-sharded squares), under pp one over pp.
 
 Both stages move ``2 (d-1)/d * 4P``, the same as plain data parallelism (ZeRO §7: P_os and P_os+g
 cost 2Ψ). Reduce-scatter instead of all-reduce for stage 1 too: only the owner's slice of a
@@ -243,6 +243,8 @@ class ZeroShardedOptimizer:
         for bucket in self.buckets:  # [tp-sharded, whole]
             squares[0 if bucket.tp_sharded else 1] += \
                 bucket.shard.grad.float().pow(2).sum().to(squares.device)
+        if self.tp_group is None:  # nothing to tell apart: one float on the wire
+            squares = squares.sum().reshape(1)
         comm.all_reduce(squares, self.group, axis=self.axis, ledger=self.ledger)
         if self.tp_group is not None:
             comm.all_reduce(squares[:1], self.tp_group, axis="tp", ledger=self.ledger)
