@@ -175,7 +175,7 @@ def _validate_zero_pipeline(config: Config) -> None:
     the backward into I and W keeps its stages gathered across the step (ZeRO-1/2 never
     reshard: their parameters stay whole)."""
     par = config.parallel
-    from loom.pipeline.runtime import schedule_for
+    from loom.pipeline.schedules import schedule_for
 
     tr = config.train
     micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
@@ -279,7 +279,7 @@ def _validate_tied_pipeline(config: Config, schedule) -> None:
 def _validate_schedule(config: Config) -> None:
     """The pipeline rules: a known schedule family, chunks it accepts, a layer per stage and a
     microbatch count m = global_batch_size / (dp * micro_batch_size) the family can schedule."""
-    from loom.pipeline.runtime import ChunksError, schedule_for  # config -> Schedule, one place
+    from loom.pipeline.schedules import ChunksError, schedule_for  # config -> Schedule, one place
     from loom.pipeline.schedules import names, simulation_only
 
     par, tr, m = config.parallel, config.train, config.model

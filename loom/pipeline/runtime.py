@@ -51,7 +51,6 @@ and owns DDP/FSDP wrapping), while Loom's IR and stages are its own; the interpr
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -65,6 +64,7 @@ from loom.parallel.comm import CommLedger
 from loom.parallel.data import GradientReducer, gradient_reducer, reshard
 from loom.pipeline import schedules
 from loom.pipeline.ir import Action, Op, Schedule
+from loom.pipeline.schedules import ChunksError, schedule_for  # noqa: F401  (re-exported)
 from loom.pipeline.partition import partition_model
 from loom.pipeline.stage import LossFn, PipelineStage, build_stages
 from loom.pipeline.validate import validate
@@ -87,27 +87,6 @@ class _Transfer:
 
     def tag(self, num_microbatches: int) -> int:
         return (self.stage * num_microbatches + self.microbatch) * 2 + self.direction
-
-
-class ChunksError(ValueError):
-    """``chunks`` given for a family whose number of stages per rank is fixed."""
-
-
-def schedule_for(name: str, pp: int, microbatches: int, chunks: int = 0) -> Schedule:
-    """The validated schedule of family ``name`` (``parallel.schedule``) for ``pp`` ranks and
-    ``microbatches``; ``chunks`` stages per rank, 0 for the family's default. Raises ValueError
-    with the family's rule when the sizes are invalid, ``ChunksError`` for a fixed-chunk family
-    given another count."""
-    generator = schedules.get(name)
-    if chunks and "chunks" not in inspect.signature(generator).parameters:
-        schedule = generator(pp, microbatches)
-        if schedule.chunks_per_rank != chunks:
-            raise ChunksError(f"schedule {name!r} places a fixed {schedule.chunks_per_rank} "
-                              f"stage(s) per rank; use chunks = 0 or {schedule.chunks_per_rank}")
-    else:
-        schedule = generator(pp, microbatches, chunks=chunks) if chunks else generator(pp, microbatches)
-    validate(schedule)
-    return schedule
 
 
 def incoming(schedule: Schedule, rank: int, action: Action) -> _Transfer | None:

@@ -180,7 +180,8 @@ class SimResult:
         return cls.from_dict(json.loads(text))
 
 
-def simulate(schedule: Schedule, costs: StageCosts | None = None) -> SimResult:
+def simulate(schedule: Schedule, costs: StageCosts | None = None, *,
+             memory: bool = True) -> SimResult:
     """Replay ``schedule`` in order on every rank with ``costs`` (default F = I = W = 1).
 
     Assumes a schedule that ``validate`` accepts (complete, well placed); a stall raises
@@ -223,7 +224,7 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None) -> SimResult:
         num_microbatches=schedule.num_microbatches,
         placement=schedule.placement,
         timeline=tuple(tuple(row) for row in slots),
-        memory=tuple(_memory_curve(schedule, costs, row) for row in slots),
+        memory=tuple(_memory_curve(schedule, costs, row) if memory else () for row in slots),
         costs=costs.describe(),
     )
 

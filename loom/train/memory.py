@@ -146,7 +146,7 @@ def _rank_layers(config: Config) -> list[tuple[list[int], bool, bool, float]]:
     if par.pp == 1:
         return [(list(range(config.model.n_layers)), True, True, 1.0)]
     from loom.pipeline.partition import partition_model
-    from loom.pipeline.runtime import schedule_for
+    from loom.pipeline.schedules import schedule_for
     from loom.pipeline.validate import peak_memory
 
     micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)

@@ -77,4 +77,30 @@ def get(name: str) -> Generator:
     return generator
 
 
-__all__ = ["Generator", "get", "names", "simulation_only"]
+class ChunksError(ValueError):
+    """``chunks`` given for a family whose number of stages per rank is fixed."""
+
+
+def schedule_for(name: str, pp: int, microbatches: int, chunks: int = 0) -> Schedule:
+    """The validated schedule of family ``name`` (``parallel.schedule``) for ``pp`` ranks and
+    ``microbatches``; ``chunks`` stages per rank, 0 for the family's default. Raises ValueError
+    with the family's rule when the sizes are invalid, ``ChunksError`` for a fixed-chunk family
+    given another count. (Here rather than in the runtime so that config validation and the
+    planner do not import ``torch.distributed.pipelining``.)"""
+    import inspect
+
+    from loom.pipeline.validate import validate
+
+    generator = get(name)
+    if chunks and "chunks" not in inspect.signature(generator).parameters:
+        schedule = generator(pp, microbatches)
+        if schedule.chunks_per_rank != chunks:
+            raise ChunksError(f"schedule {name!r} places a fixed {schedule.chunks_per_rank} "
+                              f"stage(s) per rank; use chunks = 0 or {schedule.chunks_per_rank}")
+    else:
+        schedule = generator(pp, microbatches, chunks=chunks) if chunks else generator(pp, microbatches)
+    validate(schedule)
+    return schedule
+
+
+__all__ = ["Generator", "get", "names", "simulation_only", "schedule_for", "ChunksError"]

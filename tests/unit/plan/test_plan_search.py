@@ -83,9 +83,8 @@ def test_refused_combinations_are_reported_not_proposed(monkeypatch):
 
     real = search.runnable
 
-    def no_pipelines(layout, work, *, exact=True):
-        return "parallel.pp: refused for this test" if layout.pp > 1 else real(layout, work,
-                                                                              exact=exact)
+    def no_pipelines(layout, work, **how):
+        return "parallel.pp: refused for this test" if layout.pp > 1 else real(layout, work, **how)
 
     monkeypatch.setattr(search, "runnable", no_pipelines)
     work = Workload("gpt3-175b", PRESETS["gpt3-175b"], 2048, 256)
