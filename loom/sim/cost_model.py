@@ -39,7 +39,8 @@ Loom's runtime:
   all-reduce; ZeRO-1/2 reduce-scatter + all-gather of parameters (the same 2Ψ); ZeRO-3 all-gathers
   the parameters of each layer forward and backward, per microbatch without a pipeline and once
   per step per stage with one, prefetched so only what exceeds the layer's compute is exposed,
-  plus one reduce-scatter; HSDP adds an all-reduce of 1/dp_shard over dp_replicate. The gradient
+  plus one reduce-scatter, all over dp_shard·cp (the cp ranks hold the same weights); HSDP adds
+  an all-reduce of 1/(dp_shard·cp) over dp_replicate. The gradient
   reduction overlaps the last microbatch's backward of the rank; only the excess (at least one
   bucket of 1/layers) is exposed;
 * optimizer: AdamW reads and writes 28 bytes per local parameter shard at HBM bandwidth.
@@ -417,7 +418,7 @@ class CostModel:
             rank_layers[r] = sum(sum(counts[s]) for s in owned[r])
         dp_exposed, comm["dp"] = self._data_parallel(lay, rank_params, rank_bwd, rank_layers)
         psi = max(rank_params.values())
-        shard = lay.dp_shard if lay.zero_stage else 1
+        shard = lay.dp_shard * lay.cp if lay.zero_stage else 1
         optimizer = 28 * psi / shard / c.gpu.hbm_bandwidth
         memory = memory if memory is not None else self.memory(lay)
         model_flops = self.model_flops_per_step()
@@ -468,13 +469,16 @@ class CostModel:
             layers = max(1, rank_layers[r])
             gathers = 0.0
             if lay.zero_stage and lay.dp_shard > 1:
-                shard_link = c.link_for(lay.dp_shard, lay.tp * lay.cp * lay.ep)
-                others = lay.dp_replicate * lay.ep * lay.cp
-                rep_link = c.link_for(others, lay.tp * lay.dp_shard)
-                reduce = gather_time(grads, lay.dp_shard, shard_link) + \
-                    allreduce_time(grads / lay.dp_shard, others, rep_link)
+                # ZeRO shards over dp_shard x cp (the cp ranks hold the same weights), HSDP
+                # replicates over the rest; Loom keeps ZeRO and ep apart (config_rules)
+                shard = lay.dp_shard * lay.cp
+                shard_link = c.link_for(shard, lay.tp)
+                others = lay.dp_replicate * lay.ep
+                rep_link = c.link_for(others, lay.tp * lay.cp * lay.ep * lay.dp_shard)
+                reduce = gather_time(grads, shard, shard_link) + \
+                    allreduce_time(grads / shard, others, rep_link)
                 params = psi * (self.e if lay.zero_stage == 3 else 4)
-                ag = gather_time(params, lay.dp_shard, shard_link)
+                ag = gather_time(params, shard, shard_link)
                 if lay.zero_stage == 3:
                     # gathered per microbatch forward and backward without a pipeline; once per
                     # step per stage with one (kept through the schedule window)
@@ -533,7 +537,7 @@ class CostModel:
                 acts += block(m.ffn_dim, "none")  # one block's full set while it is recomputed
             if last in own:  # the head's logits live from its F to its backward: briefly
                 acts += head
-            params, grads, optim = model_state_bytes(rank_params[r], lay.dp_shard,
+            params, grads, optim = model_state_bytes(rank_params[r], lay.dp_shard * lay.cp,
                                                      lay.zero_stage)
             transient = 0.0
             if lay.zero_stage == 3:  # the gathered block in use and the prefetched one

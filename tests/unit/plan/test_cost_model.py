@@ -105,6 +105,9 @@ def test_model_state_follows_the_zero_formulas(stage, factor):
     ({"train.recompute": "full"}, Layout(micro_batch=2, microbatches=4, recompute="full")),
     ({"parallel.dp_shard": "2", "parallel.dp_replicate": "1"},
      Layout(dp_shard=2, zero_stage=3, micro_batch=2, microbatches=2)),
+    ({"parallel.dp_shard": "2", "parallel.dp_replicate": "1", "parallel.cp": "2",
+      "parallel.zero_stage": "2"},  # ZeRO shards over dp_shard x cp
+     Layout(dp_shard=2, cp=2, zero_stage=2, micro_batch=2, microbatches=2)),
 ])
 def test_memory_equals_the_estimator(parallel, layout):
     """Without a pipeline the planner's memory is the launch-time estimator's (measured within
