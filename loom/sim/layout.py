@@ -1,0 +1,104 @@
+"""What the planner prices: a ``Layout`` (Loom's degrees and the step's knobs), the schedule
+families' peak microbatches in flight, and alpha-beta times of the collectives.
+
+Split from ``loom.sim.cost_model`` (which re-exports all of it) to keep each module one idea: this
+is the vocabulary, the cost model is the arithmetic over it.
+
+Collectives (n ranks, M bytes, alpha latency, beta the link's effective bandwidth): ring
+all-reduce 2(n-1)/n·M/beta + 2(n-1)·alpha, tree all-reduce 2·M/beta + 2·log2(n)·alpha (the cheaper
+is used, as NCCL picks), all-gather / reduce-scatter / all-to-all (n-1)/n·M/beta + (n-1)·alpha,
+point-to-point alpha + M/beta.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the planner's search space: Loom's parallel degrees and the step's knobs."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    ep: int = 1
+    cp: int = 1
+    tp: int = 1
+    zero_stage: int = 0  # 0 (no sharding), 1, 2, 3; needs dp_shard > 1 when > 0
+    sequence_parallel: bool = False
+    cp_mode: str = "ring"  # ring | ulysses | hybrid
+    schedule: str = "none"  # a schedule family when pp > 1
+    chunks: int = 1  # stages per pipeline rank
+    micro_batch: int = 1
+    microbatches: int = 1  # per pipeline per step
+    recompute: str = "none"  # none | selective | full
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.ep * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Degree seen by the batch (Loom's ``ParallelConfig.dp``)."""
+        return self.dp_replicate * self.dp_shard * self.ep
+
+    def label(self) -> str:
+        parts = [f"{axis}{getattr(self, axis)}" for axis in
+                 ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp") if getattr(self, axis) > 1]
+        text = " ".join(parts) or "single"
+        if self.zero_stage:
+            text += f" zero{self.zero_stage}"
+        if self.tp > 1 and self.sequence_parallel:
+            text += " sp"
+        if self.cp > 1:
+            text += f" {self.cp_mode}"
+        if self.pp > 1:
+            text += f" {self.schedule}" + (f"x{self.chunks}" if self.chunks > 1 else "")
+        text += f" mb{self.micro_batch}x{self.microbatches}"
+        if self.recompute != "none":
+            text += f" rc-{self.recompute}"
+        return text
+
+
+# Peak microbatches in flight on the worst rank, in units of one rank's microbatch (a chunk of v
+# weighs 1/v), for m >= p (dualpipev: m >= 2p); the validator's accounting. Checked against
+# ``loom.pipeline.validate.peak_memory`` in tests/unit/plan/test_cost_model.py.
+PEAK_IN_FLIGHT = {
+    "gpipe": lambda p, m, v: m,
+    "looped_bfs": lambda p, m, v: m,
+    "1f1b": lambda p, m, v: p,
+    "zb_h1": lambda p, m, v: p,
+    "zbv": lambda p, m, v: p,
+    # m a multiple of p (Megatron's rule; the planner's space keeps to it): at m = p every
+    # microbatch is in flight at once
+    "interleaved_1f1b": lambda p, m, v: p if m == p else p + (p - 1) / v,
+    "zb_h2": lambda p, m, v: min(2 * p - 1, m),
+    "v_half": lambda p, m, v: p // 2 + 1,
+    "v_min": lambda p, m, v: (p - 1) // 3 + 2,
+    "dualpipev": lambda p, m, v: p + 0.5,
+}
+V_SHAPED = {"zbv", "v_half", "v_min", "dualpipev"}
+
+
+def allreduce_time(nbytes: float, n: int, link) -> float:
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    beta = link.effective_bandwidth
+    ring = 2 * (n - 1) / n * nbytes / beta + 2 * (n - 1) * link.latency
+    tree = 2 * nbytes / beta + 2 * math.ceil(math.log2(n)) * link.latency
+    return min(ring, tree)
+
+
+def gather_time(nbytes: float, n: int, link) -> float:
+    """All-gather or reduce-scatter of ``nbytes`` (the full, gathered size)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) / n * nbytes / link.effective_bandwidth + (n - 1) * link.latency
+
+
+all_to_all_time = gather_time  # the same alpha-beta form: (n-1)/n of the bytes cross, n-1 steps
+
+
+def p2p_time(nbytes: float, link) -> float:
+    return link.latency + nbytes / link.effective_bandwidth
