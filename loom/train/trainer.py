@@ -24,14 +24,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from loom.config import Config
 from loom.data.loader import DataFiles, DistributedLoader, GlobalBatchSampler, PackedSequences
@@ -40,11 +38,11 @@ from loom.models import TransformerArgs, build_model, reset_parameters
 from loom.parallel import finish_gradient_sync, no_gradient_sync, parallelize, unwrap
 from loom.parallel.comm import CommLedger
 from loom.parallel.offload import activation_offload
-from loom.parallel.zero import zero_of
 from loom.pipeline.runtime import PipelineRuntime, build_pipeline, forward_only, schedule_for
 from loom.pipeline.stage import LocalStages
 from loom.topology import DATA_AXES, RankGrid, build_mesh
 from loom.train.distributed import DistContext, init_distributed
+from loom.train import full_state
 from loom.train.flops import device_peak_flops, training_flops_per_token
 from loom.train.metrics import MetricsLogger, StepTimer, peak_memory_bytes
 from loom.train.optim import build_optimizer, build_scheduler
@@ -409,79 +407,13 @@ class Trainer:
         return path
 
     def named_gradients(self) -> dict[str, torch.Tensor]:
-        """Every parameter's full gradient by its model name (for parity tests); with pp > 1
-        gathered from every stage over the ``pp`` group (a collective: call it on every rank)."""
-        from loom.parallel.tensor import full_named_gradients
-
-        if self.pipeline is not None:  # full tensors under TP (collective over tp), ep, then pp
-            zero = zero_of(self.model)  # ZeRO-1/2: the stages' reduced slices, all-gathered
-            grads = zero.full_named_gradients() if zero is not None else \
-                full_named_gradients(self.model)
-            return self._gather_over_pp(self._gather_experts(grads))
-
-        if zero_of(self.model) is not None:  # ZeRO-1/2: the reduced slices, all-gathered
-            return zero_of(self.model).full_named_gradients()
-        # full tensors under TP (collective)
-        return self._gather_experts(full_named_gradients(unwrap(self.model)))
-
-    def _gather_experts(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Expert shards stacked back in ep-rank order (collective over ep)."""
-        if self.ep is not None:
-            from loom.parallel import comm
-            from loom.parallel.expert import expert_parameter_names
-
-            for name in sorted(expert_parameter_names(self.model) & set(grads)):
-                shard = grads[name].contiguous()
-                full = shard.new_empty((shard.shape[0] * self.ep.size, *shard.shape[1:]))
-                comm.all_gather_into_tensor(full, shard, self.ep.group, axis="ep")
-                grads[name] = full
-        return grads
-
-    def _stage_parameters(self):
-        """(global name, parameter) of every stage this rank holds."""
-        return self.model.named_parameters()
-
-    def _gather_over_pp(self, tensors: dict[str, torch.Tensor],
-                        to_main: bool = False) -> dict[str, torch.Tensor]:
-        """Merge name -> tensor dicts of the ``pp`` group (CPU copies, pickled: fine for tests
-        and final weights, not for per-step use); ``to_main``: only pp rank 0 receives."""
-        local = {k: v.detach().cpu().clone() for k, v in tensors.items()}
-        parts: list[Any] = [None] * len(self.pipeline.pp_ranks)
-        if to_main:
-            dist.gather_object(local, parts if self.pipeline.pp_rank == 0 else None,
-                               dst=self.pipeline.pp_ranks[0], group=self.pipeline.pp_group)
-        else:
-            dist.all_gather_object(parts, local, group=self.pipeline.pp_group)
-        return {k: v for part in parts if part for k, v in part.items()}
+        """Every parameter's full gradient by its model name (for parity tests); a collective:
+        call it on every rank (``loom.train.full_state``)."""
+        return full_state.named_gradients(self)
 
     def save_weights(self, path: Path) -> None:
-        """The full model weights as safetensors (main rank; written to a temp file, renamed)."""
-        from safetensors.torch import save_file
-
-        if self.pipeline is not None:  # TP / ZeRO-3 gathers (collectives over tp, dp_shard) ...
-            state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
-                     for k, v in self.model.state_dict().items()}
-            if self.ep is not None:  # expert shards stacked back over ep (collective)
-                from loom.parallel.expert import gather_expert_weights
-
-                state.update(gather_expert_weights(self.model))
-            if self.dp_rank != 0:
-                return
-            state = self._gather_over_pp(state, to_main=True)  # ... then the first pipeline's
-        else:  # every rank takes part in gathering TP / EP shards, then only the main rank writes
-            state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
-                     .contiguous() for k, v in unwrap(self.model).state_dict().items()}
-            if self.ep is not None:
-                from loom.parallel.expert import gather_expert_weights
-
-                state.update({k: v.cpu() for k, v in gather_expert_weights(self.model).items()})
-        if not self.ctx.is_main:
-            return
-        if self.args.tie_embeddings:
-            state.pop("output.weight", None)  # the same tensor as the embedding
-        tmp = path.with_suffix(".tmp")
-        save_file(state, str(tmp), metadata={"format": "pt", "loom_step": str(self.step)})
-        os.replace(tmp, path)
+        """The full model weights as safetensors (``loom.train.full_state``; every rank calls)."""
+        full_state.save_weights(self, path)
 
     # -- the loop ---------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:

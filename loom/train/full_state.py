@@ -1,0 +1,97 @@
+"""Full (unsharded) tensors out of any layout: gradients for parity tests, weights for the run.
+
+Every function is a collective over the axes that shard the model (tp, ep, dp_shard, pp): call it
+on every rank. Gradients come back to every rank (parity tests compare them there); weights are
+gathered to the main rank, which alone writes them (a temp file, then a rename). Split out of
+``loom.train.trainer``, which keeps one-line methods of the same names.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from loom.parallel import unwrap
+from loom.parallel.zero import zero_of
+
+if TYPE_CHECKING:
+    from loom.train.trainer import Trainer
+
+
+def named_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Every parameter's full gradient by its model name (for parity tests); with pp > 1
+    gathered from every stage over the ``pp`` group (a collective: call it on every rank)."""
+    from loom.parallel.tensor import full_named_gradients
+
+    if trainer.pipeline is not None:  # full tensors under TP (collective over tp), ep, then pp
+        zero = zero_of(trainer.model)  # ZeRO-1/2: the stages' reduced slices, all-gathered
+        grads = zero.full_named_gradients() if zero is not None else \
+            full_named_gradients(trainer.model)
+        return _gather_over_pp(trainer, _gather_experts(trainer, grads))
+
+    if zero_of(trainer.model) is not None:  # ZeRO-1/2: the reduced slices, all-gathered
+        return zero_of(trainer.model).full_named_gradients()
+    # full tensors under TP (collective)
+    return _gather_experts(trainer, full_named_gradients(unwrap(trainer.model)))
+
+
+def _gather_experts(trainer: Trainer, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Expert shards stacked back in ep-rank order (collective over ep)."""
+    if trainer.ep is not None:
+        from loom.parallel import comm
+        from loom.parallel.expert import expert_parameter_names
+
+        for name in sorted(expert_parameter_names(trainer.model) & set(grads)):
+            shard = grads[name].contiguous()
+            full = shard.new_empty((shard.shape[0] * trainer.ep.size, *shard.shape[1:]))
+            comm.all_gather_into_tensor(full, shard, trainer.ep.group, axis="ep")
+            grads[name] = full
+    return grads
+
+
+def _gather_over_pp(trainer: Trainer, tensors: dict[str, torch.Tensor],
+                    to_main: bool = False) -> dict[str, torch.Tensor]:
+    """Merge name -> tensor dicts of the ``pp`` group (CPU copies, pickled: fine for tests
+    and final weights, not for per-step use); ``to_main``: only pp rank 0 receives."""
+    local = {k: v.detach().cpu().clone() for k, v in tensors.items()}
+    parts: list[Any] = [None] * len(trainer.pipeline.pp_ranks)
+    if to_main:
+        dist.gather_object(local, parts if trainer.pipeline.pp_rank == 0 else None,
+                           dst=trainer.pipeline.pp_ranks[0], group=trainer.pipeline.pp_group)
+    else:
+        dist.all_gather_object(parts, local, group=trainer.pipeline.pp_group)
+    return {k: v for part in parts if part for k, v in part.items()}
+
+
+def save_weights(trainer: Trainer, path: Path) -> None:
+    """The full model weights as safetensors (main rank; written to a temp file, renamed)."""
+    from safetensors.torch import save_file
+
+    if trainer.pipeline is not None:  # TP / ZeRO-3 gathers (collectives over tp, dp_shard) ...
+        state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                 for k, v in trainer.model.state_dict().items()}
+        if trainer.ep is not None:  # expert shards stacked back over ep (collective)
+            from loom.parallel.expert import gather_expert_weights
+
+            state.update(gather_expert_weights(trainer.model))
+        if trainer.dp_rank != 0:
+            return
+        state = _gather_over_pp(trainer, state, to_main=True)  # ... then the first pipeline's
+    else:  # every rank takes part in gathering TP / EP shards, then only the main rank writes
+        state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+                 .contiguous() for k, v in unwrap(trainer.model).state_dict().items()}
+        if trainer.ep is not None:
+            from loom.parallel.expert import gather_expert_weights
+
+            state.update({k: v.cpu() for k, v in gather_expert_weights(trainer.model).items()})
+    if not trainer.ctx.is_main:
+        return
+    if trainer.args.tie_embeddings:
+        state.pop("output.weight", None)  # the same tensor as the embedding
+    tmp = path.with_suffix(".tmp")
+    save_file(state, str(tmp), metadata={"format": "pt", "loom_step": str(trainer.step)})
+    os.replace(tmp, path)
