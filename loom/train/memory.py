@@ -23,8 +23,23 @@ none       4Ψ              4Ψ              8Ψ                 16Ψ
 
 The per-rank totals equal the paper's at every stage (4 + 4 + 8 = 2 + 2 + 12); only the split
 differs. ZeRO-3 adds the gathered (unsharded) parameters of the block in use and of the prefetched
-one (compute dtype), and stage 2 the full-size gradients of the bucket being reduced, as
-``transient``.
+one (compute dtype) as ``transient``.
+
+That is the state at rest. The peak is taken over the instants of a rank's step (during and right
+after each action of its pipeline schedule; without a pipeline, F then B per microbatch), each
+instant adding what Loom's code holds then (``notes`` says which, with the bytes):
+
+* gradients full-size while microbatches accumulate (all but the last microbatch run with the
+  reducer's ``sync`` off; a pipeline stage's every backward piece does, until the runtime
+  flushes it after its last one): ZeRO-2 holds autograd's full ``p.grad`` (4Ψ_stage) beside its
+  persistent slice from the stage's first B/W to its flush; ZeRO-3 (FSDP2, sync off) holds each
+  unit's unsharded gradient instead of the shard, which only exists after the reduce-scatter
+  (fp32, or the compute dtype when the reduction is bf16 too); ZeRO-1 and plain data
+  parallelism hold full gradients anyway;
+* ZeRO-3 with ``reshard_after_forward = false``: under a pipeline a stage stays gathered from its
+  first F to its flush (required by schedules that split B into I and W, config_rules), without
+  one every block from its forward to its backward; either way ``compute x Ψ_stage`` of whole
+  parameters on top of the shards, counted in ``parameters`` (and no per-block ``transient``).
 
 Activations per layer and microbatch (docs/benchmarks.md "Activation memory per layer": Korthikanti
 et al. 2022 Table 2 adjusted to Loom's block and measured to the byte; x = s·b·h, e = bytes per
@@ -60,6 +75,7 @@ class MemoryEstimate:
     activations: float
     transient: float
     rank: int = 0  # the pipeline rank it describes
+    notes: tuple[str, ...] = ()  # what the peak holds beyond the at-rest model state
 
     @property
     def total(self) -> float:
@@ -82,6 +98,7 @@ class MemoryEstimate:
                  for name, value in self.components().items()]
         lines.append(f"{'total':<12} {self.total / GiB:12.3f} GiB  {self.total:>16,.0f} B"
                      f"  (pipeline rank {self.rank})")
+        lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
 
 
@@ -114,12 +131,22 @@ def head_activation_bytes(*, s: int, b: int, h: int, vocab: int, e: int = 4) -> 
     return 2 * s * b * h * e + 4 * s * b + 4 * s * b * vocab + e * s * b * vocab
 
 
-def model_state_bytes(psi: float, shard: int, stage: int) -> tuple[float, float, float]:
+def model_state_bytes(psi: float, shard: int, stage: int, *, accumulating: bool = False,
+                      grad_bytes: int = 4) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer) bytes for ``psi`` parameters under ZeRO ``stage`` (0:
-    none) over ``shard`` ranks, with fp32 parameters and gradients and two AdamW moments."""
+    none) over ``shard`` ranks, with fp32 parameters and gradients and two AdamW moments.
+
+    ``accumulating``: the gradients while microbatches accumulate, before the reduction after the
+    last backward: ZeRO-2 holds autograd's full-size ``p.grad`` beside its persistent slice,
+    ZeRO-3 (FSDP2) the unsharded gradients (``grad_bytes`` per element) instead of the shards;
+    ZeRO-1 and plain data parallelism hold full-size gradients anyway."""
     d = shard if stage else 1
-    return (4 * psi / (d if stage == 3 else 1), 4 * psi / (d if stage >= 2 else 1),
-            8 * psi / (d if stage >= 1 else 1))
+    grads = 4 * psi / (d if stage >= 2 else 1)
+    if accumulating and stage == 2:
+        grads += 4 * psi
+    elif accumulating and stage == 3:
+        grads = grad_bytes * psi
+    return (4 * psi / (d if stage == 3 else 1), grads, 8 * psi / (d if stage >= 1 else 1))
 
 
 def layer_activation_bytes(config: Config, *, layer_recomputed: bool = False) -> float:
@@ -140,25 +167,73 @@ def _head_activation_bytes(config: Config) -> float:
                                  e=2 if tr.dtype == "bf16" else 4)
 
 
-def _rank_layers(config: Config) -> list[tuple[list[int], bool, bool, float]]:
-    """Per pipeline rank: (its layer ids, has embedding, has head, peak microbatches in flight)."""
+@dataclass(frozen=True)
+class _Stage:
+    """One pipeline stage on a rank: its parameters and when (action indices) it is first run
+    forward, first produces weight gradients (B or W) and runs its last backward piece (after
+    which the runtime flushes it: gradients reduced, a held ZeRO-3 stage resharded)."""
+
+    psi: float
+    first_f: int
+    first_w: int
+    last: int
+
+
+@dataclass(frozen=True)
+class _Timeline:
+    """A rank's step: its layers, ends, stages, and the live activation units during each action
+    and right after it (in units of one rank's microbatch)."""
+
+    layers: list[int]
+    embedding: bool
+    head: bool
+    stages: list[_Stage]
+    during: list[float]
+    after: list[float]
+
+
+def _timelines(config: Config) -> list[_Timeline]:
+    """Per pipeline rank, its step as the runtime runs it; without a pipeline, the trainer's
+    gradient-accumulation loop (F then B per microbatch, the reduction after the last B)."""
     par, tr = config.parallel, config.train
+    micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
     if par.pp == 1:
-        return [(list(range(config.model.n_layers)), True, True, 1.0)]
+        layers = list(range(config.model.n_layers))
+        psi = _parameter_count(config, layers, True, True)
+        n = max(1, micro)
+        return [_Timeline(layers, True, True, [_Stage(psi, 0, 1, 2 * n - 1)],
+                          [1.0] * (2 * n), [1.0, 0.0] * n)]
+    from loom.pipeline.ir import Op
     from loom.pipeline.partition import partition_model
     from loom.pipeline.schedules import schedule_for
-    from loom.pipeline.validate import peak_memory
+    from loom.pipeline.validate import memory_profile
 
-    micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
     schedule = schedule_for(par.schedule, par.pp, micro, par.chunks)
     ranges = partition_model(config.model, schedule.num_stages, config.data.seq_len)
-    peaks = peak_memory(schedule)
+    final = schedule.num_stages - 1
     out = []
     for rank in range(par.pp):
-        stages = [s for s, r in enumerate(schedule.placement) if r == rank]
-        layers = [i for s in stages for i in ranges[s]]
-        # peak units are already "one rank's microbatch" (a stage of v weighs 1/v)
-        out.append((layers, 0 in stages, schedule.num_stages - 1 in stages, float(peaks[rank])))
+        row = schedule.actions[rank]
+        ids = [s for s, r in enumerate(schedule.placement) if r == rank]
+        last_piece = {}  # (stage, microbatch) -> its last backward piece: frees its activations
+        for index, action in enumerate(row):
+            if action.op in (Op.W, Op.B):
+                last_piece[(action.stage, action.microbatch)] = index
+        stages = []
+        for s in ids:
+            forward = [i for i, a in enumerate(row) if a.stage == s and a.op is Op.F]
+            weight = [i for i, a in enumerate(row) if a.stage == s and a.op in (Op.B, Op.W)]
+            # a tied head on the embedding's rank shares its weight (one Parameter)
+            psi = _parameter_count(config, list(ranges[s]), s == 0, s == final) - (
+                config.model.vocab_size * config.model.dim / (par.tp if par.vocab_parallel else 1)
+                if s == final and s != 0 and 0 in ids and config.model.tie_embeddings else 0)
+            stages.append(_Stage(psi, forward[0], weight[0], weight[-1]))
+        during = [float(level) for level in memory_profile(schedule, rank)]
+        after = [level - (float(schedule.stage_weight(a.stage))
+                          if last_piece.get((a.stage, a.microbatch)) == i else 0.0)
+                 for i, (a, level) in enumerate(zip(row, during))]
+        out.append(_Timeline([i for s in ids for i in ranges[s]], 0 in ids, final in ids,
+                             stages, during, after))
     return out
 
 
@@ -178,20 +253,34 @@ def _parameter_count(config: Config, layers: list[int], embedding: bool, head: b
     return total
 
 
+def _held(config: Config, stage: int) -> bool:
+    """ZeRO-3 with ``reshard_after_forward = false``: FSDP2 keeps a unit gathered after its
+    forward. Under a pipeline the runtime holds the stage until its flush (after its last backward
+    piece: the schedules that split the backward need that, config_rules); without one, every
+    block stays gathered from its forward to its backward, so all of them at the end of forward."""
+    return stage == 3 and not config.parallel.reshard_after_forward
+
+
 def estimate_memory(config: Config) -> MemoryEstimate:
-    """The worst pipeline rank's bytes for a resolved config (see the module docstring)."""
+    """The worst pipeline rank's bytes for a resolved config (see the module docstring): the
+    largest total over the instants of the rank's step (during and after each action), with the
+    components as they are at that instant."""
     par, tr, m = config.parallel, config.train, config.model
     d = par.dp_shard * par.cp  # ZeRO shards over dp_shard x cp (cp ranks hold the same weights)
     stage = par.zero_stage if par.dp_shard > 1 else 0
     compute = 2 if tr.dtype == "bf16" else 4
+    # FSDP2 accumulates in reduce_dtype when it differs from the compute dtype, else in that
+    grad_bytes = 2 if stage == 3 and tr.dtype == "bf16" and tr.grad_reduce_dtype == "bf16" else 4
+    held, accumulates = _held(config, stage), stage in (2, 3)  # (ZeRO-1: full-size anyway)
     best: MemoryEstimate | None = None
-    for rank, (layers, embedding, head, in_flight) in enumerate(_rank_layers(config)):
+    for rank, line in enumerate(_timelines(config)):
+        layers, embedding, head = line.layers, line.embedding, line.head
         psi = _parameter_count(config, layers, embedding, head)
         params, grads, optim = model_state_bytes(psi, d, stage)
         if tr.offload_optimizer and stage and not tr.device.startswith("cpu"):
             optim = 0.0  # on the host (a CPU device has nothing to offload to)
         transient = 0.0
-        if stage == 3 and layers:  # gathered block in use + the prefetched one
+        if stage == 3 and layers and not held:  # gathered block in use + the prefetched one
             from loom.models.presets import layer_parameter_count
 
             block = max(layer_parameter_count(m, i) for i in layers) / par.tp
@@ -208,11 +297,34 @@ def estimate_memory(config: Config) -> MemoryEstimate:
             per_micro += layer_activation_bytes(config)
         if head:
             per_micro += _head_activation_bytes(config)
-        acts = 0.0 if tr.offload_activations and not tr.device.startswith("cpu") \
-            else per_micro * in_flight
-        estimate = MemoryEstimate(params, grads, optim, acts, transient, rank)
-        if best is None or estimate.total > best.total:
-            best = estimate
+        if tr.offload_activations and not tr.device.startswith("cpu"):
+            per_micro = 0.0
+        for index in range(len(line.during)):
+            for level, ended in ((line.during[index], False), (line.after[index], True)):
+                # a stage's parameters are whole from its first F to its flush; its full-size
+                # gradients from its first weight-gradient piece to the flush
+                gathered = sum(compute * st.psi for st in line.stages if held and
+                               st.first_f <= index and (index < st.last or not ended and
+                                                        index == st.last))
+                full = [st for st in line.stages if accumulates and
+                        (st.first_w < index <= st.last if not ended
+                         else st.first_w <= index < st.last)]
+                g = grads + sum(model_state_bytes(st.psi, d, stage, accumulating=True,
+                                                  grad_bytes=grad_bytes)[1]
+                                - model_state_bytes(st.psi, d, stage)[1] for st in full)
+                notes = []
+                if gathered:
+                    notes.append(f"ZeRO-3 units held gathered (reshard_after_forward = false):"
+                                 f" {gathered:,.0f} B of whole parameters in 'parameters'")
+                if full:
+                    notes.append(f"gradients full-size while microbatches accumulate (ZeRO-"
+                                 f"{stage}, reduce-scattered after the last backward):"
+                                 f" {sum(grad_bytes * st.psi for st in full):,.0f} B in"
+                                 f" 'gradients'")
+                estimate = MemoryEstimate(params + gathered, g, optim, per_micro * level,
+                                          transient, rank, tuple(notes))
+                if best is None or estimate.total > best.total:
+                    best = estimate
     assert best is not None
     return best
 
@@ -241,12 +353,12 @@ def check_memory_limit(config: Config) -> str | None:
     if estimate.total <= limit:
         return None
     name, value = estimate.largest()
+    notes = "".join(f" Note: {note}." for note in estimate.notes)
     return (f"estimated peak memory {estimate.total / GiB:.2f} GiB per rank (pipeline rank"
             f" {estimate.rank}) exceeds the limit {limit / GiB:.2f} GiB; largest component:"
-            f" {name} {value / GiB:.2f} GiB ({100 * value / estimate.total:.0f}%). Shard more"
-            f" (parallel.dp_shard, zero_stage), recompute (train.recompute) or pass"
+            f" {name} {value / GiB:.2f} GiB ({100 * value / estimate.total:.0f}%).{notes}"
+            f" Shard more (parallel.dp_shard, zero_stage), recompute (train.recompute) or pass"
             f" --train.ignore_memory_limit=true")
-
 
 __all__ = ["MemoryEstimate", "estimate_memory", "layer_activation_bytes", "check_memory_limit",
            "block_activation_bytes", "head_activation_bytes", "model_state_bytes",

@@ -38,8 +38,10 @@ def test_zero_shards_over_dp_shard_times_cp(stage):
     """cp ranks hold the same weights, so ZeRO shards over dp_shard x cp: dp_shard 2 x cp 2 is
     dp_shard 4's model state (measured to the byte: docs/benchmarks.md, ZeRO compositions)."""
     over = {"parallel.zero_stage": str(stage)}
+    # one microbatch in both (dp 2: global batch 4), so no gradients accumulate full-size
     with_cp = estimate_memory(config(4, **over, **{"parallel.dp_shard": "2", "parallel.cp": "2",
-                                                   "parallel.cp_mode": "ring"}))
+                                                   "parallel.cp_mode": "ring",
+                                                   "train.global_batch_size": "4"}))
     assert with_cp.model_state == estimate_memory(config(4, **over, **{
         "parallel.dp_shard": "4"})).model_state
 
@@ -93,3 +95,112 @@ def test_estimate_memory_command(capsys):
                  "--model.preset=debug"]) == 0
     out = capsys.readouterr().out
     assert "optimizer" in out and "total" in out
+
+
+# -- what the peak holds beyond the at-rest model state -------------------------------------------
+LAYER_ACT = 4096 * 4 * 18 + 4 * 64 * 6  # one debug block, s=32, b=2, fp32: 296,448
+HEAD_ACT = 2 * 64 * 64 * 4 + 4 * 64 + 2 * 4 * 64 * 320  # norm in/out, rstd, log-softmax, logits
+BLOCK = 36_992
+RANK0 = 2 * BLOCK + 20_480  # pp2, 1F1B: two blocks and the embedding (94,464)
+
+
+def accumulating(stage: int, **over):
+    """dp_shard 4 and 4 microbatches of 2 (global batch 32)."""
+    return estimate_memory(config(4, **{"parallel.dp_shard": "4", "parallel.zero_stage": str(stage),
+                                        "train.global_batch_size": "32", **over}))
+
+
+def test_zero2_accumulation_holds_full_gradients_and_the_persistent_slice():
+    """Hooks off for the first 3 microbatches: autograd accumulates full-size p.grad (4 Psi)
+    beside the bucket's persistent reduced slice (4 Psi / 4) at the last microbatch's forward."""
+    est = accumulating(2)
+    assert (est.parameters, est.gradients, est.optimizer, est.transient) == \
+        (4 * PSI, 4 * PSI + PSI, 2 * PSI, 0)
+    assert est.activations == 4 * LAYER_ACT + HEAD_ACT  # one microbatch in flight
+    assert any("full-size" in note for note in est.notes)
+    assert accumulating(2, **{"train.global_batch_size": "8"}).gradients == PSI  # m = 1
+
+
+def test_zero3_accumulation_holds_unsharded_gradients_instead_of_shards():
+    """FSDP2 with gradient sync off keeps each unit's unsharded gradient; the shards exist only
+    after the last microbatch's reduce-scatter (zero_grad frees them at step start)."""
+    est = accumulating(3)
+    assert (est.parameters, est.gradients, est.optimizer, est.transient) == \
+        (PSI, 4 * PSI, 2 * PSI, 2 * 4 * BLOCK)
+    # bf16 compute and bf16 reduction: FSDP2 accumulates in the compute dtype
+    bf16 = accumulating(3, **{"train.dtype": "bf16", "train.grad_reduce_dtype": "bf16"})
+    assert bf16.gradients == 2 * PSI
+    assert accumulating(3, **{"train.dtype": "bf16"}).gradients == 4 * PSI  # fp32 reduction
+
+
+def test_zero1_gradient_buffer_is_full_size_with_or_without_accumulation():
+    assert accumulating(1).gradients == 4 * PSI
+    assert not accumulating(1).notes
+
+
+def test_zero3_held_pipeline_stages_are_whole_with_full_gradients():
+    """pp2 x dp_shard2, 1F1B, 4 microbatches, reshard_after_forward = false: rank 0's stage is
+    gathered from its first F to its flush, and at its third F (2 in flight, after B0) its
+    gradients are full-size."""
+    over = {"parallel.pp": "2", "parallel.dp_shard": "2", "parallel.zero_stage": "3",
+            "train.global_batch_size": "16"}
+    held = estimate_memory(config(4, **over, **{"parallel.reshard_after_forward": "false"}))
+    assert held.rank == 0
+    assert (held.parameters, held.gradients, held.optimizer, held.activations, held.transient) \
+        == (4 * RANK0 / 2 + 4 * RANK0, 4 * RANK0, 8 * RANK0 / 2, 2 * 2 * LAYER_ACT, 0)
+    assert any("held gathered" in note for note in held.notes)
+    # gathered per microbatch instead: the two in-use blocks, full-size gradients all the same
+    per_mb = estimate_memory(config(4, **over))
+    assert (per_mb.parameters, per_mb.gradients, per_mb.transient) == \
+        (4 * RANK0 / 2, 4 * RANK0, 2 * 4 * BLOCK)
+    assert not any("held gathered" in note for note in per_mb.notes)
+
+
+def test_zero3_held_v_schedule_holds_both_stages_of_a_rank():
+    """ZB-V (I and W split: held is required) places stages 0 and 3 on rank 0; both are whole
+    and accumulate full-size gradients at the peak."""
+    est = estimate_memory(config(4, **{"parallel.pp": "2", "parallel.dp_shard": "2",
+                                       "parallel.zero_stage": "3", "parallel.schedule": "zbv",
+                                       "parallel.reshard_after_forward": "false",
+                                       "train.global_batch_size": "16"}))
+    rank0 = 4 * BLOCK + 20_480 + 20_480 + 64 - 2 * BLOCK  # layers 0 and 3, both ends
+    assert est.rank == 0
+    assert (est.parameters, est.gradients) == (4 * rank0 / 2 + 4 * rank0, 4 * rank0)
+
+
+def test_refusal_counts_the_new_terms_and_names_the_largest():
+    """A limit the at-rest estimate fits but the accumulation peak does not is refused, naming
+    the gradients (largest once activations are recomputed) and overridable by the flag."""
+    over = {"train.recompute": "full"}
+    est = accumulating(2, **over)
+    at_rest = est.total - 4 * PSI
+    assert est.largest()[0] == "gradients"
+    limit = (at_rest + est.total) / 2 / 2**30
+    tight = {"train.memory_limit_gb": str(limit), **over}
+    message = check_memory_limit(config(4, **{"parallel.dp_shard": "4", "parallel.zero_stage": "2",
+                                              "train.global_batch_size": "32", **tight}))
+    assert message is not None and "largest component: gradients" in message
+    assert "full-size" in message
+    assert check_memory_limit(config(4, **{"parallel.dp_shard": "4", "parallel.zero_stage": "2",
+                                           "train.global_batch_size": "32",
+                                           "train.ignore_memory_limit": "true", **tight})) is None
+    # the held ZeRO-3 pipeline stage: refused, the note names the whole parameters
+    pipe = config(4, **{"parallel.pp": "2", "parallel.dp_shard": "2", "parallel.zero_stage": "3",
+                        "parallel.reshard_after_forward": "false", "train.global_batch_size": "16",
+                        "train.memory_limit_gb": str(2_400_000 / 2**30)})  # total 2,508,288
+    message = check_memory_limit(pipe)
+    assert message is not None and "held gathered" in message
+    assert "largest component: activations" in message
+
+
+def test_model_state_bytes_accumulating_keyword():
+    """The planner's pure function: unchanged by default, the accumulation peak on request."""
+    from loom.train.memory import model_state_bytes
+
+    assert model_state_bytes(800, 4, 2) == (3200, 800, 1600)
+    assert model_state_bytes(800, 4, 2, accumulating=True) == (3200, 800 + 3200, 1600)
+    assert model_state_bytes(800, 4, 3, accumulating=True) == (800, 3200, 1600)
+    assert model_state_bytes(800, 4, 3, accumulating=True, grad_bytes=2) == (800, 1600, 1600)
+    for stage in (0, 1):
+        assert model_state_bytes(800, 4, stage, accumulating=True) == \
+            model_state_bytes(800, 4, stage)
