@@ -137,7 +137,10 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
         if args.calibrate:
             from loom.plan.calibrate import calibrate
 
+            from loom.plan.calibrate import describe, load_profile
+
             path = calibrate(args.nproc or 2, args.profile)
+            print(describe(*load_profile(path)))
             print(f"calibration profile written to {path}")
             return 0
         return _run(args)

@@ -56,13 +56,29 @@ class Gpu:
     inter: str = "ndr-ib"  # default link between nodes
     gpus_per_node: int = 8
     op_overhead: float = 0.0  # seconds per layer pass (F, I or W) not tied to FLOPs or bytes
+    # Ranks of a node that share ``cores`` processors (a CPU profile: ``gpus_per_node`` processes
+    # on fewer cores); 0 means each rank has its own processor, as every accelerator does.
+    cores: float = 0.0
+    # Framework work a parallel wrapper adds, measured by ``loom plan --calibrate``: entries
+    # (wrapper, seconds per layer pass, seconds per step), e.g. DTensor dispatch under "tp".
+    framework: tuple = ()
 
     def __post_init__(self) -> None:
+        # a profile read back from JSON holds lists; keep the dataclass hashable
+        object.__setattr__(self, "framework", tuple(tuple(entry) for entry in self.framework))
+        if self.cores < 0:
+            raise ValueError(f"gpu {self.name}: cores must be >= 0, got {self.cores}")
         for key in ("peak_flops", "memory_bytes", "hbm_bandwidth", "matmul_knee"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"gpu {self.name}: {key} must be > 0, got {getattr(self, key)}")
         if not 0 < self.matmul_efficiency <= 1:
             raise ValueError(f"gpu {self.name}: matmul_efficiency must be in (0, 1]")
+
+    def framework_overhead(self, wrappers: tuple[str, ...]) -> tuple[float, float]:
+        """(seconds per layer pass, seconds per step) the named wrappers add, summed."""
+        table = {name: (layer, step) for name, layer, step in self.framework}
+        picked = [table[w] for w in wrappers if w in table]
+        return sum(p[0] for p in picked), sum(p[1] for p in picked)
 
     def matmul_rate(self, smallest_dim: float) -> float:
         """FLOP/s of a matmul whose smallest dimension is ``smallest_dim``: the efficiency rises

@@ -64,11 +64,18 @@ def simulate_step(model: CostModel, cost: StepCost, *, max_simulated: int | None
     generator = schedules.get(lay.schedule)
     stage_costs = cost.stage_costs.build()
 
+    cores = model.shared_cores(lay)
+
     def makespan(microbatches: int) -> float:
         # the families' generators are validated for these sizes by their tests; the runtime's
         # schedule_for would validate again, which costs more than the simulation itself
         schedule = generator(p, microbatches, chunks=lay.chunks) \
             if lay.schedule == "interleaved_1f1b" else generator(p, microbatches)
+        if cores:  # ranks share processors (a CPU profile): the same replay, cores shared
+            from loom.pipeline.profile import replay_shared
+
+            work = {a: float(stage_costs.duration(a)) for row in schedule.actions for a in row}
+            return replay_shared(schedule, work, float(stage_costs.latency), cores)
         return float(simulate(schedule, stage_costs, memory=False).makespan)
 
     pipeline = makespan(first)

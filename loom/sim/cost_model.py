@@ -45,6 +45,12 @@ Loom's runtime:
   bucket of 1/layers) is exposed;
 * optimizer: AdamW reads and writes 28 bytes per local parameter shard at HBM bandwidth.
 
+A CPU profile (``loom plan --calibrate``) adds two things an accelerator does not have: ranks
+that share fewer cores (``Gpu.cores``: compute slows by ranks / cores when every rank computes;
+a pipeline's simulation shares the cores among the ranks busy at each instant instead), and the
+framework work of each parallel wrapper (``Gpu.framework``, per layer pass and per step, charged
+for the wrappers a layout uses: ``wrappers``).
+
 Memory is ``loom.train.memory``'s formulas (the estimator ``loom estimate-memory`` uses, measured
 to within 2% on this machine): ZeRO model state, per-block activations by tp / SP / cp /
 recomputation, the head's, and the schedule's peak microbatches in flight (``PEAK_IN_FLIGHT``,
@@ -62,6 +68,26 @@ from loom.sim.layout import (PEAK_IN_FLIGHT, V_SHAPED, Layout, all_to_all_time, 
                              allreduce_time, gather_time, p2p_time)
 
 ELEMENTWISE_PASSES = 20  # activation-sized reads + writes per layer forward (see docstring)
+
+
+def wrappers(lay: Layout) -> tuple[str, ...]:
+    """The parallel wrappers a layout runs its layers through, by the names the calibration
+    measures their framework work under (``Gpu.framework``): "base" always (Loom's trainer with
+    data parallelism), then DTensor tensor parallelism, ZeRO-3's FSDP2 units or ZeRO-1/2's
+    buckets, ring and/or Ulysses attention, and the pipeline interpreter."""
+    names = ["base"]
+    if lay.tp > 1:
+        names.append("tp")
+    if lay.dp_shard > 1 and lay.zero_stage:
+        names.append("zero3" if lay.zero_stage == 3 else "zero12")
+    if lay.cp > 1:
+        if lay.cp_mode in ("ring", "hybrid"):
+            names.append("ring")
+        if lay.cp_mode in ("ulysses", "hybrid"):
+            names.append("ulysses")
+    if lay.pp > 1:
+        names.append("pp")
+    return tuple(names)
 
 
 class _LazyStageCosts:
@@ -195,15 +221,19 @@ class CostModel:
             rows = tokens * m.top_k * m.dim * self.e
             ep_link = c.link_for(lay.ep, lay.cp * lay.tp)
             ep_fwd = 2 * all_to_all_time(rows, lay.ep, ep_link)
-        overhead = self.op_overhead
-        f = t_mat + t_core + t_elem + tp_fwd + cp_fwd + ep_fwd + overhead
-        i = t_mat + 2 * t_core + 2 * t_elem + tp_fwd + cp_bwd + ep_fwd + overhead
-        w = t_mat + overhead
+        overhead = self.op_overhead + gpu.framework_overhead(wrappers(lay))[0]
+        # compute (and framework work) slows down when ranks share processors; communication
+        # was measured with every rank taking part, so it is not scaled again
+        slow = self._compute_slowdown(lay)
+        f_compute = (t_mat + t_core + t_elem + overhead) * slow
+        f = f_compute + tp_fwd + cp_fwd + ep_fwd
+        i = (t_mat + 2 * t_core + 2 * t_elem + overhead) * slow + tp_fwd + cp_bwd + ep_fwd
+        w = (t_mat + overhead) * slow
         if lay.recompute == "full":
             i += f
             comm_tp = 2 * tp_fwd
         elif lay.recompute == "selective":
-            i += t_core
+            i += t_core * slow
             comm_tp = tp_fwd
         else:
             comm_tp = tp_fwd
@@ -217,7 +247,33 @@ class CostModel:
         t = flops / gpu.matmul_rate(min(tokens, m.dim, m.vocab_size / lay.tp))
         # log-softmax over the logits: read and write them twice (fp32)
         t_elem = 4 * tokens * m.vocab_size / lay.tp * 4 / gpu.hbm_bandwidth
-        return t + t_elem, t + t_elem, t
+        slow = self._compute_slowdown(lay)
+        return (t + t_elem) * slow, (t + t_elem) * slow, t * slow
+
+    # ----- ranks that share processors (a CPU profile) -------------------------------------
+    @property
+    def contention(self) -> float:
+        """How much slower a rank computes when every rank of a node is busy: ranks per node
+        over the node's cores (1 when each rank has its own processor)."""
+        cores = self.cluster.gpu.cores
+        if not cores:
+            return 1.0
+        return max(1.0, min(self.cluster.gpus, self.cluster.gpus_per_node) / cores)
+
+    def _compute_slowdown(self, lay: Layout) -> float:
+        """The slowdown charged to compute: the full contention when every rank computes at
+        once (no pipeline); under a pipeline, ranks idle in its bubbles, so the simulation
+        shares the cores itself (``shared_cores``) and the per-op costs stay uncontended."""
+        return 1.0 if lay.pp > 1 else self.contention
+
+    def shared_cores(self, lay: Layout) -> float:
+        """Cores one pipeline's ranks share (0: each has its own): the node's cores split
+        evenly among the pipelines (data-parallel replicas) that run on it at once."""
+        cores = self.cluster.gpu.cores
+        if not cores:
+            return 0.0
+        ranks = min(self.cluster.gpus, self.cluster.gpus_per_node)
+        return min(float(lay.pp), cores * lay.pp / ranks)
 
     # ----- parameters per rank -------------------------------------------------------------
     def _layer_params(self, moe: bool, lay: Layout) -> float:
@@ -261,7 +317,7 @@ class CostModel:
 
     def _times(self, lay: Layout, moe: bool) -> tuple[float, float, float, dict[str, float]]:
         key = (lay.tp, lay.cp, lay.cp_mode, lay.ep, lay.sequence_parallel, lay.micro_batch,
-               lay.recompute, moe)
+               lay.recompute, moe, wrappers(lay))
         if key not in self._times_cache:
             self._times_cache[key] = self._layer_times(lay, moe)
         return self._times_cache[key]
@@ -332,6 +388,9 @@ class CostModel:
         psi = max(rank_params.values())
         shard = lay.dp_shard * lay.cp if lay.zero_stage else 1
         optimizer = 28 * psi / shard / c.gpu.hbm_bandwidth
+        # per-step framework work (optimizer over many tensors, hooks, the loss) runs on every
+        # rank at once, so it is always charged the full contention
+        optimizer = (optimizer + c.gpu.framework_overhead(wrappers(lay))[1]) * self.contention
         memory = memory if memory is not None else self.memory(lay)
         model_flops = self.model_flops_per_step()
         extra = 0.0
@@ -364,7 +423,8 @@ class CostModel:
         else:  # v_min
             bubble = (p - 1) * (f + i + w) * 2 / 3
         hops = 2 * (p - 1) * (2 if name in V_SHAPED else v)
-        return busiest * m + bubble + hops * send
+        # ranks sharing cores: at most the full contention (the simulation refines it)
+        return (busiest * m + bubble) * self.contention + hops * send
 
     def _data_parallel(self, lay: Layout, rank_params: dict[int, float],
                        rank_bwd: dict[int, float], rank_layers: dict[int, int]
@@ -449,10 +509,17 @@ class CostModel:
                 acts += block(m.ffn_dim, "none")  # one block's full set while it is recomputed
             if last in own:  # the head's logits live from its F to its backward: briefly
                 acts += head
-            params, grads, optim = model_state_bytes(rank_params[r], lay.dp_shard * lay.cp,
-                                                     lay.zero_stage)
+            # ZeRO-2/3 hold full-size gradients while microbatches accumulate (reduced after
+            # the last backward), counted with the peak activations: an upper bound of the
+            # estimator's peak over the step's instants
+            stage = lay.zero_stage if lay.dp_shard > 1 else 0
+            params, grads, optim = model_state_bytes(
+                rank_params[r], lay.dp_shard * lay.cp, stage,
+                accumulating=lay.microbatches > 1, grad_bytes=self.grad_bytes)
             transient = 0.0
-            if lay.zero_stage == 3:  # the gathered block in use and the prefetched one
+            if stage == 3 and lay.pp > 1:  # stages held gathered across the step (to_overrides)
+                params += self.e * rank_params[r]
+            elif stage == 3:  # the gathered block in use and the prefetched one
                 transient = 2 * self.e * max(self._layer_params(True, lay),
                                              self._layer_params(False, lay))
             entry = {"parameters": params, "gradients": grads, "optimizer": optim,
@@ -463,5 +530,5 @@ class CostModel:
         return worst
 
 
-__all__ = ["Layout", "CostModel", "StepCost", "PEAK_IN_FLIGHT", "allreduce_time", "gather_time",
+__all__ = ["Layout", "CostModel", "wrappers", "StepCost", "PEAK_IN_FLIGHT", "allreduce_time", "gather_time",
            "all_to_all_time", "p2p_time"]

@@ -33,3 +33,47 @@ def test_fit_recovers_the_matmul_curve_and_the_link():
 def test_planning_for_the_local_machine_needs_a_profile(tmp_path):
     with pytest.raises(HardwareError, match="--calibrate"):
         load_profile(tmp_path / "missing.json")
+
+
+def test_layer_scale_recovers_how_much_slower_blocks_are_than_priced():
+    """Blocks that take 1.5x the priced layer time plus the fixed per-pass cost give 1.5."""
+    from dataclasses import replace
+
+    from loom.models.llama import TransformerArgs
+    from loom.plan.calibrate import BLOCKS, layer_scale
+    from loom.plan.hardware import Cluster
+    from loom.sim.cost_model import CostModel, Layout
+
+    gpu, link = fit(synthetic(peak=4e10, knee=48.0, alpha=2e-5, beta=3e9, n=4), nproc=4)
+    plain = replace(gpu, op_overhead=0.0)
+    blocks = []
+    for dim, ffn, heads, kv, seq, micro in BLOCKS[1:]:
+        args = TransformerArgs(dim=dim, n_layers=1, n_heads=heads, n_kv_heads=kv, ffn_dim=ffn,
+                               vocab_size=8, max_seq_len=seq)
+        model = CostModel(args, seq, micro, Cluster(plain, 1, 1, link, link), dtype_bytes=4)
+        f, i, w, _ = model._layer_times(Layout(micro_batch=micro), False)
+        blocks.append([dim, ffn, heads, kv, seq, micro, 1.5 * (f + i + w) + 3 * gpu.op_overhead])
+    assert layer_scale(gpu, link, blocks) == pytest.approx(1.5, rel=1e-9)
+    assert layer_scale(gpu, link, []) == 1.0
+
+
+def test_framework_fit_recovers_each_wrappers_work():
+    """Probe step times made by the cost model with known per-pass and per-step work for each
+    wrapper are solved back to that work (base first, the others on top of it)."""
+    from dataclasses import replace
+
+    from loom.plan.probes import PROBE_DEPTHS, _predict, fit_framework, probe_layouts
+
+    gpu, link = fit(synthetic(peak=4e10, knee=48.0, alpha=2e-5, beta=3e9, n=4), nproc=4)
+    gpu = replace(gpu, cores=2.0)
+    truth = (("base", 2e-3, 0.05), ("tp", 4e-3, 0.01), ("zero3", 1e-3, 0.02),
+             ("zero12", 0.0, 0.03), ("ring", 3e-3, 0.0), ("ulysses", 5e-4, 0.004),
+             ("pp", 1e-3, 0.01))
+    machine = replace(gpu, framework=truth)
+    probes = {name: {d: _predict(lay, d, machine, link, 4) for d in PROBE_DEPTHS}
+              for name, lay in probe_layouts(4).items()}
+    fitted = fit_framework(probes, gpu, link, 4)
+    assert [name for name, _, _ in fitted] == [name for name, _, _ in truth]
+    for (name, x, y), (_, want_x, want_y) in zip(fitted, truth):
+        assert x == pytest.approx(want_x, rel=0.05, abs=1e-5), name
+        assert y == pytest.approx(want_y, rel=0.05, abs=1e-4), name

@@ -200,3 +200,74 @@ def test_data_parallel_reduction_hides_behind_the_last_backward():
     _, head_i, head_w = model._head_times(lay)
     backward = m.n_layers * (i + w) + head_i + head_w
     assert cost.dp_exposed == pytest.approx(max(total / m.n_layers, total - backward))
+
+
+# ----- a CPU profile: ranks sharing cores, and the framework work of the wrappers -------------
+def test_ranks_sharing_cores_compute_slower_by_ranks_over_cores():
+    """4 ranks on 2 cores: every pass of a layout without a pipeline takes twice as long, the
+    communication does not (it was measured with every rank taking part)."""
+    from dataclasses import replace
+
+    shared = replace(UNIT, cores=2.0)
+    own = CostModel(DEBUG, seq_len=32, global_batch=8, cluster=Cluster(UNIT, 4, 4, FAST, SLOW))
+    two = CostModel(DEBUG, seq_len=32, global_batch=8, cluster=Cluster(shared, 4, 4, FAST, SLOW))
+    assert (own.contention, two.contention) == (1.0, 2.0)
+    dp = Layout(dp_replicate=4, micro_batch=2, microbatches=1)
+    assert two._layer_times(dp, False)[:3] == pytest.approx(
+        tuple(2 * t for t in own._layer_times(dp, False)[:3]))
+    tp = Layout(tp=4, micro_batch=2, microbatches=4)
+    f_own, _, w_own, comm = own._layer_times(tp, False)
+    f_two, _, w_two, _ = two._layer_times(tp, False)
+    assert f_two - comm["tp"] / 2 == pytest.approx(2 * (f_own - comm["tp"] / 2))
+    assert w_two == pytest.approx(2 * w_own)
+    # a pipeline's passes stay uncontended: its simulation shares the cores among busy ranks
+    pp = Layout(pp=2, dp_replicate=2, schedule="1f1b", micro_batch=2, microbatches=4)
+    assert two._layer_times(pp, False)[:3] == own._layer_times(pp, False)[:3]
+    assert (two.shared_cores(pp), own.shared_cores(pp)) == (1.0, 0.0)  # 2 pipelines, 2 cores
+
+
+def test_shared_core_pipeline_simulation_is_the_shared_replay():
+    """With one core per pipeline rank the shared replay is the simulator; with fewer, the
+    planner's pipeline time is ``replay_shared`` of the same schedule and costs."""
+    from dataclasses import replace
+
+    from loom.pipeline.profile import replay_shared
+    from loom.plan.search import simulate_step
+
+    lay = Layout(pp=2, dp_replicate=2, schedule="1f1b", micro_batch=2, microbatches=4)
+    plenty = CostModel(DEBUG, 32, 16, Cluster(replace(UNIT, cores=4.0), 4, 4, FAST, SLOW))
+    own = CostModel(DEBUG, 32, 16, Cluster(UNIT, 4, 4, FAST, SLOW))
+    assert simulate_step(plenty, plenty.evaluate(lay)).pipeline == pytest.approx(
+        simulate_step(own, own.evaluate(lay)).pipeline)
+    half = CostModel(DEBUG, 32, 16, Cluster(replace(UNIT, cores=2.0), 4, 4, FAST, SLOW))
+    cost = half.evaluate(lay)
+    schedule = schedules.get("1f1b")(2, 4)
+    costs = cost.stage_costs.build()
+    work = {a: costs.duration(a) for row in schedule.actions for a in row}
+    expected = replay_shared(schedule, work, costs.latency, 1.0)
+    assert simulate_step(half, cost).pipeline == pytest.approx(expected)
+    assert expected > simulate_step(own, own.evaluate(lay)).pipeline
+
+
+def test_framework_work_is_charged_per_wrapper():
+    """Each layer pass pays the per-pass work of every wrapper the layout uses, each step the
+    per-step work; a wrapper the layout does not use costs nothing."""
+    from dataclasses import replace
+
+    from loom.sim.cost_model import wrappers
+
+    assert wrappers(Layout(dp_replicate=4)) == ("base",)
+    assert wrappers(Layout(tp=2, dp_shard=2, zero_stage=3)) == ("base", "tp", "zero3")
+    assert wrappers(Layout(cp=4, cp_mode="hybrid", dp_shard=2, zero_stage=1)) == \
+        ("base", "zero12", "ring", "ulysses")
+    assert wrappers(Layout(pp=2, schedule="1f1b")) == ("base", "pp")
+    table = (("base", 1e-3, 0.1), ("tp", 2e-3, 0.2), ("zero3", 5e-3, 0.5))
+    plain = CostModel(DEBUG, 32, 8, Cluster(UNIT, 4, 4, FAST, SLOW))
+    charged = CostModel(DEBUG, 32, 8, Cluster(replace(UNIT, framework=table), 4, 4, FAST, SLOW))
+    for lay, per_pass, per_step in ((Layout(tp=4, micro_batch=2), 3e-3, 0.3),
+                                    (Layout(dp_replicate=4, micro_batch=2), 1e-3, 0.1)):
+        with_work, without = charged._layer_times(lay, False), plain._layer_times(lay, False)
+        for k in range(3):
+            assert with_work[k] - without[k] == pytest.approx(per_pass)
+        assert charged.evaluate(lay).optimizer - plain.evaluate(lay).optimizer == \
+            pytest.approx(per_step)

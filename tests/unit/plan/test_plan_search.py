@@ -87,7 +87,8 @@ def test_refused_combinations_are_reported_not_proposed(monkeypatch):
         return "parallel.pp: refused for this test" if layout.pp > 1 else real(layout, work, **how)
 
     monkeypatch.setattr(search, "runnable", no_pipelines)
-    work = Workload("gpt3-175b", PRESETS["gpt3-175b"], 2048, 256)
+    # 16 sequences: one microbatch per rank, so pp = 1 layouts fit without accumulated gradients
+    work = Workload("gpt3-175b", PRESETS["gpt3-175b"], 2048, 16)
     small = {"schedules": {"1f1b": (1,)}, "micro_batches": (1,)}  # a smaller space
     result = plan(work, make_cluster("A100-80GB", 128, 8), top=3, space=small)
     assert result.ranked and all(cost.layout.pp == 1 for cost in result.ranked)
