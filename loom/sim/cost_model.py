@@ -362,6 +362,8 @@ class CostModel:
         totals = [f + i + w for f, i, w in ops]
         rank_work = [sum(totals[s] for s in own) for own in owned]
         compute = max(rank_work) * lay.microbatches
+        if lay.pp > 1 and self.shared_cores(lay):  # the busiest rank's work at its share of cores
+            compute *= max(1.0, lay.pp / self.shared_cores(lay))
         stage_costs, send = None, 0.0
         per_rank_mb = lay.microbatches / lay.pp
         n_dense = m.n_layers - self.moe_layers
