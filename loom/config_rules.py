@@ -276,11 +276,38 @@ def _validate_tied_pipeline(config: Config, schedule) -> None:
                           " schedule (1f1b, interleaved_1f1b, zb_h1 ...)")
 
 
+def _validate_routes(config: Config, schedule, how: str) -> None:
+    """Schedules with routes (bidirectional_v: two model copies, the runtime sums their
+    gradients over mirror ranks): what the runtime trains, and what it refuses until tested."""
+    par, m = config.parallel, config.model
+    if par.pp % 2:
+        raise ConfigError("parallel.pp", par.pp, f"schedule {par.schedule!r} trains with an even"
+                          " pp only: with an odd pp the middle rank holds both copies of its"
+                          " stages, which the runtime does not sum; use pp = 2, 4, ...")
+    if schedule.num_microbatches < 2:
+        raise ConfigError("train.global_batch_size", config.train.global_batch_size,
+                          f"{how}; schedule {par.schedule!r} sends microbatches alternately"
+                          " through its two model copies, so training needs m >= 2 (the"
+                          " generator accepts any m >= 1, an even m balances the copies)")
+    refused = [("parallel.tp", par.tp, par.tp > 1), ("parallel.cp", par.cp, par.cp > 1),
+               ("parallel.ep", par.ep, par.ep > 1),
+               ("parallel.dp_shard", par.dp_shard, par.dp_shard > 1),  # ZeRO
+               ("model.tie_embeddings", m.tie_embeddings, m.tie_embeddings),
+               ("model.n_experts", m.n_experts, m.n_experts > 0)]
+    for field_name, value, on in refused:
+        if on:
+            raise ConfigError(field_name, value, f"schedule {par.schedule!r} (two model copies,"
+                              " gradients summed over mirror ranks) is parity-tested with plain"
+                              " data parallelism (dp_replicate) only; its composition with"
+                              " tp, cp, ep, ZeRO, tied embeddings and MoE is not implemented"
+                              " yet; use another schedule (zbv, dualpipev, 1f1b ...)")
+
+
 def _validate_schedule(config: Config) -> None:
     """The pipeline rules: a known schedule family, chunks it accepts, a layer per stage and a
     microbatch count m = global_batch_size / (dp * micro_batch_size) the family can schedule."""
     from loom.pipeline.schedules import ChunksError, schedule_for  # config -> Schedule, one place
-    from loom.pipeline.schedules import names, simulation_only
+    from loom.pipeline.schedules import simulation_only, trainable
 
     par, tr, m = config.parallel, config.train, config.model
     if par.schedule.lower().replace("-", "_") in simulation_only():
@@ -289,7 +316,7 @@ def _validate_schedule(config: Config) -> None:
                           " of the model, which the pipeline runtime does not run (one copy per"
                           " stage, no gradient sum between copies); use it with loom schedule"
                           " show|simulate, and train with zbv, dualpipev or 1f1b")
-    known = names()
+    known = trainable()
     if par.schedule.lower().replace("-", "_") not in known:
         raise ConfigError("parallel.schedule", par.schedule, f"unknown schedule; known: "
                           f"{', '.join(known)}" + _suggest(par.schedule.lower(), known))
@@ -306,13 +333,17 @@ def _validate_schedule(config: Config) -> None:
         raise ConfigError("parallel.chunks", par.chunks, str(err)) from None
     except ValueError as err:
         raise ConfigError("parallel.schedule", par.schedule, f"{how}: {err}") from None
-    if schedule.num_stages > m.n_layers:
+    model_stages = schedule.stages_per_route  # a bidirectional schedule holds 2 model copies
+    if model_stages > m.n_layers:
         field_name, value = (("parallel.chunks", par.chunks) if par.chunks
                              else ("parallel.schedule", par.schedule))
+        copies = f" / {schedule.num_routes} copies" if schedule.num_routes > 1 else ""
         raise ConfigError(field_name, value,
-                          f"{schedule.num_stages} stages (pp = {par.pp} x"
-                          f" {schedule.chunks_per_rank} per rank) need model.n_layers >="
-                          f" {schedule.num_stages}, got {m.n_layers} (one layer per stage)")
+                          f"{model_stages} stages (pp = {par.pp} x"
+                          f" {schedule.chunks_per_rank} per rank{copies}) need model.n_layers >="
+                          f" {model_stages}, got {m.n_layers} (one layer per stage)")
+    if schedule.num_routes > 1:
+        _validate_routes(config, schedule, how)
     if m.tie_embeddings:
         _validate_tied_pipeline(config, schedule)
     splits_backward = any(a.op.name in ("I", "W") for row in schedule.actions for a in row)

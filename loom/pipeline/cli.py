@@ -22,7 +22,7 @@ import sys
 from typing import Any, NoReturn
 
 from loom.pipeline.ir import Schedule, csv_text
-from loom.pipeline.schedules import get, names, simulation_only
+from loom.pipeline.schedules import get, names, routed, simulation_only
 from loom.pipeline.search import DEFAULT_EFFORT, PLACEMENTS
 from loom.pipeline.validate import ScheduleError, format_grid, validate
 
@@ -169,11 +169,12 @@ def _run(handler: Any) -> Any:
 
 @_run
 def _list(args: argparse.Namespace) -> int:
-    width = max(len(name) for name in names() + simulation_only())
-    for name in names() + simulation_only():
+    width = max(len(name) for name in names() + routed() + simulation_only())
+    for name in names() + routed() + simulation_only():
         doc = (inspect.getdoc(get(name)) or "").splitlines()[0]
         chunks = " [--chunks]" if _takes_chunks(name) else ""
         only = " [simulation only: not trainable]" if name in simulation_only() else ""
+        only += " [two model copies: JSON export]" if name in routed() else ""
         print(f"{name:<{width}}  {doc}{chunks}{only}")
     return 0
 

@@ -41,8 +41,16 @@ transfer and reduction below goes through ``loom.parallel.comm`` with the traine
   last stage's rank}: one all-reduce of 4·V·D bytes (/tp under vocab parallelism, /dp_shard
   under ZeRO-3) per step on those two ranks, axis ``pp_tie``. On one rank (V placements) they are
   one Parameter and nothing moves.
+* Routes (``bidirectional_v``: two copies of the model, half the microbatches through each).
+  Transfers follow each microbatch's route, ends included (a route's first stage takes the
+  tokens, its last computes the loss). After the data-parallel reduction,
+  ``finish_gradient_reduction`` sums each stage's gradient with its other copy over the ranks
+  that hold the copies (``copy_groups``: for bidirectional_v rank r and p-1-r, which hold the
+  same four model stages): one flat all-reduce of 4·P_rank bytes per rank per step, P_rank the
+  parameters of the rank's stages, axis ``pp_copies``. Both copies start from the same seeded
+  weights and step identically, so they stay bit-identical.
 * After the step: one 1-element all-reduce over ``pp`` so every rank reports the loss, which only
-  the last stage computes.
+  the last stage of each route computes.
 
 Written here rather than taken from ``torch.distributed.pipelining``: torch's runtime interprets
 a lowered schedule only for its own ``PipelineStage`` (which traces shapes with a meta forward
@@ -92,9 +100,9 @@ class _Transfer:
 def incoming(schedule: Schedule, rank: int, action: Action) -> _Transfer | None:
     """The receive ``action`` (on ``rank``) needs from another rank, if any."""
     s, mb = action.stage, action.microbatch
-    if action.op is Op.F and s > 0 and schedule.rank_of(s - 1) != rank:
+    if action.op is Op.F and not schedule.is_first(s) and schedule.rank_of(s - 1) != rank:
         return _Transfer(s, mb, ACTIVATION, schedule.rank_of(s - 1))
-    if action.op in (Op.I, Op.B) and s < schedule.num_stages - 1 \
+    if action.op in (Op.I, Op.B) and not schedule.is_last(s) \
             and schedule.rank_of(s + 1) != rank:
         return _Transfer(s, mb, GRADIENT, schedule.rank_of(s + 1))
     return None
@@ -102,25 +110,28 @@ def incoming(schedule: Schedule, rank: int, action: Action) -> _Transfer | None:
 
 def outgoing(schedule: Schedule, action: Action) -> _Transfer | None:
     """Where the result of ``action`` goes: a transfer into the neighbouring stage (its ``peer``
-    is the sender's own rank when the neighbour is local), or None at the ends and for W."""
+    is the sender's own rank when the neighbour is local), or None at the ends of the
+    microbatch's route and for W."""
     s, mb = action.stage, action.microbatch
-    if action.op is Op.F and s < schedule.num_stages - 1:
+    if action.op is Op.F and not schedule.is_last(s):
         return _Transfer(s + 1, mb, ACTIVATION, schedule.rank_of(s + 1))
-    if action.op in (Op.I, Op.B) and s > 0:
+    if action.op in (Op.I, Op.B) and not schedule.is_first(s):
         return _Transfer(s - 1, mb, GRADIENT, schedule.rank_of(s - 1))
     return None
 
 
 def forward_only(schedule: Schedule) -> Schedule:
-    """An F-only schedule with ``schedule``'s placement: each rank runs its stages in increasing
-    order, every microbatch of a stage before the next (deadlock-free: data flows to higher
-    stages only). Used for evaluation."""
+    """An F-only schedule with ``schedule``'s placement and routes: each rank runs its stages in
+    increasing order, every microbatch that visits a stage before the next (deadlock-free: data
+    flows to higher stages only). Used for evaluation."""
     rows = []
     for rank in range(schedule.pp_size):
         rows.append(tuple(Action(stage, Op.F, mb) for stage in schedule.stages_of(rank)
-                          for mb in range(schedule.num_microbatches)))
+                          for mb in range(schedule.num_microbatches)
+                          if stage in schedule.route_stages(mb)))
     return Schedule(schedule.num_stages, schedule.num_microbatches, schedule.placement,
-                    tuple(rows), name=f"{schedule.name}-forward")
+                    tuple(rows), name=f"{schedule.name}-forward",
+                    num_routes=schedule.num_routes, routes=schedule.routes)
 
 
 class PipelineRuntime:
@@ -135,7 +146,8 @@ class PipelineRuntime:
                  pp_ranks: Sequence[int], pp_group: dist.ProcessGroup | None,
                  recv_lookahead: int = 4, recorder: PipelineRecorder | None = None,
                  ledger: CommLedger | None = None,
-                 tie_group: dist.ProcessGroup | None = None) -> None:
+                 tie_group: dist.ProcessGroup | None = None,
+                 copy_group: dist.ProcessGroup | None = None) -> None:
         if sorted(stages) != list(schedule.stages_of(pp_rank)):
             raise ValueError(f"rank {pp_rank} holds stages {sorted(stages)}, the schedule places "
                              f"{list(schedule.stages_of(pp_rank))} on it")
@@ -148,6 +160,7 @@ class PipelineRuntime:
         self.recorder = recorder
         self.ledger = ledger  # counts the sends, receives and reductions over "pp" (comm.py)
         self.tie_group = tie_group  # {first stage's rank, last stage's rank} of a tied model
+        self.copy_group = copy_group  # the ranks holding the other routes' copies of my stages
         # The data-parallel reducer of each stage (None at degree 1), attached by parallelize.
         self.reducers = {index: reducer for index, stage in stages.items()
                          if (reducer := gradient_reducer(stage.module)) is not None}
@@ -258,18 +271,21 @@ class PipelineRuntime:
             work.wait()
             return buffer
         s, mb = action.stage, action.microbatch
-        if action.op is Op.F and s > 0:
+        if action.op is Op.F and not schedule.is_first(s):
             return local.pop(_Transfer(s, mb, ACTIVATION, self.pp_rank))
-        if action.op in (Op.I, Op.B) and s < schedule.num_stages - 1:
+        if action.op in (Op.I, Op.B) and not schedule.is_last(s):
             return local.pop(_Transfer(s, mb, GRADIENT, self.pp_rank))
         return None
 
     # -- data-parallel gradient reduction -------------------------------------------------------------
     def finish_gradient_reduction(self) -> None:
         """Wait for every stage's gradient reduction and write the averages back; then sum the
-        two copies of a tied embedding's gradient over the tie group."""
+        copies of each stage over the routes (``copy_group``) and the two copies of a tied
+        embedding's gradient over the tie group."""
         for reducer in self.reducers.values():
             reducer.finish()
+        if self.copy_group is not None:
+            self._sum_route_copies()
         if self.tie_group is not None:
             param = self.tied_weight
             if param.grad is None:  # cannot happen in a training step; keeps the pair matched
@@ -280,6 +296,37 @@ class PipelineRuntime:
             # values is the same bits on both ranks, so the copies stay identical.
             local = getattr(param.grad, "_local_tensor", param.grad)
             comm.all_reduce(local, self.tie_group, axis="pp_tie", ledger=self.ledger)
+
+    def _sum_route_copies(self) -> None:
+        """Sum every parameter's gradient with its copies on the other routes: one flat
+        all-reduce over ``copy_group``, 4·P bytes for the P parameters of this rank's stages.
+
+        Each copy saw only its route's microbatches, and each microbatch's loss is already
+        divided by the total count, so the sum is the whole batch's gradient; the copies' data
+        parallel averages came first (both linear, so the order does not change the result).
+        Both ranks of a pair hold the same model stages (``copy_groups``) and flatten them in
+        model-stage order, so the buffers line up; a sum of two values is the same bits on both,
+        so the copies' gradients, and after identical optimizer steps their weights, stay equal.
+        """
+        params = [p for _, stage in sorted(self.stages.items(),
+                                           key=lambda item: item[1].model_stage)
+                  for p in stage.parameters()]
+        for param in params:
+            if param.grad is None:  # cannot happen in a training step; keeps the pair matched
+                param.grad = torch.zeros_like(param)
+        grads = [getattr(p.grad, "_local_tensor", p.grad) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce(flat, self.copy_group, axis="pp_copies", ledger=self.ledger)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    def route_replicas(self) -> list[nn.Module]:
+        """The modules of this rank's stages whose route-0 copy another rank holds (the global
+        norm counts those parameters there; see ``LocalStages``)."""
+        return [stage.module for index, stage in sorted(self.stages.items())
+                if index >= self.schedule.stages_per_route]
 
     @property
     def tied_weight(self) -> nn.Parameter | None:
@@ -314,7 +361,7 @@ def build_pipeline(args, schedule: Schedule, *, grid, meshes, rank: int, device:
     """
     from loom.parallel import parallelize
 
-    layers = partition_model(args, schedule.num_stages, seq_len)
+    layers = partition_model(args, schedule.stages_per_route, seq_len)
     pp_rank = grid.coords(rank)["pp"]
     kwargs = {"autocast": autocast} if autocast is not None else {}
     stages = build_stages(args, schedule, layers, pp_rank, device, seed, **kwargs)
@@ -324,8 +371,46 @@ def build_pipeline(args, schedule: Schedule, *, grid, meshes, rank: int, device:
                                        ledger=ledger, train=train,
                                        offload_optimizer=offload_optimizer)
     tie_group = tie_embedding(args, schedule, stages, grid, rank)
+    copy_group = None
+    if schedule.num_routes > 1:  # creating groups is collective: every rank, the same order
+        pairs = copy_groups(schedule)
+        for members in grid.groups("pp"):  # ordered by pp coordinate
+            for pair in pairs:
+                ranks = [members[r] for r in pair]
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    copy_group = group
     return PipelineRuntime(schedule, stages, pp_rank, grid.group(rank, "pp"),
-                           meshes.root["pp"].get_group(), ledger=ledger, tie_group=tie_group)
+                           meshes.root["pp"].get_group(), ledger=ledger, tie_group=tie_group,
+                           copy_group=copy_group)
+
+
+def copy_groups(schedule: Schedule) -> list[tuple[int, ...]]:
+    """The pipeline ranks that hold the copies of the same model stages, one tuple per set.
+
+    The runtime sums gradients over each set, which needs every rank to hold one copy of each of
+    its model stages, and the other copies on the same other ranks: for ``bidirectional_v``
+    rank r and its mirror p-1-r hold the same four model stages, two on each route. Raises
+    ValueError when a placement does not pair up that way (with an odd p the middle rank would
+    hold both copies of its stages).
+    """
+    length = schedule.stages_per_route
+    sets: list[tuple[int, ...]] = []
+    for rank in range(schedule.pp_size):
+        model_stages = [s % length for s in schedule.stages_of(rank)]
+        if len(set(model_stages)) != len(model_stages):
+            raise ValueError(f"{schedule.name}: pipeline rank {rank} holds two copies of one model"
+                             f" stage ({sorted(model_stages)}), which the runtime cannot train")
+        holders = {tuple(sorted({schedule.rank_of(j + k * length)
+                                 for k in range(schedule.num_routes)})) for j in model_stages}
+        if len(holders) != 1:
+            raise ValueError(f"{schedule.name}: the copies of pipeline rank {rank}'s stages lie on"
+                             f" different ranks ({sorted(holders)}); one gradient sum per rank"
+                             " needs them on the same ones")
+        (holder,) = holders
+        if holder not in sets:
+            sets.append(holder)
+    return sets
 
 
 def tie_embedding(args, schedule: Schedule, stages: dict[int, PipelineStage], grid,
@@ -343,6 +428,9 @@ def tie_embedding(args, schedule: Schedule, stages: dict[int, PipelineStage], gr
     final = schedule.num_stages - 1
     if not args.tie_embeddings or final == 0:
         return None
+    if schedule.num_routes > 1:  # config_rules refuses it first, naming the fields
+        raise ValueError(f"{schedule.name}: tied embeddings with several routes (copies of the"
+                         " model) are not implemented")
     first_rank, last_rank = schedule.rank_of(0), schedule.rank_of(final)
     if first_rank == last_rank:
         if 0 not in stages:

@@ -49,10 +49,12 @@ class _InFlight:
 
 @dataclass
 class PipelineStage:
-    """Stage ``index`` of ``num_stages``: its module and the microbatches it holds activations for."""
+    """Stage ``index`` of a schedule whose routes are ``num_stages`` long: its module and the
+    microbatches it holds activations for. With one route ``index`` is the model stage; with
+    several (``Schedule.routes``) it is ``route * num_stages + model stage``."""
 
     index: int
-    num_stages: int
+    num_stages: int  # stages per route: the model's
     module: Transformer
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     # Global token positions of this rank's sequence shard (context parallelism), for RoPE;
@@ -61,12 +63,17 @@ class PipelineStage:
     _in_flight: dict[int, _InFlight] = field(default_factory=dict)
 
     @property
+    def model_stage(self) -> int:
+        """Which slice of the model this is (the same on every route's copy)."""
+        return self.index % self.num_stages
+
+    @property
     def is_first(self) -> bool:
-        return self.index == 0
+        return self.model_stage == 0
 
     @property
     def is_last(self) -> bool:
-        return self.index == self.num_stages - 1
+        return self.model_stage == self.num_stages - 1
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
@@ -127,15 +134,18 @@ def build_stages(args: TransformerArgs, schedule: Schedule, layers: Sequence[ran
                  device: torch.device | str, seed: int,
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  ) -> dict[int, PipelineStage]:
-    """The stages ``rank`` owns under ``schedule.placement``, with ``layers[stage]`` each, made on
-    the meta device and initialised by name, so every slice holds the full model's weights."""
+    """The stages ``rank`` owns under ``schedule.placement``, with ``layers[model stage]`` each,
+    made on the meta device and initialised by name, so every slice holds the full model's
+    weights (and the copies of a stage on different routes start identical)."""
     stages = {}
+    length = schedule.stages_per_route
     for index in schedule.stages_of(rank):
-        module = build_model(args, device="meta", layer_ids=layers[index],
-                             with_embedding=index == 0, with_head=index == schedule.num_stages - 1)
+        module = build_model(args, device="meta", layer_ids=layers[index % length],
+                             with_embedding=schedule.is_first(index),
+                             with_head=schedule.is_last(index))
         module.to_empty(device=device)
         reset_parameters(module, seed)  # a tied head starts as the embedding (seeded_name)
-        stages[index] = PipelineStage(index, schedule.num_stages, module, autocast)
+        stages[index] = PipelineStage(index, length, module, autocast)
     last = schedule.num_stages - 1
     if args.tie_embeddings and last > 0 and 0 in stages and last in stages:
         # Both ends on this rank (a V placement): one Parameter, as in the unsplit model.
@@ -165,12 +175,20 @@ class LocalStages(nn.Module):
     dict), so every copy has the one global name. On a rank without the first stage that copy is
     a *replica* (``tied_replicas``): the first stage's rank holds the same gradient after the
     runtime's tie reduction, so the global norm counts it there only.
+
+    Routes (bidirectional schedules): ``replicas`` are the modules of this rank's stages whose
+    copy on route 0 lives on another rank. After the runtime's copy sum they hold the same
+    gradients as that copy, so ``tied_replicas`` lists their parameters too: the global norm
+    counts each model parameter once, on the rank of its route-0 copy, and clipping scales the
+    replicas by the same factor (the copies stay bit-identical).
     """
 
-    def __init__(self, modules: Sequence[Transformer]) -> None:
+    def __init__(self, modules: Sequence[Transformer],
+                 replicas: Sequence[Transformer] = ()) -> None:
         super().__init__()
         self.layers = nn.ModuleDict()
         self._tie_replica = False
+        self._route_replicas = [p for module in replicas for p in module.parameters()]
         for module in modules:
             if module.tok_embeddings is not None:
                 self.tok_embeddings = module.tok_embeddings
@@ -183,8 +201,9 @@ class LocalStages(nn.Module):
                 self.norm, self.output = module.norm, module.output
 
     def tied_replicas(self) -> list[nn.Parameter]:
-        """The tied head weight when this rank holds it without the embedding, else nothing."""
-        return [self.output.weight] if self._tie_replica else []
+        """Parameters another rank counts in the global norm: the tied head weight when this rank
+        holds it without the embedding, and the route replicas' parameters (see the class)."""
+        return ([self.output.weight] if self._tie_replica else []) + self._route_replicas
 
     def forward(self, *args: Any) -> None:  # pragma: no cover - a container, not a model
         raise RuntimeError("LocalStages holds a rank's pipeline stages; run them with the runtime")

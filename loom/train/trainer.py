@@ -111,7 +111,7 @@ class Trainer:
                                            ledger=self.ledger, train=tr,
                                            offload_optimizer=self.offload.optimizer)
             modules = [s.module for _, s in sorted(self.pipeline.stages.items())]
-            self.model = LocalStages(modules)
+            self.model = LocalStages(modules, replicas=self.pipeline.route_replicas())
             from loom.parallel.zero import of_stages
 
             zero = of_stages(modules, self.pipeline.pp_group)  # ZeRO-1/2: one optimizer view

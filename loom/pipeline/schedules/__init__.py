@@ -1,13 +1,18 @@
 """Schedule generators, one module per family, and a registry by name.
 
 Every generator is a pure function ``(pp_size, microbatches, ...) -> Schedule``; its docstring
-cites the paper and states the valid microbatch counts. ``get(name)`` returns the generator;
-``names()`` lists the families the training runtime runs, and ``simulation_only()`` the ones it
-does not (they validate, simulate and export, and the config refuses them for training by name).
+cites the paper and states the valid microbatch counts. ``get(name)`` returns the generator.
+Three lists: ``names()``, the one-copy families (every microbatch visits every stage), which the
+runtime trains, torch's CSV carries, and the schedule search compares against; ``routed()``, the
+families over several copies of the model (``Schedule.routes``), which the runtime trains too but
+which travel as JSON only and stay outside the search; ``trainable()`` is both. ``simulation_only()``
+lists families the runtime cannot train (none at the moment; they would validate, simulate and
+export, and the config would refuse them for training by name).
 
-* ``bidirectional_v`` (simulation only): BitPipe's shape, two V pipelines in opposite directions
-  over two copies of the model, with a per-microbatch route (``Schedule.routes``). The runtime
-  runs one copy of each stage, so it cannot train it yet (see the module).
+* ``bidirectional_v`` (routed): BitPipe's shape, two V pipelines in opposite directions over two
+  copies of the model. Trainable for an even pp and m >= 2: the runtime holds both copies and
+  sums their gradients over the mirror ranks (see ``loom.pipeline.runtime``); the config refuses
+  what it does not compose with yet (tp, cp, ep, ZeRO, tied embeddings, MoE), by name.
 
 Not provided, and why:
 
@@ -49,17 +54,30 @@ _REGISTRY: dict[str, Generator] = {
     "dualpipev": dualpipev,
 }
 
-
-# Families the runtime cannot train (it runs one copy of each stage): validated, simulated,
-# exported, and refused by the config for training, by name.
-_SIMULATION_ONLY: dict[str, Generator] = {
+# Families over two copies of the model (per-microbatch routes): trainable, JSON export only.
+_ROUTED: dict[str, Generator] = {
     "bidirectional_v": bidirectional_v,
 }
 
 
+# Families the runtime cannot train: validated, simulated, exported, and refused by the config
+# for training, by name. None at the moment (kept for families added ahead of their runtime).
+_SIMULATION_ONLY: dict[str, Generator] = {}
+
+
 def names() -> list[str]:
-    """Schedule families the training runtime runs, in registration order."""
+    """One-copy schedule families (the runtime trains them), in registration order."""
     return list(_REGISTRY)
+
+
+def routed() -> list[str]:
+    """Families over several copies of the model, which the runtime trains as well."""
+    return list(_ROUTED)
+
+
+def trainable() -> list[str]:
+    """Every family ``parallel.schedule`` accepts: ``names()`` then ``routed()``."""
+    return names() + routed()
 
 
 def simulation_only() -> list[str]:
@@ -70,9 +88,9 @@ def simulation_only() -> list[str]:
 def get(name: str) -> Generator:
     """The generator registered as ``name`` (case-insensitive; '-' and '_' are equivalent)."""
     key = name.lower().replace("-", "_")
-    generator = _REGISTRY.get(key) or _SIMULATION_ONLY.get(key)
+    generator = _REGISTRY.get(key) or _ROUTED.get(key) or _SIMULATION_ONLY.get(key)
     if generator is None:
-        known = ", ".join(names() + [f"{n} (simulation only)" for n in simulation_only()])
+        known = ", ".join(trainable() + [f"{n} (simulation only)" for n in simulation_only()])
         raise KeyError(f"unknown pipeline schedule {name!r}; known: {known}")
     return generator
 
@@ -103,4 +121,5 @@ def schedule_for(name: str, pp: int, microbatches: int, chunks: int = 0) -> Sche
     return schedule
 
 
-__all__ = ["Generator", "get", "names", "simulation_only", "schedule_for", "ChunksError"]
+__all__ = ["Generator", "get", "names", "routed", "trainable", "simulation_only", "schedule_for",
+           "ChunksError"]

@@ -15,10 +15,15 @@ docs/design.md with F = I = W: the bubble is below 1F1B's and at most interleave
 a lower activation peak than either; it is above ZB-V's. Full backwards under the same budget
 do worse than 1F1B.
 
-Training. A microbatch visits one copy of each stage, and the two copies' weight gradients must
-be summed across their ranks before the optimizer step. Loom's runtime runs one copy and does
-not do that sum, so the config refuses this family for training by name. ``loom schedule
-show|simulate|export`` (JSON) work. Valid for any m >= 1; an even m balances the copies.
+Training. A microbatch visits one copy of each stage, so the two copies' weight gradients are
+summed before the optimizer step: rank r and its mirror p-1-r hold the same four model stages
+(one copy each), and ``loom.pipeline.runtime`` all-reduces their gradients over that pair after
+the data-parallel average. Both copies start from the same seeded weights and step identically,
+so they stay bit-identical; the global norm counts each parameter once (on its route-0 copy's
+rank) and checkpoints write each name once (DCP deduplicates the identical replicas). The
+schedule is valid for any m >= 1 (an even m balances the copies); training needs m >= 2 (each
+copy must see a microbatch) and an even p (with an odd p the middle rank holds both copies of
+its stages). ``loom schedule show|simulate|export`` (JSON) work as for every family.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ def bidirectional_placement(pp_size: int) -> tuple[int, ...]:
 def bidirectional_v(pp_size: int, microbatches: int) -> Schedule:
     """Two opposite V pipelines over two model copies (BitPipe's shape); m >= 1. Uses I and W.
 
-    Microbatches alternate between the copies. Simulation only: the runtime runs one copy."""
+    Microbatches alternate between the copies; trainable for an even p and m >= 2."""
     check_sizes("bidirectional_v", pp_size, microbatches)
     return greedy_schedule("bidirectional_v", bidirectional_placement(pp_size), microbatches,
                            budget=pp_size, split_backward=True, num_routes=2,

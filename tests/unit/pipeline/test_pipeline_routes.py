@@ -1,6 +1,7 @@
 """Routes in the schedule IR (two copies of the stages, each microbatch through one) and the
 bidirectional V family built on them: the IR, the validator, the simulator, the command line, and
-the config refusing it for training by name."""
+the config rules for training it (what it refuses, by name; the runtime's parity tests are in
+tests/dist/test_pipeline_bidirectional.py and test_pipeline_parity.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from loom.config import ConfigError, load_config, resolve
 from loom.pipeline.cli import main
 from loom.pipeline.ir import Action, Op, Schedule, csv_text
-from loom.pipeline.schedules import get, names, simulation_only
+from loom.pipeline.schedules import get, names, routed, simulation_only, trainable
 from loom.pipeline.schedules.bidirectional import bidirectional_placement
 from loom.pipeline.validate import ScheduleError, dependencies, peak_memory, validate
 from loom.sim.cost import StageCosts
@@ -93,20 +94,60 @@ def test_bidirectional_v_bubble_against_1f1b_interleaved_and_zbv(p, m):
     assert bubble["zbv"] <= bubble["bidirectional_v"], bubble
 
 
-def test_the_config_refuses_it_for_training_by_name():
-    assert "bidirectional_v" in simulation_only() and "bidirectional_v" not in names()
+def _bidirectional(overrides: dict[str, str], world: int = 2):
+    table = {"parallel.pp": "2", "parallel.schedule": "bidirectional-v",
+             "train.global_batch_size": "8", "train.micro_batch_size": "1", **overrides}
+    return resolve(load_config(None, table), world)
+
+
+def test_the_config_trains_it_with_an_even_pp_and_data_parallelism():
+    assert "bidirectional_v" in routed() and "bidirectional_v" in trainable()
+    assert "bidirectional_v" not in names() + simulation_only()  # one-copy lists (search, CSV)
+    assert _bidirectional({}).parallel.schedule == "bidirectional-v"
+    _bidirectional({"parallel.dp_replicate": "2", "train.global_batch_size": "4"}, 4)
+    _bidirectional({"parallel.pp": "4", "model.n_layers": "8"}, 4)  # 2p stages per copy
+
+
+@pytest.mark.parametrize("overrides, world, field_name, words", [
+    ({"parallel.pp": "3", "model.n_layers": "6"}, 3, "parallel.pp", "even pp"),
+    ({"train.global_batch_size": "1"}, 2, "train.global_batch_size", "m >= 2"),
+    ({"parallel.pp": "4"}, 4, "parallel.schedule", "8 stages"),  # debug: 4 layers
+    ({"parallel.tp": "2"}, 4, "parallel.tp", "not implemented"),
+    ({"parallel.cp": "2"}, 4, "parallel.cp", "not implemented"),
+    ({"parallel.dp_shard": "2", "train.global_batch_size": "4"}, 4, "parallel.dp_shard",
+     "ZeRO"),
+    ({"model.preset": "tiny-moe", "parallel.ep": "2", "train.global_batch_size": "4"}, 4,
+     "parallel.ep", "not implemented"),
+    ({"model.preset": "tiny-moe"}, 2, "model.n_experts", "MoE"),
+    ({"model.tie_embeddings": "true"}, 2, "model.tie_embeddings", "tied embeddings"),
+])
+def test_the_config_refuses_what_it_does_not_train_by_name(overrides, world, field_name, words):
     with pytest.raises(ConfigError) as info:
-        resolve(load_config(None, {"parallel.pp": "2", "parallel.schedule": "bidirectional-v",
-                                   "train.global_batch_size": "8",
-                                   "train.micro_batch_size": "1"}), 2)
-    assert info.value.field_name == "parallel.schedule"
-    assert "simulation only" in str(info.value) and "two copies" in str(info.value)
+        _bidirectional({"model.preset": "debug", **overrides}, world)
+    assert info.value.field_name == field_name, str(info.value)
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize("preset", ["debug", "tiny", "llama3-8b", "gpt3-175b", "tiny-moe",
+                                    "mixtral-8x7b"])
+def test_every_model_preset_trains_it_or_is_refused_by_name(preset):
+    """Dense untied presets resolve at pp = 2; tied (GPT) and MoE presets name the field."""
+    from loom.models import preset as model_preset
+
+    args = model_preset(preset)
+    try:
+        _bidirectional({"model.preset": preset})
+    except ConfigError as err:
+        assert (args.tie_embeddings or args.n_experts > 0), str(err)
+        assert err.field_name in ("model.tie_embeddings", "model.n_experts"), str(err)
+    else:
+        assert not args.tie_embeddings and args.n_experts == 0
 
 
 def test_the_command_line_lists_shows_simulates_and_exports_json(capsys, tmp_path):
     assert main(["schedule", "list"]) == 0
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("bidirectional_v"))
-    assert "simulation only" in line
+    assert "simulation only" not in line and "two model copies" in line
     assert main(["schedule", "simulate", "bidirectional_v", "--pp", "4", "-m", "8", "--json"]) == 0
     figures = json.loads(capsys.readouterr().out)
     assert figures["makespan"] == simulate(get("bidirectional_v")(4, 8)).makespan

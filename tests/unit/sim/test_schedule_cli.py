@@ -6,7 +6,7 @@ import pytest
 
 from loom.pipeline import Schedule, validate
 from loom.pipeline.cli import main
-from loom.pipeline.schedules import get, names, simulation_only
+from loom.pipeline.schedules import get, names, routed, simulation_only
 
 
 def run(capsys, *argv):
@@ -19,7 +19,7 @@ def test_list_shows_every_family_and_which_take_chunks(capsys):
     code, out, _ = run(capsys, "list")
     assert code == 0
     lines = {line.split()[0]: line for line in out.splitlines()}
-    assert set(lines) == set(names()) | set(simulation_only())
+    assert set(lines) == set(names()) | set(routed()) | set(simulation_only())
     assert "[--chunks]" in lines["interleaved_1f1b"] and "[--chunks]" not in lines["1f1b"]
 
 

@@ -1,0 +1,129 @@
+"""bidirectional_v trains: two model copies, opposite V pipelines, one process's numbers.
+
+Parity, as for every one-copy family in tests/dist/test_pipeline_parity.py (whose harness, model
+and tolerances this reuses: debug preset with 8 layers, fp32, 3 steps, clipping at 1.0): for p in
+{2, 4} x m in {p, 2p+1} and for pp2 x dp2 (m = 3 and 4 per pipeline), loss, gradient norm and
+every parameter's gradient after each step, then the validation loss and the saved weights,
+against one process with the same global batch. On top, what is particular to two copies:
+
+* after every step, every rank holding a parameter (rank r and its mirror p-1-r, and their dp
+  replicas) holds bit-identical weights and gradients (``torch.equal``), so the copy sum and the
+  identical optimizer steps keep the copies one model; each parameter is held by exactly 2 x dp
+  ranks (the norm, which matches one process's, counts it once);
+* the copy sum is counted in the comm ledger: one all-reduce per step of 4·P_rank bytes on axis
+  ``pp_copies`` (a 2-rank ring: wire bytes = payload);
+* a run stopped halfway and resumed from its checkpoint ends bit-identical to one that never
+  stopped (the two copies load the same names), and a checkpoint saved under bidirectional_v
+  loads into one process with bit-identical weights and optimizer state (each name saved once,
+  no conflicting copies), and the other way;
+* ``loom train --parallel.pp=2 --parallel.schedule=bidirectional_v`` runs from the command line.
+
+The one-process comparison uses test_pipeline_parity's tolerances and reasoning (step 1 rtol
+1e-5 / atol 1e-6: only the accumulation order differs; later steps 1e-4 / 1e-5 for Adam's
+amplification of rounding-level elements).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from loom.testing.parity import layout_config
+from tests.dist.test_checkpoint_resume import BASE as RESUME_BASE
+from tests.dist.test_checkpoint_resume import check_reshard, check_resume
+from tests.dist.test_pipeline_parity import (BASE, STEPS, check, loom, record_pipeline,
+                                             reference_runs)
+
+COPY_BASE = {**BASE, "metrics.comm": True}
+LAYOUTS = {  # name -> (world size, microbatches per pipeline, parallel degrees)
+    **{f"p{p}-m{m}": (p, m, {"pp": p}) for p in (2, 4) for m in (p, 2 * p + 1)},
+    "p2-dp2-m4": (4, 4, {"pp": 2, "dp_replicate": 2}),
+    "p2-dp2-m3": (4, 3, {"pp": 2, "dp_replicate": 2}),  # odd: the copies' shares differ
+}
+
+
+def copies(trainer) -> dict:
+    """After a step: this rank's weights and gradients by global name (CPU clones), the number
+    of parameter elements it holds, and the copy sum's counted bytes (then the ledger is reset)."""
+    params = dict(trainer.model.named_parameters())
+    record = trainer.ledger.get("pp_copies", "all_reduce")
+    observed = {
+        "weights": {k: p.detach().cpu().clone() for k, p in params.items()},
+        "grads": {k: p.grad.detach().cpu().clone() for k, p in params.items()},
+        "numel": sum(p.numel() for p in params.values()),
+        "calls": record.calls, "payload": record.payload_bytes, "wire": record.wire_bytes,
+    }
+    trainer.ledger.reset()
+    return observed
+
+
+@pytest.fixture(scope="module")
+def references(dist, small_data_dir, tmp_path_factory):
+    return reference_runs(dist, small_data_dir, str(tmp_path_factory.mktemp("weights-ref")),
+                          COPY_BASE, STEPS)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_copies_stay_identical_and_the_sum_is_counted(dist, small_data_dir, references,
+                                                          tmp_path, layout):
+    import torch
+
+    world, micro, parallel = LAYOUTS[layout]
+    dp = parallel.get("dp_replicate", 1)
+    config = layout_config({**COPY_BASE, "train.global_batch_size": micro * dp,
+                            "parallel.schedule": "bidirectional_v"}, world, **parallel)
+    results = dist.run(world, record_pipeline, config, small_data_dir, STEPS, str(tmp_path),
+                       copies)
+    check(references(micro * dp), results, f"bidirectional_v {layout}")
+    for step in range(STEPS):
+        holders: dict[str, list[int]] = {}
+        for rank, result in enumerate(results):
+            seen = result["observed"][step]
+            # One all-reduce of every gradient element this rank holds, fp32, over a pair.
+            assert (seen["calls"], seen["payload"]) == (1, 4 * seen["numel"]), (layout, rank)
+            assert seen["wire"] == seen["payload"], (layout, rank)
+            for name in seen["weights"]:
+                holders.setdefault(name, []).append(rank)
+        for name, ranks in holders.items():
+            # every parameter is held by exactly the two copies in each data-parallel replica
+            assert len(ranks) == 2 * dp, (layout, name, ranks)
+            first = results[ranks[0]]["observed"][step]
+            for rank in ranks[1:]:
+                other = results[rank]["observed"][step]
+                for kind in ("weights", "grads"):
+                    assert torch.equal(other[kind][name], first[kind][name]), \
+                        f"{layout} step {step + 1}: {kind} of {name} on ranks {ranks[0]}, {rank}"
+
+
+RESUME_LAYOUTS = {  # name -> (world size, parallel settings); 8 samples, 2 per microbatch
+    "single": (1, {}),
+    "bidi-p2": (2, {"pp": 2, "schedule": "bidirectional_v"}),
+    "bidi-p2-dp2": (4, {"pp": 2, "dp_replicate": 2, "schedule": "bidirectional_v"}),
+}
+
+
+def resume_config(layout: str) -> tuple[int, dict]:
+    world, parallel = RESUME_LAYOUTS[layout]
+    return world, layout_config(RESUME_BASE, world, **parallel)
+
+
+@pytest.mark.parametrize("layout", ["bidi-p2", "bidi-p2-dp2"])
+def test_stop_and_resume_is_bit_exact(dist, small_data_dir, tmp_path, layout):
+    world, config = resume_config(layout)
+    check_resume(dist, small_data_dir, tmp_path, world, config, layout)
+
+
+@pytest.mark.parametrize("source, target", [("bidi-p2", "single"), ("single", "bidi-p2-dp2")])
+def test_a_checkpoint_holds_one_model(dist, small_data_dir, tmp_path, source, target):
+    check_reshard(dist, small_data_dir, tmp_path, resume_config(source), resume_config(target),
+                  f"{source} -> {target}")
+
+
+def test_loom_train_runs_a_bidirectional_pipeline(tmp_path):
+    result = loom("train", "--nproc", "2", "--parallel.pp=2",
+                  "--parallel.schedule=bidirectional_v", "--model.preset=debug",
+                  "--train.steps=2", "--train.global_batch_size=4", "--train.micro_batch_size=1",
+                  "--data.seq_len=32", "--data.max_bytes=100000", "--train.eval_every=2",
+                  "--optim.warmup_steps=1", "--metrics.tensorboard=false",
+                  "--metrics.plot=false", "--train.run_dir=runs/bidi", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "runs" / "bidi" / "model.safetensors").exists()
