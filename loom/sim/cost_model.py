@@ -64,6 +64,7 @@ from typing import Any
 
 from loom.models.llama import TransformerArgs
 from loom.sim.cost import OpCosts, StageCosts
+from loom.sim.cost_memory import layout_memory
 from loom.sim.layout import (PEAK_IN_FLIGHT, V_SHAPED, Layout, all_to_all_time,  # noqa: F401
                              allreduce_time, gather_time, p2p_time)
 
@@ -474,62 +475,9 @@ class CostModel:
 
     # ----- memory --------------------------------------------------------------------------
     def memory(self, lay: Layout) -> dict[str, float]:
-        """Bytes by component on the worst pipeline rank (checked first: most layouts of a large
-        model do not fit, and this is a fraction of ``evaluate``'s work)."""
-        counts, _, owned = self._geometry(lay.pp, lay.chunks, lay.schedule)
-        rank_params = self._rank_params(lay)
-        ends = list(rank_params)
-        from loom.train.memory import block_activation_bytes, head_activation_bytes, \
-            model_state_bytes
-
-        m = self.model
-        s_local, b = self.seq // lay.cp, lay.micro_batch
-        sp = lay.sequence_parallel and lay.tp > 1
-        width = m.expert_ffn_dim or m.ffn_dim
-        moe_f = width * (m.top_k + m.n_shared_experts) + (m.top_k - 1) * m.dim / 4
-
-        def block(f: float, recompute: str) -> float:
-            return block_activation_bytes(s=s_local, b=b, h=m.dim, f=f, a=m.n_heads,
-                                          kv=m.n_kv_heads, t=lay.tp, sequence_parallel=sp,
-                                          e=self.e, recompute=recompute)
-
-        dense_act, moe_act = block(m.ffn_dim, lay.recompute), block(moe_f, lay.recompute)
-        head = head_activation_bytes(s=s_local, b=b, h=m.dim, vocab=m.vocab_size // lay.tp,
-                                     e=self.e)
-        peak = PEAK_IN_FLIGHT.get(lay.schedule, lambda p, mm, v: 1)(lay.pp, lay.microbatches,
-                                                                   lay.chunks)
-        last = len(counts) - 1
-        worst: dict[str, float] | None = None
-        for r in ends:
-            own = owned[r]
-            per_mb = sum(counts[s][0] * dense_act + counts[s][1] * moe_act for s in own)
-            # in flight on rank r: the schedule's peak on rank 0 (and on every rank of a V, whose
-            # ranks are balanced), one fewer per rank further down a looped pipeline
-            in_flight = peak if (r == 0 or lay.schedule in V_SHAPED) else max(1.0, peak - r)
-            acts = per_mb * in_flight
-            if lay.recompute == "full":
-                acts += block(m.ffn_dim, "none")  # one block's full set while it is recomputed
-            if last in own:  # the head's logits live from its F to its backward: briefly
-                acts += head
-            # ZeRO-2/3 hold full-size gradients while microbatches accumulate (reduced after
-            # the last backward), counted with the peak activations: an upper bound of the
-            # estimator's peak over the step's instants
-            stage = lay.zero_stage if lay.dp_shard > 1 else 0
-            params, grads, optim = model_state_bytes(
-                rank_params[r], lay.dp_shard * lay.cp, stage,
-                accumulating=lay.microbatches > 1, grad_bytes=self.grad_bytes)
-            transient = 0.0
-            if stage == 3 and lay.pp > 1:  # stages held gathered across the step (to_overrides)
-                params += self.e * rank_params[r]
-            elif stage == 3:  # the gathered block in use and the prefetched one
-                transient = 2 * self.e * max(self._layer_params(True, lay),
-                                             self._layer_params(False, lay))
-            entry = {"parameters": params, "gradients": grads, "optimizer": optim,
-                     "activations": acts, "transient": transient}
-            if worst is None or sum(entry.values()) > sum(worst.values()):
-                worst = entry
-        assert worst is not None
-        return worst
+        """Bytes by component on the worst pipeline rank (``cost_memory.layout_memory``; checked
+        first: most layouts of a large model do not fit, and it is a fraction of ``evaluate``)."""
+        return layout_memory(self, lay)
 
 
 __all__ = ["Layout", "CostModel", "wrappers", "StepCost", "PEAK_IN_FLIGHT", "allreduce_time", "gather_time",

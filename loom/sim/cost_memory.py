@@ -1,0 +1,71 @@
+"""Per-rank memory of a layout, for the planner's cost model (``CostModel.memory``).
+
+The bytes are ``loom.train.memory``'s formulas, the ones the launch-time estimator uses:
+ZeRO model state (with full-size gradients while microbatches accumulate, and ZeRO-3 stages
+held gathered inside pipelines), per-block activations by tp / SP / cp / recomputation, the
+head's, and the schedule's peak microbatches in flight (``PEAK_IN_FLIGHT``). It communicates
+nothing. Split from ``cost_model.py`` to keep that module about time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loom.sim.layout import PEAK_IN_FLIGHT, V_SHAPED, Layout
+from loom.train.memory import block_activation_bytes, head_activation_bytes, model_state_bytes
+
+
+def layout_memory(model: Any, lay: Layout) -> dict[str, float]:
+    """Bytes by component on the worst pipeline rank of ``model`` (a ``CostModel``; checked first: most layouts of a large
+    model do not fit, and this is a fraction of ``evaluate``'s work)."""
+    counts, _, owned = model._geometry(lay.pp, lay.chunks, lay.schedule)
+    rank_params = model._rank_params(lay)
+    ends = list(rank_params)
+    m = model.model
+    s_local, b = model.seq // lay.cp, lay.micro_batch
+    sp = lay.sequence_parallel and lay.tp > 1
+    width = m.expert_ffn_dim or m.ffn_dim
+    moe_f = width * (m.top_k + m.n_shared_experts) + (m.top_k - 1) * m.dim / 4
+
+    def block(f: float, recompute: str) -> float:
+        return block_activation_bytes(s=s_local, b=b, h=m.dim, f=f, a=m.n_heads,
+                                      kv=m.n_kv_heads, t=lay.tp, sequence_parallel=sp,
+                                      e=model.e, recompute=recompute)
+
+    dense_act, moe_act = block(m.ffn_dim, lay.recompute), block(moe_f, lay.recompute)
+    head = head_activation_bytes(s=s_local, b=b, h=m.dim, vocab=m.vocab_size // lay.tp,
+                                 e=model.e)
+    peak = PEAK_IN_FLIGHT.get(lay.schedule, lambda p, mm, v: 1)(lay.pp, lay.microbatches,
+                                                               lay.chunks)
+    last = len(counts) - 1
+    worst: dict[str, float] | None = None
+    for r in ends:
+        own = owned[r]
+        per_mb = sum(counts[s][0] * dense_act + counts[s][1] * moe_act for s in own)
+        # in flight on rank r: the schedule's peak on rank 0 (and on every rank of a V, whose
+        # ranks are balanced), one fewer per rank further down a looped pipeline
+        in_flight = peak if (r == 0 or lay.schedule in V_SHAPED) else max(1.0, peak - r)
+        acts = per_mb * in_flight
+        if lay.recompute == "full":
+            acts += block(m.ffn_dim, "none")  # one block's full set while it is recomputed
+        if last in own:  # the head's logits live from its F to its backward: briefly
+            acts += head
+        # ZeRO-2/3 hold full-size gradients while microbatches accumulate (reduced after
+        # the last backward), counted with the peak activations: an upper bound of the
+        # estimator's peak over the step's instants
+        stage = lay.zero_stage if lay.dp_shard > 1 else 0
+        params, grads, optim = model_state_bytes(
+            rank_params[r], lay.dp_shard * lay.cp, stage,
+            accumulating=lay.microbatches > 1, grad_bytes=model.grad_bytes)
+        transient = 0.0
+        if stage == 3 and lay.pp > 1:  # stages held gathered across the step (to_overrides)
+            params += model.e * rank_params[r]
+        elif stage == 3:  # the gathered block in use and the prefetched one
+            transient = 2 * model.e * max(model._layer_params(True, lay),
+                                         model._layer_params(False, lay))
+        entry = {"parameters": params, "gradients": grads, "optimizer": optim,
+                 "activations": acts, "transient": transient}
+        if worst is None or sum(entry.values()) > sum(worst.values()):
+            worst = entry
+    assert worst is not None
+    return worst
