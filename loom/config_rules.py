@@ -147,10 +147,8 @@ def _validate_zero(config: Config) -> None:
     if par.dp_shard == 1:
         return
     # cp > 1 composes: ZeRO shards over dp_shard x cp (cp ranks hold the same weights).
-    if par.ep > 1:
-        raise ConfigError("parallel.ep", par.ep, "ep > 1 with dp_shard > 1 is not implemented yet"
-                          " (expert parameters need their own sharding group); use dp_replicate"
-                          " for data parallelism")
+    # ep > 1 composes: dense weights shard over dp_shard x ep, experts over dp_shard (MoE rules
+    # in _validate_zero_experts).
     if par.pp > 1:
         _validate_zero_pipeline(config)
 
@@ -227,8 +225,22 @@ def _validate_experts(config: Config) -> None:
                           " position depends on the order of all of a sequence's tokens, which"
                           " cp splits over ranks")
     if par.dp_shard > 1:
-        raise ConfigError("parallel.dp_shard", par.dp_shard, "MoE models with dp_shard > 1 are"
-                          " not supported yet: ZeRO sharding of expert shards is not wired yet")
+        _validate_zero_experts(config)
+
+
+def _validate_zero_experts(config: Config) -> None:
+    """ZeRO (dp_shard > 1) with an MoE model: with ep = 1 experts are ordinary parameters; with
+    ep > 1 dense weights shard over dp_shard x ep and experts over dp_shard (parity tests:
+    tests/dist/test_zero_expert.py, also with dp_replicate). Compositions without a parity
+    test yet are refused by name."""
+    par = config.parallel
+    for axis, why in (("pp", "ZeRO of expert weights inside pipeline stages"),
+                      ("cp", "ZeRO's dp_shard x cp shard group with MoE layers"),
+                      ("tp", "ZeRO of expert-TP shards")):
+        if getattr(par, axis) > 1:
+            raise ConfigError(f"parallel.{axis}", getattr(par, axis),
+                              f"an MoE model with dp_shard > 1 and {axis} > 1 is not tested yet"
+                              f" ({why}); use dp_replicate for data parallelism, or {axis} = 1")
 
 
 def _validate_context_parallel(config: Config) -> None:

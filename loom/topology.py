@@ -147,6 +147,11 @@ class Meshes:
     # (dp_replicate, dp_shard_cp) mesh when dp_replicate > 1. None otherwise.
     dp_shard_cp: Any = None
     shard_2d: Any = None
+    # ZeRO with expert parallelism (dp_shard > 1, ep > 1): dense parameters are replicated over
+    # ep too, so they shard over dp_shard x ep flattened; ``dense_2d`` is HSDP's
+    # (dp_replicate, dp_shard_ep) mesh when dp_replicate > 1. None otherwise.
+    dp_shard_ep: Any = None
+    dense_2d: Any = None
 
 
 def build_mesh(grid: RankGrid, device_type: str) -> Meshes:
@@ -166,5 +171,12 @@ def build_mesh(grid: RankGrid, device_type: str) -> Meshes:
             shard_2d = root[("dp_replicate", "dp_shard", "cp")]._flatten("dp_rep_shard_cp") \
                 ._unflatten(0, (grid.degree("dp_replicate"), dp_shard_cp.size()),
                             ("dp_replicate", "dp_shard_cp"))
+    dp_shard_ep = dense_2d = None
+    if grid.degree("ep") > 1 and grid.degree("dp_shard") > 1:
+        dp_shard_ep = root[("dp_shard", "ep")]._flatten("dp_shard_ep")
+        if grid.degree("dp_replicate") > 1:
+            dense_2d = root[("dp_replicate", "dp_shard", "ep")]._flatten("dp_rep_shard_ep") \
+                ._unflatten(0, (grid.degree("dp_replicate"), dp_shard_ep.size()),
+                            ("dp_replicate", "dp_shard_ep"))
     return Meshes(root=root, dp=dp, dp_cp=dp_cp, dp_no_ep=dp_no_ep, dp_shard_cp=dp_shard_cp,
-                  shard_2d=shard_2d)
+                  shard_2d=shard_2d, dp_shard_ep=dp_shard_ep, dense_2d=dense_2d)

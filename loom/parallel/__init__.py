@@ -16,6 +16,8 @@ on, because each later step must see the module the earlier ones produced:
    group is ``dp`` (dp_replicate x dp_shard x ep), or ``dp x cp`` when cp > 1, because cp ranks
    hold the same weights and average their gradients like replicas. With ``dp_shard > 1`` it is
    ZeRO instead: stage 3 through FSDP2 (``data.apply_fully_shard``), 1 and 2 ``zero.py``'s.
+   With ep > 1 ZeRO shards the dense weights over ``dp_shard x ep`` and each ep rank's experts
+   over ``dp_shard`` (``expert_zero_mesh``), dividing both by dp x ep.
 
 Pipeline parallelism is applied before all of these by splitting the model into stages
 (``loom.pipeline``); ``loom.pipeline.runtime.build_pipeline`` then calls ``parallelize`` on every
@@ -46,9 +48,23 @@ def zero_mesh(meshes: Meshes, parallel: Any) -> tuple[Any, str]:
     if parallel.cp > 1:
         mesh = meshes.shard_2d if parallel.dp_replicate > 1 else meshes.dp_shard_cp
         return mesh, "dp_shard_cp"
+    if parallel.ep > 1:  # dense weights are replicated over ep too: they shard over it
+        return (meshes.dense_2d if parallel.dp_replicate > 1 else meshes.dp_shard_ep), \
+            "dp_shard_ep"
     if parallel.dp_replicate > 1:
         return meshes.root[("dp_replicate", "dp_shard")], "dp_shard"
     return meshes.root["dp_shard"], "dp_shard"
+
+
+def expert_zero_mesh(meshes: Meshes, parallel: Any, ndim: int) -> Any:
+    """With ep > 1, the mesh ZeRO shards the expert weights over (None otherwise): ``dp_shard``,
+    the ranks holding the same experts (``ndim`` 2 under HSDP: ``(dp_replicate, dp_shard)``, as
+    FSDP2 wants; ZeRO-1/2 take the 1-D shard mesh and average over dp_replicate themselves)."""
+    if parallel.ep == 1:
+        return None
+    if ndim == 2 and parallel.dp_replicate > 1:
+        return meshes.root[("dp_replicate", "dp_shard")]
+    return meshes.root["dp_shard"]
 
 
 def parallelize(model: nn.Module, meshes: Meshes, parallel: Any, *, cp_groups: Any = None,
@@ -71,6 +87,10 @@ def parallelize(model: nn.Module, meshes: Meshes, parallel: Any, *, cp_groups: A
         from loom.parallel.context import apply_context_parallel
 
         model = apply_context_parallel(model, cp_groups, ledger)
+    if parallel.ep > 1:
+        from loom.parallel.expert import apply_expert_parallel
+
+        model = apply_expert_parallel(model, meshes.root["ep"].get_group(), ledger)
     if train is not None and train.recompute != "none":
         from loom.parallel.activation import apply_activation_checkpointing
 
@@ -86,7 +106,8 @@ def parallelize(model: nn.Module, meshes: Meshes, parallel: Any, *, cp_groups: A
         return apply_fully_shard(model, mesh, reshard_after_forward=parallel.reshard_after_forward,
                                  reshard_after_backward=after_backward, param_dtype=compute,
                                  reduce_dtype=reduce_dtype, offload_optimizer=offload_optimizer,
-                                 ledger=ledger, axis=axis)
+                                 ledger=ledger, axis=axis,
+                                 expert_mesh=expert_zero_mesh(meshes, parallel, 2))
     if parallel.dp_shard > 1:
         from loom.parallel.zero import apply_zero
 
@@ -95,13 +116,13 @@ def parallelize(model: nn.Module, meshes: Meshes, parallel: Any, *, cp_groups: A
         return apply_zero(model, parallel.zero_stage, shard_mesh, meshes.root["dp_replicate"],
                           axis=axis, reduce_dtype=reduce_dtype, offload=offload_optimizer,
                           ledger=ledger,
-                          tp_group=meshes.root["tp"].get_group() if parallel.tp > 1 else None)
+                          tp_group=meshes.root["tp"].get_group() if parallel.tp > 1 else None,
+                          expert_mesh=expert_zero_mesh(meshes, parallel, 1))
     dp_mesh, axis = (meshes.dp_cp, "dp_cp") if parallel.cp > 1 else (meshes.dp, "dp")
     if parallel.ep > 1:
         from loom.parallel.data import GradientReducer
-        from loom.parallel.expert import apply_expert_parallel, expert_parameter_names
+        from loom.parallel.expert import expert_parameter_names
 
-        model = apply_expert_parallel(model, meshes.root["ep"].get_group(), ledger)
         experts = expert_parameter_names(model)
         dense = [p for n, p in model.named_parameters() if n not in experts]
         model._loom_grad_reducer = GradientReducer(dense, dp_mesh.get_group(), dp_mesh.size(),

@@ -28,7 +28,9 @@ be averaged over ep, but summed over the ranks outside ep that hold the same exp
 both kinds: sum over the ranks holding the parameter, divide by dp x ep. Under context
 parallelism (cp ranks hold other tokens of the same sequences, and the same experts; the ep
 all-to-all runs among the ranks of one cp coordinate) cp joins both: expert gradients are summed
-over dp_replicate x dp_shard and cp, everything is divided by dp x ep x cp.
+over dp_replicate x dp_shard and cp, everything is divided by dp x ep x cp. Under ZeRO
+(dp_shard > 1) the sharded reduction applies the same rule itself (``zero.py``, and
+``data.apply_fully_shard``'s expert units), and ``reduce_gradients`` is not called.
 
 **Expert tensor parallelism: expert-TP = TP** (``apply_expert_tensor_parallel``, called by
 ``tensor.apply_tensor_parallel`` for every MoE block). Attention keeps its TP layout; the MoE layer

@@ -13,6 +13,19 @@ but the clipping norm's squares of tp-sharded buckets. Inside pipeline stages ev
 own instance, driven by the runtime (``sync`` off, ``flush`` after the stage's last backward
 piece), and ``of_stages`` gives one optimizer view over a rank's stages.
 
+Expert parallelism (ep > 1, ``expert_mesh``). Dense weights are replicated over ep as well as
+dp_shard, so their buckets shard over ``dp_shard x ep`` flattened (ledger axis ``dp_shard_ep``),
+TorchTitan's choice: 1/(d ep) of their moments per rank, and the same ring volume as sharding
+over dp_shard plus an all-reduce over ep would move, in one collective instead of two. This ep
+rank's expert weights are its own, replicated only over dp_shard: they go to separate buckets
+sharded over ``dp_shard`` (ledger axis ``dp_shard``). Divisor: every slice is divided by
+d x ep x dp_replicate (the data-parallel degree), the dense ones because d x ep x dp_replicate
+ranks contributed, the expert ones although only d x dp_replicate did, because each rank's
+expert gradient already sums the tokens of all ep ranks (the backward all-to-all), as
+``expert.reduce_gradients`` divides. Clipping stays one float: dense elements are partitioned
+over dp_shard x ep, expert elements over ep (experts) x dp_shard (slices), so one sum over the
+dp_shard x ep group counts every element once.
+
 Layout. Trainable parameters are packed into flat fp32 buckets (~25 MB, each holding one weight-
 decay group, in reverse parameter order: the order backward produces gradients), each padded to a
 multiple of d. Every parameter becomes a view into its bucket. Rank r owns slice r of every
@@ -23,7 +36,9 @@ Collectives (wire bytes per rank, P parameters, fp32; ``grad_reduce_dtype=bf16``
 reduce-scatter's):
 
 * backward, last microbatch: when a bucket's gradients are all ready, one reduce-scatter of the
-  bucket over ``dp_shard``: ``(d-1)/d * 4P`` per step; HSDP adds an all-reduce of the slice over
+  bucket over ``dp_shard``: ``(d-1)/d * 4P`` per step (with ep: ``(n-1)/n * 4P_dense`` over
+  ``dp_shard x ep``, n = d ep, plus ``(d-1)/d * 4P_experts`` over ``dp_shard``, P_experts being
+  this ep rank's expert elements; the same for the all-gather below); HSDP adds an all-reduce of the slice over
   ``dp_replicate``. Stage 1 keeps a persistent full-size gradient buffer (autograd accumulates
   into views of it: 4P at rest); stage 2 packs the gradients into a temporary buffer, frees them
   and keeps only its slice (4P/d at rest);
@@ -70,13 +85,26 @@ def _as_param_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
                               shape=param.shape, stride=param.stride())
 
 
+@dataclass(frozen=True)
+class ShardGroup:
+    """The ranks a bucket's slices are spread over: process group, size, this rank's index,
+    and its name in the ledger."""
+
+    group: Any
+    size: int
+    rank: int
+    axis: str
+
+
 @dataclass
 class _Bucket:
     params: list[nn.Parameter]
     names: list[str]
     decay: bool
     tp_sharded: bool  # its parameters are tp shards (their squares are summed over tp)
-    flat: torch.Tensor  # the parameters' storage, padded to a multiple of d
+    expert: bool  # expert-parallel shards: spread over the expert shard group
+    shards: ShardGroup  # the ranks that own its slices
+    flat: torch.Tensor  # the parameters' storage, padded to a multiple of shards.size
     shard: nn.Parameter  # this rank's slice (a view of ``flat``, or a host copy when offloading)
     grad_flat: torch.Tensor | None = None  # stage 1: persistent full-size gradient buffer
     grad_shard: torch.Tensor | None = None  # the reduced gradient slice (persistent)
@@ -92,9 +120,17 @@ class ZeroShardedOptimizer:
                  reduce_dtype: torch.dtype = torch.float32, offload: bool = False,
                  ledger: comm.CommLedger | None = None, bucket_bytes: int = BUCKET_BYTES,
                  decays: Callable[[nn.Parameter], bool] = lambda p: p.ndim >= 2,
-                 axis: str = "dp_shard", tp_group: Any = None) -> None:
+                 axis: str = "dp_shard", tp_group: Any = None,
+                 experts: set[str] = frozenset(), expert_shards: ShardGroup | None = None,
+                 ep_size: int = 1) -> None:
         self.stage, self.group, self.d, self.rank = stage, shard_group, shard_size, shard_rank
         self.axis = axis  # the ledger's name of the shard group
+        self.dense_shards = ShardGroup(shard_group, shard_size, shard_rank, axis)
+        # Expert parallelism: the expert weights (``experts``, by name) are this ep rank's own,
+        # replicated only over ``expert_shards`` (dp_shard); their gradients arrive summed over
+        # the ep ranks' tokens, so every gradient is divided by d x dp_replicate x ep in the end.
+        self.expert_shards = expert_shards or self.dense_shards
+        self.ep_size = ep_size
         self.pp_group: Any = None  # set on the merged view of a rank's stages (``of_stages``)
         self.tp_group = tp_group  # tensor parallelism: parameters are DTensors, buckets local
         self.replicate_group, self.replicate_size = replicate_group, replicate_size
@@ -102,30 +138,34 @@ class ZeroShardedOptimizer:
         self.sync = True
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.buckets: list[_Bucket] = []
-        for decay, sharded in ((True, True), (True, False), (False, True), (False, False)):
-            group = [(n, p) for n, p in reversed(named)
-                     if decays(p) == decay and _tp_sharded(p) == sharded]
+        kinds = [(decay, sharded, expert) for expert in (False, True)
+                 for decay in (True, False) for sharded in (True, False)]
+        for decay, sharded, expert in kinds:
+            group = [(n, p) for n, p in reversed(named) if decays(p) == decay
+                     and _tp_sharded(p) == sharded and (n in experts) == expert]
             current: list[tuple[str, nn.Parameter]] = []
             size = 0
             for name, param in group:
                 current.append((name, param))
                 size += _local(param).numel() * param.element_size()
                 if size >= bucket_bytes:
-                    self._add_bucket(current, decay, sharded)
+                    self._add_bucket(current, decay, sharded, expert)
                     current, size = [], 0
             if current:
-                self._add_bucket(current, decay, sharded)
+                self._add_bucket(current, decay, sharded, expert)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient_ready)
                        for b in self.buckets for p in b.params]
 
     def _add_bucket(self, named: list[tuple[str, nn.Parameter]], decay: bool,
-                    tp_sharded: bool) -> None:
+                    tp_sharded: bool, expert: bool) -> None:
         params = [p for _, p in named]
+        shards = self.expert_shards if expert else self.dense_shards
+        d, rank = shards.size, shards.rank
         locals_ = [_local(p) for p in params]  # under TP: each rank's shard of the DTensor
         numel = sum(t.numel() for t in locals_)
-        padded = -(-numel // self.d) * self.d
+        padded = -(-numel // d) * d
         flat = torch.zeros(padded, dtype=params[0].dtype, device=locals_[0].device)
         offset = 0
         for param, local in zip(params, locals_):  # each parameter becomes a view of the bucket
@@ -136,9 +176,10 @@ class ZeroShardedOptimizer:
             else:  # a DTensor: ``.data`` would not share storage; its local tensor does
                 param._local_tensor = view
             offset += local.numel()
-        piece = flat[self.rank * padded // self.d:(self.rank + 1) * padded // self.d]
+        piece = flat[rank * padded // d:(rank + 1) * padded // d]
         shard = nn.Parameter(piece.to("cpu", copy=True) if self.offload else piece)
-        bucket = _Bucket(params, [n for n, _ in named], decay, tp_sharded, flat, shard)
+        bucket = _Bucket(params, [n for n, _ in named], decay, tp_sharded, expert, shards, flat,
+                         shard)
         if self.stage == 1:  # autograd accumulates straight into views of one buffer
             bucket.grad_flat = torch.zeros_like(flat)
             offset = 0
@@ -146,9 +187,9 @@ class ZeroShardedOptimizer:
                 grad = bucket.grad_flat[offset:offset + local.numel()].view_as(local)
                 param.grad = _as_param_like(grad, param)
                 offset += local.numel()
-        piece = slice(self.rank * padded // self.d, (self.rank + 1) * padded // self.d)
+        piece = slice(rank * padded // d, (rank + 1) * padded // d)
         bucket.grad_shard = (bucket.grad_flat[piece] if bucket.grad_flat is not None  # no copy
-                             else torch.zeros(padded // self.d, dtype=flat.dtype,
+                             else torch.zeros(padded // d, dtype=flat.dtype,
                                               device=flat.device))
         self.buckets.append(bucket)
 
@@ -172,8 +213,10 @@ class ZeroShardedOptimizer:
             for param in bucket.params:
                 param.grad = None
         send = flat.to(self.reduce_dtype)
-        out = torch.empty(flat.numel() // self.d, dtype=self.reduce_dtype, device=flat.device)
-        work = comm.reduce_scatter_tensor(out, send, self.group, axis=self.axis,
+        shards = bucket.shards
+        out = torch.empty(flat.numel() // shards.size, dtype=self.reduce_dtype,
+                          device=flat.device)
+        work = comm.reduce_scatter_tensor(out, send, shards.group, axis=shards.axis,
                                           ledger=self.ledger, async_op=True)
         bucket.pending.append((work, out))
         bucket.ready = 0
@@ -196,6 +239,9 @@ class ZeroShardedOptimizer:
                 if self.replicate_size > 1:
                     comm.all_reduce(out, self.replicate_group, axis="dp_replicate",
                                     ledger=self.ledger)
+                # d is the dense group's size (dp_shard, or dp_shard x ep): one divisor for
+                # both kinds, since an expert's slice is summed over dp_shard only but each
+                # rank's expert gradient already sums the tokens of all ep ranks
                 bucket.grad_shard.copy_(out).div_(self.d * self.replicate_size)
             bucket.pending.clear()
             bucket.shard.grad = bucket.grad_shard.to(bucket.shard.device)
@@ -231,8 +277,8 @@ class ZeroShardedOptimizer:
         stays readable until the next step.)"""
         for bucket in self.buckets:
             mine = bucket.shard.detach().to(bucket.flat.device).clone()
-            comm.all_gather_into_tensor(bucket.flat, mine, self.group, axis=self.axis,
-                                        ledger=self.ledger)
+            comm.all_gather_into_tensor(bucket.flat, mine, bucket.shards.group,
+                                        axis=bucket.shards.axis, ledger=self.ledger)
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
@@ -265,7 +311,7 @@ class ZeroShardedOptimizer:
         for bucket in self.buckets:
             full = torch.empty_like(bucket.flat)
             comm.all_gather_into_tensor(full, bucket.shard.grad.to(full.device).contiguous(),
-                                        self.group, axis=self.axis)
+                                        bucket.shards.group, axis=bucket.shards.axis)
             offset = 0
             for name, param in zip(bucket.names, bucket.params):
                 local = _local(param)
@@ -278,14 +324,25 @@ class ZeroShardedOptimizer:
 def apply_zero(model: nn.Module, stage: int, shard_mesh: Any, replicate_mesh: Any, *,
                axis: str = "dp_shard", reduce_dtype: torch.dtype = torch.float32,
                offload: bool = False, ledger: comm.CommLedger | None = None,
-               tp_group: Any = None) -> nn.Module:
-    """Attach ZeRO-1/2 over ``shard_mesh`` (``dp_shard``, or ``dp_shard x cp`` flattened) and
-    ``replicate_mesh`` (``dp_replicate``); ``tp_group``: the model's tensor-parallel group
-    (its DTensor parameters are bucketed by local shard); ``zero_of(model)`` finds it."""
+               tp_group: Any = None, expert_mesh: Any = None) -> nn.Module:
+    """Attach ZeRO-1/2 over ``shard_mesh`` (``dp_shard``, ``dp_shard x cp`` or, under expert
+    parallelism, ``dp_shard x ep`` flattened) and ``replicate_mesh`` (``dp_replicate``);
+    ``tp_group``: the model's tensor-parallel group (its DTensor parameters are bucketed by
+    local shard); ``expert_mesh``: with ep > 1, the 1-D ``dp_shard`` mesh the expert weights
+    (already cut to this ep rank's experts) shard over. ``zero_of(model)`` finds it."""
+    experts, expert_shards, ep_size = frozenset(), None, 1
+    if expert_mesh is not None:
+        from loom.parallel.expert import expert_parallel_of, expert_parameter_names
+
+        experts = frozenset(expert_parameter_names(model))
+        expert_shards = ShardGroup(expert_mesh.get_group(), expert_mesh.size(),
+                                   expert_mesh.get_local_rank(), "dp_shard")
+        ep_size = expert_parallel_of(model).size
     model._loom_grad_reducer = ZeroShardedOptimizer(
         model, stage, shard_mesh.get_group(), shard_mesh.size(), shard_mesh.get_local_rank(),
         replicate_group=replicate_mesh.get_group(), replicate_size=replicate_mesh.size(),
-        reduce_dtype=reduce_dtype, offload=offload, ledger=ledger, axis=axis, tp_group=tp_group)
+        reduce_dtype=reduce_dtype, offload=offload, ledger=ledger, axis=axis, tp_group=tp_group,
+        experts=experts, expert_shards=expert_shards, ep_size=ep_size)
     return model
 
 

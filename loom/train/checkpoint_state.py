@@ -173,22 +173,29 @@ def _adamw_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[
     return state
 
 
-def _zero_optimizer_state(zero: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The flattened optimizer state of ZeRO-1/2 under per-parameter names and full shapes."""
+def _zero_optimizer_state(zero: Any, optimizer: torch.optim.Optimizer,
+                          ep: Any = None) -> dict[str, Any]:
+    """The flattened optimizer state of ZeRO-1/2 under per-parameter names and full shapes
+    (``ep``: an expert bucket's boxes sit in this ep rank's slice of the ``[E, ...]`` tensor)."""
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     out: dict[str, Any] = {}
     local: dict[str, Any] = {}
     for bucket in zero.buckets:
         state = _adamw_state(optimizer, bucket.shard)
         hyper = {k: v for k, v in group_of[id(bucket.shard)].items() if k != "params"}
-        per_rank = bucket.flat.numel() // zero.d
-        lo, hi = zero.rank * per_rank, (zero.rank + 1) * per_rank
+        per_rank = bucket.flat.numel() // bucket.shards.size
+        lo, hi = bucket.shards.rank * per_rank, (bucket.shards.rank + 1) * per_rank
         offset = 0
         for name, param in zip(bucket.names, bucket.params):
             part = getattr(param, "_local_tensor", param)  # under TP: the rank's tp shard
             begin, end = max(offset, lo), min(offset + part.numel(), hi)
             boxes = _in_global(flat_range_boxes(tuple(part.shape), begin - offset, end - offset),
                                param)
+            shape = tuple(param.shape)
+            if bucket.expert and ep is not None:  # this ep rank's experts: rows of [E, ...]
+                rows = shape[0]
+                boxes = [((off[0] + ep.rank * rows, *off[1:]), size) for off, size in boxes]
+                shape = (rows * ep.size, *shape[1:])
             for key, value in state.items():
                 if torch.is_tensor(value) and value.shape == bucket.shard.shape:  # moments
                     views, at = [], begin - lo
@@ -196,7 +203,7 @@ def _zero_optimizer_state(zero: Any, optimizer: torch.optim.Optimizer) -> dict[s
                         n = math.prod(box[1])
                         views.append((box, value[at:at + n].view(box[1])))
                         at += n
-                    local[f"state.{name}.{key}"] = (tuple(param.shape), views)
+                    local[f"state.{name}.{key}"] = (shape, views)
                 else:  # the step count; a copy per name, so a load can check they agree
                     out[f"state.{name}.{key}"] = value.detach().clone()
             out.update({f"param_groups.{name}.{k}": v for k, v in hyper.items()})
@@ -236,8 +243,8 @@ def _load_zero_optimizer_state(zero: Any, optimizer: torch.optim.Optimizer,
             group[k] = values[0]
         if bucket.shard.untyped_storage().data_ptr() != bucket.flat.untyped_storage().data_ptr():
             # optimizer offload: the slice is a host copy of the (just loaded) weights
-            per_rank = bucket.flat.numel() // zero.d
-            bucket.shard.data.copy_(bucket.flat[zero.rank * per_rank:(zero.rank + 1) * per_rank])
+            per_rank, rank = bucket.flat.numel() // bucket.shards.size, bucket.shards.rank
+            bucket.shard.data.copy_(bucket.flat[rank * per_rank:(rank + 1) * per_rank])
 
 
 def _require_one(values: set, key: str, names: list[str]) -> None:
@@ -303,11 +310,13 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
     from loom.parallel.zero import zero_of
 
     zero = zero_of(model)
-    if zero is not None:  # its optimizer steps flat slices, which get_state_dict cannot name
-        return {"model": get_model_state_dict(model, options=_options()),
-                "optim": _zero_optimizer_state(zero, optimizer)}
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
     ep = expert_parallel_of(model)
+    if zero is not None:  # its optimizer steps flat slices, which get_state_dict cannot name
+        model_sd = get_model_state_dict(model, options=_options())
+        if ep is not None:  # the expert weights as slices (their moments: the boxes above)
+            _experts_as_slices(model, ep, model_sd, {})
+        return {"model": model_sd, "optim": _zero_optimizer_state(zero, optimizer, ep)}
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
     if ep is not None:
         _experts_as_slices(model, ep, model_sd, optim_sd)
     return {"model": model_sd, "optim": optim_sd}
@@ -329,7 +338,7 @@ def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
 
     zero = zero_of(model)
     if zero is not None:
-        set_model_state_dict(model, tensors["model"], options=_options())
+        set_model_state_dict(model, _locals(tensors["model"]), options=_options())
         _load_zero_optimizer_state(zero, optimizer, tensors["optim"])
         return
     set_state_dict(model, optimizer, model_state_dict=_locals(tensors["model"]),

@@ -34,7 +34,7 @@ def named_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
         return _gather_over_pp(trainer, _gather_experts(trainer, grads))
 
     if zero_of(trainer.model) is not None:  # ZeRO-1/2: the reduced slices, all-gathered
-        return zero_of(trainer.model).full_named_gradients()
+        return _gather_experts(trainer, zero_of(trainer.model).full_named_gradients())
     # full tensors under TP (collective)
     return _gather_experts(trainer, full_named_gradients(unwrap(trainer.model)))
 

@@ -136,8 +136,15 @@ def clip_gradients(model: nn.Module, max_norm: float, *, tp=None, ep=None,
     if zero is not None:
         return zero.clip_grad_norm(max_norm)
     if is_fully_sharded(model):
+        experts = None
+        if ep is not None:  # expert units are sharded over dp_shard; the experts differ over ep
+            from loom.parallel.expert import expert_parameter_names
+
+            names = expert_parameter_names(model)
+            experts = ({id(p) for n, p in model.named_parameters() if n in names}, ep.group)
         return clip_grad_norm_dtensor(model.parameters(), max_norm,
-                                      [pp_group] if pp_group is not None else [])
+                                      [pp_group] if pp_group is not None else [],
+                                      experts=experts)
     if ep is not None:
         from loom.parallel.expert import clip_grad_norm as ep_clip_grad_norm
 
@@ -152,7 +159,8 @@ def clip_gradients(model: nn.Module, max_norm: float, *, tp=None, ep=None,
 
 @torch.no_grad()
 def clip_grad_norm_dtensor(parameters: Iterable[nn.Parameter], max_norm: float,
-                           model_parallel_groups: Sequence[dist.ProcessGroup] = ()
+                           model_parallel_groups: Sequence[dist.ProcessGroup] = (),
+                           experts: tuple[set[int], dist.ProcessGroup] | None = None
                            ) -> torch.Tensor:
     """Global-norm clipping when gradients are DTensors on any mesh (FSDP2, FSDP2 x TP, HSDP).
 
@@ -161,26 +169,33 @@ def clip_grad_norm_dtensor(parameters: Iterable[nn.Parameter], max_norm: float,
     every element is counted once and replicated dims are not summed (explicit, rather than
     DTensor's norm, so the collectives are a fixed, short list: one per mesh dim per bucket).
     ``model_parallel_groups`` (a pipeline's ``pp``): the total is summed over them too.
+    ``experts`` (expert parallelism): the ids of the expert weights and the ep group; their
+    squares, after their mesh dims, are summed over ep as well (each ep rank's experts are its
+    own, a dimension their DTensor mesh does not show).
     """
     from torch.distributed.tensor import DTensor
 
-    grads = [p.grad for p in parameters if p.grad is not None]
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
     if not grads:
         return torch.zeros(())
     local = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
+    expert_ids, ep_group = experts if experts is not None else (set(), None)
     buckets: dict[tuple, tuple[object, torch.Tensor]] = {}
-    for grad, part in zip(grads, local):
+    for param, grad, part in zip(params, grads, local):
         mesh = grad.device_mesh if isinstance(grad, DTensor) else None
         # _StridedShard (FSDP2 over TP's Shard(0)) is not ``is_shard()`` in torch 2.13
         dims = tuple(i for i, p in enumerate(grad.placements)
                      if not (p.is_replicate() or p.is_partial())) if mesh else ()
-        key = (id(mesh), dims)
+        key = (id(mesh), dims, id(param) in expert_ids)
         square = part.float().pow(2).sum()
         buckets[key] = (mesh, buckets[key][1] + square if key in buckets else square)
     total = torch.zeros((), dtype=torch.float32, device=local[0].device)
-    for (_, dims), (mesh, squares) in buckets.items():
+    for (_, dims, expert), (mesh, squares) in buckets.items():
         for dim in dims:
             dist.all_reduce(squares, group=mesh.get_group(dim))
+        if expert:
+            dist.all_reduce(squares, group=ep_group)
         total = total + squares
     for group in model_parallel_groups:  # every rank holds other stages' gradients
         dist.all_reduce(total, group=group)

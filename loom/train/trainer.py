@@ -254,8 +254,9 @@ class Trainer:
 
     def _reduce_expert_gradients(self) -> None:
         """Expert shards: summed over dp outside ep and cp, divided by dp x ep x cp (the dense
-        parameters were averaged by the data-parallel reducer)."""
-        if self.ep is None:
+        parameters were averaged by the data-parallel reducer). Under ZeRO (dp_shard > 1) the
+        sharded reduction already gave both kinds their divisor."""
+        if self.ep is None or self.config.parallel.dp_shard > 1:
             return
         from loom.parallel.expert import reduce_gradients
 
