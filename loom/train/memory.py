@@ -26,20 +26,29 @@ differs. ZeRO-3 adds the gathered (unsharded) parameters of the block in use and
 one (compute dtype) as ``transient``.
 
 That is the state at rest. The peak is taken over the instants of a rank's step (during and right
-after each action of its pipeline schedule; without a pipeline, F then B per microbatch), each
-instant adding what Loom's code holds then (``notes`` says which, with the bytes):
+after each action of its pipeline schedule; without a pipeline, F then B per microbatch; then the
+optimizer step), each instant adding what Loom's code holds then (``notes`` says which, with the
+bytes; ``memory_instants`` lists them all). Measured against the allocator's peak within 6%
+(docs/benchmarks.md "ZeRO memory"):
 
 * gradients full-size while microbatches accumulate (all but the last microbatch run with the
   reducer's ``sync`` off; a pipeline stage's every backward piece does, until the runtime
   flushes it after its last one): ZeRO-2 holds autograd's full ``p.grad`` (4Ψ_stage) beside its
   persistent slice from the stage's first B/W to its flush; ZeRO-3 (FSDP2, sync off) holds each
   unit's unsharded gradient instead of the shard, which only exists after the reduce-scatter
-  (fp32, or the compute dtype when the reduction is bf16 too); ZeRO-1 and plain data
-  parallelism hold full gradients anyway;
+  (fp32, or the compute dtype when the reduction is bf16 too), and a unit's fresh gradient
+  beside it until added (one block, ``transient``); ZeRO-1 and plain data parallelism hold
+  full gradients anyway;
 * ZeRO-3 with ``reshard_after_forward = false``: under a pipeline a stage stays gathered from its
   first F to its flush (required by schedules that split B into I and W, config_rules), without
   one every block from its forward to its backward; either way ``compute x Ψ_stage`` of whole
-  parameters on top of the shards, counted in ``parameters`` (and no per-block ``transient``).
+  parameters on top of the shards, counted in ``parameters`` (and no per-block ``transient``);
+* ZeRO-2's reduction, after a stage's last backward piece: every bucket's gradients packed into
+  a flat buffer kept for its asynchronous reduce-scatter until the step's finish (4Ψ_stage, so
+  ZeRO-2 saves gradient memory at rest, not at this instant), plus the cat and padded copies of
+  the bucket being launched and the slices' outputs (``transient``);
+* the optimizer step: no activations, and AdamW's two temporaries (the square root of the second
+  moment, then its quotient) the size of the state it steps: ``2 x 4Ψ/d`` (``transient``).
 
 Activations per layer and microbatch (docs/benchmarks.md "Activation memory per layer": Korthikanti
 et al. 2022 Table 2 adjusted to Loom's block and measured to the byte; x = s·b·h, e = bytes per
@@ -58,6 +67,7 @@ element, f = FFN width, a = query heads, k = key/value heads; s is the cp shard)
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from loom.config import Config
@@ -261,10 +271,28 @@ def _held(config: Config, stage: int) -> bool:
     return stage == 3 and not config.parallel.reshard_after_forward
 
 
-def estimate_memory(config: Config) -> MemoryEstimate:
-    """The worst pipeline rank's bytes for a resolved config (see the module docstring): the
-    largest total over the instants of the rank's step (during and after each action), with the
-    components as they are at that instant."""
+def _per_microbatch_activations(config: Config, line: _Timeline) -> float:
+    """Saved bytes of one rank's microbatch over its layers and ends (recomputation applied)."""
+    tr = config.train
+    if tr.recompute == "full":
+        recomputed = set(line.layers)
+    elif tr.recompute == "every_k":
+        recomputed = {i for i in line.layers if i % tr.recompute_every == 0}
+    else:
+        recomputed = set()
+    per_micro = sum(layer_activation_bytes(config, layer_recomputed=i in recomputed)
+                    for i in line.layers)
+    if recomputed:  # one block's full set lives again while it is recomputed
+        per_micro += layer_activation_bytes(config)
+    if line.head:
+        per_micro += _head_activation_bytes(config)
+    if tr.offload_activations and not tr.device.startswith("cpu"):
+        per_micro = 0.0
+    return per_micro
+
+
+def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[MemoryEstimate]:
+    """The bytes of one pipeline rank at every instant of its step that can be its peak."""
     par, tr, m = config.parallel, config.train, config.model
     d = par.dp_shard * par.cp  # ZeRO shards over dp_shard x cp (cp ranks hold the same weights)
     stage = par.zero_stage if par.dp_shard > 1 else 0
@@ -272,61 +300,80 @@ def estimate_memory(config: Config) -> MemoryEstimate:
     # FSDP2 accumulates in reduce_dtype when it differs from the compute dtype, else in that
     grad_bytes = 2 if stage == 3 and tr.dtype == "bf16" and tr.grad_reduce_dtype == "bf16" else 4
     held, accumulates = _held(config, stage), stage in (2, 3)  # (ZeRO-1: full-size anyway)
-    best: MemoryEstimate | None = None
-    for rank, line in enumerate(_timelines(config)):
-        layers, embedding, head = line.layers, line.embedding, line.head
-        psi = _parameter_count(config, layers, embedding, head)
-        params, grads, optim = model_state_bytes(psi, d, stage)
-        if tr.offload_optimizer and stage and not tr.device.startswith("cpu"):
-            optim = 0.0  # on the host (a CPU device has nothing to offload to)
-        transient = 0.0
-        if stage == 3 and layers and not held:  # gathered block in use + the prefetched one
-            from loom.models.presets import layer_parameter_count
+    psi = _parameter_count(config, line.layers, line.embedding, line.head)
+    params, grads, optim = model_state_bytes(psi, d, stage)
+    offloaded = tr.offload_optimizer and stage and not tr.device.startswith("cpu")
+    if offloaded:
+        optim = 0.0  # on the host (a CPU device has nothing to offload to)
+    block = 0.0
+    if line.layers:
+        from loom.models.presets import layer_parameter_count
 
-            block = max(layer_parameter_count(m, i) for i in layers) / par.tp
-            transient = 2 * compute * block
-        if tr.recompute == "full":
-            recomputed = set(layers)
-        elif tr.recompute == "every_k":
-            recomputed = {i for i in layers if i % tr.recompute_every == 0}
-        else:
-            recomputed = set()
-        per_micro = sum(layer_activation_bytes(config, layer_recomputed=i in recomputed)
-                        for i in layers)
-        if recomputed:  # one block's full set lives again while it is recomputed
-            per_micro += layer_activation_bytes(config)
-        if head:
-            per_micro += _head_activation_bytes(config)
-        if tr.offload_activations and not tr.device.startswith("cpu"):
-            per_micro = 0.0
-        for index in range(len(line.during)):
-            for level, ended in ((line.during[index], False), (line.after[index], True)):
-                # a stage's parameters are whole from its first F to its flush; its full-size
-                # gradients from its first weight-gradient piece to the flush
-                gathered = sum(compute * st.psi for st in line.stages if held and
-                               st.first_f <= index and (index < st.last or not ended and
-                                                        index == st.last))
-                full = [st for st in line.stages if accumulates and
-                        (st.first_w < index <= st.last if not ended
-                         else st.first_w <= index < st.last)]
-                g = grads + sum(model_state_bytes(st.psi, d, stage, accumulating=True,
-                                                  grad_bytes=grad_bytes)[1]
-                                - model_state_bytes(st.psi, d, stage)[1] for st in full)
-                notes = []
-                if gathered:
-                    notes.append(f"ZeRO-3 units held gathered (reshard_after_forward = false):"
-                                 f" {gathered:,.0f} B of whole parameters in 'parameters'")
-                if full:
-                    notes.append(f"gradients full-size while microbatches accumulate (ZeRO-"
-                                 f"{stage}, reduce-scattered after the last backward):"
-                                 f" {sum(grad_bytes * st.psi for st in full):,.0f} B in"
-                                 f" 'gradients'")
-                estimate = MemoryEstimate(params + gathered, g, optim, per_micro * level,
-                                          transient, rank, tuple(notes))
-                if best is None or estimate.total > best.total:
-                    best = estimate
-    assert best is not None
-    return best
+        block = max(layer_parameter_count(m, i) for i in line.layers) / par.tp
+    # ZeRO-3: the gathered block in use + the prefetched one (none extra when units are held)
+    gathering = 2 * compute * block if stage == 3 and not held else 0.0
+    per_micro = _per_microbatch_activations(config, line)
+    for index in range(len(line.during)):
+        for level, ended in ((line.during[index], False), (line.after[index], True)):
+            # a stage's parameters are whole from its first F to its flush; its full-size
+            # gradients from its first weight-gradient piece to the flush
+            gathered = sum(compute * st.psi for st in line.stages if held and
+                           st.first_f <= index and (index < st.last or not ended and
+                                                    index == st.last))
+            full = [st for st in line.stages if accumulates and
+                    (st.first_w < index <= st.last if not ended
+                     else st.first_w <= index < st.last)]
+            g = grads + sum(model_state_bytes(st.psi, d, stage, accumulating=True,
+                                              grad_bytes=grad_bytes)[1]
+                            - model_state_bytes(st.psi, d, stage)[1] for st in full)
+            # FSDP2 computes a unit's fresh gradient beside its accumulated one, then adds it
+            fresh = grad_bytes * block if stage == 3 and full else 0.0
+            notes = []
+            if gathered:
+                notes.append(f"ZeRO-3 units held gathered (reshard_after_forward = false):"
+                             f" {gathered:,.0f} B of whole parameters in 'parameters'")
+            if full:
+                notes.append(f"gradients full-size while microbatches accumulate (ZeRO-"
+                             f"{stage}, reduce-scattered after the last backward):"
+                             f" {sum(grad_bytes * st.psi for st in full):,.0f} B in"
+                             f" 'gradients'")
+            yield MemoryEstimate(params + gathered, g, optim, per_micro * level,
+                                 gathering + fresh, rank, tuple(notes))
+            if stage == 2 and ended and any(st.last == index for st in line.stages):
+                # ZeRO-2's reduction after a stage's last backward piece: every bucket's
+                # gradients packed (cat, then padded: two copies of the bucket being launched)
+                # and kept for its asynchronous reduce-scatter until the step's finish, beside
+                # the reduced slices' outputs
+                from loom.parallel.data import BUCKET_BYTES
+
+                flushed = sum(st.psi for st in line.stages if st.last == index)
+                bucket = min(flushed, BUCKET_BYTES / 4)
+                packing = 2 * 4 * bucket + 4 * flushed / d
+                yield MemoryEstimate(
+                    params + gathered, g + 4 * flushed, optim, per_micro * level, packing,
+                    rank, (*notes, f"ZeRO-2 reduction: {4 * flushed:,.0f} B of packed full-size"
+                                   f" gradients in 'gradients', two copies of the largest bucket"
+                                   f" and the slices' outputs in 'transient'"))
+    # the optimizer step: no activations; torch's foreach AdamW allocates two temporaries the
+    # size of the state it steps (sqrt of the second moment, then its quotient)
+    stepped = 0.0 if offloaded else 4 * psi / (d if stage else 1)
+    yield MemoryEstimate(params, grads, optim, 0.0, 2 * stepped, rank,
+                         ("optimizer step: AdamW's two temporaries in 'transient'",))
+
+
+def estimate_memory(config: Config) -> MemoryEstimate:
+    """The worst pipeline rank's bytes for a resolved config (see the module docstring): the
+    largest total over the instants of the rank's step (during and after each action, ZeRO-2's
+    reduction, the optimizer step), with the components as they are at that instant."""
+    return max(memory_instants(config), key=lambda estimate: estimate.total)
+
+
+def memory_instants(config: Config) -> list[MemoryEstimate]:
+    """Every instant ``estimate_memory`` weighs, rank by rank in step order: during and right
+    after each action (ZeRO-2's reduction after a stage's last backward piece), then the
+    optimizer step."""
+    return [estimate for rank, line in enumerate(_timelines(config))
+            for estimate in _rank_instants(config, rank, line)]
 
 
 def device_limit_bytes(config: Config) -> float:
@@ -360,6 +407,6 @@ def check_memory_limit(config: Config) -> str | None:
             f" Shard more (parallel.dp_shard, zero_stage), recompute (train.recompute) or pass"
             f" --train.ignore_memory_limit=true")
 
-__all__ = ["MemoryEstimate", "estimate_memory", "layer_activation_bytes", "check_memory_limit",
-           "block_activation_bytes", "head_activation_bytes", "model_state_bytes",
-           "device_limit_bytes", "GiB"]
+__all__ = ["MemoryEstimate", "estimate_memory", "memory_instants", "layer_activation_bytes",
+           "check_memory_limit", "block_activation_bytes", "head_activation_bytes",
+           "model_state_bytes", "device_limit_bytes", "GiB"]

@@ -6,7 +6,8 @@ import pytest
 
 from loom.cli import main
 from loom.config import load_config, resolve
-from loom.train.memory import check_memory_limit, estimate_memory, layer_activation_bytes
+from loom.train.memory import (check_memory_limit, estimate_memory, layer_activation_bytes,
+                               memory_instants)
 
 # debug preset, byte tokenizer (vocab 257 -> 320): one layer = wq 4096 + wk 2048 + wv 2048 +
 # wo 4096 + norms 128 + SwiGLU 3*64*128 = 36,992; 4 layers + embedding 20,480 + head 20,480 +
@@ -20,6 +21,14 @@ def config(world: int, **overrides):
     return resolve(load_config(None, {**SMALL, **overrides}), world)
 
 
+def forward_peak(cfg, rank: int = 0):
+    """The instant of ``rank``'s most saved activations (the largest total among ties): the
+    peak of a model whose activations outweigh its state (the debug model's do not)."""
+    mine = [e for e in memory_instants(cfg) if e.rank == rank]
+    most = max(e.activations for e in mine)
+    return max((e for e in mine if e.activations == most), key=lambda e: e.total)
+
+
 @pytest.mark.parametrize("stage, params, grads, optim", [
     (0, 4 * PSI, 4 * PSI, 8 * PSI),
     (1, 4 * PSI, 4 * PSI, 8 * PSI / 4),
@@ -28,7 +37,7 @@ def config(world: int, **overrides):
 ])
 def test_model_state_per_zero_stage(stage, params, grads, optim):
     over = {"parallel.dp_shard": "4", "parallel.zero_stage": str(stage)} if stage else {}
-    est = estimate_memory(config(4, **over))
+    est = forward_peak(config(4, **over))  # one microbatch: the state at rest
     assert (est.parameters, est.gradients, est.optimizer) == (params, grads, optim)
     assert est.model_state == params + grads + optim
 
@@ -39,15 +48,16 @@ def test_zero_shards_over_dp_shard_times_cp(stage):
     dp_shard 4's model state (measured to the byte: docs/benchmarks.md, ZeRO compositions)."""
     over = {"parallel.zero_stage": str(stage)}
     # one microbatch in both (dp 2: global batch 4), so no gradients accumulate full-size
-    with_cp = estimate_memory(config(4, **over, **{"parallel.dp_shard": "2", "parallel.cp": "2",
-                                                   "parallel.cp_mode": "ring",
-                                                   "train.global_batch_size": "4"}))
-    assert with_cp.model_state == estimate_memory(config(4, **over, **{
-        "parallel.dp_shard": "4"})).model_state
+    with_cp = config(4, **over, **{"parallel.dp_shard": "2", "parallel.cp": "2",
+                                   "parallel.cp_mode": "ring", "train.global_batch_size": "4"})
+    shard4 = config(4, **over, **{"parallel.dp_shard": "4"})
+    assert forward_peak(with_cp).model_state == forward_peak(shard4).model_state
+    assert memory_instants(with_cp)[-1] == memory_instants(shard4)[-1]  # the optimizer step
 
 
 def test_zero3_transient_is_two_gathered_blocks():
-    assert estimate_memory(config(2, **{"parallel.dp_shard": "2"})).transient == 2 * 4 * 36_992
+    one = config(2, **{"parallel.dp_shard": "2", "train.global_batch_size": "4"})  # 1 microbatch
+    assert forward_peak(one).transient == 2 * 4 * 36_992
 
 
 def test_layer_activations_match_the_measured_formula():
@@ -61,7 +71,7 @@ def test_layer_activations_match_the_measured_formula():
 
 
 def test_recomputation_shrinks_activations_in_order():
-    acts = {p: estimate_memory(config(1, **{"train.recompute": p})).activations
+    acts = {p: forward_peak(config(1, **{"train.recompute": p})).activations
             for p in ("none", "selective", "every_k", "full")}
     assert acts["none"] > acts["selective"] > acts["every_k"] > acts["full"]
 
@@ -102,40 +112,65 @@ LAYER_ACT = 4096 * 4 * 18 + 4 * 64 * 6  # one debug block, s=32, b=2, fp32: 296,
 HEAD_ACT = 2 * 64 * 64 * 4 + 4 * 64 + 2 * 4 * 64 * 320  # norm in/out, rstd, log-softmax, logits
 BLOCK = 36_992
 RANK0 = 2 * BLOCK + 20_480  # pp2, 1F1B: two blocks and the embedding (94,464)
+NORMS = 9 * 64  # the no-decay parameters (a bucket of their own)
 
 
 def accumulating(stage: int, **over):
     """dp_shard 4 and 4 microbatches of 2 (global batch 32)."""
-    return estimate_memory(config(4, **{"parallel.dp_shard": "4", "parallel.zero_stage": str(stage),
-                                        "train.global_batch_size": "32", **over}))
+    return config(4, **{"parallel.dp_shard": "4", "parallel.zero_stage": str(stage),
+                        "train.global_batch_size": "32", **over})
 
 
 def test_zero2_accumulation_holds_full_gradients_and_the_persistent_slice():
     """Hooks off for the first 3 microbatches: autograd accumulates full-size p.grad (4 Psi)
     beside the bucket's persistent reduced slice (4 Psi / 4) at the last microbatch's forward."""
-    est = accumulating(2)
+    est = forward_peak(accumulating(2))
     assert (est.parameters, est.gradients, est.optimizer, est.transient) == \
         (4 * PSI, 4 * PSI + PSI, 2 * PSI, 0)
     assert est.activations == 4 * LAYER_ACT + HEAD_ACT  # one microbatch in flight
     assert any("full-size" in note for note in est.notes)
-    assert accumulating(2, **{"train.global_batch_size": "8"}).gradients == PSI  # m = 1
+    assert forward_peak(accumulating(2, **{"train.global_batch_size": "8"})).gradients == PSI
+
+
+@pytest.mark.parametrize("batch", ["8", "32"])  # 1 and 4 microbatches
+def test_zero2_reduction_packs_every_gradient(batch):
+    """After the last backward the buckets' gradients are packed (cat, then pad: two copies of
+    the largest bucket, the decay one) and kept until finish, beside the slices' outputs."""
+    reduction = [e for e in memory_instants(accumulating(2, **{"train.global_batch_size": batch}))
+                 if any("ZeRO-2 reduction" in n for n in e.notes)]
+    assert len(reduction) == 1
+    est = reduction[0]
+    assert (est.parameters, est.gradients, est.optimizer, est.activations) == \
+        (4 * PSI, PSI + 4 * PSI, 2 * PSI, 0)
+    assert est.transient == 2 * 4 * PSI + PSI  # (the whole model fits one 25 MB bucket)
+    assert estimate_memory(accumulating(2)) == est  # the debug model's peak
+
+
+def test_optimizer_step_adds_two_temporaries_of_the_stepped_state():
+    """No activations; AdamW's sqrt and quotient of the state it steps (this rank's slice)."""
+    for stage, stepped in ((0, PSI), (1, PSI / 4), (3, PSI / 4)):
+        cfg = accumulating(stage) if stage else config(1)
+        step = memory_instants(cfg)[-1]
+        assert (step.activations, step.transient) == (0, 2 * 4 * stepped)
+        assert step.model_state == memory_instants(cfg)[0].model_state  # the state at rest
 
 
 def test_zero3_accumulation_holds_unsharded_gradients_instead_of_shards():
     """FSDP2 with gradient sync off keeps each unit's unsharded gradient; the shards exist only
-    after the last microbatch's reduce-scatter (zero_grad frees them at step start)."""
-    est = accumulating(3)
+    after the last microbatch's reduce-scatter (zero_grad frees them at step start). A unit's
+    fresh gradient sits beside its accumulated one until added: one more block."""
+    est = forward_peak(accumulating(3))
     assert (est.parameters, est.gradients, est.optimizer, est.transient) == \
-        (PSI, 4 * PSI, 2 * PSI, 2 * 4 * BLOCK)
+        (PSI, 4 * PSI, 2 * PSI, 2 * 4 * BLOCK + 4 * BLOCK)
     # bf16 compute and bf16 reduction: FSDP2 accumulates in the compute dtype
-    bf16 = accumulating(3, **{"train.dtype": "bf16", "train.grad_reduce_dtype": "bf16"})
+    bf16 = forward_peak(accumulating(3, **{"train.dtype": "bf16", "train.grad_reduce_dtype": "bf16"}))
     assert bf16.gradients == 2 * PSI
-    assert accumulating(3, **{"train.dtype": "bf16"}).gradients == 4 * PSI  # fp32 reduction
+    assert forward_peak(accumulating(3, **{"train.dtype": "bf16"})).gradients == 4 * PSI
 
 
 def test_zero1_gradient_buffer_is_full_size_with_or_without_accumulation():
-    assert accumulating(1).gradients == 4 * PSI
-    assert not accumulating(1).notes
+    est = forward_peak(accumulating(1))
+    assert est.gradients == 4 * PSI and not est.notes
 
 
 def test_zero3_held_pipeline_stages_are_whole_with_full_gradients():
@@ -144,53 +179,54 @@ def test_zero3_held_pipeline_stages_are_whole_with_full_gradients():
     gradients are full-size."""
     over = {"parallel.pp": "2", "parallel.dp_shard": "2", "parallel.zero_stage": "3",
             "train.global_batch_size": "16"}
-    held = estimate_memory(config(4, **over, **{"parallel.reshard_after_forward": "false"}))
-    assert held.rank == 0
+    held_cfg = config(4, **over, **{"parallel.reshard_after_forward": "false"})
+    held = forward_peak(held_cfg)
     assert (held.parameters, held.gradients, held.optimizer, held.activations, held.transient) \
-        == (4 * RANK0 / 2 + 4 * RANK0, 4 * RANK0, 8 * RANK0 / 2, 2 * 2 * LAYER_ACT, 0)
+        == (4 * RANK0 / 2 + 4 * RANK0, 4 * RANK0, 8 * RANK0 / 2, 2 * 2 * LAYER_ACT, 4 * BLOCK)
     assert any("held gathered" in note for note in held.notes)
+    assert estimate_memory(held_cfg) == held
+    # gathered from the first F; resharded at the flush, before the optimizer step
+    rank0 = [e for e in memory_instants(held_cfg) if e.rank == 0]
+    assert rank0[0].parameters == 4 * RANK0 / 2 + 4 * RANK0  # during the first F
+    assert rank0[-1].parameters == 4 * RANK0 / 2
     # gathered per microbatch instead: the two in-use blocks, full-size gradients all the same
-    per_mb = estimate_memory(config(4, **over))
+    per_mb = forward_peak(config(4, **over))
     assert (per_mb.parameters, per_mb.gradients, per_mb.transient) == \
-        (4 * RANK0 / 2, 4 * RANK0, 2 * 4 * BLOCK)
+        (4 * RANK0 / 2, 4 * RANK0, 2 * 4 * BLOCK + 4 * BLOCK)
     assert not any("held gathered" in note for note in per_mb.notes)
 
 
 def test_zero3_held_v_schedule_holds_both_stages_of_a_rank():
     """ZB-V (I and W split: held is required) places stages 0 and 3 on rank 0; both are whole
     and accumulate full-size gradients at the peak."""
-    est = estimate_memory(config(4, **{"parallel.pp": "2", "parallel.dp_shard": "2",
-                                       "parallel.zero_stage": "3", "parallel.schedule": "zbv",
-                                       "parallel.reshard_after_forward": "false",
-                                       "train.global_batch_size": "16"}))
-    rank0 = 4 * BLOCK + 20_480 + 20_480 + 64 - 2 * BLOCK  # layers 0 and 3, both ends
-    assert est.rank == 0
+    est = forward_peak(config(4, **{"parallel.pp": "2", "parallel.dp_shard": "2",
+                                    "parallel.zero_stage": "3", "parallel.schedule": "zbv",
+                                    "parallel.reshard_after_forward": "false",
+                                    "train.global_batch_size": "16"}))
+    rank0 = 2 * BLOCK + 20_480 + 20_480 + 64  # layers 0 and 3, both ends
     assert (est.parameters, est.gradients) == (4 * rank0 / 2 + 4 * rank0, 4 * rank0)
 
 
 def test_refusal_counts_the_new_terms_and_names_the_largest():
-    """A limit the at-rest estimate fits but the accumulation peak does not is refused, naming
-    the gradients (largest once activations are recomputed) and overridable by the flag."""
-    over = {"train.recompute": "full"}
-    est = accumulating(2, **over)
-    at_rest = est.total - 4 * PSI
-    assert est.largest()[0] == "gradients"
-    limit = (at_rest + est.total) / 2 / 2**30
-    tight = {"train.memory_limit_gb": str(limit), **over}
-    message = check_memory_limit(config(4, **{"parallel.dp_shard": "4", "parallel.zero_stage": "2",
-                                              "train.global_batch_size": "32", **tight}))
-    assert message is not None and "largest component: gradients" in message
-    assert "full-size" in message
-    assert check_memory_limit(config(4, **{"parallel.dp_shard": "4", "parallel.zero_stage": "2",
-                                           "train.global_batch_size": "32",
-                                           "train.ignore_memory_limit": "true", **tight})) is None
+    """A limit the at-rest estimate fits but the ZeRO-2 peak does not is refused, naming the
+    largest component and the notes, and the flag overrides it."""
+    base = {"parallel.dp_shard": "4", "parallel.zero_stage": "2", "train.global_batch_size": "32"}
+    est = estimate_memory(config(4, **base))
+    at_rest = 4 * PSI + PSI + 2 * PSI + 4 * LAYER_ACT + HEAD_ACT  # what the old estimate said
+    assert at_rest < est.total and est.largest()[0] == "transient"
+    tight = {**base, "train.memory_limit_gb": str((at_rest + est.total) / 2 / 2**30)}
+    message = check_memory_limit(config(4, **tight))
+    assert message is not None and "largest component: transient" in message
+    assert "ZeRO-2 reduction" in message
+    assert check_memory_limit(config(4, **tight, **{"train.ignore_memory_limit": "true"})) is None
     # the held ZeRO-3 pipeline stage: refused, the note names the whole parameters
-    pipe = config(4, **{"parallel.pp": "2", "parallel.dp_shard": "2", "parallel.zero_stage": "3",
-                        "parallel.reshard_after_forward": "false", "train.global_batch_size": "16",
-                        "train.memory_limit_gb": str(2_400_000 / 2**30)})  # total 2,508,288
-    message = check_memory_limit(pipe)
+    over = {"parallel.pp": "2", "parallel.dp_shard": "2", "parallel.zero_stage": "3",
+            "parallel.reshard_after_forward": "false", "train.global_batch_size": "16"}
+    peak = estimate_memory(config(4, **over))
+    limit = str((peak.total - 1000) / 2**30)
+    message = check_memory_limit(config(4, **over, **{"train.memory_limit_gb": limit}))
     assert message is not None and "held gathered" in message
-    assert "largest component: activations" in message
+    assert f"largest component: {peak.largest()[0]}" in message
 
 
 def test_model_state_bytes_accumulating_keyword():
