@@ -2,7 +2,9 @@
 
 Given per-stage costs of F, I and W, a send latency, a placement family and a memory limit,
 ``search`` returns the candidate with the shortest simulated makespan whose peak activation
-memory stays within the limit on every rank. Memory follows ``loom.pipeline.validate``: a
+memory stays within the limit on every rank; among equal makespans, the one with the least idle
+time inside its longest rank span (the Zero Bubble paper's bubble, what an iteration costs once
+iterations overlap), then the lowest peak. Memory follows ``loom.pipeline.validate``: a
 (stage, microbatch) is live from the start of its F to the end of its last backward piece, one
 unit is one full rank's activations for one microbatch, a chunk of a v-chunk placement weighs
 1/v. So 1F1B needs p units, and no schedule fits below 1 unit (one microbatch in flight).
@@ -12,11 +14,15 @@ Candidates, all ranked by the same replay (``search_eval``) and the winner re-si
 
 a. every registered family (``loom.pipeline.schedules``) whose placement is allowed and whose
    peak fits the limit;
-b. the parametric list scheduler of ``search_greedy`` (ZB-1p / ZB-2p style) on each allowed
+b. forward-backward scheduling on the two-chunk placements: ``search_reverse`` builds the
+   schedule backwards in time (every rank ends on a run of deferred W's, ranks staggered like
+   a parallelogram), then ``search_priority`` rebuilds it forwards following the backward
+   schedule's start times as priorities (a few stagger / reserve / patience settings);
+c. the parametric list scheduler of ``search_greedy`` (ZB-1p / ZB-2p style) on each allowed
    placement, with a coordinate sweep over its knobs (reservation, warm-up caps, patience,
    W backlog, depth-first forwards);
-c. local improvement of the best orders: move one W earlier or later on its rank, keep the move
-   when the order stays valid, within the limit, and the makespan drops.
+d. local improvement of the best orders (small sizes only): swap adjacent actions on a rank,
+   keep the swap when the order stays valid, within the limit, and the score improves.
 
 Why hand-written: no library does pipeline-schedule search. torch.distributed.pipelining ships
 fixed families and a CSV loader; the Zero Bubble authors' ILP/heuristic lives inside their
@@ -43,9 +49,11 @@ from numbers import Rational
 
 from loom.pipeline.ir import Schedule, looped_placement, v_placement
 from loom.pipeline.schedules import get, names
-from loom.pipeline.search_eval import EPS, Costs, Row, decode, encode, peak_units, replay
+from loom.pipeline.search_eval import EPS, F, Costs, Row, Score, decode, encode, peak_units, score
 from loom.pipeline.search_greedy import Knobs, list_schedule
 from loom.pipeline.search_local import improve
+from loom.pipeline.search_priority import priority_schedule
+from loom.pipeline.search_reverse import ReverseKnobs, reverse_schedule
 from loom.pipeline.validate import validate
 from loom.sim.cost import OpCosts, StageCosts
 from loom.sim.simulate import SimResult, simulate
@@ -68,6 +76,7 @@ class Candidate:
     placement: str
     makespan: float
     peak: float
+    idle_zb: float = 0.0  # idle time inside the longest rank span (``SimResult.bubble_time_zb``)
 
 
 @dataclass(frozen=True)
@@ -169,9 +178,19 @@ def search(
         peak = max(peak_units(rows, schedule.placement))
         if peak > memory_limit + EPS:
             continue
-        makespan = replay(rows, schedule.placement, microbatches, fast[name])
-        if makespan is not None:
-            pool.add(Candidate(schedule.name, name, makespan, peak), rows)
+        scored = score(rows, schedule.placement, microbatches, fast[name])
+        if scored is not None:
+            pool.add(Candidate(schedule.name, name, scored.makespan, peak, scored.idle_zb), rows)
+
+    # Half of what is left for forward-backward scheduling on the two-chunk placements, V first
+    # (its chunks pair up on each rank, which the parallelogram's drain needs least memory for).
+    two_chunk = [name for name in ("v", "interleaved") if name in allowed]
+    half = budget.share(2)
+    for n, name in enumerate(two_chunk):
+        share = half.share(len(two_chunk) - n)
+        _backward(name, layouts[name], microbatches, fast[name], memory_limit, share, pool)
+        half.spend(share.spent)
+        budget.spend(share.spent)
 
     shares = len(allowed)
     for name in allowed:  # an equal share of what is left for each placement's sweep
@@ -185,11 +204,11 @@ def search(
             break
         layout = layouts[candidate.placement]
         better = improve(rows, layout, microbatches, fast[candidate.placement], memory_limit,
-                         candidate.makespan, budget)
+                         Score(candidate.makespan, candidate.idle_zb), budget)
         if better is not None:
-            new_rows, makespan = better
-            pool.add(Candidate(candidate.label + "+local", candidate.placement, makespan,
-                               max(peak_units(new_rows, layout))), new_rows)
+            new_rows, scored = better
+            pool.add(Candidate(candidate.label + "+local", candidate.placement, scored.makespan,
+                               max(peak_units(new_rows, layout)), scored.idle_zb), new_rows)
 
     if not pool.entries:  # cannot happen for limit >= 1: reserve=all always fits
         raise SearchError(f"no schedule fits memory_limit={memory_limit:g}")
@@ -245,8 +264,11 @@ class _Pool:
         self.entries.append((candidate, rows))
 
     def best(self, count: int) -> list[tuple[Candidate, list[Row]]]:
-        order = sorted(range(len(self.entries)), key=lambda n: (
-            round(self.entries[n][0].makespan / EPS) * EPS, self.entries[n][0].peak, n))
+        def key(n: int) -> tuple:
+            c = self.entries[n][0]
+            return (*Score(c.makespan, c.idle_zb).key(), c.peak, n)
+
+        order = sorted(range(len(self.entries)), key=key)
         return [self.entries[n] for n in order[:count]]
 
 
@@ -307,8 +329,62 @@ def _sweep(name: str, layout: tuple[int, ...], microbatches: int, costs: Costs, 
                 if made is None:
                     continue
                 rows, makespan, peak = made
-                pool.add(Candidate(f"greedy:{name}:{knobs.label()}", name, makespan, peak), rows)
+                scored = score(rows, layout, microbatches, costs)
+                idle = scored.idle_zb if scored is not None else float("inf")
+                pool.add(Candidate(f"greedy:{name}:{knobs.label()}", name, makespan, peak, idle),
+                         rows)
                 if makespan < best_time - EPS:
                     best_knobs, best_time, improved = knobs, makespan, True
         if not improved:
             return
+
+
+# (reverse knobs, forward reserve, forward patience in hops), most useful first: the budget may
+# stop the list early. Stagger 1 starts rank r's reversed schedule (p-1-r) hops late, mirroring
+# the forward warm-up; reserve 0 lets the forward pass admit as deep as the memory allows.
+_BACKWARD = [
+    (ReverseKnobs(stagger=1.0), 0, 0.0),
+    (ReverseKnobs(stagger=1.0, i_first=True), 0, 0.0),
+    (ReverseKnobs(stagger=1.0), 0, 0.5),
+    (ReverseKnobs(stagger=1.0, i_first=True), 0, 0.5),
+    (ReverseKnobs(stagger=1.0), None, 0.0),
+    (ReverseKnobs(stagger=1.2), 0, 0.0),
+    (ReverseKnobs(stagger=1.0), 1, 0.0),
+    (ReverseKnobs(), 0, 0.0),
+]
+
+
+def _backward(name: str, layout: tuple[int, ...], microbatches: int, costs: Costs, limit: float,
+              budget: _Budget, pool: _Pool) -> None:
+    """Forward-backward candidates: a backward schedule, then a forward one by its priorities."""
+    actions = 3 * len(layout) * microbatches
+    hop = sum(d[F] for d in costs.duration) / len(layout) + costs.send
+    built: dict[ReverseKnobs, tuple[list[Row], float, dict] | None] = {}
+    for knobs, reserve, patience in _BACKWARD:
+        if budget.exhausted():
+            return
+        if knobs not in built:
+            budget.spend(2 * actions)
+            pool.tried += 1
+            built[knobs] = made = reverse_schedule(layout, microbatches, costs, limit, knobs)
+            if made is not None:
+                _add_scored(pool, f"backward:{name}:{knobs.label()}", name, made[0], made[1],
+                            layout, microbatches, costs)
+        made = built[knobs]
+        if made is None:
+            continue
+        budget.spend(2 * actions)
+        pool.tried += 1
+        forward = priority_schedule(layout, microbatches, costs, limit, made[2], reserve,
+                                    patience * hop)
+        if forward is not None:
+            label = (f"forward-backward:{name}:{knobs.label()},reserve="
+                     f"{'all' if reserve is None else reserve},patience={patience:g}")
+            _add_scored(pool, label, name, forward[0], forward[1], layout, microbatches, costs)
+
+
+def _add_scored(pool: _Pool, label: str, name: str, rows: list[Row], peak: float,
+                layout: tuple[int, ...], microbatches: int, costs: Costs) -> None:
+    scored = score(rows, layout, microbatches, costs)
+    if scored is not None:
+        pool.add(Candidate(label, name, scored.makespan, peak, scored.idle_zb), rows)

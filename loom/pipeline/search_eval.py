@@ -76,6 +76,50 @@ def replay(
     Same semantics as ``loom.sim.simulate``: a backward (I or B) of stage s needs F of s and the
     input gradient of s+1, which is I(s+1) when that (stage, microbatch) was split, else B(s+1).
     """
+    timed = _run(rows, placement, microbatches, costs)
+    return None if timed is None else max(timed[1])
+
+
+@dataclass(frozen=True)
+class Score:
+    """What the search ranks by: makespan, then the idle time inside the longest rank span
+    (``SimResult.bubble_time_zb``: the Zero Bubble paper's bubble, before dividing by the span)."""
+
+    makespan: float
+    idle_zb: float
+
+    def key(self) -> tuple[float, float]:
+        """Sort key: makespan first, idle second, both rounded so float noise cannot reorder."""
+        return (round(self.makespan / EPS) * EPS, round(self.idle_zb / EPS) * EPS)
+
+    def better_than(self, other: Score) -> bool:
+        return (self.makespan < other.makespan - EPS
+                or (self.makespan < other.makespan + EPS and self.idle_zb < other.idle_zb - EPS))
+
+
+def score(
+    rows: Sequence[Row], placement: Sequence[int], microbatches: int, costs: Costs
+) -> Score | None:
+    """Makespan and Zero-Bubble idle time of ``rows`` (as ``simulate`` computes them); None on a
+    deadlock. The idle time is the longest span's (lowest rank on a tie) minus that rank's work."""
+    timed = _run(rows, placement, microbatches, costs)
+    if timed is None:
+        return None
+    first, free_at = timed
+    duration = costs.duration
+    best_rank, best_span = -1, -1.0
+    for rank, row in enumerate(rows):
+        span = free_at[rank] - first[rank] if row else 0.0
+        if span > best_span + EPS:
+            best_rank, best_span = rank, span
+    busy = sum(duration[s][o] for s, o, _ in rows[best_rank])
+    return Score(max(free_at), max(best_span - busy, 0.0))
+
+
+def _run(
+    rows: Sequence[Row], placement: Sequence[int], microbatches: int, costs: Costs
+) -> tuple[list[float], list[float]] | None:
+    """Per rank: the start of its first action and the end of its last; None on a deadlock."""
     num_stages, m = len(placement), microbatches
     size = num_stages * m
     finish = [-1.0] * (4 * size)  # index op * size + stage * m + mb
@@ -86,6 +130,7 @@ def replay(
                 split[s * m + k] = 1
     pointer = [0] * len(rows)
     free_at = [0.0] * len(rows)
+    first = [0.0] * len(rows)
     duration, send = costs.duration, costs.send
     waiting: dict[int, list[int]] = {}
     runnable = list(range(len(rows)))
@@ -133,6 +178,8 @@ def replay(
             if blocker >= 0:
                 waiting.setdefault(blocker, []).append(rank)
                 break
+            if index == 0:
+                first[rank] = start
             t_free = start + duration[s][o]
             key = o * size + s * m + k
             finish[key] = t_free
@@ -144,7 +191,7 @@ def replay(
         free_at[rank] = t_free
     if any(pointer[r] < len(row) for r, row in enumerate(rows)):
         return None
-    return max(free_at)
+    return first, free_at
 
 
 def peak_units(rows: Sequence[Row], placement: Sequence[int]) -> list[float]:

@@ -24,12 +24,12 @@ search drops that setting. Deterministic: ties break by time, then rank.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loom.pipeline.search_eval import EPS, F, I, W, Costs, Row
+from loom.pipeline.search_loop import ranks_of, run
 
 
 @dataclass(frozen=True)
@@ -74,16 +74,11 @@ def list_schedule(
 ) -> tuple[list[Row], float, float] | None:
     """Integer rows (see ``search_eval.encode``), makespan and peak units; None on a deadlock."""
     num_stages, m = len(placement), microbatches
-    pp = max(placement) + 1
-    stages_of = [[s for s in range(num_stages) if placement[s] == r] for r in range(pp)]
-    v = [len(stages) for stages in stages_of]
-    limit_c = [int(limit * v[r] + EPS) for r in range(pp)]
-    caps_c = [
-        limit_c[r] if knobs.caps is None else max(v[r], min(limit_c[r], int(knobs.caps[r] * v[r] + EPS)))
-        for r in range(pp)
-    ]
-    if min(limit_c[r] - v[r] for r in range(pp)) < 0:
+    ranks = ranks_of(placement, limit)
+    if ranks is None:
         return None
+    pp, stages_of, v, limit_c = ranks.pp, ranks.stages_of, ranks.v, ranks.limit_c
+    caps_c = ranks.caps(knobs.caps)
     fin_f = [-1.0] * (num_stages * m)
     fin_i = [-1.0] * (num_stages * m)
     next_f = [0] * num_stages
@@ -98,8 +93,7 @@ def list_schedule(
     duration, send = costs.duration, costs.send
     backward_order = [sorted(stages, reverse=True) for stages in stages_of]
     forward_order = backward_order if knobs.depth_first else stages_of
-    heap = [(0.0, r) for r in range(pp)]
-    total, done = 3 * num_stages * m, 0
+    total = 3 * num_stages * m
     peak = 0.0
 
     def reserve_after(r: int) -> int:
@@ -170,22 +164,9 @@ def list_schedule(
                 return (s, W, k), t
         return wake
 
-    while heap:
-        t, r = heapq.heappop(heap)
-        if free_at[r] > t + EPS:
-            continue
-        t = max(t, free_at[r])
-        choice = decide(r, t)
-        if isinstance(choice, float):
-            if choice != float("inf"):
-                heapq.heappush(heap, (choice, r))
-            continue
-        (s, o, k), start = choice
-        end = start + duration[s][o]
-        rows[r].append((s, o, k))
-        free_at[r] = end
-        done += 1
-        heapq.heappush(heap, (end, r))
+    def commit(r: int, action: tuple[int, int, int], end: float) -> None:
+        nonlocal peak
+        s, o, k = action
         if o == F:
             fin_f[s * m + k] = end
             next_f[s] += 1
@@ -200,17 +181,15 @@ def list_schedule(
                 pending[r][k] -= 1
                 if pending[r][k] == 0:
                     del pending[r][k]
-            if s + 1 < num_stages and placement[s + 1] != r:
-                heapq.heappush(heap, (end + send, placement[s + 1]))
         elif o == I:
             fin_i[s * m + k] = end
             next_i[s] += 1
             deferred[r].append((s, k))
-            if s > 0 and placement[s - 1] != r:
-                heapq.heappush(heap, (end + send, placement[s - 1]))
         else:
             deferred_head[r] += 1
             live[r] -= 1
+
+    done = run(placement, costs, rows, free_at, decide, commit)
     if done < total:
         return None
     return rows, max(free_at), peak

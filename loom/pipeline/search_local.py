@@ -5,7 +5,8 @@ a W that delays an I, or a forward that would have been better one slot later. T
 every swap of two adjacent actions on a rank (which moves a W earlier or later one slot at a
 time, or exchanges an F and an I) and keeps a swap only when the order still runs (no deadlock,
 the same-rank dependencies stay in order), the rank stays within the memory limit, and the
-replayed makespan strictly drops. It stops after a pass without improvement or when the
+score improves (a shorter makespan, or the same makespan with less idle time inside the longest
+rank span, the Zero Bubble paper's bubble). It stops after a pass without improvement or when the
 search's effort budget is spent, so it only matters for small sizes, where it is cheap.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from loom.pipeline.search_eval import B, EPS, F, W, Costs, Row, replay
+from loom.pipeline.search_eval import B, EPS, F, W, Costs, Row, Score, score
 
 
 class Budget(Protocol):
@@ -42,32 +43,33 @@ def improve(
     microbatches: int,
     costs: Costs,
     limit: float,
-    makespan: float,
+    start: Score,
     budget: Budget,
     max_passes: int = 4,
-) -> tuple[list[Row], float] | None:
-    """A better order than ``rows`` (and its makespan), or None if no swap helped."""
+) -> tuple[list[Row], Score] | None:
+    """A better order than ``rows`` (and its score), or None if no swap helped."""
     rows = [list(row) for row in rows]
     size = sum(len(row) for row in rows)
     weight = [1.0 / max(placement.count(r), 1) for r in range(len(rows))]
-    best = makespan
+    best = start
     for _ in range(max_passes):
         improved = False
         for rank, row in enumerate(rows):
             for n in range(len(row) - 1):
                 if budget.exhausted():
-                    return (rows, best) if best < makespan - EPS else None
+                    return (rows, best) if best.better_than(start) else None
                 a, b = row[n], row[n + 1]
                 if a[0] == b[0] and a[2] == b[2]:
                     continue  # same (stage, microbatch): the later one depends on the earlier
                 row[n], row[n + 1] = b, a
                 budget.spend(size)
-                candidate = replay(rows, placement, microbatches, costs)
-                if (candidate is not None and candidate < best - EPS
+                candidate = score(rows, placement, microbatches, costs)
+                if (candidate is not None and candidate.better_than(best)
                         and row_peak(row, weight[rank]) <= limit + EPS):
                     best, improved = candidate, True
                 else:
                     row[n], row[n + 1] = a, b
         if not improved:
             break
-    return (rows, best) if best < makespan - EPS else None
+    return (rows, best) if best.better_than(start) else None
+
