@@ -191,10 +191,10 @@ class PipelineRuntime:
         for index, action in enumerate(row):
             if action.op in (Op.W, Op.B):
                 last_piece[action.stage] = index
-        final = schedule.num_stages - 1
-        if self.shares_tied_weight and 0 in last_piece and final in last_piece:
-            # The first stage's reducer holds the shared weight: reduce it once both are done.
-            last_piece[0] = max(last_piece[0], last_piece[final])
+        for first, final in self.shared_tied_ends:
+            if first in last_piece and final in last_piece:
+                # The first stage's reducer holds the shared weight: reduce it once both are done.
+                last_piece[first] = max(last_piece[first], last_piece[final])
         posted: dict[_Transfer, tuple[dist.Work, torch.Tensor]] = {}
         next_to_post = 0
         local: dict[_Transfer, torch.Tensor] = {}  # same-rank hand-overs
@@ -308,9 +308,9 @@ class PipelineRuntime:
         model-stage order, so the buffers line up; a sum of two values is the same bits on both,
         so the copies' gradients, and after identical optimizer steps their weights, stay equal.
         """
-        params = [p for _, stage in sorted(self.stages.items(),
-                                           key=lambda item: item[1].model_stage)
-                  for p in stage.parameters()]
+        params = list({id(p): p for _, stage in sorted(self.stages.items(),
+                                                       key=lambda item: item[1].model_stage)
+                       for p in stage.parameters()}.values())  # a tied head is the embedding
         for param in params:
             if param.grad is None:  # cannot happen in a training step; keeps the pair matched
                 param.grad = torch.zeros_like(param)
@@ -340,11 +340,13 @@ class PipelineRuntime:
         return self.stages[final].module.output.weight if final in self.stages else None
 
     @property
-    def shares_tied_weight(self) -> bool:
-        """Whether this rank holds both ends of a tied model: then one shared Parameter."""
-        final = self.schedule.num_stages - 1
-        return (final > 0 and 0 in self.stages and final in self.stages
-                and self.stages[0].module.args.tie_embeddings)
+    def shared_tied_ends(self) -> list[tuple[int, int]]:
+        """(first, last) stage of each route of a tied model whose two ends this rank holds:
+        they share one Parameter."""
+        if not self.stages[next(iter(self.stages))].module.args.tie_embeddings:
+            return []
+        return [(first, final) for first, final in route_ends(self.schedule)
+                if first != final and first in self.stages and final in self.stages]
 
 
 def build_pipeline(args, schedule: Schedule, *, grid, meshes, rank: int, device: torch.device,
@@ -385,6 +387,28 @@ def build_pipeline(args, schedule: Schedule, *, grid, meshes, rank: int, device:
                            copy_group=copy_group)
 
 
+def route_ends(schedule: Schedule) -> list[tuple[int, int]]:
+    """(first, last) stage of every route (one pair without routes: (0, n-1))."""
+    length = schedule.stages_per_route
+    return [(k * length, k * length + length - 1) for k in range(schedule.num_routes)]
+
+
+def _share_tied_weight(first: PipelineStage, last: PipelineStage) -> None:
+    """Make the last stage's head the first stage's embedding Parameter (both on this rank),
+    kept by the first stage's data-parallel reducer only."""
+    shared, head = first.module.tok_embeddings.weight, last.module.output
+    for stage in (first, last):
+        reducer = gradient_reducer(stage.module)
+        if reducer is not None and not isinstance(reducer, GradientReducer):
+            raise ValueError("tied embeddings on one pipeline rank (a V placement) share one"
+                             " Parameter between two stages, which ZeRO-3 cannot shard"
+                             " twice; use dp_replicate or a looped schedule")
+    replaced, head.weight = head.weight, shared
+    reducer = gradient_reducer(last.module)
+    if reducer is not None:
+        reducer.drop([replaced, shared])
+
+
 def copy_groups(schedule: Schedule) -> list[tuple[int, ...]]:
     """The pipeline ranks that hold the copies of the same model stages, one tuple per set.
 
@@ -423,30 +447,24 @@ def tie_embedding(args, schedule: Schedule, stages: dict[int, PipelineStage], gr
     reducer keeps it. Otherwise each end's rank holds a copy, and the runtime sums the two
     gradients after the step over the 2-rank group {first stage's rank, last stage's rank} of
     each pipeline, returned here for this rank (None when it holds neither end or both).
-    Creating the groups is collective: every rank calls this with the same schedule.
+    Creating the groups is collective: every rank calls this with the same schedule. With routes
+    (bidirectional_v) each copy's two ends sit on one rank (copy 0's on rank 0, copy 1's on rank
+    p-1) and are shared there; the copy sum then adds the two copies' shared weight like any
+    other parameter.
     """
+    if not args.tie_embeddings or schedule.stages_per_route == 1:
+        return None
+    ends = route_ends(schedule)
+    if all(schedule.rank_of(first) == schedule.rank_of(final) for first, final in ends):
+        for first, final in ends:  # each route's (each model copy's) ends on one rank
+            if first in stages:
+                _share_tied_weight(stages[first], stages[final])
+        return None
+    if schedule.num_routes > 1:  # no schedule with routes places them so; refuse, do not guess
+        raise ValueError(f"{schedule.name}: tied embeddings need each route's first and last"
+                         " stage on one rank")
     final = schedule.num_stages - 1
-    if not args.tie_embeddings or final == 0:
-        return None
-    if schedule.num_routes > 1:  # config_rules refuses it first, naming the fields
-        raise ValueError(f"{schedule.name}: tied embeddings with several routes (copies of the"
-                         " model) are not implemented")
     first_rank, last_rank = schedule.rank_of(0), schedule.rank_of(final)
-    if first_rank == last_rank:
-        if 0 not in stages:
-            return None
-        shared, head = stages[0].module.tok_embeddings.weight, stages[final].module.output
-        for index in (0, final):
-            reducer = gradient_reducer(stages[index].module)
-            if reducer is not None and not isinstance(reducer, GradientReducer):
-                raise ValueError("tied embeddings on one pipeline rank (a V placement) share one"
-                                 " Parameter between two stages, which ZeRO-3 cannot shard"
-                                 " twice; use dp_replicate or a looped schedule")
-        replaced, head.weight = head.weight, shared
-        reducer = gradient_reducer(stages[final].module)
-        if reducer is not None:
-            reducer.drop([replaced, shared])
-        return None
     mine = None
     for members in grid.groups("pp"):  # ordered by pp coordinate
         pair = [members[first_rank], members[last_rank]]

@@ -146,10 +146,11 @@ def build_stages(args: TransformerArgs, schedule: Schedule, layers: Sequence[ran
         module.to_empty(device=device)
         reset_parameters(module, seed)  # a tied head starts as the embedding (seeded_name)
         stages[index] = PipelineStage(index, length, module, autocast)
-    last = schedule.num_stages - 1
-    if args.tie_embeddings and last > 0 and 0 in stages and last in stages:
-        # Both ends on this rank (a V placement): one Parameter, as in the unsplit model.
-        stages[last].module.output.weight = stages[0].module.tok_embeddings.weight
+    for route in range(schedule.num_routes if length > 1 else 0):
+        first, last = route * length, route * length + length - 1
+        if args.tie_embeddings and first in stages and last in stages:
+            # Both ends on this rank (a V placement): one Parameter, as in the unsplit model.
+            stages[last].module.output.weight = stages[first].module.tok_embeddings.weight
     return stages
 
 
@@ -188,7 +189,9 @@ class LocalStages(nn.Module):
         super().__init__()
         self.layers = nn.ModuleDict()
         self._tie_replica = False
-        self._route_replicas = [p for module in replicas for p in module.parameters()]
+        # by identity: a copy's tied head and embedding are one Parameter, listed once
+        self._route_replicas = list({id(p): p for module in replicas
+                                     for p in module.parameters()}.values())
         for module in modules:
             if module.tok_embeddings is not None:
                 self.tok_embeddings = module.tok_embeddings

@@ -10,6 +10,9 @@ against one process with the same global batch. On top, what is particular to tw
   replicas) holds bit-identical weights and gradients (``torch.equal``), so the copy sum and the
   identical optimizer steps keep the copies one model; each parameter is held by exactly 2 x dp
   ranks (the norm, which matches one process's, counts it once);
+* with tied embeddings (p2 m2, p4 m9, pp2 x dp2 m4): each copy's embedding and head sit on one
+  rank and are one Parameter there, and the copy sum adds the two copies' shared weight: the
+  same parity and bit-identical copies;
 * the copy sum is counted in the comm ledger: one all-reduce per step of 4·P_rank bytes on axis
   ``pp_copies`` (a 2-rank ring: wire bytes = payload);
 * a run stopped halfway and resumed from its checkpoint ends bit-identical to one that never
@@ -39,6 +42,8 @@ LAYOUTS = {  # name -> (world size, microbatches per pipeline, parallel degrees)
     "p2-dp2-m4": (4, 4, {"pp": 2, "dp_replicate": 2}),
     "p2-dp2-m3": (4, 3, {"pp": 2, "dp_replicate": 2}),  # odd: the copies' shares differ
 }
+TIED_BASE = {**COPY_BASE, "model.tie_embeddings": True}
+TIED_LAYOUTS = ["p2-m2", "p4-m9", "p2-dp2-m4"]
 
 
 def copies(trainer) -> dict:
@@ -62,36 +67,54 @@ def references(dist, small_data_dir, tmp_path_factory):
                           COPY_BASE, STEPS)
 
 
+@pytest.fixture(scope="module")
+def tied_references(dist, small_data_dir, tmp_path_factory):
+    return reference_runs(dist, small_data_dir, str(tmp_path_factory.mktemp("weights-tied")),
+                          TIED_BASE, STEPS)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_copies_stay_identical_and_the_sum_is_counted(dist, small_data_dir, references,
                                                           tmp_path, layout):
+    check_copies(dist, small_data_dir, references, tmp_path, COPY_BASE, layout)
+
+
+@pytest.mark.parametrize("layout", TIED_LAYOUTS)
+def test_tied_embeddings_share_one_weight_per_copy(dist, small_data_dir, tied_references,
+                                                   tmp_path, layout):
+    """Each copy's embedding and head sit on one rank (copy 0's on rank 0, copy 1's on rank
+    p-1) and are one Parameter there; the copy sum adds the two copies' shared weight."""
+    check_copies(dist, small_data_dir, tied_references, tmp_path, TIED_BASE, layout)
+
+
+def check_copies(dist, data_dir, references, tmp_path, base: dict, layout: str) -> None:
     import torch
 
     world, micro, parallel = LAYOUTS[layout]
     dp = parallel.get("dp_replicate", 1)
-    config = layout_config({**COPY_BASE, "train.global_batch_size": micro * dp,
+    config = layout_config({**base, "train.global_batch_size": micro * dp,
                             "parallel.schedule": "bidirectional_v"}, world, **parallel)
-    results = dist.run(world, record_pipeline, config, small_data_dir, STEPS, str(tmp_path),
-                       copies)
-    check(references(micro * dp), results, f"bidirectional_v {layout}")
+    results = dist.run(world, record_pipeline, config, data_dir, STEPS, str(tmp_path), copies)
+    label = f"bidirectional_v {layout}{' tied' if base is TIED_BASE else ''}"
+    check(references(micro * dp), results, label)
     for step in range(STEPS):
         holders: dict[str, list[int]] = {}
         for rank, result in enumerate(results):
             seen = result["observed"][step]
             # One all-reduce of every gradient element this rank holds, fp32, over a pair.
-            assert (seen["calls"], seen["payload"]) == (1, 4 * seen["numel"]), (layout, rank)
-            assert seen["wire"] == seen["payload"], (layout, rank)
+            assert (seen["calls"], seen["payload"]) == (1, 4 * seen["numel"]), (label, rank)
+            assert seen["wire"] == seen["payload"], (label, rank)
             for name in seen["weights"]:
                 holders.setdefault(name, []).append(rank)
         for name, ranks in holders.items():
             # every parameter is held by exactly the two copies in each data-parallel replica
-            assert len(ranks) == 2 * dp, (layout, name, ranks)
+            assert len(ranks) == 2 * dp, (label, name, ranks)
             first = results[ranks[0]]["observed"][step]
             for rank in ranks[1:]:
                 other = results[rank]["observed"][step]
                 for kind in ("weights", "grads"):
                     assert torch.equal(other[kind][name], first[kind][name]), \
-                        f"{layout} step {step + 1}: {kind} of {name} on ranks {ranks[0]}, {rank}"
+                        f"{label} step {step + 1}: {kind} of {name} on ranks {ranks[0]}, {rank}"
 
 
 RESUME_LAYOUTS = {  # name -> (world size, parallel settings); 8 samples, 2 per microbatch

@@ -23,7 +23,9 @@ so they stay bit-identical; the global norm counts each parameter once (on its r
 rank) and checkpoints write each name once (DCP deduplicates the identical replicas). The
 schedule is valid for any m >= 1 (an even m balances the copies); training needs m >= 2 (each
 copy must see a microbatch) and an even p (with an odd p the middle rank holds both copies of
-its stages). ``loom schedule show|simulate|export`` (JSON) work as for every family.
+its stages). Tied embeddings: each copy's two ends sit on one rank (copy 0's on rank 0, copy 1's
+on rank p-1) and share one Parameter there. ``loom schedule show|simulate|export`` (JSON) work
+as for every family.
 """
 
 from __future__ import annotations

@@ -106,6 +106,7 @@ def test_the_config_trains_it_with_an_even_pp_and_data_parallelism():
     assert _bidirectional({}).parallel.schedule == "bidirectional-v"
     _bidirectional({"parallel.dp_replicate": "2", "train.global_batch_size": "4"}, 4)
     _bidirectional({"parallel.pp": "4", "model.n_layers": "8"}, 4)  # 2p stages per copy
+    _bidirectional({"model.tie_embeddings": "true"})  # each copy's ends share one rank
 
 
 @pytest.mark.parametrize("overrides, world, field_name, words", [
@@ -119,7 +120,6 @@ def test_the_config_trains_it_with_an_even_pp_and_data_parallelism():
     ({"model.preset": "tiny-moe", "parallel.ep": "2", "train.global_batch_size": "4"}, 4,
      "parallel.ep", "not implemented"),
     ({"model.preset": "tiny-moe"}, 2, "model.n_experts", "MoE"),
-    ({"model.tie_embeddings": "true"}, 2, "model.tie_embeddings", "tied embeddings"),
 ])
 def test_the_config_refuses_what_it_does_not_train_by_name(overrides, world, field_name, words):
     with pytest.raises(ConfigError) as info:
@@ -131,17 +131,16 @@ def test_the_config_refuses_what_it_does_not_train_by_name(overrides, world, fie
 @pytest.mark.parametrize("preset", ["debug", "tiny", "llama3-8b", "gpt3-175b", "tiny-moe",
                                     "mixtral-8x7b"])
 def test_every_model_preset_trains_it_or_is_refused_by_name(preset):
-    """Dense untied presets resolve at pp = 2; tied (GPT) and MoE presets name the field."""
+    """Dense presets, tied (GPT) or not, resolve at pp = 2; MoE presets name the field."""
     from loom.models import preset as model_preset
 
     args = model_preset(preset)
     try:
         _bidirectional({"model.preset": preset})
     except ConfigError as err:
-        assert (args.tie_embeddings or args.n_experts > 0), str(err)
-        assert err.field_name in ("model.tie_embeddings", "model.n_experts"), str(err)
+        assert args.n_experts > 0 and err.field_name == "model.n_experts", str(err)
     else:
-        assert not args.tie_embeddings and args.n_experts == 0
+        assert args.n_experts == 0
 
 
 def test_the_command_line_lists_shows_simulates_and_exports_json(capsys, tmp_path):
