@@ -184,10 +184,12 @@ def search(
 
     # Half of what is left for forward-backward scheduling on the two-chunk placements, V first
     # (its chunks pair up on each rank, which the parallelogram's drain needs least memory for).
+    # Two thirds of that go to V when both are allowed: it wins the unequal-cost cells.
     two_chunk = [name for name in ("v", "interleaved") if name in allowed]
     half = budget.share(2)
     for n, name in enumerate(two_chunk):
-        share = half.share(len(two_chunk) - n)
+        share = half.share(1) if n + 1 == len(two_chunk) else _Budget(
+            2 * half.left // 3, None, half.deadline)
         _backward(name, layouts[name], microbatches, fast[name], memory_limit, share, pool)
         half.spend(share.spent)
         budget.spend(share.spent)
@@ -345,6 +347,7 @@ def _sweep(name: str, layout: tuple[int, ...], microbatches: int, costs: Costs, 
 _BACKWARD = [
     (ReverseKnobs(stagger=1.0), 0, 0.0),
     (ReverseKnobs(stagger=1.0, i_first=True), 0, 0.0),
+    (ReverseKnobs(stagger=0.9, i_first=True), 0, 0.5),
     (ReverseKnobs(stagger=1.0), 0, 0.5),
     (ReverseKnobs(stagger=1.0, i_first=True), 0, 0.5),
     (ReverseKnobs(stagger=1.0), None, 0.0),
