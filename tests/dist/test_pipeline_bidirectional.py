@@ -19,7 +19,12 @@ against one process with the same global batch. On top, what is particular to tw
   stopped (the two copies load the same names), and a checkpoint saved under bidirectional_v
   loads into one process with bit-identical weights and optimizer state (each name saved once,
   no conflicting copies), and the other way;
-* ``loom train --parallel.pp=2 --parallel.schedule=bidirectional_v`` runs from the command line.
+* ``loom train --parallel.pp=2 --parallel.schedule=bidirectional_v`` runs from the command line;
+* compositions, against one process at the same tolerances: pp2 x tp2, pp2 x tp2 with a
+  vocabulary-parallel tied head, pp2 x cp2 (debug model), and MoE (tiny-moe) at pp2, pp2 x ep2
+  dropless and with capacity drops (test_expert_tp.py's settings). The copy sum acts on each
+  rank's local tensors; mirror ranks share their tp, cp and ep coordinates, so the shards line
+  up. ZeRO (dp_shard > 1) stays refused by the config.
 
 The one-process comparison uses test_pipeline_parity's tolerances and reasoning (step 1 rtol
 1e-5 / atol 1e-6: only the accumulation order differs; later steps 1e-4 / 1e-5 for Adam's
@@ -150,3 +155,49 @@ def test_loom_train_runs_a_bidirectional_pipeline(tmp_path):
                   "--metrics.plot=false", "--train.run_dir=runs/bidi", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "runs" / "bidi" / "model.safetensors").exists()
+
+
+# -- compositions: tensor, context and expert parallelism, MoE ----------------------------------
+COMPOSED = {  # name -> (world, microbatches per pipeline, parallel degrees, extra overrides)
+    "p2-tp2": (4, 4, {"pp": 2, "tp": 2}, {}),
+    "p2-tp2-vocab-tied": (4, 4, {"pp": 2, "tp": 2},
+                          {"parallel.vocab_parallel": True, "model.tie_embeddings": True}),
+    "p2-cp2": (4, 4, {"pp": 2, "cp": 2}, {}),
+}
+
+
+@pytest.mark.parametrize("layout", list(COMPOSED))
+def test_composed_with_tp_and_cp_matches_one_process(dist, small_data_dir, tmp_path, layout):
+    world, micro, parallel, extra = COMPOSED[layout]
+    base = {**BASE, **extra}
+    (tmp_path / "ref").mkdir()
+    reference = reference_runs(dist, small_data_dir, str(tmp_path / "ref"), base, STEPS)(micro)
+    config = layout_config({**base, "train.global_batch_size": micro,
+                            "parallel.schedule": "bidirectional_v"}, world, **parallel)
+    results = dist.run(world, record_pipeline, config, small_data_dir, STEPS, str(tmp_path))
+    check(reference, results, f"bidirectional_v {layout}")
+
+
+MOE = {  # name -> (world, degrees, routing overrides)
+    "p2": (2, {"pp": 2, "dp_replicate": 1}, {}),
+    "p2-ep2": (4, {"pp": 2, "ep": 2, "dp_replicate": 1}, {}),
+    "p2-ep2-capacity": (4, {"pp": 2, "ep": 2, "dp_replicate": 1}, {"model.capacity_factor": 1.0}),
+}
+
+
+@pytest.mark.parametrize("layout", list(MOE))
+def test_moe_matches_one_process(dist, small_data_dir, layout):
+    """test_expert_pipeline.py's MoE parity (tiny-moe, 4 microbatches of 2, dropless and with
+    capacity drops, its tolerances) with this schedule: each MoE layer's balancing-loss gradient, scaled by the
+    trainer, is added on both copies and summed with the rest."""
+    from loom.testing.parity import record_training
+    from tests.dist.test_expert_tp import BASE as MOE_BASE
+    from tests.dist.test_expert_tp import STEPS as MOE_STEPS
+    from tests.dist.test_expert_tp import assert_layout_matches
+
+    world, degrees, routing = MOE[layout]
+    reference = dist.run(1, record_training, layout_config({**MOE_BASE, **routing}, 1),
+                         small_data_dir, MOE_STEPS)[0]
+    assert_layout_matches(dist, small_data_dir, reference, world, degrees,
+                          {**routing, "parallel.schedule": "bidirectional_v"},
+                          f"bidirectional_v MoE {layout}")
