@@ -8,8 +8,10 @@
   of all ep ranks). ZeRO-3 gives the experts their own FSDP2 unit on the dp_shard mesh.
 
 Parity with one process (5 steps, fp32: loss, gradient norm, every gradient), dropless and with a
-capacity factor that drops assignments; HSDP (dp_replicate2 x dp_shard2 x ep2, 8 ranks); bit-exact
-resume and checkpoints resharded to and from one process and plain expert parallelism.
+capacity factor that drops assignments; HSDP (dp_replicate2 x dp_shard2 x ep2, 8 ranks); with tp,
+cp (ep = 1) and pp (1F1B, ZB-V), and ep2 with tp2 (ZeRO-1) and pp2 (ZeRO-2/3), 8 ranks; the
+ledger's bytes per group; bit-exact resume and checkpoints resharded to and from one process and
+plain expert parallelism.
 
 Tolerances as in test_zero.py: step 1 differs from one process only by summation order (rtol
 1e-5, atol 1e-6); later steps inherit Adam's amplification of rounding-level elements (rtol 1e-4,
@@ -78,6 +80,32 @@ def test_hsdp_with_experts_matches_one_process(dist, small_data_dir, layout):
     check(reference, dist.run(8, record_training, config, small_data_dir, STEPS), layout)
 
 
+COMPOSED = {  # name -> (world size, parallel settings): ZeRO of an MoE model with tp, cp, pp
+    "zero1-dp2-tp2": (4, {"dp_shard": 2, "tp": 2, "zero_stage": 1}),
+    "zero3-dp2-tp2": (4, {"dp_shard": 2, "tp": 2, "zero_stage": 3}),
+    "zero2-dp2-cp2-ring": (4, {"dp_shard": 2, "cp": 2, "cp_mode": "ring", "zero_stage": 2}),
+    "zero3-dp2-cp2-ulysses": (4, {"dp_shard": 2, "cp": 2, "cp_mode": "ulysses",
+                                  "zero_stage": 3}),
+    "zero1-pp2-dp2-1f1b": (4, {"pp": 2, "dp_shard": 2, "zero_stage": 1, "schedule": "1f1b"}),
+    "zero2-pp2-dp2-zbv": (4, {"pp": 2, "dp_shard": 2, "zero_stage": 2, "schedule": "zbv"}),
+    "zero3-pp2-dp2-1f1b": (4, {"pp": 2, "dp_shard": 2, "zero_stage": 3, "schedule": "1f1b"}),
+    "zero1-dp2-ep2-tp2": (8, {"dp_shard": 2, "ep": 2, "tp": 2, "zero_stage": 1}),
+    "zero2-pp2-dp2-ep2-1f1b": (8, {"pp": 2, "dp_shard": 2, "ep": 2, "zero_stage": 2,
+                                   "schedule": "1f1b"}),
+    "zero3-pp2-dp2-ep2-1f1b": (8, {"pp": 2, "dp_shard": 2, "ep": 2, "zero_stage": 3,
+                                   "schedule": "1f1b"}),
+}
+
+
+@pytest.mark.parametrize("layout", list(COMPOSED))
+def test_zero_with_experts_composed_matches_one_process(dist, small_data_dir, references,
+                                                        layout):
+    world, parallel = COMPOSED[layout]
+    config = layout_config(BASE, world, **parallel)
+    check(references["dropless"], dist.run(world, record_training, config, small_data_dir,
+                                           STEPS), layout)
+
+
 # -- checkpoints (tests.dist.test_checkpoint_resume's helpers) -------------------------------------
 
 CKPT_LAYOUTS = {  # name -> (world size, parallel settings)
@@ -85,6 +113,7 @@ CKPT_LAYOUTS = {  # name -> (world size, parallel settings)
     "ep2": (2, {"ep": 2, "dp_replicate": 1}),
     **{name: LAYOUTS[name] for name in ("zero1-dp2", "zero3-dp2", "zero1-dp2-ep2",
                                         "zero2-dp2-ep2", "zero3-dp2-ep2")},
+    **{name: COMPOSED[name] for name in ("zero1-dp2-ep2-tp2", "zero2-pp2-dp2-ep2-1f1b")},
 }
 
 
@@ -95,7 +124,8 @@ def ckpt_config(layout: str) -> tuple[int, dict]:
     return world, layout_config(CKPT_BASE, world, **parallel)
 
 
-@pytest.mark.parametrize("layout", ["zero2-dp2-ep2", "zero3-dp2-ep2", "zero1-dp2"])
+@pytest.mark.parametrize("layout", ["zero2-dp2-ep2", "zero3-dp2-ep2", "zero1-dp2",
+                                    "zero1-dp2-ep2-tp2"])
 def test_zero_with_experts_resumes_bit_exact(dist, small_data_dir, tmp_path, layout):
     from tests.dist.test_checkpoint_resume import check_resume
 
@@ -110,7 +140,9 @@ def test_zero_with_experts_resumes_bit_exact(dist, small_data_dir, tmp_path, lay
                                             ("zero2-dp2-ep2", "zero3-dp2-ep2"),
                                             ("zero3-dp2-ep2", "ep2"),
                                             ("ep2", "zero1-dp2-ep2"),
-                                            ("zero3-dp2", "zero1-dp2-ep2")])
+                                            ("zero3-dp2", "zero1-dp2-ep2"),
+                                            ("zero2-pp2-dp2-ep2-1f1b", "single"),
+                                            ("zero1-dp2-ep2-tp2", "zero3-dp2-ep2")])
 def test_zero_with_experts_checkpoint_reshards(dist, small_data_dir, tmp_path, source, target):
     from tests.dist.test_checkpoint_resume import check_reshard
 
