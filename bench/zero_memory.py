@@ -2,6 +2,7 @@
 estimator (loom/train/memory.py) vs measured tensor bytes for several layouts.
 
     python bench/zero_memory.py                 # writes bench/out/zero_memory.json, prints tables
+    python bench/zero_memory.py --peak          # only the allocator-level peak table
 
 Model state = the bytes of every distinct storage held by parameters, gradients and optimizer
 state after one optimizer step (deduplicated by storage: ZeRO-1/2 parameters are views of flat
@@ -10,10 +11,16 @@ storages). fp32 training on CPU, so the formulas use fp32 parameters and gradien
 (4 + 4 + 8)Ψ, stage 1 (4 + 4)Ψ + 8Ψ/d, stage 2 4Ψ + 12Ψ/d, stage 3 16Ψ/d — the same totals as
 the paper's mixed-precision (2 + 2 + 12)Ψ at every stage (Loom keeps fp32 weights as the masters).
 
-Peak = model state + the activations saved for backward at the end of one microbatch's forward
-(saved-tensor hooks; storages deduplicated, parameters and their gathered copies excluded), with
-one microbatch per step (no accumulation): exactly what the estimator models, in tensor bytes
-(not allocator or process RSS, which CPU cannot report per tensor).
+Forward peak = model state + the activations saved for backward at the end of one microbatch's
+forward (saved-tensor hooks; storages deduplicated, parameters and their gathered copies
+excluded), with one microbatch per step, against the estimator's instant of the most saved
+activations, in tensor bytes.
+
+Peak (``--peak``) = the allocator-level peak of step 2, from the profiler's record of every CPU
+tensor allocation and free (``measure_peak``), against ``estimate_memory``'s total (its worst
+instant of the worst rank), with gradient accumulation and pipelines; reported without what the
+collectives allocate inside their own calls (gloo's staging copies, which NCCL does not make),
+and with it.
 """
 
 from __future__ import annotations
@@ -89,16 +96,135 @@ def measure(ctx, table, data_dir):
             "activations": act_bytes, "psi": psi}
 
 
+def _live_curve(trace_path: str, window: tuple[float, float]) -> dict[str, int]:
+    """Live bytes at the window's start and the most live during it, from a profiler trace's CPU
+    allocation events: a running sum of every allocation and of the frees of blocks allocated
+    since the profile began (all of the trainer's, which is built inside it). ``*_no_staging``
+    leaves out what the collectives allocate inside their own calls (gloo's staging: its
+    reduce-scatter clones the input, its all-gather allocates the output twice; NCCL has none).
+    ``window[0]`` may be a single instant (the start and peak are then the live bytes there)."""
+    trace = json.loads(Path(trace_path).read_text())["traceEvents"]
+    # the collective calls (c10d::) and gloo's own work on its threads; not its point-to-point
+    # sends and receives, whose spans cover the compute they overlap
+    staging = [(e["tid"], e["ts"], e["ts"] + e.get("dur", 0)) for e in trace
+               if e.get("ph") == "X" and e["name"].startswith(("c10d::", "gloo:"))
+               and e["name"] not in ("gloo:send", "gloo:recv")]
+    events = [e for e in trace
+              if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0]
+    events.sort(key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))
+    sizes: dict[int, tuple[int, bool]] = {}
+    live = [0, 0]  # all, without staging
+    out = {}
+    for event in events:
+        nbytes, addr, ts = event["args"]["Bytes"], event["args"]["Addr"], event["ts"]
+        if not out and ts >= window[0]:
+            out = {"start": live[0], "peak": live[0], "start_no_staging": live[1],
+                   "peak_no_staging": live[1]}
+        if nbytes > 0:
+            staged = any(t == event.get("tid") and a <= ts <= b for t, a, b in staging)
+            sizes[addr] = (nbytes, staged)
+            live[0] += nbytes
+            live[1] += 0 if staged else nbytes
+        elif addr in sizes:
+            size, staged = sizes.pop(addr)
+            live[0] -= size
+            live[1] -= 0 if staged else size
+        if out and ts <= window[1]:
+            out["peak"] = max(out["peak"], live[0])
+            out["peak_no_staging"] = max(out["peak_no_staging"], live[1])
+    return out
+
+
+def _model_state(trainer) -> int:
+    """Distinct storages of parameters, gradients (ZeRO-1/2 buffers and slices of every stage's
+    reducer too) and optimizer state."""
+    import torch
+
+    from loom.parallel.zero import ZeroShardedOptimizer
+
+    params = list(trainer.model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    for module in trainer.model.modules():
+        reducer = getattr(module, "_loom_grad_reducer", None)
+        if isinstance(reducer, ZeroShardedOptimizer):
+            grads += [t for b in reducer.buckets for t in (b.grad_flat, b.grad_shard)
+                      if t is not None]
+    opt = [v for state in trainer.optimizer.state.values() for v in state.values()
+           if torch.is_tensor(v) and v.numel() > 1]
+    return _storages(params + grads + opt)
+
+
+def measure_peak(ctx, table, data_dir, trace_dir):
+    """Allocator-level peak of step 2 (step 1 creates the optimizer state): every CPU tensor
+    allocation and free, recorded by the profiler from before the trainer is built. What is not
+    training state (the data set, RoPE tables, the harness's own) is the live bytes once the
+    trainer is built minus its parameters then; the peak is step 2's most live minus that."""
+    import gc
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from loom.config import from_dict
+    from loom.train.trainer import Trainer
+
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        trainer = Trainer(from_dict(table), data_dir, None, ctx)
+        gc.collect()
+        built = _model_state(trainer)  # the parameters (no gradients or optimizer state yet)
+        with torch.profiler.record_function("loom_built"):
+            pass
+        trainer.train_step()
+        gc.collect()
+        state = _model_state(trainer)
+        torch.distributed.barrier()
+        with torch.profiler.record_function("loom_step_2"):
+            trainer.train_step()
+        torch.distributed.barrier()
+    path = f"{trace_dir}/rank{ctx.rank}.json"
+    prof.export_chrome_trace(path)
+    spans = {e["name"]: e for e in json.loads(Path(path).read_text())["traceEvents"]
+             if e.get("name") in ("loom_built", "loom_step_2") and e.get("ph") == "X"}
+    step = spans["loom_step_2"]
+    at_built = _live_curve(path, (spans["loom_built"]["ts"], spans["loom_built"]["ts"]))
+    curve = _live_curve(path, (step["ts"], step["ts"] + step["dur"]))
+    Path(path).unlink()
+    other = at_built["start"] - built  # not training state
+    other_no_staging = at_built["start_no_staging"] - built
+    return {"state": state, "other": other, "peak": curve["peak"] - other,
+            "peak_no_staging": curve["peak_no_staging"] - other_no_staging}
+
+
 def formula(stage: int, psi: int, d: int) -> float:
     return {0: 16 * psi, 1: 8 * psi + 8 * psi / d, 2: 4 * psi + 12 * psi / d,
             3: 16 * psi / d}[stage]
+
+
+PEAK_LAYOUTS = [  # (name, ranks, overrides): global batch 16, so m = 16 / (dp x micro)
+    ("single", 1, {"train.micro_batch_size": 16}),
+    ("zero1-dp2 m=4", 2, {"dp_shard": 2, "zero_stage": 1, "train.micro_batch_size": 2}),
+    ("zero2-dp4 m=1", 4, {"dp_shard": 4, "zero_stage": 2, "train.micro_batch_size": 4}),
+    ("zero2-dp4 m=4", 4, {"dp_shard": 4, "zero_stage": 2, "train.micro_batch_size": 1}),
+    ("zero3-dp4 m=1", 4, {"dp_shard": 4, "zero_stage": 3, "train.micro_batch_size": 4}),
+    ("zero3-dp4 m=4", 4, {"dp_shard": 4, "zero_stage": 3, "train.micro_batch_size": 1}),
+    ("pp2 x zero3-dp2 1f1b held m=4", 4, {"pp": 2, "dp_shard": 2, "zero_stage": 3,
+                                          "reshard_after_forward": False,
+                                          "train.micro_batch_size": 2}),
+    ("pp2 x zero3-dp2 1f1b per-mb m=4", 4, {"pp": 2, "dp_shard": 2, "zero_stage": 3,
+                                            "train.micro_batch_size": 2}),
+    ("pp2 x zero3-dp2 zbv held m=4", 4, {"pp": 2, "dp_shard": 2, "zero_stage": 3,
+                                         "schedule": "zbv", "reshard_after_forward": False,
+                                         "train.micro_batch_size": 2}),
+    ("pp2 x zero2-dp2 1f1b m=4", 4, {"pp": 2, "dp_shard": 2, "zero_stage": 2,
+                                     "train.micro_batch_size": 2}),
+]
 
 
 def main() -> None:
     from loom.config import load_config, resolve, to_dict
     from loom.data.loader import prepare_data
     from loom.testing.harness import PoolRegistry
-    from loom.train.memory import estimate_memory
+    from loom.train.memory import estimate_memory, memory_instants
 
     out_dir = ROOT / "bench" / "out"
     data_dir = out_dir / "zero_memory_data"
@@ -106,13 +232,24 @@ def main() -> None:
                  data_dir)  # reuses the files when the recipe matches
     registry = PoolRegistry(pg_timeout_s=300.0)
 
-    def run(world, **over):
+    def resolved(world, **over):
         overrides = {**BASE, **{k: v for k, v in over.items() if "." in k}}
         overrides.update({f"parallel.{k}": v for k, v in over.items() if "." not in k})
         overrides.setdefault("train.micro_batch_size",
                              BASE["train.global_batch_size"] // max(1, world // over.get("tp", 1)))
-        config = resolve(load_config(None, overrides), world)
+        return resolve(load_config(None, overrides), world)
+
+    def run(world, **over):
+        config = resolved(world, **over)
         return config, registry.run(world, measure, to_dict(config), str(data_dir))[0]
+
+    if "--peak" in sys.argv:  # only the allocator-level table
+        results = json.loads((out_dir / "zero_memory.json").read_text()) \
+            if (out_dir / "zero_memory.json").exists() else {}
+        results["peak"] = peak_table(registry, resolved, data_dir, estimate_memory)
+        registry.close()
+        (out_dir / "zero_memory.json").write_text(json.dumps(results, indent=1))
+        return
 
     results = {"state": [], "estimator": []}
     print("| stage | d | Ψ | measured bytes/rank | formula | measured/formula |")
@@ -137,15 +274,44 @@ def main() -> None:
     print("\n| layout | ranks | estimated (B) | measured (B) | estimated/measured |")
     for name, world, over in layouts:
         config, m = run(world, **over)
-        est = estimate_memory(config)
+        # the instant of the most saved activations: the end of the one microbatch's forward
+        est = max(memory_instants(config), key=lambda e: (e.activations, e.total))
         predicted = est.model_state + est.activations
         measured = m["state"] + m["activations"]
         results["estimator"].append({"layout": name, "world": world, "estimated": predicted,
                                      "estimate": est.components(), "measured": measured, **m})
         print(f"| {name} | {world} | {predicted:,.0f} | {measured:,} |"
               f" {predicted / measured:.4f} |", flush=True)
+    results["peak"] = peak_table(registry, resolved, data_dir, estimate_memory)
     registry.close()
     (out_dir / "zero_memory.json").write_text(json.dumps(results, indent=1))
+
+
+def peak_table(registry, resolved, data_dir, estimate_memory) -> list[dict]:
+    """The estimator's peak (its worst rank) vs the allocator-level peak of step 2 on the worst
+    measured rank, without and with gloo's staging inside the collectives."""
+    import tempfile
+
+    from loom.config import to_dict
+
+    rows = []
+    print("\n| layout | estimated peak (B) | largest at the peak | measured peak (B) |"
+          " estimated/measured | with gloo staging (B) |")
+    with tempfile.TemporaryDirectory() as trace_dir:
+        for name, world, over in PEAK_LAYOUTS:
+            config = resolved(world, **over)
+            measured = registry.run(world, measure_peak, to_dict(config), str(data_dir),
+                                    trace_dir)
+            est = estimate_memory(config)
+            peak = max(m["peak_no_staging"] for m in measured)
+            raw = max(m["peak"] for m in measured)
+            rows.append({"layout": name, "world": world, "estimate": est.components(),
+                         "estimated": est.total, "estimate_rank": est.rank,
+                         "notes": list(est.notes), "measured": measured,
+                         "measured_peak": peak, "measured_peak_with_staging": raw})
+            print(f"| {name} | {est.total:,.0f} (rank {est.rank}) | {est.largest()[0]} |"
+                  f" {peak:,} | {est.total / peak:.3f} | {raw:,} |", flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ one (compute dtype) as ``transient``.
 That is the state at rest. The peak is taken over the instants of a rank's step (during and right
 after each action of its pipeline schedule; without a pipeline, F then B per microbatch; then the
 optimizer step), each instant adding what Loom's code holds then (``notes`` says which, with the
-bytes; ``memory_instants`` lists them all). Measured against the allocator's peak within 6%
-(docs/benchmarks.md "ZeRO memory"):
+bytes; ``memory_instants`` lists them all). Against the allocator's measured peak: within 6%
+for 8 of 10 layouts with accumulation and pipelines (docs/benchmarks.md "ZeRO memory"):
 
 * gradients full-size while microbatches accumulate (all but the last microbatch run with the
   reducer's ``sync`` off; a pipeline stage's every backward piece does, until the runtime

@@ -163,7 +163,8 @@ def test_zero3_accumulation_holds_unsharded_gradients_instead_of_shards():
     assert (est.parameters, est.gradients, est.optimizer, est.transient) == \
         (PSI, 4 * PSI, 2 * PSI, 2 * 4 * BLOCK + 4 * BLOCK)
     # bf16 compute and bf16 reduction: FSDP2 accumulates in the compute dtype
-    bf16 = forward_peak(accumulating(3, **{"train.dtype": "bf16", "train.grad_reduce_dtype": "bf16"}))
+    bf16 = forward_peak(accumulating(3, **{"train.dtype": "bf16",
+                                           "train.grad_reduce_dtype": "bf16"}))
     assert bf16.gradients == 2 * PSI
     assert forward_peak(accumulating(3, **{"train.dtype": "bf16"})).gradients == 4 * PSI
 
