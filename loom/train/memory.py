@@ -159,6 +159,23 @@ def model_state_bytes(psi: float, shard: int, stage: int, *, accumulating: bool 
     return (4 * psi / (d if stage == 3 else 1), grads, 8 * psi / (d if stage >= 1 else 1))
 
 
+def zero2_reduction_bytes(psi: float, shard: int) -> tuple[float, float]:
+    """(gradients, transient) ZeRO-2 adds at its reduction, after the last backward (piece) of
+    ``psi`` parameters: every bucket's gradients packed into a flat buffer kept for its
+    asynchronous reduce-scatter until the step's finish (4Ψ), and, as transient, the ``cat`` and
+    padded copies of the bucket being launched plus the reduced slices' outputs (4Ψ/d)."""
+    from loom.parallel.data import BUCKET_BYTES
+
+    return 4 * psi, 2 * 4 * min(psi, BUCKET_BYTES / 4) + 4 * psi / shard
+
+
+def optimizer_step_bytes(psi: float, shard: int, stage: int) -> float:
+    """Transient bytes of the optimizer step: torch's foreach AdamW allocates two temporaries the
+    size of the state it steps (the square root of the second moment, then its quotient), this
+    rank's slice under ZeRO (``stage`` > 0) and all ``psi`` parameters without."""
+    return 2 * 4 * psi / (shard if stage else 1)
+
+
 def layer_activation_bytes(config: Config, *, layer_recomputed: bool = False) -> float:
     """Saved-for-backward bytes of one transformer block for one microbatch on one rank."""
     m, par, tr = config.model, config.parallel, config.train
@@ -344,20 +361,15 @@ def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[Memor
                 # gradients packed (cat, then padded: two copies of the bucket being launched)
                 # and kept for its asynchronous reduce-scatter until the step's finish, beside
                 # the reduced slices' outputs
-                from loom.parallel.data import BUCKET_BYTES
-
                 flushed = sum(st.psi for st in line.stages if st.last == index)
-                bucket = min(flushed, BUCKET_BYTES / 4)
-                packing = 2 * 4 * bucket + 4 * flushed / d
+                packed, packing = zero2_reduction_bytes(flushed, d)
                 yield MemoryEstimate(
-                    params + gathered, g + 4 * flushed, optim, per_micro * level, packing,
+                    params + gathered, g + packed, optim, per_micro * level, packing,
                     rank, (*notes, f"ZeRO-2 reduction: {4 * flushed:,.0f} B of packed full-size"
                                    f" gradients in 'gradients', two copies of the largest bucket"
                                    f" and the slices' outputs in 'transient'"))
-    # the optimizer step: no activations; torch's foreach AdamW allocates two temporaries the
-    # size of the state it steps (sqrt of the second moment, then its quotient)
-    stepped = 0.0 if offloaded else 4 * psi / (d if stage else 1)
-    yield MemoryEstimate(params, grads, optim, 0.0, 2 * stepped, rank,
+    yield MemoryEstimate(params, grads, optim, 0.0,
+                         0.0 if offloaded else optimizer_step_bytes(psi, d, stage), rank,
                          ("optimizer step: AdamW's two temporaries in 'transient'",))
 
 
@@ -409,4 +421,5 @@ def check_memory_limit(config: Config) -> str | None:
 
 __all__ = ["MemoryEstimate", "estimate_memory", "memory_instants", "layer_activation_bytes",
            "check_memory_limit", "block_activation_bytes", "head_activation_bytes",
-           "model_state_bytes", "device_limit_bytes", "GiB"]
+           "model_state_bytes", "zero2_reduction_bytes", "optimizer_step_bytes",
+           "device_limit_bytes", "GiB"]

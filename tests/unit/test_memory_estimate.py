@@ -241,3 +241,12 @@ def test_model_state_bytes_accumulating_keyword():
     for stage in (0, 1):
         assert model_state_bytes(800, 4, stage, accumulating=True) == \
             model_state_bytes(800, 4, stage)
+
+
+def test_pure_instant_functions_for_the_planner():
+    from loom.train.memory import optimizer_step_bytes, zero2_reduction_bytes
+
+    assert zero2_reduction_bytes(800, 4) == (3200, 2 * 3200 + 800)
+    big = 10 * 2**20  # elements: past one 25 MB bucket, two copies of a bucket, not of all
+    assert zero2_reduction_bytes(big, 4) == (4 * big, 2 * 25 * 2**20 + big)
+    assert optimizer_step_bytes(800, 4, 0) == 6400 and optimizer_step_bytes(800, 4, 2) == 1600
