@@ -9,9 +9,9 @@
 
 Parity with one process (5 steps, fp32: loss, gradient norm, every gradient), dropless and with a
 capacity factor that drops assignments; HSDP (dp_replicate2 x dp_shard2 x ep2, 8 ranks); with tp,
-cp (ep = 1) and pp (1F1B, ZB-V), and ep2 with tp2 (ZeRO-1) and pp2 (ZeRO-2/3), 8 ranks; the
-ledger's bytes per group; bit-exact resume and checkpoints resharded to and from one process and
-plain expert parallelism.
+cp (ep = 1) and pp (1F1B, ZB-V), and ep2 with tp2 (ZeRO-1, ZeRO-2 + SP) and pp2 (ZeRO-2/3),
+8 ranks; the ledger's bytes per group; bit-exact resume and checkpoints resharded to and from
+one process and plain expert parallelism.
 
 Tolerances as in test_zero.py: step 1 differs from one process only by summation order (rtol
 1e-5, atol 1e-6); later steps inherit Adam's amplification of rounding-level elements (rtol 1e-4,
@@ -90,6 +90,8 @@ COMPOSED = {  # name -> (world size, parallel settings): ZeRO of an MoE model wi
     "zero2-pp2-dp2-zbv": (4, {"pp": 2, "dp_shard": 2, "zero_stage": 2, "schedule": "zbv"}),
     "zero3-pp2-dp2-1f1b": (4, {"pp": 2, "dp_shard": 2, "zero_stage": 3, "schedule": "1f1b"}),
     "zero1-dp2-ep2-tp2": (8, {"dp_shard": 2, "ep": 2, "tp": 2, "zero_stage": 1}),
+    "zero2-dp2-ep2-tp2-sp": (8, {"dp_shard": 2, "ep": 2, "tp": 2, "zero_stage": 2,
+                                 "sequence_parallel": True}),
     "zero2-pp2-dp2-ep2-1f1b": (8, {"pp": 2, "dp_shard": 2, "ep": 2, "zero_stage": 2,
                                    "schedule": "1f1b"}),
     "zero3-pp2-dp2-ep2-1f1b": (8, {"pp": 2, "dp_shard": 2, "ep": 2, "zero_stage": 3,
