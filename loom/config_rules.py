@@ -285,7 +285,8 @@ def _validate_tied_pipeline(config: Config, schedule) -> None:
     if par.cp > 1:
         raise ConfigError("parallel.cp", par.cp, "tied embeddings across pipeline stages with"
                           " cp > 1 are not tested yet; use cp = 1 or untie")
-    if par.dp_shard > 1 and schedule.rank_of(0) == schedule.rank_of(schedule.num_stages - 1):
+    last = schedule.stages_per_route - 1  # of route 0 (each route of bidirectional_v alike)
+    if par.dp_shard > 1 and schedule.rank_of(0) == schedule.rank_of(last):
         raise ConfigError("parallel.dp_shard", par.dp_shard,
                           f"schedule {par.schedule!r} puts the first and last stage on one rank,"
                           " where a tied embedding is one Parameter shared by two stages, and"
@@ -306,12 +307,12 @@ def _validate_routes(config: Config, schedule, how: str) -> None:
                           f"{how}; schedule {par.schedule!r} sends microbatches alternately"
                           " through its two model copies, so training needs m >= 2 (the"
                           " generator accepts any m >= 1, an even m balances the copies)")
-    if par.dp_shard > 1:
-        raise ConfigError("parallel.dp_shard", par.dp_shard, f"schedule {par.schedule!r} (two"
-                          " model copies, gradients summed over mirror ranks) with ZeRO is not"
-                          " implemented yet (the copy sum would have to act on each stage's"
-                          " sharded gradients); it is parity-tested with dp_replicate, tp, cp,"
-                          " ep, MoE and tied embeddings; use dp_replicate or another schedule")
+    if par.dp_shard > 1 and par.zero_stage in (1, 2):
+        raise ConfigError("parallel.zero_stage", par.zero_stage, f"schedule {par.schedule!r} (two"
+                          " model copies, gradients summed over mirror ranks) with ZeRO-1/2 is"
+                          " not implemented: their reduced gradients live in flat slices, which"
+                          " the copy sum and the norm's count of replicas do not see; use"
+                          " zero_stage = 3 (reshard_after_forward = false) or dp_replicate")
 
 
 def _validate_schedule(config: Config) -> None:

@@ -21,10 +21,11 @@ against one process with the same global batch. On top, what is particular to tw
   no conflicting copies), and the other way;
 * ``loom train --parallel.pp=2 --parallel.schedule=bidirectional_v`` runs from the command line;
 * compositions, against one process at the same tolerances: pp2 x tp2, pp2 x tp2 with a
-  vocabulary-parallel tied head, pp2 x cp2 (debug model), and MoE (tiny-moe) at pp2, pp2 x ep2
-  dropless and with capacity drops (test_expert_tp.py's settings). The copy sum acts on each
-  rank's local tensors; mirror ranks share their tp, cp and ep coordinates, so the shards line
-  up. ZeRO (dp_shard > 1) stays refused by the config.
+  vocabulary-parallel tied head, pp2 x cp2, pp2 x dp_shard2 and pp2 x HSDP 2x2 (ZeRO-3,
+  gathered across the step) on the debug model, and MoE (tiny-moe) at pp2, pp2 x ep2 dropless
+  and with capacity drops (test_expert_tp.py's settings). The copy sum acts on each rank's
+  local tensors; mirror ranks share their tp, cp, ep and dp coordinates, so the shards line
+  up. ZeRO-1/2 stay refused by the config (measured: the norm is off at step 1).
 
 The one-process comparison uses test_pipeline_parity's tolerances and reasoning (step 1 rtol
 1e-5 / atol 1e-6: only the accumulation order differs; later steps 1e-4 / 1e-5 for Adam's
@@ -158,21 +159,27 @@ def test_loom_train_runs_a_bidirectional_pipeline(tmp_path):
 
 
 # -- compositions: tensor, context and expert parallelism, MoE ----------------------------------
-COMPOSED = {  # name -> (world, microbatches per pipeline, parallel degrees, extra overrides)
+COMPOSED = {  # name -> (world, microbatches per pipeline, parallel settings, overrides)
     "p2-tp2": (4, 4, {"pp": 2, "tp": 2}, {}),
     "p2-tp2-vocab-tied": (4, 4, {"pp": 2, "tp": 2},
                           {"parallel.vocab_parallel": True, "model.tie_embeddings": True}),
     "p2-cp2": (4, 4, {"pp": 2, "cp": 2}, {}),
+    # ZeRO-3 inside the stages (gathered across the step: the backward is split into I and W)
+    "p2-zero3": (4, 4, {"pp": 2, "dp_shard": 2, "zero_stage": 3, "reshard_after_forward": False},
+                 {}),
+    "p2-hsdp-2x2": (8, 4, {"pp": 2, "dp_replicate": 2, "dp_shard": 2, "zero_stage": 3,
+                           "reshard_after_forward": False}, {}),
 }
 
 
 @pytest.mark.parametrize("layout", list(COMPOSED))
-def test_composed_with_tp_and_cp_matches_one_process(dist, small_data_dir, tmp_path, layout):
+def test_composed_layouts_match_one_process(dist, small_data_dir, tmp_path, layout):
     world, micro, parallel, extra = COMPOSED[layout]
     base = {**BASE, **extra}
+    batch = micro * parallel.get("dp_replicate", 1) * parallel.get("dp_shard", 1)
     (tmp_path / "ref").mkdir()
-    reference = reference_runs(dist, small_data_dir, str(tmp_path / "ref"), base, STEPS)(micro)
-    config = layout_config({**base, "train.global_batch_size": micro,
+    reference = reference_runs(dist, small_data_dir, str(tmp_path / "ref"), base, STEPS)(batch)
+    config = layout_config({**base, "train.global_batch_size": batch,
                             "parallel.schedule": "bidirectional_v"}, world, **parallel)
     results = dist.run(world, record_pipeline, config, small_data_dir, STEPS, str(tmp_path))
     check(reference, results, f"bidirectional_v {layout}")

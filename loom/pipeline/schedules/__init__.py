@@ -12,7 +12,7 @@ export, and the config would refuse them for training by name).
 * ``bidirectional_v`` (routed): BitPipe's shape, two V pipelines in opposite directions over two
   copies of the model. Trainable for an even pp and m >= 2: the runtime holds both copies and
   sums their gradients over the mirror ranks (see ``loom.pipeline.runtime``); the config refuses
-  ZeRO (dp_shard > 1), which it does not compose with yet, by name.
+  ZeRO-1/2, which it does not compose with yet, by name.
 
 Not provided, and why:
 

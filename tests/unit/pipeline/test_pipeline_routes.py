@@ -109,6 +109,8 @@ def test_the_config_trains_it_with_an_even_pp_and_data_parallelism():
     _bidirectional({"parallel.pp": "4", "model.n_layers": "8"}, 4)  # 2p stages per copy
     _bidirectional({"model.tie_embeddings": "true"})  # each copy's ends share one rank
     _bidirectional({"parallel.tp": "2", "parallel.cp": "2"}, 8)
+    _bidirectional({"parallel.dp_shard": "2", "parallel.reshard_after_forward": "false",
+                    "train.global_batch_size": "4"}, 4)  # ZeRO-3, gathered across the step
     _bidirectional({"model.preset": "tiny-moe", "parallel.ep": "2",
                     "train.global_batch_size": "4"}, 4)
 
@@ -117,8 +119,14 @@ def test_the_config_trains_it_with_an_even_pp_and_data_parallelism():
     ({"parallel.pp": "3", "model.n_layers": "6"}, 3, "parallel.pp", "even pp"),
     ({"train.global_batch_size": "1"}, 2, "train.global_batch_size", "m >= 2"),
     ({"parallel.pp": "4"}, 4, "parallel.schedule", "8 stages"),  # debug: 4 layers
-    ({"parallel.dp_shard": "2", "train.global_batch_size": "4"}, 4, "parallel.dp_shard",
-     "ZeRO"),
+    ({"parallel.dp_shard": "2", "parallel.zero_stage": "1", "train.global_batch_size": "4"}, 4,
+     "parallel.zero_stage", "ZeRO-1/2"),
+    ({"parallel.dp_shard": "2", "parallel.zero_stage": "2", "train.global_batch_size": "4"}, 4,
+     "parallel.zero_stage", "ZeRO-1/2"),
+    # each copy's tied ends share one Parameter on one rank, which ZeRO-3 cannot shard twice
+    ({"parallel.dp_shard": "2", "parallel.reshard_after_forward": "false",
+      "model.tie_embeddings": "true", "train.global_batch_size": "4"}, 4, "parallel.dp_shard",
+     "first and last stage on one rank"),
 ])
 def test_the_config_refuses_what_it_does_not_train_by_name(overrides, world, field_name, words):
     with pytest.raises(ConfigError) as info:
