@@ -25,7 +25,8 @@ against one process with the same global batch. On top, what is particular to tw
   gathered across the step) on the debug model, and MoE (tiny-moe) at pp2, pp2 x ep2 dropless
   and with capacity drops (test_expert_tp.py's settings). The copy sum acts on each rank's
   local tensors; mirror ranks share their tp, cp, ep and dp coordinates, so the shards line
-  up. ZeRO-1/2 stay refused by the config (measured: the norm is off at step 1).
+  up. ZeRO-1/2 stay refused by the config (measured: the norm is off at step 1). Also the
+  post-validated optimizer step (pp2), whose norm leaves the replicas out the same way.
 
 The one-process comparison uses test_pipeline_parity's tolerances and reasoning (step 1 rtol
 1e-5 / atol 1e-6: only the accumulation order differs; later steps 1e-4 / 1e-5 for Adam's
@@ -164,6 +165,8 @@ COMPOSED = {  # name -> (world, microbatches per pipeline, parallel settings, ov
     "p2-tp2-vocab-tied": (4, 4, {"pp": 2, "tp": 2},
                           {"parallel.vocab_parallel": True, "model.tie_embeddings": True}),
     "p2-cp2": (4, 4, {"pp": 2, "cp": 2}, {}),
+    # the post-validated optimizer step leaves the copy-1 replicas out of its norm too
+    "p2-post-validation": (2, 4, {"pp": 2}, {"train.post_validation": True}),
     # ZeRO-3 inside the stages (gathered across the step: the backward is split into I and W)
     "p2-zero3": (4, 4, {"pp": 2, "dp_shard": 2, "zero_stage": 3, "reshard_after_forward": False},
                  {}),
