@@ -230,17 +230,12 @@ def _validate_experts(config: Config) -> None:
 
 def _validate_zero_experts(config: Config) -> None:
     """ZeRO (dp_shard > 1) with an MoE model: with ep = 1 experts are ordinary parameters; with
-    ep > 1 dense weights shard over dp_shard x ep and experts over dp_shard (parity tests:
-    tests/dist/test_zero_expert.py, with dp_replicate, tp, cp and pp). What is not built is
-    refused by name."""
+    ep > 1 dense weights shard over dp_shard x ep (x cp) and experts over dp_shard (x cp) (parity
+    tests: tests/dist/test_zero_expert.py, with dp_replicate, tp, cp and pp). What is not built
+    is refused by name."""
     par = config.parallel
     if par.ep == 1:
         return
-    if par.cp > 1:
-        raise ConfigError("parallel.cp", par.cp, "ep > 1 and cp > 1 with dp_shard > 1 are not"
-                          " implemented yet (dense weights would shard over dp_shard x ep x cp,"
-                          " experts over dp_shard x cp: meshes Loom does not build yet); use"
-                          " dp_replicate for data parallelism, or cp = 1")
     if par.tp > 1 and par.zero_stage == 3:
         raise ConfigError("parallel.zero_stage", 3, "ZeRO-3 with ep > 1 and tp > 1 is not"
                           " implemented: expert-TP runs the experts on their local tp shards"

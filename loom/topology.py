@@ -148,8 +148,8 @@ class Meshes:
     dp_shard_cp: Any = None
     shard_2d: Any = None
     # ZeRO with expert parallelism (dp_shard > 1, ep > 1): dense parameters are replicated over
-    # ep too, so they shard over dp_shard x ep flattened; ``dense_2d`` is HSDP's
-    # (dp_replicate, dp_shard_ep) mesh when dp_replicate > 1. None otherwise.
+    # ep (and cp) too, so they shard over dp_shard x ep (x cp) flattened; ``dense_2d`` is HSDP's
+    # (dp_replicate, that) mesh when dp_replicate > 1. None otherwise.
     dp_shard_ep: Any = None
     dense_2d: Any = None
 
@@ -173,10 +173,12 @@ def build_mesh(grid: RankGrid, device_type: str) -> Meshes:
                             ("dp_replicate", "dp_shard_cp"))
     dp_shard_ep = dense_2d = None
     if grid.degree("ep") > 1 and grid.degree("dp_shard") > 1:
-        dp_shard_ep = root[("dp_shard", "ep")]._flatten("dp_shard_ep")
+        axes = ("dp_shard", "ep", "cp") if grid.degree("cp") > 1 else ("dp_shard", "ep")
+        name = "_".join(axes)
+        dp_shard_ep = root[axes]._flatten(name)
         if grid.degree("dp_replicate") > 1:
-            dense_2d = root[("dp_replicate", "dp_shard", "ep")]._flatten("dp_rep_shard_ep") \
+            dense_2d = root[("dp_replicate", *axes)]._flatten(f"dp_rep_{name}") \
                 ._unflatten(0, (grid.degree("dp_replicate"), dp_shard_ep.size()),
-                            ("dp_replicate", "dp_shard_ep"))
+                            ("dp_replicate", name))
     return Meshes(root=root, dp=dp, dp_cp=dp_cp, dp_no_ep=dp_no_ep, dp_shard_cp=dp_shard_cp,
                   shard_2d=shard_2d, dp_shard_ep=dp_shard_ep, dense_2d=dense_2d)

@@ -17,7 +17,7 @@ on, because each later step must see the module the earlier ones produced:
    hold the same weights and average their gradients like replicas. With ``dp_shard > 1`` it is
    ZeRO instead: stage 3 through FSDP2 (``data.apply_fully_shard``), 1 and 2 ``zero.py``'s.
    With ep > 1 ZeRO shards the dense weights over ``dp_shard x ep`` and each ep rank's experts
-   over ``dp_shard`` (``expert_zero_mesh``), dividing both by dp x ep.
+   over ``dp_shard`` (``expert_zero_mesh``; both x cp under cp), dividing both by dp x ep (x cp).
 
 Pipeline parallelism is applied before all of these by splitting the model into stages
 (``loom.pipeline``); ``loom.pipeline.runtime.build_pipeline`` then calls ``parallelize`` on every
@@ -45,26 +45,29 @@ def zero_mesh(meshes: Meshes, parallel: Any) -> tuple[Any, str]:
     """ZeRO's mesh and its ledger axis name: ``dp_shard``, or ``dp_shard x cp`` flattened when
     cp > 1 (cp ranks hold the same weights, so they shard them too, and their gradients are
     averaged with the data-parallel ones); 2-D with ``dp_replicate`` first for HSDP."""
+    if parallel.ep > 1:  # dense weights are replicated over ep too: they shard over it (and cp)
+        return (meshes.dense_2d if parallel.dp_replicate > 1 else meshes.dp_shard_ep), \
+            "dp_shard_ep_cp" if parallel.cp > 1 else "dp_shard_ep"
     if parallel.cp > 1:
         mesh = meshes.shard_2d if parallel.dp_replicate > 1 else meshes.dp_shard_cp
         return mesh, "dp_shard_cp"
-    if parallel.ep > 1:  # dense weights are replicated over ep too: they shard over it
-        return (meshes.dense_2d if parallel.dp_replicate > 1 else meshes.dp_shard_ep), \
-            "dp_shard_ep"
     if parallel.dp_replicate > 1:
         return meshes.root[("dp_replicate", "dp_shard")], "dp_shard"
     return meshes.root["dp_shard"], "dp_shard"
 
 
-def expert_zero_mesh(meshes: Meshes, parallel: Any, ndim: int) -> Any:
-    """With ep > 1, the mesh ZeRO shards the expert weights over (None otherwise): ``dp_shard``,
-    the ranks holding the same experts (``ndim`` 2 under HSDP: ``(dp_replicate, dp_shard)``, as
-    FSDP2 wants; ZeRO-1/2 take the 1-D shard mesh and average over dp_replicate themselves)."""
+def expert_zero_mesh(meshes: Meshes, parallel: Any, ndim: int) -> tuple[Any, str] | None:
+    """With ep > 1, the mesh ZeRO shards the expert weights over and its ledger name (None
+    otherwise): ``dp_shard``, or ``dp_shard x cp`` flattened, the ranks holding the same experts
+    (``ndim`` 2 under HSDP: ``(dp_replicate, ...)``, as FSDP2 wants; ZeRO-1/2 take the 1-D
+    shard mesh and average over dp_replicate themselves)."""
     if parallel.ep == 1:
         return None
-    if ndim == 2 and parallel.dp_replicate > 1:
-        return meshes.root[("dp_replicate", "dp_shard")]
-    return meshes.root["dp_shard"]
+    two_d = ndim == 2 and parallel.dp_replicate > 1
+    if parallel.cp > 1:
+        return (meshes.shard_2d if two_d else meshes.dp_shard_cp), "dp_shard_cp"
+    return meshes.root[("dp_replicate", "dp_shard")] if two_d else meshes.root["dp_shard"], \
+        "dp_shard"
 
 
 def parallelize(model: nn.Module, meshes: Meshes, parallel: Any, *, cp_groups: Any = None,
@@ -107,7 +110,7 @@ def parallelize(model: nn.Module, meshes: Meshes, parallel: Any, *, cp_groups: A
                                  reshard_after_backward=after_backward, param_dtype=compute,
                                  reduce_dtype=reduce_dtype, offload_optimizer=offload_optimizer,
                                  ledger=ledger, axis=axis,
-                                 expert_mesh=expert_zero_mesh(meshes, parallel, 2))
+                                 experts=expert_zero_mesh(meshes, parallel, 2))
     if parallel.dp_shard > 1:
         from loom.parallel.zero import apply_zero
 
@@ -117,7 +120,7 @@ def parallelize(model: nn.Module, meshes: Meshes, parallel: Any, *, cp_groups: A
                           axis=axis, reduce_dtype=reduce_dtype, offload=offload_optimizer,
                           ledger=ledger,
                           tp_group=meshes.root["tp"].get_group() if parallel.tp > 1 else None,
-                          expert_mesh=expert_zero_mesh(meshes, parallel, 1))
+                          experts=expert_zero_mesh(meshes, parallel, 1))
     dp_mesh, axis = (meshes.dp_cp, "dp_cp") if parallel.cp > 1 else (meshes.dp, "dp")
     if parallel.ep > 1:
         from loom.parallel.data import GradientReducer

@@ -290,7 +290,7 @@ def apply_fully_shard(model: nn.Module, mesh: Any, *, reshard_after_forward: boo
                       reshard_after_backward: bool = True, param_dtype: torch.dtype | None = None,
                       reduce_dtype: torch.dtype = torch.float32, offload_optimizer: bool = False,
                       ledger: comm.CommLedger | None = None, axis: str = "dp_shard",
-                      expert_mesh: Any = None) -> nn.Module:
+                      experts: tuple[Any, str] | None = None) -> nn.Module:
     """ZeRO-3 with FSDP2 over ``mesh`` (1-D ``dp_shard`` or 2-D ``(dp_replicate, dp_shard)``).
 
     One FSDP unit per transformer block (gathered just in time, freed after use) and one for the
@@ -303,13 +303,13 @@ def apply_fully_shard(model: nn.Module, mesh: Any, *, reshard_after_forward: boo
     The ledger counts the all-gathers and reduce-scatters (through ``comm.py``) and, with a 2-D
     mesh, HSDP's all-reduce over ``dp_replicate``.
 
-    ``expert_mesh`` (expert parallelism, ``mesh`` then being ``dp_shard x ep``): every MoE
-    layer's ``GroupedExperts`` (this ep rank's experts) becomes its own unit on this ``dp_shard``
-    (HSDP: ``(dp_replicate, dp_shard)``) mesh, inside its block's unit, TorchTitan's layout. Its
-    gradients are summed over that mesh and divided by the whole data-parallel degree
-    ``mesh.size() x dp_replicate`` (``set_gradient_divide_factor``): each rank's expert gradient
-    already sums every ep rank's tokens (the backward all-to-all), so dividing by the expert
-    mesh's size alone would leave it ep times too large.
+    ``experts`` (expert parallelism, ``mesh`` then being ``dp_shard x ep (x cp)``): a mesh and
+    its ledger name; every MoE layer's ``GroupedExperts`` (this ep rank's experts) becomes its
+    own unit on that ``dp_shard (x cp)`` mesh (HSDP: ``(dp_replicate, ...)``), inside its
+    block's unit, TorchTitan's layout. Its gradients are summed over that mesh and divided by
+    the whole data-parallel degree ``mesh.size()`` (``set_gradient_divide_factor``): each
+    rank's expert gradient already sums every ep rank's tokens (the backward all-to-all), so
+    dividing by the expert mesh's size alone would leave it ep times too large.
     """
     from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
                                         fully_shard)
@@ -317,12 +317,12 @@ def apply_fully_shard(model: nn.Module, mesh: Any, *, reshard_after_forward: boo
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy() if offload_optimizer else OffloadPolicy()
     blocks = list(model.layers.values()) if hasattr(model, "layers") else []
-    experts = []
+    expert_units, (expert_mesh, expert_axis) = [], experts or (None, "")
     if expert_mesh is not None:
         from loom.models.moe import GroupedExperts
 
-        experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
-        for unit in experts:
+        expert_units = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+        for unit in expert_units:
             fully_shard(unit, mesh=expert_mesh, reshard_after_forward=reshard_after_forward,
                         mp_policy=policy, offload_policy=offload)
     for block in blocks:
@@ -333,15 +333,16 @@ def apply_fully_shard(model: nn.Module, mesh: Any, *, reshard_after_forward: boo
     # the step's traffic exactly ZeRO-3's 3 x Psi and its memory exactly 1/d.
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
                 offload_policy=offload)
-    for unit in [*experts, *blocks, model]:
-        unit_mesh, unit_axis = (expert_mesh, "dp_shard") if unit in experts else (mesh, axis)
+    for unit in [*expert_units, *blocks, model]:
+        unit_mesh, unit_axis = (expert_mesh, expert_axis) if unit in expert_units \
+            else (mesh, axis)
         unit.set_force_sum_reduction_for_comms(True)  # gloo: SUM, then FSDP2 divides by dp
         unit.set_custom_all_gather(_CountedAllGather(ledger, unit_axis))
         unit.set_custom_reduce_scatter(_CountedReduceScatter(ledger, unit_axis))
         unit.set_reshard_after_backward(reshard_after_backward, recurse=False)
         if ledger is not None and unit_mesh.ndim == 2:
             unit.set_all_reduce_hook(_CountedReplicateAllReduce(ledger, unit_mesh.size(0)))
-    for unit in experts:  # the data-parallel degree dp x ep, not the expert mesh's dp
+    for unit in expert_units:  # the data-parallel degree dp x ep, not the expert mesh's dp
         unit.set_gradient_divide_factor(float(mesh.size()))
     # Explicit prefetch: the next block's all-gather is issued before this one computes.
     for current, following in zip(blocks, blocks[1:]):

@@ -24,7 +24,9 @@ ranks contributed, the expert ones although only d x dp_replicate did, because e
 expert gradient already sums the tokens of all ep ranks (the backward all-to-all), as
 ``expert.reduce_gradients`` divides. Clipping stays one float: dense elements are partitioned
 over dp_shard x ep, expert elements over ep (experts) x dp_shard (slices), so one sum over the
-dp_shard x ep group counts every element once.
+dp_shard x ep group counts every element once. Under context parallelism cp joins both groups
+(dense: dp_shard x ep x cp; experts: dp_shard x cp), and the divisor (cp ranks hold other tokens
+of the same sequences).
 
 Layout. Trainable parameters are packed into flat fp32 buckets (~25 MB, each holding one weight-
 decay group, in reverse parameter order: the order backward produces gradients), each padded to a
@@ -324,25 +326,26 @@ class ZeroShardedOptimizer:
 def apply_zero(model: nn.Module, stage: int, shard_mesh: Any, replicate_mesh: Any, *,
                axis: str = "dp_shard", reduce_dtype: torch.dtype = torch.float32,
                offload: bool = False, ledger: comm.CommLedger | None = None,
-               tp_group: Any = None, expert_mesh: Any = None) -> nn.Module:
+               tp_group: Any = None, experts: tuple[Any, str] | None = None) -> nn.Module:
     """Attach ZeRO-1/2 over ``shard_mesh`` (``dp_shard``, ``dp_shard x cp`` or, under expert
     parallelism, ``dp_shard x ep`` flattened) and ``replicate_mesh`` (``dp_replicate``);
     ``tp_group``: the model's tensor-parallel group (its DTensor parameters are bucketed by
-    local shard); ``expert_mesh``: with ep > 1, the 1-D ``dp_shard`` mesh the expert weights
-    (already cut to this ep rank's experts) shard over. ``zero_of(model)`` finds it."""
-    experts, expert_shards, ep_size = frozenset(), None, 1
-    if expert_mesh is not None:
+    local shard); ``experts``: with ep > 1, the 1-D mesh the expert weights (already cut to
+    this ep rank's experts) shard over, ``dp_shard`` or ``dp_shard x cp``, and its ledger name.
+    ``zero_of(model)`` finds it."""
+    names, expert_shards, ep_size = frozenset(), None, 1
+    if experts is not None:
         from loom.parallel.expert import expert_parallel_of, expert_parameter_names
 
-        experts = frozenset(expert_parameter_names(model))
-        expert_shards = ShardGroup(expert_mesh.get_group(), expert_mesh.size(),
-                                   expert_mesh.get_local_rank(), "dp_shard")
+        (mesh, expert_axis), names = experts, frozenset(expert_parameter_names(model))
+        expert_shards = ShardGroup(mesh.get_group(), mesh.size(), mesh.get_local_rank(),
+                                   expert_axis)
         ep_size = expert_parallel_of(model).size
     model._loom_grad_reducer = ZeroShardedOptimizer(
         model, stage, shard_mesh.get_group(), shard_mesh.size(), shard_mesh.get_local_rank(),
         replicate_group=replicate_mesh.get_group(), replicate_size=replicate_mesh.size(),
         reduce_dtype=reduce_dtype, offload=offload, ledger=ledger, axis=axis, tp_group=tp_group,
-        experts=experts, expert_shards=expert_shards, ep_size=ep_size)
+        experts=names, expert_shards=expert_shards, ep_size=ep_size)
     return model
 
 

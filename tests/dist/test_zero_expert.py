@@ -9,8 +9,8 @@
 
 Parity with one process (5 steps, fp32: loss, gradient norm, every gradient), dropless and with a
 capacity factor that drops assignments; HSDP (dp_replicate2 x dp_shard2 x ep2, 8 ranks); with tp,
-cp (ep = 1) and pp (1F1B, ZB-V), and ep2 with tp2 (ZeRO-1, ZeRO-2 + SP) and pp2 (ZeRO-2/3),
-8 ranks; the ledger's bytes per group; bit-exact resume and checkpoints resharded to and from
+cp (ep = 1) and pp (1F1B, ZB-V), and ep2 with tp2 (ZeRO-1, ZeRO-2 + SP), ring cp2 (ZeRO-2/3:
+dense weights over dp_shard x ep x cp, experts over dp_shard x cp) and pp2 (ZeRO-2/3), 8 ranks; the ledger's bytes per group; bit-exact resume and checkpoints resharded to and from
 one process and plain expert parallelism.
 
 Tolerances as in test_zero.py: step 1 differs from one process only by summation order (rtol
@@ -92,6 +92,10 @@ COMPOSED = {  # name -> (world size, parallel settings): ZeRO of an MoE model wi
     "zero1-dp2-ep2-tp2": (8, {"dp_shard": 2, "ep": 2, "tp": 2, "zero_stage": 1}),
     "zero2-dp2-ep2-tp2-sp": (8, {"dp_shard": 2, "ep": 2, "tp": 2, "zero_stage": 2,
                                  "sequence_parallel": True}),
+    "zero2-dp2-ep2-cp2-ring": (8, {"dp_shard": 2, "ep": 2, "cp": 2, "cp_mode": "ring",
+                                   "zero_stage": 2}),
+    "zero3-dp2-ep2-cp2-ring": (8, {"dp_shard": 2, "ep": 2, "cp": 2, "cp_mode": "ring",
+                                   "zero_stage": 3}),
     "zero2-pp2-dp2-ep2-1f1b": (8, {"pp": 2, "dp_shard": 2, "ep": 2, "zero_stage": 2,
                                    "schedule": "1f1b"}),
     "zero3-pp2-dp2-ep2-1f1b": (8, {"pp": 2, "dp_shard": 2, "ep": 2, "zero_stage": 3,

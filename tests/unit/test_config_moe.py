@@ -52,6 +52,7 @@ def test_moe_with_tensor_pipeline_or_context_parallelism_is_accepted(overrides, 
       "parallel.zero_stage": 2}, 4),
     ({"parallel.dp_shard": 2, "parallel.ep": 2, "parallel.tp": 2, "parallel.zero_stage": 1}, 8),
     ({"parallel.dp_shard": 2, "parallel.ep": 2, "parallel.pp": 2, "parallel.zero_stage": 3}, 8),
+    ({"parallel.dp_shard": 2, "parallel.ep": 2, "parallel.cp": 2, "parallel.zero_stage": 3}, 8),
 ])
 def test_moe_with_zero_is_accepted(overrides, world) -> None:
     assert _resolve(overrides, world).parallel.dp_shard == 2
@@ -66,9 +67,7 @@ def test_moe_with_zero_is_accepted(overrides, world) -> None:
     # still refused, each naming its rule
     ({"parallel.cp": 2, "model.capacity_factor": 1.0}, 2, "model.capacity_factor",
      ["must be 0 (dropless) with parallel.cp = 2", "queue position", "cp splits"]),
-    # ZeRO with ep > 1: not with cp, nor ZeRO-3 with tp (expert-TP bypasses the experts' unit)
-    ({"parallel.dp_shard": 2, "parallel.ep": 2, "parallel.cp": 2}, 8, "parallel.cp",
-     ["ep > 1 and cp > 1 with dp_shard > 1 are not implemented yet", "dp_shard x ep x cp"]),
+    # ZeRO-3 with ep > 1 and tp > 1 (expert-TP bypasses the experts' FSDP2 unit)
     ({"parallel.dp_shard": 2, "parallel.ep": 2, "parallel.tp": 2, "parallel.zero_stage": 3}, 8,
      "parallel.zero_stage", ["ZeRO-3 with ep > 1 and tp > 1 is not implemented"]),
     ({"parallel.ep": 3}, 3, "model.n_experts", ["must be divisible by parallel.ep", "= 3"]),
