@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from loom.sim.layout import PEAK_IN_FLIGHT, V_SHAPED, Layout
-from loom.train.memory import block_activation_bytes, head_activation_bytes, model_state_bytes
+from loom.train.memory import (block_activation_bytes, head_activation_bytes, model_state_bytes,
+                               optimizer_step_bytes, zero2_reduction_bytes)
 
 
 def layout_memory(model: Any, lay: Layout) -> dict[str, float]:
@@ -50,22 +51,38 @@ def layout_memory(model: Any, lay: Layout) -> dict[str, float]:
             acts += block(m.ffn_dim, "none")  # one block's full set while it is recomputed
         if last in own:  # the head's logits live from its F to its backward: briefly
             acts += head
-        # ZeRO-2/3 hold full-size gradients while microbatches accumulate (reduced after
-        # the last backward), counted with the peak activations: an upper bound of the
-        # estimator's peak over the step's instants
-        stage = lay.zero_stage if lay.dp_shard > 1 else 0
-        params, grads, optim = model_state_bytes(
-            rank_params[r], lay.dp_shard * lay.cp, stage,
-            accumulating=lay.microbatches > 1, grad_bytes=model.grad_bytes)
-        transient = 0.0
-        if stage == 3 and lay.pp > 1:  # stages held gathered across the step (to_overrides)
-            params += model.e * rank_params[r]
-        elif stage == 3:  # the gathered block in use and the prefetched one
-            transient = 2 * model.e * max(model._layer_params(True, lay),
-                                         model._layer_params(False, lay))
-        entry = {"parameters": params, "gradients": grads, "optimizer": optim,
-                 "activations": acts, "transient": transient}
-        if worst is None or sum(entry.values()) > sum(worst.values()):
-            worst = entry
+        for entry in _instants(model, lay, rank_params[r], acts):
+            if worst is None or sum(entry.values()) > sum(worst.values()):
+                worst = entry
     assert worst is not None
     return worst
+
+
+def _instants(model: Any, lay: Layout, psi: float, acts: float) -> list[dict[str, float]]:
+    """The instants of a rank's step that can be its peak, as the estimator weighs them
+    (``loom.train.memory._rank_instants``): the last microbatch's passes (peak activations beside
+    the gradients accumulated so far), ZeRO-2's reduction after the last backward, and the
+    optimizer step. Under a pipeline the first is an upper bound: the activation peak of the
+    warm-up is counted with the accumulated gradients of the steady state."""
+    stage = lay.zero_stage if lay.dp_shard > 1 else 0
+    d = lay.dp_shard * lay.cp
+    accumulating = lay.microbatches > 1
+    params, grads, optim = model_state_bytes(psi, d, stage)
+    passes_grads = model_state_bytes(psi, d, stage, accumulating=accumulating,
+                                     grad_bytes=model.grad_bytes)[1]
+    block = max(model._layer_params(True, lay), model._layer_params(False, lay))
+    held = stage == 3 and lay.pp > 1  # stages held gathered across the step (to_overrides)
+    transient = 0.0
+    if stage == 3 and not held:  # the gathered block in use and the prefetched one
+        transient = 2 * model.e * block
+    if stage == 3 and accumulating:  # a unit's fresh gradient beside its accumulated one
+        transient += model.grad_bytes * block
+    out = [{"parameters": params + (model.e * psi if held else 0.0), "gradients": passes_grads,
+            "optimizer": optim, "activations": acts, "transient": transient}]
+    if stage == 2:
+        packed, packing = zero2_reduction_bytes(psi, d)
+        out.append({"parameters": params, "gradients": grads + packed, "optimizer": optim,
+                    "activations": 0.0, "transient": packing})
+    out.append({"parameters": params, "gradients": grads, "optimizer": optim,
+                "activations": 0.0, "transient": optimizer_step_bytes(psi, d, stage)})
+    return out

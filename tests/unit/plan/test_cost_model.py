@@ -81,11 +81,13 @@ def test_parameters_on_one_rank_equal_the_preset_count(name):
     assert model._rank_params(Layout())[0] == parameter_count(m)
 
 
-@pytest.mark.parametrize("stage, factor", [(0, (4, 4, 8)), (2, (4, 4 / 8, 8 / 8)),
+@pytest.mark.parametrize("stage, factor", [(0, (4, 4, 8)), (2, (4, 4 / 8 + 4, 8 / 8)),
                                            (3, (4 / 8, 4 / 8, 8 / 8))])
 def test_model_state_follows_the_zero_formulas(stage, factor):
     """(parameters, gradients, optimizer) = (4, 4, 8)·Ψ with fp32 master weights and AdamW,
-    each divided by the shard degree from its ZeRO stage on (ZeRO §3: 16Ψ -> 16Ψ/N_d)."""
+    each divided by the shard degree from its ZeRO stage on (ZeRO §3: 16Ψ -> 16Ψ/N_d). ZeRO-2's
+    peak is its reduction, where Loom's buckets hold every packed full-size gradient beside the
+    slice until the reduce-scatters finish (+4Ψ; ``loom.train.memory.zero2_reduction_bytes``)."""
     psi = parameter_count(DEBUG)
     model = CostModel(DEBUG, seq_len=32, global_batch=8, cluster=cluster(8))
     shard = 8 if stage else 1
