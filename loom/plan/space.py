@@ -4,13 +4,13 @@ A layout is a factorisation of the world into Loom's axes (pp, dp_replicate, dp_
 tp), the ZeRO stage on dp_shard, the context-parallel mode, the microbatch size (the count
 follows from the global batch), the pipeline schedule family and its chunks, and the
 recomputation policy. ``layouts`` yields them all, pruned only by shape rules (what divides what)
-and by two dominance rules stated where they are applied:
+and by one dominance rule: sequence parallelism is always on under tp > 1. It moves the same
+bytes as plain TP (all-gather + reduce-scatter = all-reduce) and holds less activation memory, so
+a layout without it is never better (Korthikanti et al. 2022 §4.2).
 
-* sequence parallelism is always on under tp > 1: it moves the same bytes as plain TP
-  (all-gather + reduce-scatter = all-reduce) and holds less activation memory, so a layout without
-  it is never better (Korthikanti et al. 2022 §4.2);
-* ZeRO-1 is never better than ZeRO-2 in Loom: the same traffic (reduce-scatter + all-gather) and
-  more gradient memory, so only stages 2 and 3 are searched on a dp_shard axis.
+ZeRO-1, 2 and 3 are all searched on a dp_shard axis. ZeRO-1 and ZeRO-2 move the same bytes, and
+which holds less at its peak depends on Loom's buckets and on accumulation (the memory instants
+of ``loom.train.memory`` price both), so neither dominates.
 
 Which of these Loom can run today (some combinations are still refused by
 ``loom.config_rules``) is decided by the search, which asks the config rules themselves.
@@ -131,7 +131,7 @@ def _shard_options(dp: int, inner: int, gpus_per_node: int) -> list[int]:
 def _inner(m, pp, dp, ep, cp, tp, local, modes, gpus_per_node, families, micro_batches,
            recompute) -> Iterator[tuple[Layout, ...]]:
     for shard in _shard_options(dp, tp * cp * ep, gpus_per_node):
-        stages = (0,) if shard == 1 else (2, 3)
+        stages = (0,) if shard == 1 else (1, 2, 3)
         for zero in stages:
             for b in micro_batches:
                 if local % b:
