@@ -236,8 +236,11 @@ def _timelines(config: Config) -> list[_Timeline]:
     from loom.pipeline.validate import memory_profile
 
     schedule = schedule_for(par.schedule, par.pp, micro, par.chunks)
-    ranges = partition_model(config.model, schedule.num_stages, config.data.seq_len)
-    final = schedule.num_stages - 1
+    # a schedule with routes (bidirectional_v) holds copies of an L-stage model: stage s is
+    # model stage s % L of copy s // L, with its own parameters
+    per_route = schedule.stages_per_route
+    ranges = partition_model(config.model, per_route, config.data.seq_len)
+    final = per_route - 1
     out = []
     for rank in range(par.pp):
         row = schedule.actions[rank]
@@ -250,17 +253,20 @@ def _timelines(config: Config) -> list[_Timeline]:
         for s in ids:
             forward = [i for i, a in enumerate(row) if a.stage == s and a.op is Op.F]
             weight = [i for i, a in enumerate(row) if a.stage == s and a.op in (Op.B, Op.W)]
-            # a tied head on the embedding's rank shares its weight (one Parameter)
-            psi = _parameter_count(config, list(ranges[s]), s == 0, s == final) - (
+            j, first_of_copy = s % per_route, s - s % per_route
+            # a tied head on its copy's embedding rank shares its weight (one Parameter)
+            psi = _parameter_count(config, list(ranges[j]), j == 0, j == final) - (
                 config.model.vocab_size * config.model.dim / (par.tp if par.vocab_parallel else 1)
-                if s == final and s != 0 and 0 in ids and config.model.tie_embeddings else 0)
+                if j == final and j != 0 and first_of_copy in ids and config.model.tie_embeddings
+                else 0)
             stages.append(_Stage(psi, forward[0], weight[0], weight[-1]))
         during = [float(level) for level in memory_profile(schedule, rank)]
         after = [level - (float(schedule.stage_weight(a.stage))
                           if last_piece.get((a.stage, a.microbatch)) == i else 0.0)
                  for i, (a, level) in enumerate(zip(row, during))]
-        out.append(_Timeline([i for s in ids for i in ranges[s]], 0 in ids, final in ids,
-                             stages, during, after))
+        out.append(_Timeline([i for s in ids for i in ranges[s % per_route]],
+                             any(s % per_route == 0 for s in ids),
+                             any(s % per_route == final for s in ids), stages, during, after))
     return out
 
 

@@ -250,3 +250,13 @@ def test_pure_instant_functions_for_the_planner():
     big = 10 * 2**20  # elements: past one 25 MB bucket, two copies of a bucket, not of all
     assert zero2_reduction_bytes(big, 4) == (4 * big, 2 * 25 * 2**20 + big)
     assert optimizer_step_bytes(800, 4, 0) == 6400 and optimizer_step_bytes(800, 4, 2) == 1600
+
+
+def test_bidirectional_pipeline_counts_both_copies_of_the_model():
+    """bidirectional_v at p = 2 holds two copies of a 4-stage V: each rank holds two model stages
+    of one copy and the other two of the other copy (with the estimator splitting the layers per
+    copy, not over all 8 stages), so its model state is exactly one process's."""
+    bidi = config(2, **{"parallel.pp": "2", "parallel.schedule": "bidirectional_v"})
+    est = max(memory_instants(bidi), key=lambda e: e.optimizer)
+    assert est.optimizer == pytest.approx(8 * PSI)
+    assert est.parameters == pytest.approx(4 * PSI)
