@@ -25,6 +25,7 @@ Written with a temporary file and an atomic rename, so a failed run leaves the o
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -204,8 +205,9 @@ def fit(raw: dict, nproc: int, *, cores_shared: float = 0.0) -> tuple[Gpu, Link]
 
 def layer_scale(gpu: Gpu, link: Link, blocks: list) -> float:
     """The factor by which Loom's blocks, measured alone, take longer than the cost model's
-    layer time from the matmul curve and the bandwidth (least squares through the origin of
-    measured minus the fixed per-pass cost against the priced FLOP and byte time; 1 without
+    layer time from the matmul curve and the bandwidth (the geometric mean of measured minus the
+    fixed per-pass cost over the priced FLOP and byte time, so every size weighs the same in
+    relative terms; a plain least-squares fit would follow the largest block; 1 without
     measurements). It stands for what the curve misses on this machine: the attention kernel,
     norms and activations are slower than their matmul FLOPs and bytes suggest."""
     from loom.models.llama import TransformerArgs
@@ -222,9 +224,10 @@ def layer_scale(gpu: Gpu, link: Link, blocks: list) -> float:
         f, i, w, _ = model._layer_times(Layout(micro_batch=micro), False)
         priced.append(f + i + w)
         measured.append(seconds - 3 * gpu.op_overhead)
-    if not priced:
+    ratios = [m / p for p, m in zip(priced, measured) if p > 0 and m > 0]
+    if not ratios:
         return 1.0
-    return max(1e-3, sum(p * m for p, m in zip(priced, measured)) / sum(p * p for p in priced))
+    return math.exp(statistics.fmean(math.log(r) for r in ratios))
 
 
 def calibrate(nproc: int, path: str | Path | None = None, *, probes: bool = True) -> Path:
@@ -252,9 +255,10 @@ def describe(gpu: Gpu, link: Link) -> str:
              f"{gpu.gpus_per_node} ranks on " + (f"{gpu.cores:g} shared cores" if gpu.cores
                                                  else "a core each"),
              f"gloo: latency {link.latency * 1e6:.0f} us, {link.bandwidth / 1e9:.2f} GB/s"]
-    for name, per_pass, per_step in gpu.framework:
-        lines.append(f"framework work of {name}: {per_pass * 1e3:.2f} ms per layer pass,"
-                     f" {per_step * 1e3:.1f} ms per step")
+    for name, per_pass, per_step, *per_token in gpu.framework:
+        lines.append(f"framework work of {name}: {per_pass * 1e3:.2f} ms per layer pass"
+                     f" + {sum(per_token) * 1e9:.0f} ns per token, {per_step * 1e3:.1f} ms per"
+                     " step")
     return "\n".join(lines)
 
 

@@ -60,7 +60,8 @@ class Gpu:
     # on fewer cores); 0 means each rank has its own processor, as every accelerator does.
     cores: float = 0.0
     # Framework work a parallel wrapper adds, measured by ``loom plan --calibrate``: entries
-    # (wrapper, seconds per layer pass, seconds per step), e.g. DTensor dispatch under "tp".
+    # (wrapper, seconds per layer pass, seconds per step, seconds per token per layer pass),
+    # e.g. DTensor dispatch and redistribution copies under "tp".
     framework: tuple = ()
 
     def __post_init__(self) -> None:
@@ -74,11 +75,12 @@ class Gpu:
         if not 0 < self.matmul_efficiency <= 1:
             raise ValueError(f"gpu {self.name}: matmul_efficiency must be in (0, 1]")
 
-    def framework_overhead(self, wrappers: tuple[str, ...]) -> tuple[float, float]:
-        """(seconds per layer pass, seconds per step) the named wrappers add, summed."""
-        table = {name: (layer, step) for name, layer, step in self.framework}
+    def framework_overhead(self, wrappers: tuple[str, ...]) -> tuple[float, float, float]:
+        """(seconds per layer pass, seconds per step, seconds per token per layer pass) the
+        named wrappers add, summed (an entry without the per-token term has none)."""
+        table = {entry[0]: (tuple(entry[1:]) + (0.0, 0.0, 0.0))[:3] for entry in self.framework}
         picked = [table[w] for w in wrappers if w in table]
-        return sum(p[0] for p in picked), sum(p[1] for p in picked)
+        return tuple(sum(p[k] for p in picked) for k in range(3))
 
     def matmul_rate(self, smallest_dim: float) -> float:
         """FLOP/s of a matmul whose smallest dimension is ``smallest_dim``: the efficiency rises

@@ -6,16 +6,17 @@ parallelism, FSDP2's hooks and copies, the ring-attention loop, the pipeline int
 optimizer over many small tensors. On an accelerator most of it hides behind asynchronous kernel
 launches; on a CPU rank it is a large part of the step. Rather than guess it, the calibration
 trains a small *probe* model (not the model being planned) with Loom's own ``Trainer``, under one
-wrapper at a time and at two depths, and charges what the cost model does not explain to that
+wrapper at a time and at three shapes, and charges what the cost model does not explain to that
 wrapper. The step time the cost model predicts is linear in a wrapper's seconds per layer pass x
-(each of F, I and W) and its seconds per step y, so the two depths give both:
+(each of F, I and W), its seconds per token per layer pass z (copies and redistributions that
+grow with the activations) and its seconds per step y, so three shapes give all three:
 
-    measured(L) = predicted(L; x, y)    for L in PROBE_DEPTHS
+    measured(L, b) = predicted(L, b; x, y, z)    for (L, b) in PROBE_SHAPES
 
-"base" (Loom's trainer with plain data parallelism over every rank) is fitted first; every other
-wrapper is fitted with base's values in place, so what it gets is its own addition. A wrapper
-whose fitted x or y is negative (the cost model already over-prices it) is clamped to 0 and the
-other value refitted.
+(L layers, b sequences per microbatch). "base" (Loom's trainer with plain data parallelism over
+every rank) is fitted first; every other wrapper is fitted with base's values in place, so what
+it gets is its own addition. The fit is non-negative: a term that would come out negative (the
+cost model already over-prices it) is dropped and the others refitted.
 
 Communication: each probe is a ``Trainer`` on the calibration's process group, so it issues
 exactly the collectives that training with that layout would (counted nowhere: no ledger).
@@ -34,15 +35,14 @@ from loom.sim.layout import Layout
 # small next to the framework work being measured.
 PROBE_MODEL = {"model.dim": 128, "model.n_heads": 8, "model.n_kv_heads": 4, "model.ffn_dim": 384}
 PROBE_SEQ = 128
-PROBE_DEPTHS = (2, 4)
-MICRO_BATCH = 2
+PROBE_SHAPES = ((2, 2), (4, 2), (2, 8))  # (layers, sequences per microbatch)
 PROBE_DATA = {"data.max_bytes": 400_000, "data.extensions": ".py", "data.tokenizer": "byte",
               "data.seq_len": PROBE_SEQ}
 
 
-def probe_layouts(nproc: int) -> dict[str, Layout]:
+def probe_layouts(nproc: int, micro_batch: int = 2) -> dict[str, Layout]:
     """One layout per wrapper, each over every one of the ``nproc`` ranks."""
-    one = dict(micro_batch=MICRO_BATCH, microbatches=2)
+    one = dict(micro_batch=micro_batch, microbatches=2)
     out = {"base": Layout(dp_replicate=nproc, **one)}
     if nproc < 2:
         return out
@@ -53,8 +53,12 @@ def probe_layouts(nproc: int) -> dict[str, Layout]:
     out["ulysses"] = Layout(cp=nproc, cp_mode="ulysses", **one)
     if nproc % 2 == 0:
         out["pp"] = Layout(pp=2, dp_replicate=nproc // 2, schedule="1f1b",
-                           micro_batch=MICRO_BATCH, microbatches=4)
+                           micro_batch=micro_batch, microbatches=4)
     return out
+
+
+def _key(depth: int, micro_batch: int) -> str:
+    return f"{depth}x{micro_batch}"
 
 
 def probe_config(layout: Layout, depth: int) -> Any:
@@ -78,9 +82,9 @@ def probe_config(layout: Layout, depth: int) -> Any:
 
 
 def run_probes(ctx: Any, nproc: int, data_dir: str, *, steps: int = 8,
-               warmup: int = 3) -> dict[str, dict[int, float]]:
-    """On every rank of the calibration group: median step seconds of each probe at each depth
-    (the slowest rank's, each step started together after a barrier)."""
+               warmup: int = 3) -> dict[str, dict[str, float]]:
+    """On every rank of the calibration group: median step seconds of each probe at each shape
+    (keys "LxB"; the slowest rank's, each step started together after a barrier)."""
     import gc
 
     import torch
@@ -88,10 +92,10 @@ def run_probes(ctx: Any, nproc: int, data_dir: str, *, steps: int = 8,
 
     from loom.train.trainer import Trainer
 
-    out: dict[str, dict[int, float]] = {}
-    for name, layout in probe_layouts(nproc).items():
-        for depth in PROBE_DEPTHS:
-            config = probe_config(layout, depth)
+    out: dict[str, dict[str, float]] = {}
+    for name in probe_layouts(nproc):
+        for depth, micro in PROBE_SHAPES:
+            config = probe_config(probe_layouts(nproc, micro)[name], depth)
             if config is None:
                 continue
             trainer = Trainer(config, data_dir, None, ctx)
@@ -104,7 +108,7 @@ def run_probes(ctx: Any, nproc: int, data_dir: str, *, steps: int = 8,
                 dist.all_reduce(took, op=dist.ReduceOp.MAX)
                 if step >= warmup:
                     times.append(float(took))
-            out.setdefault(name, {})[depth] = statistics.median(times)
+            out.setdefault(name, {})[_key(depth, micro)] = statistics.median(times)
             del trainer
             gc.collect()
     return out
@@ -124,40 +128,50 @@ def _predict(layout: Layout, depth: int, gpu: Any, link: Any, nproc: int) -> flo
     return simulate_step(model, model.evaluate(layout)).step_time
 
 
-def fit_framework(probes: dict[str, dict[int, float]], gpu: Any, link: Any,
-                  nproc: int) -> tuple[tuple[str, float, float], ...]:
-    """(wrapper, seconds per layer pass, seconds per step) for every probed wrapper, solved from
-    ``run_probes``' measurements against the cost model with ``gpu`` and ``link``."""
-    layouts = probe_layouts(nproc)
-    entries: list[tuple[str, float, float]] = []
-    for name, layout in layouts.items():
+def _nonnegative_solve(columns: list[list[float]], rest: list[float]) -> list[float]:
+    """Least squares of ``rest`` on ``columns`` with every coefficient >= 0: solve, drop the most
+    negative coefficient's column, repeat (an active set small enough to do by hand)."""
+    import numpy as np
+
+    active = list(range(len(columns)))
+    while active:
+        a = np.array([columns[k] for k in active]).T
+        solution, *_ = np.linalg.lstsq(a, np.array(rest), rcond=None)
+        if (solution >= 0).all():
+            out = [0.0] * len(columns)
+            for k, value in zip(active, solution):
+                out[k] = float(value)
+            return out
+        active.pop(int(np.argmin(solution)))
+    return [0.0] * len(columns)
+
+
+def fit_framework(probes: dict[str, dict[str, float]], gpu: Any, link: Any,
+                  nproc: int) -> tuple[tuple[str, float, float, float], ...]:
+    """(wrapper, seconds per layer pass, seconds per step, seconds per token per layer pass) for
+    every probed wrapper, solved from ``run_probes``' measurements against the cost model with
+    ``gpu`` and ``link``."""
+    entries: list[tuple[str, float, float, float]] = []
+    for name in probe_layouts(nproc):
         measured = probes.get(name, {})
-        depths = [d for d in PROBE_DEPTHS if d in measured or str(d) in measured]
-        if len(depths) < 2:
+        shapes = [(d, b) for d, b in PROBE_SHAPES if _key(d, b) in measured]
+        if len(shapes) < len(PROBE_SHAPES):
             continue
-        meas = [measured[d] if d in measured else measured[str(d)] for d in depths]
 
-        def predict(depth: int, x: float, y: float) -> float:
-            trial = replace(gpu, framework=tuple(entries) + ((name, x, y),))
-            return _predict(layout, depth, trial, link, nproc)
+        def predict(depth: int, micro: int, work: tuple[float, float, float]) -> float:
+            trial = replace(gpu, framework=tuple(entries) + ((name, *work),))
+            return _predict(probe_layouts(nproc, micro)[name], depth, trial, link, nproc)
 
-        delta = 1e-3
-        base = [predict(d, 0.0, 0.0) for d in depths]
-        ax = [(predict(d, delta, 0.0) - b) / delta for d, b in zip(depths, base)]
-        ay = [(predict(d, 0.0, delta) - b) / delta for d, b in zip(depths, base)]
-        rest = [m - b for m, b in zip(meas, base)]
-        det = ax[0] * ay[1] - ax[1] * ay[0]
-        x = (rest[0] * ay[1] - rest[1] * ay[0]) / det if det else 0.0
-        y = (ax[0] * rest[1] - ax[1] * rest[0]) / det if det else 0.0
-        if x < 0:  # the layers cost no more than priced: all of the residual is per step
-            x = 0.0
-            y = statistics.fmean(r / a for r, a in zip(rest, ay))
-        if y < 0:
-            y = 0.0
-            x = max(0.0, sum(r * a for r, a in zip(rest, ax)) / sum(a * a for a in ax))
-        entries.append((name, x, y))
+        base = [predict(d, b, (0.0, 0.0, 0.0)) for d, b in shapes]
+        columns = []
+        for k, delta in enumerate((1e-3, 1e-3, 1e-6)):  # the model is linear in each term
+            unit = tuple(delta if j == k else 0.0 for j in range(3))
+            columns.append([(predict(d, b, unit) - p) / delta for (d, b), p in zip(shapes, base)])
+        rest = [measured[_key(d, b)] - p for (d, b), p in zip(shapes, base)]
+        x, y, z = _nonnegative_solve(columns, rest)
+        entries.append((name, x, y, z))
     return tuple(entries)
 
 
-__all__ = ["PROBE_MODEL", "PROBE_SEQ", "PROBE_DEPTHS", "probe_layouts", "probe_config",
+__all__ = ["PROBE_MODEL", "PROBE_SEQ", "PROBE_SHAPES", "probe_layouts", "probe_config",
            "run_probes", "fit_framework"]

@@ -222,7 +222,8 @@ class CostModel:
             rows = tokens * m.top_k * m.dim * self.e
             ep_link = c.link_for(lay.ep, lay.cp * lay.tp)
             ep_fwd = 2 * all_to_all_time(rows, lay.ep, ep_link)
-        overhead = self.op_overhead + gpu.framework_overhead(wrappers(lay))[0]
+        per_pass, _, per_token = gpu.framework_overhead(wrappers(lay))
+        overhead = self.op_overhead + per_pass + per_token * tokens
         # compute (and framework work) slows down when ranks share processors; communication
         # was measured with every rank taking part, so it is not scaled again
         slow = self._compute_slowdown(lay)

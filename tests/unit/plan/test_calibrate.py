@@ -58,22 +58,22 @@ def test_layer_scale_recovers_how_much_slower_blocks_are_than_priced():
 
 
 def test_framework_fit_recovers_each_wrappers_work():
-    """Probe step times made by the cost model with known per-pass and per-step work for each
-    wrapper are solved back to that work (base first, the others on top of it)."""
+    """Probe step times made by the cost model with known per-pass, per-step and per-token work
+    for each wrapper are solved back to that work (base first, the others on top of it), and a
+    wrapper that adds nothing gets nothing (the fit is non-negative)."""
     from dataclasses import replace
 
-    from loom.plan.probes import PROBE_DEPTHS, _predict, fit_framework, probe_layouts
+    from loom.plan.probes import PROBE_SHAPES, _key, _predict, fit_framework, probe_layouts
 
     gpu, link = fit(synthetic(peak=4e10, knee=48.0, alpha=2e-5, beta=3e9, n=4), nproc=4)
     gpu = replace(gpu, cores=2.0)
-    truth = (("base", 2e-3, 0.05), ("tp", 4e-3, 0.01), ("zero3", 1e-3, 0.02),
-             ("zero12", 0.0, 0.03), ("ring", 3e-3, 0.0), ("ulysses", 5e-4, 0.004),
-             ("pp", 1e-3, 0.01))
+    truth = (("base", 2e-3, 0.05, 1e-6), ("tp", 4e-3, 0.01, 3e-6), ("zero3", 1e-3, 0.02, 0.0),
+             ("zero12", 0.0, 0.03, 0.0), ("ring", 3e-3, 0.0, 2e-6), ("ulysses", 0.0, 0.0, 0.0),
+             ("pp", 1e-3, 0.01, 5e-7))
     machine = replace(gpu, framework=truth)
-    probes = {name: {d: _predict(lay, d, machine, link, 4) for d in PROBE_DEPTHS}
-              for name, lay in probe_layouts(4).items()}
+    probes = {name: {_key(d, b): _predict(probe_layouts(4, b)[name], d, machine, link, 4)
+                     for d, b in PROBE_SHAPES} for name in probe_layouts(4)}
     fitted = fit_framework(probes, gpu, link, 4)
-    assert [name for name, _, _ in fitted] == [name for name, _, _ in truth]
-    for (name, x, y), (_, want_x, want_y) in zip(fitted, truth):
-        assert x == pytest.approx(want_x, rel=0.05, abs=1e-5), name
-        assert y == pytest.approx(want_y, rel=0.05, abs=1e-4), name
+    assert [entry[0] for entry in fitted] == [entry[0] for entry in truth]
+    for got, want in zip(fitted, truth):
+        assert got[1:] == pytest.approx(want[1:], rel=0.05, abs=2e-5), got[0]

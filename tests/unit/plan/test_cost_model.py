@@ -263,11 +263,13 @@ def test_framework_work_is_charged_per_wrapper():
     assert wrappers(Layout(cp=4, cp_mode="hybrid", dp_shard=2, zero_stage=1)) == \
         ("base", "zero12", "ring", "ulysses")
     assert wrappers(Layout(pp=2, schedule="1f1b")) == ("base", "pp")
-    table = (("base", 1e-3, 0.1), ("tp", 2e-3, 0.2), ("zero3", 5e-3, 0.5))
+    table = (("base", 1e-3, 0.1, 1e-6), ("tp", 2e-3, 0.2, 2e-6), ("zero3", 5e-3, 0.5))
     plain = CostModel(DEBUG, 32, 8, Cluster(UNIT, 4, 4, FAST, SLOW))
     charged = CostModel(DEBUG, 32, 8, Cluster(replace(UNIT, framework=table), 4, 4, FAST, SLOW))
-    for lay, per_pass, per_step in ((Layout(tp=4, micro_batch=2), 3e-3, 0.3),
-                                    (Layout(dp_replicate=4, micro_batch=2), 1e-3, 0.1)):
+    tokens = 2 * 32  # micro-batch 2 of 32 tokens
+    for lay, per_pass, per_step in ((Layout(tp=4, micro_batch=2), 3e-3 + 3e-6 * tokens, 0.3),
+                                    (Layout(dp_replicate=4, micro_batch=2), 1e-3 + 1e-6 * tokens,
+                                     0.1)):
         with_work, without = charged._layer_times(lay, False), plain._layer_times(lay, False)
         for k in range(3):
             assert with_work[k] - without[k] == pytest.approx(per_pass)
