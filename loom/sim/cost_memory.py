@@ -13,7 +13,7 @@ from typing import Any
 
 from loom.sim.layout import PEAK_IN_FLIGHT, V_SHAPED, Layout
 from loom.train.memory import (block_activation_bytes, head_activation_bytes, model_state_bytes,
-                               optimizer_step_bytes, zero2_reduction_bytes)
+                               zero2_reduction_bytes)
 
 
 def layout_memory(model: Any, lay: Layout) -> dict[str, float]:
@@ -22,6 +22,7 @@ def layout_memory(model: Any, lay: Layout) -> dict[str, float]:
     counts, _, owned = model._geometry(lay.pp, lay.chunks, lay.schedule)
     rank_params = model._rank_params(lay)
     ends = list(rank_params)
+    experts = model._rank_expert_params(lay)
     m = model.model
     s_local, b = model.seq // lay.cp, lay.micro_batch
     sp = lay.sequence_parallel and lay.tp > 1
@@ -51,25 +52,33 @@ def layout_memory(model: Any, lay: Layout) -> dict[str, float]:
             acts += block(m.ffn_dim, "none")  # one block's full set while it is recomputed
         if last in own:  # the head's logits live from its F to its backward: briefly
             acts += head
-        for entry in _instants(model, lay, rank_params[r], acts):
+        for entry in _instants(model, lay, rank_params[r], acts, experts[r]):
             if worst is None or sum(entry.values()) > sum(worst.values()):
                 worst = entry
     assert worst is not None
     return worst
 
 
-def _instants(model: Any, lay: Layout, psi: float, acts: float) -> list[dict[str, float]]:
+def _instants(model: Any, lay: Layout, psi: float, acts: float, experts: float = 0.0
+              ) -> list[dict[str, float]]:
     """The instants of a rank's step that can be its peak, as the estimator weighs them
     (``loom.train.memory._rank_instants``): the last microbatch's passes (peak activations beside
     the gradients accumulated so far), ZeRO-2's reduction after the last backward, and the
     optimizer step. Under a pipeline the first is an upper bound: the activation peak of the
-    warm-up is counted with the accumulated gradients of the steady state."""
+    warm-up is counted with the accumulated gradients of the steady state. ``experts`` of the
+    ``psi`` parameters are routed experts: ZeRO shards them over dp_shard x cp, the dense ones
+    over dp_shard x ep x cp."""
     stage = lay.zero_stage if lay.dp_shard > 1 else 0
     d = lay.dp_shard * lay.cp
+
+    def state(**kwargs: Any) -> tuple[float, float, float]:
+        dense = model_state_bytes(psi - experts, d * lay.ep, stage, **kwargs)
+        expert = model_state_bytes(experts, d, stage, **kwargs)
+        return tuple(a + b for a, b in zip(dense, expert))
+
     accumulating = lay.microbatches > 1
-    params, grads, optim = model_state_bytes(psi, d, stage)
-    passes_grads = model_state_bytes(psi, d, stage, accumulating=accumulating,
-                                     grad_bytes=model.grad_bytes)[1]
+    params, grads, optim = state()
+    passes_grads = state(accumulating=accumulating, grad_bytes=model.grad_bytes)[1]
     block = max(model._layer_params(True, lay), model._layer_params(False, lay))
     held = stage == 3 and lay.pp > 1  # stages held gathered across the step (to_overrides)
     transient = 0.0
@@ -81,8 +90,9 @@ def _instants(model: Any, lay: Layout, psi: float, acts: float) -> list[dict[str
             "optimizer": optim, "activations": acts, "transient": transient}]
     if stage == 2:
         packed, packing = zero2_reduction_bytes(psi, d)
+        packing += grads - 4 * psi / d  # the reduced slices' outputs, by shard group
         out.append({"parameters": params, "gradients": grads + packed, "optimizer": optim,
                     "activations": 0.0, "transient": packing})
     out.append({"parameters": params, "gradients": grads, "optimizer": optim,
-                "activations": 0.0, "transient": optimizer_step_bytes(psi, d, stage)})
+                "activations": 0.0, "transient": optim})  # AdamW's two slice-sized temporaries
     return out

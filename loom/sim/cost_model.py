@@ -290,6 +290,14 @@ class CostModel:
             return attn + norms + experts + shared + m.dim * m.n_experts
         return attn + norms + 3 * m.dim * m.ffn_dim / lay.tp
 
+    def _rank_expert_params(self, lay: Layout) -> dict[int, float]:
+        """Routed-expert parameters on the end pipeline ranks (E / ep experts of every MoE layer,
+        split by expert-TP = tp): ZeRO shards them over dp_shard x cp only."""
+        m = self.model
+        counts, _, owned = self._geometry(lay.pp, lay.chunks, lay.schedule)
+        per_layer = 3 * m.dim * (m.expert_ffn_dim or m.ffn_dim) * m.n_experts / (lay.ep * lay.tp)
+        return {r: sum(counts[s][1] for s in owned[r]) * per_layer for r in {0, lay.pp - 1}}
+
     def _geometry(self, pp: int, chunks: int, schedule: str) -> tuple:
         """Cached: per global stage (dense layers, MoE layers, parameters at tp = ep = 1 are not
         needed), the placement, and each rank's stages. Layers split evenly, the remainder on the
@@ -389,9 +397,14 @@ class CostModel:
             rank_bwd[r] = sum(ops[s][1] + ops[s][2] for s in owned[r])
             rank_layers[r] = sum(sum(counts[s]) for s in owned[r])
         dp_exposed, comm["dp"] = self._data_parallel(lay, rank_params, rank_bwd, rank_layers)
-        psi = max(rank_params.values())
-        shard = lay.dp_shard * lay.cp if lay.zero_stage else 1
-        optimizer = 28 * psi / shard / c.gpu.hbm_bandwidth
+        sharded = 0.0  # parameters one rank steps: its ZeRO slices (dense also over ep)
+        experts = self._rank_expert_params(lay)
+        for r, psi in rank_params.items():
+            if lay.zero_stage and lay.dp_shard > 1:
+                d = lay.dp_shard * lay.cp
+                psi = (psi - experts[r]) / (d * lay.ep) + experts[r] / d
+            sharded = max(sharded, psi)
+        optimizer = 28 * sharded / c.gpu.hbm_bandwidth
         # per-step framework work (optimizer over many tensors, hooks, the loss) runs on every
         # rank at once, so it is always charged the full contention
         optimizer = (optimizer + c.gpu.framework_overhead(wrappers(lay))[1]) * self.contention
@@ -440,21 +453,24 @@ class CostModel:
         worst_exposed = worst_total = 0.0
         if group <= 1:
             return 0.0, 0.0
+        experts = self._rank_expert_params(lay)
         for r, psi in rank_params.items():
-            grads = psi * self.grad_bytes
             layers = max(1, rank_layers[r])
             gathers = 0.0
+            # dense parameters are replicated over ep too, routed experts are not
+            parts = ((psi - experts[r], lay.ep), (experts[r], 1))
             if lay.zero_stage and lay.dp_shard > 1:
-                # ZeRO shards over dp_shard x cp (the cp ranks hold the same weights), HSDP
-                # replicates over the rest; Loom keeps ZeRO and ep apart (config_rules)
-                shard = lay.dp_shard * lay.cp
-                shard_link = c.link_for(shard, lay.tp)
-                others = lay.dp_replicate * lay.ep
-                rep_link = c.link_for(others, lay.tp * lay.cp * lay.ep * lay.dp_shard)
-                reduce = gather_time(grads, shard, shard_link) + \
-                    allreduce_time(grads / shard, others, rep_link)
-                params = psi * (self.e if lay.zero_stage == 3 else 4)
-                ag = gather_time(params, shard, shard_link)
+                # ZeRO shards over dp_shard x cp (the cp ranks hold the same weights), dense
+                # parameters also over ep; HSDP all-reduces the slices over dp_replicate
+                rep_link = c.link_for(lay.dp_replicate, lay.tp * lay.cp * lay.ep * lay.dp_shard)
+                reduce = ag = 0.0
+                for count, over in parts:
+                    shard = lay.dp_shard * lay.cp * over
+                    shard_link = c.link_for(shard, lay.tp)
+                    reduce += gather_time(count * self.grad_bytes, shard, shard_link) + \
+                        allreduce_time(count * self.grad_bytes / shard, lay.dp_replicate, rep_link)
+                    ag += gather_time(count * (self.e if lay.zero_stage == 3 else 4), shard,
+                                      shard_link)
                 if lay.zero_stage == 3:
                     # gathered per microbatch forward and backward without a pipeline; once per
                     # step per stage with one (kept through the schedule window)
@@ -467,7 +483,11 @@ class CostModel:
                     gathers = ag  # after the optimizer step, before the next forward
                     total = reduce + ag
             else:
-                reduce = allreduce_time(grads, group, c.link_for(group, lay.tp))
+                reduce = 0.0
+                for count, over in parts:
+                    group = lay.dp_replicate * lay.dp_shard * lay.cp * over
+                    reduce += allreduce_time(count * self.grad_bytes, group,
+                                             c.link_for(group, lay.tp))
                 total = reduce
             exposed = max(reduce / layers, reduce - rank_bwd[r]) + gathers
             worst_exposed = max(worst_exposed, exposed)

@@ -69,6 +69,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from loom.config import Config
 
@@ -278,12 +279,35 @@ def _parameter_count(config: Config, layers: list[int], embedding: bool, head: b
     t = par.tp
     norms = 2 * m.dim
     total = sum((layer_parameter_count(m, i) - norms) / t + norms for i in layers)
+    # the routed experts are split over ep as well: this rank keeps n_experts / ep of them
+    total -= _expert_parameters(config, layers) * (par.ep - 1)
     vocab = m.vocab_size * m.dim / (t if par.vocab_parallel else 1)
     if embedding:
         total += vocab
     if head:
         total += m.dim + (0 if m.tie_embeddings and embedding else vocab)
     return total
+
+
+def _expert_parameters(config: Config, layers: list[int]) -> float:
+    """Routed-expert parameters one rank holds in ``layers`` (E / ep experts, each split by
+    expert-TP = tp); ZeRO shards them over dp_shard (x cp) only, not over ep."""
+    m, par = config.model, config.parallel
+    if not m.n_experts:
+        return 0.0
+    expert = 3 * m.dim * (m.expert_ffn_dim or m.ffn_dim)
+    return sum(m.n_experts * expert / (par.ep * par.tp) for i in layers if m.moe_layer(i))
+
+
+def _sharded_state(config: Config, psi: float, expert: float, stage: int, **kwargs: Any
+                   ) -> tuple[float, float, float]:
+    """``model_state_bytes`` of a rank's ``psi`` parameters of which ``expert`` are routed
+    experts: dense ones shard over dp_shard x ep (x cp), experts over dp_shard (x cp)."""
+    par = config.parallel
+    d = par.dp_shard * par.cp
+    dense = model_state_bytes(psi - expert, d * par.ep, stage, **kwargs)
+    experts = model_state_bytes(expert, d, stage, **kwargs)
+    return tuple(a + b for a, b in zip(dense, experts))
 
 
 def _held(config: Config, stage: int) -> bool:
@@ -324,7 +348,13 @@ def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[Memor
     grad_bytes = 2 if stage == 3 and tr.dtype == "bf16" and tr.grad_reduce_dtype == "bf16" else 4
     held, accumulates = _held(config, stage), stage in (2, 3)  # (ZeRO-1: full-size anyway)
     psi = _parameter_count(config, line.layers, line.embedding, line.head)
-    params, grads, optim = model_state_bytes(psi, d, stage)
+    expert_share = _expert_parameters(config, line.layers) / psi if psi else 0.0
+
+    def state(p: float, **kwargs: Any) -> tuple[float, float, float]:
+        # a stage's experts in the proportion of the rank's (stages of a rank are alike)
+        return _sharded_state(config, p, p * expert_share, stage, **kwargs)
+
+    params, grads, optim = state(psi)
     offloaded = tr.offload_optimizer and stage and not tr.device.startswith("cpu")
     if offloaded:
         optim = 0.0  # on the host (a CPU device has nothing to offload to)
@@ -346,9 +376,8 @@ def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[Memor
             full = [st for st in line.stages if accumulates and
                     (st.first_w < index <= st.last if not ended
                      else st.first_w <= index < st.last)]
-            g = grads + sum(model_state_bytes(st.psi, d, stage, accumulating=True,
-                                              grad_bytes=grad_bytes)[1]
-                            - model_state_bytes(st.psi, d, stage)[1] for st in full)
+            g = grads + sum(state(st.psi, accumulating=True, grad_bytes=grad_bytes)[1]
+                            - state(st.psi)[1] for st in full)
             # FSDP2 computes a unit's fresh gradient beside its accumulated one, then adds it
             fresh = grad_bytes * block if stage == 3 and full else 0.0
             notes = []
@@ -369,13 +398,14 @@ def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[Memor
                 # the reduced slices' outputs
                 flushed = sum(st.psi for st in line.stages if st.last == index)
                 packed, packing = zero2_reduction_bytes(flushed, d)
+                packing += state(flushed)[1] - 4 * flushed / d  # the slices' outputs, by group
                 yield MemoryEstimate(
                     params + gathered, g + packed, optim, per_micro * level, packing,
                     rank, (*notes, f"ZeRO-2 reduction: {4 * flushed:,.0f} B of packed full-size"
                                    f" gradients in 'gradients', two copies of the largest bucket"
                                    f" and the slices' outputs in 'transient'"))
     yield MemoryEstimate(params, grads, optim, 0.0,
-                         0.0 if offloaded else optimizer_step_bytes(psi, d, stage), rank,
+                         0.0 if offloaded else state(psi)[2], rank,
                          ("optimizer step: AdamW's two temporaries in 'transient'",))
 
 
