@@ -86,17 +86,22 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, data_dir: str 
     dist.destroy_process_group()
 
 
-def _sustained_time(fn, seconds: float = 0.3) -> float:
-    """Mean seconds per call over a loop of about ``seconds``: what a training step sustains
-    (the median of a few short calls reads a faster, warmer processor than a step sees)."""
+def _sustained_time(fn, seconds: float = 0.2, loops: int = 3) -> float:
+    """Seconds per call, the median over ``loops`` loops of about ``seconds`` each of the mean
+    per call: what a training step sustains (the median of a few short calls reads a faster,
+    warmer processor than a step sees), robust to one slow spell of a shared machine."""
     fn()  # warm-up
-    calls, start = 0, time.perf_counter()
-    while True:
-        fn()
-        calls += 1
-        took = time.perf_counter() - start
-        if took >= seconds:
-            return took / calls
+    means = []
+    for _ in range(loops):
+        calls, start = 0, time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            took = time.perf_counter() - start
+            if took >= seconds:
+                means.append(took / calls)
+                break
+    return statistics.median(means)
 
 
 # Loom blocks timed alone (dim, ffn, heads, kv heads, seq, micro-batch): the cost model's layer

@@ -81,10 +81,12 @@ def probe_config(layout: Layout, depth: int) -> Any:
         return None
 
 
-def run_probes(ctx: Any, nproc: int, data_dir: str, *, steps: int = 8,
-               warmup: int = 3) -> dict[str, dict[str, float]]:
+def run_probes(ctx: Any, nproc: int, data_dir: str, *, rounds: int = 6, steps: int = 2,
+               warmup: int = 2) -> dict[str, dict[str, float]]:
     """On every rank of the calibration group: median step seconds of each probe at each shape
-    (keys "LxB"; the slowest rank's, each step started together after a barrier)."""
+    (keys "LxB"; the slowest rank's, each step started together after a barrier). A wrapper's
+    shapes are built together and stepped in turn, ``steps`` each per round, so a slow spell of
+    the machine falls on all of them alike instead of on one."""
     import gc
 
     import torch
@@ -92,25 +94,31 @@ def run_probes(ctx: Any, nproc: int, data_dir: str, *, steps: int = 8,
 
     from loom.train.trainer import Trainer
 
+    def timed_step(trainer: Any) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        trainer.train_step()
+        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        return float(took)
+
     out: dict[str, dict[str, float]] = {}
     for name in probe_layouts(nproc):
+        trainers = {}
         for depth, micro in PROBE_SHAPES:
             config = probe_config(probe_layouts(nproc, micro)[name], depth)
-            if config is None:
-                continue
-            trainer = Trainer(config, data_dir, None, ctx)
-            times = []
-            for step in range(warmup + steps):
-                dist.barrier()
-                start = time.perf_counter()
-                trainer.train_step()
-                took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-                dist.all_reduce(took, op=dist.ReduceOp.MAX)
-                if step >= warmup:
-                    times.append(float(took))
-            out.setdefault(name, {})[_key(depth, micro)] = statistics.median(times)
-            del trainer
-            gc.collect()
+            if config is not None:
+                trainers[_key(depth, micro)] = Trainer(config, data_dir, None, ctx)
+        times: dict[str, list[float]] = {key: [] for key in trainers}
+        for round_ in range(rounds):
+            for key, trainer in trainers.items():
+                for _ in range(warmup if round_ == 0 else steps):
+                    took = timed_step(trainer)
+                    if round_:
+                        times[key].append(took)
+        out[name] = {key: statistics.median(values) for key, values in times.items()}
+        del trainers
+        gc.collect()
     return out
 
 
