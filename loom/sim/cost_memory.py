@@ -17,12 +17,20 @@ from loom.train.memory import (block_activation_bytes, head_activation_bytes, mo
 
 
 def layout_memory(model: Any, lay: Layout) -> dict[str, float]:
-    """Bytes by component on the worst pipeline rank of ``model`` (a ``CostModel``; checked first: most layouts of a large
-    model do not fit, and this is a fraction of ``evaluate``'s work)."""
+    """Bytes by component at the worst instant of the worst pipeline rank of ``model`` (a
+    ``CostModel``; checked first: most layouts of a large model do not fit, and this is a
+    fraction of ``evaluate``'s work)."""
     counts, _, owned = model._geometry(lay.pp, lay.chunks, lay.schedule)
-    rank_params = model._rank_params(lay)
-    ends = list(rank_params)
-    experts = model._rank_expert_params(lay)
+    # the model state at each instant depends on far fewer knobs than the activations: cached
+    # (the planner screens hundreds of thousands of layouts with this)
+    key = (lay.pp, lay.chunks, lay.schedule in V_SHAPED, lay.tp, lay.ep, lay.dp_shard, lay.cp,
+           lay.zero_stage, lay.microbatches > 1)
+    states = model._memory_cache.get(key)
+    if states is None:
+        rank_params = model._rank_params(lay)
+        experts = model._rank_expert_params(lay)
+        states = {r: _instants(model, lay, rank_params[r], experts[r]) for r in rank_params}
+        model._memory_cache[key] = states
     m = model.model
     s_local, b = model.seq // lay.cp, lay.micro_batch
     sp = lay.sequence_parallel and lay.tp > 1
@@ -40,8 +48,9 @@ def layout_memory(model: Any, lay: Layout) -> dict[str, float]:
     peak = PEAK_IN_FLIGHT.get(lay.schedule, lambda p, mm, v: 1)(lay.pp, lay.microbatches,
                                                                lay.chunks)
     last = len(counts) - 1
-    worst: dict[str, float] | None = None
-    for r in ends:
+    worst: tuple[dict[str, float], float] | None = None
+    worst_total = 0.0
+    for r, instants in states.items():
         own = owned[r]
         per_mb = sum(counts[s][0] * dense_act + counts[s][1] * moe_act for s in own)
         # in flight on rank r: the schedule's peak on rank 0 (and on every rank of a V, whose
@@ -52,19 +61,24 @@ def layout_memory(model: Any, lay: Layout) -> dict[str, float]:
             acts += block(m.ffn_dim, "none")  # one block's full set while it is recomputed
         if last in own:  # the head's logits live from its F to its backward: briefly
             acts += head
-        for entry in _instants(model, lay, rank_params[r], acts, experts[r]):
-            if worst is None or sum(entry.values()) > sum(worst.values()):
-                worst = entry
+        # the first instant is the passes', where the activations live
+        for k, entry in enumerate(instants):
+            total = entry["_total"] + (acts if k == 0 else 0.0)
+            if worst is None or total > worst_total:
+                worst, worst_total = (entry, acts if k == 0 else 0.0), total
     assert worst is not None
-    return worst
+    entry, acts = worst
+    return {name: (acts if name == "activations" else value) for name, value in entry.items()
+            if name != "_total"}
 
 
-def _instants(model: Any, lay: Layout, psi: float, acts: float, experts: float = 0.0
+def _instants(model: Any, lay: Layout, psi: float, experts: float = 0.0
               ) -> list[dict[str, float]]:
     """The instants of a rank's step that can be its peak, as the estimator weighs them
     (``loom.train.memory._rank_instants``): the last microbatch's passes (peak activations beside
     the gradients accumulated so far), ZeRO-2's reduction after the last backward, and the
-    optimizer step. Under a pipeline the first is an upper bound: the activation peak of the
+    optimizer step (the activations, added by the caller, belong to the first). Under a pipeline
+    the first is an upper bound: the activation peak of the
     warm-up is counted with the accumulated gradients of the steady state. ``experts`` of the
     ``psi`` parameters are routed experts: ZeRO shards them over dp_shard x cp, the dense ones
     over dp_shard x ep x cp."""
@@ -87,7 +101,7 @@ def _instants(model: Any, lay: Layout, psi: float, acts: float, experts: float =
     if stage == 3 and accumulating:  # a unit's fresh gradient beside its accumulated one
         transient += model.grad_bytes * block
     out = [{"parameters": params + (model.e * psi if held else 0.0), "gradients": passes_grads,
-            "optimizer": optim, "activations": acts, "transient": transient}]
+            "optimizer": optim, "activations": 0.0, "transient": transient}]
     if stage == 2:
         packed, packing = zero2_reduction_bytes(psi, d)
         packing += grads - 4 * psi / d  # the reduced slices' outputs, by shard group
@@ -95,4 +109,6 @@ def _instants(model: Any, lay: Layout, psi: float, acts: float, experts: float =
                     "activations": 0.0, "transient": packing})
     out.append({"parameters": params, "gradients": grads, "optimizer": optim,
                 "activations": 0.0, "transient": optim})  # AdamW's two slice-sized temporaries
+    for entry in out:
+        entry["_total"] = sum(entry.values())
     return out

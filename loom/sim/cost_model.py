@@ -143,6 +143,7 @@ class CostModel:
         self.moe_layers = sum(1 for i in range(model.n_layers) if self._is_moe(i))
         self._geometry_cache: dict[tuple, tuple] = {}
         self._times_cache: dict[tuple, tuple] = {}
+        self._memory_cache: dict[tuple, dict] = {}
         self._model_flops: float | None = None
 
     # ----- FLOPs -------------------------------------------------------------------------
