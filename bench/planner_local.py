@@ -8,7 +8,7 @@
    each run ``--rounds`` times, alternating, and the first must be no slower than the second and
    third (medians over rounds of the per-run median step time).
 
-    python bench/planner_local.py [--steps 14] [--rounds 2] [--json bench/out/planner_local.json]
+    python bench/planner_local.py [--steps 14] [--rounds 3] [--json bench/out/planner_local.json]
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--skip", type=int, default=4, help="first steps left out (warm-up)")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", default="bench/out/local4.json")
     parser.add_argument("--json", default="bench/out/planner_local.json")
     args = parser.parse_args(argv)
