@@ -47,17 +47,24 @@ def table(plan: Plan) -> str:
     header = f"{'#':>2}  {'layout':<58} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6}" \
              f" {'mem GiB':>8} {'bubble':>7}"
     lines += [header, "-" * len(header)]
+    estimated = False
     for rank, cost in enumerate(plan.ranked, 1):
         r = row(plan, cost)
-        lines.append(f"{rank:>2}  {r['layout']:<58} {r['step_time_s']:>8.3f}"
-                     f" {r['tokens_per_s_per_gpu']:>10,.0f} {r['mfu']:>6.1%}"
+        mark = "~" if cost.layout.pp > 1 and not cost.simulated else " "
+        estimated |= mark == "~"
+        lines.append(f"{rank:>2}  {r['layout']:<58} {r['step_time_s']:>8.3f}{mark}"
+                     f"{r['tokens_per_s_per_gpu']:>10,.0f} {r['mfu']:>6.1%}"
                      f" {r['memory_gib']:>8.1f} {r['bubble']:>7.1%}")
+    if estimated:
+        lines.append("~ the schedule's closed-form estimate: the simulation budget ran out first")
     if not plan.ranked:
         lines.append("   no layout fits in memory and is runnable by this version of Loom")
     if plan.best_refused is not None:
         b = row(plan, plan.best_refused)
+        how = "" if plan.best_refused.simulated or plan.best_refused.layout.pp == 1 \
+            else ", closed-form estimate"
         lines += ["", f"faster but refused by this version of Loom: {b['layout']}"
-                      f" ({b['step_time_s']:.3f} s, MFU {b['mfu']:.1%})"]
+                      f" ({b['step_time_s']:.3f} s{how}, MFU {b['mfu']:.1%})"]
     if plan.refused:
         lines.append("refused layouts by rule (loom/config_rules.py):")
         for rule, count in plan.refused.most_common(5):
