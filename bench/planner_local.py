@@ -1,14 +1,15 @@
 """The planner on this machine: predicted vs measured step time, and does its ranking hold?
 
 1. Validation table: for 8 layouts of the tiny model on 4 local processes (dp, tp, pp with three
-   schedules, cp, ZeRO-3, a combination) run ``loom train --nproc 4`` and compare the median
-   measured step time (steps after the first few) with ``loom plan --layout``'s prediction from
+   schedules, cp, ZeRO-3, a combination) run ``loom train --nproc 4`` ``--layout-rounds`` times
+   (all layouts per round) and compare the median over rounds of each run's median step time
+   (steps after the first few) with ``loom plan --layout``'s prediction from
    the calibration profile (``loom plan --calibrate --nproc 4``, measured first in the same run).
 2. Ranking check: ``loom plan --gpu local`` ranks the layouts of the same workload; the top 3 are
    each run ``--rounds`` times, alternating, and the first must be no slower than the second and
    third (medians over rounds of the per-run median step time).
 
-    python bench/planner_local.py [--steps 14] [--rounds 3] [--json bench/out/planner_local.json]
+    python bench/planner_local.py [--steps 14] [--layout-rounds 2] [--rounds 5] [--json bench/out/planner_local.json]
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--skip", type=int, default=4, help="first steps left out (warm-up)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5, help="ranking check rounds")
+    parser.add_argument("--layout-rounds", type=int, default=2, help="validation rounds")
     parser.add_argument("--profile", default="bench/out/local4.json")
     parser.add_argument("--json", default="bench/out/planner_local.json")
     args = parser.parse_args(argv)
@@ -85,16 +87,23 @@ def main(argv: list[str] | None = None) -> int:
     cluster = Cluster(gpu, NPROC, NPROC, link, link)
     model = CostModel(WORK.model, SEQ, BATCH, cluster, dtype_bytes=4)
     out: dict = {"profile": json.loads(Path(args.profile).read_text())["gpu"], "layouts": []}
-    print("| layout | predicted step (s) | measured step (s) | error |")
+    # every layout once per round, rounds alternating, so a slow spell of the shared machine
+    # falls on one measurement of each layout rather than on all of one layout's
+    samples: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+    for _ in range(args.layout_rounds):
+        for name, layout in LAYOUTS.items():
+            samples[name].append(measure(layout, args.steps, args.skip))
+    print("| layout | predicted step (s) | measured step (s), median (rounds) | error |")
     print("|---|---|---|---|")
     for name, layout in LAYOUTS.items():
         predicted = simulate_step(model, model.evaluate(layout)).step_time
-        measured = measure(layout, args.steps, args.skip)
+        measured = statistics.median(samples[name])
         error = predicted / measured - 1
         out["layouts"].append({"name": name, "layout": layout.label(), "predicted_s": predicted,
-                               "measured_s": measured, "error": error})
-        print(f"| {name} ({layout.label()}) | {predicted:.3f} | {measured:.3f} | {error:+.0%} |",
-              flush=True)
+                               "measured_s": measured, "rounds": samples[name], "error": error})
+        rounds = ", ".join(f"{t:.3f}" for t in samples[name])
+        print(f"| {name} ({layout.label()}) | {predicted:.3f} | {measured:.3f} ({rounds}) |"
+              f" {error:+.0%} |", flush=True)
     ranked = plan(WORK, cluster, top=3, cost_model=model).ranked
     runs: dict[str, list[float]] = {cost.layout.label(): [] for cost in ranked}
     for _ in range(args.rounds):
