@@ -66,29 +66,9 @@ from loom.models.llama import TransformerArgs
 from loom.sim.cost import OpCosts, StageCosts
 from loom.sim.cost_memory import layout_memory
 from loom.sim.layout import (PEAK_IN_FLIGHT, V_SHAPED, Layout, all_to_all_time,  # noqa: F401
-                             allreduce_time, gather_time, p2p_time)
+                             allreduce_time, gather_time, p2p_time, wrappers)
 
 ELEMENTWISE_PASSES = 20  # activation-sized reads + writes per layer forward (see docstring)
-
-
-def wrappers(lay: Layout) -> tuple[str, ...]:
-    """The parallel wrappers a layout runs its layers through, by the names the calibration
-    measures their framework work under (``Gpu.framework``): "base" always (Loom's trainer with
-    data parallelism), then DTensor tensor parallelism, ZeRO-3's FSDP2 units or ZeRO-1/2's
-    buckets, ring and/or Ulysses attention, and the pipeline interpreter."""
-    names = ["base"]
-    if lay.tp > 1:
-        names.append("tp")
-    if lay.dp_shard > 1 and lay.zero_stage:
-        names.append("zero3" if lay.zero_stage == 3 else "zero12")
-    if lay.cp > 1:
-        if lay.cp_mode in ("ring", "hybrid"):
-            names.append("ring")
-        if lay.cp_mode in ("ulysses", "hybrid"):
-            names.append("ulysses")
-    if lay.pp > 1:
-        names.append("pp")
-    return tuple(names)
 
 
 class _LazyStageCosts:

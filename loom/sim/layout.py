@@ -61,6 +61,26 @@ class Layout:
         return text
 
 
+def wrappers(lay: Layout) -> tuple[str, ...]:
+    """The parallel wrappers a layout runs its layers through, by the names the calibration
+    measures their framework work under (``Gpu.framework``): "base" always (Loom's trainer with
+    data parallelism), then DTensor tensor parallelism, ZeRO-3's FSDP2 units or ZeRO-1/2's
+    buckets, ring and/or Ulysses attention, and the pipeline interpreter."""
+    names = ["base"]
+    if lay.tp > 1:
+        names.append("tp")
+    if lay.dp_shard > 1 and lay.zero_stage:
+        names.append("zero3" if lay.zero_stage == 3 else "zero12")
+    if lay.cp > 1:
+        if lay.cp_mode in ("ring", "hybrid"):
+            names.append("ring")
+        if lay.cp_mode in ("ulysses", "hybrid"):
+            names.append("ulysses")
+    if lay.pp > 1:
+        names.append("pp")
+    return tuple(names)
+
+
 # Peak microbatches in flight on the worst rank, in units of one rank's microbatch (a chunk of v
 # weighs 1/v), for m >= p (dualpipev: m >= 2p); the validator's accounting. Checked against
 # ``loom.pipeline.validate.peak_memory`` in tests/unit/plan/test_cost_model.py.
