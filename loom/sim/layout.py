@@ -1,5 +1,6 @@
-"""What the planner prices: a ``Layout`` (Loom's degrees and the step's knobs), the schedule
-families' peak microbatches in flight, and alpha-beta times of the collectives.
+"""What the planner prices: a ``Layout`` (Loom's degrees and the step's knobs), the parallel
+wrappers it runs its layers through (``wrappers``, the names the calibration measures), the
+schedule families' peak microbatches in flight, and alpha-beta times of the collectives.
 
 Split from ``loom.sim.cost_model`` (which re-exports all of it) to keep each module one idea: this
 is the vocabulary, the cost model is the arithmetic over it.
