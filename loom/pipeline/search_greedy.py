@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loom.pipeline.search_eval import EPS, F, I, W, Costs, Row
-from loom.pipeline.search_loop import ranks_of, run
+from loom.pipeline.search_loop import forward_ready as input_ready, ranks_of, run
 
 
 @dataclass(frozen=True)
@@ -133,13 +133,9 @@ def list_schedule(
             k = next_f[s]
             if k >= m:
                 continue
-            if s > 0:
-                ready = fin_f[(s - 1) * m + k]
-                if ready < 0:
-                    continue
-                ready += send if placement[s - 1] != r else 0.0
-            else:
-                ready = 0.0
+            ready = input_ready(fin_f, placement, r, s, k, m, send)
+            if ready is None:
+                continue
             if s == stages_of[r][0]:
                 room = live[r] + 1 + reserve_after(r) <= min(limit_c[r], caps_c[r])
             else:

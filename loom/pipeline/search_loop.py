@@ -48,6 +48,19 @@ def ranks_of(placement: Sequence[int], limit: float) -> Ranks | None:
     return Ranks(pp, stages_of, v, limit_c)
 
 
+def forward_ready(fin_f: list[float], placement: Sequence[int], rank: int, stage: int,
+                  microbatch: int, microbatches: int, send: float) -> float | None:
+    """When the forward of (stage, microbatch) on ``rank`` can start: its input's finish on the
+    previous stage plus ``send`` across ranks (0 on the first stage); None while that forward
+    has not run (``fin_f`` holds -1 for it)."""
+    if stage == 0:
+        return 0.0
+    ready = fin_f[(stage - 1) * microbatches + microbatch]
+    if ready < 0:
+        return None
+    return ready + (send if placement[stage - 1] != rank else 0.0)
+
+
 def run(placement: Sequence[int], costs: Costs, rows: list[Row], free_at: list[float],
         decide: Decide, commit: Commit, release: Sequence[float] | None = None,
         backwards: bool = False) -> int:

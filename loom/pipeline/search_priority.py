@@ -22,7 +22,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 
 from loom.pipeline.search_eval import EPS, F, I, W, Costs, Row
-from loom.pipeline.search_loop import ranks_of, run
+from loom.pipeline.search_loop import forward_ready, ranks_of, run
 
 Priority = Mapping[tuple[int, int, int], float]  # (stage, op code, microbatch) -> lower runs first
 
@@ -94,13 +94,9 @@ def priority_schedule(
                 room = live[r] + kept + v[r] <= limit_c[r]
             if not room:
                 continue
-            if s > 0:
-                ready = fin_f[(s - 1) * m + k]
-                if ready < 0:
-                    continue
-                ready += send if placement[s - 1] != r else 0.0
-            else:
-                ready = 0.0
+            ready = forward_ready(fin_f, placement, r, s, k, m, send)
+            if ready is None:
+                continue
             key = (priority[(s, F, k)], s, F, k)
             if ready <= t + EPS:
                 if best_key is None or key < best_key:

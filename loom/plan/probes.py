@@ -31,7 +31,7 @@ from typing import Any
 
 from loom.sim.layout import Layout
 
-# The probe model: a quarter of the tiny preset's width at half its sequence, so its FLOPs are
+# The probe model: half the tiny preset's width at half its sequence, so its FLOPs are
 # small next to the framework work being measured.
 PROBE_MODEL = {"model.dim": 128, "model.n_heads": 8, "model.n_kv_heads": 4, "model.ffn_dim": 384}
 PROBE_SEQ = 128
