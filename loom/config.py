@@ -114,6 +114,13 @@ class TrainConfig:
     # says so (loom/train/post_validation.py); bit-identical either way. pp/dp layouts only.
     post_validation: bool = False
     grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype of the gradient reduction
+    # Gradient buckets of plain data parallelism and ZeRO-1/2, in MiB of gradients: a bucket is
+    # reduced as soon as its gradients are ready; under ZeRO-2 at most three are held packed.
+    grad_bucket_mb: float = 25.0
+    # ZeRO-2/3 with gradient accumulation: reduce-scatter after every microbatch's backward and
+    # sum the slices (DeepSpeed's ZeRO-2, FSDP2's default) instead of accumulating full-size
+    # gradients until the last one: gradients stay 1/d of the model, for m x the reduce-scatters.
+    grad_reduce_every_microbatch: bool = False
     # Activation recomputation (loom/parallel/activation.py): none, full (every block), selective
     # (the attention core only), every_k (full recomputation of every recompute_every-th block).
     recompute: Literal["none", "full", "selective", "every_k"] = "none"

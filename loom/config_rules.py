@@ -144,6 +144,17 @@ def _validate_zero(config: Config) -> None:
     if tr.offload_optimizer and par.dp_shard == 1:
         raise ConfigError("train.offload_optimizer", True, "needs a sharded optimizer:"
                           " parallel.dp_shard > 1 (ZeRO keeps its shard on the host)")
+    if not tr.grad_bucket_mb > 0:
+        raise ConfigError("train.grad_bucket_mb", tr.grad_bucket_mb, "must be > 0 (MiB)")
+    if tr.grad_reduce_every_microbatch:
+        if par.dp_shard == 1 or par.zero_stage == 1:
+            raise ConfigError("train.grad_reduce_every_microbatch", True,
+                              "saves memory only where gradients are sharded: needs"
+                              " parallel.dp_shard > 1 with zero_stage = 2 or 3")
+        if par.pp > 1:
+            raise ConfigError("train.grad_reduce_every_microbatch", True,
+                              "not with pp > 1: pipeline stages reduce once, after their last"
+                              " backward piece of the step")
     if par.dp_shard == 1:
         return
     # cp > 1 composes: ZeRO shards over dp_shard x cp (cp ranks hold the same weights).

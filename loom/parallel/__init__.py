@@ -100,6 +100,7 @@ def parallelize(model: nn.Module, meshes: Meshes, parallel: Any, *, cp_groups: A
         model = apply_activation_checkpointing(model, train.recompute, train.recompute_every)
     reduce_dtype = torch.bfloat16 if train is not None and train.grad_reduce_dtype == "bf16" \
         else torch.float32
+    bucket_bytes = int((train.grad_bucket_mb if train is not None else 25.0) * 2**20)
     if parallel.dp_shard > 1 and parallel.zero_stage == 3:
         mesh, axis = zero_mesh(meshes, parallel)
         compute = torch.bfloat16 if train is not None and train.dtype == "bf16" else None
@@ -118,7 +119,7 @@ def parallelize(model: nn.Module, meshes: Meshes, parallel: Any, *, cp_groups: A
         shard_mesh = mesh[mesh.mesh_dim_names[-1]] if mesh.ndim == 2 else mesh
         return apply_zero(model, parallel.zero_stage, shard_mesh, meshes.root["dp_replicate"],
                           axis=axis, reduce_dtype=reduce_dtype, offload=offload_optimizer,
-                          ledger=ledger,
+                          ledger=ledger, bucket_bytes=bucket_bytes,
                           tp_group=meshes.root["tp"].get_group() if parallel.tp > 1 else None,
                           experts=expert_zero_mesh(meshes, parallel, 1))
     dp_mesh, axis = (meshes.dp_cp, "dp_cp") if parallel.cp > 1 else (meshes.dp, "dp")
@@ -129,7 +130,8 @@ def parallelize(model: nn.Module, meshes: Meshes, parallel: Any, *, cp_groups: A
         experts = expert_parameter_names(model)
         dense = [p for n, p in model.named_parameters() if n not in experts]
         model._loom_grad_reducer = GradientReducer(dense, dp_mesh.get_group(), dp_mesh.size(),
-                                                   ledger=ledger, axis=axis)
+                                                   ledger=ledger, axis=axis,
+                                                   bucket_bytes=bucket_bytes)
         return model
     return apply_data_parallel(model, dp_mesh.get_group(), dp_mesh.size(), ledger=ledger,
-                               axis=axis, reduce_dtype=reduce_dtype)
+                               axis=axis, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes)

@@ -156,12 +156,14 @@ def copy_back(flat: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
 
 def apply_data_parallel(model: nn.Module, group: Any, size: int, *,
                         ledger: comm.CommLedger | None = None, axis: str = "dp",
-                        reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
+                        reduce_dtype: torch.dtype = torch.float32,
+                        bucket_bytes: int = BUCKET_BYTES) -> nn.Module:
     """Attach a ``GradientReducer`` over ``group`` to ``model``; identity at degree 1."""
     if size > 1:
         model._loom_grad_reducer = GradientReducer(list(model.parameters()), group, size,
                                                    ledger=ledger, axis=axis,
-                                                   reduce_dtype=reduce_dtype)
+                                                   reduce_dtype=reduce_dtype,
+                                                   bucket_bytes=bucket_bytes)
     return model
 
 

@@ -42,8 +42,9 @@ reduce-scatter's):
   ``dp_shard x ep``, n = d ep, plus ``(d-1)/d * 4P_experts`` over ``dp_shard``, P_experts being
   this ep rank's expert elements; the same for the all-gather below); HSDP adds an all-reduce of the slice over
   ``dp_replicate``. Stage 1 keeps a persistent full-size gradient buffer (autograd accumulates
-  into views of it: 4P at rest); stage 2 packs the gradients into a temporary buffer, frees them
-  and keeps only its slice (4P/d at rest);
+  into views of it: 4P at rest); stage 2 keeps only its slice (4P/d at rest, see "Stage 2's
+  gradients" below); with ``reduce_every_microbatch`` stage 2 does this after every
+  microbatch's backward (m times the reduce-scatter bytes) and sums the slices;
 * after the optimizer step: one all-gather of every bucket over ``dp_shard``: ``(d-1)/d * 4P``;
 * clipping: one scalar all-reduce over the shard group (each element's square is counted by its
   owner only; under TP two: the tp-sharded and the replicated squares), under TP one scalar
@@ -52,6 +53,17 @@ reduce-scatter's):
 Both stages move ``2 (d-1)/d * 4P``, the same as plain data parallelism (ZeRO §7: P_os and P_os+g
 cost 2Ψ). Reduce-scatter instead of all-reduce for stage 1 too: only the owner's slice of a
 reduced gradient is ever used.
+
+Stage 2's gradients, at their peak too. Each parameter's gradient is copied into its bucket's
+packing buffer as soon as autograd has accumulated it (``register_post_accumulate_grad_hook``)
+and ``p.grad`` is freed there, DeepSpeed's "ipg" bucket; a bucket is reduce-scattered once full,
+in bucket order (every rank launches the same collectives in the same order), and at most
+``MAX_IN_FLIGHT`` reduce-scatters are outstanding: before another buffer is allocated the oldest
+is waited for and its input freed (only the 4P/d output is kept). So the gradients a stage-2 rank
+holds at any instant of its last backward are at most ``MAX_IN_FLIGHT + 1`` buckets beyond its
+slices, not 4P. Accumulating microbatches with ``sync`` off still holds autograd's full-size
+``p.grad`` until the last backward (or a pipeline stage's ``flush``, which packs bucket by bucket
+and frees as it goes, so it adds one bucket); ``reduce_every_microbatch`` avoids that.
 
 Why hand-written: FSDP2 always shards parameters at rest, so it cannot express stages 1 and 2;
 torch's ``ZeroRedundancyOptimizer`` shards whole parameters (uneven shards, no gradient sharding)
@@ -62,6 +74,7 @@ and every collective one call per bucket.
 from __future__ import annotations
 
 import copy
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -70,6 +83,11 @@ from torch import nn
 
 from loom.parallel import comm
 from loom.parallel.data import BUCKET_BYTES, _local
+
+# Reduce-scatters a rank keeps outstanding before waiting for the oldest: two overlap the
+# reduction of one bucket with the packing of the next (DeepSpeed's double buffer) and bound the
+# packed gradients held to three buckets.
+MAX_IN_FLIGHT = 2
 
 
 def _tp_sharded(param: torch.Tensor) -> bool:
@@ -110,8 +128,10 @@ class _Bucket:
     shard: nn.Parameter  # this rank's slice (a view of ``flat``, or a host copy when offloading)
     grad_flat: torch.Tensor | None = None  # stage 1: persistent full-size gradient buffer
     grad_shard: torch.Tensor | None = None  # the reduced gradient slice (persistent)
+    offsets: dict[int, int] = field(default_factory=dict)  # id(param) -> its offset in ``flat``
+    packed: torch.Tensor | None = None  # stage 2: the gradients being packed for reduction
+    reduced: torch.Tensor | None = None  # the reduce-scatter outputs received this step, summed
     ready: int = 0
-    pending: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
 
 
 class ZeroShardedOptimizer:
@@ -156,7 +176,9 @@ class ZeroShardedOptimizer:
             if current:
                 self._add_bucket(current, decay, sharded, expert)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._next = 0
+        self._next = 0  # the next bucket to launch: every rank launches in bucket order
+        self._in_flight: deque[tuple[_Bucket, Any, torch.Tensor]] = deque()
+        self._end_queued = False  # the end-of-backward flush is queued for this backward
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient_ready)
                        for b in self.buckets for p in b.params]
 
@@ -169,8 +191,9 @@ class ZeroShardedOptimizer:
         numel = sum(t.numel() for t in locals_)
         padded = -(-numel // d) * d
         flat = torch.zeros(padded, dtype=params[0].dtype, device=locals_[0].device)
-        offset = 0
+        offset, offsets = 0, {}
         for param, local in zip(params, locals_):  # each parameter becomes a view of the bucket
+            offsets[id(param)] = offset
             view = flat[offset:offset + local.numel()].view_as(local)
             view.copy_(local.detach())
             if local is param:
@@ -181,7 +204,7 @@ class ZeroShardedOptimizer:
         piece = flat[rank * padded // d:(rank + 1) * padded // d]
         shard = nn.Parameter(piece.to("cpu", copy=True) if self.offload else piece)
         bucket = _Bucket(params, [n for n, _ in named], decay, tp_sharded, expert, shards, flat,
-                         shard)
+                         shard, offsets=offsets)
         if self.stage == 1:  # autograd accumulates straight into views of one buffer
             bucket.grad_flat = torch.zeros_like(flat)
             offset = 0
@@ -199,28 +222,66 @@ class ZeroShardedOptimizer:
     def _on_gradient_ready(self, param: nn.Parameter) -> None:
         if not self.sync:
             return
-        self._bucket_of[id(param)].ready += 1
+        if self._next == len(self.buckets):  # every bucket went out: this is the next backward
+            self._next = 0
+        if not self._end_queued:  # launch what this backward leaves (unused parameters) at its end
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._end_queued = True
+        bucket = self._bucket_of[id(param)]
+        if self.stage == 2:
+            self._pack(bucket, param)
+        bucket.ready += 1
         while self._next < len(self.buckets) and \
                 self.buckets[self._next].ready == len(self.buckets[self._next].params):
             self._launch(self.buckets[self._next])
 
+    def _end_of_backward(self) -> None:
+        self._end_queued = False
+        self.flush()
+
+    def _pack(self, bucket: _Bucket, param: nn.Parameter) -> None:
+        """Stage 2: copy ``param``'s gradient into its bucket's packing buffer and free it."""
+        if param.grad is None:
+            return
+        if bucket.packed is None:  # zeros: the padding, and parameters that got no gradient
+            self._bound_in_flight()
+            bucket.packed = torch.zeros_like(bucket.flat)
+        grad = _local(param.grad).reshape(-1)
+        offset = bucket.offsets[id(param)]
+        bucket.packed[offset:offset + grad.numel()].copy_(grad)
+        param.grad = None
+
+    def _bound_in_flight(self) -> None:
+        while len(self._in_flight) >= MAX_IN_FLIGHT:
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        """Wait for the oldest outstanding reduce-scatter; its packed input is freed with the
+        work, and its output is added to the bucket's slices received this step."""
+        bucket, work, out = self._in_flight.popleft()
+        work.wait()
+        if bucket.reduced is None:
+            bucket.reduced = out
+        else:  # reduce_every_microbatch: the microbatches' slices are summed in fp32
+            bucket.reduced = bucket.reduced.float().add_(out)
+
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.grad_flat is not None:  # stage 1: the gradients already are the buffer
             flat = bucket.grad_flat
-        else:  # stage 2: pack, then free the full-size gradients
-            grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))
-                     for p in bucket.params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            flat = nn.functional.pad(flat, (0, bucket.flat.numel() - flat.numel()))
+        else:  # stage 2: what the hooks have not packed (a flush after ``sync`` off) joins
             for param in bucket.params:
-                param.grad = None
+                self._pack(bucket, param)
+            flat = bucket.packed if bucket.packed is not None else torch.zeros_like(bucket.flat)
+            bucket.packed = None
+        self._bound_in_flight()
         send = flat.to(self.reduce_dtype)
+        del flat
         shards = bucket.shards
-        out = torch.empty(flat.numel() // shards.size, dtype=self.reduce_dtype,
-                          device=flat.device)
+        out = torch.empty(send.numel() // shards.size, dtype=self.reduce_dtype,
+                          device=send.device)
         work = comm.reduce_scatter_tensor(out, send, shards.group, axis=shards.axis,
                                           ledger=self.ledger, async_op=True)
-        bucket.pending.append((work, out))
+        self._in_flight.append((bucket, work, out))
         bucket.ready = 0
         self._next += 1
 
@@ -235,17 +296,17 @@ class ZeroShardedOptimizer:
         """Reduce what backward did not reach (unused parameters), wait, average the slices and
         hand them to the optimizer's shard parameters as their gradients."""
         self.flush()
+        while self._in_flight:
+            self._complete_oldest()
         for bucket in self.buckets:
-            for work, out in bucket.pending:
-                work.wait()
-                if self.replicate_size > 1:
-                    comm.all_reduce(out, self.replicate_group, axis="dp_replicate",
-                                    ledger=self.ledger)
-                # d is the dense group's size (dp_shard, or dp_shard x ep): one divisor for
-                # both kinds, since an expert's slice is summed over dp_shard only but each
-                # rank's expert gradient already sums the tokens of all ep ranks
-                bucket.grad_shard.copy_(out).div_(self.d * self.replicate_size)
-            bucket.pending.clear()
+            reduced, bucket.reduced = bucket.reduced, None
+            if self.replicate_size > 1:
+                comm.all_reduce(reduced, self.replicate_group, axis="dp_replicate",
+                                ledger=self.ledger)
+            # d is the dense group's size (dp_shard, or dp_shard x ep): one divisor for
+            # both kinds, since an expert's slice is summed over dp_shard only but each
+            # rank's expert gradient already sums the tokens of all ep ranks
+            bucket.grad_shard.copy_(reduced).div_(self.d * self.replicate_size)
             bucket.shard.grad = bucket.grad_shard.to(bucket.shard.device)
         self._next = 0
 
@@ -326,7 +387,8 @@ class ZeroShardedOptimizer:
 def apply_zero(model: nn.Module, stage: int, shard_mesh: Any, replicate_mesh: Any, *,
                axis: str = "dp_shard", reduce_dtype: torch.dtype = torch.float32,
                offload: bool = False, ledger: comm.CommLedger | None = None,
-               tp_group: Any = None, experts: tuple[Any, str] | None = None) -> nn.Module:
+               tp_group: Any = None, experts: tuple[Any, str] | None = None,
+               bucket_bytes: int = BUCKET_BYTES) -> nn.Module:
     """Attach ZeRO-1/2 over ``shard_mesh`` (``dp_shard``, ``dp_shard x cp`` or, under expert
     parallelism, ``dp_shard x ep`` flattened) and ``replicate_mesh`` (``dp_replicate``);
     ``tp_group``: the model's tensor-parallel group (its DTensor parameters are bucketed by
@@ -345,7 +407,7 @@ def apply_zero(model: nn.Module, stage: int, shard_mesh: Any, replicate_mesh: An
         model, stage, shard_mesh.get_group(), shard_mesh.size(), shard_mesh.get_local_rank(),
         replicate_group=replicate_mesh.get_group(), replicate_size=replicate_mesh.size(),
         reduce_dtype=reduce_dtype, offload=offload, ledger=ledger, axis=axis, tp_group=tp_group,
-        experts=names, expert_shards=expert_shards, ep_size=ep_size)
+        experts=names, expert_shards=expert_shards, ep_size=ep_size, bucket_bytes=bucket_bytes)
     return model
 
 

@@ -190,7 +190,8 @@ class Trainer:
         for i in range(n_micro):
             rows = slice(i * micro, (i + 1) * micro)
             last = i == n_micro - 1
-            with contextlib.nullcontext() if last else no_gradient_sync(self.model), \
+            sync = last or self.config.train.grad_reduce_every_microbatch
+            with contextlib.nullcontext() if sync else no_gradient_sync(self.model), \
                     self._counting(), activation_offload(self.offload):
                 with self._autocast():
                     logits = self.model(inputs[rows], positions=positions)

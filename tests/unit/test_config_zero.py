@@ -25,6 +25,14 @@ def test_dp_shard_defaults_to_zero3_and_is_part_of_dp():
     ({"train.offload_optimizer": "true"}, 1, "train.offload_optimizer", "dp_shard > 1"),
     ({"train.memory_limit_gb": "-1"}, 1, "train.memory_limit_gb", ">= 0"),
     ({"train.grad_reduce_dtype": "fp16"}, 1, "train.grad_reduce_dtype", "fp32, bf16"),
+    ({"train.grad_bucket_mb": "0"}, 1, "train.grad_bucket_mb", "must be > 0"),
+    ({"train.grad_reduce_every_microbatch": "true"}, 1, "train.grad_reduce_every_microbatch",
+     "dp_shard > 1 with zero_stage = 2 or 3"),
+    ({"train.grad_reduce_every_microbatch": "true", "parallel.dp_shard": "2",
+      "parallel.zero_stage": "1"}, 2, "train.grad_reduce_every_microbatch", "zero_stage = 2 or 3"),
+    ({"train.grad_reduce_every_microbatch": "true", "parallel.dp_shard": "2",
+      "parallel.zero_stage": "2", "parallel.pp": "2"}, 4, "train.grad_reduce_every_microbatch",
+     "not with pp > 1"),
 ])
 def test_rules(overrides, world, field, words):
     with pytest.raises(ConfigError) as err:
