@@ -341,19 +341,28 @@ def _sweep(name: str, layout: tuple[int, ...], microbatches: int, costs: Costs, 
             return
 
 
-# (reverse knobs, forward reserve, forward patience in hops), most useful first: the budget may
-# stop the list early. Stagger 1 starts rank r's reversed schedule (p-1-r) hops late, mirroring
-# the forward warm-up; reserve 0 lets the forward pass admit as deep as the memory allows.
+# (reverse knobs, forward reserve, forward patience in hops, calm last ranks), most useful first:
+# the budget may stop the list early. Stagger 1 starts rank r's reversed schedule (p-1-r) hops
+# late, mirroring the forward warm-up; reserve 0 lets the forward pass admit as deep as the memory
+# allows. Patience of a quarter hop (more than a round trip of latency, less than any action) lets
+# a rank wait for the input of a more urgent action rather than start a less urgent one: that
+# keeps the input-gradient chain on time, which shortens the spans of the ranks it passes (the
+# Zero Bubble idle). The last ``calm`` ranks get no patience: the last rank starts last and its
+# span ends the makespan, so any wait there lengthens the makespan, while the others have slack.
 _BACKWARD = [
-    (ReverseKnobs(stagger=1.0), 0, 0.0),
-    (ReverseKnobs(stagger=1.0, i_first=True), 0, 0.0),
-    (ReverseKnobs(stagger=0.9, i_first=True), 0, 0.5),
-    (ReverseKnobs(stagger=1.0), 0, 0.5),
-    (ReverseKnobs(stagger=1.0, i_first=True), 0, 0.5),
-    (ReverseKnobs(stagger=1.0), None, 0.0),
-    (ReverseKnobs(stagger=1.2), 0, 0.0),
-    (ReverseKnobs(stagger=1.0), 1, 0.0),
-    (ReverseKnobs(), 0, 0.0),
+    (ReverseKnobs(stagger=1.0), 0, 0.0, 0),
+    (ReverseKnobs(stagger=1.0), 0, 0.25, 2),
+    (ReverseKnobs(stagger=1.0, i_first=True), 0, 0.25, 2),
+    (ReverseKnobs(stagger=1.0, i_first=True), 0, 0.0, 0),
+    (ReverseKnobs(stagger=0.9, i_first=True), 0, 0.2, 3),
+    (ReverseKnobs(stagger=0.9, i_first=True), 0, 0.5, 0),
+    (ReverseKnobs(stagger=0.9), 0, 0.25, 1),
+    (ReverseKnobs(stagger=1.0), 0, 0.5, 0),
+    (ReverseKnobs(stagger=1.0, i_first=True), 0, 0.5, 0),
+    (ReverseKnobs(stagger=1.0), None, 0.0, 0),
+    (ReverseKnobs(stagger=1.2), 0, 0.0, 0),
+    (ReverseKnobs(stagger=1.0), 1, 0.0, 0),
+    (ReverseKnobs(), 0, 0.0, 0),
 ]
 
 
@@ -363,7 +372,8 @@ def _backward(name: str, layout: tuple[int, ...], microbatches: int, costs: Cost
     actions = 3 * len(layout) * microbatches
     hop = sum(d[F] for d in costs.duration) / len(layout) + costs.send
     built: dict[ReverseKnobs, tuple[list[Row], float, dict] | None] = {}
-    for knobs, reserve, patience in _BACKWARD:
+    pp = max(layout) + 1
+    for knobs, reserve, patience, calm in _BACKWARD:
         if budget.exhausted():
             return
         if knobs not in built:
@@ -378,11 +388,13 @@ def _backward(name: str, layout: tuple[int, ...], microbatches: int, costs: Cost
             continue
         budget.spend(2 * actions)
         pool.tried += 1
-        forward = priority_schedule(layout, microbatches, costs, limit, made[2], reserve,
-                                    patience * hop)
+        calm = min(calm, pp - 1)
+        waits = [patience * hop] * (pp - calm) + [0.0] * calm
+        forward = priority_schedule(layout, microbatches, costs, limit, made[2], reserve, waits)
         if forward is not None:
             label = (f"forward-backward:{name}:{knobs.label()},reserve="
-                     f"{'all' if reserve is None else reserve},patience={patience:g}")
+                     f"{'all' if reserve is None else reserve},patience={patience:g}"
+                     + (f",calm={calm}" if calm and patience else ""))
             _add_scored(pool, label, name, forward[0], forward[1], layout, microbatches, costs)
 
 

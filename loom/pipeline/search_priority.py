@@ -34,7 +34,7 @@ def priority_schedule(
     limit: float,
     priority: Priority,
     reserve: int | None = None,
-    patience: float = 0.0,
+    patience: float | Sequence[float] = 0.0,
 ) -> tuple[list[Row], float] | None:
     """Integer rows (see ``search_eval.encode``) and peak units; None if it stalls.
 
@@ -42,13 +42,14 @@ def priority_schedule(
     admitted microbatches on the rank (None: all of them, which cannot deadlock; fewer lets a
     rank run deeper ahead, and a setting that stalls returns None). ``patience``: a rank waits up
     to this long for a more urgent action whose inputs are on their way rather than start a less
-    urgent one that would still be running when they arrive."""
+    urgent one that would still be running when they arrive (one value, or one per rank)."""
     num_stages, m = len(placement), microbatches
     ranks = ranks_of(placement, limit)
     if ranks is None:
         return None
     pp, stages_of, v, limit_c = ranks.pp, ranks.stages_of, ranks.v, ranks.limit_c
     duration, send = costs.duration, costs.send
+    wait = [patience] * pp if isinstance(patience, (int, float)) else list(patience)
     fin_f = [-1.0] * (num_stages * m)
     fin_i = [-1.0] * (num_stages * m)
     next_f = [0] * num_stages
@@ -110,7 +111,7 @@ def priority_schedule(
             if best_key is None or (prio, s, W, k) < best_key:
                 best, best_key = (s, W, k), (prio, s, W, k)
         if (best is not None and soon_key is not None and soon_key < best_key
-                and soon - t <= patience + EPS
+                and soon - t <= wait[r] + EPS
                 and soon < t + duration[best[0]][best[1]] - EPS):
             return soon
         return wake if best is None else (best, t)
