@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from loom.sim.layout import PEAK_IN_FLIGHT, V_SHAPED, Layout
-from loom.train.memory import (block_activation_bytes, head_activation_bytes, model_state_bytes,
-                               zero2_reduction_bytes)
+from loom.train.memory import (block_activation_bytes, head_activation_bytes, largest_parameter,
+                               model_state_bytes, zero2_reduction_bytes)
 
 
 def layout_memory(model: Any, lay: Layout) -> dict[str, float]:
@@ -61,23 +61,27 @@ def layout_memory(model: Any, lay: Layout) -> dict[str, float]:
             acts += block(m.ffn_dim, "none")  # one block's full set while it is recomputed
         if last in own:  # the head's logits live from its F to its backward: briefly
             acts += head
-        # the first instant is the passes', where the activations live
-        for k, entry in enumerate(instants):
-            total = entry["_total"] + (acts if k == 0 else 0.0)
+        # the passes' instant, and ZeRO-2's reduction during the last backward, hold them
+        freed = (head if last in own else 0.0) + dense_act  # the head's and the top block's
+        for entry in instants:
+            held = {"all": acts, "none": 0.0,
+                    "less_head_and_top": max(0.0, acts - freed)}[entry["_acts"]]
+            total = entry["_total"] + held
             if worst is None or total > worst_total:
-                worst, worst_total = (entry, acts if k == 0 else 0.0), total
+                worst, worst_total = (entry, held), total
     assert worst is not None
     entry, acts = worst
     return {name: (acts if name == "activations" else value) for name, value in entry.items()
-            if name != "_total"}
+            if not name.startswith("_")}
 
 
 def _instants(model: Any, lay: Layout, psi: float, experts: float = 0.0
               ) -> list[dict[str, float]]:
     """The instants of a rank's step that can be its peak, as the estimator weighs them
     (``loom.train.memory._rank_instants``): the last microbatch's passes (peak activations beside
-    the gradients accumulated so far), ZeRO-2's reduction after the last backward, and the
-    optimizer step (the activations, added by the caller, belong to the first). Under a pipeline
+    the gradients accumulated so far), ZeRO-2's reduction (during the last backward, or a
+    pipeline stage's flush), and the optimizer step; ``_acts`` tells the caller which
+    activations each holds (all, none, or all but the head's and the top block's). Under a pipeline
     the first is an upper bound: the activation peak of the
     warm-up is counted with the accumulated gradients of the steady state. ``experts`` of the
     ``psi`` parameters are routed experts: ZeRO shards them over dp_shard x cp, the dense ones
@@ -101,14 +105,38 @@ def _instants(model: Any, lay: Layout, psi: float, experts: float = 0.0
     if stage == 3 and accumulating:  # a unit's fresh gradient beside its accumulated one
         transient += model.grad_bytes * block
     out = [{"parameters": params + (model.e * psi if held else 0.0), "gradients": passes_grads,
-            "optimizer": optim, "activations": 0.0, "transient": transient}]
+            "optimizer": optim, "activations": 0.0, "transient": transient, "_acts": "all"}]
+    if stage == 3 and not held and lay.pp == 1 and not accumulating:
+        # FSDP2 reducing in the backward: a block's unsharded gradients and the reduce-scatter
+        # input beside the gathered blocks, once the head and the top block are done
+        out.append({"parameters": params, "gradients": grads, "optimizer": optim,
+                    "activations": 0.0, "transient": transient + 2 * model.grad_bytes * block,
+                    "_acts": "less_head_and_top"})
     if stage == 2:
-        packed, packing = zero2_reduction_bytes(psi, d)
+        # without a pipeline during the last backward (the hooks pack the gradients as they
+        # come; the accumulated full-size ones are in passes_grads), in one the stage's flush
+        # after its last piece, beside all its full-size gradients
+        largest = 4 * largest_parameter(model.model, lay.tp, lay.ep)
+        full_size, packing = zero2_reduction_bytes(
+            psi, d, accumulated=accumulating or lay.pp > 1, largest=largest)
         packing += grads - 4 * psi / d  # the reduced slices' outputs, by shard group
-        out.append({"parameters": params, "gradients": grads + packed, "optimizer": optim,
-                    "activations": 0.0, "transient": packing})
+        if lay.pp > 1:
+            out.append({"parameters": params, "gradients": grads + full_size,
+                        "optimizer": optim, "activations": 0.0, "transient": packing,
+                        "_acts": "none"})
+        else:  # the first buffer beside every activation; all of them after the top block
+            from loom.parallel.data import BUCKET_BYTES
+
+            first = min(4 * psi, BUCKET_BYTES + largest)
+            out.append({"parameters": params, "gradients": passes_grads, "optimizer": optim,
+                        "activations": 0.0, "transient": first, "_acts": "all"})
+            if not accumulating:
+                out.append({"parameters": params, "gradients": grads, "optimizer": optim,
+                            "activations": 0.0, "transient": packing,
+                            "_acts": "less_head_and_top"})
     out.append({"parameters": params, "gradients": grads, "optimizer": optim,
-                "activations": 0.0, "transient": optim})  # AdamW's two slice-sized temporaries
+                "activations": 0.0, "transient": optim,  # AdamW's two slice-sized temporaries
+                "_acts": "none"})
     for entry in out:
-        entry["_total"] = sum(entry.values())
+        entry["_total"] = sum(v for k, v in entry.items() if not k.startswith("_"))
     return out

@@ -43,10 +43,13 @@ for 8 of 10 layouts with accumulation and pipelines (docs/benchmarks.md "ZeRO me
   first F to its flush (required by schedules that split B into I and W, config_rules), without
   one every block from its forward to its backward; either way ``compute x Ψ_stage`` of whole
   parameters on top of the shards, counted in ``parameters`` (and no per-block ``transient``);
-* ZeRO-2's reduction, after a stage's last backward piece: every bucket's gradients packed into
-  a flat buffer kept for its asynchronous reduce-scatter until the step's finish (4Ψ_stage, so
-  ZeRO-2 saves gradient memory at rest, not at this instant), plus the cat and padded copies of
-  the bucket being launched and the slices' outputs (``transient``);
+* ZeRO-2's reduction (during the last backward; under a pipeline, the stage's flush after its
+  last piece): gradients are packed into bucket buffers (``train.grad_bucket_mb``) as they are
+  ready and freed, with at most two reduce-scatters outstanding, so at most three buffers are
+  held, or one beside autograd's full-size gradients when microbatches accumulated into them
+  (they are freed bucket by bucket as they are packed), plus the slices' outputs
+  (``transient``). With ``train.grad_reduce_every_microbatch`` ZeRO-2/3 never hold full-size
+  gradients: every backward is reduced;
 * the optimizer step: no activations, and AdamW's two temporaries (the square root of the second
   moment, then its quotient) the size of the state it steps: ``2 x 4Ψ/d`` (``transient``).
 
@@ -160,14 +163,23 @@ def model_state_bytes(psi: float, shard: int, stage: int, *, accumulating: bool 
     return (4 * psi / (d if stage == 3 else 1), grads, 8 * psi / (d if stage >= 1 else 1))
 
 
-def zero2_reduction_bytes(psi: float, shard: int) -> tuple[float, float]:
-    """(gradients, transient) ZeRO-2 adds at its reduction, after the last backward (piece) of
-    ``psi`` parameters: every bucket's gradients packed into a flat buffer kept for its
-    asynchronous reduce-scatter until the step's finish (4Ψ), and, as transient, the ``cat`` and
-    padded copies of the bucket being launched plus the reduced slices' outputs (4Ψ/d)."""
+def zero2_reduction_bytes(psi: float, shard: int, *, accumulated: bool,
+                          bucket_bytes: float | None = None, largest: float = 0.0
+                          ) -> tuple[float, float]:
+    """(gradients, transient) at ZeRO-2's reduction of ``psi`` parameters' gradients
+    (``loom.parallel.zero``: each gradient packed into its bucket's buffer and freed, at most
+    ``MAX_IN_FLIGHT`` reduce-scatters outstanding). ``accumulated``: autograd's full-size
+    ``p.grad`` exists when the reduction starts (microbatches accumulated with ``sync`` off, or a
+    pipeline stage's flush): 4Ψ, freed bucket by bucket as packed, so one packing buffer beside
+    it; otherwise up to ``MAX_IN_FLIGHT + 1`` buffers. Transient: those buffers (a bucket closes
+    at ``bucket_bytes`` or one parameter, at most ``largest`` bytes, beyond) and the reduced
+    slices' outputs (4Ψ/d)."""
     from loom.parallel.data import BUCKET_BYTES
+    from loom.parallel.zero import MAX_IN_FLIGHT
 
-    return 4 * psi, 2 * 4 * min(psi, BUCKET_BYTES / 4) + 4 * psi / shard
+    bucket = min(4 * psi, (BUCKET_BYTES if bucket_bytes is None else bucket_bytes) + largest)
+    buffers = bucket if accumulated else min(4 * psi, (MAX_IN_FLIGHT + 1) * bucket)
+    return (4 * psi if accumulated else 0.0), buffers + 4 * psi / shard
 
 
 def optimizer_step_bytes(psi: float, shard: int, stage: int) -> float:
@@ -299,6 +311,15 @@ def _expert_parameters(config: Config, layers: list[int]) -> float:
     return sum(m.n_experts * expert / (par.ep * par.tp) for i in layers if m.moe_layer(i))
 
 
+def largest_parameter(m: Any, tp: int = 1, ep: int = 1, vocab_parallel: bool = True) -> float:
+    """Elements of one rank's largest parameter tensor of model ``m`` (``TransformerArgs``): a
+    gradient bucket closes at most this far past its size."""
+    experts = (m.n_experts / ep) * m.dim * (m.expert_ffn_dim or m.ffn_dim) / tp \
+        if m.n_experts else 0.0
+    return max(m.vocab_size * m.dim / (tp if vocab_parallel else 1), m.dim * m.ffn_dim / tp,
+               m.dim * m.n_heads * (m.dim // m.n_heads) / tp, experts)
+
+
 def _sharded_state(config: Config, psi: float, expert: float, stage: int, **kwargs: Any
                    ) -> tuple[float, float, float]:
     """``model_state_bytes`` of a rank's ``psi`` parameters of which ``expert`` are routed
@@ -346,7 +367,9 @@ def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[Memor
     compute = 2 if tr.dtype == "bf16" else 4
     # FSDP2 accumulates in reduce_dtype when it differs from the compute dtype, else in that
     grad_bytes = 2 if stage == 3 and tr.dtype == "bf16" and tr.grad_reduce_dtype == "bf16" else 4
-    held, accumulates = _held(config, stage), stage in (2, 3)  # (ZeRO-1: full-size anyway)
+    # ZeRO-1 and plain data parallelism hold full-size gradients anyway
+    accumulates = stage in (2, 3) and not tr.grad_reduce_every_microbatch
+    held = _held(config, stage)
     psi = _parameter_count(config, line.layers, line.embedding, line.head)
     expert_share = _expert_parameters(config, line.layers) / psi if psi else 0.0
 
@@ -365,7 +388,15 @@ def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[Memor
         block = max(layer_parameter_count(m, i) for i in line.layers) / par.tp
     # ZeRO-3: the gathered block in use + the prefetched one (none extra when units are held)
     gathering = 2 * compute * block if stage == 3 and not held else 0.0
+    bucket_bytes = tr.grad_bucket_mb * 2**20
+    largest = 4 * largest_parameter(m, par.tp, par.ep, par.vocab_parallel)
     per_micro = _per_microbatch_activations(config, line)
+    # FSDP2 reduce-scatters each unit in the backward itself (one microbatch, or every one);
+    # a pipeline stage is flushed by the runtime instead (indices are F, B, F, B... without one)
+    reduces_in_backward = stage == 3 and not held and par.pp == 1 and line.layers
+    # what a backward has freed once the head and the top block are done
+    head_and_top = ((_head_activation_bytes(config) if line.head else 0.0)
+                    + layer_activation_bytes(config, layer_recomputed=tr.recompute == "full"))
     for index in range(len(line.during)):
         for level, ended in ((line.during[index], False), (line.after[index], True)):
             # a stage's parameters are whole from its first F to its flush; its full-size
@@ -391,19 +422,40 @@ def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[Memor
                              f" 'gradients'")
             yield MemoryEstimate(params + gathered, g, optim, per_micro * level,
                                  gathering + fresh, rank, tuple(notes))
-            if stage == 2 and ended and any(st.last == index for st in line.stages):
-                # ZeRO-2's reduction after a stage's last backward piece: every bucket's
-                # gradients packed (cat, then padded: two copies of the bucket being launched)
-                # and kept for its asynchronous reduce-scatter until the step's finish, beside
-                # the reduced slices' outputs
-                flushed = sum(st.psi for st in line.stages if st.last == index)
-                packed, packing = zero2_reduction_bytes(flushed, d)
-                packing += state(flushed)[1] - 4 * flushed / d  # the slices' outputs, by group
+            if reduces_in_backward and not ended and index % 2 and not full:
+                # ZeRO-3 reducing in this backward: at the end of the top block's backward its
+                # unsharded gradients and FSDP2's reduce-scatter input (a block each) beside the
+                # gathered blocks; the head's and that block's activations are freed by then
                 yield MemoryEstimate(
-                    params + gathered, g + packed, optim, per_micro * level, packing,
-                    rank, (*notes, f"ZeRO-2 reduction: {4 * flushed:,.0f} B of packed full-size"
-                                   f" gradients in 'gradients', two copies of the largest bucket"
-                                   f" and the slices' outputs in 'transient'"))
+                    params, g, optim, max(0.0, per_micro - head_and_top) * level,
+                    gathering + 2 * grad_bytes * block, rank,
+                    ("ZeRO-3 backward: a block's unsharded gradients and the reduce-scatter"
+                     " input in 'transient'",))
+            # ZeRO-2's reduction: without a pipeline during the last backward (its hooks pack
+            # the gradients as they come, the full-size ones already in ``g`` if accumulated);
+            # in one, the stage's flush after its last backward piece, all of them full-size
+            reducing = [st for st in line.stages if st.last == index]
+            if stage == 2 and reducing and ended == (par.pp > 1):
+                flushed = sum(st.psi for st in reducing)
+                accumulated = par.pp > 1 or bool(full)
+                full_size, packing = zero2_reduction_bytes(
+                    flushed, d, accumulated=accumulated, bucket_bytes=bucket_bytes,
+                    largest=largest)
+                packing += state(flushed)[1] - 4 * flushed / d  # the slices' outputs, by group
+                note = (*notes, f"ZeRO-2 reduction: gradients packed into buckets of"
+                                f" {bucket_bytes:,.0f} B (at most three held, one beside"
+                                f" full-size gradients) and the slices' outputs in 'transient'")
+                if par.pp > 1:
+                    yield MemoryEstimate(params + gathered, g + full_size, optim,
+                                         per_micro * level, packing, rank, note)
+                else:  # the first buffer beside every activation; three once the head and
+                    # the top block are done (two buckets' gradients cannot come sooner)
+                    first = min(4 * flushed, bucket_bytes + largest)
+                    yield MemoryEstimate(params, g, optim, per_micro * level, first, rank, note)
+                    if not accumulated:
+                        yield MemoryEstimate(params, g, optim,
+                                             max(0.0, per_micro - head_and_top) * level, packing,
+                                             rank, note)
     yield MemoryEstimate(params, grads, optim, 0.0,
                          0.0 if offloaded else state(psi)[2], rank,
                          ("optimizer step: AdamW's two temporaries in 'transient'",))
@@ -457,5 +509,5 @@ def check_memory_limit(config: Config) -> str | None:
 
 __all__ = ["MemoryEstimate", "estimate_memory", "memory_instants", "layer_activation_bytes",
            "check_memory_limit", "block_activation_bytes", "head_activation_bytes",
-           "model_state_bytes", "zero2_reduction_bytes", "optimizer_step_bytes",
+           "model_state_bytes", "zero2_reduction_bytes", "largest_parameter", "optimizer_step_bytes",
            "device_limit_bytes", "GiB"]

@@ -24,7 +24,8 @@ def config(world: int, **overrides):
 def forward_peak(cfg, rank: int = 0):
     """The instant of ``rank``'s most saved activations (the largest total among ties): the
     peak of a model whose activations outweigh its state (the debug model's do not)."""
-    mine = [e for e in memory_instants(cfg) if e.rank == rank]
+    mine = [e for e in memory_instants(cfg) if e.rank == rank
+            and not any("ZeRO-2 reduction" in note for note in e.notes)]
     most = max(e.activations for e in mine)
     return max((e for e in mine if e.activations == most), key=lambda e: e.total)
 
@@ -132,18 +133,47 @@ def test_zero2_accumulation_holds_full_gradients_and_the_persistent_slice():
     assert forward_peak(accumulating(2, **{"train.global_batch_size": "8"})).gradients == PSI
 
 
+def _reduction(cfg):
+    return [e for e in memory_instants(cfg) if any("ZeRO-2 reduction" in n for n in e.notes)]
+
+
 @pytest.mark.parametrize("batch", ["8", "32"])  # 1 and 4 microbatches
-def test_zero2_reduction_packs_every_gradient(batch):
-    """After the last backward the buckets' gradients are packed (cat, then pad: two copies of
-    the largest bucket, the decay one) and kept until finish, beside the slices' outputs."""
-    reduction = [e for e in memory_instants(accumulating(2, **{"train.global_batch_size": batch}))
-                 if any("ZeRO-2 reduction" in n for n in e.notes)]
-    assert len(reduction) == 1
-    est = reduction[0]
-    assert (est.parameters, est.gradients, est.optimizer, est.activations) == \
-        (4 * PSI, PSI + 4 * PSI, 2 * PSI, 0)
-    assert est.transient == 2 * 4 * PSI + PSI  # (the whole model fits one 25 MB bucket)
-    assert estimate_memory(accumulating(2)) == est  # the debug model's peak
+def test_zero2_reduction_packs_the_gradients_into_bucket_buffers(batch):
+    """During the last backward the hooks pack each gradient into its bucket's buffer and free
+    it. The debug model fits one 25 MB bucket per weight-decay group. At the backward's start
+    the first buffer is beside every activation; without accumulation, once the head and the
+    top block are done, all buffers and the slices' outputs. With 4 microbatches autograd's
+    accumulated full-size gradients are held beside the first buffer (freed as packed)."""
+    cfg = accumulating(2, **{"train.global_batch_size": batch})
+    start, *later = _reduction(cfg)
+    full = 4 * PSI if batch == "32" else 0
+    assert (start.parameters, start.gradients, start.optimizer, start.activations,
+            start.transient) == (4 * PSI, PSI + full, 2 * PSI, 4 * LAYER_ACT + HEAD_ACT, 4 * PSI)
+    if batch == "32":
+        assert later == []
+    else:
+        (done,) = later
+        assert (done.gradients, done.activations, done.transient) == \
+            (PSI, 3 * LAYER_ACT, 4 * PSI + PSI)  # buffers and outputs
+    assert estimate_memory(cfg) == start  # the debug model's peak
+
+
+@pytest.mark.parametrize("batch, every", [("8", False), ("32", False), ("32", True)])
+def test_zero2_small_buckets_bound_the_packed_gradients(batch, every):
+    """With 10 KiB buckets the buffers are bounded by buckets, not by the model: three (two
+    reduce-scatters in flight, one being packed), or one beside the accumulated full-size
+    gradients; a bucket closes at most one parameter (the 320 x 64 embedding) past its size.
+    Reducing every microbatch never accumulates full-size gradients."""
+    cfg = accumulating(2, **{"train.global_batch_size": batch, "train.grad_bucket_mb": str(10 / 1024),
+                             "train.grad_reduce_every_microbatch": str(every).lower()})
+    bucket = 10 * 2**10 + 4 * 320 * 64
+    accumulated = batch == "32" and not every
+    start, *later = _reduction(cfg)
+    assert start.transient == bucket
+    assert start.gradients == PSI + (4 * PSI if accumulated else 0)
+    assert [e.transient for e in later] == ([] if accumulated else [3 * bucket + PSI])
+    if every:
+        assert all(e.gradients == PSI for e in memory_instants(cfg)[:-1])  # never full-size
 
 
 def test_optimizer_step_adds_two_temporaries_of_the_stepped_state():
@@ -214,10 +244,10 @@ def test_refusal_counts_the_new_terms_and_names_the_largest():
     base = {"parallel.dp_shard": "4", "parallel.zero_stage": "2", "train.global_batch_size": "32"}
     est = estimate_memory(config(4, **base))
     at_rest = 4 * PSI + PSI + 2 * PSI + 4 * LAYER_ACT + HEAD_ACT  # what the old estimate said
-    assert at_rest < est.total and est.largest()[0] == "transient"
+    assert at_rest < est.total
     tight = {**base, "train.memory_limit_gb": str((at_rest + est.total) / 2 / 2**30)}
     message = check_memory_limit(config(4, **tight))
-    assert message is not None and "largest component: transient" in message
+    assert message is not None and f"largest component: {est.largest()[0]}" in message
     assert "ZeRO-2 reduction" in message
     assert check_memory_limit(config(4, **tight, **{"train.ignore_memory_limit": "true"})) is None
     # the held ZeRO-3 pipeline stage: refused, the note names the whole parameters
@@ -246,9 +276,12 @@ def test_model_state_bytes_accumulating_keyword():
 def test_pure_instant_functions_for_the_planner():
     from loom.train.memory import optimizer_step_bytes, zero2_reduction_bytes
 
-    assert zero2_reduction_bytes(800, 4) == (3200, 2 * 3200 + 800)
-    big = 10 * 2**20  # elements: past one 25 MB bucket, two copies of a bucket, not of all
-    assert zero2_reduction_bytes(big, 4) == (4 * big, 2 * 25 * 2**20 + big)
+    assert zero2_reduction_bytes(800, 4, accumulated=True) == (3200, 3200 + 800)
+    assert zero2_reduction_bytes(800, 4, accumulated=False) == (0, 3200 + 800)
+    big = 100 * 2**20  # elements: past three 25 MB buckets, so bounded by buckets, not the model
+    assert zero2_reduction_bytes(big, 4, accumulated=False) == (0, 3 * 25 * 2**20 + big)
+    assert zero2_reduction_bytes(big, 4, accumulated=True, largest=100) == \
+        (4 * big, 25 * 2**20 + 100 + big)
     assert optimizer_step_bytes(800, 4, 0) == 6400 and optimizer_step_bytes(800, 4, 2) == 1600
 
 

@@ -81,13 +81,13 @@ def test_parameters_on_one_rank_equal_the_preset_count(name):
     assert model._rank_params(Layout())[0] == parameter_count(m)
 
 
-@pytest.mark.parametrize("stage, factor", [(0, (4, 4, 8)), (2, (4, 4 / 8 + 4, 8 / 8)),
+@pytest.mark.parametrize("stage, factor", [(0, (4, 4, 8)), (2, (4, 4 / 8, 8 / 8)),
                                            (3, (4 / 8, 4 / 8, 8 / 8))])
 def test_model_state_follows_the_zero_formulas(stage, factor):
     """(parameters, gradients, optimizer) = (4, 4, 8)·Ψ with fp32 master weights and AdamW,
-    each divided by the shard degree from its ZeRO stage on (ZeRO §3: 16Ψ -> 16Ψ/N_d). ZeRO-2's
-    peak is its reduction, where Loom's buckets hold every packed full-size gradient beside the
-    slice until the reduce-scatters finish (+4Ψ; ``loom.train.memory.zero2_reduction_bytes``)."""
+    each divided by the shard degree from its ZeRO stage on (ZeRO §3: 16Ψ -> 16Ψ/N_d), at the
+    peak too: ZeRO-2's packing buffers are transient (``loom.train.memory.zero2_reduction_bytes``)
+    and with one microbatch no full-size gradient is ever held."""
     psi = parameter_count(DEBUG)
     model = CostModel(DEBUG, seq_len=32, global_batch=8, cluster=cluster(8))
     shard = 8 if stage else 1
@@ -107,6 +107,11 @@ def test_model_state_follows_the_zero_formulas(stage, factor):
     ({"train.recompute": "full"}, Layout(micro_batch=2, microbatches=4, recompute="full")),
     ({"parallel.dp_shard": "2", "parallel.dp_replicate": "1"},
      Layout(dp_shard=2, zero_stage=3, micro_batch=2, microbatches=2)),
+    ({"parallel.dp_shard": "2", "parallel.dp_replicate": "1", "train.global_batch_size": "4"},
+     Layout(dp_shard=2, zero_stage=3, micro_batch=2, microbatches=1)),
+    ({"parallel.dp_shard": "2", "parallel.dp_replicate": "1", "parallel.zero_stage": "2",
+      "train.global_batch_size": "4"},
+     Layout(dp_shard=2, zero_stage=2, micro_batch=2, microbatches=1)),
     ({"parallel.dp_shard": "2", "parallel.dp_replicate": "1", "parallel.cp": "2",
       "parallel.zero_stage": "2"},  # ZeRO shards over dp_shard x cp
      Layout(dp_shard=2, cp=2, zero_stage=2, micro_batch=2, microbatches=2)),
@@ -119,7 +124,8 @@ def test_memory_equals_the_estimator(parallel, layout):
                                         "train.global_batch_size": "8", "train.dtype": "bf16",
                                         **parallel}), layout.world)
     expected = estimate_memory(config)
-    model = CostModel(config.model, seq_len=32, global_batch=8, cluster=cluster(layout.world))
+    model = CostModel(config.model, seq_len=32, global_batch=config.train.global_batch_size,
+                      cluster=cluster(layout.world))
     got = model.memory(layout)
     for name in ("parameters", "gradients", "optimizer", "activations", "transient"):
         assert got[name] == pytest.approx(getattr(expected, name), rel=1e-9), name
