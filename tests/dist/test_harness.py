@@ -1,4 +1,7 @@
-"""The multi-process harness itself: results in rank order, real collectives, failures reported."""
+"""The multi-process harness itself: results in rank order, real collectives, failures reported,
+pools with too many threads recycled."""
+
+import os
 
 import pytest
 import torch
@@ -35,3 +38,19 @@ def test_a_failing_rank_is_named_and_the_pool_is_replaced(dist):
     with pytest.raises(HarnessError, match=r"failed on ranks \[1\][\s\S]*boom on rank one"):
         dist.run(2, fail_on_rank_one)
     assert dist.run(2, rank_times, 1) == [0, 1]  # a fresh pool answers
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="threads counted in /proc")
+def test_a_pool_is_replaced_once_its_workers_hold_too_many_threads(dist):
+    pool = dist.pool(2)
+    assert dist.run(2, rank_times, 1) == [0, 1]
+    assert pool.threads > 1  # the main thread and gloo's
+    assert dist.pool(2) is pool  # below the limit: kept
+    saved = dist.max_threads
+    dist.max_threads = pool.threads
+    try:
+        fresh = dist.pool(2)
+    finally:
+        dist.max_threads = saved
+    assert fresh is not pool and not pool.alive
+    assert dist.run(2, rank_times, 2) == [0, 2]
