@@ -247,11 +247,6 @@ def _validate_zero_experts(config: Config) -> None:
     par = config.parallel
     if par.ep == 1:
         return
-    if par.tp > 1 and par.zero_stage == 3:
-        raise ConfigError("parallel.zero_stage", 3, "ZeRO-3 with ep > 1 and tp > 1 is not"
-                          " implemented: expert-TP runs the experts on their local tp shards"
-                          " (functional_call), bypassing the experts' own FSDP2 unit; use"
-                          " zero_stage = 1 or 2")
 
 
 def _validate_context_parallel(config: Config) -> None:

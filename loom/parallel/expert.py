@@ -270,6 +270,23 @@ def _local(module: nn.Module) -> Callable:
     return lambda *args: functional_call(module, params, args)
 
 
+def _compute_on_local_shards(module: nn.Module) -> None:
+    """Make ``module``'s own forward compute with the local shard of each DTensor weight, so it
+    is still called as a module: under ZeRO-3 the experts are their own FSDP2 unit, and only a
+    module call runs the unit's hooks (gather before, reduce-scatter of the gradients after).
+    The weights are read at call time, after the unit has gathered them."""
+    plain = type(module).forward
+
+    def forward(*args: Any) -> torch.Tensor:
+        params = {n: p.to_local() if isinstance(p, DTensor) else p
+                  for n, p in module.named_parameters()}
+        # the mechanism torch.func.functional_call uses, without calling the module again
+        with torch.nn.utils.stateless._reparametrize_module(module, params):
+            return plain(module, *args)
+
+    module.forward = forward
+
+
 def _expert_tensor_parallel_forward(moe: MoEFeedForward, etp: ExpertTensorParallel) -> Callable:
     def forward(x_BSD: torch.Tensor) -> torch.Tensor:
         local = x_BSD.to_local() if isinstance(x_BSD, DTensor) else x_BSD
@@ -277,7 +294,7 @@ def _expert_tensor_parallel_forward(moe: MoEFeedForward, etp: ExpertTensorParall
         routing = moe.route_tokens(x_router)  # replicated over tp: every rank routes the same
         routing = routing._replace(weight_A=_SumGradient.apply(routing.weight_A, etp))
         shared = _local(moe.shared) if moe.shared is not None else None
-        partial = moe.experts_output(x_experts, routing, _local(moe.experts), shared)
+        partial = moe.experts_output(x_experts, routing, moe.experts, shared)
         out = _ExitExperts.apply(partial, etp)
         if etp.sequence_parallel:  # the residual stream is a DTensor sharded on the sequence
             return DTensor.from_local(out, etp.mesh, [Shard(1)], run_check=False)
@@ -305,6 +322,7 @@ def apply_expert_tensor_parallel(moe: MoEFeedForward, tp_mesh: Any, *, sequence_
             param = getattr(holder, leaf)
             value = distribute_tensor(param.detach(), tp_mesh, [Shard(dim)], src_data_rank=None)
             setattr(holder, leaf, nn.Parameter(value, requires_grad=param.requires_grad))
+    _compute_on_local_shards(moe.experts)
     moe.forward = _expert_tensor_parallel_forward(moe, etp)
     moe.expert_tensor_parallel = etp
     return moe

@@ -9,7 +9,7 @@
 
 Parity with one process (5 steps, fp32: loss, gradient norm, every gradient), dropless and with a
 capacity factor that drops assignments; HSDP (dp_replicate2 x dp_shard2 x ep2, 8 ranks); with tp,
-cp (ep = 1) and pp (1F1B, ZB-V), and ep2 with tp2 (ZeRO-1, ZeRO-2 + SP), ring cp2 (ZeRO-2/3:
+cp (ep = 1) and pp (1F1B, ZB-V), and ep2 with tp2 (ZeRO-1, ZeRO-2 + SP, ZeRO-3), ring cp2 (ZeRO-2/3:
 dense weights over dp_shard x ep x cp, experts over dp_shard x cp) and pp2 (ZeRO-2/3), 8 ranks; the ledger's bytes per group; bit-exact resume and checkpoints resharded to and from
 one process and plain expert parallelism.
 
@@ -90,6 +90,7 @@ COMPOSED = {  # name -> (world size, parallel settings): ZeRO of an MoE model wi
     "zero2-pp2-dp2-zbv": (4, {"pp": 2, "dp_shard": 2, "zero_stage": 2, "schedule": "zbv"}),
     "zero3-pp2-dp2-1f1b": (4, {"pp": 2, "dp_shard": 2, "zero_stage": 3, "schedule": "1f1b"}),
     "zero1-dp2-ep2-tp2": (8, {"dp_shard": 2, "ep": 2, "tp": 2, "zero_stage": 1}),
+    "zero3-dp2-ep2-tp2": (8, {"dp_shard": 2, "ep": 2, "tp": 2, "zero_stage": 3}),
     "zero2-dp2-ep2-tp2-sp": (8, {"dp_shard": 2, "ep": 2, "tp": 2, "zero_stage": 2,
                                  "sequence_parallel": True}),
     "zero2-dp2-ep2-cp2-ring": (8, {"dp_shard": 2, "ep": 2, "cp": 2, "cp_mode": "ring",
@@ -119,7 +120,8 @@ CKPT_LAYOUTS = {  # name -> (world size, parallel settings)
     "ep2": (2, {"ep": 2, "dp_replicate": 1}),
     **{name: LAYOUTS[name] for name in ("zero1-dp2", "zero3-dp2", "zero1-dp2-ep2",
                                         "zero2-dp2-ep2", "zero3-dp2-ep2")},
-    **{name: COMPOSED[name] for name in ("zero1-dp2-ep2-tp2", "zero2-pp2-dp2-ep2-1f1b")},
+    **{name: COMPOSED[name] for name in ("zero1-dp2-ep2-tp2", "zero3-dp2-ep2-tp2",
+                                         "zero2-pp2-dp2-ep2-1f1b")},
 }
 
 
@@ -148,7 +150,8 @@ def test_zero_with_experts_resumes_bit_exact(dist, small_data_dir, tmp_path, lay
                                             ("ep2", "zero1-dp2-ep2"),
                                             ("zero3-dp2", "zero1-dp2-ep2"),
                                             ("zero2-pp2-dp2-ep2-1f1b", "single"),
-                                            ("zero1-dp2-ep2-tp2", "zero3-dp2-ep2")])
+                                            ("zero1-dp2-ep2-tp2", "zero3-dp2-ep2"),
+                                            ("zero3-dp2-ep2-tp2", "zero1-dp2-ep2")])
 def test_zero_with_experts_checkpoint_reshards(dist, small_data_dir, tmp_path, source, target):
     from tests.dist.test_checkpoint_resume import check_reshard
 

@@ -67,9 +67,6 @@ def test_moe_with_zero_is_accepted(overrides, world) -> None:
     # still refused, each naming its rule
     ({"parallel.cp": 2, "model.capacity_factor": 1.0}, 2, "model.capacity_factor",
      ["must be 0 (dropless) with parallel.cp = 2", "queue position", "cp splits"]),
-    # ZeRO-3 with ep > 1 and tp > 1 (expert-TP bypasses the experts' FSDP2 unit)
-    ({"parallel.dp_shard": 2, "parallel.ep": 2, "parallel.tp": 2, "parallel.zero_stage": 3}, 8,
-     "parallel.zero_stage", ["ZeRO-3 with ep > 1 and tp > 1 is not implemented"]),
     ({"parallel.ep": 3}, 3, "model.n_experts", ["must be divisible by parallel.ep", "= 3"]),
 ])
 def test_moe_combinations_refused_by_name(overrides, world, field, words) -> None:
