@@ -3,6 +3,8 @@ loads under another with bit-identical weights and optimizer state (DCP reshards
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -157,10 +159,24 @@ def test_a_checkpoint_reshards_to_another_layout(dist, small_data_dir, tmp_path,
                   (LAYOUTS[target][0], config_for(target)), f"{source} -> {target}")
 
 
+# (world, config, data) -> (checkpoint path, full state) of ``save_after``, 2 steps. Many reshard
+# cases, here and in the files that import check_reshard, start from the same source layout; the
+# checkpoint is only read afterwards, so each source trains and saves once per session.
+_SAVED: dict[str, tuple[str, dict]] = {}
+
+
+def saved_checkpoint(dist, data_dir, root, source) -> tuple[str, dict]:
+    """``save_after(source, 2 steps)`` into ``root``, or the same source's earlier result."""
+    key = json.dumps([source[0], source[1], str(data_dir)], sort_keys=True, default=str)
+    if key not in _SAVED:
+        _SAVED[key] = dist.run(source[0], save_after, source[1], data_dir, str(root), 2)[0]
+    return _SAVED[key]
+
+
 def check_reshard(dist, data_dir, root, source, target, label: str) -> None:
     """Save after 2 steps under ``source`` = (world, config table), load under ``target``: the
     same step, and bit-identical weights and optimizer state."""
-    path, saved = dist.run(source[0], save_after, source[1], data_dir, str(root), 2)[0]
+    path, saved = saved_checkpoint(dist, data_dir, root, source)
     step, loaded = dist.run(target[0], state_after_load, target[1], data_dir, path)[0]
     assert step == 2, label
     assert_equal_states(loaded, saved, label)
