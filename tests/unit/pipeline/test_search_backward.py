@@ -141,3 +141,20 @@ def test_search_meets_the_bubble_target_at_p16():
     assert float(result.sim_result.makespan) == pytest.approx(2.5 * 64 + 0.55 * 15)
     assert result.sim_result.bubble_zb < 0.01
     assert max(result.sim_result.peak_memory) <= 32
+
+
+@pytest.mark.parametrize("p, m, limit", [(4, 8, 4), (4, 16, 8), (8, 16, 16), (8, 32, 16)])
+def test_patient_pass_only_adds_candidates(monkeypatch, p, m, limit):
+    # The patient pass runs last with its own effort: every candidate of the search without it
+    # is still found, so the result is never worse, and here it is better at p=8, m=32.
+    import loom.pipeline.search as search_module
+
+    with_pass = search(p, m, UNEQUAL, limit)
+    monkeypatch.setattr(search_module, "_PATIENT", [])
+    without = search(p, m, UNEQUAL, limit)
+    assert with_pass.candidates_tried > without.candidates_tried
+    key = lambda r: (round(float(r.sim_result.makespan), 9),  # noqa: E731
+                     round(float(r.sim_result.bubble_time_zb), 9))
+    assert key(with_pass) <= key(without)
+    if (p, m) == (8, 32):
+        assert without.sim_result.bubble_zb > 0.008 > with_pass.sim_result.bubble_zb
