@@ -137,7 +137,8 @@ def add_schedule_commands(subparsers: Any) -> argparse.ArgumentParser:
     search.add_argument("--placement", default="any", choices=("any", *PLACEMENTS),
                         help="looped (1 stage per rank), interleaved (2, looped), v (2, V shape)")
     search.add_argument("--effort", type=_positive_int, default=DEFAULT_EFFORT,
-                        help=f"simulated actions to spend (default {DEFAULT_EFFORT})")
+                        help=f"simulated actions to spend (default {DEFAULT_EFFORT}; "
+                        "the patient pass adds a quarter)")
     search.add_argument("--time-budget", type=_positive_float, metavar="SECONDS",
                         help="also stop after this long (the result may then vary by machine)")
     search.add_argument("--format", choices=("torch-csv", "json"),

@@ -155,7 +155,9 @@ def search(
     effort: int = DEFAULT_EFFORT,
     time_budget_s: float | None = None,
 ) -> SearchResult:
-    """The shortest-makespan schedule found whose peak memory is within ``memory_limit`` units."""
+    """The shortest-makespan schedule found whose peak memory is within ``memory_limit`` units.
+
+    ``effort`` is in simulated actions; the patient pass (step e) spends ``effort / 4`` more."""
     if pp < 1 or microbatches < 1:
         raise SearchError(f"pp and microbatches must be >= 1, got pp={pp}, "
                           f"microbatches={microbatches}")
