@@ -68,6 +68,11 @@ class ParallelConfig:
     # (1 for 1F1B-like families, 2 for interleaved/V-shaped ones). Used when pp > 1.
     schedule: str = "1f1b"
     chunks: int = 0
+    # schedule = "search": Loom's schedule search (``loom schedule search``) picks the order and
+    # the placement, under this activation-memory limit in units of one stage's activations for
+    # one microbatch (0: pp, what 1F1B needs), for these relative per-stage costs F,I,W,latency.
+    schedule_memory_limit: float = 0.0
+    schedule_costs: str = "1,1,1,0"
     # Tensor parallelism (tp > 1): Megatron sequence parallelism for norms and residuals, and the
     # vocabulary-parallel embedding / head / fused cross entropy.
     sequence_parallel: bool = False

@@ -188,7 +188,9 @@ def _validate_zero_pipeline(config: Config) -> None:
 
     tr = config.train
     micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
-    schedule = schedule_for(par.schedule, par.pp, micro, par.chunks)
+    schedule = schedule_for(par.schedule, par.pp, micro, par.chunks,
+                            memory_limit=par.schedule_memory_limit, costs=par.schedule_costs,
+                            max_stages=config.model.n_layers)
     splits = any(a.op.name in ("I", "W") for row in schedule.actions for a in row)
     if par.zero_stage == 3 and par.reshard_after_forward and splits:
         raise ConfigError("parallel.reshard_after_forward", True,
@@ -320,7 +322,7 @@ def _validate_schedule(config: Config) -> None:
     """The pipeline rules: a known schedule family, chunks it accepts, a layer per stage and a
     microbatch count m = global_batch_size / (dp * micro_batch_size) the family can schedule."""
     from loom.pipeline.schedules import ChunksError, schedule_for  # config -> Schedule, one place
-    from loom.pipeline.schedules import simulation_only, trainable
+    from loom.pipeline.schedules import SEARCH, parse_search_costs, simulation_only, trainable
 
     par, tr, m = config.parallel, config.train, config.model
     if par.schedule.lower().replace("-", "_") in simulation_only():
@@ -329,7 +331,16 @@ def _validate_schedule(config: Config) -> None:
                           " of the model, which the pipeline runtime does not run (one copy per"
                           " stage, no gradient sum between copies); use it with loom schedule"
                           " show|simulate, and train with zbv, dualpipev or 1f1b")
-    known = trainable()
+    known = [*trainable(), SEARCH]
+    if par.schedule.lower() == SEARCH:
+        if par.schedule_memory_limit and par.schedule_memory_limit < 1:
+            raise ConfigError("parallel.schedule_memory_limit", par.schedule_memory_limit,
+                              "must be 0 (pp units, what 1F1B needs) or >= 1 unit (one"
+                              " microbatch's activations of one stage)")
+        try:
+            parse_search_costs(par.schedule_costs)
+        except ValueError as err:
+            raise ConfigError("parallel.schedule_costs", par.schedule_costs, str(err)) from None
     if par.schedule.lower().replace("-", "_") not in known:
         raise ConfigError("parallel.schedule", par.schedule, f"unknown schedule; known: "
                           f"{', '.join(known)}" + _suggest(par.schedule.lower(), known))
@@ -341,7 +352,9 @@ def _validate_schedule(config: Config) -> None:
     how = (f"microbatches per pipeline m = global_batch_size / (dp * micro_batch_size) ="
            f" {tr.global_batch_size} / ({par.dp} * {tr.micro_batch_size}) = {micro}")
     try:
-        schedule = schedule_for(par.schedule, par.pp, micro, par.chunks)
+        schedule = schedule_for(par.schedule, par.pp, micro, par.chunks,
+                                memory_limit=par.schedule_memory_limit, costs=par.schedule_costs,
+                                max_stages=m.n_layers)
     except ChunksError as err:  # the family has a fixed number of stages per rank
         raise ConfigError("parallel.chunks", par.chunks, str(err)) from None
     except ValueError as err:

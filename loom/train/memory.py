@@ -248,7 +248,9 @@ def _timelines(config: Config) -> list[_Timeline]:
     from loom.pipeline.schedules import schedule_for
     from loom.pipeline.validate import memory_profile
 
-    schedule = schedule_for(par.schedule, par.pp, micro, par.chunks)
+    schedule = schedule_for(par.schedule, par.pp, micro, par.chunks,
+                            memory_limit=par.schedule_memory_limit, costs=par.schedule_costs,
+                            max_stages=config.model.n_layers)
     # a schedule with routes (bidirectional_v) holds copies of an L-stage model: stage s is
     # model stage s % L of copy s // L, with its own parameters
     per_route = schedule.stages_per_route

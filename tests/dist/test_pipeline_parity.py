@@ -1,6 +1,7 @@
 """Pipeline parallelism is one process, split: every schedule family gives the same numbers.
 
-For every registered family, p in {2, 4} and m in {p, 2p+1} microbatches per pipeline, three
+For every registered family, and the schedule search's pick (``parallel.schedule = "search"``),
+p in {2, 4} and m in {p, 2p+1} microbatches per pipeline, three
 optimizer steps on the pipeline give the same loss, gradient norm and every parameter's gradient
 as one process with the same global batch (fp32, debug preset with 8 layers so that p = 4 with
 two stages per rank still has a layer per stage). Then the validation loss (forward-only through
@@ -121,7 +122,9 @@ def skip_unless_schedulable(family: str, pp: int, microbatches: int) -> None:
         pytest.skip(f"not a valid combination: {err}")
 
 
-CASES = [(family, pp, m) for family in names() for pp in (2, 4) for m in (pp, 2 * pp + 1)]
+# "search": the schedule Loom's search picks (uniform costs, limit pp), placement included
+FAMILIES = [*names(), "search"]
+CASES = [(family, pp, m) for family in FAMILIES for pp in (2, 4) for m in (pp, 2 * pp + 1)]
 
 
 @pytest.mark.parametrize("family, pp, microbatches", CASES,
@@ -135,7 +138,7 @@ def test_pipeline_matches_one_process(dist, small_data_dir, references, tmp_path
     check(references(microbatches), results, f"{family} pp={pp} m={microbatches}")
 
 
-@pytest.mark.parametrize("family", names())
+@pytest.mark.parametrize("family", FAMILIES)
 def test_pipeline_with_data_parallel_matches_one_process(dist, small_data_dir, references,
                                                          tmp_path, family):
     microbatches = 4  # per pipeline; valid for every family at p = 2 (DualPipeV needs 2p)

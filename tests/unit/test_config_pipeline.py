@@ -59,6 +59,14 @@ REJECTED = [
      ["tied embeddings across pipeline stages with ZeRO-1/2", "use zero_stage = 3"]),
     ({**PP2, "model.tie_embeddings": "true", "parallel.cp": "2"}, 4, "parallel.cp",
      "parallel.cp=2", ["with cp > 1 are not tested yet"]),
+    # The schedule search (parallel.schedule = "search") and its two knobs.
+    ({**PP2, "parallel.schedule": "search", "parallel.schedule_costs": "1,1,0,0"}, 2,
+     "parallel.schedule_costs", "parallel.schedule_costs='1,1,0,0'",
+     ["four numbers F,I,W,latency", "F, I, W > 0"]),
+    ({**PP2, "parallel.schedule": "search", "parallel.schedule_memory_limit": "0.5"}, 2,
+     "parallel.schedule_memory_limit", "parallel.schedule_memory_limit=0.5", [">= 1 unit"]),
+    ({**PP2, "parallel.schedule": "search", "parallel.chunks": "2"}, 2, "parallel.chunks",
+     "parallel.chunks=2", ["the search chooses the placement"]),
 ]
 
 
@@ -89,6 +97,9 @@ def test_bad_pipeline_config_is_refused(overrides, world_size, field_name, field
       "parallel.vocab_parallel": "true"}, 4),
     ({**PP2, "model.tie_embeddings": "true", "parallel.dp_shard": "2",
       "parallel.reshard_after_forward": "false"}, 4),
+    ({**PP2, "parallel.schedule": "search"}, 2),
+    ({**PP2, "parallel.schedule": "search", "parallel.schedule_memory_limit": "3",
+      "parallel.schedule_costs": "1,1,0.5,0.05"}, 2),
     # With pp = 1 the schedule is not used, but its name is still checked; chunks are ignored.
     ({"parallel.schedule": "gpipe", "parallel.chunks": "5"}, 1),
 ])
@@ -100,3 +111,16 @@ def test_valid_pipeline_configs_resolve(overrides, world_size) -> None:
 def test_defaults_are_1f1b_with_the_family_chunks() -> None:
     config = load_config(None, {})
     assert (config.parallel.schedule, config.parallel.chunks) == ("1f1b", 0)
+
+
+def test_search_picks_a_schedule_within_its_memory_limit() -> None:
+    """The searched schedule is the search's best for the config's costs and limit, and every
+    caller (config rules, trainer, memory estimator) gets the same one."""
+    from loom.pipeline.schedules import schedule_for
+    from loom.pipeline.validate import peak_memory
+
+    tight = schedule_for("search", 4, 8, memory_limit=2, costs="1,1,1,0")
+    loose = schedule_for("search", 4, 8, memory_limit=8, costs="1,1,1,0")
+    assert max(peak_memory(tight)) <= 2 + 1e-9 and max(peak_memory(loose)) <= 8 + 1e-9
+    assert schedule_for("search", 4, 8, memory_limit=2, costs="1,1,1,0") is tight
+    assert tight.name.startswith("search")

@@ -26,6 +26,8 @@ Not provided, and why:
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable
 
 from loom.pipeline.ir import Schedule
@@ -99,16 +101,60 @@ class ChunksError(ValueError):
     """``chunks`` given for a family whose number of stages per rank is fixed."""
 
 
-def schedule_for(name: str, pp: int, microbatches: int, chunks: int = 0) -> Schedule:
+SEARCH = "search"  # ``parallel.schedule = "search"``: the schedule search picks the schedule
+
+
+def parse_search_costs(text: str) -> tuple[float, float, float, float]:
+    """``"F,I,W,latency"`` (``parallel.schedule_costs``): one full stage's relative costs."""
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 4 or min(values[:3]) <= 0 or values[3] < 0:
+        raise ValueError(f"{text!r} must be four numbers F,I,W,latency with F, I, W > 0 and"
+                         f" latency >= 0 (relative to one stage's costs, e.g. 1,1,1,0)")
+    return values  # type: ignore[return-value]
+
+
+@functools.lru_cache(maxsize=16)
+def _searched(pp: int, microbatches: int, memory_limit: float,
+              costs: tuple[float, float, float, float], placement: str) -> Schedule:
+    """Deterministic (an effort limit, no wall-clock budget): every rank finds the same one."""
+    from loom.pipeline.search import search
+    from loom.sim.cost import StageCosts
+
+    f, i, w, latency = costs
+    return search(pp, microbatches, StageCosts.uniform(f, i, w, latency), memory_limit,
+                  placement).schedule
+
+
+def schedule_for(name: str, pp: int, microbatches: int, chunks: int = 0, *,
+                 memory_limit: float = 0.0, costs: str = "1,1,1,0",
+                 max_stages: int = 0) -> Schedule:
     """The validated schedule of family ``name`` (``parallel.schedule``) for ``pp`` ranks and
     ``microbatches``; ``chunks`` stages per rank, 0 for the family's default. Raises ValueError
     with the family's rule when the sizes are invalid, ``ChunksError`` for a fixed-chunk family
     given another count. (Here rather than in the runtime so that config validation and the
-    planner do not import ``torch.distributed.pipelining``.)"""
+    planner do not import ``torch.distributed.pipelining``.)
+
+    ``name = "search"``: the schedule search's best schedule, placement included, for uniform
+    per-stage ``costs`` ("F,I,W,latency") under ``memory_limit`` units of one stage's
+    activations (0: ``pp``, what 1F1B needs); ``parallel.schedule_memory_limit`` and
+    ``parallel.schedule_costs``. ``max_stages`` (the model's layers; 0: no bound) below 2 pp
+    keeps it to one stage per rank."""
     import inspect
 
     from loom.pipeline.validate import validate
 
+    if name.lower() == SEARCH:
+        if chunks:
+            raise ChunksError("the search chooses the placement and its stages per rank; use"
+                              " chunks = 0")
+        placement = "looped" if 0 < max_stages < 2 * pp else "any"
+        schedule = _searched(pp, microbatches, float(memory_limit or pp),
+                             parse_search_costs(costs), placement)
+        validate(schedule)
+        return schedule
     generator = get(name)
     if chunks and "chunks" not in inspect.signature(generator).parameters:
         schedule = generator(pp, microbatches)
@@ -122,4 +168,5 @@ def schedule_for(name: str, pp: int, microbatches: int, chunks: int = 0) -> Sche
 
 
 __all__ = ["Generator", "get", "names", "routed", "trainable", "simulation_only", "schedule_for",
+           "SEARCH", "parse_search_costs",
            "ChunksError"]
