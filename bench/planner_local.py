@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=14,
                         help="--processes: steps per run; interleaved: rounds per phase x 4")
+    parser.add_argument("--ranking-only", action="store_true",
+                        help="calibrate, then only the ranking check (no validation table)")
     parser.add_argument("--processes", action="store_true",
                         help="one loom train run per layout and round instead of interleaving")
     parser.add_argument("--skip", type=int, default=4, help="first steps left out (warm-up)")
@@ -149,19 +151,21 @@ def main(argv: list[str] | None = None) -> int:
     # every layout once per round, rounds alternating, so a slow spell of the shared machine
     # falls on one measurement of each layout rather than on all of one layout's
     registry = None
+    layouts = {} if args.ranking_only else LAYOUTS
     if args.processes:
-        samples: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+        samples: dict[str, list[float]] = {name: [] for name in layouts}
         for _ in range(args.layout_rounds):
-            for name, layout in LAYOUTS.items():
+            for name, layout in layouts.items():
                 samples[name].append(measure(layout, args.steps, args.skip))
     else:
         from loom.testing.harness import PoolRegistry
 
         registry = PoolRegistry(pg_timeout_s=600.0)
-        samples = measure_interleaved(LAYOUTS, args.steps, args.skip, registry)
+        samples = measure_interleaved(layouts, args.steps, args.skip, registry) if layouts \
+            else {}
     print("| layout | predicted step (s) | measured step (s), median (rounds) | error |")
     print("|---|---|---|---|")
-    for name, layout in LAYOUTS.items():
+    for name, layout in layouts.items():
         predicted = simulate_step(model, model.evaluate(layout)).step_time
         measured = statistics.median(samples[name])
         error = predicted / measured - 1

@@ -176,6 +176,18 @@ SIMULATION_MARGIN = 1.15
 # Wall-time budget for simulating pipelined finalists: a 64-rank V-Min schedule alone takes
 # seconds to generate, and the issue asks for an answer within 10 s on a 2-core machine.
 SIMULATION_SECONDS = 3.0
+# A first guess of the simulator's cost per action (generation and replay; measured about 40-100
+# us on this machine for long pipelines), so that one long simulation cannot overrun the budget.
+SECONDS_PER_ACTION = 5e-5
+
+
+def _simulated_actions(lay: Layout) -> int:
+    """Actions ``simulate_step`` replays for ``lay`` (two schedule lengths, F, I and W each)."""
+    if lay.pp == 1:
+        return 0
+    first = min(lay.microbatches, 2 * lay.pp)
+    second = min(lay.microbatches, first + lay.pp)
+    return 3 * lay.pp * max(1, lay.chunks) * (first + (second if second > first else 0))
 
 
 def _structure(lay: Layout) -> tuple:
@@ -234,17 +246,22 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
     screened = sorted((entry[2] for entry in heap), key=lambda c: c.step_time)
     simulated: list[StepCost] = []
     spent = 0.0
+    per_action = SECONDS_PER_ACTION  # refined by every simulation of this call
     # layouts without a pipeline first: their estimate is exact, so they set the bar for free
     for cost in sorted(screened[:finalists], key=lambda c: (c.layout.pp > 1, c.step_time)):
         best = min((c.step_time for c in simulated if c.simulated), default=float("inf"))
         if cost.step_time > SIMULATION_MARGIN * best:
             continue  # its estimate is too far behind to win once simulated
-        if cost.layout.pp > 1 and spent >= simulation_seconds:
+        actions = _simulated_actions(cost.layout)
+        if cost.layout.pp > 1 and spent + actions * per_action > simulation_seconds:
             simulated.append(cost)  # out of time: ranked by its estimate, marked unsimulated
             continue
         clock = time.perf_counter()
         simulated.append(simulate_step(model, cost))
-        spent += time.perf_counter() - clock
+        took = time.perf_counter() - clock
+        spent += took
+        if actions:
+            per_action = max(per_action, took / actions)
     finals = sorted(simulated, key=lambda c: c.step_time)
     ranked: list[StepCost] = []
     done = {c.layout for c in finals}

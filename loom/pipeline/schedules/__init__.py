@@ -121,11 +121,14 @@ def _searched(pp: int, microbatches: int, memory_limit: float,
               costs: tuple[float, float, float, float], placement: str) -> Schedule:
     """Deterministic (an effort limit, no wall-clock budget): every rank finds the same one."""
     from loom.pipeline.search import search
+    from loom.pipeline.validate import validate
     from loom.sim.cost import StageCosts
 
     f, i, w, latency = costs
-    return search(pp, microbatches, StageCosts.uniform(f, i, w, latency), memory_limit,
-                  placement).schedule
+    schedule = search(pp, microbatches, StageCosts.uniform(f, i, w, latency), memory_limit,
+                      placement).schedule
+    validate(schedule)
+    return schedule
 
 
 def schedule_for(name: str, pp: int, microbatches: int, chunks: int = 0, *,
@@ -142,19 +145,25 @@ def schedule_for(name: str, pp: int, microbatches: int, chunks: int = 0, *,
     activations (0: ``pp``, what 1F1B needs); ``parallel.schedule_memory_limit`` and
     ``parallel.schedule_costs``. ``max_stages`` (the model's layers; 0: no bound) below 2 pp
     keeps it to one stage per rank."""
-    import inspect
-
-    from loom.pipeline.validate import validate
-
     if name.lower() == SEARCH:
         if chunks:
             raise ChunksError("the search chooses the placement and its stages per rank; use"
                               " chunks = 0")
         placement = "looped" if 0 < max_stages < 2 * pp else "any"
-        schedule = _searched(pp, microbatches, float(memory_limit or pp),
-                             parse_search_costs(costs), placement)
-        validate(schedule)
-        return schedule
+        return _searched(pp, microbatches, float(memory_limit or pp),
+                         parse_search_costs(costs), placement)
+    return _generated(name, pp, microbatches, chunks)
+
+
+@functools.lru_cache(maxsize=256)
+def _generated(name: str, pp: int, microbatches: int, chunks: int) -> Schedule:
+    """A family's validated schedule, cached: config checks, the estimator, the trainer and the
+    planner's runnability check of many layouts ask for the same few (a V-Min at pp 32 with
+    hundreds of microbatches takes a tenth of a second to generate and validate)."""
+    import inspect
+
+    from loom.pipeline.validate import validate
+
     generator = get(name)
     if chunks and "chunks" not in inspect.signature(generator).parameters:
         schedule = generator(pp, microbatches)
