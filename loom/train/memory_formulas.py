@@ -1,0 +1,92 @@
+"""The per-rank memory formulas of one layer, the head, the ZeRO model state and the step's
+transient buffers: pure functions of sizes, shared by the launch-time estimator
+(``loom.train.memory``, which weighs them at each instant of a rank's step) and the planner
+(``loom.sim.cost_memory``). The derivations and measurements are in ``loom.train.memory``'s
+docstring and docs/benchmarks.md. Communicates nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def block_activation_bytes(*, s: int, b: int, h: int, f: float, a: int, kv: int, t: int = 1,
+                           sequence_parallel: bool = False, e: int = 4,
+                           recompute: str = "none") -> float:
+    """Saved-for-backward bytes of one transformer block for one microbatch on one rank.
+
+    ``s`` is the rank's sequence shard (after cp), ``f`` the FFN width (an MoE layer passes its
+    effective width, see ``loom.sim.cost_model``), ``recompute`` one of none, selective, full
+    (the block recomputed: only its input is kept). The formulas: ``loom.train.memory``'s docstring.
+    """
+    x = s * b * h
+    if recompute == "full":
+        return x * e
+    if t == 1:
+        full = x * e * (10 + 4 * f / h) + 4 * s * b * (2 + a)
+    elif sequence_parallel:
+        full = x * e * (2 + (8 + 4 * f / h) / t) + 4 * s * b * (2 + a) / t
+    else:
+        full = x * e * (6 + (4 + 4 * f / h) / t) + 4 * s * b * (2 + a / t)
+    if recompute == "selective":  # the core's own: repeated k, v beyond q's inputs; lse
+        full -= (2 * x * e * (1 - kv / a) + 4 * s * b * a) / t
+    return full
+
+
+def head_activation_bytes(*, s: int, b: int, h: int, vocab: int, e: int = 4) -> float:
+    """The head's saved bytes for one microbatch: final norm (input, output, rstd), the fp32
+    log-softmax and the logits (``vocab`` is the rank's share of the vocabulary)."""
+    return 2 * s * b * h * e + 4 * s * b + 4 * s * b * vocab + e * s * b * vocab
+
+
+def model_state_bytes(psi: float, shard: int, stage: int, *, accumulating: bool = False,
+                      grad_bytes: int = 4) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer) bytes for ``psi`` parameters under ZeRO ``stage`` (0:
+    none) over ``shard`` ranks, with fp32 parameters and gradients and two AdamW moments.
+
+    ``accumulating``: the gradients while microbatches accumulate, before the reduction after the
+    last backward: ZeRO-2 holds autograd's full-size ``p.grad`` beside its persistent slice,
+    ZeRO-3 (FSDP2) the unsharded gradients (``grad_bytes`` per element) instead of the shards;
+    ZeRO-1 and plain data parallelism hold full-size gradients anyway."""
+    d = shard if stage else 1
+    grads = 4 * psi / (d if stage >= 2 else 1)
+    if accumulating and stage == 2:
+        grads += 4 * psi
+    elif accumulating and stage == 3:
+        grads = grad_bytes * psi
+    return (4 * psi / (d if stage == 3 else 1), grads, 8 * psi / (d if stage >= 1 else 1))
+
+
+def zero2_reduction_bytes(psi: float, shard: int, *, accumulated: bool,
+                          bucket_bytes: float | None = None, largest: float = 0.0
+                          ) -> tuple[float, float]:
+    """(gradients, transient) at ZeRO-2's reduction of ``psi`` parameters' gradients
+    (``loom.parallel.zero``: each gradient packed into its bucket's buffer and freed, at most
+    ``MAX_IN_FLIGHT`` reduce-scatters outstanding). ``accumulated``: autograd's full-size
+    ``p.grad`` exists when the reduction starts (microbatches accumulated with ``sync`` off, or a
+    pipeline stage's flush): 4Ψ, freed bucket by bucket as packed, so one packing buffer beside
+    it; otherwise up to ``MAX_IN_FLIGHT + 1`` buffers. Transient: those buffers (a bucket closes
+    at ``bucket_bytes`` or one parameter, at most ``largest`` bytes, beyond) and the reduced
+    slices' outputs (4Ψ/d)."""
+    from loom.parallel.data import BUCKET_BYTES
+    from loom.parallel.zero import MAX_IN_FLIGHT
+
+    bucket = min(4 * psi, (BUCKET_BYTES if bucket_bytes is None else bucket_bytes) + largest)
+    buffers = bucket if accumulated else min(4 * psi, (MAX_IN_FLIGHT + 1) * bucket)
+    return (4 * psi if accumulated else 0.0), buffers + 4 * psi / shard
+
+
+def optimizer_step_bytes(psi: float, shard: int, stage: int) -> float:
+    """Transient bytes of the optimizer step: torch's foreach AdamW allocates two temporaries the
+    size of the state it steps (the square root of the second moment, then its quotient), this
+    rank's slice under ZeRO (``stage`` > 0) and all ``psi`` parameters without."""
+    return 2 * 4 * psi / (shard if stage else 1)
+
+
+def largest_parameter(m: Any, tp: int = 1, ep: int = 1, vocab_parallel: bool = True) -> float:
+    """Elements of one rank's largest parameter tensor of model ``m`` (``TransformerArgs``): a
+    gradient bucket closes at most this far past its size."""
+    experts = (m.n_experts / ep) * m.dim * (m.expert_ffn_dim or m.ffn_dim) / tp \
+        if m.n_experts else 0.0
+    return max(m.vocab_size * m.dim / (tp if vocab_parallel else 1), m.dim * m.ffn_dim / tp,
+               m.dim * m.n_heads * (m.dim // m.n_heads) / tp, experts)
