@@ -56,12 +56,16 @@ LAYOUTS = {
 }
 
 
-def overrides(layout: Layout) -> list[str]:
+def override_values(layout: Layout) -> dict:
     from loom.plan.search import to_overrides
 
     values = to_overrides(layout, WORK)
     values["train.dtype"] = "fp32"  # CPU: fp32 compute (the profile measured fp32 matmuls)
-    return [f"--{key}={value}" for key, value in values.items()]
+    return values
+
+
+def overrides(layout: Layout) -> list[str]:
+    return [f"--{key}={value}" for key, value in override_values(layout).items()]
 
 
 def measure(layout: Layout, steps: int, skip: int) -> float:
@@ -81,8 +85,7 @@ def measure(layout: Layout, steps: int, skip: int) -> float:
 def _config_table(layout: Layout) -> dict:
     from loom.config import load_config, resolve, to_dict
 
-    values = {key.lstrip("-").split("=", 1)[0]: key.split("=", 1)[1]
-              for key in overrides(layout)}
+    values = override_values(layout)
     values.update({"data.tokenizer": "byte", "train.eval_every": 0, "train.steps": 10_000})
     return to_dict(resolve(load_config(None, values), NPROC))
 

@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from loom.parallel.comm import CommLedger
-from loom.parallel.data import apply_data_parallel, apply_fully_shard, finish_gradient_sync, no_gradient_sync, unwrap
+from loom.parallel.data import (BUCKET_BYTES, apply_data_parallel, apply_fully_shard,
+                                finish_gradient_sync, no_gradient_sync, unwrap)
 from loom.topology import Meshes
 
 __all__ = ["parallelize", "finish_gradient_sync", "no_gradient_sync", "unwrap"]
@@ -100,7 +101,7 @@ def parallelize(model: nn.Module, meshes: Meshes, parallel: Any, *, cp_groups: A
         model = apply_activation_checkpointing(model, train.recompute, train.recompute_every)
     reduce_dtype = torch.bfloat16 if train is not None and train.grad_reduce_dtype == "bf16" \
         else torch.float32
-    bucket_bytes = int((train.grad_bucket_mb if train is not None else 25.0) * 2**20)
+    bucket_bytes = int(train.grad_bucket_mb * 2**20) if train is not None else BUCKET_BYTES
     if parallel.dp_shard > 1 and parallel.zero_stage == 3:
         mesh, axis = zero_mesh(meshes, parallel)
         compute = torch.bfloat16 if train is not None and train.dtype == "bf16" else None

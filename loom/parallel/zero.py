@@ -43,8 +43,9 @@ reduce-scatter's):
   this ep rank's expert elements; the same for the all-gather below); HSDP adds an all-reduce of the slice over
   ``dp_replicate``. Stage 1 keeps a persistent full-size gradient buffer (autograd accumulates
   into views of it: 4P at rest); stage 2 keeps only its slice (4P/d at rest, see "Stage 2's
-  gradients" below); with ``reduce_every_microbatch`` stage 2 does this after every
-  microbatch's backward (m times the reduce-scatter bytes) and sums the slices;
+  gradients" below); with ``train.grad_reduce_every_microbatch`` the trainer leaves ``sync`` on
+  for every microbatch, so stage 2 reduces after each backward (m times the reduce-scatter
+  bytes) and sums the slices;
 * after the optimizer step: one all-gather of every bucket over ``dp_shard``: ``(d-1)/d * 4P``;
 * clipping: one scalar all-reduce over the shard group (each element's square is counted by its
   owner only; under TP two: the tp-sharded and the replicated squares), under TP one scalar
@@ -63,7 +64,7 @@ is waited for and its input freed (only the 4P/d output is kept). So the gradien
 holds at any instant of its last backward are at most ``MAX_IN_FLIGHT + 1`` buckets beyond its
 slices, not 4P. Accumulating microbatches with ``sync`` off still holds autograd's full-size
 ``p.grad`` until the last backward (or a pipeline stage's ``flush``, which packs bucket by bucket
-and frees as it goes, so it adds one bucket); ``reduce_every_microbatch`` avoids that.
+and frees as it goes, so it adds one bucket); ``train.grad_reduce_every_microbatch`` avoids that.
 
 Why hand-written: FSDP2 always shards parameters at rest, so it cannot express stages 1 and 2;
 torch's ``ZeroRedundancyOptimizer`` shards whole parameters (uneven shards, no gradient sharding)
@@ -262,7 +263,7 @@ class ZeroShardedOptimizer:
         work.wait()
         if bucket.reduced is None:
             bucket.reduced = out
-        else:  # reduce_every_microbatch: the microbatches' slices are summed in fp32
+        else:  # a reduction per microbatch: the microbatches' slices are summed in fp32
             bucket.reduced = bucket.reduced.float().add_(out)
 
     def _launch(self, bucket: _Bucket) -> None:

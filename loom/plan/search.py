@@ -176,8 +176,8 @@ SIMULATION_MARGIN = 1.15
 # Wall-time budget for simulating pipelined finalists: a 64-rank V-Min schedule alone takes
 # seconds to generate, and the issue asks for an answer within 10 s on a 2-core machine.
 SIMULATION_SECONDS = 3.0
-# A first guess of the simulator's cost per action (generation and replay; measured about 40-100
-# us on this machine for long pipelines), so that one long simulation cannot overrun the budget.
+# A first guess of the simulator's cost per action (schedule generation and replay), so that one
+# long simulation cannot overrun the budget; the slowest rate this call measures replaces it.
 SECONDS_PER_ACTION = 5e-5
 
 
