@@ -13,7 +13,7 @@ from typing import Any
 
 from loom.sim.layout import PEAK_IN_FLIGHT, V_SHAPED, Layout
 from loom.train.memory import (block_activation_bytes, head_activation_bytes, largest_parameter,
-                               model_state_bytes, zero2_reduction_bytes)
+                               model_state_bytes, zero2_bucket_bytes, zero2_reduction_bytes)
 
 
 def layout_memory(model: Any, lay: Layout) -> dict[str, float]:
@@ -125,9 +125,7 @@ def _instants(model: Any, lay: Layout, psi: float, experts: float = 0.0
                         "optimizer": optim, "activations": 0.0, "transient": packing,
                         "_acts": "none"})
         else:  # the first buffer beside every activation; all of them after the top block
-            from loom.parallel.data import BUCKET_BYTES
-
-            first = min(4 * psi, BUCKET_BYTES + largest)
+            first = zero2_bucket_bytes(psi, largest=largest)
             out.append({"parameters": params, "gradients": passes_grads, "optimizer": optim,
                         "activations": 0.0, "transient": first, "_acts": "all"})
             if not accumulating:

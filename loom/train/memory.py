@@ -77,7 +77,8 @@ from typing import Any
 from loom.config import Config
 from loom.train.memory_formulas import (block_activation_bytes, head_activation_bytes,
                                         largest_parameter, model_state_bytes,
-                                        optimizer_step_bytes, zero2_reduction_bytes)
+                                        optimizer_step_bytes, zero2_bucket_bytes,
+                                        zero2_reduction_bytes)
 
 GiB = 2**30
 
@@ -373,7 +374,7 @@ def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[Memor
                                          per_micro * level, packing, rank, note)
                 else:  # the first buffer beside every activation; three once the head and
                     # the top block are done (two buckets' gradients cannot come sooner)
-                    first = min(4 * flushed, bucket_bytes + largest)
+                    first = zero2_bucket_bytes(flushed, bucket_bytes, largest)
                     yield MemoryEstimate(params, g, optim, per_micro * level, first, rank, note)
                     if not accumulated:
                         yield MemoryEstimate(params, g, optim,
@@ -432,5 +433,5 @@ def check_memory_limit(config: Config) -> str | None:
 
 __all__ = ["MemoryEstimate", "estimate_memory", "memory_instants", "layer_activation_bytes",
            "check_memory_limit", "block_activation_bytes", "head_activation_bytes",
-           "model_state_bytes", "zero2_reduction_bytes", "largest_parameter", "optimizer_step_bytes",
-           "device_limit_bytes", "GiB"]
+           "model_state_bytes", "zero2_reduction_bytes", "zero2_bucket_bytes", "largest_parameter",
+           "optimizer_step_bytes", "device_limit_bytes", "GiB"]

@@ -57,6 +57,16 @@ def model_state_bytes(psi: float, shard: int, stage: int, *, accumulating: bool 
     return (4 * psi / (d if stage == 3 else 1), grads, 8 * psi / (d if stage >= 1 else 1))
 
 
+def zero2_bucket_bytes(psi: float, bucket_bytes: float | None = None,
+                       largest: float = 0.0) -> float:
+    """One ZeRO-2 packing buffer of ``psi`` parameters' gradients: a bucket closes once it holds
+    ``bucket_bytes`` (default ``BUCKET_BYTES``), so it is at most one parameter (``largest``
+    bytes) bigger, and never bigger than all of them."""
+    from loom.parallel.data import BUCKET_BYTES
+
+    return min(4 * psi, (BUCKET_BYTES if bucket_bytes is None else bucket_bytes) + largest)
+
+
 def zero2_reduction_bytes(psi: float, shard: int, *, accumulated: bool,
                           bucket_bytes: float | None = None, largest: float = 0.0
                           ) -> tuple[float, float]:
@@ -68,10 +78,9 @@ def zero2_reduction_bytes(psi: float, shard: int, *, accumulated: bool,
     it; otherwise up to ``MAX_IN_FLIGHT + 1`` buffers. Transient: those buffers (a bucket closes
     at ``bucket_bytes`` or one parameter, at most ``largest`` bytes, beyond) and the reduced
     slices' outputs (4Ψ/d)."""
-    from loom.parallel.data import BUCKET_BYTES
     from loom.parallel.zero import MAX_IN_FLIGHT
 
-    bucket = min(4 * psi, (BUCKET_BYTES if bucket_bytes is None else bucket_bytes) + largest)
+    bucket = zero2_bucket_bytes(psi, bucket_bytes, largest)
     buffers = bucket if accumulated else min(4 * psi, (MAX_IN_FLIGHT + 1) * bucket)
     return (4 * psi if accumulated else 0.0), buffers + 4 * psi / shard
 
