@@ -73,6 +73,9 @@ class ParallelConfig:
     # one microbatch (0: pp, what 1F1B needs), for these relative per-stage costs F,I,W,latency.
     schedule_memory_limit: float = 0.0
     schedule_costs: str = "1,1,1,0"
+    # ... and in this placement: "auto" (the search's choice; one stage per rank when the model
+    # has fewer than 2 pp layers), "looped", "interleaved" (two looped chunks) or "v"
+    schedule_placement: str = "auto"
     # Tensor parallelism (tp > 1): Megatron sequence parallelism for norms and residuals, and the
     # vocabulary-parallel embedding / head / fused cross entropy.
     sequence_parallel: bool = False

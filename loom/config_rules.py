@@ -190,6 +190,7 @@ def _validate_zero_pipeline(config: Config) -> None:
     micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
     schedule = schedule_for(par.schedule, par.pp, micro, par.chunks,
                             memory_limit=par.schedule_memory_limit, costs=par.schedule_costs,
+                            placement=par.schedule_placement,
                             max_stages=config.model.n_layers)
     splits = any(a.op.name in ("I", "W") for row in schedule.actions for a in row)
     if par.zero_stage == 3 and par.reshard_after_forward and splits:
@@ -322,7 +323,8 @@ def _validate_schedule(config: Config) -> None:
     """The pipeline rules: a known schedule family, chunks it accepts, a layer per stage and a
     microbatch count m = global_batch_size / (dp * micro_batch_size) the family can schedule."""
     from loom.pipeline.schedules import ChunksError, schedule_for  # config -> Schedule, one place
-    from loom.pipeline.schedules import SEARCH, parse_search_costs, simulation_only, trainable
+    from loom.pipeline.schedules import (SEARCH, SEARCH_PLACEMENTS, parse_search_costs,
+                                         simulation_only, trainable)
 
     par, tr, m = config.parallel, config.train, config.model
     if par.schedule.lower().replace("-", "_") in simulation_only():
@@ -338,9 +340,20 @@ def _validate_schedule(config: Config) -> None:
                               "must be 0 (pp units, what 1F1B needs) or >= 1 unit (one"
                               " microbatch's activations of one stage)")
         try:
-            parse_search_costs(par.schedule_costs)
+            parse_search_costs(par.schedule_costs, par.pp)
         except ValueError as err:
             raise ConfigError("parallel.schedule_costs", par.schedule_costs, str(err)) from None
+        if par.schedule_placement not in ("auto", *SEARCH_PLACEMENTS):
+            raise ConfigError("parallel.schedule_placement", par.schedule_placement,
+                              f"must be auto, {', '.join(SEARCH_PLACEMENTS)}")
+        if par.schedule_placement not in ("auto", "looped") and m.n_layers < 2 * par.pp:
+            raise ConfigError("parallel.schedule_placement", par.schedule_placement,
+                              f"puts two stages on each rank: needs 2 x pp = {2 * par.pp} layers,"
+                              f" the model has {m.n_layers}")
+    elif par.schedule_placement != "auto":
+        raise ConfigError("parallel.schedule_placement", par.schedule_placement,
+                          "only schedule = \"search\" takes a placement (a family has its own);"
+                          " leave it \"auto\"")
     if par.schedule.lower().replace("-", "_") not in known:
         raise ConfigError("parallel.schedule", par.schedule, f"unknown schedule; known: "
                           f"{', '.join(known)}" + _suggest(par.schedule.lower(), known))
@@ -354,7 +367,7 @@ def _validate_schedule(config: Config) -> None:
     try:
         schedule = schedule_for(par.schedule, par.pp, micro, par.chunks,
                                 memory_limit=par.schedule_memory_limit, costs=par.schedule_costs,
-                                max_stages=m.n_layers)
+                                placement=par.schedule_placement, max_stages=m.n_layers)
     except ChunksError as err:  # the family has a fixed number of stages per rank
         raise ConfigError("parallel.chunks", par.chunks, str(err)) from None
     except ValueError as err:

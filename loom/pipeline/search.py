@@ -51,7 +51,7 @@ from fractions import Fraction
 from numbers import Rational
 
 from loom.pipeline.ir import Schedule, looped_placement, v_placement
-from loom.pipeline.schedules import get, names
+from loom.pipeline.schedules import SEARCH_PLACEMENTS, get, names
 from loom.pipeline.search_eval import EPS, F, Costs, Row, Score, decode, encode, peak_units, score
 from loom.pipeline.search_greedy import Knobs, list_schedule
 from loom.pipeline.search_local import improve
@@ -61,7 +61,7 @@ from loom.pipeline.validate import validate
 from loom.sim.cost import OpCosts, StageCosts
 from loom.sim.simulate import SimResult, simulate
 
-PLACEMENTS = ("looped", "interleaved", "v")  # v=1 looped; v=2 looped (interleaved); v=2 V shape
+PLACEMENTS = SEARCH_PLACEMENTS  # v=1 looped; v=2 looped (interleaved); v=2 V shape
 MIN_MEMORY_LIMIT = 1.0  # one microbatch in flight: every chunk of it is live on its rank at once
 DEFAULT_EFFORT = 500_000  # simulated actions over all candidates (p=32, m=256: ~12 candidates)
 LOCAL_MAX_ACTIONS = 5_000  # local improvement only below this size: each try replays everything

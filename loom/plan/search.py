@@ -12,7 +12,11 @@ Three passes, each cheaper per layout than the next:
    extended linearly: past the warm-up every family settles into a steady state that adds the
    same time per microbatch (the busiest rank's work, or more for V-Half and V-Min, whose
    steady state keeps a bubble when F, I and W differ); checked against full simulations in
-   the tests.
+   the tests. A searched schedule (``schedule = "search"``) is given the activation units the
+   memory budget leaves on its worst rank (at most 2p), and its simulation runs the very search
+   ``loom train`` runs for the config written (the same limit, per-rank relative costs and
+   placement; deterministic), over all m; the best ``SEARCH_FINALISTS`` of them are simulated
+   beside the finalists unless their estimate, a rough one, is ``SEARCH_MARGIN`` behind.
 3. **Check runnability** with Loom's own config rules (``loom.config.resolve``): combinations this
    version of Loom still refuses are reported with the rule, not proposed.
 """
@@ -57,26 +61,21 @@ def simulate_step(model: CostModel, cost: StepCost, *, max_simulated: int | None
     if lay.pp == 1 or cost.stage_costs is None:
         return replace(cost, simulated=True)
     from loom.pipeline import schedules
-    from loom.sim.simulate import simulate
 
     p, m = lay.pp, lay.microbatches
     first = min(m, max_simulated or 2 * p)
-    generator = schedules.get(lay.schedule)
     stage_costs = cost.stage_costs.build()
-
     cores = model.shared_cores(lay)
+    if lay.schedule == schedules.SEARCH:
+        return _simulate_searched(model, cost, stage_costs, cores)
+    generator = schedules.get(lay.schedule)
 
     def makespan(microbatches: int) -> float:
         # the families' generators are validated for these sizes by their tests; the runtime's
         # schedule_for would validate again, which costs more than the simulation itself
         schedule = generator(p, microbatches, chunks=lay.chunks) \
             if lay.schedule == "interleaved_1f1b" else generator(p, microbatches)
-        if cores:  # ranks share processors (a CPU profile): the same replay, cores shared
-            from loom.pipeline.profile import replay_shared
-
-            work = {a: float(stage_costs.duration(a)) for row in schedule.actions for a in row}
-            return replay_shared(schedule, work, float(stage_costs.latency), cores)
-        return float(simulate(schedule, stage_costs, memory=False).makespan)
+        return _replay(schedule, stage_costs, cores)
 
     pipeline = makespan(first)
     if m > first:  # extend by the steady state's slope, measured one pipeline length later
@@ -84,6 +83,37 @@ def simulate_step(model: CostModel, cost: StepCost, *, max_simulated: int | None
         later = makespan(second)
         pipeline = later + (m - second) * (later - pipeline) / (second - first)
     return replace(cost, pipeline=pipeline, simulated=True)
+
+
+def _replay(schedule: Any, stage_costs: Any, cores: float) -> float:
+    """The makespan of ``schedule`` on ``stage_costs``; ranks sharing ``cores`` (0: none)."""
+    if cores:  # ranks share processors (a CPU profile): the same replay, cores shared
+        from loom.pipeline.profile import replay_shared
+
+        work = {a: float(stage_costs.duration(a)) for row in schedule.actions for a in row}
+        return replay_shared(schedule, work, float(stage_costs.latency), cores)
+    from loom.sim.simulate import simulate
+
+    return float(simulate(schedule, stage_costs, memory=False).makespan)
+
+
+def _simulate_searched(model: CostModel, cost: StepCost, stage_costs: Any,
+                       cores: float) -> StepCost:
+    """A searched layout's step: the very schedule ``loom train`` would search for (the same
+    call, limit, relative costs and placement, so the same deterministic answer) replayed on the
+    real per-stage costs, over all its microbatches (a searched schedule has no fixed steady
+    state to extend); its activations at the peak the schedule reaches, not at the limit."""
+    from loom.pipeline.schedules import SEARCH, schedule_for
+    from loom.pipeline.validate import peak_memory
+
+    lay = cost.layout
+    if not lay.schedule_costs:  # what ``plan`` fills in from the cost model
+        lay = replace(lay, schedule_costs=model.search_costs(lay))
+    schedule = schedule_for(SEARCH, lay.pp, lay.microbatches, memory_limit=lay.memory_limit,
+                            costs=lay.schedule_costs, max_stages=model.model.n_layers,
+                            placement=lay.placement)
+    return replace(cost, layout=lay, pipeline=_replay(schedule, stage_costs, cores),
+                   simulated=True, memory=model.memory(lay, peak_memory(schedule)))
 
 
 _BASE_CONFIGS: dict[tuple, Any] = {}
@@ -132,7 +162,8 @@ def runnable(layout: Layout, work: Workload, *, exact: bool = True,
         layout = replace(layout, microbatches=layout.pp)
     if representative and layout.pp > 2:  # the same structure on the smallest pipeline
         work = replace(work, global_batch=layout.dp * layout.micro_batch * 2)
-        layout = replace(layout, pp=2, microbatches=2)
+        layout = replace(layout, pp=2, microbatches=2, schedule_costs="",  # (costs: per rank)
+                         memory_limit=min(layout.memory_limit, 2.0))
     try:
         to_config(layout, work)
     except ConfigError as err:
@@ -164,7 +195,13 @@ def to_overrides(layout: Layout, work: Workload) -> dict[str, Any]:
             values["parallel.reshard_after_forward"] = False
     if layout.cp > 1:
         values["parallel.cp_mode"] = layout.cp_mode
-    if layout.pp > 1:
+    if layout.pp > 1 and layout.schedule == "search":
+        values.update({"parallel.schedule": "search", "parallel.chunks": 0,
+                       "parallel.schedule_placement": layout.placement,
+                       "parallel.schedule_memory_limit": layout.memory_limit or layout.pp})
+        if layout.schedule_costs:
+            values["parallel.schedule_costs"] = layout.schedule_costs
+    elif layout.pp > 1:
         values["parallel.schedule"] = layout.schedule
         values["parallel.chunks"] = layout.chunks
     return values
@@ -179,12 +216,39 @@ SIMULATION_SECONDS = 3.0
 # A first guess of the simulator's cost per action (schedule generation and replay), so that one
 # long simulation cannot overrun the budget; the slowest rate this call measures replaces it.
 SECONDS_PER_ACTION = 5e-5
+# The schedule search's time in those units: it replays many candidates (measured here: 0.2 s at
+# p = 4, m = 8 and 0.9 s at p = 8, m = 32, about 70 actions' worth per rank and microbatch)
+SEARCH_ACTIONS_PER_PASS = 72
+# Searched layouts simulated beside the finalists whatever their screening estimate: it is a
+# rough one (``loom.sim.cost_pipeline.search_estimate``), and only the search finds out
+SEARCH_FINALISTS = 2
+SEARCH_MARGIN = 1.3  # ... unless even that estimate is this far behind the best simulated
+
+
+def _search_cap(lay: Layout) -> float:
+    """The most activation units a searched schedule is given: 2p (ZB-H2's level, where the
+    search's bubble is below 1% in Benchmark A) or every microbatch."""
+    return float(min(2 * lay.pp, lay.microbatches))
+
+
+def _with_memory_left(model: CostModel, lay: Layout, budget: float) -> Layout | None:
+    """``lay`` (a searched schedule) with its limit set to the activation units the memory
+    budget leaves on its worst rank and the search's relative costs; None if none are left."""
+    from loom.sim.cost_memory import search_units_left
+
+    units = search_units_left(model, lay, budget, _search_cap(lay))
+    if units < 1:
+        return None
+    return replace(lay, memory_limit=units, schedule_costs=model.search_costs(lay))
 
 
 def _simulated_actions(lay: Layout) -> int:
-    """Actions ``simulate_step`` replays for ``lay`` (two schedule lengths, F, I and W each)."""
+    """Actions ``simulate_step`` replays for ``lay`` (two schedule lengths, F, I and W each; a
+    searched schedule's search counted as ``SEARCH_ACTIONS_PER_PASS`` per rank and microbatch)."""
     if lay.pp == 1:
         return 0
+    if lay.schedule == "search":
+        return SEARCH_ACTIONS_PER_PASS * lay.pp * lay.microbatches
     first = min(lay.microbatches, 2 * lay.pp)
     second = min(lay.microbatches, first + lay.pp)
     return 3 * lay.pp * max(1, lay.chunks) * (first + (second if second > first else 0))
@@ -214,6 +278,7 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
     budget = cluster.gpu.memory_bytes * memory_fraction
     keep = max(finalists * 2, top * 4)
     heap: list[tuple[float, int, StepCost]] = []  # max-heap by step time (negated)
+    searched_heap: list[tuple[float, int, StepCost]] = []  # the same, searched schedules only
     verdicts: dict[tuple, str | None] = {}
     refused: Counter = Counter()
     best_refused: StepCost | None = None
@@ -221,13 +286,23 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
     for group in layouts(work, cluster.gpus, cluster.gpus_per_node, **(space or {})):
         for layout in group:
             considered += 1
+            # a searched schedule: more recomputation leaves more memory for a faster schedule,
+            # so the group is searched on until the limit reaches the cap (next: ``settled``)
+            searched = layout.schedule == "search"
+            if searched:
+                layout = _with_memory_left(model, layout, budget)
+                if layout is None:
+                    continue
             memory = model.memory(layout)
             if sum(memory.values()) > budget:
                 continue
             cost = model.evaluate(layout, memory)
             fitting += 1
+            settled = not searched or layout.memory_limit >= _search_cap(layout)
             if len(heap) == keep and -cost.step_time <= heap[0][0]:
-                break  # slower than every layout kept (and recomputing more is slower still)
+                if settled:
+                    break  # slower than every layout kept (and recomputing more is slower still)
+                continue
             if runnable_only:
                 key = _structure(layout)
                 if key not in verdicts:
@@ -236,21 +311,36 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
                     refused[verdicts[key]] += 1
                     if best_refused is None or cost.step_time < best_refused.step_time:
                         best_refused = cost
-                    break
+                    if settled:
+                        break
+                    continue
             entry = (-cost.step_time, considered, cost)
+            if searched:  # the best few are simulated whatever their estimate
+                if len(searched_heap) < SEARCH_FINALISTS:
+                    heapq.heappush(searched_heap, entry)
+                elif entry[0] > searched_heap[0][0]:
+                    heapq.heapreplace(searched_heap, entry)
             if len(heap) < keep:
                 heapq.heappush(heap, entry)
             elif entry[0] > heap[0][0]:
                 heapq.heapreplace(heap, entry)
-            break  # the rest of the group recomputes more: never faster
+            if settled:
+                break  # the rest of the group recomputes more: never faster
     screened = sorted((entry[2] for entry in heap), key=lambda c: c.step_time)
     simulated: list[StepCost] = []
     spent = 0.0
     per_action = SECONDS_PER_ACTION  # refined by every simulation of this call
-    # layouts without a pipeline first: their estimate is exact, so they set the bar for free
-    for cost in sorted(screened[:finalists], key=lambda c: (c.layout.pp > 1, c.step_time)):
+    chosen = screened[:finalists]
+    picked = {c.layout for c in chosen}
+    reserved = [entry[2] for entry in sorted(searched_heap, reverse=True)
+                if entry[2].layout not in picked]
+    late = {c.layout for c in reserved}
+    # layouts without a pipeline first: their estimate is exact, so they set the bar for free;
+    # the reserved searched schedules last (their estimate is a rough one: ``search_estimate``)
+    for cost in sorted(chosen, key=lambda c: (c.layout.pp > 1, c.step_time)) + reserved:
         best = min((c.step_time for c in simulated if c.simulated), default=float("inf"))
-        if cost.step_time > SIMULATION_MARGIN * best:
+        margin = SEARCH_MARGIN if cost.layout in late else SIMULATION_MARGIN
+        if cost.step_time > margin * best:
             continue  # its estimate is too far behind to win once simulated
         actions = _simulated_actions(cost.layout)
         if cost.layout.pp > 1 and spent + actions * per_action > simulation_seconds:

@@ -8,6 +8,10 @@ and by one dominance rule: sequence parallelism is always on under tp > 1. It mo
 bytes as plain TP (all-gather + reduce-scatter = all-reduce) and holds less activation memory, so
 a layout without it is never better (Korthikanti et al. 2022 §4.2).
 
+The pipeline schedule is one of Loom's families or the schedule search's own output under the
+activation memory the budget leaves (``schedule = "search"``; ``loom.plan.search`` sets the
+limit, since the space knows shapes, not bytes).
+
 ZeRO-1, 2 and 3 are all searched on a dp_shard axis. ZeRO-1 and ZeRO-2 move the same bytes, and
 which holds less at its peak depends on Loom's buckets and on accumulation (the memory instants
 of ``loom.train.memory`` price both), so neither dominates.
@@ -35,7 +39,13 @@ SCHEDULES: dict[str, tuple[int, ...]] = {
     "zbv": (2,),
     "v_half": (2,),
     "v_min": (2,),
+    # Loom's schedule search under the memory left (``parallel.schedule = "search"``), on the
+    # looped placement (1) and the V (2); the planner sets its limit from the memory budget
+    "search": (1, 2),
 }
+# The search runs on every rank when training starts and in the planner's simulation: kept to
+# pipelines of at most this many p·m actions per pass (p = 8, m = 32: about a second here)
+SEARCH_MAX_WORK = 256
 FULL_BACKWARD = ("1f1b", "interleaved_1f1b", "gpipe", "looped_bfs")
 RECOMPUTE = ("none", "selective", "full")
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -144,7 +154,8 @@ def _inner(m, pp, dp, ep, cp, tp, local, modes, gpus_per_node, families, micro_b
                     # m >= p, but with a deeper, irregular memory peak the planner does not model)
                     plans = [(name, v) for name, chunks in families.items() for v in chunks
                              if micro >= pp and m.n_layers >= pp * v
-                             and (name != "interleaved_1f1b" or micro % pp == 0)]
+                             and (name != "interleaved_1f1b" or micro % pp == 0)
+                             and (name != "search" or pp * micro <= SEARCH_MAX_WORK)]
                 for schedule, chunks in plans:
                     # Loom refuses SP inside pipelines that split the backward into I and W
                     # (``config_rules``: measured 4e-5 off one process); plain TP there.
@@ -158,4 +169,5 @@ def _inner(m, pp, dp, ep, cp, tp, local, modes, gpus_per_node, families, micro_b
                             for rc in recompute)
 
 
-__all__ = ["Workload", "layouts", "divisors", "SCHEDULES", "RECOMPUTE", "MICRO_BATCHES"]
+__all__ = ["Workload", "layouts", "divisors", "SCHEDULES", "RECOMPUTE", "MICRO_BATCHES",
+           "SEARCH_MAX_WORK"]

@@ -9,6 +9,7 @@ nothing. Split from ``cost_model.py`` to keep that module about time.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from loom.sim.layout import PEAK_IN_FLIGHT, V_SHAPED, Layout
@@ -16,14 +17,16 @@ from loom.train.memory import (block_activation_bytes, head_activation_bytes, la
                                model_state_bytes, zero2_bucket_bytes, zero2_reduction_bytes)
 
 
-def layout_memory(model: Any, lay: Layout) -> dict[str, float]:
+def layout_memory(model: Any, lay: Layout,
+                  in_flight: tuple[float, ...] | None = None) -> dict[str, float]:
     """Bytes by component at the worst instant of the worst pipeline rank of ``model`` (a
     ``CostModel``; checked first: most layouts of a large model do not fit, and this is a
-    fraction of ``evaluate``'s work)."""
-    counts, _, owned = model._geometry(lay.pp, lay.chunks, lay.schedule)
+    fraction of ``evaluate``'s work). ``in_flight``: the peak activation units of each rank
+    of a known schedule (a searched one, once found), instead of the family's."""
+    counts, _, owned = model._geometry(lay.pp, lay.chunks, lay.v_shaped)
     # the model state at each instant depends on far fewer knobs than the activations: cached
     # (the planner screens hundreds of thousands of layouts with this)
-    key = (lay.pp, lay.chunks, lay.schedule in V_SHAPED, lay.tp, lay.ep, lay.dp_shard, lay.cp,
+    key = (lay.pp, lay.chunks, lay.v_shaped, lay.tp, lay.ep, lay.dp_shard, lay.cp,
            lay.zero_stage, lay.microbatches > 1)
     states = model._memory_cache.get(key)
     if states is None:
@@ -45,8 +48,11 @@ def layout_memory(model: Any, lay: Layout) -> dict[str, float]:
     dense_act, moe_act = block(m.ffn_dim, lay.recompute), block(moe_f, lay.recompute)
     head = head_activation_bytes(s=s_local, b=b, h=m.dim, vocab=m.vocab_size // lay.tp,
                                  e=model.e)
-    peak = PEAK_IN_FLIGHT.get(lay.schedule, lambda p, mm, v: 1)(lay.pp, lay.microbatches,
-                                                               lay.chunks)
+    if lay.schedule == "search":  # the search keeps every rank within its limit (0: pp)
+        peak = lay.memory_limit or float(lay.pp)
+    else:
+        peak = PEAK_IN_FLIGHT.get(lay.schedule, lambda p, mm, v: 1)(lay.pp, lay.microbatches,
+                                                                   lay.chunks)
     last = len(counts) - 1
     worst: tuple[dict[str, float], float] | None = None
     worst_total = 0.0
@@ -55,8 +61,10 @@ def layout_memory(model: Any, lay: Layout) -> dict[str, float]:
         per_mb = sum(counts[s][0] * dense_act + counts[s][1] * moe_act for s in own)
         # in flight on rank r: the schedule's peak on rank 0 (and on every rank of a V, whose
         # ranks are balanced), one fewer per rank further down a looped pipeline
-        in_flight = peak if (r == 0 or lay.schedule in V_SHAPED) else max(1.0, peak - r)
-        acts = per_mb * in_flight
+        # (the search's limit binds every rank alike)
+        level = r == 0 or lay.schedule in V_SHAPED or lay.schedule == "search"
+        units = peak if level else max(1.0, peak - r)
+        acts = per_mb * (units if in_flight is None else in_flight[r])
         if lay.recompute == "full":
             acts += block(m.ffn_dim, "none")  # one block's full set while it is recomputed
         if last in own:  # the head's logits live from its F to its backward: briefly
@@ -73,6 +81,23 @@ def layout_memory(model: Any, lay: Layout) -> dict[str, float]:
     entry, acts = worst
     return {name: (acts if name == "activations" else value) for name, value in entry.items()
             if not name.startswith("_")}
+
+
+def search_units_left(model: Any, lay: Layout, budget: float, cap: float) -> float:
+    """The most activation units (whole ones, at most ``cap``) a searched schedule of ``lay``
+    may hold with its rank's peak within ``budget`` bytes; 0 when not even one fits. The peak
+    grows with the units (``layout_memory`` is a maximum of instants, each affine in them), so
+    a bisection over whole units finds it."""
+    def fits(units: float) -> bool:
+        return sum(layout_memory(model, replace(lay, memory_limit=units)).values()) <= budget
+
+    low, high = 1, int(cap)
+    if high < 1 or not fits(1):
+        return 0.0
+    while low < high:  # the largest fitting count in [1, cap]
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return float(low)
 
 
 def _instants(model: Any, lay: Layout, psi: float, experts: float = 0.0

@@ -65,6 +65,7 @@ from typing import Any
 from loom.models.llama import TransformerArgs
 from loom.sim.cost import OpCosts, StageCosts
 from loom.sim.cost_memory import layout_memory
+from loom.sim.cost_pipeline import pipeline_estimate
 from loom.sim.layout import (PEAK_IN_FLIGHT, V_SHAPED, Layout, all_to_all_time,  # noqa: F401
                              allreduce_time, gather_time, p2p_time, wrappers)
 
@@ -275,15 +276,15 @@ class CostModel:
         """Routed-expert parameters on the end pipeline ranks (E / ep experts of every MoE layer,
         split by expert-TP = tp): ZeRO shards them over dp_shard x cp only."""
         m = self.model
-        counts, _, owned = self._geometry(lay.pp, lay.chunks, lay.schedule)
+        counts, _, owned = self._geometry(lay.pp, lay.chunks, lay.v_shaped)
         per_layer = 3 * m.dim * (m.expert_ffn_dim or m.ffn_dim) * m.n_experts / (lay.ep * lay.tp)
         return {r: sum(counts[s][1] for s in owned[r]) * per_layer for r in {0, lay.pp - 1}}
 
-    def _geometry(self, pp: int, chunks: int, schedule: str) -> tuple:
+    def _geometry(self, pp: int, chunks: int, v_shaped: bool) -> tuple:
         """Cached: per global stage (dense layers, MoE layers, parameters at tp = ep = 1 are not
         needed), the placement, and each rank's stages. Layers split evenly, the remainder on the
         middle stages (the ends also carry the embedding and the head)."""
-        key = (pp, chunks, schedule in V_SHAPED)
+        key = (pp, chunks, v_shaped)
         if key not in self._geometry_cache:
             stages = pp * chunks
             n = self.model.n_layers
@@ -295,7 +296,7 @@ class CostModel:
                 moe = sum(1 for i in range(start, start + size) if self._is_moe(i))
                 counts.append((size - moe, moe))
                 start += size
-            if schedule in V_SHAPED:
+            if v_shaped:
                 placement = tuple(list(range(pp)) + list(range(pp - 1, -1, -1)))
             else:
                 placement = tuple(s % pp for s in range(stages))
@@ -317,7 +318,7 @@ class CostModel:
     def _rank_params(self, lay: Layout) -> dict[int, float]:
         """Parameters on the end pipeline ranks (the embedding's and the head's, the worst)."""
         m = self.model
-        counts, _, owned = self._geometry(lay.pp, lay.chunks, lay.schedule)
+        counts, _, owned = self._geometry(lay.pp, lay.chunks, lay.v_shaped)
         last = len(counts) - 1
         dense_params = self._layer_params(False, lay)
         moe_params = self._layer_params(True, lay) if self.moe_layers else dense_params
@@ -332,12 +333,10 @@ class CostModel:
             out[r] = psi
         return out
 
-    def evaluate(self, lay: Layout, memory: dict[str, float] | None = None) -> StepCost:
-        """Price ``lay`` (``memory``: its ``self.memory(lay)`` when already computed). The
-        pipelined part is a fast analytical estimate here (``simulate_step`` replaces it by the
-        simulator's makespan)."""
-        m, c = self.model, self.cluster
-        counts, placement, owned = self._geometry(lay.pp, lay.chunks, lay.schedule)
+    def evaluate_ops(self, lay: Layout) -> list[tuple[float, float, float]]:
+        """(F, I, W) seconds of one microbatch on each global stage of ``lay`` (the last also
+        runs the head)."""
+        counts = self._geometry(lay.pp, lay.chunks, lay.v_shaped)[0]
         dense = self._times(lay, False)
         moe = self._times(lay, True) if self.moe_layers else dense
         head = self._head_times(lay)
@@ -350,6 +349,17 @@ class CostModel:
             if s == last:
                 f, i, w = f + head[0], i + head[1], w + head[2]
             ops.append((f, i, w))
+        return ops
+
+    def evaluate(self, lay: Layout, memory: dict[str, float] | None = None) -> StepCost:
+        """Price ``lay`` (``memory``: its ``self.memory(lay)`` when already computed). The
+        pipelined part is a fast analytical estimate here (``cost_pipeline``; ``simulate_step``
+        replaces it by the simulator's makespan)."""
+        m, c = self.model, self.cluster
+        counts, placement, owned = self._geometry(lay.pp, lay.chunks, lay.v_shaped)
+        dense = self._times(lay, False)
+        moe = self._times(lay, True) if self.moe_layers else dense
+        ops = self.evaluate_ops(lay)
         totals = [f + i + w for f, i, w in ops]
         rank_work = [sum(totals[s] for s in own) for own in owned]
         compute = max(rank_work) * lay.microbatches
@@ -361,13 +371,9 @@ class CostModel:
         comm = {k: (n_dense * dense[3][k] + self.moe_layers * moe[3][k]) * per_rank_mb
                 for k in ("tp", "cp", "ep")}
         if lay.pp > 1:
-            act = lay.micro_batch * self.seq / lay.cp * m.dim * self.e
-            if lay.sequence_parallel and lay.tp > 1:
-                act /= lay.tp
-            pp_stride = lay.dp_replicate * lay.dp_shard * lay.ep * lay.cp * lay.tp
-            send = p2p_time(act, c.link_for(lay.pp, pp_stride))
+            send = self._send_time(lay)
             stage_costs = _LazyStageCosts(ops, send)
-            pipeline = self._pipeline_estimate(lay, ops, max(rank_work), send)
+            pipeline = pipeline_estimate(lay, ops, max(rank_work), send, self.contention)
             comm["pp"] = 2 * send * per_rank_mb * lay.pp * lay.chunks
         else:
             pipeline = compute
@@ -399,30 +405,25 @@ class CostModel:
         return StepCost(lay, stage_costs, compute, pipeline, dp_exposed, optimizer, memory,
                         model_flops, model_flops + extra, comm)
 
-    def _pipeline_estimate(self, lay: Layout, ops: list[tuple[float, float, float]], busiest: float,
-                           send: float) -> float:
-        """A fast estimate of the pipelined part (the planner simulates its finalists exactly):
-        the busiest rank's work per microbatch times m plus the family's warm-up and cool-down,
-        (p - 1) rank passes scaled by the family's published bubble (REFERENCE.md §1.1, §5.2)."""
-        p, m, v = lay.pp, lay.microbatches, lay.chunks
-        mid = ops[len(ops) // 2]
-        f, i, w = mid[0] * v, mid[1] * v, mid[2] * v  # one rank's share of a microbatch
-        name = lay.schedule
-        if name in ("gpipe", "1f1b", "looped_bfs"):
-            bubble = (p - 1) * (f + i + w)
-        elif name == "interleaved_1f1b":
-            bubble = (p - 1) * (f + i + w) / v
-        elif name == "zb_h1":
-            bubble = (p - 1) * max(f + i - w, 0)
-        elif name in ("zb_h2", "zbv", "dualpipev"):
-            bubble = (p - 1) * max(f + i - 2 * w, 0)
-        elif name == "v_half":
-            bubble = (p - 1) * (f + i + w) / 2
-        else:  # v_min
-            bubble = (p - 1) * (f + i + w) * 2 / 3
-        hops = 2 * (p - 1) * (2 if name in V_SHAPED else v)
-        # ranks sharing cores: at most the full contention (the simulation refines it)
-        return (busiest * m + bubble) * self.contention + hops * send
+    def search_costs(self, lay: Layout) -> str:
+        """``parallel.schedule_costs`` for a searched schedule of ``lay``: each rank's F, I, W for
+        its whole share (the end ranks carry the embedding and the head) and the send latency,
+        relative to the busiest rank's F, to three digits. The search splits a rank's share
+        evenly among its chunks; the simulation replays every stage's own costs."""
+        ops = self.evaluate_ops(lay)
+        _, _, owned = self._geometry(lay.pp, lay.chunks, lay.v_shaped)
+        ranks = [tuple(sum(ops[s][k] for s in own) for k in range(3)) for own in owned]
+        unit = max(f for f, _, _ in ranks)
+        text = ";".join(",".join(f"{x / unit:.3g}" for x in rank) for rank in ranks)
+        return f"{text},{self._send_time(lay) / unit:.3g}"
+
+    def _send_time(self, lay: Layout) -> float:
+        """One activation (or its gradient) across a stage boundary: T·h·e, T·h·e/t under SP."""
+        act = lay.micro_batch * self.seq / lay.cp * self.model.dim * self.e
+        if lay.sequence_parallel and lay.tp > 1:
+            act /= lay.tp
+        stride = lay.dp_replicate * lay.dp_shard * lay.ep * lay.cp * lay.tp
+        return p2p_time(act, self.cluster.link_for(lay.pp, stride))
 
     def _data_parallel(self, lay: Layout, rank_params: dict[int, float],
                        rank_bwd: dict[int, float], rank_layers: dict[int, int]
@@ -476,10 +477,12 @@ class CostModel:
         return worst_exposed, worst_total
 
     # ----- memory --------------------------------------------------------------------------
-    def memory(self, lay: Layout) -> dict[str, float]:
+    def memory(self, lay: Layout, in_flight: tuple[float, ...] | None = None
+               ) -> dict[str, float]:
         """Bytes by component on the worst pipeline rank (``cost_memory.layout_memory``; checked
-        first: most layouts of a large model do not fit, and it is a fraction of ``evaluate``)."""
-        return layout_memory(self, lay)
+        first: most layouts of a large model do not fit, and it is a fraction of ``evaluate``);
+        ``in_flight``: a known schedule's peak units per rank."""
+        return layout_memory(self, lay, in_flight)
 
 
 __all__ = ["Layout", "CostModel", "wrappers", "StepCost", "PEAK_IN_FLIGHT", "allreduce_time", "gather_time",

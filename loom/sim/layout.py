@@ -34,6 +34,11 @@ class Layout:
     micro_batch: int = 1
     microbatches: int = 1  # per pipeline per step
     recompute: str = "none"  # none | selective | full
+    # schedule = "search" (Loom's schedule search, ``parallel.schedule = "search"``): chunks 1
+    # searches the looped placement, 2 the V; the activation units it may hold (0: to be set
+    # from the memory left) and the relative "F,I,W,latency" of a rank's share it searches for
+    memory_limit: float = 0.0
+    schedule_costs: str = ""
 
     @property
     def world(self) -> int:
@@ -43,6 +48,16 @@ class Layout:
     def dp(self) -> int:
         """Degree seen by the batch (Loom's ``ParallelConfig.dp``)."""
         return self.dp_replicate * self.dp_shard * self.ep
+
+    @property
+    def v_shaped(self) -> bool:
+        """Stages placed in a V (rank r holds stages r and 2p-1-r)."""
+        return self.schedule in V_SHAPED or (self.schedule == "search" and self.chunks == 2)
+
+    @property
+    def placement(self) -> str:
+        """The searched placement (``parallel.schedule_placement``) of a "search" layout."""
+        return "v" if self.chunks == 2 else "looped"
 
     def label(self) -> str:
         parts = [f"{axis}{getattr(self, axis)}" for axis in
@@ -54,7 +69,11 @@ class Layout:
             text += " sp"
         if self.cp > 1:
             text += f" {self.cp_mode}"
-        if self.pp > 1:
+        if self.pp > 1 and self.schedule == "search":
+            text += f" search-{self.placement}"
+            if self.memory_limit:
+                text += f"@{self.memory_limit:g}"
+        elif self.pp > 1:
             text += f" {self.schedule}" + (f"x{self.chunks}" if self.chunks > 1 else "")
         text += f" mb{self.micro_batch}x{self.microbatches}"
         if self.recompute != "none":

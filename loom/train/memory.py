@@ -181,6 +181,7 @@ def _timelines(config: Config) -> list[_Timeline]:
 
     schedule = schedule_for(par.schedule, par.pp, micro, par.chunks,
                             memory_limit=par.schedule_memory_limit, costs=par.schedule_costs,
+                            placement=par.schedule_placement,
                             max_stages=config.model.n_layers)
     # a schedule with routes (bidirectional_v) holds copies of an L-stage model: stage s is
     # model stage s % L of copy s // L, with its own parameters

@@ -103,7 +103,8 @@ class Trainer:
             local_batch = tr.global_batch_size // self.dp_size
             schedule = schedule_for(par.schedule, par.pp, local_batch // tr.micro_batch_size,
                                     par.chunks, memory_limit=par.schedule_memory_limit,
-                                    costs=par.schedule_costs, max_stages=self.args.n_layers)
+                                    costs=par.schedule_costs, max_stages=self.args.n_layers,
+                                    placement=par.schedule_placement)
             self.pipeline = build_pipeline(self.args, schedule, grid=self.grid,
                                            meshes=self.meshes, rank=self.ctx.rank,
                                            device=self.ctx.device, seed=tr.seed,

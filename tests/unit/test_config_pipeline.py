@@ -62,7 +62,21 @@ REJECTED = [
     # The schedule search (parallel.schedule = "search") and its two knobs.
     ({**PP2, "parallel.schedule": "search", "parallel.schedule_costs": "1,1,0,0"}, 2,
      "parallel.schedule_costs", "parallel.schedule_costs='1,1,0,0'",
-     ["four numbers F,I,W,latency", "F, I, W > 0"]),
+     ["must be F,I,W,latency", "F, I, W > 0"]),
+    ({**PP2, "parallel.schedule": "search", "parallel.schedule_costs": "1,1,1;1,1,1;1,1,1,0"}, 2,
+     "parallel.schedule_costs", "parallel.schedule_costs='1,1,1;1,1,1;1,1,1,0'",
+     ["names 3 ranks' costs", "one per rank (2)"]),
+    ({**PP2, "parallel.schedule": "search", "parallel.schedule_costs": "1,1,1,0;1,1,1,0"}, 2,
+     "parallel.schedule_costs", "parallel.schedule_costs='1,1,1,0;1,1,1,0'",
+     ["one F,I,W per rank separated by ';'"]),
+    ({**PP2, "parallel.schedule": "search", "parallel.schedule_placement": "w"}, 2,
+     "parallel.schedule_placement", "parallel.schedule_placement='w'",
+     ["must be auto, looped, interleaved, v"]),
+    ({**PP2, "parallel.schedule": "search", "parallel.pp": "4",
+      "parallel.schedule_placement": "v"}, 4, "parallel.schedule_placement",
+     "parallel.schedule_placement='v'", ["needs 2 x pp = 8 layers, the model has 4"]),
+    ({**PP2, "parallel.schedule_placement": "v"}, 2, "parallel.schedule_placement",
+     "parallel.schedule_placement='v'", ["only schedule = \"search\" takes a placement"]),
     ({**PP2, "parallel.schedule": "search", "parallel.schedule_memory_limit": "0.5"}, 2,
      "parallel.schedule_memory_limit", "parallel.schedule_memory_limit=0.5", [">= 1 unit"]),
     ({**PP2, "parallel.schedule": "search", "parallel.chunks": "2"}, 2, "parallel.chunks",
@@ -100,6 +114,10 @@ def test_bad_pipeline_config_is_refused(overrides, world_size, field_name, field
     ({**PP2, "parallel.schedule": "search"}, 2),
     ({**PP2, "parallel.schedule": "search", "parallel.schedule_memory_limit": "3",
       "parallel.schedule_costs": "1,1,0.5,0.05"}, 2),
+    # per-rank costs (the planner writes these) and a pinned placement
+    ({**PP2, "parallel.schedule": "search", "parallel.schedule_placement": "looped",
+      "parallel.schedule_costs": "0.9,1,0.6;1,1.2,0.7,0.02"}, 2),
+    ({**PP2, "parallel.schedule": "search", "parallel.schedule_placement": "v"}, 2),
     # With pp = 1 the schedule is not used, but its name is still checked; chunks are ignored.
     ({"parallel.schedule": "gpipe", "parallel.chunks": "5"}, 1),
 ])

@@ -131,7 +131,8 @@ def test_memory_equals_the_estimator(parallel, layout):
         assert got[name] == pytest.approx(getattr(expected, name), rel=1e-9), name
 
 
-@pytest.mark.parametrize("name", sorted(set(SCHEDULES) | {"gpipe", "looped_bfs", "dualpipev"}))
+@pytest.mark.parametrize("name", sorted(set(SCHEDULES) - {"search"}
+                                         | {"gpipe", "looped_bfs", "dualpipev"}))
 def test_peak_in_flight_closed_forms_match_the_validator(name):
     chunks = SCHEDULES.get(name, (2 if name != "gpipe" else 1,))
     for p in range(2, 9):

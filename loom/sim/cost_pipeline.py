@@ -1,0 +1,68 @@
+"""Closed-form estimates of a pipeline's forward/backward time, for the planner's screening.
+
+The planner prices hundreds of thousands of layouts; only its finalists are simulated (with
+Loom's own schedules, or the schedule search's output, replayed by ``loom.sim.simulate``). This
+module is the cheap part before that: the busiest rank's work per microbatch times m, plus the
+family's warm-up and cool-down as (p - 1) rank passes scaled by its published bubble
+(REFERENCE.md §1.1, §5.2), plus the stage-boundary hops. Split from ``cost_model.py`` to keep that
+module about per-layer time and memory. It communicates nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from loom.sim.layout import Layout
+
+Ops = list[tuple[float, float, float]]  # (F, I, W) seconds per global stage for one microbatch
+
+
+def pipeline_estimate(lay: Layout, ops: Ops, busiest: float, send: float,
+                      contention: float = 1.0) -> float:
+    """The pipelined part of ``lay``'s step: ``busiest`` is the busiest rank's F+I+W per
+    microbatch, ``send`` one stage-boundary hop, ``contention`` the slowdown of ranks sharing
+    cores (at most the full one; the simulation refines it)."""
+    if lay.schedule == "search":
+        return search_estimate(lay, ops, busiest, send, contention)
+    p, m, v = lay.pp, lay.microbatches, lay.chunks
+    mid = ops[len(ops) // 2]
+    f, i, w = mid[0] * v, mid[1] * v, mid[2] * v  # one rank's share of a microbatch
+    name = lay.schedule
+    if name in ("gpipe", "1f1b", "looped_bfs"):
+        bubble = (p - 1) * (f + i + w)
+    elif name == "interleaved_1f1b":
+        bubble = (p - 1) * (f + i + w) / v
+    elif name == "zb_h1":
+        bubble = (p - 1) * max(f + i - w, 0)
+    elif name in ("zb_h2", "zbv", "dualpipev"):
+        bubble = (p - 1) * max(f + i - 2 * w, 0)
+    elif name == "v_half":
+        bubble = (p - 1) * (f + i + w) / 2
+    else:  # v_min
+        bubble = (p - 1) * (f + i + w) * 2 / 3
+    hops = 2 * (p - 1) * (2 if lay.v_shaped else v)
+    return (busiest * m + bubble) * contention + hops * send
+
+
+def search_estimate(lay: Layout, ops: Ops, busiest: float, send: float,
+                    contention: float = 1.0) -> float:
+    """A searched schedule's estimate, from two limits on it. Its memory: a rank holding L
+    units starts a microbatch only as one returns, so at most L per round trip R (a microbatch's
+    F down every stage, its I back up, rank 0's W and the hops), m·R/L in all. Its placement:
+    no faster than the family that reaches the placement's zero-bubble level with unbounded
+    memory (ZB-H2 looped, ZB-V in a V). The two are blended as (a^4 + b^4)^(1/4), which tracks
+    the search's measured makespans (uniform F, I, W = 1, 1.2, 0.8, p = 4 and 8, m = 4p,
+    L = 1..2p: docs/planner.md) within about 15%; the planner simulates its finalists."""
+    p, m, v = lay.pp, lay.microbatches, lay.chunks
+    limit = lay.memory_limit or float(p)
+    mid = ops[len(ops) // 2]
+    f, i, w = mid[0] * v, mid[1] * v, mid[2] * v  # one rank's share of a microbatch
+    hops = 2 * (p - 1) * (2 if lay.v_shaped else 1)
+    round_trip = p * (f + i) + w
+    bound = m * round_trip / limit * contention + hops * send
+    best = "zbv" if lay.v_shaped else "zb_h2"
+    unbounded = pipeline_estimate(replace(lay, schedule=best), ops, busiest, send, contention)
+    return (bound ** 8 + unbounded ** 8) ** 0.125
+
+
+__all__ = ["pipeline_estimate", "search_estimate"]
