@@ -148,6 +148,27 @@ def test_pipeline_with_data_parallel_matches_one_process(dist, small_data_dir, r
     check(references(2 * microbatches), results, f"{family} pp=2 x dp=2")
 
 
+# What ``loom plan`` writes for a searched schedule: a pinned placement, a limit between the
+# families' levels and one F,I,W per rank (the last rank also runs the head)
+PLANNED = [("looped", 3, "0.9,1.1,0.7;1,1.3,0.8,0.02"), ("v", 2, "0.95,1.2,0.7;1,1.3,0.8,0.05")]
+
+
+@pytest.mark.parametrize("placement, limit, costs", PLANNED, ids=[p for p, _, _ in PLANNED])
+def test_a_planned_searched_schedule_matches_one_process(dist, small_data_dir, references,
+                                                        tmp_path, placement, limit, costs):
+    microbatches = 5
+    config = layout_config({**BASE, "train.global_batch_size": microbatches,
+                            "parallel.schedule": "search",
+                            "parallel.schedule_placement": placement,
+                            "parallel.schedule_memory_limit": limit,
+                            "parallel.schedule_costs": costs}, 2, pp=2)
+    schedule = schedule_for("search", 2, microbatches, memory_limit=limit, costs=costs,
+                            max_stages=BASE["model.n_layers"], placement=placement)
+    assert schedule.chunks_per_rank == (2 if placement == "v" else 1)
+    results = dist.run(2, record_pipeline, config, small_data_dir, STEPS, str(tmp_path))
+    check(references(microbatches), results, f"search {placement} limit {limit}")
+
+
 def test_the_loss_actually_moves(references):
     reference = references(4)
     assert reference["loss"][-1] < reference["loss"][0] - 0.1
