@@ -1,7 +1,7 @@
 """The planner on this machine: predicted vs measured step time, and does its ranking hold?
 
-1. Validation table: for 8 layouts of the tiny model on 4 local processes (dp, tp, pp with three
-   schedules, cp, ZeRO-3, a combination), the measured step time against ``loom plan
+1. Validation table: for 9 layouts of the tiny model on 4 local processes (dp, tp, pp with three
+   schedules and a searched one, cp, ZeRO-3, a combination), the measured step time against ``loom plan
    --layout``'s prediction from the calibration profile (``loom plan --calibrate --nproc 4``,
    measured first in the same run).
 2. Ranking check: ``loom plan --gpu local`` ranks the layouts of the same workload; the first
@@ -15,7 +15,7 @@ compared within a round: the ranking check uses the median over rounds of the fi
 step time divided by the other's in the same round (< 1: faster), and reports the medians too.
 ``--processes`` instead runs ``loom train --nproc 4`` per layout and round, as before.
 
-    python bench/planner_local.py [--steps 20] [--skip 4] [--layout-rounds 2] [--rounds 5] [--processes] [--json bench/out/planner_local.json]
+    python bench/planner_local.py [--steps 14] [--skip 4] [--ranking-rounds 96] [--ranking-only] [--processes] [--json bench/out/planner_local.json]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from loom.models.presets import PRESETS
@@ -53,6 +54,9 @@ LAYOUTS = {
     "zero3 dp4": Layout(dp_shard=4, zero_stage=3, micro_batch=2, microbatches=2),
     "dp2 tp2 sp": Layout(dp_replicate=2, tp=2, sequence_parallel=True, micro_batch=4,
                          microbatches=2),
+    # the schedule search's own output (``schedule = "search"``), looped, at ZB-H2's 3 units
+    "pp2 dp2 search": Layout(pp=2, dp_replicate=2, schedule="search", chunks=1, memory_limit=3,
+                             micro_batch=2, microbatches=4),
 }
 
 
@@ -131,6 +135,18 @@ def measure_interleaved(layouts: dict[str, Layout], rounds: int, skip: int,
                         task_timeout_s=7200.0)[0]
 
 
+def bootstrap_interval(ratios: list[float], *, resamples: int = 2000,
+                       seed: int = 0) -> tuple[float, float]:
+    """The 5th and 95th percentiles of the median of ``ratios`` resampled with replacement: how
+    far the paired median could move with other rounds of the same noise."""
+    import random
+
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
+                     for _ in range(resamples))
+    return medians[resamples // 20], medians[resamples - 1 - resamples // 20]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=14,
@@ -140,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", action="store_true",
                         help="one loom train run per layout and round instead of interleaving")
     parser.add_argument("--skip", type=int, default=4, help="first steps left out (warm-up)")
-    parser.add_argument("--rounds", type=int, default=5, help="ranking check rounds")
+    parser.add_argument("--rounds", type=int, default=5, help="--processes: ranking rounds")
+    parser.add_argument("--ranking-rounds", type=int, default=96,
+                        help="interleaved: rounds of the ranking check (each steps all three)")
     parser.add_argument("--layout-rounds", type=int, default=2, help="validation rounds")
     parser.add_argument("--profile", default="bench/out/local4.json")
     parser.add_argument("--json", default="bench/out/planner_local.json")
@@ -154,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     # every layout once per round, rounds alternating, so a slow spell of the shared machine
     # falls on one measurement of each layout rather than on all of one layout's
     registry = None
-    layouts = {} if args.ranking_only else LAYOUTS
+    layouts = {} if args.ranking_only else {
+        # a searched schedule is searched for the relative costs the planner writes
+        name: replace(lay, schedule_costs=model.search_costs(lay))
+        if lay.schedule == "search" else lay for name, lay in LAYOUTS.items()}
     if args.processes:
         samples: dict[str, list[float]] = {name: [] for name in layouts}
         for _ in range(args.layout_rounds):
@@ -185,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs[cost.layout.label()].append(measure(cost.layout, args.steps, args.skip))
     else:
         runs = measure_interleaved({cost.layout.label(): cost.layout for cost in ranked},
-                                   4 * args.steps, args.skip, registry)
+                                   args.ranking_rounds, args.skip, registry)
         registry.close()
     print()
     print("| planner rank | layout | predicted step (s) | measured step (s), median of rounds |")
@@ -199,11 +220,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {rank} | {label} | {cost.step_time:.3f} | {measured:.3f}"
               f" ({len(runs[label])} rounds) |")
     first = out["ranking"][0]
-    paired = {r["layout"]: statistics.median(a / b for a, b in zip(first["rounds"], r["rounds"]))
-              for r in out["ranking"][1:]}
+    paired, intervals = {}, {}
+    for r in out["ranking"][1:]:
+        ratios = [a / b for a, b in zip(first["rounds"], r["rounds"])]
+        paired[r["layout"]] = statistics.median(ratios)
+        intervals[r["layout"]] = bootstrap_interval(ratios)
     out["paired_ratio_first_to"] = paired
-    print("\nfirst / other, median over rounds of the same round's steps: "
-          + ", ".join(f"{label}: {ratio:.3f}" for label, ratio in paired.items()))
+    out["paired_ratio_90pct_interval"] = intervals
+    print("\nfirst / other, median over rounds of the same round's steps [90% bootstrap"
+          " interval]: " + ", ".join(f"{label}: {ratio:.3f} [{intervals[label][0]:.3f},"
+                                     f" {intervals[label][1]:.3f}]"
+                                     for label, ratio in paired.items()))
     out["first_no_slower"] = all(first["measured_s"] <= r["measured_s"]
                                  for r in out["ranking"][1:])
     out["first_no_slower_paired"] = all(ratio <= 1.0 for ratio in paired.values())

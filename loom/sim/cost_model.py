@@ -45,9 +45,10 @@ Loom's runtime:
   bucket of 1/layers) is exposed;
 * optimizer: AdamW reads and writes 28 bytes per local parameter shard at HBM bandwidth.
 
-A CPU profile (``loom plan --calibrate``) adds two things an accelerator does not have: ranks
+A CPU profile (``loom plan --calibrate``) adds three things an accelerator does not have: ranks
 that share fewer cores (``Gpu.cores``: compute slows by ranks / cores when every rank computes;
-a pipeline's simulation shares the cores among the ranks busy at each instant instead), and the
+a pipeline's simulation shares the cores among the ranks busy at each instant instead), no
+overlap of communication with compute on such shared cores (``overlaps``), and the
 framework work of each parallel wrapper (``Gpu.framework``, per layer pass and per step, charged
 for the wrappers a layout uses: ``wrappers``).
 
@@ -196,7 +197,7 @@ class CostModel:
             if ring > 1:
                 kv = 2 * tokens * m.n_kv_heads * m.head_dim / lay.tp * self.e * ulysses
                 link = c.link_for(ring, stride * ulysses)
-                block = t_core / ring
+                block = t_core / ring if self.overlaps else 0.0
                 cp_fwd += (ring - 1) * max(0.0, p2p_time(kv, link) - block)
                 cp_bwd += (ring - 1) * max(0.0, p2p_time(2 * kv, link) - 2 * block)
         ep_fwd = 0.0
@@ -243,6 +244,14 @@ class CostModel:
         if not cores:
             return 1.0
         return max(1.0, min(self.cluster.gpus, self.cluster.gpus_per_node) / cores)
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether communication can hide behind compute: only when each rank has a processor
+        of its own. Ranks sharing cores (a CPU profile) keep every core busy computing, and the
+        collectives' copies and reductions (gloo's threads) take their turn on the same cores,
+        so they add to the step instead of hiding in it."""
+        return self.contention <= 1.0
 
     def _compute_slowdown(self, lay: Layout) -> float:
         """The slowdown charged to compute: the full contention when every rank computes at
@@ -459,7 +468,8 @@ class CostModel:
                     passes = 2 * lay.microbatches if lay.pp == 1 else 1
                     per_layer = ag / layers
                     layer_fwd = rank_bwd[r] / 2 / layers  # F ~ half of I + W
-                    gathers = passes * layers * max(per_layer - layer_fwd, 0.0) + per_layer
+                    hidden = layer_fwd if self.overlaps else 0.0
+                    gathers = passes * layers * max(per_layer - hidden, 0.0) + per_layer
                     total = reduce + passes * ag
                 else:
                     gathers = ag  # after the optimizer step, before the next forward
@@ -471,7 +481,8 @@ class CostModel:
                     reduce += allreduce_time(count * self.grad_bytes, group,
                                              c.link_for(group, lay.tp))
                 total = reduce
-            exposed = max(reduce / layers, reduce - rank_bwd[r]) + gathers
+            hidden = rank_bwd[r] if self.overlaps else 0.0
+            exposed = max(reduce / layers, reduce - hidden) + gathers
             worst_exposed = max(worst_exposed, exposed)
             worst_total = max(worst_total, total)
         return worst_exposed, worst_total

@@ -235,6 +235,27 @@ def test_ranks_sharing_cores_compute_slower_by_ranks_over_cores():
     assert (two.shared_cores(pp), own.shared_cores(pp)) == (1.0, 0.0)  # 2 pipelines, 2 cores
 
 
+def test_ranks_sharing_cores_hide_no_communication_behind_compute():
+    """With a processor per rank the gradient all-reduce hides behind the backward and ring
+    attention's passes behind its blocks; with 4 ranks on 2 cores every core is computing, so
+    the collectives' own work adds to the step in full."""
+    from dataclasses import replace
+
+    own = CostModel(DEBUG, seq_len=32, global_batch=8, cluster=Cluster(UNIT, 4, 4, FAST, SLOW))
+    two = CostModel(DEBUG, seq_len=32, global_batch=8,
+                    cluster=Cluster(replace(UNIT, cores=2.0), 4, 4, FAST, SLOW))
+    assert own.overlaps and not two.overlaps
+    dp = Layout(dp_replicate=4, micro_batch=2, microbatches=1)
+    hidden, shared = own.evaluate(dp), two.evaluate(dp)
+    assert shared.comm["dp"] == pytest.approx(hidden.comm["dp"])
+    assert shared.dp_exposed == pytest.approx(shared.comm["dp"])  # all of it
+    assert hidden.dp_exposed < hidden.comm["dp"]
+    ring = Layout(cp=4, micro_batch=2, microbatches=1)
+    kv = 2 * (2 * 8) * DEBUG.n_kv_heads * DEBUG.head_dim * 2  # K and V, 2 x 8 local tokens, bf16
+    assert two._layer_times(ring, False)[3]["cp"] == pytest.approx(
+        3 * (p2p_time(kv, FAST) + p2p_time(2 * kv, FAST)))
+
+
 def test_shared_core_pipeline_simulation_is_the_shared_replay():
     """With one core per pipeline rank the shared replay is the simulator; with fewer, the
     planner's pipeline time is ``replay_shared`` of the same schedule and costs."""
