@@ -31,6 +31,7 @@ from typing import Any
 
 from loom.plan.hardware import Cluster
 from loom.plan.space import Workload, layouts
+from loom.sim.cost_memory import memory_floor
 from loom.sim.cost_model import CostModel, Layout, StepCost
 
 
@@ -284,6 +285,9 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
     best_refused: StepCost | None = None
     considered = fitting = 0
     for group in layouts(work, cluster.gpus, cluster.gpus_per_node, **(space or {})):
+        if memory_floor(model, group[0]) > budget:  # its model state alone does not fit
+            considered += len(group)
+            continue
         for layout in group:
             considered += 1
             # a searched schedule: more recomputation leaves more memory for a faster schedule,
@@ -293,10 +297,9 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
                 layout = _with_memory_left(model, layout, budget)
                 if layout is None:
                     continue
-            memory = model.memory(layout)
-            if sum(memory.values()) > budget:
+            if model.memory_total(layout) > budget:
                 continue
-            cost = model.evaluate(layout, memory)
+            cost = model.evaluate(layout)
             fitting += 1
             settled = not searched or layout.memory_limit >= _search_cap(layout)
             if len(heap) == keep and -cost.step_time <= heap[0][0]:

@@ -12,21 +12,64 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from loom.sim.layout import PEAK_IN_FLIGHT, V_SHAPED, Layout
+from loom.sim.layout import PEAK_IN_FLIGHT, Layout
 from loom.train.memory import (block_activation_bytes, head_activation_bytes, largest_parameter,
                                model_state_bytes, zero2_bucket_bytes, zero2_reduction_bytes)
 
 
-def layout_memory(model: Any, lay: Layout,
-                  in_flight: tuple[float, ...] | None = None) -> dict[str, float]:
+def layout_memory(model: Any, lay: Layout, in_flight: tuple[float, ...] | None = None, *,
+                  total_only: bool = False) -> Any:
     """Bytes by component at the worst instant of the worst pipeline rank of ``model`` (a
     ``CostModel``; checked first: most layouts of a large model do not fit, and this is a
     fraction of ``evaluate``'s work). ``in_flight``: the peak activation units of each rank
-    of a known schedule (a searched one, once found), instead of the family's."""
-    counts, _, owned = model._geometry(lay.pp, lay.chunks, lay.v_shaped)
-    # the model state at each instant depends on far fewer knobs than the activations: cached
-    # (the planner screens hundreds of thousands of layouts with this)
-    key = (lay.pp, lay.chunks, lay.v_shaped, lay.tp, lay.ep, lay.dp_shard, lay.cp,
+    of a known schedule (a searched one, once found), instead of the family's. ``total_only``:
+    just the sum (the planner's screening drops most layouts on it)."""
+    v_shaped = lay.v_shaped
+    counts, _, owned = model._geometry(lay.pp, lay.chunks, v_shaped)
+    states = _states(model, lay, v_shaped)
+    dense_act, moe_act, head, full_block = _activation_bytes(model, lay)
+    if lay.schedule == "search":  # the search keeps every rank within its limit (0: pp)
+        peak = lay.memory_limit or float(lay.pp)
+    else:
+        peak = PEAK_IN_FLIGHT.get(lay.schedule, lambda p, mm, v: 1)(lay.pp, lay.microbatches,
+                                                                   lay.chunks)
+    last = len(counts) - 1
+    level_everywhere = v_shaped or lay.schedule == "search"
+    worst: tuple[dict[str, float], float] | None = None
+    worst_total = 0.0
+    for r, instants in states.items():
+        own = owned[r]
+        per_mb = sum(counts[s][0] * dense_act + counts[s][1] * moe_act for s in own)
+        # in flight on rank r: the schedule's peak on rank 0 (and on every rank of a V, whose
+        # ranks are balanced), one fewer per rank further down a looped pipeline
+        # (the search's limit binds every rank alike)
+        units = peak if (r == 0 or level_everywhere) else max(1.0, peak - r)
+        acts = per_mb * (units if in_flight is None else in_flight[r])
+        acts += full_block  # one block's full set while it is recomputed (full recompute)
+        holds_head = last in own
+        if holds_head:  # the head's logits live from its F to its backward: briefly
+            acts += head
+        # the passes' instant, and ZeRO-2's reduction during the last backward, hold them
+        freed = (head if holds_head else 0.0) + dense_act  # the head's and the top block's
+        for entry in instants:
+            kind = entry["_acts"]
+            held = acts if kind == "all" else 0.0 if kind == "none" else max(0.0, acts - freed)
+            total = entry["_total"] + held
+            if worst is None or total > worst_total:
+                worst, worst_total = (entry, held), total
+    assert worst is not None
+    if total_only:
+        return worst_total
+    entry, acts = worst
+    return {name: (acts if name == "activations" else value) for name, value in entry.items()
+            if not name.startswith("_")}
+
+
+def _states(model: Any, lay: Layout, v_shaped: bool) -> dict[int, list[dict[str, float]]]:
+    """The end ranks' instants (``_instants``), cached: the model state at each instant depends
+    on far fewer knobs than the activations (the planner screens hundreds of thousands of
+    layouts with this)."""
+    key = (lay.pp, lay.chunks, v_shaped, lay.tp, lay.ep, lay.dp_shard, lay.cp,
            lay.zero_stage, lay.microbatches > 1)
     states = model._memory_cache.get(key)
     if states is None:
@@ -34,6 +77,26 @@ def layout_memory(model: Any, lay: Layout,
         experts = model._rank_expert_params(lay)
         states = {r: _instants(model, lay, rank_params[r], experts[r]) for r in rank_params}
         model._memory_cache[key] = states
+    return states
+
+
+def memory_floor(model: Any, lay: Layout) -> float:
+    """A lower bound of ``layout_memory``'s total that ignores the activations: the largest
+    instant of model state, gradients, optimizer and transients on the end ranks. Whatever the
+    microbatch, schedule and recomputation, ``lay`` does not fit below it."""
+    states = _states(model, lay, lay.v_shaped)
+    return max(entry["_total"] for instants in states.values() for entry in instants)
+
+
+def _activation_bytes(model: Any, lay: Layout) -> tuple[float, float, float, float]:
+    """(a dense block's, an MoE block's, the head's activations for one microbatch, and one
+    block's full set held while it is recomputed under full recomputation, else 0), cached
+    per shape on ``model``: the planner asks for the same few shapes hundreds of thousands of
+    times."""
+    key = (lay.cp, lay.micro_batch, lay.tp, lay.sequence_parallel, lay.recompute)
+    cache = model._activation_cache
+    if key in cache:
+        return cache[key]
     m = model.model
     s_local, b = model.seq // lay.cp, lay.micro_batch
     sp = lay.sequence_parallel and lay.tp > 1
@@ -45,42 +108,11 @@ def layout_memory(model: Any, lay: Layout,
                                       kv=m.n_kv_heads, t=lay.tp, sequence_parallel=sp,
                                       e=model.e, recompute=recompute)
 
-    dense_act, moe_act = block(m.ffn_dim, lay.recompute), block(moe_f, lay.recompute)
     head = head_activation_bytes(s=s_local, b=b, h=m.dim, vocab=m.vocab_size // lay.tp,
                                  e=model.e)
-    if lay.schedule == "search":  # the search keeps every rank within its limit (0: pp)
-        peak = lay.memory_limit or float(lay.pp)
-    else:
-        peak = PEAK_IN_FLIGHT.get(lay.schedule, lambda p, mm, v: 1)(lay.pp, lay.microbatches,
-                                                                   lay.chunks)
-    last = len(counts) - 1
-    worst: tuple[dict[str, float], float] | None = None
-    worst_total = 0.0
-    for r, instants in states.items():
-        own = owned[r]
-        per_mb = sum(counts[s][0] * dense_act + counts[s][1] * moe_act for s in own)
-        # in flight on rank r: the schedule's peak on rank 0 (and on every rank of a V, whose
-        # ranks are balanced), one fewer per rank further down a looped pipeline
-        # (the search's limit binds every rank alike)
-        level = r == 0 or lay.schedule in V_SHAPED or lay.schedule == "search"
-        units = peak if level else max(1.0, peak - r)
-        acts = per_mb * (units if in_flight is None else in_flight[r])
-        if lay.recompute == "full":
-            acts += block(m.ffn_dim, "none")  # one block's full set while it is recomputed
-        if last in own:  # the head's logits live from its F to its backward: briefly
-            acts += head
-        # the passes' instant, and ZeRO-2's reduction during the last backward, hold them
-        freed = (head if last in own else 0.0) + dense_act  # the head's and the top block's
-        for entry in instants:
-            held = {"all": acts, "none": 0.0,
-                    "less_head_and_top": max(0.0, acts - freed)}[entry["_acts"]]
-            total = entry["_total"] + held
-            if worst is None or total > worst_total:
-                worst, worst_total = (entry, held), total
-    assert worst is not None
-    entry, acts = worst
-    return {name: (acts if name == "activations" else value) for name, value in entry.items()
-            if not name.startswith("_")}
+    full = block(m.ffn_dim, "none") if lay.recompute == "full" else 0.0
+    cache[key] = (block(m.ffn_dim, lay.recompute), block(moe_f, lay.recompute), head, full)
+    return cache[key]
 
 
 def search_units_left(model: Any, lay: Layout, budget: float, cap: float) -> float:
@@ -89,7 +121,7 @@ def search_units_left(model: Any, lay: Layout, budget: float, cap: float) -> flo
     grows with the units (``layout_memory`` is a maximum of instants, each affine in them), so
     a bisection over whole units finds it."""
     def fits(units: float) -> bool:
-        return sum(layout_memory(model, replace(lay, memory_limit=units)).values()) <= budget
+        return layout_memory(model, replace(lay, memory_limit=units), total_only=True) <= budget
 
     low, high = 1, int(cap)
     if high < 1 or not fits(1):

@@ -126,6 +126,7 @@ class CostModel:
         self._geometry_cache: dict[tuple, tuple] = {}
         self._times_cache: dict[tuple, tuple] = {}
         self._memory_cache: dict[tuple, dict] = {}
+        self._activation_cache: dict[tuple, tuple] = {}  # cost_memory._activation_bytes
         self._model_flops: float | None = None
 
     # ----- FLOPs -------------------------------------------------------------------------
@@ -494,6 +495,10 @@ class CostModel:
         first: most layouts of a large model do not fit, and it is a fraction of ``evaluate``);
         ``in_flight``: a known schedule's peak units per rank."""
         return layout_memory(self, lay, in_flight)
+
+    def memory_total(self, lay: Layout) -> float:
+        """The sum of ``memory(lay)``, without building it (the planner's screening)."""
+        return layout_memory(self, lay, total_only=True)
 
 
 __all__ = ["Layout", "CostModel", "wrappers", "StepCost", "PEAK_IN_FLIGHT", "allreduce_time", "gather_time",

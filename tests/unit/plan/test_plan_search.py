@@ -219,3 +219,21 @@ def test_the_planner_simulates_the_schedule_loom_train_would_search(no_tp):
     model = CostModel(work.model, work.seq_len, work.global_batch, make_cluster("H100-SXM", 4, 8))
     replayed = simulate(trained, model.evaluate(cost.layout).stage_costs.build()).makespan
     assert cost.pipeline == pytest.approx(float(replayed), rel=1e-9)
+
+
+def test_the_memory_floor_never_exceeds_a_layouts_memory():
+    """The screening drops a whole group when its model state alone does not fit: the floor
+    must be a lower bound of every layout's total (whatever the activations), and the total's
+    own non-activation part at its worst instant."""
+    from loom.sim.cost_memory import memory_floor
+
+    model = CostModel(WORK.model, WORK.seq_len, WORK.global_batch, make_cluster("H100-SXM", 16, 8))
+    checked = 0
+    for group in layouts(WORK, 16, 8):
+        for lay in group:
+            if lay.schedule == "search":
+                lay = dataclasses.replace(lay, memory_limit=1.0)
+            assert memory_floor(model, lay) <= model.memory_total(lay) + 1e-6, lay.label()
+            assert model.memory_total(lay) == pytest.approx(sum(model.memory(lay).values()))
+            checked += 1
+    assert checked > 1000
