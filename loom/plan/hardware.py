@@ -79,6 +79,9 @@ class Gpu:
         """(seconds per layer pass, seconds per step, seconds per token per layer pass) the
         named wrappers add, summed (an entry without the per-token term has none)."""
         table = {entry[0]: (tuple(entry[1:]) + (0.0, 0.0, 0.0))[:3] for entry in self.framework}
+        for stage in ("zero1", "zero2"):  # profiles before ZeRO-1 and ZeRO-2 were probed apart
+            if stage not in table and "zero12" in table:
+                table[stage] = table["zero12"]
         picked = [table[w] for w in wrappers if w in table]
         return tuple(sum(p[k] for p in picked) for k in range(3))
 

@@ -84,13 +84,13 @@ class Layout:
 def wrappers(lay: Layout) -> tuple[str, ...]:
     """The parallel wrappers a layout runs its layers through, by the names the calibration
     measures their framework work under (``Gpu.framework``): "base" always (Loom's trainer with
-    data parallelism), then DTensor tensor parallelism, ZeRO-3's FSDP2 units or ZeRO-1/2's
-    buckets, ring and/or Ulysses attention, and the pipeline interpreter."""
+    data parallelism), then DTensor tensor parallelism, ZeRO-3's FSDP2 units, ZeRO-2's
+    gradient hooks and buckets or ZeRO-1's buckets after the backward, ring and/or Ulysses attention, and the pipeline interpreter."""
     names = ["base"]
     if lay.tp > 1:
         names.append("tp")
     if lay.dp_shard > 1 and lay.zero_stage:
-        names.append("zero3" if lay.zero_stage == 3 else "zero12")
+        names.append(f"zero{lay.zero_stage}")
     if lay.cp > 1:
         if lay.cp_mode in ("ring", "hybrid"):
             names.append("ring")

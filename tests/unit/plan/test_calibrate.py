@@ -68,7 +68,8 @@ def test_framework_fit_recovers_each_wrappers_work():
     gpu, link = fit(synthetic(peak=4e10, knee=48.0, alpha=2e-5, beta=3e9, n=4), nproc=4)
     gpu = replace(gpu, cores=2.0)
     truth = (("base", 2e-3, 0.05, 1e-6), ("tp", 4e-3, 0.01, 3e-6), ("zero3", 1e-3, 0.02, 0.0),
-             ("zero12", 0.0, 0.03, 0.0), ("ring", 3e-3, 0.0, 2e-6), ("ulysses", 0.0, 0.0, 0.0),
+             ("zero1", 0.0, 0.01, 0.0), ("zero2", 5e-4, 0.03, 0.0), ("ring", 3e-3, 0.0, 2e-6),
+             ("ulysses", 0.0, 0.0, 0.0),
              ("pp", 1e-3, 0.01, 5e-7))
     machine = replace(gpu, framework=truth)
     probes = {name: {_key(d, b): _predict(probe_layouts(4, b)[name], d, machine, link, 4)

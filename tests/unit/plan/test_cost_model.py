@@ -289,7 +289,12 @@ def test_framework_work_is_charged_per_wrapper():
     assert wrappers(Layout(dp_replicate=4)) == ("base",)
     assert wrappers(Layout(tp=2, dp_shard=2, zero_stage=3)) == ("base", "tp", "zero3")
     assert wrappers(Layout(cp=4, cp_mode="hybrid", dp_shard=2, zero_stage=1)) == \
-        ("base", "zero12", "ring", "ulysses")
+        ("base", "zero1", "ring", "ulysses")
+    assert wrappers(Layout(dp_shard=2, zero_stage=2)) == ("base", "zero2")
+    # a profile from before ZeRO-1 and ZeRO-2 were probed apart charges both its "zero12"
+    old = replace(UNIT, framework=(("zero12", 1e-3, 0.1, 0.0),))
+    assert old.framework_overhead(("base", "zero1")) == old.framework_overhead(("zero2",)) == \
+        (1e-3, 0.1, 0.0)
     assert wrappers(Layout(pp=2, schedule="1f1b")) == ("base", "pp")
     table = (("base", 1e-3, 0.1, 1e-6), ("tp", 2e-3, 0.2, 2e-6), ("zero3", 5e-3, 0.5))
     plain = CostModel(DEBUG, 32, 8, Cluster(UNIT, 4, 4, FAST, SLOW))
