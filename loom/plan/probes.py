@@ -95,9 +95,9 @@ def probe_config(layout: Layout, depth: int) -> Any:
 def run_probes(ctx: Any, nproc: int, data_dir: str, *, rounds: int = 6, steps: int = 2,
                warmup: int = 2) -> dict[str, dict[str, float]]:
     """On every rank of the calibration group: median step seconds of each probe at each shape
-    (keys "LxB"; the slowest rank's, each step started together after a barrier). A wrapper's
-    shapes are built together and stepped in turn, ``steps`` each per round, so a slow spell of
-    the machine falls on all of them alike instead of on one."""
+    (keys "LxB"; the slowest rank's, each step started together after a barrier). Every
+    wrapper's shapes are built together and all are stepped in turn, ``steps`` each per round,
+    so a slow spell of the machine falls on all of them alike instead of on one wrapper."""
     import gc
 
     import torch
@@ -113,23 +113,28 @@ def run_probes(ctx: Any, nproc: int, data_dir: str, *, rounds: int = 6, steps: i
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         return float(took)
 
-    out: dict[str, dict[str, float]] = {}
+    trainers: dict[tuple[str, str], Any] = {}
     for name in probe_layouts(nproc):
-        trainers = {}
         for depth, micro in PROBE_SHAPES:
             config = probe_config(probe_layouts(nproc, micro)[name], depth)
             if config is not None:
-                trainers[_key(depth, micro)] = Trainer(config, data_dir, None, ctx)
-        times: dict[str, list[float]] = {key: [] for key in trainers}
-        for round_ in range(rounds):
-            for key, trainer in trainers.items():
-                for _ in range(warmup if round_ == 0 else steps):
-                    took = timed_step(trainer)
-                    if round_:
-                        times[key].append(took)
-        out[name] = {key: statistics.median(values) for key, values in times.items()}
-        del trainers
-        gc.collect()
+                trainers[(name, _key(depth, micro))] = Trainer(config, data_dir, None, ctx)
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in trainers}
+    order = list(trainers)
+    for round_ in range(rounds):
+        # every wrapper and shape in turn, the order rotated per round: the fit compares each
+        # wrapper with "base", so a slow spell must fall on both alike
+        shift = round_ % len(order)
+        for key in order[shift:] + order[:shift]:
+            for _ in range(warmup if round_ == 0 else steps):
+                took = timed_step(trainers[key])
+                if round_:
+                    times[key].append(took)
+    out: dict[str, dict[str, float]] = {}
+    for (name, key), values in times.items():
+        out.setdefault(name, {})[key] = statistics.median(values)
+    del trainers
+    gc.collect()
     return out
 
 
