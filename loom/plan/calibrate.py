@@ -7,15 +7,17 @@ Runs ``nproc`` local processes (as a training job would) and measures:
   ``rate(d) = R · d / (d + knee)`` by least squares on ``1/rate = 1/R + (knee/R) · 1/d``; memory
   bandwidth, from copying a 64 MiB buffer (read + write); and the fixed cost of one
   transformer-block pass, from forward + backward of Loom's own block at a size where its FLOPs
-  are negligible (a third of it is charged to each of F, I and W);
+  are negligible (a third of it is charged to each of F, I and W); and one AdamW step, per
+  parameter (torch's multi-tensor AdamW makes several passes over each state, about twice the
+  time of the 28 bytes per parameter a fused kernel moves);
 * the cores the processes share (their CPU affinity): with more ranks than cores the cost model
   slows compute by ranks / cores when all ranks compute, and the pipeline simulation shares the
   cores among the ranks busy at each instant;
 * on every rank at once, collective latency and bandwidth on gloo: all-reduces of 4 KiB to
   4 MiB, fitted to the ring's ``2(n-1)·alpha + 2(n-1)/n · M / beta``;
 * on every rank at once, the framework work of each parallel wrapper (``probes.py``): a small
-  probe model trained by Loom's trainer under one wrapper at a time, and what the cost model
-  does not explain of its step charged to that wrapper.
+  probe model trained by Loom's trainer under each wrapper, all stepped in one rotation, and
+  what the cost model does not explain of its step charged to that wrapper.
 
 The profile (JSON) becomes the catalog entries ``local-cpu`` (a ``Gpu`` with the measured R as
 its peak and efficiency 1) and ``local`` (a ``Link``), which ``loom plan --gpu local`` uses.
@@ -111,6 +113,9 @@ BLOCKS = ((8, 16, 2, 1, 4, 1), (128, 384, 8, 4, 128, 2), (256, 768, 8, 4, 256, 2
           (512, 1536, 8, 4, 256, 2))
 
 
+OPTIMIZER_PARAMS = 2 ** 21  # the AdamW probe: 8 MiB of fp32 parameters, past the caches
+
+
 def _compute_alone(torch) -> dict:
     """Matmul curve, memory bandwidth and Loom's block forward + backward at ``BLOCKS``' sizes,
     on this process alone."""
@@ -139,6 +144,12 @@ def _compute_alone(torch) -> dict:
 
         result["blocks"].append([dim, ffn, heads, kv, seq, micro, _sustained_time(block_pass)])
     result["block_pass"] = result["blocks"][0][-1]
+    # one AdamW step (multi-tensor, as the trainer builds it) over OPTIMIZER_PARAMS parameters
+    params = [torch.nn.Parameter(torch.randn(OPTIMIZER_PARAMS // 8)) for _ in range(8)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    adamw = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    result["optimizer_per_param"] = _sustained_time(adamw.step) / OPTIMIZER_PARAMS
     return result
 
 
@@ -197,7 +208,8 @@ def fit(raw: dict, nproc: int, *, cores_shared: float = 0.0) -> tuple[Gpu, Link]
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(nproc, 1)
     gpu = Gpu("local-cpu", peak_flops=peak, memory_bytes=memory, hbm_bandwidth=bandwidth,
               matmul_efficiency=1.0, matmul_knee=knee, intra="local", inter="local",
-              gpus_per_node=nproc, op_overhead=block / 3, cores=cores_shared)
+              gpus_per_node=nproc, op_overhead=block / 3, cores=cores_shared,
+              optimizer_per_param=alone.get("optimizer_per_param", 0.0))
     link = Link("local", bandwidth=beta, latency=latency, efficiency=1.0)
     scale = layer_scale(gpu, link, alone.get("blocks", [])[1:])
     gpu = replace(gpu, peak_flops=gpu.peak_flops / scale, hbm_bandwidth=gpu.hbm_bandwidth / scale)

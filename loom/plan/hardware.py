@@ -63,6 +63,9 @@ class Gpu:
     # (wrapper, seconds per layer pass, seconds per step, seconds per token per layer pass),
     # e.g. DTensor dispatch and redistribution copies under "tp".
     framework: tuple = ()
+    # Seconds per parameter of one AdamW step, measured by ``loom plan --calibrate`` on one rank
+    # alone; 0: priced as 28 bytes per parameter at ``hbm_bandwidth`` (a fused kernel's traffic)
+    optimizer_per_param: float = 0.0
 
     def __post_init__(self) -> None:
         # a profile read back from JSON holds lists; keep the dataclass hashable

@@ -43,7 +43,8 @@ Loom's runtime:
   an all-reduce of 1/(dp_shard·cp) over dp_replicate. The gradient
   reduction overlaps the last microbatch's backward of the rank; only the excess (at least one
   bucket of 1/layers) is exposed;
-* optimizer: AdamW reads and writes 28 bytes per local parameter shard at HBM bandwidth.
+* optimizer: AdamW reads and writes 28 bytes per local parameter shard at HBM bandwidth (a CPU
+  profile measures its seconds per parameter instead: ``Gpu.optimizer_per_param``).
 
 A CPU profile (``loom plan --calibrate``) adds three things an accelerator does not have: ranks
 that share fewer cores (``Gpu.cores``: compute slows by ranks / cores when every rank computes;
@@ -401,7 +402,10 @@ class CostModel:
                 d = lay.dp_shard * lay.cp
                 psi = (psi - experts[r]) / (d * lay.ep) + experts[r] / d
             sharded = max(sharded, psi)
-        optimizer = 28 * sharded / c.gpu.hbm_bandwidth
+        # AdamW reads and writes 28 bytes per parameter; a CPU profile measures the step itself
+        # (torch's multi-tensor AdamW makes several passes over each state)
+        optimizer = sharded * c.gpu.optimizer_per_param if c.gpu.optimizer_per_param \
+            else 28 * sharded / c.gpu.hbm_bandwidth
         # per-step framework work (optimizer over many tensors, hooks, the loss) runs on every
         # rank at once, so it is always charged the full contention
         optimizer = (optimizer + c.gpu.framework_overhead(wrappers(lay))[1]) * self.contention

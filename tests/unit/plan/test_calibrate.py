@@ -30,6 +30,29 @@ def test_fit_recovers_the_matmul_curve_and_the_link():
     assert link.bandwidth == pytest.approx(3e9, rel=1e-6)
 
 
+def test_a_measured_optimizer_step_prices_the_optimizer_per_parameter():
+    """A CPU profile carries AdamW's measured seconds per parameter; the cost model charges it
+    per parameter a rank steps (a ZeRO shard steps 1/d of them), instead of 28 bytes at the
+    memory bandwidth."""
+    from loom.models.presets import PRESETS
+    from loom.plan.hardware import Cluster
+    from loom.sim.cost_model import CostModel, Layout
+
+    raw = synthetic(peak=4e10, knee=48.0, alpha=2e-5, beta=3e9, n=4)
+    raw[0] = {**raw[0], "optimizer_per_param": 5e-9}
+    gpu, link = fit(raw, nproc=4)
+    assert gpu.optimizer_per_param == 5e-9
+    model = CostModel(PRESETS["tiny"], 64, 8, Cluster(gpu, 4, 4, link, link), dtype_bytes=4)
+    plain = model.evaluate(Layout(dp_replicate=4, micro_batch=2, microbatches=1)).optimizer
+    sharded = model.evaluate(Layout(dp_shard=4, zero_stage=1, micro_batch=2,
+                                    microbatches=1)).optimizer
+    params = model._rank_params(Layout())[0]  # without a pipeline one rank holds them all
+    assert plain == pytest.approx(5e-9 * params)
+    assert sharded == pytest.approx(plain / 4)
+    unmeasured, _ = fit(synthetic(peak=4e10, knee=48.0, alpha=2e-5, beta=3e9, n=4), nproc=4)
+    assert unmeasured.optimizer_per_param == 0.0  # priced from the bandwidth
+
+
 def test_planning_for_the_local_machine_needs_a_profile(tmp_path):
     with pytest.raises(HardwareError, match="--calibrate"):
         load_profile(tmp_path / "missing.json")
