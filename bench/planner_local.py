@@ -37,6 +37,7 @@ from loom.plan.hardware import Cluster
 from loom.plan.search import plan, simulate_step
 from loom.plan.space import Workload
 from loom.sim.cost_model import CostModel, Layout
+from loom.sim.cost_pipeline import search_costs
 
 NPROC = 4
 SEQ, BATCH = 256, 16
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     registry = None
     layouts = {} if args.ranking_only else {
         # a searched schedule is searched for the relative costs the planner writes
-        name: replace(lay, schedule_costs=model.search_costs(lay))
+        name: replace(lay, schedule_costs=search_costs(model, lay))
         if lay.schedule == "search" else lay for name, lay in LAYOUTS.items()}
     if args.processes:
         samples: dict[str, list[float]] = {name: [] for name in layouts}

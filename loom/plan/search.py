@@ -33,6 +33,7 @@ from loom.plan.hardware import Cluster
 from loom.plan.space import Workload, layouts
 from loom.sim.cost_memory import memory_floor
 from loom.sim.cost_model import CostModel, Layout, StepCost
+from loom.sim.cost_pipeline import search_costs
 
 
 @dataclass
@@ -109,7 +110,7 @@ def _simulate_searched(model: CostModel, cost: StepCost, stage_costs: Any,
 
     lay = cost.layout
     if not lay.schedule_costs:  # what ``plan`` fills in from the cost model
-        lay = replace(lay, schedule_costs=model.search_costs(lay))
+        lay = replace(lay, schedule_costs=search_costs(model, lay))
     schedule = schedule_for(SEARCH, lay.pp, lay.microbatches, memory_limit=lay.memory_limit,
                             costs=lay.schedule_costs, max_stages=model.model.n_layers,
                             placement=lay.placement)
@@ -240,7 +241,7 @@ def _with_memory_left(model: CostModel, lay: Layout, budget: float) -> Layout | 
     units = search_units_left(model, lay, budget, _search_cap(lay))
     if units < 1:
         return None
-    return replace(lay, memory_limit=units, schedule_costs=model.search_costs(lay))
+    return replace(lay, memory_limit=units, schedule_costs=search_costs(model, lay))
 
 
 def _simulated_actions(lay: Layout) -> int:

@@ -68,7 +68,7 @@ from loom.models.llama import TransformerArgs
 from loom.sim.cost import OpCosts, StageCosts
 from loom.sim.cost_memory import layout_memory
 from loom.sim.cost_pipeline import pipeline_estimate
-from loom.sim.layout import (PEAK_IN_FLIGHT, V_SHAPED, Layout, all_to_all_time,  # noqa: F401
+from loom.sim.layout import (PEAK_IN_FLIGHT, Layout, all_to_all_time,  # noqa: F401
                              allreduce_time, gather_time, p2p_time, wrappers)
 
 ELEMENTWISE_PASSES = 20  # activation-sized reads + writes per layer forward (see docstring)
@@ -382,7 +382,7 @@ class CostModel:
         comm = {k: (n_dense * dense[3][k] + self.moe_layers * moe[3][k]) * per_rank_mb
                 for k in ("tp", "cp", "ep")}
         if lay.pp > 1:
-            send = self._send_time(lay)
+            send = self.send_time(lay)
             stage_costs = _LazyStageCosts(ops, send)
             pipeline = pipeline_estimate(lay, ops, max(rank_work), send, self.contention)
             comm["pp"] = 2 * send * per_rank_mb * lay.pp * lay.chunks
@@ -419,19 +419,7 @@ class CostModel:
         return StepCost(lay, stage_costs, compute, pipeline, dp_exposed, optimizer, memory,
                         model_flops, model_flops + extra, comm)
 
-    def search_costs(self, lay: Layout) -> str:
-        """``parallel.schedule_costs`` for a searched schedule of ``lay``: each rank's F, I, W for
-        its whole share (the end ranks carry the embedding and the head) and the send latency,
-        relative to the busiest rank's F, to three digits. The search splits a rank's share
-        evenly among its chunks; the simulation replays every stage's own costs."""
-        ops = self.evaluate_ops(lay)
-        _, _, owned = self._geometry(lay.pp, lay.chunks, lay.v_shaped)
-        ranks = [tuple(sum(ops[s][k] for s in own) for k in range(3)) for own in owned]
-        unit = max(f for f, _, _ in ranks)
-        text = ";".join(",".join(f"{x / unit:.3g}" for x in rank) for rank in ranks)
-        return f"{text},{self._send_time(lay) / unit:.3g}"
-
-    def _send_time(self, lay: Layout) -> float:
+    def send_time(self, lay: Layout) -> float:
         """One activation (or its gradient) across a stage boundary: T·h·e, T·h·e/t under SP."""
         act = lay.micro_batch * self.seq / lay.cp * self.model.dim * self.e
         if lay.sequence_parallel and lay.tp > 1:

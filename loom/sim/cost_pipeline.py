@@ -4,13 +4,15 @@ The planner prices hundreds of thousands of layouts; only its finalists are simu
 Loom's own schedules, or the schedule search's output, replayed by ``loom.sim.simulate``). This
 module is the cheap part before that: the busiest rank's work per microbatch times m, plus the
 family's warm-up and cool-down as (p - 1) rank passes scaled by its published bubble
-(REFERENCE.md §1.1, §5.2), plus the stage-boundary hops. Split from ``cost_model.py`` to keep that
+(REFERENCE.md §1.1, §5.2), plus the stage-boundary hops. Also the relative per-rank costs a
+searched schedule is searched for (``search_costs``). Split from ``cost_model.py`` to keep that
 module about per-layer time and memory. It communicates nothing.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from loom.sim.layout import Layout
 
@@ -65,4 +67,18 @@ def search_estimate(lay: Layout, ops: Ops, busiest: float, send: float,
     return (bound ** 8 + unbounded ** 8) ** 0.125
 
 
-__all__ = ["pipeline_estimate", "search_estimate"]
+def search_costs(model: Any, lay: Layout) -> str:
+    """``parallel.schedule_costs`` for a searched schedule of ``lay`` under ``model`` (a
+    ``CostModel``): each rank's F, I, W for its whole share (the end ranks carry the embedding
+    and the head) and the send latency, relative to the busiest rank's F, to three digits. The
+    search splits a rank's share evenly among its chunks; the simulation replays every stage's
+    own costs."""
+    ops = model.evaluate_ops(lay)
+    _, _, owned = model._geometry(lay.pp, lay.chunks, lay.v_shaped)
+    ranks = [tuple(sum(ops[s][k] for s in own) for k in range(3)) for own in owned]
+    unit = max(f for f, _, _ in ranks)
+    text = ";".join(",".join(f"{x / unit:.3g}" for x in rank) for rank in ranks)
+    return f"{text},{model.send_time(lay) / unit:.3g}"
+
+
+__all__ = ["pipeline_estimate", "search_estimate", "search_costs"]

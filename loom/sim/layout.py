@@ -85,7 +85,8 @@ def wrappers(lay: Layout) -> tuple[str, ...]:
     """The parallel wrappers a layout runs its layers through, by the names the calibration
     measures their framework work under (``Gpu.framework``): "base" always (Loom's trainer with
     data parallelism), then DTensor tensor parallelism, ZeRO-3's FSDP2 units, ZeRO-2's
-    gradient hooks and buckets or ZeRO-1's buckets after the backward, ring and/or Ulysses attention, and the pipeline interpreter."""
+    gradient hooks and buckets or ZeRO-1's buckets after the backward, ring and/or Ulysses
+    attention, and the pipeline interpreter."""
     names = ["base"]
     if lay.tp > 1:
         names.append("tp")

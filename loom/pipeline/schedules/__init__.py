@@ -157,9 +157,9 @@ def schedule_for(name: str, pp: int, microbatches: int, chunks: int = 0, *,
     planner do not import ``torch.distributed.pipelining``.)
 
     ``name = "search"``: the schedule search's best schedule, placement included, for relative
-    ``costs`` ("F,I,W,latency", or one F,I,W per rank: ``parse_search_costs``) under ``memory_limit`` units of one stage's
-    activations (0: ``pp``, what 1F1B needs); ``parallel.schedule_memory_limit`` and
-    ``parallel.schedule_costs``. ``placement`` (``parallel.schedule_placement``) pins the
+    ``costs`` ("F,I,W,latency", or one F,I,W per rank: ``parse_search_costs``) under
+    ``memory_limit`` units of one stage's activations (0: ``pp``, what 1F1B needs);
+    ``parallel.schedule_memory_limit`` and ``parallel.schedule_costs``. ``placement`` (``parallel.schedule_placement``) pins the
     search to one placement (looped, interleaved or v); "auto" lets it choose, except that
     ``max_stages`` (the model's layers; 0: no bound) below 2 pp keeps it to one stage per rank."""
     if name.lower() == SEARCH:

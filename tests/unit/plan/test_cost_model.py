@@ -6,8 +6,6 @@ Each expected value is written out from the formula in ``loom/sim/cost_model.py`
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from loom.config import load_config, resolve
