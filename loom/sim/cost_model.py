@@ -461,8 +461,10 @@ class CostModel:
                     passes = 2 * lay.microbatches if lay.pp == 1 else 1
                     per_layer = ag / layers
                     layer_fwd = rank_bwd[r] / 2 / layers  # F ~ half of I + W
-                    hidden = layer_fwd if self.overlaps else 0.0
-                    gathers = passes * layers * max(per_layer - hidden, 0.0) + per_layer
+                    if self.overlaps:  # prefetched: all but the first layer's hide
+                        gathers = passes * layers * max(per_layer - layer_fwd, 0.0) + per_layer
+                    else:  # shared cores: every gather adds to the step, once
+                        gathers = passes * ag
                     total = reduce + passes * ag
                 else:
                     gathers = ag  # after the optimizer step, before the next forward

@@ -52,9 +52,10 @@ def search_estimate(lay: Layout, ops: Ops, busiest: float, send: float,
     units starts a microbatch only as one returns, so at most L per round trip R (a microbatch's
     F down every stage, its I back up, rank 0's W and the hops), m·R/L in all. Its placement:
     no faster than the family that reaches the placement's zero-bubble level with unbounded
-    memory (ZB-H2 looped, ZB-V in a V). The two are blended as (a^4 + b^4)^(1/4), which tracks
-    the search's measured makespans (uniform F, I, W = 1, 1.2, 0.8, p = 4 and 8, m = 4p,
-    L = 1..2p: docs/planner.md) within about 15%; the planner simulates its finalists."""
+    memory (ZB-H2 looped, ZB-V in a V). The two are blended as (a^8 + b^8)^(1/8). Against the
+    search's makespans (``python bench/search_levels.py``: uniform F, I, W = 1, 1.2, 0.8,
+    p = 4 and 8, m = 4p, L = 1..2p) it is within 19% except a single unit on the V (+45% at
+    p = 4); rough, so the planner simulates the best searched layouts whatever it says."""
     p, m, v = lay.pp, lay.microbatches, lay.chunks
     limit = lay.memory_limit or float(p)
     mid = ops[len(ops) // 2]

@@ -248,6 +248,10 @@ def test_ranks_sharing_cores_hide_no_communication_behind_compute():
     assert shared.comm["dp"] == pytest.approx(hidden.comm["dp"])
     assert shared.dp_exposed == pytest.approx(shared.comm["dp"])  # all of it
     assert hidden.dp_exposed < hidden.comm["dp"]
+    # ZeRO-3: every gather and the reduce-scatter add to the step, each once (not one more)
+    zero3 = Layout(dp_shard=4, zero_stage=3, micro_batch=2, microbatches=2)
+    shared = two.evaluate(zero3)
+    assert shared.dp_exposed == pytest.approx(shared.comm["dp"])
     ring = Layout(cp=4, micro_batch=2, microbatches=1)
     kv = 2 * (2 * 8) * DEBUG.n_kv_heads * DEBUG.head_dim * 2  # K and V, 2 x 8 local tokens, bf16
     assert two._layer_times(ring, False)[3]["cp"] == pytest.approx(
