@@ -13,15 +13,22 @@ Writing goes to ``step_<N>.partial`` and is renamed into place only after the ma
 so a crash at any point leaves either a complete checkpoint or a ``.partial`` directory that
 ``latest_complete`` ignores (and the next save of that step removes).
 
-Loading refuses what it cannot trust: a missing, truncated or altered file (the manifest's size
-and SHA-256 do not match), and anything that would execute code when unpickled. DCP reads its
-tensors with ``torch.load(weights_only=True)``, but it reads its ``.metadata`` file with plain
-``pickle.load``; Loom first unpickles that file with an allow-list of DCP's metadata classes and
-refuses the checkpoint if the pickle names anything else. DCP also stores non-tensor values
-(hyper-parameters such as ``lr`` and ``betas``) as pickles and unpickles them with
-``weights_only=False``; Loom's load planner reads them with ``weights_only=True``, so a crafted
-value is refused instead of run. RNG files are read with ``weights_only=True``. This module is Loom's own because DCP leaves commit markers, checksums,
-retention and safe metadata to the caller.
+Loading refuses what it cannot trust (``loom.train.checkpoint_safety`` holds the rules): a
+missing, truncated or altered file (the manifest's size and SHA-256 do not match; with
+``LOOM_CHECKPOINT_KEY`` set, a manifest whose HMAC does not match or that has none), a symbolic
+link or a path that leaves the checkpoint, and anything that would execute code when unpickled.
+DCP's ``.metadata`` pickle is read, by ``verify`` and by DCP itself (through Loom's storage
+reader), with an exact-name allow-list of DCP's metadata classes; tensors, DCP's non-tensor
+values (hyper-parameters such as ``lr`` and ``betas``, which DCP itself would unpickle with
+``weights_only=False``) and RNG files with ``torch.load(weights_only=True)``; ``extra.json`` is
+JSON. ``latest_loadable`` skips, and names, every newer checkpoint that fails any of these, so a
+resume falls back to the newest one that is complete and valid. This module is Loom's own
+because DCP leaves commit markers, checksums, retention and safe metadata to the caller.
+
+Saving reports a failure in one line on every rank (a full disk, a read-only or vanished folder):
+the path, the reason, and the bytes this rank needed against those free; the ``.partial`` folder
+is removed and the previous checkpoint is untouched. Every rank learns of a failure on any rank
+(one small all-gather per phase), so none is left waiting at the next barrier.
 
 Asynchronous saving (``save(async_save=True)``, ``checkpoint.async_save``): DCP's ``async_save``
 copies the tensors to CPU memory before returning (the only part training waits for, besides a
@@ -40,11 +47,9 @@ same ranks, created by the first asynchronous save.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
-import pickle
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,14 +59,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from loom.train.checkpoint_safety import (CheckpointError, check_signature, load_metadata,
+                                          load_rng_file, read_manifest, regular_files,
+                                          safe_storage_reader, sha256_of, sign)
+
 COMMIT_MARKER = "COMMITTED"
 MANIFEST = "manifest.json"
 EXTRA = "extra.json"
 _PREFIX = "step_"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is incomplete, corrupted or unsafe; the message says which file and why."""
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -79,17 +84,9 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*")
-                  if p.is_file() and p.name not in (MANIFEST, COMMIT_MARKER))
+def _files(directory: Path) -> list[str]:
+    """The checkpoint's files the manifest covers (all but the manifest and the marker)."""
+    return regular_files(directory, skip=(MANIFEST, COMMIT_MARKER))
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -104,52 +101,40 @@ def _write_atomic(path: Path, text: str) -> None:
 # Verification
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata`` only if it names nothing beyond DCP's own plain classes."""
-
-    _ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata",
-                        "torch.distributed.checkpoint.planner")
-    _ALLOWED = {("collections", "OrderedDict"), ("torch", "Size"), ("torch", "device"),
-                ("torch", "layout"), ("torch", "memory_format"), ("builtins", "set"),
-                ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "bytes"),
-                ("torch.serialization", "_get_layout"),  # a name -> torch.layout lookup
-                ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in self._ALLOWED_MODULES or (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise CheckpointError(f"refusing to load: the checkpoint metadata pickle names {module}.{name},"
-                              " which is not a DCP metadata class (it could execute code)")
-
-
 def check_metadata_is_safe(path: Path) -> None:
-    """Raise CheckpointError unless ``path/.metadata`` unpickles with the allow-list."""
-    metadata = Path(path) / ".metadata"
-    if not metadata.is_file():
-        raise CheckpointError(f"{path}: no DCP .metadata file")
+    """Raise CheckpointError unless ``path/.metadata`` unpickles with the exact allow-list and
+    describes plain files of ``path`` (``loom.train.checkpoint_safety``)."""
+    load_metadata(Path(path))
+
+
+def _check_extra(path: Path, step: Any) -> None:
     try:
-        _MetadataUnpickler(io.BytesIO(metadata.read_bytes())).load()
-    except CheckpointError:
-        raise
-    except Exception as err:  # truncated or garbage pickle
-        raise CheckpointError(f"{metadata}: unreadable metadata ({err})") from None
+        extra = json.loads((path / EXTRA).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path / EXTRA}: unreadable ({err})") from None
+    if not isinstance(extra, dict) or type(extra.get("step")) is not int or extra["step"] < 0:
+        raise CheckpointError(f"{path / EXTRA}: malformed (no integer step)")
+    if type(step) is int and extra["step"] != step:
+        raise CheckpointError(f"{path / EXTRA}: says step {extra['step']}, the manifest {step}")
 
 
 def verify(path: Path) -> dict[str, Any]:
-    """Check the commit marker, every file's size and SHA-256, and the metadata's safety.
+    """Check the commit marker, the manifest (shape, signature when ``LOOM_CHECKPOINT_KEY`` is
+    set), every file's size and SHA-256, that nothing is a symbolic link or unlisted, and that
+    the metadata, RNG files and ``extra.json`` load safely.
 
     Returns the manifest; raises CheckpointError naming the first bad file.
     """
     path = Path(path)
+    if path.is_symlink() or not path.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint folder (missing, a file or a link)")
     if not (path / COMMIT_MARKER).is_file():
         raise CheckpointError(f"{path}: incomplete (no {COMMIT_MARKER} marker)")
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path / MANIFEST}: unreadable manifest ({err})") from None
+    if (path / MANIFEST).is_symlink():
+        raise CheckpointError(f"{path / MANIFEST}: is a symbolic link")
+    manifest = read_manifest(path / MANIFEST)
+    check_signature(manifest, path / MANIFEST)
+    present = _files(path)  # refuses symbolic links anywhere in the folder
     for name, entry in manifest["files"].items():
         file = path / name
         if not file.is_file():
@@ -158,12 +143,16 @@ def verify(path: Path) -> dict[str, Any]:
         if size != entry["size"]:
             raise CheckpointError(f"{file}: truncated or altered ({size} bytes, expected"
                                   f" {entry['size']})")
-        if _sha256(file) != entry["sha256"]:
+        if sha256_of(file) != entry["sha256"]:
             raise CheckpointError(f"{file}: corrupted (SHA-256 does not match the manifest)")
-    extra_files = {str(p.relative_to(path)) for p in _files(path)} - set(manifest["files"])
+    extra_files = set(present) - set(manifest["files"])
     if extra_files:
         raise CheckpointError(f"{path}: files not in the manifest: {sorted(extra_files)}")
     check_metadata_is_safe(path)
+    _check_extra(path, manifest.get("step"))
+    for name in present:
+        if name.startswith("rng/"):
+            load_rng_file(path / name)
     return manifest
 
 
@@ -266,11 +255,13 @@ def _async_group(group: Any) -> Any:
 
 
 def _commit(root: Path, partial: Path, final: Path, step: int, keep: int) -> None:
-    """Main rank, after every rank's files are on disk: manifest, marker, rename, retention.
-    Retention only ever removes committed checkpoints, never one still being written."""
-    files = {str(p.relative_to(partial)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-             for p in _files(partial)}
-    _write_atomic(partial / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
+    """Main rank, after every rank's files are on disk: manifest (signed when a key is set),
+    marker, rename, retention. Retention only ever removes committed checkpoints, never one
+    still being written."""
+    files = {name: {"size": (partial / name).stat().st_size, "sha256": sha256_of(partial / name)}
+             for name in _files(partial)}
+    manifest = sign({"step": step, "files": files})
+    _write_atomic(partial / MANIFEST, json.dumps(manifest, indent=1))
     _write_atomic(partial / COMMIT_MARKER, json.dumps({"step": step, "time": time.time()}))
     if final.exists():  # an older save of the same step (e.g. after a restart)
         shutil.rmtree(final)
@@ -278,6 +269,85 @@ def _commit(root: Path, partial: Path, final: Path, step: int, keep: int) -> Non
     if keep > 0:
         for old in complete_checkpoints(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+_MiB = 1 << 20
+
+
+def _local_bytes(tree: Any) -> int:
+    """Bytes of the tensors this rank writes (local shards of sharded and distributed ones)."""
+    if isinstance(tree, dict):
+        return sum(_local_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_local_bytes(v) for v in tree)
+    local = getattr(tree, "_local_tensor", None)
+    if local is not None:
+        tree = local
+    shards = getattr(tree, "local_shards", None)
+    if callable(shards):
+        return sum(s.tensor.numel() * s.tensor.element_size() for s in shards())
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    return 0
+
+
+def _free_bytes(path: Path) -> int | None:
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            try:
+                return shutil.disk_usage(candidate).free
+            except OSError:
+                return None
+    return None
+
+
+def _describe_write_error(err: BaseException, partial: Path, step: int, needed: int) -> str:
+    """One line: where the save failed, why, and the bytes it needed against those free. torch's
+    zip writer reports a full disk as ``unexpected pos A vs B``; OSError carries errno."""
+    if isinstance(err, OSError) and err.strerror:
+        reason = f"{err.strerror} ({err.filename or partial})"
+    else:
+        text = str(err).strip().splitlines()
+        reason = f"{type(err).__name__}: {text[-1] if text else ''}".strip()
+        if "unexpected pos" in reason or "file write failed" in reason:
+            reason = f"a write was cut short ({reason}); the disk is probably full"
+    free = _free_bytes(partial)
+    space = (f"; this rank needs about {needed / _MiB:.1f} MiB, {free / _MiB:.1f} MiB free on"
+             " that filesystem" if free is not None else "")
+    return (f"cannot save checkpoint step {step} to {partial}: {reason}{space}; the previous"
+            " checkpoint is left intact")
+
+
+def _agree(group: Any, error: str | None) -> None:
+    """Every rank learns whether any rank failed its part (a collective); all raise the first
+    failure's message, so no rank waits forever at the save's next barrier."""
+    if dist.is_initialized():
+        every: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, error, group=group)
+        failed = [(rank, msg) for rank, msg in enumerate(every) if msg is not None]
+        if failed and error is None:
+            rank, msg = failed[0]
+            error = f"rank {rank}: {msg}"
+    if error is not None:
+        raise CheckpointError(error)
+
+
+def _dcp_failures() -> tuple[type[BaseException], ...]:
+    # DCP's CheckpointException derives from BaseException, not Exception
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+_FAILURES = _dcp_failures()
+
+
+def _unwrap_dcp_failure(err: BaseException) -> BaseException:
+    failures = getattr(err, "failures", None)  # DCP's CheckpointException: rank -> (exc, tb)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        return first[0] if isinstance(first, tuple) else first
+    return err
 
 
 def save(root: Path, step: int, tensors: dict[str, Any], extra: dict[str, Any], *,
@@ -294,41 +364,75 @@ def save(root: Path, step: int, tensors: dict[str, Any], extra: dict[str, Any], 
     root = Path(root)
     final = step_dir(root, step)
     partial = final.with_name(final.name + ".partial")
-    if _is_main(group):
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir()
-        (partial / "rng").mkdir()
-    _barrier(group)
-    # The small files first: once any rank's DCP write has finished, every rank has passed here.
-    torch.save(rng_state(device), partial / "rng" / f"rank{_rank(group)}.pt")
-    if _is_main(group):
-        (partial / EXTRA).write_text(json.dumps(extra, indent=1, sort_keys=True))
+    main = _is_main(group)
+    needed = _local_bytes(tensors)
+
+    def attempt(action: Any) -> str | None:
+        try:
+            action()
+            return None
+        except _FAILURES as err:  # every failure becomes one named line
+            return _describe_write_error(_unwrap_dcp_failure(err), partial, step, needed)
+
+    def cleanup() -> None:
+        if main:
+            shutil.rmtree(partial, ignore_errors=True)
+
+    def prepare() -> None:
+        if main:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir()
+            (partial / "rng").mkdir()
+
+    def small_files() -> None:
+        # The small files first: once any rank's DCP write has finished, every rank is past here.
+        torch.save(rng_state(device), partial / "rng" / f"rank{_rank(group)}.pt")
+        if main:
+            (partial / EXTRA).write_text(json.dumps(extra, indent=1, sort_keys=True))
+
+    try:
+        _agree(group, attempt(prepare))
+        _agree(group, attempt(small_files))
+    except CheckpointError:
+        cleanup()
+        raise
     if async_save:
         stager = _Stager()
         written = dcp.async_save(tensors, checkpoint_id=str(partial),
                                  process_group=_async_group(group), async_stager=stager)
-        main = _is_main(group)
 
         def finish() -> None:
             try:
                 written.result()
+            except _FAILURES as err:
+                cleanup()
+                raise CheckpointError(_describe_write_error(_unwrap_dcp_failure(err), partial,
+                                                            step, needed)) from None
             finally:
                 stager.close()
             # DCP's last step gathers every rank's write results to rank 0 before it writes
             # .metadata, so when rank 0's write is done, every rank's files are on disk.
             if main:
-                _commit(root, partial, final, step, keep)
+                error = attempt(lambda: _commit(root, partial, final, step, keep))
+                if error is not None:
+                    cleanup()
+                    raise CheckpointError(error)
 
         runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-checkpoint")
         future = runner.submit(finish)
         runner.shutdown(wait=False)
         return PendingSave(final, future)
-    dcp.save(tensors, checkpoint_id=str(partial), process_group=group)
-    _barrier(group)  # every rank's files are on disk before the manifest is computed
-    if _is_main(group):
-        _commit(root, partial, final, step, keep)
-    _barrier(group)
+    try:
+        # DCP gathers every rank's write outcome, so a failure anywhere raises everywhere.
+        error = attempt(lambda: dcp.save(tensors, checkpoint_id=str(partial), process_group=group))
+        if error is not None:
+            raise CheckpointError(error)
+        _barrier(group)  # every rank's files are on disk before the manifest is computed
+        _agree(group, attempt(lambda: _commit(root, partial, final, step, keep)) if main else None)
+    except CheckpointError:
+        cleanup()
+        raise
     return final
 
 
@@ -343,11 +447,11 @@ def _weights_only_load_planner() -> Any:
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             try:
                 loaded = torch.load(value, weights_only=True)
-            except pickle.UnpicklingError as err:
+            except Exception as err:  # UnpicklingError for a refused global; any for garbage
+                last = (str(err).strip().splitlines() or [type(err).__name__])[-1]
                 raise CheckpointError(
                     f"refusing to load {read_item.dest_index.fqn}: a non-tensor value that is"
-                    f" not plain data (it could execute code): {str(err).splitlines()[-1]}"
-                ) from None
+                    f" not plain data (it could execute code): {last}") from None
             if self.flatten_state_dict:
                 set_element(self.original_state_dict,
                             self.mappings[read_item.dest_index.fqn], loaded)
@@ -376,18 +480,25 @@ def load(path: Path, tensors: dict[str, Any], *, device: torch.device = torch.de
     if verdict[0] is not None:
         raise CheckpointError(verdict[0])
     try:
-        dcp.load(tensors, checkpoint_id=str(path), process_group=group,
+        dcp.load(tensors, storage_reader=safe_storage_reader(path), process_group=group,
                  planner=_weights_only_load_planner())
-    except dcp.api.CheckpointException as err:  # DCP gathers every rank's failure
-        # each failure is (exception, traceback summary)
-        refused = [exc for exc, _ in err.failures.values() if isinstance(exc, CheckpointError)]
-        if refused:
-            raise CheckpointError(f"{path}: {refused[0]}") from None
-        raise
+    except CheckpointError as err:  # raised before DCP's collectives (reading .metadata)
+        raise CheckpointError(f"{path}: {err}") from None
+    except _FAILURES as err:  # DCP gathers every rank's failure: rank -> (exception, traceback)
+        cause = _unwrap_dcp_failure(err)
+        if isinstance(cause, CheckpointError):
+            raise CheckpointError(f"{path}: {cause}") from None
+        last = (str(cause).strip().splitlines() or [""])[-1]
+        raise CheckpointError(f"{path}: does not load into this model and layout"
+                              f" ({type(cause).__name__}: {last})") from None
     rng_file = path / "rng" / f"rank{_rank(group)}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than saved
-        set_rng_state(torch.load(rng_file, weights_only=True), device)
-    return json.loads((path / EXTRA).read_text())
+        set_rng_state(load_rng_file(rng_file), device)
+    try:
+        extra = json.loads((path / EXTRA).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path / EXTRA}: unreadable ({err})") from None
+    return extra
 
 
 def latest_loadable(root: Path) -> tuple[Path | None, list[str]]:
