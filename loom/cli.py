@@ -2,7 +2,11 @@
 
 ``loom train [--config FILE] [--nproc N] [--section.key=value ...]`` loads and validates the whole
 configuration *before* anything is written or started: a bad value prints one line naming the
-field, the value and the rule, and exits with code 2.
+field, the value and the rule, and exits with code 2. That covers the inputs too: the config file,
+the corpus (``data.source``), the checkpoint to resume, the run directory (``train.run_dir``) and
+the estimated memory against the device's (on CPU: the host's available memory, shared by the
+``--nproc`` ranks). A corpus found too short only once tokenized is refused the same way, and the
+directories made for it are removed.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ EXIT_CONFIG_ERROR = 2
 
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
-    from loom.launch import run_job, under_external_launcher
+    from loom.launch import check_run_dir, run_job, under_external_launcher
 
     try:
         if args.nproc < 1:
@@ -38,7 +42,9 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         return EXIT_CONFIG_ERROR
     from loom.train.memory import check_memory_limit
 
-    refusal = check_memory_limit(config)  # before anything is written or started
+    # before anything is written or started; the host's memory is shared by this node's ranks
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if external else args.nproc
+    refusal = check_memory_limit(config, local_ranks)
     if refusal:
         print(f"loom train: {refusal}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
@@ -48,7 +54,20 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         name = os.environ.get("TORCHELASTIC_RUN_ID") if external else None
         run_dir = f"runs/{name or time.strftime('%Y%m%d-%H%M%S')}"
         config.train.run_dir = run_dir
-    return run_job(config, Path(run_dir), args.nproc, args.max_restarts)
+    try:
+        check_run_dir(Path(run_dir))
+        if not external:  # under torchrun, rank 0 of the job decides (every rank would hash)
+            from loom.train.checkpoint import resume_refusal
+
+            refusal = resume_refusal(config.checkpoint.resume, Path(run_dir) / "checkpoints")
+            if refusal:
+                print(f"loom train: config error: {refusal}", file=sys.stderr)
+                return EXIT_CONFIG_ERROR
+        # a corpus found too short once tokenized is refused here, its directories removed
+        return run_job(config, Path(run_dir), args.nproc, args.max_restarts)
+    except ConfigError as err:
+        print(f"loom train: {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
 
 
 def _estimate_memory(args: argparse.Namespace, extra: list[str]) -> int:
@@ -66,7 +85,7 @@ def _estimate_memory(args: argparse.Namespace, extra: list[str]) -> int:
           f" micro_batch={config.train.micro_batch_size} seq={config.data.seq_len}")
     estimate = estimate_memory(config)
     print(estimate.table())
-    limit = device_limit_bytes(config)
+    limit = device_limit_bytes(config, args.nproc)  # on CPU: the layout's ranks on this host
     if limit:
         print(f"limit {limit / GiB:.3f} GiB: {'fits' if estimate.total <= limit else 'EXCEEDS'}")
     return 0
@@ -101,8 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-restarts", type=int, default=0,
                        help="restart all workers up to N times when one fails; they resume from"
                             " the newest complete checkpoint (set --checkpoint.interval)")
-    train.add_argument("--resume", help="'auto' (newest complete checkpoint of the run) or a"
-                                        " checkpoint directory; same as --checkpoint.resume")
+    train.add_argument("--resume", help="'auto' (newest complete and valid checkpoint of the run;"
+                                        " refused when there is none), 'auto_or_fresh' (the"
+                                        " same, or step 0 when there is none) or a checkpoint"
+                                        " directory; same as --checkpoint.resume")
     train.set_defaults(handler=_train)
 
     mem = sub.add_parser("estimate-memory", help="predict per-rank memory of a layout",

@@ -65,7 +65,8 @@ class ParallelConfig:
     cp: int = 1
     tp: int = 1
     # Pipeline schedule family (``loom schedule list``) and stages per rank; 0: the family's own
-    # (1 for 1F1B-like families, 2 for interleaved/V-shaped ones). Used when pp > 1.
+    # (1 for 1F1B-like families, 2 for interleaved/V-shaped ones). Used when pp > 1 (with pp = 1
+    # another family than the default is refused: there is no pipeline to schedule).
     schedule: str = "1f1b"
     chunks: int = 0
     # schedule = "search": Loom's schedule search (``loom schedule search``) picks the order and
@@ -118,6 +119,9 @@ class TrainConfig:
     threads: int = 0  # intra-op threads per rank; 0: cores / local ranks
     timeout_s: float = 600.0  # collective timeout: a hung peer fails the job instead of hanging it
     nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss or grad norm: stop, or skip the step
+    # nonfinite = skip: stop the run once more than this many steps were skipped (0: stop at the
+    # first non-finite step, as "stop" does, but counted and named as a skip)
+    max_skipped_steps: int = 10
     # Step the optimizer before the global grad norm / non-finite check arrives, roll back if it
     # says so (loom/train/post_validation.py); bit-identical either way. pp/dp layouts only.
     post_validation: bool = False
@@ -136,9 +140,11 @@ class TrainConfig:
     offload_activations: bool = False  # saved activations to host memory (no-op on CPU devices)
     offload_optimizer: bool = False  # optimizer state and step on the host (no-op on CPU devices)
     # Refuse to launch when the estimated peak per rank (loom estimate-memory) exceeds this;
-    # 0: the CUDA device's total memory, or no check on CPU. ignore_memory_limit overrides.
+    # 0: the CUDA device's total memory, or on CPU 90% of the host's available memory shared by
+    # the local ranks. skip_memory_check (or its older name ignore_memory_limit) overrides.
     memory_limit_gb: float = 0.0
-    ignore_memory_limit: bool = False
+    skip_memory_check: bool = False
+    ignore_memory_limit: bool = False  # synonym of skip_memory_check
 
 
 @dataclass
@@ -167,7 +173,9 @@ class DataConfig:
 class CheckpointConfig:
     interval: int = 0  # steps between checkpoints (and one at the end); 0: only the final weights
     keep: int = 2  # newest complete checkpoints kept; 0 keeps all
-    resume: str = ""  # "" (fresh), "auto" (newest complete one of this run) or a checkpoint dir
+    # "" (fresh), "auto" (newest complete and valid one of this run; none: refuse),
+    # "auto_or_fresh" (the same; none: start fresh) or a checkpoint dir
+    resume: str = ""
     # Stage the tensors to CPU memory and write them in the background (DCP async_save); the
     # commit marker still follows the finished write. The run waits for the last save at exit.
     async_save: bool = False
@@ -293,6 +301,28 @@ def _flatten_toml(table: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
+def _read_toml(path: Path) -> dict[str, Any]:
+    """The table of a TOML config file; ConfigError naming ``--config`` when it cannot be one
+    (missing, a directory or other non-file, unreadable, not UTF-8, not TOML)."""
+    if not path.exists():
+        raise ConfigError("--config", str(path), "file does not exist")
+    if path.is_dir():
+        raise ConfigError("--config", str(path), "is a directory, not a TOML file")
+    if not path.is_file():  # a pipe, socket or device: never opened (reading a FIFO would block)
+        raise ConfigError("--config", str(path), "is not a regular file")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError("--config", str(path), f"is not UTF-8 text (byte {err.start}:"
+                          f" {err.reason}); TOML files are UTF-8") from None
+    except OSError as err:
+        raise ConfigError("--config", str(path), f"cannot be read: {err.strerror}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError("--config", str(path), f"is not valid TOML: {err}") from None
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
     """Build a Config from an optional TOML file and ``section.key -> value`` overrides.
 
@@ -301,13 +331,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     """
     flat: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError("--config", str(path), "file does not exist")
-        try:
-            flat.update(_flatten_toml(tomllib.loads(path.read_text())))
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError("--config", str(path), f"is not valid TOML: {err}") from None
+        flat.update(_flatten_toml(_read_toml(Path(path))))
     flat.update(overrides or {})
 
     sections = _sections()

@@ -3,8 +3,11 @@
 ``loom.config`` owns the schema (dataclasses, parsing, TOML); this module owns the rules that tie
 fields together: the world equals the product of the parallel degrees; heads, KV heads, layers,
 vocabulary, sequence and batch are divisible by the degrees that split them; and the combinations
-this version of Loom does not run yet are refused by name. Every rule raises ``ConfigError``
-naming the field, the value and the rule, and the nearest valid value where one exists.
+this version of Loom does not run yet are refused by name. Last, the few rules that look at files
+(cheaply, writing nothing): ``checkpoint.resume`` is a committed checkpoint with a readable
+manifest, and ``data.source`` holds a readable text file and enough text for one sample
+(``loom.data.loader.check_source``). Every rule raises ``ConfigError`` naming the field, the value
+and the rule, and the nearest valid value where one exists.
 
 Split out of ``config.py`` so that a parallelism landing edits its own rule here, next to its
 neighbours, without touching parsing.
@@ -12,10 +15,11 @@ neighbours, without touching parsing.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
-from loom.config import Config, ConfigError, _check_bpe_vocab, _suggest
+from loom.config import Config, ConfigError, ParallelConfig, _check_bpe_vocab, _suggest
 
 def _nearest_multiples(value: int, divisor: int) -> str:
     low = (value // divisor) * divisor
@@ -46,6 +50,7 @@ def validate(config: Config, world_size: int) -> None:
                                "train.micro_batch_size", "train.eval_batches", "data.seq_len",
                                "data.bpe_vocab_size", "metrics.log_every"])
     _require_positive(config, ["train.eval_every", "train.grad_clip", "train.threads",
+                               "train.max_skipped_steps",
                                "data.max_bytes", "checkpoint.interval", "checkpoint.keep",
                                "optim.warmup_steps",
                                "optim.weight_decay", "optim.eps"], minimum=0)
@@ -56,16 +61,10 @@ def validate(config: Config, world_size: int) -> None:
     for key in ("beta1", "beta2"):
         if not 0 <= getattr(opt, key) < 1:
             raise ConfigError(f"optim.{key}", getattr(opt, key), "must be in [0, 1)")
-    if data.source != "stdlib" and not Path(data.source).exists():
-        raise ConfigError("data.source", data.source,
-                          "must be 'stdlib' or an existing text file or directory")
     if not 0 < data.val_fraction < 1:
         raise ConfigError("data.val_fraction", data.val_fraction, "must be in (0, 1)")
     _check_bpe_vocab(data)
-    resume = config.checkpoint.resume
-    if resume not in ("", "auto") and not (Path(resume) / "COMMITTED").is_file():
-        raise ConfigError("checkpoint.resume", resume,
-                          "must be '', 'auto' or a complete checkpoint directory (with COMMITTED)")
+    _validate_resume(config.checkpoint.resume)
     if tr.timeout_s <= 0:
         raise ConfigError("train.timeout_s", tr.timeout_s, "must be > 0")
 
@@ -129,6 +128,37 @@ def validate(config: Config, world_size: int) -> None:
         raise ConfigError("train.device", tr.device, "must be auto, cpu, cuda or cuda:N")
     if tr.backend == "nccl" and tr.device == "cpu":
         raise ConfigError("train.backend", tr.backend, "nccl needs a GPU device, not train.device=cpu")
+
+    # Last, as it looks at files: a corpus with text enough for one sample (not tokenized).
+    from loom.data.loader import check_source
+
+    check_source(data)
+
+
+def _validate_resume(resume: str) -> None:
+    """``checkpoint.resume``: '', 'auto', 'auto_or_fresh' or a committed checkpoint directory
+    whose manifest is there and readable (a cheap look at its structure: ``checkpoint.verify``
+    checks every file against it when the run loads it)."""
+    if resume in ("", "auto", "auto_or_fresh"):
+        return
+    path = Path(resume)
+    rule = "must be '', 'auto', 'auto_or_fresh' or a complete checkpoint directory"
+    if not path.is_dir():
+        raise ConfigError("checkpoint.resume", resume, f"{rule}: not a directory")
+    if not (path / "COMMITTED").is_file():
+        raise ConfigError("checkpoint.resume", resume, f"{rule}: no COMMITTED marker (the save"
+                          " did not finish)")
+    manifest = path / "manifest.json"
+    if not manifest.is_file():
+        raise ConfigError("checkpoint.resume", resume, f"{rule}: no manifest.json")
+    try:
+        table = json.loads(manifest.read_bytes())
+    except (OSError, ValueError) as err:  # ValueError: bad JSON or not UTF-8
+        raise ConfigError("checkpoint.resume", resume,
+                          f"{rule}: manifest.json is unreadable ({err})") from None
+    if not isinstance(table, dict) or not isinstance(table.get("files"), dict):
+        raise ConfigError("checkpoint.resume", resume,
+                          f"{rule}: manifest.json has no \"files\" table")
 
 
 def _validate_zero(config: Config) -> None:
@@ -360,6 +390,11 @@ def _validate_schedule(config: Config) -> None:
     if par.chunks < 0:
         raise ConfigError("parallel.chunks", par.chunks, "must be >= 0 (0: the family's default)")
     if par.pp == 1:
+        default = ParallelConfig.schedule
+        if par.schedule.lower().replace("-", "_") != default:
+            raise ConfigError("parallel.schedule", par.schedule, "needs parallel.pp > 1 (with pp"
+                              f" = 1 there is no pipeline to schedule); set parallel.pp or leave"
+                              f" the default {default!r}")
         return
     micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
     how = (f"microbatches per pipeline m = global_batch_size / (dp * micro_batch_size) ="

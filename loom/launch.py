@@ -11,13 +11,15 @@ never leaves the job hanging. With ``--max-restarts N`` the agent instead restar
 (``checkpoint.resume = auto`` is implied on a restart), so with a deterministic setup the final
 weights equal an uninterrupted run's bit for bit.
 
-Everything that can be wrong with the config is checked before this module is reached; the run
-directory and the token files are made here, in the launching process, before any worker starts.
+Everything that can be wrong with the config is checked before this module is reached (the run
+directory by ``check_run_dir``, which writes nothing); the token files and then the run's
+``config.toml`` are made here, in the launching process, before any worker starts.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import uuid
 from pathlib import Path
@@ -25,7 +27,7 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from loom.config import Config, from_dict, to_dict, to_toml
+from loom.config import Config, ConfigError, from_dict, to_dict, to_toml
 
 THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
@@ -44,17 +46,62 @@ def _name_process(name: str) -> None:
         pass
 
 
+def check_run_dir(run_dir: Path) -> None:
+    """ConfigError naming ``train.run_dir`` unless the run directory is one or can be made:
+    not a file, not under a file, on a writable directory and file system (``os.access``, which
+    also holds for root), without a ``config.toml`` or ``data`` of the wrong kind. Writes
+    nothing."""
+    def refuse(rule: str) -> None:
+        raise ConfigError("train.run_dir", str(run_dir), rule)
+
+    if os.path.lexists(run_dir) and not run_dir.exists():
+        refuse("is a broken symbolic link")
+    if run_dir.exists():
+        if not run_dir.is_dir():
+            refuse("exists and is not a directory")
+        for name, want_dir in (("config.toml", False), ("data", True)):
+            entry = run_dir / name
+            if entry.exists() and entry.is_dir() != want_dir:
+                refuse(f"holds {name!r}, which is {'not ' if want_dir else ''}a directory")
+        existing = run_dir
+    else:
+        existing = run_dir.parent
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            refuse(f"lies under {str(existing)!r}, which is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK) or _read_only(existing):
+        refuse(f"cannot be written: {str(existing)!r} is not writable")
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 def prepare_run_dir(config: Config, run_dir: Path, *, is_main: bool = True) -> Path:
-    """Write the resolved config and the token files of the run (idempotent); return the data dir."""
+    """Write the token files and the resolved config of the run (idempotent); return the data
+    dir. The data comes first: a corpus too short for one sample raises ConfigError, and then
+    the directories this call made are removed, so a refused run leaves nothing behind."""
     from loom.data.loader import prepare_data
 
     data_dir = run_dir / "data"
     if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        made = data_dir  # the outermost directory this call creates, if any
+        while not made.parent.exists() and made.parent != made.parent.parent:
+            made = made.parent
+        made = None if made.exists() else made
+        try:
+            prepare_data(config.data, data_dir)
+        except ConfigError:
+            if made is not None:
+                shutil.rmtree(made, ignore_errors=True)
+            raise
         tmp = run_dir / "config.toml.tmp"
         tmp.write_text(to_toml(config))
         os.replace(tmp, run_dir / "config.toml")
-        prepare_data(config.data, data_dir)
     return data_dir
 
 
@@ -68,7 +115,8 @@ def worker_main(config_table: dict[str, Any], run_dir: str) -> dict[str, float]:
 
     config = from_dict(config_table)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not config.checkpoint.resume:
-        config.checkpoint.resume = "auto"  # a restarted worker continues, never starts over
+        # a restarted worker continues from the newest valid checkpoint (none yet: step 0)
+        config.checkpoint.resume = "auto_or_fresh"
     tr = config.train
     ctx = init_distributed(tr.device, tr.backend, tr.timeout_s, tr.threads)
     _name_process(f"loom-rank{ctx.rank}")

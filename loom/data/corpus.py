@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import sysconfig
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
+
+from loom.config import ConfigError
 
 STDLIB_SOURCE = "stdlib"
 STDLIB_EXTENSIONS = (".py",)
@@ -58,10 +61,12 @@ def _resolve_source(source: str | os.PathLike[str]) -> Path:
         return stdlib_root()
     path = Path(source).expanduser()
     if not path.exists():
-        raise FileNotFoundError(
-            f"data.source={str(source)!r}: path {str(path)!r} does not exist; "
-            f"use {STDLIB_SOURCE!r} or an existing text file or directory"
-        )
+        shown = "" if str(path) == str(source) else f" ({str(path)!r})"
+        raise ConfigError("data.source", str(source), f"path{shown} does not exist; use"
+                          f" {STDLIB_SOURCE!r} or an existing text file or directory")
+    if not (path.is_file() or path.is_dir()):  # never opened: reading a FIFO would block
+        raise ConfigError("data.source", str(source), "is not a regular file or a directory"
+                          " (a pipe, socket or device is not a corpus)")
     return path.resolve()
 
 
@@ -101,7 +106,9 @@ def list_files(
     extensions: Sequence[str] = (".py", ".txt", ".md"),
     max_bytes: int = 0,
 ) -> list[SourceFile]:
-    """The non-empty files making up a corpus, in sorted order, without reading them.
+    """The non-empty regular files making up a corpus, in sorted order, without reading them
+    (a FIFO or other non-regular entry is skipped, never opened); ConfigError naming
+    ``data.source`` when there is none.
 
     ``source`` is ``"stdlib"`` (only ``.py`` files; ``extensions`` is ignored), a single file (taken
     whatever its extension) or a directory (files ending in one of ``extensions``).
@@ -114,14 +121,45 @@ def list_files(
         entries = [(root.name, root)]
     else:
         entries = _walk_sorted(root, extensions)
-    files = [SourceFile(name, path, path.stat().st_size) for name, path in entries]
-    files = [f for f in files if f.size > 0]
+    files = [SourceFile(name, path, size) for name, path in entries
+             if (size := _regular_size(path)) > 0]
     if not files:
-        raise ValueError(
-            f"data.source={str(source)!r}: no non-empty files ending in {tuple(extensions)} "
-            f"under {str(root)!r}; check data.source and data.extensions"
-        )
+        where = (f"{str(root)!r} is an empty file" if root.is_file() else
+                 f"no non-empty files ending in {tuple(extensions)} under {str(root)!r};"
+                 f" check data.source and data.extensions")
+        raise ConfigError("data.source", str(source), where)
     return _take_up_to(files, max_bytes)
+
+
+def _regular_size(path: Path) -> int:
+    """Size of a regular file (symlinks followed); 0 for anything else or what vanished."""
+    try:
+        info = path.stat()
+    except OSError:
+        return 0
+    return info.st_size if stat.S_ISREG(info.st_mode) else 0
+
+
+TEXT_PROBE_BYTES = 8000  # as git: a NUL byte in the first 8000 bytes means binary
+
+
+def first_text_file(source: str | os.PathLike[str], files: Sequence[SourceFile]) -> SourceFile:
+    """The first of ``files`` that opens and starts like text (no NUL byte in its first 8000
+    bytes, git's test); ConfigError naming ``data.source`` when none does. Reads one probe per
+    file until one passes, so a text corpus costs one small read."""
+    reasons = []
+    for f in files:
+        try:
+            with f.path.open("rb") as handle:
+                head = handle.read(TEXT_PROBE_BYTES)
+        except OSError as err:
+            reasons.append(f"{f.name}: {err.strerror}")
+            continue
+        if head and b"\0" not in head:
+            return f
+        reasons.append(f"{f.name}: binary (NUL bytes)")
+    shown = "; ".join(reasons[:3]) + (f"; ... ({len(reasons)} files)" if len(reasons) > 3 else "")
+    raise ConfigError("data.source", str(source), f"has no readable text file ({shown})")
 
 
 def fingerprint(files: Sequence[SourceFile]) -> str:
@@ -133,8 +171,16 @@ def fingerprint(files: Sequence[SourceFile]) -> str:
 
 
 def read_documents(files: Sequence[SourceFile]) -> list[Document]:
-    """Read files as UTF-8; undecodable bytes become U+FFFD rather than failing the run."""
-    docs = [Document(f.name, f.path.read_bytes().decode("utf-8", errors="replace")) for f in files]
+    """Read files as UTF-8; undecodable bytes become U+FFFD rather than failing the run.
+    A file that cannot be read raises ConfigError naming ``data.source`` and the file."""
+    docs = []
+    for f in files:
+        try:
+            data = f.path.read_bytes()
+        except OSError as err:
+            raise ConfigError("data.source", str(f.path), f"cannot be read: {err.strerror}"
+                              ) from None
+        docs.append(Document(f.name, data.decode("utf-8", errors="replace")))
     return [d for d in docs if d.text]
 
 
@@ -145,7 +191,8 @@ def load_documents(
 ) -> list[Document]:
     """Documents of a corpus sorted by relative path; see ``list_files`` for the arguments.
 
-    Raises ``FileNotFoundError`` naming ``data.source`` when the path does not exist.
+    Raises ``ConfigError`` naming ``data.source`` when the path does not exist, is not a regular
+    file or directory (a FIFO is never opened), or holds no non-empty file to read.
     """
     return read_documents(list_files(source, extensions, max_bytes))
 

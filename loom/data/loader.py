@@ -1,9 +1,12 @@
 """Token files, packed sequences and the resumable, data-parallel batch sampler.
 
-Pipeline: ``prepare_data`` (once, in the launcher) reads the corpus, splits it, builds the
-tokenizer and writes ``train.bin`` / ``val.bin`` (every document followed by end-of-document) into
-the run's data directory. Each worker then memory-maps them as ``PackedSequences`` (non-overlapping
-windows of ``seq_len + 1`` tokens) and draws batches through a ``DistributedLoader``.
+Pipeline: ``check_source`` (config validation, nothing written) refuses a corpus without a readable
+text file or with too little text for one sample; ``prepare_data`` (once, in the launcher) reads the
+corpus, splits it, builds the tokenizer and writes ``train.bin`` / ``val.bin`` (every document
+followed by end-of-document) into the run's data directory, or raises ``ConfigError`` before
+publishing any file when the training split is shorter than one sample. Each worker then
+memory-maps them as ``PackedSequences`` (non-overlapping windows of ``seq_len + 1`` tokens) and
+draws batches through a ``DistributedLoader``.
 
 Packing and sampling are Loom's own rather than ``torch.utils.data`` because of what they must
 guarantee: the order of samples is a pure function of (seed, global sample index), so
@@ -30,11 +33,13 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from loom.config import ConfigError
 from loom.data.corpus import (
     STDLIB_SOURCE,
     Document,
     SourceFile,
     fingerprint,
+    first_text_file,
     list_files,
     read_documents,
     split_documents,
@@ -184,6 +189,7 @@ def _build(
             "train_tokens": _write_tokens(tmp / TRAIN_FILE, tok, train_docs, dtype),
             "val_tokens": _write_tokens(tmp / VAL_FILE, tok, val_docs, dtype),
         }
+        check_seq_len(cfg.seq_len, meta["train_tokens"])  # refused before anything is published
         tok.save(tmp)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         _publish(tmp, out_dir)
@@ -192,14 +198,53 @@ def _build(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def check_seq_len(seq_len: int, n_tokens: int) -> None:
-    """A training sample needs seq_len + 1 consecutive tokens (inputs plus shifted targets)."""
+def check_seq_len(seq_len: int, n_tokens: int, *, at_most: bool = False) -> None:
+    """A training sample needs seq_len + 1 consecutive tokens (inputs plus shifted targets);
+    ConfigError naming ``data.seq_len`` otherwise (``at_most``: ``n_tokens`` is an upper bound)."""
     if n_tokens < seq_len + 1:
-        raise ValueError(
-            f"data.seq_len={seq_len} exceeds the corpus' {n_tokens} tokens (a sample needs "
-            f"seq_len + 1 tokens); use data.seq_len <= {max(n_tokens - 1, 0)} "
-            f"or a larger data.source / data.max_bytes"
-        )
+        raise ConfigError(
+            "data.seq_len", seq_len,
+            f"exceeds the corpus' {'at most ' if at_most else ''}{n_tokens} training tokens (a"
+            f" sample needs seq_len + 1 tokens); use data.seq_len <= {max(n_tokens - 1, 0)}"
+            f" or a larger data.source / data.max_bytes")
+
+
+# A corpus this small is read and split to bound its training tokens before anything is written.
+SMALL_CORPUS_BYTES = 1 << 20
+_checked_sources: dict[tuple, None] = {}  # what check_source passed (the source's inode, mtime)
+
+
+def check_source(cfg: Any) -> None:
+    """Before anything is written: ``cfg.source`` (a ``DataConfig``'s) has a regular, non-empty,
+    readable text file and enough training text for one sample; ConfigError naming the field.
+
+    Cheap: the corpus is listed, not tokenized; only a small one (<= 1 MiB) is read, to bound its
+    training split's tokens by its UTF-8 bytes (exact for the byte tokenizer, an upper bound for
+    byte-level BPE). The stdlib corpus is not checked. ``prepare_data`` still refuses (before it
+    publishes a file) a split too short after tokenizing.
+    """
+    if str(cfg.source) == STDLIB_SOURCE:
+        return
+    where = os.path.abspath(os.path.expanduser(str(cfg.source)))
+    try:
+        info = os.stat(where)
+        identity = (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_size)
+    except OSError:
+        identity = None
+    key = (where, tuple(cfg.extensions), int(cfg.max_bytes),
+           float(cfg.val_fraction), int(cfg.seq_len), identity)
+    if key in _checked_sources:  # the planner resolves many layouts of one config
+        return
+    files = list_files(cfg.source, cfg.extensions, cfg.max_bytes)
+    first_text_file(cfg.source, files)
+    total = sum(f.size for f in files)
+    if total <= SMALL_CORPUS_BYTES:
+        train, _ = split_documents(read_documents(files), cfg.val_fraction)
+        bound = sum(len(d.text.encode("utf-8")) + 1 for d in train)  # + end-of-document
+    else:
+        bound = 3 * total + len(files)  # an undecodable byte becomes U+FFFD, 3 UTF-8 bytes
+    check_seq_len(int(cfg.seq_len), bound, at_most=True)
+    _checked_sources[key] = None
 
 
 def prepare_data(cfg: Any, out_dir: str | Path) -> DataFiles:
@@ -207,6 +252,8 @@ def prepare_data(cfg: Any, out_dir: str | Path) -> DataFiles:
 
     Reuses the files already there when their recipe (source, corpus fingerprint, split, tokenizer,
     seq_len) matches; otherwise rebuilds them atomically. Call once, before workers start.
+    Raises ``ConfigError`` naming ``data.source`` (no usable file) or ``data.seq_len`` (a training
+    split shorter than one sample), in the second case before any file is published.
     """
     out_dir = Path(out_dir)
     files = list_files(cfg.source, cfg.extensions, cfg.max_bytes)

@@ -301,6 +301,10 @@ def _free_bytes(path: Path) -> int | None:
     return None
 
 
+def _size(n: int) -> str:
+    return f"{n / _MiB:.1f} MiB" if n >= _MiB else f"{n / 1024:.1f} KiB"
+
+
 def _describe_write_error(err: BaseException, partial: Path, step: int, needed: int) -> str:
     """One line: where the save failed, why, and the bytes it needed against those free. torch's
     zip writer reports a full disk as ``unexpected pos A vs B``; OSError carries errno."""
@@ -312,8 +316,8 @@ def _describe_write_error(err: BaseException, partial: Path, step: int, needed: 
         if "unexpected pos" in reason or "file write failed" in reason:
             reason = f"a write was cut short ({reason}); the disk is probably full"
     free = _free_bytes(partial)
-    space = (f"; this rank needs about {needed / _MiB:.1f} MiB, {free / _MiB:.1f} MiB free on"
-             " that filesystem" if free is not None else "")
+    space = (f"; this rank needs about {_size(needed)}, {_size(free)} free on that filesystem"
+             if free is not None else "")
     return (f"cannot save checkpoint step {step} to {partial}: {reason}{space}; the previous"
             " checkpoint is left intact")
 
@@ -511,3 +515,23 @@ def latest_loadable(root: Path) -> tuple[Path | None, list[str]]:
         except CheckpointError as err:
             refused.append(str(err))
     return None, refused
+
+
+def resume_refusal(spec: str, root: Path) -> str | None:
+    """Why ``checkpoint.resume = spec`` cannot start (checked before any process starts), or
+    None. ``auto`` needs a complete and valid checkpoint under ``root`` (the run's
+    ``checkpoints`` folder); ``auto_or_fresh`` never refuses; a directory must verify."""
+    if spec in ("", "auto_or_fresh"):
+        return None
+    if spec == "auto":
+        found, refused = latest_loadable(root)
+        if found is not None:
+            return None
+        skipped = f"; skipped: {' | '.join(refused)}" if refused else ""
+        return (f"checkpoint.resume=auto: no complete and valid checkpoint under {root}"
+                f"{skipped}; pass --resume auto_or_fresh to start from step 0 instead")
+    try:
+        verify(Path(spec))
+    except CheckpointError as err:
+        return f"checkpoint.resume={spec}: {err}"
+    return None

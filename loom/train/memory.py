@@ -3,7 +3,9 @@
 ``estimate_memory(config)`` predicts the bytes each rank will hold for any layout (pp, dp_replicate,
 dp_shard with ZeRO stage 1/2/3, cp, tp with or without SP and vocabulary parallelism), compute dtype,
 recomputation policy and pipeline schedule, and reports the worst rank. ``loom estimate-memory``
-prints it; ``loom train`` refuses a layout whose estimate exceeds ``train.memory_limit_gb``.
+prints it; ``loom train`` refuses a layout whose estimate exceeds ``train.memory_limit_gb`` (by
+default the CUDA device's memory, or on CPU 90% of the host's available memory shared by its local
+ranks; ``train.skip_memory_check`` overrides).
 
 Model state (ZeRO §3, Rajbhandari et al. 2020; Ψ = the rank's parameters after TP and PP, d = the
 ``dp_shard`` degree times ``cp``: ZeRO shards over dp_shard x cp, whose ranks hold the same
@@ -401,11 +403,46 @@ def memory_instants(config: Config) -> list[MemoryEstimate]:
             for estimate in _rank_instants(config, rank, line)]
 
 
-def device_limit_bytes(config: Config) -> float:
-    """``train.memory_limit_gb`` in bytes, or the CUDA device's memory when it is 0 (0: none)."""
+HOST_MEMORY_SHARE = 0.9  # of the host's available memory, for a CPU device's ranks together
+
+
+def host_available_bytes() -> float:
+    """The host's available memory: ``MemAvailable`` of /proc/meminfo (Linux), else free pages
+    (``os.sysconf``); 0 when neither is known."""
+    import os
+
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError, AttributeError):
+        return 0.0
+
+
+def _on_cpu(device: str) -> bool:
+    if device == "cpu":
+        return True
+    if device != "auto":
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def device_limit_bytes(config: Config, local_ranks: int = 1) -> float:
+    """Bytes one rank may hold: ``train.memory_limit_gb``; when it is 0, the CUDA device's
+    memory, or on a CPU device 90% of the host's available memory split over the host's
+    ``local_ranks`` (they share it); 0: no limit known."""
     if config.train.memory_limit_gb > 0:
         return config.train.memory_limit_gb * GiB
     device = config.train.device
+    if _on_cpu(device):
+        return HOST_MEMORY_SHARE * host_available_bytes() / max(1, local_ranks)
     if device.startswith("cuda") or device == "auto":
         import torch
 
@@ -415,22 +452,41 @@ def device_limit_bytes(config: Config) -> float:
     return 0.0
 
 
-def check_memory_limit(config: Config) -> str | None:
-    """None when the estimate fits (or no limit is known, or the check is overridden); else the
-    refusal message naming the estimate and its largest component."""
-    limit = device_limit_bytes(config)
-    if limit <= 0 or config.train.ignore_memory_limit:
+def check_memory_limit(config: Config, local_ranks: int = 1) -> str | None:
+    """None when the estimate fits (or no limit is known, or ``train.skip_memory_check`` /
+    ``train.ignore_memory_limit`` is set); else the refusal, a ConfigError's message naming the
+    field, the estimate and its largest component. On a CPU device the ``local_ranks`` of this
+    host share its memory: the peak per rank x local_ranks is what must fit."""
+    from loom.config import ConfigError
+
+    tr = config.train
+    if tr.skip_memory_check or tr.ignore_memory_limit:
+        return None
+    limit = device_limit_bytes(config, local_ranks)
+    if limit <= 0:
         return None
     estimate = estimate_memory(config)
     if estimate.total <= limit:
         return None
     name, value = estimate.largest()
     notes = "".join(f" Note: {note}." for note in estimate.notes)
-    return (f"estimated peak memory {estimate.total / GiB:.2f} GiB per rank (pipeline rank"
-            f" {estimate.rank}) exceeds the limit {limit / GiB:.2f} GiB; largest component:"
-            f" {name} {value / GiB:.2f} GiB ({100 * value / estimate.total:.0f}%).{notes}"
-            f" Shard more (parallel.dp_shard, zero_stage), recompute (train.recompute) or pass"
-            f" --train.ignore_memory_limit=true")
+    if tr.memory_limit_gb > 0:
+        field, setting, against = ("train.memory_limit_gb", tr.memory_limit_gb,
+                                   f"the limit {limit / GiB:.2f} GiB")
+    elif _on_cpu(tr.device):
+        field, setting = "train.skip_memory_check", False
+        against = (f"the limit {limit / GiB:.2f} GiB ({HOST_MEMORY_SHARE:.0%} of the host's"
+                   f" {host_available_bytes() / GiB:.2f} GiB available memory, shared by"
+                   f" {max(1, local_ranks)} local rank(s))")
+    else:
+        field, setting, against = ("train.skip_memory_check", False,
+                                   f"the device's {limit / GiB:.2f} GiB")
+    return str(ConfigError(field, setting, (
+        f"estimated peak memory {estimate.total / GiB:.2f} GiB per rank (pipeline rank"
+        f" {estimate.rank}) exceeds {against}; largest component:"
+        f" {name} {value / GiB:.2f} GiB ({100 * value / estimate.total:.0f}%).{notes}"
+        f" Shard more (parallel.dp_shard, zero_stage), recompute (train.recompute) or pass"
+        f" --train.skip_memory_check=true")))
 
 __all__ = ["MemoryEstimate", "estimate_memory", "memory_instants", "layer_activation_bytes",
            "check_memory_limit", "block_activation_bytes", "head_activation_bytes",

@@ -49,6 +49,10 @@ from loom.train.optim import build_optimizer, build_scheduler
 from loom.train.post_validation import PendingMean, optimizer_step_for
 
 
+# checkpoint.resume values that pick the newest valid checkpoint of the run by themselves
+AUTO_RESUME = ("auto", "auto_or_fresh")
+
+
 def model_args(config: Config) -> TransformerArgs:
     """The model shape of a resolved config (drops the config-only fields)."""
     fields = {f.name for f in dataclasses.fields(TransformerArgs)}
@@ -217,11 +221,19 @@ class Trainer:
         loss and gradient norm are the same on every rank, so all ranks take the same decision:
         a non-finite step is never applied; with ``train.nonfinite = stop`` the run stops naming
         the step, with ``skip`` the step is counted and skipped (the batch and the LR schedule
-        still advance, as in Megatron). Synchronous, or post-validated (same result)."""
+        still advance, as in Megatron) until more than ``train.max_skipped_steps`` were: then
+        the run stops, naming the field. Synchronous, or post-validated (same result)."""
         lr = self.optimizer.param_groups[0]["lr"]
         outcome = self.optimizer_step(loss_sum, f"at step {self.step + 1} on rank {self.ctx.rank}")
         metrics = {"loss": outcome.loss, "grad_norm": outcome.grad_norm, "lr": lr}
         self.skipped_steps += not outcome.applied
+        cap = self.config.train.max_skipped_steps
+        if self.skipped_steps > cap:  # every rank counts the same steps: all stop together
+            raise FloatingPointError(
+                f"{self.skipped_steps} non-finite steps skipped, more than"
+                f" train.max_skipped_steps={cap} (the last at step {self.step + 1} on rank"
+                f" {self.ctx.rank}); the run stops: lower optim.lr, check the data, or raise"
+                f" train.max_skipped_steps")
         if self.skipped_steps:  # shown once there is something to show
             metrics["skipped_steps"] = self.skipped_steps
         self.scheduler.step()
@@ -388,11 +400,12 @@ class Trainer:
         self.loader.load_state_dict(extra["data"])
 
     def resume(self, spec: str, log=print) -> Path | None:
-        """``spec`` is ``auto`` (the newest checkpoint of this run that verifies; none: start
-        fresh) or a checkpoint directory. Refused checkpoints are logged, never loaded."""
+        """``spec`` is ``auto`` (the newest checkpoint of this run that is complete and valid;
+        none: refuse, naming the ones skipped), ``auto_or_fresh`` (the same, but none: start
+        from step 0) or a checkpoint directory. Refused checkpoints are logged, never loaded."""
         from loom.train import checkpoint
 
-        if spec != "auto":
+        if spec not in AUTO_RESUME:
             path = Path(spec)
         else:
             found: list[Any] = [None, []]
@@ -404,7 +417,12 @@ class Trainer:
             for reason in refused:
                 log(f"resume: skipping {reason}")
             if path is None:
-                log("resume: no complete checkpoint found; starting from step 0")
+                if spec == "auto":
+                    raise checkpoint.CheckpointError(
+                        f"checkpoint.resume=auto: no complete and valid checkpoint under"
+                        f" {self.run_dir / 'checkpoints'} ({len(refused)} refused); pass"
+                        " --resume auto_or_fresh to start from step 0 instead")
+                log("resume: no complete and valid checkpoint found; starting from step 0")
                 return None
         self.load_checkpoint(path)
         log(f"resume: continuing from {path} (step {self.step})")

@@ -1,6 +1,7 @@
 """A non-finite loss or gradient norm is caught on every rank before the optimizer step: the
-default policy stops naming the step; `skip` counts it and leaves the weights untouched; a
-checkpoint is never written with non-finite weights."""
+default policy stops naming the step; `skip` counts it and leaves the weights untouched, until more
+than `train.max_skipped_steps` were skipped; a checkpoint is never written with non-finite
+weights."""
 
 import math
 
@@ -37,6 +38,18 @@ def nan_gradient_at_first_step(ctx, config_table, data_dir, run_dir):
             "finite": all(torch.isfinite(p).all() for p in trainer.model.parameters())}
 
 
+def nan_gradient_at_every_step(ctx, config_table, data_dir, run_dir):
+    trainer = _trainer(ctx, config_table, data_dir, run_dir)
+    trainer.model.norm.weight.register_hook(lambda g: g * math.nan)
+    skipped = []
+    try:
+        for _ in range(trainer.config.train.steps):
+            skipped.append(trainer.train_step()["skipped_steps"])
+    except FloatingPointError as err:
+        return {"skipped": skipped, "stopped": str(err)}
+    return {"skipped": skipped, "stopped": None}
+
+
 def nan_weights_are_never_saved(ctx, config_table, data_dir, run_dir):
     from loom.train.checkpoint import CheckpointError
 
@@ -65,6 +78,15 @@ def test_skip_counts_the_step_and_applies_nothing(dist, small_data_dir, tmp_path
         assert math.isfinite(result["second"]["grad_norm"])
         assert result["second"]["skipped_steps"] == 1 and result["finite"]
     assert (tmp_path / "checkpoints" / "step_00000002" / "COMMITTED").is_file()
+
+
+def test_skip_stops_once_more_than_max_skipped_steps_were_skipped(dist, small_data_dir, tmp_path):
+    config = layout_config({**BASE, "train.nonfinite": "skip", "train.max_skipped_steps": 2}, 2,
+                           dp_replicate=2)
+    for result in dist.run(2, nan_gradient_at_every_step, config, small_data_dir, str(tmp_path)):
+        assert result["skipped"] == [1, 2]  # the cap is 2: the third skip stops the run
+        assert "3 non-finite steps skipped" in result["stopped"]
+        assert "train.max_skipped_steps=2" in result["stopped"]
 
 
 def test_a_checkpoint_with_non_finite_weights_is_refused(dist, small_data_dir, tmp_path):

@@ -77,11 +77,13 @@ REJECTED = [
     ({"data.val_fraction": "1.5"}, 1, "data.val_fraction", "data.val_fraction=1.5",
      ["must be in (0, 1)"]),
     ({"data.source": "/no/such/corpus"}, 1, "data.source", "data.source='/no/such/corpus'",
-     ["must be 'stdlib' or an existing text file or directory"]),
+     ["does not exist", "use 'stdlib' or an existing text file or directory"]),
     ({"data.tokenizer": "bpe", "data.bpe_vocab_size": "258"}, 1, "data.bpe_vocab_size",
      "data.bpe_vocab_size=258", ["must be >= 260"]),
     ({"train.backend": "mpi"}, 1, "train.backend", "train.backend='mpi'",
      ["must be one of auto, gloo, nccl"]),
+    ({"train.max_skipped_steps": "-1"}, 1, "train.max_skipped_steps",
+     "train.max_skipped_steps=-1", ["must be >= 0"]),
     ({"train.backend": "nccl", "train.device": "cpu"}, 1, "train.backend",
      "train.backend='nccl'", ["nccl needs a GPU device"]),
     ({"train.device": "tpu"}, 1, "train.device", "train.device='tpu'",
@@ -360,6 +362,8 @@ def test_tuple_field_from_comma_string_and_toml_array(tmp_path: Path) -> None:
 
 
 def test_existing_data_source_path_is_accepted(tmp_path: Path) -> None:
+    # trains on "hell" (validation gets "o") + end-of-document: one sample of seq_len 4
     (tmp_path / "corpus.txt").write_text("hello")
-    config = resolve(load_config(None, {"data.source": str(tmp_path / "corpus.txt")}), 1)
+    config = resolve(load_config(None, {"data.source": str(tmp_path / "corpus.txt"),
+                                        "data.seq_len": "4"}), 1)
     assert config.data.source == str(tmp_path / "corpus.txt")

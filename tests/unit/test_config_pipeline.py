@@ -97,6 +97,16 @@ def test_bad_pipeline_config_is_refused(overrides, world_size, field_name, field
         assert words in message, f"{words!r} not in {message!r}"
 
 
+def test_a_schedule_without_a_pipeline_is_refused() -> None:
+    for name in ("gpipe", "zbv", "search"):
+        with pytest.raises(ConfigError) as err:
+            resolve(load_config(None, {"parallel.schedule": name}), 1)
+        assert err.value.field_name == "parallel.schedule"
+        assert f"parallel.schedule={name!r}: needs parallel.pp > 1" in str(err.value)
+    with pytest.raises(ConfigError, match="unknown schedule"):  # a wrong name still comes first
+        resolve(load_config(None, {"parallel.schedule": "gpip"}), 1)
+
+
 @pytest.mark.parametrize("overrides, world_size", [
     (PP2, 2),
     ({**PP2, "parallel.schedule": "zbv"}, 2),
@@ -118,8 +128,10 @@ def test_bad_pipeline_config_is_refused(overrides, world_size, field_name, field
     ({**PP2, "parallel.schedule": "search", "parallel.schedule_placement": "looped",
       "parallel.schedule_costs": "0.9,1,0.6;1,1.2,0.7,0.02"}, 2),
     ({**PP2, "parallel.schedule": "search", "parallel.schedule_placement": "v"}, 2),
-    # With pp = 1 the schedule is not used, but its name is still checked; chunks are ignored.
-    ({"parallel.schedule": "gpipe", "parallel.chunks": "5"}, 1),
+    # With pp = 1 there is no schedule to run: the default family's chunks are ignored (another
+    # family is refused, test_a_schedule_without_a_pipeline_is_refused).
+    ({"parallel.chunks": "5"}, 1),
+    ({"parallel.schedule": "1F1B"}, 1),
 ])
 def test_valid_pipeline_configs_resolve(overrides, world_size) -> None:
     config = resolve(load_config(None, overrides), world_size)

@@ -90,7 +90,34 @@ def test_refusal_names_estimate_and_largest_component():
     assert "exceeds the limit" in message and "largest component: optimizer" in message
     assert check_memory_limit(config(1, **{"train.memory_limit_gb": "0.0001",
                                            "train.ignore_memory_limit": "true"})) is None
-    assert check_memory_limit(config(1)) is None  # CPU, no limit: no check
+    assert check_memory_limit(config(1)) is None  # CPU: fits the host's available memory
+
+
+def test_on_cpu_the_local_ranks_share_the_hosts_available_memory(monkeypatch):
+    """No train.memory_limit_gb on a CPU device: 90% of MemAvailable over the local ranks."""
+    from loom.train import memory
+
+    cpu = config(1, **{"train.device": "cpu"})
+    peak = estimate_memory(cpu).total
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 3.03 * peak / 0.9)
+    assert memory.device_limit_bytes(cpu, 2) == pytest.approx(1.515 * peak)
+    assert check_memory_limit(cpu, 3) is None  # 3 x the peak fits, 4 x does not
+    message = check_memory_limit(cpu, 4)
+    assert message.startswith("config error: train.skip_memory_check=False: estimated peak")
+    assert "shared by 4 local rank(s)" in message and "--train.skip_memory_check=true" in message
+    for flag in ("train.skip_memory_check", "train.ignore_memory_limit"):
+        assert check_memory_limit(config(1, **{"train.device": "cpu", flag: "true"}), 4) is None
+    # an explicit limit is per rank, whatever the host has
+    explicit = config(1, **{"train.device": "cpu", "train.memory_limit_gb": str(2 * peak / 2**30)})
+    assert check_memory_limit(explicit, 4) is None
+
+
+def test_host_available_bytes_reads_meminfo():
+    from loom.train.memory import host_available_bytes
+
+    with open("/proc/meminfo") as meminfo:
+        kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
+    assert host_available_bytes() == pytest.approx(kib * 1024, rel=0.5)
 
 
 def test_loom_train_refuses_before_launch(capsys, tmp_path):

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from loom.config import ConfigError
 from loom.data.corpus import Document, list_files, load_documents, split_documents, stdlib_root
 
 
@@ -84,7 +85,7 @@ def test_user_single_file_source(tmp_path: Path):
 
 def test_missing_source_names_the_config_field(tmp_path: Path):
     missing = tmp_path / "nowhere"
-    with pytest.raises(FileNotFoundError, match="data.source") as err:
+    with pytest.raises(ConfigError, match="data.source") as err:
         load_documents(missing)
     assert str(missing) in str(err.value)
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from loom.config import ConfigError
 from loom.data import loader as loader_mod
 from loom.data.loader import (
     DataFiles,
@@ -115,7 +116,7 @@ def test_loader_arguments_are_validated_with_the_rule(tmp_path: Path):
     short = PackedSequences(_token_file(tmp_path, 10), 8, "uint16")
     assert len(short) == 1
     too_short = PackedSequences(_token_file(tmp_path, 8), 8, "uint16")
-    with pytest.raises(ValueError, match=r"data.seq_len=8 exceeds the corpus' 8 tokens"):
+    with pytest.raises(ConfigError, match=r"data.seq_len=8: exceeds the corpus' 8 training tokens"):
         DistributedLoader(too_short, GlobalBatchSampler(1, 1), 0, 1)
 
 
@@ -177,10 +178,11 @@ def test_prepare_data_from_a_user_directory(tmp_path: Path):
 
 def test_prepare_data_rejects_a_seq_len_longer_than_the_corpus(tmp_path: Path):
     (tmp_path / "tiny.txt").write_text("tiny\n")
-    with pytest.raises(ValueError, match="data.seq_len=4096 exceeds"):
+    with pytest.raises(ConfigError, match="data.seq_len=4096: exceeds"):
         prepare_data(Cfg(source=str(tmp_path / "tiny.txt"), seq_len=4096), tmp_path / "run")
+    assert not any((tmp_path / "run").iterdir())  # refused before any file was published
 
 
 def test_missing_source_names_the_field(tmp_path: Path):
-    with pytest.raises(FileNotFoundError, match="data.source"):
+    with pytest.raises(ConfigError, match="data.source"):
         prepare_data(Cfg(source=str(tmp_path / "missing")), tmp_path / "run")
