@@ -395,6 +395,9 @@ def _validate_schedule(config: Config) -> None:
             raise ConfigError("parallel.schedule", par.schedule, "needs parallel.pp > 1 (with pp"
                               f" = 1 there is no pipeline to schedule); set parallel.pp or leave"
                               f" the default {default!r}")
+        if par.chunks:
+            raise ConfigError("parallel.chunks", par.chunks, "needs parallel.pp > 1 (stages per"
+                              " pipeline rank; with pp = 1 there is no pipeline); leave it 0")
         return
     micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
     how = (f"microbatches per pipeline m = global_batch_size / (dp * micro_batch_size) ="

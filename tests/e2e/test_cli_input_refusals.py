@@ -131,6 +131,7 @@ CASES = {  # name: (argv, substrings of the one stderr line)
     # a pipeline schedule without a pipeline
     "schedule-without-pp": (("--parallel.schedule=zbv",),
                             ("parallel.schedule='zbv'", "needs parallel.pp > 1")),
+    "chunks-without-pp": (("--parallel.chunks=2",), ("parallel.chunks=2", "needs parallel.pp > 1")),
 }
 
 

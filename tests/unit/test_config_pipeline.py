@@ -105,6 +105,8 @@ def test_a_schedule_without_a_pipeline_is_refused() -> None:
         assert f"parallel.schedule={name!r}: needs parallel.pp > 1" in str(err.value)
     with pytest.raises(ConfigError, match="unknown schedule"):  # a wrong name still comes first
         resolve(load_config(None, {"parallel.schedule": "gpip"}), 1)
+    with pytest.raises(ConfigError, match=r"parallel.chunks=5: needs parallel.pp > 1"):
+        resolve(load_config(None, {"parallel.chunks": "5"}), 1)
 
 
 @pytest.mark.parametrize("overrides, world_size", [
@@ -128,9 +130,8 @@ def test_a_schedule_without_a_pipeline_is_refused() -> None:
     ({**PP2, "parallel.schedule": "search", "parallel.schedule_placement": "looped",
       "parallel.schedule_costs": "0.9,1,0.6;1,1.2,0.7,0.02"}, 2),
     ({**PP2, "parallel.schedule": "search", "parallel.schedule_placement": "v"}, 2),
-    # With pp = 1 there is no schedule to run: the default family's chunks are ignored (another
-    # family is refused, test_a_schedule_without_a_pipeline_is_refused).
-    ({"parallel.chunks": "5"}, 1),
+    # With pp = 1 there is no schedule to run: only the default family, in any spelling (another
+    # family or a chunk count is refused, test_a_schedule_without_a_pipeline_is_refused).
     ({"parallel.schedule": "1F1B"}, 1),
 ])
 def test_valid_pipeline_configs_resolve(overrides, world_size) -> None:
