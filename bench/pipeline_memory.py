@@ -4,7 +4,7 @@ Four local ranks run Loom's runtime (same tiny model and split as ``bench/pipeli
 under 1F1B, ZB-H2 and ZB-V at p=4, m=8 with ``PipelineRecorder(track_memory=True)``: the bytes
 autograd saves for backward, counted once per storage, without parameters and buffers, live from
 the moment they are saved until autograd frees them. The second step is reported (the first warms
-up). The measured peak per rank is compared with ``loom.sim.simulate``'s peak memory converted to
+up). The measured peak per rank is compared with ``loom.schedule.simulate``'s peak memory converted to
 bytes two ways:
 
 * **issue units**: the simulator's default accounting (a rank's v stages weigh 1/v each, held
@@ -55,7 +55,7 @@ def measure(ctx, family: str, shape: Shape):
 
 def analyse(schedule, profiles) -> dict:
     from loom.pipeline.profile import calibrate, peak_saved_bytes
-    from loom.sim import simulate
+    from loom.schedule import simulate
 
     forward: dict[int, list[int]] = {}
     after_i: dict[int, list[float]] = {}

@@ -184,8 +184,8 @@ def analyse(family: str, m: int, results: list[dict], warmup: int, out: Path,
     """Calibrate the simulator from the recorded steps and compare with the measured times."""
     from loom.pipeline.profile import (calibrate, chrome_trace, measured_result, replay_shared,
                                        uncontended_work)
-    from loom.sim import simulate
-    from loom.sim.render import render_gantt
+    from loom.schedule import simulate
+    from loom.schedule.render import render_gantt
 
     schedule = results[0]["schedule"]
     profiles = [r["profile"] for r in results]

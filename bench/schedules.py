@@ -4,7 +4,7 @@ For every cell (p, m, cost profile, memory limit) this builds every schedule fam
 ``torch.distributed.pipelining`` 2.13 ships, from torch's own ``pipeline_order`` (computed by the
 schedule constructors on fake stages, no processes, as in
 ``tests/unit/pipeline/test_pipeline_torch_interop.py``), keeps those whose peak activation memory
-fits the limit, and simulates them with Loom's simulator; then it runs ``loom.pipeline.search``
+fits the limit, and simulates them with Loom's simulator; then it runs ``loom.schedule.search``
 with the same costs and limit and compares makespans. Both sides use the same cost convention:
 the profile gives a full stage's F, I, W; a chunk of a v-chunk placement gets 1/v of them.
 
@@ -31,12 +31,12 @@ import time
 import torch
 from torch.distributed.pipelining import schedules as ts
 
-from loom.pipeline import Action, Op, Schedule, ScheduleError, from_torch_rows, validate
-from loom.pipeline.search import placement_costs, search
-from loom.pipeline.search_eval import encode, peak_units
-from loom.sim.cost import StageCosts
-from loom.sim.render import render_gantt
-from loom.sim.simulate import SimResult, simulate
+from loom.schedule import Action, Op, Schedule, ScheduleError, from_torch_rows, validate
+from loom.schedule.search import placement_costs, search
+from loom.schedule.search_eval import encode, peak_units
+from loom.schedule.cost import StageCosts
+from loom.schedule.render import render_gantt
+from loom.schedule.simulate import SimResult, simulate
 
 torch.set_num_threads(1)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

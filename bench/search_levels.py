@@ -11,13 +11,13 @@ from the search at each L. The numbers behind docs/planner.md's "What the search
 
 from __future__ import annotations
 
-from loom.pipeline import schedules
-from loom.pipeline.search import placement_costs, search
-from loom.pipeline.validate import peak_memory
-from loom.sim.cost import StageCosts
+from loom.schedule import families as schedules
+from loom.schedule.search import placement_costs, search
+from loom.schedule.validate import peak_memory
+from loom.schedule.cost import StageCosts
 from loom.sim.cost_model import Layout
 from loom.sim.cost_pipeline import search_estimate
-from loom.sim.simulate import simulate
+from loom.schedule.simulate import simulate
 
 F, I, W, LATENCY = 1.0, 1.2, 0.8, 0.02
 FAMILIES = {"looped": ("1f1b", "zb_h1", "zb_h2"), "v": ("zbv", "v_half", "v_min")}

@@ -214,7 +214,7 @@ def _validate_zero_pipeline(config: Config) -> None:
     the backward into I and W keeps its stages gathered across the step (ZeRO-1/2 never
     reshard: their parameters stay whole)."""
     par = config.parallel
-    from loom.pipeline.schedules import schedule_for
+    from loom.schedule.families import schedule_for
 
     tr = config.train
     micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
@@ -352,8 +352,8 @@ def _validate_routes(config: Config, schedule, how: str) -> None:
 def _validate_schedule(config: Config) -> None:
     """The pipeline rules: a known schedule family, chunks it accepts, a layer per stage and a
     microbatch count m = global_batch_size / (dp * micro_batch_size) the family can schedule."""
-    from loom.pipeline.schedules import ChunksError, schedule_for  # config -> Schedule, one place
-    from loom.pipeline.schedules import (SEARCH, SEARCH_PLACEMENTS, parse_search_costs,
+    from loom.schedule.families import ChunksError, schedule_for  # config -> Schedule, one place
+    from loom.schedule.families import (SEARCH, SEARCH_PLACEMENTS, parse_search_costs,
                                          simulation_only, trainable)
 
     par, tr, m = config.parallel, config.train, config.model

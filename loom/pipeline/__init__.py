@@ -1,43 +1,8 @@
-"""Pipeline parallelism: the schedule IR, its validator and the schedule generators.
+"""Pipeline parallelism on torch: the stages, the runtime that executes a schedule, profiling.
 
-``ir`` holds the data (``Action``, ``Schedule``, placements, JSON and torch-CSV formats),
-``validate`` the rules and the in-order execution, ``schedules`` one generator per family.
+The schedules themselves (IR, validator, families, search, simulation) are data in the
+torch-free ``loom.schedule``; this package runs them: ``partition`` splits the layers over
+stages, ``stage`` builds a stage module, ``runtime`` executes a schedule's actions with
+point-to-point transfers, ``profile`` measures the real per-stage costs for the simulator, and
+``cli`` is ``loom schedule``.
 """
-
-from loom.pipeline.ir import (
-    Action,
-    Op,
-    Schedule,
-    explicit_placement,
-    from_torch_rows,
-    looped_placement,
-    v_placement,
-)
-from loom.pipeline.validate import (
-    Execution,
-    ScheduleError,
-    dependencies,
-    execute,
-    format_grid,
-    memory_profile,
-    peak_memory,
-    validate,
-)
-
-__all__ = [
-    "Action",
-    "Execution",
-    "Op",
-    "Schedule",
-    "ScheduleError",
-    "dependencies",
-    "execute",
-    "explicit_placement",
-    "format_grid",
-    "from_torch_rows",
-    "looped_placement",
-    "memory_profile",
-    "peak_memory",
-    "v_placement",
-    "validate",
-]

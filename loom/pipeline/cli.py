@@ -8,7 +8,7 @@ other ``loom`` commands.
 A schedule is named by its family (``1f1b``, ``zbv``, ... see ``list``) with ``--pp``,
 ``--microbatches`` and, for families that take it, ``--chunks``; or by a schedule file written by
 ``export`` (``.json``, or torch's ``.csv``). Costs are ``--costs F,I,W[,LATENCY]`` on every stage
-or ``--cost-file`` (JSON or CSV, see ``loom.sim.cost.StageCosts.from_file``). A bad argument
+or ``--cost-file`` (JSON or CSV, see ``loom.schedule.cost.StageCosts.from_file``). A bad argument
 prints one line naming it and exits with code 2.
 """
 
@@ -21,10 +21,10 @@ import os
 import sys
 from typing import Any, NoReturn
 
-from loom.pipeline.ir import Schedule, csv_text
-from loom.pipeline.schedules import get, names, routed, simulation_only
-from loom.pipeline.search import DEFAULT_EFFORT, PLACEMENTS
-from loom.pipeline.validate import ScheduleError, format_grid, validate
+from loom.schedule.ir import Schedule, csv_text
+from loom.schedule.families import get, names, routed, simulation_only
+from loom.schedule.search import DEFAULT_EFFORT, PLACEMENTS
+from loom.schedule.validate import ScheduleError, format_grid, validate
 
 EXIT_USAGE = 2
 
@@ -191,11 +191,11 @@ def _show(args: argparse.Namespace) -> int:
         return 0
     path = args.output
     if path.lower().endswith(".json"):
-        from loom.sim.render import write_chrome_trace
+        from loom.schedule.render import write_chrome_trace
 
         write_chrome_trace(result, path)
     else:
-        from loom.sim.render import render_gantt
+        from loom.schedule.render import render_gantt
 
         try:
             render_gantt(schedule, result, path)
@@ -249,7 +249,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 @_run
 def _search(args: argparse.Namespace) -> int:
-    from loom.pipeline.search import SearchError, search
+    from loom.schedule.search import SearchError, search
 
     microbatches = args.microbatches or 2 * args.pp
     costs = _costs(args)
@@ -337,7 +337,7 @@ def _load_file(args: argparse.Namespace) -> Schedule:
 
 
 def _costs(args: argparse.Namespace) -> Any:
-    from loom.sim.cost import StageCosts, parse_cost_spec
+    from loom.schedule.cost import StageCosts, parse_cost_spec
 
     if args.cost_file:
         try:
@@ -352,7 +352,7 @@ def _costs(args: argparse.Namespace) -> Any:
 
 def _simulated(args: argparse.Namespace, schedule: Schedule) -> Any:
     """Simulate with the given costs, then enforce --memory-limit on the simulated peaks."""
-    from loom.sim.simulate import simulate
+    from loom.schedule.simulate import simulate
 
     costs = _costs(args)
     try:

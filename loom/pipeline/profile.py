@@ -35,11 +35,11 @@ from typing import Any
 
 import torch
 
-from loom.pipeline.ir import Action, Op, Schedule
-from loom.pipeline.validate import dependencies
-from loom.sim.cost import OpCosts, StageCosts
-from loom.sim.render import chunk_of, rank_metadata, to_chrome_trace, trace_event
-from loom.sim.simulate import SimResult, Slot
+from loom.schedule.ir import Action, Op, Schedule
+from loom.schedule.validate import dependencies
+from loom.schedule.cost import OpCosts, StageCosts
+from loom.schedule.render import chunk_of, rank_metadata, to_chrome_trace, trace_event
+from loom.schedule.simulate import SimResult, Slot
 
 
 @dataclass
@@ -265,7 +265,7 @@ def chrome_trace(schedule: Schedule, profiles: Sequence[RankProfile], step: int,
 
 
 # ------------------------------------------------------------------------------------------------
-# Ranks that share cores: what ``loom.sim.simulate`` does not model
+# Ranks that share cores: what ``loom.schedule.simulate`` does not model
 
 
 def uncontended_work(profiles: Sequence[RankProfile], step: int, cores: float) -> dict[Action, float]:

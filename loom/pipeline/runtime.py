@@ -17,7 +17,7 @@ transfer and reduction below goes through ``loom.parallel.comm`` with the traine
 * Receives are posted ``recv_lookahead`` actions ahead of their use into preallocated buffers
   (shapes are known in advance), so they overlap the compute before it; every send is
   asynchronous and only waited for at the end of the step, so no ordering of sends and receives
-  can deadlock a schedule that ``loom.pipeline.validate`` accepts.
+  can deadlock a schedule that ``loom.schedule.validate`` accepts.
 * Tags: the transfer into stage ``s`` for microbatch ``m`` in direction ``d`` (0 activation, 1
   gradient) uses tag ``(s·M + m)·2 + d``. Every transfer of a step has its own tag, so matching
   by (source, tag) cannot pair the wrong messages whatever order the ranks post them in.
@@ -70,12 +70,12 @@ from torch import nn
 from loom.parallel import comm
 from loom.parallel.comm import CommLedger
 from loom.parallel.data import GradientReducer, gradient_reducer, reshard
-from loom.pipeline import schedules
-from loom.pipeline.ir import Action, Op, Schedule
-from loom.pipeline.schedules import ChunksError, schedule_for  # noqa: F401  (re-exported)
+from loom.schedule import families as schedules
+from loom.schedule.ir import Action, Op, Schedule
+from loom.schedule.families import ChunksError, schedule_for  # noqa: F401  (re-exported)
 from loom.pipeline.partition import partition_model
 from loom.pipeline.stage import LossFn, PipelineStage, build_stages
-from loom.pipeline.validate import validate
+from loom.schedule.validate import validate
 
 if TYPE_CHECKING:
     from loom.pipeline.profile import PipelineRecorder

@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from loom.models import Transformer, TransformerArgs, build_model, reset_parameters
-from loom.pipeline.ir import Schedule
+from loom.schedule.ir import Schedule
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -7,7 +7,7 @@ Three passes, each cheaper per layout than the next:
    the memory budget are dropped; of a group that differs only in recomputation the first that
    fits is kept (more recomputation is never faster).
 2. **Simulate** the best ``finalists`` with Loom's own schedule generator and event simulator
-   (``loom.sim.simulate``) on the per-stage F / I / W costs, so the ranking rests on the schedule
+   (``loom.schedule.simulate``) on the per-stage F / I / W costs, so the ranking rests on the schedule
    the runtime would execute. Long pipelines are simulated for ``2p`` and ``3p`` microbatches and
    extended linearly: past the warm-up every family settles into a steady state that adds the
    same time per microbatch (the busiest rank's work, or more for V-Half and V-Min, whose
@@ -62,7 +62,7 @@ def simulate_step(model: CostModel, cost: StepCost, *, max_simulated: int | None
     lay = cost.layout
     if lay.pp == 1 or cost.stage_costs is None:
         return replace(cost, simulated=True)
-    from loom.pipeline import schedules
+    from loom.schedule import families as schedules
 
     p, m = lay.pp, lay.microbatches
     first = min(m, max_simulated or 2 * p)
@@ -94,7 +94,7 @@ def _replay(schedule: Any, stage_costs: Any, cores: float) -> float:
 
         work = {a: float(stage_costs.duration(a)) for row in schedule.actions for a in row}
         return replay_shared(schedule, work, float(stage_costs.latency), cores)
-    from loom.sim.simulate import simulate
+    from loom.schedule.simulate import simulate
 
     return float(simulate(schedule, stage_costs, memory=False).makespan)
 
@@ -105,8 +105,8 @@ def _simulate_searched(model: CostModel, cost: StepCost, stage_costs: Any,
     call, limit, relative costs and placement, so the same deterministic answer) replayed on the
     real per-stage costs, over all its microbatches (a searched schedule has no fixed steady
     state to extend); its activations at the peak the schedule reaches, not at the limit."""
-    from loom.pipeline.schedules import SEARCH, schedule_for
-    from loom.pipeline.validate import peak_memory
+    from loom.schedule.families import SEARCH, schedule_for
+    from loom.schedule.validate import peak_memory
 
     lay = cost.layout
     if not lay.schedule_costs:  # what ``plan`` fills in from the cost model

@@ -1,11 +1,6 @@
-"""Offline pipeline simulation: replay any schedule with per-stage costs, without accelerators.
+"""The planner's cost model: a layout's step time and memory on a cluster, without accelerators.
 
-``cost`` holds the pipeline costs (``StageCosts``), ``simulate`` the replay (``simulate`` ->
-``SimResult``: timeline, makespan, bubbles, memory over time), ``render`` the Gantt chart and the
-Chrome / Perfetto trace (imported lazily: it needs matplotlib only when drawing).
+``layout`` is the planner's layout record, ``cost_model`` prices compute and communication,
+``cost_pipeline`` the pipeline's part, ``cost_memory`` the memory per rank. The schedule replay
+itself lives in the torch-free ``loom.schedule`` (``simulate``).
 """
-
-from loom.sim.cost import OpCosts, StageCosts, parse_cost_spec
-from loom.sim.simulate import SimResult, Slot, simulate
-
-__all__ = ["OpCosts", "SimResult", "Slot", "StageCosts", "parse_cost_spec", "simulate"]

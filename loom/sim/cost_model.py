@@ -1,7 +1,7 @@
 """The planner's cost model: time, memory and FLOPs of one training step under a layout.
 
 ``CostModel(model, seq_len, global_batch, cluster).evaluate(layout)`` prices one step of Loom's
-runtime on a cluster: per-stage F / I / W durations (``StageCosts``, what ``loom.sim.simulate``
+runtime on a cluster: per-stage F / I / W durations (``StageCosts``, what ``loom.schedule.simulate``
 replays, so the pipeline part of the step is the simulator's, not a formula's), the exposed
 communication around it, the optimizer step, and the bytes every rank holds. It lives beside
 ``cost.py`` (the simulator's cost container) so that the planner and the simulator share one
@@ -56,7 +56,7 @@ for the wrappers a layout uses: ``wrappers``).
 Memory is ``loom.train.memory``'s formulas (the estimator ``loom estimate-memory`` uses, measured
 to within 2% on this machine): ZeRO model state, per-block activations by tp / SP / cp /
 recomputation, the head's, and the schedule's peak microbatches in flight (``PEAK_IN_FLIGHT``,
-closed forms checked against ``loom.pipeline.validate.peak_memory`` in the tests).
+closed forms checked against ``loom.schedule.validate.peak_memory`` in the tests).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loom.models.llama import TransformerArgs
-from loom.sim.cost import OpCosts, StageCosts
+from loom.schedule.cost import OpCosts, StageCosts
 from loom.sim.cost_memory import layout_memory
 from loom.sim.cost_pipeline import pipeline_estimate
 from loom.sim.layout import (PEAK_IN_FLIGHT, Layout, all_to_all_time,  # noqa: F401

@@ -1,7 +1,7 @@
 """Closed-form estimates of a pipeline's forward/backward time, for the planner's screening.
 
 The planner prices hundreds of thousands of layouts; only its finalists are simulated (with
-Loom's own schedules, or the schedule search's output, replayed by ``loom.sim.simulate``). This
+Loom's own schedules, or the schedule search's output, replayed by ``loom.schedule.simulate``). This
 module is the cheap part before that: the busiest rank's work per microbatch times m, plus the
 family's warm-up and cool-down as (p - 1) rank passes scaled by its published bubble
 (REFERENCE.md §1.1, §5.2), plus the stage-boundary hops. Also the relative per-rank costs a

@@ -104,7 +104,7 @@ def wrappers(lay: Layout) -> tuple[str, ...]:
 
 # Peak microbatches in flight on the worst rank, in units of one rank's microbatch (a chunk of v
 # weighs 1/v), for m >= p (dualpipev: m >= 2p); the validator's accounting. Checked against
-# ``loom.pipeline.validate.peak_memory`` in tests/unit/plan/test_cost_model.py.
+# ``loom.schedule.validate.peak_memory`` in tests/unit/plan/test_cost_model.py.
 PEAK_IN_FLIGHT = {
     "gpipe": lambda p, m, v: m,
     "looped_bfs": lambda p, m, v: m,

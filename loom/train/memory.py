@@ -67,7 +67,7 @@ element, f = FFN width, a = query heads, k = key/value heads; s is the cp shard)
 * the ends: the head's input and the final norm ``3x·e + 4sb``, the fp32 log-softmax of the
   logits ``4sbV/t`` (vocab parallel) and the logits themselves;
 * in flight: 1 microbatch without a pipeline; the schedule's peak in units of one rank's
-  microbatch (``pipeline.validate.peak_memory``) with one.
+  microbatch (``schedule.validate.peak_memory``) with one.
 """
 
 from __future__ import annotations
@@ -176,10 +176,10 @@ def _timelines(config: Config) -> list[_Timeline]:
         n = max(1, micro)
         return [_Timeline(layers, True, True, [_Stage(psi, 0, 1, 2 * n - 1)],
                           [1.0] * (2 * n), [1.0, 0.0] * n)]
-    from loom.pipeline.ir import Op
+    from loom.schedule.ir import Op
     from loom.pipeline.partition import partition_model
-    from loom.pipeline.schedules import schedule_for
-    from loom.pipeline.validate import memory_profile
+    from loom.schedule.families import schedule_for
+    from loom.schedule.validate import memory_profile
 
     schedule = schedule_for(par.schedule, par.pp, micro, par.chunks,
                             memory_limit=par.schedule_memory_limit, costs=par.schedule_costs,

@@ -12,12 +12,12 @@ import pytest
 from loom.config import ConfigError, load_config, resolve
 from loom.models import PRESETS
 from loom.pipeline.cli import main
-from loom.pipeline.ir import Action, Op, Schedule, csv_text
-from loom.pipeline.schedules import get, names, routed, simulation_only, trainable
-from loom.pipeline.schedules.bidirectional import bidirectional_placement
-from loom.pipeline.validate import ScheduleError, dependencies, peak_memory, validate
-from loom.sim.cost import StageCosts
-from loom.sim.simulate import simulate
+from loom.schedule.ir import Action, Op, Schedule, csv_text
+from loom.schedule.families import get, names, routed, simulation_only, trainable
+from loom.schedule.families.bidirectional import bidirectional_placement
+from loom.schedule.validate import ScheduleError, dependencies, peak_memory, validate
+from loom.schedule.cost import StageCosts
+from loom.schedule.simulate import simulate
 
 CASES = [(p, m) for p in (2, 3, 4, 8) for m in (1, 2, 5, 2 * p, 4 * p)]
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from loom.pipeline import Action, Op, Schedule, ScheduleError, from_torch_rows, validate
-from loom.pipeline.schedules import get, names
+from loom.schedule import Action, Op, Schedule, ScheduleError, from_torch_rows, validate
+from loom.schedule.families import get, names
 
 torch.set_num_threads(1)
 

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from loom.pipeline.runtime import forward_only, incoming, outgoing, schedule_for
-from loom.pipeline.schedules import names
+from loom.schedule.families import names
 
 SIZES = [(2, 2), (2, 5), (3, 7), (4, 4), (4, 9)]
 

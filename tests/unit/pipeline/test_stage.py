@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from loom.models import TransformerArgs
-from loom.pipeline.ir import Schedule
-from loom.pipeline.schedules import get
+from loom.schedule.ir import Schedule
+from loom.schedule.families import get
 from loom.pipeline.stage import build_stages
 from loom.train.trainer import cross_entropy
 

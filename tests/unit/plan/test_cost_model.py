@@ -11,8 +11,8 @@ import pytest
 from loom.config import load_config, resolve
 from loom.models.llama import TransformerArgs
 from loom.models.presets import PRESETS, parameter_count
-from loom.pipeline import schedules
-from loom.pipeline.validate import peak_memory
+from loom.schedule import families as schedules
+from loom.schedule.validate import peak_memory
 from loom.plan.hardware import GB, Cluster, Gpu, Link, make_cluster
 from loom.plan.space import SCHEDULES
 from loom.sim.cost_model import (PEAK_IN_FLIGHT, CostModel, Layout, all_to_all_time,

@@ -10,14 +10,14 @@ import pytest
 from loom.cli import main
 from loom.config import load_config, resolve
 from loom.models.presets import PRESETS
-from loom.pipeline import schedules
+from loom.schedule import families as schedules
 from loom.plan.hardware import make_cluster
 from loom.plan.search import plan, runnable, simulate_step, to_config
 from loom.plan.space import SCHEDULES, Workload, layouts
 from loom.sim.cost_model import CostModel, Layout
-from loom.pipeline.validate import peak_memory
+from loom.schedule.validate import peak_memory
 from loom.sim.cost_memory import search_units_left
-from loom.sim.simulate import simulate
+from loom.schedule.simulate import simulate
 
 WORK = Workload("llama3-8b", PRESETS["llama3-8b"], 4096, 64)
 

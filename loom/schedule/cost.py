@@ -1,0 +1,271 @@
+"""Pipeline costs for the simulator: per-stage op durations, send times and activation memory.
+
+``StageCosts`` is what ``loom.schedule.simulate`` needs to replay a schedule: how long F, I, W and B
+of every (global) stage take, how long a point-to-point send between two ranks takes, and how
+much activation memory a (stage, microbatch) holds between its forward and its backward.
+
+Units. Durations are plain numbers in one time unit of your choice (seconds by convention: the
+planner and measured runs use seconds, and ``render.to_chrome_trace`` assumes them unless told
+otherwise). Pass ints or ``fractions.Fraction`` to get exact results, which the closed-form tests
+rely on. Memory is in the issue's units: one full pipeline rank's activations for one microbatch
+is 1, so a stage on a rank that owns v stages weighs 1/v (the same accounting as
+``loom.schedule.validate.memory_profile``).
+
+Scope. This file is the *pipeline* part of the cost model. The planner's ``CostModel`` (compute
+from FLOPs and device peak, communication from bytes and links, memory from the model formulas of
+REFERENCE.md) is a separate, later piece; it is meant to produce a ``StageCosts`` for a layout,
+e.g. ``CostModel.stage_costs(layout) -> StageCosts``, and may live next to it in this file.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from numbers import Rational, Real
+from typing import Any
+
+from loom.schedule.ir import Action, Op, Schedule
+
+Number = Real  # int, float or Fraction; arithmetic keeps whatever exactness the inputs have
+
+
+@dataclass(frozen=True)
+class OpCosts:
+    """Durations of one stage's ops. ``b`` (full backward) defaults to ``i + w``."""
+
+    f: Number
+    i: Number
+    w: Number
+    b: Number | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("f", "i", "w", "b"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"op cost {name.upper()} must be >= 0, got {value}")
+
+    def of(self, op: Op) -> Number:
+        if op is Op.F:
+            return self.f
+        if op is Op.I:
+            return self.i
+        if op is Op.W:
+            return self.w
+        return self.i + self.w if self.b is None else self.b
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per-stage op durations, send time and activation memory for ``simulate``.
+
+    ``stages`` holds one ``OpCosts`` per global stage index, or a single entry that applies to
+    every stage (what ``uniform`` builds). A send between two ranks takes ``latency`` plus
+    ``message_bytes / bandwidth`` when a bandwidth is given; the same activation-sized message
+    goes forward (F to F) and back (input gradient to I/B). Sends on the same rank cost nothing.
+
+    ``activation[stage]`` is the memory a (stage, microbatch) holds from the start of its F;
+    ``None`` means the issue's units (1/v for a stage on a rank with v stages). With a split
+    backward, ``weight_grad_fraction`` of it is still held after I until W ends (Zero Bubble's
+    M_W / M_B); the rest is freed when I ends. The default 1 holds everything until W, which is
+    the issue's (and the validator's) accounting.
+    """
+
+    stages: tuple[OpCosts, ...]
+    latency: Number = 0
+    bandwidth: Number | None = None
+    message_bytes: Number = 0
+    activation: tuple[Number, ...] | None = None
+    weight_grad_fraction: Number = 1
+    # Where the numbers came from (a file path, "uniform", ...), shown by the CLI and in JSON.
+    source: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", tuple(self.stages))
+        if not self.stages:
+            raise ValueError("StageCosts needs at least one stage's op costs")
+        if self.activation is not None:
+            object.__setattr__(self, "activation", tuple(self.activation))
+        if self.latency < 0:
+            raise ValueError(f"latency must be >= 0, got {self.latency}")
+        if self.bandwidth is not None and self.bandwidth <= 0:
+            raise ValueError(f"bandwidth must be > 0 (or None), got {self.bandwidth}")
+        if not 0 <= self.weight_grad_fraction <= 1:
+            raise ValueError(
+                f"weight_grad_fraction must be in [0, 1], got {self.weight_grad_fraction}"
+            )
+
+    # -- constructors ---------------------------------------------------------------------------
+
+    @classmethod
+    def uniform(
+        cls, f: Number, i: Number, w: Number, latency: Number = 0, *, b: Number | None = None,
+        **options: Any,
+    ) -> StageCosts:
+        """The same F, I, W (and B = I + W unless given) on every stage."""
+        return cls(stages=(OpCosts(f, i, w, b),), latency=latency, source="uniform", **options)
+
+    @classmethod
+    def per_stage(
+        cls,
+        f: Sequence[Number],
+        i: Sequence[Number],
+        w: Sequence[Number],
+        b: Sequence[Number | None] | None = None,
+        latency: Number = 0,
+        **options: Any,
+    ) -> StageCosts:
+        """One F, I, W (and optionally B) per global stage index."""
+        if not len(f) == len(i) == len(w) == len(b if b is not None else f):
+            raise ValueError("per_stage: f, i, w (and b) need one entry per stage")
+        backwards = b if b is not None else [None] * len(f)
+        stages = tuple(OpCosts(*costs) for costs in zip(f, i, w, backwards))
+        return cls(stages=stages, latency=latency, source="per_stage", **options)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StageCosts:
+        """``{"stages": [{"F": 1, "I": 1, "W": 1, "B": 2?}, ...], "latency": 0, ...}``."""
+        stages = tuple(_op_costs(row, where=f"stages[{n}]") for n, row in enumerate(data["stages"]))
+        options: dict[str, Any] = {}
+        for key in _OPTIONS:
+            value = data.get(key)
+            if value is None:
+                continue
+            if key == "activation":
+                options[key] = tuple(_number(v, f"activation[{n}]") for n, v in enumerate(value))
+            else:
+                options[key] = _number(value, key)
+        return cls(stages=stages, source=str(data.get("source", "")), **options)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, **overrides: Any) -> StageCosts:
+        """Read per-stage costs from JSON (``from_dict``'s shape) or CSV.
+
+        The CSV has a header with columns ``F``, ``I``, ``W`` and optionally ``B``, ``stage``
+        (ignored; rows are stages in order) and ``activation``. ``overrides`` (e.g.
+        ``latency=0.1``) replace what the file says.
+        """
+        path = os.fspath(path)
+        if path.endswith(".json"):
+            with open(path) as handle:
+                data = json.load(handle)
+        else:
+            with open(path, newline="") as handle:
+                rows = list(csv.DictReader(handle))
+            data = {"stages": rows}
+            if rows and rows[0].get("activation") not in (None, ""):
+                data["activation"] = [_number(row["activation"], "activation") for row in rows]
+        data = {**data, **overrides, "source": path}
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON data (numbers as floats), readable by ``from_dict``."""
+        stages = []
+        for costs in self.stages:
+            row = {"F": float(costs.f), "I": float(costs.i), "W": float(costs.w)}
+            if costs.b is not None:
+                row["B"] = float(costs.b)
+            stages.append(row)
+        data: dict[str, Any] = {"stages": stages, "source": self.source}
+        for key in _OPTIONS:
+            value = getattr(self, key)
+            if value is not None:
+                data[key] = [float(v) for v in value] if key == "activation" else float(value)
+        return data
+
+    # -- what the simulator asks ----------------------------------------------------------------
+
+    def check(self, schedule: Schedule) -> None:
+        """Raise ValueError unless these costs cover every stage of ``schedule``."""
+        n = schedule.num_stages
+        if len(self.stages) not in (1, n):
+            raise ValueError(f"costs give {len(self.stages)} stages, the schedule has {n}")
+        if self.activation is not None and len(self.activation) != n:
+            raise ValueError(f"activation gives {len(self.activation)} stages, schedule has {n}")
+
+    def op_costs(self, stage: int) -> OpCosts:
+        return self.stages[0] if len(self.stages) == 1 else self.stages[stage]
+
+    def duration(self, action: Action) -> Number:
+        """How long ``action`` keeps its rank busy."""
+        return self.op_costs(action.stage).of(action.op)
+
+    def send_time(self, schedule: Schedule, producer: Action, consumer: Action) -> Number:
+        """Delay between ``producer`` finishing and ``consumer`` being able to use its output."""
+        if schedule.rank_of(producer.stage) == schedule.rank_of(consumer.stage):
+            return 0
+        if self.bandwidth is None:
+            return self.latency
+        return self.latency + _divide(self.message_bytes, self.bandwidth)
+
+    def activation_weight(self, schedule: Schedule, stage: int) -> Number:
+        """Memory held by one microbatch of ``stage`` (default 1/v of a full rank's, v the
+        rank's stages on that stage's route: ``Schedule.stage_weight``)."""
+        if self.activation is not None:
+            return self.activation[stage]
+        return schedule.stage_weight(stage)
+
+    def describe(self) -> str:
+        """Short human form, e.g. ``F=1 I=1 W=1 latency=0`` (per-stage costs: the source)."""
+        if len(self.stages) == 1:
+            c = self.stages[0]
+            text = f"F={_fmt(c.f)} I={_fmt(c.i)} W={_fmt(c.w)}"
+            text += "" if c.b is None else f" B={_fmt(c.b)}"
+        else:
+            text = f"{len(self.stages)} per-stage costs from {self.source or 'a list'}"
+        text += f" latency={_fmt(self.latency)}"
+        if self.bandwidth is not None:
+            text += f" bytes={_fmt(self.message_bytes)} bandwidth={_fmt(self.bandwidth)}"
+        return text
+
+
+_OPTIONS = ("latency", "bandwidth", "message_bytes", "activation", "weight_grad_fraction")
+
+
+def _divide(a: Number, b: Number) -> Number:
+    """``a / b``, exact when both are ints or Fractions (``/`` on two ints gives a float)."""
+    if isinstance(a, Rational) and isinstance(b, Rational):
+        result = Fraction(a) / Fraction(b)
+        return int(result) if result.denominator == 1 else result
+    return a / b
+
+
+def _fmt(value: Number) -> str:
+    return f"{float(value):g}"
+
+
+def _number(text: Any, where: str) -> Number:
+    """Parse a number, keeping decimals exact (``"0.1"`` becomes 1/10, not a float)."""
+    if isinstance(text, (int, float, Fraction)):
+        return text
+    try:
+        value = Fraction(str(text).strip())
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"{where}: expected a number, got {text!r}") from None
+    return int(value) if value.denominator == 1 else value
+
+
+def _op_costs(row: Mapping[str, Any], where: str) -> OpCosts:
+    upper = {str(k).strip().upper(): v for k, v in row.items()}
+    missing = [op for op in "FIW" if upper.get(op) in (None, "")]
+    if missing:
+        raise ValueError(f"{where}: missing op cost(s) {', '.join(missing)}")
+    b = upper.get("B")
+    return OpCosts(
+        _number(upper["F"], f"{where}.F"),
+        _number(upper["I"], f"{where}.I"),
+        _number(upper["W"], f"{where}.W"),
+        None if b in (None, "") else _number(b, f"{where}.B"),
+    )
+
+
+def parse_cost_spec(text: str) -> StageCosts:
+    """``"F,I,W"`` or ``"F,I,W,LATENCY"`` (the CLI's ``--costs``) as uniform costs."""
+    parts = [part for part in text.split(",")]
+    if len(parts) not in (3, 4):
+        raise ValueError(f"expected F,I,W or F,I,W,LATENCY, got {text!r}")
+    numbers = [_number(part, name) for part, name in zip(parts, ("F", "I", "W", "LATENCY"))]
+    return StageCosts.uniform(*numbers)

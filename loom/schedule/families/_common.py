@@ -1,0 +1,100 @@
+"""Building blocks shared by the schedule generators (not part of the public API)."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Sequence
+
+from loom.schedule.ir import Action, Op, Schedule
+
+# A unit of work for the generators: (stage, microbatch).
+Work = tuple[int, int]
+
+
+def check_sizes(family: str, pp_size: int, microbatches: int, min_microbatches: int = 1) -> None:
+    """Reject impossible sizes with the family's own rule in the message."""
+    if pp_size < 1:
+        raise ValueError(f"{family}: pp_size must be >= 1, got {pp_size}")
+    if microbatches < min_microbatches:
+        raise ValueError(
+            f"{family}: needs microbatches >= {min_microbatches} for pp_size={pp_size}, "
+            f"got {microbatches} (nearest valid: {min_microbatches})"
+        )
+
+
+def make_schedule(
+    name: str, placement: Sequence[int], microbatches: int, rows: Sequence[Sequence[Action]]
+) -> Schedule:
+    return Schedule(
+        num_stages=len(placement),
+        num_microbatches=microbatches,
+        placement=tuple(placement),
+        actions=tuple(tuple(row) for row in rows),
+        name=name,
+    )
+
+
+def one_forward_one_backward(
+    forwards: Sequence[Work],
+    backwards: Sequence[Work],
+    warmup: int,
+    split_backward: bool = False,
+    weight_delay: int = 0,
+) -> list[Action]:
+    """One rank's 1F1B-shaped list: ``warmup`` forwards, then F,B pairs, then the last B's.
+
+    With ``split_backward`` each backward is an I, and its W is emitted once ``weight_delay``
+    later I's have been emitted (the zero-bubble trick: deferred W's fill bubbles); the
+    remaining W's close the list.
+    """
+    backward_op = Op.I if split_backward else Op.B
+    actions = [Action(stage, Op.F, mb) for stage, mb in forwards[:warmup]]
+    next_forward = warmup
+    deferred: deque[Work] = deque()
+    for stage, mb in backwards:
+        if next_forward < len(forwards):
+            actions.append(Action(*_at(forwards[next_forward], Op.F)))
+            next_forward += 1
+        actions.append(Action(stage, backward_op, mb))
+        if split_backward:
+            deferred.append((stage, mb))
+            if len(deferred) > weight_delay:
+                actions.append(Action(*_at(deferred.popleft(), Op.W)))
+    actions.extend(Action(*_at(work, Op.W)) for work in deferred)
+    return actions
+
+
+def _at(work: Work, op: Op) -> tuple[int, Op, int]:
+    stage, mb = work
+    return stage, op, mb
+
+
+def microbatch_groups(microbatches: int, group_size: int) -> list[range]:
+    """Split ``0..m-1`` into consecutive groups of at least ``group_size`` (when m allows).
+
+    There are ``max(1, m // group_size)`` groups; the remainder ``m % group_size`` is spread one
+    microbatch each over the first groups, so sizes differ by at most one and the larger groups
+    come first. When ``m`` is a multiple of the group count this is exactly torch's
+    ``microbatches_per_round`` rounds.
+    """
+    rounds = max(1, microbatches // group_size)
+    base, extra = divmod(microbatches, rounds)
+    groups, start = [], 0
+    for index in range(rounds):
+        size = base + (1 if index < extra else 0)
+        groups.append(range(start, start + size))
+        start += size
+    return groups
+
+
+class RankWriter:
+    """Appends one rank's actions for its local chunks, numbering microbatches per (chunk, op)."""
+
+    def __init__(self, stages: tuple[int, int]):
+        self.stages = stages
+        self.actions: list[Action] = []
+        self.count: Counter[tuple[int, Op]] = Counter()
+
+    def add(self, chunk: int, op: Op) -> None:
+        self.actions.append(Action(self.stages[chunk], op, self.count[chunk, op]))
+        self.count[chunk, op] += 1

@@ -1,0 +1,45 @@
+"""Handcrafted zero-bubble schedules ZB-H1 and ZB-H2: Qi et al. 2024, "Zero Bubble Pipeline
+Parallelism", arXiv 2401.10241 §3 (Table 2).
+
+Both split each backward into I (input gradient, on the critical path) and W (weight gradient,
+free to move) and use W's to fill the bubbles of 1F1B:
+
+* ZB-H1 keeps 1F1B's in-flight count: rank r delays its W's by r microbatches. Peak memory p
+  units on every rank (W ends a microbatch's lifetime); bubble (p-1)(T_F+T_B-T_W), where T_B is
+  the input-gradient pass.
+* ZB-H2 adds forwards to the warm-up (2(p-1-r) instead of p-1-r) and delays W's by 2r, so each
+  rank runs without a gap from its first F to its last W when T_F = T_B = T_W: bubble
+  (p-1)(T_F+T_B-2T_W); peak memory 2p-1 units.
+
+Valid for any m >= 1 (warm-ups are capped at m; small m simply leaves bubbles).
+"""
+
+from __future__ import annotations
+
+from loom.schedule.ir import Schedule, looped_placement
+from loom.schedule.families._common import check_sizes, make_schedule, one_forward_one_backward
+
+
+def _handcrafted(name: str, pp_size: int, microbatches: int, depth: int) -> Schedule:
+    # depth 1: ZB-H1, depth 2: ZB-H2 (warm-up and W delay both scale with it)
+    check_sizes(name, pp_size, microbatches)
+    rows = []
+    for rank in range(pp_size):
+        work = [(rank, mb) for mb in range(microbatches)]
+        warmup = min(depth * (pp_size - 1 - rank), microbatches)
+        rows.append(
+            one_forward_one_backward(
+                work, work, warmup, split_backward=True, weight_delay=depth * rank
+            )
+        )
+    return make_schedule(name, looped_placement(pp_size), microbatches, rows)
+
+
+def zb_h1(pp_size: int, microbatches: int) -> Schedule:
+    """ZB-H1 on p ranks, one stage each; valid for m >= 1. Uses I and W."""
+    return _handcrafted("zb_h1", pp_size, microbatches, depth=1)
+
+
+def zb_h2(pp_size: int, microbatches: int) -> Schedule:
+    """ZB-H2 on p ranks, one stage each; valid for m >= 1. Uses I and W."""
+    return _handcrafted("zb_h2", pp_size, microbatches, depth=2)

@@ -1,0 +1,374 @@
+"""The pipeline schedule IR: actions, placements, schedules and their file formats.
+
+A schedule is plain data: for every pipeline rank, the ordered list of compute actions it runs.
+An action is ``Action(stage, op, microbatch)`` and prints in PyTorch's one-token form (``2F0``,
+``1I3``, ``0W2``, ``3B1``), so schedules can be exchanged with ``torch.distributed.pipelining``
+through its CSV format (one row per rank, one action per cell). Idle steps are not part of the
+IR: a rank simply waits for the dependencies of its next action (see ``loom.schedule.validate``).
+
+Routes (replicated stages). By default every microbatch visits every stage, 0 to n-1. A schedule
+may instead hold ``num_routes`` copies of an L-stage model: stage ``r * L + j`` is copy ``r`` of
+stage j, and microbatch m visits only the stages of its route ``routes[m]``, in order. This is
+what bidirectional schedules (BitPipe, Chimera, DualPipe) need: two copies of the model placed in
+opposite directions, half the microbatches through each; the copies' weight gradients must be
+summed before the optimizer step. torch's CSV cannot say which route a microbatch takes, so such
+schedules travel as JSON only.
+
+Everything that runs, simulates or plans a pipeline consumes this one type. Nothing here imports
+torch.
+"""
+
+from __future__ import annotations
+
+import csv
+import enum
+import io
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import IO
+
+
+class Op(str, enum.Enum):
+    """A compute operation on one (stage, microbatch).
+
+    ``B`` is the full backward; zero-bubble schedules split it into ``I`` (gradient w.r.t. the
+    stage input, on the critical path) and ``W`` (gradient w.r.t. the weights, deferrable).
+    """
+
+    F = "F"
+    I = "I"  # noqa: E741  (the letter is the established name: torch and the ZB paper use it)
+    W = "W"
+    B = "B"
+
+
+_ACTION_PATTERN = re.compile(r"^(\d+)([FIWB])(\d+)$")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One compute step: run ``op`` of ``stage`` on ``microbatch``. ``str()`` gives ``2F0``."""
+
+    stage: int
+    op: Op
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.op.value}{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return f"Action({self})"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Parse PyTorch's action token, e.g. ``Action.parse("2F0")``."""
+        match = _ACTION_PATTERN.match(text.strip())
+        if match is None:
+            raise ValueError(
+                f"cannot parse action {text!r}: expected <stage><F|I|W|B><microbatch>, e.g. '2F0'"
+            )
+        stage, op, microbatch = match.groups()
+        return cls(int(stage), Op(op), int(microbatch))
+
+
+# ----------------------------------------------------------------------------------------------
+# Placements: stage -> pipeline rank, as a tuple indexed by stage.
+
+
+def looped_placement(pp_size: int, chunks: int = 1) -> tuple[int, ...]:
+    """Stage ``s`` on rank ``s % pp_size`` (GPipe, 1F1B, interleaved 1F1B, looped BFS)."""
+    _check_positive(pp_size=pp_size, chunks=chunks)
+    return tuple(stage % pp_size for stage in range(pp_size * chunks))
+
+
+def v_placement(pp_size: int, chunks: int = 2) -> tuple[int, ...]:
+    """Zig-zag placement: chunk 0 runs down ranks 0..p-1, chunk 1 back up p-1..0, and so on.
+
+    With ``chunks=2`` this is the V shape of ZB-V / DualPipeV (the last stage sits on rank 0);
+    with more chunks it is the wave placement of Hanayo.
+    """
+    _check_positive(pp_size=pp_size, chunks=chunks)
+    placement = []
+    for chunk in range(chunks):
+        ranks = range(pp_size) if chunk % 2 == 0 else range(pp_size - 1, -1, -1)
+        placement.extend(ranks)
+    return tuple(placement)
+
+
+def explicit_placement(stage_to_rank: Mapping[int, int] | Sequence[int]) -> tuple[int, ...]:
+    """A placement from an explicit map; stages must be exactly ``0..n-1`` and ranks ``0..p-1``."""
+    if isinstance(stage_to_rank, Mapping):
+        if sorted(stage_to_rank) != list(range(len(stage_to_rank))):
+            raise ValueError(f"stages must be 0..n-1, got {sorted(stage_to_rank)}")
+        placement = tuple(stage_to_rank[stage] for stage in range(len(stage_to_rank)))
+    else:
+        placement = tuple(stage_to_rank)
+    used = sorted(set(placement))
+    if used != list(range(len(used))):
+        raise ValueError(f"every rank 0..p-1 must own a stage, got ranks {used}")
+    return placement
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-rank ordered compute actions for ``num_stages`` stages and ``num_microbatches``.
+
+    ``placement[stage]`` is the pipeline rank that owns ``stage``; ``actions[rank]`` is what that
+    rank runs, in order. Construction only checks shapes; ``loom.schedule.validate`` checks the
+    rules (completeness, ownership, dependencies, deadlock, memory).
+
+    ``num_routes`` > 1 splits the stages into that many copies of ``stages_per_route`` stages,
+    and ``routes[m]`` is the copy microbatch m goes through (see the module docstring; empty
+    means route 0 for every microbatch).
+    """
+
+    num_stages: int
+    num_microbatches: int
+    placement: tuple[int, ...]
+    actions: tuple[tuple[Action, ...], ...]
+    name: str = "custom"
+    num_routes: int = 1
+    routes: tuple[int, ...] = ()
+    # action -> (rank, index in that rank's list); first occurrence wins. Built once, so that
+    # dependency look-ups stay O(1) for the validator and the simulators built on this IR.
+    _positions: dict[Action, tuple[int, int]] = field(
+        init=False, repr=False, compare=False, hash=False
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "placement", tuple(int(r) for r in self.placement))
+        object.__setattr__(self, "actions", tuple(tuple(row) for row in self.actions))
+        if len(self.placement) != self.num_stages:
+            raise ValueError(
+                f"placement has {len(self.placement)} entries, expected num_stages={self.num_stages}"
+            )
+        if self.placement and max(self.placement) >= len(self.actions):
+            raise ValueError(
+                f"placement uses rank {max(self.placement)} but actions has {len(self.actions)} ranks"
+            )
+        object.__setattr__(self, "routes", tuple(int(r) for r in self.routes))
+        if self.num_routes < 1 or self.num_stages % self.num_routes:
+            raise ValueError(f"num_routes={self.num_routes} must be >= 1 and divide "
+                             f"num_stages={self.num_stages}")
+        if self.routes and (len(self.routes) != self.num_microbatches
+                            or not all(0 <= r < self.num_routes for r in self.routes)):
+            raise ValueError(f"routes must give one route in 0..{self.num_routes - 1} per "
+                             f"microbatch ({self.num_microbatches}), got {list(self.routes)}")
+        positions: dict[Action, tuple[int, int]] = {}
+        for rank, row in enumerate(self.actions):
+            for index, action in enumerate(row):
+                positions.setdefault(action, (rank, index))
+        object.__setattr__(self, "_positions", positions)
+
+    @property
+    def pp_size(self) -> int:
+        """Number of pipeline ranks."""
+        return len(self.actions)
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """Stages per rank (the largest count when a custom placement is uneven)."""
+        return max(len(self.stages_of(rank)) for rank in range(self.pp_size))
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages ``rank`` owns, in increasing order."""
+        return tuple(stage for stage, owner in enumerate(self.placement) if owner == rank)
+
+    def rank_of(self, stage: int) -> int:
+        """The rank that owns ``stage``."""
+        return self.placement[stage]
+
+    @property
+    def stages_per_route(self) -> int:
+        """Stages one microbatch goes through (all of them unless the schedule has routes)."""
+        return self.num_stages // self.num_routes
+
+    def route_of(self, microbatch: int) -> int:
+        """The copy of the stages ``microbatch`` goes through."""
+        return self.routes[microbatch] if self.routes else 0
+
+    def route_stages(self, microbatch: int) -> range:
+        """The stages ``microbatch`` visits, in order."""
+        first = self.route_of(microbatch) * self.stages_per_route
+        return range(first, first + self.stages_per_route)
+
+    def is_first(self, stage: int) -> bool:
+        """``stage`` starts its route (it takes the tokens)."""
+        return stage % self.stages_per_route == 0
+
+    def is_last(self, stage: int) -> bool:
+        """``stage`` ends its route (it computes the loss)."""
+        return stage % self.stages_per_route == self.stages_per_route - 1
+
+    def stage_weight(self, stage: int) -> Fraction:
+        """Activation memory of one microbatch of ``stage``, in units of one full rank's: 1/v
+        when the rank owns v stages of ``stage``'s route (a route holds the whole model)."""
+        route = stage // self.stages_per_route
+        owned = [s for s in self.stages_of(self.rank_of(stage))
+                 if s // self.stages_per_route == route]
+        return Fraction(1, len(owned))
+
+    def position(self, action: Action) -> tuple[int, int] | None:
+        """``(rank, index)`` of ``action`` in this schedule, or None if it is not scheduled."""
+        return self._positions.get(action)
+
+    def __contains__(self, action: object) -> bool:
+        return action in self._positions
+
+    def __str__(self) -> str:
+        rows = "\n".join(
+            f"  rank {rank}: {' '.join(map(str, row))}" for rank, row in enumerate(self.actions)
+        )
+        routes = (f", {self.num_routes} routes {list(self.routes)}" if self.num_routes > 1
+                  else "")
+        return (
+            f"Schedule {self.name!r}: {self.num_stages} stages, {self.num_microbatches} "
+            f"microbatches, placement {list(self.placement)}{routes}\n{rows}"
+        )
+
+    # -- JSON -----------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        """Plain data: actions as PyTorch tokens, one list per rank (and the routes, if any)."""
+        data = {
+            "name": self.name,
+            "num_stages": self.num_stages,
+            "num_microbatches": self.num_microbatches,
+            "placement": list(self.placement),
+            "actions": [[str(action) for action in row] for row in self.actions],
+        }
+        if self.num_routes > 1:
+            data.update(num_routes=self.num_routes, routes=list(self.routes))
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> Schedule:
+        return cls(
+            num_stages=int(data["num_stages"]),
+            num_microbatches=int(data["num_microbatches"]),
+            placement=tuple(data["placement"]),
+            actions=tuple(tuple(Action.parse(t) for t in row) for row in data["actions"]),
+            name=str(data.get("name", "custom")),
+            num_routes=int(data.get("num_routes", 1)),
+            routes=tuple(data.get("routes", ())),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str) -> Schedule:
+        return cls.from_dict(json.loads(text))
+
+    # -- PyTorch pipelining CSV -----------------------------------------------------------------
+
+    def to_torch_csv(self, destination: str | os.PathLike | IO[str]) -> None:
+        """Write torch's "compute_only" CSV: row r = rank r's actions, one token per cell.
+
+        ``ScheduleMulti._load_csv`` / ``_PipelineScheduleRuntime._load_csv`` read this back.
+        The CSV has no room for the name, the microbatch count or the placement: torch infers
+        the placement from which row holds a stage, and so does ``from_torch_csv``.
+        """
+        if self.num_routes > 1:
+            raise ValueError(f"{self.name}: torch's CSV cannot say which of the {self.num_routes}"
+                             " routes (copies of the stages) a microbatch takes; export JSON")
+        rows = [[str(action) for action in row] for row in self.actions]
+        if isinstance(destination, (str, os.PathLike)):
+            with open(destination, "w", newline="") as handle:
+                csv.writer(handle).writerows(rows)
+        else:
+            csv.writer(destination).writerows(rows)
+
+    @classmethod
+    def from_torch_csv(
+        cls,
+        source: str | os.PathLike | IO[str],
+        num_microbatches: int | None = None,
+        name: str = "torch_csv",
+    ) -> Schedule:
+        """Read torch's compute-only CSV (see ``from_torch_rows`` for what is accepted)."""
+        if isinstance(source, (str, os.PathLike)):
+            with open(source, newline="") as handle:
+                rows = list(csv.reader(handle))
+        else:
+            rows = list(csv.reader(source))
+        return from_torch_rows(rows, num_microbatches=num_microbatches, name=name)
+
+
+# Tokens torch's own lowering passes insert; Loom's lowering adds its own, so they are dropped.
+_TORCH_BOOKKEEPING = {"REDUCE_GRAD", "UNSHARD", "RESHARD"}
+_TORCH_OVERLAP = re.compile(r"^\((.*)\)OVERLAP_F_B$")
+
+
+def from_torch_rows(
+    rows: Iterable[Iterable[object]],
+    num_microbatches: int | None = None,
+    name: str = "torch",
+) -> Schedule:
+    """Build a Schedule from torch-style rows: a CSV, or ``schedule.pipeline_order.values()``.
+
+    Each cell is anything whose ``str()`` is a torch action token. Empty cells and ``None`` are
+    torch's idle steps and are skipped (Loom derives idleness from dependencies).
+    ``(a;b)OVERLAP_F_B`` (DualPipeV) is flattened to ``a`` then ``b``; ``REDUCE_GRAD``,
+    ``UNSHARD`` and ``RESHARD`` are dropped. SEND/RECV (torch's "compute_comms" format) are
+    rejected. The stage count, the placement and (unless given) the microbatch count are
+    inferred from the actions, as torch's ``_validate_schedule`` does.
+    """
+    actions: list[list[Action]] = []
+    for rank, row in enumerate(rows):
+        parsed: list[Action] = []
+        for cell in row:
+            token = "" if cell is None else str(cell).strip()
+            stage_prefix = token.lstrip("0123456789")
+            if not token or stage_prefix in _TORCH_BOOKKEEPING:
+                continue
+            overlap = _TORCH_OVERLAP.match(token)
+            if overlap:
+                parsed.extend(Action.parse(part) for part in overlap.group(1).split(";"))
+            elif stage_prefix.startswith(("SEND", "RECV")):
+                raise ValueError(
+                    f"rank {rank}: {token!r} is a communication action; Loom reads torch's "
+                    "compute_only CSV format (communication is added by lowering)"
+                )
+            else:
+                parsed.append(Action.parse(token))
+        actions.append(parsed)
+    every = [action for row in actions for action in row]
+    if not every:
+        raise ValueError("the torch schedule has no compute actions")
+    num_stages = max(action.stage for action in every) + 1
+    owner: dict[int, int] = {}
+    for rank, row in enumerate(actions):
+        for action in row:
+            owner.setdefault(action.stage, rank)
+    missing = [stage for stage in range(num_stages) if stage not in owner]
+    if missing:
+        raise ValueError(f"stages {missing} never appear, so their rank cannot be inferred")
+    if num_microbatches is None:
+        num_microbatches = max(action.microbatch for action in every) + 1
+    return Schedule(
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        placement=tuple(owner[stage] for stage in range(num_stages)),
+        actions=tuple(tuple(row) for row in actions),
+        name=name,
+    )
+
+
+def csv_text(schedule: Schedule) -> str:
+    """The torch CSV of ``schedule`` as a string (handy for diffs and tests)."""
+    buffer = io.StringIO()
+    schedule.to_torch_csv(buffer)
+    return buffer.getvalue()

@@ -1,0 +1,191 @@
+"""A parametric, memory-budgeted list scheduler with real costs (the search's main generator).
+
+In the spirit of the Zero Bubble paper's automatic scheduler (Qi et al. 2024, arXiv 2401.10241
+§4, ZB-1p / ZB-2p): the backward is always split into I and W; whenever a rank is free it starts
+the most useful ready action,
+
+1. the input-gradient pass I of the oldest ready microbatch (it is on the critical path; a rank
+   may wait up to ``patience`` for one that is about to arrive rather than start something else),
+2. a W, if more than ``w_backlog`` of them are waiting (bounds how long W's are delayed),
+3. a forward, if the memory limit (and the rank's warm-up cap) allows it,
+4. a deferred W: it fills what would otherwise be a bubble, and frees memory.
+
+Times come from the given per-stage costs and send latency, not unit steps (``_greedy.py``, which
+builds v_half / v_min, uses unit steps), so the order adapts to unequal F, I, W and to latency.
+
+Memory, in counts of one chunk (one unit = ``v`` counts on a rank with v stages): a forward never
+takes a rank over the limit. The first forward of a microbatch on a rank (its *admission*) must
+also leave room for the remaining forwards of the ``reserve`` oldest admitted microbatches on
+that rank. With ``reserve = None`` (all of them) the schedule cannot deadlock: the oldest
+unfinished microbatch always has its memory reserved everywhere. Smaller reserves let a V
+placement run ZB-V's deeper warm-up but may deadlock; the scheduler then returns None and the
+search drops that setting. Deterministic: ties break by time, then rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from loom.schedule.search_eval import EPS, F, I, W, Costs, Row
+from loom.schedule.search_loop import forward_ready as input_ready, ranks_of, run
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """One setting of the list scheduler (the search sweeps these)."""
+
+    reserve: int | None = None  # admission keeps room for this many pending microbatches; None: all
+    caps: tuple[float, ...] | None = None  # per-rank cap on live units at admission (warm-up depth)
+    patience: float = 0.0  # wait this long for an I rather than start an F or a W
+    w_backlog: int | None = None  # run a W before any F once more than this many are deferred
+    depth_first: bool = True  # forwards: later chunks (older microbatches) before admitting new
+    forward_first: bool = False  # a ready forward (memory permitting) before a ready I
+    w_fill: float = 0.0  # start a W only in a gap of at least w_fill x its duration (ZB's rule)
+
+    def label(self) -> str:
+        parts = [f"reserve={'all' if self.reserve is None else self.reserve}"]
+        if self.caps is not None:
+            parts.append(f"caps={_short(self.caps)}")
+        if self.patience:
+            parts.append(f"patience={self.patience:g}")
+        if self.w_backlog is not None:
+            parts.append(f"w_backlog={self.w_backlog}")
+        if not self.depth_first:
+            parts.append("breadth_first")
+        if self.forward_first:
+            parts.append("forward_first")
+        if self.w_fill:
+            parts.append(f"w_fill={self.w_fill:g}")
+        return ",".join(parts)
+
+
+def _short(caps: Sequence[float]) -> str:
+    return f"{caps[0]:g}..{caps[-1]:g}" if len(set(caps)) > 1 else f"{caps[0]:g}"
+
+
+def list_schedule(
+    placement: Sequence[int],
+    microbatches: int,
+    costs: Costs,
+    limit: float,
+    knobs: Knobs,
+) -> tuple[list[Row], float, float] | None:
+    """Integer rows (see ``search_eval.encode``), makespan and peak units; None on a deadlock."""
+    num_stages, m = len(placement), microbatches
+    ranks = ranks_of(placement, limit)
+    if ranks is None:
+        return None
+    pp, stages_of, v, limit_c = ranks.pp, ranks.stages_of, ranks.v, ranks.limit_c
+    caps_c = ranks.caps(knobs.caps)
+    fin_f = [-1.0] * (num_stages * m)
+    fin_i = [-1.0] * (num_stages * m)
+    next_f = [0] * num_stages
+    next_i = [0] * num_stages
+    free_at = [0.0] * pp
+    live = [0] * pp
+    pending: list[dict[int, int]] = [{} for _ in range(pp)]  # mb -> forwards left (ordered)
+    pending_total = [0] * pp
+    deferred: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
+    deferred_head = [0] * pp
+    rows: list[Row] = [[] for _ in range(pp)]
+    duration, send = costs.duration, costs.send
+    backward_order = [sorted(stages, reverse=True) for stages in stages_of]
+    forward_order = backward_order if knobs.depth_first else stages_of
+    total = 3 * num_stages * m
+    peak = 0.0
+
+    def reserve_after(r: int) -> int:
+        """Counts kept free for the pending forwards once one more microbatch is admitted."""
+        if knobs.reserve is None:
+            return pending_total[r] + v[r] - 1
+        if not knobs.reserve:
+            return 0
+        oldest = list(itertools.islice(pending[r].values(), knobs.reserve))
+        return sum((oldest + [v[r] - 1])[: knobs.reserve])
+
+    def decide(r: int, t: float) -> tuple[tuple[int, int, int], float] | float:
+        """The action rank r starts (and when), or the time to look again (inf: on an event)."""
+        wake = float("inf")
+        best, best_ready = None, 0.0
+        for s in backward_order[r]:
+            k = next_i[s]
+            if k >= m:
+                continue
+            ready = fin_f[s * m + k]
+            if ready < 0:
+                continue
+            if s + 1 < num_stages:
+                after = fin_i[(s + 1) * m + k]
+                if after < 0:
+                    continue
+                after += send if placement[s + 1] != r else 0.0
+                ready = after if after > ready else ready
+            if best is None or ready < best_ready - EPS:
+                best, best_ready = (s, I, k), ready
+        backlog = len(deferred[r]) - deferred_head[r]
+        if backlog and knobs.w_backlog is not None and backlog > knobs.w_backlog:
+            s, k = deferred[r][deferred_head[r]]
+            return (s, W, k), t
+        forward, forward_ready = None, 0.0
+        for s in forward_order[r]:
+            k = next_f[s]
+            if k >= m:
+                continue
+            ready = input_ready(fin_f, placement, r, s, k, m, send)
+            if ready is None:
+                continue
+            if s == stages_of[r][0]:
+                room = live[r] + 1 + reserve_after(r) <= min(limit_c[r], caps_c[r])
+            else:
+                room = live[r] + 1 <= limit_c[r]
+            if not room:
+                continue
+            if ready <= t + EPS:
+                forward, forward_ready = (s, F, k), t
+                break
+            wake = min(wake, ready)
+        if forward is not None and knobs.forward_first:
+            return forward, forward_ready
+        if best is not None:
+            if best_ready <= t + knobs.patience + EPS:
+                return best, max(t, best_ready)
+            wake = min(wake, best_ready)
+        if forward is not None:
+            return forward, forward_ready
+        if backlog:
+            s, k = deferred[r][deferred_head[r]]
+            if wake - t >= knobs.w_fill * duration[s][W] - EPS:
+                return (s, W, k), t
+        return wake
+
+    def commit(r: int, action: tuple[int, int, int], end: float) -> None:
+        nonlocal peak
+        s, o, k = action
+        if o == F:
+            fin_f[s * m + k] = end
+            next_f[s] += 1
+            live[r] += 1
+            peak = max(peak, live[r] / v[r])
+            if s == stages_of[r][0]:
+                if v[r] > 1:
+                    pending[r][k] = v[r] - 1
+                    pending_total[r] += v[r] - 1
+            else:
+                pending_total[r] -= 1
+                pending[r][k] -= 1
+                if pending[r][k] == 0:
+                    del pending[r][k]
+        elif o == I:
+            fin_i[s * m + k] = end
+            next_i[s] += 1
+            deferred[r].append((s, k))
+        else:
+            deferred_head[r] += 1
+            live[r] -= 1
+
+    done = run(placement, costs, rows, free_at, decide, commit)
+    if done < total:
+        return None
+    return rows, max(free_at), peak

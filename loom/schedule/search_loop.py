@@ -1,0 +1,99 @@
+"""What the search's list schedulers share: the per-rank chunk layout and the event loop.
+
+``search_greedy`` (forward), ``search_reverse`` (backward in time) and ``search_priority``
+(forward, by priorities) all advance one clock over the ranks: a rank that is free asks its
+scheduler what to start (an action and its start time) or when to look again, and a started
+action wakes its own rank when it ends and the rank it sends to when the message arrives.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from loom.schedule.search_eval import EPS, F, I, Costs, Row
+
+Action = tuple[int, int, int]  # (stage, op code, microbatch)
+Decide = Callable[[int, float], "tuple[Action, float] | float"]
+Commit = Callable[[int, Action, float], None]
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The stages of each rank, its chunk count v, and the memory limit in chunks (v per unit)."""
+
+    pp: int
+    stages_of: tuple[tuple[int, ...], ...]
+    v: tuple[int, ...]
+    limit_c: tuple[int, ...]
+
+    def caps(self, caps: Sequence[float] | None) -> list[int]:
+        """Per-rank caps in units as chunk counts, within [v, limit]; None: the limit."""
+        if caps is None:
+            return list(self.limit_c)
+        return [max(v, min(lim, int(cap * v + EPS))) for cap, v, lim in
+                zip(caps, self.v, self.limit_c)]
+
+
+def ranks_of(placement: Sequence[int], limit: float) -> Ranks | None:
+    """The layout of ``placement`` under ``limit`` units; None if one microbatch cannot fit."""
+    pp = max(placement) + 1
+    stages_of = tuple(tuple(s for s in range(len(placement)) if placement[s] == r)
+                      for r in range(pp))
+    v = tuple(len(stages) for stages in stages_of)
+    limit_c = tuple(int(limit * v[r] + EPS) for r in range(pp))
+    if min(limit_c[r] - v[r] for r in range(pp)) < 0:
+        return None
+    return Ranks(pp, stages_of, v, limit_c)
+
+
+def forward_ready(fin_f: list[float], placement: Sequence[int], rank: int, stage: int,
+                  microbatch: int, microbatches: int, send: float) -> float | None:
+    """When the forward of (stage, microbatch) on ``rank`` can start: its input's finish on the
+    previous stage plus ``send`` across ranks (0 on the first stage); None while that forward
+    has not run (``fin_f`` holds -1 for it)."""
+    if stage == 0:
+        return 0.0
+    ready = fin_f[(stage - 1) * microbatches + microbatch]
+    if ready < 0:
+        return None
+    return ready + (send if placement[stage - 1] != rank else 0.0)
+
+
+def run(placement: Sequence[int], costs: Costs, rows: list[Row], free_at: list[float],
+        decide: Decide, commit: Commit, release: Sequence[float] | None = None,
+        backwards: bool = False) -> int:
+    """Advance the clock until no rank can start anything; returns how many actions started.
+
+    Each started action is appended to its rank's row and sets ``free_at``; ``commit(rank,
+    action, end)`` does the scheduler's own bookkeeping. An F wakes the rank of the next stage
+    and an I the rank of the previous one, after the send time (``backwards``: the other way
+    round, as in time-reversed scheduling). ``release[r]``: rank r starts nothing before it."""
+    duration, send = costs.duration, costs.send
+    ready = release or [0.0] * len(free_at)
+    heap = [(ready[r], r) for r in range(len(free_at))]
+    started = 0
+    while heap:
+        t, r = heapq.heappop(heap)
+        if free_at[r] > t + EPS:
+            continue
+        t = max(t, free_at[r], ready[r])
+        choice = decide(r, t)
+        if isinstance(choice, float):
+            if choice != float("inf"):
+                heapq.heappush(heap, (choice, r))
+            continue
+        action, start = choice
+        s, o, _ = action
+        end = start + duration[s][o]
+        rows[r].append(action)
+        free_at[r] = end
+        started += 1
+        commit(r, action, end)
+        heapq.heappush(heap, (end, r))
+        if o == F or o == I:
+            to = s + 1 if (o == F) != backwards else s - 1
+            if 0 <= to < len(placement) and placement[to] != r:
+                heapq.heappush(heap, (end + send, placement[to]))
+    return started

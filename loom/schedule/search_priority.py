@@ -1,0 +1,145 @@
+"""A forward list scheduler driven by per-action priorities (forward-backward justification).
+
+``search_reverse`` builds a schedule backwards in time, which shapes the drain well (every rank
+ends on a run of W's) but leaves the warm-up to chance; the forward scheduler (``search_greedy``)
+does the opposite. This one joins them, as the forward-backward improvement of project scheduling
+does: it runs forward in time, never idles while an action is ready, and among the ready actions
+of a rank starts the one with the smallest priority, which the search takes from the latest start
+times of a backward schedule. Ready means: its dependencies have finished (plus the send time
+across ranks), and for a forward that memory allows it. So the warm-up fills with forwards the
+way a forward scheduler's does, and the drain follows the backward schedule's order.
+
+Rules kept from ``search_greedy``: each stage runs its microbatches in order, the backward is
+split into I and W, and the first forward of a microbatch on a rank (its admission) leaves room
+for the other forwards of every admitted microbatch, so the schedule cannot deadlock on memory.
+Deterministic: ties break by action.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Mapping, Sequence
+
+from loom.schedule.search_eval import EPS, F, I, W, Costs, Row
+from loom.schedule.search_loop import forward_ready, ranks_of, run
+
+Priority = Mapping[tuple[int, int, int], float]  # (stage, op code, microbatch) -> lower runs first
+
+
+def priority_schedule(
+    placement: Sequence[int],
+    microbatches: int,
+    costs: Costs,
+    limit: float,
+    priority: Priority,
+    reserve: int | None = None,
+    patience: float | Sequence[float] = 0.0,
+) -> tuple[list[Row], float] | None:
+    """Integer rows (see ``search_eval.encode``) and peak units; None if it stalls.
+
+    ``reserve``: an admission keeps room for the remaining forwards of this many of the oldest
+    admitted microbatches on the rank (None: all of them, which cannot deadlock; fewer lets a
+    rank run deeper ahead, and a setting that stalls returns None). ``patience``: a rank waits up
+    to this long for a more urgent action whose inputs are on their way rather than start a less
+    urgent one that would still be running when they arrive (one value, or one per rank)."""
+    num_stages, m = len(placement), microbatches
+    ranks = ranks_of(placement, limit)
+    if ranks is None:
+        return None
+    pp, stages_of, v, limit_c = ranks.pp, ranks.stages_of, ranks.v, ranks.limit_c
+    duration, send = costs.duration, costs.send
+    wait = [patience] * pp if isinstance(patience, (int, float)) else list(patience)
+    fin_f = [-1.0] * (num_stages * m)
+    fin_i = [-1.0] * (num_stages * m)
+    next_f = [0] * num_stages
+    next_i = [0] * num_stages
+    free_at = [0.0] * pp
+    live = [0] * pp
+    owed = [0] * pp  # forwards still to run of admitted microbatches (their room is reserved)
+    left: list[dict[int, int]] = [{} for _ in range(pp)]  # microbatch -> forwards left on rank
+    deferred: list[list[tuple[float, int, int]]] = [[] for _ in range(pp)]  # (priority, s, k)
+    rows: list[Row] = [[] for _ in range(pp)]
+    total, peak = 3 * num_stages * m, 0.0
+
+    def decide(r: int, t: float) -> tuple[tuple[int, int, int], float] | float:
+        wake = float("inf")
+        best, best_key = None, None
+        soon, soon_key = float("inf"), None  # the most urgent action that is not ready yet
+        for s in stages_of[r]:
+            k = next_i[s]
+            if k < m and fin_f[s * m + k] >= 0:
+                ready = fin_f[s * m + k]
+                if s + 1 < num_stages:
+                    after = fin_i[(s + 1) * m + k]
+                    ready = -1.0 if after < 0 else max(
+                        ready, after + (send if placement[s + 1] != r else 0.0))
+                if ready >= 0:
+                    key = (priority[(s, I, k)], s, I, k)
+                    if ready <= t + EPS:
+                        if best_key is None or key < best_key:
+                            best, best_key = (s, I, k), key
+                    else:
+                        wake = min(wake, ready)
+                        if soon_key is None or key < soon_key:
+                            soon, soon_key = ready, key
+            k = next_f[s]
+            if k >= m:
+                continue
+            if k in left[r]:
+                room = live[r] + 1 <= limit_c[r]
+            elif reserve is None:
+                room = live[r] + owed[r] + v[r] <= limit_c[r]
+            else:
+                kept = sum(itertools.islice(left[r].values(), reserve))
+                room = live[r] + kept + v[r] <= limit_c[r]
+            if not room:
+                continue
+            ready = forward_ready(fin_f, placement, r, s, k, m, send)
+            if ready is None:
+                continue
+            key = (priority[(s, F, k)], s, F, k)
+            if ready <= t + EPS:
+                if best_key is None or key < best_key:
+                    best, best_key = (s, F, k), key
+            else:
+                wake = min(wake, ready)
+                if soon_key is None or key < soon_key:
+                    soon, soon_key = ready, key
+        if deferred[r]:
+            prio, s, k = deferred[r][0]
+            if best_key is None or (prio, s, W, k) < best_key:
+                best, best_key = (s, W, k), (prio, s, W, k)
+        if (best is not None and soon_key is not None and soon_key < best_key
+                and soon - t <= wait[r] + EPS
+                and soon < t + duration[best[0]][best[1]] - EPS):
+            return soon
+        return wake if best is None else (best, t)
+
+    def commit(r: int, action: tuple[int, int, int], end: float) -> None:
+        nonlocal peak
+        s, o, k = action
+        if o == F:
+            fin_f[s * m + k] = end
+            next_f[s] += 1
+            live[r] += 1
+            peak = max(peak, live[r] / v[r])
+            if k not in left[r]:
+                left[r][k] = v[r]
+                owed[r] += v[r]
+            left[r][k] -= 1
+            owed[r] -= 1
+            if not left[r][k]:
+                del left[r][k]
+        elif o == I:
+            fin_i[s * m + k] = end
+            next_i[s] += 1
+            heapq.heappush(deferred[r], (priority[(s, W, k)], s, k))
+        else:
+            heapq.heappop(deferred[r])
+            live[r] -= 1
+
+    count = run(placement, costs, rows, free_at, decide, commit)
+    if count < total:
+        return None
+    return rows, peak

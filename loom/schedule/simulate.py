@@ -1,0 +1,263 @@
+"""Replay a pipeline schedule with real costs: timeline, makespan, bubbles and memory over time.
+
+``simulate(schedule, costs)`` runs every rank's list in order, as the runtime does. An action
+starts when its rank is free and every dependency (``loom.schedule.validate.dependencies``) has
+finished, plus the send time when the dependency ran on another rank. Start times therefore
+follow from the finish times of earlier actions alone: no resource is shared between ranks (each
+link is its own, sends overlap compute and do not contend, the ZB paper's T_comm model), so the
+replay processes actions as their inputs complete, which gives the same times as a discrete-event
+loop over a global clock, without one. A stall (a deadlock, or a dependency that is never
+scheduled) raises the validator's ``ScheduleError`` with its rank-by-step grid.
+
+Two bubble figures, both fractions of time:
+
+* ``bubble_zb`` (Qi et al. 2024 §5.3): take the rank whose first-op-to-last-op span is longest;
+  its idle time inside that span over the span. Iterations of a training loop overlap at the
+  edges, so this is what an iteration costs in steady state.
+* ``bubble_makespan``: makespan minus the busiest rank's work, over the makespan (one isolated
+  iteration; for GPipe / 1F1B it is Megatron's (p-1)/(m+p-1) of the whole time).
+
+``bubble_time_zb`` and ``bubble_time_makespan`` are the same idle times, not divided.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from loom.schedule.ir import Action, Op, Schedule
+from loom.schedule.validate import deadlock_error, dependencies
+from loom.schedule.cost import Number, StageCosts
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One action on one rank's timeline."""
+
+    action: Action
+    start: Number
+    finish: Number
+
+    @property
+    def duration(self) -> Number:
+        return self.finish - self.start
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What ``simulate`` measured. Everything else is derived from ``timeline`` and ``memory``.
+
+    ``timeline[rank]`` lists the rank's slots in run order. ``memory[rank]`` is a step function:
+    ``(time, level)`` points, the level holding from that time until the next point. The first
+    point is at time 0; one point per instant, after all of that instant's changes (frees at an
+    instant apply before allocations, so a peak is never overstated).
+    """
+
+    name: str
+    num_stages: int
+    num_microbatches: int
+    placement: tuple[int, ...]
+    timeline: tuple[tuple[Slot, ...], ...]
+    memory: tuple[tuple[tuple[Number, Number], ...], ...]
+    costs: str = ""  # ``StageCosts.describe()`` of the costs used
+
+    @property
+    def pp_size(self) -> int:
+        return len(self.timeline)
+
+    @cached_property
+    def makespan(self) -> Number:
+        return max((row[-1].finish for row in self.timeline if row), default=0)
+
+    @cached_property
+    def busy(self) -> tuple[Number, ...]:
+        """Time each rank spends computing."""
+        return tuple(sum((slot.duration for slot in row), 0) for row in self.timeline)
+
+    @cached_property
+    def span(self) -> tuple[Number, ...]:
+        """Per rank: from its first action's start to its last action's finish."""
+        return tuple(row[-1].finish - row[0].start if row else 0 for row in self.timeline)
+
+    @cached_property
+    def peak_memory(self) -> tuple[Number, ...]:
+        return tuple(max(level for _, level in points) for points in self.memory)
+
+    @property
+    def bubble_time_zb(self) -> Number:
+        """Idle time inside the longest rank span (the lowest such rank on a tie)."""
+        if not self.timeline:
+            return 0
+        rank = max(range(self.pp_size), key=lambda r: (self.span[r], -r))
+        return self.span[rank] - self.busy[rank]
+
+    @property
+    def bubble_zb(self) -> Number:
+        longest = max(self.span, default=0)
+        return self.bubble_time_zb / longest if longest else 0
+
+    @property
+    def bubble_time_makespan(self) -> Number:
+        return self.makespan - max(self.busy, default=0)
+
+    @property
+    def bubble_makespan(self) -> Number:
+        return self.bubble_time_makespan / self.makespan if self.makespan else 0
+
+    @cached_property
+    def _slots(self) -> dict[Action, Slot]:
+        return {slot.action: slot for row in self.timeline for slot in row}
+
+    def slot(self, action: Action) -> Slot:
+        """Start and finish of ``action`` (KeyError if it was not scheduled)."""
+        return self._slots[action]
+
+    def memory_at(self, rank: int, time: Number) -> Number:
+        """Live activation units on ``rank`` at ``time`` (the step function's value)."""
+        level = 0
+        for when, value in self.memory[rank]:
+            if when > time:
+                break
+            level = value
+        return level
+
+    # -- plain data -----------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        """The headline figures as JSON-ready floats (what ``loom schedule simulate`` prints)."""
+        return {
+            "name": self.name,
+            "pp_size": self.pp_size,
+            "num_stages": self.num_stages,
+            "num_microbatches": self.num_microbatches,
+            "costs": self.costs,
+            "makespan": float(self.makespan),
+            "bubble_zb": float(self.bubble_zb),
+            "bubble_makespan": float(self.bubble_makespan),
+            "bubble_time_zb": float(self.bubble_time_zb),
+            "bubble_time_makespan": float(self.bubble_time_makespan),
+            "busy": [float(b) for b in self.busy],
+            "peak_memory": [float(m) for m in self.peak_memory],
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """``summary()`` plus the placement, the timeline and the memory curves."""
+        return {
+            **self.summary(),
+            "placement": list(self.placement),
+            "timeline": [
+                [[str(s.action), float(s.start), float(s.finish)] for s in row]
+                for row in self.timeline
+            ],
+            "memory": [[[float(t), float(level)] for t, level in points] for points in self.memory],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SimResult:
+        """Rebuild from ``to_dict()`` output; derived figures are recomputed, not read."""
+        return cls(
+            name=str(data["name"]),
+            num_stages=int(data["num_stages"]),
+            num_microbatches=int(data["num_microbatches"]),
+            placement=tuple(data["placement"]),
+            timeline=tuple(
+                tuple(Slot(Action.parse(token), start, finish) for token, start, finish in row)
+                for row in data["timeline"]
+            ),
+            memory=tuple(tuple((t, level) for t, level in points) for points in data["memory"]),
+            costs=str(data.get("costs", "")),
+        )
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> SimResult:
+        return cls.from_dict(json.loads(text))
+
+
+def simulate(schedule: Schedule, costs: StageCosts | None = None, *,
+             memory: bool = True) -> SimResult:
+    """Replay ``schedule`` in order on every rank with ``costs`` (default F = I = W = 1).
+
+    Assumes a schedule that ``validate`` accepts (complete, well placed); a stall raises
+    ``ScheduleError`` (rule ``deadlock``).
+    """
+    costs = costs or StageCosts.uniform(1, 1, 1)
+    costs.check(schedule)
+    rows = schedule.actions
+    deps = {action: dependencies(schedule, action) for row in rows for action in row}
+    finish: dict[Action, Number] = {}
+    slots: list[list[Slot]] = [[] for _ in rows]
+    free_at: list[Number] = [0] * len(rows)
+    pointer = [0] * len(rows)
+    waiting: dict[Action, list[int]] = {}  # unfinished dependency -> ranks blocked on it
+    runnable = deque(range(len(rows)))
+    while runnable:
+        rank = runnable.popleft()
+        row = rows[rank]
+        while pointer[rank] < len(row):
+            action = row[pointer[rank]]
+            blocker = next((dep for dep in deps[action] if dep not in finish), None)
+            if blocker is not None:
+                waiting.setdefault(blocker, []).append(rank)
+                break
+            start = max(
+                [free_at[rank]]
+                + [finish[dep] + costs.send_time(schedule, dep, action) for dep in deps[action]]
+            )
+            end = start + costs.duration(action)
+            finish.setdefault(action, end)
+            slots[rank].append(Slot(action, start, end))
+            free_at[rank] = end
+            pointer[rank] += 1
+            runnable.extend(waiting.pop(action, ()))
+    if any(pointer[rank] < len(row) for rank, row in enumerate(rows)):
+        raise deadlock_error(schedule)
+    return SimResult(
+        name=schedule.name,
+        num_stages=schedule.num_stages,
+        num_microbatches=schedule.num_microbatches,
+        placement=schedule.placement,
+        timeline=tuple(tuple(row) for row in slots),
+        memory=tuple(_memory_curve(schedule, costs, row) if memory else () for row in slots),
+        costs=costs.describe(),
+    )
+
+
+def _memory_curve(
+    schedule: Schedule, costs: StageCosts, row: list[Slot]
+) -> tuple[tuple[Number, Number], ...]:
+    """The step function of live activations on one rank.
+
+    A (stage, microbatch) is allocated when its F starts and freed when its backward ends: all of
+    it at the end of B, or ``1 - weight_grad_fraction`` of it at the end of I and the rest at the
+    end of W (Zero Bubble's M_B and M_W).
+    """
+    kept = costs.weight_grad_fraction
+    events: list[tuple[Number, int, Number]] = []  # (time, 0 = free / 1 = allocate, delta)
+    for slot in row:
+        weight = costs.activation_weight(schedule, slot.action.stage)
+        op = slot.action.op
+        if op is Op.F:
+            events.append((slot.start, 1, weight))
+        elif op is Op.B:
+            events.append((slot.finish, 0, -weight))
+        elif op is Op.I and kept != 1:
+            events.append((slot.finish, 0, -weight * (1 - kept)))
+        elif op is Op.W and kept != 0:
+            events.append((slot.finish, 0, -weight * kept))
+    events.sort(key=lambda event: (event[0], event[1]))
+    points: list[tuple[Number, Number]] = [(0, 0)]
+    level: Number = 0
+    for time, _, delta in events:
+        level += delta
+        if points[-1][0] == time:
+            points[-1] = (time, level)  # same instant: keep the level after all its events
+        else:
+            points.append((time, level))
+    return tuple(points)

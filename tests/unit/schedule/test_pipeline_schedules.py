@@ -1,0 +1,104 @@
+"""Every schedule family: valid for its microbatch counts, with the memory and bubble it promises.
+
+Bubbles are measured with Loom's ASAP in-order execution at T_F = T_I = T_W = 1 and T_B = 2 (a
+full backward is an input plus a weight gradient); the formulas are Table 2 of Qi et al. 2024.
+"""
+
+import math
+
+import pytest
+
+from loom.schedule import Op, execute, peak_memory, validate
+from loom.schedule.families import get, names
+from loom.schedule.families.controllable_memory import v_half_budget, v_min_budget
+
+PP_SIZES = (2, 4, 8, 16)
+UNIT = {Op.F: 1, Op.I: 1, Op.W: 1, Op.B: 2}
+
+# Smallest valid microbatch count per family, as a function of p (see each docstring).
+MIN_MICROBATCHES = {"interleaved_1f1b": lambda p: p, "dualpipev": lambda p: 2 * p}
+SPLIT_BACKWARD = {"zb_h1", "zb_h2", "zbv", "v_half", "v_min"}
+
+
+def microbatch_counts(name, p):
+    low = MIN_MICROBATCHES.get(name, lambda p: 1)(p)
+    return sorted({m for m in (1, p - 1, p, p + 1, 2 * p, 2 * p + 1, 4 * p) if m >= low})
+
+
+CASES = [(name, p, m) for name in names() for p in PP_SIZES for m in microbatch_counts(name, p)]
+
+
+@pytest.mark.parametrize("name, p, m", CASES, ids=[f"{n}-p{p}-m{m}" for n, p, m in CASES])
+def test_family_passes_the_validator(name, p, m):
+    schedule = get(name)(p, m)
+    validate(schedule)
+    assert schedule.pp_size == p and schedule.num_microbatches == m
+    ops = {action.op for row in schedule.actions for action in row}
+    if name in SPLIT_BACKWARD:
+        assert Op.I in ops and Op.W in ops
+    elif name != "dualpipev":  # DualPipeV mixes full and split backwards by design
+        assert ops == {Op.F, Op.B}
+
+
+def test_below_the_valid_range_the_error_names_the_nearest_valid_count():
+    with pytest.raises(ValueError, match="nearest valid: 4"):
+        get("interleaved_1f1b")(4, 3)
+
+
+@pytest.mark.parametrize("p", PP_SIZES)
+def test_peak_memory_of_the_single_chunk_families(p):
+    m = 4 * p
+    assert peak_memory(get("gpipe")(p, m)) == (m,) * p
+    assert peak_memory(get("1f1b")(p, m))[0] == p
+    assert peak_memory(get("zb_h1")(p, m)) == (p,) * p
+    assert peak_memory(get("zb_h2")(p, m)) == (2 * p - 1,) * p
+
+
+@pytest.mark.parametrize("p", PP_SIZES)
+def test_peak_memory_of_the_v_shaped_zero_bubble_matches_1f1b(p):
+    assert max(peak_memory(get("zbv")(p, 4 * p))) == p
+
+
+@pytest.mark.parametrize("p", PP_SIZES)
+def test_controllable_memory_schedules_stay_within_their_budgets(p):
+    # Qi et al. 2024b: V-Half about 1/2 and V-Min about 1/3 of 1F1B's p units (+1 working unit)
+    assert max(peak_memory(get("v_half")(p, 4 * p))) <= v_half_budget(p) == p // 2 + 1
+    assert max(peak_memory(get("v_min")(p, 4 * p))) <= v_min_budget(p) == math.ceil(p / 3) + 1
+
+
+@pytest.mark.parametrize("p", (4, 8))
+def test_v_half_halves_the_1f1b_bubble(p):
+    # In chunk-sized steps 1F1B idles 2 * 3(p-1); V-Half about half of that (paper: B/2).
+    assert _worst_bubble(get("v_half")(p, 4 * p)) <= 2 * 3 * (p - 1) * 0.6
+
+
+def test_dualpipev_mixes_full_and_split_backwards():
+    ops = {a.op for row in get("dualpipev")(4, 8).actions for a in row}
+    assert ops == {Op.F, Op.B, Op.I, Op.W}
+
+
+@pytest.mark.parametrize("p", (2, 4, 8))
+def test_interleaved_peak_memory_matches_korthikanti(p):
+    # Korthikanti et al. 2022 §4.2.3: 1F1B's p units times (1 + (p-1)/(p*v)) on rank 0.
+    v = 2
+    assert peak_memory(get("interleaved_1f1b")(p, 4 * p, chunks=v))[0] == p * (1 + (p - 1) / (p * v))
+
+
+def _worst_bubble(schedule):
+    execution = execute(schedule, UNIT)
+    return max(execution.idle_in_window(rank) for rank in range(schedule.pp_size))
+
+
+@pytest.mark.parametrize("p", (2, 4, 8))
+def test_bubbles_match_the_zero_bubble_paper(p):
+    m = 3 * p
+    assert _worst_bubble(get("1f1b")(p, m)) == (p - 1) * 3  # (p-1)(T_F + T_B + T_W)
+    assert _worst_bubble(get("zb_h1")(p, m)) == (p - 1) * 1  # (p-1)(T_F + T_B - T_W)
+    assert _worst_bubble(get("zb_h2")(p, m)) == 0  # (p-1)(T_F + T_B - 2 T_W)
+    assert _worst_bubble(get("zbv")(p, m)) == 0
+
+
+@pytest.mark.parametrize("p", (2, 4, 8))
+def test_interleaving_divides_the_1f1b_bubble_by_the_chunk_count(p):
+    # In chunk-sized time units interleaved 1F1B idles (p-1)(T_F+T_B) per rank: 1/v of 1F1B.
+    assert _worst_bubble(get("interleaved_1f1b")(p, 2 * p, chunks=2)) == (p - 1) * 3
