@@ -25,7 +25,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from loom.models.llama import sdpa_causal  # noqa: E402
+from loom.models.layers import sdpa_causal  # noqa: E402
 from loom.parallel.comm import CommLedger  # noqa: E402
 from loom.parallel.context import (CPLayout, ContextParallelAttention, new_cp_groups,  # noqa: E402
                                    sequence_positions)

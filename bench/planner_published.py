@@ -26,7 +26,7 @@ import time
 import tomllib
 from pathlib import Path
 
-from loom.models.llama import TransformerArgs
+from loom.models.layers import TransformerArgs
 from loom.plan.hardware import make_cluster
 from loom.plan.search import plan, simulate_step
 from loom.plan.space import Workload

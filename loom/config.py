@@ -13,7 +13,6 @@ The config is plain data: ``to_dict`` / ``to_toml`` write the resolved config ne
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import sys
 import typing
@@ -26,18 +25,13 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from loom.models.llama import TransformerArgs
+from loom.config_rules import DEFAULT_SCHEDULE, check_bpe_vocab
+from loom.config_rules import validate as check_rules
+from loom.errors import ConfigError, suggest
+from loom.models.layers import TransformerArgs
 from loom.models.presets import PRESETS
 
 from loom.topology import AXES  # noqa: E402  (one list of axis names)
-
-
-class ConfigError(ValueError):
-    """A config value breaks a rule. ``str()`` names the field, the value and the rule."""
-
-    def __init__(self, field_name: str, value: Any, rule: str) -> None:
-        self.field_name, self.value, self.rule = field_name, value, rule
-        super().__init__(f"config error: {field_name}={value!r}: {rule}")
 
 
 @dataclass
@@ -67,7 +61,7 @@ class ParallelConfig:
     # Pipeline schedule family (``loom schedule list``) and stages per rank; 0: the family's own
     # (1 for 1F1B-like families, 2 for interleaved/V-shaped ones). Used when pp > 1 (with pp = 1
     # another family than the default is refused: there is no pipeline to schedule).
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE
     chunks: int = 0
     # schedule = "search": Loom's schedule search (``loom schedule search``) picks the order and
     # the placement, under this activation-memory limit in units of one stage's activations for
@@ -118,6 +112,9 @@ class TrainConfig:
     run_dir: str = ""  # empty: runs/<timestamp>
     threads: int = 0  # intra-op threads per rank; 0: cores / local ranks
     timeout_s: float = 600.0  # collective timeout: a hung peer fails the job instead of hanging it
+    # SIGTERM (preemption): every rank stops after the current step, checkpoints and exits 0
+    # within this many seconds of the launcher's SIGTERM; past it the launcher kills the workers.
+    preempt_grace_s: float = 60.0
     nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss or grad norm: stop, or skip the step
     # nonfinite = skip: stop the run once more than this many steps were skipped (0: stop at the
     # first non-finite step, as "stop" does, but counted and named as a skip)
@@ -214,11 +211,6 @@ def known_keys() -> list[str]:
     return [f"{s}.{f.name}" for s, cls in _sections().items() for f in dataclasses.fields(cls)]
 
 
-def _suggest(name: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
 def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -230,7 +222,7 @@ def _coerce(key: str, raw: Any, kind: Any) -> Any:
         choices = typing.get_args(kind)
         if raw not in choices:
             raise ConfigError(key, raw, f"must be one of {', '.join(map(str, choices))}"
-                              + _suggest(str(raw), [str(c) for c in choices]))
+                              + suggest(str(raw), [str(c) for c in choices]))
         return raw
     if origin is tuple or kind is tuple:
         items = raw.split(",") if isinstance(raw, str) else raw
@@ -295,7 +287,7 @@ def _flatten_toml(table: dict[str, Any]) -> dict[str, Any]:
     for section, body in table.items():
         if not isinstance(body, dict):
             raise ConfigError(section, body, "top-level keys must be sections like [train]"
-                              + _suggest(section, list(_sections())))
+                              + suggest(section, list(_sections())))
         for key, value in body.items():
             flat[f"{section}.{key}"] = value
     return flat
@@ -338,15 +330,15 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     for key in flat:
         section, _, name = key.partition(".")
         if section not in sections:
-            raise ConfigError(key, flat[key], "unknown section" + _suggest(section, list(sections)))
+            raise ConfigError(key, flat[key], "unknown section" + suggest(section, list(sections)))
         if name not in {f.name for f in dataclasses.fields(sections[section])}:
-            raise ConfigError(key, flat[key], "unknown key" + _suggest(key, known_keys()))
+            raise ConfigError(key, flat[key], "unknown key" + suggest(key, known_keys()))
 
     preset_name = flat.get("model.preset", ModelConfig.preset)
     if preset_name not in PRESETS:
         raise ConfigError("model.preset", preset_name,
                           f"unknown preset; known: {', '.join(PRESETS)}"
-                          + _suggest(str(preset_name), list(PRESETS)))
+                          + suggest(str(preset_name), list(PRESETS)))
     shape = dataclasses.asdict(PRESETS[preset_name])
     shape["vocab_size"] = 0  # presets' vocab sizes are for planning; local runs size from the tokenizer
     if preset_name not in ("tiny", "debug", "tiny-moe"):
@@ -387,7 +379,7 @@ def resolve(config: Config, world_size: int) -> Config:
                               f"world size {world_size} is not divisible by pp*dp_shard*ep*cp*tp"
                               f" = {others}")
         par.dp_replicate = world_size // others
-    _check_bpe_vocab(config.data)
+    check_bpe_vocab(config.data)
     if config.model.vocab_size == 0:
         from loom.data.tokenizer import tokenizer_vocab_size
 
@@ -400,15 +392,7 @@ def resolve(config: Config, world_size: int) -> Config:
 
 def validate(config: Config, world_size: int) -> None:
     """Check every cross-field rule (``loom.config_rules``); raise ConfigError on the first broken one."""
-    from loom.config_rules import validate as check_rules  # the rules import this module's types
-
     check_rules(config, world_size)
-
-
-def _check_bpe_vocab(data: DataConfig) -> None:
-    if data.tokenizer == "bpe" and data.bpe_vocab_size < 260:
-        raise ConfigError("data.bpe_vocab_size", data.bpe_vocab_size,
-                          "must be >= 260 (256 byte symbols plus special tokens)")
 
 
 def to_dict(config: Config) -> dict[str, dict[str, Any]]:

@@ -10,7 +10,9 @@ manifest, and ``data.source`` holds a readable text file and enough text for one
 and the rule, and the nearest valid value where one exists.
 
 Split out of ``config.py`` so that a parallelism landing edits its own rule here, next to its
-neighbours, without touching parsing.
+neighbours, without touching parsing. The arrow points one way: ``loom.config`` imports these
+rules (``resolve`` runs them); they read a config's fields and import only its type names, for
+annotations.
 """
 
 from __future__ import annotations
@@ -18,8 +20,22 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from loom.config import Config, ConfigError, ParallelConfig, _check_bpe_vocab, _suggest
+from loom.errors import ConfigError, suggest
+
+if TYPE_CHECKING:  # the rules read a config; loom.config imports them to run them in resolve()
+    from loom.config import Config, DataConfig
+
+# parallel.schedule's default; with pp = 1 any other family is refused
+DEFAULT_SCHEDULE = "1f1b"
+
+
+def check_bpe_vocab(data: DataConfig) -> None:
+    if data.tokenizer == "bpe" and data.bpe_vocab_size < 260:
+        raise ConfigError("data.bpe_vocab_size", data.bpe_vocab_size,
+                          "must be >= 260 (256 byte symbols plus special tokens)")
+
 
 def _nearest_multiples(value: int, divisor: int) -> str:
     low = (value // divisor) * divisor
@@ -63,10 +79,12 @@ def validate(config: Config, world_size: int) -> None:
             raise ConfigError(f"optim.{key}", getattr(opt, key), "must be in [0, 1)")
     if not 0 < data.val_fraction < 1:
         raise ConfigError("data.val_fraction", data.val_fraction, "must be in (0, 1)")
-    _check_bpe_vocab(data)
+    check_bpe_vocab(data)
     _validate_resume(config.checkpoint.resume)
     if tr.timeout_s <= 0:
         raise ConfigError("train.timeout_s", tr.timeout_s, "must be > 0")
+    if tr.preempt_grace_s <= 0:
+        raise ConfigError("train.preempt_grace_s", tr.preempt_grace_s, "must be > 0")
 
     # Model shape.
     _require_divisible("model.dim", m.dim, m.n_heads, "model.n_heads")
@@ -214,7 +232,7 @@ def _validate_zero_pipeline(config: Config) -> None:
     the backward into I and W keeps its stages gathered across the step (ZeRO-1/2 never
     reshard: their parameters stay whole)."""
     par = config.parallel
-    from loom.schedule.families import schedule_for
+    from loom.schedule.select import schedule_for
 
     tr = config.train
     micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
@@ -352,9 +370,9 @@ def _validate_routes(config: Config, schedule, how: str) -> None:
 def _validate_schedule(config: Config) -> None:
     """The pipeline rules: a known schedule family, chunks it accepts, a layer per stage and a
     microbatch count m = global_batch_size / (dp * micro_batch_size) the family can schedule."""
-    from loom.schedule.families import ChunksError, schedule_for  # config -> Schedule, one place
-    from loom.schedule.families import (SEARCH, SEARCH_PLACEMENTS, parse_search_costs,
-                                         simulation_only, trainable)
+    from loom.schedule.families import SEARCH_PLACEMENTS, simulation_only, trainable
+    from loom.schedule.select import (SEARCH, ChunksError, parse_search_costs,  # config -> Schedule,
+                                      schedule_for)  # one place
 
     par, tr, m = config.parallel, config.train, config.model
     if par.schedule.lower().replace("-", "_") in simulation_only():
@@ -386,11 +404,11 @@ def _validate_schedule(config: Config) -> None:
                           " leave it \"auto\"")
     if par.schedule.lower().replace("-", "_") not in known:
         raise ConfigError("parallel.schedule", par.schedule, f"unknown schedule; known: "
-                          f"{', '.join(known)}" + _suggest(par.schedule.lower(), known))
+                          f"{', '.join(known)}" + suggest(par.schedule.lower(), known))
     if par.chunks < 0:
         raise ConfigError("parallel.chunks", par.chunks, "must be >= 0 (0: the family's default)")
     if par.pp == 1:
-        default = ParallelConfig.schedule
+        default = DEFAULT_SCHEDULE
         if par.schedule.lower().replace("-", "_") != default:
             raise ConfigError("parallel.schedule", par.schedule, "needs parallel.pp > 1 (with pp"
                               f" = 1 there is no pipeline to schedule); set parallel.pp or leave"

@@ -29,7 +29,7 @@ import torch
 
 from loom.models.hf import (SINGLE_FILE, HFConversionError, atomic_save_safetensors,
                             read_hf_checkpoint, write_hf_checkpoint)
-from loom.models.llama import TransformerArgs
+from loom.models.layers import TransformerArgs
 
 EXIT_USAGE = 2
 CONFIG_FILE = "config.toml"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from loom.config import ConfigError
+from loom.errors import ConfigError
 
 STDLIB_SOURCE = "stdlib"
 STDLIB_EXTENSIONS = (".py",)

@@ -33,7 +33,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from loom.config import ConfigError
+from loom.errors import ConfigError
 from loom.data.corpus import (
     STDLIB_SOURCE,
     Document,

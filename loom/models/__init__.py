@@ -10,7 +10,8 @@ from typing import Iterable
 
 import torch
 
-from loom.models.llama import Transformer, TransformerArgs, initial_value, reset_parameters
+from loom.models.llama import Transformer, initial_value, reset_parameters
+from loom.models.layers import TransformerArgs
 from loom.models.presets import PRESETS, active_parameter_count, parameter_count, preset
 
 __all__ = [

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from loom.models import build_model
-from loom.models.llama import TransformerArgs
+from loom.models.layers import TransformerArgs
 
 ARCHITECTURE = "LlamaForCausalLM"
 SINGLE_FILE = "model.safetensors"

@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.models.llama import FeedForward, TransformerArgs
+from loom.models.layers import FeedForward, TransformerArgs
 
 
 class Routing(NamedTuple):

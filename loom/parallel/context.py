@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loom.models.llama import sdpa_causal
+from loom.models.layers import sdpa_causal
 from loom.models.moe import MoEFeedForward
 from loom.parallel import comm
 from loom.parallel.comm import CommLedger

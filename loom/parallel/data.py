@@ -58,9 +58,8 @@ from typing import Any, ContextManager, Sequence
 import torch
 from torch import nn
 
+from loom.formulas.memory import BUCKET_BYTES  # the memory formulas depend on it too
 from loom.parallel import comm
-
-BUCKET_BYTES = 25 * 2**20
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -432,9 +432,9 @@ def clip_grad_norm(model: nn.Module, max_norm: float, ep: ExpertParallel,
     every tp-sharded square (experts and dense) over tp; replicated gradients are added once;
     with pipeline stages (``pp_group``) the total is summed over pp. Returns the norm.
     """
-    from loom.parallel.tensor import tensor_parallel_of  # tensor.py imports this module
-
-    tp = tp if tp is not None else tensor_parallel_of(model)
+    # the record apply_tensor_parallel leaves (tensor.tensor_parallel_of; tensor.py imports this
+    # module, so reading the attribute here keeps the arrow one way)
+    tp = tp if tp is not None else getattr(model, "tensor_parallel", None)
     experts = expert_parameter_names(model)
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     expert_sq, sharded_sq, replicated_sq = (torch.zeros((), dtype=torch.float32) for _ in range(3))

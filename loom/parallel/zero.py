@@ -83,12 +83,11 @@ import torch
 from torch import nn
 
 from loom.parallel import comm
+# MAX_IN_FLIGHT: reduce-scatters a rank keeps outstanding before waiting for the oldest: two
+# overlap the reduction of one bucket with the packing of the next (DeepSpeed's double buffer)
+# and bound the packed gradients held to three buckets (the memory formulas depend on it).
+from loom.formulas.memory import MAX_IN_FLIGHT
 from loom.parallel.data import BUCKET_BYTES, _local
-
-# Reduce-scatters a rank keeps outstanding before waiting for the oldest: two overlap the
-# reduction of one bucket with the packing of the next (DeepSpeed's double buffer) and bound the
-# packed gradients held to three buckets.
-MAX_IN_FLIGHT = 2
 
 
 def _tp_sharded(param: torch.Tensor) -> bool:

@@ -72,7 +72,7 @@ from loom.parallel.comm import CommLedger
 from loom.parallel.data import GradientReducer, gradient_reducer, reshard
 from loom.schedule import families as schedules
 from loom.schedule.ir import Action, Op, Schedule
-from loom.schedule.families import ChunksError, schedule_for  # noqa: F401  (re-exported)
+from loom.schedule.select import ChunksError, schedule_for  # noqa: F401  (re-exported)
 from loom.pipeline.partition import partition_model
 from loom.pipeline.stage import LossFn, PipelineStage, build_stages
 from loom.schedule.validate import validate

@@ -128,7 +128,8 @@ def _compute_alone(torch) -> dict:
     dst = torch.empty_like(src)
     result["memory_bandwidth"] = 2 * src.numel() * 4 / _sustained_time(lambda: dst.copy_(src))
 
-    from loom.models.llama import TransformerArgs, TransformerBlock, rope_tables
+    from loom.models.llama import TransformerBlock
+    from loom.models.layers import TransformerArgs, rope_tables
 
     for dim, ffn, heads, kv, seq, micro in BLOCKS:
         args = TransformerArgs(dim=dim, n_layers=1, n_heads=heads, n_kv_heads=kv, ffn_dim=ffn,
@@ -227,7 +228,7 @@ def layer_scale(gpu: Gpu, link: Link, blocks: list) -> float:
     relative terms; a plain least-squares fit would follow the largest block; 1 without
     measurements). It stands for what the curve misses on this machine: the attention kernel,
     norms and activations are slower than their matmul FLOPs and bytes suggest."""
-    from loom.models.llama import TransformerArgs
+    from loom.models.layers import TransformerArgs
     from loom.plan.hardware import Cluster
     from loom.sim.cost_model import CostModel
     from loom.sim.layout import Layout

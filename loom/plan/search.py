@@ -63,12 +63,13 @@ def simulate_step(model: CostModel, cost: StepCost, *, max_simulated: int | None
     if lay.pp == 1 or cost.stage_costs is None:
         return replace(cost, simulated=True)
     from loom.schedule import families as schedules
+    from loom.schedule.select import SEARCH
 
     p, m = lay.pp, lay.microbatches
     first = min(m, max_simulated or 2 * p)
     stage_costs = cost.stage_costs.build()
     cores = model.shared_cores(lay)
-    if lay.schedule == schedules.SEARCH:
+    if lay.schedule == SEARCH:
         return _simulate_searched(model, cost, stage_costs, cores)
     generator = schedules.get(lay.schedule)
 
@@ -105,7 +106,7 @@ def _simulate_searched(model: CostModel, cost: StepCost, stage_costs: Any,
     call, limit, relative costs and placement, so the same deterministic answer) replayed on the
     real per-stage costs, over all its microbatches (a searched schedule has no fixed steady
     state to extend); its activations at the peak the schedule reaches, not at the limit."""
-    from loom.schedule.families import SEARCH, schedule_for
+    from loom.schedule.select import SEARCH, schedule_for
     from loom.schedule.validate import peak_memory
 
     lay = cost.layout

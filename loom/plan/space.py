@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from loom.models.llama import TransformerArgs
+from loom.models.layers import TransformerArgs
 from loom.sim.cost_model import Layout
 
 # Families the planner considers, with the chunks per rank they are searched at. GPipe and the

@@ -1,6 +1,6 @@
 """Per-rank memory of a layout, for the planner's cost model (``CostModel.memory``).
 
-The bytes are ``loom.train.memory``'s formulas, the ones the launch-time estimator uses:
+The bytes are ``loom.formulas.memory``'s, the formulas the launch-time estimator uses too:
 ZeRO model state (with full-size gradients while microbatches accumulate, and ZeRO-3 stages
 held gathered inside pipelines), per-block activations by tp / SP / cp / recomputation, the
 head's, and the schedule's peak microbatches in flight (``PEAK_IN_FLIGHT``). It communicates
@@ -13,8 +13,8 @@ from dataclasses import replace
 from typing import Any
 
 from loom.sim.layout import PEAK_IN_FLIGHT, Layout
-from loom.train.memory import (block_activation_bytes, head_activation_bytes, largest_parameter,
-                               model_state_bytes, zero2_bucket_bytes, zero2_reduction_bytes)
+from loom.formulas.memory import (block_activation_bytes, head_activation_bytes, largest_parameter,
+                                  model_state_bytes, zero2_bucket_bytes, zero2_reduction_bytes)
 
 
 def layout_memory(model: Any, lay: Layout, in_flight: tuple[float, ...] | None = None, *,

@@ -64,7 +64,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from loom.models.llama import TransformerArgs
+from loom.models.layers import TransformerArgs
 from loom.schedule.cost import OpCosts, StageCosts
 from loom.sim.cost_memory import layout_memory
 from loom.sim.cost_pipeline import pipeline_estimate

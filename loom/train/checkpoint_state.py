@@ -249,7 +249,7 @@ def _load_zero_optimizer_state(zero: Any, optimizer: torch.optim.Optimizer,
 
 def _require_one(values: set, key: str, names: list[str]) -> None:
     if len(values) != 1:
-        from loom.train.checkpoint import CheckpointError
+        from loom.train.checkpoint_safety import CheckpointError
 
         raise CheckpointError(f"{key}: the checkpoint holds different values for parameters"
                               f" that share one ZeRO bucket ({names[0]} ...): {sorted(values)}")

@@ -77,10 +77,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from loom.config import Config
-from loom.train.memory_formulas import (block_activation_bytes, head_activation_bytes,
-                                        largest_parameter, model_state_bytes,
-                                        optimizer_step_bytes, zero2_bucket_bytes,
-                                        zero2_reduction_bytes)
+from loom.formulas.memory import (block_activation_bytes, head_activation_bytes, largest_parameter,
+                                  model_state_bytes, optimizer_step_bytes, zero2_bucket_bytes,
+                                  zero2_reduction_bytes)
 
 GiB = 2**30
 
@@ -178,7 +177,7 @@ def _timelines(config: Config) -> list[_Timeline]:
                           [1.0] * (2 * n), [1.0, 0.0] * n)]
     from loom.schedule.ir import Op
     from loom.pipeline.partition import partition_model
-    from loom.schedule.families import schedule_for
+    from loom.schedule.select import schedule_for
     from loom.schedule.validate import memory_profile
 
     schedule = schedule_for(par.schedule, par.pp, micro, par.chunks,

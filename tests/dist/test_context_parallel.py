@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loom.models.llama import Transformer, TransformerArgs, reset_parameters, sdpa_causal
+from loom.models.llama import Transformer, reset_parameters
+from loom.models.layers import TransformerArgs, sdpa_causal
 from loom.parallel import comm
 from loom.parallel.comm import CommLedger
 from loom.parallel.context import (CPLayout, ContextParallelAttention, apply_context_parallel,

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from loom.models.llama import Transformer, TransformerArgs, reset_parameters
+from loom.models.llama import Transformer, reset_parameters
+from loom.models.layers import TransformerArgs
 from loom.models.moe import MoEFeedForward
 from loom.parallel import comm
 from loom.parallel.comm import CommLedger

@@ -147,7 +147,7 @@ def test_defaults_are_1f1b_with_the_family_chunks() -> None:
 def test_search_picks_a_schedule_within_its_memory_limit() -> None:
     """The searched schedule is the search's best for the config's costs and limit, and every
     caller (config rules, trainer, memory estimator) gets the same one."""
-    from loom.schedule.families import schedule_for
+    from loom.schedule.select import schedule_for
     from loom.schedule.validate import peak_memory
 
     tight = schedule_for("search", 4, 8, memory_limit=2, costs="1,1,1,0")

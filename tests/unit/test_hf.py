@@ -21,7 +21,7 @@ from loom.models import TransformerArgs, build_model, reset_parameters
 from loom.models.hf import (HFConversionError, args_from_hf_config, hf_config_from_args,
                             permute_from_hf, permute_to_hf, read_hf_checkpoint,
                             state_dict_from_hf, state_dict_to_hf, write_hf_checkpoint)
-from loom.models.llama import apply_rope, rope_tables
+from loom.models.layers import apply_rope, rope_tables
 
 torch.set_num_threads(1)
 

@@ -26,8 +26,6 @@ Not provided, and why:
 
 from __future__ import annotations
 
-import functools
-
 from collections.abc import Callable
 
 from loom.schedule.ir import Schedule
@@ -97,109 +95,9 @@ def get(name: str) -> Generator:
     return generator
 
 
-class ChunksError(ValueError):
-    """``chunks`` given for a family whose number of stages per rank is fixed."""
-
-
-SEARCH = "search"  # ``parallel.schedule = "search"``: the schedule search picks the schedule
 # ``parallel.schedule_placement`` values besides "auto" (``loom.schedule.search.PLACEMENTS``)
 SEARCH_PLACEMENTS = ("looped", "interleaved", "v")
 
 
-def parse_search_costs(text: str, pp: int = 0
-                       ) -> tuple[tuple[tuple[float, float, float], ...], float]:
-    """``parallel.schedule_costs``: ``"F,I,W,latency"``, one full stage's relative costs for every
-    rank, or ``"F,I,W;F,I,W;...;F,I,W,latency"``, one rank's full share each (the ends also
-    carry the embedding and the head); returns the (F, I, W) per group and the latency. ``pp``
-    (0: unchecked) is the number of ranks a per-rank list must name."""
-    groups = [group.split(",") for group in text.split(";")]
-    rule = (f"{text!r} must be F,I,W,latency (or one F,I,W per rank separated by ';', the last"
-            f" followed by ,latency) with F, I, W > 0 and latency >= 0, e.g. 1,1,1,0")
-    try:
-        numbers = [[float(v) for v in group] for group in groups]
-    except ValueError:
-        raise ValueError(rule) from None
-    if len(numbers[-1]) != 4 or any(len(group) != 3 for group in numbers[:-1]):
-        raise ValueError(rule)
-    latency = numbers[-1].pop()
-    if latency < 0 or any(min(group) <= 0 for group in numbers):
-        raise ValueError(rule)
-    if pp and len(numbers) not in (1, pp):
-        raise ValueError(f"{text!r} names {len(numbers)} ranks' costs: give one F,I,W for every"
-                         f" rank or one per rank ({pp})")
-    return tuple((f, i, w) for f, i, w in numbers), latency
-
-
-@functools.lru_cache(maxsize=16)
-def _searched(pp: int, microbatches: int, memory_limit: float,
-              costs: tuple[tuple[tuple[float, float, float], ...], float],
-              placement: str) -> Schedule:
-    """Deterministic (an effort limit, no wall-clock budget): every rank finds the same one."""
-    from loom.schedule.search import search
-    from loom.schedule.validate import validate
-    from loom.schedule.cost import OpCosts, StageCosts
-
-    stages, latency = costs
-    schedule = search(pp, microbatches,
-                      StageCosts(tuple(OpCosts(f, i, w) for f, i, w in stages), latency=latency),
-                      memory_limit, placement).schedule
-    validate(schedule)
-    return schedule
-
-
-def schedule_for(name: str, pp: int, microbatches: int, chunks: int = 0, *,
-                 memory_limit: float = 0.0, costs: str = "1,1,1,0",
-                 max_stages: int = 0, placement: str = "auto") -> Schedule:
-    """The validated schedule of family ``name`` (``parallel.schedule``) for ``pp`` ranks and
-    ``microbatches``; ``chunks`` stages per rank, 0 for the family's default. Raises ValueError
-    with the family's rule when the sizes are invalid, ``ChunksError`` for a fixed-chunk family
-    given another count. (Here rather than in the runtime so that config validation and the
-    planner do not import ``torch.distributed.pipelining``.)
-
-    ``name = "search"``: the schedule search's best schedule, placement included, for relative
-    ``costs`` ("F,I,W,latency", or one F,I,W per rank: ``parse_search_costs``) under
-    ``memory_limit`` units of one stage's activations (0: ``pp``, what 1F1B needs);
-    ``parallel.schedule_memory_limit`` and ``parallel.schedule_costs``. ``placement`` (``parallel.schedule_placement``) pins the
-    search to one placement (looped, interleaved or v); "auto" lets it choose, except that
-    ``max_stages`` (the model's layers; 0: no bound) below 2 pp keeps it to one stage per rank."""
-    if name.lower() == SEARCH:
-        if chunks:
-            raise ChunksError("the search chooses the placement and its stages per rank; use"
-                              " chunks = 0")
-        if placement == "auto":
-            placement = "looped" if 0 < max_stages < 2 * pp else "any"
-        elif placement not in SEARCH_PLACEMENTS:
-            raise ValueError(f"placement {placement!r}: choose from auto, "
-                             f"{', '.join(SEARCH_PLACEMENTS)}")
-        elif placement != "looped" and 0 < max_stages < 2 * pp:
-            raise ValueError(f"placement {placement!r} puts two stages on each rank: it needs"
-                             f" 2 x pp = {2 * pp} layers, the model has {max_stages}")
-        return _searched(pp, microbatches, float(memory_limit or pp),
-                         parse_search_costs(costs, pp), placement)
-    return _generated(name, pp, microbatches, chunks)
-
-
-@functools.lru_cache(maxsize=256)
-def _generated(name: str, pp: int, microbatches: int, chunks: int) -> Schedule:
-    """A family's validated schedule, cached: config checks, the estimator, the trainer and the
-    planner's runnability check of many layouts ask for the same few (a V-Min at pp 32 with
-    hundreds of microbatches takes a tenth of a second to generate and validate)."""
-    import inspect
-
-    from loom.schedule.validate import validate
-
-    generator = get(name)
-    if chunks and "chunks" not in inspect.signature(generator).parameters:
-        schedule = generator(pp, microbatches)
-        if schedule.chunks_per_rank != chunks:
-            raise ChunksError(f"schedule {name!r} places a fixed {schedule.chunks_per_rank} "
-                              f"stage(s) per rank; use chunks = 0 or {schedule.chunks_per_rank}")
-    else:
-        schedule = generator(pp, microbatches, chunks=chunks) if chunks else generator(pp, microbatches)
-    validate(schedule)
-    return schedule
-
-
-__all__ = ["Generator", "get", "names", "routed", "trainable", "simulation_only", "schedule_for",
-           "SEARCH", "SEARCH_PLACEMENTS", "parse_search_costs",
-           "ChunksError"]
+__all__ = ["Generator", "get", "names", "routed", "trainable", "simulation_only",
+           "SEARCH_PLACEMENTS"]

@@ -9,7 +9,7 @@ attention differs from sdpa only in summation order, so the tolerance is roundin
 import pytest
 import torch
 
-from loom.models.llama import sdpa_causal
+from loom.models.layers import sdpa_causal
 from loom.parallel.context import CPLayout, check_layout, sequence_positions, shard_sequence
 from loom.parallel.ring_attention import (Ring, attend_block, attend_block_backward,
                                           attend_block_backward_math, attend_block_math, block_kind,

@@ -62,7 +62,7 @@ def test_layer_scale_recovers_how_much_slower_blocks_are_than_priced():
     """Blocks that take 1.5x the priced layer time plus the fixed per-pass cost give 1.5."""
     from dataclasses import replace
 
-    from loom.models.llama import TransformerArgs
+    from loom.models.layers import TransformerArgs
     from loom.plan.calibrate import BLOCKS, layer_scale
     from loom.plan.hardware import Cluster
     from loom.sim.cost_model import CostModel, Layout

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from loom.config import load_config, resolve
-from loom.models.llama import TransformerArgs
+from loom.models.layers import TransformerArgs
 from loom.models.presets import PRESETS, parameter_count
 from loom.schedule import families as schedules
 from loom.schedule.validate import peak_memory

@@ -11,6 +11,7 @@ from loom.cli import main
 from loom.config import load_config, resolve
 from loom.models.presets import PRESETS
 from loom.schedule import families as schedules
+from loom.schedule.select import schedule_for
 from loom.plan.hardware import make_cluster
 from loom.plan.search import plan, runnable, simulate_step, to_config
 from loom.plan.space import SCHEDULES, Workload, layouts
@@ -210,7 +211,7 @@ def test_the_planner_simulates_the_schedule_loom_train_would_search(no_tp):
     par = config.parallel
     assert (par.schedule, par.schedule_placement) == ("search", "v")
     assert par.schedule_memory_limit == 3 and par.schedule_costs == cost.layout.schedule_costs
-    trained = schedules.schedule_for(
+    trained = schedule_for(
         par.schedule, par.pp, config.train.global_batch_size // (par.dp * config.train.
                                                                 micro_batch_size),
         par.chunks, memory_limit=par.schedule_memory_limit, costs=par.schedule_costs,

@@ -1,13 +1,22 @@
 """The per-rank memory formulas of one layer, the head, the ZeRO model state and the step's
 transient buffers: pure functions of sizes, shared by the launch-time estimator
 (``loom.train.memory``, which weighs them at each instant of a rank's step) and the planner
-(``loom.sim.cost_memory``). The derivations and measurements are in ``loom.train.memory``'s
-docstring and docs/benchmarks.md. Communicates nothing.
+(``loom.sim.cost_memory``). Ground floor: imports nothing of Loom and no torch. The derivations
+and measurements are in ``loom.train.memory``'s docstring and docs/benchmarks.md. Communicates
+nothing.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+# The data-parallel gradient reducers' bucket size (``loom.parallel.data``; ZeRO-2's packing
+# buffers too) and ZeRO-2's outstanding reduce-scatters (``loom.parallel.zero``). Here, at the
+# ground floor, because the memory formulas depend on them and the reducers import them.
+# MAX_IN_FLIGHT = 2 overlaps one bucket's reduction with the next one's packing (DeepSpeed's
+# double buffer) and bounds the packed gradients held to three buckets.
+BUCKET_BYTES = 25 * 2**20
+MAX_IN_FLIGHT = 2
 
 
 def block_activation_bytes(*, s: int, b: int, h: int, f: float, a: int, kv: int, t: int = 1,
@@ -62,8 +71,6 @@ def zero2_bucket_bytes(psi: float, bucket_bytes: float | None = None,
     """One ZeRO-2 packing buffer of ``psi`` parameters' gradients: a bucket closes once it holds
     ``bucket_bytes`` (default ``BUCKET_BYTES``), so it is at most one parameter (``largest``
     bytes) bigger, and never bigger than all of them."""
-    from loom.parallel.data import BUCKET_BYTES
-
     return min(4 * psi, (BUCKET_BYTES if bucket_bytes is None else bucket_bytes) + largest)
 
 
@@ -78,8 +85,6 @@ def zero2_reduction_bytes(psi: float, shard: int, *, accumulated: bool,
     it; otherwise up to ``MAX_IN_FLIGHT + 1`` buffers. Transient: those buffers (a bucket closes
     at ``bucket_bytes`` or one parameter, at most ``largest`` bytes, beyond) and the reduced
     slices' outputs (4Ψ/d)."""
-    from loom.parallel.zero import MAX_IN_FLIGHT
-
     bucket = zero2_bucket_bytes(psi, bucket_bytes, largest)
     buffers = bucket if accumulated else min(4 * psi, (MAX_IN_FLIGHT + 1) * bucket)
     return (4 * psi if accumulated else 0.0), buffers + 4 * psi / shard

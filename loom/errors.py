@@ -1,0 +1,25 @@
+"""The errors every floor may raise for bad input: the ground floor, importing nothing.
+
+``ConfigError`` names the field, the value and the rule; ``loom train`` prints it as one line and
+exits 2. It lives here, not in ``loom.config``, so the data layer (which checks corpora) and the
+config schema (which imports the data layer's tokenizer sizes) need not import each other.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config value breaks a rule. ``str()`` names the field, the value and the rule."""
+
+    def __init__(self, field_name: str, value: Any, rule: str) -> None:
+        self.field_name, self.value, self.rule = field_name, value, rule
+        super().__init__(f"config error: {field_name}={value!r}: {rule}")
+
+
+def suggest(name: str, options: list[str]) -> str:
+    """``"; did you mean 'x'?"`` for the closest of ``options`` to a misspelled ``name``, or ""."""
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
