@@ -64,6 +64,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from loom.formulas.flops import model_flops_per_token
 from loom.models.layers import TransformerArgs
 from loom.schedule.cost import OpCosts, StageCosts
 from loom.sim.cost_memory import layout_memory
@@ -152,17 +153,9 @@ class CostModel:
         return self._model_flops
 
     def _count_model_flops(self) -> float:
-        """MFU's numerator for one step: 6 x active matmul parameters + 12·l·s·a·d per token
-        (full attention square), the ``loom.train.flops`` convention, over every token."""
-        m = self.model
-        tokens = self.batch * self.seq
-        dense, core = 0.0, 0.0
-        for i in range(m.n_layers):
-            mat, att = self.layer_flops(1, 1, bool(m.n_experts) and m.moe_layer(i))
-            dense += mat
-            core += att * 2  # back to the full square
-        head = 2 * m.dim * m.vocab_size
-        return 3 * tokens * (dense + core + head)
+        """MFU's numerator for one step: the trainer's own count (``loom.formulas.flops``, full
+        attention square, MoE layers by their active experts) over every token of the step."""
+        return self.batch * self.seq * model_flops_per_token(self.model, self.seq)
 
     # ----- time of one layer pass ----------------------------------------------------------
     def _layer_times(self, lay: Layout, moe: bool) -> tuple[float, float, float, dict[str, float]]:

@@ -1,9 +1,9 @@
-"""Model FLOPs per trained token and the device peak they are divided by, for MFU.
+"""The device peak that model FLOPs are divided by, for MFU.
 
 MFU (model FLOPs utilization, Chowdhery et al. 2022 App. B) needs two numbers: how many FLOPs the
 model *mathematically* requires per token (no recompute, no hardware tricks counted), and what the
 device could do at best. The first is a closed formula over the architecture
-(:func:`training_flops_per_token`); the second comes from a table of datasheet dense BF16 peaks
+(``loom.formulas.flops.training_flops_per_token``, shared with the planner); the second comes from a table of datasheet dense BF16 peaks
 for known GPUs, or, where no honest table entry exists (CPU, unknown accelerators, non-16-bit
 dtypes), from timing large square matmuls on the device itself (:func:`measure_matmul_peak`).
 A measured peak makes CPU MFU meaningful ("fraction of what this box's BLAS can do") instead of
@@ -37,74 +37,6 @@ _PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
 _TABLE_DTYPES = (torch.bfloat16, torch.float16)
 
 _PEAK_CACHE: dict[tuple[str, int | None, torch.dtype, int], tuple[float, str]] = {}
-
-
-def training_flops_per_token(
-    *,
-    dim: int,
-    n_layers: int,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    ffn_dim: int,
-    vocab_size: int,
-    seq_len: int,
-    causal: bool = True,
-    halve_causal: bool = False,
-) -> float:
-    """Model FLOPs to train on one token (forward + backward, no activation recompute).
-
-    Counting rule: a matmul of (m x k) by (k x n) is m·k·n multiply-adds = 2·m·k·n FLOPs, and the
-    backward of every matmul costs twice its forward (one matmul for the input gradient, one for
-    the weight gradient), so training = 3 x forward. Only matmuls are counted; norms, softmax,
-    activations, RoPE, the embedding lookup (a gather) and the optimizer are ignored, as in every
-    published MFU convention. With h = dim, l = n_layers, H = n_heads, K = n_kv_heads,
-    d = head_dim, f = ffn_dim, V = vocab_size, s = seq_len, the forward pass for one token is
-
-        per layer   q:  2·h·(H·d)        k, v: 2 · 2·h·(K·d)   (grouped-query: K <= H)
-                    o:  2·(H·d)·h        SwiGLU gate, up, down: 3 · 2·h·f
-                    scores Q·Kᵀ and probs·V: 2 · 2·s·(H·d)
-        head        2·h·V
-
-    so, writing N = l·(2·h·H·d + 2·h·K·d + 3·h·f) + h·V for the matmul parameter count
-    (embedding excluded, head included even when tied, since the head matmul is executed),
-
-        F_token = 6·N + 12·l·s·H·d                                           (x 1/2 on the
-                                                                              attention term
-                                                                              if halved)
-
-    Relation to the published forms (tested in tests/unit/train/test_metrics.py):
-
-    * PaLM (Chowdhery et al. 2022, App. B): 6N + 12·l·h·s. Identical when H·d = h.
-    * Megatron (Korthikanti et al. 2022, eq. 7), model FLOPs per iteration of B sequences:
-      72·B·s·l·h²·(1 + s/(6h) + V/(12·h·l)), i.e. per token 72·l·h² + 12·l·s·h + 6·h·V. That is
-      the GPT case K = H, H·d = h, MLP of two h x 4h matrices (8h² weights per layer). Our
-      SwiGLU has 3·h·f weights, which equals 8h² exactly when f = 8h/3; then 6N = 6·l·(4h² + 8h²)
-      + 6·h·V and the two formulas agree term by term.
-    * Megatron eq. 3 (Narayanan et al. 2021, 96·B·s·l·h²·...) includes the recompute forward; it
-      is a *hardware* FLOP count, not model FLOPs, so it is deliberately not what we compute.
-
-    Causal mask: with a causal mask only about half of the s x s score matrix is needed, but
-    PaLM and TorchTitan (``get_num_flop_per_token``) count the full 12·l·s·H·d and we follow them
-    by default so our MFU is comparable with theirs. ``causal`` says whether the model's attention
-    is causal; only with ``causal and halve_causal`` is the attention term halved (the FLOPs a
-    mask-skipping kernel such as FlashAttention actually performs).
-    """
-    for name, value in (("dim", dim), ("n_layers", n_layers), ("n_heads", n_heads),
-                        ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
-                        ("ffn_dim", ffn_dim), ("vocab_size", vocab_size), ("seq_len", seq_len)):
-        if value <= 0:
-            raise ValueError(f"training_flops_per_token: {name}={value} must be positive")
-    if n_heads % n_kv_heads:
-        raise ValueError(f"training_flops_per_token: n_kv_heads={n_kv_heads} must divide "
-                         f"n_heads={n_heads} (grouped-query attention)")
-    attn_proj = 2 * dim * n_heads * head_dim + 2 * dim * n_kv_heads * head_dim  # q+o, k+v
-    mlp = 3 * dim * ffn_dim
-    n_matmul_params = n_layers * (attn_proj + mlp) + dim * vocab_size
-    attention = 12 * n_layers * seq_len * n_heads * head_dim
-    if causal and halve_causal:
-        attention /= 2
-    return float(6 * n_matmul_params + attention)
 
 
 def synchronize(device: torch.device) -> None:

@@ -53,7 +53,7 @@ class StepTimer:
         MFU          = flops_per_token · tokens_per_s / (peak_flops · n_devices)
 
     ``flops_per_token`` is the model FLOPs of one trained token
-    (:func:`loom.train.flops.training_flops_per_token`), ``peak_flops`` the peak of *one* device
+    (:func:`loom.formulas.flops.training_flops_per_token`), ``peak_flops`` the peak of *one* device
     (:func:`loom.train.flops.device_peak_flops`). Pass the *global* token count of the step (all
     data-parallel replicas) with ``n_devices`` = world size; or the local count with the number of
     devices that share it; both give the same MFU. Each process measures its own clock, so on

@@ -43,7 +43,8 @@ from loom.pipeline.stage import LocalStages
 from loom.topology import DATA_AXES, RankGrid, build_mesh
 from loom.train.distributed import DistContext, init_distributed
 from loom.train import full_state
-from loom.train.flops import device_peak_flops, training_flops_per_token
+from loom.formulas.flops import model_flops_per_token
+from loom.train.flops import device_peak_flops
 from loom.train.metrics import MetricsLogger, StepTimer, peak_memory_bytes
 from loom.train.optim import build_optimizer, build_scheduler
 from loom.train.post_validation import PendingMean, optimizer_step_for
@@ -444,10 +445,7 @@ class Trainer:
         tokens_per_step = tr.global_batch_size * cfg.data.seq_len
         compute_dtype = torch.bfloat16 if tr.dtype == "bf16" else torch.float32
         peak, peak_source = device_peak_flops(self.ctx.device, compute_dtype)
-        flops = training_flops_per_token(
-            dim=self.args.dim, n_layers=self.args.n_layers, n_heads=self.args.n_heads,
-            n_kv_heads=self.args.n_kv_heads, head_dim=self.args.head_dim,
-            ffn_dim=self.args.ffn_dim, vocab_size=self.args.vocab_size, seq_len=cfg.data.seq_len)
+        flops = model_flops_per_token(self.args, cfg.data.seq_len)  # MoE: active experts
         timer = StepTimer(flops_per_token=flops, peak_flops=peak, n_devices=self.ctx.world_size,
                           device=self.ctx.device)
         mc = cfg.metrics

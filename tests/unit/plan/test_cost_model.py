@@ -17,7 +17,7 @@ from loom.plan.hardware import GB, Cluster, Gpu, Link, make_cluster
 from loom.plan.space import SCHEDULES
 from loom.sim.cost_model import (PEAK_IN_FLIGHT, CostModel, Layout, all_to_all_time,
                                  allreduce_time, gather_time, p2p_time)
-from loom.train.flops import training_flops_per_token
+from loom.formulas.flops import training_flops_per_token
 from loom.train.memory import estimate_memory
 
 # debug shape: h 64, 4 layers, 4 heads (d 16), 2 KV heads, FFN 128, vocab 320

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from loom.train import flops, metrics
-from loom.train.flops import device_peak_flops, measure_matmul_peak, training_flops_per_token
+from loom.formulas.flops import training_flops_per_token
+from loom.train.flops import device_peak_flops, measure_matmul_peak
 from loom.train.metrics import MetricsLogger, StepTimer, peak_memory_bytes
 from loom.train.plots import plot_loss_curve
 
