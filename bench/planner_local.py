@@ -32,7 +32,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from loom.models.presets import PRESETS
-from loom.plan.calibrate import calibrate, load_profile
+from loom.calibration.measure import calibrate
+from loom.plan.calibrate import load_profile
 from loom.plan.hardware import Cluster
 from loom.plan.search import plan, simulate_step
 from loom.plan.space import Workload

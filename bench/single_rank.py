@@ -30,7 +30,8 @@ from loom.config import load_config, resolve  # noqa: E402
 from loom.data.loader import prepare_data  # noqa: E402
 from loom.models import build_model, reset_parameters  # noqa: E402
 from loom.train.optim import clip_grad_norm  # noqa: E402
-from loom.train.trainer import Trainer, cross_entropy, model_args  # noqa: E402
+from loom.config import model_args  # noqa: E402
+from loom.train.trainer import Trainer, cross_entropy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

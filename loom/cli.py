@@ -107,6 +107,13 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _measure_machine(nproc: int, profile: str | None) -> Path:
+    """``loom plan --calibrate``: measure this machine (processes, torch, the trainer's probes)."""
+    from loom.calibration.measure import calibrate
+
+    return calibrate(nproc, profile)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loom", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -151,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from loom.plan.cli import add_plan_commands
 
-    add_plan_commands(sub)
+    add_plan_commands(sub, measure_machine=_measure_machine)
     return parser
 
 

@@ -44,6 +44,13 @@ class ModelConfig(TransformerArgs):
     vocab_multiple: int = 64
 
 
+def model_args(config: Config) -> TransformerArgs:
+    """The model shape of a resolved config (drops the config-only fields)."""
+    fields = {f.name for f in dataclasses.fields(TransformerArgs)}
+    return TransformerArgs(**{k: v for k, v in dataclasses.asdict(config.model).items()
+                              if k in fields})
+
+
 @dataclass
 class ParallelConfig:
     """Degrees of each mesh axis (see ``loom.topology``); their product is the world size.

@@ -15,7 +15,7 @@ import torch
 from loom.config import load_config
 from loom.data.tokenizer import load_tokenizer
 from loom.models import build_model, reset_parameters
-from loom.train.trainer import model_args
+from loom.config import model_args
 
 
 def load_trained_model(run_dir: Path, device: torch.device):

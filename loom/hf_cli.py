@@ -57,7 +57,7 @@ def read_run(run_dir: str | Path) -> tuple[TransformerArgs, dict[str, torch.Tens
     from safetensors.torch import load_file
 
     from loom.config import load_config
-    from loom.train.trainer import model_args
+    from loom.config import model_args
 
     run_dir = Path(run_dir)
     for name in (CONFIG_FILE, SINGLE_FILE):

@@ -1,6 +1,9 @@
-"""``loom plan --calibrate``: measure this machine so the planner can price layouts on it.
+"""The planner's side of calibration: what is measured, how it is fitted, the stored profile.
 
-Runs ``nproc`` local processes (as a training job would) and measures:
+``loom plan --calibrate`` runs ``loom.calibration.measure`` (which uses the trainer, so it lives
+above the planner) and hands its raw measurements to ``write_profile`` here, which fits them and
+stores the profile; ``loom plan --gpu local`` only reads that profile (``load_profile``). What the
+measurement takes:
 
 * on rank 0 alone, while the others wait (so on a core of its own): matmul throughput at several
   shapes whose smallest dimension d runs from 16 to 512, fitted to the cost model's
@@ -19,9 +22,13 @@ Runs ``nproc`` local processes (as a training job would) and measures:
   probe model trained by Loom's trainer under each wrapper, all stepped in one rotation, and
   what the cost model does not explain of its step charged to that wrapper.
 
+The fit: matmul rates to the cost model's ``rate(d) = R · d / (d + knee)`` by least squares on
+``1/rate = 1/R + (knee/R) · 1/d``; all-reduce times to the ring's
+``2(n-1)·alpha + 2(n-1)/n · M / beta``; Loom's block times to one factor over the cost model's
+layer time (``layer_scale``); the probes to each wrapper's framework work (``probes``).
+
 The profile (JSON) becomes the catalog entries ``local-cpu`` (a ``Gpu`` with the measured R as
 its peak and efficiency 1) and ``local`` (a ``Link``), which ``loom plan --gpu local`` uses.
-Written with a temporary file and an atomic rename, so a failed run leaves the old profile.
 """
 
 from __future__ import annotations
@@ -30,8 +37,6 @@ import json
 import math
 import os
 import statistics
-import tempfile
-import time
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -43,67 +48,12 @@ SMALLEST_DIMS = (16, 32, 64, 128, 256, 512)
 ALLREDUCE_BYTES = (4096, 65536, 262144, 1048576, 4194304)
 
 
-def _median_time(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least-squares (intercept, slope) of ys on xs."""
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
     return my - slope * mx, slope
-
-
-def _worker(rank: int, world: int, store_path: str, out_dir: str, data_dir: str | None) -> None:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    from datetime import timedelta
-
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=120))
-    result: dict = {"allreduce": {}}
-    if rank == 0:
-        result.update(_compute_alone(torch))
-    dist.barrier()  # the others wait here, off the cores, while rank 0 measures
-    for nbytes in ALLREDUCE_BYTES:
-        buf = torch.zeros(nbytes // 4)
-        dist.barrier()
-        result["allreduce"][nbytes] = _median_time(lambda: dist.all_reduce(buf), reps=7)
-    if data_dir is not None:
-        from loom.plan.probes import run_probes
-        from loom.train.distributed import init_distributed
-
-        result["probes"] = run_probes(init_distributed("cpu", "gloo"), world, data_dir)
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
-
-
-def _sustained_time(fn, seconds: float = 0.2, loops: int = 3) -> float:
-    """Seconds per call, the median over ``loops`` loops of about ``seconds`` each of the mean
-    per call: what a training step sustains (the median of a few short calls reads a faster,
-    warmer processor than a step sees), robust to one slow spell of a shared machine."""
-    fn()  # warm-up
-    means = []
-    for _ in range(loops):
-        calls, start = 0, time.perf_counter()
-        while True:
-            fn()
-            calls += 1
-            took = time.perf_counter() - start
-            if took >= seconds:
-                means.append(took / calls)
-                break
-    return statistics.median(means)
 
 
 # Loom blocks timed alone (dim, ffn, heads, kv heads, seq, micro-batch): the cost model's layer
@@ -114,75 +64,6 @@ BLOCKS = ((8, 16, 2, 1, 4, 1), (128, 384, 8, 4, 128, 2), (256, 768, 8, 4, 256, 2
 
 
 OPTIMIZER_PARAMS = 2 ** 21  # the AdamW probe: 8 MiB of fp32 parameters, past the caches
-
-
-def _compute_alone(torch) -> dict:
-    """Matmul curve, memory bandwidth and Loom's block forward + backward at ``BLOCKS``' sizes,
-    on this process alone."""
-    result: dict = {"matmul": {}, "blocks": []}
-    big = 512
-    for d in SMALLEST_DIMS:
-        a, b = torch.randn(big, big), torch.randn(big, d)
-        result["matmul"][d] = 2 * big * big * d / _sustained_time(lambda: torch.mm(a, b))
-    src = torch.empty(16 * 2**20)  # 64 MiB of fp32
-    dst = torch.empty_like(src)
-    result["memory_bandwidth"] = 2 * src.numel() * 4 / _sustained_time(lambda: dst.copy_(src))
-
-    from loom.models.llama import TransformerBlock
-    from loom.models.layers import TransformerArgs, rope_tables
-
-    for dim, ffn, heads, kv, seq, micro in BLOCKS:
-        args = TransformerArgs(dim=dim, n_layers=1, n_heads=heads, n_kv_heads=kv, ffn_dim=ffn,
-                               vocab_size=8, max_seq_len=seq)
-        block = TransformerBlock(args)
-        for p in block.parameters():
-            torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
-        x = torch.randn(micro, seq, dim, requires_grad=True)
-        cos, sin = rope_tables(args.head_dim, seq, args.rope_theta)
-
-        def block_pass() -> None:
-            block(x, cos, sin).sum().backward()
-
-        result["blocks"].append([dim, ffn, heads, kv, seq, micro, _sustained_time(block_pass)])
-    result["block_pass"] = result["blocks"][0][-1]
-    # one AdamW step (multi-tensor, as the trainer builds it) over OPTIMIZER_PARAMS parameters
-    params = [torch.nn.Parameter(torch.randn(OPTIMIZER_PARAMS // 8)) for _ in range(8)]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    adamw = torch.optim.AdamW(params, lr=1e-4, foreach=True)
-    result["optimizer_per_param"] = _sustained_time(adamw.step) / OPTIMIZER_PARAMS
-    return result
-
-
-def cores() -> int:
-    """Processors this process may run on (its affinity, else the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def measure(nproc: int, *, probes: bool = True) -> dict:
-    """Raw measurements of ``nproc`` processes (rank-wise, seconds and FLOP/s; rank 0 carries
-    the compute measurements, every rank its collectives and probe times)."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        data_dir = None
-        if probes and nproc > 1:
-            from loom.config import DataConfig
-            from loom.data.loader import prepare_data
-            from loom.plan.probes import PROBE_DATA
-
-            fields = {k.split(".", 1)[1]: v for k, v in PROBE_DATA.items()}
-            fields["extensions"] = tuple(fields["extensions"].split(","))
-            data_dir = os.path.join(tmp, "data")
-            prepare_data(DataConfig(**fields), data_dir)
-        mp.start_processes(_worker, args=(nproc, store, tmp, data_dir), nprocs=nproc,
-                           join=True, start_method="spawn")
-        return {rank: json.loads(Path(tmp, f"rank{rank}.json").read_text())
-                for rank in range(nproc)}
 
 
 def fit(raw: dict, nproc: int, *, cores_shared: float = 0.0) -> tuple[Gpu, Link]:
@@ -248,13 +129,12 @@ def layer_scale(gpu: Gpu, link: Link, blocks: list) -> float:
     return math.exp(statistics.fmean(math.log(r) for r in ratios))
 
 
-def calibrate(nproc: int, path: str | Path | None = None, *, probes: bool = True) -> Path:
-    """Measure, fit and store the profile; returns its path."""
-    if nproc < 1:
-        raise ValueError(f"--nproc {nproc}: must be >= 1")
-    raw = measure(nproc, probes=probes)
-    shared = float(cores()) if nproc > cores() else 0.0
-    gpu, link = fit(raw, nproc, cores_shared=shared)
+def write_profile(raw: dict, nproc: int, path: str | Path | None = None, *,
+                  cores_shared: float = 0.0) -> Path:
+    """Fit ``raw`` (``loom.calibration.measure.measure``'s output) and store the profile, with
+    the raw measurements beside the fit; a temporary file and an atomic rename, so a failed run
+    leaves the old profile. Returns its path."""
+    gpu, link = fit(raw, nproc, cores_shared=cores_shared)
     target = Path(path) if path else DEFAULT_PROFILE
     target.parent.mkdir(parents=True, exist_ok=True)
     profile = {"measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -298,5 +178,5 @@ def load_profile(path: str | Path | None = None) -> tuple[Gpu, Link]:
     return Gpu(**data["gpu"]), Link(**data["link"])
 
 
-__all__ = ["calibrate", "measure", "fit", "layer_scale", "describe", "load_profile",
-           "DEFAULT_PROFILE"]
+__all__ = ["fit", "layer_scale", "write_profile", "describe", "load_profile", "DEFAULT_PROFILE",
+           "SMALLEST_DIMS", "ALLREDUCE_BYTES", "BLOCKS", "OPTIMIZER_PARAMS"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 EXIT_BAD_INPUT = 2
@@ -25,7 +26,12 @@ class PlanInputError(ValueError):
     """A ``loom plan`` argument breaks a rule; ``str()`` names the argument and the rule."""
 
 
-def add_plan_commands(sub: argparse._SubParsersAction) -> None:
+def add_plan_commands(sub: argparse._SubParsersAction,
+                      measure_machine: Callable[[int, str | None], Path] | None = None) -> None:
+    """``loom plan``. ``measure_machine(nproc, profile_path)`` runs the calibration for
+    ``--calibrate`` and returns the profile's path: the command layer passes it in
+    (``loom.calibration.measure.calibrate``, which uses the trainer), so the planner itself only
+    reads profiles."""
     plan = sub.add_parser("plan", help="predict and rank parallel layouts for a model on a cluster",
                           description=__doc__.splitlines()[0])
     plan.add_argument("--model", help="a preset name (loom.models.presets) or a Loom TOML config")
@@ -54,7 +60,7 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--nproc", type=int, default=0, help="processes for --calibrate (and"
                                                            " --gpu local's default --gpus)")
     plan.add_argument("--profile", help="calibration profile path (default ~/.cache/loom/local.json)")
-    plan.set_defaults(handler=_plan)
+    plan.set_defaults(handler=_plan, measure_machine=measure_machine)
 
 
 def parse_layout(text: str):
@@ -135,11 +141,11 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
         return EXIT_BAD_INPUT
     try:
         if args.calibrate:
-            from loom.plan.calibrate import calibrate
-
             from loom.plan.calibrate import describe, load_profile
 
-            path = calibrate(args.nproc or 2, args.profile)
+            if args.measure_machine is None:
+                raise PlanInputError("--calibrate: this entry point cannot measure the machine")
+            path = args.measure_machine(args.nproc or 2, args.profile)
             print(describe(*load_profile(path)))
             print(f"calibration profile written to {path}")
             return 0

@@ -1,6 +1,7 @@
 """Framework probes: what each parallel wrapper adds to a training step on this machine.
 
-Part of ``loom plan --calibrate``. The cost model prices FLOPs, bytes and messages. What it does
+Part of ``loom plan --calibrate``: the probes' layouts, shapes and configs and the fit are here;
+running them with the trainer is ``loom.calibration.probes``. The cost model prices FLOPs, bytes and messages. What it does
 not see is the per-op work of the framework around them: DTensor's dispatch under tensor
 parallelism, FSDP2's hooks and copies, the ring-attention loop, the pipeline interpreter, an
 optimizer over many small tensors. On an accelerator most of it hides behind asynchronous kernel
@@ -25,8 +26,6 @@ exactly the collectives that training with that layout would (counted nowhere: n
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import replace
 from typing import Any
 
@@ -92,57 +91,11 @@ def probe_config(layout: Layout, depth: int) -> Any:
         return None
 
 
-def run_probes(ctx: Any, nproc: int, data_dir: str, *, rounds: int = 6, steps: int = 2,
-               warmup: int = 2) -> dict[str, dict[str, float]]:
-    """On every rank of the calibration group: median step seconds of each probe at each shape
-    (keys "LxB"; the slowest rank's, each step started together after a barrier). Every
-    wrapper's shapes are built together and all are stepped in turn, ``steps`` each per round,
-    so a slow spell of the machine falls on all of them alike instead of on one wrapper."""
-    import gc
-
-    import torch
-    import torch.distributed as dist
-
-    from loom.train.trainer import Trainer
-
-    def timed_step(trainer: Any) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        trainer.train_step()
-        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        return float(took)
-
-    trainers: dict[tuple[str, str], Any] = {}
-    for name in probe_layouts(nproc):
-        for depth, micro in PROBE_SHAPES:
-            config = probe_config(probe_layouts(nproc, micro)[name], depth)
-            if config is not None:
-                trainers[(name, _key(depth, micro))] = Trainer(config, data_dir, None, ctx)
-    times: dict[tuple[str, str], list[float]] = {key: [] for key in trainers}
-    order = list(trainers)
-    for round_ in range(rounds):
-        # every wrapper and shape in turn, the order rotated per round: the fit compares each
-        # wrapper with "base", so a slow spell must fall on both alike
-        shift = round_ % len(order)
-        for key in order[shift:] + order[:shift]:
-            for _ in range(warmup if round_ == 0 else steps):
-                took = timed_step(trainers[key])
-                if round_:
-                    times[key].append(took)
-    out: dict[str, dict[str, float]] = {}
-    for (name, key), values in times.items():
-        out.setdefault(name, {})[key] = statistics.median(values)
-    del trainers
-    gc.collect()
-    return out
-
-
 def _predict(layout: Layout, depth: int, gpu: Any, link: Any, nproc: int) -> float:
     from loom.plan.hardware import Cluster
     from loom.plan.search import simulate_step
     from loom.sim.cost_model import CostModel
-    from loom.train.trainer import model_args
+    from loom.config import model_args
 
     config = probe_config(layout, depth)
     args = model_args(config)
@@ -202,4 +155,4 @@ def fit_framework(probes: dict[str, dict[str, float]], gpu: Any, link: Any,
 
 
 __all__ = ["PROBE_MODEL", "PROBE_SEQ", "PROBE_SHAPES", "probe_layouts", "probe_config",
-           "run_probes", "fit_framework"]
+           "fit_framework"]

@@ -22,7 +22,6 @@ layout computes the same number as one process (the parity tests check exactly t
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -31,10 +30,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from loom.config import Config
+from loom.config import Config, model_args
 from loom.data.loader import DataFiles, DistributedLoader, GlobalBatchSampler, PackedSequences
 from loom.data.loader import eval_batches
-from loom.models import TransformerArgs, build_model, reset_parameters
+from loom.models import build_model, reset_parameters
 from loom.parallel import finish_gradient_sync, no_gradient_sync, parallelize, unwrap
 from loom.parallel.comm import CommLedger
 from loom.parallel.offload import activation_offload
@@ -52,12 +51,6 @@ from loom.train.post_validation import PendingMean, optimizer_step_for
 
 # checkpoint.resume values that pick the newest valid checkpoint of the run by themselves
 AUTO_RESUME = ("auto", "auto_or_fresh")
-
-
-def model_args(config: Config) -> TransformerArgs:
-    """The model shape of a resolved config (drops the config-only fields)."""
-    fields = {f.name for f in dataclasses.fields(TransformerArgs)}
-    return TransformerArgs(**{k: v for k, v in dataclasses.asdict(config.model).items() if k in fields})
 
 
 def cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:

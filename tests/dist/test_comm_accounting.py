@@ -6,7 +6,7 @@ import pytest
 from loom.config import from_dict
 from loom.models import parameter_count
 from loom.testing.parity import layout_config
-from loom.train.trainer import model_args
+from loom.config import model_args
 from tests.conftest import SMALL_DATA_OVERRIDES
 
 BASE = {**SMALL_DATA_OVERRIDES, "model.preset": "debug", "train.steps": 2,

@@ -174,7 +174,7 @@ def test_zero_with_experts_moves_the_ring_volume_of_each_group(dist, small_data_
     from loom.config import from_dict
     from loom.models import build_model
     from loom.parallel.expert import expert_parameter_names
-    from loom.train.trainer import model_args
+    from loom.config import model_args
 
     base = {**BASE, "metrics.comm": True, "train.micro_batch_size": 2}
     for stage, ratio in ((2, 1.0), (3, 1.5)):

@@ -8,7 +8,7 @@ from loom.formulas.flops import model_flops_per_token, training_flops_per_token
 from loom.models.presets import PRESETS
 from loom.plan.hardware import make_cluster
 from loom.sim.cost_model import CostModel
-from loom.train.trainer import model_args
+from loom.config import model_args
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "mixtral-8x7b", "deepseek-moe-16b"])

@@ -36,7 +36,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("loom.plan",),
     # 7: the commands
     ("loom.cli", "loom.launch", "loom.supervise", "loom.generate", "loom.hf_cli", "loom.__main__",
-     "loom.pipeline.cli"),
+     "loom.pipeline.cli", "loom.calibration"),
 ]
 
 def _module_name(path: Path, root: Path) -> str:
