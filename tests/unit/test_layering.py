@@ -157,3 +157,32 @@ def test_the_checker_catches_an_upward_import_and_a_cycle():
     edges = {"loom.schedule.ir": {"loom.train.trainer"}, "loom.train.trainer": {"loom.schedule.ir"}}
     assert upward_imports(edges) == {("loom.schedule.ir", "loom.train.trainer")}
     assert cycles(edges) == {frozenset({"loom.schedule.ir", "loom.train.trainer"})}
+
+
+def _closure(edges: dict[str, set[str]], roots: list[str]) -> set[str]:
+    seen, todo = set(), list(roots)
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(edges.get(module, ()))
+    return seen
+
+
+def test_the_planner_reaches_nothing_of_the_trainer():
+    """Planning (search, cost model, profiles) imports no ``loom.train`` module, even lazily;
+    measuring the machine with the trainer is ``loom.calibration``'s, a command above."""
+    edges = _imports()
+    reached = _closure(edges, [m for m in edges if m.startswith(("loom.plan", "loom.sim"))])
+    assert not sorted(m for m in reached if m.startswith(("loom.train", "loom.calibration")))
+
+
+def test_the_schedule_package_imports_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, loom.schedule, loom.schedule.select, loom.schedule.render,"
+            " loom.formulas.memory, loom.formulas.flops;"
+            " assert 'torch' not in sys.modules, 'torch imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
