@@ -22,7 +22,12 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from loom.data.loader import check_source
+from loom.data.tokenizer import tokenizer_vocab_size
 from loom.errors import ConfigError, suggest
+from loom.parallel.context import CPLayout, check_layout
+from loom.schedule.families import SEARCH_PLACEMENTS, simulation_only, trainable
+from loom.schedule.select import schedule_for
 
 if TYPE_CHECKING:  # the rules read a config; loom.config imports them to run them in resolve()
     from loom.config import Config, DataConfig
@@ -95,7 +100,6 @@ def validate(config: Config, world_size: int) -> None:
     if data.seq_len > m.max_seq_len:
         raise ConfigError("data.seq_len", data.seq_len,
                           f"must not exceed model.max_seq_len = {m.max_seq_len}")
-    from loom.data.tokenizer import tokenizer_vocab_size
 
     needed = tokenizer_vocab_size(data.tokenizer, data.bpe_vocab_size)
     if m.vocab_size < needed:
@@ -148,7 +152,6 @@ def validate(config: Config, world_size: int) -> None:
         raise ConfigError("train.backend", tr.backend, "nccl needs a GPU device, not train.device=cpu")
 
     # Last, as it looks at files: a corpus with text enough for one sample (not tokenized).
-    from loom.data.loader import check_source
 
     check_source(data)
 
@@ -232,7 +235,6 @@ def _validate_zero_pipeline(config: Config) -> None:
     the backward into I and W keeps its stages gathered across the step (ZeRO-1/2 never
     reshard: their parameters stay whole)."""
     par = config.parallel
-    from loom.schedule.select import schedule_for
 
     tr = config.train
     micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
@@ -308,7 +310,6 @@ def _validate_context_parallel(config: Config) -> None:
         raise ConfigError("parallel.cp_ulysses", par.cp_ulysses, "must be >= 0 (0: automatic)")
     if par.cp == 1:
         return
-    from loom.parallel.context import CPLayout, check_layout
 
     if par.cp_mode == "hybrid" and par.cp_ulysses and par.cp % par.cp_ulysses:
         raise ConfigError("parallel.cp_ulysses", par.cp_ulysses,
@@ -370,7 +371,6 @@ def _validate_routes(config: Config, schedule, how: str) -> None:
 def _validate_schedule(config: Config) -> None:
     """The pipeline rules: a known schedule family, chunks it accepts, a layer per stage and a
     microbatch count m = global_batch_size / (dp * micro_batch_size) the family can schedule."""
-    from loom.schedule.families import SEARCH_PLACEMENTS, simulation_only, trainable
     from loom.schedule.select import (SEARCH, ChunksError, parse_search_costs,  # config -> Schedule,
                                       schedule_for)  # one place
 

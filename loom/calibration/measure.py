@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from loom.models.layers import TransformerArgs, rope_tables
+from loom.models.llama import TransformerBlock
 from loom.plan.calibrate import (ALLREDUCE_BYTES, BLOCKS, OPTIMIZER_PARAMS, SMALLEST_DIMS,
                                  write_profile)
 
@@ -86,9 +88,6 @@ def _compute_alone(torch) -> dict:
     src = torch.empty(16 * 2**20)  # 64 MiB of fp32
     dst = torch.empty_like(src)
     result["memory_bandwidth"] = 2 * src.numel() * 4 / _sustained_time(lambda: dst.copy_(src))
-
-    from loom.models.llama import TransformerBlock
-    from loom.models.layers import TransformerArgs, rope_tables
 
     for dim, ffn, heads, kv, seq, micro in BLOCKS:
         args = TransformerArgs(dim=dim, n_layers=1, n_heads=heads, n_kv_heads=kv, ffn_dim=ffn,

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from loom.plan.probes import PROBE_SHAPES, _key, probe_config, probe_layouts
+from loom.train.trainer import Trainer
 
 
 def run_probes(ctx: Any, nproc: int, data_dir: str, *, rounds: int = 6, steps: int = 2,
@@ -27,8 +28,6 @@ def run_probes(ctx: Any, nproc: int, data_dir: str, *, rounds: int = 6, steps: i
 
     import torch
     import torch.distributed as dist
-
-    from loom.train.trainer import Trainer
 
     def timed_step(trainer: Any) -> float:
         dist.barrier()

@@ -41,7 +41,10 @@ from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from loom.plan.hardware import Gpu, Link
+from loom.models.layers import TransformerArgs
+from loom.plan.hardware import Cluster, Gpu, HardwareError, Link
+from loom.sim.cost_model import CostModel
+from loom.sim.layout import Layout
 
 DEFAULT_PROFILE = Path.home() / ".cache" / "loom" / "local.json"
 SMALLEST_DIMS = (16, 32, 64, 128, 256, 512)
@@ -109,11 +112,6 @@ def layer_scale(gpu: Gpu, link: Link, blocks: list) -> float:
     relative terms; a plain least-squares fit would follow the largest block; 1 without
     measurements). It stands for what the curve misses on this machine: the attention kernel,
     norms and activations are slower than their matmul FLOPs and bytes suggest."""
-    from loom.models.layers import TransformerArgs
-    from loom.plan.hardware import Cluster
-    from loom.sim.cost_model import CostModel
-    from loom.sim.layout import Layout
-
     priced, measured = [], []
     plain = replace(gpu, op_overhead=0.0, cores=0.0, framework=())
     for dim, ffn, heads, kv, seq, micro, seconds in blocks:
@@ -168,8 +166,6 @@ def _as_dict(obj) -> dict:
 
 def load_profile(path: str | Path | None = None) -> tuple[Gpu, Link]:
     """The calibrated ``Gpu`` and ``Link`` (``loom plan --gpu local``)."""
-    from loom.plan.hardware import HardwareError
-
     target = Path(path) if path else DEFAULT_PROFILE
     if not target.is_file():
         raise HardwareError(f"--gpu local: no calibration profile at {target}; run"

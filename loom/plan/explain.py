@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from loom.config import to_toml
 from loom.plan.hardware import GiB
 from loom.plan.search import Plan, to_config
 from loom.sim.cost_model import StepCost
@@ -111,8 +112,6 @@ def launch_command(plan: Plan, config_path: str) -> str:
 
 def write_chosen(plan: Plan, cost: StepCost, path: str | Path) -> str:
     """Write ``cost``'s layout as a Loom TOML config at ``path``; return the launch command."""
-    from loom.config import to_toml
-
     config = to_config(cost.layout, plan.workload)  # Loom's rules, once more
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

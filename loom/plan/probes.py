@@ -29,6 +29,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from loom.config import ConfigError, load_config, model_args, resolve
+from loom.models.presets import PRESETS
+from loom.plan.hardware import Cluster
+from loom.plan.search import simulate_step, to_overrides
+from loom.plan.space import Workload
+from loom.sim.cost_model import CostModel
 from loom.sim.layout import Layout
 
 # The probe model: half the tiny preset's width at half its sequence, so its FLOPs are
@@ -74,11 +80,6 @@ def _key(depth: int, micro_batch: int) -> str:
 def probe_config(layout: Layout, depth: int) -> Any:
     """The resolved Loom config of one probe run, or None when Loom's rules refuse it (e.g. tp
     not dividing the probe's heads)."""
-    from loom.config import ConfigError, load_config, resolve
-    from loom.plan.search import to_overrides
-    from loom.plan.space import Workload
-    from loom.models.presets import PRESETS
-
     batch = layout.dp * layout.micro_batch * layout.microbatches
     work = Workload("tiny", PRESETS["tiny"], PROBE_SEQ, batch)
     values = {**to_overrides(layout, work), **PROBE_MODEL, **PROBE_DATA,
@@ -92,11 +93,6 @@ def probe_config(layout: Layout, depth: int) -> Any:
 
 
 def _predict(layout: Layout, depth: int, gpu: Any, link: Any, nproc: int) -> float:
-    from loom.plan.hardware import Cluster
-    from loom.plan.search import simulate_step
-    from loom.sim.cost_model import CostModel
-    from loom.config import model_args
-
     config = probe_config(layout, depth)
     args = model_args(config)
     batch = config.train.global_batch_size

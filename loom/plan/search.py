@@ -29,9 +29,14 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from loom.config import ConfigError, load_config, resolve
 from loom.plan.hardware import Cluster
 from loom.plan.space import Workload, layouts
-from loom.sim.cost_memory import memory_floor
+from loom.schedule import families as schedules
+from loom.schedule.select import SEARCH, schedule_for
+from loom.schedule.simulate import simulate
+from loom.schedule.validate import peak_memory
+from loom.sim.cost_memory import memory_floor, search_units_left
 from loom.sim.cost_model import CostModel, Layout, StepCost
 from loom.sim.cost_pipeline import search_costs
 
@@ -62,9 +67,6 @@ def simulate_step(model: CostModel, cost: StepCost, *, max_simulated: int | None
     lay = cost.layout
     if lay.pp == 1 or cost.stage_costs is None:
         return replace(cost, simulated=True)
-    from loom.schedule import families as schedules
-    from loom.schedule.select import SEARCH
-
     p, m = lay.pp, lay.microbatches
     first = min(m, max_simulated or 2 * p)
     stage_costs = cost.stage_costs.build()
@@ -95,7 +97,6 @@ def _replay(schedule: Any, stage_costs: Any, cores: float) -> float:
 
         work = {a: float(stage_costs.duration(a)) for row in schedule.actions for a in row}
         return replay_shared(schedule, work, float(stage_costs.latency), cores)
-    from loom.schedule.simulate import simulate
 
     return float(simulate(schedule, stage_costs, memory=False).makespan)
 
@@ -106,9 +107,6 @@ def _simulate_searched(model: CostModel, cost: StepCost, stage_costs: Any,
     call, limit, relative costs and placement, so the same deterministic answer) replayed on the
     real per-stage costs, over all its microbatches (a searched schedule has no fixed steady
     state to extend); its activations at the peak the schedule reaches, not at the limit."""
-    from loom.schedule.select import SEARCH, schedule_for
-    from loom.schedule.validate import peak_memory
-
     lay = cost.layout
     if not lay.schedule_costs:  # what ``plan`` fills in from the cost model
         lay = replace(lay, schedule_costs=search_costs(model, lay))
@@ -128,8 +126,6 @@ def to_config(layout: Layout, work: Workload) -> Any:
     The file or preset is parsed once per workload; each layout then only replaces the parallel
     and train fields it sets (parsing TOML and presets per layout dominated the planner's time)."""
     import dataclasses
-
-    from loom.config import load_config, resolve
 
     values = to_overrides(layout, work)
     key = (work.config_path, work.name, work.seq_len)
@@ -158,8 +154,6 @@ def runnable(layout: Layout, work: Workload, *, exact: bool = True,
     seconds to validate; the space only yields m >= pp, which every family accepts).
     ``representative=True`` goes further for the screening's per-structure verdicts: a pipeline
     of two ranks and two microbatches with the same axes, schedule and knobs."""
-    from loom.config import ConfigError
-
     if not exact and layout.pp > 1 and layout.microbatches > layout.pp:
         work = replace(work, global_batch=layout.dp * layout.micro_batch * layout.pp)
         layout = replace(layout, microbatches=layout.pp)
@@ -237,8 +231,6 @@ def _search_cap(lay: Layout) -> float:
 def _with_memory_left(model: CostModel, lay: Layout, budget: float) -> Layout | None:
     """``lay`` (a searched schedule) with its limit set to the activation units the memory
     budget leaves on its worst rank and the search's relative costs; None if none are left."""
-    from loom.sim.cost_memory import search_units_left
-
     units = search_units_left(model, lay, budget, _search_cap(lay))
     if units < 1:
         return None

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from loom.models.layers import TransformerArgs
+from loom.parallel.context import CPLayout, check_layout
 from loom.sim.cost_model import Layout
 
 # Families the planner considers, with the chunks per rank they are searched at. GPipe and the
@@ -80,7 +81,6 @@ def _cp_modes(m: TransformerArgs, tp: int, cp: int, seq: int) -> list[str]:
     """Context-parallel modes whose shape rules hold (``loom.parallel.context.check_layout``)."""
     if cp == 1:
         return ["ring"]
-    from loom.parallel.context import CPLayout, check_layout
 
     modes = []
     for mode in ("ring", "ulysses", "hybrid"):

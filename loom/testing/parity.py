@@ -19,13 +19,12 @@ from typing import Any
 
 import torch
 
-from loom.config import Config, from_dict, resolve, to_dict
+from loom.config import Config, from_dict, load_config, resolve, to_dict
+from loom.train.trainer import Trainer
 
 
 def layout_config(base: dict[str, Any], world_size: int, **parallel: int) -> dict[str, Any]:
     """A resolved config table: ``base`` overrides (``"train.steps": 3`` ...) plus degrees."""
-    from loom.config import load_config
-
     overrides = dict(base)
     overrides.update({f"parallel.{axis}": degree for axis, degree in parallel.items()})
     config: Config = resolve(load_config(None, overrides), world_size)
@@ -34,8 +33,6 @@ def layout_config(base: dict[str, Any], world_size: int, **parallel: int) -> dic
 
 def record_training(ctx: Any, config_table: dict[str, Any], data_dir: str, steps: int) -> dict:
     """Train ``steps`` steps; per step: loss, grad norm and every named gradient (on CPU)."""
-    from loom.train.trainer import Trainer
-
     trainer = Trainer(from_dict(config_table), Path(data_dir), None, ctx)
     record: dict[str, list] = {"loss": [], "grad_norm": [], "grads": []}
     for _ in range(steps):

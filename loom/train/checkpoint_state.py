@@ -37,6 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from loom.parallel.expert import expert_parallel_of, expert_parameter_names
+from loom.parallel.zero import zero_of
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in the global tensor
 
@@ -280,8 +282,6 @@ def _expert_pieces(value: torch.Tensor, ep: Any) -> tuple[tuple[int, ...],
 
 def _experts_as_slices(model: nn.Module, ep: Any, model_sd: dict[str, Any],
                        optim_sd: dict[str, Any]) -> None:
-    from loom.parallel.expert import expert_parameter_names
-
     names = expert_parameter_names(model)
     local: dict[str, Any] = {}
     for name in sorted(names):
@@ -305,9 +305,6 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
     """``{"model": ..., "optim": ...}`` for DCP (see the module docstring); collective when a
     layout needs ShardedTensors (ZeRO-1/2, ep > 1)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-    from loom.parallel.expert import expert_parallel_of
-    from loom.parallel.zero import zero_of
 
     zero = zero_of(model)
     ep = expert_parallel_of(model)
@@ -333,8 +330,6 @@ def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     """Apply ``tensors`` (``training_state``'s dict, filled by ``dcp.load``) to the model and
     optimizer."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-    from loom.parallel.zero import zero_of
 
     zero = zero_of(model)
     if zero is not None:

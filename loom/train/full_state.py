@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from loom.parallel import unwrap
+from loom.parallel.tensor import full_named_gradients
 from loom.parallel.zero import zero_of
 
 if TYPE_CHECKING:
@@ -25,8 +26,6 @@ if TYPE_CHECKING:
 def named_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
     """Every parameter's full gradient by its model name (for parity tests); with pp > 1
     gathered from every stage over the ``pp`` group (a collective: call it on every rank)."""
-    from loom.parallel.tensor import full_named_gradients
-
     if trainer.pipeline is not None:  # full tensors under TP (collective over tp), ep, then pp
         zero = zero_of(trainer.model)  # ZeRO-1/2: the stages' reduced slices, all-gathered
         grads = zero.full_named_gradients() if zero is not None else \

@@ -76,10 +76,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from loom.config import Config
+from loom.config import Config, ConfigError
 from loom.formulas.memory import (block_activation_bytes, head_activation_bytes, largest_parameter,
                                   model_state_bytes, optimizer_step_bytes, zero2_bucket_bytes,
                                   zero2_reduction_bytes)
+from loom.models.presets import layer_parameter_count
+from loom.pipeline.partition import partition_model
+from loom.schedule.ir import Op
+from loom.schedule.select import schedule_for
+from loom.schedule.validate import memory_profile
 
 GiB = 2**30
 
@@ -175,11 +180,6 @@ def _timelines(config: Config) -> list[_Timeline]:
         n = max(1, micro)
         return [_Timeline(layers, True, True, [_Stage(psi, 0, 1, 2 * n - 1)],
                           [1.0] * (2 * n), [1.0, 0.0] * n)]
-    from loom.schedule.ir import Op
-    from loom.pipeline.partition import partition_model
-    from loom.schedule.select import schedule_for
-    from loom.schedule.validate import memory_profile
-
     schedule = schedule_for(par.schedule, par.pp, micro, par.chunks,
                             memory_limit=par.schedule_memory_limit, costs=par.schedule_costs,
                             placement=par.schedule_placement,
@@ -220,8 +220,6 @@ def _timelines(config: Config) -> list[_Timeline]:
 
 def _parameter_count(config: Config, layers: list[int], embedding: bool, head: bool) -> float:
     """Parameters one rank holds after TP (norms and a non-vocab-parallel embedding replicated)."""
-    from loom.models.presets import layer_parameter_count
-
     m, par = config.model, config.parallel
     t = par.tp
     norms = 2 * m.dim
@@ -456,8 +454,6 @@ def check_memory_limit(config: Config, local_ranks: int = 1) -> str | None:
     ``train.ignore_memory_limit`` is set); else the refusal, a ConfigError's message naming the
     field, the estimate and its largest component. On a CPU device the ``local_ranks`` of this
     host share its memory: the peak per rank x local_ranks is what must fit."""
-    from loom.config import ConfigError
-
     tr = config.train
     if tr.skip_memory_check or tr.ignore_memory_limit:
         return None

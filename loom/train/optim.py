@@ -16,6 +16,8 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from loom.parallel.data import is_fully_sharded
+from loom.parallel.zero import zero_of
 
 
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
@@ -24,8 +26,6 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
 
     Under ZeRO-1/2 (``loom.parallel.zero``) the AdamW steps this rank's slices of the flat
     parameter buckets instead (same groups, same hyper-parameters; elementwise, so exact)."""
-    from loom.parallel.zero import zero_of
-
     zero = zero_of(model)
     if zero is not None:
         return zero.build_optimizer(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
@@ -115,9 +115,6 @@ def clip_gradients(model: nn.Module, max_norm: float, *, tp=None, ep=None,
     dp_shard, FSDP2 over the mesh dims each gradient is sharded on, EP the experts' over ep, TP
     the shards' over tp, and a pipeline every stage's over ``pp_group``; a tied embedding's
     replica is left out of the sum and scaled like the original, so both stay identical."""
-    from loom.parallel.data import is_fully_sharded
-    from loom.parallel.zero import zero_of
-
     replicas = [p for p in tied_replicas(model) if p.grad is not None]
     if replicas:  # counted on the rank holding the original; scaled here by the same factor
         grads = [p.grad for p in replicas]

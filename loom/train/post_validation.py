@@ -55,6 +55,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.parallel.data import is_fully_sharded
+from loom.parallel.zero import zero_of
 from loom.train.optim import (clip_coefficient, clip_gradients, clip_to_norm, local_grad_norm,
                               tied_replicas)
 
@@ -246,9 +248,6 @@ def optimizer_step_for(train: Any, optimizer: torch.optim.Optimizer, model: nn.M
     kwargs = {"max_norm": train.grad_clip, "nonfinite": train.nonfinite, "pp_group": pp_group}
     if not train.post_validation:
         return SynchronousStep(optimizer, model, mean, tp=tp, ep=ep, **kwargs)
-    from loom.parallel.data import is_fully_sharded
-    from loom.parallel.zero import zero_of
-
     if tp is not None or ep is not None or zero_of(model) is not None \
             or is_fully_sharded(model):
         raise ValueError("train.post_validation supports plain, data-parallel and pipeline"
