@@ -342,7 +342,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise ConfigError(key, flat[key], "unknown key" + suggest(key, known_keys()))
 
     preset_name = flat.get("model.preset", ModelConfig.preset)
-    if preset_name not in PRESETS:
+    if not isinstance(preset_name, str) or preset_name not in PRESETS:
         raise ConfigError("model.preset", preset_name,
                           f"unknown preset; known: {', '.join(PRESETS)}"
                           + suggest(str(preset_name), list(PRESETS)))
@@ -368,6 +368,9 @@ def resolve(config: Config, world_size: int) -> Config:
 
     Returns a new Config; raises ConfigError on the first broken rule.
     """
+    if type(world_size) is not int or world_size < 1:
+        raise ConfigError("world size", world_size, "must be an integer >= 1 (--nproc, or"
+                          " WORLD_SIZE under a launcher)")
     config = dataclasses.replace(
         config,
         model=dataclasses.replace(config.model),

@@ -174,7 +174,7 @@ def _validate_resume(resume: str) -> None:
         raise ConfigError("checkpoint.resume", resume, f"{rule}: no manifest.json")
     try:
         table = json.loads(manifest.read_bytes())
-    except (OSError, ValueError) as err:  # ValueError: bad JSON or not UTF-8
+    except (OSError, ValueError, RecursionError) as err:  # bad JSON, not UTF-8, absurdly deep
         raise ConfigError("checkpoint.resume", resume,
                           f"{rule}: manifest.json is unreadable ({err})") from None
     if not isinstance(table, dict) or not isinstance(table.get("files"), dict):

@@ -16,7 +16,9 @@ class ConfigError(ValueError):
 
     def __init__(self, field_name: str, value: Any, rule: str) -> None:
         self.field_name, self.value, self.rule = field_name, value, rule
-        super().__init__(f"config error: {field_name}={value!r}: {rule}")
+        # one line whatever the user typed: a key with a line break is shown escaped
+        shown = field_name if field_name.isprintable() else repr(field_name)[1:-1]
+        super().__init__(f"config error: {shown}={value!r}: {rule}")
 
 
 def suggest(name: str, options: list[str]) -> str:

@@ -222,7 +222,8 @@ class MoEFeedForward(nn.Module):
         experts = self.experts if experts is None else experts
         y_AD = self.dispatcher(x_TD[routing.token_A], routing.counts_E, experts)
         y_AD = y_AD * routing.weight_A.unsqueeze(1).to(y_AD.dtype)
-        out_TD = torch.zeros_like(x_TD).index_add(0, routing.token_A, y_AD)
+        # under autocast the experts' output is bf16 while the residual stream stays fp32
+        out_TD = torch.zeros_like(x_TD).index_add(0, routing.token_A, y_AD.to(x_TD.dtype))
         out_BSD = out_TD.view(B, S, D)
         shared = self.shared if shared is None else shared
         if shared is not None:

@@ -108,10 +108,13 @@ def check_metadata_is_safe(path: Path) -> None:
 
 
 def _check_extra(path: Path, step: Any) -> None:
+    if not (path / EXTRA).is_file():
+        raise CheckpointError(f"{path / EXTRA}: missing or not a regular file")
     try:
         extra = json.loads((path / EXTRA).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path / EXTRA}: unreadable ({err})") from None
+    except (OSError, ValueError, RecursionError) as err:
+        raise CheckpointError(f"{path / EXTRA}: unreadable ({type(err).__name__}:"
+                              f" {str(err)[:200]})") from None
     if not isinstance(extra, dict) or type(extra.get("step")) is not int or extra["step"] < 0:
         raise CheckpointError(f"{path / EXTRA}: malformed (no integer step)")
     if type(step) is int and extra["step"] != step:
@@ -500,8 +503,8 @@ def load(path: Path, tensors: dict[str, Any], *, device: torch.device = torch.de
         set_rng_state(load_rng_file(rng_file), device)
     try:
         extra = json.loads((path / EXTRA).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path / EXTRA}: unreadable ({err})") from None
+    except (OSError, ValueError, RecursionError) as err:
+        raise CheckpointError(f"{path / EXTRA}: unreadable ({type(err).__name__})") from None
     return extra
 
 

@@ -234,10 +234,13 @@ def check_signature(manifest: dict[str, Any], where: Path, key: bytes | None = N
 def read_manifest(file: Path) -> dict[str, Any]:
     """The manifest's JSON, checked for shape: ``{"step": int, "files": {name: {"size": int,
     "sha256": hex}}}`` with safe names. Raises CheckpointError."""
+    if file.is_symlink() or not file.is_file():  # a FIFO would block the read
+        raise CheckpointError(f"{file}: missing or not a regular file")
     try:
         manifest = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{file}: unreadable manifest ({err})") from None
+    except (OSError, ValueError, RecursionError) as err:  # RecursionError: absurdly deep JSON
+        raise CheckpointError(f"{file}: unreadable manifest ({type(err).__name__}:"
+                              f" {str(err)[:200]})") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict):
         raise CheckpointError(f"{file}: malformed manifest (no 'files' table)")
@@ -263,6 +266,10 @@ def load_rng_file(file: Path) -> dict[str, torch.Tensor]:
             and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items())
             and isinstance(state.get("cpu"), torch.Tensor) and state["cpu"].dtype == torch.uint8):
         raise CheckpointError(f"{file}: not an RNG state (expected name -> uint8 tensor)")
+    expected = torch.get_rng_state().numel()
+    if state["cpu"].numel() != expected:  # crafted, or another torch's generator layout
+        raise CheckpointError(f"{file}: the CPU RNG state holds {state['cpu'].numel()} bytes,"
+                              f" this torch's generator needs {expected}")
     return state
 
 
