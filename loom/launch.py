@@ -11,6 +11,11 @@ never leaves the job hanging. With ``--max-restarts N`` the agent instead restar
 (``checkpoint.resume = auto`` is implied on a restart), so with a deterministic setup the final
 weights equal an uninterrupted run's bit for bit.
 
+Signals and hangs (``loom.supervise``, ``loom.train.preempt``, ``loom.train.watchdog``): SIGTERM to
+the launcher or to any worker makes every rank stop at the same step, checkpoint and exit 0 within
+``train.preempt_grace_s``; Ctrl-C exits 130 with one line and no worker left behind; a collective
+that times out names the rank that never arrived, and that rank is killed at once.
+
 Everything that can be wrong with the config is checked before this module is reached (the run
 directory by ``check_run_dir``, which writes nothing); the token files and then the run's
 ``config.toml`` are made here, in the launching process, before any worker starts.
@@ -30,6 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from loom.config import Config, ConfigError, from_dict, to_dict, to_toml
 
 THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 def under_external_launcher() -> bool:
@@ -110,9 +116,12 @@ def worker_main(config_table: dict[str, Any], run_dir: str) -> dict[str, float]:
     """Entry point of every rank: build the Trainer and run it to the end."""
     import torch.distributed as dist
 
+    from loom.train import preempt, watchdog
     from loom.train.distributed import init_distributed
     from loom.train.trainer import Trainer
 
+    preempt.install_handlers()  # first: a SIGTERM from now on asks for a checkpoint, not death
+    watchdog.register(run_dir, int(os.environ.get("RANK", "0")))  # the launcher signals this pid
     config = from_dict(config_table)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not config.checkpoint.resume:
         # a restarted worker continues from the newest valid checkpoint (none yet: step 0)
@@ -125,7 +134,9 @@ def worker_main(config_table: dict[str, Any], run_dir: str) -> dict[str, float]:
             prepare_run_dir(config, Path(run_dir), is_main=ctx.local_rank == 0)
             dist.barrier()
         trainer = Trainer(config, Path(run_dir) / "data", run_dir, ctx)
-        return trainer.fit()
+        metrics = trainer.fit()
+        preempt.finished()  # a SIGTERM during the teardown has nothing left to stop
+        return metrics
     finally:
         dist.destroy_process_group()
 
@@ -134,22 +145,42 @@ def launch_local(config: Config, run_dir: Path, nproc: int,
                  max_restarts: int = 0) -> dict[str, float]:
     """Run ``nproc`` workers on this machine; return rank 0's final metrics.
 
-    Raises ``WorkerFailed`` naming the rank(s) when any worker fails.
+    Raises ``WorkerFailed`` naming the rank(s) when any worker fails (or a hung rank, or that a
+    preemption ran out of time), ``Interrupted`` on Ctrl-C.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from loom.supervise import INTERRUPT_WAIT_S, Supervisor
+    from loom.train import watchdog
+
     for key, value in THREAD_ENV.items():
         os.environ.setdefault(key, value)
+    run_id = f"loom-{uuid.uuid4().hex[:8]}"
     launch_config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"loom-{uuid.uuid4().hex[:8]}",
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts, monitor_interval=0.2,
         start_method="spawn",
+        # SIGTERM and SIGINT are the Supervisor's (graceful preemption, quiet Ctrl-C); the agent
+        # keeps the rest. Its shutdown wait is then only the one after a Ctrl-C.
+        signals_to_handle="SIGHUP,SIGQUIT", shutdown_timeout=INTERRUPT_WAIT_S,
     )
-    try:
-        results = elastic_launch(launch_config, worker_main)(to_dict(config), str(run_dir))
-    except ChildFailedError as err:
-        raise WorkerFailed(_describe_failures(err)) from None
+    watchdog.clear(run_dir)
+    grace = config.train.preempt_grace_s
+    with Supervisor(run_dir, run_id, grace) as supervisor:
+        try:
+            results = elastic_launch(launch_config, worker_main)(to_dict(config), str(run_dir))
+        except ChildFailedError as err:
+            raise WorkerFailed(_describe_failures(err, supervisor.hang)) from None
+        except SignalException as err:
+            if supervisor.interrupted:
+                raise
+            if supervisor.grace_expired:
+                raise WorkerFailed(f"preempted (SIGTERM), but the workers did not checkpoint and"
+                                   f" stop within train.preempt_grace_s = {grace:g} s; they were"
+                                   " killed") from None
+            raise WorkerFailed(f"stopped by {err.sigval.name}; the workers were stopped") from None
     return results[0]
 
 
@@ -157,7 +188,11 @@ class WorkerFailed(RuntimeError):
     """One or more ranks failed; the message names them and their error."""
 
 
-def _describe_failures(err: Any) -> str:
+def _describe_failures(err: Any, hang: dict[str, Any] | None = None) -> str:
+    if hang is not None:  # a collective timed out: who never arrived, not gloo's timeout text
+        return (f"hung rank: {hang['message']}\nreported by rank {hang['reporter']} after its"
+                f" collective timed out ({hang['waited_s']:.0f} s); the hung rank was killed and"
+                " the other workers were stopped")
     lines = []
     for rank, failure in sorted(err.failures.items()):
         message = failure.message
@@ -173,14 +208,20 @@ def _describe_failures(err: Any) -> str:
 
 
 def run_job(config: Config, run_dir: Path, nproc: int, max_restarts: int = 0) -> int:
-    """Run training and return a process exit code (0 ok, 1 a worker failed)."""
-    if under_external_launcher():
-        worker_main(to_dict(config), str(run_dir))
-        return 0
-    prepare_run_dir(config, run_dir)
+    """Run training and return a process exit code (0 ok or preempted and checkpointed, 1 a
+    worker failed, 130 interrupted)."""
+    from loom.supervise import Interrupted
+
     try:
+        if under_external_launcher():
+            worker_main(to_dict(config), str(run_dir))
+            return 0
+        prepare_run_dir(config, run_dir)
         launch_local(config, run_dir, nproc, max_restarts)
     except WorkerFailed as err:
         print(f"loom train: {err}", file=sys.stderr)
         return 1
+    except (Interrupted, KeyboardInterrupt):
+        print("loom train: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0

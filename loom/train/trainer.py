@@ -433,7 +433,12 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
-        """Train ``train.steps`` steps with logging and evaluation; save the final weights."""
+        """Train ``train.steps`` steps with logging and evaluation; save the final weights.
+
+        A stop request (SIGTERM on any rank, ``loom.train.preempt``; ``request_stop``) ends the
+        loop early at a step all ranks agree on, with a checkpoint instead of final weights; the
+        returned metrics then hold ``preempted_step``. While it runs, a ``CollectiveWatch``
+        records this rank's collectives, so a timeout names the rank that never arrived."""
         cfg, tr = self.config, self.config.train
         tokens_per_step = tr.global_batch_size * cfg.data.seq_len
         compute_dtype = torch.bfloat16 if tr.dtype == "bf16" else torch.float32
@@ -450,29 +455,102 @@ class Trainer:
                         f" peak {peak / 1e9:.1f} GFLOP/s per device ({peak_source})")
         last: dict[str, float] = {}
         ck = cfg.checkpoint
-        with logger:
-            for note in self.offload.notes:
-                logger.log_text(note)
-            if ck.resume and self.run_dir is not None:
-                self.resume(ck.resume, log=logger.log_text)
-            while self.step < tr.steps:
-                timer.start()
-                last = self.train_step()
-                timing = timer.stop(tokens_per_step)
-                last.update(timing.as_dict(), peak_mem_bytes=peak_memory_bytes(self.ctx.device))
-                if self.ledger is not None:  # this step's collectives, per axis and op
-                    last.update(self.ledger.summary())
-                    self.ledger.reset()
-                logger.log_step(self.step, last)
-                if tr.eval_every and (self.step % tr.eval_every == 0 or self.step == tr.steps):
-                    last["val_loss"] = self.evaluate()
-                    logger.log_eval(self.step, {"loss": last["val_loss"]})
-                if self.run_dir is not None and ck.interval and self.step % ck.interval == 0:
-                    self.save_checkpoint()
-            if self.run_dir is not None:
-                if ck.interval and self.step % ck.interval:  # the end, unless just saved
-                    self.save_checkpoint()
-                self.wait_for_checkpoint()  # an asynchronous save is committed before exit
-                self.save_weights(self.run_dir / "model.safetensors")
+        watch = self._collective_watch()  # names a hung rank when a collective times out
+        with logger, watch or contextlib.nullcontext():
+            try:
+                for note in self.offload.notes:
+                    logger.log_text(note)
+                if ck.resume and self.run_dir is not None:
+                    self.resume(ck.resume, log=logger.log_text)
+                while self.step < tr.steps:
+                    if watch is not None:
+                        watch.set_step(self.step + 1)
+                    timer.start()
+                    last = self.train_step()
+                    timing = timer.stop(tokens_per_step)
+                    last.update(timing.as_dict(), peak_mem_bytes=peak_memory_bytes(self.ctx.device))
+                    if self.ledger is not None:  # this step's collectives, per axis and op
+                        last.update(self.ledger.summary())
+                        self.ledger.reset()
+                    logger.log_step(self.step, last)
+                    if tr.eval_every and (self.step % tr.eval_every == 0 or self.step == tr.steps):
+                        last["val_loss"] = self.evaluate()
+                        logger.log_eval(self.step, {"loss": last["val_loss"]})
+                    saved = None
+                    if self.run_dir is not None and ck.interval and self.step % ck.interval == 0:
+                        saved = self.save_checkpoint()
+                    # SIGTERM on any rank: all stop here, at the same step (one all-reduce).
+                    if self.step < tr.steps and self._stop_agreed():
+                        last["preempted_step"] = self.step
+                        self._stop_for_preemption(saved, logger.log_text, watch)
+                        break
+                if self.run_dir is not None and "preempted_step" not in last:
+                    if ck.interval and self.step % ck.interval:  # the end, unless just saved
+                        self.save_checkpoint()
+                    self.wait_for_checkpoint()  # an asynchronous save is committed before exit
+                    self.save_weights(self.run_dir / "model.safetensors")
+            except Exception as err:
+                hung = watch.hung_error(err) if watch is not None else None
+                if hung is not None:  # a collective timed out: name who never arrived
+                    raise hung from err
+                raise
             logger.close(plot=mc.plot)
         return last
+
+    # -- preemption and hangs ---------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """Checkpoint and leave ``fit`` after the current step, as a SIGTERM does (any one rank
+        asking is enough: ``fit`` agrees on the step with the others)."""
+        self._stop_requested = True
+
+    def _stop_agreed(self) -> bool:
+        """True on every rank when any rank asked to stop (one 1-element all-reduce per step)."""
+        from loom.train import preempt
+
+        local = getattr(self, "_stop_requested", False) or preempt.stop_requested()
+        return preempt.agree_to_stop(local, self.ctx.device)
+
+    def _stop_for_preemption(self, saved: Path | None, log, watch) -> Path | None:
+        """Checkpoint this step to ``run_dir/checkpoints`` (unless the interval just did), wait
+        for it to be committed, log where it is; ``--resume auto`` then continues bit for bit."""
+        if self.run_dir is None:
+            log(f"preempted at step {self.step}: no run directory, nothing saved")
+            return None
+        path = saved or self.save_checkpoint()
+        self.wait_for_checkpoint()
+        if watch is not None:
+            watch.set_status("preempted")
+        log(f"preempted at step {self.step}: checkpoint saved to {path},"
+            " resume with --resume auto")
+        return path
+
+    def _collective_watch(self):
+        """This rank's ``CollectiveWatch`` (``loom.train.watchdog``), None without a run dir."""
+        if self.run_dir is None:
+            return None
+        from loom.train.watchdog import CollectiveWatch
+
+        return CollectiveWatch(self.run_dir, self.ctx.rank, self.config.train.timeout_s,
+                               self._group_names())
+
+    def _group_names(self) -> dict[str, str]:
+        """Process-group name -> axis name, for messages about collectives ('dp', 'tp', ...)."""
+        names: dict[str, str] = {}
+
+        def add(label: str, group) -> None:
+            name = getattr(group, "group_name", None)
+            if name is not None:
+                names.setdefault(str(name), label)
+
+        meshes = self.meshes
+        for label in ("dp", "dp_cp", "dp_no_ep", "dp_shard_cp", "dp_shard_ep"):
+            mesh = getattr(meshes, label, None)
+            if mesh is not None and mesh.ndim == 1:
+                add(label, mesh.get_group())
+        for axis in meshes.root.mesh_dim_names or ():
+            add(axis, meshes.root.get_group(axis))
+        if self.pipeline is not None:
+            add("pp", self.pipeline.pp_group)
+        if self.cp_groups is not None and getattr(self.cp_groups, "cp", None) is not None:
+            add("cp", self.cp_groups.cp)
+        return names
