@@ -45,7 +45,8 @@ import torch.nn.functional as F  # noqa: E402
 from loom.models import TransformerArgs, build_model, reset_parameters  # noqa: E402
 from loom.pipeline.partition import partition_model  # noqa: E402
 from loom.pipeline.profile import PipelineRecorder  # noqa: E402
-from loom.pipeline.runtime import PipelineRuntime, schedule_for  # noqa: E402
+from loom.pipeline.runtime import PipelineRuntime  # noqa: E402
+from loom.schedule.select import schedule_for  # noqa: E402
 from loom.pipeline.stage import build_stages  # noqa: E402
 
 P = 4

@@ -27,7 +27,8 @@ from typing import Any, Callable
 
 import torch
 
-from loom.models.hf import (SINGLE_FILE, HFConversionError, atomic_save_safetensors,
+from loom.config import load_config, model_args, to_toml
+from loom.models.hf import (HFConversionError, SINGLE_FILE, atomic_save_safetensors,
                             read_hf_checkpoint, write_hf_checkpoint)
 from loom.models.layers import TransformerArgs
 
@@ -38,8 +39,6 @@ CONFIG_FILE = "config.toml"
 def write_run(run_dir: str | Path, args: TransformerArgs, state: dict[str, torch.Tensor],
               origin: str = "") -> None:
     """A Loom run directory holding a model: ``config.toml`` and ``model.safetensors``."""
-    from loom.config import load_config, to_toml
-
     run_dir = Path(run_dir)
     # Every shape field is explicit, so the preset (the default one) contributes nothing.
     overrides = {f"model.{k}": v for k, v in dataclasses.asdict(args).items()}
@@ -55,9 +54,6 @@ def write_run(run_dir: str | Path, args: TransformerArgs, state: dict[str, torch
 def read_run(run_dir: str | Path) -> tuple[TransformerArgs, dict[str, torch.Tensor]]:
     """A run's model shape (from ``config.toml``) and final weights (``model.safetensors``)."""
     from safetensors.torch import load_file
-
-    from loom.config import load_config
-    from loom.config import model_args
 
     run_dir = Path(run_dir)
     for name in (CONFIG_FILE, SINGLE_FILE):

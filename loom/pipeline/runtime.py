@@ -67,15 +67,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loom.parallel import comm
+from loom.parallel import comm, parallelize
 from loom.parallel.comm import CommLedger
 from loom.parallel.data import GradientReducer, gradient_reducer, reshard
-from loom.schedule import families as schedules
-from loom.schedule.ir import Action, Op, Schedule
-from loom.schedule.select import ChunksError, schedule_for  # noqa: F401  (re-exported)
 from loom.pipeline.partition import partition_model
 from loom.pipeline.stage import LossFn, PipelineStage, build_stages
-from loom.schedule.validate import validate
+from loom.schedule.ir import Action, Op, Schedule
 
 if TYPE_CHECKING:
     from loom.pipeline.profile import PipelineRecorder
@@ -361,8 +358,6 @@ def build_pipeline(args, schedule: Schedule, *, grid, meshes, rank: int, device:
     reducer (over dp, or dp x cp) or ZeRO-3 on ``dp_shard`` (gathered across the step unless
     ``parallel.reshard_after_forward``).
     """
-    from loom.parallel import parallelize
-
     layers = partition_model(args, schedule.stages_per_route, seq_len)
     pp_rank = grid.coords(rank)["pp"]
     kwargs = {"autocast": autocast} if autocast is not None else {}

@@ -33,6 +33,7 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
+from loom.train.distributed import DistContext
 
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
 # Imported once by the fork server; every worker is forked from it with these already loaded.
@@ -50,8 +51,6 @@ def _worker_loop(rank: int, world_size: int, init_file: str, tasks: Any, results
     os.environ.update(WORKER_ENV)
     import torch
     import torch.distributed as dist
-
-    from loom.train.distributed import DistContext
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,

@@ -62,6 +62,7 @@ import torch.distributed as dist
 from loom.train.checkpoint_safety import (CheckpointError, check_signature, load_metadata,
                                           load_rng_file, read_manifest, regular_files,
                                           safe_storage_reader, sha256_of, sign)
+from loom.train.checkpoint_state import is_sharded_tensor, sharded_tensor_to_cpu
 
 COMMIT_MARKER = "COMMITTED"
 MANIFEST = "manifest.json"
@@ -222,8 +223,6 @@ class _Stager:
                                                      use_non_blocking_copy=False))
 
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
-        from loom.train.checkpoint_state import is_sharded_tensor, sharded_tensor_to_cpu
-
         plain = {part: {k: v for k, v in values.items() if not is_sharded_tensor(v)}
                  for part, values in state.items()}
         staged = self._default.stage(plain)

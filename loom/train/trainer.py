@@ -30,23 +30,29 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from loom.config import Config, model_args
-from loom.data.loader import DataFiles, DistributedLoader, GlobalBatchSampler, PackedSequences
-from loom.data.loader import eval_batches
+from loom.config import Config, model_args, to_dict
+from loom.data.loader import (DataFiles, DistributedLoader, GlobalBatchSampler, PackedSequences,
+                              eval_batches)
+from loom.formulas.flops import model_flops_per_token
 from loom.models import build_model, reset_parameters
 from loom.parallel import finish_gradient_sync, no_gradient_sync, parallelize, unwrap
 from loom.parallel.comm import CommLedger
-from loom.parallel.offload import activation_offload
-from loom.pipeline.runtime import PipelineRuntime, build_pipeline, forward_only, schedule_for
+from loom.parallel.context import shard_sequence
+from loom.parallel.expert import expert_parallel_of, reduce_gradients
+from loom.parallel.offload import activation_offload, plan_offload
+from loom.parallel.tensor import tensor_parallel_of
+from loom.pipeline.runtime import PipelineRuntime, build_pipeline, forward_only
 from loom.pipeline.stage import LocalStages
+from loom.schedule.select import schedule_for
 from loom.topology import DATA_AXES, RankGrid, build_mesh
+from loom.train import checkpoint, full_state, preempt
+from loom.train.checkpoint_state import load_training_state, training_state
 from loom.train.distributed import DistContext, init_distributed
-from loom.train import full_state
-from loom.formulas.flops import model_flops_per_token
 from loom.train.flops import device_peak_flops
 from loom.train.metrics import MetricsLogger, StepTimer, peak_memory_bytes
 from loom.train.optim import build_optimizer, build_scheduler
 from loom.train.post_validation import PendingMean, optimizer_step_for
+from loom.train.watchdog import CollectiveWatch
 
 
 # checkpoint.resume values that pick the newest valid checkpoint of the run by themselves
@@ -88,7 +94,6 @@ class Trainer:
             self.cp_groups = new_cp_groups(self.grid.groups("cp"), layout, self.ctx.rank)
 
         self.args = model_args(config)
-        from loom.parallel.offload import plan_offload
 
         self.offload = plan_offload(self.ctx.device, activations=tr.offload_activations,
                                     optimizer=tr.offload_optimizer)
@@ -125,9 +130,6 @@ class Trainer:
             self.model = parallelize(model, self.meshes, config.parallel,
                                      cp_groups=self.cp_groups, ledger=self.ledger, train=tr,
                                      offload_optimizer=self.offload.optimizer)
-        from loom.parallel.tensor import tensor_parallel_of
-
-        from loom.parallel.expert import expert_parallel_of
 
         self.tp = tensor_parallel_of(self.model)
         if self.tp is None and self.pipeline is not None:  # TP inside stages: any stage's record
@@ -239,7 +241,6 @@ class Trainer:
         the loss over the local tokens, averaged over cp, is the global mean (equal shares)."""
         if self.cp_groups is None:
             return inputs, targets, None
-        from loom.parallel.context import shard_sequence
 
         rank, layout = self.cp_groups.cp_rank, self.cp_groups.layout
         inputs, positions = shard_sequence(inputs, rank, layout)
@@ -267,7 +268,6 @@ class Trainer:
         sharded reduction already gave both kinds their divisor."""
         if self.ep is None or self.config.parallel.dp_shard > 1:
             return
-        from loom.parallel.expert import reduce_gradients
 
         no_ep = self.meshes.dp_no_ep
         reduce_gradients(self.model, self.ep, dense=False,
@@ -337,17 +337,12 @@ class Trainer:
     def _checkpoint_tensors(self) -> dict[str, Any]:
         """Model and optimizer state keyed by the full model's parameter names and shapes, so any
         layout can load what any other saved (``loom.train.checkpoint_state``)."""
-        from loom.train.checkpoint_state import training_state
-
         return training_state(self.model, self.optimizer)
 
     def save_checkpoint(self, root: Path | None = None) -> Path:
         """Save the full training state as checkpoint ``step`` under ``root`` (collective).
         With ``checkpoint.async_save`` the write continues in the background (one at a time:
         this first waits for the previous one); the returned path exists once it is committed."""
-        from loom.config import to_dict
-        from loom.train import checkpoint
-
         root = root or self.run_dir / "checkpoints"
         self.wait_for_checkpoint()
         self._refuse_non_finite_weights()
@@ -383,9 +378,6 @@ class Trainer:
 
     def load_checkpoint(self, path: Path) -> None:
         """Continue from a checkpoint saved under this or any other layout (collective)."""
-        from loom.train import checkpoint
-        from loom.train.checkpoint_state import load_training_state
-
         tensors = self._checkpoint_tensors()
         extra = checkpoint.load(path, tensors, device=self.ctx.device)
         load_training_state(self.model, self.optimizer, tensors)
@@ -397,8 +389,6 @@ class Trainer:
         """``spec`` is ``auto`` (the newest checkpoint of this run that is complete and valid;
         none: refuse, naming the ones skipped), ``auto_or_fresh`` (the same, but none: start
         from step 0) or a checkpoint directory. Refused checkpoints are logged, never loaded."""
-        from loom.train import checkpoint
-
         if spec not in AUTO_RESUME:
             path = Path(spec)
         else:
@@ -505,8 +495,6 @@ class Trainer:
 
     def _stop_agreed(self) -> bool:
         """True on every rank when any rank asked to stop (one 1-element all-reduce per step)."""
-        from loom.train import preempt
-
         local = getattr(self, "_stop_requested", False) or preempt.stop_requested()
         return preempt.agree_to_stop(local, self.ctx.device)
 
@@ -528,7 +516,6 @@ class Trainer:
         """This rank's ``CollectiveWatch`` (``loom.train.watchdog``), None without a run dir."""
         if self.run_dir is None:
             return None
-        from loom.train.watchdog import CollectiveWatch
 
         return CollectiveWatch(self.run_dir, self.ctx.rank, self.config.train.timeout_s,
                                self._group_names())

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from loom.pipeline.runtime import schedule_for
+from loom.schedule.select import schedule_for
 from loom.testing.parity import layout_config
 from tests.conftest import SMALL_DATA_OVERRIDES
 from tests.dist.test_pipeline_parity import record_pipeline

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from loom.pipeline.runtime import schedule_for
+from loom.schedule.select import schedule_for
 from loom.schedule.families import names
 from loom.testing.parity import assert_parity, layout_config
 from tests.conftest import SMALL_DATA_OVERRIDES

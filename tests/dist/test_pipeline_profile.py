@@ -23,7 +23,8 @@ def profiled_step(ctx, family: str, record: bool, track_memory: bool):
     from loom.models import TransformerArgs
     from loom.pipeline.partition import partition_model
     from loom.pipeline.profile import PipelineRecorder
-    from loom.pipeline.runtime import PipelineRuntime, schedule_for
+    from loom.pipeline.runtime import PipelineRuntime
+    from loom.schedule.select import schedule_for
     from loom.pipeline.stage import build_stages
 
     torch.set_num_threads(1)

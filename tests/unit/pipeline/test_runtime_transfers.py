@@ -9,7 +9,8 @@ from collections import Counter
 
 import pytest
 
-from loom.pipeline.runtime import forward_only, incoming, outgoing, schedule_for
+from loom.pipeline.runtime import forward_only, incoming, outgoing
+from loom.schedule.select import schedule_for
 from loom.schedule.families import names
 
 SIZES = [(2, 2), (2, 5), (3, 7), (4, 4), (4, 9)]
