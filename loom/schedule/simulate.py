@@ -1,8 +1,9 @@
 """Replay a pipeline schedule with real costs: timeline, makespan, bubbles and memory over time.
 
-``simulate(schedule, costs)`` runs every rank's list in order, as the runtime does. An action
-starts when its rank is free and every dependency (``loom.schedule.validate.dependencies``) has
-finished, plus the send time when the dependency ran on another rank. Start times therefore
+``simulate(schedule, costs)`` runs every rank's list in order, as the runtime does, through the
+validator's one replay engine (``loom.schedule.validate.replay``). An action starts when its rank
+is free and every dependency (``loom.schedule.validate.dependencies``) has finished, plus the send
+time when the dependency ran on another rank. Start times therefore
 follow from the finish times of earlier actions alone: no resource is shared between ranks (each
 link is its own, sends overlap compute and do not contend, the ZB paper's T_comm model), so the
 replay processes actions as their inputs complete, which gives the same times as a discrete-event
@@ -23,14 +24,13 @@ Two bubble figures, both fractions of time:
 from __future__ import annotations
 
 import json
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 from loom.schedule.ir import Action, Op, Schedule
-from loom.schedule.validate import deadlock_error, dependencies
+from loom.schedule.validate import deadlock_error, replay
 from loom.schedule.cost import Number, StageCosts
 
 
@@ -189,35 +189,11 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, *,
     """
     costs = costs or StageCosts.uniform(1, 1, 1)
     costs.check(schedule)
-    rows = schedule.actions
-    deps = {action: dependencies(schedule, action) for row in rows for action in row}
-    finish: dict[Action, Number] = {}
-    slots: list[list[Slot]] = [[] for _ in rows]
-    free_at: list[Number] = [0] * len(rows)
-    pointer = [0] * len(rows)
-    waiting: dict[Action, list[int]] = {}  # unfinished dependency -> ranks blocked on it
-    runnable = deque(range(len(rows)))
-    while runnable:
-        rank = runnable.popleft()
-        row = rows[rank]
-        while pointer[rank] < len(row):
-            action = row[pointer[rank]]
-            blocker = next((dep for dep in deps[action] if dep not in finish), None)
-            if blocker is not None:
-                waiting.setdefault(blocker, []).append(rank)
-                break
-            start = max(
-                [free_at[rank]]
-                + [finish[dep] + costs.send_time(schedule, dep, action) for dep in deps[action]]
-            )
-            end = start + costs.duration(action)
-            finish.setdefault(action, end)
-            slots[rank].append(Slot(action, start, end))
-            free_at[rank] = end
-            pointer[rank] += 1
-            runnable.extend(waiting.pop(action, ()))
-    if any(pointer[rank] < len(row) for rank, row in enumerate(rows)):
+    replayed, pending = replay(schedule, costs.duration,
+                               lambda dep, action: costs.send_time(schedule, dep, action))
+    if any(pending):
         raise deadlock_error(schedule)
+    slots = [[Slot(action, start, end) for action, start, end in row] for row in replayed]
     return SimResult(
         name=schedule.name,
         num_stages=schedule.num_stages,

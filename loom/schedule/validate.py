@@ -5,8 +5,11 @@ naming the broken rule. The pieces are public because the simulator, the search 
 reuse them:
 
 * ``dependencies(schedule, action)``: what must finish before ``action`` may start.
-* ``execute(schedule, durations)``: every rank runs its list in order, each action as soon as its
-  dependencies have finished (ASAP, integer durations; one step each by default).
+* ``replay(schedule, duration, send_time)``: the one replay engine (every rank in order, each
+  action as soon as its rank is free and its dependencies have finished), used by ``execute``
+  and by ``loom.schedule.simulate``;
+* ``execute(schedule, durations)``: ``replay`` in whole steps (one each by default), as a
+  rank-by-step grid.
 * ``memory_profile`` / ``peak_memory``: live activations per rank, in units of one full rank's
   activations for one microbatch. A (stage, microbatch) is live from the start of its F to the
   end of its last backward piece (W, or B when not split); a stage on a rank that owns v stages
@@ -18,10 +21,11 @@ microbatch's route, and a microbatch needs actions only on the stages of its rou
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Collection, Mapping
+from collections import Counter, deque
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 from loom.schedule.ir import Action, Op, Schedule
 
@@ -88,49 +92,76 @@ class Execution:
         return max(self.finish[a] for a in row) - min(self.start[a] for a in row) - busy
 
 
-def execute(schedule: Schedule, durations: Mapping[Op, int] = UNIT_DURATIONS) -> Execution:
-    """Run every rank's list in order, each action as soon as its dependencies have finished.
+Replayed = tuple[list[list[tuple[Action, Any, Any]]], tuple[tuple[Action, ...], ...]]
 
-    Stops early (``completed`` is False) when no rank can progress: a deadlock, or a dependency
-    that is not scheduled at all.
+
+def replay(schedule: Schedule, duration: Callable[[Action], Any],
+           send_time: Callable[[Action, Action], Any] | None = None) -> Replayed:
+    """The one replay engine: every rank runs its list in order, each action as soon as its rank
+    is free and its dependencies have finished (plus ``send_time(dep, action)``, if given).
+
+    Returns ``(slots, pending)``: per rank the ``(action, start, finish)`` it ran, and the
+    suffix of its list that could never start (empty for every rank when the schedule runs to
+    the end). Nothing is shared between ranks, so start times follow from the finish times of
+    earlier actions alone: actions are processed as their inputs complete (each rank resumed
+    when the action it waits for finishes), which gives a global clock's times without one.
+    ``execute`` (unit steps) and ``loom.schedule.simulate`` (real costs) both use it.
     """
     rows = schedule.actions
     deps = {action: dependencies(schedule, action) for row in rows for action in row}
+    finish: dict[Action, Any] = {}
+    slots: list[list[tuple[Action, Any, Any]]] = [[] for _ in rows]
+    free_at: list[Any] = [0] * len(rows)
     pointer = [0] * len(rows)
-    busy_until = [0] * len(rows)
+    waiting: dict[Action, list[int]] = {}  # unfinished dependency -> ranks blocked on it
+    runnable = deque(range(len(rows)))
+    while runnable:
+        rank = runnable.popleft()
+        row = rows[rank]
+        while pointer[rank] < len(row):
+            action = row[pointer[rank]]
+            blocker = next((dep for dep in deps[action] if dep not in finish), None)
+            if blocker is not None:
+                waiting.setdefault(blocker, []).append(rank)
+                break
+            start = max([free_at[rank]] + [
+                finish[dep] + (send_time(dep, action) if send_time else 0) for dep in deps[action]])
+            end = start + duration(action)
+            finish.setdefault(action, end)
+            slots[rank].append((action, start, end))
+            free_at[rank] = end
+            pointer[rank] += 1
+            runnable.extend(waiting.pop(action, ()))
+    return slots, tuple(tuple(row[pointer[rank]:]) for rank, row in enumerate(rows))
+
+
+def execute(schedule: Schedule, durations: Mapping[Op, int] = UNIT_DURATIONS) -> Execution:
+    """Run every rank's list in order, each action as soon as its dependencies have finished,
+    in whole steps (``durations`` >= 1 per op; one step each by default).
+
+    Stops early (``completed`` is False) when no rank can progress: a deadlock, or a dependency
+    that is not scheduled at all. The timeline is the step grid: a rank's row runs to the step
+    of its last start, or, for a rank left waiting, to the step where everything had stopped.
+    """
+    if any(type(d) is not int or d < 1 for d in durations.values()):
+        raise ValueError(f"execute: durations must be whole steps >= 1, got {dict(durations)}")
+    slots, pending = replay(schedule, lambda action: durations[action.op])
     start: dict[Action, int] = {}
     finish: dict[Action, int] = {}
-    timeline: list[list[Action | None]] = [[] for _ in rows]
-    step = 0
-    while any(pointer[rank] < len(row) for rank, row in enumerate(rows)):
-        started = False
-        for rank, row in enumerate(rows):
-            if pointer[rank] >= len(row):
-                continue
-            action = row[pointer[rank]]
-            ready = busy_until[rank] <= step and all(
-                finish.get(dep, step + 1) <= step for dep in deps[action]
-            )
-            timeline[rank].append(action if ready else None)
-            if ready:
-                start.setdefault(action, step)
-                finish.setdefault(action, step + durations[action.op])
-                busy_until[rank] = step + durations[action.op]
-                pointer[rank] += 1
-                started = True
-        if not started and all(busy <= step for busy in busy_until):
-            for rank_timeline in timeline:  # this step only showed the stuck ranks as idle
-                if len(rank_timeline) > step:
-                    rank_timeline.pop()
-            break
-        step += 1
-    return Execution(
-        schedule=schedule,
-        start=start,
-        finish=finish,
-        timeline=tuple(tuple(t) for t in timeline),
-        pending=tuple(tuple(row[pointer[rank]:]) for rank, row in enumerate(rows)),
-    )
+    for row in slots:
+        for action, begin, end in row:
+            start.setdefault(action, begin)
+            finish.setdefault(action, end)
+    stopped = max((end for row in slots for _, _, end in row), default=0)
+    timeline = []
+    for row, waiting in zip(slots, pending):
+        length = stopped if waiting else (row[-1][1] + 1 if row else 0)
+        steps: list[Action | None] = [None] * length
+        for action, begin, _ in row:
+            steps[begin] = action
+        timeline.append(tuple(steps))
+    return Execution(schedule=schedule, start=start, finish=finish, timeline=tuple(timeline),
+                     pending=pending)
 
 
 def memory_profile(schedule: Schedule, rank: int) -> tuple[Fraction, ...]:
