@@ -22,6 +22,7 @@ iterator state, which gives neither property.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -211,7 +212,6 @@ def check_seq_len(seq_len: int, n_tokens: int, *, at_most: bool = False) -> None
 
 # A corpus this small is read and split to bound its training tokens before anything is written.
 SMALL_CORPUS_BYTES = 1 << 20
-_checked_sources: dict[tuple, None] = {}  # what check_source passed (the source's inode, mtime)
 
 
 def check_source(cfg: Any) -> None:
@@ -231,20 +231,23 @@ def check_source(cfg: Any) -> None:
         identity = (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_size)
     except OSError:
         identity = None
-    key = (where, tuple(cfg.extensions), int(cfg.max_bytes),
-           float(cfg.val_fraction), int(cfg.seq_len), identity)
-    if key in _checked_sources:  # the planner resolves many layouts of one config
-        return
-    files = list_files(cfg.source, cfg.extensions, cfg.max_bytes)
-    first_text_file(cfg.source, files)
+    # cached: the planner resolves many layouts of one config (a refusal raises, never cached)
+    _check_source(str(cfg.source), tuple(cfg.extensions), int(cfg.max_bytes),
+                  float(cfg.val_fraction), int(cfg.seq_len), identity)
+
+
+@functools.lru_cache(maxsize=32)
+def _check_source(source: str, extensions: tuple[str, ...], max_bytes: int, val_fraction: float,
+                  seq_len: int, identity: tuple | None) -> None:
+    files = list_files(source, extensions, max_bytes)
+    first_text_file(source, files)
     total = sum(f.size for f in files)
     if total <= SMALL_CORPUS_BYTES:
-        train, _ = split_documents(read_documents(files), cfg.val_fraction)
+        train, _ = split_documents(read_documents(files), val_fraction)
         bound = sum(len(d.text.encode("utf-8")) + 1 for d in train)  # + end-of-document
     else:
         bound = 3 * total + len(files)  # an undecodable byte becomes U+FFFD, 3 UTF-8 bytes
-    check_seq_len(int(cfg.seq_len), bound, at_most=True)
-    _checked_sources[key] = None
+    check_seq_len(seq_len, bound, at_most=True)
 
 
 def prepare_data(cfg: Any, out_dir: str | Path) -> DataFiles:

@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from loom.train.checkpoint_safety import (CheckpointError, check_signature, load_metadata,
                                           load_rng_file, read_manifest, regular_files,
@@ -108,14 +109,19 @@ def check_metadata_is_safe(path: Path) -> None:
     load_metadata(Path(path))
 
 
-def _check_extra(path: Path, step: Any) -> None:
-    if not (path / EXTRA).is_file():
+def _read_extra(path: Path) -> Any:
+    """``extra.json``'s JSON; CheckpointError when it is not a readable regular file of JSON."""
+    if not (path / EXTRA).is_file():  # a FIFO would block the read
         raise CheckpointError(f"{path / EXTRA}: missing or not a regular file")
     try:
-        extra = json.loads((path / EXTRA).read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as err:
+        return json.loads((path / EXTRA).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as err:  # RecursionError: absurdly deep JSON
         raise CheckpointError(f"{path / EXTRA}: unreadable ({type(err).__name__}:"
                               f" {str(err)[:200]})") from None
+
+
+def _check_extra(path: Path, step: Any) -> None:
+    extra = _read_extra(path)
     if not isinstance(extra, dict) or type(extra.get("step")) is not int or extra["step"] < 0:
         raise CheckpointError(f"{path / EXTRA}: malformed (no integer step)")
     if type(step) is int and extra["step"] != step:
@@ -134,9 +140,7 @@ def verify(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not a checkpoint folder (missing, a file or a link)")
     if not (path / COMMIT_MARKER).is_file():
         raise CheckpointError(f"{path}: incomplete (no {COMMIT_MARKER} marker)")
-    if (path / MANIFEST).is_symlink():
-        raise CheckpointError(f"{path / MANIFEST}: is a symbolic link")
-    manifest = read_manifest(path / MANIFEST)
+    manifest = read_manifest(path / MANIFEST)  # refuses a link or a non-regular file
     check_signature(manifest, path / MANIFEST)
     present = _files(path)  # refuses symbolic links anywhere in the folder
     for name, entry in manifest["files"].items():
@@ -338,14 +342,8 @@ def _agree(group: Any, error: str | None) -> None:
         raise CheckpointError(error)
 
 
-def _dcp_failures() -> tuple[type[BaseException], ...]:
-    # DCP's CheckpointException derives from BaseException, not Exception
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    return (Exception, CheckpointException)
-
-
-_FAILURES = _dcp_failures()
+# DCP's CheckpointException derives from BaseException, not Exception
+_FAILURES = (Exception, CheckpointException)
 
 
 def _unwrap_dcp_failure(err: BaseException) -> BaseException:
@@ -468,14 +466,17 @@ def _weights_only_load_planner() -> Any:
 
 
 def load(path: Path, tensors: dict[str, Any], *, device: torch.device = torch.device("cpu"),
-         group: Any = None) -> dict[str, Any]:
-    """Verify ``path`` (main rank), then load it into ``tensors`` in place (collective) and
-    restore this rank's RNG state when the checkpoint has one for it. Returns ``extra``."""
+         group: Any = None, verified: bool = False) -> dict[str, Any]:
+    """Verify ``path`` (main rank; ``verified``: the caller just did, as ``latest_loadable``
+    does, so its files are not hashed twice), then load it into ``tensors`` in place
+    (collective) and restore this rank's RNG state when the checkpoint has one for it. Returns
+    ``extra``. Whatever was verified, everything is read safely (metadata through the allow-list,
+    the rest with ``weights_only``)."""
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
     verdict = [None]
-    if _is_main(group):
+    if _is_main(group) and not verified:
         try:
             verify(path)
         except CheckpointError as err:
@@ -500,11 +501,7 @@ def load(path: Path, tensors: dict[str, Any], *, device: torch.device = torch.de
     rng_file = path / "rng" / f"rank{_rank(group)}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than saved
         set_rng_state(load_rng_file(rng_file), device)
-    try:
-        extra = json.loads((path / EXTRA).read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as err:
-        raise CheckpointError(f"{path / EXTRA}: unreadable ({type(err).__name__})") from None
-    return extra
+    return _read_extra(path)
 
 
 def latest_loadable(root: Path) -> tuple[Path | None, list[str]]:

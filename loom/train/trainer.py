@@ -376,10 +376,11 @@ class Trainer:
             raise CheckpointError(f"refusing to save step {self.step}: the weights hold"
                                   " non-finite values")
 
-    def load_checkpoint(self, path: Path) -> None:
-        """Continue from a checkpoint saved under this or any other layout (collective)."""
+    def load_checkpoint(self, path: Path, *, verified: bool = False) -> None:
+        """Continue from a checkpoint saved under this or any other layout (collective);
+        ``verified``: rank 0 has just verified it (``checkpoint.load`` does not hash it again)."""
         tensors = self._checkpoint_tensors()
-        extra = checkpoint.load(path, tensors, device=self.ctx.device)
+        extra = checkpoint.load(path, tensors, device=self.ctx.device, verified=verified)
         load_training_state(self.model, self.optimizer, tensors)
         self.step = int(extra["step"])
         self.scheduler.load_state_dict(extra["scheduler"])
@@ -389,7 +390,8 @@ class Trainer:
         """``spec`` is ``auto`` (the newest checkpoint of this run that is complete and valid;
         none: refuse, naming the ones skipped), ``auto_or_fresh`` (the same, but none: start
         from step 0) or a checkpoint directory. Refused checkpoints are logged, never loaded."""
-        if spec not in AUTO_RESUME:
+        verified = spec in AUTO_RESUME  # latest_loadable verifies what it picks
+        if not verified:
             path = Path(spec)
         else:
             found: list[Any] = [None, []]
@@ -408,7 +410,7 @@ class Trainer:
                         " --resume auto_or_fresh to start from step 0 instead")
                 log("resume: no complete and valid checkpoint found; starting from step 0")
                 return None
-        self.load_checkpoint(path)
+        self.load_checkpoint(path, verified=verified)
         log(f"resume: continuing from {path} (step {self.step})")
         return path
 

@@ -7,6 +7,7 @@ new ones; ``LOOM_FUZZ_STRICT=1`` tolerates none)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shutil
@@ -43,15 +44,21 @@ def test_a_refusal_naming_a_key_with_a_line_break_is_one_line():
     assert err.getvalue().count("\n") == 1, repr(err.getvalue())
 
 
-def test_a_fifo_in_place_of_the_manifest_is_refused_without_blocking():
+@contextlib.contextmanager
+def _plain_checkpoints():
+    """A copy of the session's two-step checkpoint folder: (checkpoint module, workspace, root,
+    newest step)."""
     from tests.fuzz import ckpt_mutations as M
 
-    ck = M.ckpt_module()
     with workspace() as ws, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         root = ws / "ckpts"
         shutil.copytree(M.base_checkpoints()["plain"], root)
-        step = sorted(root.iterdir())[-1]
+        yield M.ckpt_module(), ws, root, sorted(root.iterdir())[-1]
+
+
+def test_a_fifo_in_place_of_the_manifest_is_refused_without_blocking():
+    with _plain_checkpoints() as (ck, ws, root, step):
         (step / "manifest.json").unlink()
         os.mkfifo(step / "manifest.json")
         finished, _, error = harness.call_with_timeout(
@@ -73,14 +80,7 @@ def test_a_moe_model_trains_a_step_in_bf16_on_cpu():
 
 
 def test_deeply_nested_json_manifest_is_refused():
-    from tests.fuzz import ckpt_mutations as M
-
-    ck = M.ckpt_module()
-    with workspace() as ws, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        root = ws / "ckpts"
-        shutil.copytree(M.base_checkpoints()["plain"], root)
-        step = sorted(root.iterdir())[-1]
+    with _plain_checkpoints() as (ck, ws, root, step):
         (step / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
         with pytest.raises(ck.CheckpointError):
             ck.verify(step)
@@ -93,14 +93,9 @@ def test_deeply_nested_json_manifest_is_refused():
 def test_an_rng_state_of_another_size_is_refused_by_load():
     import torch
 
-    from tests.fuzz import ckpt_mutations as M
+    with _plain_checkpoints() as (ck, ws, root, step):
+        from tests.fuzz import ckpt_mutations as M
 
-    ck = M.ckpt_module()
-    with workspace() as ws, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        root = ws / "ckpts"
-        shutil.copytree(M.base_checkpoints()["plain"], root)
-        step = sorted(root.iterdir())[-1]
         state = {"cpu": torch.zeros(3, dtype=torch.uint8)}
         (step / "rng" / "rank0.pt").write_bytes(M.torch_bytes(state))
         M.forge(step)  # consistent: as if saved by a torch whose generator state differs

