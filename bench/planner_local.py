@@ -37,7 +37,8 @@ from loom.plan.calibrate import load_profile
 from loom.plan.hardware import Cluster
 from loom.plan.search import plan, simulate_step
 from loom.plan.space import Workload
-from loom.sim.cost_model import CostModel, Layout
+from loom.layout import Layout
+from loom.sim.cost_model import CostModel
 from loom.sim.cost_pipeline import search_costs
 
 NPROC = 4
@@ -57,43 +58,46 @@ LAYOUTS = {
     "dp2 tp2 sp": Layout(dp_replicate=2, tp=2, sequence_parallel=True, micro_batch=4,
                          microbatches=2),
     # the schedule search's own output (``schedule = "search"``), looped, at ZB-H2's 3 units
-    "pp2 dp2 search": Layout(pp=2, dp_replicate=2, schedule="search", chunks=1, memory_limit=3,
-                             micro_batch=2, microbatches=4),
+    "pp2 dp2 search": Layout(pp=2, dp_replicate=2, schedule="search", chunks=1, schedule_placement="looped",
+                             schedule_memory_limit=3,                              micro_batch=2, microbatches=4),
 }
 
 
-def override_values(layout: Layout) -> dict:
-    from loom.plan.search import to_overrides
+def layout_config(layout: Layout):
+    """The resolved config ``loom train`` runs ``layout`` with: the planner's own (by value),
+    in fp32 on CPU (the profile measured fp32 matmuls), on the byte tokenizer, no evaluation."""
+    from loom.config import resolve
+    from loom.plan.search import to_config
 
-    values = to_overrides(layout, WORK)
-    values["train.dtype"] = "fp32"  # CPU: fp32 compute (the profile measured fp32 matmuls)
-    return values
-
-
-def overrides(layout: Layout) -> list[str]:
-    return [f"--{key}={value}" for key, value in override_values(layout).items()]
+    config = to_config(layout, WORK)
+    config.train.dtype, config.data.tokenizer = "fp32", "byte"
+    config.train.eval_every, config.train.steps = 0, 10_000
+    return resolve(config, NPROC)
 
 
 def measure(layout: Layout, steps: int, skip: int) -> float:
     """Median step time (s) of one ``loom train`` run of ``layout``."""
+    from loom.config import to_toml
+
     with tempfile.TemporaryDirectory() as run_dir:
+        config_path = Path(run_dir) / "layout.toml"
+        config_path.write_text(to_toml(layout_config(layout)))
         cmd = [sys.executable, "-m", "loom", "train", "--nproc", str(NPROC),
-               f"--train.steps={steps}", "--train.eval_every=0", f"--train.run_dir={run_dir}",
-               "--data.tokenizer=byte", *overrides(layout)]
+               f"--config={config_path}", f"--train.steps={steps}",
+               f"--train.run_dir={run_dir}/run"]
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL,
                        stderr=subprocess.PIPE)
-        rows = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(line)
+                for line in Path(run_dir, "run", "metrics.jsonl").read_text().splitlines()]
         times = [r["step_time_s"] for r in rows if "step_time_s" in r and r.get("step", 0) > skip]
         return statistics.median(times)
 
 
 def _config_table(layout: Layout) -> dict:
-    from loom.config import load_config, resolve, to_dict
+    from loom.config import to_dict
 
-    values = override_values(layout)
-    values.update({"data.tokenizer": "byte", "train.eval_every": 0, "train.steps": 10_000})
-    return to_dict(resolve(load_config(None, values), NPROC))
+    return to_dict(layout_config(layout))
 
 
 def interleaved_steps(ctx, tables: dict[str, dict], data_dir: str, rounds: int,

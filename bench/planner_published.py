@@ -30,7 +30,8 @@ from loom.models.layers import TransformerArgs
 from loom.plan.hardware import make_cluster
 from loom.plan.search import plan, simulate_step
 from loom.plan.space import Workload
-from loom.sim.cost_model import CostModel, Layout
+from loom.layout import Layout
+from loom.sim.cost_model import CostModel
 
 HERE = Path(__file__).parent
 

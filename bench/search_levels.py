@@ -15,7 +15,7 @@ from loom.schedule import families as schedules
 from loom.schedule.search import placement_costs, search
 from loom.schedule.validate import peak_memory
 from loom.schedule.cost import StageCosts
-from loom.sim.cost_model import Layout
+from loom.layout import Layout
 from loom.sim.cost_pipeline import search_estimate
 from loom.schedule.simulate import simulate
 
@@ -35,8 +35,8 @@ def main() -> None:
             for limit in range(1, 2 * p + 1):
                 found = float(search(p, m, costs, limit, placement).best.makespan)
                 excess.append(f"{limit}:{found / work - 1:.2f}")
-                lay = Layout(pp=p, schedule="search", chunks=v, microbatches=m,
-                             memory_limit=limit)
+                lay = Layout(pp=p, schedule="search", chunks=v, schedule_placement=placement,
+                             microbatches=m, schedule_memory_limit=limit)
                 estimate = search_estimate(lay, ops, F + I + W, LATENCY)
                 errors.append(f"{limit}:{estimate / found - 1:+.0%}")
             print(f"p={p} m={m} {placement}: search excess by units  " + " ".join(excess))

@@ -28,6 +28,7 @@ else:  # pragma: no cover
 from loom.config_rules import DEFAULT_SCHEDULE, check_bpe_vocab
 from loom.config_rules import validate as check_rules
 from loom.errors import ConfigError, suggest
+from loom.layout import Layout
 from loom.models.layers import TransformerArgs
 from loom.models.presets import PRESETS
 
@@ -405,6 +406,55 @@ def validate(config: Config, world_size: int) -> None:
     check_rules(config, world_size)
 
 
+def layout_of(config: Config) -> Layout:
+    """The ``Layout`` a resolved config trains under, in normal form (``loom.layout``): what
+    the trainer, the estimator and the planner all read."""
+    par, tr = config.parallel, config.train
+    searched = par.pp > 1 and par.schedule == "search"
+    chunks = 1 if par.pp == 1 else par.chunks
+    if searched:  # the config says the placement; the search's own choice under "auto"
+        chunks = {"looped": 1, "interleaved": 2, "v": 2}.get(par.schedule_placement, 0)
+    return Layout(
+        **par.degrees(),
+        zero_stage=par.zero_stage if par.dp_shard > 1 else 0,
+        reshard_after_forward=par.reshard_after_forward,
+        sequence_parallel=par.sequence_parallel, vocab_parallel=par.vocab_parallel,
+        cp_mode=par.cp_mode, cp_ulysses=par.cp_ulysses,
+        schedule=par.schedule if par.pp > 1 else "none", chunks=chunks,
+        schedule_memory_limit=par.schedule_memory_limit if searched else 0.0,
+        schedule_costs=par.schedule_costs if searched else "",
+        schedule_placement=par.schedule_placement if searched else "auto",
+        micro_batch=tr.micro_batch_size,
+        microbatches=tr.global_batch_size // (par.dp * tr.micro_batch_size),
+        recompute=tr.recompute, recompute_every=tr.recompute_every)
+
+
+def with_layout(config: Config, layout: Layout) -> Config:
+    """``config`` trained under ``layout``: a new Config whose ``[parallel]`` and the
+    microbatching and recomputation of ``[train]`` are the layout's, by value (not resolved:
+    pass it to ``resolve``). Knobs the layout leaves at "not set" keep the config's: the ZeRO
+    stage at dp_shard = 1, the schedule at pp = 1, the search's costs when empty."""
+    par = dataclasses.replace(
+        config.parallel, **layout.degrees(),
+        reshard_after_forward=layout.reshard_after_forward,
+        sequence_parallel=layout.sequence_parallel, vocab_parallel=layout.vocab_parallel,
+        cp_mode=layout.cp_mode, cp_ulysses=layout.cp_ulysses)
+    if layout.zero_stage:
+        par.zero_stage = layout.zero_stage
+    if layout.searched:
+        par.schedule, par.chunks = "search", 0
+        par.schedule_placement = layout.schedule_placement
+        par.schedule_memory_limit = layout.schedule_memory_limit
+        if layout.schedule_costs:
+            par.schedule_costs = layout.schedule_costs
+    elif layout.pp > 1:
+        par.schedule, par.chunks = layout.schedule, layout.chunks
+    train = dataclasses.replace(
+        config.train, global_batch_size=layout.global_batch, micro_batch_size=layout.micro_batch,
+        recompute=layout.recompute, recompute_every=layout.recompute_every)
+    return dataclasses.replace(config, parallel=par, train=train)
+
+
 def to_dict(config: Config) -> dict[str, dict[str, Any]]:
     out = dataclasses.asdict(config)
     for section in out.values():
@@ -440,4 +490,4 @@ def from_dict(table: dict[str, dict[str, Any]]) -> Config:
 
 
 __all__ = ["AXES", "Config", "ConfigError", "load_config", "parse_overrides", "resolve",
-           "validate", "to_dict", "to_toml", "from_dict"]
+           "validate", "to_dict", "to_toml", "from_dict", "layout_of", "with_layout"]

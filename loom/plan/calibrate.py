@@ -41,10 +41,10 @@ from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
+from loom.layout import Layout
 from loom.models.layers import TransformerArgs
 from loom.plan.hardware import Cluster, Gpu, HardwareError, Link
 from loom.sim.cost_model import CostModel
-from loom.sim.layout import Layout
 
 DEFAULT_PROFILE = Path.home() / ".cache" / "loom" / "local.json"
 SMALLEST_DIMS = (16, 32, 64, 128, 256, 512)

@@ -19,6 +19,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from loom.layout import Layout
+
 EXIT_BAD_INPUT = 2
 
 
@@ -49,7 +51,7 @@ def add_plan_commands(sub: argparse._SubParsersAction,
     plan.add_argument("--explain", nargs="?", const=1, type=int, metavar="N",
                       help="time and memory breakdown of the N-th ranked layout (default 1)")
     plan.add_argument("--layout", help="price this one layout instead of searching, as"
-                                       " field=value pairs of loom.sim.cost_model.Layout")
+                                       " field=value pairs of loom.layout.Layout")
     plan.add_argument("-o", "--output", help="write the chosen layout's Loom config here")
     plan.add_argument("--memory-fraction", type=float, default=0.9,
                       help="share of device memory a layout may plan to use")
@@ -63,10 +65,8 @@ def add_plan_commands(sub: argparse._SubParsersAction,
     plan.set_defaults(handler=_plan, measure_machine=measure_machine)
 
 
-def parse_layout(text: str):
+def parse_layout(text: str) -> Layout:
     """``pp=8,tp=8,...`` -> Layout, every field checked by name and type."""
-    from loom.sim.cost_model import Layout
-
     fields = {f.name: f for f in dataclasses.fields(Layout)}
     values: dict[str, object] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):

@@ -29,13 +29,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from loom.config import ConfigError, load_config, model_args, resolve
-from loom.models.presets import PRESETS
+from loom.config import ConfigError, load_config, model_args, resolve, with_layout
+from loom.layout import Layout
 from loom.plan.hardware import Cluster
-from loom.plan.search import simulate_step, to_overrides
-from loom.plan.space import Workload
+from loom.plan.search import simulate_step
 from loom.sim.cost_model import CostModel
-from loom.sim.layout import Layout
 
 # The probe model: half the tiny preset's width at half its sequence, so its FLOPs are
 # small next to the framework work being measured.
@@ -80,14 +78,11 @@ def _key(depth: int, micro_batch: int) -> str:
 def probe_config(layout: Layout, depth: int) -> Any:
     """The resolved Loom config of one probe run, or None when Loom's rules refuse it (e.g. tp
     not dividing the probe's heads)."""
-    batch = layout.dp * layout.micro_batch * layout.microbatches
-    work = Workload("tiny", PRESETS["tiny"], PROBE_SEQ, batch)
-    values = {**to_overrides(layout, work), **PROBE_MODEL, **PROBE_DATA,
-              "model.n_layers": depth, "train.dtype": "fp32", "train.eval_every": 0,
-              "train.steps": 1000, "metrics.progress": False, "metrics.tensorboard": False,
-              "metrics.plot": False, "metrics.jsonl": False}
+    values = {"model.preset": "tiny", **PROBE_MODEL, **PROBE_DATA, "model.n_layers": depth,
+              "train.eval_every": 0, "train.steps": 1000, "metrics.progress": False,
+              "metrics.tensorboard": False, "metrics.plot": False, "metrics.jsonl": False}
     try:
-        return resolve(load_config(None, values), layout.world)
+        return resolve(with_layout(load_config(None, values), layout), layout.world)
     except ConfigError:
         return None
 

@@ -23,21 +23,23 @@ Three passes, each cheaper per layout than the next:
 
 from __future__ import annotations
 
+import functools
 import heapq
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from loom.config import ConfigError, load_config, resolve
+from loom.config import Config, ConfigError, load_config, resolve, with_layout
+from loom.layout import Layout
 from loom.plan.hardware import Cluster
 from loom.plan.space import Workload, layouts
 from loom.schedule import families as schedules
-from loom.schedule.select import SEARCH, schedule_for
+from loom.schedule.select import SEARCH, schedule_of
 from loom.schedule.simulate import simulate
 from loom.schedule.validate import peak_memory
 from loom.sim.cost_memory import memory_floor, search_units_left
-from loom.sim.cost_model import CostModel, Layout, StepCost
+from loom.sim.cost_model import CostModel, StepCost
 from loom.sim.cost_pipeline import search_costs
 
 
@@ -110,38 +112,31 @@ def _simulate_searched(model: CostModel, cost: StepCost, stage_costs: Any,
     lay = cost.layout
     if not lay.schedule_costs:  # what ``plan`` fills in from the cost model
         lay = replace(lay, schedule_costs=search_costs(model, lay))
-    schedule = schedule_for(SEARCH, lay.pp, lay.microbatches, memory_limit=lay.memory_limit,
-                            costs=lay.schedule_costs, max_stages=model.model.n_layers,
-                            placement=lay.placement)
+    schedule = schedule_of(lay, max_stages=model.model.n_layers)
     return replace(cost, layout=lay, pipeline=_replay(schedule, stage_costs, cores),
                    simulated=True, memory=model.memory(lay, peak_memory(schedule)))
 
 
-_BASE_CONFIGS: dict[tuple, Any] = {}
+def workload_config(work: Workload) -> Config:
+    """The Loom config of ``work`` before any layout: its config file or model preset, its
+    sequence length, bf16 compute (the global batch comes with the layout)."""
+    return _parsed(work.config_path, None if work.config_path else work.name, work.seq_len)
 
 
-def to_config(layout: Layout, work: Workload) -> Any:
-    """The resolved Loom ``Config`` that trains ``work`` under ``layout`` (raises ConfigError).
+@functools.lru_cache(maxsize=8)
+def _parsed(config_path: str | None, preset: str | None, seq_len: int) -> Config:
+    """Parsed once per workload (parsing TOML and presets per layout dominated the planner's
+    time); ``with_layout`` copies the sections it changes, and nothing mutates the rest."""
+    values: dict[str, Any] = {"data.seq_len": seq_len, "train.dtype": "bf16"}
+    if preset:
+        values["model.preset"] = preset
+    return load_config(config_path, values)
 
-    The file or preset is parsed once per workload; each layout then only replaces the parallel
-    and train fields it sets (parsing TOML and presets per layout dominated the planner's time)."""
-    import dataclasses
 
-    values = to_overrides(layout, work)
-    key = (work.config_path, work.name, work.seq_len)
-    if key not in _BASE_CONFIGS:
-        base = {k: v for k, v in values.items() if k.startswith(("model.", "data."))}
-        _BASE_CONFIGS[key] = load_config(work.config_path, base)
-    base = _BASE_CONFIGS[key]
-    sections = {name: {} for name in ("parallel", "train")}
-    for dotted, value in values.items():
-        section, _, name = dotted.partition(".")
-        if section in sections:
-            sections[section][name] = value
-    config = dataclasses.replace(
-        base, parallel=dataclasses.replace(base.parallel, **sections["parallel"]),
-        train=dataclasses.replace(base.train, **sections["train"]))
-    return resolve(config, layout.world)
+def to_config(layout: Layout, work: Workload) -> Config:
+    """The resolved Loom ``Config`` that trains ``work`` under ``layout`` (raises ConfigError):
+    the workload's config with the layout written in by value (``loom.config.with_layout``)."""
+    return resolve(with_layout(workload_config(work), layout), layout.world)
 
 
 def runnable(layout: Layout, work: Workload, *, exact: bool = True,
@@ -155,53 +150,15 @@ def runnable(layout: Layout, work: Workload, *, exact: bool = True,
     ``representative=True`` goes further for the screening's per-structure verdicts: a pipeline
     of two ranks and two microbatches with the same axes, schedule and knobs."""
     if not exact and layout.pp > 1 and layout.microbatches > layout.pp:
-        work = replace(work, global_batch=layout.dp * layout.micro_batch * layout.pp)
         layout = replace(layout, microbatches=layout.pp)
     if representative and layout.pp > 2:  # the same structure on the smallest pipeline
-        work = replace(work, global_batch=layout.dp * layout.micro_batch * 2)
         layout = replace(layout, pp=2, microbatches=2, schedule_costs="",  # (costs: per rank)
-                         memory_limit=min(layout.memory_limit, 2.0))
+                         schedule_memory_limit=min(layout.schedule_memory_limit, 2.0))
     try:
         to_config(layout, work)
     except ConfigError as err:
         return f"{err.field_name}: {err.rule}"
     return None
-
-
-def to_overrides(layout: Layout, work: Workload) -> dict[str, Any]:
-    """The ``section.key`` values that, over ``work``'s config file (or its model preset), make
-    the Loom config training ``work`` under ``layout``."""
-    values: dict[str, Any] = {} if work.config_path else {"model.preset": work.name}
-    values.update({
-        "data.seq_len": work.seq_len,
-        "train.global_batch_size": work.global_batch,
-        "train.micro_batch_size": layout.micro_batch,
-        "train.dtype": "bf16",
-        "train.recompute": layout.recompute,
-        "parallel.pp": layout.pp,
-        "parallel.dp_replicate": layout.dp_replicate,
-        "parallel.dp_shard": layout.dp_shard,
-        "parallel.ep": layout.ep,
-        "parallel.cp": layout.cp,
-        "parallel.tp": layout.tp,
-        "parallel.sequence_parallel": layout.sequence_parallel,
-    })
-    if layout.zero_stage:
-        values["parallel.zero_stage"] = layout.zero_stage
-        if layout.pp > 1 and layout.zero_stage == 3:  # gathered once per step per stage, as priced
-            values["parallel.reshard_after_forward"] = False
-    if layout.cp > 1:
-        values["parallel.cp_mode"] = layout.cp_mode
-    if layout.pp > 1 and layout.schedule == "search":
-        values.update({"parallel.schedule": "search", "parallel.chunks": 0,
-                       "parallel.schedule_placement": layout.placement,
-                       "parallel.schedule_memory_limit": layout.memory_limit or layout.pp})
-        if layout.schedule_costs:
-            values["parallel.schedule_costs"] = layout.schedule_costs
-    elif layout.pp > 1:
-        values["parallel.schedule"] = layout.schedule
-        values["parallel.chunks"] = layout.chunks
-    return values
 
 
 # A finalist whose screening estimate exceeds the best simulated step by more than this is not
@@ -234,7 +191,7 @@ def _with_memory_left(model: CostModel, lay: Layout, budget: float) -> Layout | 
     units = search_units_left(model, lay, budget, _search_cap(lay))
     if units < 1:
         return None
-    return replace(lay, memory_limit=units, schedule_costs=search_costs(model, lay))
+    return replace(lay, schedule_memory_limit=units, schedule_costs=search_costs(model, lay))
 
 
 def _simulated_actions(lay: Layout) -> int:
@@ -295,7 +252,7 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
                 continue
             cost = model.evaluate(layout)
             fitting += 1
-            settled = not searched or layout.memory_limit >= _search_cap(layout)
+            settled = not searched or layout.schedule_memory_limit >= _search_cap(layout)
             if len(heap) == keep and -cost.step_time <= heap[0][0]:
                 if settled:
                     break  # slower than every layout kept (and recomputing more is slower still)
@@ -370,4 +327,4 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
     return result
 
 
-__all__ = ["Plan", "plan", "simulate_step", "runnable", "to_overrides"]
+__all__ = ["Plan", "plan", "simulate_step", "runnable", "to_config", "workload_config"]

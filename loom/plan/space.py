@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from loom.layout import Layout
 from loom.models.layers import TransformerArgs
 from loom.parallel.context import CPLayout, check_layout
-from loom.sim.cost_model import Layout
 
 # Families the planner considers, with the chunks per rank they are searched at. GPipe and the
 # looped breadth-first schedule are left out: they take 1F1B's time with m microbatches in flight
@@ -164,6 +164,8 @@ def _inner(m, pp, dp, ep, cp, tp, local, modes, gpus_per_node, families, micro_b
                         yield tuple(
                             Layout(pp=pp, dp_replicate=dp // shard, dp_shard=shard, ep=ep,
                                    cp=cp, tp=tp, zero_stage=zero, sequence_parallel=sp,
+                                   # ZeRO-3 stages stay gathered across the step, as priced
+                                   reshard_after_forward=not (pp > 1 and zero == 3),
                                    cp_mode=mode, schedule=schedule, chunks=chunks,
                                    micro_batch=b, microbatches=micro, recompute=rc)
                             for rc in recompute)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 
+from loom.layout import Layout
 from loom.schedule.cost import OpCosts, StageCosts
 from loom.schedule.families import SEARCH_PLACEMENTS, get
 from loom.schedule.ir import Schedule
@@ -95,6 +96,17 @@ def schedule_for(name: str, pp: int, microbatches: int, chunks: int = 0, *,
     return _generated(name, pp, microbatches, chunks)
 
 
+def schedule_of(layout: Layout, max_stages: int = 0) -> Schedule:
+    """The schedule ``layout``'s pipeline runs (``layout.pp > 1``): the trainer's, the memory
+    estimator's and the planner's simulation, from one place. ``max_stages``: the model's layers
+    (0: no bound), which keep an "auto" search to one stage per rank below 2 pp."""
+    return schedule_for(layout.schedule, layout.pp, layout.microbatches,
+                        0 if layout.searched else layout.chunks,
+                        memory_limit=layout.schedule_memory_limit,
+                        costs=layout.schedule_costs or "1,1,1,0", max_stages=max_stages,
+                        placement=layout.schedule_placement)
+
+
 @functools.lru_cache(maxsize=256)
 def _generated(name: str, pp: int, microbatches: int, chunks: int) -> Schedule:
     """A family's validated schedule, cached: config checks, the estimator, the trainer and the
@@ -112,4 +124,4 @@ def _generated(name: str, pp: int, microbatches: int, chunks: int) -> Schedule:
     return schedule
 
 
-__all__ = ["schedule_for", "SEARCH", "parse_search_costs", "ChunksError"]
+__all__ = ["schedule_for", "schedule_of", "SEARCH", "parse_search_costs", "ChunksError"]

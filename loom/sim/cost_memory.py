@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from loom.sim.layout import PEAK_IN_FLIGHT, Layout
+from loom.layout import Layout
+from loom.sim.layout import PEAK_IN_FLIGHT
 from loom.formulas.memory import (block_activation_bytes, head_activation_bytes, largest_parameter,
                                   model_state_bytes, zero2_bucket_bytes, zero2_reduction_bytes)
 
@@ -29,7 +30,7 @@ def layout_memory(model: Any, lay: Layout, in_flight: tuple[float, ...] | None =
     states = _states(model, lay, v_shaped)
     dense_act, moe_act, head, full_block = _activation_bytes(model, lay)
     if lay.schedule == "search":  # the search keeps every rank within its limit (0: pp)
-        peak = lay.memory_limit or float(lay.pp)
+        peak = lay.schedule_memory_limit or float(lay.pp)
     else:
         peak = PEAK_IN_FLIGHT.get(lay.schedule, lambda p, mm, v: 1)(lay.pp, lay.microbatches,
                                                                    lay.chunks)
@@ -121,7 +122,7 @@ def search_units_left(model: Any, lay: Layout, budget: float, cap: float) -> flo
     grows with the units (``layout_memory`` is a maximum of instants, each affine in them), so
     a bisection over whole units finds it."""
     def fits(units: float) -> bool:
-        return layout_memory(model, replace(lay, memory_limit=units), total_only=True) <= budget
+        return layout_memory(model, replace(lay, schedule_memory_limit=units), total_only=True) <= budget
 
     low, high = 1, int(cap)
     if high < 1 or not fits(1):

@@ -65,12 +65,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loom.formulas.flops import model_flops_per_token
+from loom.layout import Layout
 from loom.models.layers import TransformerArgs
 from loom.schedule.cost import OpCosts, StageCosts
 from loom.sim.cost_memory import layout_memory
 from loom.sim.cost_pipeline import pipeline_estimate
-from loom.sim.layout import (PEAK_IN_FLIGHT, Layout, all_to_all_time,  # noqa: F401
-                             allreduce_time, gather_time, p2p_time, wrappers)
+from loom.sim.layout import all_to_all_time, allreduce_time, gather_time, p2p_time, wrappers
 
 ELEMENTWISE_PASSES = 20  # activation-sized reads + writes per layer forward (see docstring)
 
@@ -488,5 +488,4 @@ class CostModel:
         return layout_memory(self, lay, total_only=True)
 
 
-__all__ = ["Layout", "CostModel", "wrappers", "StepCost", "PEAK_IN_FLIGHT", "allreduce_time", "gather_time",
-           "all_to_all_time", "p2p_time"]
+__all__ = ["CostModel", "StepCost"]

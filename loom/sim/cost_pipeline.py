@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from loom.sim.layout import Layout
+from loom.layout import Layout
 
 Ops = list[tuple[float, float, float]]  # (F, I, W) seconds per global stage for one microbatch
 
@@ -57,7 +57,7 @@ def search_estimate(lay: Layout, ops: Ops, busiest: float, send: float,
     p = 4 and 8, m = 4p, L = 1..2p) it is within 19% except a single unit on the V (+45% at
     p = 4); rough, so the planner simulates the best searched layouts whatever it says."""
     p, m, v = lay.pp, lay.microbatches, lay.chunks
-    limit = lay.memory_limit or float(p)
+    limit = lay.schedule_memory_limit or float(p)
     mid = ops[len(ops) // 2]
     f, i, w = mid[0] * v, mid[1] * v, mid[2] * v  # one rank's share of a microbatch
     hops = 2 * (p - 1) * (2 if lay.v_shaped else 1)

@@ -1,9 +1,7 @@
-"""What the planner prices: a ``Layout`` (Loom's degrees and the step's knobs), the parallel
-wrappers it runs its layers through (``wrappers``, the names the calibration measures), the
-schedule families' peak microbatches in flight, and alpha-beta times of the collectives.
-
-Split from ``loom.sim.cost_model`` (which re-exports all of it) to keep each module one idea: this
-is the vocabulary, the cost model is the arithmetic over it.
+"""The planner's vocabulary for pricing a ``loom.layout.Layout``: the parallel wrappers it runs
+its layers through (``wrappers``, the names the calibration measures), the schedule families'
+peak microbatches in flight, and alpha-beta times of the collectives. The cost model
+(``loom.sim.cost_model``) is the arithmetic over it.
 
 Collectives (n ranks, M bytes, alpha latency, beta the link's effective bandwidth): ring
 all-reduce 2(n-1)/n·M/beta + 2(n-1)·alpha, tree all-reduce 2·M/beta + 2·log2(n)·alpha (the cheaper
@@ -14,71 +12,8 @@ point-to-point alpha + M/beta.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-@dataclass(frozen=True)
-class Layout:
-    """One point of the planner's search space: Loom's parallel degrees and the step's knobs."""
-
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    ep: int = 1
-    cp: int = 1
-    tp: int = 1
-    zero_stage: int = 0  # 0 (no sharding), 1, 2, 3; needs dp_shard > 1 when > 0
-    sequence_parallel: bool = False
-    cp_mode: str = "ring"  # ring | ulysses | hybrid
-    schedule: str = "none"  # a schedule family when pp > 1
-    chunks: int = 1  # stages per pipeline rank
-    micro_batch: int = 1
-    microbatches: int = 1  # per pipeline per step
-    recompute: str = "none"  # none | selective | full
-    # schedule = "search" (Loom's schedule search, ``parallel.schedule = "search"``): chunks 1
-    # searches the looped placement, 2 the V; the activation units it may hold (0: to be set
-    # from the memory left) and the relative "F,I,W,latency" of a rank's share it searches for
-    memory_limit: float = 0.0
-    schedule_costs: str = ""
-
-    @property
-    def world(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.ep * self.cp * self.tp
-
-    @property
-    def dp(self) -> int:
-        """Degree seen by the batch (Loom's ``ParallelConfig.dp``)."""
-        return self.dp_replicate * self.dp_shard * self.ep
-
-    @property
-    def v_shaped(self) -> bool:
-        """Stages placed in a V (rank r holds stages r and 2p-1-r)."""
-        return self.schedule in V_SHAPED or (self.schedule == "search" and self.chunks == 2)
-
-    @property
-    def placement(self) -> str:
-        """The searched placement (``parallel.schedule_placement``) of a "search" layout."""
-        return "v" if self.chunks == 2 else "looped"
-
-    def label(self) -> str:
-        parts = [f"{axis}{getattr(self, axis)}" for axis in
-                 ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp") if getattr(self, axis) > 1]
-        text = " ".join(parts) or "single"
-        if self.zero_stage:
-            text += f" zero{self.zero_stage}"
-        if self.tp > 1 and self.sequence_parallel:
-            text += " sp"
-        if self.cp > 1:
-            text += f" {self.cp_mode}"
-        if self.pp > 1 and self.schedule == "search":
-            text += f" search-{self.placement}"
-            if self.memory_limit:
-                text += f"@{self.memory_limit:g}"
-        elif self.pp > 1:
-            text += f" {self.schedule}" + (f"x{self.chunks}" if self.chunks > 1 else "")
-        text += f" mb{self.micro_batch}x{self.microbatches}"
-        if self.recompute != "none":
-            text += f" rc-{self.recompute}"
-        return text
+from loom.layout import Layout
 
 
 def wrappers(lay: Layout) -> tuple[str, ...]:
@@ -119,7 +54,6 @@ PEAK_IN_FLIGHT = {
     "v_min": lambda p, m, v: (p - 1) // 3 + 2,
     "dualpipev": lambda p, m, v: p + 0.5,
 }
-V_SHAPED = {"zbv", "v_half", "v_min", "dualpipev"}
 
 
 def allreduce_time(nbytes: float, n: int, link) -> float:

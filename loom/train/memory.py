@@ -76,14 +76,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from loom.config import Config, ConfigError
+from loom.config import Config, ConfigError, layout_of
 from loom.formulas.memory import (block_activation_bytes, head_activation_bytes, largest_parameter,
                                   model_state_bytes, optimizer_step_bytes, zero2_bucket_bytes,
                                   zero2_reduction_bytes)
 from loom.models.presets import layer_parameter_count
 from loom.pipeline.partition import partition_model
 from loom.schedule.ir import Op
-from loom.schedule.select import schedule_for
+from loom.schedule.select import schedule_of
 from loom.schedule.validate import memory_profile
 
 GiB = 2**30
@@ -128,19 +128,19 @@ class MemoryEstimate:
 
 def layer_activation_bytes(config: Config, *, layer_recomputed: bool = False) -> float:
     """Saved-for-backward bytes of one transformer block for one microbatch on one rank."""
-    m, par, tr = config.model, config.parallel, config.train
-    recompute = "full" if layer_recomputed else ("selective" if tr.recompute == "selective"
+    m, lay, tr = config.model, layout_of(config), config.train
+    recompute = "full" if layer_recomputed else ("selective" if lay.recompute == "selective"
                                                  else "none")
     return block_activation_bytes(
-        s=config.data.seq_len // par.cp, b=tr.micro_batch_size, h=m.dim, f=m.ffn_dim,
-        a=m.n_heads, kv=m.n_kv_heads, t=par.tp, sequence_parallel=par.sequence_parallel,
+        s=config.data.seq_len // lay.cp, b=lay.micro_batch, h=m.dim, f=m.ffn_dim,
+        a=m.n_heads, kv=m.n_kv_heads, t=lay.tp, sequence_parallel=lay.sequence_parallel,
         e=2 if tr.dtype == "bf16" else 4, recompute=recompute)
 
 
 def _head_activation_bytes(config: Config) -> float:
-    m, par, tr = config.model, config.parallel, config.train
-    return head_activation_bytes(s=config.data.seq_len // par.cp, b=tr.micro_batch_size, h=m.dim,
-                                 vocab=m.vocab_size // (par.tp if par.vocab_parallel else 1),
+    m, lay, tr = config.model, layout_of(config), config.train
+    return head_activation_bytes(s=config.data.seq_len // lay.cp, b=lay.micro_batch, h=m.dim,
+                                 vocab=m.vocab_size // (lay.tp if lay.vocab_parallel else 1),
                                  e=2 if tr.dtype == "bf16" else 4)
 
 
@@ -172,25 +172,22 @@ class _Timeline:
 def _timelines(config: Config) -> list[_Timeline]:
     """Per pipeline rank, its step as the runtime runs it; without a pipeline, the trainer's
     gradient-accumulation loop (F then B per microbatch, the reduction after the last B)."""
-    par, tr = config.parallel, config.train
-    micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
-    if par.pp == 1:
+    lay = layout_of(config)
+    micro = lay.microbatches
+    if lay.pp == 1:
         layers = list(range(config.model.n_layers))
         psi = _parameter_count(config, layers, True, True)
         n = max(1, micro)
         return [_Timeline(layers, True, True, [_Stage(psi, 0, 1, 2 * n - 1)],
                           [1.0] * (2 * n), [1.0, 0.0] * n)]
-    schedule = schedule_for(par.schedule, par.pp, micro, par.chunks,
-                            memory_limit=par.schedule_memory_limit, costs=par.schedule_costs,
-                            placement=par.schedule_placement,
-                            max_stages=config.model.n_layers)
+    schedule = schedule_of(lay, max_stages=config.model.n_layers)
     # a schedule with routes (bidirectional_v) holds copies of an L-stage model: stage s is
     # model stage s % L of copy s // L, with its own parameters
     per_route = schedule.stages_per_route
     ranges = partition_model(config.model, per_route, config.data.seq_len)
     final = per_route - 1
     out = []
-    for rank in range(par.pp):
+    for rank in range(lay.pp):
         row = schedule.actions[rank]
         ids = [s for s, r in enumerate(schedule.placement) if r == rank]
         last_piece = {}  # (stage, microbatch) -> its last backward piece: frees its activations
@@ -204,7 +201,7 @@ def _timelines(config: Config) -> list[_Timeline]:
             j, first_of_copy = s % per_route, s - s % per_route
             # a tied head on its copy's embedding rank shares its weight (one Parameter)
             psi = _parameter_count(config, list(ranges[j]), j == 0, j == final) - (
-                config.model.vocab_size * config.model.dim / (par.tp if par.vocab_parallel else 1)
+                config.model.vocab_size * config.model.dim / (lay.tp if lay.vocab_parallel else 1)
                 if j == final and j != 0 and first_of_copy in ids and config.model.tie_embeddings
                 else 0)
             stages.append(_Stage(psi, forward[0], weight[0], weight[-1]))
@@ -220,13 +217,13 @@ def _timelines(config: Config) -> list[_Timeline]:
 
 def _parameter_count(config: Config, layers: list[int], embedding: bool, head: bool) -> float:
     """Parameters one rank holds after TP (norms and a non-vocab-parallel embedding replicated)."""
-    m, par = config.model, config.parallel
-    t = par.tp
+    m, lay = config.model, layout_of(config)
+    t = lay.tp
     norms = 2 * m.dim
     total = sum((layer_parameter_count(m, i) - norms) / t + norms for i in layers)
     # the routed experts are split over ep as well: this rank keeps n_experts / ep of them
-    total -= _expert_parameters(config, layers) * (par.ep - 1)
-    vocab = m.vocab_size * m.dim / (t if par.vocab_parallel else 1)
+    total -= _expert_parameters(config, layers) * (lay.ep - 1)
+    vocab = m.vocab_size * m.dim / (t if lay.vocab_parallel else 1)
     if embedding:
         total += vocab
     if head:
@@ -237,20 +234,20 @@ def _parameter_count(config: Config, layers: list[int], embedding: bool, head: b
 def _expert_parameters(config: Config, layers: list[int]) -> float:
     """Routed-expert parameters one rank holds in ``layers`` (E / ep experts, each split by
     expert-TP = tp); ZeRO shards them over dp_shard (x cp) only, not over ep."""
-    m, par = config.model, config.parallel
+    m, lay = config.model, layout_of(config)
     if not m.n_experts:
         return 0.0
     expert = 3 * m.dim * (m.expert_ffn_dim or m.ffn_dim)
-    return sum(m.n_experts * expert / (par.ep * par.tp) for i in layers if m.moe_layer(i))
+    return sum(m.n_experts * expert / (lay.ep * lay.tp) for i in layers if m.moe_layer(i))
 
 
 def _sharded_state(config: Config, psi: float, expert: float, stage: int, **kwargs: Any
                    ) -> tuple[float, float, float]:
     """``model_state_bytes`` of a rank's ``psi`` parameters of which ``expert`` are routed
     experts: dense ones shard over dp_shard x ep (x cp), experts over dp_shard (x cp)."""
-    par = config.parallel
-    d = par.dp_shard * par.cp
-    dense = model_state_bytes(psi - expert, d * par.ep, stage, **kwargs)
+    lay = layout_of(config)
+    d = lay.dp_shard * lay.cp
+    dense = model_state_bytes(psi - expert, d * lay.ep, stage, **kwargs)
     experts = model_state_bytes(expert, d, stage, **kwargs)
     return tuple(a + b for a, b in zip(dense, experts))
 
@@ -260,16 +257,16 @@ def _held(config: Config, stage: int) -> bool:
     forward. Under a pipeline the runtime holds the stage until its flush (after its last backward
     piece: the schedules that split the backward need that, config_rules); without one, every
     block stays gathered from its forward to its backward, so all of them at the end of forward."""
-    return stage == 3 and not config.parallel.reshard_after_forward
+    return stage == 3 and not layout_of(config).reshard_after_forward
 
 
 def _per_microbatch_activations(config: Config, line: _Timeline) -> float:
     """Saved bytes of one rank's microbatch over its layers and ends (recomputation applied)."""
-    tr = config.train
-    if tr.recompute == "full":
+    lay, tr = layout_of(config), config.train
+    if lay.recompute == "full":
         recomputed = set(line.layers)
-    elif tr.recompute == "every_k":
-        recomputed = {i for i in line.layers if i % tr.recompute_every == 0}
+    elif lay.recompute == "every_k":
+        recomputed = {i for i in line.layers if i % lay.recompute_every == 0}
     else:
         recomputed = set()
     per_micro = sum(layer_activation_bytes(config, layer_recomputed=i in recomputed)
@@ -285,9 +282,9 @@ def _per_microbatch_activations(config: Config, line: _Timeline) -> float:
 
 def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[MemoryEstimate]:
     """The bytes of one pipeline rank at every instant of its step that can be its peak."""
-    par, tr, m = config.parallel, config.train, config.model
-    d = par.dp_shard * par.cp  # ZeRO shards over dp_shard x cp (cp ranks hold the same weights)
-    stage = par.zero_stage if par.dp_shard > 1 else 0
+    lay, tr, m = layout_of(config), config.train, config.model
+    d = lay.dp_shard * lay.cp  # ZeRO shards over dp_shard x cp (cp ranks hold the same weights)
+    stage = lay.zero_stage
     compute = 2 if tr.dtype == "bf16" else 4
     # FSDP2 accumulates in reduce_dtype when it differs from the compute dtype, else in that
     grad_bytes = 2 if stage == 3 and tr.dtype == "bf16" and tr.grad_reduce_dtype == "bf16" else 4
@@ -309,18 +306,18 @@ def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[Memor
     if line.layers:
         from loom.models.presets import layer_parameter_count
 
-        block = max(layer_parameter_count(m, i) for i in line.layers) / par.tp
+        block = max(layer_parameter_count(m, i) for i in line.layers) / lay.tp
     # ZeRO-3: the gathered block in use + the prefetched one (none extra when units are held)
     gathering = 2 * compute * block if stage == 3 and not held else 0.0
     bucket_bytes = tr.grad_bucket_mb * 2**20
-    largest = 4 * largest_parameter(m, par.tp, par.ep, par.vocab_parallel)
+    largest = 4 * largest_parameter(m, lay.tp, lay.ep, lay.vocab_parallel)
     per_micro = _per_microbatch_activations(config, line)
     # FSDP2 reduce-scatters each unit in the backward itself (one microbatch, or every one);
     # a pipeline stage is flushed by the runtime instead (indices are F, B, F, B... without one)
-    reduces_in_backward = stage == 3 and not held and par.pp == 1 and line.layers
+    reduces_in_backward = stage == 3 and not held and lay.pp == 1 and line.layers
     # what a backward has freed once the head and the top block are done
     head_and_top = ((_head_activation_bytes(config) if line.head else 0.0)
-                    + layer_activation_bytes(config, layer_recomputed=tr.recompute == "full"))
+                    + layer_activation_bytes(config, layer_recomputed=lay.recompute == "full"))
     for index in range(len(line.during)):
         for level, ended in ((line.during[index], False), (line.after[index], True)):
             # a stage's parameters are whole from its first F to its flush; its full-size
@@ -359,9 +356,9 @@ def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[Memor
             # the gradients as they come, the full-size ones already in ``g`` if accumulated);
             # in one, the stage's flush after its last backward piece, all of them full-size
             reducing = [st for st in line.stages if st.last == index]
-            if stage == 2 and reducing and ended == (par.pp > 1):
+            if stage == 2 and reducing and ended == (lay.pp > 1):
                 flushed = sum(st.psi for st in reducing)
-                accumulated = par.pp > 1 or bool(full)
+                accumulated = lay.pp > 1 or bool(full)
                 full_size, packing = zero2_reduction_bytes(
                     flushed, d, accumulated=accumulated, bucket_bytes=bucket_bytes,
                     largest=largest)
@@ -369,7 +366,7 @@ def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[Memor
                 note = (*notes, f"ZeRO-2 reduction: gradients packed into buckets of"
                                 f" {bucket_bytes:,.0f} B (at most three held, one beside"
                                 f" full-size gradients) and the slices' outputs in 'transient'")
-                if par.pp > 1:
+                if lay.pp > 1:
                     yield MemoryEstimate(params + gathered, g + full_size, optim,
                                          per_micro * level, packing, rank, note)
                 else:  # the first buffer beside every activation; three once the head and

@@ -20,8 +20,9 @@ from pathlib import Path
 import loom
 
 FLOORS: list[tuple[str, ...]] = [
-    # 0: the ground floor: plain models, data, the rank grid, pure formulas, errors
-    ("loom.models", "loom.data", "loom.topology", "loom.formulas", "loom.errors", "loom"),
+    # 0: the ground floor: plain models, data, the rank grid and the layout, pure formulas, errors
+    ("loom.models", "loom.data", "loom.topology", "loom.layout", "loom.formulas", "loom.errors",
+     "loom"),
     # 1: parallelism applied to a model from outside; schedules as data (torch-free)
     ("loom.parallel", "loom.schedule"),
     # 2: the typed config and its rules (the TOML face of a layout)
@@ -177,12 +178,12 @@ def test_the_planner_reaches_nothing_of_the_trainer():
     assert not sorted(m for m in reached if m.startswith(("loom.train", "loom.calibration")))
 
 
-def test_the_schedule_package_imports_without_torch():
+def test_the_schedule_package_and_the_layout_import_without_torch():
     import subprocess
     import sys
 
     code = ("import sys, loom.schedule, loom.schedule.select, loom.schedule.render,"
-            " loom.formulas.memory, loom.formulas.flops;"
+            " loom.formulas.memory, loom.formulas.flops, loom.layout;"
             " assert 'torch' not in sys.modules, 'torch imported'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

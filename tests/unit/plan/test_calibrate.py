@@ -36,7 +36,8 @@ def test_a_measured_optimizer_step_prices_the_optimizer_per_parameter():
     memory bandwidth."""
     from loom.models.presets import PRESETS
     from loom.plan.hardware import Cluster
-    from loom.sim.cost_model import CostModel, Layout
+    from loom.layout import Layout
+    from loom.sim.cost_model import CostModel
 
     raw = synthetic(peak=4e10, knee=48.0, alpha=2e-5, beta=3e9, n=4)
     raw[0] = {**raw[0], "optimizer_per_param": 5e-9}
@@ -65,7 +66,8 @@ def test_layer_scale_recovers_how_much_slower_blocks_are_than_priced():
     from loom.models.layers import TransformerArgs
     from loom.plan.calibrate import BLOCKS, layer_scale
     from loom.plan.hardware import Cluster
-    from loom.sim.cost_model import CostModel, Layout
+    from loom.layout import Layout
+    from loom.sim.cost_model import CostModel
 
     gpu, link = fit(synthetic(peak=4e10, knee=48.0, alpha=2e-5, beta=3e9, n=4), nproc=4)
     plain = replace(gpu, op_overhead=0.0)

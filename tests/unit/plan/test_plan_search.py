@@ -15,7 +15,8 @@ from loom.schedule.select import schedule_for
 from loom.plan.hardware import make_cluster
 from loom.plan.search import plan, runnable, simulate_step, to_config
 from loom.plan.space import SCHEDULES, Workload, layouts
-from loom.sim.cost_model import CostModel, Layout
+from loom.layout import Layout
+from loom.sim.cost_model import CostModel
 from loom.schedule.validate import peak_memory
 from loom.sim.cost_memory import search_units_left
 from loom.schedule.simulate import simulate
@@ -178,7 +179,7 @@ def test_a_searched_schedule_is_given_the_activation_units_the_memory_budget_lea
     lay = Layout(pp=4, schedule="search", chunks=1, micro_batch=1, microbatches=16)
 
     def total(units):
-        return sum(model.memory(dataclasses.replace(lay, memory_limit=units)).values())
+        return sum(model.memory(dataclasses.replace(lay, schedule_memory_limit=units)).values())
 
     budget = (total(5) + total(6)) / 2  # room for 5 units, not 6
     assert search_units_left(model, lay, budget, cap=8) == 5
@@ -194,7 +195,7 @@ def test_between_the_families_memory_levels_the_plan_ranks_a_searched_schedule_f
                   space=NO_TP_SPACE)
     best = result.ranked[0]
     assert best.layout.schedule == "search" and best.simulated
-    assert best.layout.memory_limit == 3 and best.memory_total <= result.memory_budget
+    assert best.layout.schedule_memory_limit == 3 and best.memory_total <= result.memory_budget
     families = [c for c in result.ranked if c.layout.pp > 1 and c.layout.schedule != "search"]
     assert families and all(best.step_time < c.step_time for c in families)
 
@@ -233,7 +234,7 @@ def test_the_memory_floor_never_exceeds_a_layouts_memory():
     for group in layouts(WORK, 16, 8):
         for lay in group:
             if lay.schedule == "search":
-                lay = dataclasses.replace(lay, memory_limit=1.0)
+                lay = dataclasses.replace(lay, schedule_memory_limit=1.0)
             assert memory_floor(model, lay) <= model.memory_total(lay) + 1e-6, lay.label()
             assert model.memory_total(lay) == pytest.approx(sum(model.memory(lay).values()))
             checked += 1

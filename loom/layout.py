@@ -1,0 +1,125 @@
+"""How one training job is laid out over its ranks: the single ``Layout`` value.
+
+A ``Layout`` holds everything that decides who computes what and when: the degree of each mesh
+axis, ZeRO's stage, tensor/sequence/vocabulary and context parallelism's modes, the pipeline
+schedule with its knobs, the microbatching and the recomputation policy. It is frozen, torch-free
+and on the ground floor, so one value travels through the whole system:
+
+* ``loom.config.layout_of(config)`` makes it from a resolved config (``[parallel]`` is its TOML
+  face; ``[train]`` gives the microbatching and the recomputation), and
+  ``loom.config.with_layout(config, layout)`` writes one back into a config, by value;
+* the trainer builds its ``RankGrid`` (``Layout.grid``) and meshes from it, ``parallelize`` and
+  the pipeline builder read their knobs from it, the memory estimator prices it;
+* the planner enumerates ``Layout``s, the cost model and the simulator price them, and the chosen
+  one becomes the config ``loom train`` runs.
+
+Normal form (what ``layout_of`` returns, and what the planner builds): ``zero_stage`` is 0 when
+``dp_shard`` is 1 (nothing to shard), ``schedule`` is "none" at pp = 1, ``chunks`` is the number
+of stages per pipeline rank (0: the family's own, or the search's choice), and the schedule
+search's knobs are at their defaults unless ``schedule`` is "search", where a named ``chunks``
+pins the placement (1 looped, 2 the V) unless one is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loom.topology import AXES, RankGrid
+
+# Families that place stages in a V (rank r holds stages r and 2p-1-r).
+V_SHAPED = frozenset({"zbv", "v_half", "v_min", "dualpipev"})
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The degrees of every axis and the knobs of the step (see the module docstring)."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    ep: int = 1
+    cp: int = 1
+    tp: int = 1
+    zero_stage: int = 0  # 0 (no sharding), 1, 2, 3; needs dp_shard > 1 when > 0
+    # ZeRO-3: free gathered parameters after forward; false keeps them for the backward (in a
+    # pipeline: gathered once per step per stage)
+    reshard_after_forward: bool = True
+    sequence_parallel: bool = False
+    vocab_parallel: bool = True
+    cp_mode: str = "ring"  # ring | ulysses | hybrid
+    cp_ulysses: int = 0  # hybrid: Ulysses group size (0: auto)
+    schedule: str = "none"  # a schedule family (or "search") when pp > 1
+    chunks: int = 1  # stages per pipeline rank; 0: the family's own or the search's choice
+    # schedule = "search": the activation units it may hold (0: pp, or for the planner: to be set
+    # from the memory left), the relative "F,I,W,latency" it searches for ("": the planner fills
+    # them from its cost model) and the placement (looped | interleaved | v | auto)
+    schedule_memory_limit: float = 0.0
+    schedule_costs: str = ""
+    schedule_placement: str = "auto"
+    micro_batch: int = 1  # sequences per forward/backward on one rank
+    microbatches: int = 1  # per pipeline (or accumulation steps) per optimizer step
+    recompute: str = "none"  # none | selective | full | every_k
+    recompute_every: int = 2
+
+    def __post_init__(self) -> None:
+        # The search's stages per rank pin its placement when none is named (the planner's
+        # habit: 1 searches the looped placement, 2 the V); 0 leaves the choice to the search.
+        if self.schedule == "search" and self.schedule_placement == "auto" and self.chunks:
+            object.__setattr__(self, "schedule_placement", "v" if self.chunks == 2 else "looped")
+
+    # -- shape -----------------------------------------------------------------------------------
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.ep * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Degree seen by the batch: replicate x shard x expert axes."""
+        return self.dp_replicate * self.dp_shard * self.ep
+
+    def degrees(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in AXES}
+
+    def grid(self) -> RankGrid:
+        """The named rank grid of this layout (the meshes are built from it)."""
+        return RankGrid(self.degrees())
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step over all data-parallel ranks."""
+        return self.dp * self.micro_batch * self.microbatches
+
+    # -- the pipeline ----------------------------------------------------------------------------
+    @property
+    def searched(self) -> bool:
+        return self.pp > 1 and self.schedule == "search"
+
+    @property
+    def v_shaped(self) -> bool:
+        """Stages placed in a V (rank r holds stages r and 2p-1-r)."""
+        return self.schedule in V_SHAPED or (self.schedule == "search"
+                                             and self.schedule_placement == "v")
+
+    def label(self) -> str:
+        """A short human name, e.g. ``pp8 dp_shard4 tp8 zero3 sp 1f1b mb1x32``."""
+        parts = [f"{axis}{getattr(self, axis)}" for axis in AXES if getattr(self, axis) > 1]
+        text = " ".join(parts) or "single"
+        if self.zero_stage:
+            text += f" zero{self.zero_stage}"
+        if self.tp > 1 and self.sequence_parallel:
+            text += " sp"
+        if self.cp > 1:
+            text += f" {self.cp_mode}"
+        if self.searched:
+            text += f" search-{self.schedule_placement}"
+            if self.schedule_memory_limit:
+                text += f"@{self.schedule_memory_limit:g}"
+        elif self.pp > 1:
+            text += f" {self.schedule}" + (f"x{self.chunks}" if self.chunks > 1 else "")
+        text += f" mb{self.micro_batch}x{self.microbatches}"
+        if self.recompute != "none":
+            text += f" rc-{self.recompute}"
+        return text
+
+
+__all__ = ["Layout", "V_SHAPED"]
