@@ -28,7 +28,7 @@ else:  # pragma: no cover
 from loom.config_rules import DEFAULT_SCHEDULE, check_bpe_vocab
 from loom.config_rules import validate as check_rules
 from loom.errors import ConfigError, suggest
-from loom.layout import Layout
+from loom.layout import Job, Layout
 from loom.models.layers import TransformerArgs
 from loom.models.presets import PRESETS
 
@@ -429,6 +429,15 @@ def layout_of(config: Config) -> Layout:
         recompute=tr.recompute, recompute_every=tr.recompute_every)
 
 
+def job_of(config: Config, offload_optimizer: bool = False) -> Job:
+    """What the model and parallelism builders need from a resolved config, as one value;
+    ``offload_optimizer`` is the offload plan's answer for this rank's device."""
+    tr = config.train
+    return Job(args=model_args(config), layout=layout_of(config), seq_len=config.data.seq_len,
+               seed=tr.seed, dtype=tr.dtype, grad_reduce_dtype=tr.grad_reduce_dtype,
+               grad_bucket_mb=tr.grad_bucket_mb, offload_optimizer=offload_optimizer)
+
+
 def with_layout(config: Config, layout: Layout) -> Config:
     """``config`` trained under ``layout``: a new Config whose ``[parallel]`` and the
     microbatching and recomputation of ``[train]`` are the layout's, by value (not resolved:
@@ -490,4 +499,4 @@ def from_dict(table: dict[str, dict[str, Any]]) -> Config:
 
 
 __all__ = ["AXES", "Config", "ConfigError", "load_config", "parse_overrides", "resolve",
-           "validate", "to_dict", "to_toml", "from_dict", "layout_of", "with_layout"]
+           "validate", "to_dict", "to_toml", "from_dict", "layout_of", "with_layout", "job_of"]

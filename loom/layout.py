@@ -1,4 +1,5 @@
-"""How one training job is laid out over its ranks: the single ``Layout`` value.
+"""How one training job is laid out over its ranks: the single ``Layout`` value, and the
+``Job`` (layout, model shape and numerics) the builders take.
 
 A ``Layout`` holds everything that decides who computes what and when: the degree of each mesh
 axis, ZeRO's stage, tensor/sequence/vocabulary and context parallelism's modes, the pipeline
@@ -23,8 +24,12 @@ pins the placement (1 looped, 2 the V) unless one is given.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from loom.topology import AXES, RankGrid
+
+if TYPE_CHECKING:  # annotations only: the model's module imports torch, this one must not
+    from loom.models.layers import TransformerArgs
 
 # Families that place stages in a V (rank r holds stages r and 2p-1-r).
 V_SHAPED = frozenset({"zbv", "v_half", "v_min", "dualpipev"})
@@ -122,4 +127,20 @@ class Layout:
         return text
 
 
-__all__ = ["Layout", "V_SHAPED"]
+@dataclass(frozen=True)
+class Job:
+    """Everything the builders need, resolved once (``loom.config.job_of``): the model's shape,
+    the layout, and the step's numerics. ``parallelize`` and the pipeline builder take this one
+    value instead of a config section each and a bag of keywords."""
+
+    args: TransformerArgs
+    layout: Layout
+    seq_len: int
+    seed: int = 0  # initial weights, by parameter name (the same on every layout)
+    dtype: str = "fp32"  # compute: fp32, or bf16 autocast over fp32 master weights
+    grad_reduce_dtype: str = "fp32"
+    grad_bucket_mb: float = 25.0  # gradient buckets of data parallelism and ZeRO-1/2
+    offload_optimizer: bool = False  # resolved for the device (``train.offload``)
+
+
+__all__ = ["Layout", "Job", "V_SHAPED"]

@@ -29,20 +29,28 @@ Every step is the identity at degree 1.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from loom.layout import Job, Layout
+from loom.parallel.activation import apply_activation_checkpointing
 from loom.parallel.comm import CommLedger
-from loom.parallel.data import (BUCKET_BYTES, apply_data_parallel, apply_fully_shard,
-                                finish_gradient_sync, no_gradient_sync, unwrap)
+from loom.parallel.context import apply_context_parallel
+from loom.parallel.data import (GradientReducer, apply_data_parallel, apply_fully_shard,
+                                finish_gradient_sync, gradient_reducer, no_gradient_sync, unwrap)
+from loom.parallel.expert import (ExpertParallel, apply_expert_parallel, expert_parallel_of,
+                                  expert_parameter_names)
+from loom.parallel.tensor import TensorParallel, apply_tensor_parallel, tensor_parallel_of
+from loom.parallel.zero import apply_zero
 from loom.topology import Meshes
 
-__all__ = ["parallelize", "finish_gradient_sync", "no_gradient_sync", "unwrap"]
+__all__ = ["parallelize", "Parallelized", "finish_gradient_sync", "no_gradient_sync", "unwrap"]
 
 
-def zero_mesh(meshes: Meshes, parallel: Any) -> tuple[Any, str]:
+def zero_mesh(meshes: Meshes, parallel: Layout) -> tuple[Any, str]:
     """ZeRO's mesh and its ledger axis name: ``dp_shard``, or ``dp_shard x cp`` flattened when
     cp > 1 (cp ranks hold the same weights, so they shard them too, and their gradients are
     averaged with the data-parallel ones); 2-D with ``dp_replicate`` first for HSDP."""
@@ -57,7 +65,7 @@ def zero_mesh(meshes: Meshes, parallel: Any) -> tuple[Any, str]:
     return meshes.root["dp_shard"], "dp_shard"
 
 
-def expert_zero_mesh(meshes: Meshes, parallel: Any, ndim: int) -> tuple[Any, str] | None:
+def expert_zero_mesh(meshes: Meshes, parallel: Layout, ndim: int) -> tuple[Any, str] | None:
     """With ep > 1, the mesh ZeRO shards the expert weights over and its ledger name (None
     otherwise): ``dp_shard``, or ``dp_shard x cp`` flattened, the ranks holding the same experts
     (``ndim`` 2 under HSDP: ``(dp_replicate, ...)``, as FSDP2 wants; ZeRO-1/2 take the 1-D
@@ -71,63 +79,69 @@ def expert_zero_mesh(meshes: Meshes, parallel: Any, ndim: int) -> tuple[Any, str
         "dp_shard"
 
 
-def parallelize(model: nn.Module, meshes: Meshes, parallel: Any, *, cp_groups: Any = None,
-                ledger: CommLedger | None = None, train: Any = None,
-                offload_optimizer: bool = False) -> nn.Module:
+@dataclass(frozen=True)
+class Parallelized:
+    """What ``parallelize`` applied: the module to train and the records of each parallelism
+    (None where its degree is 1), which the trainer, the pipeline runtime, clipping and
+    checkpoints use instead of looking them up on the module."""
+
+    module: nn.Module
+    tensor: TensorParallel | None = None  # tp: mesh, sequence / vocabulary parallelism
+    experts: ExpertParallel | None = None  # ep: group and rank of the expert shards
+    # who reduces the gradients: a data-parallel ``GradientReducer``, ZeRO-1/2's sharded
+    # optimizer or ZeRO-3's sync (None: one data-parallel rank)
+    reducer: Any = None
+
+
+def parallelize(model: nn.Module, meshes: Meshes, job: Job, *, cp_groups: Any = None,
+                ledger: CommLedger | None = None) -> Parallelized:
     """Apply every parallelism whose degree is > 1, in the order above.
 
-    ``parallel`` is a ``ParallelConfig``; ``cp_groups`` the rank's ``context.CPGroups`` (made by
-    the caller, because creating groups is collective) or None at cp = 1; ``train`` the
-    ``TrainConfig`` (recomputation, compute and gradient-reduction dtypes; None: defaults);
-    ``offload_optimizer`` the resolved ``offload.OffloadPlan.optimizer``.
+    ``job`` gives the layout (degrees and knobs), the compute and gradient-reduction dtypes and
+    the optimizer's offload; ``cp_groups`` is the rank's ``context.CPGroups`` (made by the
+    caller, because creating groups is collective) or None at cp = 1.
     """
-    if parallel.tp > 1:
-        from loom.parallel.tensor import apply_tensor_parallel
+    module = _apply(model, meshes, job, cp_groups, ledger)
+    return Parallelized(module, tensor_parallel_of(module), expert_parallel_of(module),
+                        gradient_reducer(module))
 
+
+def _apply(model: nn.Module, meshes: Meshes, job: Job, cp_groups: Any,
+           ledger: CommLedger | None) -> nn.Module:
+    parallel = job.layout
+    if parallel.tp > 1:
         model = apply_tensor_parallel(model, meshes.root["tp"],
                                       sequence_parallel=parallel.sequence_parallel,
                                       vocab_parallel=parallel.vocab_parallel, ledger=ledger)
     if parallel.cp > 1:
-        from loom.parallel.context import apply_context_parallel
-
         model = apply_context_parallel(model, cp_groups, ledger)
     if parallel.ep > 1:
-        from loom.parallel.expert import apply_expert_parallel
-
         model = apply_expert_parallel(model, meshes.root["ep"].get_group(), ledger)
-    if train is not None and train.recompute != "none":
-        from loom.parallel.activation import apply_activation_checkpointing
-
-        model = apply_activation_checkpointing(model, train.recompute, train.recompute_every)
-    reduce_dtype = torch.bfloat16 if train is not None and train.grad_reduce_dtype == "bf16" \
-        else torch.float32
-    bucket_bytes = int(train.grad_bucket_mb * 2**20) if train is not None else BUCKET_BYTES
-    if parallel.dp_shard > 1 and parallel.zero_stage == 3:
+    if parallel.recompute != "none":
+        model = apply_activation_checkpointing(model, parallel.recompute, parallel.recompute_every)
+    reduce_dtype = torch.bfloat16 if job.grad_reduce_dtype == "bf16" else torch.float32
+    bucket_bytes = int(job.grad_bucket_mb * 2**20)
+    if parallel.zero_stage == 3:
         mesh, axis = zero_mesh(meshes, parallel)
-        compute = torch.bfloat16 if train is not None and train.dtype == "bf16" else None
+        compute = torch.bfloat16 if job.dtype == "bf16" else None
         # Under a pipeline, reshard_after_forward = false means "gathered across the step":
         # the runtime reshards after the stage's last backward piece, FSDP2 never by itself.
         after_backward = parallel.pp == 1 or parallel.reshard_after_forward
         return apply_fully_shard(model, mesh, reshard_after_forward=parallel.reshard_after_forward,
                                  reshard_after_backward=after_backward, param_dtype=compute,
-                                 reduce_dtype=reduce_dtype, offload_optimizer=offload_optimizer,
+                                 reduce_dtype=reduce_dtype, offload_optimizer=job.offload_optimizer,
                                  ledger=ledger, axis=axis,
                                  experts=expert_zero_mesh(meshes, parallel, 2))
-    if parallel.dp_shard > 1:
-        from loom.parallel.zero import apply_zero
-
+    if parallel.zero_stage:
         mesh, axis = zero_mesh(meshes, parallel)
         shard_mesh = mesh[mesh.mesh_dim_names[-1]] if mesh.ndim == 2 else mesh
         return apply_zero(model, parallel.zero_stage, shard_mesh, meshes.root["dp_replicate"],
-                          axis=axis, reduce_dtype=reduce_dtype, offload=offload_optimizer,
+                          axis=axis, reduce_dtype=reduce_dtype, offload=job.offload_optimizer,
                           ledger=ledger, bucket_bytes=bucket_bytes,
                           tp_group=meshes.root["tp"].get_group() if parallel.tp > 1 else None,
                           experts=expert_zero_mesh(meshes, parallel, 1))
     dp_mesh, axis = (meshes.dp_cp, "dp_cp") if parallel.cp > 1 else (meshes.dp, "dp")
     if parallel.ep > 1:
-        from loom.parallel.data import GradientReducer
-        from loom.parallel.expert import expert_parameter_names
-
         experts = expert_parameter_names(model)
         dense = [p for n, p in model.named_parameters() if n not in experts]
         model._loom_grad_reducer = GradientReducer(dense, dp_mesh.get_group(), dp_mesh.size(),

@@ -67,12 +67,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.layout import Job
 from loom.parallel import comm, parallelize
 from loom.parallel.comm import CommLedger
 from loom.parallel.data import GradientReducer, gradient_reducer, reshard
 from loom.pipeline.partition import partition_model
 from loom.pipeline.stage import LossFn, PipelineStage, build_stages
 from loom.schedule.ir import Action, Op, Schedule
+from loom.topology import Meshes, RankGrid
 
 if TYPE_CHECKING:
     from loom.pipeline.profile import PipelineRecorder
@@ -346,27 +348,26 @@ class PipelineRuntime:
                 if first != final and first in self.stages and final in self.stages]
 
 
-def build_pipeline(args, schedule: Schedule, *, grid, meshes, rank: int, device: torch.device,
-                   seed: int, seq_len: int, autocast=None, parallel=None, cp_groups=None,
-                   ledger=None, train=None, offload_optimizer: bool = False) -> PipelineRuntime:
-    """This rank's stages (layers split by ``partition_model``) and the runtime that drives them,
-    with the ``pp`` group of ``meshes`` (a ``loom.topology.Meshes`` of ``grid``).
+def build_pipeline(job: Job, schedule: Schedule, *, grid: RankGrid, meshes: Meshes, rank: int,
+                   device: torch.device, autocast=None, cp_groups=None,
+                   ledger: CommLedger | None = None) -> PipelineRuntime:
+    """This rank's stages (``job``'s model split by ``partition_model``) and the runtime that
+    drives them, with the ``pp`` group of ``meshes`` (the meshes of ``grid``).
 
-    ``parallel`` (a ``ParallelConfig``; None: none) applies ``loom.parallel.parallelize`` to each
-    stage module, so a stage gets exactly what a whole model gets, in the same order: TP on the
-    ``tp`` mesh, the cp attention core, recomputation (``train``'s policy), then the data-parallel
-    reducer (over dp, or dp x cp) or ZeRO-3 on ``dp_shard`` (gathered across the step unless
-    ``parallel.reshard_after_forward``).
+    ``parallelize`` is applied to each stage module with the same ``job``, so a stage gets
+    exactly what a whole model gets, in the same order: TP on the ``tp`` mesh, the cp attention
+    core, recomputation, then the data-parallel reducer (over dp, or dp x cp) or ZeRO on
+    ``dp_shard`` (ZeRO-3 gathered across the step unless ``reshard_after_forward``); each
+    stage keeps the record in ``PipelineStage.applied``.
     """
-    layers = partition_model(args, schedule.stages_per_route, seq_len)
+    args = job.args
+    layers = partition_model(args, schedule.stages_per_route, job.seq_len)
     pp_rank = grid.coords(rank)["pp"]
     kwargs = {"autocast": autocast} if autocast is not None else {}
-    stages = build_stages(args, schedule, layers, pp_rank, device, seed, **kwargs)
-    if parallel is not None:
-        for stage in stages.values():
-            stage.module = parallelize(stage.module, meshes, parallel, cp_groups=cp_groups,
-                                       ledger=ledger, train=train,
-                                       offload_optimizer=offload_optimizer)
+    stages = build_stages(args, schedule, layers, pp_rank, device, job.seed, **kwargs)
+    for stage in stages.values():
+        stage.applied = parallelize(stage.module, meshes, job, cp_groups=cp_groups, ledger=ledger)
+        stage.module = stage.applied.module
     tie_group = tie_embedding(args, schedule, stages, grid, rank)
     copy_group = None
     if schedule.num_routes > 1:  # creating groups is collective: every rank, the same order

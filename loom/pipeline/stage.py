@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from loom.models import Transformer, TransformerArgs, build_model, reset_parameters
+from loom.parallel import Parallelized
 from loom.schedule.ir import Schedule
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -60,6 +61,9 @@ class PipelineStage:
     # Global token positions of this rank's sequence shard (context parallelism), for RoPE;
     # None: the whole sequence in order. Set by the trainer before each step.
     positions: torch.Tensor | None = None
+    # What ``parallelize`` applied to ``module`` (its TP / EP records and reducer); None when
+    # the stage was built without it
+    applied: Parallelized | None = None
     _in_flight: dict[int, _InFlight] = field(default_factory=dict)
 
     @property

@@ -30,21 +30,21 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from loom.config import Config, model_args, to_dict
+from loom.config import Config, job_of, layout_of, model_args, to_dict
 from loom.data.loader import (DataFiles, DistributedLoader, GlobalBatchSampler, PackedSequences,
                               eval_batches)
 from loom.formulas.flops import model_flops_per_token
 from loom.models import build_model, reset_parameters
 from loom.parallel import finish_gradient_sync, no_gradient_sync, parallelize, unwrap
 from loom.parallel.comm import CommLedger
-from loom.parallel.context import shard_sequence
-from loom.parallel.expert import expert_parallel_of, reduce_gradients
+from loom.parallel.context import CPLayout, new_cp_groups, shard_sequence
+from loom.parallel.expert import reduce_gradients
 from loom.parallel.offload import activation_offload, plan_offload
-from loom.parallel.tensor import tensor_parallel_of
+from loom.parallel.zero import of_stages
 from loom.pipeline.runtime import PipelineRuntime, build_pipeline, forward_only
 from loom.pipeline.stage import LocalStages
-from loom.schedule.select import schedule_for
-from loom.topology import DATA_AXES, RankGrid, build_mesh
+from loom.schedule.select import schedule_of
+from loom.topology import DATA_AXES, build_mesh
 from loom.train import checkpoint, full_state, preempt
 from loom.train.checkpoint_state import load_training_state, training_state
 from loom.train.distributed import DistContext, init_distributed
@@ -73,9 +73,10 @@ class Trainer:
         self.config = config
         self.run_dir = Path(run_dir) if run_dir else None
         self.ctx = ctx or init_distributed(tr.device, tr.backend, tr.timeout_s, tr.threads)
-        self.grid = RankGrid(config.parallel.degrees())
+        self.layout = layout_of(config)  # the one value the estimator and the planner price too
+        self.grid = self.layout.grid()
         if self.grid.size != self.ctx.world_size:
-            raise ValueError(f"layout {config.parallel.degrees()} needs {self.grid.size} ranks,"
+            raise ValueError(f"layout {self.layout.label()} needs {self.grid.size} ranks,"
                              f" the job has {self.ctx.world_size}")
         self.meshes = build_mesh(self.grid, self.ctx.device.type)
         self.dp_rank = self.grid.index(self.ctx.rank, *DATA_AXES)
@@ -86,12 +87,10 @@ class Trainer:
         self.loss_group_size = self.meshes.dp_cp.size()
         self.ledger = CommLedger() if config.metrics.comm else None
         self.cp_groups = None
-        if self.grid.degree("cp") > 1:
-            from loom.parallel.context import CPLayout, new_cp_groups
-
-            par = config.parallel
-            layout = CPLayout.from_mode(par.cp_mode, par.cp, par.cp_ulysses)
-            self.cp_groups = new_cp_groups(self.grid.groups("cp"), layout, self.ctx.rank)
+        lay = self.layout
+        if lay.cp > 1:
+            split = CPLayout.from_mode(lay.cp_mode, lay.cp, lay.cp_ulysses)
+            self.cp_groups = new_cp_groups(self.grid.groups("cp"), split, self.ctx.rank)
 
         self.args = model_args(config)
 
@@ -99,46 +98,33 @@ class Trainer:
                                     optimizer=tr.offload_optimizer)
         self.autocast_dtype = torch.bfloat16 if tr.dtype == "bf16" else None
         self.pipeline: PipelineRuntime | None = None
-        if self.grid.degree("pp") > 1:
+        job = job_of(config, offload_optimizer=self.offload.optimizer)
+        if lay.pp > 1:
             # This rank's stages of the schedule; ``LocalStages`` presents them under global
             # parameter names for the optimizer, checkpoints and parity (the runtime drives them).
-            par = config.parallel
-            local_batch = tr.global_batch_size // self.dp_size
-            schedule = schedule_for(par.schedule, par.pp, local_batch // tr.micro_batch_size,
-                                    par.chunks, memory_limit=par.schedule_memory_limit,
-                                    costs=par.schedule_costs, max_stages=self.args.n_layers,
-                                    placement=par.schedule_placement)
-            self.pipeline = build_pipeline(self.args, schedule, grid=self.grid,
-                                           meshes=self.meshes, rank=self.ctx.rank,
-                                           device=self.ctx.device, seed=tr.seed,
-                                           seq_len=config.data.seq_len, autocast=self._autocast,
-                                           parallel=par, cp_groups=self.cp_groups,
-                                           ledger=self.ledger, train=tr,
-                                           offload_optimizer=self.offload.optimizer)
+            schedule = schedule_of(lay, max_stages=self.args.n_layers)
+            self.pipeline = build_pipeline(job, schedule, grid=self.grid, meshes=self.meshes,
+                                           rank=self.ctx.rank, device=self.ctx.device,
+                                           autocast=self._autocast, cp_groups=self.cp_groups,
+                                           ledger=self.ledger)
             modules = [s.module for _, s in sorted(self.pipeline.stages.items())]
             self.model = LocalStages(modules, replicas=self.pipeline.route_replicas())
-            from loom.parallel.zero import of_stages
-
             zero = of_stages(modules, self.pipeline.pp_group)  # ZeRO-1/2: one optimizer view
             if zero is not None:
                 self.model._loom_grad_reducer = zero
+            # every stage of this rank had the same parallelisms applied: any one's records
+            applied = next(iter(self.pipeline.stages.values())).applied
+            if applied.experts is not None:  # LocalStages presents it (checkpoints, gathering)
+                self.model.expert_parallel = applied.experts
         else:
             model = build_model(self.args, device="meta")
             model.to_empty(device=self.ctx.device)
             reset_parameters(model, tr.seed)  # identical on every rank: seeded by parameter name
             # TP keeps each rank's slice of the full seeded value: weights equal one process's.
-            self.model = parallelize(model, self.meshes, config.parallel,
-                                     cp_groups=self.cp_groups, ledger=self.ledger, train=tr,
-                                     offload_optimizer=self.offload.optimizer)
-
-        self.tp = tensor_parallel_of(self.model)
-        if self.tp is None and self.pipeline is not None:  # TP inside stages: any stage's record
-            self.tp = tensor_parallel_of(next(iter(self.pipeline.stages.values())).module)
-        self.ep = expert_parallel_of(self.model)
-        if self.ep is None and self.pipeline is not None:  # EP inside stages: any stage's record
-            self.ep = expert_parallel_of(next(iter(self.pipeline.stages.values())).module)
-            if self.ep is not None:  # LocalStages presents it too (checkpoints, weight gathering)
-                self.model.expert_parallel = self.ep
+            applied = parallelize(model, self.meshes, job, cp_groups=self.cp_groups,
+                                  ledger=self.ledger)
+            self.model = applied.module
+        self.tp, self.ep = applied.tensor, applied.experts
         self.loss_fn = self.tp.loss if self.tp is not None else cross_entropy
         # Mixture of experts: the load-balancing loss joins the objective with its coefficient.
         self.aux_coef = self.args.aux_loss_coef if self.args.n_experts > 0 else 0.0
@@ -266,7 +252,7 @@ class Trainer:
         """Expert shards: summed over dp outside ep and cp, divided by dp x ep x cp (the dense
         parameters were averaged by the data-parallel reducer). Under ZeRO (dp_shard > 1) the
         sharded reduction already gave both kinds their divisor."""
-        if self.ep is None or self.config.parallel.dp_shard > 1:
+        if self.ep is None or self.layout.dp_shard > 1:
             return
 
         no_ep = self.meshes.dp_no_ep
