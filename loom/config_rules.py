@@ -92,10 +92,7 @@ def validate(config: Config, world_size: int) -> None:
         raise ConfigError("train.preempt_grace_s", tr.preempt_grace_s, "must be > 0")
 
     # Model shape.
-    _require_divisible("model.dim", m.dim, m.n_heads, "model.n_heads")
-    if m.head_dim % 2:
-        raise ConfigError("model.dim", m.dim, f"dim / n_heads = {m.head_dim} must be even (RoPE"
-                          " rotates pairs of channels)")
+    _validate_attention(config)
     _require_divisible("model.n_heads", m.n_heads, m.n_kv_heads, "model.n_kv_heads")
     if data.seq_len > m.max_seq_len:
         raise ConfigError("data.seq_len", data.seq_len,
@@ -154,6 +151,39 @@ def validate(config: Config, world_size: int) -> None:
     # Last, as it looks at files: a corpus with text enough for one sample (not tokenized).
 
     check_source(data)
+
+
+def _validate_attention(config: Config) -> None:
+    """Heads, head size and the attention variants of ``TransformerArgs`` (model families)."""
+    m = config.model
+    if m.head_dim_override < 0:
+        raise ConfigError("model.head_dim_override", m.head_dim_override,
+                          "must be >= 0 (0: dim / n_heads)")
+    if m.head_dim_override == 0:
+        _require_divisible("model.dim", m.dim, m.n_heads, "model.n_heads")
+        if m.head_dim % 2:
+            raise ConfigError("model.dim", m.dim, f"dim / n_heads = {m.head_dim} must be even"
+                              " (RoPE rotates pairs of channels)")
+    elif m.head_dim_override % 2:
+        raise ConfigError("model.head_dim_override", m.head_dim_override,
+                          "must be even (RoPE rotates pairs of channels)")
+    if m.sliding_window < 0:
+        raise ConfigError("model.sliding_window", m.sliding_window,
+                          "must be >= 0 (0: full causal attention)")
+    if not m.rope_theta > 0:
+        raise ConfigError("model.rope_theta", m.rope_theta, "must be > 0")
+    if m.rope_scaling != "none" and not m.rope_scaling_factor > 0:
+        raise ConfigError("model.rope_scaling_factor", m.rope_scaling_factor,
+                          f"must be > 0 (rope_scaling = {m.rope_scaling!r} divides by it)")
+    if m.rope_scaling == "llama3":
+        if m.rope_scaling_original_max_len < 1:
+            raise ConfigError("model.rope_scaling_original_max_len",
+                              m.rope_scaling_original_max_len, "must be >= 1 with rope_scaling ="
+                              " 'llama3' (the original training context, 8192 for Llama 3.1)")
+        if not 0 < m.rope_scaling_low_freq_factor < m.rope_scaling_high_freq_factor:
+            raise ConfigError("model.rope_scaling_low_freq_factor", m.rope_scaling_low_freq_factor,
+                              "must be > 0 and < model.rope_scaling_high_freq_factor ="
+                              f" {m.rope_scaling_high_freq_factor} (llama3 blends between them)")
 
 
 def _validate_resume(resume: str) -> None:
@@ -315,6 +345,12 @@ def _validate_context_parallel(config: Config) -> None:
         raise ConfigError("parallel.cp_ulysses", par.cp_ulysses,
                           f"must divide parallel.cp = {par.cp}")
     layout = CPLayout.from_mode(par.cp_mode, par.cp, par.cp_ulysses)
+    if m.sliding_window and layout.ring > 1:
+        raise ConfigError("model.sliding_window", m.sliding_window,
+                          f"sliding-window attention under ring attention (parallel.cp ="
+                          f" {par.cp}, cp_mode = {par.cp_mode}, ring degree {layout.ring}) is not"
+                          " implemented: the ring's blocks would attend past the window; use"
+                          " parallel.cp_mode = \"ulysses\" (exact) or cp = 1")
     try:
         check_layout(layout, config.data.seq_len, m.n_heads // par.tp, m.n_kv_heads // par.tp)
     except ValueError as err:

@@ -4,6 +4,8 @@ Reads ``config.toml``, the tokenizer and ``model.safetensors`` from the run dire
 only, no pickle), then samples autoregressively with temperature and top-k on one device. The
 model has no key/value cache, so each new token re-runs the visible window; fine for the small
 models trained locally, and it keeps the model file free of inference-only code.
+``generate_tokens`` is the loop on token ids alone (greedy at temperature 0), for any model
+(an imported Hugging Face one included) without a tokenizer.
 """
 
 from __future__ import annotations
@@ -41,6 +43,41 @@ def load_trained_model(run_dir: Path, device: torch.device):
 
 
 @torch.no_grad()
+def generate_tokens(model: torch.nn.Module, ids_1S: torch.Tensor, *, max_new_tokens: int,
+                    temperature: float = 0.8, top_k: int = 50, window: int | None = None,
+                    eos_id: int | None = None, vocab_size: int | None = None,
+                    generator: torch.Generator | None = None) -> list[int]:
+    """Up to ``max_new_tokens`` token ids sampled after the prompt ``ids_1S`` (``[1, S]``).
+
+    Each step runs ``model`` on the last ``window`` tokens (default: all; no key/value cache)
+    and picks the next token from the last position's logits: the argmax when ``temperature <=
+    0`` (greedy; the first maximum on ties, as ``torch.argmax`` and HF's greedy search), else a
+    sample of ``softmax(logits / temperature)`` over the ``top_k`` largest. Logit rows from
+    ``vocab_size`` on (the embedding's padding) are never picked; ``eos_id`` stops, unreturned.
+    """
+    ids = ids_1S
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        context = ids if window is None else ids[:, -window:]
+        logits = model(context)[0, -1].float()
+        if vocab_size is not None:
+            logits[vocab_size:] = -float("inf")  # padding rows of the embedding
+        if temperature <= 0:
+            token = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if 0 < top_k < logits.numel():
+                cutoff = logits.topk(top_k).values[-1]
+                logits[logits < cutoff] = -float("inf")
+            token = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+        if token == eos_id:
+            break
+        new.append(token)
+        ids = torch.cat([ids, torch.tensor([[token]], device=ids.device)], dim=1)
+    return new
+
+
+@torch.no_grad()
 def generate(run_dir: Path, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
              top_k: int = 50, seed: int = 0, device: str = "cpu") -> str:
     """The prompt followed by ``max_new_tokens`` sampled tokens (stops at end-of-document)."""
@@ -51,20 +88,7 @@ def generate(run_dir: Path, prompt: str, *, max_new_tokens: int = 200, temperatu
     if ids.numel() == 0:
         ids = torch.tensor([[tokenizer.eos_id]], device=dev)
     generator = torch.Generator(device=dev).manual_seed(seed)
-    new: list[int] = []
-    for _ in range(max_new_tokens):
-        logits = model(ids[:, -window:])[0, -1].float()
-        logits[tokenizer.vocab_size:] = -float("inf")  # padding rows of the embedding
-        if temperature <= 0:
-            token = int(logits.argmax())
-        else:
-            logits = logits / temperature
-            if 0 < top_k < logits.numel():
-                cutoff = logits.topk(top_k).values[-1]
-                logits[logits < cutoff] = -float("inf")
-            token = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
-        if token == tokenizer.eos_id:
-            break
-        new.append(token)
-        ids = torch.cat([ids, torch.tensor([[token]], device=dev)], dim=1)
+    new = generate_tokens(model, ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                          top_k=top_k, window=window, eos_id=tokenizer.eos_id,
+                          vocab_size=tokenizer.vocab_size, generator=generator)
     return prompt + tokenizer.decode(new)

@@ -1,15 +1,17 @@
-"""``loom hf import | export``: move Llama weights between Loom runs and Hugging Face directories.
+"""``loom hf import | export``: move weights between Loom runs and Hugging Face directories.
 
-``loom hf import HF_DIR --run RUN_DIR`` reads a ``transformers`` ``LlamaForCausalLM`` directory
+The families are Llama (2, 3.x), Qwen2/2.5, Qwen3 and Mistral (``loom.models.hf_config``).
+``loom hf import HF_DIR --run RUN_DIR`` reads a ``transformers`` ``*ForCausalLM`` directory
 (``config.json`` plus ``model.safetensors`` or a sharded ``model.safetensors.index.json``) and
 writes a Loom run directory: ``config.toml`` with every model field explicit, and
 ``model.safetensors`` in Loom's names and RoPE layout (fp32), the two files ``loom generate`` and
 ``read_run`` read. The tokenizer is not converted, so the run has no ``data/``.
 
 ``loom hf export RUN_DIR OUT_DIR`` writes the run's ``config.toml`` + ``model.safetensors`` as an
-HF directory (``config.json`` + ``model.safetensors``) that ``LlamaForCausalLM.from_pretrained``
-loads. Neither direction needs ``transformers`` installed; the conversion itself is
-``loom.models.hf``.
+HF directory (``config.json`` + ``model.safetensors``) that
+``AutoModelForCausalLM.from_pretrained`` loads, of the family that holds the model's features
+(Qwen3 for q/k norms, Qwen2 for q/k/v biases, Mistral for a sliding window, else Llama). Neither
+direction needs ``transformers`` installed; the conversion itself is ``loom.models.hf``.
 
 ``add_hf_commands(subparsers)`` registers ``hf`` on the top-level ``loom`` parser; ``main(argv)``
 runs these commands on their own (tests, ``python -m loom.hf_cli``). A checkpoint Loom cannot
@@ -64,7 +66,7 @@ def read_run(run_dir: str | Path) -> tuple[TransformerArgs, dict[str, torch.Tens
 
 
 def import_hf(hf_dir: str | Path, run_dir: str | Path) -> TransformerArgs:
-    """Convert an HF Llama directory into a Loom run directory; returns the model shape."""
+    """Convert an HF model directory into a Loom run directory; returns the model shape."""
     args, state = read_hf_checkpoint(hf_dir)
     write_run(run_dir, args, state, origin=str(Path(hf_dir).resolve()))
     return args
@@ -79,7 +81,7 @@ def _tokenizer_ids(run_dir: Path) -> dict[str, Any]:
 
 
 def export_hf(run_dir: str | Path, out_dir: str | Path) -> TransformerArgs:
-    """Convert a Loom run's model into an HF Llama directory; returns the model shape."""
+    """Convert a Loom run's model into an HF model directory; returns the model shape."""
     args, state = read_run(run_dir)
     write_hf_checkpoint(out_dir, args, state, extra_config=_tokenizer_ids(Path(run_dir)))
     return args
@@ -92,8 +94,13 @@ def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
 
 
 def _describe(args: TransformerArgs) -> str:
+    features = [name for name, on in (
+        ("tied embeddings", args.tie_embeddings), ("q/k/v biases", args.qkv_bias),
+        ("q/k norms", args.qk_norm), (f"head dim {args.head_dim}", args.head_dim_override),
+        (f"sliding window {args.sliding_window}", args.sliding_window),
+        (f"{args.rope_scaling} RoPE scaling", args.rope_scaling != "none")) if on]
     return (f"{args.n_layers} layers, dim {args.dim}, {args.n_heads} heads / {args.n_kv_heads} kv,"
-            f" vocab {args.vocab_size}{', tied embeddings' if args.tie_embeddings else ''}")
+            f" vocab {args.vocab_size}" + "".join(f", {f}" for f in features))
 
 
 def _run(command: str, convert: Callable[[], TransformerArgs], target: Path, outputs: list[str],
@@ -127,9 +134,11 @@ def _export(args: argparse.Namespace, extra: list[str]) -> int:
 
 def add_hf_commands(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``hf import`` and ``hf export`` on ``subparsers`` (from ``add_subparsers``)."""
-    hf = subparsers.add_parser("hf", help="import / export Hugging Face Llama checkpoints",
+    hf = subparsers.add_parser("hf", help="import / export Hugging Face checkpoints",
                                description="Convert between Loom runs and Hugging Face"
-                                           " LlamaForCausalLM directories (safetensors only).")
+                                           " LlamaForCausalLM, Qwen2ForCausalLM,"
+                                           " Qwen3ForCausalLM and MistralForCausalLM directories"
+                                           " (safetensors only).")
     sub = hf.add_subparsers(dest="hf_command", required=True, metavar="COMMAND")
     imp = sub.add_parser("import", help="HF directory -> Loom run (config.toml, model.safetensors)")
     imp.add_argument("hf_dir", metavar="HF_DIR", help="directory with config.json and safetensors")

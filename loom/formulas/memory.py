@@ -103,4 +103,4 @@ def largest_parameter(m: Any, tp: int = 1, ep: int = 1, vocab_parallel: bool = T
     experts = (m.n_experts / ep) * m.dim * (m.expert_ffn_dim or m.ffn_dim) / tp \
         if m.n_experts else 0.0
     return max(m.vocab_size * m.dim / (tp if vocab_parallel else 1), m.dim * m.ffn_dim / tp,
-               m.dim * m.n_heads * (m.dim // m.n_heads) / tp, experts)
+               m.dim * m.n_heads * m.head_dim / tp, experts)

@@ -1,11 +1,13 @@
-"""Conversion between Loom's Llama and Hugging Face ``transformers``' ``LlamaForCausalLM``.
+"""Conversion between Loom's model and Hugging Face ``transformers``' ``LlamaForCausalLM``,
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and ``MistralForCausalLM``.
 
 Three pieces, each a pure function of plain data (dicts and tensors; no ``transformers`` import,
 nothing from the distributed package), so ``loom hf import/export`` (``loom/hf_cli.py``) and the
 tests share them:
 
 * the config: ``args_from_hf_config`` (``config.json`` -> ``TransformerArgs``; anything Loom's block
-  cannot compute exactly is refused with the field named) and ``hf_config_from_args``;
+  cannot compute exactly is refused with the field named) and ``hf_config_from_args``, one table
+  per family in ``loom.models.hf_config``;
 * the parameter names and the rotary layout: ``state_dict_from_hf`` / ``state_dict_to_hf``;
 * the files of a Hugging Face checkpoint: ``read_hf_checkpoint`` (one ``model.safetensors`` or a
   sharded ``model.safetensors.index.json``; never a pickled ``.bin``) and ``write_hf_checkpoint``.
@@ -14,7 +16,11 @@ The RoPE layout is the one subtle part. Loom (like Meta's original Llama) rotate
 pairs (x0, x1), (x2, x3), ...; HF's Llama rotates halves, pairing x_i with x_{i + Hd/2}. The two
 are the same function once the rows of ``wq`` and ``wk`` are permuted inside each head: HF row
 ``j * Hd/2 + i`` is Loom row ``2 i + j`` (even rows first, then odd rows). Attention scores only
-see q.k inside a head, and v / wo are untouched, so the logits agree exactly.
+see q.k inside a head, and v / wo are untouched, so the logits agree exactly. Everything else
+that lives in that per-head basis moves with the rows: the q/k biases (Qwen2) are rows of the
+same outputs, and the q/k norm weights (Qwen3, Hd elements) scale those outputs elementwise
+before RoPE, so they are permuted as one head's rows too (the norm's mean of squares does not
+depend on the order).
 
 Why hand-written: ``transformers`` ships this conversion only as a script going the other way
 (``convert_llama_weights_to_hf.py``, from Meta's release files), not as a library API, and
@@ -31,9 +37,14 @@ from typing import Any
 import torch
 
 from loom.models import build_model
+from loom.models.hf_config import (ARCHITECTURES, HFConversionError, architecture_of,
+                                   args_from_hf_config, hf_config_from_args)
 from loom.models.layers import TransformerArgs
 
-ARCHITECTURE = "LlamaForCausalLM"
+__all__ = ["ARCHITECTURES", "HFConversionError", "architecture_of", "args_from_hf_config",
+           "hf_config_from_args", "permute_from_hf", "permute_to_hf", "read_hf_checkpoint",
+           "state_dict_from_hf", "state_dict_to_hf", "write_hf_checkpoint"]
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -49,15 +60,13 @@ _LAYER_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
+_BIAS_NAMES = {"attention.wq.bias": "self_attn.q_proj.bias",
+               "attention.wk.bias": "self_attn.k_proj.bias",
+               "attention.wv.bias": "self_attn.v_proj.bias"}
+_QK_NORM_NAMES = {"attention.q_norm.weight": "self_attn.q_norm.weight",
+                  "attention.k_norm.weight": "self_attn.k_norm.weight"}
 _END_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight",
               "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
-# LlamaConfig's defaults for the optional fields of config.json (the shape fields are required).
-_HF_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048,
-                "tie_word_embeddings": False}
-
-
-class HFConversionError(ValueError):
-    """A checkpoint or config Loom cannot convert exactly; the message names the field or file."""
 
 
 def permute_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -77,88 +86,6 @@ def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# Config
-
-
-def _refuse(field: str, value: Any, rule: str) -> HFConversionError:
-    return HFConversionError(f"config.json: {field}={value!r}: {rule}")
-
-
-def _rope_theta(cfg: dict[str, Any]) -> float:
-    """RoPE base from either generation of config.json, refusing any scaled RoPE.
-
-    transformers < 5 writes ``rope_theta`` and ``rope_scaling`` (null for plain RoPE); 5.x writes
-    ``rope_parameters = {rope_type, rope_theta}``.
-    """
-    theta = cfg.get("rope_theta", _HF_DEFAULTS["rope_theta"])
-    for field in ("rope_scaling", "rope_parameters"):
-        params = cfg.get(field)
-        if params is None:
-            continue
-        kind = params.get("rope_type", params.get("type", "default"))
-        if kind != "default":
-            raise _refuse(f"{field}.rope_type", kind, "scaled RoPE is not implemented in Loom's"
-                          " model (only plain RoPE, rope_type 'default')")
-        theta = params.get("rope_theta", theta)
-    return float(theta)
-
-
-def args_from_hf_config(cfg: dict[str, Any]) -> TransformerArgs:
-    """Loom's model shape for an HF Llama ``config.json``; refuses what Loom cannot match."""
-    architectures = cfg.get("architectures") or ([ARCHITECTURE] if cfg.get("model_type") == "llama"
-                                                 else None)
-    if architectures != [ARCHITECTURE]:
-        raise _refuse("architectures", cfg.get("architectures"), f"only [{ARCHITECTURE!r}] is"
-                      " supported")
-    for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                  "vocab_size"):
-        if not isinstance(cfg.get(field), int) or cfg[field] < 1:
-            raise _refuse(field, cfg.get(field), "required, a positive integer")
-    for field in ("attention_bias", "mlp_bias"):
-        if cfg.get(field, False):
-            raise _refuse(field, cfg[field], "biases are not implemented in Loom's model")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise _refuse("hidden_act", cfg["hidden_act"], "Loom's MLP is SwiGLU (silu)")
-    dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    if dim % n_heads:
-        raise _refuse("num_attention_heads", n_heads, f"must divide hidden_size {dim}")
-    head_dim = cfg.get("head_dim") or dim // n_heads
-    if head_dim != dim // n_heads:
-        raise _refuse("head_dim", head_dim, f"Loom's head dim is hidden_size / num_attention_heads"
-                      f" = {dim // n_heads}")
-    n_kv_heads = cfg.get("num_key_value_heads") or n_heads
-    if n_heads % n_kv_heads:
-        raise _refuse("num_key_value_heads", n_kv_heads,
-                      f"must divide num_attention_heads {n_heads}")
-    opt = {**_HF_DEFAULTS, **{k: cfg[k] for k in _HF_DEFAULTS if cfg.get(k) is not None}}
-    return TransformerArgs(
-        dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=n_heads, n_kv_heads=n_kv_heads,
-        ffn_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
-        max_seq_len=int(opt["max_position_embeddings"]), norm_eps=float(opt["rms_norm_eps"]),
-        rope_theta=_rope_theta(cfg), tie_embeddings=bool(opt["tie_word_embeddings"]))
-
-
-def hf_config_from_args(args: TransformerArgs) -> dict[str, Any]:
-    """HF ``config.json`` (a dict) for a dense Loom model, readable by transformers 4 and 5."""
-    if args.n_experts:
-        raise HFConversionError(f"model.n_experts={args.n_experts}: a mixture-of-experts model is"
-                                f" not a {ARCHITECTURE}; only dense models can be exported")
-    return {
-        "architectures": [ARCHITECTURE], "model_type": "llama",
-        "hidden_size": args.dim, "intermediate_size": args.ffn_dim,
-        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
-        "hidden_act": "silu", "vocab_size": args.vocab_size,
-        "max_position_embeddings": args.max_seq_len, "rms_norm_eps": args.norm_eps,
-        # Both spellings of plain RoPE: transformers 4 reads the first two, 5 the third.
-        "rope_theta": args.rope_theta, "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
-        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-        "tie_word_embeddings": args.tie_embeddings, "torch_dtype": "float32",
-    }
-
-
-# --------------------------------------------------------------------------------------------
 # Parameters
 
 
@@ -166,10 +93,29 @@ def _name_pairs(args: TransformerArgs) -> list[tuple[str, str]]:
     """(Loom name, HF name) of every stored tensor; the head is absent when tied."""
     pairs = [(loom, hf) for loom, hf in _END_NAMES.items()
              if not (args.tie_embeddings and loom == "output.weight")]
+    layer_names = {**_LAYER_NAMES, **(_BIAS_NAMES if args.qkv_bias else {}),
+                   **(_QK_NORM_NAMES if args.qk_norm else {})}
     for i in range(args.n_layers):
         pairs += [(f"layers.{i}.{loom}", f"model.layers.{i}.{hf}")
-                  for loom, hf in _LAYER_NAMES.items()]
+                  for loom, hf in layer_names.items()]
     return pairs
+
+
+def _rope_heads(loom_name: str, args: TransformerArgs) -> int:
+    """How many heads' rows of RoPE'd outputs ``loom_name`` holds (0: not in the RoPE basis)."""
+    if loom_name.endswith(("attention.wq.weight", "attention.wq.bias")):
+        return args.n_heads
+    if loom_name.endswith(("attention.wk.weight", "attention.wk.bias")):
+        return args.n_kv_heads
+    if loom_name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+        return 1  # one head's Hd elements, shared by every head
+    return 0
+
+
+def _permute(tensor: torch.Tensor, heads: int, to_hf: bool) -> torch.Tensor:
+    """``permute_to_hf`` / ``permute_from_hf`` of a matrix's rows or a vector's elements."""
+    permute = permute_to_hf if to_hf else permute_from_hf
+    return permute(tensor[:, None], heads)[:, 0] if tensor.ndim == 1 else permute(tensor, heads)
 
 
 def _expected_shapes(args: TransformerArgs) -> dict[str, torch.Size]:
@@ -178,7 +124,8 @@ def _expected_shapes(args: TransformerArgs) -> dict[str, torch.Size]:
 
 def _convert(state: dict[str, torch.Tensor], args: TransformerArgs, *, to_hf: bool,
              source: str) -> dict[str, torch.Tensor]:
-    """Rename (and permute q/k) every tensor; refuse missing, unknown or misshapen ones."""
+    """Rename (and permute what lives in the RoPE basis) every tensor; refuse missing, unknown
+    or misshapen ones."""
     shapes = _expected_shapes(args)
     pairs = [(hf, loom) if to_hf else (loom, hf) for loom, hf in _name_pairs(args)]
     head = "output.weight" if to_hf else "lm_head.weight"
@@ -199,22 +146,22 @@ def _convert(state: dict[str, torch.Tensor], args: TransformerArgs, *, to_hf: bo
         if tensor.shape != shapes[loom_name]:
             raise HFConversionError(f"{source}: {src} has shape {tuple(tensor.shape)}, the config"
                                     f" says {tuple(shapes[loom_name])}")
-        if loom_name.endswith(("attention.wq.weight", "attention.wk.weight")):
-            heads = args.n_heads if loom_name.endswith("wq.weight") else args.n_kv_heads
-            tensor = (permute_to_hf if to_hf else permute_from_hf)(tensor, heads)
+        heads = _rope_heads(loom_name, args)
+        if heads:
+            tensor = _permute(tensor, heads, to_hf)
         out[dst] = tensor.contiguous()
     return out
 
 
 def state_dict_from_hf(state: dict[str, torch.Tensor], args: TransformerArgs,
                        source: str = "checkpoint") -> dict[str, torch.Tensor]:
-    """Loom's state dict (fp32, no ``output.weight`` when tied) from an HF Llama's tensors."""
+    """Loom's state dict (fp32, no ``output.weight`` when tied) from an HF model's tensors."""
     return _convert(state, args, to_hf=False, source=source)
 
 
 def state_dict_to_hf(state: dict[str, torch.Tensor], args: TransformerArgs,
                      source: str = "model") -> dict[str, torch.Tensor]:
-    """An HF Llama's tensors (fp32, no ``lm_head.weight`` when tied) from Loom's state dict."""
+    """An HF model's tensors (fp32, no ``lm_head.weight`` when tied) from Loom's state dict."""
     return _convert(state, args, to_hf=True, source=source)
 
 

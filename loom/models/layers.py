@@ -6,18 +6,30 @@ its experts on ``FeedForward``; both import this module, so neither imports the 
 internals (the MoE layer used to import the model's module that imported it back). The seams
 for parallelism are described in ``loom.models.llama``.
 
+Model families (``loom.models.hf`` converts each to and from its Hugging Face twin): the defaults
+are Llama (2 and, with ``rope_scaling = "llama3"``, 3.x); ``qkv_bias`` adds Qwen2's biases on the
+q/k/v projections; ``qk_norm`` adds Qwen3's RMSNorm of each query and key head (over Hd, before
+RoPE); ``sliding_window`` restricts each query to the last W keys, as Mistral does;
+``head_dim_override`` decouples Hd from D / N (Qwen3, Mistral Nemo). RoPE is ``loom.models.rope``.
+
 Shape legend: B batch, S sequence, D model dim, N query heads, K key/value heads, Hd head dim,
 F MLP hidden dim, V vocabulary.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from loom.models.rope import RopeScaling, apply_rope, rope_tables
+
+__all__ = ["Attention", "FeedForward", "TransformerArgs", "apply_rope", "rope_tables",
+           "rope_tables_for", "sdpa_causal"]
 
 
 @dataclass
@@ -31,31 +43,51 @@ class TransformerArgs:
     otherwise each expert takes at most ``ceil(capacity_factor * S * top_k / n_experts)``
     assignments per sequence. Layer i is MoE when ``i >= n_dense_layers`` and
     ``(i + 1) % moe_every == 0``. ``aux_loss_coef`` weighs the load-balancing loss the trainer adds.
+
+    Attention variants (module docstring; every default keeps the Llama block bit-identical):
+    ``head_dim_override``, ``qkv_bias``, ``qk_norm``, ``sliding_window`` and the RoPE schedule
+    ``rope_scaling`` with its ``rope_scaling_*`` parameters (``loom.models.rope``).
     """
 
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: int = 4
-    ffn_dim: int = 768
-    vocab_size: int = 320
-    max_seq_len: int = 1024
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    tie_embeddings: bool = False
-    n_experts: int = 0
-    top_k: int = 2
-    expert_ffn_dim: int = 0
-    n_shared_experts: int = 0
-    capacity_factor: float = 0.0
-    moe_every: int = 1
-    n_dense_layers: int = 0
-    renormalize_top_k: bool = True
-    aux_loss_coef: float = 0.01
+    dim: int = 256  # model width h (the residual stream)
+    n_layers: int = 4  # transformer blocks
+    n_heads: int = 8  # query heads (head size dim / n_heads)
+    n_kv_heads: int = 4  # key/value heads (grouped-query attention; n_heads for plain MHA)
+    ffn_dim: int = 768  # SwiGLU hidden size of the dense MLP
+    vocab_size: int = 320  # embedding and output rows
+    max_seq_len: int = 1024  # longest sequence the RoPE tables cover
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 10000.0  # RoPE base frequency
+    tie_embeddings: bool = False  # the output head shares the embedding matrix
+    n_experts: int = 0  # routed MoE experts per MoE layer; 0: a dense model
+    top_k: int = 2  # experts each token is routed to
+    expert_ffn_dim: int = 0  # hidden size of each expert; 0: ffn_dim
+    n_shared_experts: int = 0  # always-active experts beside the routed ones (DeepSeekMoE)
+    capacity_factor: float = 0.0  # 0: dropless; else assignments per expert per sequence cap
+    moe_every: int = 1  # layer i is MoE when (i + 1) % moe_every == 0 (and i >= n_dense_layers)
+    n_dense_layers: int = 0  # the first layers that stay dense
+    renormalize_top_k: bool = True  # renormalize the top-k routing weights to sum to 1 (Mixtral)
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss the trainer adds
+    head_dim_override: int = 0  # head size Hd when not dim / n_heads (Qwen3); 0: dim / n_heads
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
+    sliding_window: int = 0  # query i sees keys i-W+1 .. i (Mistral); 0: full causal attention
+    rope_scaling: Literal["none", "linear", "llama3"] = "none"  # RoPE frequency schedule
+    rope_scaling_factor: float = 1.0  # linear, llama3: low frequencies divided by this
+    rope_scaling_low_freq_factor: float = 1.0  # llama3: wavelengths > L / this are divided
+    rope_scaling_high_freq_factor: float = 4.0  # llama3: wavelengths < L / this are kept
+    rope_scaling_original_max_len: int = 0  # llama3: L, the original training context
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_dim_override or self.dim // self.n_heads
+
+    @property
+    def rope(self) -> RopeScaling:
+        """The RoPE frequency schedule the ``rope_scaling*`` fields describe."""
+        return RopeScaling(self.rope_scaling, self.rope_scaling_factor,
+                           self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor,
+                           self.rope_scaling_original_max_len)
 
     def moe_layer(self, layer_id: int) -> bool:
         """Whether global layer ``layer_id`` has a mixture-of-experts feed-forward."""
@@ -63,49 +95,65 @@ class TransformerArgs:
                 and (layer_id + 1) % self.moe_every == 0)
 
 
-def sdpa_causal(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor) -> torch.Tensor:
-    """Causal attention on one device; each of the K key/value heads serves N/K query heads."""
+def sdpa_causal(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
+                window: int = 0) -> torch.Tensor:
+    """Causal attention on one device; each of the K key/value heads serves N/K query heads.
+
+    ``window`` W > 0 (sliding-window attention) lets query i see keys i-W+1 .. i only, the mask
+    of HF's Mistral (``kv_idx > q_idx - sliding_window``). A window at least as long as the
+    sequence is plain causal attention, which then takes the unmasked ``is_causal`` kernel.
+    """
     group = q_BNSH.shape[1] // k_BKSH.shape[1]  # query heads per key/value head
     k_BNSH = k_BKSH.repeat_interleave(group, dim=1)
     v_BNSH = v_BKSH.repeat_interleave(group, dim=1)
+    S = q_BNSH.shape[2]
+    if 0 < window < S:
+        i = torch.arange(S, device=q_BNSH.device)[:, None]
+        j = torch.arange(S, device=q_BNSH.device)[None, :]
+        allowed_SS = (j <= i) & (j > i - window)
+        return F.scaled_dot_product_attention(q_BNSH, k_BNSH, v_BNSH, attn_mask=allowed_SS)
     return F.scaled_dot_product_attention(q_BNSH, k_BNSH, v_BNSH, is_causal=True)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of RoPE angles, ``[max_seq_len, head_dim // 2]``, computed in fp64 then fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x_BSNH: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x0, x1), (x2, x3), ... as Llama does (complex multiplication)."""
-    x = x_BSNH.float().unflatten(-1, (-1, 2))
-    x_even, x_odd = x[..., 0], x[..., 1]
-    cos, sin = cos_SH[None, :, None, :], sin_SH[None, :, None, :]
-    rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x_BSNH)
+def rope_tables_for(args: TransformerArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RoPE cos/sin tables of a model: its head dim, length, base and scaling."""
+    return rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, args.rope)
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention. Head counts are inferred from weight shapes at run time."""
+    """Grouped-query self-attention. Head counts are inferred from weight shapes at run time.
+
+    Optional, per ``TransformerArgs``: biases on q/k/v (``qkv_bias``), an RMSNorm over each query
+    and key head before RoPE (``qk_norm``; one weight of Hd elements shared by all heads), and a
+    sliding window in the core (``sliding_window``).
+    """
 
     def __init__(self, args: TransformerArgs) -> None:
         super().__init__()
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        bias = args.qkv_bias
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        if args.qk_norm:
+            self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
+            self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
         # The seam for context parallelism: any callable with sdpa_causal's signature
         # (queries [B, N, S, Hd], un-repeated keys/values [B, K, S, Hd], causal over S).
-        self.core: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = sdpa_causal
+        self.core: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = (
+            functools.partial(sdpa_causal, window=args.sliding_window) if args.sliding_window
+            else sdpa_causal)
 
     def forward(self, x_BSD: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         q = self.wq(x_BSD).view(B, S, -1, self.head_dim)
         k = self.wk(x_BSD).view(B, S, -1, self.head_dim)
         v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: normalise each head's vector, then rotate it
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos_SH, sin_SH), apply_rope(k, cos_SH, sin_SH)
         # Key/value heads go to the core un-repeated (GQA): context parallelism then moves K heads.
         out_BNSH = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))

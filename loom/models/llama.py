@@ -34,7 +34,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from loom.models.layers import Attention, FeedForward, TransformerArgs, rope_tables
+from loom.models.layers import Attention, FeedForward, TransformerArgs, rope_tables_for
 from loom.models.moe import MoEFeedForward
 
 
@@ -83,7 +83,7 @@ class Transformer(nn.Module):
         if args.tie_embeddings and with_embedding and with_head:
             self.output.weight = self.tok_embeddings.weight
         # RoPE tables are derived data, not state: rebuilt by reset_parameters after meta init.
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        cos, sin = rope_tables_for(args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -118,12 +118,14 @@ def _param_seed(seed: int, name: str) -> int:
 def initial_value(name: str, shape: torch.Size, args: TransformerArgs, seed: int) -> torch.Tensor:
     """The full initial value of the parameter called ``name`` (fp32, on the CPU).
 
-    Norm weights are ones; embeddings and projections are N(0, 0.02); the two projections that
-    write into the residual stream (``wo``, ``w2``) use 0.02 / sqrt(2 * n_layers) as in GPT-2, so
-    the residual variance does not grow with depth.
+    Norm weights are ones and biases (``qkv_bias``) zeros; embeddings and projections are
+    N(0, 0.02); the two projections that write into the residual stream (``wo``, ``w2``) use
+    0.02 / sqrt(2 * n_layers) as in GPT-2, so the residual variance does not grow with depth.
     """
-    if name.endswith("norm.weight"):
+    if name.endswith("norm.weight"):  # q_norm / k_norm (qk_norm) included
         return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
     std = 0.02
     if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.experts.w2",
                       "feed_forward.shared.w2.weight")):
@@ -156,6 +158,6 @@ def reset_parameters(
                                       seed))
         if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
             model.output.weight = model.tok_embeddings.weight  # Module.to_empty() unties them
-        cos, sin = rope_tables(model.args.head_dim, model.args.max_seq_len, model.args.rope_theta)
+        cos, sin = rope_tables_for(model.args)
         model.rope_cos.copy_(cos)
         model.rope_sin.copy_(sin)

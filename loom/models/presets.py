@@ -71,13 +71,16 @@ def layer_parameter_count(args: TransformerArgs, layer_id: int, *, active: bool 
     """Parameters of global layer ``layer_id`` (``active``: those one token uses, which is also
     its matmul multiply-adds per token, attention scores aside).
 
-    Attention D*(N*Hd) + 2*D*(K*Hd) + (N*Hd)*D and two norms 2*D, plus the feed-forward: dense
-    3*D*F; MoE a router D*E and 3*D*F_e per routed expert (E of them, or top_k when ``active``)
-    and per shared expert.
+    Attention D*(N*Hd) + 2*D*(K*Hd) + (N*Hd)*D and two norms 2*D, with ``qkv_bias`` the biases
+    N*Hd + 2*K*Hd and with ``qk_norm`` two Hd-sized norms, plus the feed-forward: dense 3*D*F; MoE
+    a router D*E and 3*D*F_e per routed expert (E of them, or top_k when ``active``) and per
+    shared expert.
     """
     q_width = args.n_heads * args.head_dim
     kv_width = args.n_kv_heads * args.head_dim
     count = 2 * args.dim * q_width + 2 * args.dim * kv_width + 2 * args.dim
+    count += (q_width + 2 * kv_width if args.qkv_bias else 0) + (2 * args.head_dim
+                                                                 if args.qk_norm else 0)
     if not args.moe_layer(layer_id):
         return count + 3 * args.dim * args.ffn_dim
     routed = args.top_k if active else args.n_experts

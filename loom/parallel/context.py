@@ -33,6 +33,11 @@ local to the cp group, Hd head dim), all counted in the ``CommLedger`` under axi
 The loss is the mean over local tokens; every cp rank has the same token count, so the mean of
 the cp ranks' losses is the global mean, and averaging gradients over cp gives its gradient.
 
+Sliding-window attention (``model.sliding_window``): the Ulysses core sees the whole sequence
+in global order and applies the window exactly; the ring's blocks are plain causal and would
+attend past it, so a ring degree > 1 with a window is refused (here, and by name in
+``loom.config_rules``) rather than computing full attention silently.
+
 Degree 1: ``apply_context_parallel`` returns the model untouched; nothing is communicated.
 Why hand-written: torch's context parallelism has no CPU backward and no causal load balancing
 we can run on gloo. The model never imports any of this: only ``Attention.core`` is swapped.
@@ -203,9 +208,16 @@ def new_cp_groups(cp_rank_groups: Sequence[Sequence[int]], layout: CPLayout,
 
 class ContextParallelAttention:
     """A drop-in ``Attention.core``: queries ``[B, N, S/cp, Hd]``, un-repeated keys/values
-    ``[B, K, S/cp, Hd]`` of this rank's shard -> its attention output ``[B, N, S/cp, Hd]``."""
+    ``[B, K, S/cp, Hd]`` of this rank's shard -> its attention output ``[B, N, S/cp, Hd]``.
+    ``window`` > 0: sliding-window attention, Ulysses only (module docstring)."""
 
-    def __init__(self, groups: CPGroups, ledger: CommLedger | None = None, axis: str = "cp"):
+    def __init__(self, groups: CPGroups, ledger: CommLedger | None = None, axis: str = "cp",
+                 window: int = 0):
+        if window and groups.layout.ring > 1:
+            raise ValueError(f"sliding_window={window} with a ring of {groups.layout.ring} cp"
+                             " ranks: ring attention does not apply the window; use cp_mode"
+                             " 'ulysses'")
+        self.window = window
         self.ulysses = _Group(groups.ulysses, ledger, axis) if groups.layout.ulysses > 1 else None
         self.ring = None
         if groups.layout.ring > 1:
@@ -220,7 +232,7 @@ class ContextParallelAttention:
         if self.ring is not None:
             out_BNSH = ring_attention(q_BNSH, k_BKSH, v_BKSH, self.ring)
         else:  # Ulysses only: the whole sequence, in global order, for my heads
-            out_BNSH = sdpa_causal(q_BNSH, k_BKSH, v_BKSH)
+            out_BNSH = sdpa_causal(q_BNSH, k_BKSH, v_BKSH, window=self.window)
         if self.ulysses is not None:
             out_BNSH = _Redistribute.apply(out_BNSH, self.ulysses, False)
         return out_BNSH
@@ -265,7 +277,7 @@ def apply_context_parallel(model: nn.Module, groups: CPGroups,
     statistics mean over cp; identity at cp degree 1."""
     if groups.layout.size == 1:
         return model
-    core = ContextParallelAttention(groups, ledger)
+    core = ContextParallelAttention(groups, ledger, window=model.args.sliding_window)
     for layer in model.layers.values():
         layer.attention.core = core
     statistics = SequenceStatisticsMean(groups, ledger)

@@ -13,7 +13,11 @@ dtype; fp32 = 4 bytes):
 * attention: ``wq``, ``wk``, ``wv`` column-parallel (split by query heads and by key/value heads;
   rank r holds query heads [rN/t, (r+1)N/t) and kv heads [rK/t, (r+1)K/t), which are exactly the
   kv heads its query heads read, so grouped-query attention needs no communication); ``wo``
-  row-parallel. Rule: t divides ``n_kv_heads`` (and so ``n_heads``).
+  row-parallel. Rule: t divides ``n_kv_heads`` (and so ``n_heads``). With ``qkv_bias`` each
+  bias is split with its weight's rows (``ColwiseParallel`` shards both). With ``qk_norm`` the
+  q/k norm weights (Hd elements, shared by every head) are replicated and see their input as
+  sharded by heads (dim 2), so their gradient is a partial sum over the rank's heads: DTensor
+  all-reduces it (2 x Hd elements per layer, in backward) through ``_match_grad_placement``.
 * MLP (SwiGLU): ``w1``, ``w3`` column-parallel, ``w2`` row-parallel. Rule: t divides ``ffn_dim``.
   An MoE block's feed-forward gets expert-TP = TP instead (``expert.apply_expert_tensor_parallel``:
   every expert split the same way, router replicated; the same two collectives as this MLP plus
@@ -116,9 +120,10 @@ def check_divisible(model: nn.Module, degree: int, *, vocab_parallel: bool) -> N
                              f"{[d for d in range(1, value + 1) if value % d == 0]}")
 
 
-def _block_plan(sp: bool, dense_ffn: bool = True) -> dict[str, object]:
+def _block_plan(sp: bool, dense_ffn: bool = True, qk_norm: bool = False) -> dict[str, object]:
     """TorchTitan's plan for one ``TransformerBlock`` (module names of ``loom.models.llama``);
-    without the feed-forward entries for an MoE block (``expert.apply_expert_tensor_parallel``)."""
+    without the feed-forward entries for an MoE block (``expert.apply_expert_tensor_parallel``);
+    with the per-head q/k norms of a ``qk_norm`` model."""
     seq = Shard(1) if sp else Replicate()
     # One DTensor for the block input: with SP it is all-gathered once; without, the q/k/v (w1/w3)
     # partial input gradients are summed locally and all-reduced once instead of three times.
@@ -140,6 +145,9 @@ def _block_plan(sp: bool, dense_ffn: bool = True) -> dict[str, object]:
     }
     if not dense_ffn:
         plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
+    if qk_norm:  # [B, S, heads/t, Hd] local heads: replicated weight, input Shard(2) (heads)
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if sp:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()
@@ -193,8 +201,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
                          " embedding and head are then split along the same vocabulary dim)")
     for block in model.layers.values():
         moe = isinstance(block.feed_forward, MoEFeedForward)
-        parallelize_module(block, tp_mesh, _block_plan(sequence_parallel, dense_ffn=not moe),
-                           src_data_rank=None)
+        plan = _block_plan(sequence_parallel, dense_ffn=not moe, qk_norm=model.args.qk_norm)
+        parallelize_module(block, tp_mesh, plan, src_data_rank=None)
         if moe:  # same tp group, its own layout and collectives (see loom.parallel.expert)
             apply_expert_tensor_parallel(block.feed_forward, tp_mesh,
                                          sequence_parallel=sequence_parallel, ledger=ledger)

@@ -122,12 +122,12 @@ def hf_dir_with(tmp_path: Path, **config_changes) -> Path:
 
 
 @pytest.mark.parametrize("change, field", [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.rope_type"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 8.0}}, "rope_scaling.rope_type"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters.rope_type"),
-    ({"architectures": ["MistralForCausalLM"]}, "architectures"),
+    ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
     ({"attention_bias": True}, "attention_bias"),
     ({"mlp_bias": True}, "mlp_bias"),
-    ({"head_dim": 32}, "head_dim"),
+    ({"head_dim": 15}, "head_dim"),  # odd: RoPE rotates pairs
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"hidden_size": None}, "hidden_size"),
 ])
