@@ -183,9 +183,10 @@ def run_case(ctx, family: str, m: int, steps: int, warmup: int, shape: Shape) ->
 def analyse(family: str, m: int, results: list[dict], warmup: int, out: Path,
             draw: bool) -> dict:
     """Calibrate the simulator from the recorded steps and compare with the measured times."""
-    from loom.pipeline.profile import (calibrate, chrome_trace, measured_result, replay_shared,
+    from loom.pipeline.profile import (calibrate, chrome_trace, measured_result,
                                        uncontended_work)
     from loom.schedule import simulate
+    from loom.schedule.simulate import replay_shared
     from loom.schedule.render import render_gantt
 
     schedule = results[0]["schedule"]

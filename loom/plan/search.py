@@ -36,7 +36,7 @@ from loom.plan.hardware import Cluster
 from loom.plan.space import Workload, layouts
 from loom.schedule import families as schedules
 from loom.schedule.select import SEARCH, schedule_of
-from loom.schedule.simulate import simulate
+from loom.schedule.simulate import replay_shared, simulate
 from loom.schedule.validate import peak_memory
 from loom.sim.cost_memory import memory_floor, search_units_left
 from loom.sim.cost_model import CostModel, StepCost
@@ -95,8 +95,6 @@ def simulate_step(model: CostModel, cost: StepCost, *, max_simulated: int | None
 def _replay(schedule: Any, stage_costs: Any, cores: float) -> float:
     """The makespan of ``schedule`` on ``stage_costs``; ranks sharing ``cores`` (0: none)."""
     if cores:  # ranks share processors (a CPU profile): the same replay, cores shared
-        from loom.pipeline.profile import replay_shared
-
         work = {a: float(stage_costs.duration(a)) for row in schedule.actions for a in row}
         return replay_shared(schedule, work, float(stage_costs.latency), cores)
 

@@ -30,7 +30,7 @@ from functools import cached_property
 from typing import Any
 
 from loom.schedule.ir import Action, Op, Schedule
-from loom.schedule.validate import deadlock_error, replay
+from loom.schedule.validate import deadlock_error, dependencies, replay
 from loom.schedule.cost import Number, StageCosts
 
 
@@ -203,6 +203,50 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, *,
         memory=tuple(_memory_curve(schedule, costs, row) if memory else () for row in slots),
         costs=costs.describe(),
     )
+
+
+def replay_shared(schedule: Schedule, work: dict[Action, float], latency: float,
+                  cores: float) -> float:
+    """Makespan of ``schedule`` when its ranks share ``cores`` equally (each rank at most one):
+    ``simulate``'s rules (in-order ranks, dependencies plus ``latency`` across ranks), with every
+    running action progressing at min(1, cores / running) of its ``work``.
+
+    Not ``replay``: an action's speed depends on how many others run at that moment, so this one
+    needs a global clock (processor sharing), where ``replay`` derives every time from finish
+    times alone. The planner prices a CPU calibration profile's ranks with it, and the pipeline
+    benchmark checks it against measured steps."""
+    done: dict[Action, float] = {}
+    pointer = [0] * schedule.pp_size
+    remaining: dict[int, float] = {}  # rank -> work left of its running action
+    now = 0.0
+    deps = {a: dependencies(schedule, a) for row in schedule.actions for a in row}
+    while len(done) < len(work):
+        ready_at = {}
+        for rank, row in enumerate(schedule.actions):
+            if rank in remaining or pointer[rank] >= len(row):
+                continue
+            action = row[pointer[rank]]
+            if all(d in done for d in deps[action]):
+                ready_at[rank] = max([now] + [done[d] + (latency if schedule.rank_of(d.stage)
+                                                         != rank else 0.0)
+                                              for d in deps[action]])
+        for rank, when in ready_at.items():
+            if when <= now:
+                remaining[rank] = work[schedule.actions[rank][pointer[rank]]]
+        if not remaining and not ready_at:
+            raise RuntimeError(f"{schedule.name}: replay stalled")  # validate() rules this out
+        rate = min(1.0, cores / len(remaining)) if remaining else 0.0
+        horizon = min([r / rate for r in remaining.values()] if remaining else [float("inf")])
+        later = [t for t in ready_at.values() if t > now]
+        step = min([horizon, *(t - now for t in later)])
+        now += step
+        for rank in list(remaining):
+            remaining[rank] -= step * rate
+            if remaining[rank] <= 1e-12:
+                del remaining[rank]
+                done[schedule.actions[rank][pointer[rank]]] = now
+                pointer[rank] += 1
+    return now
 
 
 def _memory_curve(

@@ -264,7 +264,7 @@ def test_shared_core_pipeline_simulation_is_the_shared_replay():
     planner's pipeline time is ``replay_shared`` of the same schedule and costs."""
     from dataclasses import replace
 
-    from loom.pipeline.profile import replay_shared
+    from loom.schedule.simulate import replay_shared
     from loom.plan.search import simulate_step
 
     lay = Layout(pp=2, dp_replicate=2, schedule="1f1b", micro_batch=2, microbatches=4)
