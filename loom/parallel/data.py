@@ -59,6 +59,7 @@ import torch
 from torch import nn
 
 from loom.formulas.memory import BUCKET_BYTES  # the memory formulas depend on it too
+from loom.models.moe import GroupedExperts
 from loom.parallel import comm
 
 
@@ -320,8 +321,6 @@ def apply_fully_shard(model: nn.Module, mesh: Any, *, reshard_after_forward: boo
     blocks = list(model.layers.values()) if hasattr(model, "layers") else []
     expert_units, (expert_mesh, expert_axis) = [], experts or (None, "")
     if expert_mesh is not None:
-        from loom.models.moe import GroupedExperts
-
         expert_units = [m for m in model.modules() if isinstance(m, GroupedExperts)]
         for unit in expert_units:
             fully_shard(unit, mesh=expert_mesh, reshard_after_forward=reshard_after_forward,

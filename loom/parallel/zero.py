@@ -88,6 +88,7 @@ from loom.parallel import comm
 # and bound the packed gradients held to three buckets (the memory formulas depend on it).
 from loom.formulas.memory import MAX_IN_FLIGHT
 from loom.parallel.data import BUCKET_BYTES, _local
+from loom.parallel.expert import expert_parallel_of, expert_parameter_names
 
 
 def _tp_sharded(param: torch.Tensor) -> bool:
@@ -397,8 +398,6 @@ def apply_zero(model: nn.Module, stage: int, shard_mesh: Any, replicate_mesh: An
     ``zero_of(model)`` finds it."""
     names, expert_shards, ep_size = frozenset(), None, 1
     if experts is not None:
-        from loom.parallel.expert import expert_parallel_of, expert_parameter_names
-
         (mesh, expert_axis), names = experts, frozenset(expert_parameter_names(model))
         expert_shards = ShardGroup(mesh.get_group(), mesh.size(), mesh.get_local_rank(),
                                    expert_axis)

@@ -67,6 +67,7 @@ from typing import Any
 from loom.formulas.flops import model_flops_per_token
 from loom.layout import Layout
 from loom.models.layers import TransformerArgs
+from loom.parallel.context import CPLayout  # Loom's own split of cp into u x r
 from loom.schedule.cost import OpCosts, StageCosts
 from loom.sim.cost_memory import layout_memory
 from loom.sim.cost_pipeline import pipeline_estimate
@@ -180,8 +181,6 @@ class CostModel:
         # context parallelism
         cp_fwd = cp_bwd = 0.0
         if lay.cp > 1:
-            from loom.parallel.context import CPLayout  # Loom's own split of cp into u x r
-
             split = CPLayout.from_mode(lay.cp_mode, lay.cp)
             ulysses, ring = split.ulysses, split.ring
             stride = lay.tp

@@ -37,8 +37,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
 from loom.parallel.expert import expert_parallel_of, expert_parameter_names
 from loom.parallel.zero import zero_of
+from loom.train.checkpoint_safety import CheckpointError
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in the global tensor
 
@@ -251,8 +253,6 @@ def _load_zero_optimizer_state(zero: Any, optimizer: torch.optim.Optimizer,
 
 def _require_one(values: set, key: str, names: list[str]) -> None:
     if len(values) != 1:
-        from loom.train.checkpoint_safety import CheckpointError
-
         raise CheckpointError(f"{key}: the checkpoint holds different values for parameters"
                               f" that share one ZeRO bucket ({names[0]} ...): {sorted(values)}")
 

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from loom.parallel import unwrap
+from loom.parallel import comm, unwrap
+from loom.parallel.expert import expert_parameter_names, gather_expert_weights
 from loom.parallel.tensor import full_named_gradients
 from loom.parallel.zero import zero_of
 
@@ -41,9 +42,6 @@ def named_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
 def _gather_experts(trainer: Trainer, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Expert shards stacked back in ep-rank order (collective over ep)."""
     if trainer.ep is not None:
-        from loom.parallel import comm
-        from loom.parallel.expert import expert_parameter_names
-
         for name in sorted(expert_parameter_names(trainer.model) & set(grads)):
             shard = grads[name].contiguous()
             full = shard.new_empty((shard.shape[0] * trainer.ep.size, *shard.shape[1:]))
@@ -74,8 +72,6 @@ def save_weights(trainer: Trainer, path: Path) -> None:
         state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
                  for k, v in trainer.model.state_dict().items()}
         if trainer.ep is not None:  # expert shards stacked back over ep (collective)
-            from loom.parallel.expert import gather_expert_weights
-
             state.update(gather_expert_weights(trainer.model))
         if trainer.dp_rank != 0:
             return
@@ -84,8 +80,6 @@ def save_weights(trainer: Trainer, path: Path) -> None:
         state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
                  .contiguous() for k, v in unwrap(trainer.model).state_dict().items()}
         if trainer.ep is not None:
-            from loom.parallel.expert import gather_expert_weights
-
             state.update({k: v.cpu() for k, v in gather_expert_weights(trainer.model).items()})
     if not trainer.ctx.is_main:
         return

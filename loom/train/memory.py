@@ -304,8 +304,6 @@ def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[Memor
         optim = 0.0  # on the host (a CPU device has nothing to offload to)
     block = 0.0
     if line.layers:
-        from loom.models.presets import layer_parameter_count
-
         block = max(layer_parameter_count(m, i) for i in line.layers) / lay.tp
     # ZeRO-3: the gathered block in use + the prefetched one (none extra when units are held)
     gathering = 2 * compute * block if stage == 3 and not held else 0.0

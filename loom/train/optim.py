@@ -16,7 +16,10 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+
 from loom.parallel.data import is_fully_sharded
+from loom.parallel.expert import clip_grad_norm as ep_clip_grad_norm, expert_parameter_names
+from loom.parallel.tensor import clip_grad_norm as tp_clip_grad_norm
 from loom.parallel.zero import zero_of
 
 
@@ -135,20 +138,14 @@ def clip_gradients(model: nn.Module, max_norm: float, *, tp=None, ep=None,
     if is_fully_sharded(model):
         experts = None
         if ep is not None:  # expert units are sharded over dp_shard; the experts differ over ep
-            from loom.parallel.expert import expert_parameter_names
-
             names = expert_parameter_names(model)
             experts = ({id(p) for n, p in model.named_parameters() if n in names}, ep.group)
         return clip_grad_norm_dtensor(model.parameters(), max_norm,
                                       [pp_group] if pp_group is not None else [],
                                       experts=experts)
     if ep is not None:
-        from loom.parallel.expert import clip_grad_norm as ep_clip_grad_norm
-
         return ep_clip_grad_norm(model, max_norm, ep, pp_group=pp_group)
     if tp is not None:
-        from loom.parallel.tensor import clip_grad_norm as tp_clip_grad_norm
-
         other = (("pp", pp_group),) if pp_group is not None else ()
         return tp_clip_grad_norm(model.parameters(), max_norm, tp=tp, other_groups=other)
     return clip_grad_norm(model.parameters(), max_norm, [pp_group] if pp_group is not None else [])

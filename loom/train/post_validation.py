@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.parallel import comm
 from loom.parallel.data import is_fully_sharded
 from loom.parallel.zero import zero_of
 from loom.train.optim import (clip_coefficient, clip_gradients, clip_to_norm, local_grad_norm,
@@ -69,8 +70,6 @@ class PendingMean:
                  ledger: Any = None) -> None:
         self.value, self.size, self.work = value, size, None
         if size > 1:
-            from loom.parallel import comm
-
             self.value = value.clone()
             self.work = comm.all_reduce(self.value, group, axis=axis, ledger=ledger,
                                         async_op=True)
