@@ -7,6 +7,11 @@ the corpus (``data.source``), the checkpoint to resume, the run directory (``tra
 the estimated memory against the device's (on CPU: the host's available memory, shared by the
 ``--nproc`` ranks). A corpus found too short only once tokenized is refused the same way, and the
 directories made for it are removed.
+
+Everyday tools of ``loom train`` (each exits without writing anything or starting a worker):
+``--print-config`` prints the resolved config as TOML (``--config`` reads it back), ``--dry-run``
+runs every check above and prints the per-rank memory estimate and the rank grid, and ``--help``
+lists every config key with its default and description (``loom.config_help``).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from loom.config import ConfigError, load_config, parse_overrides, resolve
+from loom.config import Config, ConfigError, load_config, parse_overrides, resolve, to_toml
 
 EXIT_CONFIG_ERROR = 2
 
@@ -40,6 +45,9 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     except ConfigError as err:
         print(f"loom train: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    if args.print_config:  # before the run directory gets its default: "" stays "a new one"
+        print(to_toml(config), end="")
+        return 0
     from loom.train.memory import check_memory_limit
 
     # before anything is written or started; the host's memory is shared by this node's ranks
@@ -63,6 +71,9 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
             if refusal:
                 print(f"loom train: config error: {refusal}", file=sys.stderr)
                 return EXIT_CONFIG_ERROR
+        if args.dry_run:
+            print(_dry_run_report(config, Path(run_dir), local_ranks))
+            return 0
         # a corpus found too short once tokenized is refused here, its directories removed
         return run_job(config, Path(run_dir), args.nproc, args.max_restarts)
     except ConfigError as err:
@@ -70,25 +81,64 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         return EXIT_CONFIG_ERROR
 
 
-def _estimate_memory(args: argparse.Namespace, extra: list[str]) -> int:
-    """Predicted bytes per rank of a config's layout, before launch (``loom.train.memory``)."""
+def _dry_run_report(config: Config, run_dir: Path, local_ranks: int) -> str:
+    """What ``loom train --dry-run`` prints once every check has passed."""
+    from loom.grid_summary import describe_grid
+    from loom.topology import RankGrid
+
+    state = "exists; the run continues in it" if run_dir.exists() else "would be created"
+    return "\n".join([
+        "loom train --dry-run: every check passed; nothing was written or started",
+        f"run dir: {run_dir} ({state})",
+        "", "per-rank memory (estimate, the worst pipeline rank):",
+        _memory_report(config, local_ranks),
+        "", describe_grid(RankGrid(config.parallel.degrees()))])
+
+
+def _memory_report(config: Config, local_ranks: int) -> str:
+    """The layout, the estimator's breakdown and the limit it is held to (``local_ranks``: the
+    ranks on this host, which share its memory on CPU)."""
     from loom.train.memory import GiB, device_limit_bytes, estimate_memory
 
+    par = config.parallel
+    lines = [f"layout: {par.degrees()} zero_stage={par.zero_stage if par.dp_shard > 1 else '-'}"
+             f" recompute={config.train.recompute} dtype={config.train.dtype}"
+             f" micro_batch={config.train.micro_batch_size} seq={config.data.seq_len}"]
+    estimate = estimate_memory(config)
+    lines.append(estimate.table())
+    limit = device_limit_bytes(config, local_ranks)
+    if limit:
+        lines.append(f"limit {limit / GiB:.3f} GiB:"
+                     f" {'fits' if estimate.total <= limit else 'EXCEEDS'}")
+    return "\n".join(lines)
+
+
+def _estimate_memory(args: argparse.Namespace, extra: list[str]) -> int:
+    """Predicted bytes per rank of a config's layout, before launch (``loom.train.memory``)."""
     try:
         config = resolve(load_config(args.config, parse_overrides(extra)), args.nproc)
     except ConfigError as err:
         print(f"loom estimate-memory: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    par = config.parallel
-    print(f"layout: {par.degrees()} zero_stage={par.zero_stage if par.dp_shard > 1 else '-'}"
-          f" recompute={config.train.recompute} dtype={config.train.dtype}"
-          f" micro_batch={config.train.micro_batch_size} seq={config.data.seq_len}")
-    estimate = estimate_memory(config)
-    print(estimate.table())
-    limit = device_limit_bytes(config, args.nproc)  # on CPU: the layout's ranks on this host
-    if limit:
-        print(f"limit {limit / GiB:.3f} GiB: {'fits' if estimate.total <= limit else 'EXCEEDS'}")
+    print(_memory_report(config, args.nproc))  # on CPU: the layout's ranks on this host
     return 0
+
+
+class _TrainHelp(argparse.Action):
+    """``loom train --help``: the usage, then every config key with its default and description.
+    Built only when asked: reading the keys' comments from the source takes a tenth of a second,
+    which every other command would pay."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        from loom.config_help import help_text
+
+        parser.epilog = f"{parser.epilog}\n\n{help_text()}"
+        parser.print_help()
+        parser.exit()
 
 
 def _generate(args: argparse.Namespace, extra: list[str]) -> int:
@@ -120,7 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a model on local processes or under torchrun",
                            epilog="Any config field can be set as --section.key=value, e.g."
-                                  " --train.steps=50 --parallel.dp_replicate=2.")
+                                  " --train.steps=50 --parallel.dp_replicate=2.",
+                           add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_argument("-h", "--help", action=_TrainHelp,
+                       help="show this help, with every config key, its default and what it"
+                            " does, and exit")
     train.add_argument("--config", help="TOML config file (defaults apply for missing keys)")
     train.add_argument("--nproc", type=int, default=1,
                        help="local worker processes to start (ignored under torchrun)")
@@ -131,6 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
                                         " refused when there is none), 'auto_or_fresh' (the"
                                         " same, or step 0 when there is none) or a checkpoint"
                                         " directory; same as --checkpoint.resume")
+    only = train.add_mutually_exclusive_group()
+    only.add_argument("--print-config", action="store_true",
+                      help="print the resolved config as TOML (--config reads it back) and exit;"
+                           " writes nothing")
+    only.add_argument("--dry-run", action="store_true",
+                      help="run every check of a launch (config, inputs, run directory, memory),"
+                           " print the per-rank memory estimate and the rank grid, and exit;"
+                           " writes nothing")
     train.set_defaults(handler=_train)
 
     mem = sub.add_parser("estimate-memory", help="predict per-rank memory of a layout",

@@ -40,9 +40,9 @@ class ModelConfig(TransformerArgs):
     """The model shape: a preset, then any field overridden. ``vocab_size=0`` means: the
     tokenizer's vocabulary rounded up to a multiple of ``vocab_multiple`` (so it splits evenly)."""
 
-    preset: str = "tiny"
-    vocab_size: int = 0
-    vocab_multiple: int = 64
+    preset: str = "tiny"  # named shape (loom/models/presets.py); the fields below override it
+    vocab_size: int = 0  # 0: the tokenizer's vocabulary rounded up to vocab_multiple
+    vocab_multiple: int = 64  # vocab_size = 0 rounds the tokenizer's vocabulary up to this
 
 
 def model_args(config: Config) -> TransformerArgs:
@@ -60,12 +60,14 @@ class ParallelConfig:
     axis, expert layers shard their experts along it.
     """
 
-    pp: int = 1
-    dp_replicate: int = -1  # -1: whatever the other degrees leave of the world size
-    dp_shard: int = 1
-    ep: int = 1
-    cp: int = 1
-    tp: int = 1
+    pp: int = 1  # pipeline stages (the layers split into pp consecutive parts)
+    # data-parallel replicas (each holds whole parameters); -1: whatever the other degrees leave
+    # of the world size
+    dp_replicate: int = -1
+    dp_shard: int = 1  # data-parallel ranks that shard parameters, gradients, optimizer (ZeRO)
+    ep: int = 1  # expert parallelism: MoE experts split over ep ranks (data parallel elsewhere)
+    cp: int = 1  # context parallelism: each sequence split over cp ranks
+    tp: int = 1  # tensor parallelism: heads and MLP columns/rows split over tp ranks
     # Pipeline schedule family (``loom schedule list``) and stages per rank; 0: the family's own
     # (1 for 1F1B-like families, 2 for interleaved/V-shaped ones). Used when pp > 1 (with pp = 1
     # another family than the default is refused: there is no pipeline to schedule).
@@ -107,17 +109,17 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 200
+    steps: int = 200  # optimizer steps to train
     global_batch_size: int = 16  # sequences per optimizer step, over all data-parallel ranks
     micro_batch_size: int = 4  # sequences per forward/backward on one rank
-    seed: int = 1234
-    device: str = "auto"  # auto | cpu | cuda | cuda:N ...
+    seed: int = 1234  # seeds the initial weights and the order of the training samples
+    device: str = "auto"  # auto (a GPU when there is one) | cpu | cuda | cuda:N ...
     backend: str = "auto"  # auto | gloo | nccl
     dtype: Literal["fp32", "bf16"] = "fp32"  # bf16 = autocast compute, fp32 master weights
     grad_clip: float = 1.0  # max global grad norm; 0 disables
-    eval_every: int = 50  # steps; 0 disables
-    eval_batches: int = 4
-    run_dir: str = ""  # empty: runs/<timestamp>
+    eval_every: int = 50  # steps between evaluations on the validation split; 0 disables
+    eval_batches: int = 4  # global batches of the validation split per evaluation
+    run_dir: str = ""  # where the run's files go; empty: runs/<timestamp>
     threads: int = 0  # intra-op threads per rank; 0: cores / local ranks
     timeout_s: float = 600.0  # collective timeout: a hung peer fails the job instead of hanging it
     # SIGTERM (preemption): every rank stops after the current step, checkpoints and exits 0
@@ -154,24 +156,24 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3
+    lr: float = 3e-3  # peak learning rate (AdamW), reached after warmup_steps
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    warmup_steps: int = 20  # linear warmup to lr over this many steps, then cosine decay
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay, on matrices only (not norms)
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay
+    eps: float = 1e-8  # AdamW's denominator epsilon
 
 
 @dataclass
 class DataConfig:
     source: str = "stdlib"  # "stdlib" (the Python standard library's .py files) or a path
-    extensions: tuple[str, ...] = (".py", ".txt", ".md")
-    tokenizer: Literal["byte", "bpe"] = "byte"
-    bpe_vocab_size: int = 2048
-    seq_len: int = 256
-    val_fraction: float = 0.05
-    max_bytes: int = 0  # 0: the whole corpus
+    extensions: tuple[str, ...] = (".py", ".txt", ".md")  # files read from a source directory
+    tokenizer: Literal["byte", "bpe"] = "byte"  # bytes (256 + specials), or BPE trained locally
+    bpe_vocab_size: int = 2048  # vocabulary of the BPE tokenizer (tokenizer = bpe)
+    seq_len: int = 256  # tokens per training sequence
+    val_fraction: float = 0.05  # share of the documents held out for evaluation
+    max_bytes: int = 0  # read at most this many bytes of the corpus; 0: the whole corpus
 
 
 @dataclass
@@ -188,12 +190,22 @@ class CheckpointConfig:
 
 @dataclass
 class MetricsConfig:
-    log_every: int = 1
-    jsonl: bool = True
-    tensorboard: bool = True
-    progress: bool = True
-    plot: bool = True
+    log_every: int = 1  # steps between plain progress lines (a terminal's bar shows every step)
+    jsonl: bool = True  # run_dir/metrics.jsonl: one JSON object per step and evaluation
+    tensorboard: bool = True  # run_dir/tb/: TensorBoard event files
+    progress: bool = True  # progress bar on a terminal, plain lines otherwise, with an ETA
+    plot: bool = True  # run_dir/loss_curve.png at the end
     comm: bool = False  # count every collective per axis and op and log it each step
+    # Peak dense TFLOP/s of one device, which MFU is reported against; 0: the catalog's BF16 peak
+    # of a known GPU under train.dtype = bf16, otherwise MFU is n/a (no stated peak, e.g. a CPU)
+    peak_tflops: float = 0.0
+    # Steps to trace with torch.profiler, "A,B": steps A to B inclusive (one number: that step);
+    # every rank writes a Chrome trace to run_dir/profile/rank<r>.json. Empty: no profiling.
+    profile_steps: tuple[int, ...] = ()
+    # Weights & Biases: rank 0 logs the scalars TensorBoard gets, as a run named after the run
+    # directory (needs `pip install loom[wandb]`; WANDB_MODE=offline keeps it under run_dir/wandb)
+    wandb: bool = False
+    wandb_project: str = "loom"  # the W&B project of metrics.wandb
 
 
 @dataclass
@@ -236,6 +248,13 @@ def _coerce(key: str, raw: Any, kind: Any) -> Any:
         items = raw.split(",") if isinstance(raw, str) else raw
         if not isinstance(items, (list, tuple)):
             raise ConfigError(key, raw, "must be a list (TOML array or comma-separated)")
+        if typing.get_args(kind)[:1] == (int,):  # tuple[int, ...]: every item an integer
+            if any(isinstance(item, (bool, float)) for item in items):
+                raise ConfigError(key, raw, "must be a list of integers")
+            try:
+                return tuple(int(str(item).strip()) for item in items if str(item).strip())
+            except ValueError:
+                raise ConfigError(key, raw, "must be a list of integers") from None
         return tuple(str(item).strip() for item in items if str(item).strip())
     if kind is bool:
         if isinstance(raw, bool):

@@ -17,6 +17,7 @@ annotations.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -147,6 +148,7 @@ def validate(config: Config, world_size: int) -> None:
         raise ConfigError("train.device", tr.device, "must be auto, cpu, cuda or cuda:N")
     if tr.backend == "nccl" and tr.device == "cpu":
         raise ConfigError("train.backend", tr.backend, "nccl needs a GPU device, not train.device=cpu")
+    _validate_metrics(config)
 
     # Last, as it looks at files: a corpus with text enough for one sample (not tokenized).
 
@@ -184,6 +186,29 @@ def _validate_attention(config: Config) -> None:
             raise ConfigError("model.rope_scaling_low_freq_factor", m.rope_scaling_low_freq_factor,
                               "must be > 0 and < model.rope_scaling_high_freq_factor ="
                               f" {m.rope_scaling_high_freq_factor} (llama3 blends between them)")
+
+
+def _validate_metrics(config: Config) -> None:
+    """The stated MFU peak, the profiled steps and the experiment tracker (whose package must be
+    installed: checked here, before launch, rather than by a worker's failed import)."""
+    mc, steps = config.metrics, config.train.steps
+    if mc.peak_tflops < 0:
+        raise ConfigError("metrics.peak_tflops", mc.peak_tflops, "must be >= 0 (0: the catalog's"
+                          " peak of a known GPU, else MFU is n/a)")
+    if mc.profile_steps:
+        shown = ",".join(map(str, mc.profile_steps))
+        rule = (f"must be A,B: the first and last step to trace, inclusive (or one step A), with"
+                f" 1 <= A <= B <= train.steps = {steps}")
+        first, last = mc.profile_steps[0], mc.profile_steps[-1]
+        if len(mc.profile_steps) > 2 or not 1 <= first <= last <= steps:
+            raise ConfigError("metrics.profile_steps", shown, rule)
+    if mc.wandb:
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("metrics.wandb", True, "needs the wandb package, which is not"
+                              " installed: pip install 'loom[wandb]' (or wandb>=0.17)")
+        if not mc.wandb_project.strip():
+            raise ConfigError("metrics.wandb_project", mc.wandb_project,
+                              "must name a W&B project when metrics.wandb = true")
 
 
 def _validate_resume(resume: str) -> None:

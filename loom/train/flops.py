@@ -1,42 +1,44 @@
-"""The device peak that model FLOPs are divided by, for MFU.
+"""The device peak that model FLOPs are divided by, for MFU, and where that number comes from.
 
 MFU (model FLOPs utilization, Chowdhery et al. 2022 App. B) needs two numbers: how many FLOPs the
 model *mathematically* requires per token (no recompute, no hardware tricks counted), and what the
 device could do at best. The first is a closed formula over the architecture
-(``loom.formulas.flops.training_flops_per_token``, shared with the planner); the second comes from a table of datasheet dense BF16 peaks
-for known GPUs, or, where no honest table entry exists (CPU, unknown accelerators, non-16-bit
-dtypes), from timing large square matmuls on the device itself (:func:`measure_matmul_peak`).
-A measured peak makes CPU MFU meaningful ("fraction of what this box's BLAS can do") instead of
-a fraction of some invented number.
+(``loom.formulas.flops.training_flops_per_token``, shared with the planner). The second is a
+*stated* peak, never a guess: ``metrics.peak_tflops`` when set, else, on a GPU computing in 16 bits
+(``train.dtype = bf16``), the dense BF16 datasheet peak of the catalog accelerator that the
+device's name matches. Anything else (a CPU, an unknown accelerator, fp32 compute, whose peak is a
+different number) has no stated peak, and MFU is reported as n/a. A peak timed on the spot
+(large matmuls, what this module did before) makes MFU a fraction of what the box happened to do
+at that moment, which on a loaded machine can come out above 100%.
+
+The name table is the device-name lookup of the planner's catalog (``loom.plan.hardware.GPUS``,
+same numbers, plus two cards the planner does not model): the trainer sits a floor below the
+planner (tests/unit/test_layering.py), so it keeps its own copy, and a test checks that the two
+agree.
 """
 
 from __future__ import annotations
-
-import math
-import time
 
 import torch
 
 # Dense (non-sparse) 16-bit tensor-core peaks in FLOP/s, matched against
 # torch.cuda.get_device_name() by substring, most specific first (an "H100 NVL" also contains
-# "H100"). Values: REFERENCE.md §0, which takes them from torchtitan
-# torchtitan/tools/utils.py::get_peak_flops (Narayanan et al. 2021 §5 for the A100).
-_PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
-    ("H100 NVL", 835e12),
-    ("H100 PCIE", 756e12),
-    ("H100", 989e12),  # SXM; torchtitan's default for any other H100 name
-    ("H200", 989e12),
-    ("B200", 2.25e15),
-    ("MI300X", 1300e12),
-    ("MI250X", 383e12),
-    ("A100", 312e12),
-    ("L40S", 362e12),
-    ("A6000", 154.85e12),
+# "H100"): (substring, catalog name, peak). Values: REFERENCE.md §0, which takes them from
+# torchtitan torchtitan/tools/utils.py::get_peak_flops (Narayanan et al. 2021 §5 for the A100).
+_PEAK_BF16_FLOPS: tuple[tuple[str, str, float], ...] = (
+    ("H100 NVL", "H100-NVL", 835e12),
+    ("H100 PCIE", "H100-PCIe", 756e12),
+    ("H100", "H100-SXM", 989e12),  # SXM; torchtitan's default for any other H100 name
+    ("H200", "H200", 989e12),
+    ("B200", "B200", 2.25e15),
+    ("MI300X", "MI300X", 1300e12),
+    ("MI250X", "MI250X", 383e12),
+    ("A100", "A100", 312e12),
+    ("L40S", "L40S", 362e12),
+    ("A6000", "A6000", 154.85e12),
 )
 # The table is only valid for these dtypes: fp32 / tf32 peaks are different numbers entirely.
 _TABLE_DTYPES = (torch.bfloat16, torch.float16)
-
-_PEAK_CACHE: dict[tuple[str, int | None, torch.dtype, int], tuple[float, str]] = {}
 
 
 def synchronize(device: torch.device) -> None:
@@ -57,74 +59,42 @@ def synchronize(device: torch.device) -> None:
         sync()
 
 
-def measure_matmul_peak(
-    device: torch.device, dtype: torch.dtype, size: int | None = None, seconds: float = 0.3
-) -> float:
-    """Best observed FLOP/s of square ``size`` x ``size`` matmuls on ``device`` in ``dtype``.
-
-    One matmul of n x n by n x n is 2·n³ FLOPs. After a warm-up (thread pools, BLAS kernels and
-    caches get set up on first use), matmuls are run in short timed batches for about ``seconds``
-    and the *best* batch rate is returned: the question is what the device can do, and the best
-    rate is the estimate least disturbed by other load. Default size: 1024 on CPU (large enough
-    for BLAS to reach its plateau, small enough to time quickly), 4096 on accelerators.
-    """
-    n = size if size is not None else (1024 if device.type == "cpu" else 4096)
-    a = torch.randn(n, n, device=device, dtype=torch.float32).to(dtype)
-    b = torch.randn(n, n, device=device, dtype=torch.float32).to(dtype)
-    out = torch.empty(n, n, device=device, dtype=dtype)
-    flops_per_mm = 2.0 * n**3
-
-    def timed(reps: int) -> float:
-        synchronize(device)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            torch.mm(a, b, out=out)
-        synchronize(device)
-        return time.perf_counter() - t0
-
-    first = timed(1)  # warm-up, also a first guess of the cost of one matmul
-    reps = max(1, int(0.05 / max(first, 1e-9)))  # batches of ~50 ms keep timer noise negligible
-    best = flops_per_mm / max(first, 1e-9)
-    deadline = time.perf_counter() + seconds
-    while True:
-        elapsed = timed(reps)
-        best = max(best, flops_per_mm * reps / max(elapsed, 1e-9))
-        if time.perf_counter() >= deadline:
-            break
-    if not math.isfinite(best) or best <= 0:
-        raise RuntimeError(f"measure_matmul_peak: implausible rate {best} on {device} / {dtype}")
-    return best
-
-
-def _table_peak(device_name: str) -> float | None:
+def catalog_peak(device_name: str) -> tuple[str, float] | None:
+    """(catalog name, dense BF16 peak FLOP/s) of the accelerator ``device_name`` (what
+    ``torch.cuda.get_device_name`` says) matches, or None for an unknown one."""
     upper = device_name.upper()
-    for key, peak in _PEAK_BF16_FLOPS:
+    for key, name, peak in _PEAK_BF16_FLOPS:
         if key in upper:
-            return peak
+            return name, peak
     return None
 
 
-def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """Peak FLOP/s of one ``device`` in ``dtype`` and where the number comes from.
+def device_peak_flops(device: torch.device | str, dtype: torch.dtype,
+                      stated_tflops: float = 0.0) -> tuple[float | None, str]:
+    """The peak FLOP/s of one ``device`` computing in ``dtype`` that MFU is reported against,
+    and where it comes from: ``(peak, source)``, or ``(None, why there is none)``.
 
-    Returns ``(peak, source)``. For a CUDA/ROCm device whose name is in the table and a 16-bit
-    dtype, ``source`` is ``"table:<device name>"`` (dense BF16 datasheet peak, REFERENCE.md §0 /
-    torchtitan ``get_peak_flops``). Everything else (CPU, unknown GPUs, fp32) is measured with
-    :func:`measure_matmul_peak` and ``source`` is ``"measured"``. Results are cached per
-    (device type, device index, dtype, torch threads), because a measurement costs ~0.3 s and
-    the CPU rate depends on the thread count.
+    ``stated_tflops`` (``metrics.peak_tflops``) > 0 wins; else a CUDA/ROCm device whose name
+    matches the catalog, computing in a 16-bit dtype, gets the catalog's peak. A CPU, an
+    unknown accelerator or fp32 compute get None: MFU n/a, not a fraction of an invented peak.
     """
     device = torch.device(device)
-    key = (device.type, device.index, dtype, torch.get_num_threads())
-    if key in _PEAK_CACHE:
-        return _PEAK_CACHE[key]
-    result: tuple[float, str] | None = None
-    if device.type == "cuda" and dtype in _TABLE_DTYPES and torch.cuda.is_available():
-        name = torch.cuda.get_device_name(device)
-        peak = _table_peak(name)
-        if peak is not None:
-            result = (peak, f"table:{name}")
-    if result is None:
-        result = (measure_matmul_peak(device, dtype), "measured")
-    _PEAK_CACHE[key] = result
-    return result
+    if stated_tflops > 0:
+        return stated_tflops * 1e12, "metrics.peak_tflops"
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None, f"no stated peak for a {device.type} device; set --metrics.peak_tflops"
+    name = torch.cuda.get_device_name(device)
+    found = catalog_peak(name)
+    if found is None:
+        return None, f"{name!r} is not in the catalog; set --metrics.peak_tflops"
+    if dtype not in _TABLE_DTYPES:
+        return None, (f"the catalog's peak of {name} is dense BF16, the run computes in"
+                      f" {str(dtype).removeprefix('torch.')}; set --metrics.peak_tflops")
+    return found[1], f"catalog {found[0]}: {name}"
+
+
+def describe_peak(peak: float | None, source: str) -> str:
+    """One line for the start of the log: the peak MFU is reported against, or why MFU is n/a."""
+    if peak is None:
+        return f"MFU n/a ({source})"
+    return f"MFU against {peak / 1e12:,.4g} TFLOP/s per device ({source})"

@@ -34,6 +34,7 @@ from loom.config import Config, job_of, layout_of, model_args, to_dict
 from loom.data.loader import (DataFiles, DistributedLoader, GlobalBatchSampler, PackedSequences,
                               eval_batches)
 from loom.formulas.flops import model_flops_per_token
+from loom.grid_summary import describe_grid
 from loom.models import build_model, reset_parameters
 from loom.parallel import finish_gradient_sync, no_gradient_sync, parallelize, unwrap
 from loom.parallel.comm import CommLedger
@@ -48,10 +49,12 @@ from loom.topology import DATA_AXES, build_mesh
 from loom.train import checkpoint, full_state, preempt
 from loom.train.checkpoint_state import load_training_state, training_state
 from loom.train.distributed import DistContext, init_distributed
-from loom.train.flops import device_peak_flops
+from loom.train.flops import describe_peak, device_peak_flops
 from loom.train.metrics import MetricsLogger, StepTimer, peak_memory_bytes
 from loom.train.optim import build_optimizer, build_scheduler
 from loom.train.post_validation import PendingMean, optimizer_step_for
+from loom.train.profiling import StepProfiler
+from loom.train.trackers import open_trackers
 from loom.train.watchdog import CollectiveWatch
 
 
@@ -420,21 +423,26 @@ class Trainer:
         cfg, tr = self.config, self.config.train
         tokens_per_step = tr.global_batch_size * cfg.data.seq_len
         compute_dtype = torch.bfloat16 if tr.dtype == "bf16" else torch.float32
-        peak, peak_source = device_peak_flops(self.ctx.device, compute_dtype)
+        mc = cfg.metrics
+        # a stated peak or none (MFU n/a): loom/train/flops.py
+        peak, peak_source = device_peak_flops(self.ctx.device, compute_dtype, mc.peak_tflops)
         flops = model_flops_per_token(self.args, cfg.data.seq_len)  # MoE: active experts
         timer = StepTimer(flops_per_token=flops, peak_flops=peak, n_devices=self.ctx.world_size,
                           device=self.ctx.device)
-        mc = cfg.metrics
         logger = MetricsLogger(self.run_dir, is_main=self.ctx.is_main, jsonl=mc.jsonl,
                                tensorboard=mc.tensorboard, progress=mc.progress,
-                               total_steps=tr.steps, log_every=mc.log_every)
-        logger.log_text(f"{self.grid}\nmodel: {sum(p.numel() for p in self.model.parameters()):,}"
-                        f" parameters; device {self.ctx.device} ({self.ctx.backend});"
-                        f" peak {peak / 1e9:.1f} GFLOP/s per device ({peak_source})")
+                               total_steps=tr.steps, log_every=mc.log_every, peak_flops=peak,
+                               trackers=open_trackers(cfg, self.run_dir, self.ctx.is_main))
+        logger.log_text(f"{describe_grid(self.grid)}\nmodel:"
+                        f" {sum(p.numel() for p in self.model.parameters()):,} parameters; device"
+                        f" {self.ctx.device} ({self.ctx.backend});"
+                        f" {describe_peak(peak, peak_source)}")
         last: dict[str, float] = {}
         ck = cfg.checkpoint
         watch = self._collective_watch()  # names a hung rank when a collective times out
-        with logger, watch or contextlib.nullcontext():
+        profiler = StepProfiler(mc.profile_steps, self.run_dir, self.ctx.rank, self.ctx.device,
+                                log=logger.log_text)  # metrics.profile_steps: Chrome traces
+        with logger, watch or contextlib.nullcontext(), profiler:
             try:
                 for note in self.offload.notes:
                     logger.log_text(note)
@@ -443,9 +451,11 @@ class Trainer:
                 while self.step < tr.steps:
                     if watch is not None:
                         watch.set_step(self.step + 1)
+                    profiler.begin(self.step + 1)
                     timer.start()
                     last = self.train_step()
                     timing = timer.stop(tokens_per_step)
+                    profiler.end(self.step)
                     last.update(timing.as_dict(), peak_mem_bytes=peak_memory_bytes(self.ctx.device))
                     if self.ledger is not None:  # this step's collectives, per axis and op
                         last.update(self.ledger.summary())

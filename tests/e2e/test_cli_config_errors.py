@@ -45,6 +45,13 @@ CASES = {
                      files=(("bad.toml", BAD_TOML),)),
     "bpe-vocab-too-small": Case(("--data.tokenizer=bpe", "--data.bpe_vocab_size=100"),
                                 ("data.bpe_vocab_size", "100")),
+    "profile-steps-past-the-run": Case(
+        ("--train.steps=5", "--metrics.profile_steps=4,6"),
+        ("metrics.profile_steps='4,6'", "1 <= A <= B <= train.steps = 5")),
+    "peak-tflops-negative": Case(("--metrics.peak_tflops=-3",),
+                                 ("metrics.peak_tflops=-3.0", "must be >= 0")),
+    "dry-run-still-refuses": Case(("--dry-run", "--train.global_batch_size=3"),
+                                  ("train.micro_batch_size", "must divide")),
 }
 KNOWN_BUGS: dict[str, str] = {}  # case name -> reason, for a strict xfail
 

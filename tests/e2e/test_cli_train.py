@@ -56,7 +56,8 @@ def test_metrics_have_one_line_per_step_and_evals(finished_run):
     for line in steps:
         for key in ("grad_norm", "lr", "tokens_per_s", "mfu", "peak_mem_bytes"):
             assert key in line, key
-        assert 0 < line["mfu"] < 1.5 and line["tokens_per_s"] > 0
+        # a CPU has no stated peak (no --metrics.peak_tflops): MFU is n/a, not a made-up figure
+        assert line["mfu"] is None and line["tokens_per_s"] > 0
 
 
 def test_resolved_config_is_saved_and_reloads(finished_run):

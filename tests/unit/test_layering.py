@@ -25,8 +25,8 @@ FLOORS: list[tuple[str, ...]] = [
      "loom"),
     # 1: parallelism applied to a model from outside; schedules as data (torch-free)
     ("loom.parallel", "loom.schedule"),
-    # 2: the typed config and its rules (the TOML face of a layout)
-    ("loom.config", "loom.config_rules"),
+    # 2: the typed config and its rules (the TOML face of a layout), and its keys' descriptions
+    ("loom.config", "loom.config_rules", "loom.config_help"),
     # 3: the planner's cost model
     ("loom.sim",),
     # 4: the pipeline runtime (torch side of the schedule)

@@ -13,8 +13,9 @@ import torch
 
 from loom.train import flops, metrics
 from loom.formulas.flops import training_flops_per_token
-from loom.train.flops import device_peak_flops, measure_matmul_peak
-from loom.train.metrics import MetricsLogger, StepTimer, peak_memory_bytes
+from loom.train.flops import describe_peak, device_peak_flops
+from loom.train.metrics import (MetricsLogger, StepPace, StepTimer, format_eta,
+                                peak_memory_bytes)
 from loom.train.plots import plot_loss_curve
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -96,14 +97,13 @@ def test_grouped_query_attention_removes_kv_projection_flops() -> None:
 # ---------------------------------------------------------------- device peak
 
 
-def test_measured_cpu_peak_is_positive_and_finite() -> None:
-    rate = measure_matmul_peak(torch.device("cpu"), torch.float32, size=256, seconds=0.05)
-    assert math.isfinite(rate) and rate > 1e8  # any CPU does > 0.1 GFLOP/s in fp32 matmul
-    peak, source = device_peak_flops(torch.device("cpu"), torch.float32)
-    assert source == "measured" and math.isfinite(peak) and peak > 0
-    t0 = time.perf_counter()
-    assert device_peak_flops(torch.device("cpu"), torch.float32) == (peak, source)
-    assert time.perf_counter() - t0 < 0.05  # cached, not measured again
+def test_a_cpu_has_no_stated_peak_unless_one_is_given() -> None:
+    peak, why = device_peak_flops(torch.device("cpu"), torch.float32)
+    assert peak is None and "metrics.peak_tflops" in why
+    assert describe_peak(peak, why).startswith("MFU n/a (")
+    assert device_peak_flops("cpu", torch.float32, 2.5) == (2.5e12, "metrics.peak_tflops")
+    assert describe_peak(2.5e12, "metrics.peak_tflops") == (
+        "MFU against 2.5 TFLOP/s per device (metrics.peak_tflops)")
 
 
 @pytest.mark.parametrize("name, peak", [
@@ -112,22 +112,44 @@ def test_measured_cpu_peak_is_positive_and_finite() -> None:
     ("NVIDIA H200", 989e12), ("NVIDIA B200", 2.25e15), ("AMD Instinct MI300X", 1300e12),
     ("AMD Instinct MI250X", 383e12), ("NVIDIA RTX A6000", 154.85e12), ("NVIDIA L40S", 362e12),
 ])
-def test_known_gpu_peaks_come_from_the_table(monkeypatch: pytest.MonkeyPatch, name: str,
-                                            peak: float) -> None:
-    monkeypatch.setattr(flops, "_PEAK_CACHE", {})
+def test_known_gpu_peaks_come_from_the_catalog(monkeypatch: pytest.MonkeyPatch, name: str,
+                                              peak: float) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    assert device_peak_flops(torch.device("cuda"), torch.bfloat16) == (peak, f"table:{name}")
+    got, source = device_peak_flops(torch.device("cuda"), torch.bfloat16)
+    assert got == peak and source.startswith("catalog ") and source.endswith(name)
+    # a stated peak wins over the catalog's
+    assert device_peak_flops(torch.device("cuda"), torch.bfloat16, 100.0)[0] == 100e12
 
 
-def test_unknown_gpu_or_fp32_is_measured(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(flops, "_PEAK_CACHE", {})
+def test_unknown_gpu_or_fp32_has_no_peak(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
-    monkeypatch.setattr(flops, "measure_matmul_peak", lambda device, dtype: 1.5e12)
-    assert device_peak_flops(torch.device("cuda"), torch.float32) == (1.5e12, "measured")
+    peak, why = device_peak_flops(torch.device("cuda"), torch.float32)
+    assert peak is None and "dense BF16" in why and "float32" in why
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Mystery GPU 9000")
-    assert device_peak_flops(torch.device("cuda"), torch.bfloat16) == (1.5e12, "measured")
+    peak, why = device_peak_flops(torch.device("cuda"), torch.bfloat16)
+    assert peak is None and "Mystery GPU 9000" in why and "not in the catalog" in why
+
+
+# What torch.cuda.get_device_name says for each accelerator of the planner's catalog.
+CATALOG_DEVICE_NAMES = {
+    "A100-40GB": "NVIDIA A100-SXM4-40GB", "A100-80GB": "NVIDIA A100-SXM4-80GB",
+    "H100-SXM": "NVIDIA H100 80GB HBM3", "H100-NVL": "NVIDIA H100 NVL",
+    "H100-PCIe": "NVIDIA H100 PCIe", "H200": "NVIDIA H200", "B200": "NVIDIA B200",
+    "MI250X": "AMD Instinct MI250X", "MI300X": "AMD Instinct MI300X",
+}
+
+
+def test_the_trainers_peaks_are_the_planners_catalog() -> None:
+    """The trainer keeps its own name table (it sits below the planner's floor): every GPU of the
+    planner's catalog is found in it by its device name, with the same peak."""
+    from loom.plan.hardware import GPUS
+
+    assert set(GPUS) == set(CATALOG_DEVICE_NAMES), "name a device for the new catalog entry"
+    for key, gpu in GPUS.items():
+        found = flops.catalog_peak(CATALOG_DEVICE_NAMES[key])
+        assert found is not None and found[1] == gpu.peak_flops, key
 
 
 # ---------------------------------------------------------------- timer, memory
@@ -144,6 +166,9 @@ def test_step_timer_computes_tokens_per_second_and_mfu() -> None:
     assert set(t.as_dict()) == {"step_time_s", "tokens_per_s", "mfu"}
     with pytest.raises(RuntimeError):
         timer.stop(tokens=1)
+    unknown = StepTimer(flops_per_token=1e6, peak_flops=None)  # no stated peak: MFU n/a
+    unknown.start()
+    assert unknown.stop(tokens=10).as_dict()["mfu"] is None
 
 
 def test_cpu_peak_memory_is_a_positive_byte_count() -> None:
@@ -220,6 +245,108 @@ def test_missing_tensorboard_warns_once_and_continues(tmp_path, monkeypatch) -> 
     b.close()
     assert read_jsonl(tmp_path / "a" / "metrics.jsonl")[0]["loss"] == 1.0
     assert not (tmp_path / "a" / "tb").exists()
+
+
+def test_mfu_without_a_peak_is_null_and_shown_na(tmp_path) -> None:
+    out = io.StringIO()
+    with MetricsLogger(tmp_path, is_main=True, total_steps=1, tensorboard=False,
+                       stream=out) as log:
+        log.log_step(1, {"loss": 1.0, "mfu": None})
+    assert read_jsonl(tmp_path / "metrics.jsonl")[0]["mfu"] is None
+    assert out.getvalue() == "step 1/1 | loss 1 | mfu n/a\n"
+
+
+def test_mfu_above_100_percent_is_never_published(tmp_path) -> None:
+    """MFU > 1 means the stated peak is too low: that step and every later one log null, the
+    line says why, and the warning comes once."""
+    out = io.StringIO()
+    with MetricsLogger(tmp_path, is_main=True, total_steps=4, tensorboard=False, stream=out,
+                       peak_flops=2e9) as log:
+        for step, mfu in enumerate([0.5, 1.7, 3.0, 0.9], start=1):
+            log.log_step(step, {"loss": 1.0, "mfu": mfu})
+    assert [r["mfu"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0.5, None, None, None]
+    text = out.getvalue()
+    warnings_ = [line for line in text.splitlines() if line.startswith("warning:")]
+    assert len(warnings_) == 1, text
+    assert "170%" in warnings_[0] and "0.002 TFLOP/s" in warnings_[0]
+    assert "metrics.peak_tflops" in warnings_[0]
+    steps = [line for line in text.splitlines() if line.startswith("step ")]
+    assert "mfu 50.0%" in steps[0]
+    assert all("mfu n/a (peak too low)" in line for line in steps[1:])
+    assert not any("%" in line for line in steps[1:])
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.logged: list[tuple[int, dict[str, float]]] = []
+        self.closed = False
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self.logged.append((step, dict(scalars)))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_trackers_get_the_scalars_tensorboard_gets(tmp_path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tracker = _Recorder()
+    log = MetricsLogger(tmp_path, is_main=True, total_steps=2, progress=False,
+                        trackers=[tracker])
+    log.log_step(1, {"loss": 2.0, "mfu": None, "comm/dp/all_reduce_bytes": 8, "note": "x"})
+    log.log_eval(1, {"loss": 2.5})
+    log.log_step(2, {"loss": 1.5, "lr": 1e-3})
+    log.close(plot=False)
+    assert tracker.closed
+    assert tracker.logged == [(1, {"train/loss": 2.0, "comm/dp/all_reduce_bytes": 8}),
+                              (1, {"val/loss": 2.5}), (2, {"train/loss": 1.5, "train/lr": 1e-3})]
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tb = {(e.step, tag, e.value) for tag in events.Tags()["scalars"]
+          for e in events.Scalars(tag)}
+    ours = {(step, tag, float(torch.tensor(value, dtype=torch.float32)))  # TB keeps float32
+            for step, scalars in tracker.logged for tag, value in scalars.items()}
+    assert tb == ours
+    quiet = _Recorder()  # a non-main rank never logs to a tracker
+    other = MetricsLogger(tmp_path / "other", is_main=False, total_steps=1, trackers=[quiet])
+    other.log_step(1, {"loss": 1.0})
+    other.close()
+    assert quiet.logged == [] and not quiet.closed
+
+
+@pytest.mark.parametrize("seconds, shown", [
+    (0, "0s"), (0.4, "0s"), (44.6, "45s"), (59.4, "59s"), (60, "1m00s"), (185, "3m05s"),
+    (3599, "59m59s"), (3600, "1h00m"), (7620, "2h07m"), (86399, "23h59m"), (86400, "1d00h"),
+    (273600, "3d04h"), (-5, "0s"),
+])
+def test_eta_formatting(seconds: float, shown: str) -> None:
+    assert format_eta(seconds) == shown
+
+
+def test_eta_is_remaining_steps_times_a_smoothed_step_time() -> None:
+    pace = StepPace(alpha=0.5)
+    pace.update(1, 100.0)  # the first step only starts the clock (start-up is not a step)
+    assert pace.eta(10) is None
+    pace.update(2, 102.0)  # 2 s per step
+    assert pace.eta(10) == 20.0
+    pace.update(4, 110.0)  # 4 s per step over two steps: smoothed to 3
+    assert pace.eta(10) == 30.0
+    pace.update(4, 500.0)  # the same step again changes nothing
+    assert pace.eta(2) == 6.0 and pace.eta(0) == 0.0
+
+
+def test_the_progress_line_shows_the_eta(tmp_path, monkeypatch) -> None:
+    clock = iter([10.0, 13.0, 16.0])
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: next(clock))
+    out = io.StringIO()
+    with MetricsLogger(tmp_path, is_main=True, total_steps=100, tensorboard=False,
+                       jsonl=False, stream=out) as log:
+        for step in (1, 2, 3):
+            log.log_step(step, {"loss": 1.0})
+    lines = out.getvalue().splitlines()
+    assert "eta" not in lines[0]  # one step tells nothing about the pace
+    assert lines[1].endswith("| eta 4m54s") and lines[2].endswith("| eta 4m51s")  # 98 x 3 s
 
 
 # ---------------------------------------------------------------- plots
