@@ -29,8 +29,10 @@ from loom.config_rules import DEFAULT_SCHEDULE, check_bpe_vocab
 from loom.config_rules import validate as check_rules
 from loom.errors import ConfigError, suggest
 from loom.layout import Job, Layout
+from loom.models.hf import HFConversionError
 from loom.models.layers import TransformerArgs
 from loom.models.presets import PRESETS
+from loom.models.pretrained import PretrainedError, PretrainedSource
 
 from loom.topology import AXES  # noqa: E402  (one list of axis names)
 
@@ -43,6 +45,10 @@ class ModelConfig(TransformerArgs):
     preset: str = "tiny"  # named shape (loom/models/presets.py); the fields below override it
     vocab_size: int = 0  # 0: the tokenizer's vocabulary rounded up to vocab_multiple
     vocab_multiple: int = 64  # vocab_size = 0 rounds the tokenizer's vocabulary up to this
+    # Start from these pretrained weights (a fresh run; a resumed one continues its checkpoint):
+    # a Hugging Face model directory (config.json + safetensors) or a Loom run directory. Its
+    # model shape replaces the preset; a --model.* override that contradicts it is refused.
+    init_from: str = ""
 
 
 def model_args(config: Config) -> TransformerArgs:
@@ -342,11 +348,14 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError("--config", str(path), f"is not valid TOML: {err}") from None
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None, *,
+                pretrained: bool = True) -> Config:
     """Build a Config from an optional TOML file and ``section.key -> value`` overrides.
 
     Every value is type-checked and every key must exist. Cross-field rules are *not* checked here
-    (see ``validate``) so that callers can adjust e.g. the world size first.
+    (see ``validate``) so that callers can adjust e.g. the world size first. With
+    ``model.init_from`` the model shape is read from that model (``pretrained``; False for a
+    run's own resolved config, which already holds it: the run stays readable without it).
     """
     flat: dict[str, Any] = {}
     if path is not None:
@@ -376,7 +385,37 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         section, _, name = key.partition(".")
         target = getattr(config, section)
         setattr(target, name, _coerce(key, raw, _field_types(type(target))[name]))
+    if config.model.init_from and pretrained:
+        _take_pretrained_shape(config, flat)
     return config
+
+
+# Model fields that change no weight: a run may set them over a pretrained model's.
+PRETRAINED_FREE_FIELDS = frozenset({"max_seq_len", "aux_loss_coef", "capacity_factor"})
+
+
+def _take_pretrained_shape(config: Config, given: dict[str, Any]) -> None:
+    """``model.init_from``: the model shape is the pretrained model's (read from its config, not
+    its weights); an explicit ``model.*`` value that contradicts it is refused by name. A Hugging
+    Face directory's own tokenizer becomes the default ``data.tokenizer``."""
+    path = config.model.init_from
+    try:
+        source = PretrainedSource.open(path)
+    except (PretrainedError, HFConversionError) as err:
+        raise ConfigError("model.init_from", path, str(err)) from None
+    for name, value in dataclasses.asdict(source.args).items():
+        key = f"model.{name}"
+        if isinstance(value, list):
+            value = tuple(value)
+        mine = getattr(config.model, name)
+        if key in given and mine != value and name not in PRETRAINED_FREE_FIELDS:
+            raise ConfigError(key, mine, f"contradicts model.init_from ({path}), whose {name} is"
+                              f" {value!r}: the pretrained weights fix the architecture")
+        if key not in given or name not in PRETRAINED_FREE_FIELDS:
+            setattr(config.model, name, value)
+    if source.kind == "hf" and "data.tokenizer" not in given \
+            and (Path(path) / "tokenizer.json").is_file():
+        config.data.tokenizer = str(path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -514,7 +553,8 @@ def to_toml(config: Config) -> str:
 
 def from_dict(table: dict[str, dict[str, Any]]) -> Config:
     """Inverse of ``to_dict`` (used by workers and ``loom generate``)."""
-    return load_config(None, {f"{s}.{k}": v for s, body in table.items() for k, v in body.items()})
+    return load_config(None, {f"{s}.{k}": v for s, body in table.items() for k, v in body.items()},
+                       pretrained=False)
 
 
 __all__ = ["AXES", "Config", "ConfigError", "load_config", "parse_overrides", "resolve",

@@ -150,6 +150,7 @@ def validate(config: Config, world_size: int) -> None:
         raise ConfigError("train.backend", tr.backend, "nccl needs a GPU device, not train.device=cpu")
     _validate_metrics(config)
 
+    _validate_init_from(config)
     # Last, as it looks at files: a corpus with text enough for one sample (not tokenized).
 
     check_source(data)
@@ -186,6 +187,19 @@ def _validate_attention(config: Config) -> None:
             raise ConfigError("model.rope_scaling_low_freq_factor", m.rope_scaling_low_freq_factor,
                               "must be > 0 and < model.rope_scaling_high_freq_factor ="
                               f" {m.rope_scaling_high_freq_factor} (llama3 blends between them)")
+
+
+def _validate_init_from(config: Config) -> None:
+    """Nothing under ``model.init_from`` is ever written: the run directory (by default
+    ``runs/<time>`` under the working directory) must lie outside it."""
+    source = config.model.init_from
+    if not source:
+        return
+    run_dir = Path(config.train.run_dir or "runs").resolve()
+    if run_dir == Path(source).resolve() or Path(source).resolve() in run_dir.parents:
+        raise ConfigError("train.run_dir", config.train.run_dir or "runs/<time>",
+                          f"lies inside model.init_from ({source}), which is never written to;"
+                          " choose a run directory outside it")
 
 
 def _validate_metrics(config: Config) -> None:

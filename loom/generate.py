@@ -28,7 +28,7 @@ def load_trained_model(run_dir: Path, device: torch.device):
     weights = run_dir / "model.safetensors"
     if not weights.is_file():
         raise FileNotFoundError(f"{weights} not found: has the run in {run_dir} finished?")
-    config = load_config(run_dir / "config.toml")
+    config = load_config(run_dir / "config.toml", pretrained=False)
     args = model_args(config)
     model = build_model(args, device="meta")
     model.to_empty(device=device)

@@ -61,7 +61,7 @@ def read_run(run_dir: str | Path) -> tuple[TransformerArgs, dict[str, torch.Tens
     for name in (CONFIG_FILE, SINGLE_FILE):
         if not (run_dir / name).is_file():
             raise FileNotFoundError(f"{run_dir / name} not found: not a finished Loom run")
-    args = model_args(load_config(run_dir / CONFIG_FILE))
+    args = model_args(load_config(run_dir / CONFIG_FILE, pretrained=False))
     return args, load_file(str(run_dir / SINGLE_FILE))
 
 

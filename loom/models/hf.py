@@ -42,8 +42,9 @@ from loom.models.hf_config import (ARCHITECTURES, HFConversionError, architectur
 from loom.models.layers import TransformerArgs
 
 __all__ = ["ARCHITECTURES", "HFConversionError", "architecture_of", "args_from_hf_config",
-           "hf_config_from_args", "permute_from_hf", "permute_to_hf", "read_hf_checkpoint",
-           "state_dict_from_hf", "state_dict_to_hf", "write_hf_checkpoint"]
+           "hf_config_from_args", "name_pairs", "permute_from_hf", "permute_to_hf",
+           "read_hf_checkpoint", "rope_heads", "state_dict_from_hf", "state_dict_to_hf",
+           "write_hf_checkpoint"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -89,7 +90,7 @@ def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 # Parameters
 
 
-def _name_pairs(args: TransformerArgs) -> list[tuple[str, str]]:
+def name_pairs(args: TransformerArgs) -> list[tuple[str, str]]:
     """(Loom name, HF name) of every stored tensor; the head is absent when tied."""
     pairs = [(loom, hf) for loom, hf in _END_NAMES.items()
              if not (args.tie_embeddings and loom == "output.weight")]
@@ -101,7 +102,7 @@ def _name_pairs(args: TransformerArgs) -> list[tuple[str, str]]:
     return pairs
 
 
-def _rope_heads(loom_name: str, args: TransformerArgs) -> int:
+def rope_heads(loom_name: str, args: TransformerArgs) -> int:
     """How many heads' rows of RoPE'd outputs ``loom_name`` holds (0: not in the RoPE basis)."""
     if loom_name.endswith(("attention.wq.weight", "attention.wq.bias")):
         return args.n_heads
@@ -127,7 +128,7 @@ def _convert(state: dict[str, torch.Tensor], args: TransformerArgs, *, to_hf: bo
     """Rename (and permute what lives in the RoPE basis) every tensor; refuse missing, unknown
     or misshapen ones."""
     shapes = _expected_shapes(args)
-    pairs = [(hf, loom) if to_hf else (loom, hf) for loom, hf in _name_pairs(args)]
+    pairs = [(hf, loom) if to_hf else (loom, hf) for loom, hf in name_pairs(args)]
     head = "output.weight" if to_hf else "lm_head.weight"
     # What may be present and is dropped: a tied head stored anyway (the embedding wins, as
     # transformers does), and the RoPE frequencies older transformers saved as a buffer.
@@ -146,7 +147,7 @@ def _convert(state: dict[str, torch.Tensor], args: TransformerArgs, *, to_hf: bo
         if tensor.shape != shapes[loom_name]:
             raise HFConversionError(f"{source}: {src} has shape {tuple(tensor.shape)}, the config"
                                     f" says {tuple(shapes[loom_name])}")
-        heads = _rope_heads(loom_name, args)
+        heads = rope_heads(loom_name, args)
         if heads:
             tensor = _permute(tensor, heads, to_hf)
         out[dst] = tensor.contiguous()

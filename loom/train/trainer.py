@@ -36,10 +36,12 @@ from loom.data.loader import (DataFiles, DistributedLoader, GlobalBatchSampler, 
 from loom.formulas.flops import model_flops_per_token
 from loom.grid_summary import describe_grid
 from loom.models import build_model, reset_parameters
+from loom.models.pretrained import PretrainedSource
 from loom.parallel import finish_gradient_sync, no_gradient_sync, parallelize, unwrap
 from loom.parallel.comm import CommLedger
 from loom.parallel.context import CPLayout, new_cp_groups, shard_sequence
 from loom.parallel.expert import reduce_gradients
+from loom.parallel.load import load_local_shards
 from loom.parallel.offload import activation_offload, plan_offload
 from loom.parallel.zero import of_stages
 from loom.pipeline.runtime import PipelineRuntime, build_pipeline, forward_only
@@ -128,6 +130,11 @@ class Trainer:
                                   ledger=self.ledger)
             self.model = applied.module
         self.tp, self.ep = applied.tensor, applied.experts
+        self.pretrained_bytes_read = 0
+        if config.model.init_from:  # pretrained weights: each rank reads only what it holds
+            source = PretrainedSource.open(config.model.init_from)
+            load_local_shards(self.model, source, self.ep)
+            self.pretrained_bytes_read = source.bytes_read
         self.loss_fn = self.tp.loss if self.tp is not None else cross_entropy
         # Mixture of experts: the load-balancing loss joins the objective with its coefficient.
         self.aux_coef = self.args.aux_loss_coef if self.args.n_experts > 0 else 0.0

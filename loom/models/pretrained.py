@@ -1,0 +1,195 @@
+"""Pretrained weights to start from (``model.init_from``), read a slice at a time.
+
+``PretrainedSource.open(path)`` accepts a Hugging Face model directory (``config.json`` and
+safetensors, one file or sharded by ``model.safetensors.index.json``; one of the families in
+``loom.models.hf_config``) or a Loom run directory (``config.toml`` and ``model.safetensors``
+under Loom's own names). ``args`` is the model shape it holds; ``read(name, offsets, shape)``
+returns the region ``[offsets, offsets + shape)`` of the Loom parameter ``name`` as fp32, reading
+only that region's bytes from the file (``safetensors``' lazy slices over a memory map), so a rank
+that holds a shard of a parameter (tensor, pipeline, expert or ZeRO-3 parallelism) never reads the
+rest. ``bytes_read`` counts what was read, for the loading benchmark.
+
+Hugging Face stores the query and key rows of each head in rotate-half order where Loom rotates
+interleaved pairs (``loom.models.hf``): a region of those rows is read widened to whole heads,
+permuted, and cut back. Nothing is ever written under the source directory.
+
+Why hand-written: ``torch.distributed.checkpoint``'s Hugging Face reader loads whole tensors by
+HF name into a state dict of the same names; it cannot rename, permute the RoPE basis or serve a
+Loom run directory, and the load here is one slice per parameter with no collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from loom.models.hf import (INDEX_FILE, SINGLE_FILE, args_from_hf_config, name_pairs,
+                            permute_from_hf, rope_heads)
+from loom.models.layers import TransformerArgs
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+LOOM_WEIGHTS = "model.safetensors"
+LOOM_CONFIG = "config.toml"
+
+
+class PretrainedError(ValueError):
+    """``model.init_from`` does not name a readable model; the message says what is missing."""
+
+
+def _shape_fields() -> set[str]:
+    return {f.name for f in dataclasses.fields(TransformerArgs)}
+
+
+@dataclass
+class PretrainedSource:
+    """An opened pretrained model: its shape, where each Loom parameter lives, and the reads."""
+
+    path: Path
+    kind: str  # "hf" or "loom"
+    args: TransformerArgs
+    _files: dict[str, Path]  # stored tensor name -> file holding it
+    _names: dict[str, str]  # Loom parameter name -> stored tensor name
+    _open: dict[Path, Any] = field(default_factory=dict)
+    bytes_read: int = 0
+
+    # -- opening -------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str | Path) -> PretrainedSource:
+        path = Path(path)
+        if not path.is_dir():
+            raise PretrainedError(f"{path} is not a directory (a Hugging Face model directory"
+                                  " or a Loom run directory)")
+        if (path / "config.json").is_file():
+            return cls._open_hf(path)
+        if (path / LOOM_CONFIG).is_file():
+            return cls._open_loom(path)
+        raise PretrainedError(f"{path} has neither config.json (a Hugging Face model) nor"
+                              f" {LOOM_CONFIG} (a Loom run)")
+
+    @classmethod
+    def _open_hf(cls, path: Path) -> PretrainedSource:
+        try:
+            hf_config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError) as err:
+            raise PretrainedError(f"{path / 'config.json'}: not readable JSON ({err})") from None
+        args = args_from_hf_config(hf_config)  # refuses what Loom cannot compute, by key
+        files = _hf_tensor_files(path)
+        names = dict(name_pairs(args))
+        if args.tie_embeddings:  # the head is the embedding (an lm_head stored anyway is unused)
+            names["output.weight"] = names["tok_embeddings.weight"]
+        missing = sorted(hf for hf in names.values() if hf not in files)
+        if missing:
+            raise PretrainedError(f"{path}: the weights lack {missing[:3]}"
+                                  f"{'...' if len(missing) > 3 else ''} that its config.json needs")
+        return cls(path, "hf", args, files, names)
+
+    @classmethod
+    def _open_loom(cls, path: Path) -> PretrainedSource:
+        try:
+            table = tomllib.loads((path / LOOM_CONFIG).read_text())
+        except (OSError, ValueError) as err:
+            raise PretrainedError(f"{path / LOOM_CONFIG}: not readable TOML ({err})") from None
+        model = table.get("model", {})
+        known = _shape_fields()
+        args = TransformerArgs(**{k: (tuple(v) if isinstance(v, list) else v)
+                                  for k, v in model.items() if k in known})
+        weights = path / LOOM_WEIGHTS
+        if not weights.is_file():
+            raise PretrainedError(f"{path}: no {LOOM_WEIGHTS} (a Loom run writes it at the end of"
+                                  " training, or `loom hf import` does)")
+        stored = _tensor_names(weights)
+        names = {name: name for name in stored}
+        if args.tie_embeddings:
+            names.setdefault("output.weight", "tok_embeddings.weight")
+        return cls(path, "loom", args, {name: weights for name in stored}, names)
+
+    # -- reading -------------------------------------------------------------------------------
+    def has(self, name: str) -> bool:
+        return name in self._names
+
+    def read(self, name: str, offsets: tuple[int, ...] | None = None,
+             shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The region ``[offsets, offsets + shape)`` of Loom parameter ``name`` (the whole
+        tensor when not given), fp32, reading only its bytes."""
+        if name not in self._names:
+            raise PretrainedError(f"{self.path}: holds no weights for parameter {name!r}")
+        stored = self._names[name]
+        handle = self._handle(self._files[stored])
+        lazy = handle.get_slice(stored)
+        full = tuple(lazy.get_shape())
+        offsets = offsets or (0,) * len(full)
+        shape = shape or full
+        if len(offsets) != len(full) or any(o + s > f for o, s, f in zip(offsets, shape, full)):
+            raise PretrainedError(f"{self.path}: {stored} has shape {full}; the model needs the"
+                                  f" region at {offsets} of shape {shape}")
+        heads = rope_heads(name, self.args) if self.kind == "hf" else 0
+        if not heads:
+            return self._take(lazy, offsets, shape)
+        # RoPE basis: widen the rows to whole heads, permute them into Loom's order, cut back
+        per_head = full[0] // heads
+        first = offsets[0] // per_head * per_head
+        last = math.ceil((offsets[0] + shape[0]) / per_head) * per_head
+        rows = self._take(lazy, (first, *offsets[1:]), (last - first, *shape[1:]))
+        rows = (permute_from_hf(rows[:, None], rows.shape[0] // per_head)[:, 0] if rows.ndim == 1
+                else permute_from_hf(rows, rows.shape[0] // per_head))
+        return rows[offsets[0] - first: offsets[0] - first + shape[0]].contiguous()
+
+    def _take(self, lazy: Any, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        index = tuple(slice(o, o + s) for o, s in zip(offsets, shape))
+        tensor = lazy[index] if index else lazy[:]
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor.float()
+
+    def _handle(self, file: Path) -> Any:
+        if file not in self._open:
+            try:
+                self._open[file] = safe_open(str(file), framework="pt")
+            except Exception as err:  # safetensors raises its own error types on a bad header
+                raise PretrainedError(f"{file}: not a readable safetensors file ({err})") from None
+        return self._open[file]
+
+
+def _tensor_names(file: Path) -> list[str]:
+    """The tensor names of a safetensors file; its header and size are checked (a truncated or
+    corrupt file is a ``PretrainedError`` here, before anything starts), the tensors not read."""
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            return list(handle.keys())
+    except Exception as err:  # safetensors raises its own error types on a bad file
+        raise PretrainedError(f"{file}: not a readable safetensors file ({err})") from None
+
+
+def _hf_tensor_files(path: Path) -> dict[str, Path]:
+    """Stored tensor name -> the safetensors file holding it, from one file or the index."""
+    if (path / SINGLE_FILE).is_file():
+        return {name: path / SINGLE_FILE for name in _tensor_names(path / SINGLE_FILE)}
+    if (path / INDEX_FILE).is_file():
+        try:
+            weight_map: dict[str, str] = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise PretrainedError(f"{path / INDEX_FILE}: not a readable index ({err})") from None
+        out = {}
+        for name, shard in weight_map.items():
+            # a shard name is data from the checkpoint: it must not point outside the directory
+            if Path(shard).name != shard or not (path / shard).is_file():
+                raise PretrainedError(f"{path / INDEX_FILE}: shard {shard!r} is not a file in"
+                                      " the model directory")
+            out[name] = path / shard
+        return out
+    raise PretrainedError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (Loom reads safetensors"
+                          " only, never pickled .bin/.pt weights)")
+
+
+__all__ = ["PretrainedSource", "PretrainedError", "LOOM_CONFIG", "LOOM_WEIGHTS"]

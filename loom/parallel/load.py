@@ -1,0 +1,76 @@
+"""Fill a parallelized model's parameters from pretrained weights, each rank its own shard.
+
+Called after ``parallelize`` (and after the pipeline split), so every parameter already has the
+shape and placement it trains with; for each one this rank reads exactly the region it holds:
+
+* a DTensor (tensor parallelism, ZeRO-3's FSDP2, or both): the local shard's offsets and shape
+  from its mesh and placements (``compute_local_shape_and_global_offset``, what DCP uses);
+* an expert weight under expert parallelism: this ep rank's experts, rows
+  ``[rank E/ep, (rank + 1) E/ep)`` of dim 0 (before any TP split of them);
+* anything else (replicated parameters, ZeRO-1/2's views into their flat buckets): the whole
+  tensor.
+
+One exception reads more: ZeRO-3 over tensor parallelism shards dim 0 twice (FSDP2's
+``_StridedShard``), whose local rows are not one region; those ranks read the whole tensor and
+keep their part.
+
+A pipeline rank only visits the parameters of its own stages. The values go in with ``copy_`` on
+the local tensor, so views (ZeRO-1/2's buckets) and tied parameters stay what they are.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from loom.models.pretrained import PretrainedSource
+from loom.parallel.expert import ExpertParallel, expert_parameter_names
+
+
+@torch.no_grad()
+def load_local_shards(model: nn.Module, source: PretrainedSource,
+                      experts: ExpertParallel | None = None) -> int:
+    """Copy every parameter's local region of ``model`` (global names) from ``source``;
+    returns how many parameters were written. Raises ``PretrainedError`` for a name or region
+    the source does not hold."""
+    expert_names = expert_parameter_names(model) if experts is not None else set()
+    written = 0
+    for name, param in model.named_parameters():  # a tied weight is yielded once
+        if isinstance(param, DTensor) and _strided(param):
+            # FSDP2 over TP splits dim 0 twice: the local rows are not one region. Read the
+            # whole tensor and keep this rank's part, as distribute_tensor cuts it locally.
+            full = source.read(name)
+            if name in expert_names:
+                full = full[experts.rank * _experts_of(param):][:_experts_of(param)]
+            cut = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements,
+                                    src_data_rank=None)
+            param.to_local().copy_(cut.to_local())
+            written += 1
+            continue
+        if isinstance(param, DTensor):
+            shape, offsets = compute_local_shape_and_global_offset(
+                param.shape, param.device_mesh, param.placements)
+            local = param.to_local()
+        else:
+            shape, offsets, local = tuple(param.shape), (0,) * param.ndim, param.data
+        if name in expert_names:  # this ep rank's experts: its rows of the full stack
+            offsets = (offsets[0] + experts.rank * _experts_of(param), *offsets[1:])
+        if local.numel():  # FSDP2 leaves an empty shard on ranks past the end of a small dim
+            local.copy_(source.read(name, tuple(offsets), tuple(shape)).to(local.dtype))
+        written += 1
+    return written
+
+
+def _strided(param: DTensor) -> bool:
+    return any(isinstance(p, _StridedShard) for p in param.placements)
+
+
+def _experts_of(param: torch.Tensor) -> int:
+    """Experts held by one ep rank: the global dim 0 of this rank's expert weight."""
+    return param.shape[0]
+
+
+__all__ = ["load_local_shards"]

@@ -1,0 +1,125 @@
+"""`loom train --model.init_from=PATH` from the command line: bad paths refused before anything
+is written; a good one trains, leaves PATH byte-identical, and exports back to transformers.
+
+The refusals follow ``test_cli_input_refusals.py``'s contract (in process: exit 2, one line
+naming the field and the rule, no traceback, the working directory untouched).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from loom.cli import EXIT_CONFIG_ERROR, main
+from tests.e2e.test_cli_config_errors import clean_env, snapshot
+
+transformers = pytest.importorskip("transformers")
+
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=320, max_position_embeddings=256)
+
+
+def _hf_model(path: Path) -> None:
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE)).save_pretrained(path)
+
+
+def _setup(cwd: Path, case: str) -> None:
+    model = cwd / "model"
+    if case == "not-a-model":
+        model.mkdir()
+        (model / "notes.txt").write_text("no config here\n")
+        return
+    _hf_model(model)
+    if case == "no-weights":
+        (model / "model.safetensors").unlink()
+    if case == "corrupt-weights":
+        weights = model / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:4096])  # cut short: offsets past the end
+    if case == "unknown-rope":
+        config = json.loads((model / "config.json").read_text())
+        config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+        (model / "config.json").write_text(json.dumps(config))
+
+
+SMALL = ("--data.seq_len=64", "--train.steps=1", "--data.tokenizer=byte",
+         "--model.init_from=model")
+CASES = {
+    "missing": (("--model.init_from=nowhere",), ("model.init_from='nowhere'", "not a directory")),
+    "not-a-model": ((), ("model.init_from='model'", "neither config.json")),
+    "no-weights": ((), ("model.init_from='model'", "no model.safetensors")),
+    "corrupt-weights": ((), ("model.init_from='model'", "not a readable safetensors file")),
+    "unknown-rope": ((), ("model.init_from='model'", "rope_type")),
+    "contradicting-override": (("--model.n_layers=3",),
+                               ("model.n_layers=3", "contradicts model.init_from", "is 2")),
+    "run-dir-inside": (("--train.run_dir=model/run",),
+                       ("train.run_dir='model/run'", "inside model.init_from")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_bad_pretrained_model_is_refused_before_anything_is_written(case, tmp_path, monkeypatch,
+                                                                      capsys):
+    argv, expected = CASES[case]
+    monkeypatch.chdir(tmp_path)
+    _setup(tmp_path, case)
+    capsys.readouterr()
+    before = snapshot(tmp_path)
+    code = main(["train", *SMALL, *argv])
+    out = capsys.readouterr()
+    assert code == EXIT_CONFIG_ERROR, out.err
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("loom train: config error: "), out.err
+    for words in expected:
+        assert words in out.err, f"{words!r} not in {out.err!r}"
+    assert "Traceback" not in out.err
+    assert snapshot(tmp_path) == before
+
+
+def test_an_override_that_changes_no_weight_is_allowed(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    _setup(tmp_path, "good")
+    assert main(["train", *SMALL, "--model.max_seq_len=128", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert "max_seq_len = 128" in printed and "n_layers = 2" in printed and "dim = 64" in printed
+
+
+def _digest(path: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+
+
+def test_train_from_a_hf_model_then_export_gives_transformers_the_same_logits(tmp_path):
+    _setup(tmp_path, "good")
+    before = _digest(tmp_path / "model")
+    env = clean_env()
+    train = subprocess.run(
+        [sys.executable, "-m", "loom", "train", "--nproc", "2", "--parallel.tp=2",
+         "--model.init_from=model", "--data.tokenizer=byte", "--data.seq_len=32",
+         "--data.max_bytes=100000", "--train.steps=3", "--train.global_batch_size=4",
+         "--train.micro_batch_size=2", "--train.eval_every=0", "--metrics.tensorboard=false",
+         "--metrics.plot=false", "--train.run_dir=runs/ft"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert train.returncode == 0, train.stderr[-2000:]
+    assert _digest(tmp_path / "model") == before  # the pretrained directory is untouched
+    export = subprocess.run([sys.executable, "-m", "loom", "hf", "export", "runs/ft", "out"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert export.returncode == 0, export.stderr[-2000:]
+
+    from loom.generate import load_trained_model
+
+    ours, _, _ = load_trained_model(tmp_path / "runs" / "ft", torch.device("cpu"))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                               dtype=torch.float32)
+    start = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model",
+                                                              dtype=torch.float32)
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want, initial = ours(tokens), theirs(tokens).logits, start(tokens).logits
+    assert (got - want).abs().max() <= 1e-5
+    assert (want - initial).abs().max() > 1e-4  # it trained: not the starting weights
