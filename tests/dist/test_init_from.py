@@ -126,3 +126,35 @@ def test_a_tp2_pp2_rank_reads_about_a_quarter_of_the_weights(dist, small_data_di
     # each rank: its half of the layers, half of each split matrix; norms (and a tied
     # embedding, read by both ends) are whole
     assert max(per_rank) < 0.3 * total, (per_rank, total)  # measured: 0.25 of the file
+
+
+def _saved_weights(ctx, config_table: dict, data_dir: str, out: str) -> None:
+    trainer = Trainer(from_dict(config_table), Path(data_dir), None, ctx)
+    trainer.save_weights(Path(out))  # the full weights, gathered from every shard
+
+
+def test_a_loom_run_directory_is_loaded_exactly_into_a_sharded_layout(dist, small_data_dir,
+                                                                      tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from loom.config import load_config, model_args, resolve, to_toml
+    from loom.models import build_model, reset_parameters
+
+    source = tmp_path / "run"
+    source.mkdir()
+    base = {**SMALL_DATA_OVERRIDES, "model.preset": "debug", "model.n_kv_heads": 4,
+            "train.global_batch_size": 8, "train.micro_batch_size": 2}
+    config = resolve(load_config(None, base), 1)
+    (source / "config.toml").write_text(to_toml(config))
+    model = build_model(model_args(config), device="cpu")
+    reset_parameters(model, seed=7)  # not the seed the runs below would start from
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              source / "model.safetensors")
+    out = tmp_path / "loaded.safetensors"
+    table = layout_config({**base, "model.init_from": str(source), "train.seed": 1}, 4,
+                          tp=2, dp_shard=2, zero_stage=3)
+    dist.run(4, _saved_weights, table, small_data_dir, str(out))
+    loaded, saved = load_file(out), load_file(source / "model.safetensors")
+    assert loaded.keys() == saved.keys()
+    for name in saved:
+        assert torch.equal(loaded[name], saved[name]), name
