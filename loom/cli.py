@@ -1,4 +1,5 @@
-"""The ``loom`` command: ``loom train``, ``generate``, ``schedule ...``, ``hf ...``, ``plan``.
+"""The ``loom`` command: ``loom train``, ``generate``, ``schedule ...``, ``hf ...``, ``plan``,
+``data prepare``.
 
 ``loom train [--config FILE] [--nproc N] [--section.key=value ...]`` loads and validates the whole
 configuration *before* anything is written or started: a bad value prints one line naming the
@@ -217,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     from loom.hf_cli import add_hf_commands
 
     add_hf_commands(sub)
+
+    from loom.data.cli import add_data_commands
+
+    add_data_commands(sub)
 
     from loom.plan.cli import add_plan_commands
 

@@ -173,13 +173,24 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib"  # "stdlib" (the Python standard library's .py files) or a path
+    # "stdlib" (the Python standard library's .py files), a text file or directory, a .jsonl /
+    # .parquet / .arrow file (or a directory of them), a `datasets` save_to_disk directory, or a
+    # `loom data prepare` directory (loom/data/sources.py)
+    source: str = "stdlib"
     extensions: tuple[str, ...] = (".py", ".txt", ".md")  # files read from a source directory
-    tokenizer: Literal["byte", "bpe"] = "byte"  # bytes (256 + specials), or BPE trained locally
+    # "byte" (256 + specials), "bpe" (trained locally), or the path of a Hugging Face
+    # tokenizer.json or of a directory holding one (loom/data/hf_tokenizer.py)
+    tokenizer: str = "byte"
     bpe_vocab_size: int = 2048  # vocabulary of the BPE tokenizer (tokenizer = bpe)
     seq_len: int = 256  # tokens per training sequence
     val_fraction: float = 0.05  # share of the documents held out for evaluation
-    max_bytes: int = 0  # read at most this many bytes of the corpus; 0: the whole corpus
+    # read at most this many bytes of the corpus (of each data.mix source; a prepared source is
+    # used whole); 0: the whole corpus
+    max_bytes: int = 0
+    text_field: str = "text"  # the column holding the text in a dataset source
+    # "path_a:0.7,path_b:0.3": these sources mixed by weight, in place of data.source
+    # (loom/data/mix.py)
+    mix: str = ""
 
 
 @dataclass

@@ -1,7 +1,10 @@
-"""Training data: the corpus (the stdlib's own sources by default), tokenizers, packed and
-resumable data-parallel batches. See each module's docstring for why it is shaped as it is."""
+"""Training data: the corpus (the stdlib's own sources by default) or dataset files
+(``sources``), tokenizers (byte, BPE, Hugging Face: ``hf_tokenizer``), tokenizing once
+(``prepare``), mixing sources (``mix``), packed and resumable data-parallel batches. See each
+module's docstring for why it is shaped as it is."""
 
 from loom.data.corpus import Document, load_documents, split_documents, stdlib_root
+from loom.data.hf_tokenizer import HfTokenizer, load_hf_tokenizer
 from loom.data.loader import (
     DataFiles,
     DistributedLoader,
@@ -10,6 +13,9 @@ from loom.data.loader import (
     eval_batches,
     prepare_data,
 )
+from loom.data.mix import MixedSequences, MixSampler, parse_mix
+from loom.data.prepare import PreparedData, prepare
+from loom.data.sources import Source, resolve_source
 from loom.data.tokenizer import (
     BpeTokenizer,
     ByteTokenizer,
@@ -26,13 +32,22 @@ __all__ = [
     "DistributedLoader",
     "Document",
     "GlobalBatchSampler",
+    "HfTokenizer",
+    "MixSampler",
+    "MixedSequences",
     "PackedSequences",
+    "PreparedData",
+    "Source",
     "Tokenizer",
     "build_tokenizer",
     "eval_batches",
     "load_documents",
+    "load_hf_tokenizer",
     "load_tokenizer",
+    "parse_mix",
+    "prepare",
     "prepare_data",
+    "resolve_source",
     "split_documents",
     "stdlib_root",
     "tokenizer_vocab_size",

@@ -70,7 +70,7 @@ def _resolve_source(source: str | os.PathLike[str]) -> Path:
     return path.resolve()
 
 
-def _walk_sorted(root: Path, extensions: Sequence[str]) -> list[tuple[str, Path]]:
+def walk_sorted(root: Path, extensions: Sequence[str]) -> list[tuple[str, Path]]:
     """(relative POSIX name, path) of every matching regular file below root, sorted by name."""
     found: list[tuple[str, Path]] = []
     suffixes = tuple(extensions)
@@ -120,7 +120,7 @@ def list_files(
     if root.is_file():
         entries = [(root.name, root)]
     else:
-        entries = _walk_sorted(root, extensions)
+        entries = walk_sorted(root, extensions)
     files = [SourceFile(name, path, size) for name, path in entries
              if (size := _regular_size(path)) > 0]
     if not files:

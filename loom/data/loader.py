@@ -8,6 +8,12 @@ publishing any file when the training split is shorter than one sample. Each wor
 memory-maps them as ``PackedSequences`` (non-overlapping windows of ``seq_len + 1`` tokens) and
 draws batches through a ``DistributedLoader``.
 
+Two variants describe their token ranges as ``parts`` in ``data_meta.json`` instead: a source
+prepared by ``loom data prepare`` (``loom.data.prepare``) is not copied, its ``tokens.bin`` is
+memory-mapped in place, a range for each split; and ``data.mix`` (``loom.data.mix``) gives each
+mixed source its own files or ranges and samples them through a ``MixSampler``. ``DataFiles``
+builds the datasets and the sampler for either (``train_set``, ``val_set``, ``sampler``).
+
 Packing and sampling are Loom's own rather than ``torch.utils.data`` because of what they must
 guarantee: the order of samples is a pure function of (seed, global sample index), so
 
@@ -23,6 +29,7 @@ iterator state, which gives neither property.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -45,7 +52,28 @@ from loom.data.corpus import (
     read_documents,
     split_documents,
 )
-from loom.data.tokenizer import Tokenizer, build_tokenizer, load_tokenizer
+from loom.data.hf_tokenizer import CONFIG_FILE as HF_CONFIG_FILE
+from loom.data.hf_tokenizer import SPECIAL_TOKENS_FILE as HF_SPECIAL_TOKENS_FILE
+from loom.data.mix import MixedSequences, MixSampler, check_mix_paths, interleaved_order, parse_mix
+from loom.data.prepare import PreparedData
+from loom.data.sources import (
+    PREPARED,
+    TEXT,
+    Source,
+    check_text_field,
+    read_source_documents,
+    record_val_count,
+    resolve_source,
+    split_records,
+)
+from loom.data.tokenizer import (
+    Tokenizer,
+    build_tokenizer,
+    encode_documents,
+    identity_of,
+    is_builtin,
+    load_tokenizer,
+)
 
 TRAIN_FILE = "train.bin"
 VAL_FILE = "val.bin"
@@ -82,10 +110,12 @@ class DataFiles:
 
     @classmethod
     def _from_meta(cls, directory: Path, meta: dict[str, Any]) -> "DataFiles":
+        parts = meta.get("parts")
+        first = parts[0] if parts else None
         return cls(
             directory=directory,
-            train_path=directory / TRAIN_FILE,
-            val_path=directory / VAL_FILE,
+            train_path=_part_path(directory, first["train"]) if first else directory / TRAIN_FILE,
+            val_path=_part_path(directory, first["val"]) if first else directory / VAL_FILE,
             dtype=meta["dtype"],
             vocab_size=meta["vocab_size"],
             eos_id=meta["eos_id"],
@@ -95,6 +125,48 @@ class DataFiles:
     def tokenizer(self) -> Tokenizer:
         return load_tokenizer(self.directory)
 
+    @property
+    def mixed(self) -> bool:
+        """True when the run mixes sources (``data.mix``): sample with ``sampler``."""
+        return bool(self.meta.get("mix"))
+
+    def _datasets(self, split: str, seq_len: int) -> list["PackedSequences"]:
+        parts = self.meta.get("parts")
+        if not parts:
+            path = self.train_path if split == "train" else self.val_path
+            return [PackedSequences(path, seq_len, self.dtype)]
+        return [PackedSequences(_part_path(self.directory, p[split]), seq_len, p[split]["dtype"],
+                                start=p[split]["start"], end=p[split]["end"]) for p in parts]
+
+    def _weights(self) -> list[float]:
+        return [float(p["weight"]) for p in self.meta["parts"]]
+
+    def train_set(self, seq_len: int) -> "PackedSequences | MixedSequences":
+        """The training samples: one packed token range, or the mixed sources' as one index
+        space (dataset index = offset of the source + its sample)."""
+        parts = self._datasets("train", seq_len)
+        return MixedSequences(parts) if self.mixed else parts[0]
+
+    def val_set(self, seq_len: int) -> "PackedSequences | MixedSequences":
+        """The validation samples; mixed sources in mixture order (``interleaved_order``)."""
+        parts = self._datasets("val", seq_len)
+        if not self.mixed:
+            return parts[0]
+        return MixedSequences(parts, interleaved_order([len(p) for p in parts], self._weights()))
+
+    def sampler(self, dataset: Any, global_batch_size: int,
+                seed: int) -> "GlobalBatchSampler | MixSampler":
+        """The global sampler of ``train_set``'s samples: shuffled epochs, or the mixture."""
+        if self.mixed:
+            return MixSampler([len(p) for p in dataset.parts], self._weights(),
+                              global_batch_size, seed)
+        return GlobalBatchSampler(len(dataset), global_batch_size, seed)
+
+
+def _part_path(directory: Path, token_range: dict[str, Any]) -> Path:
+    """A part's token file: relative to the data directory, or absolute (a prepared source)."""
+    return directory / token_range["path"]  # an absolute path stays absolute
+
 
 def token_dtype(vocab_size: int) -> str:
     """Smallest file dtype for the ids: uint16 halves the files and page cache when it fits."""
@@ -103,7 +175,7 @@ def token_dtype(vocab_size: int) -> str:
 
 def _recipe(cfg: Any, files: Sequence[SourceFile]) -> dict[str, Any]:
     """Everything that determines the token files; equal recipes mean the files can be reused."""
-    return {
+    recipe = {
         "format_version": FORMAT_VERSION,
         "source": str(cfg.source),
         # The stdlib corpus is always .py files, so data.extensions does not change it.
@@ -115,6 +187,10 @@ def _recipe(cfg: Any, files: Sequence[SourceFile]) -> dict[str, Any]:
         "bpe_vocab_size": int(cfg.bpe_vocab_size) if cfg.tokenizer == "bpe" else None,
         "seq_len": int(cfg.seq_len),
     }
+    # Keys added only where they apply, so that existing runs of a text corpus keep their recipe.
+    if not is_builtin(cfg.tokenizer):  # the same path may hold another tokenizer.json later
+        recipe["tokenizer_identity"] = identity_of(cfg.tokenizer)
+    return recipe
 
 
 def _read_meta(directory: Path) -> dict[str, Any] | None:
@@ -125,6 +201,18 @@ def _read_meta(directory: Path) -> dict[str, Any] | None:
 
 
 def _files_complete(directory: Path, meta: dict[str, Any]) -> bool:
+    if meta.get("parts"):
+        for part in meta["parts"]:
+            for split in ("train", "val"):
+                rng = part[split]
+                path = _part_path(directory, rng)
+                itemsize = np.dtype(rng["dtype"]).itemsize
+                local = not Path(rng["path"]).is_absolute()  # whole file, or a range of one
+                want = (rng["end"] - rng["start"]) * itemsize if local else rng["end"] * itemsize
+                if not path.is_file() or (path.stat().st_size != want if local
+                                          else path.stat().st_size < want):
+                    return False
+        return True
     itemsize = np.dtype(meta["dtype"]).itemsize
     for name, key in ((TRAIN_FILE, "train_tokens"), (VAL_FILE, "val_tokens")):
         path = directory / name
@@ -135,13 +223,8 @@ def _files_complete(directory: Path, meta: dict[str, Any]) -> bool:
 
 def _encode_docs(tok: Tokenizer, docs: Sequence[Document]) -> Iterator[np.ndarray]:
     """Token ids of each document, in order, with the end-of-document id appended."""
-    eos = np.array([tok.eos_id], dtype=np.int32)
-    batch_encode = getattr(tok, "encode_batch", None)
     for start in range(0, len(docs), _ENCODE_CHUNK):
-        chunk = [d.text for d in docs[start : start + _ENCODE_CHUNK]]
-        encoded = batch_encode(chunk) if batch_encode else [tok.encode(t) for t in chunk]
-        for ids in encoded:
-            yield np.concatenate([np.asarray(ids, dtype=np.int32), eos])
+        yield from encode_documents(tok, [d.text for d in docs[start : start + _ENCODE_CHUNK]])
 
 
 def _write_tokens(path: Path, tok: Tokenizer, docs: Sequence[Document], dtype: str) -> int:
@@ -154,6 +237,10 @@ def _write_tokens(path: Path, tok: Tokenizer, docs: Sequence[Document], dtype: s
     return count
 
 
+# Tokenizer files that only some tokenizers have: a rebuild must not leave a previous one's.
+_OPTIONAL_TOKENIZER_FILES = (HF_CONFIG_FILE, HF_SPECIAL_TOKENS_FILE)
+
+
 def _publish(tmp: Path, out_dir: Path) -> None:
     """Move every file of ``tmp`` into ``out_dir`` with atomic renames, the meta file last.
 
@@ -161,20 +248,97 @@ def _publish(tmp: Path, out_dir: Path) -> None:
     or it describes files that are complete: a crash can cost a rebuild, never a silent mix.
     """
     (out_dir / META_FILE).unlink(missing_ok=True)
+    for name in _OPTIONAL_TOKENIZER_FILES:
+        if not (tmp / name).exists():
+            (out_dir / name).unlink(missing_ok=True)
     for path in sorted(tmp.iterdir()):
         if path.name != META_FILE:
             os.replace(path, out_dir / path.name)
     os.replace(tmp / META_FILE, out_dir / META_FILE)
 
 
+@dataclass(frozen=True)
+class _Member:
+    """One source of a run (the only one, or one entry of ``data.mix``), resolved."""
+
+    name: str
+    weight: float
+    src: Source
+    files: tuple[SourceFile, ...]
+    prepared: PreparedData | None = None
+
+
+def _members(cfg: Any) -> list[_Member]:
+    """The run's sources with their weights: ``data.mix`` (zero weights left out) or
+    ``data.source``. ConfigError naming the field at fault."""
+    mix = getattr(cfg, "mix", "")
+    pairs = [(str(cfg.source), 1.0)]
+    if mix:
+        entries = parse_mix(mix)
+        check_mix_paths(mix, entries)
+        pairs = [(e.path, e.weight) for e in entries if e.weight > 0]
+    members = []
+    for name, weight in pairs:
+        src = resolve_source(name, cfg.extensions)
+        if src.kind == PREPARED:
+            prepared = PreparedData.open(src.path, name)
+            members.append(_Member(name, weight, src, src.files, prepared))
+        elif src.kind == TEXT:
+            files = tuple(list_files(name, cfg.extensions, cfg.max_bytes))
+            members.append(_Member(name, weight, src, files))
+        else:
+            members.append(_Member(name, weight, src, src.files))
+    return members
+
+
+def _member_recipe(cfg: Any, m: _Member) -> dict[str, Any]:
+    if m.prepared is not None:  # the manifest describes the tokens; re-preparing rewrites it
+        return {"source": m.name, "kind": PREPARED, "weight": m.weight,
+                "manifest": hashlib.sha256(json.dumps(m.prepared.manifest, sort_keys=True)
+                                           .encode()).hexdigest()[:16]}
+    recipe = {"source": m.name, "kind": m.src.kind, "weight": m.weight,
+              "fingerprint": fingerprint(m.files)}
+    if m.src.kind != TEXT:
+        recipe["text_field"] = getattr(cfg, "text_field", "text")
+    return recipe
+
+
+def _uses_parts(cfg: Any, members: Sequence[_Member]) -> bool:
+    """Token ranges in ``parts`` (mixed or prepared sources) rather than train.bin / val.bin."""
+    return bool(getattr(cfg, "mix", "")) or members[0].prepared is not None
+
+
+def _run_recipe(cfg: Any, members: Sequence[_Member]) -> dict[str, Any]:
+    if not _uses_parts(cfg, members):
+        recipe = _recipe(cfg, members[0].files)
+        if members[0].src.kind != TEXT:  # a record source: the column matters too
+            recipe.update(_member_recipe(cfg, members[0]))
+        return recipe
+    recipe = _recipe(cfg, [])
+    del recipe["corpus_fingerprint"]
+    recipe["members"] = [_member_recipe(cfg, m) for m in members]
+    recipe["mix"] = bool(getattr(cfg, "mix", ""))
+    return recipe
+
+
+def _source_splits(cfg: Any, m: _Member) -> tuple[list[Document], list[Document]]:
+    """Training and validation documents of a text or record source."""
+    if m.src.kind == TEXT:
+        return split_documents(read_documents(m.files), cfg.val_fraction)
+    docs = read_source_documents(m.src, text_field=getattr(cfg, "text_field", "text"),
+                                 max_bytes=cfg.max_bytes)
+    return split_records(docs, cfg.val_fraction)
+
+
 def _build(
-    cfg: Any, files: Sequence[SourceFile], recipe: dict[str, Any], out_dir: Path
+    cfg: Any, members: Sequence[_Member], recipe: dict[str, Any], out_dir: Path
 ) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     # Temp dir inside out_dir: same filesystem, so the final renames are atomic.
     tmp = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out_dir))
     try:
-        train_docs, val_docs = split_documents(read_documents(files), cfg.val_fraction)
+        splits = [None if m.prepared else _source_splits(cfg, m) for m in members]
+        train_docs = [d for s in splits if s is not None for d in s[0]]
         tok = build_tokenizer(cfg.tokenizer, cfg.bpe_vocab_size, train_docs)
         dtype = token_dtype(tok.vocab_size)
         meta = {
@@ -185,11 +349,17 @@ def _build(
             "dtype": dtype,
             "seq_len": int(cfg.seq_len),
             "source": str(cfg.source),
-            "train_docs": len(train_docs),
-            "val_docs": len(val_docs),
-            "train_tokens": _write_tokens(tmp / TRAIN_FILE, tok, train_docs, dtype),
-            "val_tokens": _write_tokens(tmp / VAL_FILE, tok, val_docs, dtype),
         }
+        if not _uses_parts(cfg, members):
+            train_docs, val_docs = splits[0]
+            meta.update({
+                "train_docs": len(train_docs),
+                "val_docs": len(val_docs),
+                "train_tokens": _write_tokens(tmp / TRAIN_FILE, tok, train_docs, dtype),
+                "val_tokens": _write_tokens(tmp / VAL_FILE, tok, val_docs, dtype),
+            })
+        else:
+            meta.update(_write_parts(cfg, members, splits, tok, dtype, tmp))
         check_seq_len(cfg.seq_len, meta["train_tokens"])  # refused before anything is published
         tok.save(tmp)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -199,13 +369,50 @@ def _build(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def check_seq_len(seq_len: int, n_tokens: int, *, at_most: bool = False) -> None:
+def _write_parts(cfg: Any, members: Sequence[_Member], splits: Sequence[Any], tok: Tokenizer,
+                 dtype: str, tmp: Path) -> dict[str, Any]:
+    """The ``parts`` of a mixed or prepared run: token files written for text and record
+    sources, ranges of ``tokens.bin`` for prepared ones. Each needs one training sample."""
+    identity = identity_of(cfg.tokenizer) if members and any(m.prepared for m in members) else None
+    parts = []
+    for i, (m, split) in enumerate(zip(members, splits)):
+        if m.prepared is not None:
+            m.prepared.check_tokenizer(identity, cfg.tokenizer)
+            (a, b), (c, d) = m.prepared.split(cfg.val_fraction)
+            n_val = record_val_count(m.prepared.num_docs, cfg.val_fraction)
+            ranges = {split_name: {"path": str(m.prepared.tokens_path), "dtype": m.prepared.dtype,
+                                   "start": lo, "end": hi}
+                      for split_name, (lo, hi) in (("train", (a, b)), ("val", (c, d)))}
+            docs = {"train_docs": m.prepared.num_docs - n_val, "val_docs": n_val}
+        else:
+            ranges, docs = {}, {}
+            for split_name, split_docs in zip(("train", "val"), split):
+                name = f"mix{i}.{split_name}.bin"
+                n = _write_tokens(tmp / name, tok, split_docs, dtype)
+                ranges[split_name] = {"path": name, "dtype": dtype, "start": 0, "end": n}
+                docs[f"{split_name}_docs"] = len(split_docs)
+        train_tokens = ranges["train"]["end"] - ranges["train"]["start"]
+        if len(members) > 1:  # each mixed source is sampled on its own: one sample at least
+            check_seq_len(cfg.seq_len, train_tokens, what=f"data.mix entry {m.name!r}'s")
+        parts.append({"source": m.name, "weight": m.weight, **ranges, **docs})
+    return {
+        "mix": bool(getattr(cfg, "mix", "")),
+        "parts": parts,
+        "train_docs": sum(p["train_docs"] for p in parts),
+        "val_docs": sum(p["val_docs"] for p in parts),
+        "train_tokens": sum(p["train"]["end"] - p["train"]["start"] for p in parts),
+        "val_tokens": sum(p["val"]["end"] - p["val"]["start"] for p in parts),
+    }
+
+
+def check_seq_len(seq_len: int, n_tokens: int, *, at_most: bool = False,
+                  what: str = "the corpus'") -> None:
     """A training sample needs seq_len + 1 consecutive tokens (inputs plus shifted targets);
     ConfigError naming ``data.seq_len`` otherwise (``at_most``: ``n_tokens`` is an upper bound)."""
     if n_tokens < seq_len + 1:
         raise ConfigError(
             "data.seq_len", seq_len,
-            f"exceeds the corpus' {'at most ' if at_most else ''}{n_tokens} training tokens (a"
+            f"exceeds {what} {'at most ' if at_most else ''}{n_tokens} training tokens (a"
             f" sample needs seq_len + 1 tokens); use data.seq_len <= {max(n_tokens - 1, 0)}"
             f" or a larger data.source / data.max_bytes")
 
@@ -215,32 +422,66 @@ SMALL_CORPUS_BYTES = 1 << 20
 
 
 def check_source(cfg: Any) -> None:
-    """Before anything is written: ``cfg.source`` (a ``DataConfig``'s) has a regular, non-empty,
-    readable text file and enough training text for one sample; ConfigError naming the field.
+    """Before anything is written: the run's sources (``cfg``: a ``DataConfig``'s fields) can be
+    read; ConfigError naming the field at fault.
 
-    Cheap: the corpus is listed, not tokenized; only a small one (<= 1 MiB) is read, to bound its
-    training split's tokens by its UTF-8 bytes (exact for the byte tokenizer, an upper bound for
-    byte-level BPE). The stdlib corpus is not checked. ``prepare_data`` still refuses (before it
-    publishes a file) a split too short after tokenizing.
+    ``data.source`` (or each path of ``data.mix``, whose own errors name ``data.mix``) is checked
+    by kind. A text corpus has a regular, non-empty, readable text file and enough training text
+    for one sample: cheap, the corpus is listed, not tokenized; only a small one (<= 1 MiB) is
+    read, to bound its training split's tokens by its UTF-8 bytes (exact for the byte tokenizer,
+    an upper bound for byte-level BPE; not checked for a Hugging Face tokenizer, which may add
+    tokens). A record source has the column ``data.text_field``. A prepared directory is complete,
+    was made with the run's tokenizer (``data.tokenizer``) and has one training sample. The stdlib
+    corpus is not checked. ``prepare_data`` still refuses (before it publishes a file) a split too
+    short after tokenizing.
     """
-    if str(cfg.source) == STDLIB_SOURCE:
+    mix = getattr(cfg, "mix", "")
+    if not mix:
+        _check_member(cfg, str(cfg.source))
         return
-    where = os.path.abspath(os.path.expanduser(str(cfg.source)))
+    entries = parse_mix(mix)
+    check_mix_paths(mix, entries)
+    for entry in entries:
+        try:
+            _check_member(cfg, entry.path)
+        except ConfigError as err:
+            if err.field_name != "data.source":
+                raise
+            raise ConfigError("data.mix", mix, f"entry {entry.path!r} {err.rule}") from None
+
+
+def _check_member(cfg: Any, source: str) -> None:
+    if source == STDLIB_SOURCE:
+        return
+    src = resolve_source(source, cfg.extensions)
+    if src.kind == PREPARED:
+        prepared = PreparedData.open(src.path, source)
+        prepared.check_tokenizer(identity_of(cfg.tokenizer), cfg.tokenizer)
+        (start, end), _ = prepared.split(cfg.val_fraction)
+        check_seq_len(cfg.seq_len, end - start)
+        return
+    where = os.path.abspath(os.path.expanduser(source))
     try:
         info = os.stat(where)
         identity = (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_size)
     except OSError:
         identity = None
     # cached: the planner resolves many layouts of one config (a refusal raises, never cached)
-    _check_source(str(cfg.source), tuple(cfg.extensions), int(cfg.max_bytes),
-                  float(cfg.val_fraction), int(cfg.seq_len), identity)
+    if src.kind == TEXT:
+        _check_source(source, tuple(cfg.extensions), int(cfg.max_bytes),
+                      float(cfg.val_fraction), int(cfg.seq_len), identity,
+                      is_builtin(cfg.tokenizer))
+    else:
+        _check_records(src, getattr(cfg, "text_field", "text"), identity)
 
 
 @functools.lru_cache(maxsize=32)
 def _check_source(source: str, extensions: tuple[str, ...], max_bytes: int, val_fraction: float,
-                  seq_len: int, identity: tuple | None) -> None:
+                  seq_len: int, identity: tuple | None, bound_tokens: bool = True) -> None:
     files = list_files(source, extensions, max_bytes)
     first_text_file(source, files)
+    if not bound_tokens:
+        return
     total = sum(f.size for f in files)
     if total <= SMALL_CORPUS_BYTES:
         train, _ = split_documents(read_documents(files), val_fraction)
@@ -250,20 +491,26 @@ def _check_source(source: str, extensions: tuple[str, ...], max_bytes: int, val_
     check_seq_len(seq_len, bound, at_most=True)
 
 
+@functools.lru_cache(maxsize=32)
+def _check_records(src: Source, text_field: str, identity: tuple | None) -> None:
+    check_text_field(src, text_field)
+
+
 def prepare_data(cfg: Any, out_dir: str | Path) -> DataFiles:
     """Tokenize the corpus described by ``cfg`` (a ``DataConfig``) into ``out_dir``.
 
     Reuses the files already there when their recipe (source, corpus fingerprint, split, tokenizer,
     seq_len) matches; otherwise rebuilds them atomically. Call once, before workers start.
     Raises ``ConfigError`` naming ``data.source`` (no usable file) or ``data.seq_len`` (a training
-    split shorter than one sample), in the second case before any file is published.
+    split shorter than one sample), in the second case before any file is published. A prepared
+    source is not copied: the run's meta records token ranges of its ``tokens.bin``.
     """
     out_dir = Path(out_dir)
-    files = list_files(cfg.source, cfg.extensions, cfg.max_bytes)
-    recipe = _recipe(cfg, files)
+    members = _members(cfg)
+    recipe = _run_recipe(cfg, members)
     meta = _read_meta(out_dir)
     if meta is None or meta.get("recipe") != recipe or not _files_complete(out_dir, meta):
-        meta = _build(cfg, files, recipe, out_dir)
+        meta = _build(cfg, members, recipe, out_dir)
     check_seq_len(cfg.seq_len, meta["train_tokens"])
     return DataFiles._from_meta(out_dir, meta)
 
@@ -278,15 +525,17 @@ class PackedSequences:
 
     Sample i is tokens[i*seq_len : i*seq_len + seq_len + 1]: inputs are its first seq_len tokens,
     targets the last seq_len (shifted by one). Documents run into each other separated by the
-    end-of-document token, so no token is wasted on padding.
+    end-of-document token, so no token is wasted on padding. ``start`` / ``end`` restrict it to a
+    token range of the file (a split of a prepared ``tokens.bin``), still memory-mapped.
     """
 
-    def __init__(self, path: str | Path, seq_len: int, dtype: str | np.dtype) -> None:
+    def __init__(self, path: str | Path, seq_len: int, dtype: str | np.dtype, *,
+                 start: int = 0, end: int | None = None) -> None:
         if seq_len < 1:
             raise ValueError(f"data.seq_len={seq_len} must be >= 1")
         self.path = Path(path)
         self.seq_len = seq_len
-        self.tokens = _map_tokens(self.path, np.dtype(dtype))
+        self.tokens = _map_tokens(self.path, np.dtype(dtype))[start:end]  # a view, not a copy
 
     @property
     def num_tokens(self) -> int:
@@ -454,7 +703,7 @@ class DistributedLoader:
         if saved_n != self.sampler.num_samples:
             raise ValueError(
                 f"resuming over {self.sampler.num_samples} samples, but the data state was saved "
-                f"over {saved_n}: data.source, data.max_bytes or data.seq_len changed"
+                f"over {saved_n}: data.source, data.mix, data.max_bytes or data.seq_len changed"
             )
         self.consumed_samples = int(state["consumed_samples"])
 

@@ -1,4 +1,4 @@
-"""Tokenizers: byte-level by default, byte-level BPE trained locally as an option.
+"""Tokenizers: byte-level by default, byte-level BPE trained locally, or a Hugging Face one.
 
 The byte tokenizer is hand-written because it is three lines of numpy (ids 0..255 are the UTF-8
 bytes, 256 ends a document) and has to be fast: the standard-library corpus is ~31 MB and is
@@ -6,8 +6,12 @@ tokenized with one ``np.frombuffer`` per document. BPE is not hand-written: it i
 Hugging Face ``tokenizers`` library (Rust, deterministic for the same documents) on the training
 split only, and saved in the run directory so a resumed run and every worker decode identically.
 
-On disk a tokenizer is ``tokenizer_meta.json`` (kind, vocab size, end-of-document id) plus, for BPE,
-the library's own ``tokenizer.json``.
+A third kind is any Hugging Face ``tokenizer.json`` named by path (``data.tokenizer=PATH``), loaded
+offline by ``loom.data.hf_tokenizer``, which also reads the document-boundary policy (BOS, EOS) from
+the tokenizer's configuration.
+
+On disk a tokenizer is ``tokenizer_meta.json`` (kind, vocab size, end-of-document id) plus, for BPE
+and Hugging Face tokenizers, the library's own ``tokenizer.json`` (and the latter's config files).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from typing import Iterable, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from loom.data.corpus import Document
+from loom.data.hf_tokenizer import KIND as HF_KIND
+from loom.data.hf_tokenizer import HfTokenizer, load_hf_tokenizer
 
 META_FILE = "tokenizer_meta.json"
 BPE_FILE = "tokenizer.json"
@@ -150,9 +156,18 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"data.tokenizer={kind!r} is not one of {KINDS}")
 
 
+def is_builtin(kind: str) -> bool:
+    """True for Loom's own tokenizers ("byte", "bpe"); anything else names a tokenizer.json."""
+    return kind in KINDS
+
+
 def tokenizer_vocab_size(kind: str, bpe_vocab_size: int) -> int:
-    """The model's vocabulary size for a tokenizer config, known before any data is read."""
-    _check_kind(kind)
+    """The model's vocabulary size for a tokenizer config, known before any data is read.
+
+    ``kind`` is "byte", "bpe" or the path of a Hugging Face tokenizer (its largest id + 1; a path
+    that holds none raises ConfigError naming ``data.tokenizer``)."""
+    if not is_builtin(kind):
+        return load_hf_tokenizer(kind).vocab_size
     if kind == "byte":
         return BYTE_VOCAB_SIZE
     if bpe_vocab_size < BYTE_VOCAB_SIZE:
@@ -164,7 +179,10 @@ def tokenizer_vocab_size(kind: str, bpe_vocab_size: int) -> int:
 
 
 def build_tokenizer(kind: str, bpe_vocab_size: int, train_docs: Sequence[Document]) -> Tokenizer:
-    """A byte tokenizer, or a BPE tokenizer trained on ``train_docs`` (the training split only)."""
+    """A byte tokenizer, a BPE tokenizer trained on ``train_docs`` (the training split only), or
+    the Hugging Face tokenizer at the path ``kind``."""
+    if not is_builtin(kind):
+        return load_hf_tokenizer(kind)
     vocab_size = tokenizer_vocab_size(kind, bpe_vocab_size)
     if kind == "byte":
         return ByteTokenizer()
@@ -178,7 +196,38 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     if not meta_path.exists():
         raise FileNotFoundError(f"no tokenizer in {str(directory)!r}: {META_FILE} is missing")
     meta = json.loads(meta_path.read_text())
+    if meta["kind"] == HF_KIND:
+        return load_hf_tokenizer(directory)
     _check_kind(meta["kind"])
     if meta["kind"] == "byte":
         return ByteTokenizer()
     return BpeTokenizer.load(directory, int(meta["vocab_size"]))
+
+
+def encode_documents(tok: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
+    """Token ids of each document, in order, each followed by the end-of-document id (int32).
+
+    A Hugging Face tokenizer places its own boundaries (BOS, EOS) as its configuration says;
+    Loom's byte and BPE tokenizers add nothing but the end-of-document id.
+    """
+    if isinstance(tok, HfTokenizer):
+        return tok.encode_documents(texts)
+    eos = np.array([tok.eos_id], dtype=np.int32)
+    batch_encode = getattr(tok, "encode_batch", None)
+    encoded = batch_encode(texts) if batch_encode else [tok.encode(t) for t in texts]
+    return [np.concatenate([np.asarray(ids, dtype=np.int32), eos]) for ids in encoded]
+
+
+def tokenizer_identity(tok: Tokenizer) -> str | None:
+    """What token files prepared with ``tok`` are matched by: "byte", a Hugging Face tokenizer's
+    SHA-256, or None for a run-trained BPE tokenizer (it exists only inside its run)."""
+    if isinstance(tok, HfTokenizer):
+        return tok.identity
+    return "byte" if tok.kind == "byte" else None
+
+
+def identity_of(kind: str) -> str | None:
+    """``tokenizer_identity`` of the tokenizer a ``data.tokenizer`` value names, without data."""
+    if kind == "bpe":
+        return None
+    return "byte" if kind == "byte" else load_hf_tokenizer(kind).identity

@@ -31,8 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from loom.config import Config, job_of, layout_of, model_args, to_dict
-from loom.data.loader import (DataFiles, DistributedLoader, GlobalBatchSampler, PackedSequences,
-                              eval_batches)
+from loom.data.loader import DataFiles, DistributedLoader, eval_batches
 from loom.formulas.flops import model_flops_per_token
 from loom.grid_summary import describe_grid
 from loom.models import build_model, reset_parameters
@@ -159,9 +158,10 @@ class Trainer:
 
         self.data = DataFiles.open(data_dir)
         seq_len = config.data.seq_len
-        self.train_set = PackedSequences(self.data.train_path, seq_len, self.data.dtype)
-        self.val_set = PackedSequences(self.data.val_path, seq_len, self.data.dtype)
-        sampler = GlobalBatchSampler(len(self.train_set), tr.global_batch_size, tr.seed)
+        # one token file, a prepared source's ranges, or data.mix's sources (loom/data/loader.py)
+        self.train_set = self.data.train_set(seq_len)
+        self.val_set = self.data.val_set(seq_len)
+        sampler = self.data.sampler(self.train_set, tr.global_batch_size, tr.seed)
         self.loader = DistributedLoader(self.train_set, sampler, self.dp_rank, self.dp_size,
                                         self.ctx.device)
         self.step = 0

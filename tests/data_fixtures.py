@@ -1,0 +1,79 @@
+"""Tiny tokenizers and datasets built on the spot, for the data tests (nothing is downloaded).
+
+``make_tokenizer`` trains a byte-level BPE with the ``tokenizers`` library on ``TEXTS`` (a fraction
+of a second) and writes ``tokenizer.json``, optionally with a BOS template in its post-processor and
+a ``tokenizer_config.json``. ``write_source`` writes the same documents as a text directory (one
+file per document, sorted in document order), JSON lines, Parquet, Arrow or a ``datasets``
+``save_to_disk`` directory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+BOS, EOS = "<s>", "</s>"
+
+TEXTS = [f"Document {i}: the quick brown fox jumps over {i % 7} lazy dogs. héllo wörld 🙂\n"
+         + "def f(x):\n    return x * %d\n" % i + ("lorem ipsum dolor sit amet " * (i % 5))
+         for i in range(40)]
+
+
+def make_tokenizer(directory: Path, *, vocab_size: int = 400, bos_template: bool = False,
+                   config: dict[str, Any] | None = None, special_map: dict[str, Any] | None = None,
+                   eos: str = EOS, texts: Sequence[str] = TEXTS) -> Path:
+    """A trained byte-level BPE in ``directory``; returns the tokenizer.json path."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = [BOS, eos, "<pad>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    if bos_template:  # as Llama 3's tokenizer.json: the post-processor puts BOS first
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", special_tokens=[(BOS, tok.token_to_id(BOS))])
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "tokenizer.json"
+    tok.save(str(path))
+    if config is not None:
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    if special_map is not None:
+        (directory / "special_tokens_map.json").write_text(json.dumps(special_map))
+    return path
+
+
+def write_source(path: Path, kind: str, texts: Sequence[str] = TEXTS, field: str = "text",
+                 extra: bool = True) -> Path:
+    """``texts`` as a source of ``kind``: text (directory), jsonl, parquet, arrow or saved."""
+    rows = [{field: t, "id": i} if extra else {field: t} for i, t in enumerate(texts)]
+    if kind == "text":
+        path.mkdir(parents=True, exist_ok=True)
+        for i, t in enumerate(texts):
+            (path / f"{i:05d}.txt").write_text(t, encoding="utf-8")
+        return path
+    if kind == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        return path
+    import pyarrow as pa
+
+    table = pa.Table.from_pylist(rows)
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        pq.write_table(table, path)
+    elif kind == "arrow":
+        with pa.ipc.new_file(str(path), table.schema) as writer:
+            writer.write_table(table)
+    elif kind == "saved":
+        import datasets
+
+        datasets.disable_progress_bars()
+        datasets.Dataset(table).save_to_disk(str(path))
+    else:
+        raise ValueError(kind)
+    return path

@@ -1,0 +1,147 @@
+"""Specification of ``loom data prepare``: one tokenization into a memory-mapped token file and a
+document index, equal to tokenizing on the fly, independent of the worker count, and trained on in
+place by a run whose tokenizer matches."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loom.data.hf_tokenizer import load_hf_tokenizer
+from loom.data.loader import DataFiles, check_source, prepare_data
+from loom.data.prepare import (
+    INDEX_FILE,
+    TOKENIZER_DIR,
+    TOKENS_FILE,
+    PreparedData,
+    prepare,
+    prepared_dtype,
+)
+from loom.data.sources import PREPARED_MANIFEST, record_val_count
+from loom.data.tokenizer import ByteTokenizer, encode_documents
+from loom.errors import ConfigError
+from tests.data_fixtures import TEXTS, make_tokenizer, write_source
+
+pytest.importorskip("datasets", reason="the data extra: pip install -e '.[data]'")
+
+
+@dataclass
+class Cfg:  # the attributes of loom.config.DataConfig (duck-typed on purpose)
+    source: str = "stdlib"
+    extensions: tuple[str, ...] = (".py", ".txt", ".md")
+    tokenizer: str = "byte"
+    bpe_vocab_size: int = 2048
+    seq_len: int = 16
+    val_fraction: float = 0.1
+    max_bytes: int = 0
+    text_field: str = "text"
+    mix: str = ""
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Path:
+    return make_tokenizer(tmp_path_factory.mktemp("tok"), bos_template=True)
+
+
+@pytest.fixture(scope="module")
+def jsonl(tmp_path_factory) -> Path:
+    return write_source(tmp_path_factory.mktemp("src") / "docs.jsonl", "jsonl")
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, jsonl, tokenizer) -> Path:
+    out = tmp_path_factory.mktemp("prep") / "out"
+    prepare(str(jsonl), str(tokenizer), out, workers=1, batch_rows=7, progress=False)
+    return out
+
+
+def test_prepared_tokens_and_index_equal_on_the_fly_tokenization(prepared, tokenizer):
+    docs = encode_documents(load_hf_tokenizer(tokenizer), TEXTS)
+    data = PreparedData.open(prepared)
+    tokens, offsets = data.tokens(), data.doc_offsets()
+    assert data.dtype == "uint16" and tokens.dtype == np.uint16
+    assert np.array_equal(tokens, np.concatenate(docs))
+    assert offsets.tolist() == [0, *np.cumsum([len(d) for d in docs]).tolist()]
+    tok = load_hf_tokenizer(tokenizer)
+    for i, text in enumerate(TEXTS):  # each indexed document is one whole document
+        doc = tokens[offsets[i] : offsets[i + 1]]
+        assert doc[0] == tok.bos_id and doc[-1] == tok.eos_id
+        assert tok.decode(doc) == text
+    manifest = json.loads((prepared / PREPARED_MANIFEST).read_text())
+    assert manifest["tokenizer"]["identity"] == tok.identity
+    assert (manifest["num_docs"], manifest["num_tokens"]) == (len(TEXTS), len(tokens))
+    assert load_hf_tokenizer(prepared / TOKENIZER_DIR).identity == tok.identity  # a copy
+
+
+def test_two_workers_write_exactly_what_one_does(prepared, jsonl, tokenizer, tmp_path):
+    prepare(str(jsonl), str(tokenizer), tmp_path / "two", workers=2, batch_rows=3,
+            progress=False)
+    for name in (TOKENS_FILE, INDEX_FILE, PREPARED_MANIFEST):
+        assert (tmp_path / "two" / name).read_bytes() == (prepared / name).read_bytes(), name
+
+
+def test_the_byte_tokenizer_and_a_text_corpus_prepare_too(tmp_path):
+    corpus = write_source(tmp_path / "corpus", "text", TEXTS[:5])
+    manifest = prepare(str(corpus), "byte", tmp_path / "out", workers=2, progress=False)
+    expected = np.concatenate(encode_documents(ByteTokenizer(), TEXTS[:5]))
+    assert np.array_equal(PreparedData.open(tmp_path / "out").tokens(), expected)
+    assert manifest["tokenizer"]["identity"] == "byte" and manifest["dtype"] == "uint16"
+    assert prepared_dtype(2**16) == "uint16" and prepared_dtype(2**16 + 1) == "uint32"
+
+
+def test_a_run_trains_on_the_prepared_tokens_in_place(prepared, jsonl, tokenizer, tmp_path):
+    """Same split and tokens as the same JSONL tokenized on the fly; nothing is copied."""
+    cfg = Cfg(source=str(prepared), tokenizer=str(tokenizer))
+    check_source(cfg)
+    files = prepare_data(cfg, tmp_path / "run")
+    assert not list((tmp_path / "run").glob("*.bin"))  # no copy of the tokens
+    fly = prepare_data(Cfg(source=str(jsonl), tokenizer=str(tokenizer)), tmp_path / "fly")
+    train, val = files.train_set(cfg.seq_len), files.val_set(cfg.seq_len)
+    assert np.array_equal(train.tokens, np.fromfile(fly.train_path, dtype=fly.dtype))
+    assert np.array_equal(val.tokens, np.fromfile(fly.val_path, dtype=fly.dtype))
+    assert files.meta["val_docs"] == record_val_count(len(TEXTS), cfg.val_fraction)
+    assert isinstance(train.tokens, np.memmap)
+    reopened = DataFiles.open(tmp_path / "run")  # what each worker does
+    assert np.array_equal(reopened.train_set(16).window(3), train.window(3))
+    assert reopened.tokenizer().identity == load_hf_tokenizer(tokenizer).identity
+
+
+def test_a_run_with_another_tokenizer_is_refused(prepared, tmp_path):
+    for kind in ("byte", "bpe", str(make_tokenizer(tmp_path / "other", vocab_size=300))):
+        with pytest.raises(ConfigError, match="was prepared with") as err:
+            check_source(Cfg(source=str(prepared), tokenizer=kind))
+        assert err.value.field_name == "data.tokenizer"
+
+
+def test_an_incomplete_prepared_directory_is_refused(prepared, tokenizer, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(prepared, broken)
+    with open(broken / TOKENS_FILE, "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(ConfigError, match="not a complete") as err:
+        check_source(Cfg(source=str(broken), tokenizer=str(tokenizer)))
+    assert err.value.field_name == "data.source"
+
+
+def test_prepare_refuses_before_writing(jsonl, tokenizer, tmp_path):
+    cases = [
+        (dict(source=str(tmp_path / "nowhere"), tokenizer="byte"), "data.source"),
+        (dict(source=str(jsonl), tokenizer="bpe"), "data.tokenizer"),
+        (dict(source=str(jsonl), tokenizer=str(tmp_path / "none.json")), "data.tokenizer"),
+        (dict(source=str(jsonl), tokenizer="byte", text_field="body"), "data.text_field"),
+    ]
+    for kwargs, field in cases:
+        with pytest.raises(ConfigError) as err:
+            prepare(out=tmp_path / "out", progress=False, **kwargs)
+        assert err.value.field_name == field
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("keep")
+    with pytest.raises(ConfigError, match="not empty"):
+        prepare(str(jsonl), "byte", tmp_path / "full", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full"]
