@@ -10,9 +10,9 @@ shape and placement it trains with; for each one this rank reads exactly the reg
 * anything else (replicated parameters, ZeRO-1/2's views into their flat buckets): the whole
   tensor.
 
-One exception reads more: ZeRO-3 over tensor parallelism shards dim 0 twice (FSDP2's
-``_StridedShard``), whose local rows are not one region; those ranks read the whole tensor and
-keep their part.
+ZeRO-3 over tensor parallelism shards dim 0 twice (FSDP2's ``_StridedShard``: it chunks each
+TP shard again), so the local rows are not one region of the full tensor: those ranks read their
+TP shard and chunk it as FSDP2 does.
 
 A pipeline rank only visits the parameters of its own stages. The values go in with ``copy_`` on
 the local tensor, so views (ZeRO-1/2's buckets) and tied parameters stay what they are.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -40,14 +40,22 @@ def load_local_shards(model: nn.Module, source: PretrainedSource,
     written = 0
     for name, param in model.named_parameters():  # a tied weight is yielded once
         if isinstance(param, DTensor) and _strided(param):
-            # FSDP2 over TP splits dim 0 twice: the local rows are not one region. Read the
-            # whole tensor and keep this rank's part, as distribute_tensor cuts it locally.
-            full = source.read(name)
+            # ZeRO-3 over TP: FSDP2 chunks this rank's TP shard again along the same dim, so the
+            # local rows are not one region of the full tensor: read the TP shard, chunk locally.
+            local = param.to_local()
+            outer = [Replicate() if isinstance(p, _StridedShard) else p for p in param.placements]
+            shape, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                                   outer)
             if name in expert_names:
-                full = full[experts.rank * _experts_of(param):][:_experts_of(param)]
-            cut = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements,
-                                    src_data_rank=None)
-            param.to_local().copy_(cut.to_local())
+                offsets = (offsets[0] + experts.rank * _experts_of(param), *offsets[1:])
+            region = source.read(name, tuple(offsets), tuple(shape))
+            for mesh_dim, placement in enumerate(param.placements):
+                if isinstance(placement, _StridedShard):
+                    pieces = region.chunk(param.device_mesh.size(mesh_dim), dim=placement.dim)
+                    index = param.device_mesh.get_local_rank(mesh_dim)
+                    region = pieces[index] if index < len(pieces) else region[:0]
+            if local.numel():
+                local.copy_(region.to(local.dtype))
             written += 1
             continue
         if isinstance(param, DTensor):
