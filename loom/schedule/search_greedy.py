@@ -10,8 +10,8 @@ the most useful ready action,
 3. a forward, if the memory limit (and the rank's warm-up cap) allows it,
 4. a deferred W: it fills what would otherwise be a bubble, and frees memory.
 
-Times come from the given per-stage costs and send latency, not unit steps (``_greedy.py``, which
-builds v_half / v_min, uses unit steps), so the order adapts to unequal F, I, W and to latency.
+Times come from the given per-stage costs and send latency (the families' greedy policy,
+``families._greedy``, uses unit costs), so the order adapts to unequal F, I, W and to latency.
 
 Memory, in counts of one chunk (one unit = ``v`` counts on a rank with v stages): a forward never
 takes a rank over the limit. The first forward of a microbatch on a rank (its *admission*) must

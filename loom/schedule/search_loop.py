@@ -1,9 +1,11 @@
-"""What the search's list schedulers share: the per-rank chunk layout and the event loop.
+"""The one list-scheduling core: the event loop (and the per-rank chunk layout) of every policy.
 
-``search_greedy`` (forward), ``search_reverse`` (backward in time) and ``search_priority``
-(forward, by priorities) all advance one clock over the ranks: a rank that is free asks its
-scheduler what to start (an action and its start time) or when to look again, and a started
-action wakes its own rank when it ends and the rank it sends to when the message arrives.
+The search's ``search_greedy`` (forward, by knobs), ``search_reverse`` (backward in time) and
+``search_priority`` (forward, by priorities; with patience, the search's patient pass) and the
+families' greedy policy (``families._greedy``: v_half, v_min, bidirectional_v) all advance one
+clock over the ranks: a rank that is free asks its policy what to start (an action and its start
+time) or when to look again, and a started action wakes its own rank when it ends and the rank it
+sends to when the message arrives. They differ only in their ``Decide`` / ``Commit`` pair.
 """
 
 from __future__ import annotations

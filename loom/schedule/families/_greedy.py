@@ -1,15 +1,16 @@
-"""A greedy list scheduler under a per-rank memory budget (v_half, v_min, bidirectional_v).
+"""The families' greedy list-scheduling policy under a per-rank memory budget (v_half, v_min,
+bidirectional_v), run on the search's event loop (``loom.schedule.search_loop.run``).
 
-It simulates unit-time execution (F = I = W = 1, B = 2) and lets every free rank start the most
-useful ready action: a backward (I or B) first, since it frees memory and unblocks the rank
-before; then a forward, the deepest stage first (depth first, so microbatches finish early);
-then a deferred W, which fills what would otherwise be a bubble.
+Unit costs (F = I = W = 1, no send time), the backward always split into I and W. Every free rank
+starts the most useful ready action: an I first, since it unblocks the rank before and leads to a
+W that frees memory; then a forward, the deepest stage first (depth first, so microbatches finish
+early); then a deferred W, which fills what would otherwise be a bubble.
 
 Memory is reserved per microbatch: a rank admits microbatch k (runs its first forward on this
 rank) only if ``budget`` units stay free for everything k will hold there, i.e. the weights of all
-the rank's stages; each stage's share is released when its last backward piece ends. Admission
-is in microbatch order on every rank, so the oldest unfinished microbatch is always admitted
-everywhere and can finish: the result never deadlocks as long as budget >= 1.
+the rank's stages; each stage's share is released when its W ends. Admission is in microbatch
+order on every rank, so the oldest unfinished microbatch is always admitted everywhere and can
+finish: the result never deadlocks as long as budget >= 1.
 
 With routes (``num_routes`` copies of the stages, microbatch m through copy ``routes[m]``, see
 ``loom.schedule.ir``) depth is the stage's position on its route, ties go to the older
@@ -19,6 +20,11 @@ until the previous up one has crossed the whole pipeline), so a rank may admit a
 microbatch first, but only while one unit stays free for the oldest one it has not admitted:
 that unit is always there when the oldest unfinished microbatch arrives, so the argument above
 still holds. With one route, the oldest is always the next arrival, and this is plain order.
+
+Why a policy of its own: routes. With one route it makes exactly the choices of the search's
+``search_greedy.list_schedule`` at its default ``Knobs()`` on these unit costs (v_half and v_min
+equal it, tests/unit/schedule/test_pipeline_schedules.py checks), but ``search_greedy`` knows
+one route only: it admits and orders forwards by stage index, not by position on a route.
 """
 
 from __future__ import annotations
@@ -26,9 +32,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from fractions import Fraction
 
-from loom.schedule.ir import Action, Op, Schedule
-
-_DURATION = {Op.F: 1, Op.I: 1, Op.W: 1, Op.B: 2}
+from loom.schedule.ir import Action, Schedule
+from loom.schedule.search_eval import CODE_OP, EPS, F, I, W, Costs, Row
+from loom.schedule.search_loop import run
 
 
 def greedy_schedule(
@@ -36,7 +42,6 @@ def greedy_schedule(
     placement: Sequence[int],
     microbatches: int,
     budget: float,
-    split_backward: bool,
     num_routes: int = 1,
     routes: Sequence[int] = (),
 ) -> Schedule:
@@ -47,85 +52,72 @@ def greedy_schedule(
                      [[] for _ in range(max(placement) + 1)], num_routes=num_routes,
                      routes=tuple(routes))
     num_stages, pp_size, depth = len(placement), shape.pp_size, shape.stages_per_route
-    stages_of = [list(shape.stages_of(r)) for r in range(pp_size)]
+    m = microbatches
+    stages_of = [shape.stages_of(r) for r in range(pp_size)]
     weight = [shape.stage_weight(s) for s in range(num_stages)]
     # visitors[s]: the microbatches that go through stage s, in order
-    visitors = [[mb for mb in range(microbatches) if s in shape.route_stages(mb)]
-                for s in range(num_stages)]
+    visitors = [[mb for mb in range(m) if s in shape.route_stages(mb)] for s in range(num_stages)]
     entry = {(r, s // depth): min(t for t in stages_of[r] if t // depth == s // depth)
              for r in range(pp_size) for s in stages_of[r]}  # (rank, route) -> first stage
-    backward = Op.I if split_backward else Op.B
-    finish: dict[tuple[int, Op, int], int] = {}  # (stage, op, mb) -> finish time
-    next_forward = [0] * num_stages  # index into visitors[stage]
-    next_backward = [0] * num_stages
+    fin_f = [-1.0] * (num_stages * m)  # finish times, index stage * m + microbatch
+    fin_i = [-1.0] * (num_stages * m)
+    next_f = [0] * num_stages  # index into visitors[stage]
+    next_i = [0] * num_stages
     # waiting[r]: microbatches not yet admitted on rank r, oldest first
     waiting = [sorted({mb for s in stages_of[r] for mb in visitors[s]}) for r in range(pp_size)]
     reserved = [Fraction(0)] * pp_size
     deferred_w: list[list[tuple[int, int]]] = [[] for _ in range(pp_size)]
-    busy_until = [0] * pp_size
-    rows: list[list[Action]] = [[] for _ in range(pp_size)]
     limit = Fraction(budget).limit_denominator(1000)
-    total = sum(len(v) for v in visitors) * (3 if split_backward else 2)
-    done, time = 0, 0
 
-    def finished(stage: int, op: Op, mb: int) -> bool:
-        return finish.get((stage, op, mb), time + 1) <= time
+    def order(action: tuple[int, int, int]) -> tuple[int, int]:  # deepest on its route, oldest
+        return -(action[0] % depth), action[2]
 
-    def order(action: Action) -> tuple[int, int]:  # deepest on its route first, then oldest
-        return -(action.stage % depth), action.microbatch
+    def decide(r: int, t: float) -> tuple[tuple[int, int, int], float] | float:
+        def finished(fin: list[float], s: int, k: int) -> bool:
+            return 0 <= fin[s * m + k] <= t + EPS
 
-    def candidates(rank: int):
-        ready = []
-        for stage in stages_of[rank]:
-            if next_backward[stage] < len(visitors[stage]):
-                mb = visitors[stage][next_backward[stage]]
-                if finished(stage, Op.F, mb) and (
-                    shape.is_last(stage) or finished(stage + 1, backward, mb)
-                ):
-                    ready.append(Action(stage, backward, mb))
-        yield from sorted(ready, key=order)
-        ready = []
-        for stage in stages_of[rank]:
-            if next_forward[stage] < len(visitors[stage]):
-                mb = visitors[stage][next_forward[stage]]
-                first_here = stage == entry[rank, stage // depth]
-                fits = first_here and reserved[rank] + (1 if mb == waiting[rank][0] else 2) \
-                    <= limit  # a newer microbatch leaves one unit for the oldest
-                if (shape.is_first(stage) or finished(stage - 1, Op.F, mb)) and (
-                    not first_here or fits
-                ):
-                    ready.append(Action(stage, Op.F, mb))
-        yield from sorted(ready, key=order)
-        if deferred_w[rank]:
-            yield Action(deferred_w[rank][0][0], Op.W, deferred_w[rank][0][1])
+        backward, forward = [], []
+        for s in stages_of[r]:
+            if next_i[s] < len(visitors[s]):
+                k = visitors[s][next_i[s]]
+                if finished(fin_f, s, k) and (shape.is_last(s) or finished(fin_i, s + 1, k)):
+                    backward.append((s, I, k))
+            if next_f[s] < len(visitors[s]):
+                k = visitors[s][next_f[s]]
+                if s == entry[r, s // depth] and reserved[r] + (
+                        1 if k == waiting[r][0] else 2) > limit:
+                    continue  # no room to admit k (a newer microbatch leaves one unit free)
+                if shape.is_first(s) or finished(fin_f, s - 1, k):
+                    forward.append((s, F, k))
+        for ready in (backward, forward):
+            if ready:
+                return min(ready, key=order), t
+        if deferred_w[r]:
+            s, k = deferred_w[r][0]
+            return (s, W, k), t
+        return float("inf")  # look again when an action ends here or a message arrives
 
-    while done < total:
-        if time > 4 * total + 4 * num_stages:  # cannot happen when budget >= 1; fail loudly
-            raise RuntimeError(f"{name}: greedy scheduler made no progress by step {time}")
-        for rank in range(pp_size):
-            if busy_until[rank] > time:
-                continue
-            action = next(candidates(rank), None)
-            if action is None:
-                continue
-            stage, op, mb = action.stage, action.op, action.microbatch
-            rows[rank].append(action)
-            finish[(stage, op, mb)] = busy_until[rank] = time + _DURATION[op]
-            done += 1
-            if op is Op.F:
-                next_forward[stage] += 1
-                if stage == entry[rank, stage // depth]:
-                    waiting[rank].remove(mb)
-                    reserved[rank] += 1
-            elif op is Op.W or op is Op.B:
-                if op is Op.W:
-                    deferred_w[rank].pop(0)
-                else:
-                    next_backward[stage] += 1
-                reserved[rank] -= weight[stage]
-            else:
-                next_backward[stage] += 1
-                deferred_w[rank].append((stage, mb))
-        time += 1
-    return Schedule(num_stages, microbatches, tuple(placement), tuple(tuple(r) for r in rows),
+    def commit(r: int, action: tuple[int, int, int], end: float) -> None:
+        s, o, k = action
+        if o == F:
+            fin_f[s * m + k] = end
+            next_f[s] += 1
+            if s == entry[r, s // depth]:
+                waiting[r].remove(k)
+                reserved[r] += 1
+        elif o == I:
+            fin_i[s * m + k] = end
+            next_i[s] += 1
+            deferred_w[r].append((s, k))
+        else:
+            deferred_w[r].pop(0)
+            reserved[r] -= weight[s]
+
+    rows: list[Row] = [[] for _ in range(pp_size)]
+    unit = Costs(((1.0,) * 4,) * num_stages, 0.0)  # F, I, W (B is never scheduled)
+    started = run(placement, unit, rows, [0.0] * pp_size, decide, commit)
+    if started < 3 * sum(len(v) for v in visitors):  # cannot happen when budget >= 1
+        raise RuntimeError(f"{name}: greedy scheduler stalled after {started} actions")
+    return Schedule(num_stages, m, tuple(placement),
+                    tuple(tuple(Action(s, CODE_OP[o], k) for s, o, k in row) for row in rows),
                     name=name, num_routes=num_routes, routes=tuple(routes))

@@ -47,5 +47,4 @@ def bidirectional_v(pp_size: int, microbatches: int) -> Schedule:
     Microbatches alternate between the copies; trainable for an even p and m >= 2."""
     check_sizes("bidirectional_v", pp_size, microbatches)
     return greedy_schedule("bidirectional_v", bidirectional_placement(pp_size), microbatches,
-                           budget=pp_size, split_backward=True, num_routes=2,
-                           routes=[mb % 2 for mb in range(microbatches)])
+                           pp_size, num_routes=2, routes=[mb % 2 for mb in range(microbatches)])

@@ -38,14 +38,10 @@ def v_min_budget(pp_size: int) -> int:
 def v_half(pp_size: int, microbatches: int) -> Schedule:
     """V-Half on the V placement; valid for m >= 1. Uses I and W."""
     check_sizes("v_half", pp_size, microbatches)
-    return greedy_schedule(
-        "v_half", v_placement(pp_size, 2), microbatches, v_half_budget(pp_size), split_backward=True
-    )
+    return greedy_schedule("v_half", v_placement(pp_size, 2), microbatches, v_half_budget(pp_size))
 
 
 def v_min(pp_size: int, microbatches: int) -> Schedule:
     """V-Min on the V placement; valid for m >= 1. Uses I and W."""
     check_sizes("v_min", pp_size, microbatches)
-    return greedy_schedule(
-        "v_min", v_placement(pp_size, 2), microbatches, v_min_budget(pp_size), split_backward=True
-    )
+    return greedy_schedule("v_min", v_placement(pp_size, 2), microbatches, v_min_budget(pp_size))

@@ -11,6 +11,8 @@ import pytest
 from loom.schedule import Op, execute, peak_memory, validate
 from loom.schedule.families import get, names
 from loom.schedule.families.controllable_memory import v_half_budget, v_min_budget
+from loom.schedule.search_eval import Costs, encode
+from loom.schedule.search_greedy import Knobs, list_schedule
 
 PP_SIZES = (2, 4, 8, 16)
 UNIT = {Op.F: 1, Op.I: 1, Op.W: 1, Op.B: 2}
@@ -64,6 +66,17 @@ def test_controllable_memory_schedules_stay_within_their_budgets(p):
     # Qi et al. 2024b: V-Half about 1/2 and V-Min about 1/3 of 1F1B's p units (+1 working unit)
     assert max(peak_memory(get("v_half")(p, 4 * p))) <= v_half_budget(p) == p // 2 + 1
     assert max(peak_memory(get("v_min")(p, 4 * p))) <= v_min_budget(p) == math.ceil(p / 3) + 1
+
+
+@pytest.mark.parametrize("p", PP_SIZES)
+def test_controllable_memory_orders_are_the_search_greedy_policy_at_unit_costs(p):
+    # families._greedy with one route chooses what search_greedy does at its default knobs
+    unit = Costs(((1.0,) * 4,) * 2 * p, 0.0)
+    for name, budget in (("v_half", v_half_budget(p)), ("v_min", v_min_budget(p))):
+        for m in microbatch_counts(name, p):
+            schedule = get(name)(p, m)
+            rows = list_schedule(schedule.placement, m, unit, budget, Knobs())[0]
+            assert rows == encode(schedule), (name, p, m)
 
 
 @pytest.mark.parametrize("p", (4, 8))
