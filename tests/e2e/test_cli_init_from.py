@@ -123,3 +123,31 @@ def test_train_from_a_hf_model_then_export_gives_transformers_the_same_logits(tm
         got, want, initial = ours(tokens), theirs(tokens).logits, start(tokens).logits
     assert (got - want).abs().max() <= 1e-5
     assert (want - initial).abs().max() > 1e-4  # it trained: not the starting weights
+
+
+def test_a_hf_model_directorys_tokenizer_is_the_default(tmp_path, monkeypatch, capsys):
+    from tests.data_fixtures import make_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    _setup(tmp_path, "good")
+    make_tokenizer(tmp_path / "model", vocab_size=300)  # within the model's 320 rows
+    argv = ["train", "--data.seq_len=64", "--train.steps=1", "--model.init_from=model"]
+    assert main([*argv, "--print-config"]) == 0
+    assert 'tokenizer = "model"' in capsys.readouterr().out
+    assert main([*argv, "--data.tokenizer=byte", "--print-config"]) == 0  # an explicit one wins
+    assert 'tokenizer = "byte"' in capsys.readouterr().out
+
+
+def test_a_tokenizer_larger_than_the_pretrained_vocabulary_is_refused(tmp_path, monkeypatch,
+                                                                      capsys):
+    from tests.data_fixtures import make_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    _setup(tmp_path, "good")
+    make_tokenizer(tmp_path / "model", vocab_size=400)  # the model has 320 embedding rows
+    capsys.readouterr()
+    before = snapshot(tmp_path)
+    assert main(["train", *SMALL[:2], "--model.init_from=model"]) == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert "model.vocab_size=320" in err and "Traceback" not in err, err
+    assert snapshot(tmp_path) == before
