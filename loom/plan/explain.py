@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from loom.config import to_toml
+from loom.config import Config, to_toml
 from loom.plan.hardware import GiB
 from loom.plan.search import Plan, to_config
 from loom.sim.cost_model import StepCost
@@ -110,6 +110,24 @@ def launch_command(plan: Plan, config_path: str) -> str:
             f" --rdzv-endpoint $HEAD_NODE:29500 -m loom train --config {config_path}")
 
 
+def still_to_set(config: Config) -> list[str]:
+    """The values a planned config leaves at a local default that a real run must replace: the
+    data, a tokenizer that fits the model's vocabulary, and the weights to start from."""
+    out = []
+    if not config.data.mix and config.data.source == "stdlib":
+        out.append("data.source: the embedded stdlib corpus now; your dataset (a .jsonl, .parquet"
+                   " or `loom data prepare` directory), or data.mix")
+    vocab = config.model.vocab_size
+    if config.data.tokenizer in ("byte", "bpe") and vocab > 4096:
+        out.append(f"data.tokenizer: {config.data.tokenizer!r} now; the path of a tokenizer.json"
+                   f" that fits model.vocab_size = {vocab} (e.g. the init_from directory)")
+    if not config.model.init_from:
+        out.append("model.init_from: empty trains from a random init; a Hugging Face or Loom"
+                   " directory to continue pretraining or fine-tune (its shape must match"
+                   " [model])")
+    return out
+
+
 def write_chosen(plan: Plan, cost: StepCost, path: str | Path) -> str:
     """Write ``cost``'s layout as a Loom TOML config at ``path``; return the launch command."""
     config = to_config(cost.layout, plan.workload)  # Loom's rules, once more
@@ -120,6 +138,9 @@ def write_chosen(plan: Plan, cost: StepCost, path: str | Path) -> str:
               f"# predicted {cost.step_time:.4f} s/step, {plan.tokens_per_second_per_gpu(cost):,.0f}"
               f" tokens/s/GPU, MFU {plan.mfu(cost):.1%}, {cost.memory_total / GiB:.1f} GiB/GPU"
               f" on {plan.cluster.describe()}\n")
+    todo = still_to_set(config)
+    if todo:
+        header += "# still to set before training:\n" + "".join(f"#   {line}\n" for line in todo)
     tmp.write_text(header + to_toml(config))
     tmp.replace(path)  # never a half-written config
     return launch_command(plan, str(path))
@@ -137,4 +158,4 @@ def to_json(plan: Plan) -> str:
     }, indent=2)
 
 
-__all__ = ["table", "breakdown", "row", "write_chosen", "launch_command", "to_json"]
+__all__ = ["table", "breakdown", "row", "write_chosen", "launch_command", "to_json", "still_to_set"]
