@@ -151,3 +151,41 @@ def test_a_tokenizer_larger_than_the_pretrained_vocabulary_is_refused(tmp_path, 
     err = capsys.readouterr().err
     assert "model.vocab_size=320" in err and "Traceback" not in err, err
     assert snapshot(tmp_path) == before
+
+
+def test_greedy_loom_generate_continues_as_transformers_greedy_generate(tmp_path):
+    """Fine-tune from a HF directory with its tokenizer, export, then the same prompt: Loom's
+    `--temperature 0` text is transformers' greedy `generate` on the exported weights."""
+    from tests.data_fixtures import make_tokenizer
+
+    _setup(tmp_path, "good")
+    make_tokenizer(tmp_path / "model", vocab_size=300)
+    env = clean_env()
+
+    def loom(*args: str) -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, "-m", "loom", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done
+
+    loom("train", "--model.init_from=model", "--data.seq_len=32", "--data.max_bytes=100000",
+         "--train.steps=2", "--train.global_batch_size=4", "--train.micro_batch_size=2",
+         "--train.eval_every=0", "--metrics.tensorboard=false", "--metrics.plot=false",
+         "--train.run_dir=runs/ft")
+    loom("hf", "export", "runs/ft", "out")
+    prompt = "def add(a, b):"
+    ours = loom("generate", "--run", "runs/ft", "--prompt", prompt, "--temperature", "0",
+                "--max-new-tokens", "12").stdout
+
+    from loom.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tmp_path / "runs" / "ft" / "data")  # the run's own copy
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    out = hf.generate(ids, do_sample=False, max_new_tokens=12, eos_token_id=tokenizer.eos_id,
+                      pad_token_id=tokenizer.eos_id)
+    new = [t for t in out[0, ids.shape[1]:].tolist()]
+    if tokenizer.eos_id in new:
+        new = new[:new.index(tokenizer.eos_id)]
+    assert new  # something was generated: the comparison is not of two empty strings
+    assert ours.rstrip("\n") == prompt + tokenizer.decode(new)
