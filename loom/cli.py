@@ -23,14 +23,24 @@ import sys
 import time
 from pathlib import Path
 
+from loom.calibration.measure import calibrate
 from loom.config import Config, ConfigError, load_config, parse_overrides, resolve, to_toml
+from loom.config_help import help_text
+from loom.data.cli import add_data_commands
+from loom.generate import generate
+from loom.grid_summary import describe_grid
+from loom.hf_cli import add_hf_commands
+from loom.launch import check_run_dir, run_job, under_external_launcher
+from loom.pipeline.cli import add_schedule_commands
+from loom.plan.cli import add_plan_commands
+from loom.topology import RankGrid
+from loom.train.checkpoint import resume_refusal
+from loom.train.memory import GiB, check_memory_limit, device_limit_bytes, estimate_memory
 
 EXIT_CONFIG_ERROR = 2
 
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
-    from loom.launch import check_run_dir, run_job, under_external_launcher
-
     try:
         if args.nproc < 1:
             raise ConfigError("--nproc", args.nproc, "must be >= 1")
@@ -49,8 +59,6 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     if args.print_config:  # before the run directory gets its default: "" stays "a new one"
         print(to_toml(config), end="")
         return 0
-    from loom.train.memory import check_memory_limit
-
     # before anything is written or started; the host's memory is shared by this node's ranks
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if external else args.nproc
     refusal = check_memory_limit(config, local_ranks)
@@ -66,8 +74,6 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     try:
         check_run_dir(Path(run_dir))
         if not external:  # under torchrun, rank 0 of the job decides (every rank would hash)
-            from loom.train.checkpoint import resume_refusal
-
             refusal = resume_refusal(config.checkpoint.resume, Path(run_dir) / "checkpoints")
             if refusal:
                 print(f"loom train: config error: {refusal}", file=sys.stderr)
@@ -84,9 +90,6 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
 
 def _dry_run_report(config: Config, run_dir: Path, local_ranks: int) -> str:
     """What ``loom train --dry-run`` prints once every check has passed."""
-    from loom.grid_summary import describe_grid
-    from loom.topology import RankGrid
-
     state = "exists; the run continues in it" if run_dir.exists() else "would be created"
     return "\n".join([
         "loom train --dry-run: every check passed; nothing was written or started",
@@ -99,8 +102,6 @@ def _dry_run_report(config: Config, run_dir: Path, local_ranks: int) -> str:
 def _memory_report(config: Config, local_ranks: int) -> str:
     """The layout, the estimator's breakdown and the limit it is held to (``local_ranks``: the
     ranks on this host, which share its memory on CPU)."""
-    from loom.train.memory import GiB, device_limit_bytes, estimate_memory
-
     par = config.parallel
     lines = [f"layout: {par.degrees()} zero_stage={par.zero_stage if par.dp_shard > 1 else '-'}"
              f" recompute={config.train.recompute} dtype={config.train.dtype}"
@@ -135,16 +136,12 @@ class _TrainHelp(argparse.Action):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
-        from loom.config_help import help_text
-
         parser.epilog = f"{parser.epilog}\n\n{help_text()}"
         parser.print_help()
         parser.exit()
 
 
 def _generate(args: argparse.Namespace, extra: list[str]) -> int:
-    from loom.generate import generate
-
     if extra:
         print(f"loom generate: unexpected arguments {extra}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
@@ -160,8 +157,6 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
 
 def _measure_machine(nproc: int, profile: str | None) -> Path:
     """``loom plan --calibrate``: measure this machine (processes, torch, the trainer's probes)."""
-    from loom.calibration.measure import calibrate
-
     return calibrate(nproc, profile)
 
 
@@ -211,19 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(handler=_generate)
 
-    from loom.pipeline.cli import add_schedule_commands
-
     add_schedule_commands(sub)
-
-    from loom.hf_cli import add_hf_commands
 
     add_hf_commands(sub)
 
-    from loom.data.cli import add_data_commands
-
     add_data_commands(sub)
-
-    from loom.plan.cli import add_plan_commands
 
     add_plan_commands(sub, measure_machine=_measure_machine)
     return parser

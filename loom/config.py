@@ -27,6 +27,7 @@ else:  # pragma: no cover
 
 from loom.config_rules import DEFAULT_SCHEDULE, check_bpe_vocab
 from loom.config_rules import validate as check_rules
+from loom.data.tokenizer import tokenizer_vocab_size
 from loom.errors import ConfigError, suggest
 from loom.layout import Job, Layout
 from loom.models.hf import HFConversionError
@@ -461,8 +462,6 @@ def resolve(config: Config, world_size: int) -> Config:
         par.dp_replicate = world_size // others
     check_bpe_vocab(config.data)
     if config.model.vocab_size == 0:
-        from loom.data.tokenizer import tokenizer_vocab_size
-
         base = tokenizer_vocab_size(config.data.tokenizer, config.data.bpe_vocab_size)
         multiple = config.model.vocab_multiple
         config.model.vocab_size = -(-base // multiple) * multiple

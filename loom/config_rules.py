@@ -28,7 +28,7 @@ from loom.data.tokenizer import tokenizer_vocab_size
 from loom.errors import ConfigError, suggest
 from loom.parallel.context import CPLayout, check_layout
 from loom.schedule.families import SEARCH_PLACEMENTS, simulation_only, trainable
-from loom.schedule.select import schedule_for
+from loom.schedule.select import ChunksError, SEARCH, parse_search_costs, schedule_for
 
 if TYPE_CHECKING:  # the rules read a config; loom.config imports them to run them in resolve()
     from loom.config import Config, DataConfig
@@ -446,9 +446,6 @@ def _validate_routes(config: Config, schedule, how: str) -> None:
 def _validate_schedule(config: Config) -> None:
     """The pipeline rules: a known schedule family, chunks it accepts, a layer per stage and a
     microbatch count m = global_batch_size / (dp * micro_batch_size) the family can schedule."""
-    from loom.schedule.select import (SEARCH, ChunksError, parse_search_costs,  # config -> Schedule,
-                                      schedule_for)  # one place
-
     par, tr, m = config.parallel, config.train, config.model
     if par.schedule.lower().replace("-", "_") in simulation_only():
         raise ConfigError("parallel.schedule", par.schedule,

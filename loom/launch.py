@@ -33,6 +33,10 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from loom.config import Config, ConfigError, from_dict, to_dict, to_toml
+from loom.data.loader import prepare_data
+from loom.supervise import INTERRUPT_WAIT_S, Interrupted, Supervisor
+from loom.train import preempt, watchdog
+from loom.train.distributed import init_distributed
 
 THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
@@ -91,8 +95,6 @@ def prepare_run_dir(config: Config, run_dir: Path, *, is_main: bool = True) -> P
     """Write the token files and the resolved config of the run (idempotent); return the data
     dir. The data comes first: a corpus too short for one sample raises ConfigError, and then
     the directories this call made are removed, so a refused run leaves nothing behind."""
-    from loom.data.loader import prepare_data
-
     data_dir = run_dir / "data"
     if is_main:
         made = data_dir  # the outermost directory this call creates, if any
@@ -116,9 +118,7 @@ def worker_main(config_table: dict[str, Any], run_dir: str) -> dict[str, float]:
     """Entry point of every rank: build the Trainer and run it to the end."""
     import torch.distributed as dist
 
-    from loom.train import preempt, watchdog
-    from loom.train.distributed import init_distributed
-    from loom.train.trainer import Trainer
+    from loom.train.trainer import Trainer  # 0.9 s of imports (DCP, FSDP2): workers only
 
     preempt.install_handlers()  # first: a SIGTERM from now on asks for a checkpoint, not death
     watchdog.register(run_dir, int(os.environ.get("RANK", "0")))  # the launcher signals this pid
@@ -151,9 +151,6 @@ def launch_local(config: Config, run_dir: Path, nproc: int,
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from loom.supervise import INTERRUPT_WAIT_S, Supervisor
-    from loom.train import watchdog
 
     for key, value in THREAD_ENV.items():
         os.environ.setdefault(key, value)
@@ -210,8 +207,6 @@ def _describe_failures(err: Any, hang: dict[str, Any] | None = None) -> str:
 def run_job(config: Config, run_dir: Path, nproc: int, max_restarts: int = 0) -> int:
     """Run training and return a process exit code (0 ok or preempted and checkpointed, 1 a
     worker failed, 130 interrupted)."""
-    from loom.supervise import Interrupted
-
     try:
         if under_external_launcher():
             worker_main(to_dict(config), str(run_dir))

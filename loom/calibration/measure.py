@@ -16,10 +16,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from loom.config import DataConfig
+from loom.data.loader import prepare_data
 from loom.models.layers import TransformerArgs, rope_tables
 from loom.models.llama import TransformerBlock
 from loom.plan.calibrate import (ALLREDUCE_BYTES, BLOCKS, OPTIMIZER_PARAMS, SMALLEST_DIMS,
                                  write_profile)
+from loom.plan.probes import PROBE_DATA
+from loom.train.distributed import init_distributed
 
 
 def _median_time(fn, reps: int) -> float:
@@ -51,9 +55,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, data_dir: str 
         dist.barrier()
         result["allreduce"][nbytes] = _median_time(lambda: dist.all_reduce(buf), reps=7)
     if data_dir is not None:
-        from loom.calibration.probes import run_probes
-        from loom.train.distributed import init_distributed
-
+        from loom.calibration.probes import run_probes  # imports the trainer (0.9 s)
         result["probes"] = run_probes(init_distributed("cpu", "gloo"), world, data_dir)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -129,10 +131,6 @@ def measure(nproc: int, *, probes: bool = True) -> dict:
         store = os.path.join(tmp, "store")
         data_dir = None
         if probes and nproc > 1:
-            from loom.config import DataConfig
-            from loom.data.loader import prepare_data
-            from loom.plan.probes import PROBE_DATA
-
             fields = {k.split(".", 1)[1]: v for k, v in PROBE_DATA.items()}
             fields["extensions"] = tuple(fields["extensions"].split(","))
             data_dir = os.path.join(tmp, "data")

@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 
+from loom.data.prepare import prepare
 from loom.errors import ConfigError
 
 EXIT_CONFIG_ERROR = 2
@@ -20,8 +21,6 @@ _OPTION_OF = {"data.source": "--source", "data.tokenizer": "--tokenizer",
 
 
 def _prepare(args: argparse.Namespace, extra: list[str]) -> int:
-    from loom.data.prepare import prepare
-
     if extra:
         print(f"loom data prepare: unexpected arguments {extra}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

@@ -21,9 +21,12 @@ import os
 import sys
 from typing import Any, NoReturn
 
-from loom.schedule.ir import Schedule, csv_text
+from loom.schedule.cost import StageCosts, parse_cost_spec
 from loom.schedule.families import get, names, routed, simulation_only
-from loom.schedule.search import DEFAULT_EFFORT, PLACEMENTS
+from loom.schedule.ir import Schedule, csv_text
+from loom.schedule.render import render_gantt, write_chrome_trace
+from loom.schedule.search import DEFAULT_EFFORT, PLACEMENTS, SearchError, search
+from loom.schedule.simulate import simulate
 from loom.schedule.validate import ScheduleError, format_grid, validate
 
 EXIT_USAGE = 2
@@ -191,12 +194,8 @@ def _show(args: argparse.Namespace) -> int:
         return 0
     path = args.output
     if path.lower().endswith(".json"):
-        from loom.schedule.render import write_chrome_trace
-
         write_chrome_trace(result, path)
     else:
-        from loom.schedule.render import render_gantt
-
         try:
             render_gantt(schedule, result, path)
         except ValueError as err:
@@ -249,8 +248,6 @@ def _simulate(args: argparse.Namespace) -> int:
 
 @_run
 def _search(args: argparse.Namespace) -> int:
-    from loom.schedule.search import SearchError, search
-
     microbatches = args.microbatches or 2 * args.pp
     costs = _costs(args)
     try:
@@ -337,8 +334,6 @@ def _load_file(args: argparse.Namespace) -> Schedule:
 
 
 def _costs(args: argparse.Namespace) -> Any:
-    from loom.schedule.cost import StageCosts, parse_cost_spec
-
     if args.cost_file:
         try:
             return StageCosts.from_file(args.cost_file)
@@ -352,8 +347,6 @@ def _costs(args: argparse.Namespace) -> Any:
 
 def _simulated(args: argparse.Namespace, schedule: Schedule) -> Any:
     """Simulate with the given costs, then enforce --memory-limit on the simulated peaks."""
-    from loom.schedule.simulate import simulate
-
     costs = _costs(args)
     try:
         result = simulate(schedule, costs)

@@ -44,6 +44,7 @@ from pathlib import Path
 from loom.layout import Layout
 from loom.models.layers import TransformerArgs
 from loom.plan.hardware import Cluster, Gpu, HardwareError, Link
+from loom.plan.probes import fit_framework
 from loom.sim.cost_model import CostModel
 
 DEFAULT_PROFILE = Path.home() / ".cache" / "loom" / "local.json"
@@ -99,8 +100,6 @@ def fit(raw: dict, nproc: int, *, cores_shared: float = 0.0) -> tuple[Gpu, Link]
     scale = layer_scale(gpu, link, alone.get("blocks", [])[1:])
     gpu = replace(gpu, peak_flops=gpu.peak_flops / scale, hbm_bandwidth=gpu.hbm_bandwidth / scale)
     if "probes" in ranks[0]:
-        from loom.plan.probes import fit_framework
-
         gpu = replace(gpu, framework=fit_framework(ranks[0]["probes"], gpu, link, nproc))
     return gpu, link
 

@@ -19,7 +19,15 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from loom.config import ConfigError, load_config
 from loom.layout import Layout
+from loom.models.presets import PRESETS
+from loom.plan import explain
+from loom.plan.calibrate import describe, load_profile
+from loom.plan.hardware import HardwareError, load_catalog, make_cluster
+from loom.plan.search import Plan, plan, simulate_step
+from loom.plan.space import Workload
+from loom.sim.cost_model import CostModel
 
 EXIT_BAD_INPUT = 2
 
@@ -83,17 +91,12 @@ def parse_layout(text: str) -> Layout:
 
 
 def _workload(args: argparse.Namespace):
-    from loom.models.presets import PRESETS
-    from loom.plan.space import Workload
-
     if not args.model:
         raise PlanInputError("--model: required (a preset name or a Loom TOML config)")
     config_path = None
     if args.model in PRESETS:
         model, name, default_seq = PRESETS[args.model], args.model, PRESETS[args.model].max_seq_len
     elif Path(args.model).is_file():
-        from loom.config import load_config
-
         config = load_config(args.model)
         model, name, config_path = config.model, Path(args.model).stem, args.model
         default_seq = config.data.seq_len
@@ -113,12 +116,8 @@ def _workload(args: argparse.Namespace):
 
 
 def _cluster(args: argparse.Namespace):
-    from loom.plan.hardware import load_catalog, make_cluster
-
     catalog = load_catalog(args.hardware)
     if args.gpu == "local":
-        from loom.plan.calibrate import load_profile
-
         gpu, link = load_profile(args.profile)
         catalog[0][gpu.name], catalog[1][link.name] = gpu, link
         args.gpu = gpu.name
@@ -133,16 +132,11 @@ def _cluster(args: argparse.Namespace):
 
 
 def _plan(args: argparse.Namespace, extra: list[str]) -> int:
-    from loom.config import ConfigError
-    from loom.plan.hardware import HardwareError
-
     if extra:
         print(f"loom plan: unexpected arguments {extra}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         if args.calibrate:
-            from loom.plan.calibrate import describe, load_profile
-
             if args.measure_machine is None:
                 raise PlanInputError("--calibrate: this entry point cannot measure the machine")
             path = args.measure_machine(args.nproc or 2, args.profile)
@@ -156,10 +150,6 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from loom.plan import explain
-    from loom.plan.search import Plan, plan, simulate_step
-    from loom.sim.cost_model import CostModel
-
     if args.top < 1 or not 0 < args.memory_fraction <= 1:
         raise PlanInputError("--top must be >= 1 and --memory-fraction in (0, 1]")
     work, cluster = _workload(args), _cluster(args)

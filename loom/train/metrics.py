@@ -332,7 +332,7 @@ class MetricsLogger:
             self._jsonl.close()
         path = self.metrics_path
         if plot and self._jsonl is not None and path is not None and path.stat().st_size > 0:
-            from loom.train.plots import plot_loss_curve
+            from loom.train.plots import plot_loss_curve  # matplotlib: 0.6 s, at the end only
 
             try:
                 return plot_loss_curve(path, path.with_name("loss_curve.png"))

@@ -35,6 +35,7 @@ from loom.data.loader import DataFiles, DistributedLoader, eval_batches
 from loom.formulas.flops import model_flops_per_token
 from loom.grid_summary import describe_grid
 from loom.models import build_model, reset_parameters
+from loom.models.moe import set_aux_loss_backward_scale
 from loom.models.pretrained import PretrainedSource
 from loom.parallel import finish_gradient_sync, no_gradient_sync, parallelize, unwrap
 from loom.parallel.comm import CommLedger
@@ -138,8 +139,6 @@ class Trainer:
         # Mixture of experts: the load-balancing loss joins the objective with its coefficient.
         self.aux_coef = self.args.aux_loss_coef if self.args.n_experts > 0 else 0.0
         if self.aux_coef and self.pipeline is not None:
-            from loom.models.moe import set_aux_loss_backward_scale
-
             # Only the last stage holds the loss: each MoE layer adds its balancing loss's
             # gradient in backward, scaled as the one-process objective scales it.
             n_micro = tr.global_batch_size // self.dp_size // tr.micro_batch_size
@@ -367,10 +366,8 @@ class Trainer:
         if dist.is_initialized():
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if bad.item():
-            from loom.train.checkpoint import CheckpointError
-
-            raise CheckpointError(f"refusing to save step {self.step}: the weights hold"
-                                  " non-finite values")
+            raise checkpoint.CheckpointError(f"refusing to save step {self.step}: the weights"
+                                             " hold non-finite values")
 
     def load_checkpoint(self, path: Path, *, verified: bool = False) -> None:
         """Continue from a checkpoint saved under this or any other layout (collective);

@@ -189,3 +189,35 @@ def test_the_schedule_package_and_the_layout_import_without_torch():
             " assert 'torch' not in sys.modules, 'torch imported'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+MAX_LOCAL_IMPORTS = 10
+
+
+def _local_imports() -> list[tuple[str, int, str]]:
+    """(file, line, text) of every Loom import inside a function, outside ``TYPE_CHECKING``."""
+    root = Path(loom.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        source = path.read_text()
+        tree, lines = ast.parse(source), source.splitlines()
+        type_only = {id(node) for block in ast.walk(tree) if _is_type_checking(block)
+                     for node in ast.walk(block)}
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                module = node.module if isinstance(node, ast.ImportFrom) else \
+                    node.names[0].name if isinstance(node, ast.Import) else None
+                if module and module.startswith("loom") and id(node) not in type_only:
+                    found.append((str(path.relative_to(root.parent)), node.lineno,
+                                  lines[node.lineno - 1].strip()))
+    return found
+
+
+def test_function_level_imports_are_few_and_say_why():
+    """An import inside a function hides an arrow from a reader of the module's top; the few
+    left must each carry a comment saying why (an expensive import only some paths need)."""
+    local = _local_imports()
+    assert len(local) <= MAX_LOCAL_IMPORTS, local
+    assert not [entry for entry in local if "#" not in entry[2]], local
