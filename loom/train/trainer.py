@@ -141,8 +141,7 @@ class Trainer:
         if self.aux_coef and self.pipeline is not None:
             # Only the last stage holds the loss: each MoE layer adds its balancing loss's
             # gradient in backward, scaled as the one-process objective scales it.
-            n_micro = tr.global_batch_size // self.dp_size // tr.micro_batch_size
-            set_aux_loss_backward_scale(self.model, self.aux_coef / n_micro)
+            set_aux_loss_backward_scale(self.model, self.aux_coef / lay.microbatches)
 
         opt = config.optim
         self.optimizer = build_optimizer(self.model, lr=opt.lr, weight_decay=opt.weight_decay,

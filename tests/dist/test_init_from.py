@@ -95,6 +95,7 @@ LAYOUTS = {
     "tp2": (2, {"tp": 2}),
     "pp2-zbv": (2, {"pp": 2, "schedule": "zbv"}),
     "dp_shard2-zero3": (2, {"dp_shard": 2, "zero_stage": 3}),
+    "dp_shard2-zero1": (2, {"dp_shard": 2, "zero_stage": 1}),  # parameters: views of buckets
     "cp2": (2, {"cp": 2}),
 }
 
