@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import signal
 import shutil
 import sys
 import tempfile
@@ -169,6 +170,11 @@ _WORKER_TOKENIZER: Tokenizer | None = None
 
 def _init_worker(kind: str) -> None:
     global _WORKER_TOKENIZER
+    # A forked worker inherits its parent's signal dispositions; Pool.terminate() stops workers
+    # with SIGTERM, so a parent that ignores or handles it (a finished `loom train` ignores a late
+    # SIGTERM) would leave terminate() waiting forever.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     # One core per worker: the library's own thread pool would oversubscribe the machine.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER_TOKENIZER = build_tokenizer(kind, 0, [])

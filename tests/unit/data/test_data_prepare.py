@@ -5,6 +5,8 @@ place by a run whose tokenizer matches."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,3 +147,19 @@ def test_prepare_refuses_before_writing(jsonl, tokenizer, tmp_path):
     with pytest.raises(ConfigError, match="not empty"):
         prepare(str(jsonl), "byte", tmp_path / "full", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full"]
+
+
+@pytest.mark.timeout(60)
+def test_prepare_finishes_when_its_parent_ignores_sigterm(tmp_path):
+    """A finished in-process `loom train` leaves SIGTERM ignored (a late one must not kill the
+    exit); forked workers inherit that, and Pool.terminate() stops them with SIGTERM, so they
+    must restore the default or prepare never returns (found as a hang in the full suite)."""
+    corpus = write_source(tmp_path / "corpus", "text", TEXTS[:5])
+    script = (f"import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              f"from loom.data.prepare import prepare\n"
+              f"prepare({str(corpus)!r}, 'byte', {str(tmp_path / 'out')!r}, workers=2,"
+              f" progress=False)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=45)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "out" / "tokens.bin").exists()
