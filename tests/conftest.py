@@ -8,6 +8,7 @@ process groups are started once per world size, not once per test.
 from __future__ import annotations
 
 import os
+import signal
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -49,3 +50,16 @@ def small_data_dir(tmp_path_factory) -> str:
 
 SMALL_DATA_OVERRIDES = {"data.seq_len": _SmallData.seq_len, "data.max_bytes": _SmallData.max_bytes,
                         "data.extensions": ",".join(_SmallData.extensions)}
+
+
+@pytest.fixture(autouse=True)
+def _signal_dispositions_restored():
+    """A test that runs ``loom.cli.main`` in process leaves the launcher's exit disposition
+    behind (a finished job ignores a late SIGTERM); ignored signals survive fork and exec, so
+    every later subprocess and forked worker would inherit it. Each test starts from the
+    dispositions the session started with."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for sig, handler in saved.items():
+        if handler is not None:
+            signal.signal(sig, handler)
