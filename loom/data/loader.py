@@ -666,10 +666,6 @@ class DistributedLoader:
         self.consumed_samples = 0
 
     @property
-    def local_batch_size(self) -> int:
-        return self.sampler.global_batch_size // self.dp_size
-
-    @property
     def epoch(self) -> int:
         return self.consumed_samples // self.sampler.num_samples
 

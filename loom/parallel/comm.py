@@ -58,9 +58,6 @@ class CommLedger:
     def get(self, axis: str, op: str) -> CommRecord:
         return self.records.get((axis, op), CommRecord())
 
-    def total_wire_bytes(self, axis: str | None = None) -> float:
-        return sum(r.wire_bytes for (a, _), r in self.records.items() if axis in (None, a))
-
     def summary(self) -> dict[str, float]:
         """Flat metrics, e.g. ``comm/tp/all_reduce/wire_bytes``, for the metrics logger."""
         out: dict[str, float] = {}

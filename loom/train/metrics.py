@@ -120,15 +120,6 @@ def peak_memory_bytes(device: torch.device | str) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)  # macOS bytes, Linux KiB
 
 
-def reset_peak_memory(device: torch.device | str) -> None:
-    """Start a new peak-memory window where the backend supports it (not on CPU)."""
-    device = torch.device(device)
-    backend = getattr(torch, device.type, None)
-    fn = getattr(backend, "reset_peak_memory_stats", None)
-    if device.type != "cpu" and fn is not None:
-        fn(device)
-
-
 def _clean(value: Any) -> float | int | str | None:
     """A JSON-safe scalar: 0-d tensors become numbers, NaN/inf become null (strict JSON), None
     (a value that does not exist, e.g. MFU without a stated peak) stays null."""
