@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # annotations only: the model's module imports torch, this on
     from loom.models.layers import TransformerArgs
 
 # Families that place stages in a V (rank r holds stages r and 2p-1-r).
-V_SHAPED = frozenset({"zbv", "v_half", "v_min", "dualpipev"})
+V_SHAPED = frozenset({"zbv", "v_half", "v_min", "dualpipev", "hanayo"})
 
 
 @dataclass(frozen=True)

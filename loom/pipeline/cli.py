@@ -7,29 +7,44 @@ other ``loom`` commands.
 
 A schedule is named by its family (``1f1b``, ``zbv``, ... see ``list``) with ``--pp``,
 ``--microbatches`` and, for families that take it, ``--chunks``; or by a schedule file written by
-``export`` (``.json``, or torch's ``.csv``). Costs are ``--costs F,I,W[,LATENCY]`` on every stage
-or ``--cost-file`` (JSON or CSV, see ``loom.schedule.cost.StageCosts.from_file``). A bad argument
-prints one line naming it and exits with code 2.
+``export`` (``.json``, or torch's ``.csv``, named after the file). Costs are
+``--costs F,I,W[,LATENCY]``, the durations of one *full stage* (a rank's share of the model when it
+holds one stage) in every command: a rank that holds v chunks spends 1/v of them on each
+(``loom.schedule.cost.full_stage_costs``, the search's own split), so the same flag means the same
+model in ``show``, ``simulate`` and ``search``. ``--cost-file`` (JSON or CSV, see
+``loom.schedule.cost.StageCosts.from_file``) gives ``show``/``simulate`` the costs of every global
+stage as they are, and ``search`` one row per rank of full-stage costs. A bad argument prints one
+line naming it and exits with code 2.
+
+Wide pipelines: from p = ``SUMMARY_FROM_PP`` ranks (or with ``--summary``) ``show`` and
+``simulate`` print a per-rank summary (utilisation bars and peak memory) instead of the step grid,
+which no longer fits a terminal; ``--gantt`` asks for the grid anyway.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import os
 import sys
 from typing import Any, NoReturn
 
-from loom.schedule.cost import StageCosts, parse_cost_spec
+from loom.schedule.cost import StageCosts, full_stage_costs, parse_cost_spec
 from loom.schedule.families import get, names, routed, simulation_only
 from loom.schedule.ir import Schedule, csv_text
-from loom.schedule.render import render_gantt, write_chrome_trace
+from loom.schedule.render import render_gantt, summary_text, write_chrome_trace
 from loom.schedule.search import DEFAULT_EFFORT, PLACEMENTS, SearchError, search
 from loom.schedule.simulate import simulate
 from loom.schedule.validate import ScheduleError, format_grid, validate
 
 EXIT_USAGE = 2
+# From this many ranks show/simulate print the per-rank summary instead of the step grid.
+SUMMARY_FROM_PP = 16
+# --costs help, shared by every command: one meaning everywhere (see the module docstring)
+FULL_STAGE_COSTS = ("of one full stage (a rank's whole share of the model; a rank holding v "
+                    "chunks spends 1/v of them on each)")
 
 
 class UsageError(Exception):
@@ -79,8 +94,9 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
                         help="microbatches per step (default: 2 x --pp)")
     parser.add_argument("--chunks", type=_positive_int,
                         help="stages per rank, for families that take it (interleaved_1f1b, "
-                             "looped_bfs)")
-    _add_cost_arguments(parser, "on every stage", "per-stage costs")
+                             "looped_bfs; hanayo: one-way sweeps of its wave, 2 for now)")
+    _add_cost_arguments(parser, FULL_STAGE_COSTS,
+                        "per-stage costs, one row per global stage, used as given")
     parser.add_argument("--memory-limit", type=_positive_float, metavar="UNITS",
                         help="fail if a rank's peak activation memory exceeds UNITS (one rank's "
                              "activations for one microbatch = 1)")
@@ -94,6 +110,17 @@ def _add_cost_arguments(parser: argparse.ArgumentParser, where: str, per_file: s
                             "between ranks (default 1,1,1)")
     costs.add_argument("--cost-file", metavar="PATH",
                        help=f"{per_file}, JSON or CSV with columns F,I,W[,B]")
+
+
+def _add_view_arguments(parser: argparse.ArgumentParser) -> None:
+    """--summary / --gantt: which text view of the pipeline to print (see ``_view``)."""
+    view = parser.add_mutually_exclusive_group()
+    view.add_argument("--summary", action="store_true",
+                      help="print per-rank utilisation bars and peak memory (the default from "
+                           f"--pp {SUMMARY_FROM_PP})")
+    view.add_argument("--gantt", action="store_true",
+                      help="print the full rank-by-step grid (the default for show below "
+                           f"--pp {SUMMARY_FROM_PP})")
 
 
 def add_schedule_commands(subparsers: Any) -> argparse.ArgumentParser:
@@ -112,6 +139,7 @@ def add_schedule_commands(subparsers: Any) -> argparse.ArgumentParser:
     show.add_argument("-o", "--output", metavar="FILE",
                       help="draw to FILE: .png, .svg or .html (Gantt chart with memory), or "
                            ".json (Chrome / Perfetto trace)")
+    _add_view_arguments(show)
     show.set_defaults(handler=_show)
 
     export = sub.add_parser("export", help="write the schedule file")
@@ -127,14 +155,14 @@ def add_schedule_commands(subparsers: Any) -> argparse.ArgumentParser:
     simulate.add_argument("--json", action="store_true", help="print the figures as JSON")
     simulate.add_argument("-o", "--output", metavar="FILE",
                           help="also write the full result (timeline, memory curves) as JSON")
+    _add_view_arguments(simulate)
     simulate.set_defaults(handler=_simulate)
 
     search = sub.add_parser("search", help="find the shortest schedule under a memory limit")
     search.add_argument("--pp", type=_positive_int, required=True, help="pipeline ranks")
     search.add_argument("--microbatches", "-m", type=_positive_int,
                         help="microbatches per step (default: 2 x --pp)")
-    _add_cost_arguments(search, "of one full stage (a rank's whole share; a chunk of a "
-                                "v-chunk placement takes 1/v)", "full-stage costs, one row per rank")
+    _add_cost_arguments(search, FULL_STAGE_COSTS, "full-stage costs, one row per rank")
     search.add_argument("--memory-limit", type=_positive_float, required=True, metavar="UNITS",
                         help="peak activation units per rank (1F1B needs --pp; minimum 1)")
     search.add_argument("--placement", default="any", choices=("any", *PLACEMENTS),
@@ -188,16 +216,20 @@ def _show(args: argparse.Namespace) -> int:
     schedule = _load(args)
     result = _simulated(args, schedule)
     if not args.output:
-        print("order, one step per action (-o chart.png draws the timed Gantt chart):")
-        print(format_grid(schedule, max_steps=10_000))
-        print(_summary_line(result))
+        if _view(args, schedule, default="gantt") == "gantt":
+            print("order, one step per action (-o chart.png draws the timed Gantt chart):")
+            print(format_grid(schedule, max_steps=10_000))
+            print(_summary_line(result))
+        else:  # the per-rank lines already list the peaks
+            _print_summary(result)
+            print(_summary_line(result, per_rank=False))
         return 0
     path = args.output
     if path.lower().endswith(".json"):
         write_chrome_trace(result, path)
     else:
         try:
-            render_gantt(schedule, result, path)
+            render_gantt(schedule, result, path, source=_source(args))
         except ValueError as err:
             raise UsageError("-o", str(err)) from None
     print(f"wrote {path}  ({_summary_line(result)})")
@@ -225,7 +257,8 @@ def _export(args: argparse.Namespace) -> int:
 
 @_run
 def _simulate(args: argparse.Namespace) -> int:
-    result = _simulated(args, _load(args))
+    schedule = _load(args)
+    result = _simulated(args, schedule)
     if args.output:
         with open(args.output, "w") as handle:
             handle.write(result.to_json(indent=1))
@@ -240,9 +273,16 @@ def _simulate(args: argparse.Namespace) -> int:
           "in the longest rank span")
     print(f"bubble (makespan)  {figures['bubble_makespan']:.4f}  makespan minus the busiest "
           "rank's work")
+    view = _view(args, schedule, default="figures")
+    if view == "summary":  # per-rank lines instead of two rows of p numbers
+        _print_summary(result)
+        return 0
     print(f"peak memory        {_numbers(figures['peak_memory'])}  (per rank; 1 = one rank's "
           "activations for one microbatch)")
     print(f"busy               {_numbers(figures['busy'])}")
+    if view == "gantt":
+        print("order, one step per action:")
+        print(format_grid(schedule, max_steps=10_000))
     return 0
 
 
@@ -281,9 +321,34 @@ def _search(args: argparse.Namespace) -> int:
 # Shared steps
 
 
+def _view(args: argparse.Namespace, schedule: Schedule, default: str) -> str:
+    """"summary", "gantt" or ``default``: what the flags ask for, else the summary from
+    ``SUMMARY_FROM_PP`` ranks (a grid of p rows no longer reads on a terminal)."""
+    if args.summary:
+        return "summary"
+    if args.gantt:
+        return "gantt"
+    return "summary" if schedule.pp_size >= SUMMARY_FROM_PP else default
+
+
+def _print_summary(result: Any) -> None:
+    print(f"per rank ({result.pp_size} ranks; --gantt prints every step, -o chart.png draws the "
+          "timed chart):")
+    print(summary_text(result))
+
+
+def _source(args: argparse.Namespace) -> str:
+    """Where the schedule came from, when it is a file (the chart's subtitle)."""
+    return args.name if _is_file(args.name) else ""
+
+
+def _is_file(name: str) -> bool:
+    return os.path.splitext(name)[1].lower() in (".json", ".csv")
+
+
 def _load(args: argparse.Namespace) -> Schedule:
     """The schedule named by ``args.name``: a family built with --pp/-m/--chunks, or a file."""
-    if os.path.splitext(args.name)[1].lower() in (".json", ".csv"):
+    if _is_file(args.name):
         schedule = _load_file(args)
     else:
         schedule = _build(args)
@@ -346,12 +411,20 @@ def _costs(args: argparse.Namespace) -> Any:
 
 
 def _simulated(args: argparse.Namespace, schedule: Schedule) -> Any:
-    """Simulate with the given costs, then enforce --memory-limit on the simulated peaks."""
-    costs = _costs(args)
+    """Simulate with the given costs, then enforce --memory-limit on the simulated peaks.
+
+    ``--costs`` are full-stage costs, split over each rank's chunks as the search splits them;
+    a ``--cost-file`` names every global stage's costs and is used as it is.
+    """
+    given = _costs(args)
     try:
+        costs = given if args.cost_file else full_stage_costs(given, schedule)
         result = simulate(schedule, costs)
     except ValueError as err:  # costs that do not fit the schedule
         raise UsageError("--cost-file" if args.cost_file else "--costs", str(err)) from None
+    if not args.cost_file and schedule.chunks_per_rank > 1:
+        result = dataclasses.replace(result, costs=f"full stage {given.describe()}, a chunk of "
+                                                   "v takes 1/v")
     _check_memory(args, result)
     return result
 
@@ -370,10 +443,11 @@ def _numbers(values: list[float]) -> str:
     return " ".join(f"{v:g}" for v in values)
 
 
-def _summary_line(result: Any) -> str:
+def _summary_line(result: Any, per_rank: bool = True) -> str:
+    peaks = [float(m) for m in result.peak_memory]
+    memory = _numbers(peaks) if per_rank else f"{max(peaks, default=0):g} at most"
     return (f"makespan {float(result.makespan):g}, bubble ZB {float(result.bubble_zb):.1%}, "
-            f"makespan-bubble {float(result.bubble_makespan):.1%}, peak memory "
-            f"{_numbers([float(m) for m in result.peak_memory])}")
+            f"makespan-bubble {float(result.bubble_makespan):.1%}, peak memory {memory}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ from loom.schedule.ir import (
     looped_placement,
     v_placement,
 )
-from loom.schedule.cost import OpCosts, StageCosts, parse_cost_spec
+from loom.schedule.cost import OpCosts, StageCosts, full_stage_costs, parse_cost_spec
 from loom.schedule.simulate import SimResult, Slot, simulate
 from loom.schedule.validate import (
     Execution,
@@ -48,6 +48,7 @@ __all__ = [
     "Op",
     "OpCosts",
     "parse_cost_spec",
+    "full_stage_costs",
     "peak_memory",
     "Schedule",
     "ScheduleError",

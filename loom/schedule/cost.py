@@ -20,6 +20,7 @@ e.g. ``CostModel.stage_costs(layout) -> StageCosts``, and may live next to it in
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -260,6 +261,39 @@ def _op_costs(row: Mapping[str, Any], where: str) -> OpCosts:
         _number(upper["W"], f"{where}.W"),
         None if b in (None, "") else _number(b, f"{where}.B"),
     )
+
+
+def full_stage_costs(costs: StageCosts, schedule: Schedule) -> StageCosts:
+    """``costs`` given per *full stage* (a rank's share of the model when it holds one stage),
+    turned into per-stage costs of ``schedule``: a stage on a rank that holds v stages of its
+    route gets 1/v of them (``Schedule.stage_weight``, the memory accounting's share too).
+
+    ``costs`` holds one entry (every rank alike) or one per rank. This is the one meaning of the
+    CLI's ``--costs`` in ``show``, ``simulate`` and ``search`` (whose
+    ``loom.schedule.search.placement_costs`` is the same split for one-route placements), so
+    that the same flag draws the same per-chunk durations whatever the schedule's chunk count.
+    """
+    pp = schedule.pp_size
+    if len(costs.stages) not in (1, pp):
+        raise ValueError(f"full-stage costs: give one F,I,W for every rank or one per rank "
+                         f"({pp}), got {len(costs.stages)}")
+    stages = []
+    for stage, rank in enumerate(schedule.placement):
+        full = costs.stages[0] if len(costs.stages) == 1 else costs.stages[rank]
+        share = schedule.stage_weight(stage)
+        stages.append(OpCosts(*(None if x is None else _scaled(x, share)
+                                for x in (full.f, full.i, full.w, full.b))))
+    return dataclasses.replace(costs, stages=tuple(stages))
+
+
+def _scaled(value: Number, share: Fraction) -> Number:
+    """``value * share``, exact for ints and Fractions (an int when the result is whole)."""
+    if share == 1:
+        return value
+    if isinstance(value, Rational):
+        result = Fraction(value) * share
+        return int(result) if result.denominator == 1 else result
+    return value * float(share)
 
 
 def parse_cost_spec(text: str) -> StageCosts:

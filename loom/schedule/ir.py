@@ -296,14 +296,22 @@ class Schedule:
         cls,
         source: str | os.PathLike | IO[str],
         num_microbatches: int | None = None,
-        name: str = "torch_csv",
+        name: str | None = None,
     ) -> Schedule:
-        """Read torch's compute-only CSV (see ``from_torch_rows`` for what is accepted)."""
+        """Read torch's compute-only CSV (see ``from_torch_rows`` for what is accepted).
+
+        The CSV carries no name: unless ``name`` is given, a schedule read from a path is named
+        after the file (``zbv.csv`` -> ``zbv``, what ``loom schedule export`` writes), and one
+        read from an open stream ``torch_csv``.
+        """
         if isinstance(source, (str, os.PathLike)):
+            if name is None:
+                name = os.path.splitext(os.path.basename(os.fspath(source)))[0] or "torch_csv"
             with open(source, newline="") as handle:
                 rows = list(csv.reader(handle))
         else:
             rows = list(csv.reader(source))
+        name = "torch_csv" if name is None else name
         return from_torch_rows(rows, num_microbatches=num_microbatches, name=name)
 
 

@@ -53,29 +53,63 @@ def _text_color(color: str) -> str:
     return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 150 else "white"
 
 
-def title_of(result: SimResult) -> str:
+def title_of(result: SimResult, source: str = "") -> str:
+    """The chart's title: the schedule's own name and its figures, then a subtitle line with
+    the costs and, when given, where the schedule came from (a file: its CSV has no name)."""
     v = max(result.placement.count(r) for r in range(result.pp_size)) if result.placement else 1
     chunks = f" v={v}" if v > 1 else ""
+    origin = f"  (from {source})" if source else ""
     return (
         f"{result.name}  p={result.pp_size} m={result.num_microbatches}{chunks}  "
         f"makespan={float(result.makespan):g}  bubble ZB={float(result.bubble_zb):.1%}  "
-        f"makespan-bubble={float(result.bubble_makespan):.1%}\ncosts: {result.costs}"
+        f"makespan-bubble={float(result.bubble_makespan):.1%}\ncosts: {result.costs}{origin}"
     )
 
 
+# The text summary: a bar of this many characters per rank, '#' busy and '.' idle.
+SUMMARY_BAR_WIDTH = 40
+
+
+def summary_text(result: SimResult, width: int = SUMMARY_BAR_WIDTH) -> str:
+    """Per-rank utilisation bars and peak memory, one line per rank, for pipelines too wide for
+    the step grid (what ``loom schedule show|simulate`` prints from p = 16, or with --summary).
+
+    Utilisation is the rank's compute time over the makespan; the bar rounds it to ``width``
+    characters. Peak memory is in the validator's units (one rank's activations for one
+    microbatch = 1).
+    """
+    makespan = float(result.makespan) or 1.0
+    busy = [float(b) / makespan for b in result.busy]
+    peaks = [float(m) for m in result.peak_memory]
+    digits = len(str(max(result.pp_size - 1, 0)))
+    lines = [f"{'rank':>{max(4, digits)}}  {'utilisation':<{width}}  {'busy':>6}  peak memory"]
+    for rank, (fraction, peak) in enumerate(zip(busy, peaks)):
+        filled = round(fraction * width)
+        bar = "#" * filled + "." * (width - filled)
+        lines.append(f"{rank:>{max(4, digits)}}  {bar}  {fraction:>6.1%}  {peak:g}")
+    mean = sum(busy) / len(busy) if busy else 0.0
+    lines.append(f"mean utilisation {mean:.1%}, lowest {min(busy, default=0):.1%} "
+                 f"(rank {busy.index(min(busy)) if busy else 0}); highest peak memory "
+                 f"{max(peaks, default=0):g} (rank {peaks.index(max(peaks)) if peaks else 0})")
+    return "\n".join(lines)
+
+
 def render_gantt(
-    schedule: Schedule, result: SimResult | None, path: str | os.PathLike, dpi: int = 130
+    schedule: Schedule, result: SimResult | None, path: str | os.PathLike, dpi: int = 130,
+    source: str = "",
 ) -> None:
     """Write the Gantt chart of ``result`` (simulated with unit costs if None) to ``path``.
 
-    The format follows the suffix: ``.png``, ``.svg`` or ``.html``.
+    The format follows the suffix: ``.png``, ``.svg`` or ``.html``. The title names the
+    schedule (``Schedule.name``); ``source`` (e.g. the file it was read from) goes in the
+    subtitle.
     """
     path = os.fspath(path)
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in (".png", ".svg", ".html"):
         raise ValueError(f"cannot draw {path!r}: use a .png, .svg or .html file")
     result = result if result is not None else simulate(schedule)
-    figure = gantt_figure(schedule, result)
+    figure = gantt_figure(schedule, result, source)
     import matplotlib.pyplot as plt
 
     try:
@@ -83,14 +117,14 @@ def render_gantt(
             buffer = io.StringIO()
             figure.savefig(buffer, format="svg", bbox_inches="tight")
             with open(path, "w") as handle:
-                handle.write(_html_page(result, buffer.getvalue()))
+                handle.write(_html_page(result, buffer.getvalue(), source))
         else:
             figure.savefig(path, dpi=dpi, bbox_inches="tight")
     finally:
         plt.close(figure)
 
 
-def gantt_figure(schedule: Schedule, result: SimResult) -> Any:
+def gantt_figure(schedule: Schedule, result: SimResult, source: str = "") -> Any:
     """The matplotlib Figure behind ``render_gantt`` (for notebooks and further styling)."""
     import matplotlib
 
@@ -130,7 +164,7 @@ def gantt_figure(schedule: Schedule, result: SimResult) -> Any:
     handles.append(Patch(color=MEMORY_COLOR, alpha=0.35, label="activation memory"))
     axes[0].legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.02),
                    ncol=len(handles), frameon=False, fontsize=8)
-    axes[0].set_title(title_of(result), fontsize=10, pad=20)
+    axes[0].set_title(title_of(result, source), fontsize=10, pad=20)
     return figure
 
 
@@ -162,7 +196,7 @@ def _draw_memory(axis: Any, result: SimResult, rank: int, makespan: float, top: 
     axis.grid(axis="x", linewidth=0.3, alpha=0.5)
 
 
-def _html_page(result: SimResult, svg: str) -> str:
+def _html_page(result: SimResult, svg: str, source: str = "") -> str:
     svg = svg[svg.index("<svg"):]  # drop the XML prologue and doctype: the SVG sits in HTML
     figures = json.dumps(result.summary(), indent=2)
     return (
@@ -170,7 +204,8 @@ def _html_page(result: SimResult, svg: str) -> str:
         f"<title>{html.escape(result.name)} pipeline schedule</title>"
         "<style>body{font-family:sans-serif;margin:1em} svg{max-width:100%;height:auto}"
         "pre{background:#f6f6f6;padding:.5em}</style></head><body>\n"
-        f"<h2>{html.escape(title_of(result).splitlines()[0])}</h2>\n{svg}\n"
+        f"<h2>{html.escape(title_of(result).splitlines()[0])}</h2>\n"
+        f"<p>{html.escape(title_of(result, source).splitlines()[1])}</p>\n{svg}\n"
         f"<pre>{html.escape(figures)}</pre>\n</body></html>\n"
     )
 

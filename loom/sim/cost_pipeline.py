@@ -38,6 +38,9 @@ def pipeline_estimate(lay: Layout, ops: Ops, busiest: float, send: float,
         bubble = (p - 1) * max(f + i - w, 0)
     elif name in ("zb_h2", "zbv", "dualpipev"):
         bubble = (p - 1) * max(f + i - 2 * w, 0)
+    elif name == "hanayo":  # 1F1B over the V, full backwards: the ramp's hops are half stages
+        # and the turn on rank p-1 costs no send; measured (p-1)(f+i+w)·2/3 at F:B = 1:2
+        bubble = (p - 1) * (f + i + w) * 2 / 3
     elif name == "v_half":
         bubble = (p - 1) * (f + i + w) / 2
     else:  # v_min

@@ -46,6 +46,7 @@ PEAK_IN_FLIGHT = {
     "1f1b": lambda p, m, v: p,
     "zb_h1": lambda p, m, v: p,
     "zbv": lambda p, m, v: p,
+    "hanayo": lambda p, m, v: p,
     # m a multiple of p (Megatron's rule; the planner's space keeps to it): at m = p every
     # microbatch is in flight at once
     "interleaved_1f1b": lambda p, m, v: p if m == p else p + (p - 1) / v,

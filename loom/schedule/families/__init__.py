@@ -14,14 +14,9 @@ export, and the config would refuse them for training by name).
   sums their gradients over the mirror ranks (see ``loom.pipeline.runtime``); the config refuses
   ZeRO-1/2, which it does not compose with yet, by name.
 
-Not provided, and why:
-
-* Hanayo (Liu et al. SC'23): its wave placement exists (``v_placement(p, 2 * waves)``) and
-  needs no routes (one copy, every microbatch visits every stage; the runtime's same-rank
-  hand-over already covers its turns). What is missing is the order: I found no closed form for
-  its warm-up per wave and rank, and Loom's greedy scheduler (full backwards, 1F1B's budget of p
-  units) gives about twice 1F1B's bubble (docs/design.md), the opposite of the paper's claim; so
-  nothing is registered under Hanayo's name.
+* ``hanayo``: Hanayo's wave (Liu et al. SC'23) with one down-and-up wave (``chunks=2``, the V
+  placement) and full backwards; more waves are refused until their order is derived (see the
+  module).
 """
 
 from __future__ import annotations
@@ -33,6 +28,7 @@ from loom.schedule.families.bidirectional import bidirectional_v
 from loom.schedule.families.controllable_memory import v_half, v_min
 from loom.schedule.families.dualpipev import dualpipev
 from loom.schedule.families.gpipe import gpipe
+from loom.schedule.families.hanayo import hanayo
 from loom.schedule.families.interleaved import interleaved_1f1b
 from loom.schedule.families.looped_bfs import looped_bfs
 from loom.schedule.families.one_f_one_b import one_f_one_b
@@ -52,6 +48,7 @@ _REGISTRY: dict[str, Generator] = {
     "v_half": v_half,
     "v_min": v_min,
     "dualpipev": dualpipev,
+    "hanayo": hanayo,
 }
 
 # Families over two copies of the model (per-microbatch routes): trainable, JSON export only.

@@ -16,7 +16,7 @@ from loom.schedule.ir import Action, Op, Schedule, csv_text
 from loom.schedule.families import get, names, routed, simulation_only, trainable
 from loom.schedule.families.bidirectional import bidirectional_placement
 from loom.schedule.validate import ScheduleError, dependencies, peak_memory, validate
-from loom.schedule.cost import StageCosts
+from loom.schedule.cost import StageCosts, full_stage_costs
 from loom.schedule.simulate import simulate
 
 CASES = [(p, m) for p in (2, 3, 4, 8) for m in (1, 2, 5, 2 * p, 4 * p)]
@@ -147,7 +147,9 @@ def test_the_command_line_lists_shows_simulates_and_exports_json(capsys, tmp_pat
     assert "simulation only" not in line and "two model copies" in line
     assert main(["schedule", "simulate", "bidirectional_v", "--pp", "4", "-m", "8", "--json"]) == 0
     figures = json.loads(capsys.readouterr().out)
-    assert figures["makespan"] == simulate(get("bidirectional_v")(4, 8)).makespan
+    schedule = get("bidirectional_v")(4, 8)  # --costs: a full stage's, a chunk of 2 takes half
+    unit = full_stage_costs(StageCosts.uniform(1, 1, 1), schedule)
+    assert figures["makespan"] == simulate(schedule, unit).makespan
     assert main(["schedule", "export", "bidirectional_v", "--pp", "2", "-m", "4"]) == 2
     assert "--format" in capsys.readouterr().err
     path = tmp_path / "bidir.json"

@@ -5,10 +5,12 @@ full backward is an input plus a weight gradient); the formulas are Table 2 of Q
 """
 
 import math
+from fractions import Fraction
 
 import pytest
 
-from loom.schedule import Op, execute, peak_memory, validate
+from loom.schedule import Action, Op, StageCosts, execute, peak_memory, simulate, validate
+from loom.schedule.cost import full_stage_costs
 from loom.schedule.families import get, names
 from loom.schedule.families.controllable_memory import v_half_budget, v_min_budget
 from loom.schedule.search_eval import Costs, encode
@@ -115,3 +117,45 @@ def test_bubbles_match_the_zero_bubble_paper(p):
 def test_interleaving_divides_the_1f1b_bubble_by_the_chunk_count(p):
     # In chunk-sized time units interleaved 1F1B idles (p-1)(T_F+T_B) per rank: 1/v of 1F1B.
     assert _worst_bubble(get("interleaved_1f1b")(p, 2 * p, chunks=2)) == (p - 1) * 3
+
+
+# -- Hanayo's wave ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p", (2, 4, 8))
+def test_hanayo_is_one_wave_down_and_up_with_1f1b_memory(p):
+    for m in (p, 2 * p, 4 * p):
+        schedule = get("hanayo")(p, m)
+        validate(schedule)
+        assert schedule.placement == tuple(range(p)) + tuple(range(p - 1, -1, -1))
+        assert max(peak_memory(schedule)) == p  # 2p chunks of half a unit, as 1F1B's p
+
+
+def test_hanayo_is_zbv_with_each_input_and_weight_gradient_fused():
+    for p in (2, 3, 4, 8):
+        for m in sorted({1, p - 1, p, 2 * p + 1, 4 * p}):
+            fused = tuple(tuple(Action(a.stage, Op.B, a.microbatch) if a.op is Op.I else a
+                                for a in row if a.op is not Op.W)
+                          for row in get("zbv")(p, m).actions)
+            assert get("hanayo")(p, m).actions == fused, (p, m)
+
+
+@pytest.mark.parametrize("p", (4, 8))
+def test_hanayo_bubble_lies_between_interleaved_and_1f1b(p):
+    # F = I = W = 1 per full stage (a chunk of two takes half): the wave's ramp hops are half
+    # stages, so it idles 2/3 of 1F1B's time; interleaving (v=2) idles 1/2 of it but holds
+    # (p-1)/2 more units
+    for m in (2 * p, 4 * p):
+        makespan = {}
+        for name in ("1f1b", "interleaved_1f1b", "hanayo"):
+            schedule = get(name)(p, m)
+            costs = full_stage_costs(StageCosts.uniform(1, 1, 1), schedule)
+            makespan[name] = simulate(schedule, costs).makespan
+        work = 3 * m
+        assert makespan["hanayo"] - work == Fraction(2, 3) * (makespan["1f1b"] - work)
+        assert makespan["interleaved_1f1b"] < makespan["hanayo"] < makespan["1f1b"]
+
+
+def test_hanayo_refuses_wave_counts_it_has_no_order_for():
+    with pytest.raises(ValueError, match="chunks=4 is not derived"):
+        get("hanayo")(4, 8, chunks=4)

@@ -105,3 +105,109 @@ def test_a_bad_argument_is_one_line_naming_it_and_exit_code_2(capsys, argv, argu
 def test_the_memory_limit_passes_when_the_peak_fits(capsys):
     code, _, _ = run(capsys, "simulate", "zb_h2", "--pp", "4", "--memory-limit", "7")
     assert code == 0
+
+
+# -- one meaning of --costs: a full stage's durations, split over a rank's chunks ---------------
+
+
+def _durations(timeline):
+    """{op letter: set of slot durations} over a simulated timeline (``SimResult.to_dict``)."""
+    found = {}
+    for row in timeline:
+        for action, start, finish in row:
+            op = action.strip("0123456789")
+            found.setdefault(op, set()).add(finish - start)
+    return found
+
+
+def test_costs_are_full_stage_costs_in_show_simulate_and_search(capsys, tmp_path):
+    costs = "2,3,1"  # F, I, W of one full stage; zbv holds 2 chunks per rank: each takes half
+    result = tmp_path / "result.json"
+    assert run(capsys, "simulate", "zbv", "--pp", "4", "-m", "8", "--costs", costs,
+               "-o", str(result))[0] == 0
+    assert _durations(json.loads(result.read_text())["timeline"]) == {
+        "F": {1}, "I": {1.5}, "W": {0.5}}
+
+    trace = tmp_path / "trace.json"
+    assert run(capsys, "show", "zbv", "--pp", "4", "-m", "8", "--costs", costs,
+               "-o", str(trace))[0] == 0
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    assert {(e["cat"], e["dur"] / 1e6) for e in events} == {("F", 1), ("I", 1.5), ("W", 0.5)}
+
+    # search reads the same flag the same way: its schedule, simulated by `simulate` with the
+    # same --costs, takes exactly the makespan the search reported
+    searched = tmp_path / "searched.json"
+    code, out, _ = run(capsys, "search", "--pp", "4", "-m", "8", "--costs", costs,
+                       "--memory-limit", "4", "--placement", "v", "-o", str(searched), "--json")
+    assert code == 0
+    reported = json.loads(out)["makespan"]
+    code, out, _ = run(capsys, "simulate", str(searched), "--costs", costs, "--json")
+    assert code == 0 and json.loads(out)["makespan"] == pytest.approx(reported)
+
+
+def test_costs_of_a_one_chunk_family_are_used_as_given(capsys, tmp_path):
+    result = tmp_path / "result.json"
+    assert run(capsys, "simulate", "1f1b", "--pp", "4", "-m", "8", "--costs", "2,3,1",
+               "-o", str(result))[0] == 0
+    assert _durations(json.loads(result.read_text())["timeline"]) == {"F": {2}, "B": {4}}
+
+
+def test_a_cost_file_gives_every_global_stage_as_it_is(capsys, tmp_path):
+    costs = tmp_path / "costs.csv"  # zbv at p=2: 4 global stages, no split
+    costs.write_text("F,I,W\n1,1,1\n2,1,1\n2,1,1\n1,1,1\n")
+    result = tmp_path / "result.json"
+    assert run(capsys, "simulate", "zbv", "--pp", "2", "-m", "4", "--cost-file", str(costs),
+               "-o", str(result))[0] == 0
+    assert _durations(json.loads(result.read_text())["timeline"])["F"] == {1, 2}
+
+
+# -- the per-rank summary of wide pipelines -------------------------------------------------------
+
+
+def _bar_lines(out):
+    """The summary's per-rank lines: a rank number, then a bar of '#' (busy) and '.' (idle)."""
+    return [line for line in out.splitlines()
+            if len(line.split()) == 4 and line.split()[0].isdigit()
+            and set(line.split()[1]) <= {"#", "."}]
+
+
+def test_from_16_ranks_show_prints_utilisation_bars_and_peak_memory_per_rank(capsys):
+    code, out, _ = run(capsys, "show", "1f1b", "--pp", "16", "-m", "32")
+    assert code == 0
+    assert "rank 0 " not in out  # no step grid
+    bars = _bar_lines(out)
+    assert len(bars) == 16
+    for rank, line in enumerate(bars):
+        index, bar, busy, peak = line.split()
+        assert int(index) == rank
+        assert len(bar) == 40 and set(bar) <= {"#", "."}
+        assert busy.endswith("%") and float(peak) == 16 - rank  # 1F1B: p - r in flight
+        # the bar is the busy fraction, rounded to the bar's 40 characters
+        assert bar.count("#") == round(float(busy[:-1]) / 100 * 40)
+    assert "mean utilisation" in out
+
+
+def test_gantt_asks_for_the_grid_and_summary_for_the_bars_at_any_size(capsys):
+    code, out, _ = run(capsys, "show", "1f1b", "--pp", "16", "-m", "16", "--gantt")
+    assert code == 0 and "rank 15 " in out and not _bar_lines(out)
+    code, out, _ = run(capsys, "show", "1f1b", "--pp", "4", "-m", "8")
+    assert code == 0 and "rank 3 " in out and not _bar_lines(out)  # small: the grid by default
+    code, out, _ = run(capsys, "simulate", "1f1b", "--pp", "4", "-m", "8", "--summary")
+    assert code == 0 and len(_bar_lines(out)) == 4 and "makespan" in out
+    code, out, _ = run(capsys, "simulate", "1f1b", "--pp", "16", "-m", "16")
+    assert code == 0 and len(_bar_lines(out)) == 16 and "busy     " not in out
+    code, out, _ = run(capsys, "simulate", "1f1b", "--pp", "4", "-m", "8", "--gantt")
+    assert code == 0 and "rank 3 " in out and "busy" in out
+
+
+# -- titles name the schedule ---------------------------------------------------------------------
+
+
+def test_a_chart_drawn_from_a_csv_is_titled_with_the_schedules_name(capsys, tmp_path):
+    csv_path = tmp_path / "hanayo.csv"
+    assert run(capsys, "export", "hanayo", "--pp", "2", "-m", "4", "-o", str(csv_path))[0] == 0
+    page = tmp_path / "chart.html"
+    assert run(capsys, "show", str(csv_path), "-o", str(page))[0] == 0
+    text = page.read_text()
+    assert "<title>hanayo pipeline schedule</title>" in text and "<h2>hanayo " in text
+    assert "torch_csv" not in text and f"from {csv_path}" in text  # the source: a subtitle

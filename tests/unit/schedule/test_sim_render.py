@@ -56,3 +56,17 @@ def test_chrome_trace_has_one_process_per_rank_and_one_event_per_action(zbv):
     assert {"stage", "microbatch"} <= set(first["args"])
     counters = [e for e in trace["traceEvents"] if e["ph"] == "C"]
     assert max(e["args"]["units"] for e in counters) == max(result.peak_memory)
+
+
+def test_the_title_names_the_schedule_and_the_subtitle_its_source(tmp_path, zbv):
+    from loom.schedule import Schedule
+    from loom.schedule.render import title_of
+
+    schedule, _ = zbv
+    path = tmp_path / "my_zbv.csv"
+    schedule.to_torch_csv(path)
+    loaded = Schedule.from_torch_csv(path)  # a CSV has no name: the file's
+    assert loaded.name == "my_zbv"
+    title, subtitle = title_of(simulate(loaded), source=str(path)).splitlines()
+    assert title.startswith("my_zbv  p=2 m=4 v=2") and subtitle.endswith(f"(from {path})")
+    assert "from" not in title_of(simulate(loaded)).splitlines()[1]  # no source, no subtitle
