@@ -24,6 +24,7 @@ submission order. Each worker holds its own tokenizer and encodes batches single
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -31,6 +32,7 @@ import signal
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -170,11 +172,10 @@ _WORKER_TOKENIZER: Tokenizer | None = None
 
 def _init_worker(kind: str) -> None:
     global _WORKER_TOKENIZER
-    # A forked worker inherits its parent's signal dispositions; Pool.terminate() stops workers
-    # with SIGTERM, so a parent that ignores or handles it (a finished `loom train` ignores a late
-    # SIGTERM) would leave terminate() waiting forever.
+    # A forked worker inherits its parent's handlers (see _default_sigterm); Ctrl-C is the
+    # parent's to handle: it stops the pool.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # One core per worker: the library's own thread pool would oversubscribe the machine.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER_TOKENIZER = build_tokenizer(kind, 0, [])
@@ -223,12 +224,14 @@ def _encoded_in_order(batches: Iterable[list[str]], kind: str,
     # Inherited by forked workers before they first encode: no "forked after parallelism" warning.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        pool = _pool_context().Pool(workers, initializer=_init_worker, initargs=(kind,))
+        with _default_sigterm():
+            pool = _pool_context().Pool(workers, initializer=_init_worker, initargs=(kind,))
     finally:
         if saved is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = saved
+    finished = False
     try:
         pending: deque = deque()
         for batch in batches:
@@ -237,10 +240,30 @@ def _encoded_in_order(batches: Iterable[list[str]], kind: str,
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
-        pool.close()
+        finished = True
     finally:
-        pool.terminate()
+        if finished:  # the workers leave on the pool's sentinel: no signal needed
+            pool.close()
+        else:  # an error or an interrupt: stop them (SIGTERM, at its default: see above)
+            pool.terminate()
         pool.join()
+
+
+@contextlib.contextmanager
+def _default_sigterm() -> Iterator[None]:
+    """SIGTERM at its default action while the workers are forked. Forked children inherit the
+    parent's dispositions, and a parent that ignores SIGTERM (a finished in-process `loom train`
+    leaves it ignored) would make ``Pool.terminate()`` wait forever on a worker that ignores it;
+    resetting it in the worker's initializer is too late for a worker terminated while it still
+    starts. (Only the main thread may change dispositions; elsewhere they are left as they are.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class _Progress:
