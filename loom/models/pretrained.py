@@ -102,9 +102,18 @@ class PretrainedSource:
         except (OSError, ValueError) as err:
             raise PretrainedError(f"{path / LOOM_CONFIG}: not readable TOML ({err})") from None
         model = table.get("model", {})
-        known = _shape_fields()
-        args = TransformerArgs(**{k: (tuple(v) if isinstance(v, list) else v)
-                                  for k, v in model.items() if k in known})
+        defaults = TransformerArgs()
+        shape = {}
+        for key, value in (model.items() if isinstance(model, dict) else ()):
+            if key not in _shape_fields():
+                continue
+            want = type(getattr(defaults, key))
+            if not isinstance(value, want) or isinstance(value, bool) != (want is bool):
+                if not (want is float and isinstance(value, int) and not isinstance(value, bool)):
+                    raise PretrainedError(f"{path / LOOM_CONFIG}: model.{key} = {value!r} is not"
+                                          f" a {want.__name__}")
+            shape[key] = want(value)
+        args = TransformerArgs(**shape)
         weights = path / LOOM_WEIGHTS
         if not weights.is_file():
             raise PretrainedError(f"{path}: no {LOOM_WEIGHTS} (a Loom run writes it at the end of"

@@ -189,3 +189,14 @@ def test_greedy_loom_generate_continues_as_transformers_greedy_generate(tmp_path
         new = new[:new.index(tokenizer.eos_id)]
     assert new  # something was generated: the comparison is not of two empty strings
     assert ours.rstrip("\n") == prompt + tokenizer.decode(new)
+
+
+def test_a_loom_run_with_a_mistyped_shape_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.toml").write_text('[model]\ndim = "wide"\n')
+    before = snapshot(tmp_path)
+    assert main(["train", "--model.init_from=run", "--data.tokenizer=byte"]) == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert "model.init_from='run'" in err and "model.dim = 'wide' is not a int" in err, err
+    assert "Traceback" not in err and snapshot(tmp_path) == before
