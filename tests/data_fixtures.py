@@ -9,6 +9,8 @@ file per document, sorted in document order), JSON lines, Parquet, Arrow or a ``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import json
 from pathlib import Path
 from typing import Any, Sequence
@@ -77,3 +79,16 @@ def write_source(path: Path, kind: str, texts: Sequence[str] = TEXTS, field: str
     else:
         raise ValueError(kind)
     return path
+
+
+@dataclass
+class DataCfg:  # the attributes of loom.config.DataConfig (duck-typed on purpose)
+    source: str = "stdlib"
+    extensions: tuple[str, ...] = (".py", ".txt", ".md")
+    tokenizer: str = "byte"
+    bpe_vocab_size: int = 2048
+    seq_len: int = 16
+    val_fraction: float = 0.1
+    max_bytes: int = 0
+    text_field: str = "text"
+    mix: str = ""

@@ -56,6 +56,7 @@ from loom.data.hf_tokenizer import CONFIG_FILE as HF_CONFIG_FILE
 from loom.data.hf_tokenizer import SPECIAL_TOKENS_FILE as HF_SPECIAL_TOKENS_FILE
 from loom.data.mix import MixedSequences, MixSampler, check_mix_paths, interleaved_order, parse_mix
 from loom.data.prepare import PreparedData
+from loom.data.samples import WindowedSamples
 from loom.data.sources import (
     PREPARED,
     TEXT,
@@ -520,7 +521,7 @@ def prepare_data(cfg: Any, out_dir: str | Path) -> DataFiles:
 # ---------------------------------------------------------------------------------------------
 
 
-class PackedSequences:
+class PackedSequences(WindowedSamples):
     """A token file as non-overlapping training samples of ``seq_len`` inputs and targets.
 
     Sample i is tokens[i*seq_len : i*seq_len + seq_len + 1]: inputs are its first seq_len tokens,
@@ -550,18 +551,6 @@ class PackedSequences:
             raise IndexError(f"sample {i} out of range for {len(self)} samples of {self.path}")
         start = i * self.seq_len
         return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        w = self.window(int(i))
-        return torch.from_numpy(w[:-1].copy()), torch.from_numpy(w[1:].copy())
-
-    def batch(self, indices: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and targets [len(indices), seq_len] (int64) of the given samples, in order."""
-        if len(indices) == 0:
-            empty = torch.empty(0, self.seq_len, dtype=torch.int64)
-            return empty, empty.clone()
-        windows = torch.from_numpy(np.stack([self.window(int(i)) for i in indices]))
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
 def _map_tokens(path: Path, dtype: np.dtype) -> np.ndarray:

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-import torch
 
+from loom.data.samples import WindowedSamples
 from loom.errors import ConfigError
 
 BLOCK = 10_000
@@ -202,7 +202,7 @@ def interleaved_order(sizes: Sequence[int], weights: Sequence[float], seed: int 
         start += BLOCK
 
 
-class MixedSequences:
+class MixedSequences(WindowedSamples):
     """Packed datasets (``loader.PackedSequences``) as one index space, optionally reordered:
     sample j is ``order[j]`` of the concatenation when ``order`` is given."""
 
@@ -229,14 +229,3 @@ class MixedSequences:
         start = int(self.ends[part - 1]) if part else 0
         return self.parts[part].window(j - start)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        w = self.window(int(i))
-        return torch.from_numpy(w[:-1].copy()), torch.from_numpy(w[1:].copy())
-
-    def batch(self, indices: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and targets [len(indices), seq_len] (int64) of the given samples, in order."""
-        if len(indices) == 0:
-            empty = torch.empty(0, self.seq_len, dtype=torch.int64)
-            return empty, empty.clone()
-        windows = torch.from_numpy(np.stack([self.window(int(i)) for i in indices]))
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()

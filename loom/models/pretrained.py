@@ -13,7 +13,7 @@ Hugging Face stores the query and key rows of each head in rotate-half order whe
 interleaved pairs (``loom.models.hf``): a region of those rows is read widened to whole heads,
 permuted, and cut back. Nothing is ever written under the source directory.
 
-Why hand-written: ``torch.distributed.checkpoint``'s Hugging Face reader loads whole tensors by
+Why hand-written: DCP's Hugging Face storage reader loads whole tensors by
 HF name into a state dict of the same names; it cannot rename, permute the RoPE basis or serve a
 Loom run directory, and the load here is one slice per parameter with no collective.
 """

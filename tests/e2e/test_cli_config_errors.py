@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from loom.cli import EXIT_CONFIG_ERROR
+
 MAX_SECONDS = 15.0
 BAD_TOML = "[train]\nsteps = = 5\n"
 
@@ -73,6 +75,16 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
         stat = path.stat()
         out[str(path.relative_to(root))] = (stat.st_size, stat.st_mtime_ns)
     return out
+
+def assert_refused(code: int, out, expected, command: str = "train") -> None:
+    """The in-process refusal contract: exit 2, one stderr line ``loom COMMAND: config error:``
+    holding every ``expected`` substring, no traceback, nothing on stdout."""
+    assert code == EXIT_CONFIG_ERROR, out.err
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"loom {command}: config error: "), out.err
+    for words in expected:
+        assert words in out.err, f"{words!r} not in {out.err!r}"
+    assert "Traceback" not in out.err and out.out == ""
 
 
 def clean_env() -> dict[str, str]:

@@ -14,7 +14,7 @@ import pytest
 
 from loom.cli import EXIT_CONFIG_ERROR, main
 from tests.data_fixtures import TEXTS, make_tokenizer, write_source
-from tests.e2e.test_cli_config_errors import snapshot
+from tests.e2e.test_cli_config_errors import assert_refused, snapshot
 
 pytest.importorskip("datasets", reason="the data extra: pip install -e '.[data]'")
 
@@ -87,12 +87,7 @@ def test_bad_data_is_refused_before_anything_is_written(case, tmp_path, monkeypa
     before = snapshot(tmp_path)
     code = main(["train", *SMALL, "--train.run_dir=runs/refused", *argv])
     out = capsys.readouterr()
-    assert code == EXIT_CONFIG_ERROR, out.err
-    lines = out.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("loom train: config error: "), out.err
-    for words in expected:
-        assert words in out.err, f"{words!r} not in {out.err!r}"
-    assert "Traceback" not in out.err and out.out == ""
+    assert_refused(code, out, expected)
     assert snapshot(tmp_path) == before  # no runs/, no config.toml, no data
 
 
@@ -125,12 +120,7 @@ def test_bad_prepare_inputs_are_refused_before_anything_is_written(case, tmp_pat
     before = snapshot(tmp_path)
     code = main(["data", "prepare", "--out", "out", "--quiet", *argv])
     out = capsys.readouterr()
-    assert code == EXIT_CONFIG_ERROR, out.err
-    lines = out.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("loom data prepare: config error: "), out.err
-    for words in expected:
-        assert words in out.err, f"{words!r} not in {out.err!r}"
-    assert "Traceback" not in out.err and out.out == ""
+    assert_refused(code, out, expected, command='data prepare')
     assert snapshot(tmp_path) == before
 
 

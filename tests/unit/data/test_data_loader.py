@@ -17,15 +17,11 @@ from loom.data.loader import (
     eval_batches,
     prepare_data,
 )
+from tests.data_fixtures import DataCfg
 
 
 @dataclass
-class Cfg:  # the attributes of loom.config.DataConfig (duck-typed on purpose)
-    source: str = "stdlib"
-    extensions: tuple[str, ...] = (".py", ".txt", ".md")
-    tokenizer: str = "byte"
-    bpe_vocab_size: int = 2048
-    seq_len: int = 16
+class Cfg(DataCfg):  # the standard library's first 60 kB, 5% held out
     val_fraction: float = 0.05
     max_bytes: int = 60_000
 

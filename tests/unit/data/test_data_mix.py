@@ -3,7 +3,6 @@ a seed, and resumable at another data-parallel degree like the one-source loader
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,20 +19,7 @@ from loom.data.mix import (
     parse_mix,
 )
 from loom.errors import ConfigError
-from tests.data_fixtures import TEXTS, write_source
-
-
-@dataclass
-class Cfg:  # the attributes of loom.config.DataConfig (duck-typed on purpose)
-    source: str = "stdlib"
-    extensions: tuple[str, ...] = (".py", ".txt", ".md")
-    tokenizer: str = "byte"
-    bpe_vocab_size: int = 2048
-    seq_len: int = 16
-    val_fraction: float = 0.1
-    max_bytes: int = 0
-    text_field: str = "text"
-    mix: str = ""
+from tests.data_fixtures import DataCfg as Cfg, TEXTS, write_source
 
 
 def test_parse_mix_reads_paths_and_weights():

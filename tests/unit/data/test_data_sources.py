@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,25 +23,12 @@ from loom.data.sources import (
     split_records,
 )
 from loom.errors import ConfigError
-from tests.data_fixtures import TEXTS, make_tokenizer, write_source
+from tests.data_fixtures import DataCfg as Cfg, TEXTS, make_tokenizer, write_source
 
 pytest.importorskip("datasets", reason="the data extra: pip install -e '.[data]'")
 
 KINDS = ("jsonl", "parquet", "arrow", "saved")
 SUFFIX = {"jsonl": ".jsonl", "parquet": ".parquet", "arrow": ".arrow", "saved": "", "text": ""}
-
-
-@dataclass
-class Cfg:  # the attributes of loom.config.DataConfig (duck-typed on purpose)
-    source: str = "stdlib"
-    extensions: tuple[str, ...] = (".py", ".txt", ".md")
-    tokenizer: str = "byte"
-    bpe_vocab_size: int = 2048
-    seq_len: int = 16
-    val_fraction: float = 0.1
-    max_bytes: int = 0
-    text_field: str = "text"
-    mix: str = ""
 
 
 @pytest.fixture(scope="module")
