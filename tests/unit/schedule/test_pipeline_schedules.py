@@ -9,7 +9,7 @@ from fractions import Fraction
 
 import pytest
 
-from loom.schedule import Action, Op, StageCosts, execute, peak_memory, simulate, validate
+from loom.schedule import Op, StageCosts, execute, peak_memory, simulate, validate
 from loom.schedule.cost import full_stage_costs
 from loom.schedule.families import get, names
 from loom.schedule.families.controllable_memory import v_half_budget, v_min_budget
@@ -131,13 +131,15 @@ def test_hanayo_is_one_wave_down_and_up_with_1f1b_memory(p):
         assert max(peak_memory(schedule)) == p  # 2p chunks of half a unit, as 1F1B's p
 
 
-def test_hanayo_is_zbv_with_each_input_and_weight_gradient_fused():
-    for p in (2, 3, 4, 8):
-        for m in sorted({1, p - 1, p, 2 * p + 1, 4 * p}):
-            fused = tuple(tuple(Action(a.stage, Op.B, a.microbatch) if a.op is Op.I else a
-                                for a in row if a.op is not Op.W)
-                          for row in get("zbv")(p, m).actions)
-            assert get("hanayo")(p, m).actions == fused, (p, m)
+def test_hanayo_runs_each_rank_in_the_waves_1f1b_order():
+    """Rank r: 2(p-r)-1 forwards of the down chunk first, then full backwards (no I/W split)."""
+    for p in (2, 4, 8):
+        schedule = get("hanayo")(p, 4 * p)
+        assert not any(a.op in (Op.I, Op.W) for row in schedule.actions for a in row)
+        for rank, row in enumerate(schedule.actions):
+            warmup = 2 * (p - rank) - 1
+            assert [(a.stage, a.op) for a in row[:warmup]] == [(rank, Op.F)] * warmup, rank
+            assert sum(a.op is Op.B for a in row) == sum(a.op is Op.F for a in row) == 2 * 4 * p
 
 
 @pytest.mark.parametrize("p", (4, 8))
