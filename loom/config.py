@@ -503,7 +503,8 @@ def job_of(config: Config, offload_optimizer: bool = False) -> Job:
     tr = config.train
     return Job(args=model_args(config), layout=layout_of(config), seq_len=config.data.seq_len,
                seed=tr.seed, dtype=tr.dtype, grad_reduce_dtype=tr.grad_reduce_dtype,
-               grad_bucket_mb=tr.grad_bucket_mb, offload_optimizer=offload_optimizer)
+               grad_bucket_mb=tr.grad_bucket_mb, offload_optimizer=offload_optimizer,
+               grad_reduce_every_microbatch=tr.grad_reduce_every_microbatch)
 
 
 def with_layout(config: Config, layout: Layout) -> Config:

@@ -140,6 +140,7 @@ class Job:
     dtype: str = "fp32"  # compute: fp32, or bf16 autocast over fp32 master weights
     grad_reduce_dtype: str = "fp32"
     grad_bucket_mb: float = 25.0  # gradient buckets of data parallelism and ZeRO-1/2
+    grad_reduce_every_microbatch: bool = False  # ZeRO-2/3: reduce each backward's gradients
     offload_optimizer: bool = False  # resolved for the device (``train.offload``)
 
 

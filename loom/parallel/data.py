@@ -254,26 +254,30 @@ class _FullyShardedSync:
     def __init__(self, model: nn.Module, per_microbatch: bool = True) -> None:
         self._model = model
         self.per_microbatch = per_microbatch
+        self._sync = True
 
     @property
     def sync(self) -> bool:
-        return True
+        return self._sync
 
     @sync.setter
     def sync(self, value: bool) -> None:
         self._model.set_requires_gradient_sync(value)
         self._model.set_is_last_backward(value)
+        self._sync = value
 
     def flush(self) -> None:
-        """Reduce the gradients accumulated with ``sync`` off, now; then reshard."""
+        """Reduce the gradients accumulated with ``sync`` off, now (after a backward with
+        ``sync`` on FSDP2 has reduced them itself); then reshard."""
         from torch.distributed.fsdp import fully_shard
 
-        self.sync = True
-        state = fully_shard.state(self._model)  # the root's; its context lists every unit
-        for unit in state._state_ctx.all_states:
-            for group in unit._fsdp_param_groups:
-                group.post_backward()  # accumulated grads -> reduce-scatter (-> all-reduce)
-        state._root_post_backward_final_callback()  # wait for the reductions, reset for the next
+        if not self._sync:
+            self.sync = True
+            state = fully_shard.state(self._model)  # the root's; its context lists every unit
+            for unit in state._state_ctx.all_states:
+                for group in unit._fsdp_param_groups:
+                    group.post_backward()  # accumulated grads -> reduce-scatter (-> all-reduce)
+            state._root_post_backward_final_callback()  # wait for the reductions, reset
         self.reshard()
 
     def reshard(self) -> None:

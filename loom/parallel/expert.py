@@ -428,13 +428,10 @@ def clip_grad_norm(model: nn.Module, max_norm: float, ep: ExpertParallel,
     """Global gradient norm, each element counted once, clipped to ``max_norm`` (0: only measure).
 
     Expert shards' squares are summed over ep; then, under tensor parallelism (``tp``, a
-    ``tensor.TensorParallel``; default: the one ``apply_tensor_parallel`` left on ``model``),
-    every tp-sharded square (experts and dense) over tp; replicated gradients are added once;
-    with pipeline stages (``pp_group``) the total is summed over pp. Returns the norm.
+    ``tensor.TensorParallel``, None at tp = 1), every tp-sharded square (experts and dense)
+    over tp; replicated gradients are added once; with pipeline stages (``pp_group``) the total
+    is summed over pp. Returns the norm.
     """
-    # the record apply_tensor_parallel leaves (tensor.tensor_parallel_of; tensor.py imports this
-    # module, so reading the attribute here keeps the arrow one way)
-    tp = tp if tp is not None else getattr(model, "tensor_parallel", None)
     experts = expert_parameter_names(model)
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     expert_sq, sharded_sq, replicated_sq = (torch.zeros((), dtype=torch.float32) for _ in range(3))

@@ -418,6 +418,8 @@ def of_stages(stage_modules: list[nn.Module], pp_group: Any) -> ZeroShardedOptim
     parts = [getattr(m, "_loom_grad_reducer", None) for m in stage_modules]
     if not parts or not all(isinstance(p, ZeroShardedOptimizer) for p in parts):
         return None
+    if len(parts) == 1 and pp_group is None:  # one stage, the whole model (pp = 1)
+        return parts[0]
     merged = copy.copy(parts[0])
     merged.buckets = [bucket for part in parts for bucket in part.buckets]
     merged._bucket_of = {id(p): b for b in merged.buckets for p in b.params}

@@ -59,7 +59,8 @@ and owns DDP/FSDP wrapping), while Loom's IR and stages are its own; the interpr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -146,7 +147,9 @@ class PipelineRuntime:
                  recv_lookahead: int = 4, recorder: PipelineRecorder | None = None,
                  ledger: CommLedger | None = None,
                  tie_group: dist.ProcessGroup | None = None,
-                 copy_group: dist.ProcessGroup | None = None) -> None:
+                 copy_group: dist.ProcessGroup | None = None,
+                 compute_context: Callable[[], contextlib.AbstractContextManager]
+                 = contextlib.nullcontext, reduce_every_microbatch: bool = False) -> None:
         if sorted(stages) != list(schedule.stages_of(pp_rank)):
             raise ValueError(f"rank {pp_rank} holds stages {sorted(stages)}, the schedule places "
                              f"{list(schedule.stages_of(pp_rank))} on it")
@@ -160,6 +163,16 @@ class PipelineRuntime:
         self.ledger = ledger  # counts the sends, receives and reductions over "pp" (comm.py)
         self.tie_group = tie_group  # {first stage's rank, last stage's rank} of a tied model
         self.copy_group = copy_group  # the ranks holding the other routes' copies of my stages
+        # entered around every action's compute (forward and backward): the trainer's counting
+        # of tensor-parallel collectives and activation offload
+        self.compute_context = compute_context
+        # ZeRO-2/3 only (train.grad_reduce_every_microbatch): every backward reduces its own
+        # gradients, so full-size ones never accumulate; otherwise once per step (below)
+        self.reduce_every_microbatch = reduce_every_microbatch
+        # the step's MoE load-balancing loss, summed over microbatches and this pipeline's
+        # stages (the same on every pipeline rank); None for a dense model
+        self.aux_loss: torch.Tensor | None = None
+        self.moe = next(iter(stages.values())).module.args.n_experts > 0
         # The data-parallel reducer of each stage (None at degree 1), attached by parallelize.
         self.reducers = {index: reducer for index, stage in stages.items()
                          if (reducer := gradient_reducer(stage.module)) is not None}
@@ -199,9 +212,12 @@ class PipelineRuntime:
         local: dict[_Transfer, torch.Tensor] = {}  # same-rank hand-overs
         sends: list[dist.Work] = []
         loss_sum = torch.zeros((), device=device)
-        if training:  # accumulate every piece locally; each stage's last one flushes it
+        reduce_once = training and not self.reduce_every_microbatch
+        if reduce_once:  # accumulate locally up to each stage's last backward piece
             for reducer in self.reducers.values():
                 reducer.sync = False
+        for stage in self.stages.values():
+            stage.aux_loss_sum = None
 
         for index, action in enumerate(row):
             # Post the receives of the next few actions before computing this one.
@@ -219,18 +235,25 @@ class PipelineRuntime:
                 recorder.begin(action)
             stage = self.stages[action.stage]
             mb = action.microbatch
-            if action.op is Op.F:
-                x = inputs[mb] if stage.is_first else received
-                out = stage.forward(mb, x, targets[mb], loss_fn, training=training)
-                result = None if stage.is_last else out
-                if stage.is_last:
-                    loss_sum += out.detach().float()
-            elif action.op is Op.I:
-                result = stage.backward_input(mb, received)
-            elif action.op is Op.B:
-                result = stage.backward(mb, received)
-            else:
-                result = stage.backward_weight(mb)
+            final_piece = reduce_once and last_piece.get(action.stage) == index \
+                and action.stage in self.reducers
+            if final_piece and action.op is Op.B:
+                # A full backward runs autograd's hooks: the reducer reduces each bucket as
+                # its gradients are ready, overlapping the rest of this backward (as DDP does)
+                self.reducers[action.stage].sync = True
+            with self.compute_context():
+                if action.op is Op.F:
+                    x = inputs[mb] if stage.is_first else received
+                    out = stage.forward(mb, x, targets[mb], loss_fn, training=training)
+                    result = None if stage.is_last else out
+                    if stage.is_last:
+                        loss_sum += out.detach().float()
+                elif action.op is Op.I:
+                    result = stage.backward_input(mb, received)
+                elif action.op is Op.B:
+                    result = stage.backward(mb, received)
+                else:
+                    result = stage.backward_weight(mb)
             transfer = outgoing(schedule, action)
             if transfer is not None and result is not None:
                 # fp32 on the wire: under bf16 autocast the residual stream is still fp32
@@ -244,9 +267,8 @@ class PipelineRuntime:
                                             tag=transfer.tag(schedule.num_microbatches)))
             if recorder is not None:
                 recorder.end(action)
-            if training and last_piece.get(action.stage) == index \
-                    and action.stage in self.reducers:
-                self.reducers[action.stage].flush()  # overlaps the rest of the schedule
+            if final_piece:  # what the hooks did not reduce (all of it after a W) goes now,
+                self.reducers[action.stage].flush()  # overlapping the rest of the schedule
         for work in sends:
             work.wait()
         for index, stage in self.stages.items():
@@ -254,8 +276,15 @@ class PipelineRuntime:
                 self.reducers[index].sync = True
             elif not training:  # ZeRO-3 stages held gathered through the forward passes
                 reshard(stage.module)
-        if len(self.pp_ranks) > 1:  # only the last stage's is non-zero
-            comm.all_reduce(loss_sum, self.pp_group, axis="pp", ledger=self.ledger)
+        totals = loss_sum
+        if training and self.moe:  # every pipeline rank all-reduces the same shape
+            aux = sum((stage.aux_loss_sum for stage in self.stages.values()
+                       if stage.aux_loss_sum is not None), torch.zeros((), device=device))
+            totals = torch.stack([loss_sum, aux.float()])
+        if len(self.pp_ranks) > 1:  # only the last stage's loss is non-zero
+            comm.all_reduce(totals, self.pp_group, axis="pp", ledger=self.ledger)
+        if totals.dim():
+            loss_sum, self.aux_loss = totals[0], totals[1]
         if recorder is not None:
             recorder.step_end()
         return loss_sum
@@ -350,9 +379,13 @@ class PipelineRuntime:
 
 def build_pipeline(job: Job, schedule: Schedule, *, grid: RankGrid, meshes: Meshes, rank: int,
                    device: torch.device, autocast=None, cp_groups=None,
-                   ledger: CommLedger | None = None) -> PipelineRuntime:
+                   ledger: CommLedger | None = None,
+                   compute_context: Callable[[], contextlib.AbstractContextManager]
+                   = contextlib.nullcontext) -> PipelineRuntime:
     """This rank's stages (``job``'s model split by ``partition_model``) and the runtime that
-    drives them, with the ``pp`` group of ``meshes`` (the meshes of ``grid``).
+    drives them, with the ``pp`` group of ``meshes`` (the meshes of ``grid``; None at pp = 1).
+    Every pp builds this way: at pp = 1 the one stage is the whole model and the schedule
+    (``schedule_of``) is gradient accumulation.
 
     ``parallelize`` is applied to each stage module with the same ``job``, so a stage gets
     exactly what a whole model gets, in the same order: TP on the ``tp`` mesh, the cp attention
@@ -378,9 +411,11 @@ def build_pipeline(job: Job, schedule: Schedule, *, grid: RankGrid, meshes: Mesh
                 group = dist.new_group(ranks)
                 if rank in ranks:
                     copy_group = group
-    return PipelineRuntime(schedule, stages, pp_rank, grid.group(rank, "pp"),
-                           meshes.root["pp"].get_group(), ledger=ledger, tie_group=tie_group,
-                           copy_group=copy_group)
+    pp_group = meshes.root["pp"].get_group() if grid.degree("pp") > 1 else None
+    return PipelineRuntime(schedule, stages, pp_rank, grid.group(rank, "pp"), pp_group,
+                           ledger=ledger, tie_group=tie_group, copy_group=copy_group,
+                           compute_context=compute_context,
+                           reduce_every_microbatch=job.grad_reduce_every_microbatch)
 
 
 def route_ends(schedule: Schedule) -> list[tuple[int, int]]:

@@ -64,6 +64,9 @@ class PipelineStage:
     # What ``parallelize`` applied to ``module`` (its TP / EP records and reducer); None when
     # the stage was built without it
     applied: Parallelized | None = None
+    # MoE: this step's load-balancing loss of the slice's layers, summed over the microbatches
+    # it trained (for the log; its gradient joins in backward: aux_loss_backward_scale)
+    aux_loss_sum: torch.Tensor | None = None
     _in_flight: dict[int, _InFlight] = field(default_factory=dict)
 
     @property
@@ -98,6 +101,9 @@ class PipelineStage:
             # Under sequence parallelism the output is a view of a DTensor's local shard;
             # torch's stage_backward_input detaches stage outputs in place, which views forbid.
             out = out.clone()
+        if self.module.args.n_experts:
+            aux = self.module.moe_aux_loss().detach()
+            self.aux_loss_sum = aux if self.aux_loss_sum is None else self.aux_loss_sum + aux
         if self.is_last:
             out = loss_fn(out, targets)
         self._in_flight[microbatch] = _InFlight(inputs, out)

@@ -97,9 +97,14 @@ def schedule_for(name: str, pp: int, microbatches: int, chunks: int = 0, *,
 
 
 def schedule_of(layout: Layout, max_stages: int = 0) -> Schedule:
-    """The schedule ``layout``'s pipeline runs (``layout.pp > 1``): the trainer's, the memory
-    estimator's and the planner's simulation, from one place. ``max_stages``: the model's layers
-    (0: no bound), which keep an "auto" search to one stage per rank below 2 pp."""
+    """The schedule ``layout``'s pipeline runs: the trainer's, the memory estimator's and the
+    planner's simulation, from one place. ``max_stages``: the model's layers (0: no bound),
+    which keep an "auto" search to one stage per rank below 2 pp. At pp = 1 it is plain
+    gradient accumulation, one stage running each microbatch's forward then its backward (the
+    configured schedule does not apply: its splits and chunks would only add stages or hold
+    more activations on the one rank)."""
+    if layout.pp == 1:
+        return _generated("1f1b", 1, layout.microbatches, 0)
     return schedule_for(layout.schedule, layout.pp, layout.microbatches,
                         0 if layout.searched else layout.chunks,
                         memory_limit=layout.schedule_memory_limit,

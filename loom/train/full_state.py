@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from loom.parallel import comm, unwrap
+from loom.parallel import comm
 from loom.parallel.expert import expert_parameter_names, gather_expert_weights
 from loom.parallel.tensor import full_named_gradients
 from loom.parallel.zero import zero_of
@@ -25,18 +25,13 @@ if TYPE_CHECKING:
 
 
 def named_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Every parameter's full gradient by its model name (for parity tests); with pp > 1
-    gathered from every stage over the ``pp`` group (a collective: call it on every rank)."""
-    if trainer.pipeline is not None:  # full tensors under TP (collective over tp), ep, then pp
-        zero = zero_of(trainer.model)  # ZeRO-1/2: the stages' reduced slices, all-gathered
-        grads = zero.full_named_gradients() if zero is not None else \
-            full_named_gradients(trainer.model)
-        return _gather_over_pp(trainer, _gather_experts(trainer, grads))
-
-    if zero_of(trainer.model) is not None:  # ZeRO-1/2: the reduced slices, all-gathered
-        return _gather_experts(trainer, zero_of(trainer.model).full_named_gradients())
-    # full tensors under TP (collective)
-    return _gather_experts(trainer, full_named_gradients(unwrap(trainer.model)))
+    """Every parameter's full gradient by its model name (for parity tests): full tensors under
+    TP (collective over tp), expert shards stacked over ep, then every stage's over ``pp``
+    (a collective: call it on every rank)."""
+    zero = zero_of(trainer.model)  # ZeRO-1/2: the stages' reduced slices, all-gathered
+    grads = zero.full_named_gradients() if zero is not None else \
+        full_named_gradients(trainer.model)
+    return _gather_over_pp(trainer, _gather_experts(trainer, grads))
 
 
 def _gather_experts(trainer: Trainer, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -55,6 +50,8 @@ def _gather_over_pp(trainer: Trainer, tensors: dict[str, torch.Tensor],
     """Merge name -> tensor dicts of the ``pp`` group (CPU copies, pickled: fine for tests
     and final weights, not for per-step use); ``to_main``: only pp rank 0 receives."""
     local = {k: v.detach().cpu().clone() for k, v in tensors.items()}
+    if trainer.pipeline.pp_group is None:  # pp = 1: this rank holds the whole model
+        return local
     parts: list[Any] = [None] * len(trainer.pipeline.pp_ranks)
     if to_main:
         dist.gather_object(local, parts if trainer.pipeline.pp_rank == 0 else None,
@@ -68,19 +65,14 @@ def save_weights(trainer: Trainer, path: Path) -> None:
     """The full model weights as safetensors (main rank; written to a temp file, renamed)."""
     from safetensors.torch import save_file
 
-    if trainer.pipeline is not None:  # TP / ZeRO-3 gathers (collectives over tp, dp_shard) ...
-        state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
-                 for k, v in trainer.model.state_dict().items()}
-        if trainer.ep is not None:  # expert shards stacked back over ep (collective)
-            state.update(gather_expert_weights(trainer.model))
-        if trainer.dp_rank != 0:
-            return
-        state = _gather_over_pp(trainer, state, to_main=True)  # ... then the first pipeline's
-    else:  # every rank takes part in gathering TP / EP shards, then only the main rank writes
-        state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
-                 .contiguous() for k, v in unwrap(trainer.model).state_dict().items()}
-        if trainer.ep is not None:
-            state.update({k: v.cpu() for k, v in gather_expert_weights(trainer.model).items()})
+    # TP / ZeRO-3 gathers (collectives over tp, dp_shard) ...
+    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+             for k, v in trainer.model.state_dict().items()}
+    if trainer.ep is not None:  # expert shards stacked back over ep (collective)
+        state.update(gather_expert_weights(trainer.model))
+    if trainer.dp_rank != 0:
+        return
+    state = _gather_over_pp(trainer, state, to_main=True)  # ... then the first pipeline's
     if not trainer.ctx.is_main:
         return
     if trainer.args.tie_embeddings:

@@ -144,7 +144,7 @@ def clip_gradients(model: nn.Module, max_norm: float, *, tp=None, ep=None,
                                       [pp_group] if pp_group is not None else [],
                                       experts=experts)
     if ep is not None:
-        return ep_clip_grad_norm(model, max_norm, ep, pp_group=pp_group)
+        return ep_clip_grad_norm(model, max_norm, ep, tp=tp, pp_group=pp_group)
     if tp is not None:
         other = (("pp", pp_group),) if pp_group is not None else ()
         return tp_clip_grad_norm(model.parameters(), max_norm, tp=tp, other_groups=other)

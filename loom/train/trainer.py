@@ -1,18 +1,20 @@
 """The training loop of one rank: setup is a short list of builder calls, a step is explicit.
 
 ``Trainer(config, data_dir, run_dir)`` builds, in order: the rank's process context, the
-``RankGrid`` and ``DeviceMesh``, the model on the meta device, its parallel form
-(``loom.parallel.parallelize``), the seeded weights, AdamW with warmup + cosine, and the sharded
-data loader. ``train_step`` does one optimizer step: split the rank's batch into microbatches,
-forward/backward each (gradient all-reduce only on the last, overlapped with its backward),
-clip by the global norm, step. ``fit`` loops, evaluates, logs and saves the final weights.
+``RankGrid`` and ``DeviceMesh``, this rank's pipeline stages through
+``loom.pipeline.runtime.build_pipeline`` for every pp (at pp = 1 one stage, the whole model, with
+gradient accumulation as its schedule; each stage made on the meta device, seeded by parameter
+name and given ``loom.parallel.parallelize``), AdamW with warmup + cosine, and the sharded data
+loader. ``train_step`` does one optimizer step: the schedule runs the rank's microbatches
+(each stage's gradient reduction starts within its last backward piece, overlapping what
+follows), then clip by the global norm and step. ``fit`` loops, evaluates, logs and saves the
+final weights.
 
 What one step communicates (data parallelism): the gradient all-reduce over ``dp`` issued by
-``loom.parallel.data``'s reducer (or ZeRO's reduce-scatter / all-gather),
-plus one 1-element all-reduce of the loss for logging. With ``pp > 1`` the model is split into
-stages and ``loom.pipeline.runtime`` runs the configured schedule instead of the microbatch loop
-(its docstring lists the point-to-point traffic and the per-stage dp all-reduce); the step adds a
-1-element all-reduce over ``pp`` for the clipping norm and one for the loss.
+``loom.parallel.data``'s reducer (or ZeRO's reduce-scatter / all-gather), plus one 1-element
+all-reduce of the loss for logging (and one of the load-balancing loss with MoE). With
+``pp > 1`` the runtime's docstring lists the point-to-point traffic; the step adds a 1-element
+all-reduce over ``pp`` for the clipping norm and one for the loss (two elements with MoE).
 
 The loss is the mean token cross entropy over the *global* batch: each microbatch's mean is
 divided by the number of microbatches and the reducer averages over equally sized rank batches, so every
@@ -34,17 +36,15 @@ from loom.config import Config, job_of, layout_of, model_args, to_dict
 from loom.data.loader import DataFiles, DistributedLoader, eval_batches
 from loom.formulas.flops import model_flops_per_token
 from loom.grid_summary import describe_grid
-from loom.models import build_model, reset_parameters
 from loom.models.moe import set_aux_loss_backward_scale
 from loom.models.pretrained import PretrainedSource
-from loom.parallel import finish_gradient_sync, no_gradient_sync, parallelize, unwrap
 from loom.parallel.comm import CommLedger
 from loom.parallel.context import CPLayout, new_cp_groups, shard_sequence
 from loom.parallel.expert import reduce_gradients
 from loom.parallel.load import load_local_shards
 from loom.parallel.offload import activation_offload, plan_offload
 from loom.parallel.zero import of_stages
-from loom.pipeline.runtime import PipelineRuntime, build_pipeline, forward_only
+from loom.pipeline.runtime import build_pipeline, forward_only
 from loom.pipeline.stage import LocalStages
 from loom.schedule.select import schedule_of
 from loom.topology import DATA_AXES, build_mesh
@@ -102,33 +102,26 @@ class Trainer:
         self.offload = plan_offload(self.ctx.device, activations=tr.offload_activations,
                                     optimizer=tr.offload_optimizer)
         self.autocast_dtype = torch.bfloat16 if tr.dtype == "bf16" else None
-        self.pipeline: PipelineRuntime | None = None
         job = job_of(config, offload_optimizer=self.offload.optimizer)
-        if lay.pp > 1:
-            # This rank's stages of the schedule; ``LocalStages`` presents them under global
-            # parameter names for the optimizer, checkpoints and parity (the runtime drives them).
-            schedule = schedule_of(lay, max_stages=self.args.n_layers)
-            self.pipeline = build_pipeline(job, schedule, grid=self.grid, meshes=self.meshes,
-                                           rank=self.ctx.rank, device=self.ctx.device,
-                                           autocast=self._autocast, cp_groups=self.cp_groups,
-                                           ledger=self.ledger)
-            modules = [s.module for _, s in sorted(self.pipeline.stages.items())]
-            self.model = LocalStages(modules, replicas=self.pipeline.route_replicas())
-            zero = of_stages(modules, self.pipeline.pp_group)  # ZeRO-1/2: one optimizer view
-            if zero is not None:
-                self.model._loom_grad_reducer = zero
-            # every stage of this rank had the same parallelisms applied: any one's records
-            applied = next(iter(self.pipeline.stages.values())).applied
-            if applied.experts is not None:  # LocalStages presents it (checkpoints, gathering)
-                self.model.expert_parallel = applied.experts
-        else:
-            model = build_model(self.args, device="meta")
-            model.to_empty(device=self.ctx.device)
-            reset_parameters(model, tr.seed)  # identical on every rank: seeded by parameter name
-            # TP keeps each rank's slice of the full seeded value: weights equal one process's.
-            applied = parallelize(model, self.meshes, job, cp_groups=self.cp_groups,
-                                  ledger=self.ledger)
-            self.model = applied.module
+        # This rank's stages of the schedule, for any pp (at pp = 1 one stage, the whole model,
+        # and gradient accumulation as its schedule): each made on the meta device, seeded by
+        # parameter name (identical on every rank; TP keeps each rank's slice of the full
+        # seeded value) and parallelized. ``LocalStages`` presents them under global parameter
+        # names for the optimizer, checkpoints and parity; the runtime drives them.
+        schedule = schedule_of(lay, max_stages=self.args.n_layers)
+        self.pipeline = build_pipeline(job, schedule, grid=self.grid, meshes=self.meshes,
+                                       rank=self.ctx.rank, device=self.ctx.device,
+                                       autocast=self._autocast, cp_groups=self.cp_groups,
+                                       ledger=self.ledger, compute_context=self._compute_context)
+        modules = [s.module for _, s in sorted(self.pipeline.stages.items())]
+        self.model = LocalStages(modules, replicas=self.pipeline.route_replicas())
+        zero = of_stages(modules, self.pipeline.pp_group)  # ZeRO-1/2: one optimizer view
+        if zero is not None:
+            self.model._loom_grad_reducer = zero
+        # every stage of this rank had the same parallelisms applied: any one's records
+        applied = next(iter(self.pipeline.stages.values())).applied
+        if applied.experts is not None:  # LocalStages presents it (checkpoints, gathering)
+            self.model.expert_parallel = applied.experts
         self.tp, self.ep = applied.tensor, applied.experts
         self.pretrained_bytes_read = 0
         if config.model.init_from:  # pretrained weights: each rank reads only what it holds
@@ -138,7 +131,7 @@ class Trainer:
         self.loss_fn = self.tp.loss if self.tp is not None else cross_entropy
         # Mixture of experts: the load-balancing loss joins the objective with its coefficient.
         self.aux_coef = self.args.aux_loss_coef if self.args.n_experts > 0 else 0.0
-        if self.aux_coef and self.pipeline is not None:
+        if self.aux_coef:
             # Only the last stage holds the loss: each MoE layer adds its balancing loss's
             # gradient in backward, scaled as the one-process objective scales it.
             set_aux_loss_backward_scale(self.model, self.aux_coef / lay.microbatches)
@@ -152,7 +145,7 @@ class Trainer:
         # Clip, check, step: synchronous, or post-validated (loom/train/post_validation.py)
         self.optimizer_step = optimizer_step_for(
             tr, self.optimizer, self.model, self._pending_mean, tp=self.tp, ep=self.ep,
-            pp_group=self.pipeline.pp_group if self.pipeline is not None else None)
+            pp_group=self.pipeline.pp_group)
 
         self.data = DataFiles.open(data_dir)
         seq_len = config.data.seq_len
@@ -173,37 +166,21 @@ class Trainer:
         return torch.autocast(self.ctx.device.type, dtype=self.autocast_dtype)
 
     def train_step(self) -> dict[str, float]:
-        """One optimizer step over the next global batch; returns loss, grad norm and lr."""
+        """One optimizer step over the next global batch; returns loss, grad norm and lr.
+
+        The schedule runs every microbatch's forward and backward (each stage's data-parallel
+        reduction starts within its last backward piece and overlaps what follows); the loss
+        arrives on every rank; the clipping norm sums the squares over ``pp`` (each pipeline
+        rank owns other weights)."""
         inputs, targets = self.loader.next_batch()
-        micro = self.config.train.micro_batch_size
-        n_micro = inputs.shape[0] // micro
         self.optimizer.zero_grad(set_to_none=True)
-        if self.pipeline is not None:
-            return self._pipeline_step(inputs, targets)
-        inputs, targets, positions = self._shard_sequence(inputs, targets)
-        loss_sum = torch.zeros((), device=self.ctx.device)
-        aux_sum = torch.zeros((), device=self.ctx.device)
-        for i in range(n_micro):
-            rows = slice(i * micro, (i + 1) * micro)
-            last = i == n_micro - 1
-            sync = last or self.config.train.grad_reduce_every_microbatch
-            with contextlib.nullcontext() if sync else no_gradient_sync(self.model), \
-                    self._counting(), activation_offload(self.offload):
-                with self._autocast():
-                    logits = self.model(inputs[rows], positions=positions)
-                loss = self.loss_fn(logits, targets[rows]) / n_micro
-                objective = loss
-                if self.aux_coef:
-                    aux = unwrap(self.model).moe_aux_loss() / n_micro
-                    objective = loss + self.aux_coef * aux
-                    aux_sum += aux.detach()
-                objective.backward()
-            loss_sum += loss.detach()
-        finish_gradient_sync(self.model)
+        loss_sum = self._run_pipeline(inputs, targets, training=True)
+        self.pipeline.finish_gradient_reduction()
         self._reduce_expert_gradients()
         metrics = self._optimizer_step(loss_sum)
         if self.aux_coef:
-            metrics["moe_aux_loss"] = self._mean_over_dp(aux_sum)
+            n_micro = inputs.shape[0] // self.config.train.micro_batch_size
+            metrics["moe_aux_loss"] = self._mean_over_dp(self.pipeline.aux_loss / n_micro)
         return metrics
 
     def _optimizer_step(self, loss_sum: torch.Tensor) -> dict[str, float]:
@@ -241,20 +218,14 @@ class Trainer:
         targets, _ = shard_sequence(targets, rank, layout)
         return inputs, targets, positions
 
-    def _counting(self) -> contextlib.AbstractContextManager:
-        """Count DTensor's (tensor-parallel) collectives into the ledger, forward and backward."""
-        if self.tp is None or self.ledger is None:
-            return contextlib.nullcontext()
-        return self.tp.counting()
-
-    def _pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
-        """``train_step`` with pp > 1: the schedule runs every microbatch's forward and backward
-        (and starts each stage's dp all-reduce after its last W); the loss arrives on every rank;
-        the clipping norm sums the squares over the ``pp`` group (each rank owns other weights)."""
-        loss_sum = self._run_pipeline(inputs, targets, training=True)
-        self.pipeline.finish_gradient_reduction()
-        self._reduce_expert_gradients()
-        return self._optimizer_step(loss_sum)
+    def _compute_context(self) -> contextlib.AbstractContextManager:
+        """Entered around every forward and backward piece: DTensor's (tensor-parallel)
+        collectives counted into the ledger, saved activations offloaded to the host."""
+        stack = contextlib.ExitStack()
+        if self.tp is not None and self.ledger is not None:
+            stack.enter_context(self.tp.counting())
+        stack.enter_context(activation_offload(self.offload))
+        return stack
 
     def _reduce_expert_gradients(self) -> None:
         """Expert shards: summed over dp outside ep and cp, divided by dp x ep x cp (the dense
@@ -303,13 +274,8 @@ class Trainer:
         tr = self.config.train
         batches = eval_batches(self.val_set, tr.global_batch_size, tr.eval_batches,
                                self.dp_rank, self.dp_size, self.ctx.device)
-        if self.pipeline is not None:  # forward-only through the stages, loss shared over pp
-            losses = [self._run_pipeline(x, y, training=False) for x, y in batches]
-        else:
-            losses = []
-            for x, y in batches:
-                x, y, positions = self._shard_sequence(x, y)
-                losses.append(self.loss_fn(self.model(x, positions=positions), y))
+        # forward-only through the stages, the loss shared over pp
+        losses = [self._run_pipeline(x, y, training=False) for x, y in batches]
         if not losses:
             return math.nan
         return self._mean_over_dp(torch.stack(losses).mean())
@@ -537,8 +503,7 @@ class Trainer:
                 add(label, mesh.get_group())
         for axis in meshes.root.mesh_dim_names or ():
             add(axis, meshes.root.get_group(axis))
-        if self.pipeline is not None:
-            add("pp", self.pipeline.pp_group)
+        add("pp", self.pipeline.pp_group)
         if self.cp_groups is not None and getattr(self.cp_groups, "cp", None) is not None:
             add("cp", self.cp_groups.cp)
         return names

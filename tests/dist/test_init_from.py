@@ -69,7 +69,8 @@ def _first_batch_losses(ctx, config_table: dict, data_dir: str, hf_dir: str) -> 
     trainer = Trainer(from_dict(config_table), Path(data_dir), None, ctx)
     inputs, targets = trainer.loader.next_batch()
     with torch.no_grad():
-        ours = cross_entropy(trainer.model(inputs), targets).item()
+        (stage,) = trainer.pipeline.stages.values()  # pp = 1: one stage, the whole model
+        ours = cross_entropy(stage.module(inputs), targets).item()
         hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
         theirs = cross_entropy(hf(inputs).logits, targets).item()
     return ours, theirs, trainer.pretrained_bytes_read
