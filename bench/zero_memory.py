@@ -61,12 +61,11 @@ def measure(ctx, table, data_dir):
     import torch
 
     from loom.config import from_dict
-    from loom.parallel.zero import zero_of
     from loom.train.trainer import Trainer
 
     trainer = Trainer(from_dict(table), data_dir, None, ctx)
     trainer.train_step()
-    model, zero = trainer.model, zero_of(trainer.model)
+    model, zero = trainer.model, trainer.zero
     params = list(model.parameters())
     grads = [p.grad for p in params if p.grad is not None]
     if zero is not None:
@@ -145,8 +144,8 @@ def _model_state(trainer) -> int:
 
     params = list(trainer.model.parameters())
     grads = [p.grad for p in params if p.grad is not None]
-    for module in trainer.model.modules():
-        reducer = getattr(module, "_loom_grad_reducer", None)
+    for stage in trainer.pipeline.stages.values():
+        reducer = stage.applied.reducer
         if isinstance(reducer, ZeroShardedOptimizer):
             grads += [t for b in reducer.buckets for t in (b.grad_flat, b.grad_shard)
                       if t is not None]

@@ -39,15 +39,13 @@ from loom.layout import Job, Layout
 from loom.parallel.activation import apply_activation_checkpointing
 from loom.parallel.comm import CommLedger
 from loom.parallel.context import apply_context_parallel
-from loom.parallel.data import (GradientReducer, apply_data_parallel, apply_fully_shard,
-                                finish_gradient_sync, gradient_reducer, no_gradient_sync, unwrap)
-from loom.parallel.expert import (ExpertParallel, apply_expert_parallel, expert_parallel_of,
-                                  expert_parameter_names)
-from loom.parallel.tensor import TensorParallel, apply_tensor_parallel, tensor_parallel_of
+from loom.parallel.data import GradientReducer, apply_fully_shard
+from loom.parallel.expert import ExpertParallel, apply_expert_parallel, expert_parameter_names
+from loom.parallel.tensor import TensorParallel, apply_tensor_parallel
 from loom.parallel.zero import apply_zero
 from loom.topology import Meshes
 
-__all__ = ["parallelize", "Parallelized", "finish_gradient_sync", "no_gradient_sync", "unwrap"]
+__all__ = ["parallelize", "Parallelized"]
 
 
 def zero_mesh(meshes: Meshes, parallel: Layout) -> tuple[Any, str]:
@@ -95,30 +93,36 @@ class Parallelized:
 
 def parallelize(model: nn.Module, meshes: Meshes, job: Job, *, cp_groups: Any = None,
                 ledger: CommLedger | None = None) -> Parallelized:
-    """Apply every parallelism whose degree is > 1, in the order above.
+    """Apply every parallelism whose degree is > 1, in the order above; returns the module and
+    the record of what was applied (nothing is left on the module for others to look up).
 
     ``job`` gives the layout (degrees and knobs), the compute and gradient-reduction dtypes and
     the optimizer's offload; ``cp_groups`` is the rank's ``context.CPGroups`` (made by the
     caller, because creating groups is collective) or None at cp = 1.
     """
-    module = _apply(model, meshes, job, cp_groups, ledger)
-    return Parallelized(module, tensor_parallel_of(module), expert_parallel_of(module),
-                        gradient_reducer(module))
-
-
-def _apply(model: nn.Module, meshes: Meshes, job: Job, cp_groups: Any,
-           ledger: CommLedger | None) -> nn.Module:
     parallel = job.layout
+    tensor = experts = None
     if parallel.tp > 1:
         model = apply_tensor_parallel(model, meshes.root["tp"],
                                       sequence_parallel=parallel.sequence_parallel,
                                       vocab_parallel=parallel.vocab_parallel, ledger=ledger)
+        tensor = TensorParallel(meshes.root["tp"], parallel.sequence_parallel,
+                                parallel.vocab_parallel, ledger)
     if parallel.cp > 1:
         model = apply_context_parallel(model, cp_groups, ledger)
     if parallel.ep > 1:
-        model = apply_expert_parallel(model, meshes.root["ep"].get_group(), ledger)
+        experts = apply_expert_parallel(model, meshes.root["ep"].get_group(), ledger)
     if parallel.recompute != "none":
         model = apply_activation_checkpointing(model, parallel.recompute, parallel.recompute_every)
+    return Parallelized(model, tensor, experts,
+                        _data_parallel(model, meshes, job, ledger, experts))
+
+
+def _data_parallel(model: nn.Module, meshes: Meshes, job: Job, ledger: CommLedger | None,
+                   experts: ExpertParallel | None) -> Any:
+    """The reducer of ``model``'s gradients over the data axes (ZeRO-3 shards ``model`` in
+    place first); None at data-parallel degree 1."""
+    parallel = job.layout
     reduce_dtype = torch.bfloat16 if job.grad_reduce_dtype == "bf16" else torch.float32
     bucket_bytes = int(job.grad_bucket_mb * 2**20)
     if parallel.zero_stage == 3:
@@ -139,14 +143,14 @@ def _apply(model: nn.Module, meshes: Meshes, job: Job, cp_groups: Any,
                           axis=axis, reduce_dtype=reduce_dtype, offload=job.offload_optimizer,
                           ledger=ledger, bucket_bytes=bucket_bytes,
                           tp_group=meshes.root["tp"].get_group() if parallel.tp > 1 else None,
-                          experts=expert_zero_mesh(meshes, parallel, 1))
+                          experts=expert_zero_mesh(meshes, parallel, 1),
+                          ep_size=experts.size if experts is not None else 1)
     dp_mesh, axis = (meshes.dp_cp, "dp_cp") if parallel.cp > 1 else (meshes.dp, "dp")
-    if parallel.ep > 1:
-        experts = expert_parameter_names(model)
-        dense = [p for n, p in model.named_parameters() if n not in experts]
-        model._loom_grad_reducer = GradientReducer(dense, dp_mesh.get_group(), dp_mesh.size(),
-                                                   ledger=ledger, axis=axis,
-                                                   bucket_bytes=bucket_bytes)
-        return model
-    return apply_data_parallel(model, dp_mesh.get_group(), dp_mesh.size(), ledger=ledger,
-                               axis=axis, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes)
+    params = list(model.parameters())
+    if experts is not None:  # the dense ones: expert gradients follow reduce_gradients' rule
+        names = expert_parameter_names(model)
+        params = [p for n, p in model.named_parameters() if n not in names]
+    if dp_mesh.size() == 1:
+        return None
+    return GradientReducer(params, dp_mesh.get_group(), dp_mesh.size(), ledger=ledger, axis=axis,
+                           reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes)

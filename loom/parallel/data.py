@@ -11,9 +11,9 @@ backward produces them); a post-accumulate-grad hook launches a bucket's asynchr
 as soon as its last gradient is ready, so communication overlaps the rest of the backward pass.
 Buckets are always launched in the same order on every rank (a bucket waits for the earlier ones),
 which keeps the collectives matched even when a parameter received no gradient (then zeros are
-sent for it at the end). ``no_gradient_sync`` turns the hooks off for all but the last microbatch
-of a gradient-accumulation step; ``finish_gradient_sync`` waits for the reductions and writes the
-averages back. Degree 1: nothing is attached.
+sent for it at the end). Its ``sync`` off accumulates microbatches locally (the pipeline
+runtime turns it on for a stage's last backward piece, or ``flush``es after a W); ``finish``
+waits for the reductions and writes the averages back. Degree 1: no reducer.
 
 Why not torch's ``DistributedDataParallel``: it rejects DTensor parameters, so it cannot follow
 tensor parallelism (torch 2.13's workaround drops them from reduction), and its collectives are
@@ -52,8 +52,7 @@ False`` gives stage 2's traffic, not its memory), so the replicated-parameter st
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, ContextManager, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -154,49 +153,6 @@ def copy_back(flat: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
         offset += grad.numel()
 
 
-def apply_data_parallel(model: nn.Module, group: Any, size: int, *,
-                        ledger: comm.CommLedger | None = None, axis: str = "dp",
-                        reduce_dtype: torch.dtype = torch.float32,
-                        bucket_bytes: int = BUCKET_BYTES) -> nn.Module:
-    """Attach a ``GradientReducer`` over ``group`` to ``model``; identity at degree 1."""
-    if size > 1:
-        model._loom_grad_reducer = GradientReducer(list(model.parameters()), group, size,
-                                                   ledger=ledger, axis=axis,
-                                                   reduce_dtype=reduce_dtype,
-                                                   bucket_bytes=bucket_bytes)
-    return model
-
-
-def gradient_reducer(model: nn.Module) -> Any:
-    """The object that reduces ``model``'s gradients over its data group (``GradientReducer``,
-    ZeRO-3's ``FullyShardedSync`` or ZeRO-1/2's optimizer), None at data-parallel degree 1.
-    Each has ``sync`` (off: accumulate locally), ``finish()``, and the first two ``flush()``."""
-    return getattr(model, "_loom_grad_reducer", None)
-
-
-
-@contextlib.contextmanager
-def _sync_off(reducer: GradientReducer):
-    reducer.sync = False
-    try:
-        yield
-    finally:
-        reducer.sync = True
-
-
-def no_gradient_sync(model: nn.Module) -> ContextManager:
-    """Skip the reduction for all but the last microbatch of a gradient-accumulation step."""
-    reducer = gradient_reducer(model)
-    return _sync_off(reducer) if reducer is not None else contextlib.nullcontext()
-
-
-def finish_gradient_sync(model: nn.Module) -> None:
-    """Wait for this step's gradient reductions (call before clipping and the optimizer step)."""
-    reducer = gradient_reducer(model)
-    if reducer is not None:
-        reducer.finish()
-
-
 class _CountedAllGather:
     """FSDP2's all-gather, issued through ``comm.py`` so the ledger counts it."""
 
@@ -234,8 +190,8 @@ class _CountedReplicateAllReduce:
                         2 * (self.size - 1) / self.size * payload)
 
 
-class _FullyShardedSync:
-    """The gradient synchronisation of an FSDP2 model (``gradient_reducer`` of it).
+class FullyShardedSync:
+    """The gradient synchronisation of an FSDP2 model (what ``apply_fully_shard`` returns).
 
     ``sync = False`` keeps the unsharded gradients of the non-final microbatches (no
     reduce-scatter) and tells FSDP2 the next backward is not the last. FSDP2 waits for its
@@ -296,8 +252,9 @@ def apply_fully_shard(model: nn.Module, mesh: Any, *, reshard_after_forward: boo
                       reshard_after_backward: bool = True, param_dtype: torch.dtype | None = None,
                       reduce_dtype: torch.dtype = torch.float32, offload_optimizer: bool = False,
                       ledger: comm.CommLedger | None = None, axis: str = "dp_shard",
-                      experts: tuple[Any, str] | None = None) -> nn.Module:
-    """ZeRO-3 with FSDP2 over ``mesh`` (1-D ``dp_shard`` or 2-D ``(dp_replicate, dp_shard)``).
+                      experts: tuple[Any, str] | None = None) -> FullyShardedSync:
+    """ZeRO-3 with FSDP2 over ``mesh`` (1-D ``dp_shard`` or 2-D ``(dp_replicate, dp_shard)``):
+    ``model`` is sharded in place; returns its gradient synchronisation.
 
     One FSDP unit per transformer block (gathered just in time, freed after use) and one for the
     rest (embedding, final norm, head: the root). ``param_dtype``: the compute dtype of the
@@ -352,8 +309,7 @@ def apply_fully_shard(model: nn.Module, mesh: Any, *, reshard_after_forward: boo
     for current, following in zip(blocks, blocks[1:]):
         current.set_modules_to_forward_prefetch([following])
         following.set_modules_to_backward_prefetch([current])
-    model._loom_grad_reducer = _FullyShardedSync(model, per_microbatch=reshard_after_backward)
-    return model
+    return FullyShardedSync(model, per_microbatch=reshard_after_backward)
 
 
 def is_fully_sharded(model: nn.Module) -> bool:
@@ -362,16 +318,3 @@ def is_fully_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return any(isinstance(module, FSDPModule) for module in model.modules())
-
-
-def reshard(model: nn.Module) -> None:
-    """Free a ZeRO-3 model's gathered parameters (after a forward-only pass that kept them);
-    a no-op for any other model."""
-    reducer = gradient_reducer(model)
-    if isinstance(reducer, _FullyShardedSync):
-        reducer.reshard()
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model (data parallelism no longer wraps it; kept for call sites' clarity)."""
-    return model

@@ -94,7 +94,7 @@ from loom.parallel.comm import CommLedger
 
 @dataclass(frozen=True)
 class ExpertParallel:
-    """This rank's expert-parallel group (what ``apply_expert_parallel`` leaves on the model)."""
+    """This rank's expert-parallel group (what ``apply_expert_parallel`` returns)."""
 
     group: Any
     size: int
@@ -339,15 +339,16 @@ def expert_parameter_names(model: nn.Module) -> set[str]:
 
 
 def apply_expert_parallel(model: nn.Module, group: Any,
-                          ledger: CommLedger | None = None) -> nn.Module:
+                          ledger: CommLedger | None = None) -> ExpertParallel | None:
     """Keep this rank's experts of every MoE layer and swap in the all-to-all dispatcher.
 
     Call after ``reset_parameters`` (the trainer's order): the shard is cut from the full seeded
-    value the rank holds. Identity at degree 1. Returns ``model`` (changed in place).
+    value the rank holds. Changes ``model`` in place; returns the rank's ``ExpertParallel``
+    record (None at degree 1, where nothing changes).
     """
     size = dist.get_world_size(group)
     if size == 1:
-        return model
+        return None
     layers = list(moe_layers(model))
     for moe in layers:
         check_divisible(moe.n_experts, size)
@@ -363,12 +364,7 @@ def apply_expert_parallel(model: nn.Module, group: Any,
                 value = param.detach()[start:start + shard].clone()
             setattr(moe.experts, name, nn.Parameter(value, requires_grad=param.requires_grad))
         moe.dispatcher = ExpertParallelDispatcher(ep)
-    model.expert_parallel = ep
-    return model
-
-
-def expert_parallel_of(model: nn.Module) -> ExpertParallel | None:
-    return getattr(model, "expert_parallel", None)
+    return ep
 
 
 @torch.no_grad()
@@ -407,10 +403,10 @@ def _local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def gather_expert_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The full value of every expert weight by name (collective over ep: call on every ep rank),
-    e.g. to save a one-file checkpoint; shards are stacked back in rank order along dim 0."""
-    ep, experts = expert_parallel_of(model), expert_parameter_names(model)
+def gather_expert_weights(model: nn.Module, ep: ExpertParallel) -> dict[str, torch.Tensor]:
+    """The full value of every expert weight by name (collective over ``ep``: call on every ep
+    rank), e.g. to save a one-file checkpoint; shards are stacked back in rank order (dim 0)."""
+    experts = expert_parameter_names(model)
     out = {}
     for name, param in model.named_parameters():
         if name in experts:

@@ -84,7 +84,8 @@ from loom.parallel.vocab import cross_entropy
 
 @dataclass
 class TensorParallel:
-    """What the trainer needs after ``apply_tensor_parallel``: the mesh, the knobs, the ledger."""
+    """What the trainer needs after ``apply_tensor_parallel``: the mesh, the knobs, the ledger
+    (``parallelize`` returns it in its record)."""
 
     mesh: DeviceMesh
     sequence_parallel: bool
@@ -217,7 +218,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     for param in model.parameters():
         if isinstance(param, DTensor):
             param.register_post_accumulate_grad_hook(_match_grad_placement)
-    model.tensor_parallel = TensorParallel(tp_mesh, sequence_parallel, vocab_parallel, ledger)
     return model
 
 
@@ -233,11 +233,6 @@ def _match_grad_placement(param: nn.Parameter) -> None:
     grad = param.grad
     if isinstance(grad, DTensor) and grad.placements != param.placements:
         param.grad = grad.redistribute(param.device_mesh, param.placements)
-
-
-def tensor_parallel_of(model: nn.Module) -> TensorParallel | None:
-    """The ``TensorParallel`` record ``apply_tensor_parallel`` left on ``model`` (None: no TP)."""
-    return getattr(model, "tensor_parallel", None)
 
 
 def load_shard(param: nn.Parameter, full_value: torch.Tensor) -> None:

@@ -88,7 +88,7 @@ from loom.parallel import comm
 # and bound the packed gradients held to three buckets (the memory formulas depend on it).
 from loom.formulas.memory import MAX_IN_FLIGHT
 from loom.parallel.data import BUCKET_BYTES, _local
-from loom.parallel.expert import expert_parallel_of, expert_parameter_names
+from loom.parallel.expert import expert_parameter_names
 
 
 def _tp_sharded(param: torch.Tensor) -> bool:
@@ -388,34 +388,32 @@ class ZeroShardedOptimizer:
 def apply_zero(model: nn.Module, stage: int, shard_mesh: Any, replicate_mesh: Any, *,
                axis: str = "dp_shard", reduce_dtype: torch.dtype = torch.float32,
                offload: bool = False, ledger: comm.CommLedger | None = None,
-               tp_group: Any = None, experts: tuple[Any, str] | None = None,
-               bucket_bytes: int = BUCKET_BYTES) -> nn.Module:
-    """Attach ZeRO-1/2 over ``shard_mesh`` (``dp_shard``, ``dp_shard x cp`` or, under expert
-    parallelism, ``dp_shard x ep`` flattened) and ``replicate_mesh`` (``dp_replicate``);
+               tp_group: Any = None, experts: tuple[Any, str] | None = None, ep_size: int = 1,
+               bucket_bytes: int = BUCKET_BYTES) -> ZeroShardedOptimizer:
+    """ZeRO-1/2 of ``model`` over ``shard_mesh`` (``dp_shard``, ``dp_shard x cp`` or, under
+    expert parallelism, ``dp_shard x ep`` flattened) and ``replicate_mesh`` (``dp_replicate``);
     ``tp_group``: the model's tensor-parallel group (its DTensor parameters are bucketed by
-    local shard); ``experts``: with ep > 1, the 1-D mesh the expert weights (already cut to
-    this ep rank's experts) shard over, ``dp_shard`` or ``dp_shard x cp``, and its ledger name.
-    ``zero_of(model)`` finds it."""
-    names, expert_shards, ep_size = frozenset(), None, 1
+    local shard); ``experts``: with ``ep_size`` > 1, the 1-D mesh the expert weights (already
+    cut to this ep rank's experts) shard over, ``dp_shard`` or ``dp_shard x cp``, and its ledger
+    name. Returns the sharded optimizer, which also reduces the gradients."""
+    names, expert_shards = frozenset(), None
     if experts is not None:
         (mesh, expert_axis), names = experts, frozenset(expert_parameter_names(model))
         expert_shards = ShardGroup(mesh.get_group(), mesh.size(), mesh.get_local_rank(),
                                    expert_axis)
-        ep_size = expert_parallel_of(model).size
-    model._loom_grad_reducer = ZeroShardedOptimizer(
+    return ZeroShardedOptimizer(
         model, stage, shard_mesh.get_group(), shard_mesh.size(), shard_mesh.get_local_rank(),
         replicate_group=replicate_mesh.get_group(), replicate_size=replicate_mesh.size(),
         reduce_dtype=reduce_dtype, offload=offload, ledger=ledger, axis=axis, tp_group=tp_group,
         experts=names, expert_shards=expert_shards, ep_size=ep_size, bucket_bytes=bucket_bytes)
-    return model
 
 
-def of_stages(stage_modules: list[nn.Module], pp_group: Any) -> ZeroShardedOptimizer | None:
-    """One ZeRO-1/2 optimizer over the buckets of a rank's pipeline stages (None unless every
-    stage has one). Each stage keeps its own instance, hooks and ``flush`` (the runtime reduces
-    a stage's gradients after its last backward piece); this view, with the same shard group,
-    steps, gathers and clips them together, and sums the clipping norm over ``pp_group``."""
-    parts = [getattr(m, "_loom_grad_reducer", None) for m in stage_modules]
+def of_stages(parts: list[Any], pp_group: Any) -> ZeroShardedOptimizer | None:
+    """One ZeRO-1/2 optimizer over the buckets of a rank's pipeline stages, given each stage's
+    reducer (None unless every one is ZeRO-1/2's). Each stage keeps its own instance, hooks and
+    ``flush`` (the runtime reduces a stage's gradients within its last backward piece); this
+    view, with the same shard group, steps, gathers and clips them together, and sums the
+    clipping norm over ``pp_group``."""
     if not parts or not all(isinstance(p, ZeroShardedOptimizer) for p in parts):
         return None
     if len(parts) == 1 and pp_group is None:  # one stage, the whole model (pp = 1)
@@ -427,7 +425,3 @@ def of_stages(stage_modules: list[nn.Module], pp_group: Any) -> ZeroShardedOptim
     merged.pp_group = pp_group
     return merged
 
-
-def zero_of(model: nn.Module) -> ZeroShardedOptimizer | None:
-    reducer = getattr(model, "_loom_grad_reducer", None)
-    return reducer if isinstance(reducer, ZeroShardedOptimizer) else None

@@ -21,11 +21,13 @@ transfer and reduction below goes through ``loom.parallel.comm`` with the traine
 * Tags: the transfer into stage ``s`` for microbatch ``m`` in direction ``d`` (0 activation, 1
   gradient) uses tag ``(s·M + m)·2 + d``. Every transfer of a step has its own tag, so matching
   by (source, tag) cannot pair the wrong messages whatever order the ranks post them in.
-* Data parallelism: each stage's gradients are reduced by the reducer ``loom.parallel``
-  attached to it (``parallelize`` runs on every stage module, in its one order), driven here:
-  every backward piece accumulates with the reducer's ``sync`` off, and as soon as a stage has
-  run its last W (or B) of the step the runtime ``flush``es it, overlapping the rest of the
-  schedule; ``finish_gradient_reduction`` waits for all of them before clipping. Plain data
+* Data parallelism: each stage's gradients are reduced by the reducer in its ``parallelize``
+  record (``PipelineStage.applied``; ``parallelize`` runs on every stage module, in its one
+  order), driven here: every backward piece accumulates with the reducer's ``sync`` off; a
+  stage's last piece of the step reduces: a full backward B with ``sync`` on (each bucket
+  goes as soon as its gradients are ready, overlapping the rest of that backward), a W by a
+  ``flush`` after it; either way it overlaps the rest of the schedule, and
+  ``finish_gradient_reduction`` waits for all of them before clipping. Plain data
   parallelism (``dp``, or ``dp_cp`` under cp): the ``GradientReducer``'s bucketed all-reduce
   through ``comm.py``, ``2 (d-1)/d * 4P_stage`` wire bytes per rank per step. ZeRO-3 (FSDP2 on
   ``dp_shard``, HSDP with ``dp_replicate``): ``flush`` runs FSDP2's post-backward by hand (one
@@ -71,7 +73,7 @@ from torch import nn
 from loom.layout import Job
 from loom.parallel import comm, parallelize
 from loom.parallel.comm import CommLedger
-from loom.parallel.data import GradientReducer, gradient_reducer, reshard
+from loom.parallel.data import FullyShardedSync, GradientReducer
 from loom.pipeline.partition import partition_model
 from loom.pipeline.stage import LossFn, PipelineStage, build_stages
 from loom.schedule.ir import Action, Op, Schedule
@@ -173,9 +175,9 @@ class PipelineRuntime:
         # stages (the same on every pipeline rank); None for a dense model
         self.aux_loss: torch.Tensor | None = None
         self.moe = next(iter(stages.values())).module.args.n_experts > 0
-        # The data-parallel reducer of each stage (None at degree 1), attached by parallelize.
-        self.reducers = {index: reducer for index, stage in stages.items()
-                         if (reducer := gradient_reducer(stage.module)) is not None}
+        # The data-parallel reducer of each stage (none at degree 1), from its parallelize record
+        self.reducers = {index: stage.applied.reducer for index, stage in stages.items()
+                         if stage.applied is not None and stage.applied.reducer is not None}
         splits = any(a.op in (Op.I, Op.W) for a in schedule.actions[pp_rank])
         if splits and any(getattr(r, "per_microbatch", False) for r in self.reducers.values()):
             raise ValueError(f"schedule {schedule.name!r} splits the backward into I and W: its "
@@ -271,11 +273,11 @@ class PipelineRuntime:
                 self.reducers[action.stage].flush()  # overlapping the rest of the schedule
         for work in sends:
             work.wait()
-        for index, stage in self.stages.items():
-            if training and index in self.reducers:
-                self.reducers[index].sync = True
-            elif not training:  # ZeRO-3 stages held gathered through the forward passes
-                reshard(stage.module)
+        for reducer in self.reducers.values():
+            if training:
+                reducer.sync = True
+            elif isinstance(reducer, FullyShardedSync):  # ZeRO-3 stages held gathered
+                reducer.reshard()
         totals = loss_sum
         if training and self.moe:  # every pipeline rank all-reduces the same shape
             aux = sum((stage.aux_loss_sum for stage in self.stages.values()
@@ -429,14 +431,13 @@ def _share_tied_weight(first: PipelineStage, last: PipelineStage) -> None:
     kept by the first stage's data-parallel reducer only."""
     shared, head = first.module.tok_embeddings.weight, last.module.output
     for stage in (first, last):
-        reducer = gradient_reducer(stage.module)
+        reducer = stage.applied.reducer if stage.applied is not None else None
         if reducer is not None and not isinstance(reducer, GradientReducer):
             raise ValueError("tied embeddings on one pipeline rank (a V placement) share one"
                              " Parameter between two stages, which ZeRO-3 cannot shard"
                              " twice; use dp_replicate or a looped schedule")
     replaced, head.weight = head.weight, shared
-    reducer = gradient_reducer(last.module)
-    if reducer is not None:
+    if reducer is not None:  # the last stage's
         reducer.drop([replaced, shared])
 
 

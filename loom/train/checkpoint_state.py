@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loom.parallel.expert import expert_parallel_of, expert_parameter_names
-from loom.parallel.zero import zero_of
+from loom.parallel.expert import ExpertParallel, expert_parameter_names
+from loom.parallel.zero import ZeroShardedOptimizer
 from loom.train.checkpoint_safety import CheckpointError
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in the global tensor
@@ -301,13 +301,13 @@ def _experts_as_slices(model: nn.Module, ep: Any, model_sd: dict[str, Any],
 # The two entry points
 
 
-def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                   zero: ZeroShardedOptimizer | None = None,
+                   ep: ExpertParallel | None = None) -> dict[str, Any]:
     """``{"model": ..., "optim": ...}`` for DCP (see the module docstring); collective when a
-    layout needs ShardedTensors (ZeRO-1/2, ep > 1)."""
+    layout needs ShardedTensors (ZeRO-1/2 ``zero``, ep > 1 ``ep``)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-    zero = zero_of(model)
-    ep = expert_parallel_of(model)
     if zero is not None:  # its optimizer steps flat slices, which get_state_dict cannot name
         model_sd = get_model_state_dict(model, options=_options())
         if ep is not None:  # the expert weights as slices (their moments: the boxes above)
@@ -326,12 +326,12 @@ def _locals(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
-                        tensors: dict[str, Any]) -> None:
+                        tensors: dict[str, Any], *,
+                        zero: ZeroShardedOptimizer | None = None) -> None:
     """Apply ``tensors`` (``training_state``'s dict, filled by ``dcp.load``) to the model and
-    optimizer."""
+    optimizer (``zero``: its ZeRO-1/2 optimizer, as for ``training_state``)."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    zero = zero_of(model)
     if zero is not None:
         set_model_state_dict(model, _locals(tensors["model"]), options=_options())
         _load_zero_optimizer_state(zero, optimizer, tensors["optim"])

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from loom.parallel import comm
 from loom.parallel.expert import expert_parameter_names, gather_expert_weights
 from loom.parallel.tensor import full_named_gradients
-from loom.parallel.zero import zero_of
 
 if TYPE_CHECKING:
     from loom.train.trainer import Trainer
@@ -28,7 +27,7 @@ def named_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
     """Every parameter's full gradient by its model name (for parity tests): full tensors under
     TP (collective over tp), expert shards stacked over ep, then every stage's over ``pp``
     (a collective: call it on every rank)."""
-    zero = zero_of(trainer.model)  # ZeRO-1/2: the stages' reduced slices, all-gathered
+    zero = trainer.zero  # ZeRO-1/2: the stages' reduced slices, all-gathered
     grads = zero.full_named_gradients() if zero is not None else \
         full_named_gradients(trainer.model)
     return _gather_over_pp(trainer, _gather_experts(trainer, grads))
@@ -69,7 +68,7 @@ def save_weights(trainer: Trainer, path: Path) -> None:
     state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
              for k, v in trainer.model.state_dict().items()}
     if trainer.ep is not None:  # expert shards stacked back over ep (collective)
-        state.update(gather_expert_weights(trainer.model))
+        state.update(gather_expert_weights(trainer.model, trainer.ep))
     if trainer.dp_rank != 0:
         return
     state = _gather_over_pp(trainer, state, to_main=True)  # ... then the first pipeline's

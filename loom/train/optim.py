@@ -20,16 +20,16 @@ from torch import nn
 from loom.parallel.data import is_fully_sharded
 from loom.parallel.expert import clip_grad_norm as ep_clip_grad_norm, expert_parameter_names
 from loom.parallel.tensor import clip_grad_norm as tp_clip_grad_norm
-from loom.parallel.zero import zero_of
+from loom.parallel.zero import ZeroShardedOptimizer
 
 
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
-                    eps: float) -> torch.optim.AdamW:
+                    eps: float, zero: ZeroShardedOptimizer | None = None) -> torch.optim.AdamW:
     """AdamW; 1-D parameters (norm weights) are not decayed, as in GPT-2, Llama and TorchTitan.
 
-    Under ZeRO-1/2 (``loom.parallel.zero``) the AdamW steps this rank's slices of the flat
-    parameter buckets instead (same groups, same hyper-parameters; elementwise, so exact)."""
-    zero = zero_of(model)
+    Under ZeRO-1/2 (``zero``, the model's ``loom.parallel.zero`` reducer) the AdamW steps this
+    rank's slices of the flat parameter buckets instead (same groups, same hyper-parameters;
+    elementwise, so exact)."""
     if zero is not None:
         return zero.build_optimizer(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -111,9 +111,10 @@ def tied_replicas(model: nn.Module) -> list[nn.Parameter]:
 
 @torch.no_grad()
 def clip_gradients(model: nn.Module, max_norm: float, *, tp=None, ep=None,
+                   zero: ZeroShardedOptimizer | None = None,
                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Global-norm clipping for any layout of ``model`` (the trainer's model: plain, DP, TP, EP,
-    ZeRO-1/2, FSDP2, or a rank's pipeline stages with ``pp_group``); returns the norm before
+    ZeRO-1/2 (``zero``), FSDP2, or a rank's pipeline stages with ``pp_group``); returns the norm before
     clipping. Each gradient element is counted once: ZeRO-1/2 sum their slices' squares over
     dp_shard, FSDP2 over the mesh dims each gradient is sharded on, EP the experts' over ep, TP
     the shards' over tp, and a pipeline every stage's over ``pp_group``; a tied embedding's
@@ -124,7 +125,7 @@ def clip_gradients(model: nn.Module, max_norm: float, *, tp=None, ep=None,
         for param in replicas:
             param.grad = None
         try:
-            norm = clip_gradients(model, max_norm, tp=tp, ep=ep, pp_group=pp_group)
+            norm = clip_gradients(model, max_norm, tp=tp, ep=ep, zero=zero, pp_group=pp_group)
         finally:
             for param, grad in zip(replicas, grads):
                 param.grad = grad
@@ -132,7 +133,6 @@ def clip_gradients(model: nn.Module, max_norm: float, *, tp=None, ep=None,
             torch._foreach_mul_([getattr(g, "_local_tensor", g) for g in grads],
                                 clip_coefficient(norm, max_norm))
         return norm
-    zero = zero_of(model)
     if zero is not None:
         return zero.clip_grad_norm(max_norm)
     if is_fully_sharded(model):

@@ -57,7 +57,6 @@ from torch import nn
 
 from loom.parallel import comm
 from loom.parallel.data import is_fully_sharded
-from loom.parallel.zero import zero_of
 from loom.train.optim import (clip_coefficient, clip_gradients, clip_to_norm, local_grad_norm,
                               tied_replicas)
 
@@ -173,16 +172,17 @@ class SynchronousStep:
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, mean: MeanOf, *,
                  max_norm: float, nonfinite: Literal["stop", "skip"], tp: Any = None,
-                 ep: Any = None, pp_group: dist.ProcessGroup | None = None) -> None:
+                 ep: Any = None, zero: Any = None,
+                 pp_group: dist.ProcessGroup | None = None) -> None:
         self.optimizer, self.model, self.mean = optimizer, model, mean
         self.max_norm, self.nonfinite = max_norm, nonfinite
-        self.tp, self.ep, self.pp_group = tp, ep, pp_group
+        self.tp, self.ep, self.zero, self.pp_group = tp, ep, zero, pp_group
 
     def __call__(self, loss_sum: torch.Tensor, where: str) -> StepOutcome:
         """One step of the gradients now in the model; ``loss_sum`` is this rank's loss,
         ``where`` names the step for a stop message."""
         grad_norm = clip_gradients(self.model, self.max_norm, tp=self.tp, ep=self.ep,
-                                   pp_group=self.pp_group)
+                                   zero=self.zero, pp_group=self.pp_group)
         loss, norm = self.mean(loss_sum).result(), float(grad_norm)
         return StepOutcome(loss, norm, apply_if_finite(self.optimizer, loss, norm,
                                                        self.nonfinite, where))
@@ -239,15 +239,15 @@ class PostValidatedStep:
 
 
 def optimizer_step_for(train: Any, optimizer: torch.optim.Optimizer, model: nn.Module,
-                       mean: MeanOf, *, tp: Any = None, ep: Any = None,
+                       mean: MeanOf, *, tp: Any = None, ep: Any = None, zero: Any = None,
                        pp_group: dist.ProcessGroup | None = None
                        ) -> SynchronousStep | PostValidatedStep:
     """The step ``train`` (a ``TrainConfig``) asks for: ``train.post_validation`` picks the
     post-validated step, which needs a norm that is one reduction over ``pp`` (or none)."""
     kwargs = {"max_norm": train.grad_clip, "nonfinite": train.nonfinite, "pp_group": pp_group}
     if not train.post_validation:
-        return SynchronousStep(optimizer, model, mean, tp=tp, ep=ep, **kwargs)
-    if tp is not None or ep is not None or zero_of(model) is not None \
+        return SynchronousStep(optimizer, model, mean, tp=tp, ep=ep, zero=zero, **kwargs)
+    if tp is not None or ep is not None or zero is not None \
             or is_fully_sharded(model):
         raise ValueError("train.post_validation supports plain, data-parallel and pipeline"
                          " layouts only (not tp, ep or dp_shard)")

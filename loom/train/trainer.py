@@ -113,16 +113,14 @@ class Trainer:
                                        rank=self.ctx.rank, device=self.ctx.device,
                                        autocast=self._autocast, cp_groups=self.cp_groups,
                                        ledger=self.ledger, compute_context=self._compute_context)
-        modules = [s.module for _, s in sorted(self.pipeline.stages.items())]
-        self.model = LocalStages(modules, replicas=self.pipeline.route_replicas())
-        zero = of_stages(modules, self.pipeline.pp_group)  # ZeRO-1/2: one optimizer view
-        if zero is not None:
-            self.model._loom_grad_reducer = zero
-        # every stage of this rank had the same parallelisms applied: any one's records
-        applied = next(iter(self.pipeline.stages.values())).applied
-        if applied.experts is not None:  # LocalStages presents it (checkpoints, gathering)
-            self.model.expert_parallel = applied.experts
-        self.tp, self.ep = applied.tensor, applied.experts
+        stages = [stage for _, stage in sorted(self.pipeline.stages.items())]
+        self.model = LocalStages([s.module for s in stages],
+                                 replicas=self.pipeline.route_replicas())
+        # What parallelize applied, passed explicitly to the optimizer, clipping, checkpoints
+        # and gathering: every stage of this rank had the same (any one's TP / EP records), and
+        # ZeRO-1/2 steps the stages' slices as one sharded optimizer
+        self.tp, self.ep = stages[0].applied.tensor, stages[0].applied.experts
+        self.zero = of_stages([s.applied.reducer for s in stages], self.pipeline.pp_group)
         self.pretrained_bytes_read = 0
         if config.model.init_from:  # pretrained weights: each rank reads only what it holds
             source = PretrainedSource.open(config.model.init_from)
@@ -138,14 +136,15 @@ class Trainer:
 
         opt = config.optim
         self.optimizer = build_optimizer(self.model, lr=opt.lr, weight_decay=opt.weight_decay,
-                                         betas=(opt.beta1, opt.beta2), eps=opt.eps)
+                                         betas=(opt.beta1, opt.beta2), eps=opt.eps,
+                                         zero=self.zero)
         self.scheduler = build_scheduler(self.optimizer, total_steps=tr.steps,
                                          warmup_steps=opt.warmup_steps,
                                          min_ratio=opt.min_lr_ratio)
         # Clip, check, step: synchronous, or post-validated (loom/train/post_validation.py)
         self.optimizer_step = optimizer_step_for(
             tr, self.optimizer, self.model, self._pending_mean, tp=self.tp, ep=self.ep,
-            pp_group=self.pipeline.pp_group)
+            zero=self.zero, pp_group=self.pipeline.pp_group)
 
         self.data = DataFiles.open(data_dir)
         seq_len = config.data.seq_len
@@ -297,7 +296,7 @@ class Trainer:
     def _checkpoint_tensors(self) -> dict[str, Any]:
         """Model and optimizer state keyed by the full model's parameter names and shapes, so any
         layout can load what any other saved (``loom.train.checkpoint_state``)."""
-        return training_state(self.model, self.optimizer)
+        return training_state(self.model, self.optimizer, zero=self.zero, ep=self.ep)
 
     def save_checkpoint(self, root: Path | None = None) -> Path:
         """Save the full training state as checkpoint ``step`` under ``root`` (collective).
@@ -339,7 +338,7 @@ class Trainer:
         ``verified``: rank 0 has just verified it (``checkpoint.load`` does not hash it again)."""
         tensors = self._checkpoint_tensors()
         extra = checkpoint.load(path, tensors, device=self.ctx.device, verified=verified)
-        load_training_state(self.model, self.optimizer, tensors)
+        load_training_state(self.model, self.optimizer, tensors, zero=self.zero)
         self.step = int(extra["step"])
         self.scheduler.load_state_dict(extra["scheduler"])
         self.loader.load_state_dict(extra["data"])

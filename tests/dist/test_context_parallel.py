@@ -205,21 +205,22 @@ def ddp_over_dp_x_cp(ctx):
     """The trainer's wiring: data parallelism over the flattened dp x cp group averages the
     gradients that ``reduce_gradients_over_cp`` would, and over dp as well; each dp slice is
     sharded over cp."""
-    from loom.parallel.data import apply_data_parallel, finish_gradient_sync
+    from loom.parallel.data import GradientReducer
     from loom.topology import RankGrid, build_mesh
 
     grid = RankGrid({"dp_replicate": 2, "cp": 2})
     meshes = build_mesh(grid, "cpu")
     layout = CPLayout.from_mode("ring", 2)
     groups = new_cp_groups(grid.groups("cp"), layout, ctx.rank)
-    model = apply_data_parallel(apply_context_parallel(_model(), groups),
-                                meshes.dp_cp.get_group(), meshes.dp_cp.size())
+    model = apply_context_parallel(_model(), groups)
+    reducer = GradientReducer(list(model.parameters()), meshes.dp_cp.get_group(),
+                              meshes.dp_cp.size())
     inputs, targets = _batches()[0]
     row = grid.index(ctx.rank, "dp_replicate")  # the data loader splits the batch over dp only
     (inputs, positions), (targets, _) = (shard_sequence(t[row:row + 1], groups.cp_rank, layout)
                                          for t in (inputs, targets))
     F.cross_entropy(model(inputs, positions=positions).flatten(0, 1), targets.flatten()).backward()
-    finish_gradient_sync(model)
+    reducer.finish()
     return {n: p.grad for n, p in model.named_parameters()}
 
 

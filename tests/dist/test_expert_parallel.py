@@ -91,8 +91,9 @@ def _train(model, rows, after_backward, average_loss, ledger=None):
 def ep_training(ctx, ep, capacity_factor):
     group = dist.group.WORLD
     ledger = CommLedger()
-    model = apply_expert_parallel(_model(capacity_factor), group, ledger)
-    initial = gather_expert_weights(model)  # before the ledger is reset by the first step
+    model = _model(capacity_factor)
+    ep_record = apply_expert_parallel(model, group, ledger)
+    initial = gather_expert_weights(model, ep_record)  # before the ledger is reset by step 1
     per_rank = BATCH // ep
 
     def average_loss(loss):  # every rank holds the same number of tokens and sequences
@@ -100,11 +101,11 @@ def ep_training(ctx, ep, capacity_factor):
         return (loss / ep).item()
 
     def after_backward():
-        reduce_gradients(model, model.expert_parallel)
+        reduce_gradients(model, ep_record)
 
     out = _train(model, slice(ctx.rank * per_rank, (ctx.rank + 1) * per_rank), after_backward,
                  average_loss, ledger)
-    out["clip_norm"] = clip_grad_norm(model, 0.0, model.expert_parallel).item()
+    out["clip_norm"] = clip_grad_norm(model, 0.0, ep_record).item()
     out["initial_experts"] = initial
     return out
 
@@ -237,7 +238,8 @@ def folded_training(ctx):
 
     grid = RankGrid({"dp_replicate": 2, "ep": 2})
     meshes = build_mesh(grid, "cpu")
-    model = apply_expert_parallel(_model(CAPACITY), meshes.root["ep"].get_group())
+    model = _model(CAPACITY)
+    ep_record = apply_expert_parallel(model, meshes.root["ep"].get_group())
     experts = expert_parameter_names(model)
     dense = [p for n, p in model.named_parameters() if n not in experts]
     reducer = GradientReducer(dense, meshes.dp.get_group(), meshes.dp.size())
@@ -246,7 +248,7 @@ def folded_training(ctx):
     loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
     (loss + ARGS.aux_loss_coef * model.moe_aux_loss()).backward()
     reducer.finish()
-    reduce_gradients(model, model.expert_parallel,
+    reduce_gradients(model, ep_record,
                      dp_group=meshes.root["dp_replicate"].get_group(), dense=False)
     return grid.index(ctx.rank, "ep"), {n: p.grad for n, p in model.named_parameters()}
 

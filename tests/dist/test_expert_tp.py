@@ -22,7 +22,7 @@ import torch
 
 from loom.models import Transformer, TransformerArgs, reset_parameters
 from loom.parallel.comm import CommLedger
-from loom.parallel.tensor import apply_tensor_parallel, tensor_parallel_of
+from loom.parallel.tensor import TensorParallel, apply_tensor_parallel
 from loom.testing.parity import assert_parity, layout_config, record_training
 from loom.topology import RankGrid, build_mesh
 from tests.conftest import SMALL_DATA_OVERRIDES
@@ -102,7 +102,7 @@ def comm_body(ctx, sp: bool, ep: int) -> dict:
     apply_tensor_parallel(model, meshes.root["tp"], sequence_parallel=sp, vocab_parallel=False,
                           ledger=ledger)
     apply_expert_parallel(model, meshes.root["ep"].get_group(), ledger=None)
-    tp = tensor_parallel_of(model)
+    tp = TensorParallel(meshes.root["tp"], sp, False, ledger)
     g = torch.Generator().manual_seed(7 + grid.index(ctx.rank, "ep"))
     tokens = torch.randint(0, ARGS.vocab_size, (B, S + 1), generator=g)
     halves = {}

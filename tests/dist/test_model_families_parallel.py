@@ -25,7 +25,7 @@ from loom.models import TransformerArgs, build_model, reset_parameters
 from loom.parallel.context import (CPLayout, apply_context_parallel, new_cp_groups,
                                    reduce_gradients_over_cp, shard_sequence)
 from loom.parallel.tensor import (apply_tensor_parallel, clip_grad_norm, full_named_gradients,
-                                  load_shard, tensor_parallel_of)
+                                  TensorParallel, load_shard)
 from loom.parallel.vocab import cross_entropy
 from loom.topology import RankGrid, build_mesh
 
@@ -79,7 +79,7 @@ def tp_body(ctx, sp: bool, meta_init: bool) -> dict:
     else:
         reset_parameters(model, SEED)
         apply_tensor_parallel(model, mesh, sequence_parallel=sp, vocab_parallel=False)
-    tp = tensor_parallel_of(model)
+    tp = TensorParallel(mesh, sp, False, None)
     got = _train(model, tp.loss, full_named_gradients,
                  lambda m: clip_grad_norm(m.parameters(), CLIP, tp=tp))
     return {"got": got, "ref": _reference()}

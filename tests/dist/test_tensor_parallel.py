@@ -16,7 +16,7 @@ import torch
 from loom.models import Transformer, TransformerArgs, build_model, reset_parameters
 from loom.parallel.comm import CommLedger
 from loom.parallel.tensor import (apply_tensor_parallel, clip_grad_norm, full_named_gradients,
-                                  load_shard, tensor_parallel_of)
+                                  TensorParallel, load_shard)
 from loom.parallel.vocab import cross_entropy
 from loom.topology import RankGrid, build_mesh
 
@@ -79,7 +79,7 @@ def parity_body(ctx, args: TransformerArgs, sp: bool, vp: bool, meta_init: bool)
         model = Transformer(args)
         reset_parameters(model, SEED)
         apply_tensor_parallel(model, mesh, sequence_parallel=sp, vocab_parallel=vp)
-    tp = tensor_parallel_of(model)
+    tp = TensorParallel(mesh, sp, vp, None)
     got = _train(model, tp.loss, full_named_gradients,
                  lambda m: clip_grad_norm(m.parameters(), CLIP, tp=tp), args)
     return {"got": got, "ref": _reference(args)}
@@ -119,9 +119,9 @@ def comm_body(ctx, args: TransformerArgs, sp: bool, vp: bool) -> dict:
     ledger = CommLedger()
     model = Transformer(args)
     reset_parameters(model, SEED)
-    apply_tensor_parallel(model, _tp_mesh(ctx.world_size), sequence_parallel=sp,
-                          vocab_parallel=vp, ledger=ledger)
-    tp = tensor_parallel_of(model)
+    mesh = _tp_mesh(ctx.world_size)
+    apply_tensor_parallel(model, mesh, sequence_parallel=sp, vocab_parallel=vp, ledger=ledger)
+    tp = TensorParallel(mesh, sp, vp, ledger)
     inputs, targets = _batch(args, 0)
     halves = {}
     with tp.counting():  # forward and backward must both run inside it
