@@ -32,21 +32,23 @@ def layout_config(base: dict[str, Any], world_size: int, **parallel: int) -> dic
 
 
 def record_training(ctx: Any, config_table: dict[str, Any], data_dir: str, steps: int) -> dict:
-    """Train ``steps`` steps; per step: loss, grad norm and every named gradient (on CPU)."""
+    """Train ``steps`` steps; per step: loss, grad norm, every named gradient (on CPU) and,
+    for an MoE model, the logged load-balancing loss."""
     trainer = Trainer(from_dict(config_table), Path(data_dir), None, ctx)
-    record: dict[str, list] = {"loss": [], "grad_norm": [], "grads": []}
+    record: dict[str, list] = {"loss": [], "grad_norm": [], "grads": [], "moe_aux_loss": []}
     for _ in range(steps):
         metrics = trainer.train_step()
-        record["loss"].append(metrics["loss"])
-        record["grad_norm"].append(metrics["grad_norm"])
+        for key in ("loss", "grad_norm", "moe_aux_loss"):
+            if key in metrics:
+                record[key].append(metrics[key])
         record["grads"].append({k: v.cpu() for k, v in trainer.named_gradients().items()})
     return record
 
 
 def assert_parity(reference: dict, candidate: dict, *, rtol: float, atol: float,
                   label: str = "", steps: range | None = None) -> None:
-    """Loss, grad norm and every parameter's gradient equal within tolerance, for each step in
-    ``steps`` (0-based; default all)."""
+    """Loss, grad norm, every parameter's gradient and (MoE) the logged load-balancing loss
+    equal within tolerance, for each step in ``steps`` (0-based; default all)."""
     n_steps = len(reference["loss"])
     assert len(candidate["loss"]) == n_steps, f"{label}: {len(candidate['loss'])} vs {n_steps} steps"
     for step in steps if steps is not None else range(n_steps):
@@ -57,6 +59,10 @@ def assert_parity(reference: dict, candidate: dict, *, rtol: float, atol: float,
         torch.testing.assert_close(torch.tensor(candidate["grad_norm"][step]),
                                    torch.tensor(reference["grad_norm"][step]),
                                    rtol=rtol, atol=atol, msg=lambda m: f"{where} grad norm: {m}")
+        if reference.get("moe_aux_loss"):
+            torch.testing.assert_close(torch.tensor(candidate["moe_aux_loss"][step]),
+                                       torch.tensor(reference["moe_aux_loss"][step]), rtol=rtol,
+                                       atol=atol, msg=lambda m: f"{where} moe_aux_loss: {m}")
         ref_grads, got_grads = reference["grads"][step], candidate["grads"][step]
         assert set(got_grads) == set(ref_grads), (
             f"{where}: parameters differ: missing {sorted(set(ref_grads) - set(got_grads))},"

@@ -8,8 +8,8 @@ with the base config, tolerances and comparison of ``test_expert_tp.py``: the ``
 clipping, on one process and on pp2 (1F1B, and ZB-V whose backward is split into I and W), pp2 x
 ep2 (1F1B, dropless and with capacity drops), pp2 x ep2 with ZB-V, and pp2 x tp2 with 1F1B
 (expert-TP = TP inside the stages; without and with sequence parallelism, the latter also with
-capacity drops). Loss, gradient norm and
-every parameter's full gradient must match; a run whose stages dropped their balancing-loss
+capacity drops), and pp2 x ep2 x tp2 on 8 ranks. Loss, gradient norm, the logged load-balancing
+loss (summed over the stages) and every parameter's full gradient must match; a run whose stages dropped their balancing-loss
 gradient differs in the routers' gradients (checked: the pp2 1F1B case fails without it).
 """
 
@@ -27,6 +27,9 @@ LAYOUTS = {  # name: (world, degrees, extra overrides)
     "pp2-tp2-1f1b": (4, {"pp": 2, "tp": 2, "dp_replicate": 1}, {"parallel.schedule": "1f1b"}),
     "pp2-tp2-sp-1f1b": (4, {"pp": 2, "tp": 2, "dp_replicate": 1},
                         {"parallel.schedule": "1f1b", "parallel.sequence_parallel": True}),
+    # the clipping norm of ep x tp needs the TP record passed explicitly (stages never had it)
+    "pp2-ep2-tp2-1f1b": (8, {"pp": 2, "ep": 2, "tp": 2, "dp_replicate": 1},
+                         {"parallel.schedule": "1f1b"}),
 }
 CASES = [(layout, "dropless") for layout in LAYOUTS] + [("pp2-ep2-1f1b", "capacity-1.0"),
                                                          ("pp2-tp2-sp-1f1b", "capacity-1.0")]
