@@ -192,6 +192,10 @@ class DataConfig:
     # "path_a:0.7,path_b:0.3": these sources mixed by weight, in place of data.source
     # (loom/data/mix.py)
     mix: str = ""
+    # "concat": rows cut from the token stream, attention across documents; "pack": rows of
+    # whole documents (long ones split), padded, attention never crossing a document and
+    # positions restarting at each (loom/data/packing.py)
+    packing: Literal["concat", "pack"] = "concat"
 
 
 @dataclass

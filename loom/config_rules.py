@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loom.data.loader import check_source
+from loom.data.packing import PACKINGS
 from loom.data.tokenizer import tokenizer_vocab_size
 from loom.errors import ConfigError, suggest
 from loom.parallel.context import CPLayout, check_layout
@@ -86,6 +87,7 @@ def validate(config: Config, world_size: int) -> None:
     if not 0 < data.val_fraction < 1:
         raise ConfigError("data.val_fraction", data.val_fraction, "must be in (0, 1)")
     check_bpe_vocab(data)
+    _validate_packing(config)
     _validate_resume(config.checkpoint.resume)
     if tr.timeout_s <= 0:
         raise ConfigError("train.timeout_s", tr.timeout_s, "must be > 0")
@@ -154,6 +156,27 @@ def validate(config: Config, world_size: int) -> None:
     # Last, as it looks at files: a corpus with text enough for one sample (not tokenized).
 
     check_source(data)
+
+
+def _validate_packing(config: Config) -> None:
+    """``data.packing``: a known mode; ``pack``'s document-masked attention is local (one
+    device per sequence, the plain attention core), and the trainer does not carry packed
+    batches yet (this last rule goes when it does)."""
+    packing, par, tr = config.data.packing, config.parallel, config.train
+    if packing not in PACKINGS:
+        raise ConfigError("data.packing", packing, f"must be one of {', '.join(PACKINGS)}"
+                          + suggest(str(packing), list(PACKINGS)))
+    if packing == "concat":
+        return
+    if par.cp > 1:
+        raise ConfigError("data.packing", packing, f"pack needs whole rows on one rank; context"
+                          f" parallelism (parallel.cp = {par.cp}) splits them: use cp = 1")
+    if tr.recompute == "selective":
+        raise ConfigError("data.packing", packing, "pack runs its own attention kernel, which"
+                          " train.recompute = selective does not wrap: use none, full or every_k")
+    raise ConfigError("data.packing", packing, "pack is built (loom.data.packing, Transformer"
+                      "(document_ids=...)) but loom train does not carry packed batches yet"
+                      " (issue 17): use concat")
 
 
 def _validate_attention(config: Config) -> None:

@@ -1,7 +1,7 @@
 """Training data: the corpus (the stdlib's own sources by default) or dataset files
 (``sources``), tokenizers (byte, BPE, Hugging Face: ``hf_tokenizer``), tokenizing once
-(``prepare``), mixing sources (``mix``), packed and resumable data-parallel batches. See each
-module's docstring for why it is shaped as it is."""
+(``prepare``), mixing sources (``mix``), packed and resumable data-parallel batches, rows of whole
+documents (``packing``). See each module's docstring for why it is shaped as it is."""
 
 from loom.data.corpus import Document, load_documents, split_documents, stdlib_root
 from loom.data.hf_tokenizer import HfTokenizer, load_hf_tokenizer
@@ -14,6 +14,7 @@ from loom.data.loader import (
     prepare_data,
 )
 from loom.data.mix import MixedSequences, MixSampler, parse_mix
+from loom.data.packing import IGNORE_INDEX, PACKINGS, DocumentBatch, PackedDocuments
 from loom.data.prepare import PreparedData, prepare
 from loom.data.sources import Source, resolve_source
 from loom.data.tokenizer import (
@@ -31,10 +32,14 @@ __all__ = [
     "DataFiles",
     "DistributedLoader",
     "Document",
+    "DocumentBatch",
     "GlobalBatchSampler",
     "HfTokenizer",
+    "IGNORE_INDEX",
     "MixSampler",
     "MixedSequences",
+    "PACKINGS",
+    "PackedDocuments",
     "PackedSequences",
     "PreparedData",
     "Source",

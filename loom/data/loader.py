@@ -5,8 +5,9 @@ text file or with too little text for one sample; ``prepare_data`` (once, in the
 corpus, splits it, builds the tokenizer and writes ``train.bin`` / ``val.bin`` (every document
 followed by end-of-document) into the run's data directory, or raises ``ConfigError`` before
 publishing any file when the training split is shorter than one sample. Each worker then
-memory-maps them as ``PackedSequences`` (non-overlapping windows of ``seq_len + 1`` tokens) and
-draws batches through a ``DistributedLoader``.
+memory-maps them as ``PackedSequences`` (non-overlapping windows of ``seq_len + 1`` tokens; with
+``data.packing = "pack"``, ``packing.PackedDocuments``: rows of whole documents) and draws batches
+through a ``DistributedLoader``.
 
 Two variants describe their token ranges as ``parts`` in ``data_meta.json`` instead: a source
 prepared by ``loom data prepare`` (``loom.data.prepare``) is not copied, its ``tokens.bin`` is
@@ -55,6 +56,7 @@ from loom.data.corpus import (
 from loom.data.hf_tokenizer import CONFIG_FILE as HF_CONFIG_FILE
 from loom.data.hf_tokenizer import SPECIAL_TOKENS_FILE as HF_SPECIAL_TOKENS_FILE
 from loom.data.mix import MixedSequences, MixSampler, check_mix_paths, interleaved_order, parse_mix
+from loom.data.packing import DocumentBatch, PackedDocuments, document_offsets
 from loom.data.prepare import PreparedData
 from loom.data.samples import WindowedSamples
 from loom.data.sources import (
@@ -81,6 +83,8 @@ VAL_FILE = "val.bin"
 META_FILE = "data_meta.json"
 FORMAT_VERSION = 1
 _ENCODE_CHUNK = 256  # documents per encode_batch call: parallel in Rust, bounded memory
+# A batch: (inputs, targets), or a DocumentBatch under data.packing = "pack"
+Batch = tuple[torch.Tensor, torch.Tensor] | DocumentBatch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,26 +135,45 @@ class DataFiles:
         """True when the run mixes sources (``data.mix``): sample with ``sampler``."""
         return bool(self.meta.get("mix"))
 
-    def _datasets(self, split: str, seq_len: int) -> list["PackedSequences"]:
+    def _datasets(self, split: str, seq_len: int,
+                  packing: str = "concat") -> list["PackedSequences | PackedDocuments"]:
         parts = self.meta.get("parts")
         if not parts:
             path = self.train_path if split == "train" else self.val_path
+            if packing == "pack":
+                return [self._documents(path, self.dtype, 0, None, False, seq_len)]
             return [PackedSequences(path, seq_len, self.dtype)]
+        if packing == "pack":  # an absolute path is a range of a prepared tokens.bin
+            return [self._documents(_part_path(self.directory, p[split]), p[split]["dtype"],
+                                    p[split]["start"], p[split]["end"],
+                                    Path(p[split]["path"]).is_absolute(), seq_len)
+                    for p in parts]
         return [PackedSequences(_part_path(self.directory, p[split]), seq_len, p[split]["dtype"],
                                 start=p[split]["start"], end=p[split]["end"]) for p in parts]
+
+    def _documents(self, path: Path, dtype: str, start: int, end: int | None, prepared: bool,
+                   seq_len: int) -> PackedDocuments:
+        """Tokens [start, end) of ``path`` as packed documents: a prepared source's doc index,
+        or the end-of-document ids of a file Loom wrote (``loom.data.packing``)."""
+        tokens = _map_tokens(path, np.dtype(dtype))[start:end]
+        offsets = document_offsets(tokens, self.eos_id, (start, end) if prepared else None, path)
+        return PackedDocuments(tokens, offsets, seq_len, name=str(path))
 
     def _weights(self) -> list[float]:
         return [float(p["weight"]) for p in self.meta["parts"]]
 
-    def train_set(self, seq_len: int) -> "PackedSequences | MixedSequences":
+    def train_set(self, seq_len: int,
+                  packing: str = "concat") -> "PackedSequences | PackedDocuments | MixedSequences":
         """The training samples: one packed token range, or the mixed sources' as one index
-        space (dataset index = offset of the source + its sample)."""
-        parts = self._datasets("train", seq_len)
+        space (dataset index = offset of the source + its sample). ``packing`` is
+        ``data.packing``: ``pack`` gives rows of whole documents (``loom.data.packing``)."""
+        parts = self._datasets("train", seq_len, packing)
         return MixedSequences(parts) if self.mixed else parts[0]
 
-    def val_set(self, seq_len: int) -> "PackedSequences | MixedSequences":
+    def val_set(self, seq_len: int,
+                packing: str = "concat") -> "PackedSequences | PackedDocuments | MixedSequences":
         """The validation samples; mixed sources in mixture order (``interleaved_order``)."""
-        parts = self._datasets("val", seq_len)
+        parts = self._datasets("val", seq_len, packing)
         if not self.mixed:
             return parts[0]
         return MixedSequences(parts, interleaved_order([len(p) for p in parts], self._weights()))
@@ -635,7 +658,7 @@ class DistributedLoader:
 
     def __init__(
         self,
-        dataset: PackedSequences,
+        dataset: "PackedSequences | PackedDocuments | MixedSequences",
         sampler: GlobalBatchSampler,
         dp_rank: int = 0,
         dp_size: int = 1,
@@ -658,12 +681,13 @@ class DistributedLoader:
     def epoch(self) -> int:
         return self.consumed_samples // self.sampler.num_samples
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), each [global_batch_size / dp_size, seq_len] int64 on ``device``."""
+    def next_batch(self) -> Batch:
+        """(inputs, targets), each [global_batch_size / dp_size, seq_len] int64 on ``device``;
+        a ``DocumentBatch`` (also positions and document ids) when the rows are packed."""
         idx = self.sampler.rank_indices(self.consumed_samples, self.dp_rank, self.dp_size)
-        inputs, targets = self.dataset.batch(idx)
+        batch = self.dataset.batch(idx)
         self.consumed_samples += self.sampler.global_batch_size
-        return inputs.to(self.device), targets.to(self.device)
+        return _on_device(batch, self.device)
 
     def state_dict(self) -> dict[str, int]:
         return {
@@ -688,13 +712,14 @@ class DistributedLoader:
         if saved_n != self.sampler.num_samples:
             raise ValueError(
                 f"resuming over {self.sampler.num_samples} samples, but the data state was saved "
-                f"over {saved_n}: data.source, data.mix, data.max_bytes or data.seq_len changed"
+                f"over {saved_n}: data.source, data.mix, data.max_bytes, data.seq_len or"
+                f" data.packing changed"
             )
         self.consumed_samples = int(state["consumed_samples"])
 
 
 def eval_batches(
-    dataset: PackedSequences,
+    dataset: "PackedSequences | PackedDocuments | MixedSequences",
     batch_size: int,
     max_batches: int = 0,
     dp_rank: int = 0,
@@ -717,7 +742,7 @@ def eval_batches(
 
 
 def _eval_iter(
-    dataset: PackedSequences,
+    dataset: "PackedSequences | PackedDocuments | MixedSequences",
     batch_size: int,
     n_batches: int,
     dp_rank: int,
@@ -726,5 +751,11 @@ def _eval_iter(
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     for b in range(n_batches):
         idx = rank_slice(np.arange(b * batch_size, (b + 1) * batch_size), dp_rank, dp_size)
-        inputs, targets = dataset.batch(idx)
-        yield inputs.to(device), targets.to(device)
+        yield _on_device(dataset.batch(idx), device)
+
+
+def _on_device(batch: Batch, device: torch.device) -> Batch:
+    if isinstance(batch, DocumentBatch):
+        return batch.to(device)
+    inputs, targets = batch
+    return inputs.to(device), targets.to(device)

@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+import torch
 
+from loom.data.packing import DocumentBatch, stack_rows
 from loom.data.samples import WindowedSamples
 from loom.errors import ConfigError
 
@@ -203,14 +205,17 @@ def interleaved_order(sizes: Sequence[int], weights: Sequence[float], seed: int 
 
 
 class MixedSequences(WindowedSamples):
-    """Packed datasets (``loader.PackedSequences``) as one index space, optionally reordered:
-    sample j is ``order[j]`` of the concatenation when ``order`` is given."""
+    """Packed datasets (``loader.PackedSequences``, or ``packing.PackedDocuments`` under
+    ``data.packing = "pack"``) as one index space, optionally reordered: sample j is
+    ``order[j]`` of the concatenation when ``order`` is given."""
 
     def __init__(self, parts: Sequence, order: np.ndarray | None = None) -> None:
-        if not parts or len({p.seq_len for p in parts}) != 1:
-            raise ValueError("mixed datasets need at least one part, all of one seq_len")
+        if not parts or len({(p.seq_len, p.packing) for p in parts}) != 1:
+            raise ValueError("mixed datasets need at least one part, all of one seq_len and"
+                             " one packing")
         self.parts = list(parts)
         self.seq_len = parts[0].seq_len
+        self.packing = parts[0].packing
         self.ends = np.cumsum([len(p) for p in parts])
         self.order = order
 
@@ -221,11 +226,31 @@ class MixedSequences(WindowedSamples):
     def __len__(self) -> int:
         return int(self.ends[-1]) if self.order is None else len(self.order)
 
-    def window(self, i: int) -> np.ndarray:
+    def _locate(self, i: int) -> tuple[int, int]:
+        """(part, sample of that part) of sample i."""
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range for {len(self)} mixed samples")
         j = int(self.order[i]) if self.order is not None else i
         part = int(np.searchsorted(self.ends, j, side="right"))
         start = int(self.ends[part - 1]) if part else 0
-        return self.parts[part].window(j - start)
+        return part, j - start
+
+    def window(self, i: int) -> np.ndarray:
+        part, local = self._locate(i)
+        return self.parts[part].window(local)
+
+    def row(self, i: int) -> tuple[np.ndarray, ...]:
+        """Packed row i (``PackedDocuments.row``) of the part it comes from."""
+        part, local = self._locate(i)
+        return self.parts[part].row(local)
+
+    def __getitem__(self, i: int):
+        if self.packing == "pack":
+            return DocumentBatch(*(torch.from_numpy(a) for a in self.row(int(i))))
+        return super().__getitem__(i)
+
+    def batch(self, indices: Sequence[int] | np.ndarray):
+        if self.packing == "pack":
+            return stack_rows([self.row(int(i)) for i in indices], self.seq_len)
+        return super().batch(indices)
 

@@ -18,6 +18,7 @@ class WindowedSamples:
     """Inputs and targets from ``window(i)``; subclasses set ``seq_len`` and define ``window``."""
 
     seq_len: int
+    packing = "concat"  # data.packing: windows run across documents
 
     def window(self, i: int) -> np.ndarray:
         raise NotImplementedError

@@ -10,13 +10,14 @@ from typing import Iterable
 
 import torch
 
+from loom.models.document_attention import DocumentMask
 from loom.models.llama import Transformer, initial_value, reset_parameters
 from loom.models.layers import TransformerArgs
 from loom.models.presets import PRESETS, active_parameter_count, parameter_count, preset
 
 __all__ = [
-    "PRESETS", "Transformer", "TransformerArgs", "active_parameter_count", "build_model",
-    "initial_value",
+    "DocumentMask", "PRESETS", "Transformer", "TransformerArgs", "active_parameter_count",
+    "build_model", "initial_value",
     "parameter_count", "preset", "reset_parameters",
 ]
 

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from loom.models.rope import RopeScaling, apply_rope, rope_tables
+
+if TYPE_CHECKING:  # document_attention builds on sdpa_causal, so it imports this module
+    from loom.models.document_attention import DocumentMask
 
 __all__ = ["Attention", "FeedForward", "TransformerArgs", "apply_rope", "rope_tables",
            "rope_tables_for", "sdpa_causal"]
@@ -125,7 +128,8 @@ class Attention(nn.Module):
 
     Optional, per ``TransformerArgs``: biases on q/k/v (``qkv_bias``), an RMSNorm over each query
     and key head before RoPE (``qk_norm``; one weight of Hd elements shared by all heads), and a
-    sliding window in the core (``sliding_window``).
+    sliding window in the core (``sliding_window``). With ``documents`` (packed rows), attention
+    stays inside each document (``loom.models.document_attention``) instead of ``core``.
     """
 
     def __init__(self, args: TransformerArgs) -> None:
@@ -146,8 +150,12 @@ class Attention(nn.Module):
         self.core: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = (
             functools.partial(sdpa_causal, window=args.sliding_window) if args.sliding_window
             else sdpa_causal)
+        self.sliding_window = args.sliding_window
+        # Document-masked attention is local: it refuses a core swapped from outside.
+        self._local_core = self.core
 
-    def forward(self, x_BSD: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor,
+                documents: DocumentMask | None = None) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         q = self.wq(x_BSD).view(B, S, -1, self.head_dim)
         k = self.wk(x_BSD).view(B, S, -1, self.head_dim)
@@ -156,7 +164,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos_SH, sin_SH), apply_rope(k, cos_SH, sin_SH)
         # Key/value heads go to the core un-repeated (GQA): context parallelism then moves K heads.
-        out_BNSH = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        if documents is None:
+            out_BNSH = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        else:
+            if self.core is not self._local_core:
+                raise ValueError("document-masked attention (document_ids) runs on one device"
+                                 " only; this layer's attention core was replaced from outside"
+                                 " (context parallelism or selective recompute)")
+            out_BNSH = documents.attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), self.sliding_window)
         return self.wo(out_BNSH.transpose(1, 2).reshape(B, S, -1))
 
 

@@ -34,6 +34,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from loom.models.document_attention import DocumentMask
 from loom.models.layers import Attention, FeedForward, TransformerArgs, rope_tables_for
 from loom.models.moe import MoEFeedForward
 
@@ -51,8 +52,12 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(args)
 
-    def forward(self, x_BSD: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) -> torch.Tensor:
-        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos_SH, sin_SH)
+    def forward(self, x_BSD: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor,
+                documents: DocumentMask | None = None) -> torch.Tensor:
+        # documents only when given: tensor parallelism's input plan for the attention module
+        # expects exactly (x, cos, sin)
+        extra = () if documents is None else (documents,)
+        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos_SH, sin_SH, *extra)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -63,6 +68,12 @@ class Transformer(nn.Module):
     ``with_head`` (final norm + output projection) say whether the ends are included. The input is
     token ids when the embedding is present, else hidden states ``[B, S, D]``; the output is logits
     ``[B, S, V]`` when the head is present, else hidden states.
+
+    Packed rows (``data.packing = "pack"``) pass ``document_ids`` ``[B, S]`` (a document is a
+    run of equal ids; ``loom.data.packing``): attention then never crosses a document boundary
+    (``loom.models.document_attention``), and RoPE takes ``positions`` ``[B, S]``, which restart
+    at 0 at each document (derived from the ids when not given). Without ``document_ids`` the
+    model is the plain causal one, unchanged.
     """
 
     def __init__(
@@ -87,14 +98,24 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        documents = None
+        if document_ids is not None:
+            if document_ids.shape != h.shape[:2]:
+                raise ValueError(f"document_ids shape {tuple(document_ids.shape)} does not match"
+                                 f" the input's [batch, seq] = {tuple(h.shape[:2])}")
+            documents = DocumentMask(document_ids)
+        if positions is None and documents is not None:
+            positions = documents.positions()
         if positions is None:
             cos, sin = self.rope_cos[: h.shape[1]], self.rope_sin[: h.shape[1]]
-        else:  # a shard of the sequence (context parallelism) knows its global positions
+        else:  # a shard of the sequence (context parallelism) knows its global positions;
+            # packed rows give each row its own ([B, S]: restarting at each document)
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if documents is None else layer(h, cos, sin, documents)
         if self.norm is not None:
             h = self.output(self.norm(h))
         return h

@@ -73,9 +73,15 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float,
 
 
 def apply_rope(x_BSNH: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x0, x1), (x2, x3), ... as Llama does (complex multiplication)."""
+    """Rotate interleaved pairs (x0, x1), (x2, x3), ... as Llama does (complex multiplication).
+
+    The tables are ``[S, Hd/2]`` (one position per column, shared by the rows) or ``[B, S,
+    Hd/2]`` (each row its own positions: packed documents restart at 0)."""
     x = x_BSNH.float().unflatten(-1, (-1, 2))
     x_even, x_odd = x[..., 0], x[..., 1]
-    cos, sin = cos_SH[None, :, None, :], sin_SH[None, :, None, :]
+    if cos_SH.dim() == 3:
+        cos, sin = cos_SH[:, :, None, :], sin_SH[:, :, None, :]
+    else:
+        cos, sin = cos_SH[None, :, None, :], sin_SH[None, :, None, :]
     rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
     return rotated.flatten(-2).type_as(x_BSNH)

@@ -1,0 +1,151 @@
+"""Causal attention that never crosses a document boundary (``data.packing = "pack"``).
+
+A packed row holds several documents; ``DocumentMask`` describes them by per-token document ids
+``[B, S]``. A document is a maximal run of equal ids in a row (padding is one more run), so
+ids need only differ between neighbours. Each query sees the keys of its own run at or before
+it (and, with a sliding window W, only the last W of those).
+
+Which kernel, and why (torch 2.13):
+
+* ``segments`` (the CPU path, and any device): every run is attended on its own with the same
+  causal SDPA the unmasked model uses (``sdpa_causal``), the rows whose runs have the same
+  ``(start, end)`` batched into one call (a batch that is one document per row is one plain
+  call). It is exact, has forward and backward everywhere, does ``sum(s_i^2)`` work and builds
+  no ``[S, S]`` mask (a sliding window keeps ``sdpa_causal``'s own mask, per document); it costs
+  one kernel call per distinct span, which suits rows of a few documents.
+* ``flex`` (the CUDA path): ``torch.nn.attention.flex_attention`` (compiled) with a
+  ``BlockMask`` made from the runs, built once per forward and shared by every layer: fully
+  masked blocks are skipped and no ``[S, S]`` mask exists. In torch 2.13 FlexAttention has no
+  backward on the CPU (eager or compiled: "FlexAttention does not support backward on CPU"),
+  which is why the CPU takes ``segments``; its forward runs there in eager mode, which the
+  tests use to check this path's mask against ``segments``. (Not yet run on a GPU by Loom's
+  tests: the machines they ran on had none.)
+  ``torch.nn.attention.varlen.varlen_attn`` (cumulative sequence lengths, Flash Attention) is
+  CUDA-only and half precision only, so it could not serve fp32 parity runs; not used.
+* A dense boolean ``[S, S]`` mask through SDPA is not used: its memory grows with ``S^2``.
+
+The unmasked model (no document ids) never comes here: it keeps ``sdpa_causal``'s ``is_causal``
+kernel, bit for bit.
+
+Shape legend: B batch, S sequence, N query heads, K key/value heads, Hd head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import numpy as np
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from loom.models.layers import sdpa_causal
+
+Kernel = Literal["auto", "segments", "flex"]
+
+
+class DocumentMask:
+    """The documents of a batch of rows, from their per-token ids ``[B, S]``.
+
+    Built once per forward (``Transformer.forward``) and shared by every layer; the host-side
+    spans (``segments``) and the ``BlockMask`` (``flex``) are computed on first use.
+    """
+
+    def __init__(self, document_ids_BS: torch.Tensor) -> None:
+        if document_ids_BS.dim() != 2:
+            raise ValueError(f"document_ids must be [batch, seq], got shape"
+                             f" {tuple(document_ids_BS.shape)}")
+        self.document_ids = document_ids_BS
+        starts_BS = torch.ones_like(document_ids_BS, dtype=torch.bool)
+        starts_BS[:, 1:] = document_ids_BS[:, 1:] != document_ids_BS[:, :-1]
+        self.starts_BS = starts_BS  # True where a run (a document, or the padding) begins
+        self.run_BS = starts_BS.cumsum(dim=1)  # run number of every token inside its row
+        self._block_masks: dict[int, BlockMask] = {}  # by sliding window (0: none)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.document_ids.shape
+
+    def positions(self) -> torch.Tensor:
+        """Each token's position inside its run (0 at every document start), ``[B, S]``."""
+        S = self.shape[1]
+        index_BS = torch.arange(S, device=self.document_ids.device).expand(self.shape)
+        run_start_BS = torch.where(self.starts_BS, index_BS, 0).cummax(dim=1).values
+        return index_BS - run_start_BS
+
+    @functools.cached_property
+    def spans(self) -> list[tuple[int, int, torch.Tensor | None]]:
+        """``(start, end, rows)`` of every distinct run span; ``rows`` None means every row."""
+        starts = self.starts_BS.cpu().numpy()
+        B, S = starts.shape
+        grouped: dict[tuple[int, int], list[int]] = {}
+        for b in range(B):
+            bounds = np.append(np.flatnonzero(starts[b]), S)
+            for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+                grouped.setdefault((start, end), []).append(b)
+        device = self.document_ids.device
+        return [(start, end, None if len(rows) == B else torch.tensor(rows, device=device))
+                for (start, end), rows in grouped.items()]
+
+    def attention(self, q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
+                  window: int = 0, kernel: Kernel = "auto") -> torch.Tensor:
+        """Causal attention inside each document (module docstring): ``sdpa_causal``'s
+        arguments (un-repeated key/value heads). ``kernel`` ``auto`` is ``flex`` on CUDA and
+        ``segments`` elsewhere."""
+        if self.shape != (q_BNSH.shape[0], q_BNSH.shape[2]):
+            raise ValueError(f"document_ids shape {tuple(self.shape)} does not match the"
+                             f" queries' [batch, seq] = {(q_BNSH.shape[0], q_BNSH.shape[2])}")
+        if kernel == "auto":
+            kernel = "flex" if q_BNSH.device.type == "cuda" else "segments"
+        if kernel == "flex":
+            return _flex(q_BNSH, k_BKSH, v_BKSH, self.block_mask(window))
+        if kernel != "segments":
+            raise ValueError(f"unknown document attention kernel {kernel!r}; known: auto,"
+                             " segments, flex")
+        if len(self.spans) == 1:  # every row is one document: the plain kernel, no copies
+            return sdpa_causal(q_BNSH, k_BKSH, v_BKSH, window)
+        out_BNSH = q_BNSH.new_empty(q_BNSH.shape)  # every position lies in exactly one span
+        for start, end, rows in self.spans:
+            if rows is None:
+                out_BNSH[:, :, start:end] = sdpa_causal(
+                    q_BNSH[:, :, start:end], k_BKSH[:, :, start:end], v_BKSH[:, :, start:end],
+                    window)
+            else:
+                out_BNSH[rows, :, start:end] = sdpa_causal(
+                    q_BNSH[rows, :, start:end], k_BKSH[rows, :, start:end],
+                    v_BKSH[rows, :, start:end], window)
+        return out_BNSH
+
+    def block_mask(self, window: int = 0) -> BlockMask:
+        """FlexAttention's ``BlockMask``: same run, causal, and inside the window if any."""
+        if window not in self._block_masks:
+            self._block_masks[window] = self._make_block_mask(window)
+        return self._block_masks[window]
+
+    def _make_block_mask(self, window: int) -> BlockMask:
+        run_BS = self.run_BS
+
+        def same_document(b, h, q_idx, kv_idx):
+            allowed = (run_BS[b, q_idx] == run_BS[b, kv_idx]) & (kv_idx <= q_idx)
+            return allowed & (q_idx - kv_idx < window) if window > 0 else allowed
+
+        B, S = self.shape
+        on_gpu = run_BS.device.type != "cpu"
+        return create_block_mask(same_document, B, None, S, S, device=run_BS.device,
+                                 _compile=on_gpu)
+
+
+def _flex(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
+          block_mask: BlockMask) -> torch.Tensor:
+    kernel = _compiled_flex() if q_BNSH.device.type != "cpu" else flex_attention
+    return kernel(q_BNSH, k_BKSH, v_BKSH, block_mask=block_mask,
+                  enable_gqa=k_BKSH.shape[1] != q_BNSH.shape[1])
+
+
+@functools.cache
+def _compiled_flex():
+    """FlexAttention's fused kernel exists only compiled (eager is a slow reference)."""
+    return torch.compile(flex_attention, dynamic=False)
+
+
+__all__ = ["DocumentMask"]
