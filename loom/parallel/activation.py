@@ -40,7 +40,6 @@ def _checkpointed(fn: Callable) -> Callable:
     def run(*args, **kwargs):
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
-    run._loom_recompute = True  # type: ignore[attr-defined]
     return run
 
 

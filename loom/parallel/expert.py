@@ -165,7 +165,7 @@ class ExpertParallelDispatcher:
 # -- expert tensor parallelism (expert-TP = TP) ----------------------------------------------------
 @dataclass(frozen=True)
 class ExpertTensorParallel:
-    """The tp group as MoE layers use it (what ``apply_expert_tensor_parallel`` leaves)."""
+    """The tp group as an MoE layer's expert-TP forward uses it (held by that forward)."""
 
     mesh: Any
     group: Any
@@ -324,7 +324,6 @@ def apply_expert_tensor_parallel(moe: MoEFeedForward, tp_mesh: Any, *, sequence_
             setattr(holder, leaf, nn.Parameter(value, requires_grad=param.requires_grad))
     _compute_on_local_shards(moe.experts)
     moe.forward = _expert_tensor_parallel_forward(moe, etp)
-    moe.expert_tensor_parallel = etp
     return moe
 
 
