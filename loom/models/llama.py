@@ -54,10 +54,9 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor,
                 documents: DocumentMask | None = None) -> torch.Tensor:
-        # documents only when given: tensor parallelism's input plan for the attention module
-        # expects exactly (x, cos, sin)
-        extra = () if documents is None else (documents,)
-        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos_SH, sin_SH, *extra)
+        # documents by keyword: tensor parallelism's input plans take exactly (x, cos, sin)
+        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos_SH, sin_SH,
+                                   documents=documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -115,7 +114,7 @@ class Transformer(nn.Module):
             # packed rows give each row its own ([B, S]: restarting at each document)
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for layer in self.layers.values():
-            h = layer(h, cos, sin) if documents is None else layer(h, cos, sin, documents)
+            h = layer(h, cos, sin, documents=documents)
         if self.norm is not None:
             h = self.output(self.norm(h))
         return h

@@ -98,9 +98,11 @@ class TensorParallel:
             return contextlib.nullcontext()
         return CollectiveCounter(self.ledger, {"tp": self.mesh})
 
-    def loss(self, logits: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-        """Mean token cross entropy; fused vocab-parallel when the logits are vocab-sharded."""
-        return cross_entropy(logits, targets_BS, ledger=self.ledger)
+    def loss(self, logits: torch.Tensor, targets_BS: torch.Tensor,
+             reduction: str = "mean") -> torch.Tensor:
+        """Token cross entropy (mean, or sum); fused vocab-parallel when the logits are
+        vocab-sharded."""
+        return cross_entropy(logits, targets_BS, ledger=self.ledger, reduction=reduction)
 
 
 def check_divisible(model: nn.Module, degree: int, *, vocab_parallel: bool) -> None:

@@ -71,12 +71,17 @@ def vocab_parallel_cross_entropy(logits_BSV: DTensor, targets_BS: torch.Tensor, 
 
 
 def cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, *,
-                  ledger: CommLedger | None = None) -> torch.Tensor:
-    """Mean next-token cross entropy in fp32: fused vocab-parallel for vocab-sharded DTensor
-    logits, ``F.cross_entropy`` otherwise (the same formula as ``loom.train.trainer``)."""
+                  ledger: CommLedger | None = None, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross entropy in fp32 (``reduction`` mean or sum; targets -100 are ignored):
+    fused vocab-parallel for vocab-sharded DTensor logits (mean over every target only),
+    ``F.cross_entropy`` otherwise (the same formula as ``loom.train.trainer``)."""
     if isinstance(logits_BSV, DTensor):
         (placement,) = logits_BSV.placements  # a 1-D tp mesh
         if placement.is_shard() and placement.dim in (-1, logits_BSV.ndim - 1):
+            if reduction != "mean":
+                raise ValueError("vocab-parallel cross entropy is a mean over every target;"
+                                 " packed rows (ignored targets, a sum) need vocab_parallel off")
             return vocab_parallel_cross_entropy(logits_BSV, targets_BS, ledger=ledger)
         logits_BSV = logits_BSV.full_tensor()
-    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten(0, 1))
+    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten(0, 1),
+                           reduction=reduction)

@@ -187,11 +187,15 @@ class PipelineRuntime:
     # -- one step -----------------------------------------------------------------------------------
     def step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
              loss_fn: LossFn, *, schedule: Schedule | None = None, training: bool = True,
-             activation_shape: Sequence[int]) -> torch.Tensor:
+             activation_shape: Sequence[int],
+             documents: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
+             ) -> torch.Tensor:
         """Run ``schedule`` (default: the training schedule) over the microbatches ``inputs`` /
         ``targets`` (every rank passes all of them; only the ends read them). Returns the sum of
         the microbatch losses, identical on every pipeline rank. ``loss_fn`` should already be
-        scaled (e.g. divided by the number of microbatches) as the caller wants it summed."""
+        scaled (e.g. divided by the number of microbatches) as the caller wants it summed.
+        ``documents``: packed rows' (positions, document ids) per microbatch, which every
+        stage's attention and RoPE need (each rank gets all of them)."""
         schedule = schedule or self.schedule
         if len(inputs) != schedule.num_microbatches:
             raise ValueError(f"{len(inputs)} microbatches for a schedule of "
@@ -246,7 +250,8 @@ class PipelineRuntime:
             with self.compute_context():
                 if action.op is Op.F:
                     x = inputs[mb] if stage.is_first else received
-                    out = stage.forward(mb, x, targets[mb], loss_fn, training=training)
+                    out = stage.forward(mb, x, targets[mb], loss_fn, training=training,
+                                        documents=documents[mb] if documents else None)
                     result = None if stage.is_last else out
                     if stage.is_last:
                         loss_sum += out.detach().float()

@@ -86,17 +86,20 @@ class PipelineStage:
         return [p for p in self.module.parameters() if p.requires_grad]
 
     def forward(self, microbatch: int, inputs: torch.Tensor, targets: torch.Tensor | None = None,
-                loss_fn: LossFn | None = None, *, training: bool = True) -> torch.Tensor:
+                loss_fn: LossFn | None = None, *, training: bool = True,
+                documents: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Run the slice. Returns the output (hidden states) or, on the last stage, the loss of
-        ``loss_fn(logits, targets)``. With ``training`` the graph is kept for the backward."""
+        ``loss_fn(logits, targets)``. With ``training`` the graph is kept for the backward.
+        ``documents``: packed rows' (positions, document ids), for attention within documents."""
+        positions, document_ids = documents if documents is not None else (self.positions, None)
         if not training:
             with torch.no_grad(), self.autocast():
-                out = self.module(inputs, positions=self.positions)
+                out = self.module(inputs, positions=positions, document_ids=document_ids)
             return loss_fn(out, targets) if self.is_last else out
         if not self.is_first:  # a leaf, so I can ask autograd for its gradient
             inputs = inputs.detach().requires_grad_(True)
         with self.autocast():
-            out = self.module(inputs, positions=self.positions)
+            out = self.module(inputs, positions=positions, document_ids=document_ids)
         if not self.is_last and out._is_view():
             # Under sequence parallelism the output is a view of a DTensor's local shard;
             # torch's stage_backward_input detaches stage outputs in place, which views forbid.

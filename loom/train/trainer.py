@@ -34,10 +34,12 @@ import torch.nn.functional as F
 
 from loom.config import Config, job_of, layout_of, model_args, to_dict
 from loom.data.loader import DataFiles, DistributedLoader, eval_batches
+from loom.data.packing import IGNORE_INDEX, DocumentBatch
 from loom.formulas.flops import model_flops_per_token
 from loom.grid_summary import describe_grid
 from loom.models.moe import set_aux_loss_backward_scale
 from loom.models.pretrained import PretrainedSource
+from loom.parallel import comm
 from loom.parallel.comm import CommLedger
 from loom.parallel.context import CPLayout, new_cp_groups, shard_sequence
 from loom.parallel.expert import reduce_gradients
@@ -64,9 +66,12 @@ from loom.train.watchdog import CollectiveWatch
 AUTO_RESUME = ("auto", "auto_or_fresh")
 
 
-def cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy, computed in fp32 whatever the compute dtype."""
-    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten(0, 1))
+def cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor,
+                  reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross entropy (mean or sum over the targets that are not -100, padding),
+    computed in fp32 whatever the compute dtype."""
+    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten(0, 1),
+                           reduction=reduction)
 
 
 class Trainer:
@@ -148,9 +153,10 @@ class Trainer:
 
         self.data = DataFiles.open(data_dir)
         seq_len = config.data.seq_len
-        # one token file, a prepared source's ranges, or data.mix's sources (loom/data/loader.py)
-        self.train_set = self.data.train_set(seq_len)
-        self.val_set = self.data.val_set(seq_len)
+        # one token file, a prepared source's ranges, or data.mix's sources (loom/data/loader.py);
+        # data.packing = pack: rows of whole documents (loom/data/packing.py)
+        self.train_set = self.data.train_set(seq_len, packing=config.data.packing)
+        self.val_set = self.data.val_set(seq_len, packing=config.data.packing)
         sampler = self.data.sampler(self.train_set, tr.global_batch_size, tr.seed)
         self.loader = DistributedLoader(self.train_set, sampler, self.dp_rank, self.dp_size,
                                         self.ctx.device)
@@ -171,14 +177,14 @@ class Trainer:
         reduction starts within its last backward piece and overlaps what follows); the loss
         arrives on every rank; the clipping norm sums the squares over ``pp`` (each pipeline
         rank owns other weights)."""
-        inputs, targets = self.loader.next_batch()
+        batch = self.loader.next_batch()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = self._run_pipeline(inputs, targets, training=True)
+        loss_sum = self._run_pipeline(batch, training=True)
         self.pipeline.finish_gradient_reduction()
         self._reduce_expert_gradients()
         metrics = self._optimizer_step(loss_sum)
         if self.aux_coef:
-            n_micro = inputs.shape[0] // self.config.train.micro_batch_size
+            n_micro = batch[0].shape[0] // self.config.train.micro_batch_size
             metrics["moe_aux_loss"] = self._mean_over_dp(self.pipeline.aux_loss / n_micro)
         return metrics
 
@@ -238,10 +244,14 @@ class Trainer:
                          dp_group=no_ep.get_group() if no_ep is not None else None,
                          cp_group=self.cp_groups.cp if self.cp_groups is not None else None)
 
-    def _run_pipeline(self, inputs: torch.Tensor, targets: torch.Tensor, *,
+    def _run_pipeline(self, batch: tuple[torch.Tensor, ...], *,
                       training: bool) -> torch.Tensor:
-        """The summed loss of the rank's batch through the pipeline; each microbatch's mean is
-        divided by their number, as in the one-process loop."""
+        """The summed loss of the rank's batch (inputs, targets, or a ``DocumentBatch``) through
+        the pipeline, scaled so that its mean over the data-parallel ranks is the step's loss:
+        each microbatch's mean divided by their number; for packed rows each microbatch's sum
+        over its real tokens, divided by the step's real tokens (all ranks) and multiplied by
+        the ranks the mean is over, so padding and uneven documents weigh nothing."""
+        inputs, targets = batch[0], batch[1]
         micro = self.config.train.micro_batch_size
         n_micro = inputs.shape[0] // micro
         schedule = self.pipeline.schedule if training else forward_only(self.pipeline.schedule)
@@ -251,11 +261,23 @@ class Trainer:
         wire_seq = inputs.shape[1]  # what travels between stages: the cp shard ...
         if self.tp is not None and self.tp.sequence_parallel:
             wire_seq //= self.tp.mesh.size()  # ... and, under SP, this tp rank's part of it
-        loss_fn = self.loss_fn
+        loss_fn, documents = self.loss_fn, None
+        if isinstance(batch, DocumentBatch):
+            documents = list(zip(batch.positions.split(micro), batch.document_ids.split(micro)))
+            tokens = (targets != IGNORE_INDEX).sum()
+            if self.loss_group_size > 1:  # the step's real tokens, over every data rank
+                comm.all_reduce(tokens, self.loss_group, axis="dp", ledger=self.ledger)
+            scale = self.loss_group_size / tokens.clamp(min=1)
+
+            def scaled(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                return loss_fn(logits, y, reduction="sum") * scale
+        else:
+            def scaled(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                return loss_fn(logits, y) / n_micro
         return self.pipeline.step(
-            inputs.split(micro), targets.split(micro),
-            lambda logits, y: loss_fn(logits, y) / n_micro, schedule=schedule,
-            training=training, activation_shape=(micro, wire_seq, self.args.dim))
+            inputs.split(micro), targets.split(micro), scaled, schedule=schedule,
+            training=training, activation_shape=(micro, wire_seq, self.args.dim),
+            documents=documents)
 
     def _pending_mean(self, value: torch.Tensor) -> PendingMean:
         """The mean of a per-rank loss over the ranks that hold different data (dp, and cp),
@@ -274,7 +296,7 @@ class Trainer:
         batches = eval_batches(self.val_set, tr.global_batch_size, tr.eval_batches,
                                self.dp_rank, self.dp_size, self.ctx.device)
         # forward-only through the stages, the loss shared over pp
-        losses = [self._run_pipeline(x, y, training=False) for x, y in batches]
+        losses = [self._run_pipeline(batch, training=False) for batch in batches]
         if not losses:
             return math.nan
         return self._mean_over_dp(torch.stack(losses).mean())

@@ -245,13 +245,23 @@ def test_an_unknown_packing_is_refused_by_name():
 @pytest.mark.parametrize("overrides, world, words", [
     ({"parallel.cp": "2"}, 2, "context parallelism"),
     ({"train.recompute": "selective"}, 1, "recompute = selective"),
-    ({}, 1, "does not carry packed batches yet"),
+    ({"parallel.tp": "2", "parallel.sequence_parallel": "true",
+      "parallel.vocab_parallel": "false"}, 2, "sequence_parallel"),
+    ({"parallel.tp": "2", "parallel.vocab_parallel": "true"}, 2, "vocab_parallel"),
+    ({"model.preset": "tiny-moe"}, 1, "MoE routing"),
 ])
 def test_pack_refuses_what_does_not_carry_it_yet(overrides, world, words):
     with pytest.raises(ConfigError, match=words) as info:
         resolve(load_config(None, {"data.packing": "pack", "model.preset": "debug",
                                    **overrides}), world)
     assert info.value.field_name == "data.packing"
+
+
+def test_pack_is_accepted_where_the_trainer_carries_it():
+    config = resolve(load_config(None, {"data.packing": "pack", "model.preset": "debug",
+                                        "parallel.pp": "2", "parallel.tp": "2",
+                                        "parallel.vocab_parallel": "false"}), 4)
+    assert config.data.packing == "pack"
 
 
 def test_concat_stays_the_default():
