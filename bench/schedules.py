@@ -33,7 +33,7 @@ from torch.distributed.pipelining import schedules as ts
 
 from loom.schedule import Action, Op, Schedule, ScheduleError, from_torch_rows, validate
 from loom.schedule.search import placement_costs, search
-from loom.schedule.search_eval import encode, peak_units
+from loom.schedule.replay import encode, peak_units
 from loom.schedule.cost import StageCosts
 from loom.schedule.render import render_gantt
 from loom.schedule.simulate import SimResult, simulate

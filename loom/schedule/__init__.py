@@ -4,6 +4,8 @@ Torch-free and at the ground floor: it imports nothing above itself (and no torc
 runtime, the simulator's callers, the visualizer and the planner all consume one schedule IR.
 
 * ``ir``: ``Action``, ``Schedule``, placements, the JSON and torch-CSV formats;
+* ``replay``: the one replay engine (integer-coded actions; times, and memory by order) that
+  ``validate``, ``simulate`` and the search share;
 * ``validate``: the rules and the in-order execution (activation memory per rank);
 * ``families``: one generator per schedule family (``schedule_for``);
 * ``search`` (with ``search_*``): the schedule search under a memory limit;

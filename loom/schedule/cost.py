@@ -194,10 +194,9 @@ class StageCosts:
         """How long ``action`` keeps its rank busy."""
         return self.op_costs(action.stage).of(action.op)
 
-    def send_time(self, schedule: Schedule, producer: Action, consumer: Action) -> Number:
-        """Delay between ``producer`` finishing and ``consumer`` being able to use its output."""
-        if schedule.rank_of(producer.stage) == schedule.rank_of(consumer.stage):
-            return 0
+    def message_time(self) -> Number:
+        """How long one activation-sized message between two ranks takes (the delay between an
+        action finishing and an action on another rank being able to use its output)."""
         if self.bandwidth is None:
             return self.latency
         return self.latency + _divide(self.message_bytes, self.bandwidth)
@@ -270,8 +269,8 @@ def full_stage_costs(costs: StageCosts, schedule: Schedule) -> StageCosts:
 
     ``costs`` holds one entry (every rank alike) or one per rank. This is the one meaning of the
     CLI's ``--costs`` in ``show``, ``simulate`` and ``search`` (whose
-    ``loom.schedule.search.placement_costs`` is the same split for one-route placements), so
-    that the same flag draws the same per-chunk durations whatever the schedule's chunk count.
+    ``loom.schedule.search.placement_costs`` checks its inputs and calls this), so that the
+    same flag draws the same per-chunk durations whatever the schedule's chunk count.
     """
     pp = schedule.pp_size
     if len(costs.stages) not in (1, pp):

@@ -26,8 +26,10 @@ import io
 import json
 import os
 import re
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from fractions import Fraction
 from typing import IO
 
@@ -141,11 +143,6 @@ class Schedule:
     name: str = "custom"
     num_routes: int = 1
     routes: tuple[int, ...] = ()
-    # action -> (rank, index in that rank's list); first occurrence wins. Built once, so that
-    # dependency look-ups stay O(1) for the validator and the simulators built on this IR.
-    _positions: dict[Action, tuple[int, int]] = field(
-        init=False, repr=False, compare=False, hash=False
-    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "placement", tuple(int(r) for r in self.placement))
@@ -166,11 +163,16 @@ class Schedule:
                             or not all(0 <= r < self.num_routes for r in self.routes)):
             raise ValueError(f"routes must give one route in 0..{self.num_routes - 1} per "
                              f"microbatch ({self.num_microbatches}), got {list(self.routes)}")
+
+    @cached_property
+    def _positions(self) -> dict[Action, tuple[int, int]]:
+        """action -> (rank, index in that rank's list); first occurrence wins. Built on first
+        use, once: the search builds many schedules that never look an action up."""
         positions: dict[Action, tuple[int, int]] = {}
         for rank, row in enumerate(self.actions):
             for index, action in enumerate(row):
                 positions.setdefault(action, (rank, index))
-        object.__setattr__(self, "_positions", positions)
+        return positions
 
     @property
     def pp_size(self) -> int:
@@ -215,10 +217,15 @@ class Schedule:
     def stage_weight(self, stage: int) -> Fraction:
         """Activation memory of one microbatch of ``stage``, in units of one full rank's: 1/v
         when the rank owns v stages of ``stage``'s route (a route holds the whole model)."""
-        route = stage // self.stages_per_route
-        owned = [s for s in self.stages_of(self.rank_of(stage))
-                 if s // self.stages_per_route == route]
-        return Fraction(1, len(owned))
+        return self.stage_weights[stage]
+
+    @cached_property
+    def stage_weights(self) -> tuple[Fraction, ...]:
+        """``stage_weight`` of every stage, computed once."""
+        per_route = self.stages_per_route
+        owned = Counter((rank, stage // per_route) for stage, rank in enumerate(self.placement))
+        return tuple(Fraction(1, owned[rank, stage // per_route])
+                     for stage, rank in enumerate(self.placement))
 
     def position(self, action: Action) -> tuple[int, int] | None:
         """``(rank, index)`` of ``action`` in this schedule, or None if it is not scheduled."""

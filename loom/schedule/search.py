@@ -9,8 +9,8 @@ iterations overlap), then the lowest peak. Memory follows ``loom.schedule.valida
 unit is one full rank's activations for one microbatch, a chunk of a v-chunk placement weighs
 1/v. So 1F1B needs p units, and no schedule fits below 1 unit (one microbatch in flight).
 
-Candidates, all ranked by the same replay (``search_eval``) and the winner re-simulated with
-``loom.schedule.simulate``:
+Candidates, all ranked by the one replay engine (``loom.schedule.replay``, float costs) and the
+winner re-simulated exactly with ``loom.schedule.simulate``:
 
 a. every registered family (``loom.schedule.families``) whose placement is allowed and whose
    peak fits the limit;
@@ -44,21 +44,22 @@ trades that determinism for a bound on wall time.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import gc
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from fractions import Fraction
-from numbers import Rational
+from typing import Any
 
 from loom.schedule.ir import Schedule, looped_placement, v_placement
 from loom.schedule.families import SEARCH_PLACEMENTS, get, names
-from loom.schedule.search_eval import EPS, F, Costs, Row, Score, decode, encode, peak_units, score
+from loom.schedule.replay import EPS, F, Costs, Row, Score, decode, encode, peak_units, score
 from loom.schedule.search_greedy import Knobs, list_schedule
 from loom.schedule.search_local import improve
 from loom.schedule.search_priority import priority_schedule
 from loom.schedule.search_reverse import ReverseKnobs, reverse_schedule
 from loom.schedule.validate import validate
-from loom.schedule.cost import OpCosts, StageCosts
+from loom.schedule.cost import StageCosts, full_stage_costs
 from loom.schedule.simulate import SimResult, simulate
 
 PLACEMENTS = SEARCH_PLACEMENTS  # v=1 looped; v=2 looped (interleaved); v=2 V shape
@@ -117,7 +118,8 @@ def placement_of(name: str, pp: int) -> tuple[int, ...]:
 
 
 def placement_costs(costs: StageCosts, placement: tuple[int, ...]) -> StageCosts:
-    """``costs`` of full stages, per global stage of ``placement`` (a chunk gets 1/v of them)."""
+    """``costs`` of full stages, per global stage of ``placement`` (a chunk gets 1/v of them:
+    ``loom.schedule.cost.full_stage_costs``, the CLI's one meaning of ``--costs``)."""
     pp = max(placement) + 1
     if len(costs.stages) not in (1, pp):
         raise SearchError(
@@ -126,25 +128,25 @@ def placement_costs(costs: StageCosts, placement: tuple[int, ...]) -> StageCosts
     if costs.activation is not None:
         raise SearchError("costs: per-stage activation weights are not supported by the search; "
                           "it uses the validator's units (a chunk of v weighs 1/v)")
-    chunks = [placement.count(rank) for rank in range(pp)]
-    stages = []
-    for rank in placement:
-        full = costs.stages[0] if len(costs.stages) == 1 else costs.stages[rank]
-        v = chunks[rank]
-        stages.append(OpCosts(*(None if x is None else _share(x, v) for x in
-                                (full.f, full.i, full.w, full.b))))
-    return dataclasses.replace(costs, stages=tuple(stages))
+    return full_stage_costs(costs, Schedule(len(placement), 1, placement, [[]] * pp))
 
 
-def _share(value: float, v: int) -> float:
-    if v == 1:
-        return value
-    if isinstance(value, Rational):
-        share = Fraction(value) / v
-        return int(share) if share.denominator == 1 else share
-    return value / v
+def _without_cyclic_gc(function: Callable[..., SearchResult]) -> Callable[..., SearchResult]:
+    """Pause the cyclic garbage collector while ``function`` runs: the search makes millions of
+    small tuples and lists and no cycles, and scanning them again and again took 10-15% of it."""
+    @functools.wraps(function)
+    def paused(*args: Any, **kwargs: Any) -> SearchResult:
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            if enabled:
+                gc.enable()
+    return paused
 
 
+@_without_cyclic_gc
 def search(
     pp: int,
     microbatches: int,
@@ -181,11 +183,9 @@ def search(
         budget.spend(sum(map(len, rows)))
         pool.tried += 1
         peak = max(peak_units(rows, schedule.placement))
-        if peak > memory_limit + EPS:
-            continue
-        scored = score(rows, schedule.placement, microbatches, fast[name])
-        if scored is not None:
-            pool.add(Candidate(schedule.name, name, scored.makespan, peak, scored.idle_zb), rows)
+        if peak <= memory_limit + EPS:
+            _add_scored(pool, schedule.name, name, rows, peak, schedule.placement, microbatches,
+                        fast[name])
 
     # Half of what is left for forward-backward scheduling on the two-chunk placements, V first
     # (its chunks pair up on each rank, which the parallelogram's drain needs least memory for).

@@ -28,7 +28,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from loom.schedule.search_eval import EPS, F, I, W, Costs, Row
+from loom.schedule.replay import EPS, F, I, W, Costs, Row
 from loom.schedule.search_loop import forward_ready as input_ready, ranks_of, run
 
 
@@ -72,7 +72,7 @@ def list_schedule(
     limit: float,
     knobs: Knobs,
 ) -> tuple[list[Row], float, float] | None:
-    """Integer rows (see ``search_eval.encode``), makespan and peak units; None on a deadlock."""
+    """Integer rows (``replay.encode``'s), makespan and peak units; None on a deadlock."""
     num_stages, m = len(placement), microbatches
     ranks = ranks_of(placement, limit)
     if ranks is None:

@@ -15,26 +15,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from loom.schedule.search_eval import B, EPS, F, W, Costs, Row, Score, score
+from loom.schedule.replay import EPS, Costs, Row, Score, live_levels, score
 
 
 class Budget(Protocol):
     def spend(self, actions: int) -> None: ...
 
     def exhausted(self) -> bool: ...
-
-
-def row_peak(row: Row, weight: float) -> float:
-    """Peak live units of one rank's list (the validator's accounting)."""
-    last = {(s, k): n for n, (s, o, k) in enumerate(row) if o == W or o == B}
-    live = peak = 0.0
-    for n, (s, o, k) in enumerate(row):
-        if o == F:
-            live += weight
-            peak = max(peak, live)
-        if last.get((s, k)) == n:
-            live -= weight
-    return peak
 
 
 def improve(
@@ -50,7 +37,8 @@ def improve(
     """A better order than ``rows`` (and its score), or None if no swap helped."""
     rows = [list(row) for row in rows]
     size = sum(len(row) for row in rows)
-    weight = [1.0 / max(placement.count(r), 1) for r in range(len(rows))]
+    chunks = [max(placement.count(r), 1) for r in range(len(rows))]
+    ones = [1] * len(placement)  # live memory in chunks: a chunk of v weighs 1/v units
     best = start
     for _ in range(max_passes):
         improved = False
@@ -65,7 +53,7 @@ def improve(
                 budget.spend(size)
                 candidate = score(rows, placement, microbatches, costs)
                 if (candidate is not None and candidate.better_than(best)
-                        and row_peak(row, weight[rank]) <= limit + EPS):
+                        and max(live_levels(row, ones)) / chunks[rank] <= limit + EPS):
                     best, improved = candidate, True
                 else:
                     row[n], row[n + 1] = a, b

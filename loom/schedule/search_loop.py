@@ -14,7 +14,7 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from loom.schedule.search_eval import EPS, F, I, Costs, Row
+from loom.schedule.replay import EPS, F, I, Costs, Row
 
 Action = tuple[int, int, int]  # (stage, op code, microbatch)
 Decide = Callable[[int, float], "tuple[Action, float] | float"]
@@ -97,5 +97,6 @@ def run(placement: Sequence[int], costs: Costs, rows: list[Row], free_at: list[f
         if o == F or o == I:
             to = s + 1 if (o == F) != backwards else s - 1
             if 0 <= to < len(placement) and placement[to] != r:
-                heapq.heappush(heap, (end + send, placement[to]))
+                if free_at[placement[to]] <= end + send + EPS:  # else busy then: its end wakes it
+                    heapq.heappush(heap, (end + send, placement[to]))
     return started

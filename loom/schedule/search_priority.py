@@ -21,7 +21,7 @@ import heapq
 import itertools
 from collections.abc import Mapping, Sequence
 
-from loom.schedule.search_eval import EPS, F, I, W, Costs, Row
+from loom.schedule.replay import EPS, F, I, W, Costs, Row
 from loom.schedule.search_loop import forward_ready, ranks_of, run
 
 Priority = Mapping[tuple[int, int, int], float]  # (stage, op code, microbatch) -> lower runs first
@@ -36,7 +36,7 @@ def priority_schedule(
     reserve: int | None = None,
     patience: float | Sequence[float] = 0.0,
 ) -> tuple[list[Row], float] | None:
-    """Integer rows (see ``search_eval.encode``) and peak units; None if it stalls.
+    """Integer rows (see ``replay.encode``) and peak units; None if it stalls.
 
     ``reserve``: an admission keeps room for the remaining forwards of this many of the oldest
     admitted microbatches on the rank (None: all of them, which cannot deadlock; fewer lets a

@@ -26,8 +26,8 @@ start one hop apart, so in an ideal schedule they also end one hop apart, rank 0
 the delay the reversed rank 0 starts with everyone and rank 0 idles for p-1 hops in its forward
 span; with it the last rank fills those hops (and its own round trip) with W's.
 
-Reversing each rank's list gives a forward order; ``search_eval`` replays it as soon as possible
-(times can only move earlier) and the search keeps it when it ranks best. Deterministic.
+Reversing each rank's list gives a forward order; ``loom.schedule.replay`` replays it as soon as
+possible (times can only move earlier) and the search keeps it when it ranks best. Deterministic.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from loom.schedule.search_eval import EPS, F, I, W, Costs, Row
+from loom.schedule.replay import EPS, F, I, W, Costs, Row
 from loom.schedule.search_loop import ranks_of, run
 
 
@@ -62,9 +62,9 @@ def reverse_schedule(
     limit: float,
     knobs: ReverseKnobs,
 ) -> tuple[list[Row], float, dict[tuple[int, int, int], float]] | None:
-    """Forward integer rows (see ``search_eval.encode``), their peak units and every action's
-    latest forward start in this schedule (the priorities ``priority_schedule`` follows); None on
-    a stall."""
+    """Forward integer rows (``loom.schedule.replay.encode``'s), their peak units and every
+    action's latest forward start in this schedule (the priorities ``priority_schedule``
+    follows); None on a stall."""
     num_stages, m = len(placement), microbatches
     ranks = ranks_of(placement, limit)
     if ranks is None:

@@ -1,7 +1,8 @@
 """Replay a pipeline schedule with real costs: timeline, makespan, bubbles and memory over time.
 
 ``simulate(schedule, costs)`` runs every rank's list in order, as the runtime does, through the
-validator's one replay engine (``loom.schedule.validate.replay``). An action starts when its rank
+one replay engine (``loom.schedule.replay``), exactly: ints and Fractions are replayed as ints
+scaled by their common denominator, floats as they are. An action starts when its rank
 is free and every dependency (``loom.schedule.validate.dependencies``) has finished, plus the send
 time when the dependency ran on another rank. Start times therefore
 follow from the finish times of earlier actions alone: no resource is shared between ranks (each
@@ -24,19 +25,23 @@ Two bubble figures, both fractions of time:
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from functools import cached_property
-from typing import Any
+from numbers import Rational
+from operator import itemgetter
+from typing import Any, NamedTuple
 
-from loom.schedule.ir import Action, Op, Schedule
-from loom.schedule.validate import deadlock_error, dependencies, replay
+from loom.schedule.ir import Action, Schedule
+from loom.schedule.validate import deadlock_error, dependencies
 from loom.schedule.cost import Number, StageCosts
+from loom.schedule.replay import F, Costs, Row, encode, from_ints, replay, to_ints
 
 
-@dataclass(frozen=True)
-class Slot:
-    """One action on one rank's timeline."""
+class Slot(NamedTuple):
+    """One action on one rank's timeline (a named tuple: a simulation makes 50,000 of them)."""
 
     action: Action
     start: Number
@@ -76,7 +81,7 @@ class SimResult:
     @cached_property
     def busy(self) -> tuple[Number, ...]:
         """Time each rank spends computing."""
-        return tuple(sum((slot.duration for slot in row), 0) for row in self.timeline)
+        return tuple(_busy(row) for row in self.timeline)
 
     @cached_property
     def span(self) -> tuple[Number, ...]:
@@ -189,18 +194,31 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, *,
     """
     costs = costs or StageCosts.uniform(1, 1, 1)
     costs.check(schedule)
-    replayed, pending = replay(schedule, costs.duration,
-                               lambda dep, action: costs.send_time(schedule, dep, action))
-    if any(pending):
+    rows = encode(schedule)
+    timing, scale = Costs.exact(costs, schedule.num_stages)
+    replayed = replay(rows, schedule.placement, schedule.num_microbatches, timing,
+                      schedule.stages_per_route)
+    if not replayed.completed:
         raise deadlock_error(schedule)
-    slots = [[Slot(action, start, end) for action, start, end in row] for row in replayed]
+    starts = replayed.start
+    finishes = [replayed.finish(rank) for rank in range(len(rows))]
+    time = from_ints(starts + finishes, scale)
+    timeline = tuple(tuple(Slot(*slot) for slot in zip(row, time[rank], time[len(rows) + rank]))
+                     for rank, row in enumerate(schedule.actions))
+    curves: tuple[tuple[tuple[Number, Number], ...], ...] = ((),) * schedule.pp_size
+    if memory:
+        deltas, unit = _memory_deltas(schedule, costs)
+        points = [_memory_curve(*args, deltas) for args in zip(rows, starts, finishes)]
+        times = from_ints([[t for t, _ in curve] for curve in points], scale)
+        levels = from_ints([[level for _, level in curve] for curve in points], unit)
+        curves = tuple(tuple(zip(*pair)) for pair in zip(times, levels))
     return SimResult(
         name=schedule.name,
         num_stages=schedule.num_stages,
         num_microbatches=schedule.num_microbatches,
         placement=schedule.placement,
-        timeline=tuple(tuple(row) for row in slots),
-        memory=tuple(_memory_curve(schedule, costs, row) if memory else () for row in slots),
+        timeline=timeline,
+        memory=curves,
         costs=costs.describe(),
     )
 
@@ -249,29 +267,43 @@ def replay_shared(schedule: Schedule, work: dict[Action, float], latency: float,
     return now
 
 
-def _memory_curve(
-    schedule: Schedule, costs: StageCosts, row: list[Slot]
-) -> tuple[tuple[Number, Number], ...]:
-    """The step function of live activations on one rank.
-
-    A (stage, microbatch) is allocated when its F starts and freed when its backward ends: all of
-    it at the end of B, or ``1 - weight_grad_fraction`` of it at the end of I and the rest at the
-    end of W (Zero Bubble's M_B and M_W).
-    """
-    kept = costs.weight_grad_fraction
-    events: list[tuple[Number, int, Number]] = []  # (time, 0 = free / 1 = allocate, delta)
+def _busy(row: tuple[Slot, ...]) -> Number:
+    """The sum of the slots' durations: Fractions added up by denominator (the same number, much
+    faster than one by one), ints and floats one by one, in order (floats round as always)."""
+    times = [x for slot in row for x in (slot.start, slot.finish)]
+    if all(type(x) is int for x in times) or not all(isinstance(x, Rational) for x in times):
+        return sum((slot.duration for slot in row), 0)
+    numerators: dict[int, int] = defaultdict(int)  # denominator -> sum of numerators
     for slot in row:
-        weight = costs.activation_weight(schedule, slot.action.stage)
-        op = slot.action.op
-        if op is Op.F:
-            events.append((slot.start, 1, weight))
-        elif op is Op.B:
-            events.append((slot.finish, 0, -weight))
-        elif op is Op.I and kept != 1:
-            events.append((slot.finish, 0, -weight * (1 - kept)))
-        elif op is Op.W and kept != 0:
-            events.append((slot.finish, 0, -weight * kept))
-    events.sort(key=lambda event: (event[0], event[1]))
+        numerators[slot.finish.denominator] += slot.finish.numerator
+        numerators[slot.start.denominator] -= slot.start.numerator
+    return sum((Fraction(n, d) for d, n in numerators.items()), Fraction(0))
+
+
+def _memory_deltas(schedule: Schedule, costs: StageCosts) -> tuple[list[list], int | None]:
+    """Per stage, the change of live memory at the start of F and at the ends of I, W and B
+    (None: none), as ``to_ints`` gives them. A (stage, microbatch) is allocated when its F
+    starts and freed when its backward ends: all of it at the end of B, or
+    ``1 - weight_grad_fraction`` of it at the end of I and the rest at the end of W (Zero Bubble's
+    M_B and M_W)."""
+    kept = costs.weight_grad_fraction
+    flat, unit = to_ints([delta for w in (costs.activation_weight(schedule, stage)
+                                          for stage in range(schedule.num_stages))
+                          for delta in (w, -w * (1 - kept) if kept != 1 else None,
+                                        -w * kept if kept != 0 else None, -w)])
+    return [flat[n:n + 4] for n in range(0, len(flat), 4)], unit
+
+
+def _memory_curve(row: Row, starts: list[Number], ends: list[Number], deltas: list[list]
+                  ) -> list[tuple[Number, Number]]:
+    """The step function of live activations on one rank (``_memory_deltas``' changes)."""
+    events: list[tuple[Number, int, Number]] = []  # (time, 0 = free / 1 = allocate, delta)
+    for (stage, op, _), start, end in zip(row, starts, ends):
+        if op == F:
+            events.append((start, 1, deltas[stage][op]))
+        elif deltas[stage][op] is not None:
+            events.append((end, 0, deltas[stage][op]))
+    events.sort(key=itemgetter(0, 1))  # by time, frees first; stable: floats add up as before
     points: list[tuple[Number, Number]] = [(0, 0)]
     level: Number = 0
     for time, _, delta in events:
@@ -280,4 +312,4 @@ def _memory_curve(
             points[-1] = (time, level)  # same instant: keep the level after all its events
         else:
             points.append((time, level))
-    return tuple(points)
+    return points

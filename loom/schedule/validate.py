@@ -5,10 +5,8 @@ naming the broken rule. The pieces are public because the simulator, the search 
 reuse them:
 
 * ``dependencies(schedule, action)``: what must finish before ``action`` may start.
-* ``replay(schedule, duration, send_time)``: the one replay engine (every rank in order, each
-  action as soon as its rank is free and its dependencies have finished), used by ``execute``
-  and by ``loom.schedule.simulate``;
-* ``execute(schedule, durations)``: ``replay`` in whole steps (one each by default), as a
+* ``execute(schedule, durations)``: the replay (``loom.schedule.replay``, the one engine, which
+  applies the same rules to integer-coded actions) in whole steps, one each by default, as a
   rank-by-step grid.
 * ``memory_profile`` / ``peak_memory``: live activations per rank, in units of one full rank's
   activations for one microbatch. A (stage, microbatch) is live from the start of its F to the
@@ -21,13 +19,13 @@ microbatch's route, and a microbatch needs actions only on the stages of its rou
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from collections.abc import Callable, Collection, Mapping
+import math
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
 
 from loom.schedule.ir import Action, Op, Schedule
+from loom.schedule.replay import CODE_OP, Costs, Row, encode, encode_row, live_levels, replay
 
 
 class ScheduleError(ValueError):
@@ -92,49 +90,6 @@ class Execution:
         return max(self.finish[a] for a in row) - min(self.start[a] for a in row) - busy
 
 
-Replayed = tuple[list[list[tuple[Action, Any, Any]]], tuple[tuple[Action, ...], ...]]
-
-
-def replay(schedule: Schedule, duration: Callable[[Action], Any],
-           send_time: Callable[[Action, Action], Any] | None = None) -> Replayed:
-    """The one replay engine: every rank runs its list in order, each action as soon as its rank
-    is free and its dependencies have finished (plus ``send_time(dep, action)``, if given).
-
-    Returns ``(slots, pending)``: per rank the ``(action, start, finish)`` it ran, and the
-    suffix of its list that could never start (empty for every rank when the schedule runs to
-    the end). Nothing is shared between ranks, so start times follow from the finish times of
-    earlier actions alone: actions are processed as their inputs complete (each rank resumed
-    when the action it waits for finishes), which gives a global clock's times without one.
-    ``execute`` (unit steps) and ``loom.schedule.simulate`` (real costs) both use it.
-    """
-    rows = schedule.actions
-    deps = {action: dependencies(schedule, action) for row in rows for action in row}
-    finish: dict[Action, Any] = {}
-    slots: list[list[tuple[Action, Any, Any]]] = [[] for _ in rows]
-    free_at: list[Any] = [0] * len(rows)
-    pointer = [0] * len(rows)
-    waiting: dict[Action, list[int]] = {}  # unfinished dependency -> ranks blocked on it
-    runnable = deque(range(len(rows)))
-    while runnable:
-        rank = runnable.popleft()
-        row = rows[rank]
-        while pointer[rank] < len(row):
-            action = row[pointer[rank]]
-            blocker = next((dep for dep in deps[action] if dep not in finish), None)
-            if blocker is not None:
-                waiting.setdefault(blocker, []).append(rank)
-                break
-            start = max([free_at[rank]] + [
-                finish[dep] + (send_time(dep, action) if send_time else 0) for dep in deps[action]])
-            end = start + duration(action)
-            finish.setdefault(action, end)
-            slots[rank].append((action, start, end))
-            free_at[rank] = end
-            pointer[rank] += 1
-            runnable.extend(waiting.pop(action, ()))
-    return slots, tuple(tuple(row[pointer[rank]:]) for rank, row in enumerate(rows))
-
-
 def execute(schedule: Schedule, durations: Mapping[Op, int] = UNIT_DURATIONS) -> Execution:
     """Run every rank's list in order, each action as soon as its dependencies have finished,
     in whole steps (``durations`` >= 1 per op; one step each by default).
@@ -145,19 +100,25 @@ def execute(schedule: Schedule, durations: Mapping[Op, int] = UNIT_DURATIONS) ->
     """
     if any(type(d) is not int or d < 1 for d in durations.values()):
         raise ValueError(f"execute: durations must be whole steps >= 1, got {dict(durations)}")
-    slots, pending = replay(schedule, lambda action: durations[action.op])
+    rows = encode(schedule)
+    # one row of durations per stage, broken schedules' stages beyond the last one included
+    stages = max([schedule.num_stages - 1] + [s for row in rows for s, _, _ in row]) + 1
+    step: tuple = tuple(durations.get(op) for op in CODE_OP)
+    replayed = replay(rows, schedule.placement, schedule.num_microbatches,
+                      Costs((step,) * stages, 0), schedule.stages_per_route)
+    begins = replayed.start
+    ends = [replayed.finish(rank) for rank in range(len(rows))]
+    pending = tuple(row[len(begins[rank]):] for rank, row in enumerate(schedule.actions))
+    stopped = max((end for row in ends for end in row), default=0)
     start: dict[Action, int] = {}
     finish: dict[Action, int] = {}
-    for row in slots:
-        for action, begin, end in row:
+    timeline = []
+    for rank, row in enumerate(schedule.actions):
+        steps: list[Action | None] = [None] * (stopped if pending[rank] else
+                                               begins[rank][-1] + 1 if begins[rank] else 0)
+        for action, begin, end in zip(row, begins[rank], ends[rank]):
             start.setdefault(action, begin)
             finish.setdefault(action, end)
-    stopped = max((end for row in slots for _, _, end in row), default=0)
-    timeline = []
-    for row, waiting in zip(slots, pending):
-        length = stopped if waiting else (row[-1][1] + 1 if row else 0)
-        steps: list[Action | None] = [None] * length
-        for action, begin, _ in row:
             steps[begin] = action
         timeline.append(tuple(steps))
     return Execution(schedule=schedule, start=start, finish=finish, timeline=tuple(timeline),
@@ -166,21 +127,16 @@ def execute(schedule: Schedule, durations: Mapping[Op, int] = UNIT_DURATIONS) ->
 
 def memory_profile(schedule: Schedule, rank: int) -> tuple[Fraction, ...]:
     """Live activation units on ``rank`` while each of its actions runs (exact fractions)."""
-    row = schedule.actions[rank]
-    last_piece = {}  # (stage, microbatch) -> index of its last backward piece on this rank
-    for index, action in enumerate(row):
-        if action.op in (Op.W, Op.B):
-            last_piece[(action.stage, action.microbatch)] = index
-    live = Fraction(0)
-    levels = []
-    for index, action in enumerate(row):
-        weight = schedule.stage_weight(action.stage)
-        if action.op is Op.F:
-            live += weight
-        levels.append(live)
-        if last_piece.get((action.stage, action.microbatch)) == index:
-            live -= weight
-    return tuple(levels)
+    weights, unit = _weights(schedule, rank)
+    levels = live_levels(encode_row(schedule.actions[rank]), weights)
+    return tuple(Fraction(level, unit) for level in levels)
+
+
+def _weights(schedule: Schedule, rank: int) -> tuple[list[int], int]:
+    """Every stage's weight in units of 1/unit, unit the common denominator of ``rank``'s."""
+    weights = schedule.stage_weights
+    unit = math.lcm(*(weights[stage].denominator for stage in schedule.stages_of(rank)))
+    return [int(weight * unit) for weight in weights], unit
 
 
 def peak_memory(schedule: Schedule) -> tuple[float, ...]:
@@ -252,33 +208,17 @@ def validate(schedule: Schedule, memory_limit: float | None = None) -> None:
     rank comes earlier in its list), ``deadlock`` (in-order execution finishes), ``memory``
     (peak live activations per rank <= ``memory_limit`` units).
     """
-    seen: Counter[Action] = Counter()
-    for rank, row in enumerate(schedule.actions):
-        for action in row:
-            if not (0 <= action.stage < schedule.num_stages):
-                raise _fail(schedule, "range", f"{action}: stage {action.stage} does not exist "
-                            f"(num_stages={schedule.num_stages})", action)
-            if not (0 <= action.microbatch < schedule.num_microbatches):
-                raise _fail(schedule, "range", f"{action}: microbatch {action.microbatch} does "
-                            f"not exist (num_microbatches={schedule.num_microbatches})", action)
-            if action.stage not in schedule.route_stages(action.microbatch):
-                raise _fail(schedule, "route", f"{action}: microbatch {action.microbatch} takes "
-                            f"route {schedule.route_of(action.microbatch)}, stages "
-                            f"{_span(schedule.route_stages(action.microbatch))}", action)
-            owner = schedule.rank_of(action.stage)
-            if owner != rank:
-                raise _fail(schedule, "placement", f"{action} is on rank {rank} but stage "
-                            f"{action.stage} is placed on rank {owner}", action)
-            seen[action] += 1
-            if seen[action] > 1:
-                raise _fail(schedule, "duplicate", f"{action} is scheduled more than once", action)
+    rows = encode(schedule)
+    seen = _check_actions(schedule, rows)
     _check_complete(schedule, seen)
-    _check_rank_order(schedule)
-    execution = execute(schedule)
-    if not execution.completed:
-        raise deadlock_error(schedule, execution)
+    unit = Costs(((1, 1, 1, 1),) * schedule.num_stages, 0)
+    replayed = replay(rows, schedule.placement, schedule.num_microbatches, unit,
+                      schedule.stages_per_route)
+    if not replayed.completed:  # a dependency later on its own rank stalls it too: say which
+        _check_rank_order(schedule)
+        raise deadlock_error(schedule)
     if memory_limit is not None:
-        _check_memory(schedule, memory_limit, execution)
+        _check_memory(schedule, memory_limit, rows)
 
 
 def deadlock_error(schedule: Schedule, execution: Execution | None = None) -> ScheduleError:
@@ -305,12 +245,43 @@ def _span(stages: range) -> str:
     return f"{stages.start}..{stages.stop - 1}"
 
 
-def _check_complete(schedule: Schedule, seen: Counter[Action]) -> None:
-    for stage in range(schedule.num_stages):
-        for mb in range(schedule.num_microbatches):
-            if stage not in schedule.route_stages(mb):
+def _check_actions(schedule: Schedule, rows: list[Row]) -> bytearray:
+    """The rules of single actions (range, route, placement, duplicate); returns which actions
+    are there, by index ``(op * stages + stage) * microbatches + microbatch``."""
+    stages, mbs, placement = schedule.num_stages, schedule.num_microbatches, schedule.placement
+    route = [schedule.route_of(k) for k in range(mbs)]
+    seen = bytearray(4 * stages * mbs)
+    for rank, row in enumerate(rows):
+        for s, o, k in row:
+            if (0 <= s < stages and 0 <= k < mbs and s // schedule.stages_per_route == route[k]
+                    and placement[s] == rank and not seen[(o * stages + s) * mbs + k]):
+                seen[(o * stages + s) * mbs + k] = 1
+                continue
+            action = Action(s, CODE_OP[o], k)
+            if not 0 <= s < stages:
+                raise _fail(schedule, "range", f"{action}: stage {s} does not exist "
+                            f"(num_stages={stages})", action)
+            if not 0 <= k < mbs:
+                raise _fail(schedule, "range", f"{action}: microbatch {k} does not exist "
+                            f"(num_microbatches={mbs})", action)
+            if s // schedule.stages_per_route != route[k]:
+                raise _fail(schedule, "route", f"{action}: microbatch {k} takes route "
+                            f"{route[k]}, stages {_span(schedule.route_stages(k))}", action)
+            if placement[s] != rank:
+                raise _fail(schedule, "placement", f"{action} is on rank {rank} but stage {s} "
+                            f"is placed on rank {placement[s]}", action)
+            raise _fail(schedule, "duplicate", f"{action} is scheduled more than once", action)
+    return seen
+
+
+def _check_complete(schedule: Schedule, seen: bytearray) -> None:
+    stages, mbs = schedule.num_stages, schedule.num_microbatches
+    for stage in range(stages):
+        for mb in range(mbs):
+            if stage // schedule.stages_per_route != schedule.route_of(mb):
                 continue  # another route's copy of the stage
-            has = {op: Action(stage, op, mb) in seen for op in Op}
+            has = {op: seen[(code * stages + stage) * mbs + mb] == 1
+                   for code, op in enumerate(CODE_OP)}
             where = f"stage {stage} microbatch {mb}"
             if not has[Op.F]:
                 raise _fail(schedule, "missing", f"{where} has no forward {Action(stage, Op.F, mb)}")
@@ -335,14 +306,18 @@ def _check_rank_order(schedule: Schedule) -> None:
                                 f"{dep} on the same rank {rank}", action, dep)
 
 
-def _check_memory(schedule: Schedule, limit: float, execution: Execution) -> None:
-    for rank in range(schedule.pp_size):
-        for action, level in zip(schedule.actions[rank], memory_profile(schedule, rank)):
-            if level > limit:
+def _check_memory(schedule: Schedule, limit: float, rows: list[Row]) -> None:
+    for rank, row in enumerate(rows):
+        weights, unit = _weights(schedule, rank)
+        # the most a rank may hold, in 1/unit: levels are whole, so compare with the floor
+        cap = math.floor(Fraction(limit) * unit) if math.isfinite(limit) else None
+        for n, level in enumerate(live_levels(row, weights)):
+            if level > cap if cap is not None else Fraction(level, unit) > limit:
+                action = schedule.actions[rank][n]
                 raise ScheduleError(
                     "memory",
-                    f"rank {rank} holds {float(level):g} activation units at {action}, "
+                    f"rank {rank} holds {level / unit:g} activation units at {action}, "
                     f"over the limit of {limit:g}",
-                    format_grid(schedule, execution, mark=[action]),
+                    format_grid(schedule, execute(schedule), mark=[action]),
                     [action],
                 )

@@ -29,11 +29,13 @@ one route only: it admits and orders forwards by stage index, not by position on
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Sequence
 from fractions import Fraction
 
 from loom.schedule.ir import Action, Schedule
-from loom.schedule.search_eval import CODE_OP, EPS, F, I, W, Costs, Row
+from loom.schedule.replay import CODE_OP, EPS, F, I, W, Costs, Row
 from loom.schedule.search_loop import run
 
 
@@ -54,40 +56,47 @@ def greedy_schedule(
     num_stages, pp_size, depth = len(placement), shape.pp_size, shape.stages_per_route
     m = microbatches
     stages_of = [shape.stages_of(r) for r in range(pp_size)]
-    weight = [shape.stage_weight(s) for s in range(num_stages)]
+    first = [shape.is_first(s) for s in range(num_stages)]
+    last = [shape.is_last(s) for s in range(num_stages)]
     # visitors[s]: the microbatches that go through stage s, in order
     visitors = [[mb for mb in range(m) if s in shape.route_stages(mb)] for s in range(num_stages)]
-    entry = {(r, s // depth): min(t for t in stages_of[r] if t // depth == s // depth)
-             for r in range(pp_size) for s in stages_of[r]}  # (rank, route) -> first stage
+    # entry[s]: s is its route's first stage on its rank (a microbatch is admitted there)
+    entry = [s == min(t for t in stages_of[placement[s]] if t // depth == s // depth)
+             for s in range(num_stages)]
     fin_f = [-1.0] * (num_stages * m)  # finish times, index stage * m + microbatch
     fin_i = [-1.0] * (num_stages * m)
     next_f = [0] * num_stages  # index into visitors[stage]
     next_i = [0] * num_stages
     # waiting[r]: microbatches not yet admitted on rank r, oldest first
     waiting = [sorted({mb for s in stages_of[r] for mb in visitors[s]}) for r in range(pp_size)]
-    reserved = [Fraction(0)] * pp_size
-    deferred_w: list[list[tuple[int, int]]] = [[] for _ in range(pp_size)]
-    limit = Fraction(budget).limit_denominator(1000)
+    # Memory in whole units of 1/scale[r] (the stage weights' common denominator on rank r), so
+    # that the admission test compares ints; cap[r] is the budget's floor in those units.
+    weights = shape.stage_weights
+    scale = [math.lcm(*(weights[s].denominator for s in stages)) for stages in stages_of]
+    weight = [int(weights[s] * scale[placement[s]]) for s in range(num_stages)]
+    budget_units = Fraction(budget).limit_denominator(1000)
+    cap = [math.floor(budget_units * scale[r]) for r in range(pp_size)]
+    reserved = [0] * pp_size
+    deferred_w: list[deque[tuple[int, int]]] = [deque() for _ in range(pp_size)]
 
     def order(action: tuple[int, int, int]) -> tuple[int, int]:  # deepest on its route, oldest
         return -(action[0] % depth), action[2]
 
     def decide(r: int, t: float) -> tuple[tuple[int, int, int], float] | float:
-        def finished(fin: list[float], s: int, k: int) -> bool:
-            return 0 <= fin[s * m + k] <= t + EPS
-
+        now = t + EPS  # an input that arrives by then counts as there
         backward, forward = [], []
         for s in stages_of[r]:
             if next_i[s] < len(visitors[s]):
                 k = visitors[s][next_i[s]]
-                if finished(fin_f, s, k) and (shape.is_last(s) or finished(fin_i, s + 1, k)):
+                if 0 <= fin_f[s * m + k] <= now and (
+                        last[s] or 0 <= fin_i[(s + 1) * m + k] <= now):
                     backward.append((s, I, k))
             if next_f[s] < len(visitors[s]):
                 k = visitors[s][next_f[s]]
-                if s == entry[r, s // depth] and reserved[r] + (
-                        1 if k == waiting[r][0] else 2) > limit:
+                if entry[s] and reserved[r] + scale[r] * (
+                        1 if k == waiting[r][0] else 2) > cap[r]:
                     continue  # no room to admit k (a newer microbatch leaves one unit free)
-                if shape.is_first(s) or finished(fin_f, s - 1, k):
+                if first[s] or 0 <= fin_f[(s - 1) * m + k] <= now:
                     forward.append((s, F, k))
         for ready in (backward, forward):
             if ready:
@@ -102,15 +111,15 @@ def greedy_schedule(
         if o == F:
             fin_f[s * m + k] = end
             next_f[s] += 1
-            if s == entry[r, s // depth]:
+            if entry[s]:
                 waiting[r].remove(k)
-                reserved[r] += 1
+                reserved[r] += scale[r]
         elif o == I:
             fin_i[s * m + k] = end
             next_i[s] += 1
             deferred_w[r].append((s, k))
         else:
-            deferred_w[r].pop(0)
+            deferred_w[r].popleft()
             reserved[r] -= weight[s]
 
     rows: list[Row] = [[] for _ in range(pp_size)]

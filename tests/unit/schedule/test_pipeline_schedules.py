@@ -13,7 +13,7 @@ from loom.schedule import Op, StageCosts, execute, peak_memory, simulate, valida
 from loom.schedule.cost import full_stage_costs
 from loom.schedule.families import get, names
 from loom.schedule.families.controllable_memory import v_half_budget, v_min_budget
-from loom.schedule.search_eval import Costs, encode
+from loom.schedule.replay import Costs, encode
 from loom.schedule.search_greedy import Knobs, list_schedule
 
 PP_SIZES = (2, 4, 8, 16)

@@ -8,7 +8,7 @@ from loom.pipeline.cli import main
 from loom.schedule.families import get, names
 from loom.schedule.families.controllable_memory import v_min_budget
 from loom.schedule.search import SearchError, placement_costs, search
-from loom.schedule.search_eval import Costs, encode, peak_units, replay
+from loom.schedule.replay import Costs, encode, peak_units, score
 from loom.schedule.cost import StageCosts
 from loom.schedule.simulate import simulate
 
@@ -93,8 +93,8 @@ def test_fast_replay_agrees_with_the_simulator():
     for family in names():
         schedule = get(family)(4, 9)
         costs = placement_costs(UNEQUAL, schedule.placement)
-        fast = replay(encode(schedule), schedule.placement, 9, Costs.of(costs, schedule))
-        assert fast == pytest.approx(float(simulate(schedule, costs).makespan)), family
+        fast = score(encode(schedule), schedule.placement, 9, Costs.of(costs, schedule))
+        assert fast.makespan == pytest.approx(float(simulate(schedule, costs).makespan)), family
 
 
 def test_cli_search_writes_a_torch_csv_that_loads_and_validates(tmp_path, capsys):

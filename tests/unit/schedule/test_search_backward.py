@@ -6,7 +6,7 @@ import pytest
 from loom.schedule import Schedule, validate
 from loom.schedule.families import get, names
 from loom.schedule.search import placement_costs, placement_of, search
-from loom.schedule.search_eval import Costs, decode, encode, peak_units, score
+from loom.schedule.replay import Costs, decode, encode, peak_units, score
 from loom.schedule.search_priority import priority_schedule
 from loom.schedule.search_reverse import ReverseKnobs, reverse_schedule
 from loom.schedule.cost import StageCosts

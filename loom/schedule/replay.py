@@ -1,0 +1,280 @@
+"""The one replay engine: every rank runs its list in order; times, and memory by order.
+
+Actions are integer-coded ``(stage, op code, microbatch)`` triples (``encode`` / ``decode``), and
+durations a table by stage and op code (``Costs``), so that one fast loop serves the validator
+(``validate.execute``: unit steps), the simulator (``simulate``: exact costs, Fractions scaled to
+ints by ``Costs.exact``) and the search, which ranks (``score``) hundreds of candidate orders of
+up to 50,000 actions (p=32, m=256, two chunks per rank) with float costs.
+
+Rules (``loom.schedule.validate.dependencies`` states them on ``Action`` objects): F(s,k) needs
+F(s-1,k); I or B(s,k) needs F(s,k) and I(s+1,k) when that pair is split into I and W, else
+B(s+1,k); W(s,k) needs I(s,k); first and last stages are those of the microbatch's route. An
+action starts when its rank is free and its dependencies have finished, plus the send time from
+another rank. Nothing is shared between ranks, so start times follow from earlier finish times
+alone: a rank resumes when the action it waits for finishes, without a global clock.
+
+Memory by order (``live_levels``): a (stage, microbatch) is live on its rank from the start of
+its F to the end of its last backward piece (W, or B when not split).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from numbers import Rational
+
+from loom.schedule.cost import Number, StageCosts
+from loom.schedule.ir import Action, Op, Schedule
+
+# Integer op codes: the second item of an action triple, and the index into a stage's durations.
+F, I, W, B = 0, 1, 2, 3
+CODE_OP = (Op.F, Op.I, Op.W, Op.B)
+OP_CODE = {op: code for code, op in enumerate(CODE_OP)}
+EPS = 1e-9  # float slack for the search's memory limits and makespan comparisons
+
+Row = list[tuple[int, int, int]]  # one rank's actions as (stage, op code, microbatch)
+
+
+def encode(schedule: Schedule) -> list[Row]:
+    """The schedule's rows as integer triples."""
+    return [encode_row(row) for row in schedule.actions]
+
+
+def encode_row(row: Sequence[Action]) -> Row:
+    return [(a.stage, OP_CODE[a.op], a.microbatch) for a in row]
+
+
+def decode(rows: Sequence[Row], like: Schedule, name: str) -> Schedule:
+    """A ``Schedule`` with ``like``'s shape, placement and routes and the given integer rows."""
+    return Schedule(
+        num_stages=like.num_stages,
+        num_microbatches=like.num_microbatches,
+        placement=like.placement,
+        actions=tuple(tuple(Action(s, CODE_OP[o], k) for s, o, k in row) for row in rows),
+        name=name,
+        num_routes=like.num_routes,
+        routes=like.routes,
+    )
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What the replay needs: ``duration[stage][op code]`` and the send time between two ranks."""
+
+    duration: tuple[tuple[Number, ...], ...]  # [stage][op code]
+    send: Number
+
+    @classmethod
+    def of(cls, costs: StageCosts, schedule_like: Schedule) -> Costs:
+        """Float copy of ``costs`` for ``schedule_like``'s stages (the search's ranking)."""
+        send = float(costs.latency)
+        if costs.bandwidth is not None:
+            send += float(costs.message_bytes) / float(costs.bandwidth)
+        return cls(tuple(tuple(float(costs.op_costs(stage).of(op)) for op in CODE_OP)
+                         for stage in range(schedule_like.num_stages)), send)
+
+    @classmethod
+    def exact(cls, costs: StageCosts, num_stages: int) -> tuple[Costs, int | None]:
+        """``costs`` as ints and their scale when they are all exact (``to_ints``), else as they
+        are and None: a replay on them gives every time exactly, times the scale."""
+        flat, scale = to_ints([costs.message_time(), *(costs.op_costs(stage).of(op)
+                                                       for stage in range(num_stages)
+                                                       for op in CODE_OP)])
+        return cls(tuple(tuple(flat[1 + 4 * stage:5 + 4 * stage])
+                         for stage in range(num_stages)), flat[0]), scale
+
+
+def to_ints(values: list) -> tuple[list, int | None]:
+    """``values`` (None among them kept) times their common denominator, and that scale, when
+    all are ints or Fractions; as they are and None otherwise (a float among them), or when the
+    scale is 1 (whole Fractions stay Fractions, so that ratios of results stay exact)."""
+    exact = [value for value in values if value is not None]
+    if not all(isinstance(value, Rational) for value in exact):
+        return values, None
+    scale = math.lcm(*(Fraction(value).denominator for value in exact))
+    return ([None if value is None else int(value * scale) for value in values] if scale > 1
+            else values), scale
+
+
+def from_ints(rows: list[list[int]], scale: int | None) -> list[list[Number]]:
+    """The inverse of ``to_ints`` for rows of numbers computed from them: ``Fraction(x, scale)``
+    (exact; ratios of them stay exact), or as they are for scale 1 or None. Each distinct value is
+    converted once: most recur (a rank's start is often its last finish)."""
+    if scale is None or scale == 1:
+        return rows
+    exact = {value: Fraction(value, scale) for value in {value for row in rows for value in row}}
+    return [[exact[value] for value in row] for row in rows]
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """Per rank, the start of each action that ran (a prefix of its list, in order) and the end
+    of the last one; ``completed`` when every list ran to its end."""
+
+    rows: Sequence[Row]
+    costs: Costs
+    start: list[list[Number]]
+    end: list[Number]
+
+    @property
+    def completed(self) -> bool:
+        return all(len(starts) == len(row) for starts, row in zip(self.start, self.rows))
+
+    def finish(self, rank: int) -> list[Number]:
+        """The finish of each action of ``rank`` that ran: its start plus its duration."""
+        duration = self.costs.duration
+        return [t + duration[s][o] for (s, o, _), t in zip(self.rows[rank], self.start[rank])]
+
+
+def replay(rows: Sequence[Row], placement: Sequence[int], microbatches: int, costs: Costs,
+           stages_per_route: int = 0) -> Replayed:
+    """Every rank runs its list in order, each action as soon as its rank is free and its
+    dependencies have finished (the module docstring's rules). A rank whose next action waits for
+    one that never runs (a deadlock, or a dependency that is not scheduled) stops there.
+    ``stages_per_route``: of one route, when the schedule has several (0: all the stages). An
+    action scheduled twice runs twice; its dependents wait for the first one replayed."""
+    num_stages = len(placement)
+    route = stages_per_route or num_stages
+    stages, mbs, base = _index_space(rows, num_stages, microbatches)
+    size = stages * mbs
+    finish: list[Number | None] = [None] * (4 * size)  # index (op * stages + stage) * mbs + mb
+    split = bytearray(size)
+    for row in rows:
+        for s, o, k in row:
+            if o == I:
+                split[s * mbs + k + base] = 1
+    duration, send = costs.duration, costs.send
+    starts: list[list[Number]] = [[] for _ in rows]
+    free_at: list[Number] = [0] * len(rows)
+    waiting: dict[int, list[int]] = {}  # index of an unfinished action -> ranks blocked on it
+    runnable = deque(range(len(rows)))
+    while runnable:
+        rank = runnable.popleft()
+        row, started = rows[rank], starts[rank]
+        index, count, t_free = len(started), len(row), free_at[rank]
+        while index < count:
+            s, o, k = row[index]
+            start = t_free
+            if o == F:
+                if s % route:  # not the first stage of its route
+                    dep = (s - 1) * mbs + k + base
+                    t = finish[dep]
+                    if t is None:
+                        break
+                    if send and placement[s - 1] != placement[s]:
+                        t += send
+                    if t > start:
+                        start = t
+            elif o == W:
+                dep = size + s * mbs + k + base
+                t = finish[dep]
+                if t is None:
+                    break
+                if t > start:
+                    start = t
+            else:
+                dep = s * mbs + k + base
+                t = finish[dep]
+                if t is None:
+                    break
+                if t > start:
+                    start = t
+                if (s + 1) % route:  # not the last stage of its route
+                    dep = (s + 1) * mbs + k + base
+                    dep += size if split[dep] else 3 * size
+                    t = finish[dep]
+                    if t is None:
+                        break
+                    if send and placement[s + 1] != placement[s]:
+                        t += send
+                    if t > start:
+                        start = t
+            t_free = start + duration[s][o]
+            started.append(start)
+            index += 1
+            key = (o * stages + s) * mbs + k + base
+            if finish[key] is None:
+                finish[key] = t_free
+                if key in waiting:
+                    runnable.extend(waiting.pop(key))
+        else:
+            free_at[rank] = t_free
+            continue
+        waiting.setdefault(dep, []).append(rank)  # blocked on ``dep``: resumed when it finishes
+        free_at[rank] = t_free
+    return Replayed(rows, costs, starts, free_at)
+
+
+def _index_space(rows: Sequence[Row], num_stages: int, microbatches: int
+                 ) -> tuple[int, int, int]:
+    """``(stages, microbatches, base)`` of an index ``(op * stages + stage) * microbatches +
+    microbatch + base`` for every action of ``rows`` and its dependencies: the schedule's shape,
+    widened for actions outside it (a broken schedule, whose grid the validator shows)."""
+    out = [(s, k) for row in rows for s, _, k in row if not (0 <= s < num_stages
+                                                              and 0 <= k < microbatches)]
+    if not out:
+        return num_stages, microbatches, 0
+    low_s, low_k = min(0, *(s for s, _ in out)) - 1, min(0, *(k for _, k in out))  # F(s-1)
+    high_s = max(num_stages - 1, *(s for s, _ in out)) + 1  # and I(s+1) of the outermost
+    mbs = max(microbatches, *(k + 1 for _, k in out)) - low_k
+    return high_s - low_s + 1, mbs, -low_s * mbs - low_k
+
+
+@dataclass(frozen=True)
+class Score:
+    """What the search ranks by: makespan, then the idle time inside the longest rank span
+    (``SimResult.bubble_time_zb``: the Zero Bubble paper's bubble, before dividing by the span)."""
+
+    makespan: float
+    idle_zb: float
+
+    def key(self) -> tuple[float, float]:
+        """Sort key: makespan first, idle second, both rounded so float noise cannot reorder."""
+        return (round(self.makespan / EPS) * EPS, round(self.idle_zb / EPS) * EPS)
+
+    def better_than(self, other: Score) -> bool:
+        return (self.makespan < other.makespan - EPS
+                or (self.makespan < other.makespan + EPS and self.idle_zb < other.idle_zb - EPS))
+
+
+def score(rows: Sequence[Row], placement: Sequence[int], microbatches: int, costs: Costs
+          ) -> Score | None:
+    """Makespan and Zero-Bubble idle time of ``rows`` (as ``simulate`` computes them); None on a
+    deadlock. The idle time is the longest span's (lowest rank on a tie) minus that rank's work."""
+    replayed = replay(rows, placement, microbatches, costs)
+    if not replayed.completed:
+        return None
+    duration = costs.duration
+    best_rank, best_span = -1, -1.0
+    for rank, row in enumerate(rows):
+        span = replayed.end[rank] - replayed.start[rank][0] if row else 0.0
+        if span > best_span + EPS:
+            best_rank, best_span = rank, span
+    busy = sum(duration[s][o] for s, o, _ in rows[best_rank])
+    makespan = max((end for end, row in zip(replayed.end, rows) if row), default=0.0)
+    return Score(makespan, max(best_span - busy, 0.0))
+
+
+def live_levels(row: Row, weight: Sequence[int]) -> list[int]:
+    """Live activation memory on one rank while each action of ``row`` runs, in the integer units
+    of ``weight[stage]`` (what one microbatch of that stage holds)."""
+    last = {(s, k): n for n, (s, o, k) in enumerate(row) if o == W or o == B}
+    live, levels = 0, []
+    for n, (s, o, k) in enumerate(row):
+        if o == F:
+            live += weight[s]
+        levels.append(live)
+        if last.get((s, k)) == n:
+            live -= weight[s]
+    return levels
+
+
+def peak_units(rows: Sequence[Row], placement: Sequence[int]) -> list[float]:
+    """Peak live activation units per rank of a one-route placement: a stage on a rank with v
+    stages weighs 1/v (``loom.schedule.validate.memory_profile``'s units)."""
+    ones = [1] * len(placement)
+    return [max(live_levels(row, ones), default=0) / max(placement.count(rank), 1)
+            for rank, row in enumerate(rows)]
