@@ -21,8 +21,8 @@ on, because each later step must see the module the earlier ones produced:
 
 Pipeline parallelism is applied before all of these by splitting the model into stages
 (``loom.pipeline``); ``loom.pipeline.runtime.build_pipeline`` then calls ``parallelize`` on every
-stage module, and the runtime decides when each stage's gradients are reduced (after its last
-backward piece of the step). Under pp > 1, ZeRO-3 with ``reshard_after_forward = false`` keeps a
+stage module, and the runtime decides when each stage's gradients are reduced (during its last
+backward piece of the step when that is a full backward, else right after it). Under pp > 1, ZeRO-3 with ``reshard_after_forward = false`` keeps a
 stage's parameters gathered across the whole step (one all-gather per step, not per microbatch).
 Every step is the identity at degree 1.
 """

@@ -352,7 +352,9 @@ def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[Memor
                      " input in 'transient'",))
             # ZeRO-2's reduction: without a pipeline during the last backward (its hooks pack
             # the gradients as they come, the full-size ones already in ``g`` if accumulated);
-            # in one, the stage's flush after its last backward piece, all of them full-size
+            # in one, priced as the flush after a stage's last backward piece, all of them
+            # full-size (a W's case; a last B reduces in its hooks as without a pipeline, so
+            # this is an upper bound there)
             reducing = [st for st in line.stages if st.last == index]
             if stage == 2 and reducing and ended == (lay.pp > 1):
                 flushed = sum(st.psi for st in reducing)
