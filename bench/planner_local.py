@@ -39,7 +39,7 @@ from loom.plan.search import plan, simulate_step
 from loom.plan.space import Workload
 from loom.layout import Layout
 from loom.sim.cost_model import CostModel
-from loom.sim.cost_pipeline import search_costs
+from loom.sim.cost_model import search_costs
 
 NPROC = 4
 SEQ, BATCH = 256, 16

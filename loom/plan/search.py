@@ -40,7 +40,7 @@ from loom.schedule.simulate import replay_shared, simulate
 from loom.schedule.validate import peak_memory
 from loom.sim.cost_memory import memory_floor, search_units_left
 from loom.sim.cost_model import CostModel, StepCost
-from loom.sim.cost_pipeline import search_costs
+from loom.sim.cost_model import search_costs
 
 
 @dataclass
@@ -172,7 +172,7 @@ SECONDS_PER_ACTION = 5e-5
 # p = 4, m = 8 and 0.9 s at p = 8, m = 32, about 70 actions' worth per rank and microbatch)
 SEARCH_ACTIONS_PER_PASS = 72
 # Searched layouts simulated beside the finalists whatever their screening estimate: it is a
-# rough one (``loom.sim.cost_pipeline.search_estimate``), and only the search finds out
+# rough one (``loom.sim.cost_model.search_estimate``), and only the search finds out
 SEARCH_FINALISTS = 2
 SEARCH_MARGIN = 1.3  # ... unless even that estimate is this far behind the best simulated
 

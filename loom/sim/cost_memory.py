@@ -13,9 +13,28 @@ from dataclasses import replace
 from typing import Any
 
 from loom.layout import Layout
-from loom.sim.layout import PEAK_IN_FLIGHT
 from loom.formulas.memory import (block_activation_bytes, head_activation_bytes, largest_parameter,
                                   model_state_bytes, zero2_bucket_bytes, zero2_reduction_bytes)
+
+
+# Peak microbatches in flight on the worst rank, in units of one rank's microbatch (a chunk of v
+# weighs 1/v), for m >= p (dualpipev: m >= 2p); the validator's accounting. Checked against
+# ``loom.schedule.validate.peak_memory`` in tests/unit/plan/test_cost_model.py.
+PEAK_IN_FLIGHT = {
+    "gpipe": lambda p, m, v: m,
+    "looped_bfs": lambda p, m, v: m,
+    "1f1b": lambda p, m, v: p,
+    "zb_h1": lambda p, m, v: p,
+    "zbv": lambda p, m, v: p,
+    "hanayo": lambda p, m, v: p,
+    # m a multiple of p (Megatron's rule; the planner's space keeps to it): at m = p every
+    # microbatch is in flight at once
+    "interleaved_1f1b": lambda p, m, v: p if m == p else p + (p - 1) / v,
+    "zb_h2": lambda p, m, v: min(2 * p - 1, m),
+    "v_half": lambda p, m, v: p // 2 + 1,
+    "v_min": lambda p, m, v: (p - 1) // 3 + 2,
+    "dualpipev": lambda p, m, v: p + 0.5,
+}
 
 
 def layout_memory(model: Any, lay: Layout, in_flight: tuple[float, ...] | None = None, *,

@@ -3,9 +3,9 @@
 ``CostModel(model, seq_len, global_batch, cluster).evaluate(layout)`` prices one step of Loom's
 runtime on a cluster: per-stage F / I / W durations (``StageCosts``, what ``loom.schedule.simulate``
 replays, so the pipeline part of the step is the simulator's, not a formula's), the exposed
-communication around it, the optimizer step, and the bytes every rank holds. It lives beside
-``cost.py`` (the simulator's cost container) so that the planner and the simulator share one
-notion of cost.
+communication around it, the optimizer step, and the bytes every rank holds (``cost_memory``).
+Its stage costs are ``loom.schedule.cost``'s container, so that the planner and the simulator
+share one notion of cost. It communicates nothing.
 
 Compute (per layer, per microbatch, on one rank; T = b·s/cp tokens, h dim, a / k query / KV
 heads of width d, f FFN width, t = tp; a matmul of m x k by k x n is 2mkn FLOPs):
@@ -53,7 +53,13 @@ overlap of communication with compute on such shared cores (``overlaps``), and t
 framework work of each parallel wrapper (``Gpu.framework``, per layer pass and per step, charged
 for the wrappers a layout uses: ``wrappers``).
 
-Memory is ``loom.train.memory``'s formulas (the estimator ``loom estimate-memory`` uses, measured
+Screening (``pipeline_estimate``): hundreds of thousands of layouts are priced, only the
+finalists simulated; before that the pipelined part is the busiest rank's work per microbatch
+times m, plus the family's warm-up and cool-down as (p - 1) rank passes scaled by its published
+bubble (REFERENCE.md §1.1, §5.2), plus the stage-boundary hops; ``search_costs`` gives the
+relative per-rank costs a searched schedule is searched for.
+
+Memory is ``loom.formulas.memory``'s formulas (the estimator ``loom estimate-memory`` uses, measured
 to within 2% on this machine): ZeRO model state, per-block activations by tp / SP / cp /
 recomputation, the head's, and the schedule's peak microbatches in flight (``PEAK_IN_FLIGHT``,
 closed forms checked against ``loom.schedule.validate.peak_memory`` in the tests).
@@ -61,7 +67,8 @@ closed forms checked against ``loom.schedule.validate.peak_memory`` in the tests
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from loom.formulas.flops import model_flops_per_token
@@ -70,8 +77,6 @@ from loom.models.layers import TransformerArgs
 from loom.parallel.context import CPLayout  # Loom's own split of cp into u x r
 from loom.schedule.cost import OpCosts, StageCosts
 from loom.sim.cost_memory import layout_memory
-from loom.sim.cost_pipeline import pipeline_estimate
-from loom.sim.layout import all_to_all_time, allreduce_time, gather_time, p2p_time, wrappers
 
 ELEMENTWISE_PASSES = 20  # activation-sized reads + writes per layer forward (see docstring)
 
@@ -356,7 +361,7 @@ class CostModel:
 
     def evaluate(self, lay: Layout, memory: dict[str, float] | None = None) -> StepCost:
         """Price ``lay`` (``memory``: its ``self.memory(lay)`` when already computed). The
-        pipelined part is a fast analytical estimate here (``cost_pipeline``; ``simulate_step``
+        pipelined part is a fast analytical estimate here (``pipeline_estimate``; ``simulate_step``
         replaces it by the simulator's makespan)."""
         m, c = self.model, self.cluster
         counts, placement, owned = self._geometry(lay.pp, lay.chunks, lay.v_shaped)
@@ -488,3 +493,121 @@ class CostModel:
 
 
 __all__ = ["CostModel", "StepCost"]
+
+
+# -- the wrappers a layout runs through, and the collectives' alpha-beta times ------------------
+def wrappers(lay: Layout) -> tuple[str, ...]:
+    """The parallel wrappers a layout runs its layers through, by the names the calibration
+    measures their framework work under (``Gpu.framework``): "base" always (Loom's trainer with
+    data parallelism), then DTensor tensor parallelism, ZeRO-3's FSDP2 units, ZeRO-2's
+    gradient hooks and buckets or ZeRO-1's buckets after the backward, ring and/or Ulysses
+    attention, and the pipeline interpreter."""
+    names = ["base"]
+    if lay.tp > 1:
+        names.append("tp")
+    if lay.dp_shard > 1 and lay.zero_stage:
+        names.append(f"zero{lay.zero_stage}")
+    if lay.cp > 1:
+        if lay.cp_mode in ("ring", "hybrid"):
+            names.append("ring")
+        if lay.cp_mode in ("ulysses", "hybrid"):
+            names.append("ulysses")
+    if lay.pp > 1:
+        names.append("pp")
+    return tuple(names)
+
+
+def allreduce_time(nbytes: float, n: int, link) -> float:
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    beta = link.effective_bandwidth
+    ring = 2 * (n - 1) / n * nbytes / beta + 2 * (n - 1) * link.latency
+    tree = 2 * nbytes / beta + 2 * math.ceil(math.log2(n)) * link.latency
+    return min(ring, tree)
+
+
+def gather_time(nbytes: float, n: int, link) -> float:
+    """All-gather or reduce-scatter of ``nbytes`` (the full, gathered size)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) / n * nbytes / link.effective_bandwidth + (n - 1) * link.latency
+
+
+all_to_all_time = gather_time  # the same alpha-beta form: (n-1)/n of the bytes cross, n-1 steps
+
+
+def p2p_time(nbytes: float, link) -> float:
+    return link.latency + nbytes / link.effective_bandwidth
+
+
+# -- the pipeline's part of the step, in closed form (screening; finalists are simulated) -------
+Ops = list[tuple[float, float, float]]  # (F, I, W) seconds per global stage for one microbatch
+
+
+def pipeline_estimate(lay: Layout, ops: Ops, busiest: float, send: float,
+                      contention: float = 1.0) -> float:
+    """The pipelined part of ``lay``'s step: ``busiest`` is the busiest rank's F+I+W per
+    microbatch, ``send`` one stage-boundary hop, ``contention`` the slowdown of ranks sharing
+    cores (at most the full one; the simulation refines it)."""
+    if lay.schedule == "search":
+        return search_estimate(lay, ops, busiest, send, contention)
+    p, m, v = lay.pp, lay.microbatches, lay.chunks
+    mid = ops[len(ops) // 2]
+    f, i, w = mid[0] * v, mid[1] * v, mid[2] * v  # one rank's share of a microbatch
+    name = lay.schedule
+    if name in ("gpipe", "1f1b", "looped_bfs"):
+        bubble = (p - 1) * (f + i + w)
+    elif name == "interleaved_1f1b":
+        bubble = (p - 1) * (f + i + w) / v
+    elif name == "zb_h1":
+        bubble = (p - 1) * max(f + i - w, 0)
+    elif name in ("zb_h2", "zbv", "dualpipev"):
+        bubble = (p - 1) * max(f + i - 2 * w, 0)
+    elif name == "hanayo":  # 1F1B over the V, full backwards: the ramp's hops are half stages
+        # and the turn on rank p-1 costs no send; measured (p-1)(f+i+w)·2/3 at F:B = 1:2
+        bubble = (p - 1) * (f + i + w) * 2 / 3
+    elif name == "v_half":
+        bubble = (p - 1) * (f + i + w) / 2
+    else:  # v_min
+        bubble = (p - 1) * (f + i + w) * 2 / 3
+    hops = 2 * (p - 1) * (2 if lay.v_shaped else v)
+    return (busiest * m + bubble) * contention + hops * send
+
+
+def search_estimate(lay: Layout, ops: Ops, busiest: float, send: float,
+                    contention: float = 1.0) -> float:
+    """A searched schedule's estimate, from two limits on it. Its memory: a rank holding L
+    units starts a microbatch only as one returns, so at most L per round trip R (a microbatch's
+    F down every stage, its I back up, rank 0's W and the hops), m·R/L in all. Its placement:
+    no faster than the family that reaches the placement's zero-bubble level with unbounded
+    memory (ZB-H2 looped, ZB-V in a V). The two are blended as (a^8 + b^8)^(1/8). Against the
+    search's makespans (``python bench/search_levels.py``: uniform F, I, W = 1, 1.2, 0.8,
+    p = 4 and 8, m = 4p, L = 1..2p) it is within 19% except a single unit on the V (+45% at
+    p = 4); rough, so the planner simulates the best searched layouts whatever it says."""
+    p, m, v = lay.pp, lay.microbatches, lay.chunks
+    limit = lay.schedule_memory_limit or float(p)
+    mid = ops[len(ops) // 2]
+    f, i, w = mid[0] * v, mid[1] * v, mid[2] * v  # one rank's share of a microbatch
+    hops = 2 * (p - 1) * (2 if lay.v_shaped else 1)
+    round_trip = p * (f + i) + w
+    bound = m * round_trip / limit * contention + hops * send
+    best = "zbv" if lay.v_shaped else "zb_h2"
+    unbounded = pipeline_estimate(replace(lay, schedule=best), ops, busiest, send, contention)
+    return (bound ** 8 + unbounded ** 8) ** 0.125
+
+
+def search_costs(model: Any, lay: Layout) -> str:
+    """``parallel.schedule_costs`` for a searched schedule of ``lay`` under ``model`` (a
+    ``CostModel``): each rank's F, I, W for its whole share (the end ranks carry the embedding
+    and the head) and the send latency, relative to the busiest rank's F, to three digits. The
+    search splits a rank's share evenly among its chunks; the simulation replays every stage's
+    own costs."""
+    ops = model.evaluate_ops(lay)
+    _, _, owned = model._geometry(lay.pp, lay.chunks, lay.v_shaped)
+    ranks = [tuple(sum(ops[s][k] for s in own) for k in range(3)) for own in owned]
+    unit = max(f for f, _, _ in ranks)
+    text = ";".join(",".join(f"{x / unit:.3g}" for x in rank) for rank in ranks)
+    return f"{text},{model.send_time(lay) / unit:.3g}"
+
+
+__all__ = ["pipeline_estimate", "search_estimate", "search_costs"]

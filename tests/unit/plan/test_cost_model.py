@@ -17,7 +17,8 @@ from loom.plan.hardware import GB, Cluster, Gpu, Link, make_cluster
 from loom.plan.space import SCHEDULES
 from loom.layout import Layout
 from loom.sim.cost_model import CostModel
-from loom.sim.layout import PEAK_IN_FLIGHT, all_to_all_time, allreduce_time, gather_time, p2p_time
+from loom.sim.cost_memory import PEAK_IN_FLIGHT
+from loom.sim.cost_model import all_to_all_time, allreduce_time, gather_time, p2p_time
 from loom.formulas.flops import training_flops_per_token
 from loom.train.memory import estimate_memory
 
@@ -287,7 +288,7 @@ def test_framework_work_is_charged_per_wrapper():
     per-step work; a wrapper the layout does not use costs nothing."""
     from dataclasses import replace
 
-    from loom.sim.layout import wrappers
+    from loom.sim.cost_model import wrappers
 
     assert wrappers(Layout(dp_replicate=4)) == ("base",)
     assert wrappers(Layout(tp=2, dp_shard=2, zero_stage=3)) == ("base", "tp", "zero3")
