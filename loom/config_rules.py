@@ -160,8 +160,8 @@ def validate(config: Config, world_size: int) -> None:
 
 def _validate_packing(config: Config) -> None:
     """``data.packing``: a known mode; ``pack``'s document-masked attention is local (one
-    device per sequence, the plain attention core), its loss a sum over real tokens (not
-    vocab-parallel's mean), its padding kept out of nothing else (not MoE's routing)."""
+    device per sequence, the plain attention core), its padding kept out of the loss only (not
+    out of MoE's routing)."""
     packing, par, tr = config.data.packing, config.parallel, config.train
     if packing not in PACKINGS:
         raise ConfigError("data.packing", packing, f"must be one of {', '.join(PACKINGS)}"
@@ -177,10 +177,6 @@ def _validate_packing(config: Config) -> None:
     if par.tp > 1 and par.sequence_parallel:
         raise ConfigError("data.packing", packing, "pack keeps each row whole on a rank;"
                           " parallel.sequence_parallel splits it between stages: turn it off")
-    if par.tp > 1 and par.vocab_parallel:
-        raise ConfigError("data.packing", packing, "pack's loss skips padding, which the"
-                          " vocab-parallel cross entropy does not: parallel.vocab_parallel ="
-                          " false")
     if config.model.n_experts:
         raise ConfigError("data.packing", packing, "padding would take part in MoE routing and"
                           " its load-balancing loss: use concat with model.n_experts > 0")

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from loom.data.packing import IGNORE_INDEX
 from loom.parallel import comm
 from loom.parallel.comm import CommLedger
 
@@ -58,30 +59,33 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits_BSV: DTensor, targets_BS: torch.Tensor, *,
-                                 ledger: CommLedger | None = None) -> torch.Tensor:
-    """Mean token cross entropy of vocabulary-sharded logits (DTensor ``Shard(-1)`` on a 1-D
-    mesh); the result is a plain scalar, identical on every rank of the mesh."""
+                                 ledger: CommLedger | None = None,
+                                 reduction: str = "mean") -> torch.Tensor:
+    """Token cross entropy of vocabulary-sharded logits (DTensor ``Shard(-1)`` on a 1-D mesh):
+    the mean over every target, or (``reduction="sum"``, packed rows) the sum over the targets
+    that are not ``IGNORE_INDEX`` (padding: zero loss, zero gradient); a plain scalar, identical
+    on every rank of the mesh."""
     mesh = logits_BSV.device_mesh
     local = logits_BSV.to_local()  # autograd-aware; its gradient goes back as Shard(-1)
     vocab_start = mesh.get_local_rank() * local.shape[-1]  # even split: checked by tensor.py
     losses = _VocabParallelCrossEntropy.apply(local.flatten(0, 1).float(),
                                               targets_BS.flatten(0, 1), vocab_start,
                                               mesh.get_group(), ledger)
+    if reduction == "sum":
+        return losses.masked_fill(targets_BS.flatten(0, 1) == IGNORE_INDEX, 0.0).sum()
     return losses.mean()
 
 
 def cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, *,
                   ledger: CommLedger | None = None, reduction: str = "mean") -> torch.Tensor:
-    """Next-token cross entropy in fp32 (``reduction`` mean or sum; targets -100 are ignored):
-    fused vocab-parallel for vocab-sharded DTensor logits (mean over every target only),
-    ``F.cross_entropy`` otherwise (the same formula as ``loom.train.trainer``)."""
+    """Next-token cross entropy in fp32 (``reduction`` mean, or sum over the targets that are not
+    -100): fused vocab-parallel for vocab-sharded DTensor logits, ``F.cross_entropy`` otherwise
+    (the same formula as ``loom.train.trainer``)."""
     if isinstance(logits_BSV, DTensor):
         (placement,) = logits_BSV.placements  # a 1-D tp mesh
         if placement.is_shard() and placement.dim in (-1, logits_BSV.ndim - 1):
-            if reduction != "mean":
-                raise ValueError("vocab-parallel cross entropy is a mean over every target;"
-                                 " packed rows (ignored targets, a sum) need vocab_parallel off")
-            return vocab_parallel_cross_entropy(logits_BSV, targets_BS, ledger=ledger)
+            return vocab_parallel_cross_entropy(logits_BSV, targets_BS, ledger=ledger,
+                                                reduction=reduction)
         logits_BSV = logits_BSV.full_tensor()
     return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten(0, 1),
                            reduction=reduction)

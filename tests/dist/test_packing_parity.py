@@ -10,8 +10,9 @@ every number.
 * One process: the trainer's first loss equals the cross entropy over the batch's real tokens of
   the same seeded model run document by document (each document alone, from position 0).
 * Microbatching does not change the step: micro_batch_size 1 equals 2 (loss, norm, gradients).
-* Layouts: dp2, tp2, pp2 with 1F1B and with ZB-V (I/W split), ZeRO-3 on dp_shard 2, and
-  pp2 x dp2 each equal one process (loss, gradient norm and every gradient, 2 AdamW steps).
+* Layouts: dp2, tp2 (without and with the vocab-parallel head and loss, which sums over real
+  targets only), pp2 with 1F1B and with ZB-V (I/W split), ZeRO-3 on dp_shard 2, and pp2 x dp2
+  each equal one process (loss, gradient norm and every gradient, 2 AdamW steps).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ RTOL, ATOL = 1e-4, 1e-5
 LAYOUTS = {  # name: (world, degrees, extra overrides)
     "dp2": (2, {"dp_replicate": 2}, {}),
     "tp2": (2, {"tp": 2, "dp_replicate": 1}, {"parallel.vocab_parallel": False}),
+    "tp2-vocab": (2, {"tp": 2, "dp_replicate": 1}, {"parallel.vocab_parallel": True}),
     "pp2-1f1b": (2, {"pp": 2, "dp_replicate": 1}, {"parallel.schedule": "1f1b"}),
     "pp2-zbv": (2, {"pp": 2, "dp_replicate": 1}, {"parallel.schedule": "zbv"}),
     "zero3-dp2": (2, {"dp_shard": 2, "dp_replicate": 1}, {}),

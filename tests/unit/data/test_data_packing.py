@@ -247,7 +247,6 @@ def test_an_unknown_packing_is_refused_by_name():
     ({"train.recompute": "selective"}, 1, "recompute = selective"),
     ({"parallel.tp": "2", "parallel.sequence_parallel": "true",
       "parallel.vocab_parallel": "false"}, 2, "sequence_parallel"),
-    ({"parallel.tp": "2", "parallel.vocab_parallel": "true"}, 2, "vocab_parallel"),
     ({"model.preset": "tiny-moe"}, 1, "MoE routing"),
 ])
 def test_pack_refuses_what_does_not_carry_it_yet(overrides, world, words):
