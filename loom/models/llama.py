@@ -127,7 +127,7 @@ class Transformer(nn.Module):
         """
         losses = [layer.feed_forward.aux_loss for layer in self.layers.values()
                   if getattr(layer.feed_forward, "aux_loss", None) is not None]
-        return torch.stack(losses).sum() if losses else torch.zeros(())
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.rope_cos.device)
 
 
 def _param_seed(seed: int, name: str) -> int:

@@ -4,9 +4,14 @@ Same model (debug preset), seed and data; 5 optimizer steps, fp32. Microbatch si
 layouts on purpose, so gradient accumulation is exercised against the all-reduce as well.
 """
 
+from pathlib import Path
+
 import pytest
 
+from loom.config import from_dict
+from loom.schedule.ir import Op
 from loom.testing.parity import assert_parity, layout_config, record_training
+from loom.train.trainer import Trainer
 from tests.conftest import SMALL_DATA_OVERRIDES
 
 STEPS = 5
@@ -54,12 +59,6 @@ def buckets_launched_before_the_flush(ctx, config_table: dict, data_dir: str) ->
     """Per stage of this rank: the op of its last backward piece in the schedule, and how many
     of its reducer's buckets were already on the wire when the runtime flushed it after that
     piece."""
-    from pathlib import Path
-
-    from loom.config import from_dict
-    from loom.schedule.ir import Op
-    from loom.train.trainer import Trainer
-
     trainer = Trainer(from_dict(config_table), Path(data_dir), None, ctx)
     runtime = trainer.pipeline
     row = runtime.schedule.actions[runtime.pp_rank]

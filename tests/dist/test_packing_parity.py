@@ -17,14 +17,18 @@ every number.
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from loom.config import from_dict
 from loom.data.loader import prepare_data
+from loom.data.packing import IGNORE_INDEX
 from loom.testing.parity import assert_parity, layout_config, record_training
+from loom.train.trainer import Trainer
 from tests.data_fixtures import DataCfg
 
 STEPS = 2
@@ -66,12 +70,6 @@ def short_documents(tmp_path_factory) -> tuple[str, dict]:
 def first_loss_against_documents_alone(ctx, config_table: dict, data_dir: str) -> dict:
     """The trainer's first loss and the token-weighted loss of its batch computed document by
     document with a copy of its initial model."""
-    import copy
-
-    from loom.config import from_dict
-    from loom.data.packing import IGNORE_INDEX
-    from loom.train.trainer import Trainer
-
     trainer = Trainer(from_dict(config_table), data_dir, None, ctx)
     (stage,) = trainer.pipeline.stages.values()
     model = copy.deepcopy(stage.module)
