@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from loom.calibration.measure import calibrate
 from loom.config import Config, ConfigError, load_config, parse_overrides, resolve, to_toml
 from loom.config_help import help_text
@@ -146,8 +148,17 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"loom generate: unexpected arguments {extra}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        device = None
+    if device is None or (device.type == "cuda" and not torch.cuda.is_available()):
+        print(f"loom generate: --device {args.device!r} must name a device this machine has"
+              " (cpu, cuda, cuda:N)", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    try:
         text = generate(Path(args.run), args.prompt, max_new_tokens=args.max_new_tokens,
-                        temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+                        temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                        device=str(device))
     except FileNotFoundError as err:
         print(f"loom generate: {err}", file=sys.stderr)
         return 1
@@ -204,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.8)
     gen.add_argument("--top-k", type=int, default=50)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--device", default="cpu", help="where to sample: cpu, cuda, cuda:N")
     gen.set_defaults(handler=_generate)
 
     add_schedule_commands(sub)

@@ -23,6 +23,7 @@ directory by ``check_run_dir``, which writes nothing); the token files and then 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -155,13 +156,15 @@ def launch_local(config: Config, run_dir: Path, nproc: int,
     for key, value in THREAD_ENV.items():
         os.environ.setdefault(key, value)
     run_id = f"loom-{uuid.uuid4().hex[:8]}"
+    # SIGTERM and SIGINT are the Supervisor's (graceful preemption, quiet Ctrl-C); the agent
+    # keeps the rest. Its shutdown wait is then only the one after a Ctrl-C (torch < 2.13 has no
+    # shutdown_timeout: its agent's own default wait applies).
+    optional = {"signals_to_handle": "SIGHUP,SIGQUIT", "shutdown_timeout": INTERRUPT_WAIT_S}
+    known = {field.name for field in dataclasses.fields(LaunchConfig)}
     launch_config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts, monitor_interval=0.2,
-        start_method="spawn",
-        # SIGTERM and SIGINT are the Supervisor's (graceful preemption, quiet Ctrl-C); the agent
-        # keeps the rest. Its shutdown wait is then only the one after a Ctrl-C.
-        signals_to_handle="SIGHUP,SIGQUIT", shutdown_timeout=INTERRUPT_WAIT_S,
+        start_method="spawn", **{key: value for key, value in optional.items() if key in known},
     )
     watchdog.clear(run_dir)
     grace = config.train.preempt_grace_s

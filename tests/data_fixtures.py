@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import json
+import random
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -92,3 +93,14 @@ class DataCfg:  # the attributes of loom.config.DataConfig (duck-typed on purpos
     max_bytes: int = 0
     text_field: str = "text"
     mix: str = ""
+
+
+def write_short_documents(directory: Path, count: int, seed: int) -> None:
+    """``count`` text files of very different lengths in ``directory``: mostly 3 to 30 bytes
+    (log-uniform), one in ten 40 to 120 (split over rows at short sequence lengths), so packed
+    rows hold several documents and end in padding."""
+    rng = random.Random(seed)
+    for i in range(count):
+        length = int(3 * 10 ** rng.random()) if rng.random() < 0.9 else rng.randint(40, 120)
+        text = "".join(rng.choice("abcdefghij klmnop\n") for _ in range(length))
+        (directory / f"doc{i:04d}.txt").write_text(text)

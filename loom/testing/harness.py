@@ -1,4 +1,5 @@
-"""Run a test body on W local ranks (gloo, CPU), reusing the worker processes across tests.
+"""Run a test body on W local ranks (gloo on the CPU, or NCCL on GPUs), reusing the worker
+processes across tests.
 
 Starting ranks is the slow part of a distributed test on a small machine (``import torch`` costs
 2-3 s per process, a 4-rank ``torchrun`` about 9 s), so a ``WorkerPool`` starts W processes once,
@@ -12,6 +13,10 @@ rank order.
 importable module (a test file is fine). A task that raises on any rank, or does not finish within
 ``task_timeout_s``, fails the call with every rank's traceback, and the pool shuts itself down —
 its process group may be wedged — so the next call gets fresh workers (``PoolRegistry`` does this).
+
+``device="cuda"`` gives each rank its own GPU (rank r uses ``cuda:r``) and an NCCL group; NCCL
+refuses two ranks on one GPU, so a GPU pool is never wider than the machine's GPU count
+(tests/gpu skip what does not fit).
 
 Usage (see ``tests/conftest.py`` for the shared fixture)::
 
@@ -47,16 +52,22 @@ class HarnessError(RuntimeError):
 
 
 def _worker_loop(rank: int, world_size: int, init_file: str, tasks: Any, results: Any,
-                 pg_timeout_s: float) -> None:
+                 pg_timeout_s: float, device_type: str) -> None:
     os.environ.update(WORKER_ENV)
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+    if device_type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=pg_timeout_s))
-    ctx = DistContext(rank, world_size, rank, world_size, torch.device("cpu"), "gloo")
+    ctx = DistContext(rank, world_size, rank, world_size, device, backend)
     results.put((rank, "ready", None, _thread_count()))
     while True:
         task = tasks.get()
@@ -79,10 +90,12 @@ def _thread_count() -> int:
 
 
 class WorkerPool:
-    """W long-lived ranks in one gloo process group."""
+    """W long-lived ranks in one process group: gloo on the CPU, NCCL with ``device="cuda"``."""
 
     def __init__(self, world_size: int, *, pg_timeout_s: float = 60.0,
-                 start_timeout_s: float = 120.0) -> None:
+                 start_timeout_s: float = 120.0, device: str = "cpu") -> None:
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"WorkerPool device must be cpu or cuda, not {device!r}")
         self.world_size = world_size
         self.pg_timeout_s = pg_timeout_s
         # Not "fork": forking this (test) process after it used OpenMP can hang the child. The
@@ -100,7 +113,7 @@ class WorkerPool:
             self._procs = [
                 context.Process(target=_worker_loop, daemon=True, name=f"loom-rank{rank}",
                                 args=(rank, world_size, init_file, self._tasks[rank],
-                                      self._results, pg_timeout_s))
+                                      self._results, pg_timeout_s, device))
                 for rank in range(world_size)
             ]
             for proc in self._procs:

@@ -18,7 +18,6 @@ every number.
 from __future__ import annotations
 
 import copy
-import random
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ from loom.data.loader import prepare_data
 from loom.data.packing import IGNORE_INDEX
 from loom.testing.parity import assert_parity, layout_config, record_training
 from loom.train.trainer import Trainer
-from tests.data_fixtures import DataCfg
+from tests.data_fixtures import DataCfg, write_short_documents
 
 STEPS = 2
 SEQ_LEN = 32
@@ -50,12 +49,7 @@ LAYOUTS = {  # name: (world, degrees, extra overrides)
 def short_documents(tmp_path_factory) -> tuple[str, dict]:
     """A prepared data directory of short documents and the overrides that match it."""
     source = tmp_path_factory.mktemp("short_docs")
-    rng = random.Random(17)
-    for i in range(600):
-        # mostly 3 to 30 bytes (log-uniform), one in ten 40 to 120 (split over rows)
-        length = int(3 * 10 ** rng.random()) if rng.random() < 0.9 else rng.randint(40, 120)
-        text = "".join(rng.choice("abcdefghij klmnop\n") for _ in range(length))
-        (source / f"doc{i:04d}.txt").write_text(text)
+    write_short_documents(source, count=600, seed=17)
     out = tmp_path_factory.mktemp("short_docs_data")
     prepare_data(DataCfg(source=str(source), extensions=(".txt",), seq_len=SEQ_LEN,
                          val_fraction=0.1), out)
