@@ -104,6 +104,25 @@ class ParallelConfig:
     # Stage 3: free the gathered parameters after forward (and gather again in backward), as in
     # ZeRO-3; false keeps them gathered until backward (stage-2 traffic, more memory).
     reshard_after_forward: bool = True
+    # Data parallelism across the dp_replicate replicas (loom/parallel/outer.py): "sync" averages
+    # every gradient over every data axis each step; "diloco", "noloco" and "co2" let each
+    # replica train on its own part of the batch (gradients averaged only inside it, over
+    # dp_shard and cp) and merge the replicas' weights every outer_steps inner steps with an outer
+    # SGD step with Nesterov momentum on the pseudo-gradient: DiLoCo (all-reduce), NoLoCo (one
+    # seeded peer, no collective), CO2 (the all-reduce overlapped, applied one outer step late).
+    # The final model.safetensors is replica 0's weights.
+    dp_mode: Literal["sync", "diloco", "noloco", "co2"] = "sync"
+    outer_steps: int = 8  # H: inner optimizer steps per outer step (outer modes)
+    outer_lr: float = 0.7  # the outer SGD's learning rate (DiLoCo's; 1 with momentum 0 averages)
+    outer_momentum: float = 0.9  # Nesterov momentum of the outer SGD, in [0, 1)
+    # Streaming DiLoCo (dp_mode = diloco): the parameters split into this many contiguous
+    # fragments, each merged every outer_steps steps, their merges spread evenly over the window
+    # (peak bandwidth / fragments); 1: the whole model at once. At most outer_steps.
+    outer_fragments: int = 1
+    # dp_mode = co2: weight of the staleness-gap penalty on the one-step-stale update (0: off),
+    # and the elementwise bound of the outer momentum (outer momentum clipping; 0: off)
+    co2_gap_penalty: float = 1.0
+    co2_clip: float = 0.0
 
     def degrees(self) -> dict[str, int]:
         return {axis: getattr(self, axis) for axis in AXES}
@@ -508,7 +527,8 @@ def job_of(config: Config, offload_optimizer: bool = False) -> Job:
     return Job(args=model_args(config), layout=layout_of(config), seq_len=config.data.seq_len,
                seed=tr.seed, dtype=tr.dtype, grad_reduce_dtype=tr.grad_reduce_dtype,
                grad_bucket_mb=tr.grad_bucket_mb, offload_optimizer=offload_optimizer,
-               grad_reduce_every_microbatch=tr.grad_reduce_every_microbatch)
+               grad_reduce_every_microbatch=tr.grad_reduce_every_microbatch,
+               dp_mode=config.parallel.dp_mode)
 
 
 def with_layout(config: Config, layout: Layout) -> Config:

@@ -144,6 +144,7 @@ def validate(config: Config, world_size: int) -> None:
     # What this version of Loom runs: each later parallelism lifts its own rule when it lands.
     _validate_zero(config)
     _validate_post_validation(config)
+    _validate_outer(config)
     if tr.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError("train.backend", tr.backend, "must be one of auto, gloo, nccl")
     if not (tr.device in ("auto", "cpu") or tr.device.startswith(("cuda", "xpu", "mps"))):
@@ -323,6 +324,58 @@ def _validate_post_validation(config: Config) -> None:
             raise ConfigError("train.post_validation", True,
                               f"not implemented with {axis} > 1 ({why}); use"
                               " train.post_validation = false")
+
+
+def _validate_outer(config: Config) -> None:
+    """Outer-loop data parallelism (``parallel.dp_mode``, ``loom.parallel.outer``): the outer
+    optimizer's knobs are checked whatever the mode (a bad value is refused before it matters),
+    and an outer mode needs replicas and a layout whose gradient reduction this version keeps
+    inside a replica (dp_shard and cp; never dp_replicate)."""
+    par = config.parallel
+    if par.outer_steps < 1:
+        raise ConfigError("parallel.outer_steps", par.outer_steps,
+                          "must be >= 1 (H: inner optimizer steps per outer step)")
+    if not par.outer_lr > 0:
+        raise ConfigError("parallel.outer_lr", par.outer_lr, "must be > 0")
+    if not 0 <= par.outer_momentum < 1:
+        raise ConfigError("parallel.outer_momentum", par.outer_momentum, "must be in [0, 1)")
+    if par.outer_fragments < 1:
+        raise ConfigError("parallel.outer_fragments", par.outer_fragments,
+                          "must be >= 1 (1: the whole model at once)")
+    for key in ("co2_gap_penalty", "co2_clip"):
+        if getattr(par, key) < 0:
+            raise ConfigError(f"parallel.{key}", getattr(par, key), "must be >= 0 (0: off)")
+    if par.dp_mode == "sync":
+        return
+    if par.dp_replicate < 2:
+        raise ConfigError("parallel.dp_mode", par.dp_mode,
+                          f"needs parallel.dp_replicate >= 2: the outer loop merges replicas,"
+                          f" and dp_replicate = {par.dp_replicate} is one; set dp_replicate or"
+                          " use dp_mode = sync")
+    if par.outer_fragments > 1 and par.dp_mode != "diloco":
+        raise ConfigError("parallel.outer_fragments", par.outer_fragments,
+                          f"streaming (fragments > 1) applies to dp_mode = diloco only, not"
+                          f" {par.dp_mode}; use 1")
+    if par.outer_fragments > par.outer_steps:
+        raise ConfigError("parallel.outer_fragments", par.outer_fragments,
+                          f"must be <= parallel.outer_steps = {par.outer_steps}: each fragment"
+                          f" merges at its own inner step of the window")
+    # Not built yet, and why: expert gradients are reduced over groups spanning dp_replicate
+    # (dp_no_ep, dp_shard x ep) that have no replica-local version in the mesh yet.
+    if par.ep > 1:
+        raise ConfigError("parallel.ep", par.ep,
+                          f"expert parallelism with dp_mode = {par.dp_mode} is not built yet"
+                          " (the expert gradient groups span dp_replicate); use ep = 1 or"
+                          " dp_mode = sync")
+    # ZeRO-1/2 keep the whole model on every dp_shard rank and average their gradient slices
+    # over dp_replicate themselves: the outer loop would need each rank's owned slices only
+    # (else it sends dp_shard times the bytes), which is not built.
+    if par.dp_shard > 1 and par.zero_stage in (1, 2):
+        raise ConfigError("parallel.zero_stage", par.zero_stage,
+                          f"ZeRO-{par.zero_stage} with dp_mode = {par.dp_mode} is not built yet"
+                          " (its sharded optimizer averages over dp_replicate, and every"
+                          " dp_shard rank would send its replica's whole model); use"
+                          " zero_stage = 3 or dp_shard = 1")
 
 
 def _validate_zero_pipeline(config: Config) -> None:

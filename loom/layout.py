@@ -142,6 +142,11 @@ class Job:
     grad_bucket_mb: float = 25.0  # gradient buckets of data parallelism and ZeRO-1/2
     grad_reduce_every_microbatch: bool = False  # ZeRO-2/3: reduce each backward's gradients
     offload_optimizer: bool = False  # resolved for the device (``train.offload``)
+    # Data parallelism across dp_replicate: "sync" (gradients averaged over every data axis) or an
+    # outer loop ("diloco", "noloco", "co2": gradients averaged inside a replica only, the
+    # replicas' weights merged by ``loom.parallel.outer``). A Job field, not a Layout one, while
+    # the simulator and the planner price sync only (issue 19 item 4 moves it).
+    dp_mode: str = "sync"
 
 
 __all__ = ["Layout", "Job", "V_SHAPED"]

@@ -18,6 +18,8 @@ on, because each later step must see the module the earlier ones produced:
    ZeRO instead: stage 3 through FSDP2 (``data.apply_fully_shard``), 1 and 2 ``zero.py``'s.
    With ep > 1 ZeRO shards the dense weights over ``dp_shard x ep`` and each ep rank's experts
    over ``dp_shard`` (``expert_zero_mesh``; both x cp under cp), dividing both by dp x ep (x cp).
+   Under an outer-loop ``dp_mode`` (DiLoCo, NoLoCo, CO2) the groups leave ``dp_replicate`` out:
+   each replica reduces inside itself, and ``loom.parallel.outer`` merges the replicas' weights.
 
 Pipeline parallelism is applied before all of these by splitting the model into stages
 (``loom.pipeline``); ``loom.pipeline.runtime.build_pipeline`` then calls ``parallelize`` on every
@@ -48,17 +50,20 @@ from loom.topology import Meshes
 __all__ = ["parallelize", "Parallelized"]
 
 
-def zero_mesh(meshes: Meshes, parallel: Layout) -> tuple[Any, str]:
+def zero_mesh(meshes: Meshes, parallel: Layout, across_replicas: bool = True
+              ) -> tuple[Any, str]:
     """ZeRO's mesh and its ledger axis name: ``dp_shard``, or ``dp_shard x cp`` flattened when
     cp > 1 (cp ranks hold the same weights, so they shard them too, and their gradients are
-    averaged with the data-parallel ones); 2-D with ``dp_replicate`` first for HSDP."""
+    averaged with the data-parallel ones); 2-D with ``dp_replicate`` first for HSDP, unless
+    ``across_replicas`` is False (an outer loop merges the replicas: the 1-D shard mesh)."""
+    hsdp = parallel.dp_replicate > 1 and across_replicas
     if parallel.ep > 1:  # dense weights are replicated over ep too: they shard over it (and cp)
-        return (meshes.dense_2d if parallel.dp_replicate > 1 else meshes.dp_shard_ep), \
+        return (meshes.dense_2d if hsdp else meshes.dp_shard_ep), \
             "dp_shard_ep_cp" if parallel.cp > 1 else "dp_shard_ep"
     if parallel.cp > 1:
-        mesh = meshes.shard_2d if parallel.dp_replicate > 1 else meshes.dp_shard_cp
+        mesh = meshes.shard_2d if hsdp else meshes.dp_shard_cp
         return mesh, "dp_shard_cp"
-    if parallel.dp_replicate > 1:
+    if hsdp:
         return meshes.root[("dp_replicate", "dp_shard")], "dp_shard"
     return meshes.root["dp_shard"], "dp_shard"
 
@@ -125,8 +130,14 @@ def _data_parallel(model: nn.Module, meshes: Meshes, job: Job, ledger: CommLedge
     parallel = job.layout
     reduce_dtype = torch.bfloat16 if job.grad_reduce_dtype == "bf16" else torch.float32
     bucket_bytes = int(job.grad_bucket_mb * 2**20)
+    # An outer loop (job.dp_mode != sync, loom.parallel.outer) merges the dp_replicate replicas'
+    # weights itself: gradients are averaged inside a replica only (dp_shard, cp). The config
+    # refuses the layouts whose reduction groups have no replica-local form yet (ep, ZeRO-1/2).
+    across_replicas = job.dp_mode == "sync"
+    if not across_replicas and (parallel.ep > 1 or parallel.zero_stage in (1, 2)):
+        raise ValueError(f"dp_mode={job.dp_mode!r} with ep > 1 or ZeRO-1/2 is not built")
     if parallel.zero_stage == 3:
-        mesh, axis = zero_mesh(meshes, parallel)
+        mesh, axis = zero_mesh(meshes, parallel, across_replicas)
         compute = torch.bfloat16 if job.dtype == "bf16" else None
         # Under a pipeline, reshard_after_forward = false means "gathered across the step":
         # the runtime reshards after the stage's last backward piece, FSDP2 never by itself.
@@ -146,6 +157,8 @@ def _data_parallel(model: nn.Module, meshes: Meshes, job: Job, ledger: CommLedge
                           experts=expert_zero_mesh(meshes, parallel, 1),
                           ep_size=experts.size if experts is not None else 1)
     dp_mesh, axis = (meshes.dp_cp, "dp_cp") if parallel.cp > 1 else (meshes.dp, "dp")
+    if not across_replicas:  # dp_shard = 1 here (else ZeRO): only cp ranks share a replica's data
+        dp_mesh, axis = meshes.root["cp"], "cp"
     params = list(model.parameters())
     if experts is not None:  # the dense ones: expert gradients follow reduce_gradients' rule
         names = expert_parameter_names(model)

@@ -16,6 +16,15 @@ all-reduce of the loss for logging (and one of the load-balancing loss with MoE)
 ``pp > 1`` the runtime's docstring lists the point-to-point traffic; the step adds a 1-element
 all-reduce over ``pp`` for the clipping norm and one for the loss (two elements with MoE).
 
+Outer-loop data parallelism (``parallel.dp_mode`` = diloco, noloco or co2): each ``dp_replicate``
+replica trains on its own part of every global batch; the gradient reduction covers only the
+replica's own data ranks (dp_shard, cp), the clipping norm is the replica's, and every
+``parallel.outer_steps`` inner steps ``loom.parallel.outer.OuterLoop`` merges the replicas'
+weights over the rank's dp_replicate group (its table lists the bytes). Only the 1-element loss
+mean still spans the replicas each step, so the logged loss is the same number as under sync.
+Checkpoints keep one state per replica (``_checkpoint_tensors``). A non-finite loss stops or
+skips every replica alike; a non-finite gradient norm (finite loss) is judged per replica.
+
 The loss is the mean token cross entropy over the *global* batch: each microbatch's mean is
 divided by the number of microbatches and the reducer averages over equally sized rank batches, so every
 layout computes the same number as one process (the parity tests check exactly that).
@@ -24,6 +33,7 @@ layout computes the same number as one process (the parity tests check exactly t
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -45,6 +55,7 @@ from loom.parallel.context import CPLayout, new_cp_groups, shard_sequence
 from loom.parallel.expert import reduce_gradients
 from loom.parallel.load import load_local_shards
 from loom.parallel.offload import activation_offload, plan_offload
+from loom.parallel.outer import OuterLoop
 from loom.parallel.zero import of_stages
 from loom.pipeline.runtime import build_pipeline, forward_only
 from loom.pipeline.stage import LocalStages
@@ -95,6 +106,15 @@ class Trainer:
         # axes, and cp (each cp rank holds a different part of every sequence).
         self.loss_group = self.meshes.dp_cp.get_group()
         self.loss_group_size = self.meshes.dp_cp.size()
+        # Outer-loop data parallelism (parallel.dp_mode != sync, loom.parallel.outer): each
+        # dp_replicate replica trains on its own part of the batch, its gradients (and packed
+        # rows' token counts) averaged inside it only; the logged loss stays the mean over every
+        # replica (one scalar all-reduce per step, as in sync: the same number for both).
+        self.replica = self.grid.coords(self.ctx.rank)["dp_replicate"]
+        self.token_group, self.token_group_size = self.loss_group, self.loss_group_size
+        if config.parallel.dp_mode != "sync":  # ep = 1, and packing has cp = 1 (config rules)
+            inner = self.meshes.root["dp_shard"]
+            self.token_group, self.token_group_size = inner.get_group(), inner.size()
         self.ledger = CommLedger() if config.metrics.comm else None
         self.cp_groups = None
         lay = self.layout
@@ -150,6 +170,8 @@ class Trainer:
         self.optimizer_step = optimizer_step_for(
             tr, self.optimizer, self.model, self._pending_mean, tp=self.tp, ep=self.ep,
             zero=self.zero, pp_group=self.pipeline.pp_group)
+        # After any pretrained load: the outer loop's snapshot is the weights it starts from.
+        self.outer = self._outer_loop()
 
         self.data = DataFiles.open(data_dir)
         seq_len = config.data.seq_len
@@ -163,6 +185,20 @@ class Trainer:
         self.step = 0
         self._pending_save = None  # an asynchronous checkpoint being written (checkpoint.py)
         self.skipped_steps = 0
+
+    def _outer_loop(self) -> OuterLoop | None:
+        """The outer optimizer across this rank's dp_replicate group (the ranks holding the same
+        shard in the other replicas), or None under dp_mode = sync. NoLoCo's pairing is seeded by
+        ``train.seed``, so a run and its resume pair the same replicas."""
+        par = self.config.parallel
+        if par.dp_mode == "sync":
+            return None
+        return OuterLoop(self.model.named_parameters(),
+                         self.meshes.root["dp_replicate"].get_group(), mode=par.dp_mode,
+                         outer_steps=par.outer_steps, outer_lr=par.outer_lr,
+                         outer_momentum=par.outer_momentum, seed=self.config.train.seed,
+                         fragments=par.outer_fragments, co2_gap_penalty=par.co2_gap_penalty,
+                         co2_clip=par.co2_clip or None, ledger=self.ledger)
 
     # -- one step ---------------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -183,6 +219,8 @@ class Trainer:
         self.pipeline.finish_gradient_reduction()
         self._reduce_expert_gradients()
         metrics = self._optimizer_step(loss_sum)
+        if self.outer is not None:  # every H inner steps, the outer step across the replicas
+            self.outer.after_inner_step(self.step)
         if self.aux_coef:
             n_micro = batch[0].shape[0] // self.config.train.micro_batch_size
             metrics["moe_aux_loss"] = self._mean_over_dp(self.pipeline.aux_loss / n_micro)
@@ -265,9 +303,11 @@ class Trainer:
         if isinstance(batch, DocumentBatch):
             documents = list(zip(batch.positions.split(micro), batch.document_ids.split(micro)))
             tokens = (targets != IGNORE_INDEX).sum()
-            if self.loss_group_size > 1:  # the step's real tokens, over every data rank
-                comm.all_reduce(tokens, self.loss_group, axis="dp", ledger=self.ledger)
-            scale = self.loss_group_size / tokens.clamp(min=1)
+            # the step's real tokens, over every data rank whose gradients are averaged together
+            # (sync: all of them; an outer mode: this replica's)
+            if self.token_group_size > 1:
+                comm.all_reduce(tokens, self.token_group, axis="dp", ledger=self.ledger)
+            scale = self.token_group_size / tokens.clamp(min=1)
 
             def scaled(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
                 return loss_fn(logits, y, reduction="sum") * scale
@@ -317,8 +357,23 @@ class Trainer:
     # -- checkpoints ------------------------------------------------------------------------------
     def _checkpoint_tensors(self) -> dict[str, Any]:
         """Model and optimizer state keyed by the full model's parameter names and shapes, so any
-        layout can load what any other saved (``loom.train.checkpoint_state``)."""
-        return training_state(self.model, self.optimizer, zero=self.zero, ep=self.ep)
+        layout can load what any other saved (``loom.train.checkpoint_state``).
+
+        Outer modes: between outer steps every replica's weights and inner optimizer state are its
+        own (and NoLoCo's snapshot always is), so the state, with the outer loop's tensors, goes
+        under ``replica<r>``: unprefixed, DCP would keep one copy of what looks replicated and
+        every replica would resume from replica 0's. Within a replica it reshards by name."""
+        state = training_state(self.model, self.optimizer, zero=self.zero, ep=self.ep)
+        if self.outer is None:
+            return state
+        outer = self.outer.state_dict()  # co2: waits for the average in flight (kept pending)
+        state["outer"] = {key: value for key, value in outer.items() if isinstance(value, dict)}
+        return {f"replica{self.replica}": state}
+
+    def _outer_counters(self) -> dict[str, Any]:
+        """The outer loop's plain state (the same on every rank): extra.json's ``outer``."""
+        outer = self.outer.state_dict() if self.outer is not None else {}
+        return {key: value for key, value in outer.items() if not isinstance(value, dict)}
 
     def save_checkpoint(self, root: Path | None = None) -> Path:
         """Save the full training state as checkpoint ``step`` under ``root`` (collective).
@@ -329,6 +384,8 @@ class Trainer:
         self._refuse_non_finite_weights()
         extra = {"step": self.step, "scheduler": self.scheduler.state_dict(),
                  "data": self.loader.state_dict(), "config": to_dict(self.config)}
+        if self.outer is not None:
+            extra["outer"] = self._outer_counters()
         saved = checkpoint.save(root, self.step, self._checkpoint_tensors(), extra,
                                 keep=self.config.checkpoint.keep, device=self.ctx.device,
                                 async_save=self.config.checkpoint.async_save)
@@ -358,12 +415,35 @@ class Trainer:
     def load_checkpoint(self, path: Path, *, verified: bool = False) -> None:
         """Continue from a checkpoint saved under this or any other layout (collective);
         ``verified``: rank 0 has just verified it (``checkpoint.load`` does not hash it again)."""
+        self._refuse_other_dp_mode(path)
         tensors = self._checkpoint_tensors()
         extra = checkpoint.load(path, tensors, device=self.ctx.device, verified=verified)
+        if self.outer is not None:
+            tensors = tensors[f"replica{self.replica}"]
+            self.outer.load_state_dict({**extra["outer"], **tensors.pop("outer")})
         load_training_state(self.model, self.optimizer, tensors, zero=self.zero)
         self.step = int(extra["step"])
         self.scheduler.load_state_dict(extra["scheduler"])
         self.loader.load_state_dict(extra["data"])
+
+    def _refuse_other_dp_mode(self, path: Path) -> None:
+        """A checkpoint's tensors are keyed per replica under an outer dp_mode (see
+        ``_checkpoint_tensors``): one saved under another dp_mode or dp_replicate is refused by
+        name here rather than by DCP's missing keys. Reads extra.json's config (plain JSON; the
+        files are verified by ``checkpoint.load`` next)."""
+        try:
+            saved = json.loads((Path(path) / checkpoint.EXTRA).read_text())["config"]["parallel"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # unreadable: checkpoint.load's verification names the problem
+        par = self.config.parallel
+        mine = (par.dp_mode, par.dp_replicate if par.dp_mode != "sync" else None)
+        theirs = (saved.get("dp_mode", "sync"),
+                  saved.get("dp_replicate") if saved.get("dp_mode", "sync") != "sync" else None)
+        if mine != theirs:
+            raise checkpoint.CheckpointError(
+                f"{path}: saved with parallel.dp_mode={theirs[0]} (dp_replicate={theirs[1]}),"
+                f" resuming with dp_mode={mine[0]} (dp_replicate={mine[1]}): an outer mode keeps"
+                " one state per replica, so its dp_mode and dp_replicate must stay the same")
 
     def resume(self, spec: str, log=print) -> Path | None:
         """``spec`` is ``auto`` (the newest checkpoint of this run that is complete and valid;
@@ -427,6 +507,11 @@ class Trainer:
                         f" {sum(p.numel() for p in self.model.parameters()):,} parameters; device"
                         f" {self.ctx.device} ({self.ctx.backend});"
                         f" {describe_peak(peak, peak_source)}")
+        if self.outer is not None:
+            par = cfg.parallel
+            logger.log_text(f"outer loop: {par.dp_mode} across dp_replicate = {par.dp_replicate}"
+                            f" replicas, H = {par.outer_steps}, outer lr {par.outer_lr},"
+                            f" Nesterov momentum {par.outer_momentum}")
         last: dict[str, float] = {}
         ck = cfg.checkpoint
         watch = self._collective_watch()  # names a hung rank when a collective times out
@@ -462,6 +547,8 @@ class Trainer:
                         last["preempted_step"] = self.step
                         self._stop_for_preemption(saved, logger.log_text, watch)
                         break
+                if self.outer is not None:  # co2's last all-reduce lands before the group ends
+                    self.outer.finish()
                 if self.run_dir is not None and "preempted_step" not in last:
                     if ck.interval and self.step % ck.interval:  # the end, unless just saved
                         self.save_checkpoint()

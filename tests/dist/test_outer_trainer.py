@@ -1,0 +1,349 @@
+"""Outer-loop data parallelism through the Trainer (``parallel.dp_mode``), proven against single
+processes.
+
+``loom.parallel.outer`` is tested on its own in ``test_outer_loop.py``; here the trainer drives it:
+each dp_replicate replica trains on its part of every global batch with no gradient reduction
+across replicas, and every H inner steps the outer step merges the replicas. The references are
+single-process trainers, one per replica, each fed exactly that replica's samples
+(``_replica_trainers``), merged by an outer update written out in this file (torch's own
+``SGD(nesterov=True)`` on the pseudo-gradient, or a plain mean), never by ``OuterLoop``.
+
+Debug model (4 layers, dim 64), 32-token rows, global batch 8, fp32, gloo.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from loom.config import from_dict
+from loom.data.loader import DistributedLoader
+from loom.testing.parity import layout_config
+from loom.train.checkpoint import CheckpointError
+from loom.train.trainer import Trainer
+from tests.conftest import SMALL_DATA_OVERRIDES
+
+GLOBAL_BATCH = 8
+REPLICAS = 2
+BASE = {**SMALL_DATA_OVERRIDES, "model.preset": "debug", "train.global_batch_size": GLOBAL_BATCH,
+        "train.micro_batch_size": 2, "optim.warmup_steps": 2, "optim.lr": 3e-3,
+        "train.eval_every": 0, "train.grad_clip": 1.0}
+# The replica trainers of the reference run the same operations on the same samples as the
+# ranks, and torch's SGD rounds as OuterLoop does: measured, DiLoCo's weights are bit-identical.
+# The logged loss is the replicas' mean, in fp32 on the ranks and in float64 here: 1 ulp of ~5.
+LOSS_RTOL, LOSS_ATOL = 1e-6, 1e-6
+
+
+def outer_config(world: int, mode: str, **parallel) -> dict:
+    return layout_config({**BASE, "parallel.dp_mode": mode}, world,
+                         **{"dp_replicate": REPLICAS, **parallel})
+
+
+def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """This rank's replica's whole model by name: DTensors gathered (collectives over tp or
+    dp_shard), then the pipeline stages (over pp)."""
+    local = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+             for n, p in trainer.model.named_parameters()}
+    group = trainer.pipeline.pp_group
+    if group is None:
+        return local
+    parts: list = [None] * torch_dist.get_world_size(group)
+    torch_dist.all_gather_object(parts, local, group=group)
+    return {name: value for part in parts for name, value in part.items()}
+
+
+def train(ctx, config_table: dict, data_dir: str, steps: int) -> dict:
+    """Train ``steps`` steps; the logged losses, this rank's replica, its final weights and its
+    last step's gradients (as this rank holds them, before any outer step)."""
+    trainer = Trainer(from_dict(config_table), Path(data_dir), None, ctx)
+    losses = [trainer.train_step()["loss"] for _ in range(steps)]
+    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+             for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return {"loss": losses, "replica": trainer.replica, "weights": full_weights(trainer),
+            "grads": grads}
+
+
+# -- the single-process reference ----------------------------------------------------------------
+def _replica_trainers(ctx, config_table: dict, data_dir: str) -> list[Trainer]:
+    """One single-process trainer per replica, trainer r fed replica r's part of every global
+    batch: its config has the replica's batch (the schedule's microbatch count), its loader the
+    sampler of the whole global batch, cut at dp rank r of REPLICAS."""
+    single = dict(config_table)
+    single["parallel"] = {**config_table["parallel"], "dp_replicate": 1, "dp_mode": "sync"}
+    single["train"] = {**config_table["train"],
+                       "global_batch_size": GLOBAL_BATCH // REPLICAS}
+    trainers = []
+    for r in range(REPLICAS):
+        trainer = Trainer(from_dict(single), Path(data_dir), None, ctx)
+        sampler = trainer.data.sampler(trainer.train_set, GLOBAL_BATCH, trainer.config.train.seed)
+        trainer.loader = DistributedLoader(trainer.train_set, sampler, r, REPLICAS,
+                                           trainer.ctx.device)
+        trainers.append(trainer)
+    return trainers
+
+
+def reference(ctx, config_table: dict, data_dir: str, steps: int) -> dict:
+    """The replicas as independent single-process trainers; every H steps the outer update of
+    DiLoCo (torch's SGD with Nesterov momentum on the mean pseudo-gradient) or of NoLoCo with
+    two replicas, consensus 1, outer lr 1 and no momentum (the pair's mean, by hand)."""
+    par = config_table["parallel"]
+    trainers = _replica_trainers(ctx, config_table, data_dir)
+    names = [n for n, _ in trainers[0].model.named_parameters()]
+    params = [dict(t.model.named_parameters()) for t in trainers]
+    # the outer weights phi, stepped by torch's SGD (foreach off: one tensor at a time)
+    phi = {n: nn.Parameter(params[0][n].detach().clone()) for n in names}
+    mu = par["outer_momentum"]
+    outer = torch.optim.SGD(list(phi.values()), lr=par["outer_lr"], momentum=mu,
+                            nesterov=mu > 0, foreach=False)
+    losses = []
+    for step in range(1, steps + 1):
+        losses.append(sum(t.train_step()["loss"] for t in trainers) / REPLICAS)
+        if step % par["outer_steps"]:
+            continue
+        with torch.no_grad():
+            if par["dp_mode"] == "noloco":  # one averaging step of the (only) pair
+                assert (par["outer_lr"], mu) == (1.0, 0.0)
+                for n in names:
+                    phi[n].copy_(sum(p[n] for p in params) / REPLICAS)
+            else:
+                for n in names:
+                    phi[n].grad = sum(phi[n] - p[n] for p in params) / REPLICAS
+                outer.step()
+            for p in params:
+                for n in names:
+                    p[n].copy_(phi[n])
+    return {"loss": losses, "weights": [{n: p[n].detach().clone() for n in names}
+                                        for p in params]}
+
+
+def assert_matches(results: list[dict], expected: dict, label: str, rtol: float, atol: float
+                   ) -> None:
+    """Every rank's logged losses and its replica's weights against the expected ones (the
+    tolerances: 0 asks for bit-identical weights)."""
+    for rank, got in enumerate(results):
+        where = f"{label} rank {rank} (replica {got['replica']})"
+        torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(expected["loss"]),
+                                   rtol=max(rtol, LOSS_RTOL), atol=max(atol, LOSS_ATOL),
+                                   msg=lambda m: f"{where} loss: {m}")
+        want = expected["weights"][got["replica"]]
+        assert set(got["weights"]) == set(want)
+        for name, value in want.items():
+            torch.testing.assert_close(got["weights"][name], value, rtol=rtol, atol=atol,
+                                       msg=lambda m, n=name: f"{where} {n}: {m}")
+
+
+# -- (a) DiLoCo with H = 1, outer lr 1 and no momentum is synchronous data parallelism ----------
+# ... when the inner step is linear in the gradient. AdamW is not (averaging weights after an
+# AdamW step is not averaging gradients before it: test_outer_loop.py shows the difference), so
+# this test puts AdamW in its linear limit: an eps so large that sqrt(v) + eps == eps exactly in
+# fp32 (gradients here are < 10, the spacing of fp32 numbers near 1e9 is 64), no weight decay,
+# lr / eps = 0.05: momentum SGD with Adam's bias-corrected first moment. Clipping is off (sync
+# clips the mean gradient, the replicas their own).
+LINEAR_ADAMW = {"optim.eps": 1e9, "optim.lr": 5e7, "optim.weight_decay": 0.0,
+                "train.grad_clip": 0.0}
+
+
+def test_diloco_h1_outer_lr1_no_momentum_equals_synchronous_data_parallelism(dist,
+                                                                             small_data_dir):
+    steps = 4
+    base = {**BASE, **LINEAR_ADAMW}
+    sync = dist.run(2, train, layout_config(base, 2, dp_replicate=2), small_data_dir, steps)
+    diloco = dist.run(2, train, layout_config(
+        {**base, "parallel.dp_mode": "diloco", "parallel.outer_steps": 1,
+         "parallel.outer_lr": 1.0, "parallel.outer_momentum": 0.0}, 2, dp_replicate=2),
+        small_data_dir, steps)
+    # Measured: the two differ by rounding only (the mean of two updates vs the update of the
+    # mean gradient), <= 3.6e-7 on weights up to 1.0 after 4 steps; the losses are identical.
+    for rank in range(2):
+        torch.testing.assert_close(torch.tensor(diloco[rank]["loss"]),
+                                   torch.tensor(sync[rank]["loss"]), rtol=1e-6, atol=1e-6)
+        for name, value in sync[rank]["weights"].items():
+            torch.testing.assert_close(diloco[rank]["weights"][name], value, rtol=1e-6,
+                                       atol=1e-6, msg=lambda m, n=name: f"rank {rank} {n}: {m}")
+    assert sync[0]["loss"][-1] < sync[0]["loss"][0] - 0.05  # it trained
+    # ... and not because the gradients were still averaged across the replicas: under diloco
+    # each replica keeps its own, under sync they are the same on both
+    assert all(torch.equal(sync[0]["grads"][n], sync[1]["grads"][n]) for n in sync[0]["grads"])
+    assert max((diloco[0]["grads"][n] - diloco[1]["grads"][n]).abs().max()
+               for n in diloco[0]["grads"]) > 1e-3
+
+
+# -- (b) NoLoCo with every replica paired and full averaging is one averaging step ---------------
+def test_noloco_full_averaging_is_one_averaging_step_of_the_replicas(dist, small_data_dir):
+    """Two replicas (always one pair), consensus 1, outer lr 1, no momentum: after H = 2 local
+    steps each replica holds the mean of the two single-process runs' weights."""
+    steps = 2
+    config = outer_config(2, "noloco", outer_steps=2, outer_lr=1.0, outer_momentum=0.0)
+    results = dist.run(2, train, config, small_data_dir, steps)
+    expected = dist.run(1, reference, config, small_data_dir, steps)[0]
+    # before the step the replicas had moved apart; after it they agree to rounding (NoLoCo
+    # forms phi - ((1 + c) phi - theta_i + s_p) / 2, not (theta_0 + theta_1) / 2): measured
+    # 1.2e-7, one ulp of the largest weights (~1)
+    assert_matches(results, expected, "noloco", rtol=1e-6, atol=1e-6)
+    for name, value in results[0]["weights"].items():
+        torch.testing.assert_close(results[1]["weights"][name], value, rtol=1e-6, atol=1e-6)
+    assert max((a - b).abs().max() for a, b in zip(results[0]["grads"].values(),
+                                                   results[1]["grads"].values())) > 1e-3
+
+
+# -- (c) DiLoCo H = 4 against two single processes and torch's Nesterov SGD ----------------------
+@pytest.mark.parametrize("steps, options", [
+    (8, dict(outer_steps=4, outer_lr=0.7, outer_momentum=0.9)),  # two outer steps: momentum
+])
+def test_diloco_equals_independent_replicas_merged_by_nesterov_sgd(dist, small_data_dir, steps,
+                                                                     options):
+    config = outer_config(2, "diloco", **options)
+    results = dist.run(2, train, config, small_data_dir, steps)
+    expected = dist.run(1, reference, config, small_data_dir, steps)[0]
+    assert_matches(results, expected, "diloco", rtol=0, atol=0)  # bit-identical weights
+    # the replicas are identical after the last outer step (step 8), and had diverged before it
+    for name, value in results[0]["weights"].items():
+        assert torch.equal(results[1]["weights"][name], value), name
+    assert max((a - b).abs().max() for a, b in zip(results[0]["grads"].values(),
+                                                   results[1]["grads"].values())) > 1e-3
+
+
+def merged_replicas_differ_from_one_replica(ctx, config_table, data_dir, steps):
+    """Guard for (c): the reference's outer update matters (the replicas' own runs differ from
+    the merged weights), so matching it is not matching two unmerged runs."""
+    trainers = _replica_trainers(ctx, config_table, data_dir)
+    for _ in range(steps):
+        for trainer in trainers:
+            trainer.train_step()
+    return [dict(t.model.named_parameters()) for t in trainers]
+
+
+def test_the_outer_step_changes_the_weights(dist, small_data_dir):
+    config = outer_config(2, "diloco", outer_steps=4, outer_lr=0.7, outer_momentum=0.9)
+    merged = dist.run(1, reference, config, small_data_dir, 4)[0]["weights"][0]
+    alone = dist.run(1, merged_replicas_differ_from_one_replica, config, small_data_dir, 4)[0]
+    for replica in alone:
+        assert max((merged[n] - replica[n]).abs().max() for n in merged) > 1e-3
+
+
+# -- composition: the outer loop over replicas that are themselves split ------------------------
+@pytest.mark.parametrize("layout", [
+    dict(dp_shard=2, zero_stage=3),  # ZeRO-3 (FSDP2) inside each replica: no HSDP across them
+    dict(tp=2, sequence_parallel=True),
+    dict(pp=2, schedule="1f1b"),
+], ids=["zero3", "tp2-sp", "pp2"])
+def test_diloco_composes_with_a_layout_inside_each_replica(dist, small_data_dir, layout):
+    """dp_replicate = 2 replicas of 2 ranks each equal dp_replicate = 2 replicas of one rank
+    (which (c) proves against single processes), to the layouts' own parity tolerance."""
+    steps, options = 6, dict(outer_steps=3, outer_lr=0.7, outer_momentum=0.9)
+    plain = dist.run(2, train, outer_config(2, "diloco", **options), small_data_dir, steps)
+    split = dist.run(4, train, outer_config(4, "diloco", **options, **layout), small_data_dir,
+                     steps)
+    expected = {"loss": plain[0]["loss"], "weights": {r["replica"]: r["weights"] for r in plain}}
+    # the layouts' parity with one process (test_zero.py, test_tensor_parallel.py, ...):
+    # summation order only, carried through AdamW
+    assert_matches(split, expected, f"diloco {layout}", rtol=1e-4, atol=1e-5)
+
+
+# -- (d) checkpoints hold the outer state and resume bit-exactly --------------------------------
+def straight_and_resumed(ctx, config_table: dict, data_dir: str, run_dir: str, steps: int,
+                         stop: int) -> dict:
+    """Losses and weights of ``steps`` steps straight, and of a run stopped after ``stop`` steps
+    (a checkpoint), resumed by a new Trainer and finished; and whether a resume under dp_mode =
+    sync is refused by name."""
+    config = from_dict(config_table)
+    straight = Trainer(config, Path(data_dir), None, ctx)
+    straight_losses = [straight.train_step()["loss"] for _ in range(steps)]
+    straight_weights = full_weights(straight)
+    del straight
+
+    first = Trainer(config, Path(data_dir), run_dir, ctx)
+    losses = [first.train_step()["loss"] for _ in range(stop)]
+    at_stop = full_weights(first)
+    first.save_checkpoint()
+    del first
+    second = Trainer(config, Path(data_dir), run_dir, ctx)
+    second.resume("auto", log=lambda msg: None)
+    assert second.step == stop and second.outer.inner_steps == stop
+    losses += [second.train_step()["loss"] for _ in range(steps - stop)]
+
+    sync_table = {**config_table, "parallel": {**config_table["parallel"], "dp_mode": "sync"}}
+    refused = ""
+    try:
+        Trainer(from_dict(sync_table), Path(data_dir), run_dir, ctx).resume("auto",
+                                                                            log=lambda m: None)
+    except CheckpointError as err:
+        refused = str(err)
+    return {"straight": (straight_losses, straight_weights),
+            "resumed": (losses, full_weights(second)), "at_stop": at_stop, "refused": refused,
+            "replica": second.replica}
+
+
+@pytest.mark.parametrize("mode, options", [
+    ("diloco", dict(outer_steps=2, outer_lr=0.7, outer_momentum=0.9)),
+    ("diloco", dict(outer_steps=2, outer_lr=0.7, outer_momentum=0.9, dp_shard=2,
+                    zero_stage=3)),
+    ("diloco", dict(outer_steps=4, outer_lr=0.7, outer_momentum=0.9, outer_fragments=2)),
+    ("noloco", dict(outer_steps=2, outer_lr=0.7, outer_momentum=0.9)),
+    ("co2", dict(outer_steps=2, outer_lr=0.7, outer_momentum=0.9, co2_clip=0.01)),
+], ids=["diloco", "diloco-zero3", "diloco-streaming", "noloco", "co2"])
+def test_checkpoint_resume_is_bit_exact(dist, small_data_dir, tmp_path, mode, options):
+    # stop at 5: after outer steps have built momentum (co2: an average in flight; streaming:
+    # one fragment merged since the other), in the middle of a window
+    steps, stop = 8, 5
+    world = 2 * options.get("dp_shard", 1)
+    results = dist.run(world, straight_and_resumed, outer_config(world, mode, **options),
+                       small_data_dir, str(tmp_path), steps, stop)
+    for rank, result in enumerate(results):
+        (want_losses, want), (got_losses, got) = result["straight"], result["resumed"]
+        assert got_losses == want_losses, f"rank {rank}: {got_losses} != {want_losses}"
+        assert all(torch.equal(got[n], want[n]) for n in want), f"rank {rank}: weights differ"
+        assert "dp_mode=" in result["refused"], result["refused"]
+    # the replicas held different weights when the checkpoint was written (the middle of a
+    # window), so resuming both bit-exactly needs both copies in it
+    at_stop = {result["replica"]: result["at_stop"] for result in results}
+    assert any(not torch.equal(at_stop[0][n], at_stop[1][n]) for n in at_stop[0])
+
+
+def _outer_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """The outer loop's snapshot and momentum, full tensors by name (collective under ZeRO-3)."""
+    state = trainer.outer.state_dict()
+    return {f"{key}/{name}": (v.full_tensor() if isinstance(v, DTensor) else v).cpu().clone()
+            for key in ("snapshot", "momentum") for name, v in state[key].items()}
+
+
+def save_after(ctx, config_table: dict, data_dir: str, root: str, steps: int) -> dict:
+    trainer = Trainer(from_dict(config_table), Path(data_dir), None, ctx)
+    for _ in range(steps):
+        trainer.train_step()
+    path = trainer.save_checkpoint(Path(root))
+    return {"path": str(path), "replica": trainer.replica, "weights": full_weights(trainer),
+            "outer": _outer_state(trainer)}
+
+
+def load_into(ctx, config_table: dict, data_dir: str, path: str) -> dict:
+    trainer = Trainer(from_dict(config_table), Path(data_dir), None, ctx)
+    trainer.load_checkpoint(Path(path))
+    return {"replica": trainer.replica, "weights": full_weights(trainer),
+            "outer": _outer_state(trainer), "inner_steps": trainer.outer.inner_steps}
+
+
+def test_checkpoint_reshards_inside_each_replica(dist, small_data_dir, tmp_path):
+    """Saved by replicas of one rank, loaded by replicas of two (ZeRO-3 over dp_shard): each
+    replica gets its own weights and outer state back, bit for bit (DCP reshards by name inside
+    the replica's keys)."""
+    options = dict(outer_steps=2, outer_lr=0.7, outer_momentum=0.9)
+    saved = dist.run(2, save_after, outer_config(2, "diloco", **options), small_data_dir,
+                     str(tmp_path), 5)
+    loaded = dist.run(4, load_into, outer_config(4, "diloco", dp_shard=2, zero_stage=3,
+                                                 **options), small_data_dir, saved[0]["path"])
+    by_replica = {s["replica"]: s for s in saved}
+    assert any(not torch.equal(saved[0]["weights"][n], saved[1]["weights"][n])
+               for n in saved[0]["weights"])  # mid-window: the replicas' weights differ
+    for rank, got in enumerate(loaded):
+        want = by_replica[got["replica"]]
+        assert got["inner_steps"] == 5
+        for part in ("weights", "outer"):
+            assert set(got[part]) == set(want[part])
+            assert all(torch.equal(got[part][n], want[part][n]) for n in want[part]), \
+                f"rank {rank} {part}"
