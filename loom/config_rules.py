@@ -324,6 +324,12 @@ def _validate_post_validation(config: Config) -> None:
             raise ConfigError("train.post_validation", True,
                               f"not implemented with {axis} > 1 ({why}); use"
                               " train.post_validation = false")
+    if par.dp_mode != "sync":
+        raise ConfigError("train.post_validation", True,
+                          f"not implemented with parallel.dp_mode = {par.dp_mode} (each replica's"
+                          " gradient norm is its own, and the replicas must agree on a"
+                          " non-finite step before the mean starts); use"
+                          " train.post_validation = false")
 
 
 def _validate_outer(config: Config) -> None:

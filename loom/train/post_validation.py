@@ -172,18 +172,25 @@ class SynchronousStep:
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, mean: MeanOf, *,
                  max_norm: float, nonfinite: Literal["stop", "skip"], tp: Any = None,
-                 ep: Any = None, zero: Any = None,
-                 pp_group: dist.ProcessGroup | None = None) -> None:
+                 ep: Any = None, zero: Any = None, pp_group: dist.ProcessGroup | None = None,
+                 norm_is_local: bool = False) -> None:
         self.optimizer, self.model, self.mean = optimizer, model, mean
         self.max_norm, self.nonfinite = max_norm, nonfinite
         self.tp, self.ep, self.zero, self.pp_group = tp, ep, zero, pp_group
+        self.norm_is_local = norm_is_local
 
     def __call__(self, loss_sum: torch.Tensor, where: str) -> StepOutcome:
         """One step of the gradients now in the model; ``loss_sum`` is this rank's loss,
         ``where`` names the step for a stop message."""
         grad_norm = clip_gradients(self.model, self.max_norm, tp=self.tp, ep=self.ep,
                                    zero=self.zero, pp_group=self.pp_group)
-        loss, norm = self.mean(loss_sum).result(), float(grad_norm)
+        norm = float(grad_norm)
+        if self.norm_is_local and not math.isfinite(norm):
+            # The norm is this replica's (an outer dp_mode) but the loss mean spans every
+            # replica: a NaN in it makes every rank take the same stop or skip decision, where a
+            # replica stopping alone would leave the others waiting in the next collective.
+            loss_sum = loss_sum + float("nan")
+        loss = self.mean(loss_sum).result()
         return StepOutcome(loss, norm, apply_if_finite(self.optimizer, loss, norm,
                                                        self.nonfinite, where))
 
@@ -240,13 +247,18 @@ class PostValidatedStep:
 
 def optimizer_step_for(train: Any, optimizer: torch.optim.Optimizer, model: nn.Module,
                        mean: MeanOf, *, tp: Any = None, ep: Any = None, zero: Any = None,
-                       pp_group: dist.ProcessGroup | None = None
+                       pp_group: dist.ProcessGroup | None = None, norm_is_local: bool = False
                        ) -> SynchronousStep | PostValidatedStep:
     """The step ``train`` (a ``TrainConfig``) asks for: ``train.post_validation`` picks the
-    post-validated step, which needs a norm that is one reduction over ``pp`` (or none)."""
+    post-validated step, which needs a norm that is one reduction over ``pp`` (or none).
+    ``norm_is_local``: the gradient norm is one replica's (an outer dp_mode) while ``mean``
+    spans the replicas (refused with post-validation, which starts the mean before the norm)."""
     kwargs = {"max_norm": train.grad_clip, "nonfinite": train.nonfinite, "pp_group": pp_group}
     if not train.post_validation:
-        return SynchronousStep(optimizer, model, mean, tp=tp, ep=ep, zero=zero, **kwargs)
+        return SynchronousStep(optimizer, model, mean, tp=tp, ep=ep, zero=zero,
+                               norm_is_local=norm_is_local, **kwargs)
+    if norm_is_local:
+        raise ValueError("train.post_validation with an outer parallel.dp_mode is not supported")
     if tp is not None or ep is not None or zero is not None \
             or is_fully_sharded(model):
         raise ValueError("train.post_validation supports plain, data-parallel and pipeline"

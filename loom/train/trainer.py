@@ -22,8 +22,8 @@ replica's own data ranks (dp_shard, cp), the clipping norm is the replica's, and
 ``parallel.outer_steps`` inner steps ``loom.parallel.outer.OuterLoop`` merges the replicas'
 weights over the rank's dp_replicate group (its table lists the bytes). Only the 1-element loss
 mean still spans the replicas each step, so the logged loss is the same number as under sync.
-Checkpoints keep one state per replica (``_checkpoint_tensors``). A non-finite loss stops or
-skips every replica alike; a non-finite gradient norm (finite loss) is judged per replica.
+Checkpoints keep one state per replica (``_checkpoint_tensors``). A non-finite loss or gradient
+norm in any replica stops or skips every replica alike (the norm poisons the shared loss mean).
 
 The loss is the mean token cross entropy over the *global* batch: each microbatch's mean is
 divided by the number of microbatches and the reducer averages over equally sized rank batches, so every
@@ -169,7 +169,8 @@ class Trainer:
         # Clip, check, step: synchronous, or post-validated (loom/train/post_validation.py)
         self.optimizer_step = optimizer_step_for(
             tr, self.optimizer, self.model, self._pending_mean, tp=self.tp, ep=self.ep,
-            zero=self.zero, pp_group=self.pipeline.pp_group)
+            zero=self.zero, pp_group=self.pipeline.pp_group,
+            norm_is_local=config.parallel.dp_mode != "sync")
         # After any pretrained load: the outer loop's snapshot is the weights it starts from.
         self.outer = self._outer_loop()
 

@@ -13,6 +13,7 @@ Debug model (4 layers, dim 64), 32-token rows, global batch 8, fp32, gloo.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,30 @@ def test_diloco_h1_outer_lr1_no_momentum_equals_synchronous_data_parallelism(dis
     assert all(torch.equal(sync[0]["grads"][n], sync[1]["grads"][n]) for n in sync[0]["grads"])
     assert max((diloco[0]["grads"][n] - diloco[1]["grads"][n]).abs().max()
                for n in diloco[0]["grads"]) > 1e-3
+
+
+# -- a non-finite gradient in one replica -----------------------------------------------------
+def train_with_one_replica_blowing_up(ctx, config_table: dict, data_dir: str) -> dict:
+    """Two steps; in the first, replica 1's gradients are infinite (its loss is finite)."""
+    trainer = Trainer(from_dict(config_table), Path(data_dir), None, ctx)
+    first = next(p for p in trainer.model.parameters() if p.requires_grad)
+    handle = first.register_hook(lambda g: g * float("inf")) if trainer.replica == 1 else None
+    losses = [trainer.train_step()["loss"]]
+    if handle is not None:
+        handle.remove()
+    losses.append(trainer.train_step()["loss"])
+    return {"skipped": trainer.skipped_steps, "losses": losses}
+
+
+def test_a_non_finite_norm_in_one_replica_skips_the_step_in_every_replica(dist, small_data_dir):
+    """Each replica's gradient norm is its own, so without agreement replica 0 would step and
+    replica 1 skip (or, with nonfinite = stop, stop alone and leave replica 0 waiting)."""
+    table = outer_config(2, "diloco", **{})
+    table["train"] = {**table["train"], "nonfinite": "skip"}
+    results = dist.run(2, train_with_one_replica_blowing_up, table, small_data_dir)
+    assert [r["skipped"] for r in results] == [1, 1]
+    for r in results:
+        assert math.isnan(r["losses"][0]) and math.isfinite(r["losses"][1])
 
 
 # -- (b) NoLoCo with every replica paired and full averaging is one averaging step ---------------

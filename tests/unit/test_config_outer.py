@@ -35,6 +35,7 @@ DILOCO = {"parallel.dp_mode": "diloco"}
     ({"parallel.dp_mode": "co2", "parallel.co2_gap_penalty": "-0.5"}, 2,
      "parallel.co2_gap_penalty", ">= 0"),
     ({"parallel.outer_lr": "nan"}, 2, "parallel.outer_lr", "finite"),
+    ({**DILOCO, "train.post_validation": "true"}, 2, "train.post_validation", "dp_mode = diloco"),
     # streaming: diloco only, and a fragment per inner step of the window at most
     ({"parallel.dp_mode": "noloco", "parallel.outer_fragments": "2"}, 2,
      "parallel.outer_fragments", "diloco only"),
