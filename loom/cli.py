@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 
 from loom.calibration.measure import calibrate
+from loom.cluster import Cluster
+from loom.cluster import load as load_cluster
 from loom.config import Config, ConfigError, load_config, parse_overrides, resolve, to_toml
 from loom.config_help import help_text
 from loom.data.cli import add_data_commands
@@ -55,6 +57,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         external = under_external_launcher()
         world_size = int(os.environ["WORLD_SIZE"]) if external else args.nproc
         config = resolve(config, world_size)
+        cluster = _emulated_cluster(args, world_size, external)
     except ConfigError as err:
         print(f"loom train: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
@@ -84,10 +87,26 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
             print(_dry_run_report(config, Path(run_dir), local_ranks))
             return 0
         # a corpus found too short once tokenized is refused here, its directories removed
-        return run_job(config, Path(run_dir), args.nproc, args.max_restarts)
+        return run_job(config, Path(run_dir), args.nproc, args.max_restarts, cluster)
     except ConfigError as err:
         print(f"loom train: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+
+
+def _emulated_cluster(args: argparse.Namespace, world_size: int, external: bool) -> Cluster | None:
+    """The cluster ``--cluster FILE --emulate`` asks to emulate (checked), or None."""
+    if args.cluster is None:
+        if args.emulate:
+            raise ConfigError("--emulate", True, "needs --cluster FILE: the cluster to emulate")
+        return None
+    cluster = load_cluster(args.cluster)
+    cluster.check_world(world_size, "--cluster")
+    if not args.emulate:  # a description alone changes nothing in a real run: say so
+        raise ConfigError("--cluster", args.cluster, "is used by loom train only with --emulate"
+                                                     " (the planner reads it on its own)")
+    if external:
+        raise ConfigError("--emulate", True, "runs local workers only, not under torchrun")
+    return cluster
 
 
 def _dry_run_report(config: Config, run_dir: Path, local_ranks: int) -> str:
@@ -188,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-restarts", type=int, default=0,
                        help="restart all workers up to N times when one fails; they resume from"
                             " the newest complete checkpoint (set --checkpoint.interval)")
+    train.add_argument("--cluster", help="a cluster description (TOML, loom/cluster.py): one"
+                                         " node per rank, each link's latency and bandwidth")
+    train.add_argument("--emulate", action="store_true",
+                       help="run the local workers on an emulated network of --cluster: one"
+                            " network namespace per rank, each link shaped to its bandwidth"
+                            " (root; latency is not emulated)")
     train.add_argument("--resume", help="'auto' (newest complete and valid checkpoint of the run;"
                                         " refused when there is none), 'auto_or_fresh' (the"
                                         " same, or step 0 when there is none) or a checkpoint"

@@ -23,6 +23,7 @@ directory by ``check_run_dir``, which writes nothing); the token files and then 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -33,8 +34,10 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from loom.cluster import Cluster
 from loom.config import Config, ConfigError, from_dict, to_dict, to_toml
 from loom.data.loader import prepare_data
+from loom.emulate import NAMESPACE_ENV, EmulatedNetwork, EmulationUnavailable
 from loom.supervise import INTERRUPT_WAIT_S, Interrupted, Supervisor
 from loom.train import preempt, watchdog
 from loom.train.distributed import init_distributed
@@ -142,9 +145,12 @@ def worker_main(config_table: dict[str, Any], run_dir: str) -> dict[str, float]:
         dist.destroy_process_group()
 
 
-def launch_local(config: Config, run_dir: Path, nproc: int,
-                 max_restarts: int = 0) -> dict[str, float]:
+def launch_local(config: Config, run_dir: Path, nproc: int, max_restarts: int = 0,
+                 emulate: Cluster | None = None) -> dict[str, float]:
     """Run ``nproc`` workers on this machine; return rank 0's final metrics.
+
+    ``emulate``: run the workers on an emulated network of that cluster (``loom.emulate``: one
+    namespace per rank, its links shaped), made before the workers start and removed after.
 
     Raises ``WorkerFailed`` naming the rank(s) when any worker fails (or a hung rank, or that a
     preemption ran out of time), ``Interrupted`` on Ctrl-C.
@@ -168,7 +174,11 @@ def launch_local(config: Config, run_dir: Path, nproc: int,
     )
     watchdog.clear(run_dir)
     grace = config.train.preempt_grace_s
-    with Supervisor(run_dir, run_id, grace) as supervisor:
+    network = EmulatedNetwork(emulate) if emulate is not None else contextlib.nullcontext()
+    with Supervisor(run_dir, run_id, grace) as supervisor, network:
+        if emulate is not None:  # the workers inherit it and join their namespaces
+            os.environ[NAMESPACE_ENV] = network.prefix
+            print(f"loom train: {network.describe()}", file=sys.stderr)
         try:
             results = elastic_launch(launch_config, worker_main)(to_dict(config), str(run_dir))
         except ChildFailedError as err:
@@ -181,6 +191,8 @@ def launch_local(config: Config, run_dir: Path, nproc: int,
                                    f" stop within train.preempt_grace_s = {grace:g} s; they were"
                                    " killed") from None
             raise WorkerFailed(f"stopped by {err.sigval.name}; the workers were stopped") from None
+        finally:
+            os.environ.pop(NAMESPACE_ENV, None)
     return results[0]
 
 
@@ -207,15 +219,19 @@ def _describe_failures(err: Any, hang: dict[str, Any] | None = None) -> str:
     return "\n".join(lines)
 
 
-def run_job(config: Config, run_dir: Path, nproc: int, max_restarts: int = 0) -> int:
+def run_job(config: Config, run_dir: Path, nproc: int, max_restarts: int = 0,
+            emulate: Cluster | None = None) -> int:
     """Run training and return a process exit code (0 ok or preempted and checkpointed, 1 a
-    worker failed, 130 interrupted)."""
+    worker failed, 130 interrupted); ``emulate``: on that cluster's emulated network."""
     try:
         if under_external_launcher():
             worker_main(to_dict(config), str(run_dir))
             return 0
         prepare_run_dir(config, run_dir)
-        launch_local(config, run_dir, nproc, max_restarts)
+        launch_local(config, run_dir, nproc, max_restarts, emulate)
+    except EmulationUnavailable as err:
+        print(f"loom train: --emulate: {err}", file=sys.stderr)
+        return 1
     except WorkerFailed as err:
         print(f"loom train: {err}", file=sys.stderr)
         return 1

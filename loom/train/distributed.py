@@ -7,6 +7,10 @@ GPU is present, else CPU + gloo, so the same code runs on both unchanged.
 
 The default process group exists only because torch's DeviceMesh builds its sub-groups from it;
 Loom's own code never uses it implicitly — groups are taken from the mesh and passed explicitly.
+
+Under an emulated cluster (``loom train --cluster FILE --emulate``, ``loom.emulate``) the launcher
+names a network-namespace prefix in ``LOOM_EMULATED_NETNS``: each rank joins its namespace after
+connecting to the rendezvous store and before gloo opens its sockets.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from loom.emulate import INTERFACE, NAMESPACE_ENV, enter_namespace
 
 
 @dataclass(frozen=True)
@@ -84,9 +90,15 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
             env.setdefault("MASTER_ADDR", "127.0.0.1")
             env.setdefault("MASTER_PORT", str(_free_port()))
         timeout = datetime.timedelta(seconds=timeout_s)
+        store = _restart_store(env, rank, world_size, timeout)
+        if NAMESPACE_ENV in env:  # an emulated cluster (loom.emulate): this rank's namespace
+            # The store's socket is made here, in the launcher's namespace (it stays there);
+            # gloo's sockets, made by init_process_group, in the rank's.
+            store = store or _store(env, rank, world_size, timeout)
+            enter_namespace(f"{env[NAMESPACE_ENV]}{rank}")
+            env["GLOO_SOCKET_IFNAME"] = INTERFACE
         dist.init_process_group(
-            chosen_backend, rank=rank, world_size=world_size, timeout=timeout,
-            store=_restart_store(env, rank, world_size, timeout),
+            chosen_backend, rank=rank, world_size=world_size, timeout=timeout, store=store,
             device_id=dev if dev.type == "cuda" else None,
         )
     else:
@@ -105,11 +117,15 @@ def _restart_store(env, rank: int, world_size: int, timeout: datetime.timedelta)
     attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if attempt == 0 or "MASTER_ADDR" not in env:
         return None
+    return dist.PrefixStore(f"loom/attempt_{attempt}", _store(env, rank, world_size, timeout))
+
+
+def _store(env, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store ``env://`` would make: the elastic agent's, or rank 0's own."""
     agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size,
-                          is_master=not agent_store and rank == 0, timeout=timeout,
-                          multi_tenant=not agent_store)
-    return dist.PrefixStore(f"loom/attempt_{attempt}", store)
+    return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size,
+                         is_master=not agent_store and rank == 0, timeout=timeout,
+                         multi_tenant=not agent_store)
 
 
 def _free_port() -> int:

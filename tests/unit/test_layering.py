@@ -20,9 +20,10 @@ from pathlib import Path
 import loom
 
 FLOORS: list[tuple[str, ...]] = [
-    # 0: the ground floor: plain models, data, the rank grid and the layout, pure formulas, errors
+    # 0: the ground floor: plain models, data, the rank grid and the layout, pure formulas, errors,
+    # the cluster description and its emulation
     ("loom.models", "loom.data", "loom.topology", "loom.layout", "loom.formulas", "loom.errors",
-     "loom"),
+     "loom.cluster", "loom.emulate", "loom"),
     # 1: parallelism applied to a model from outside; schedules as data (torch-free)
     ("loom.parallel", "loom.schedule"),
     # 2: the typed config and its rules (the TOML face of a layout), and its keys' descriptions
