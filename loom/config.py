@@ -29,7 +29,7 @@ from loom.config_rules import DEFAULT_SCHEDULE, check_bpe_vocab
 from loom.config_rules import validate as check_rules
 from loom.data.tokenizer import tokenizer_vocab_size
 from loom.errors import ConfigError, suggest
-from loom.layout import Job, Layout
+from loom.layout import CompressionSpec, Job, Layout
 from loom.models.hf import HFConversionError
 from loom.models.layers import TransformerArgs
 from loom.models.presets import PRESETS
@@ -123,6 +123,19 @@ class ParallelConfig:
     # and the elementwise bound of the outer momentum (outer momentum clipping; 0: off)
     co2_gap_penalty: float = 1.0
     co2_clip: float = 0.0
+    # Gradient compression of synchronous data parallelism (loom/parallel/compression.py; plain
+    # data parallelism only, not ZeRO or an outer dp_mode): none (the fp32 all-reduce), powersgd
+    # (rank compression_rank), int8 (per-chunk scales) or topk (compression_topk_ratio of each
+    # tensor), all three with error feedback. compression_adaptive = lgreco re-chooses each
+    # tensor's PowerSGD rank or top-k ratio every compression_refresh steps (L-GreCo).
+    grad_compression: Literal["none", "powersgd", "int8", "topk"] = "none"
+    compression_rank: int = 4  # PowerSGD's rank r (the reference level under lgreco)
+    # top-k: the fraction of each tensor's elements sent (the reference level under lgreco)
+    compression_topk_ratio: float = 0.01
+    # lgreco: per-tensor levels (r/4 ... 4r, or ratio/4 ... 4 ratio) minimizing the bytes within
+    # the uniform level's total error; needs grad_compression = powersgd or topk
+    compression_adaptive: Literal["none", "lgreco"] = "none"
+    compression_refresh: int = 100  # lgreco: steps between re-measuring errors and re-choosing
 
     def degrees(self) -> dict[str, int]:
         return {axis: getattr(self, axis) for axis in AXES}
@@ -528,7 +541,18 @@ def job_of(config: Config, offload_optimizer: bool = False) -> Job:
                seed=tr.seed, dtype=tr.dtype, grad_reduce_dtype=tr.grad_reduce_dtype,
                grad_bucket_mb=tr.grad_bucket_mb, offload_optimizer=offload_optimizer,
                grad_reduce_every_microbatch=tr.grad_reduce_every_microbatch,
-               dp_mode=config.parallel.dp_mode)
+               dp_mode=config.parallel.dp_mode,
+               compression=compression_of(config))
+
+
+def compression_of(config: Config) -> CompressionSpec | None:
+    """The reducer's gradient compression (``parallel.grad_compression*``); None: none."""
+    par = config.parallel
+    if par.grad_compression == "none":
+        return None
+    return CompressionSpec(method=par.grad_compression, rank=par.compression_rank,
+                           topk_ratio=par.compression_topk_ratio,
+                           adaptive=par.compression_adaptive, refresh=par.compression_refresh)
 
 
 def with_layout(config: Config, layout: Layout) -> Config:

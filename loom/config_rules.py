@@ -145,6 +145,7 @@ def validate(config: Config, world_size: int) -> None:
     _validate_zero(config)
     _validate_post_validation(config)
     _validate_outer(config)
+    _validate_compression(config)
     if tr.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError("train.backend", tr.backend, "must be one of auto, gloo, nccl")
     if not (tr.device in ("auto", "cpu") or tr.device.startswith(("cuda", "xpu", "mps"))):
@@ -382,6 +383,44 @@ def _validate_outer(config: Config) -> None:
                           " (its sharded optimizer averages over dp_replicate, and every"
                           " dp_shard rank would send its replica's whole model); use"
                           " zero_stage = 3 or dp_shard = 1")
+
+
+def _validate_compression(config: Config) -> None:
+    """Gradient compression (``parallel.grad_compression``, ``loom.parallel.compression``): its
+    knobs are checked whatever the mode; it is a step of the plain data-parallel reducer's
+    all-reduce, so it is refused where gradients take another path."""
+    par, tr = config.parallel, config.train
+    if par.compression_rank < 1:
+        raise ConfigError("parallel.compression_rank", par.compression_rank,
+                          "must be >= 1 (PowerSGD's rank)")
+    if not 0 < par.compression_topk_ratio <= 1:
+        raise ConfigError("parallel.compression_topk_ratio", par.compression_topk_ratio,
+                          "must be in (0, 1] (the fraction of each tensor's elements sent)")
+    if par.compression_refresh < 1:
+        raise ConfigError("parallel.compression_refresh", par.compression_refresh,
+                          "must be >= 1 (steps between L-GreCo's choices)")
+    if par.compression_adaptive != "none" and par.grad_compression not in ("powersgd", "topk"):
+        raise ConfigError("parallel.compression_adaptive", par.compression_adaptive,
+                          f"needs a base compressor with levels to choose from:"
+                          f" parallel.grad_compression = powersgd or topk, not"
+                          f" {par.grad_compression}")
+    if par.grad_compression == "none":
+        return
+    if par.dp_shard > 1:
+        raise ConfigError("parallel.grad_compression", par.grad_compression,
+                          f"not defined with ZeRO (dp_shard = {par.dp_shard}, zero_stage ="
+                          f" {par.zero_stage}): its gradients are reduce-scattered into shards,"
+                          " not all-reduced by the reducer compression plugs into; use"
+                          " dp_shard = 1 or grad_compression = none")
+    if par.dp_mode != "sync":
+        raise ConfigError("parallel.grad_compression", par.grad_compression,
+                          f"compresses synchronous data parallelism's gradients; dp_mode ="
+                          f" {par.dp_mode} merges weights in an outer loop instead; use"
+                          " dp_mode = sync or grad_compression = none")
+    if tr.grad_reduce_dtype != "fp32":
+        raise ConfigError("train.grad_reduce_dtype", tr.grad_reduce_dtype,
+                          f"parallel.grad_compression = {par.grad_compression} sends its own"
+                          " format (fp32 factors, int8, or values and indices); use fp32")
 
 
 def _validate_zero_pipeline(config: Config) -> None:

@@ -128,6 +128,20 @@ class Layout:
 
 
 @dataclass(frozen=True)
+class CompressionSpec:
+    """The data-parallel reducer's gradient compression, resolved from ``parallel.grad_
+    compression*`` (``loom.config.compression_of``; ``loom.parallel.compression`` builds it)."""
+
+    method: str = "none"  # none | powersgd | int8 | topk
+    rank: int = 4  # PowerSGD's rank
+    topk_ratio: float = 0.01  # fraction of each tensor's elements top-k sends
+    adaptive: str = "none"  # "lgreco": per-tensor levels re-chosen every ``refresh`` steps
+    refresh: int = 100
+    # PowerSGD compresses a matrix only where (rows + cols) r * this < rows cols (torch's rule)
+    min_compression_rate: float = 2.0
+
+
+@dataclass(frozen=True)
 class Job:
     """Everything the builders need, resolved once (``loom.config.job_of``): the model's shape,
     the layout, and the step's numerics. ``parallelize`` and the pipeline builder take this one
@@ -147,6 +161,9 @@ class Job:
     # replicas' weights merged by ``loom.parallel.outer``). A Job field, not a Layout one, while
     # the simulator and the planner price sync only (issue 19 item 4 moves it).
     dp_mode: str = "sync"
+    # The data-parallel reducer's gradient compression (``parallel.grad_compression``); None:
+    # none. A Job field for the same reason as dp_mode: the planner does not price it yet.
+    compression: CompressionSpec | None = None
 
 
-__all__ = ["Layout", "Job", "V_SHAPED"]
+__all__ = ["Layout", "Job", "CompressionSpec", "V_SHAPED"]

@@ -166,4 +166,5 @@ def _data_parallel(model: nn.Module, meshes: Meshes, job: Job, ledger: CommLedge
     if dp_mesh.size() == 1:
         return None
     return GradientReducer(params, dp_mesh.get_group(), dp_mesh.size(), ledger=ledger, axis=axis,
-                           reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes)
+                           reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
+                           compression=job.compression, seed=job.seed)

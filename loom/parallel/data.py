@@ -15,6 +15,11 @@ sent for it at the end). Its ``sync`` off accumulates microbatches locally (the 
 runtime turns it on for a stage's last backward piece, or ``flush``es after a W); ``finish``
 waits for the reductions and writes the averages back. Degree 1: no reducer.
 
+Gradient compression (``parallel.grad_compression``, ``loom.parallel.compression``): a
+``GradCompressor`` replaces a bucket's fp32 all-reduce by its compressed collectives (int8 or
+top-k all-gathers, PowerSGD's two all-reduces) with error feedback, launched from the same hook;
+``finish`` lets it decode and write the averages back. ``none`` leaves this path untouched.
+
 Why not torch's ``DistributedDataParallel``: it rejects DTensor parameters, so it cannot follow
 tensor parallelism (torch 2.13's workaround drops them from reduction), and its collectives are
 issued inside its C++ reducer where ``loom.parallel.comm`` cannot count them. This reducer works on
@@ -60,6 +65,7 @@ from torch import nn
 from loom.formulas.memory import BUCKET_BYTES  # the memory formulas depend on it too
 from loom.models.moe import GroupedExperts
 from loom.parallel import comm
+from loom.parallel.compression import CompressionSpec, GradCompressor, build_compressor
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -68,13 +74,18 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class GradientReducer:
-    """Averages the gradients of ``params`` over ``group`` (``size`` ranks) after backward."""
+    """Averages the gradients of ``params`` over ``group`` (``size`` ranks) after backward.
+
+    ``compression``: what each bucket sends (``loom.parallel.compression``; None or ``none``:
+    the fp32 all-reduce); ``seed`` seeds PowerSGD's warm-start Q, the same on every rank."""
 
     def __init__(self, params: Sequence[nn.Parameter], group: Any, size: int, *,
                  ledger: comm.CommLedger | None = None, axis: str = "dp",
                  bucket_bytes: int = BUCKET_BYTES,
-                 reduce_dtype: torch.dtype = torch.float32) -> None:
+                 reduce_dtype: torch.dtype = torch.float32,
+                 compression: CompressionSpec | None = None, seed: int = 0) -> None:
         self.group, self.size, self.ledger, self.axis = group, size, ledger, axis
+        self.compression, self.seed = compression, seed
         self.reduce_dtype = reduce_dtype  # bf16: half the bytes, gradients summed in bf16
         self.sync = True
         self.buckets: list[list[nn.Parameter]] = []
@@ -91,7 +102,14 @@ class GradientReducer:
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self._hooks = {id(p): p.register_post_accumulate_grad_hook(self._on_gradient_ready)
                        for bucket in self.buckets for p in bucket}
+        self._build_compressor()
         self._reset()
+
+    def _build_compressor(self) -> None:
+        """The compressor's state is per tensor, in bucket order (its checkpoint slots)."""
+        self.compressor: GradCompressor | None = build_compressor(
+            [p for bucket in self.buckets for p in bucket], self.group, self.size,
+            self.compression, ledger=self.ledger, axis=self.axis, seed=self.seed)
 
     def drop(self, params: Sequence[nn.Parameter]) -> None:
         """Stop reducing ``params``: a pipeline rank that holds both ends of a tied embedding
@@ -102,12 +120,13 @@ class GradientReducer:
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         for key in ids & set(self._hooks):
             self._hooks.pop(key).remove()
+        self._build_compressor()  # before any step: nothing accumulated is lost
         self._reset()
 
     def _reset(self) -> None:
         self._ready = [0] * len(self.buckets)
         self._next = 0  # the next bucket to launch: launches happen in bucket order only
-        self._pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
+        self._pending: list[Any] = []  # (work, flat, grads), or the compressor's buckets
 
     def _on_gradient_ready(self, param: nn.Parameter) -> None:
         if not self.sync:
@@ -123,6 +142,10 @@ class GradientReducer:
             if param.grad is None:  # unused this step here, maybe used elsewhere: send zeros
                 param.grad = torch.zeros_like(param)
             grads.append(_local(param.grad))
+        if self.compressor is not None:
+            self._pending.append(self.compressor.launch(self.buckets[index], grads))
+            self._next = index + 1
+            return
         flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.size).to(self.reduce_dtype)
         work = comm.all_reduce(flat, self.group, axis=self.axis, ledger=self.ledger,
                                async_op=True)
@@ -139,6 +162,10 @@ class GradientReducer:
     def finish(self) -> None:
         """Launch what backward did not (unused parameters), wait, write the averages back."""
         self.flush()
+        if self.compressor is not None:
+            self.compressor.complete(self._pending)
+            self._reset()
+            return
         for work, flat, grads in self._pending:
             work.wait()
             copy_back(flat, grads)

@@ -365,11 +365,32 @@ class Trainer:
         under ``replica<r>``: unprefixed, DCP would keep one copy of what looks replicated and
         every replica would resume from replica 0's. Within a replica it reshards by name."""
         state = training_state(self.model, self.optimizer, zero=self.zero, ep=self.ep)
+        compression = self._compression_state()
+        if compression:  # sync only (config rules): never beside the outer loop's replicas
+            state["compression"] = compression
         if self.outer is None:
             return state
         outer = self.outer.state_dict()  # co2: waits for the average in flight (kept pending)
         state["outer"] = {key: value for key, value in outer.items() if isinstance(value, dict)}
         return {f"replica{self.replica}": state}
+
+    def _compression_state(self) -> dict[str, Any]:
+        """Gradient compression's training state (``loom.parallel.compression``: error-feedback
+        residuals, PowerSGD's Q, L-GreCo's levels and step count): every rank's own, so keyed by
+        the global rank and stage; loaded back only under the same parallel config
+        (``load_checkpoint``)."""
+        state = {f"stage{index}": reducer.compressor.state_dict()
+                 for index, reducer in sorted(self.pipeline.reducers.items())
+                 if getattr(reducer, "compressor", None) is not None}
+        return {f"rank{self.ctx.rank}": state} if state else {}
+
+    def _same_parallel_config(self, path: Path) -> bool:
+        """Whether the checkpoint was saved under this run's ``[parallel]`` (extra.json)."""
+        try:
+            saved = json.loads((Path(path) / checkpoint.EXTRA).read_text())["config"]["parallel"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        return saved == to_dict(self.config)["parallel"]
 
     def _outer_counters(self) -> dict[str, Any]:
         """The outer loop's plain state (the same on every rank): extra.json's ``outer``."""
@@ -418,6 +439,10 @@ class Trainer:
         ``verified``: rank 0 has just verified it (``checkpoint.load`` does not hash it again)."""
         self._refuse_other_dp_mode(path)
         tensors = self._checkpoint_tensors()
+        if "compression" in tensors and not self._same_parallel_config(path):
+            # Saved under another layout or compression: its per-rank residuals do not map onto
+            # this one's, so compression restarts (zero residuals, the seeded warm-start Q).
+            del tensors["compression"]
         extra = checkpoint.load(path, tensors, device=self.ctx.device, verified=verified)
         if self.outer is not None:
             tensors = tensors[f"replica{self.replica}"]
