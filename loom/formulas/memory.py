@@ -42,6 +42,17 @@ def block_activation_bytes(*, s: int, b: int, h: int, f: float, a: int, kv: int,
     return full
 
 
+def block_weight_grad_bytes(*, s: int, b: int, h: int, f: float, a: int, kv: int,
+                            e: int = 4) -> float:
+    """What one block (no tp) still holds between its input-gradient step I and its weight-gradient
+    step W (Zero Bubble's M_W; the freeing split of ``loom.pipeline.stage``): each linear's input
+    and its output's gradient. Inputs: both norms' outputs (one each for q/k/v and for w1/w3), the
+    attention output, the SwiGLU product (3h + f); gradients: q, k, v, wo's and w2's outputs,
+    w1's and w3's (3h + 2h·kv/a + 2f). ``weight_grad_fraction`` = this / ``block_activation_bytes``
+    (0.73 for h = 256, f = 3h, kv = a/2)."""
+    return s * b * e * (6 * h + 2 * h * kv / a + 3 * f)
+
+
 def head_activation_bytes(*, s: int, b: int, h: int, vocab: int, e: int = 4) -> float:
     """The head's saved bytes for one microbatch: final norm (input, output, rstd), the fp32
     log-softmax and the logits (``vocab`` is the rank's share of the vocabulary)."""

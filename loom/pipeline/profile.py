@@ -16,8 +16,11 @@ during every F and counts the bytes of tensors autograd saves for backward, once
 (several ops save the same input) and without parameters or buffers. Each saved storage is wrapped
 in a small object whose deletion — when autograd frees the saved variable, at the end of the
 backward piece that releases it — takes its bytes off the live total, so the curve is what is
-really held, not what a rule says should be. It records the bytes each F saved and what is still
-held after each I (Zero Bubble's M_W / M_B), per (stage, microbatch).
+really held, not what a rule says should be. What a stage keeps for W beyond autograd's saved
+tensors (``PipelineStage.held_for_weight``: the deferred matmuls' inputs and output gradients)
+is handed to ``end`` of the I and counted the same way, once per storage, until its W ends. It
+records the bytes each F saved and what is still held after each I (Zero Bubble's M_W / M_B),
+per (stage, microbatch).
 
 The functions below turn recordings (one ``RankProfile`` per rank, plain picklable data) into
 ``StageCosts`` for the simulator (calibration), a measured ``SimResult`` that ``render_gantt``
@@ -86,6 +89,7 @@ class PipelineRecorder:
                       for t in (*m.parameters(), *m.buffers())}
         self._live: dict[int, list] = {}  # storage ptr -> [references, bytes, (stage, mb)]
         self._live_by_owner: dict[tuple[int, int], int] = defaultdict(int)
+        self._held: dict[tuple[int, int], list[int]] = {}  # (stage, mb) -> storages held for W
         self._live_total = 0
         self._owner: tuple[int, int] = (-1, -1)
         self._hooks: Any = None
@@ -110,7 +114,9 @@ class PipelineRecorder:
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
             self._hooks.__enter__()
 
-    def end(self, action: Action) -> None:
+    def end(self, action: Action, held: Iterable[torch.Tensor] = ()) -> None:
+        """After ``action``; for an I, ``held`` is what the stage keeps for the W beyond
+        autograd's saved tensors (counted until that W ends)."""
         now = time.perf_counter()
         self._step.actions.append((str(action), self._start, now))
         if self._hooks is not None:
@@ -119,7 +125,11 @@ class PipelineRecorder:
             self.profile.forward_bytes[self._owner] = self._live_by_owner[self._owner]
         elif self.track_memory and action.op is Op.I:
             key = (action.stage, action.microbatch)
+            self._hold(key, held)
             self.profile.after_input_grad[key] = self._live_by_owner[key]
+        elif self.track_memory and action.op is Op.W:
+            for storage in self._held.pop((action.stage, action.microbatch), ()):
+                self._release(storage)
 
     # -- saved-tensor accounting ------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> Any:
@@ -138,6 +148,23 @@ class PipelineRecorder:
         # never runs (I retains the graph, W runs only the weight paths) would never be freed.
         # Backward reads only the data; double backward through a recorded F is not supported.
         return _Saved(tensor.detach(), key, self)
+
+    def _hold(self, owner: tuple[int, int], tensors: Iterable[torch.Tensor]) -> None:
+        """Count ``tensors``' storages (once each) for ``owner`` until its W ends. A storage
+        autograd still holds is shared, not counted twice: the last release un-counts it."""
+        keys: list[int] = []
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key in self._skip or storage.nbytes() == 0 or key in keys:
+                continue
+            entry = self._live.get(key)
+            if entry is None:
+                entry = self._live[key] = [0, storage.nbytes(), owner]
+                self._change(owner, entry[1])
+            entry[0] += 1
+            keys.append(key)
+        self._held[owner] = keys
 
     def _release(self, key: int) -> None:
         entry = self._live.get(key)

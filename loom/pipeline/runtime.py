@@ -272,8 +272,8 @@ class PipelineRuntime:
                     sends.append(comm.isend(payload, self.pp_ranks[transfer.peer],
                                             self.pp_group, axis="pp", ledger=self.ledger,
                                             tag=transfer.tag(schedule.num_microbatches)))
-            if recorder is not None:
-                recorder.end(action)
+            if recorder is not None:  # what an I leaves for its W, beyond autograd's saved tensors
+                recorder.end(action, stage.held_for_weight(mb) if action.op is Op.I else ())
             if final_piece:  # what the hooks did not reduce (all of it after a W) goes now,
                 self.reducers[action.stage].flush()  # overlapping the rest of the schedule
         for work in sends:
@@ -408,6 +408,9 @@ def build_pipeline(job: Job, schedule: Schedule, *, grid: RankGrid, meshes: Mesh
     for stage in stages.values():
         stage.applied = parallelize(stage.module, meshes, job, cp_groups=cp_groups, ledger=ledger)
         stage.module = stage.applied.module
+        # A block recomputed in full saves placeholders that unpack once: the freeing I/W split
+        # reads a matmul's input before its node does, so such stages keep the retaining split.
+        stage.free_graph_after_input_grad = job.layout.recompute in ("none", "selective")
     tie_group = tie_embedding(args, schedule, stages, grid, rank)
     copy_group = None
     if schedule.num_routes > 1:  # creating groups is collective: every rank, the same order

@@ -6,17 +6,31 @@ model) and keeps, per microbatch in flight, what its backward needs. It computes
 tensors between ranks is ``loom.pipeline.runtime``'s job, so nothing here communicates.
 
 The I/W split. ``I`` (gradient w.r.t. the stage input) and ``W`` (gradients w.r.t. the weights)
-must give the same numbers as one full backward ``B`` without running the backward twice. Loom
-calls torch's ``stage_backward_input`` / ``stage_backward_weight``
-(``torch.distributed.pipelining._backward``): I runs ``autograd.grad`` to the input only, with
-pre-hooks that capture the gradients flowing into the "intermediate" nodes where the weight
-branches join the input path; W then starts ``autograd.grad`` from those saved gradients to the
-weights, so the shared part of the graph is not recomputed. The graph walk that finds those nodes
-is subtle (it must not double count descendants), is maintained with torch's own ZB schedules and
-tested there, and a second copy in Loom would be a liability; the module is private, so
-``tests/unit/pipeline/test_stage.py`` pins the behaviour Loom relies on (I+W == B, bit for bit
-on CPU). The first stage has no input gradient (its input is token ids), so its I is a no-op and
-its W is the full backward, as in torch's own runtime.
+must give the same numbers as one full backward ``B`` without running the backward twice, and I
+must free every activation W does not read, so that a rank holds what the schedule's memory
+accounting says (Zero Bubble's M_W after I, not the whole M_B until W). Loom's I therefore walks
+the microbatch's autograd graph once (``_plan_split``) and finds every matmul whose second operand
+is a parameter used nowhere else (an ``nn.Linear``: ``MmBackward0`` / ``AddmmBackward0`` of
+``weight.t()``, optionally through autocast's cast, plus its bias). I runs ``autograd.grad`` to the
+stage input and to every *other* parameter (norm weights, which are small, and MoE experts, whose
+parameter-sized gradients are too large to hold per microbatch in flight; their gradients are
+accumulated during I) without ``retain_graph``, so
+autograd frees each saved tensor as soon as its node has run; a pre-hook on each deferred
+matmul's node keeps what its weight gradient needs, the layer input autograd saved for it and
+the gradient of its output. W then computes ``grad^T @ input`` (and the bias's row sum) exactly
+as autograd's ``mm_mat2_backward`` would, the same kernels on the same operands, so the result is
+bit-identical to a full backward. On the first stage (token ids: no input gradient) I stops at
+the embedding's output (a ``GradientEdge``) and W finishes the embedding's backward, so that
+stage frees at I too.
+
+Where that plan cannot be made the stage keeps the retaining split of torch's
+``stage_backward_input`` / ``stage_backward_weight`` (``torch.distributed.pipelining._backward``:
+I runs ``autograd.grad(..., retain_graph=True)`` and W restarts from the intermediates where the
+weight branches join, so the whole graph is held until W): parameters that are DTensors (tensor
+parallelism, ZeRO-3's FSDP2) and blocks recomputed in full (``free_graph_after_input_grad`` off,
+set by ``build_pipeline``: reading a checkpointed matmul's input in I would unpack it twice).
+``tests/unit/pipeline/test_stage.py`` pins both (I+W == B, bit for bit on CPU, and what each
+frees).
 """
 
 from __future__ import annotations
@@ -28,7 +42,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, Node
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.distributed.tensor import DTensor
 
 from loom.models import Transformer, TransformerArgs, build_model, reset_parameters
 from loom.parallel import Parallelized
@@ -37,15 +53,147 @@ from loom.schedule.ir import Schedule
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+# Autograd nodes the split plan reads (torch's generated names; ``_plan_split`` falls back to
+# computing a parameter's gradient in I whenever the graph around it looks any other way).
+_MATMULS = {"MmBackward0": "_saved_self", "AddmmBackward0": "_saved_mat1"}  # -> first operand
+_CAST = "ToCopyBackward0"  # autocast's copy of a weight in the compute dtype
+_LEAF = "torch::autograd::AccumulateGrad"  # its name(), unlike the generated nodes
+
+
+@dataclass(eq=False)
+class _DeferredMatmul:
+    """One matmul ``inputs @ weight.t() (+ bias)`` whose weight gradient W computes.
+
+    Until I runs it holds autograd's node; its pre-hook (``read``, run by I just before the node)
+    keeps what autograd saved as the first operand (the layer input, 2-D, in the compute dtype)
+    and the gradient of the node's output, and drops the node, so nothing else of the graph
+    outlives I."""
+
+    node: Node | None
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    column_major: bool  # which branch autograd's mm_mat2_backward takes (weight.t() col-major)
+    inputs: torch.Tensor | None = None
+    grad: torch.Tensor | None = None
+
+    def read(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        node, self.node = self.node, None
+        # Detached: the unpacked input is an activation with a grad_fn, which would keep the
+        # graph's nodes (and W's results) attached to it.
+        self.inputs = getattr(node, _MATMULS[node.name()]).detach()
+        self.grad = grad_outputs[0]
+
+    def weight_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """The gradients autograd's mm backward (and the casts of autocast) would produce."""
+        if self.column_major:  # mm_mat2_backward: grad.t().mm(mat1).t(), then TBackward's .t()
+            dw = self.grad.t().mm(self.inputs)
+        else:
+            dw = self.inputs.t().mm(self.grad).t()
+        grads = [(self.weight, dw.to(self.weight.dtype))]
+        if self.bias is not None:  # addmm's self gradient, summed to the bias's shape
+            grads.append((self.bias, self.grad.sum(0).to(self.bias.dtype)))
+        return grads
+
+
+@dataclass
+class _SplitPlan:
+    """How one microbatch's I frees its graph and what its W computes (``_plan_split``)."""
+
+    matmuls: list[_DeferredMatmul]
+    eager: list[nn.Parameter]  # gradients computed (and accumulated) in I
+    embedding: Node | None = None  # first stage: I stops at this node's input, W runs it
+    embedding_weight: nn.Parameter | None = None
+    embedding_grad: torch.Tensor | None = None  # the embedding output's gradient, from I
+
+    def held(self) -> list[torch.Tensor]:
+        """What this microbatch holds between I and W."""
+        tensors = [t for m in self.matmuls for t in (m.inputs, m.grad) if t is not None]
+        return tensors + ([self.embedding_grad] if self.embedding_grad is not None else [])
+
+
+def _single_use_leaf(node: Node | None, indegree: dict[Node, int],
+                     through: tuple[str, ...]) -> nn.Parameter | None:
+    """The parameter at the end of ``node`` (passing first the nodes named ``through``, then an
+    optional autocast copy), when every node on the way, the parameter's included, has exactly
+    one consumer in the graph: then its gradient comes from this one use only."""
+    for name in through + (_CAST,):
+        if node is not None and node.name() == name:
+            if indegree[node] != 1 or len(node.next_functions) != 1:
+                return None
+            node = node.next_functions[0][0]
+        elif name != _CAST:
+            return None
+    if node is None or node.name() != _LEAF or indegree[node] != 1:
+        return None
+    return node.variable
+
+
+def _plan_split(output: torch.Tensor, params: Sequence[nn.Parameter], *,
+                cut_embedding: bool) -> _SplitPlan:
+    """Walk ``output``'s graph once: each parameter used once, as the transposed second operand
+    of a matmul whose first operand needs a gradient (an ``nn.Linear``), is deferred to W; with
+    ``cut_embedding`` an embedding's weight too; every other parameter is eager."""
+    indegree: dict[Node, int] = {output.grad_fn: 0}
+    stack, order = [output.grad_fn], []
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if child in indegree:
+                indegree[child] += 1
+            else:
+                indegree[child] = 1
+                stack.append(child)
+    wanted = {id(p) for p in params}
+    matmuls: list[_DeferredMatmul] = []
+    plan = _SplitPlan(matmuls, [])
+    for node in order:
+        name, edges = node.name(), node.next_functions
+        if name in _MATMULS and edges[-2][0] is not None:  # the input path runs in I
+            weight = _single_use_leaf(edges[-1][0], indegree, ("TBackward0",))
+            if weight is None or id(weight) not in wanted:
+                continue
+            bias = None
+            if name == "AddmmBackward0":
+                bias = _single_use_leaf(edges[0][0], indegree, ())
+                if bias is None or id(bias) not in wanted or bias.dim() != 1:
+                    continue  # a shared or non-parameter addend: leave the whole node to I
+            sizes, strides = node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides
+            column_major = strides[0] == 1 and strides[1] == sizes[0]
+            matmuls.append(_DeferredMatmul(node, weight, bias, bool(column_major)))
+        elif cut_embedding and name == "EmbeddingBackward0" and plan.embedding is None:
+            weight = _single_use_leaf(edges[0][0], indegree, ())
+            if weight is not None and id(weight) in wanted:
+                plan.embedding, plan.embedding_weight = node, weight
+    deferred = {id(p) for m in matmuls for p in (m.weight, m.bias) if p is not None}
+    if plan.embedding_weight is not None:
+        deferred.add(id(plan.embedding_weight))
+    plan.eager = [p for p in params if id(p) not in deferred]
+    return plan
+
+
+def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """Add to ``.grad`` in place, as torch's ``stage_backward_weight`` does: the buffers of ZeRO-1
+    (views of one flat tensor) stay, and no accumulate hook fires (the runtime flushes after W)."""
+    if param.grad is None:
+        param.grad = grad if grad.stride() == param.stride() else grad.contiguous()
+    else:
+        param.grad += grad
+
+
 @dataclass
 class _InFlight:
     """What one microbatch's backward needs: the stage input (a leaf when it needs a gradient),
-    the output (or the loss on the last stage), and after I the saved gradients for W."""
+    the output (or the loss on the last stage), and after I what W needs: the deferred matmuls
+    (``plan``) or, on the retaining path, torch's saved gradients (``param_groups``)."""
 
     inputs: torch.Tensor
     output: torch.Tensor
     output_grad: torch.Tensor | None = None
     param_groups: list[dict[str, Any]] | None = None
+    plan: _SplitPlan | None = None
 
 
 @dataclass
@@ -67,6 +215,9 @@ class PipelineStage:
     # MoE: this step's load-balancing loss of the slice's layers, summed over the microbatches
     # it trained (for the log; its gradient joins in backward: aux_loss_backward_scale)
     aux_loss_sum: torch.Tensor | None = None
+    # I frees every activation W does not read (see the module docstring); off: the retaining
+    # split, for blocks recomputed in full. DTensor parameters always take the retaining split.
+    free_graph_after_input_grad: bool = True
     _in_flight: dict[int, _InFlight] = field(default_factory=dict)
 
     @property
@@ -112,10 +263,18 @@ class PipelineStage:
         self._in_flight[microbatch] = _InFlight(inputs, out)
         return out
 
+    def _frees_graph(self) -> bool:
+        return self.free_graph_after_input_grad and not any(
+            isinstance(p, DTensor) for p in self.module.parameters())
+
     def backward_input(self, microbatch: int, output_grad: torch.Tensor | None) -> torch.Tensor | None:
         """I: the gradient w.r.t. the stage input (None on the first stage); W must follow."""
         state = self._in_flight[microbatch]
         state.output_grad = output_grad
+        if self._frees_graph():
+            plan = _plan_split(state.output, self.parameters(), cut_embedding=self.is_first)
+            if not self.is_first or plan.embedding is not None:
+                return self._input_grad_freeing(state, plan)
         if self.is_first:
             return None  # token ids have no gradient; W does the whole backward
         grads = None if output_grad is None else [output_grad]
@@ -124,13 +283,68 @@ class PipelineStage:
         state.inputs = state.output = None  # type: ignore[assignment]  (W needs only the groups)
         return dinputs[0]
 
+    def _input_grad_freeing(self, state: _InFlight, plan: _SplitPlan) -> torch.Tensor | None:
+        """I without ``retain_graph``: the input gradient and the eager parameters' gradients;
+        the deferred matmuls' pre-hooks keep what W needs (``_SplitPlan``)."""
+        start = GradientEdge(plan.embedding, 0) if self.is_first else state.inputs
+        handles = [m.node.register_prehook(m.read) for m in plan.matmuls]
+        try:
+            grads = torch.autograd.grad(
+                [state.output], [start, *plan.eager],
+                None if state.output_grad is None else [state.output_grad], allow_unused=True)
+        finally:
+            for handle in handles:  # before the graph goes: the nodes must still be alive
+                handle.remove()
+        missed = [m for m in plan.matmuls if m.grad is None]
+        for m in missed:
+            m.node = None
+        if missed:  # a matmul that I did not reach: its weight would get no gradient
+            raise RuntimeError(f"stage {self.index}: the input-gradient pass did not reach the"
+                               f" matmul of a {tuple(missed[0].weight.shape)} weight")
+        for param, grad in zip(plan.eager, grads[1:]):
+            if grad is not None:
+                _accumulate(param, grad)
+        state.plan, state.output_grad = plan, None
+        state.inputs = state.output = None  # type: ignore[assignment]  (frees the graph)
+        if self.is_first:
+            plan.embedding_grad = grads[0]
+            return None
+        return grads[0]
+
+    def held_for_weight(self, microbatch: int) -> list[torch.Tensor]:
+        """The tensors ``microbatch`` holds between its I and its W beyond what autograd saved
+        (the deferred matmuls' inputs and output gradients, or on the retaining path the saved
+        gradients at the intermediates), for the memory recorder."""
+        state = self._in_flight.get(microbatch)
+        if state is None:
+            return []
+        if state.plan is not None:
+            return state.plan.held()
+        return [g for group in state.param_groups or () for grads in group.get("grads") or ()
+                for g in grads or () if g is not None]
+
     def backward_weight(self, microbatch: int) -> None:
         """W: accumulate the weight gradients of ``microbatch`` into ``.grad``; frees its state."""
         state = self._in_flight.pop(microbatch)
-        if self.is_first:
+        plan = state.plan
+        if plan is not None:
+            with torch.no_grad():
+                self._weight_grads(plan)
+        elif self.is_first:
             torch.autograd.backward(state.output, state.output_grad)
         else:
             stage_backward_weight(self.parameters(), state.param_groups)
+
+    @staticmethod
+    def _weight_grads(plan: _SplitPlan) -> None:
+        """W of the freeing split: every deferred matmul's gradients, then the embedding's."""
+        while plan.matmuls:  # popped: each matmul's tensors go as soon as its gradient is in
+            for param, grad in plan.matmuls.pop().weight_grads():
+                _accumulate(param, grad)
+        if plan.embedding is not None:
+            (grad,) = torch.autograd.grad([GradientEdge(plan.embedding, 0)],
+                                          [plan.embedding_weight], [plan.embedding_grad])
+            _accumulate(plan.embedding_weight, grad)
 
     def backward(self, microbatch: int, output_grad: torch.Tensor | None) -> torch.Tensor | None:
         """B: one backward pass for the input and the weights; returns the input gradient."""
