@@ -16,6 +16,11 @@ The network, made by ``EmulatedNetwork`` (root only; ``ip`` and ``tc`` from ipro
   gloo, where no software delay can be added per message. The link table's latencies still feed
   the simulator; the emulation says so when it starts (``describe``).
 
+Compute: a node's ``compute`` factor (its speed relative to the others) becomes a slowdown of
+that rank's forward and backward pieces: after each one it sleeps ``(1/speed - 1)`` times what the
+piece took, speeds taken relative to the fastest node (a device cannot be made faster).
+``compute_speeds`` writes them for ``COMPUTE_ENV``; ``loom.train.distributed`` reads this rank's.
+
 A worker joins its namespace with ``enter_namespace`` *after* connecting to the launcher's TCP
 store in the root namespace (a connected socket keeps its namespace) and *before* creating its
 gloo group, whose sockets then live in the namespace. Namespaces are removed on exit, also after
@@ -35,6 +40,7 @@ from typing import Sequence
 from loom.cluster import Cluster
 
 NAMESPACE_ENV = "LOOM_EMULATED_NETNS"  # the launcher's namespace prefix, read by each worker
+COMPUTE_ENV = "LOOM_EMULATED_COMPUTE"  # every rank's relative speed, comma-separated
 INTERFACE = "eth0"
 SUBNET = "10.213.0"
 _CLONE_NEWNET = 0x40000000
@@ -141,9 +147,11 @@ class EmulatedNetwork:
         rates = sorted({round(self.cluster.link(a, b).gbit, 6) for a in range(self.cluster.size)
                         for b in range(self.cluster.size) if a != b})
         shown = ", ".join(f"{r:g}" for r in rates) or f"{self.cluster.default.gbit:g}"
+        speeds = compute_speeds(self.cluster)
+        slowed = "" if set(speeds.split(",")) == {"1.0"} else f"; rank speeds {speeds}"
         return (f"emulated network: {self.cluster.size} ranks in namespaces {self.prefix}*, links"
-                f" shaped to {shown} Gbit/s (HTB per destination); link latencies not emulated"
-                " (no netem, and gloo's messages cannot be delayed from outside)")
+                f" shaped to {shown} Gbit/s (HTB per destination){slowed}; link latencies not"
+                " emulated (no netem, and gloo's messages cannot be delayed from outside)")
 
 
 def _rate(bytes_per_s: float) -> list[str]:
@@ -152,6 +160,20 @@ def _rate(bytes_per_s: float) -> list[str]:
     bits = max(8, int(bytes_per_s * 8))
     burst = max(64 * 1024, int(bytes_per_s / 1000))
     return ["rate", f"{bits}bit", "ceil", f"{bits}bit", "burst", str(burst), "cburst", str(burst)]
+
+
+def compute_speeds(cluster: Cluster) -> str:
+    """``COMPUTE_ENV``'s value: each rank's speed relative to the fastest node."""
+    fastest = max(node.compute for node in cluster.nodes)
+    return ",".join(f"{node.compute / fastest!r}" for node in cluster.nodes)
+
+
+def compute_speed_of(value: str, rank: int) -> float:
+    """This rank's relative speed from ``COMPUTE_ENV``'s value (1.0: full speed)."""
+    speeds = [float(part) for part in value.split(",")]
+    if not 0 <= rank < len(speeds) or not 0 < speeds[rank] <= 1:
+        raise ValueError(f"{COMPUTE_ENV}={value!r} gives no speed in (0, 1] for rank {rank}")
+    return speeds[rank]
 
 
 def enter_namespace(name: str) -> None:
@@ -167,5 +189,5 @@ def enter_namespace(name: str) -> None:
         os.close(fd)
 
 
-__all__ = ["EmulatedNetwork", "EmulationUnavailable", "enter_namespace", "NAMESPACE_ENV",
-           "INTERFACE"]
+__all__ = ["EmulatedNetwork", "EmulationUnavailable", "enter_namespace", "compute_speeds",
+           "compute_speed_of", "NAMESPACE_ENV", "COMPUTE_ENV", "INTERFACE"]

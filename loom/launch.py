@@ -37,7 +37,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from loom.cluster import Cluster
 from loom.config import Config, ConfigError, from_dict, to_dict, to_toml
 from loom.data.loader import prepare_data
-from loom.emulate import NAMESPACE_ENV, EmulatedNetwork, EmulationUnavailable
+from loom.emulate import COMPUTE_ENV, NAMESPACE_ENV, EmulatedNetwork, EmulationUnavailable, \
+    compute_speeds
 from loom.supervise import INTERRUPT_WAIT_S, Interrupted, Supervisor
 from loom.train import preempt, watchdog
 from loom.train.distributed import init_distributed
@@ -176,8 +177,9 @@ def launch_local(config: Config, run_dir: Path, nproc: int, max_restarts: int = 
     grace = config.train.preempt_grace_s
     network = EmulatedNetwork(emulate) if emulate is not None else contextlib.nullcontext()
     with Supervisor(run_dir, run_id, grace) as supervisor, network:
-        if emulate is not None:  # the workers inherit it and join their namespaces
+        if emulate is not None:  # the workers inherit these: their namespace and their speed
             os.environ[NAMESPACE_ENV] = network.prefix
+            os.environ[COMPUTE_ENV] = compute_speeds(emulate)
             print(f"loom train: {network.describe()}", file=sys.stderr)
         try:
             results = elastic_launch(launch_config, worker_main)(to_dict(config), str(run_dir))
@@ -193,6 +195,7 @@ def launch_local(config: Config, run_dir: Path, nproc: int, max_restarts: int = 
             raise WorkerFailed(f"stopped by {err.sigval.name}; the workers were stopped") from None
         finally:
             os.environ.pop(NAMESPACE_ENV, None)
+            os.environ.pop(COMPUTE_ENV, None)
     return results[0]
 
 

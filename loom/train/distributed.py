@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from loom.emulate import INTERFACE, NAMESPACE_ENV, enter_namespace
+from loom.emulate import COMPUTE_ENV, INTERFACE, NAMESPACE_ENV, compute_speed_of, enter_namespace
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,9 @@ class DistContext:
     local_world_size: int
     device: torch.device
     backend: str
+    # Emulated heterogeneous node (``loom.emulate``): this rank's compute runs at this fraction
+    # of its real speed; 1.0 everywhere else.
+    compute_speed: float = 1.0
 
     @property
     def is_main(self) -> bool:
@@ -103,7 +106,8 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
         )
     else:
         chosen_backend = dist.get_backend()
-    return DistContext(rank, world_size, local_rank, local_world_size, dev, chosen_backend)
+    speed = compute_speed_of(env[COMPUTE_ENV], rank) if COMPUTE_ENV in env else 1.0
+    return DistContext(rank, world_size, local_rank, local_world_size, dev, chosen_backend, speed)
 
 
 def _restart_store(env, rank: int, world_size: int, timeout: datetime.timedelta):

@@ -64,6 +64,7 @@ from loom.topology import DATA_AXES, build_mesh
 from loom.train import checkpoint, full_state, preempt
 from loom.train.checkpoint_state import load_training_state, training_state
 from loom.train.distributed import DistContext, init_distributed
+from loom.train.emulated_speed import slowed_to
 from loom.train.flops import describe_peak, device_peak_flops
 from loom.train.metrics import MetricsLogger, StepTimer, peak_memory_bytes
 from loom.train.optim import build_optimizer, build_scheduler
@@ -264,11 +265,14 @@ class Trainer:
 
     def _compute_context(self) -> contextlib.AbstractContextManager:
         """Entered around every forward and backward piece: DTensor's (tensor-parallel)
-        collectives counted into the ledger, saved activations offloaded to the host."""
+        collectives counted into the ledger, saved activations offloaded to the host, and on an
+        emulated slower node (``loom.emulate``) the piece stretched to its speed."""
         stack = contextlib.ExitStack()
         if self.tp is not None and self.ledger is not None:
             stack.enter_context(self.tp.counting())
         stack.enter_context(activation_offload(self.offload))
+        if self.ctx.compute_speed < 1:
+            stack.enter_context(slowed_to(self.ctx.compute_speed, self.ctx.device))
         return stack
 
     def _reduce_expert_gradients(self) -> None:
