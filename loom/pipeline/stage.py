@@ -125,6 +125,11 @@ def _single_use_leaf(node: Node | None, indegree: dict[Node, int],
             return None
     if node is None or node.name() != _LEAF or indegree[node] != 1:
         return None
+    if getattr(node.variable, "_backward_hooks", None):
+        # A hook registered on the parameter (Tensor.register_hook) sees or changes its gradient
+        # inside autograd; W's own matmul would bypass it, so autograd computes this one in I.
+        # (Post-accumulate hooks, the reducer's, are not affected: the runtime flushes after W.)
+        return None
     return node.variable
 
 

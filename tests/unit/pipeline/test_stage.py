@@ -77,6 +77,29 @@ def test_input_then_weight_equals_full_backward(index, variant, autocast):
                 assert torch.equal(a, b), f"{mode}: input gradient differs"
 
 
+def test_a_hook_on_a_weight_runs_under_the_freeing_split():
+    """A gradient hook registered on a linear's weight (``Tensor.register_hook``) changes that
+    gradient under I then W as under a full backward: the freeing split leaves such a weight to
+    autograd instead of computing its gradient itself."""
+    torch.manual_seed(0)
+    hidden, grad_out = torch.randn(2, 8, ARGS.dim), torch.randn(2, 8, ARGS.dim)
+    results = {}
+    for mode in ("B", "free"):
+        stage = one_stage(1, 3)
+        stage.free_graph_after_input_grad = mode == "free"
+        weight = stage.module.layers["1"].attention.wq.weight
+        weight.register_hook(lambda g: g * 3.0)
+        stage.forward(0, hidden, None, cross_entropy)
+        if mode == "B":
+            stage.backward(0, grad_out)
+        else:
+            stage.backward_input(0, grad_out)
+            stage.backward_weight(0)
+        results[mode] = weight.grad.clone()
+    assert torch.equal(results["free"], results["B"])
+    assert results["B"].abs().sum() > 0
+
+
 @pytest.mark.parametrize("recompute", ["selective", "full"])
 def test_recomputed_blocks_split_as_build_pipeline_chooses(recompute):
     """Selective recomputation (the attention core) keeps the freeing split; a block recomputed
