@@ -185,6 +185,11 @@ class TrainConfig:
     recompute_every: int = 2
     offload_activations: bool = False  # saved activations to host memory (no-op on CPU devices)
     offload_optimizer: bool = False  # optimizer state and step on the host (no-op on CPU devices)
+    # torch.compile each transformer block (inductor; loom/parallel/compile.py), after tensor
+    # parallelism and recomputation and before ZeRO-3, as TorchTitan does; CPU too. The first
+    # steps pay for compilation (seconds per distinct block shape); the numbers equal eager's up
+    # to float reordering by the fused kernels.
+    compile: bool = False
     # Refuse to launch when the estimated peak per rank (loom estimate-memory) exceeds this;
     # 0: the CUDA device's total memory, or on CPU 90% of the host's available memory shared by
     # the local ranks. skip_memory_check (or its older name ignore_memory_limit) overrides.
@@ -541,7 +546,7 @@ def job_of(config: Config, offload_optimizer: bool = False) -> Job:
                seed=tr.seed, dtype=tr.dtype, grad_reduce_dtype=tr.grad_reduce_dtype,
                grad_bucket_mb=tr.grad_bucket_mb, offload_optimizer=offload_optimizer,
                grad_reduce_every_microbatch=tr.grad_reduce_every_microbatch,
-               dp_mode=config.parallel.dp_mode,
+               dp_mode=config.parallel.dp_mode, compile=tr.compile,
                compression=compression_of(config))
 
 

@@ -161,6 +161,7 @@ class Job:
     # replicas' weights merged by ``loom.parallel.outer``). A Job field, not a Layout one, while
     # the simulator and the planner price sync only (issue 19 item 4 moves it).
     dp_mode: str = "sync"
+    compile: bool = False  # torch.compile each transformer block (``train.compile``)
     # The data-parallel reducer's gradient compression (``parallel.grad_compression``); None:
     # none. A Job field for the same reason as dp_mode: the planner does not price it yet.
     compression: CompressionSpec | None = None

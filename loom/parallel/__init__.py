@@ -12,6 +12,9 @@ on, because each later step must see the module the earlier ones produced:
    layer and tokens travel by all-to-all; the data-parallel step below then reduces only the
    dense parameters (expert gradients follow ``expert.reduce_gradients``' rule);
 4. activation recomputation (``activation.py``, ``train.recompute``): blocks wrapped in place;
+   then ``torch.compile`` of each block (``compile.py``, ``train.compile``), as TorchTitan
+   does: after TP and recomputation (it traces what they made), before FSDP2 (whose hooks then
+   stay outside the compiled graph);
 5. data parallelism (``data.py``), always last: it must see the final (local) parameters. Its
    group is ``dp`` (dp_replicate x dp_shard x ep), or ``dp x cp`` when cp > 1, because cp ranks
    hold the same weights and average their gradients like replicas. With ``dp_shard > 1`` it is
@@ -40,6 +43,7 @@ from torch import nn
 from loom.layout import Job, Layout
 from loom.parallel.activation import apply_activation_checkpointing
 from loom.parallel.comm import CommLedger
+from loom.parallel.compile import apply_compile
 from loom.parallel.context import apply_context_parallel
 from loom.parallel.data import GradientReducer, apply_fully_shard
 from loom.parallel.expert import ExpertParallel, apply_expert_parallel, expert_parameter_names
@@ -119,6 +123,8 @@ def parallelize(model: nn.Module, meshes: Meshes, job: Job, *, cp_groups: Any = 
         experts = apply_expert_parallel(model, meshes.root["ep"].get_group(), ledger)
     if parallel.recompute != "none":
         model = apply_activation_checkpointing(model, parallel.recompute, parallel.recompute_every)
+    if job.compile:
+        model = apply_compile(model)
     return Parallelized(model, tensor, experts,
                         _data_parallel(model, meshes, job, ledger, experts))
 

@@ -81,6 +81,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from loom.parallel import comm
 # MAX_IN_FLIGHT: reduce-scatters a rank keeps outstanding before waiting for the oldest: two
@@ -321,7 +322,7 @@ class ZeroShardedOptimizer:
                   {"params": [b.shard for b in self.buckets if not b.decay],
                    "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas,
-                                      eps=eps)
+                                      eps=eps, **adamw_kernel([b.shard for b in self.buckets]))
         optimizer.register_step_post_hook(lambda *_: self.gather_parameters())
         plain_zero_grad = optimizer.zero_grad
 
@@ -383,6 +384,26 @@ class ZeroShardedOptimizer:
                 out[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).clone()
                 offset += local.numel()
         return out
+
+
+def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
+    """AdamW's implementation for ``params``, as keyword arguments: ``fused`` (one kernel per
+    tensor list: each element read and written once, about 3x faster than ``foreach`` on the
+    CPU for the tiny model) where torch has it for the device and the list is homogeneous, else
+    torch's default. Elementwise either way, so a flat ZeRO slice steps exactly as the
+    parameters it holds; ``build_optimizer`` and ZeRO-1/2 both take it from here so that every
+    layout runs the same kernel as the one-process reference (fused and foreach differ in the
+    last bit). Not fused: a list mixing DTensor (tensor-parallel) and plain tensors, as with
+    tp > 1 and a replicated embedding, which neither multi-tensor path takes; meta tensors."""
+    if not params:
+        return {}
+    kinds = {type(p).__name__ == "DTensor" for p in params}
+    devices = {p.device.type for p in params}
+    fusable = set(_get_fused_kernels_supported_devices())
+    if (len(kinds) == 1 and len(devices) == 1 and devices <= fusable
+            and all(torch.is_floating_point(p) for p in params)):
+        return {"fused": True}
+    return {}
 
 
 def apply_zero(model: nn.Module, stage: int, shard_mesh: Any, replicate_mesh: Any, *,

@@ -171,7 +171,10 @@ def _adamw_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[
     if not state:
         from torch.optim.optimizer import _get_scalar_dtype
 
-        state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+        # as AdamW makes it: a fused optimizer keeps ``step`` on the parameter's device
+        fused = any(group.get("fused") for group in optimizer.param_groups)
+        state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype(is_fused=fused),
+                                     device=param.device if fused else None)
         state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
     return state

@@ -20,7 +20,7 @@ from torch import nn
 from loom.parallel.data import is_fully_sharded
 from loom.parallel.expert import clip_grad_norm as ep_clip_grad_norm, expert_parameter_names
 from loom.parallel.tensor import clip_grad_norm as tp_clip_grad_norm
-from loom.parallel.zero import ZeroShardedOptimizer
+from loom.parallel.zero import ZeroShardedOptimizer, adamw_kernel
 
 
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
@@ -37,11 +37,8 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    # The fused multi-tensor path cannot mix DTensor (tensor-parallel) and plain parameters, as
-    # with tp > 1 and a replicated, not vocab-parallel, embedding.
-    kinds = {type(p).__name__ == "DTensor" for p in params}
-    foreach = len(kinds) == 1 and bool(params) and params[0].device.type != "meta"
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=foreach or None)
+    # fused where the device and parameter types allow (zero.adamw_kernel says why and when not)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **adamw_kernel(params))
 
 
 def lr_at(step: int, *, total_steps: int, warmup_steps: int, min_ratio: float) -> float:

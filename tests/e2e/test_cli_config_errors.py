@@ -52,6 +52,8 @@ CASES = {
         ("metrics.profile_steps='4,6'", "1 <= A <= B <= train.steps = 5")),
     "peak-tflops-negative": Case(("--metrics.peak_tflops=-3",),
                                  ("metrics.peak_tflops=-3.0", "must be >= 0")),
+    "compile-moe": Case(("--train.compile=true", "--model.n_experts=4"),
+                        ("train.compile=True", "not built for MoE models")),
     "dry-run-still-refuses": Case(("--dry-run", "--train.global_batch_size=3"),
                                   ("train.micro_batch_size", "must divide")),
 }

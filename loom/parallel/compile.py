@@ -1,0 +1,73 @@
+"""``torch.compile`` per transformer block (``train.compile``), applied from outside the model.
+
+Mesh axes: none (a per-rank compiler pass). Each block of ``model.layers`` (a ``Transformer`` or
+a pipeline stage of one) gets a compiled ``forward`` as an instance attribute, as recomputation
+(``activation.py``) installs its checkpointed one: the module keeps its class and its parameter
+names (no ``_orig_mod.`` wrapper, so checkpoints, the optimizer and the parity tests key on the
+same names), and its ``__call__`` runs the block's own hooks eagerly around the compiled code.
+
+Per block, not the whole model, as TorchTitan does: every block has the same code and shapes, so
+dynamo compiles one graph and reuses it for every layer (compile time stays that of one block;
+measured: one graph for 4 and for 12 layers), and the ends (embedding, head, the
+vocabulary-parallel loss) and the pipeline runtime stay eager.
+
+Where in ``parallelize``: after tensor/context/expert parallelism and activation recomputation,
+before data parallelism (TorchTitan's order). The compiled region then traces what those made:
+DTensor parameters and TP's input/output redistributions (hooks on the block's submodules), and
+the checkpointed ``forward`` that recomputation installed (dynamo turns
+``torch.utils.checkpoint`` into its checkpoint higher-order op). FSDP2's ``fully_shard`` comes
+after: its all-gather and reshard hooks sit on the block itself, so they run eagerly around the
+compiled forward (torch also marks them dynamo-disabled).
+
+``fullgraph=False``: a graph break (ring attention's isend/irecv, document masks' lock) costs
+speed, not correctness. ``dynamic=False``: the shapes of a run are fixed (sequence length,
+micro-batch), and a static graph is what inductor fuses best; a new shape (evaluation's batch)
+compiles once more.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+__all__ = ["apply_compile"]
+
+
+def _fresh_views(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with every tensor argument that is a view replaced by a copy, eagerly, before the
+    compiled region sees it.
+
+    Why: under tensor parallelism without sequence parallelism, the first block's input is the
+    vocabulary-parallel embedding's ``DTensor.to_local()``, a view of the DTensor's local tensor
+    made inside an autograd Function. Given that view as a graph input, AOTAutograd (torch 2.13)
+    regenerates it from its base and routes the input's gradient past ``to_local``'s backward:
+    DTensor's redistribute backward then receives a plain tensor (an AttributeError at tp = 2)
+    or, under FSDP2, the embedding gets a wrong gradient. A fresh tensor has no base to replay.
+    Only that one input per step is a view (block outputs are new tensors); the copy is
+    B x S x D elements, once per forward."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) and a._is_view() else a
+                     for a in args)
+        return fn(*args, **kwargs)
+
+    return run
+
+
+def apply_compile(model: nn.Module) -> nn.Module:
+    """Compile every block of ``model.layers`` in place (inductor); returns ``model``. A module
+    without ``layers`` is returned unchanged."""
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        return model
+    for block in layers.values():
+        # the instance attribute, as activation.py does: names and class unchanged; the block's
+        # own hooks (FSDP2's all-gather, added later) stay outside the compiled region
+        compiled = torch.compile(block.forward, backend="inductor", fullgraph=False,
+                                 dynamic=False)
+        block.forward = _fresh_views(compiled)
+    return model
