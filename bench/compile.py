@@ -28,52 +28,19 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from loom.config import load_config, model_args, resolve  # noqa: E402
+from loom.config import load_config, resolve  # noqa: E402
 from loom.data.loader import prepare_data  # noqa: E402
-from loom.models import build_model, reset_parameters  # noqa: E402
-from loom.parallel.compile import apply_compile  # noqa: E402
-from loom.train.trainer import Trainer, cross_entropy  # noqa: E402
+from loom.train.trainer import Trainer  # noqa: E402
+from single_rank import plain_loop, time_block  # noqa: E402  (bench/ is the script's folder)
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = ("plain", "plain_compiled", "loom", "loom_compiled")
-
-
-def plain_loop(config, batch, compiled: bool):
-    """The reference: model, AdamW, forward/backward/clip/step, nothing else; ``compiled``:
-    each block compiled (``apply_compile``, the same call Loom's ``parallelize`` makes)."""
-    model = build_model(model_args(config), device="meta")
-    model.to_empty(device="cpu")
-    reset_parameters(model, config.train.seed)
-    if compiled:
-        apply_compile(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=config.optim.lr, foreach=True,
-                            betas=(config.optim.beta1, config.optim.beta2),
-                            weight_decay=config.optim.weight_decay)
-    inputs, targets = batch
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = cross_entropy(model(inputs), targets)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.train.grad_clip)
-        opt.step()
-        return float(loss.detach())
-
-    return step
-
-
-def time_block(step, n: int) -> float:
-    start = time.perf_counter()
-    for _ in range(n):
-        step()
-    return (time.perf_counter() - start) / n
 
 
 def main() -> int:

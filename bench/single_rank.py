@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from loom.config import load_config, resolve  # noqa: E402
 from loom.data.loader import prepare_data  # noqa: E402
 from loom.models import build_model, reset_parameters  # noqa: E402
+from loom.parallel.compile import apply_compile  # noqa: E402
 from loom.train.optim import clip_grad_norm  # noqa: E402
 from loom.config import model_args  # noqa: E402
 from loom.train.trainer import Trainer, cross_entropy  # noqa: E402
@@ -36,11 +37,14 @@ from loom.train.trainer import Trainer, cross_entropy  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def plain_loop(config, batch):
-    """The reference: model, AdamW, forward/backward/clip/step, nothing else."""
+def plain_loop(config, batch, compiled: bool = False):
+    """The reference: model, AdamW, forward/backward/clip/step, nothing else; ``compiled``:
+    each block compiled (``apply_compile``, the same call Loom's ``parallelize`` makes)."""
     model = build_model(model_args(config), device="meta")
     model.to_empty(device="cpu")
     reset_parameters(model, config.train.seed)
+    if compiled:
+        apply_compile(model)
     opt = torch.optim.AdamW(model.parameters(), lr=config.optim.lr, foreach=True,
                             betas=(config.optim.beta1, config.optim.beta2),
                             weight_decay=config.optim.weight_decay)
