@@ -50,6 +50,7 @@ VARIANTS = {  # name: extra overrides
     "bf16-selective-recompute": {"train.recompute": "selective"},
     "bf16-full-recompute": {"train.recompute": "full"},
     "fp32": {"train.dtype": "fp32"},  # MFU n/a: the catalog's peak is BF16's
+    "bf16-compile": {"train.compile": True},
 }
 
 

@@ -18,7 +18,9 @@ show, on whatever GPUs the machine has.
 * The command line on a GPU: ``loom train --nproc 1 --train.device=cuda`` in bf16 learns, writes
   its run directory and reports MFU against the catalog's peak; ``loom generate`` samples from it.
 
-``torch.compile`` and FP8 (issue 20 items 4 and 5) have no tests here yet: Loom has neither.
+* ``train.compile`` on a GPU (inductor's Triton kernels) equals eager, fp32 and bf16.
+
+FP8 (issue 20 item 5) has no test here yet: Loom has none.
 """
 
 from __future__ import annotations
@@ -118,6 +120,24 @@ def test_bf16_autocast_on_a_gpu_stays_close_to_fp32(gpus, small_data_dir):
                     small_data_dir, STEPS)[0]
     report("cuda bf16 vs cuda fp32", fp32, bf16)
     assert_close_in_bf16(fp32, bf16, "bf16 vs fp32")
+
+
+# -- torch.compile ------------------------------------------------------------------------------------
+def test_compiled_blocks_on_a_gpu_equal_eager(gpus, small_data_dir):
+    """``train.compile`` (inductor's Triton kernels on the GPU): fp32 equal to eager within float
+    reordering; bf16 as close to eager bf16 as bf16 is to itself."""
+    for dtype in ("fp32", "bf16"):
+        base = {**BASE, "train.dtype": dtype}
+        eager = gpus.run(1, record_training, layout_config(base, 1), small_data_dir, STEPS)[0]
+        compiled = gpus.run(1, record_training, layout_config({**base, "train.compile": True}, 1),
+                            small_data_dir, STEPS, task_timeout_s=600)[0]
+        report(f"compiled vs eager {dtype}", eager, compiled)
+        if dtype == "fp32":
+            assert_parity(eager, compiled, rtol=1e-4, atol=1e-6, label="compiled",
+                          steps=range(1))
+            assert_parity(eager, compiled, rtol=2e-3, atol=1e-4, label="compiled")
+        else:
+            assert_close_in_bf16(eager, compiled, "compiled bf16")
 
 
 # -- packed documents --------------------------------------------------------------------------------
