@@ -1,7 +1,8 @@
 """Benchmark A, schedule quality: Loom's ``schedule search`` vs the best PyTorch 2.13 schedule.
 
 For every cell (p, m, cost profile, memory limit) this builds every schedule family that
-``torch.distributed.pipelining`` 2.13 ships, from torch's own ``pipeline_order`` (computed by the
+``torch.distributed.pipelining`` 2.13 ships, at 1..8 stages per rank where the class takes more
+than one (the search's range), from torch's own ``pipeline_order`` (computed by the
 schedule constructors on fake stages, no processes, as in
 ``tests/unit/pipeline/test_pipeline_torch_interop.py``), keeps those whose peak activation memory
 fits the limit, and simulates them with Loom's simulator; then it runs ``loom.schedule.search``
@@ -12,8 +13,10 @@ torch's ``Schedule1F1B`` order names a microbatch that does not exist on its las
 off-by-one recorded in the interop tests; its runtime uses its own loop, not that order), so the
 1F1B baseline is that order with the off-by-one repaired, which is exactly Loom's ``1f1b``.
 
-    python bench/schedules.py            # full grid, about 20-30 minutes on 2 cores
+    python bench/schedules.py            # full grid; torch's constructors at 8 chunks make
+                                         # p = 32 alone take most of an hour on 2 cores
     python bench/schedules.py --quick    # p in {4, 8} only
+    python bench/schedules.py --sizes 16 # chosen p values
     python bench/schedules.py --extra    # also W=0.75 with latency 0 and 0.02 (m=4p, limit 2p)
 
 Writes ``bench/out/schedules.md`` (the table), ``bench/out/schedules.json`` and Gantt charts
@@ -32,7 +35,7 @@ import torch
 from torch.distributed.pipelining import schedules as ts
 
 from loom.schedule import Action, Op, Schedule, ScheduleError, from_torch_rows, validate
-from loom.schedule.search import placement_costs, search
+from loom.schedule.search import MAX_CHUNKS, placement_costs, search
 from loom.schedule.replay import encode, peak_units
 from loom.schedule.cost import StageCosts
 from loom.schedule.render import render_gantt
@@ -46,6 +49,8 @@ PROFILES = {
     "F=1 I=1 W=1 lat=0.05": StageCosts.uniform(1, 1, 1, 0.05),
     "F=1 I=1 W=0.5 lat=0": StageCosts.uniform(1, 1, 0.5, 0),
     "F=1 I=1 W=0.5 lat=0.05": StageCosts.uniform(1, 1, 0.5, 0.05),
+    # the issue's worst cells for the two-chunk search (I twice F, latency a tenth of F)
+    "F=1 I=2 W=1 lat=0.1": StageCosts.uniform(1, 2, 1, 0.1),
 }
 # Checked inside the range (``--extra``): only the cells the bubble target is about
 EXTRA = {
@@ -53,13 +58,12 @@ EXTRA = {
     "F=1 I=1 W=0.75 lat=0.02": StageCosts.uniform(1, 1, 0.75, 0.02),
 }
 CHARTED = {"F=1 I=1 W=1 lat=0": "w1", "F=1 I=1 W=0.5 lat=0.05": "w05"}
-# (torch class, stages per rank); every class torch 2.13 ships, interleaved ones with 2 chunks
-TORCH = [
-    (ts.ScheduleGPipe, 1), (ts.Schedule1F1B, 1), (ts.ScheduleInterleavedZeroBubble, 1),
-    (ts.ScheduleInterleaved1F1B, 2), (ts.ScheduleLoopedBFS, 2),
-    (ts.ScheduleInterleavedZeroBubble, 2), (ts.ScheduleZBVZeroBubble, 2),
-    (ts.ScheduleDualPipeV, 2),
-]
+# (torch class, stages per rank): every class torch 2.13 ships at every chunk count the search
+# goes up to; torch_schedule drops the ones torch refuses (ZB-V and DualPipeV take exactly 2)
+TORCH = [(cls, chunks) for cls in (getattr(ts, name) for name in ts.__all__
+                                   if name.startswith("Schedule"))
+         for chunks in range(1, MAX_CHUNKS + 1)
+         if chunks == 1 or not issubclass(cls, ts.PipelineScheduleSingle)]
 
 
 class FakeStage:
@@ -191,10 +195,13 @@ def markdown(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="p in {4, 8} only")
+    parser.add_argument("--sizes", help="comma-separated p values (overrides --quick)")
     parser.add_argument("--no-charts", action="store_true")
     parser.add_argument("--extra", action="store_true", help="also the W=0.75 profiles")
     args = parser.parse_args(argv)
     sizes = [4, 8] if args.quick else [4, 8, 16, 32]
+    if args.sizes:
+        sizes = [int(p) for p in args.sizes.split(",")]
     rows = run(sizes, charts=not args.no_charts)
     if args.extra:
         rows += run(sizes, charts=False, profiles=EXTRA, target_only=True)

@@ -9,20 +9,39 @@ iterations overlap), then the lowest peak. Memory follows ``loom.schedule.valida
 unit is one full rank's activations for one microbatch, a chunk of a v-chunk placement weighs
 1/v. So 1F1B needs p units, and no schedule fits below 1 unit (one microbatch in flight).
 
+Placements (``places``): v = 1..``max_chunks`` (at most ``MAX_CHUNKS`` = 8) stages per rank,
+looped (v = 1), interleaved (looped with v >= 2), V (the v = 2 zig-zag) and wave (the zig-zag
+with v >= 3, Hanayo's); ``placement`` pins one of the first three at its classic chunk count
+(looped 1, interleaved 2, v 2, the config's ``parallel.schedule_placement``), and ``max_chunks``
+is what the model's layers allow (``loom.schedule.select`` passes layers // pp).
+
 Candidates, all ranked by the one replay engine (``loom.schedule.replay``, float costs) and the
 winner re-simulated exactly with ``loom.schedule.simulate``:
 
-a. every registered family (``loom.schedule.families``) whose placement is allowed and whose
-   peak fits the limit;
-b. forward-backward scheduling on the two-chunk placements: ``search_reverse`` builds the
-   schedule backwards in time (every rank ends on a run of deferred W's, ranks staggered like
-   a parallelogram), then ``search_priority`` rebuilds it forwards following the backward
-   schedule's start times as priorities (a few stagger / reserve / patience settings);
-c. the parametric list scheduler of ``search_greedy`` (ZB-1p / ZB-2p style) on each allowed
-   placement, with a coordinate sweep over its knobs (reservation, warm-up caps, patience,
-   W backlog, depth-first forwards);
-d. local improvement of the best orders (small sizes only): swap adjacent actions on a rank,
-   keep the swap when the order stays valid, within the limit, and the score improves;
+a. seeds: every registered family (``loom.schedule.families``) at each chunk count it takes, and
+   torch's interleaved zero bubble (``families.zero_bubble.interleaved_zb``), on an allowed
+   placement and within the limit. That covers every schedule class torch 2.13's
+   ``torch.distributed.pipelining`` ships (their orders are the families', tested against
+   torch's), so the search is never worse than any of them that fits wherever all seeds are
+   priced: up to ``SCREEN_PP`` ranks they all are, whatever the effort. A placement no family
+   orders (the waves) gets the list scheduler's safe setting as its seed. Above ``SCREEN_PP``
+   ranks the seeds are first screened on a copy of the problem with ``SCREEN_PP`` ranks and as
+   many microbatches per rank (the idle of these schedules grows with p - 1, so the copy ranks
+   them at a fraction of the cost), then priced exactly in that order while half the effort
+   lasts, at least ``MIN_SEEDS`` of them; the waves' seeds are then only screened (the sweep
+   builds them on the placements it takes up);
+b. forward-backward scheduling on the two best multi-chunk placements the seeds found (a
+   placement is left out once the best seed meets its ``makespan_lower_bound``):
+   ``search_reverse`` builds the schedule backwards in time (every rank ends on a run of
+   deferred W's, ranks staggered like a parallelogram), then ``search_priority`` rebuilds it
+   forwards following the backward schedule's start times as priorities (a few stagger /
+   reserve / patience settings);
+c. the parametric list scheduler of ``search_greedy`` (ZB-1p / ZB-2p style) on those placements
+   and the best one overall, with a coordinate sweep over its knobs (reservation, warm-up caps,
+   patience, W backlog, depth-first forwards);
+d. local improvement of the best orders, seeds included (small sizes only): swap adjacent
+   actions on a rank, keep the swap when the order stays valid, within the limit, and the score
+   improves;
 e. a patient forward-backward pass (``_PATIENT``) with its own effort, ``effort / 4`` on top:
    ranks wait briefly for urgent inputs, except the last few, which lowers the Zero Bubble idle
    at the same makespan. It runs last, so everything before it is what it would be without it.
@@ -46,14 +65,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import inspect
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from loom.schedule.ir import Schedule, looped_placement, v_placement
 from loom.schedule.families import SEARCH_PLACEMENTS, get, names
-from loom.schedule.replay import EPS, F, Costs, Row, Score, decode, encode, peak_units, score
+from loom.schedule.families.zero_bubble import interleaved_zb
+from loom.schedule.replay import (EPS, B, F, I, W, Costs, Row, Score, decode, encode, peak_units,
+                                  score)
 from loom.schedule.search_greedy import Knobs, list_schedule
 from loom.schedule.search_local import improve
 from loom.schedule.search_priority import priority_schedule
@@ -62,10 +84,16 @@ from loom.schedule.validate import validate
 from loom.schedule.cost import StageCosts, full_stage_costs
 from loom.schedule.simulate import SimResult, simulate
 
-PLACEMENTS = SEARCH_PLACEMENTS  # v=1 looped; v=2 looped (interleaved); v=2 V shape
+PLACEMENTS = SEARCH_PLACEMENTS  # what ``placement`` pins: looped (v=1), interleaved (v=2), v (V)
+PINNED = {"looped": ("looped", 1), "interleaved": ("interleaved", 2), "v": ("v", 2)}
+MAX_CHUNKS = 8  # stages per rank the search goes up to (fewer where the layers do not allow)
 MIN_MEMORY_LIMIT = 1.0  # one microbatch in flight: every chunk of it is live on its rank at once
 DEFAULT_EFFORT = 500_000  # simulated actions over all candidates (p=32, m=256: ~12 candidates)
 LOCAL_MAX_ACTIONS = 5_000  # local improvement only below this size: each try replays everything
+SCREEN_PP = 8  # above this many ranks the seeds are ranked on a copy with this many first
+MIN_SEEDS = 1  # family seeds priced exactly however little effort is left: the screen's best
+
+Place = tuple[str, int]  # (placement kind, stages per rank): ("interleaved", 4), ("v", 2), ...
 
 
 class SearchError(ValueError):
@@ -77,10 +105,15 @@ class Candidate:
     """One ranked candidate: where it came from and its replayed makespan and peak memory."""
 
     label: str
-    placement: str
+    placement: str  # looped, interleaved, v or wave (``Place``'s kind)
     makespan: float
     peak: float
     idle_zb: float = 0.0  # idle time inside the longest rank span (``SimResult.bubble_time_zb``)
+    chunks: int = 1  # stages per rank
+
+    @property
+    def place(self) -> Place:
+        return (self.placement, self.chunks)
 
 
 @dataclass(frozen=True)
@@ -99,6 +132,7 @@ class SearchResult:
         return {
             "schedule": self.schedule.name,
             "placement": self.best.placement,
+            "chunks": self.best.chunks,
             "memory_limit": self.memory_limit,
             "candidates_tried": self.candidates_tried,
             **self.sim_result.summary(),
@@ -106,15 +140,49 @@ class SearchResult:
         }
 
 
-def placement_of(name: str, pp: int) -> tuple[int, ...]:
-    """The stage -> rank tuple of a placement family."""
-    if name == "looped":
-        return looped_placement(pp)
-    if name == "interleaved":
-        return looped_placement(pp, 2)
-    if name == "v":
-        return v_placement(pp, 2)
+def places(pp: int, placement: str = "any", max_chunks: int = MAX_CHUNKS) -> list[Place]:
+    """The placements the search considers: ``placement`` pinned, or for "any" every kind at
+    every chunk count up to ``max_chunks`` (one rank has nothing to interleave: looped only)."""
+    if max_chunks < 1:
+        raise SearchError(f"max_chunks must be >= 1, got {max_chunks}")
+    if placement != "any":
+        if placement not in PINNED:
+            raise SearchError(f"placement: unknown {placement!r}; choose from any, "
+                              f"{', '.join(PLACEMENTS)}")
+        kind, chunks = PINNED[placement]
+        if chunks > max_chunks:
+            raise SearchError(f"placement {placement!r} puts {chunks} stages on each rank, more "
+                              f"than max_chunks={max_chunks} (the model's layers / pp)")
+        return [PINNED[placement]]
+    if pp == 1:
+        return [("looped", 1)]
+    top = min(max_chunks, MAX_CHUNKS)
+    return ([("looped", 1)] + [("interleaved", v) for v in range(2, top + 1)]
+            + [("v", 2)] * (top >= 2) + [("wave", v) for v in range(3, top + 1)])
+
+
+def placement_of(name: str, pp: int, chunks: int = 0) -> tuple[int, ...]:
+    """The stage -> rank tuple of a placement kind with ``chunks`` stages per rank (0: the kind's
+    classic count: looped 1, interleaved 2, v 2, wave 4)."""
+    chunks = chunks or {"looped": 1, "interleaved": 2, "v": 2, "wave": 4}.get(name, 0)
+    if name in ("looped", "interleaved"):
+        return looped_placement(pp, chunks)
+    if name in ("v", "wave"):
+        return v_placement(pp, chunks)
     raise SearchError(f"placement: unknown {name!r}; choose from any, {', '.join(PLACEMENTS)}")
+
+
+def place_of(layout: tuple[int, ...]) -> Place | None:
+    """The ``Place`` of a stage -> rank tuple, or None when it is none of the search's kinds."""
+    pp = max(layout) + 1
+    chunks, extra = divmod(len(layout), pp)
+    if extra:
+        return None
+    if layout == looped_placement(pp, chunks):
+        return ("looped", 1) if chunks == 1 else ("interleaved", chunks)
+    if chunks >= 2 and layout == v_placement(pp, chunks):
+        return ("v", 2) if chunks == 2 else ("wave", chunks)
+    return None
 
 
 def placement_costs(costs: StageCosts, placement: tuple[int, ...]) -> StageCosts:
@@ -146,6 +214,35 @@ def _without_cyclic_gc(function: Callable[..., SearchResult]) -> Callable[..., S
     return paused
 
 
+class _Problem:
+    """One (pp, microbatches, costs) instance: each placement's layout, scaled costs, empty
+    schedule shape and float costs, made when first asked for (there are up to 15 placements)."""
+
+    def __init__(self, pp: int, microbatches: int, costs: StageCosts):
+        self.pp, self.microbatches, self.costs = pp, microbatches, costs
+        self._made: dict[Place, tuple[tuple[int, ...], StageCosts, Schedule, Costs]] = {}
+
+    def _make(self, place: Place) -> tuple[tuple[int, ...], StageCosts, Schedule, Costs]:
+        if place not in self._made:
+            layout = placement_of(place[0], self.pp, place[1])
+            scaled = placement_costs(self.costs, layout)
+            shape = Schedule(len(layout), self.microbatches, layout, [[] for _ in range(self.pp)])
+            self._made[place] = (layout, scaled, shape, Costs.of(scaled, shape))
+        return self._made[place]
+
+    def layout(self, place: Place) -> tuple[int, ...]:
+        return self._make(place)[0]
+
+    def scaled(self, place: Place) -> StageCosts:
+        return self._make(place)[1]
+
+    def shape(self, place: Place) -> Schedule:
+        return self._make(place)[2]
+
+    def fast(self, place: Place) -> Costs:
+        return self._make(place)[3]
+
+
 @_without_cyclic_gc
 def search(
     pp: int,
@@ -154,11 +251,13 @@ def search(
     memory_limit: float,
     placement: str = "any",
     *,
+    max_chunks: int = MAX_CHUNKS,
     effort: int = DEFAULT_EFFORT,
     time_budget_s: float | None = None,
 ) -> SearchResult:
     """The shortest-makespan schedule found whose peak memory is within ``memory_limit`` units.
 
+    ``max_chunks``: the most stages per rank (the model's layers / pp; at most ``MAX_CHUNKS``).
     ``effort`` is in simulated actions; the patient pass (step e) spends ``effort / 4`` more."""
     if pp < 1 or microbatches < 1:
         raise SearchError(f"pp and microbatches must be >= 1, got pp={pp}, "
@@ -169,73 +268,84 @@ def search(
             "every schedule keeps at least one microbatch's activations (1 unit) live on each "
             f"rank; use memory_limit >= {MIN_MEMORY_LIMIT:g}"
         )
-    allowed = PLACEMENTS if placement == "any" else (placement,)
-    layouts = {name: placement_of(name, pp) for name in allowed}
-    scaled = {name: placement_costs(costs, layout) for name, layout in layouts.items()}
-    shapes = {name: Schedule(len(layout), microbatches, layout, [[] for _ in range(pp)])
-              for name, layout in layouts.items()}
-    fast = {name: Costs.of(scaled[name], shapes[name]) for name in allowed}
+    allowed = places(pp, placement, max_chunks)
+    problem = _Problem(pp, microbatches, costs)
+    for place in allowed:  # the costs' errors (per-rank count, activation weights) up front
+        problem.fast(place)
     budget = _Budget(effort, time_budget_s)
     pool = _Pool()
 
-    for name, schedule in _families(pp, microbatches, layouts, budget):
-        rows = encode(schedule)
-        budget.spend(sum(map(len, rows)))
-        pool.tried += 1
-        peak = max(peak_units(rows, schedule.placement))
-        if peak <= memory_limit + EPS:
-            _add_scored(pool, schedule.name, name, rows, peak, schedule.placement, microbatches,
-                        fast[name])
+    ranked = _seed(problem, allowed, memory_limit, budget, pool)
 
-    # Half of what is left for forward-backward scheduling on the two-chunk placements, V first
-    # (its chunks pair up on each rank, which the parallelogram's drain needs least memory for).
-    # Two thirds of that go to V when both are allowed: it wins the unequal-cost cells.
-    two_chunk = [name for name in ("v", "interleaved") if name in allowed]
-    built: dict[str, Built] = {name: {} for name in two_chunk}
+    # The placements worth the improvement steps: the two best multi-chunk placements the seeds
+    # found for forward-backward scheduling (once V first by rule, as it won the unequal-cost
+    # cells among two chunks; with more chunks the waves and interleaving often rank higher, and
+    # ranking them beat the rule in 4 of 36 cells of a p in {4, 8} grid and lost in none); those
+    # and the best placement overall for the list scheduler's sweep.
+    # A placement whose lower bound (``makespan_lower_bound``) the best seed already meets is
+    # left out: nothing on it can be shorter.
+    best = pool.best(1)[0][0].makespan if pool.entries else float("inf")
+    open_places = [place for place in allowed if makespan_lower_bound(
+        problem.layout(place), microbatches, problem.fast(place)) < best - EPS * max(1.0, best)]
+    ranked = [place for place in ranked if place in open_places]
+    chunked = [place for place in ranked if place[1] > 1]
+    forward_backward = chunked[:2]
+    swept = list(dict.fromkeys(forward_backward + (ranked or open_places)[:1]))
+
+    # Half of what is left for forward-backward scheduling, the better ranked first; two thirds
+    # of that go to it when there are two placements.
+    built: dict[Place, Built] = {place: {} for place in forward_backward}
     half = budget.share(2)
-    for n, name in enumerate(two_chunk):
-        share = half.share(1) if n + 1 == len(two_chunk) else _Budget(
+    for n, place in enumerate(forward_backward):
+        share = half.share(1) if n + 1 == len(forward_backward) else _Budget(
             2 * half.left // 3, None, half.deadline)
-        _backward(name, layouts[name], microbatches, fast[name], memory_limit, share, pool,
-                  _BACKWARD, built[name])
+        if share.left < 2 * 2 * 3 * len(problem.layout(place)) * microbatches:
+            continue  # not even one backward and forward pass (``_backward``'s charge) is
+            # left: the patient pass below always builds one, so this only drops a second pass
+        _backward(place, problem, memory_limit, share, pool, _BACKWARD, built[place])
         half.spend(share.spent)
         budget.spend(share.spent)
 
-    shares = len(allowed)
-    for name in allowed:  # an equal share of what is left for each placement's sweep
+    shares = len(swept)
+    for n, place in enumerate(swept):  # an equal share of what is left for each placement's
+        if n and budget.exhausted():  # sweep; past the first, only while effort is left
+            break
         share = budget.share(shares)
         shares -= 1
-        _sweep(name, layouts[name], microbatches, fast[name], memory_limit, share, pool)
+        _sweep(place, problem, memory_limit, share, pool)
         budget.spend(share.spent)
 
     for candidate, rows in pool.best(3):
         if budget.exhausted() or sum(map(len, rows)) > LOCAL_MAX_ACTIONS:
             break
-        layout = layouts[candidate.placement]
-        better = improve(rows, layout, microbatches, fast[candidate.placement], memory_limit,
+        layout = problem.layout(candidate.place)
+        better = improve(rows, layout, microbatches, problem.fast(candidate.place), memory_limit,
                          Score(candidate.makespan, candidate.idle_zb), budget)
         if better is not None:
             new_rows, scored = better
-            pool.add(Candidate(candidate.label + "+local", candidate.placement, scored.makespan,
-                               max(peak_units(new_rows, layout)), scored.idle_zb), new_rows)
+            pool.add(dataclasses.replace(
+                candidate, label=candidate.label + "+local", makespan=scored.makespan,
+                peak=max(peak_units(new_rows, layout)), idle_zb=scored.idle_zb), new_rows)
 
     patient = _Budget(effort // PATIENT_SHARE, None, budget.deadline)
-    for n, name in enumerate(two_chunk):  # V first, as above
-        share = patient.share(len(two_chunk) - n)
-        _backward(name, layouts[name], microbatches, fast[name], memory_limit, share, pool,
-                  _PATIENT, built[name])
+    for n, place in enumerate(forward_backward):  # the better ranked first, as above
+        share = patient.share(len(forward_backward) - n)
+        _backward(place, problem, memory_limit, share, pool, _PATIENT, built[place])
         patient.spend(share.spent)
 
     if not pool.entries:  # cannot happen for limit >= 1: reserve=all always fits
         raise SearchError(f"no schedule fits memory_limit={memory_limit:g}")
     best, rows = pool.best(1)[0]
-    schedule = decode(rows, shapes[best.placement], f"search[{best.label}]")
+    name = f"search[{best.label}]"
+    seeded = pool.built.get(id(rows))
+    schedule = (decode(rows, problem.shape(best.place), name) if seeded is None
+                else dataclasses.replace(seeded, name=name))
     validate(schedule, memory_limit=memory_limit + EPS)
-    result = simulate(schedule, scaled[best.placement])
+    result = simulate(schedule, problem.scaled(best.place))
     return SearchResult(
         schedule=schedule,
         sim_result=result,
-        costs=scaled[best.placement],
+        costs=problem.scaled(best.place),
         memory_limit=memory_limit,
         candidates_tried=pool.tried,
         best=best,
@@ -264,9 +374,11 @@ class _Budget:
         """A budget of 1/parts of what is left (the caller spends what the share spent)."""
         return _Budget(max(self.left, 0) // max(parts, 1), None, self.deadline)
 
+    def late(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
     def exhausted(self) -> bool:
-        late = self.deadline is not None and time.monotonic() > self.deadline
-        return self.left <= 0 or late
+        return self.left <= 0 or self.late()
 
 
 class _Pool:
@@ -275,9 +387,14 @@ class _Pool:
     def __init__(self) -> None:
         self.entries: list[tuple[Candidate, list[Row]]] = []
         self.tried = 0
+        # a seed's own Schedule, by the id of its rows (which the pool keeps alive): the winner
+        # need not be decoded again (a second at p=64, m=512 and 8 chunks)
+        self.built: dict[int, Schedule] = {}
 
-    def add(self, candidate: Candidate, rows: list[Row]) -> None:
+    def add(self, candidate: Candidate, rows: list[Row], built: Schedule | None = None) -> None:
         self.entries.append((candidate, rows))
+        if built is not None:
+            self.built[id(rows)] = built
 
     def best(self, count: int) -> list[tuple[Candidate, list[Row]]]:
         def key(n: int) -> tuple:
@@ -288,30 +405,178 @@ class _Pool:
         return [self.entries[n] for n in order[:count]]
 
 
-# Families tried first: the ones that most often win (ZB-V is zero-bubble at T_F = T_I = T_W);
-# the unit-step greedy ones (v_half, v_min) are slow to build and the list scheduler covers them.
+def _label(place: Place) -> str:
+    """``v``, ``interleaved``, ``looped`` at their classic chunk counts, else ``interleavedx4``."""
+    return place[0] if place in PINNED.values() else f"{place[0]}x{place[1]}"
+
+
+def _ranked_places(pool: _Pool, allowed: list[Place]) -> list[Place]:
+    """The placements that hold a candidate, by their best candidate, best first."""
+    ranked: list[Place] = []
+    for candidate, _ in pool.best(len(pool.entries)):
+        if candidate.place in allowed and candidate.place not in ranked:
+            ranked.append(candidate.place)
+    return ranked
+
+
+# Families tried first when nothing is screened: the ones that most often win (ZB-V is
+# zero-bubble at T_F = T_I = T_W); the unit-step greedy ones (v_half, v_min) are slow to build.
 _FAMILY_ORDER = ["zbv", "zb_h2", "zb_h1", "dualpipev", "interleaved_1f1b", "1f1b", "gpipe",
                  "looped_bfs"]
 
 
-def _families(pp: int, microbatches: int, layouts: dict[str, tuple[int, ...]], budget: _Budget
-              ) -> Iterator[tuple[str, Schedule]]:
-    """Registered families whose placement is one of ``layouts`` (sizes they reject skipped)."""
-    by_layout = {layout: name for name, layout in layouts.items()}
+@dataclass(frozen=True)
+class _FamilySeed:
+    """A family's order: ``make(pp, microbatches)``, which raises ValueError for sizes it does
+    not take."""
+
+    label: str
+    make: Callable[[int, int], Schedule]
+
+
+@dataclass(frozen=True)
+class _GreedySeed:
+    """The list scheduler's safe setting (reserve all: it cannot deadlock) on ``place``."""
+
+    label: str
+    place: Place
+
+
+_Seed = _FamilySeed | _GreedySeed
+
+
+def _seed_list(allowed: list[Place]) -> list[_Seed]:
+    """Every family at every chunk count it takes (up to the largest allowed), torch's
+    interleaved zero bubble, then the waves' list-scheduled seeds (no family orders a wave)."""
+    top = max(v for _, v in allowed)
+    seeds = []
     for family in sorted(names(), key=lambda f: (_FAMILY_ORDER + [f]).index(f)):
-        if budget.exhausted():
-            return
-        try:
-            schedule = get(family)(pp, microbatches)
-        except ValueError:
+        generator = get(family)
+        if "chunks" in inspect.signature(generator).parameters:
+            seeds += [_FamilySeed(f"{family}(v={v})", functools.partial(generator, chunks=v))
+                      for v in range(1, top + 1)]  # one chunk too: not always the 1F1B order
+        else:
+            seeds.append(_FamilySeed(family, generator))
+    seeds += [_FamilySeed(f"interleaved_zb(v={v})", functools.partial(interleaved_zb, chunks=v))
+              for v in range(2, top + 1)]
+    seeds += [_GreedySeed(f"greedy:{_label(place)}:{Knobs().label()}", place)
+              for place in allowed if place[0] == "wave"]
+    return seeds
+
+
+def _made(seed: _Seed, problem: _Problem, allowed: list[Place], limit: float
+          ) -> tuple[Place, list[Row], float, Schedule | None] | None:
+    """The seed's placement, integer rows, peak units and (a family's) schedule on ``problem``;
+    None when it does not take these sizes, lands on a placement that is not allowed, or (a
+    list-scheduled seed) cannot be built."""
+    if isinstance(seed, _GreedySeed):
+        made = list_schedule(problem.layout(seed.place), problem.microbatches,
+                             problem.fast(seed.place), limit, Knobs())
+        return None if made is None else (seed.place, made[0], made[2], None)
+    try:
+        schedule = seed.make(problem.pp, problem.microbatches)
+    except ValueError:
+        return None
+    place = place_of(schedule.placement)
+    if place not in allowed:
+        return None
+    rows = encode(schedule)
+    return place, rows, max(peak_units(rows, schedule.placement)), schedule
+
+
+def _seed(problem: _Problem, allowed: list[Place], limit: float, budget: _Budget,
+          pool: _Pool) -> list[Place]:
+    """Step a: price the seeds exactly: all of them up to ``SCREEN_PP`` ranks, whatever the
+    effort (at those sizes they are cheap, and they are what makes the search never worse than
+    torch's schedules); above it, best screened first while half the effort lasts (and at least
+    ``MIN_SEEDS`` families that fit). Only ``time_budget_s`` stops them earlier. Returns the
+    placements by their best seed, best first: by the exact prices, or by the screen's
+    estimates when there is one. A list-scheduled seed is only screened then: it is the sweep's
+    first candidate, which builds it on the placements the screen ranks first."""
+    seeds = _seed_list(allowed)
+    screened = problem.pp > SCREEN_PP
+    ranked: list[Place] = []
+    if screened:
+        seeds, ranked = _screened(seeds, problem, allowed, limit)
+        seeds = [seed for seed in seeds if isinstance(seed, _FamilySeed)]
+    share = budget.share(2)  # screened: half the effort at most, the rest is the improvements'
+    priced = 0
+    for seed in seeds:
+        if priced >= MIN_SEEDS and (budget.late() or (screened and share.exhausted())):
+            break
+        made = _made(seed, problem, allowed, limit)
+        if made is None:
             continue
-        if schedule.placement in by_layout:
-            yield by_layout[schedule.placement], schedule
+        place, rows, peak, schedule = made
+        pool.tried += 1
+        share.spend(sum(map(len, rows)))
+        budget.spend(sum(map(len, rows)))
+        if peak <= limit + EPS and _add_scored(pool, seed.label, place, rows, peak, problem,
+                                               schedule):
+            priced += isinstance(seed, _FamilySeed)
+    return ranked or _ranked_places(pool, allowed)
 
 
-def _sweep(name: str, layout: tuple[int, ...], microbatches: int, costs: Costs, limit: float,
-           budget: _Budget, pool: _Pool) -> None:
+def _screened(seeds: list[_Seed], problem: _Problem, allowed: list[Place], limit: float
+              ) -> tuple[list[_Seed], list[Place]]:
+    """``seeds`` ordered by their makespan estimated on a copy of the problem with
+    ``SCREEN_PP`` ranks: the same microbatches per rank, costs of evenly spread ranks, the limit
+    scaled likewise; the copy's idle (its makespan less the busiest rank's work) scaled by
+    (p - 1) / (SCREEN_PP - 1), which is how these schedules' ramps grow. Those that do not fit
+    the copy's limit, or do not take its sizes, come last, in their own order. Also returns the
+    placements of those that fit, by their best estimate."""
+    pp, m = problem.pp, problem.microbatches
+    small_m = max(1, round(m * SCREEN_PP / pp))
+    small_limit = max(MIN_MEMORY_LIMIT, limit * SCREEN_PP / pp)
+    costs = problem.costs
+    if len(costs.stages) > 1:
+        costs = dataclasses.replace(costs, stages=tuple(
+            costs.stages[round(r * (pp - 1) / (SCREEN_PP - 1))] for r in range(SCREEN_PP)))
+    copy = _Problem(SCREEN_PP, small_m, costs)
+    busy, small_busy = _busiest(problem.costs), _busiest(costs)
+    keyed = []
+    for n, seed in enumerate(seeds):
+        made = _made(seed, copy, allowed, small_limit)
+        estimate, fits = float("inf"), False
+        if made is not None:
+            place, rows, peak, _ = made
+            scored = score(rows, copy.layout(place), small_m, copy.fast(place))
+            if scored is not None:
+                idle = scored.makespan - small_busy * small_m
+                estimate = busy * m + idle * (pp - 1) / (SCREEN_PP - 1)
+                fits = peak <= small_limit + EPS
+        keyed.append(((not fits, estimate, n), seed, made[0] if made else None))
+    keyed.sort(key=lambda item: item[0])
+    ranked = [place for key, _, place in keyed if place is not None and not key[0]]
+    return [seed for _, seed, _ in keyed], list(dict.fromkeys(ranked))
+
+
+def makespan_lower_bound(layout: tuple[int, ...], microbatches: int, costs: Costs) -> float:
+    """No schedule on ``layout`` (a looped, V or wave placement) with these float costs ends
+    sooner: rank r's first forward waits for microbatch 0's forwards on the stages before it
+    (chunk 0 runs down the ranks in every one of these placements) and a send after each, and
+    then the rank has all its work to do. The search leaves out a placement whose bound its best
+    seed already meets: nothing on it can be shorter."""
+    pp = max(layout) + 1
+    work = [0.0] * pp
+    for stage, rank in enumerate(layout):  # a backward runs as I and W, or as one B
+        d = costs.duration[stage]
+        work[rank] += (d[F] + min(d[I] + d[W], d[B])) * microbatches
+    bound, arrival = 0.0, 0.0
+    for rank in range(pp):  # stage r of chunk 0 is on rank r
+        bound = max(bound, arrival + work[rank])
+        arrival += costs.duration[rank][F] + costs.send
+    return bound
+
+
+def _busiest(costs: StageCosts) -> float:
+    """The largest F + I + W of one full stage: a rank's work per microbatch."""
+    return max(float(c.f) + float(c.i) + float(c.w) for c in costs.stages)
+
+
+def _sweep(place: Place, problem: _Problem, limit: float, budget: _Budget, pool: _Pool) -> None:
     """Coordinate search over the list scheduler's knobs, starting from the safe default."""
+    layout, microbatches, costs = problem.layout(place), problem.microbatches, problem.fast(place)
     pp = max(layout) + 1
     actions = 3 * len(layout) * microbatches
     shortest = min(min(d[:3]) for d in costs.duration)
@@ -336,8 +601,8 @@ def _sweep(name: str, layout: tuple[int, ...], microbatches: int, costs: Costs, 
                 knobs = dataclasses.replace(best_knobs, **{axis: value})
                 if knobs in seen:
                     continue
-                if budget.exhausted() and best_time < float("inf"):
-                    return
+                if budget.exhausted() and (best_time < float("inf") or pool.entries):
+                    return  # the safe default runs only when nothing else fits (limit < p)
                 seen.add(knobs)
                 budget.spend(actions)
                 pool.tried += 1
@@ -347,8 +612,8 @@ def _sweep(name: str, layout: tuple[int, ...], microbatches: int, costs: Costs, 
                 rows, makespan, peak = made
                 scored = score(rows, layout, microbatches, costs)
                 idle = scored.idle_zb if scored is not None else float("inf")
-                pool.add(Candidate(f"greedy:{name}:{knobs.label()}", name, makespan, peak, idle),
-                         rows)
+                pool.add(Candidate(f"greedy:{_label(place)}:{knobs.label()}", place[0], makespan,
+                                   peak, idle, place[1]), rows)
                 if makespan < best_time - EPS:
                     best_knobs, best_time, improved = knobs, makespan, True
         if not improved:
@@ -389,13 +654,15 @@ PATIENT_SHARE = 4  # the patient pass gets effort / PATIENT_SHARE on top of ``ef
 Built = dict[ReverseKnobs, "tuple[list[Row], float, dict] | None"]
 
 
-def _backward(name: str, layout: tuple[int, ...], microbatches: int, costs: Costs, limit: float,
-              budget: _Budget, pool: _Pool, settings: list, built: Built) -> None:
+def _backward(place: Place, problem: _Problem, limit: float, budget: _Budget, pool: _Pool,
+              settings: list, built: Built) -> None:
     """Forward-backward candidates: a backward schedule, then a forward one by its priorities
     (``settings``: entries like ``_BACKWARD``'s; ``built`` caches the backward schedules)."""
+    layout, microbatches, costs = problem.layout(place), problem.microbatches, problem.fast(place)
     actions = 3 * len(layout) * microbatches
     hop = sum(d[F] for d in costs.duration) / len(layout) + costs.send
     pp = max(layout) + 1
+    name = _label(place)
     for knobs, reserve, patience, calm in settings:
         if budget.exhausted():
             return
@@ -404,8 +671,8 @@ def _backward(name: str, layout: tuple[int, ...], microbatches: int, costs: Cost
             pool.tried += 1
             built[knobs] = made = reverse_schedule(layout, microbatches, costs, limit, knobs)
             if made is not None:
-                _add_scored(pool, f"backward:{name}:{knobs.label()}", name, made[0], made[1],
-                            layout, microbatches, costs)
+                _add_scored(pool, f"backward:{name}:{knobs.label()}", place, made[0], made[1],
+                            problem)
         made = built[knobs]
         if made is None:
             continue
@@ -418,11 +685,16 @@ def _backward(name: str, layout: tuple[int, ...], microbatches: int, costs: Cost
             label = (f"forward-backward:{name}:{knobs.label()},reserve="
                      f"{'all' if reserve is None else reserve},patience={patience:g}"
                      + (f",calm={calm}" if calm and patience else ""))
-            _add_scored(pool, label, name, forward[0], forward[1], layout, microbatches, costs)
+            _add_scored(pool, label, place, forward[0], forward[1], problem)
 
 
-def _add_scored(pool: _Pool, label: str, name: str, rows: list[Row], peak: float,
-                layout: tuple[int, ...], microbatches: int, costs: Costs) -> None:
-    scored = score(rows, layout, microbatches, costs)
-    if scored is not None:
-        pool.add(Candidate(label, name, scored.makespan, peak, scored.idle_zb), rows)
+def _add_scored(pool: _Pool, label: str, place: Place, rows: list[Row], peak: float,
+                problem: _Problem, built: Schedule | None = None) -> bool:
+    """Add ``rows`` (and ``built``, its schedule if there is one) to the pool with its score;
+    False when it deadlocks (nothing added)."""
+    scored = score(rows, problem.layout(place), problem.microbatches, problem.fast(place))
+    if scored is None:
+        return False
+    pool.add(Candidate(label, place[0], scored.makespan, peak, scored.idle_zb, place[1]), rows,
+             built)
+    return True

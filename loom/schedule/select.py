@@ -16,7 +16,7 @@ from loom.layout import Layout
 from loom.schedule.cost import OpCosts, StageCosts
 from loom.schedule.families import SEARCH_PLACEMENTS, get
 from loom.schedule.ir import Schedule
-from loom.schedule.search import search
+from loom.schedule.search import MAX_CHUNKS, search
 from loom.schedule.validate import validate
 
 
@@ -54,12 +54,12 @@ def parse_search_costs(text: str, pp: int = 0
 @functools.lru_cache(maxsize=16)
 def _searched(pp: int, microbatches: int, memory_limit: float,
               costs: tuple[tuple[tuple[float, float, float], ...], float],
-              placement: str) -> Schedule:
+              placement: str, max_chunks: int) -> Schedule:
     """Deterministic (an effort limit, no wall-clock budget): every rank finds the same one."""
     stages, latency = costs
     schedule = search(pp, microbatches,
                       StageCosts(tuple(OpCosts(f, i, w) for f, i, w in stages), latency=latency),
-                      memory_limit, placement).schedule
+                      memory_limit, placement, max_chunks=max_chunks).schedule
     validate(schedule)
     return schedule
 
@@ -76,9 +76,11 @@ def schedule_for(name: str, pp: int, microbatches: int, chunks: int = 0, *,
     ``name = "search"``: the schedule search's best schedule, placement included, for relative
     ``costs`` ("F,I,W,latency", or one F,I,W per rank: ``parse_search_costs``) under
     ``memory_limit`` units of one stage's activations (0: ``pp``, what 1F1B needs);
-    ``parallel.schedule_memory_limit`` and ``parallel.schedule_costs``. ``placement`` (``parallel.schedule_placement``) pins the
-    search to one placement (looped, interleaved or v); "auto" lets it choose, except that
-    ``max_stages`` (the model's layers; 0: no bound) below 2 pp keeps it to one stage per rank."""
+    ``parallel.schedule_memory_limit`` and ``parallel.schedule_costs``. ``placement``
+    (``parallel.schedule_placement``) pins the search to one placement (looped, interleaved or
+    v); "auto" lets it choose among all of them with up to ``MAX_CHUNKS`` stages per rank, as
+    many as ``max_stages`` (the model's layers; 0: no bound) allows: layers // pp, so below 2 pp
+    one stage per rank."""
     if name.lower() == SEARCH:
         if chunks:
             raise ChunksError("the search chooses the placement and its stages per rank; use"
@@ -91,8 +93,9 @@ def schedule_for(name: str, pp: int, microbatches: int, chunks: int = 0, *,
         elif placement != "looped" and 0 < max_stages < 2 * pp:
             raise ValueError(f"placement {placement!r} puts two stages on each rank: it needs"
                              f" 2 x pp = {2 * pp} layers, the model has {max_stages}")
+        max_chunks = min(MAX_CHUNKS, max_stages // pp) if max_stages else MAX_CHUNKS
         return _searched(pp, microbatches, float(memory_limit or pp),
-                         parse_search_costs(costs, pp), placement)
+                         parse_search_costs(costs, pp), placement, max(max_chunks, 1))
     return _generated(name, pp, microbatches, chunks)
 
 

@@ -12,12 +12,29 @@ free to move) and use W's to fill the bubbles of 1F1B:
   (p-1)(T_F+T_B-2T_W); peak memory 2p-1 units.
 
 Valid for any m >= 1 (warm-ups are capped at m; small m simply leaves bubbles).
+
+``interleaved_zb`` is ZB-H1 over v = ``chunks`` looped stages per rank, the order torch 2.13's
+``ScheduleInterleavedZeroBubble`` ships (its docstring calls it ZB1P): the forwards and the input
+gradients walk the chunks in rounds of microbatches as interleaved 1F1B does
+(``loom.schedule.families.interleaved``), the warm-up is one forward per hop instead of two
+((v-1) x round + p-1-r forwards on rank r, as the I's arrive one hop apart), and rank r delays
+each W by r input gradients, as ZB-H1 does. With one chunk it is exactly ZB-H1. Valid for any
+m >= 1; rounds follow ``microbatch_groups`` (torch's when m is a multiple of their count, which is
+the only case torch accepts). It is not in the family registry: the schedule search seeds itself
+with it (torch's schedules are its baselines), and registering it would ask the runtime's and the
+torch-interop suites to cover a new name.
 """
 
 from __future__ import annotations
 
 from loom.schedule.ir import Schedule, looped_placement
-from loom.schedule.families._common import check_sizes, make_schedule, one_forward_one_backward
+from loom.schedule.families._common import (
+    Work,
+    check_sizes,
+    make_schedule,
+    microbatch_groups,
+    one_forward_one_backward,
+)
 
 
 def _handcrafted(name: str, pp_size: int, microbatches: int, depth: int) -> Schedule:
@@ -43,3 +60,25 @@ def zb_h1(pp_size: int, microbatches: int) -> Schedule:
 def zb_h2(pp_size: int, microbatches: int) -> Schedule:
     """ZB-H2 on p ranks, one stage each; valid for m >= 1. Uses I and W."""
     return _handcrafted("zb_h2", pp_size, microbatches, depth=2)
+
+
+def interleaved_zb(pp_size: int, microbatches: int, chunks: int = 2) -> Schedule:
+    """torch's interleaved zero bubble (ZB-H1 over ``chunks`` looped stages per rank); valid for
+    m >= 1. Uses I and W."""
+    check_sizes("interleaved_zb", pp_size, microbatches)
+    if chunks < 1:
+        raise ValueError(f"interleaved_zb: chunks must be >= 1, got {chunks}")
+    groups = microbatch_groups(microbatches, pp_size)
+    rows = []
+    for rank in range(pp_size):
+        forwards: list[Work] = []
+        backwards: list[Work] = []
+        for group in groups:
+            for chunk in range(chunks):
+                forwards.extend((chunk * pp_size + rank, mb) for mb in group)
+                backwards.extend(((chunks - 1 - chunk) * pp_size + rank, mb) for mb in group)
+        warmup = (chunks - 1) * len(groups[0]) + pp_size - 1 - rank
+        rows.append(one_forward_one_backward(forwards, backwards, min(warmup, len(forwards)),
+                                             split_backward=True, weight_delay=rank))
+    name = "interleaved_zb" if chunks > 1 else "zb_h1"
+    return make_schedule(name, looped_placement(pp_size, chunks), microbatches, rows)
