@@ -179,6 +179,8 @@ def _config(**overrides):
       "parallel.zero_stage": "1"}, "parallel.grad_compression", "ZeRO"),
     ({"parallel.grad_compression": "powersgd", "parallel.dp_mode": "diloco"},
      "parallel.grad_compression", "dp_mode = diloco"),
+    ({"parallel.grad_compression": "int8", "model.preset": "tiny-moe", "parallel.ep": "2",
+      "parallel.dp_replicate": "1"}, "parallel.grad_compression", "expert parallelism"),
     ({"parallel.grad_compression": "int8", "train.grad_reduce_dtype": "bf16"},
      "train.grad_reduce_dtype", "own format"),
     ({"parallel.compression_rank": "0"}, "parallel.compression_rank", ">= 1"),
