@@ -14,9 +14,10 @@ importable module (a test file is fine). A task that raises on any rank, or does
 ``task_timeout_s``, fails the call with every rank's traceback, and the pool shuts itself down —
 its process group may be wedged — so the next call gets fresh workers (``PoolRegistry`` does this).
 
-``device="cuda"`` gives each rank its own GPU (rank r uses ``cuda:r``) and an NCCL group; NCCL
-refuses two ranks on one GPU, so a GPU pool is never wider than the machine's GPU count
-(tests/gpu skip what does not fit).
+An accelerator ``device`` type (``"cuda"`` in tests/gpu) gives each rank its own device (rank r
+uses index r) and the trainer's backend for it (``resolve_backend``: NCCL on CUDA); NCCL refuses
+two ranks on one GPU, so a GPU pool is never wider than the machine's GPU count (tests/gpu skip
+what does not fit).
 
 Usage (see ``tests/conftest.py`` for the shared fixture)::
 
@@ -38,7 +39,10 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
-from loom.train.distributed import DistContext
+
+import torch
+
+from loom.train.distributed import DistContext, resolve_backend
 
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
 # Imported once by the fork server; every worker is forked from it with these already loaded.
@@ -58,12 +62,10 @@ def _worker_loop(rank: int, world_size: int, init_file: str, tasks: Any, results
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    if device_type == "cuda":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    device = torch.device(device_type, rank) if device_type != "cpu" else torch.device("cpu")
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(rank)
+    backend = resolve_backend("auto", device)  # the trainer's rule: NCCL on CUDA, else gloo
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=pg_timeout_s))
@@ -90,12 +92,11 @@ def _thread_count() -> int:
 
 
 class WorkerPool:
-    """W long-lived ranks in one process group: gloo on the CPU, NCCL with ``device="cuda"``."""
+    """W long-lived ranks in one process group on ``device`` ("cpu", or an accelerator type)."""
 
     def __init__(self, world_size: int, *, pg_timeout_s: float = 60.0,
                  start_timeout_s: float = 120.0, device: str = "cpu") -> None:
-        if device not in ("cpu", "cuda"):
-            raise ValueError(f"WorkerPool device must be cpu or cuda, not {device!r}")
+        torch.device(device)  # an unknown device type fails here, in the caller
         self.world_size = world_size
         self.pg_timeout_s = pg_timeout_s
         # Not "fork": forking this (test) process after it used OpenMP can hang the child. The

@@ -98,3 +98,17 @@ class RankWriter:
     def add(self, chunk: int, op: Op) -> None:
         self.actions.append(Action(self.stages[chunk], op, self.count[chunk, op]))
         self.count[chunk, op] += 1
+
+
+def looped_work(rank: int, pp_size: int, chunks: int, groups: list[range]
+                ) -> tuple[list[Work], list[Work]]:
+    """Rank ``rank``'s forwards and backwards in a looped placement of ``chunks`` stages per rank
+    (stage ``c * p + rank``), group by group of microbatches: forwards through the chunks in
+    order, backwards in reverse, as interleaved 1F1B and the interleaved zero bubble run them."""
+    forwards: list[Work] = []
+    backwards: list[Work] = []
+    for group in groups:
+        for chunk in range(chunks):
+            forwards.extend((chunk * pp_size + rank, mb) for mb in group)
+            backwards.extend(((chunks - 1 - chunk) * pp_size + rank, mb) for mb in group)
+    return forwards, backwards

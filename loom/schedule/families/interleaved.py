@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from loom.schedule.ir import Schedule, looped_placement
 from loom.schedule.families._common import (
-    Work,
     check_sizes,
+    looped_work,
     make_schedule,
     microbatch_groups,
     one_forward_one_backward,
@@ -32,12 +32,7 @@ def interleaved_1f1b(pp_size: int, microbatches: int, chunks: int = 2) -> Schedu
     groups = microbatch_groups(microbatches, pp_size)
     rows = []
     for rank in range(pp_size):
-        forwards: list[Work] = []
-        backwards: list[Work] = []
-        for group in groups:
-            for chunk in range(chunks):
-                forwards.extend((chunk * pp_size + rank, mb) for mb in group)
-                backwards.extend(((chunks - 1 - chunk) * pp_size + rank, mb) for mb in group)
+        forwards, backwards = looped_work(rank, pp_size, chunks, groups)
         # The last stage (chunk v-1 on rank p-1) can start backwards once it has run its first
         # forward; each hop towards rank 0 adds one forward and one backward of delay.
         warmup = (chunks - 1) * len(groups[0]) + 2 * (pp_size - 1 - rank)

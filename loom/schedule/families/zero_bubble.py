@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from loom.schedule.ir import Schedule, looped_placement
 from loom.schedule.families._common import (
-    Work,
     check_sizes,
+    looped_work,
     make_schedule,
     microbatch_groups,
     one_forward_one_backward,
@@ -71,12 +71,7 @@ def interleaved_zb(pp_size: int, microbatches: int, chunks: int = 2) -> Schedule
     groups = microbatch_groups(microbatches, pp_size)
     rows = []
     for rank in range(pp_size):
-        forwards: list[Work] = []
-        backwards: list[Work] = []
-        for group in groups:
-            for chunk in range(chunks):
-                forwards.extend((chunk * pp_size + rank, mb) for mb in group)
-                backwards.extend(((chunks - 1 - chunk) * pp_size + rank, mb) for mb in group)
+        forwards, backwards = looped_work(rank, pp_size, chunks, groups)
         warmup = (chunks - 1) * len(groups[0]) + pp_size - 1 - rank
         rows.append(one_forward_one_backward(forwards, backwards, min(warmup, len(forwards)),
                                              split_backward=True, weight_delay=rank))
