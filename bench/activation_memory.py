@@ -34,7 +34,7 @@ from loom.models import Transformer, TransformerArgs, reset_parameters  # noqa: 
 LAYER = "layers.1"
 
 
-def measure(model: nn.Module, tokens: torch.Tensor) -> dict[str, int]:
+def measure(model: nn.Module, tokens: torch.Tensor, savers: list = ()) -> dict[str, int]:
     """Bytes saved for backward during one forward, by innermost module name, layer ``LAYER``."""
     from torch.distributed.tensor import DTensor
 
@@ -59,6 +59,8 @@ def measure(model: nn.Module, tokens: torch.Tensor) -> dict[str, int]:
     def leave(module, args, output) -> None:
         stack.pop()
 
+    for saver in savers:  # what passes through the SP hooks untouched is counted here too
+        saver.observe = pack
     handles = []
     for name, module in model.named_modules():
         handles.append(module.register_forward_pre_hook(enter(name)))
@@ -83,14 +85,14 @@ def loom_formula(*, s: int, b: int, h: int, a: int, k: int, f: int, t: int, sp: 
         wo's input is a view of the SDPA output (counted once);
       MLP: w1 and w3 outputs 2·s·b·f, the silu output s·b·f, their product (w2 input) s·b·f.
     TP divides everything inside the blocks by t (heads, f); without SP the norms' inputs/outputs
-    are full on every rank. With SP the norm inputs are 1/t, but DTensor's column-parallel
-    linears save the *all-gathered* input (x per block), unlike Megatron-SP which saves the shard
-    and gathers again in backward.
+    are full on every rank. With SP the norm inputs are 1/t, and the column-parallel linears'
+    all-gathered input is saved as this rank's slice and gathered again in backward
+    (``loom.parallel.sequence_saved``, as Megatron-SP does), so everything is 1/t.
     """
     x = s * b * h
     norm_in = x / t if sp else x
     norms = 2 * (2 * norm_in * e + s * b * 4 / (t if sp else 1))
-    linear_inputs = 2 * x * e  # norm outputs as the q/k/v and w1/w3 input (gathered under SP)
+    linear_inputs = 2 * x * e / (t if sp else 1)  # norm outputs: the q/k/v and w1/w3 input
     attention = (4 * x / t) * e + a * s * b * 4 / t
     mlp = 4 * s * b * f / t * e
     return {"norms": norms, "linear_inputs": linear_inputs, "attention": attention, "mlp": mlp,
@@ -108,6 +110,7 @@ def korthikanti(*, s: int, b: int, h: int, a: int, t: int, sp: bool) -> float:
 
 def tp_measure(ctx, args: TransformerArgs, batch: int, sp: bool, seed: int) -> dict[str, int]:
     """On every rank of a pool: the layer's saved bytes under TP (and SP) over all ranks."""
+    from loom.parallel.sequence_saved import keep_saved_inputs_sharded
     from loom.parallel.tensor import apply_tensor_parallel
     from loom.topology import RankGrid, build_mesh
 
@@ -116,9 +119,16 @@ def tp_measure(ctx, args: TransformerArgs, batch: int, sp: bool, seed: int) -> d
     reset_parameters(model, seed)
     mesh = build_mesh(RankGrid({"tp": ctx.world_size}), "cpu").root["tp"]
     apply_tensor_parallel(model, mesh, sequence_parallel=sp, vocab_parallel=False)
+    # As ``parallelize`` does under SP: the linears' gathered inputs are saved as this rank's
+    # slice by hooks of their own, which the measuring hooks (outer) do not see: add what they hold.
+    savers = keep_saved_inputs_sharded(model.layers.values(), mesh) if sp else []
     tokens = torch.randint(0, args.vocab_size, (batch, args.max_seq_len),
                            generator=torch.Generator().manual_seed(seed))
-    return measure(model, tokens)
+    by_module = measure(model, tokens, savers)
+    layer = int(LAYER.split(".")[1])
+    for part, saver in zip(("attention", "feed_forward"), savers[2 * layer:2 * layer + 2]):
+        by_module[part + " (sharded inputs)"] = saver.held_bytes
+    return by_module
 
 
 def main() -> None:

@@ -21,12 +21,14 @@ MAX_IN_FLIGHT = 2
 
 def block_activation_bytes(*, s: int, b: int, h: int, f: float, a: int, kv: int, t: int = 1,
                            sequence_parallel: bool = False, e: int = 4,
-                           recompute: str = "none") -> float:
+                           recompute: str = "none", compiled: bool = False) -> float:
     """Saved-for-backward bytes of one transformer block for one microbatch on one rank.
 
     ``s`` is the rank's sequence shard (after cp), ``f`` the FFN width (an MoE layer passes its
     effective width, see ``loom.sim.cost_model``), ``recompute`` one of none, selective, full
     (the block recomputed: only its input is kept). The formulas: ``loom.train.memory``'s docstring.
+    Under SP everything is split t ways (``loom.parallel.sequence_saved`` keeps the linears'
+    gathered inputs as the rank's slice) except in a ``compiled`` block, which saves them whole.
     """
     x = s * b * h
     if recompute == "full":
@@ -34,7 +36,8 @@ def block_activation_bytes(*, s: int, b: int, h: int, f: float, a: int, kv: int,
     if t == 1:
         full = x * e * (10 + 4 * f / h) + 4 * s * b * (2 + a)
     elif sequence_parallel:
-        full = x * e * (2 + (8 + 4 * f / h) / t) + 4 * s * b * (2 + a) / t
+        inputs = 2 * x * e * (1 if compiled else 1 / t)  # the q/k/v and w1/w3 input
+        full = inputs + x * e * (8 + 4 * f / h) / t + 4 * s * b * (2 + a) / t
     else:
         full = x * e * (6 + (4 + 4 * f / h) / t) + 4 * s * b * (2 + a / t)
     if recompute == "selective":  # the core's own: repeated k, v beyond q's inputs; lse

@@ -12,6 +12,8 @@ on, because each later step must see the module the earlier ones produced:
    layer and tokens travel by all-to-all; the data-parallel step below then reduces only the
    dense parameters (expert gradients follow ``expert.reduce_gradients``' rule);
 4. activation recomputation (``activation.py``, ``train.recompute``): blocks wrapped in place;
+   under SP the blocks it leaves whole keep their linears' gathered inputs sharded
+   (``sequence_saved.py``: saved as the rank's slice, all-gathered again in backward);
    then ``torch.compile`` of each block (``compile.py``, ``train.compile``), as TorchTitan
    does: after TP and recomputation (it traces what they made), before FSDP2 (whose hooks then
    stay outside the compiled graph);
@@ -41,12 +43,13 @@ import torch
 from torch import nn
 
 from loom.layout import Job, Layout
-from loom.parallel.activation import apply_activation_checkpointing
+from loom.parallel.activation import apply_activation_checkpointing, recomputed_layers
 from loom.parallel.comm import CommLedger
 from loom.parallel.compile import apply_compile
 from loom.parallel.context import apply_context_parallel
 from loom.parallel.data import GradientReducer, apply_fully_shard
 from loom.parallel.expert import ExpertParallel, apply_expert_parallel, expert_parameter_names
+from loom.parallel.sequence_saved import keep_saved_inputs_sharded
 from loom.parallel.tensor import TensorParallel, apply_tensor_parallel
 from loom.parallel.zero import apply_zero
 from loom.topology import Meshes
@@ -123,6 +126,12 @@ def parallelize(model: nn.Module, meshes: Meshes, job: Job, *, cp_groups: Any = 
         experts = apply_expert_parallel(model, meshes.root["ep"].get_group(), ledger)
     if parallel.recompute != "none":
         model = apply_activation_checkpointing(model, parallel.recompute, parallel.recompute_every)
+    if parallel.tp > 1 and parallel.sequence_parallel and not job.compile:
+        layers = getattr(model, "layers", {})
+        full = set(recomputed_layers([int(k) for k in layers], parallel.recompute,
+                                     parallel.recompute_every))
+        keep_saved_inputs_sharded([b for k, b in layers.items() if int(k) not in full],
+                                  meshes.root["tp"], ledger)
     if job.compile:
         model = apply_compile(model)
     return Parallelized(model, tensor, experts,
