@@ -284,8 +284,9 @@ def search(
     # and the best placement overall for the list scheduler's sweep.
     # A placement whose lower bound (``makespan_lower_bound``) the best seed already meets is
     # left out: nothing on it can be shorter.
+    # (no seed fits: every placement stays open; inf - EPS * inf would be NaN and close them all)
     best = pool.best(1)[0][0].makespan if pool.entries else float("inf")
-    open_places = [place for place in allowed if makespan_lower_bound(
+    open_places = [place for place in allowed if not pool.entries or makespan_lower_bound(
         problem.layout(place), microbatches, problem.fast(place)) < best - EPS * max(1.0, best)]
     ranked = [place for place in ranked if place in open_places]
     chunked = [place for place in ranked if place[1] > 1]

@@ -46,6 +46,17 @@ def test_search_keeps_to_the_requested_placement(placement):
     assert result.schedule.chunks_per_rank == chunks
 
 
+@pytest.mark.parametrize("placement", ["looped", "interleaved", "v"])
+def test_a_pinned_placement_below_every_family_s_memory_still_gets_a_schedule(placement):
+    """With the looped placement pinned and a limit under p, no family's order fits (1F1B needs
+    p): the list scheduler's safe setting must still be tried (it once was not: the lower-bound
+    filter compared against an infinite best and closed every placement)."""
+    for limit in (1, 2, 3):
+        result = search(4, 16, UNEQUAL, limit, placement)
+        validate(result.schedule, memory_limit=limit)
+        assert result.best.placement == placement
+
+
 @pytest.mark.parametrize("costs", [EQUAL, UNEQUAL], ids=["equal", "unequal"])
 @pytest.mark.parametrize("p, m", [(2, 4), (3, 6), (4, 8), (4, 12)])
 def test_search_is_never_worse_than_a_registered_family_that_fits(costs, p, m):
