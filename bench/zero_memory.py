@@ -4,6 +4,7 @@ estimator (loom/train/memory.py) vs measured tensor bytes for several layouts.
     python bench/zero_memory.py                 # writes bench/out/zero_memory.json, prints tables
     python bench/zero_memory.py --peak          # only the allocator-level peak table
     python bench/zero_memory.py --peak zero2    # only its rows whose name contains "zero2"
+    python bench/zero_memory.py --bf16          # bf16 parameters, fp32 masters: ZeRO-1/2/3, d 4
 
 Model state = the bytes of every distinct storage held by parameters, gradients and optimizer
 state after one optimizer step (deduplicated by storage: ZeRO-1/2 parameters are views of flat
@@ -195,6 +196,67 @@ def measure_peak(ctx, table, data_dir, trace_dir):
             "peak_no_staging": curve["peak_no_staging"] - other_no_staging}
 
 
+def measure_bf16_state(ctx, table, data_dir):
+    """Model state per rank after one step with ``train.dtype = bf16``: distinct storages of the
+    bf16 parameters, the fp32 masters (``master_weight``; ZeRO-1/2's slices; FSDP2's sharded
+    parameters are the model's), every gradient buffer (``.grad``, ``main_grad``, ZeRO-1/2's
+    buffers and slices, the masters' ``.grad``) and the optimizer's moments."""
+    import torch
+
+    from loom.config import from_dict
+    from loom.train.trainer import Trainer
+
+    trainer = Trainer(from_dict(table), data_dir, None, ctx)
+    trainer.train_step()
+    params = list(trainer.model.parameters())
+    masters = [p.master_weight for p in params if hasattr(p, "master_weight")]
+    masters += [p for g in trainer.optimizer.param_groups for p in g["params"]
+                if not any(p is q for q in params)]  # ZeRO-1/2's fp32 slices
+    grads = [t for p in params + masters
+             for t in (p.grad, getattr(p, "main_grad", None)) if t is not None]
+    if trainer.zero is not None:
+        grads += [t for b in trainer.zero.buckets for t in (b.grad_flat, b.grad_shard)
+                  if t is not None]
+    opt = [v for state in trainer.optimizer.state.values() for v in state.values()
+           if torch.is_tensor(v) and v.numel() > 1]
+    return {"params": _storages(params), "masters": _storages(masters),
+            "grads": _storages(grads), "optimizer": _storages(opt),
+            "state": _storages(params + masters + grads + opt),
+            "psi": sum(p.numel() for p in params)}
+
+
+def bf16_formula(stage: int, psi: int, d: int, grad_bytes: int) -> float:
+    """The ZeRO paper's model state with 2-byte parameters, ``grad_bytes`` gradients and 12
+    bytes of fp32 master and moments: 2Ψ + gΨ + 12Ψ/N, 2Ψ + (g + 12)Ψ/N, 16Ψ/N (ZeRO-3 keeps
+    FSDP2's fp32 sharded parameters and gradients: (4 + 4 + 8)Ψ/N, which is also the paper's)."""
+    return {1: 2 * psi + grad_bytes * psi + 12 * psi / d,
+            2: 2 * psi + (grad_bytes + 12) * psi / d, 3: 16 * psi / d}[stage]
+
+
+def bf16_table(registry, resolved, data_dir) -> list[dict]:
+    """Measured bf16 model state per rank at ZeRO-1/2/3 over dp_shard 4 vs the formulas and
+    the estimator's model state (bf16 and fp32 gradient reductions)."""
+    from loom.config import to_dict
+    from loom.train.memory import memory_instants
+
+    rows = []
+    print("| stage | grads | Ψ | measured bytes/rank | formula | measured/formula |"
+          " estimator | estimator/measured |")
+    for reduce in ("bf16", "fp32"):
+        for stage in (1, 2, 3):
+            config = resolved(4, dp_shard=4, zero_stage=stage, **{
+                "train.dtype": "bf16", "train.grad_reduce_dtype": reduce,
+                "train.micro_batch_size": 4})
+            m = registry.run(4, measure_bf16_state, to_dict(config), str(data_dir))[0]
+            f = bf16_formula(stage, m["psi"], 4, 2 if reduce == "bf16" else 4)
+            est = min(memory_instants(config), key=lambda e: e.activations).model_state
+            rows.append({"stage": stage, "grad_reduce_dtype": reduce, **m, "formula": f,
+                         "estimator": est})
+            print(f"| {stage} | {reduce} | {m['psi']:,} | {m['state']:,} | {f:,.0f} |"
+                  f" {m['state'] / f:.4f} | {est:,.0f} | {est / m['state']:.4f} |", flush=True)
+    return rows
+
+
 def formula(stage: int, psi: int, d: int) -> float:
     return {0: 16 * psi, 1: 8 * psi + 8 * psi / d, 2: 4 * psi + 12 * psi / d,
             3: 16 * psi / d}[stage]
@@ -265,6 +327,14 @@ def main() -> None:
     def run(world, **over):
         config = resolved(world, **over)
         return config, registry.run(world, measure, to_dict(config), str(data_dir))[0]
+
+    if "--bf16" in sys.argv:  # only the bf16 model-state table
+        results = json.loads((out_dir / "zero_memory.json").read_text()) \
+            if (out_dir / "zero_memory.json").exists() else {}
+        results["bf16_state"] = bf16_table(registry, resolved, data_dir)
+        registry.close()
+        (out_dir / "zero_memory.json").write_text(json.dumps(results, indent=1))
+        return
 
     if "--peak" in sys.argv:  # only the allocator-level table
         results = json.loads((out_dir / "zero_memory.json").read_text()) \

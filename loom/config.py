@@ -154,7 +154,10 @@ class TrainConfig:
     seed: int = 1234  # seeds the initial weights and the order of the training samples
     device: str = "auto"  # auto (a GPU when there is one) | cpu | cuda | cuda:N ...
     backend: str = "auto"  # auto | gloo | nccl
-    dtype: Literal["fp32", "bf16"] = "fp32"  # bf16 = autocast compute, fp32 master weights
+    # bf16: bf16 parameters in forward and backward, fp32 master weights and Adam moments in the
+    # optimizer (sharded at ZeRO-1/2/3), gradients in grad_reduce_dtype; bf16_autocast: fp32
+    # parameters, gradients and optimizer, bf16 compute inside autocast
+    dtype: Literal["fp32", "bf16", "bf16_autocast"] = "fp32"
     grad_clip: float = 1.0  # max global grad norm; 0 disables
     eval_every: int = 50  # steps between evaluations on the validation split; 0 disables
     eval_batches: int = 4  # global batches of the validation split per evaluation

@@ -146,6 +146,7 @@ def validate(config: Config, world_size: int) -> None:
     _validate_post_validation(config)
     _validate_outer(config)
     _validate_compression(config)
+    _validate_bf16(config)
     _validate_compile(config)
     if tr.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError("train.backend", tr.backend, "must be one of auto, gloo, nccl")
@@ -449,6 +450,38 @@ def _validate_compression(config: Config) -> None:
         raise ConfigError("train.grad_reduce_dtype", tr.grad_reduce_dtype,
                           f"parallel.grad_compression = {par.grad_compression} sends its own"
                           " format (fp32 factors, int8, or values and indices); use fp32")
+
+
+def _validate_bf16(config: Config) -> None:
+    """``train.dtype = bf16`` (bf16 parameters, fp32 masters: ``loom.parallel.mixed_precision``,
+    ``zero.py``, FSDP2) with what it is not built for yet: each of these reads or writes the
+    parameters' gradients or values outside the master-weight path; bf16_autocast runs them."""
+    par, tr = config.parallel, config.train
+    if tr.dtype != "bf16":
+        return
+    hint = "; use train.dtype = bf16_autocast (fp32 parameters) or"
+    if par.dp_mode != "sync":
+        raise ConfigError("train.dtype", tr.dtype,
+                          f"bf16 parameters with parallel.dp_mode = {par.dp_mode} are not built"
+                          f" (the outer loop merges the parameters, not their fp32 masters){hint}"
+                          " dp_mode = sync")
+    if par.grad_compression != "none":
+        raise ConfigError("train.dtype", tr.dtype,
+                          f"bf16 parameters with parallel.grad_compression ="
+                          f" {par.grad_compression} are not built (the compressor reads bf16"
+                          f" gradients, not their fp32 accumulation){hint} grad_compression = none")
+    if par.ep > 1:
+        raise ConfigError("train.dtype", tr.dtype,
+                          f"bf16 parameters with expert parallelism (ep = {par.ep}) are not"
+                          f" built (expert gradients take their own reduction){hint} ep = 1")
+    if tr.offload_optimizer:
+        raise ConfigError("train.dtype", tr.dtype,
+                          "bf16 parameters with train.offload_optimizer are not built (the fp32"
+                          f" master slices stay on the device){hint} offload_optimizer = false")
+    if tr.post_validation:
+        raise ConfigError("train.dtype", tr.dtype,
+                          "bf16 parameters with train.post_validation are not built (untested"
+                          f" rollback of fp32 masters){hint} post_validation = false")
 
 
 def _validate_zero_pipeline(config: Config) -> None:

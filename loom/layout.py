@@ -151,7 +151,7 @@ class Job:
     layout: Layout
     seq_len: int
     seed: int = 0  # initial weights, by parameter name (the same on every layout)
-    dtype: str = "fp32"  # compute: fp32, or bf16 autocast over fp32 master weights
+    dtype: str = "fp32"  # fp32; bf16 parameters, fp32 masters; bf16_autocast over fp32 ones
     grad_reduce_dtype: str = "fp32"
     grad_bucket_mb: float = 25.0  # gradient buckets of data parallelism and ZeRO-1/2
     grad_reduce_every_microbatch: bool = False  # ZeRO-2/3: reduce each backward's gradients

@@ -63,15 +63,27 @@ def head_activation_bytes(*, s: int, b: int, h: int, vocab: int, e: int = 4) -> 
 
 
 def model_state_bytes(psi: float, shard: int, stage: int, *, accumulating: bool = False,
-                      grad_bytes: int = 4) -> tuple[float, float, float]:
+                      grad_bytes: int = 4, master: bool = False) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer) bytes for ``psi`` parameters under ZeRO ``stage`` (0:
     none) over ``shard`` ranks, with fp32 parameters and gradients and two AdamW moments.
 
     ``accumulating``: the gradients while microbatches accumulate, before the reduction after the
     last backward: ZeRO-2 holds autograd's full-size ``p.grad`` beside its persistent slice,
     ZeRO-3 (FSDP2) the unsharded gradients (``grad_bytes`` per element) instead of the shards;
-    ZeRO-1 and plain data parallelism hold full-size gradients anyway."""
+    ZeRO-1 and plain data parallelism hold full-size gradients anyway.
+
+    ``master`` (``train.dtype = bf16``): 2-byte parameters, gradients of ``grad_bytes`` (the
+    reduction dtype: the fp32 ``main_grad`` or bucket, or bf16), and the optimizer's fp32
+    masters counted with its moments (12 bytes, sharded at ZeRO-1/2: the distributed
+    optimizer). ZeRO-3 is FSDP2's: its sharded fp32 parameters are the masters, its sharded
+    gradients fp32, so the same as fp32's. ZeRO-1: 2Ψ + gΨ + 12Ψ/d; ZeRO-2: 2Ψ + gΨ/d + 12Ψ/d
+    (g = 2 gives the ZeRO paper's 4Ψ + 12Ψ/N and 2Ψ + 14Ψ/N)."""
     d = shard if stage else 1
+    if master and stage < 3:
+        grads = grad_bytes * psi / (d if stage == 2 else 1)
+        if accumulating and stage == 2:
+            grads += grad_bytes * psi  # the full-size main_grad (bf16: p.grad) until packed
+        return 2 * psi, grads, 12 * psi / d
     grads = 4 * psi / (d if stage >= 2 else 1)
     if accumulating and stage == 2:
         grads += 4 * psi

@@ -25,6 +25,10 @@ on, because each later step must see the module the earlier ones produced:
    over ``dp_shard`` (``expert_zero_mesh``; both x cp under cp), dividing both by dp x ep (x cp).
    Under an outer-loop ``dp_mode`` (DiLoCo, NoLoCo, CO2) the groups leave ``dp_replicate`` out:
    each replica reduces inside itself, and ``loom.parallel.outer`` merges the replicas' weights.
+   ``train.dtype = bf16`` (bf16 parameters, fp32 masters) is applied here too, because each
+   data-parallel form keeps the masters its own way: FSDP2's ``MixedPrecisionPolicy`` over
+   sharded fp32 parameters (ZeRO-3), fp32 slices of the flat buckets (ZeRO-1/2, ``zero.py``),
+   or ``mixed_precision.apply_bf16_parameters`` before the reducer's hooks (no ZeRO).
 
 Pipeline parallelism is applied before all of these by splitting the model into stages
 (``loom.pipeline``); ``loom.pipeline.runtime.build_pipeline`` then calls ``parallelize`` on every
@@ -49,6 +53,7 @@ from loom.parallel.compile import apply_compile
 from loom.parallel.context import apply_context_parallel
 from loom.parallel.data import GradientReducer, apply_fully_shard
 from loom.parallel.expert import ExpertParallel, apply_expert_parallel, expert_parameter_names
+from loom.parallel.mixed_precision import apply_bf16_parameters
 from loom.parallel.sequence_saved import keep_saved_inputs_sharded
 from loom.parallel.tensor import TensorParallel, apply_tensor_parallel
 from loom.parallel.zero import apply_zero
@@ -153,7 +158,9 @@ def _data_parallel(model: nn.Module, meshes: Meshes, job: Job, ledger: CommLedge
         raise ValueError(f"dp_mode={job.dp_mode!r} with ep > 1 or ZeRO-1/2 is not built")
     if parallel.zero_stage == 3:
         mesh, axis = zero_mesh(meshes, parallel, across_replicas)
-        compute = torch.bfloat16 if job.dtype == "bf16" else None
+        # bf16 (and bf16 autocast): FSDP2 gathers bf16 copies of its sharded fp32 parameters,
+        # which are the master weights the optimizer steps
+        compute = torch.bfloat16 if job.dtype in ("bf16", "bf16_autocast") else None
         # Under a pipeline, reshard_after_forward = false means "gathered across the step":
         # the runtime reshards after the stage's last backward piece, FSDP2 never by itself.
         after_backward = parallel.pp == 1 or parallel.reshard_after_forward
@@ -161,7 +168,8 @@ def _data_parallel(model: nn.Module, meshes: Meshes, job: Job, ledger: CommLedge
                                  reshard_after_backward=after_backward, param_dtype=compute,
                                  reduce_dtype=reduce_dtype, offload_optimizer=job.offload_optimizer,
                                  ledger=ledger, axis=axis,
-                                 experts=expert_zero_mesh(meshes, parallel, 2))
+                                 experts=expert_zero_mesh(meshes, parallel, 2),
+                                 cast_forward_inputs=job.dtype != "bf16")
     if parallel.zero_stage:
         mesh, axis = zero_mesh(meshes, parallel)
         shard_mesh = mesh[mesh.mesh_dim_names[-1]] if mesh.ndim == 2 else mesh
@@ -170,7 +178,10 @@ def _data_parallel(model: nn.Module, meshes: Meshes, job: Job, ledger: CommLedge
                           ledger=ledger, bucket_bytes=bucket_bytes,
                           tp_group=meshes.root["tp"].get_group() if parallel.tp > 1 else None,
                           experts=expert_zero_mesh(meshes, parallel, 1),
-                          ep_size=experts.size if experts is not None else 1)
+                          ep_size=experts.size if experts is not None else 1,
+                          param_dtype=torch.bfloat16 if job.dtype == "bf16" else torch.float32)
+    if job.dtype == "bf16":  # bf16 parameters, fp32 masters, before any reducer's hooks
+        apply_bf16_parameters(model, reduce_dtype)
     dp_mesh, axis = (meshes.dp_cp, "dp_cp") if parallel.cp > 1 else (meshes.dp, "dp")
     if not across_replicas:  # dp_shard = 1 here (else ZeRO): only cp ranks share a replica's data
         dp_mesh, axis = meshes.root["cp"], "cp"

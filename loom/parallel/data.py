@@ -66,6 +66,7 @@ from loom.formulas.memory import BUCKET_BYTES  # the memory formulas depend on i
 from loom.models.moe import GroupedExperts
 from loom.parallel import comm
 from loom.parallel.compression import CompressionSpec, GradCompressor, build_compressor
+from loom.parallel.mixed_precision import gradient_of
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -137,11 +138,9 @@ class GradientReducer:
             self._launch(self._next)
 
     def _launch(self, index: int) -> None:
-        grads = []
-        for param in self.buckets[index]:
-            if param.grad is None:  # unused this step here, maybe used elsewhere: send zeros
-                param.grad = torch.zeros_like(param)
-            grads.append(_local(param.grad))
+        # unused this step here, maybe used elsewhere: zeros are sent; a bf16 parameter's
+        # gradient is its fp32 ``main_grad`` (``mixed_precision``)
+        grads = [_local(gradient_of(param, create=True)) for param in self.buckets[index]]
         if self.compressor is not None:
             self._pending.append(self.compressor.launch(self.buckets[index], grads))
             self._next = index + 1
@@ -279,14 +278,17 @@ def apply_fully_shard(model: nn.Module, mesh: Any, *, reshard_after_forward: boo
                       reshard_after_backward: bool = True, param_dtype: torch.dtype | None = None,
                       reduce_dtype: torch.dtype = torch.float32, offload_optimizer: bool = False,
                       ledger: comm.CommLedger | None = None, axis: str = "dp_shard",
-                      experts: tuple[Any, str] | None = None) -> FullyShardedSync:
+                      experts: tuple[Any, str] | None = None,
+                      cast_forward_inputs: bool = True) -> FullyShardedSync:
     """ZeRO-3 with FSDP2 over ``mesh`` (1-D ``dp_shard`` or 2-D ``(dp_replicate, dp_shard)``):
     ``model`` is sharded in place; returns its gradient synchronisation.
 
     One FSDP unit per transformer block (gathered just in time, freed after use) and one for the
     rest (embedding, final norm, head: the root). ``param_dtype``: the compute dtype of the
     gathered parameters (bf16 mixed precision; the sharded fp32 values are the master weights);
-    ``reduce_dtype``: the dtype of the reduce-scatter. ``offload_optimizer``: FSDP2's CPU offload
+    ``reduce_dtype``: the dtype of the reduce-scatter. ``cast_forward_inputs`` False: a unit's
+    floating inputs keep their dtype (bf16 parameters: the residual stream is bf16 already and
+    the RoPE tables stay fp32, as without ZeRO-3). ``offload_optimizer``: FSDP2's CPU offload
     (sharded parameters, gradients and the optimizer step on the host; for accelerators).
     ``reshard_after_backward=False`` (with ``reshard_after_forward=False``) keeps the parameters
     gathered until ``reshard`` / ``flush``: a pipeline stage held across its schedule window.
@@ -304,7 +306,8 @@ def apply_fully_shard(model: nn.Module, mesh: Any, *, reshard_after_forward: boo
     from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
                                         fully_shard)
 
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                  cast_forward_inputs=cast_forward_inputs)
     offload = CPUOffloadPolicy() if offload_optimizer else OffloadPolicy()
     blocks = list(model.layers.values()) if hasattr(model, "layers") else []
     expert_units, (expert_mesh, expert_axis) = [], experts or (None, "")

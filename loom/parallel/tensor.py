@@ -79,6 +79,7 @@ from loom.parallel import comm
 from loom.parallel.comm import CommLedger
 from loom.parallel.comm_trace import CollectiveCounter
 from loom.parallel.expert import apply_expert_tensor_parallel
+from loom.parallel.mixed_precision import gradient_of
 from loom.parallel.vocab import cross_entropy
 
 
@@ -252,9 +253,9 @@ def full_named_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's full gradient by name (collective over ``tp``: call on every TP rank)."""
     out = {}
     for name, param in model.named_parameters():
-        if param.grad is None:
+        grad = gradient_of(param)  # a bf16 parameter's fp32 ``main_grad``, or ``.grad``
+        if grad is None:
             continue
-        grad = param.grad
         out[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
     return out
 

@@ -34,6 +34,16 @@ multiple of d. Every parameter becomes a view into its bucket. Rank r owns slice
 bucket: a ``Parameter`` sharing the bucket's storage, and the only thing the (elementwise) AdamW
 steps — so its two fp32 moments are 1/d of the model, and the result is exactly one process's.
 
+bf16 parameters (``train.dtype = bf16``, ``param_dtype``): Megatron's distributed optimizer.
+The buckets hold bf16; rank r's slice is an fp32 copy taken from the fp32 initial values, the
+master that AdamW steps (with its fp32 moments: 12 bytes per owned element), and the step's
+all-gather sends bf16 (half the bytes below). Gradients are in ``reduce_dtype``: with fp32,
+stage 1's buffer is fp32 and each backward's bf16 ``.grad`` is folded into it by a hook
+(``main_grad``, ``mixed_precision``), stage 2 folds into a per-parameter fp32 ``main_grad``
+until packed; with bf16, autograd accumulates as in fp32 and the reduced bf16 slice is upcast
+for the step only (its fp32 copy is dropped at the all-gather). Checkpoints save the masters
+(``checkpoint_state``).
+
 Collectives (wire bytes per rank, P parameters, fp32; ``grad_reduce_dtype=bf16`` halves the
 reduce-scatter's):
 
@@ -84,6 +94,7 @@ from torch import nn
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from loom.parallel import comm
+from loom.parallel.mixed_precision import MAIN_GRAD, fold_main_grad, gradient_of, set_value
 # MAX_IN_FLIGHT: reduce-scatters a rank keeps outstanding before waiting for the oldest: two
 # overlap the reduction of one bucket with the packing of the next (DeepSpeed's double buffer)
 # and bound the packed gradients held to three buckets (the memory formulas depend on it).
@@ -146,8 +157,14 @@ class ZeroShardedOptimizer:
                  decays: Callable[[nn.Parameter], bool] = lambda p: p.ndim >= 2,
                  axis: str = "dp_shard", tp_group: Any = None,
                  experts: set[str] = frozenset(), expert_shards: ShardGroup | None = None,
-                 ep_size: int = 1) -> None:
+                 ep_size: int = 1, param_dtype: torch.dtype = torch.float32) -> None:
         self.stage, self.group, self.d, self.rank = stage, shard_group, shard_size, shard_rank
+        # bf16 parameters (train.dtype = bf16): the buckets hold bf16, each rank's slice is an
+        # fp32 master copy (the distributed optimizer); gradients go to ``reduce_dtype``
+        self.param_dtype = param_dtype
+        self.keeps_master = param_dtype != torch.float32
+        # fp32 gradients of bf16 parameters are accumulated outside autograd (``main_grad``)
+        self._main_grads = self.keeps_master and reduce_dtype == torch.float32
         self.axis = axis  # the ledger's name of the shard group
         self.dense_shards = ShardGroup(shard_group, shard_size, shard_rank, axis)
         # Expert parallelism: the expert weights (``experts``, by name) are this ep rank's own,
@@ -181,7 +198,11 @@ class ZeroShardedOptimizer:
         self._next = 0  # the next bucket to launch: every rank launches in bucket order
         self._in_flight: deque[tuple[_Bucket, Any, torch.Tensor]] = deque()
         self._end_queued = False  # the end-of-backward flush is queued for this backward
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient_ready)
+        # bf16 parameters, fp32 gradients: each backward's bf16 ``.grad`` is added into the fp32
+        # ``main_grad`` (stage 1: a view of the bucket's fp32 buffer), before the hook below
+        self._hooks = [p.register_post_accumulate_grad_hook(fold_main_grad)
+                       for b in self.buckets for p in b.params] if self._main_grads else []
+        self._hooks += [p.register_post_accumulate_grad_hook(self._on_gradient_ready)
                        for b in self.buckets for p in b.params]
 
     def _add_bucket(self, named: list[tuple[str, nn.Parameter]], decay: bool,
@@ -194,29 +215,48 @@ class ZeroShardedOptimizer:
         padded = -(-numel // d) * d
         flat = torch.zeros(padded, dtype=params[0].dtype, device=locals_[0].device)
         offset, offsets = 0, {}
-        for param, local in zip(params, locals_):  # each parameter becomes a view of the bucket
+        for param, local in zip(params, locals_):  # the values, packed
             offsets[id(param)] = offset
+            flat[offset:offset + local.numel()].view_as(local).copy_(local.detach())
+            offset += local.numel()
+        piece = flat[rank * padded // d:(rank + 1) * padded // d]
+        if self.keeps_master:  # the fp32 slice is the master; the parameters live in bf16
+            shard = nn.Parameter(piece.to("cpu" if self.offload else piece.device, copy=True))
+            flat = flat.to(self.param_dtype)
+        else:
+            shard = nn.Parameter(piece.to("cpu", copy=True) if self.offload else piece)
+        for param, local in zip(params, locals_):  # each parameter becomes a view of the bucket
+            offset = offsets[id(param)]
             view = flat[offset:offset + local.numel()].view_as(local)
-            view.copy_(local.detach())
-            if local is param:
+            if self.keeps_master:  # a new dtype: the tensor (and a DTensor's wrapper) changes
+                set_value(param, _as_param_like(view, param))
+            elif local is param:
                 param.data = view
             else:  # a DTensor: ``.data`` would not share storage; its local tensor does
                 param._local_tensor = view
-            offset += local.numel()
-        piece = flat[rank * padded // d:(rank + 1) * padded // d]
-        shard = nn.Parameter(piece.to("cpu", copy=True) if self.offload else piece)
         bucket = _Bucket(params, [n for n, _ in named], decay, tp_sharded, expert, shards, flat,
                          shard, offsets=offsets)
         if self.stage == 1:  # autograd accumulates straight into views of one buffer
-            bucket.grad_flat = torch.zeros_like(flat)
+            bucket.grad_flat = torch.zeros_like(flat, dtype=self.reduce_dtype
+                                                if self.keeps_master else flat.dtype)
             offset = 0
             for param, local in zip(params, locals_):
-                grad = bucket.grad_flat[offset:offset + local.numel()].view_as(local)
-                param.grad = _as_param_like(grad, param)
+                grad = _as_param_like(
+                    bucket.grad_flat[offset:offset + local.numel()].view_as(local), param)
+                if self._main_grads:  # fp32 buffer, bf16 parameter: the fold hook adds into it
+                    setattr(param, MAIN_GRAD, grad)
+                else:
+                    param.grad = grad
                 offset += local.numel()
+        elif self._main_grads:  # stage 2: accumulated in fp32 until packed
+            for param in params:
+                setattr(param, MAIN_GRAD, None)
         piece = slice(rank * padded // d, (rank + 1) * padded // d)
+        # the reduced slice, in the gradients' dtype (bf16 parameters: ``reduce_dtype``; a bf16
+        # slice is upcast for the optimizer step only, ``finish`` / ``gather_parameters``)
         bucket.grad_shard = (bucket.grad_flat[piece] if bucket.grad_flat is not None  # no copy
-                             else torch.zeros(padded // d, dtype=flat.dtype,
+                             else torch.zeros(padded // d, dtype=self.reduce_dtype
+                                              if self.keeps_master else flat.dtype,
                                               device=flat.device))
         self.buckets.append(bucket)
 
@@ -243,15 +283,19 @@ class ZeroShardedOptimizer:
 
     def _pack(self, bucket: _Bucket, param: nn.Parameter) -> None:
         """Stage 2: copy ``param``'s gradient into its bucket's packing buffer and free it."""
-        if param.grad is None:
+        grad = gradient_of(param)  # fp32 ``main_grad`` of a bf16 parameter, or ``.grad``
+        if grad is None:
             return
         if bucket.packed is None:  # zeros: the padding, and parameters that got no gradient
             self._bound_in_flight()
-            bucket.packed = torch.zeros_like(bucket.flat)
-        grad = _local(param.grad).reshape(-1)
+            bucket.packed = torch.zeros_like(bucket.flat, dtype=self.reduce_dtype
+                                             if self.keeps_master else bucket.flat.dtype)
+        grad = _local(grad).reshape(-1)
         offset = bucket.offsets[id(param)]
         bucket.packed[offset:offset + grad.numel()].copy_(grad)
         param.grad = None
+        if hasattr(param, MAIN_GRAD):
+            setattr(param, MAIN_GRAD, None)
 
     def _bound_in_flight(self) -> None:
         while len(self._in_flight) >= MAX_IN_FLIGHT:
@@ -269,6 +313,9 @@ class ZeroShardedOptimizer:
 
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.grad_flat is not None:  # stage 1: the gradients already are the buffer
+            if self._main_grads:  # what a hook did not see (a pipeline W step) joins it
+                for param in bucket.params:
+                    gradient_of(param)
             flat = bucket.grad_flat
         else:  # stage 2: what the hooks have not packed (a flush after ``sync`` off) joins
             for param in bucket.params:
@@ -309,7 +356,7 @@ class ZeroShardedOptimizer:
             # both kinds, since an expert's slice is summed over dp_shard only but each
             # rank's expert gradient already sums the tokens of all ep ranks
             bucket.grad_shard.copy_(reduced).div_(self.d * self.replicate_size)
-            bucket.shard.grad = bucket.grad_shard.to(bucket.shard.device)
+            bucket.shard.grad = bucket.grad_shard.to(bucket.shard.device, bucket.shard.dtype)
         self._next = 0
 
     # -- optimizer ------------------------------------------------------------------------------
@@ -331,6 +378,9 @@ class ZeroShardedOptimizer:
             for bucket in self.buckets:
                 if bucket.grad_flat is not None:
                     bucket.grad_flat.zero_()
+                elif self._main_grads:  # stage 2: nothing accumulated is kept
+                    for param in bucket.params:
+                        setattr(param, MAIN_GRAD, None)
 
         optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
         return optimizer
@@ -341,9 +391,25 @@ class ZeroShardedOptimizer:
         is cleared by the optimizer's ``zero_grad``, so the reduced slice, which lives in it,
         stays readable until the next step.)"""
         for bucket in self.buckets:
-            mine = bucket.shard.detach().to(bucket.flat.device).clone()
+            if bucket.shard.grad is not None and bucket.grad_shard.dtype != bucket.shard.dtype:
+                # a bf16 gradient slice: its fp32 copy was the step's; the (clipped) values
+                # stay readable in the slice, the copy goes
+                bucket.grad_shard.copy_(bucket.shard.grad)
+                bucket.shard.grad = None
+            mine = bucket.shard.detach().to(bucket.flat.device, bucket.flat.dtype, copy=True)
             comm.all_gather_into_tensor(bucket.flat, mine, bucket.shards.group,
                                         axis=bucket.shards.axis, ledger=self.ledger)
+
+    @torch.no_grad()
+    def masters_from_parameters(self) -> None:
+        """Set every rank's slice from its bucket's values (after weights were written into the
+        parameters: a pretrained load). With bf16 parameters the fp32 masters take their bf16
+        rounding; with fp32 ones and no offload the slice already is a view: nothing to do."""
+        for bucket in self.buckets:
+            if bucket.shard.untyped_storage().data_ptr() != \
+                    bucket.flat.untyped_storage().data_ptr():
+                per_rank, rank = bucket.flat.numel() // bucket.shards.size, bucket.shards.rank
+                bucket.shard.data.copy_(bucket.flat[rank * per_rank:(rank + 1) * per_rank])
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
@@ -374,8 +440,9 @@ class ZeroShardedOptimizer:
         inspection)."""
         out = {}
         for bucket in self.buckets:
-            full = torch.empty_like(bucket.flat)
-            comm.all_gather_into_tensor(full, bucket.shard.grad.to(full.device).contiguous(),
+            grad = bucket.shard.grad if bucket.shard.grad is not None else bucket.grad_shard
+            full = torch.empty_like(bucket.flat, dtype=grad.dtype)
+            comm.all_gather_into_tensor(full, grad.to(full.device).contiguous(),
                                         bucket.shards.group, axis=bucket.shards.axis)
             offset = 0
             for name, param in zip(bucket.names, bucket.params):
@@ -410,13 +477,15 @@ def apply_zero(model: nn.Module, stage: int, shard_mesh: Any, replicate_mesh: An
                axis: str = "dp_shard", reduce_dtype: torch.dtype = torch.float32,
                offload: bool = False, ledger: comm.CommLedger | None = None,
                tp_group: Any = None, experts: tuple[Any, str] | None = None, ep_size: int = 1,
-               bucket_bytes: int = BUCKET_BYTES) -> ZeroShardedOptimizer:
+               bucket_bytes: int = BUCKET_BYTES,
+               param_dtype: torch.dtype = torch.float32) -> ZeroShardedOptimizer:
     """ZeRO-1/2 of ``model`` over ``shard_mesh`` (``dp_shard``, ``dp_shard x cp`` or, under
     expert parallelism, ``dp_shard x ep`` flattened) and ``replicate_mesh`` (``dp_replicate``);
     ``tp_group``: the model's tensor-parallel group (its DTensor parameters are bucketed by
     local shard); ``experts``: with ``ep_size`` > 1, the 1-D mesh the expert weights (already
     cut to this ep rank's experts) shard over, ``dp_shard`` or ``dp_shard x cp``, and its ledger
-    name. Returns the sharded optimizer, which also reduces the gradients."""
+    name; ``param_dtype`` bf16: bf16 parameters, fp32 master slices (``train.dtype = bf16``).
+    Returns the sharded optimizer, which also reduces the gradients."""
     names, expert_shards = frozenset(), None
     if experts is not None:
         (mesh, expert_axis), names = experts, frozenset(expert_parameter_names(model))
@@ -426,7 +495,8 @@ def apply_zero(model: nn.Module, stage: int, shard_mesh: Any, replicate_mesh: An
         model, stage, shard_mesh.get_group(), shard_mesh.size(), shard_mesh.get_local_rank(),
         replicate_group=replicate_mesh.get_group(), replicate_size=replicate_mesh.size(),
         reduce_dtype=reduce_dtype, offload=offload, ledger=ledger, axis=axis, tp_group=tp_group,
-        experts=names, expert_shards=expert_shards, ep_size=ep_size, bucket_bytes=bucket_bytes)
+        experts=names, expert_shards=expert_shards, ep_size=ep_size, bucket_bytes=bucket_bytes,
+        param_dtype=param_dtype)
 
 
 def of_stages(parts: list[Any], pp_group: Any) -> ZeroShardedOptimizer | None:

@@ -74,6 +74,7 @@ from loom.layout import Job
 from loom.parallel import comm, parallelize
 from loom.parallel.comm import CommLedger
 from loom.parallel.data import FullyShardedSync, GradientReducer
+from loom.parallel.mixed_precision import gradient_of
 from loom.pipeline.partition import partition_model
 from loom.pipeline.stage import LossFn, PipelineStage, build_stages
 from loom.schedule.ir import Action, Op, Schedule
@@ -151,12 +152,14 @@ class PipelineRuntime:
                  tie_group: dist.ProcessGroup | None = None,
                  copy_group: dist.ProcessGroup | None = None,
                  compute_context: Callable[[], contextlib.AbstractContextManager]
-                 = contextlib.nullcontext, reduce_every_microbatch: bool = False) -> None:
+                 = contextlib.nullcontext, reduce_every_microbatch: bool = False,
+                 wire_dtype: torch.dtype = WIRE_DTYPE) -> None:
         if sorted(stages) != list(schedule.stages_of(pp_rank)):
             raise ValueError(f"rank {pp_rank} holds stages {sorted(stages)}, the schedule places "
                              f"{list(schedule.stages_of(pp_rank))} on it")
         self.schedule = schedule
         self.stages = stages
+        self.wire_dtype = wire_dtype  # bf16 parameters (train.dtype = bf16): bf16 activations
         self.pp_rank = pp_rank
         self.pp_ranks = tuple(pp_ranks)
         self.pp_group = pp_group
@@ -230,7 +233,8 @@ class PipelineRuntime:
             while next_to_post < min(len(row), index + 1 + self.recv_lookahead):
                 needed = incoming(schedule, self.pp_rank, row[next_to_post])
                 if needed is not None:
-                    buffer = torch.empty(tuple(activation_shape), dtype=WIRE_DTYPE, device=device)
+                    buffer = torch.empty(tuple(activation_shape), dtype=self.wire_dtype,
+                                         device=device)
                     work = comm.irecv(buffer, self.pp_ranks[needed.peer], self.pp_group,
                                       axis="pp", ledger=self.ledger,
                                       tag=needed.tag(schedule.num_microbatches))
@@ -263,9 +267,9 @@ class PipelineRuntime:
                     result = stage.backward_weight(mb)
             transfer = outgoing(schedule, action)
             if transfer is not None and result is not None:
-                # fp32 on the wire: under bf16 autocast the residual stream is still fp32
-                # (the embedding is fp32), so this is a no-op copy-free view in practice.
-                payload = result.detach().to(WIRE_DTYPE).contiguous()
+                # The residual stream's dtype on the wire: fp32 in fp32 and under bf16 autocast
+                # (the embedding is fp32), bf16 with bf16 parameters: a no-op view in practice.
+                payload = result.detach().to(self.wire_dtype).contiguous()
                 if transfer.peer == self.pp_rank:
                     local[transfer] = payload
                 else:
@@ -323,13 +327,14 @@ class PipelineRuntime:
             self._sum_route_copies()
         if self.tie_group is not None:
             param = self.tied_weight
-            if param.grad is None:  # cannot happen in a training step; keeps the pair matched
-                param.grad = torch.zeros_like(param)
+            # zeros if none (cannot happen in a training step; keeps the pair matched); a bf16
+            # parameter's gradient is its fp32 ``main_grad`` (loom.parallel.mixed_precision)
+            grad = gradient_of(param, create=True)
             # Data parallelism first (each copy averaged over dp by its stage's reducer, inside
             # the schedule), then this sum: both are linear, so the order does not change the
             # result, and this way the dp reduction keeps overlapping the schedule. A sum of two
             # values is the same bits on both ranks, so the copies stay identical.
-            local = getattr(param.grad, "_local_tensor", param.grad)
+            local = getattr(grad, "_local_tensor", grad)
             comm.all_reduce(local, self.tie_group, axis="pp_tie", ledger=self.ledger)
 
     def _sum_route_copies(self) -> None:
@@ -346,10 +351,8 @@ class PipelineRuntime:
         params = list({id(p): p for _, stage in sorted(self.stages.items(),
                                                        key=lambda item: item[1].model_stage)
                        for p in stage.parameters()}.values())  # a tied head is the embedding
-        for param in params:
-            if param.grad is None:  # cannot happen in a training step; keeps the pair matched
-                param.grad = torch.zeros_like(param)
-        grads = [getattr(p.grad, "_local_tensor", p.grad) for p in params]
+        grads = [gradient_of(p, create=True) for p in params]  # zeros: keeps the pair matched
+        grads = [getattr(g, "_local_tensor", g) for g in grads]
         flat = torch.cat([g.reshape(-1) for g in grads])
         comm.all_reduce(flat, self.copy_group, axis="pp_copies", ledger=self.ledger)
         offset = 0
@@ -425,7 +428,8 @@ def build_pipeline(job: Job, schedule: Schedule, *, grid: RankGrid, meshes: Mesh
     return PipelineRuntime(schedule, stages, pp_rank, grid.group(rank, "pp"), pp_group,
                            ledger=ledger, tie_group=tie_group, copy_group=copy_group,
                            compute_context=compute_context,
-                           reduce_every_microbatch=job.grad_reduce_every_microbatch)
+                           reduce_every_microbatch=job.grad_reduce_every_microbatch,
+                           wire_dtype=torch.bfloat16 if job.dtype == "bf16" else WIRE_DTYPE)
 
 
 def route_ends(schedule: Schedule) -> list[tuple[int, int]]:

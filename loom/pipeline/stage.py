@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from loom.models import Transformer, TransformerArgs, build_model, reset_parameters
 from loom.parallel import Parallelized
+from loom.parallel.mixed_precision import accumulate
 from loom.schedule.ir import Schedule
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -181,7 +182,10 @@ def _plan_split(output: torch.Tensor, params: Sequence[nn.Parameter], *,
 
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
     """Add to ``.grad`` in place, as torch's ``stage_backward_weight`` does: the buffers of ZeRO-1
-    (views of one flat tensor) stay, and no accumulate hook fires (the runtime flushes after W)."""
+    (views of one flat tensor) stay, and no accumulate hook fires (the runtime flushes after W).
+    A bf16 parameter with an fp32 ``main_grad`` (``loom.parallel.mixed_precision``) adds there."""
+    if accumulate(param, grad):
+        return
     if param.grad is None:
         param.grad = grad if grad.stride() == param.stride() else grad.contiguous()
     else:

@@ -166,7 +166,12 @@ def _instants(model: Any, lay: Layout, psi: float, experts: float = 0.0
     stage = lay.zero_stage if lay.dp_shard > 1 else 0
     d = lay.dp_shard * lay.cp
 
+    # Loom's bf16 (2-byte elements): bf16 parameters with fp32 masters held by the optimizer,
+    # gradients in grad_bytes (``model_state_bytes``' ``master``); ZeRO-3 is FSDP2's, as fp32's
+    master = {"master": True} if model.e == 2 and stage < 3 else {}
+
     def state(**kwargs: Any) -> tuple[float, float, float]:
+        kwargs = {**master, "grad_bytes": model.grad_bytes, **kwargs}
         dense = model_state_bytes(psi - experts, d * lay.ep, stage, **kwargs)
         expert = model_state_bytes(experts, d, stage, **kwargs)
         return tuple(a + b for a, b in zip(dense, expert))
@@ -210,7 +215,8 @@ def _instants(model: Any, lay: Layout, psi: float, experts: float = 0.0
                             "activations": 0.0, "transient": packing,
                             "_acts": "less_head_and_top"})
     out.append({"parameters": params, "gradients": grads, "optimizer": optim,
-                "activations": 0.0, "transient": optim,  # AdamW's two slice-sized temporaries
+                # AdamW's two temporaries, the size of the fp32 state it steps (not the masters)
+                "activations": 0.0, "transient": state(master=False)[2],
                 "_acts": "none"})
     for entry in out:
         entry["_total"] = sum(v for k, v in entry.items() if not k.startswith("_"))

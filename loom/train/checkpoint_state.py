@@ -181,12 +181,15 @@ def _adamw_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[
 
 
 def _zero_optimizer_state(zero: Any, optimizer: torch.optim.Optimizer,
-                          ep: Any = None) -> dict[str, Any]:
+                          ep: Any = None, masters: dict[str, Any] | None = None) -> dict[str, Any]:
     """The flattened optimizer state of ZeRO-1/2 under per-parameter names and full shapes
-    (``ep``: an expert bucket's boxes sit in this ep rank's slice of the ``[E, ...]`` tensor)."""
+    (``ep``: an expert bucket's boxes sit in this ep rank's slice of the ``[E, ...]`` tensor).
+    ``masters`` (bf16 parameters): filled with each weight's fp32 master, from the rank's
+    slices in the moments' boxes, as ShardedTensors under the weight's name."""
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     out: dict[str, Any] = {}
     local: dict[str, Any] = {}
+    master_local: dict[str, Any] = {}
     for bucket in zero.buckets:
         state = _adamw_state(optimizer, bucket.shard)
         hyper = {k: v for k, v in group_of[id(bucket.shard)].items() if k != "params"}
@@ -203,20 +206,29 @@ def _zero_optimizer_state(zero: Any, optimizer: torch.optim.Optimizer,
                 rows = shape[0]
                 boxes = [((off[0] + ep.rank * rows, *off[1:]), size) for off, size in boxes]
                 shape = (rows * ep.size, *shape[1:])
+            if masters is not None:
+                master_local[name] = (shape, _views(bucket.shard.detach(), boxes, begin - lo))
             for key, value in state.items():
                 if torch.is_tensor(value) and value.shape == bucket.shard.shape:  # moments
-                    views, at = [], begin - lo
-                    for box in boxes:
-                        n = math.prod(box[1])
-                        views.append((box, value[at:at + n].view(box[1])))
-                        at += n
-                    local[f"state.{name}.{key}"] = (shape, views)
+                    local[f"state.{name}.{key}"] = (shape, _views(value, boxes, begin - lo))
                 else:  # the step count; a copy per name, so a load can check they agree
                     out[f"state.{name}.{key}"] = value.detach().clone()
             out.update({f"param_groups.{name}.{k}": v for k, v in hyper.items()})
             offset += part.numel()
     _as_sharded(out, local)
+    if masters is not None:
+        _as_sharded(masters, master_local)
     return out
+
+
+def _views(flat: torch.Tensor, boxes: list[Box], at: int) -> list[tuple[Box, torch.Tensor]]:
+    """``flat[at:]`` cut into views of the sizes of ``boxes``, in order."""
+    views = []
+    for box in boxes:
+        n = math.prod(box[1])
+        views.append((box, flat[at:at + n].view(box[1])))
+        at += n
+    return views
 
 
 def _in_global(boxes: list[Box], param: torch.Tensor) -> list[Box]:
@@ -248,7 +260,8 @@ def _load_zero_optimizer_state(zero: Any, optimizer: torch.optim.Optimizer,
             values = [optim_sd[f"param_groups.{n}.{k}"] for n in bucket.names]
             _require_one(set(map(repr, values)), f"param_groups.*.{k}", bucket.names)
             group[k] = values[0]
-        if bucket.shard.untyped_storage().data_ptr() != bucket.flat.untyped_storage().data_ptr():
+        if bucket.shard.untyped_storage().data_ptr() != bucket.flat.untyped_storage().data_ptr() \
+                and not zero.keeps_master:
             # optimizer offload: the slice is a host copy of the (just loaded) weights
             per_rank, rank = bucket.flat.numel() // bucket.shards.size, bucket.shards.rank
             bucket.shard.data.copy_(bucket.flat[rank * per_rank:(rank + 1) * per_rank])
@@ -315,7 +328,15 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, *,
         model_sd = get_model_state_dict(model, options=_options())
         if ep is not None:  # the expert weights as slices (their moments: the boxes above)
             _experts_as_slices(model, ep, model_sd, {})
-        return {"model": model_sd, "optim": _zero_optimizer_state(zero, optimizer, ep)}
+        masters: dict[str, Any] | None = {} if zero.keeps_master else None
+        optim_sd = _zero_optimizer_state(zero, optimizer, ep, masters)
+        if masters is not None:  # bf16 parameters: the weights saved are the fp32 masters
+            unknown = set(masters) - set(model_sd)
+            if unknown:
+                raise CheckpointError(f"ZeRO buckets name weights the model does not:"
+                                      f" {sorted(unknown)[:3]}")
+            model_sd.update(masters)
+        return {"model": model_sd, "optim": optim_sd}
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
     if ep is not None:
         _experts_as_slices(model, ep, model_sd, optim_sd)
@@ -336,8 +357,17 @@ def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     if zero is not None:
-        set_model_state_dict(model, _locals(tensors["model"]), options=_options())
+        model_sd = _locals(tensors["model"])
+        if zero.keeps_master:  # the masters were loaded in place; the rest (none today) here
+            names = {n for bucket in zero.buckets for n in bucket.names}
+            model_sd = {k: v for k, v in model_sd.items() if k not in names}
+        if model_sd:
+            options = _options()
+            options.strict = not zero.keeps_master  # bf16: the weights are not all here
+            set_model_state_dict(model, model_sd, options=options)
         _load_zero_optimizer_state(zero, optimizer, tensors["optim"])
+        if zero.keeps_master:  # every rank's bf16 parameters from the loaded masters
+            zero.gather_parameters()
         return
     set_state_dict(model, optimizer, model_state_dict=_locals(tensors["model"]),
                    optim_state_dict=_locals(tensors["optim"]), options=_options())

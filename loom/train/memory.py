@@ -10,9 +10,9 @@ ranks; ``train.skip_memory_check`` overrides).
 Model state (ZeRO §3, Rajbhandari et al. 2020; Ψ = the rank's parameters after TP and PP, d = the
 ``dp_shard`` degree times ``cp``: ZeRO shards over dp_shard x cp, whose ranks hold the same
 weights; ZeRO-1/2 under TP bucket each rank's tp shards, so Ψ is the local count there too;
-measured to the byte, docs/benchmarks.md). Loom keeps fp32 parameters: with ``train.dtype =
-bf16`` they *are* the fp32 master weights and autocast makes the bf16 copies, so K = 8 (two
-AdamW moments) and
+measured to the byte, docs/benchmarks.md). With ``train.dtype`` = fp32 or bf16_autocast Loom
+keeps fp32 parameters (under autocast they *are* the master weights and autocast makes the
+bf16 copies), so K = 8 (two AdamW moments) and
 
 =========  ==============  ==============  =================  =================================
 ZeRO       parameters      gradients       optimizer (AdamW)  paper, mixed precision (K = 12)
@@ -24,8 +24,12 @@ none       4Ψ              4Ψ              8Ψ                 16Ψ
 =========  ==============  ==============  =================  =================================
 
 The per-rank totals equal the paper's at every stage (4 + 4 + 8 = 2 + 2 + 12); only the split
-differs. ZeRO-3 adds the gathered (unsharded) parameters of the block in use and of the prefetched
-one (compute dtype) as ``transient``.
+differs. With ``train.dtype = bf16`` (bf16 parameters, fp32 masters) ZeRO-0/1/2 hold 2Ψ of
+parameters, gΨ of gradients (g = 4, or 2 with ``grad_reduce_dtype = bf16``; gΨ/d at ZeRO-2) and
+12Ψ (/d at ZeRO-1/2) of masters and moments, the paper's split exactly at g = 2; ZeRO-3 is
+FSDP2's and the same as above (``model_state_bytes``' ``master``; measured to the byte,
+docs/benchmarks.md). ZeRO-3 adds the gathered (unsharded) parameters of the block in use and of
+the prefetched one (compute dtype) as ``transient``.
 
 That is the state at rest. The peak is taken over the instants of a rank's step (during and right
 after each action of its pipeline schedule; without a pipeline, F then B per microbatch; then the
@@ -135,14 +139,14 @@ def layer_activation_bytes(config: Config, *, layer_recomputed: bool = False) ->
     return block_activation_bytes(
         s=config.data.seq_len // lay.cp, b=lay.micro_batch, h=m.dim, f=m.ffn_dim,
         a=m.n_heads, kv=m.n_kv_heads, t=lay.tp, sequence_parallel=lay.sequence_parallel,
-        e=2 if tr.dtype == "bf16" else 4, recompute=recompute, compiled=tr.compile)
+        e=2 if tr.dtype != "fp32" else 4, recompute=recompute, compiled=tr.compile)
 
 
 def _head_activation_bytes(config: Config) -> float:
     m, lay, tr = config.model, layout_of(config), config.train
     return head_activation_bytes(s=config.data.seq_len // lay.cp, b=lay.micro_batch, h=m.dim,
                                  vocab=m.vocab_size // (lay.tp if lay.vocab_parallel else 1),
-                                 e=2 if tr.dtype == "bf16" else 4)
+                                 e=2 if tr.dtype != "fp32" else 4)
 
 
 @dataclass(frozen=True)
@@ -286,9 +290,13 @@ def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[Memor
     lay, tr, m = layout_of(config), config.train, config.model
     d = lay.dp_shard * lay.cp  # ZeRO shards over dp_shard x cp (cp ranks hold the same weights)
     stage = lay.zero_stage
-    compute = 2 if tr.dtype == "bf16" else 4
+    compute = 2 if tr.dtype != "fp32" else 4  # bf16, bf16_autocast
     # FSDP2 accumulates in reduce_dtype when it differs from the compute dtype, else in that
-    grad_bytes = 2 if stage == 3 and tr.dtype == "bf16" and tr.grad_reduce_dtype == "bf16" else 4
+    grad_bytes = 2 if stage == 3 and tr.dtype != "fp32" and tr.grad_reduce_dtype == "bf16" else 4
+    # bf16 parameters at ZeRO-0/1/2: 2-byte parameters, gradients in the reduction dtype, fp32
+    # masters with the moments (model_state_bytes' ``master``); ZeRO-3 is FSDP2's, as above
+    master = {"master": True, "grad_bytes": 2 if tr.grad_reduce_dtype == "bf16" else 4} \
+        if tr.dtype == "bf16" and stage < 3 else {}
     # ZeRO-1 and plain data parallelism hold full-size gradients anyway
     accumulates = stage in (2, 3) and not tr.grad_reduce_every_microbatch
     held = _held(config, stage)
@@ -297,7 +305,7 @@ def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[Memor
 
     def state(p: float, **kwargs: Any) -> tuple[float, float, float]:
         # a stage's experts in the proportion of the rank's (stages of a rank are alike)
-        return _sharded_state(config, p, p * expert_share, stage, **kwargs)
+        return _sharded_state(config, p, p * expert_share, stage, **{**kwargs, **master})
 
     params, grads, optim = state(psi)
     offloaded = tr.offload_optimizer and stage and not tr.device.startswith("cpu")
@@ -379,7 +387,10 @@ def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[Memor
                                              max(0.0, per_micro - head_and_top) * level, packing,
                                              rank, note)
     yield MemoryEstimate(params, grads, optim, 0.0,
-                         0.0 if offloaded else state(psi)[2], rank,
+                         # the temporaries are the size of the fp32 state AdamW steps (the
+                         # moments'), not of the masters held beside it under bf16
+                         0.0 if offloaded else _sharded_state(config, psi, psi * expert_share,
+                                                              stage)[2], rank,
                          ("optimizer step: AdamW's two temporaries in 'transient'",))
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from loom.parallel.data import is_fully_sharded
 from loom.parallel.expert import clip_grad_norm as ep_clip_grad_norm, expert_parameter_names
+from loom.parallel.mixed_precision import clear_main_grads, mastered
 from loom.parallel.tensor import clip_grad_norm as tp_clip_grad_norm
 from loom.parallel.zero import ZeroShardedOptimizer, adamw_kernel
 
@@ -29,7 +30,8 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
 
     Under ZeRO-1/2 (``zero``, the model's ``loom.parallel.zero`` reducer) the AdamW steps this
     rank's slices of the flat parameter buckets instead (same groups, same hyper-parameters;
-    elementwise, so exact)."""
+    elementwise, so exact). With bf16 parameters (``loom.parallel.mixed_precision``) the same
+    AdamW steps their fp32 masters inside ``master_window``: its state is fp32."""
     if zero is not None:
         return zero.build_optimizer(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -38,7 +40,17 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     # fused where the device and parameter types allow (zero.adamw_kernel says why and when not)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **adamw_kernel(params))
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **adamw_kernel(params))
+    masters = mastered(model)
+    if masters:  # bf16 parameters: zero_grad also forgets their fp32 ``main_grad``
+        plain_zero_grad = optimizer.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            plain_zero_grad(set_to_none)
+            clear_main_grads(masters)
+
+        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+    return optimizer
 
 
 def lr_at(step: int, *, total_steps: int, warmup_steps: int, min_ratio: float) -> float:

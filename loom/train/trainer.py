@@ -54,6 +54,7 @@ from loom.parallel.comm import CommLedger
 from loom.parallel.context import CPLayout, new_cp_groups, shard_sequence
 from loom.parallel.expert import reduce_gradients
 from loom.parallel.load import load_local_shards
+from loom.parallel.mixed_precision import master_window
 from loom.parallel.offload import activation_offload, plan_offload
 from loom.parallel.outer import OuterLoop
 from loom.parallel.zero import of_stages
@@ -127,7 +128,9 @@ class Trainer:
 
         self.offload = plan_offload(self.ctx.device, activations=tr.offload_activations,
                                     optimizer=tr.offload_optimizer)
-        self.autocast_dtype = torch.bfloat16 if tr.dtype == "bf16" else None
+        # bf16_autocast: fp32 parameters, autocast compute; bf16: bf16 parameters with fp32
+        # masters (loom.parallel.mixed_precision, zero.py, FSDP2), no autocast
+        self.autocast_dtype = torch.bfloat16 if tr.dtype == "bf16_autocast" else None
         job = job_of(config, offload_optimizer=self.offload.optimizer)
         # This rank's stages of the schedule, for any pp (at pp = 1 one stage, the whole model,
         # and gradient accumulation as its schedule): each made on the meta device, seeded by
@@ -150,7 +153,10 @@ class Trainer:
         self.pretrained_bytes_read = 0
         if config.model.init_from:  # pretrained weights: each rank reads only what it holds
             source = PretrainedSource.open(config.model.init_from)
-            load_local_shards(self.model, source, self.ep)
+            with master_window(self.model):  # bf16 parameters: into their fp32 masters
+                load_local_shards(self.model, source, self.ep)
+            if self.zero is not None:
+                self.zero.masters_from_parameters()
             self.pretrained_bytes_read = source.bytes_read
         self.loss_fn = self.tp.loss if self.tp is not None else cross_entropy
         # Mixture of experts: the load-balancing loss joins the objective with its coefficient.
@@ -236,7 +242,9 @@ class Trainer:
         still advance, as in Megatron) until more than ``train.max_skipped_steps`` were: then
         the run stops, naming the field. Synchronous, or post-validated (same result)."""
         lr = self.optimizer.param_groups[0]["lr"]
-        outcome = self.optimizer_step(loss_sum, f"at step {self.step + 1} on rank {self.ctx.rank}")
+        with master_window(self.model):  # bf16 parameters: clip and step their fp32 masters
+            outcome = self.optimizer_step(loss_sum,
+                                          f"at step {self.step + 1} on rank {self.ctx.rank}")
         metrics = {"loss": outcome.loss, "grad_norm": outcome.grad_norm, "lr": lr}
         self.skipped_steps += not outcome.applied
         cap = self.config.train.max_skipped_steps
@@ -412,9 +420,10 @@ class Trainer:
                  "data": self.loader.state_dict(), "config": to_dict(self.config)}
         if self.outer is not None:
             extra["outer"] = self._outer_counters()
-        saved = checkpoint.save(root, self.step, self._checkpoint_tensors(), extra,
-                                keep=self.config.checkpoint.keep, device=self.ctx.device,
-                                async_save=self.config.checkpoint.async_save)
+        with master_window(self.model):  # bf16 parameters: their fp32 masters are saved
+            saved = checkpoint.save(root, self.step, self._checkpoint_tensors(), extra,
+                                    keep=self.config.checkpoint.keep, device=self.ctx.device,
+                                    async_save=self.config.checkpoint.async_save)
         if isinstance(saved, checkpoint.PendingSave):
             self._pending_save, saved = saved, saved.path
         return saved
@@ -442,6 +451,11 @@ class Trainer:
         """Continue from a checkpoint saved under this or any other layout (collective);
         ``verified``: rank 0 has just verified it (``checkpoint.load`` does not hash it again)."""
         self._refuse_other_dp_mode(path)
+        with master_window(self.model):  # bf16 parameters: loaded into their fp32 masters
+            self._load_checkpoint(path, verified)
+
+    def _load_checkpoint(self, path: Path, verified: bool) -> None:
+        """``load_checkpoint``'s body (inside the master window)."""
         tensors = self._checkpoint_tensors()
         if "compression" in tensors and not self._same_parallel_config(path):
             # Saved under another layout or compression: its per-rank residuals do not map onto
@@ -509,8 +523,10 @@ class Trainer:
         return full_state.named_gradients(self)
 
     def save_weights(self, path: Path) -> None:
-        """The full model weights as safetensors (``loom.train.full_state``; every rank calls)."""
-        full_state.save_weights(self, path)
+        """The full model weights as safetensors (``loom.train.full_state``; every rank calls);
+        bf16 parameters without ZeRO: their fp32 masters (ZeRO-1/2: the bf16 values)."""
+        with master_window(self.model):
+            full_state.save_weights(self, path)
 
     # -- the loop ---------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -522,7 +538,7 @@ class Trainer:
         records this rank's collectives, so a timeout names the rank that never arrived."""
         cfg, tr = self.config, self.config.train
         tokens_per_step = tr.global_batch_size * cfg.data.seq_len
-        compute_dtype = torch.bfloat16 if tr.dtype == "bf16" else torch.float32
+        compute_dtype = torch.bfloat16 if tr.dtype in ("bf16", "bf16_autocast") else torch.float32
         mc = cfg.metrics
         # a stated peak or none (MFU n/a): loom/train/flops.py
         peak, peak_source = device_peak_flops(self.ctx.device, compute_dtype, mc.peak_tflops)

@@ -1,4 +1,4 @@
-"""Trainer behaviour beyond parity: resuming the data position, bf16 autocast."""
+"""Trainer behaviour beyond parity: resuming the data position, bf16 autocast (``bf16_autocast``)."""
 
 import torch
 
@@ -51,8 +51,8 @@ def bf16_step(ctx, config_table, data_dir):
 
 def test_bf16_autocast_keeps_fp32_master_weights_and_gradients(dist, small_data_dir):
     loss_fp32, _ = dist.run(2, bf16_step, layout_config(BASE, 2), small_data_dir)[0]
-    loss_bf16, dtypes = dist.run(2, bf16_step, layout_config({**BASE, "train.dtype": "bf16"}, 2),
-                                 small_data_dir)[0]
+    autocast = layout_config({**BASE, "train.dtype": "bf16_autocast"}, 2)
+    loss_bf16, dtypes = dist.run(2, bf16_step, autocast, small_data_dir)[0]
     assert dtypes == {torch.float32}
     # bf16 keeps 8 bits of mantissa: the first loss agrees to about 1%.
     assert abs(loss_bf16 - loss_fp32) / loss_fp32 < 1e-2

@@ -116,8 +116,8 @@ def test_fp32_training_on_a_gpu_equals_the_cpu(dist, gpus, small_data_dir):
 
 def test_bf16_autocast_on_a_gpu_stays_close_to_fp32(gpus, small_data_dir):
     fp32 = gpus.run(1, record_training, layout_config(BASE, 1), small_data_dir, STEPS)[0]
-    bf16 = gpus.run(1, record_training, layout_config({**BASE, "train.dtype": "bf16"}, 1),
-                    small_data_dir, STEPS)[0]
+    autocast = layout_config({**BASE, "train.dtype": "bf16_autocast"}, 1)
+    bf16 = gpus.run(1, record_training, autocast, small_data_dir, STEPS)[0]
     report("cuda bf16 vs cuda fp32", fp32, bf16)
     assert_close_in_bf16(fp32, bf16, "bf16 vs fp32")
 
@@ -126,7 +126,7 @@ def test_bf16_autocast_on_a_gpu_stays_close_to_fp32(gpus, small_data_dir):
 def test_compiled_blocks_on_a_gpu_equal_eager(gpus, small_data_dir):
     """``train.compile`` (inductor's Triton kernels on the GPU): fp32 equal to eager within float
     reordering; bf16 as close to eager bf16 as bf16 is to itself."""
-    for dtype in ("fp32", "bf16"):
+    for dtype in ("fp32", "bf16_autocast"):
         base = {**BASE, "train.dtype": dtype}
         eager = gpus.run(1, record_training, layout_config(base, 1), small_data_dir, STEPS)[0]
         compiled = gpus.run(1, record_training, layout_config({**base, "train.compile": True}, 1),
@@ -201,7 +201,7 @@ LAYOUTS = {  # name: (world, degrees, extra overrides)
 }
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16_autocast"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_parallel_axis_on_gpus_equals_one_gpu(gpus, small_data_dir, name, dtype):
     world, degrees, extra = LAYOUTS[name]

@@ -90,7 +90,7 @@ def test_help_lists_every_section_and_key_with_its_default_and_description() -> 
         "[model]", "[parallel]", "[train]", "[optim]", "[data]", "[checkpoint]", "[metrics]"]
     body = text.split("\n[train]\n", 1)[1].split("\n[optim]\n", 1)[0]
     assert body.startswith("  steps = 200\n      optimizer steps to train\n")
-    assert '\n  dtype = "fp32"  (fp32 | bf16)\n' in body
+    assert '\n  dtype = "fp32"  (fp32 | bf16 | bf16_autocast)\n' in body
     for key, description in key_descriptions().items():
         section, name = key.split(".")
         block = text.split(f"\n[{section}]", 1)[1].split("\n[", 1)[0]

@@ -81,12 +81,14 @@ def test_parameters_on_one_rank_equal_the_preset_count(name):
     assert model._rank_params(Layout())[0] == parameter_count(m)
 
 
-@pytest.mark.parametrize("stage, factor", [(0, (4, 4, 8)), (2, (4, 4 / 8, 8 / 8)),
+@pytest.mark.parametrize("stage, factor", [(0, (2, 4, 12)), (2, (2, 4 / 8, 12 / 8)),
                                            (3, (4 / 8, 4 / 8, 8 / 8))])
 def test_model_state_follows_the_zero_formulas(stage, factor):
-    """(parameters, gradients, optimizer) = (4, 4, 8)·Ψ with fp32 master weights and AdamW,
-    each divided by the shard degree from its ZeRO stage on (ZeRO §3: 16Ψ -> 16Ψ/N_d), at the
-    peak too: ZeRO-2's packing buffers are transient (``loom.train.memory.zero2_reduction_bytes``)
+    """Loom's bf16 (the planner's 2-byte default): (parameters, gradients, optimizer) =
+    (2, 4, 12)·Ψ, bf16 parameters, fp32 gradients, fp32 masters with AdamW's moments, the
+    gradients from ZeRO-2 and the optimizer state from ZeRO-1 on divided by the shard degree
+    (Megatron's distributed optimizer); ZeRO-3 is FSDP2's (4, 4, 8)·Ψ/N_d, its sharded fp32
+    parameters the masters. At the peak too: ZeRO-2's packing buffers are transient (``loom.train.memory.zero2_reduction_bytes``)
     and with one microbatch no full-size gradient is ever held."""
     psi = parameter_count(DEBUG)
     model = CostModel(DEBUG, seq_len=32, global_batch=8, cluster=cluster(8))
