@@ -28,6 +28,7 @@ else:  # pragma: no cover
 from loom.config_rules import DEFAULT_SCHEDULE, check_bpe_vocab
 from loom.config_rules import validate as check_rules
 from loom.data.tokenizer import tokenizer_vocab_size
+from loom.data.varlen import token_budgets
 from loom.errors import ConfigError, suggest
 from loom.layout import CompressionSpec, Job, Layout
 from loom.models.hf import HFConversionError
@@ -151,6 +152,9 @@ class TrainConfig:
     steps: int = 200  # optimizer steps to train
     global_batch_size: int = 16  # sequences per optimizer step, over all data-parallel ranks
     micro_batch_size: int = 4  # sequences per forward/backward on one rank
+    # data.packing = varlen: predictions per optimizer step over all ranks, whatever the layout;
+    # 0: global_batch_size * data.seq_len (loom/data/varlen.py)
+    global_batch_tokens: int = 0
     seed: int = 1234  # seeds the initial weights and the order of the training samples
     device: str = "auto"  # auto (a GPU when there is one) | cpu | cuda | cuda:N ...
     backend: str = "auto"  # auto | gloo | nccl
@@ -235,7 +239,15 @@ class DataConfig:
     # "concat": rows cut from the token stream, attention across documents; "pack": rows of
     # whole documents (long ones split), padded, attention never crossing a document and
     # positions restarting at each (loom/data/packing.py)
-    packing: Literal["concat", "pack"] = "concat"
+    # "varlen": microbatches of whole documents up to a token budget, no padding, no rows
+    # (loom/data/varlen.py)
+    packing: Literal["concat", "pack", "varlen"] = "concat"
+    # varlen: the most predictions in one microbatch (documents are cut into pieces of at most
+    # seq_len); 0: train.micro_batch_size * seq_len
+    tokens_per_microbatch: int = 0
+    # varlen: "none" (microbatches filled in sampling order) or "tokens" (the step's documents,
+    # longest first, dealt so every microbatch and rank gets nearly equal tokens)
+    balance: Literal["none", "tokens"] = "none"
 
 
 @dataclass
@@ -536,9 +548,21 @@ def layout_of(config: Config) -> Layout:
         schedule_memory_limit=par.schedule_memory_limit if searched else 0.0,
         schedule_costs=par.schedule_costs if searched else "",
         schedule_placement=par.schedule_placement if searched else "auto",
-        micro_batch=tr.micro_batch_size,
-        microbatches=tr.global_batch_size // (par.dp * tr.micro_batch_size),
+        **_microbatching(config),
         recompute=tr.recompute, recompute_every=tr.recompute_every)
+
+
+def _microbatching(config: Config) -> dict[str, int]:
+    """The layout's ``micro_batch`` and ``microbatches``. Varlen (``loom.data.varlen``): the
+    step's token budget shared by dp, in microbatches of ``tokens_per_microbatch``, priced as
+    the fewest ``seq_len`` rows that hold that many tokens (an upper bound for memory)."""
+    par, tr, data = config.parallel, config.train, config.data
+    if data.packing != "varlen":
+        return {"micro_batch": tr.micro_batch_size,
+                "microbatches": tr.global_batch_size // (par.dp * tr.micro_batch_size)}
+    step, micro = token_budgets(tr.global_batch_tokens, data.tokens_per_microbatch,
+                                tr.global_batch_size, tr.micro_batch_size, data.seq_len)
+    return {"micro_batch": -(-micro // data.seq_len), "microbatches": step // (par.dp * micro)}
 
 
 def job_of(config: Config, offload_optimizer: bool = False) -> Job:

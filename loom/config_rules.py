@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from loom.data.loader import check_source
 from loom.data.packing import PACKINGS
 from loom.data.tokenizer import tokenizer_vocab_size
+from loom.data.varlen import BALANCES, token_budgets
 from loom.errors import ConfigError, suggest
 from loom.parallel.context import CPLayout, check_layout
 from loom.schedule.families import SEARCH_PLACEMENTS, simulation_only, trainable
@@ -131,14 +132,17 @@ def validate(config: Config, world_size: int) -> None:
         raise ConfigError("parallel.pp", par.pp,
                           f"must not exceed model.n_layers = {m.n_layers} (one layer per stage)")
 
-    # Batch.
-    _require_divisible("train.global_batch_size", tr.global_batch_size, par.dp,
-                       "the data-parallel degree dp_replicate*dp_shard*ep")
-    local_batch = tr.global_batch_size // par.dp
-    if local_batch % tr.micro_batch_size:
-        raise ConfigError("train.micro_batch_size", tr.micro_batch_size,
-                          f"must divide the per-rank batch global_batch_size / dp ="
-                          f" {tr.global_batch_size} / {par.dp} = {local_batch}")
+    # Batch (varlen: in tokens, _validate_varlen_batch).
+    if data.packing == "varlen":
+        _validate_varlen_batch(config)
+    else:
+        _require_divisible("train.global_batch_size", tr.global_batch_size, par.dp,
+                           "the data-parallel degree dp_replicate*dp_shard*ep")
+        local_batch = tr.global_batch_size // par.dp
+        if local_batch % tr.micro_batch_size:
+            raise ConfigError("train.micro_batch_size", tr.micro_batch_size,
+                              f"must divide the per-rank batch global_batch_size / dp ="
+                              f" {tr.global_batch_size} / {par.dp} = {local_batch}")
     _validate_schedule(config)
 
     # What this version of Loom runs: each later parallelism lifts its own rule when it lands.
@@ -170,20 +174,90 @@ def _validate_packing(config: Config) -> None:
     if packing not in PACKINGS:
         raise ConfigError("data.packing", packing, f"must be one of {', '.join(PACKINGS)}"
                           + suggest(str(packing), list(PACKINGS)))
+    data = config.data
+    for key, value in (("train.global_batch_tokens", tr.global_batch_tokens),
+                       ("data.tokens_per_microbatch", data.tokens_per_microbatch)):
+        if value < 0:
+            raise ConfigError(key, value, "must be >= 0 (0: from the batch in sequences)")
+        if value and packing != "varlen":
+            raise ConfigError(key, value, "applies to data.packing = varlen only; leave it 0")
+    if data.balance not in BALANCES:
+        raise ConfigError("data.balance", data.balance, f"must be one of {', '.join(BALANCES)}"
+                          + suggest(str(data.balance), list(BALANCES)))
+    if data.balance != "none" and packing != "varlen":
+        raise ConfigError("data.balance", data.balance, "deals the documents of varlen steps:"
+                          " needs data.packing = varlen")
     if packing == "concat":
         return
+    if packing == "varlen":
+        _validate_varlen_layout(config)
     if par.cp > 1:
-        raise ConfigError("data.packing", packing, f"pack needs whole rows on one rank; context"
-                          f" parallelism (parallel.cp = {par.cp}) splits them: use cp = 1")
+        raise ConfigError("data.packing", packing, f"{packing} needs whole documents on one"
+                          f" rank; context parallelism (parallel.cp = {par.cp}) splits them:"
+                          " use cp = 1")
     if tr.recompute == "selective":
-        raise ConfigError("data.packing", packing, "pack runs its own attention kernel, which"
-                          " train.recompute = selective does not wrap: use none, full or every_k")
+        raise ConfigError("data.packing", packing, f"{packing} runs its own attention kernel,"
+                          " which train.recompute = selective does not wrap: use none, full or"
+                          " every_k")
     if par.tp > 1 and par.sequence_parallel:
-        raise ConfigError("data.packing", packing, "pack keeps each row whole on a rank;"
+        raise ConfigError("data.packing", packing, f"{packing} keeps each row whole on a rank;"
                           " parallel.sequence_parallel splits it between stages: turn it off")
+    if config.model.n_experts and packing == "varlen":
+        raise ConfigError("data.packing", packing, "MoE's load-balancing loss is weighted per"
+                          " microbatch, not per token, and varlen microbatches differ in"
+                          " tokens: use concat with model.n_experts > 0")
     if config.model.n_experts:
         raise ConfigError("data.packing", packing, "padding would take part in MoE routing and"
                           " its load-balancing loss: use concat with model.n_experts > 0")
+
+
+def _validate_varlen_layout(config: Config) -> None:
+    """What varlen microbatches (``loom.data.varlen``) do not run on yet, beyond ``pack``'s
+    rules: mixed sources and compiled blocks (every microbatch has its own length)."""
+    if config.data.mix:
+        raise ConfigError("data.packing", "varlen", "varlen draws pieces of one token range;"
+                          " data.mix is not built for it yet: use pack or concat with data.mix")
+    if config.train.compile:
+        raise ConfigError("data.packing", "varlen", "every varlen microbatch has its own length,"
+                          " which train.compile would recompile for: use compile = false")
+
+
+def varlen_budgets(config: Config) -> tuple[int, int]:
+    """``(train.global_batch_tokens, data.tokens_per_microbatch)`` with 0 resolved."""
+    tr, data = config.train, config.data
+    return token_budgets(tr.global_batch_tokens, data.tokens_per_microbatch,
+                         tr.global_batch_size, tr.micro_batch_size, data.seq_len)
+
+
+def _validate_varlen_batch(config: Config) -> None:
+    """Varlen's batch is in tokens: a microbatch holds any piece (``tokens_per_microbatch``
+    >= ``seq_len``, the split length), and the step's microbatches ``global_batch_tokens /
+    tokens_per_microbatch`` are shared equally by the data-parallel ranks."""
+    par, data = config.parallel, config.data
+    step, micro = varlen_budgets(config)
+    if micro < data.seq_len:
+        raise ConfigError("data.tokens_per_microbatch", micro,
+                          f"must be >= data.seq_len = {data.seq_len}, the split length:"
+                          " documents are cut into pieces of at most seq_len predictions and"
+                          " each piece must fit in one microbatch")
+    if step % (par.dp * micro):
+        raise ConfigError("train.global_batch_tokens", step,
+                          f"must be divisible by dp * data.tokens_per_microbatch = {par.dp} *"
+                          f" {micro} (equal microbatch counts on every data-parallel rank);"
+                          f" nearest valid: {_nearest_multiples(step, par.dp * micro)}")
+
+
+def _microbatches(config: Config) -> tuple[int, str]:
+    """Microbatches per pipeline per step, and how they were counted (for messages)."""
+    par, tr = config.parallel, config.train
+    if config.data.packing == "varlen":
+        step, micro = varlen_budgets(config)
+        return step // (par.dp * micro), (
+            f"microbatches per pipeline m = global_batch_tokens / (dp * tokens_per_microbatch)"
+            f" = {step} / ({par.dp} * {micro}) = {step // (par.dp * micro)}")
+    micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
+    return micro, (f"microbatches per pipeline m = global_batch_size / (dp * micro_batch_size)"
+                   f" = {tr.global_batch_size} / ({par.dp} * {tr.micro_batch_size}) = {micro}")
 
 
 def _validate_attention(config: Config) -> None:
@@ -630,8 +704,9 @@ def _validate_routes(config: Config, schedule, how: str) -> None:
 
 def _validate_schedule(config: Config) -> None:
     """The pipeline rules: a known schedule family, chunks it accepts, a layer per stage and a
-    microbatch count m = global_batch_size / (dp * micro_batch_size) the family can schedule."""
-    par, tr, m = config.parallel, config.train, config.model
+    microbatch count m = global_batch_size / (dp * micro_batch_size) (varlen: in tokens) the
+    family can schedule."""
+    par, m = config.parallel, config.model
     if par.schedule.lower().replace("-", "_") in simulation_only():
         raise ConfigError("parallel.schedule", par.schedule,
                           "simulation only: its microbatches take two routes through two copies"
@@ -674,9 +749,7 @@ def _validate_schedule(config: Config) -> None:
             raise ConfigError("parallel.chunks", par.chunks, "needs parallel.pp > 1 (stages per"
                               " pipeline rank; with pp = 1 there is no pipeline); leave it 0")
         return
-    micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
-    how = (f"microbatches per pipeline m = global_batch_size / (dp * micro_batch_size) ="
-           f" {tr.global_batch_size} / ({par.dp} * {tr.micro_batch_size}) = {micro}")
+    micro, how = _microbatches(config)
     try:
         schedule = schedule_for(par.schedule, par.pp, micro, par.chunks,
                                 memory_limit=par.schedule_memory_limit, costs=par.schedule_costs,

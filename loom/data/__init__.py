@@ -1,7 +1,8 @@
 """Training data: the corpus (the stdlib's own sources by default) or dataset files
 (``sources``), tokenizers (byte, BPE, Hugging Face: ``hf_tokenizer``), tokenizing once
 (``prepare``), mixing sources (``mix``), packed and resumable data-parallel batches, rows of whole
-documents (``packing``). See each module's docstring for why it is shaped as it is."""
+documents (``packing``), token-budget microbatches of whole documents (``varlen``). See each
+module's docstring for why it is shaped as it is."""
 
 from loom.data.corpus import Document, load_documents, split_documents, stdlib_root
 from loom.data.hf_tokenizer import HfTokenizer, load_hf_tokenizer

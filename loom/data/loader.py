@@ -59,6 +59,7 @@ from loom.data.mix import MixedSequences, MixSampler, check_mix_paths, interleav
 from loom.data.packing import DocumentBatch, PackedDocuments, document_offsets
 from loom.data.prepare import PreparedData
 from loom.data.samples import WindowedSamples
+from loom.data.varlen import VarlenDocuments
 from loom.data.sources import (
     PREPARED,
     TEXT,
@@ -140,24 +141,26 @@ class DataFiles:
         parts = self.meta.get("parts")
         if not parts:
             path = self.train_path if split == "train" else self.val_path
-            if packing == "pack":
-                return [self._documents(path, self.dtype, 0, None, False, seq_len)]
+            if packing != "concat":
+                return [self._documents(path, self.dtype, 0, None, False, seq_len, packing)]
             return [PackedSequences(path, seq_len, self.dtype)]
-        if packing == "pack":  # an absolute path is a range of a prepared tokens.bin
+        if packing != "concat":  # an absolute path is a range of a prepared tokens.bin
             return [self._documents(_part_path(self.directory, p[split]), p[split]["dtype"],
                                     p[split]["start"], p[split]["end"],
-                                    Path(p[split]["path"]).is_absolute(), seq_len)
+                                    Path(p[split]["path"]).is_absolute(), seq_len, packing)
                     for p in parts]
         return [PackedSequences(_part_path(self.directory, p[split]), seq_len, p[split]["dtype"],
                                 start=p[split]["start"], end=p[split]["end"]) for p in parts]
 
     def _documents(self, path: Path, dtype: str, start: int, end: int | None, prepared: bool,
-                   seq_len: int) -> PackedDocuments:
-        """Tokens [start, end) of ``path`` as packed documents: a prepared source's doc index,
-        or the end-of-document ids of a file Loom wrote (``loom.data.packing``)."""
+                   seq_len: int, packing: str = "pack") -> PackedDocuments | VarlenDocuments:
+        """Tokens [start, end) of ``path`` as packed documents (or, ``varlen``, pieces of
+        documents: ``loom.data.varlen``): a prepared source's doc index, or the
+        end-of-document ids of a file Loom wrote (``loom.data.packing``)."""
         tokens = _map_tokens(path, np.dtype(dtype))[start:end]
         offsets = document_offsets(tokens, self.eos_id, (start, end) if prepared else None, path)
-        return PackedDocuments(tokens, offsets, seq_len, name=str(path))
+        documents = VarlenDocuments if packing == "varlen" else PackedDocuments
+        return documents(tokens, offsets, seq_len, name=str(path))
 
     def _weights(self) -> list[float]:
         return [float(p["weight"]) for p in self.meta["parts"]]

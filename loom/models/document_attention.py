@@ -20,7 +20,11 @@ Which kernel, and why (torch 2.13):
   which is why the CPU takes ``segments``; its forward runs there in eager mode, which the
   tests use to check this path's mask against ``segments``. On a GPU (tests/gpu, run on an
   H200 with torch 2.11) it equals ``segments`` forward and backward, and the trainer with
-  packed rows on the GPU equals the CPU's.
+  packed rows on the GPU equals the CPU's. The kernel is compiled for static shapes, so a
+  sequence runs padded to a power of two (``flex_length``; the padding fully masked): varlen
+  microbatches (``loom.data.varlen``), of a new length almost every time, would otherwise
+  recompile at every step until torch's recompile limit sends them to the slow eager kernel
+  (measured on an H100, torch 2.11: steps of 0.3 to 15 s instead of tens of ms).
   ``torch.nn.attention.varlen.varlen_attn`` (cumulative sequence lengths, Flash Attention) is
   CUDA-only and half precision only, so it could not serve fp32 parity runs; not used.
 * A dense boolean ``[S, S]`` mask through SDPA is not used: its memory grows with ``S^2``.
@@ -38,11 +42,13 @@ from typing import Literal
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from loom.models.layers import sdpa_causal
 
 Kernel = Literal["auto", "segments", "flex"]
+FLEX_BLOCK = 128  # FlexAttention's default block size
 
 
 class DocumentMask:
@@ -99,7 +105,16 @@ class DocumentMask:
         if kernel == "auto":
             kernel = "flex" if q_BNSH.device.type == "cuda" else "segments"
         if kernel == "flex":
-            return _flex(q_BNSH, k_BKSH, v_BKSH, self.block_mask(window))
+            S = q_BNSH.shape[2]
+            padded = flex_length(S)
+            if padded == S:
+                return _flex(q_BNSH, k_BKSH, v_BKSH, self.block_mask(window))
+            # the compiled kernel sees a handful of lengths, not one per varlen microbatch:
+            # zeros after the sequence, in fully masked rows and columns (never read)
+            grow = (0, 0, 0, padded - S)
+            out_BNSH = _flex(*(F.pad(t, grow) for t in (q_BNSH, k_BKSH, v_BKSH)),
+                             self.block_mask(window))
+            return out_BNSH[:, :, :S]
         if kernel != "segments":
             raise ValueError(f"unknown document attention kernel {kernel!r}; known: auto,"
                              " segments, flex")
@@ -124,16 +139,28 @@ class DocumentMask:
         return self._block_masks[window]
 
     def _make_block_mask(self, window: int) -> BlockMask:
-        run_BS = self.run_BS
+        B, S = self.shape
+        padded = flex_length(S)
+        # beyond S (flex_length's padding) run 0, which no token has: fully masked
+        run_BS = F.pad(self.run_BS, (0, padded - S))
 
         def same_document(b, h, q_idx, kv_idx):
-            allowed = (run_BS[b, q_idx] == run_BS[b, kv_idx]) & (kv_idx <= q_idx)
+            allowed = (run_BS[b, q_idx] == run_BS[b, kv_idx]) & (kv_idx <= q_idx) \
+                & (run_BS[b, q_idx] > 0)
             return allowed & (q_idx - kv_idx < window) if window > 0 else allowed
 
-        B, S = self.shape
         on_gpu = run_BS.device.type != "cpu"
-        return create_block_mask(same_document, B, None, S, S, device=run_BS.device,
+        return create_block_mask(same_document, B, None, padded, padded, device=run_BS.device,
                                  _compile=on_gpu)
+
+
+def flex_length(S: int) -> int:
+    """The length the ``flex`` kernel runs a sequence of S tokens at: S when it is a power of
+    two of at least one block (128), else the next one. A kernel compiled for static shapes
+    recompiles per length (torch's limit is 8), and varlen microbatches
+    (``loom.data.varlen``) have a new length almost every time: this leaves a few lengths up
+    to a microbatch's budget. The padding is fully masked (its blocks are skipped)."""
+    return max(FLEX_BLOCK, 1 << (S - 1).bit_length())
 
 
 def _flex(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
@@ -149,4 +176,4 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-__all__ = ["DocumentMask"]
+__all__ = ["DocumentMask", "flex_length"]

@@ -15,7 +15,8 @@ transfer and reduction below goes through ``loom.parallel.comm`` with the traine
   to the rank of stage s-1. Stage transitions within one rank (the turn of a V placement) hand
   the tensor over in memory, with no communication.
 * Receives are posted ``recv_lookahead`` actions ahead of their use into preallocated buffers
-  (shapes are known in advance), so they overlap the compute before it; every send is
+  (shapes are known in advance: one per step, or per microbatch under data.packing = varlen,
+  from the inputs every rank holds), so they overlap the compute before it; every send is
   asynchronous and only waited for at the end of the step, so no ordering of sends and receives
   can deadlock a schedule that ``loom.schedule.validate`` accepts.
 * Tags: the transfer into stage ``s`` for microbatch ``m`` in direction ``d`` (0 activation, 1
@@ -190,16 +191,21 @@ class PipelineRuntime:
     # -- one step -----------------------------------------------------------------------------------
     def step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
              loss_fn: LossFn, *, schedule: Schedule | None = None, training: bool = True,
-             activation_shape: Sequence[int],
-             documents: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
-             ) -> torch.Tensor:
+             activation_shape: Sequence[int] | None = None,
+             documents: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+             activation_shapes: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         """Run ``schedule`` (default: the training schedule) over the microbatches ``inputs`` /
         ``targets`` (every rank passes all of them; only the ends read them). Returns the sum of
         the microbatch losses, identical on every pipeline rank. ``loss_fn`` should already be
         scaled (e.g. divided by the number of microbatches) as the caller wants it summed.
         ``documents``: packed rows' (positions, document ids) per microbatch, which every
-        stage's attention and RoPE need (each rank gets all of them)."""
+        stage's attention and RoPE need (each rank gets all of them). The receive buffers
+        have ``activation_shape``, or with microbatches of different token counts
+        (``data.packing = varlen``) ``activation_shapes[m]`` for microbatch m: every rank knows
+        every microbatch's shape from its inputs, so no shape travels."""
         schedule = schedule or self.schedule
+        if (activation_shape is None) == (activation_shapes is None):
+            raise ValueError("pass activation_shape or activation_shapes (one per microbatch)")
         if len(inputs) != schedule.num_microbatches:
             raise ValueError(f"{len(inputs)} microbatches for a schedule of "
                              f"{schedule.num_microbatches}")
@@ -233,8 +239,9 @@ class PipelineRuntime:
             while next_to_post < min(len(row), index + 1 + self.recv_lookahead):
                 needed = incoming(schedule, self.pp_rank, row[next_to_post])
                 if needed is not None:
-                    buffer = torch.empty(tuple(activation_shape), dtype=self.wire_dtype,
-                                         device=device)
+                    shape = activation_shape if activation_shapes is None \
+                        else activation_shapes[needed.microbatch]
+                    buffer = torch.empty(tuple(shape), dtype=self.wire_dtype, device=device)
                     work = comm.irecv(buffer, self.pp_ranks[needed.peer], self.pp_group,
                                       axis="pp", ledger=self.ledger,
                                       tag=needed.tag(schedule.num_microbatches))

@@ -43,8 +43,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from loom.config import Config, job_of, layout_of, model_args, to_dict
+from loom.config_rules import varlen_budgets
 from loom.data.loader import DataFiles, DistributedLoader, eval_batches
 from loom.data.packing import IGNORE_INDEX, DocumentBatch
+from loom.data.varlen import VarlenBatch, VarlenLoader, varlen_eval_batches
 from loom.formulas.flops import model_flops_per_token
 from loom.grid_summary import describe_grid
 from loom.models.moe import set_aux_loss_backward_scale
@@ -188,8 +190,13 @@ class Trainer:
         self.train_set = self.data.train_set(seq_len, packing=config.data.packing)
         self.val_set = self.data.val_set(seq_len, packing=config.data.packing)
         sampler = self.data.sampler(self.train_set, tr.global_batch_size, tr.seed)
-        self.loader = DistributedLoader(self.train_set, sampler, self.dp_rank, self.dp_size,
-                                        self.ctx.device)
+        if config.data.packing == "varlen":  # steps of token budgets (loom/data/varlen.py)
+            self.loader = VarlenLoader(self.train_set, sampler, *varlen_budgets(config),
+                                       config.data.balance, self.dp_rank, self.dp_size,
+                                       self.ctx.device)
+        else:
+            self.loader = DistributedLoader(self.train_set, sampler, self.dp_rank,
+                                            self.dp_size, self.ctx.device)
         self.step = 0
         self._pending_save = None  # an asynchronous checkpoint being written (checkpoint.py)
         self.skipped_steps = 0
@@ -302,6 +309,8 @@ class Trainer:
         each microbatch's mean divided by their number; for packed rows each microbatch's sum
         over its real tokens, divided by the step's real tokens (all ranks) and multiplied by
         the ranks the mean is over, so padding and uneven documents weigh nothing."""
+        if isinstance(batch, VarlenBatch):
+            return self._run_varlen(batch, training=training)
         inputs, targets = batch[0], batch[1]
         micro = self.config.train.micro_batch_size
         n_micro = inputs.shape[0] // micro
@@ -332,6 +341,28 @@ class Trainer:
             training=training, activation_shape=(micro, wire_seq, self.args.dim),
             documents=documents)
 
+    def _run_varlen(self, batch: VarlenBatch, *, training: bool) -> torch.Tensor:
+        """``_run_pipeline`` for varlen microbatches (``loom.data.varlen``: rows ``[1, T_m]``,
+        no padding): each microbatch's summed loss divided by the step's predictions over the
+        data ranks averaged together (one scalar all-reduce) and multiplied by their count, so
+        the reducer's mean is the mean over every prediction of the step; the receive buffers
+        take each microbatch's own length."""
+        schedule = self.pipeline.schedule if training else forward_only(self.pipeline.schedule)
+        micro = batch.microbatches
+        tokens = torch.tensor(sum(mb.targets.numel() for mb in micro), device=self.ctx.device)
+        if self.token_group_size > 1:
+            comm.all_reduce(tokens, self.token_group, axis="dp", ledger=self.ledger)
+        scale = self.token_group_size / tokens.clamp(min=1)
+        loss_fn = self.loss_fn
+
+        def scaled(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return loss_fn(logits, y, reduction="sum") * scale
+        return self.pipeline.step(
+            [mb.inputs for mb in micro], [mb.targets for mb in micro], scaled,
+            schedule=schedule, training=training,
+            activation_shapes=[(1, mb.inputs.shape[1], self.args.dim) for mb in micro],
+            documents=[(mb.positions, mb.document_ids) for mb in micro])
+
     def _pending_mean(self, value: torch.Tensor) -> PendingMean:
         """The mean of a per-rank loss over the ranks that hold different data (dp, and cp),
         all-reduced in the background."""
@@ -346,8 +377,13 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over the first ``train.eval_batches`` global batches of the validation split."""
         tr = self.config.train
-        batches = eval_batches(self.val_set, tr.global_batch_size, tr.eval_batches,
-                               self.dp_rank, self.dp_size, self.ctx.device)
+        if self.config.data.packing == "varlen":
+            batches = varlen_eval_batches(self.val_set, *varlen_budgets(self.config),
+                                          self.config.data.balance, tr.eval_batches,
+                                          self.dp_rank, self.dp_size, self.ctx.device)
+        else:
+            batches = eval_batches(self.val_set, tr.global_batch_size, tr.eval_batches,
+                                   self.dp_rank, self.dp_size, self.ctx.device)
         # forward-only through the stages, the loss shared over pp
         losses = [self._run_pipeline(batch, training=False) for batch in batches]
         if not losses:
@@ -538,6 +574,7 @@ class Trainer:
         records this rank's collectives, so a timeout names the rank that never arrived."""
         cfg, tr = self.config, self.config.train
         tokens_per_step = tr.global_batch_size * cfg.data.seq_len
+        varlen = cfg.data.packing == "varlen"  # a step's tokens vary (loom/data/varlen.py)
         compute_dtype = torch.bfloat16 if tr.dtype in ("bf16", "bf16_autocast") else torch.float32
         mc = cfg.metrics
         # a stated peak or none (MFU n/a): loom/train/flops.py
@@ -575,7 +612,8 @@ class Trainer:
                     profiler.begin(self.step + 1)
                     timer.start()
                     last = self.train_step()
-                    timing = timer.stop(tokens_per_step)
+                    timing = timer.stop(self.loader.last_step_tokens if varlen
+                                        else tokens_per_step)
                     profiler.end(self.step)
                     last.update(timing.as_dict(), peak_mem_bytes=peak_memory_bytes(self.ctx.device))
                     if self.ledger is not None:  # this step's collectives, per axis and op

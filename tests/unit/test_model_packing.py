@@ -18,6 +18,7 @@ from loom.data.packing import IGNORE_INDEX, PAD_DOCUMENT, DocumentBatch, PackedD
     offsets_from_eos
 from loom.models import DocumentMask, Transformer, TransformerArgs, build_model, preset, \
     reset_parameters
+from loom.models.document_attention import flex_length
 
 torch.set_num_threads(1)
 
@@ -148,3 +149,20 @@ def test_mismatched_document_ids_are_refused():
     with pytest.raises(ValueError, match="does not match"):
         model(torch.zeros(2, 8, dtype=torch.int64),
               document_ids=torch.zeros(2, 6, dtype=torch.int64))
+
+
+def test_the_flex_kernel_pads_a_varlen_row_to_a_power_of_two_and_masks_the_padding():
+    """Varlen rows ``[1, T]`` (a new T almost every microbatch) run the compiled flex kernel at
+    a few lengths: T = 100 runs at 128, 300 at 512, with the padding fully masked."""
+    assert [flex_length(n) for n in (1, 100, 128, 129, 300, 2048)] == [128, 128, 128, 256, 512,
+                                                                        2048]
+    generator = torch.Generator().manual_seed(1)
+    for length in (100, 300):
+        ids = torch.repeat_interleave(torch.arange(5), length // 5)[None]
+        q = torch.randn(1, 4, length, 16, generator=generator)
+        k, v = (torch.randn(1, 2, length, 16, generator=generator) for _ in range(2))
+        mask = DocumentMask(ids)
+        flex = mask.attention(q, k, v, 0, kernel="flex")
+        assert flex.shape == q.shape
+        assert torch.allclose(flex, mask.attention(q, k, v, 0, kernel="segments"), atol=ATOL,
+                              rtol=0)

@@ -236,7 +236,7 @@ def test_an_unknown_packing_is_refused_by_name():
         load_config(None, {"data.packing": "packed"})
     assert info.value.field_name == "data.packing" and "concat, pack" in str(info.value)
     config = resolve(load_config(None, {"model.preset": "debug"}), 1)
-    config.data = dataclasses.replace(config.data, packing="varlen")  # built in code
+    config.data = dataclasses.replace(config.data, packing="ragged")  # built in code
     with pytest.raises(ConfigError, match="must be one of concat, pack") as info:
         validate(config, 1)
     assert info.value.field_name == "data.packing"
