@@ -13,14 +13,23 @@ GPT-3). Unstated knobs take the value stated in the row's notes or Megatron's de
 recomputation for the 2021 Megatron rows (their FLOP formula includes it). FP8 rows and MoE rows
 with features Loom's model lacks (MLA, attention sinks) are listed as skipped with the reason.
 
+Each row is priced with its ``framework`` profile (``loom.sim.frameworks``; the row's
+``[run.overlap]`` overrides its overlap defaults) unless ``--framework`` forces one for every
+row, and the rows are reported in their two halves (``split``, issue 21): the planner may be
+tuned on "tune" rows only, and "holdout" rows measure it (``split_report``: within 10% and 15%,
+the median time ratio per family = framework/accelerator, and the out-of-memory verdict, which
+is right when the published layout fits, since every published run ran).
+
     python bench/planner_published.py            # markdown tables on stdout
-    python bench/planner_published.py --json out.json
+    python bench/planner_published.py --json out.json --no-search
+    python bench/planner_published.py --framework loom --no-search   # Loom's profile everywhere
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 import tomllib
@@ -32,6 +41,9 @@ from loom.plan.search import plan, simulate_step
 from loom.plan.space import Workload
 from loom.layout import Layout
 from loom.sim.cost_model import CostModel
+from loom.sim.frameworks import Framework, framework
+
+SPLITS = ("tune", "holdout")
 
 HERE = Path(__file__).parent
 
@@ -116,20 +128,50 @@ def megatron_eq3(batch: int, seq: int, model: TransformerArgs) -> float:
     return 96 * batch * seq * l * h * h * (1 + seq / (6 * h) + v / (16 * l * h))
 
 
-def compare(row: dict) -> dict:
+def split_by_rule(rows: list[dict]) -> dict[str, str]:
+    """The split the file's header states, recomputed: rows grouped by publication (``source``
+    up to its first comma), groups numbered from 1 in file order, rows alternating within a
+    group in file order from "tune" (odd groups) or "holdout" (even groups)."""
+    groups: list[str] = []
+    seen: dict[str, int] = {}
+    out = {}
+    for row in rows:
+        group = row["source"].split(",")[0].strip()
+        if group not in groups:
+            groups.append(group)
+        k = seen.get(group, 0)
+        seen[group] = k + 1
+        first = 0 if (groups.index(group) + 1) % 2 == 1 else 1
+        out[row["name"]] = SPLITS[(first + k) % 2]
+    return out
+
+
+def framework_of(row: dict, forced: str | None = None) -> Framework:
+    """The row's profile with its ``[run.overlap]`` overrides (``forced``: one profile for every
+    row, without overrides)."""
+    if forced:
+        return framework(forced)
+    return framework(row["framework"]).with_overlap(**row.get("overlap", {}))
+
+
+def compare(row: dict, *, search: bool = True, forced: str | None = None) -> dict:
     model = model_of(row)
     seq = row["model"]["seq_len"]
     layout, assumed = layout_of(row)
     batch = layout.dp * layout.micro_batch * layout.microbatches
     gpu, intra, inter = gpu_of(row)
     cluster = make_cluster(gpu, row["gpus"], row.get("gpus_per_node", 8), intra=intra, inter=inter)
-    cost_model = CostModel(model, seq, batch, cluster)
+    stack = framework_of(row, forced)
+    cost_model = CostModel(model, seq, batch, cluster, framework=stack)
     cost = simulate_step(cost_model, cost_model.evaluate(layout))
     step = cost.step_time
     rep, derived = row["reported"], row.get("derived") or {}
     out = {"name": row["name"], "source": row["source"], "gpus": row["gpus"], "gpu": gpu,
            "layout": layout.label(), "assumed": assumed, "predicted_step_s": step,
-           "memory_gib": cost.memory_total / 2**30, "bubble": cost.bubble}
+           "memory_gib": cost.memory_total / 2**30, "bubble": cost.bubble,
+           "split": row.get("split", "?"), "framework": stack.name,
+           "family": f"{row.get('framework', 'loom')}/{gpu}",
+           "oom": cost.memory_total > cluster.gpu.memory_bytes}
     convention = str(row.get("flops_convention", ""))
     if "tflops_per_gpu" in rep and "megatron-eq3" in convention:
         out["metric"] = "TFLOP/s/GPU (Megatron eq. 3)"
@@ -150,8 +192,11 @@ def compare(row: dict) -> dict:
     # time-like metrics: predicted / published > 1 means Loom predicts slower than published
     slower = out["predicted"] / out["published"]
     out["ratio"] = slower if out["metric"].startswith("iteration") else 1 / slower
+    if not search:
+        return out
     started = time.perf_counter()
-    best = plan(Workload(row["name"], model, seq, batch), cluster, top=1, runnable_only=False)
+    best = plan(Workload(row["name"], model, seq, batch), cluster, top=1, runnable_only=False,
+                cost_model=CostModel(model, seq, batch, cluster, framework=stack))
     out["plan_seconds"] = time.perf_counter() - started
     if best.ranked:
         top = best.ranked[0]
@@ -161,27 +206,71 @@ def compare(row: dict) -> dict:
     return out
 
 
+def split_report(results: list[dict]) -> dict[str, dict]:
+    """Per half: rows, within 10% and 15% (time ratio Loom/published), the median ratio per
+    family, and how many published layouts the model wrongly judges out of memory."""
+    out = {}
+    for half in SPLITS:
+        rows = [r for r in results if r["split"] == half]
+        families: dict[str, list[float]] = {}
+        for r in rows:
+            families.setdefault(r["family"], []).append(r["ratio"])
+        out[half] = {
+            "rows": len(rows),
+            "within_10pct": sum(abs(r["ratio"] - 1) <= 0.10 for r in rows),
+            "within_15pct": sum(abs(r["ratio"] - 1) <= 0.15 for r in rows),
+            "median_ratio": statistics.median(r["ratio"] for r in rows) if rows else None,
+            "median_ratio_by_family": {f: statistics.median(v) for f, v in sorted(families.items())},
+            "judged_oom": [r["name"] for r in rows if r["oom"]],
+        }
+    return out
+
+
+def format_split_report(report: dict[str, dict]) -> str:
+    lines = ["| half | rows | within ±10% | within ±15% | median ratio | median ratio by family |"
+             " published layouts judged OOM (all ran) |", "|---|---|---|---|---|---|---|"]
+    for half, r in report.items():
+        fam = "; ".join(f"{f} {m:.2f}" for f, m in r["median_ratio_by_family"].items())
+        med = f"{r['median_ratio']:.2f}" if r["median_ratio"] is not None else "-"
+        lines.append(f"| {half} | {r['rows']} | {r['within_10pct']} | {r['within_15pct']} |"
+                     f" {med} | {fam} | {len(r['judged_oom'])}"
+                     + (f" ({', '.join(r['judged_oom'])})" if r["judged_oom"] else "") + " |")
+    return "\n".join(lines)
+
+
+def load_rows() -> list[dict]:
+    return tomllib.loads((HERE / "planner_published.toml").read_text())["run"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the rows as JSON here")
+    parser.add_argument("--no-search", action="store_true",
+                        help="price the published layouts only (no planner search per row)")
+    parser.add_argument("--framework", help="price every row with this profile instead of"
+                                            " its own (no overlap overrides)")
     args = parser.parse_args(argv)
-    rows = tomllib.loads((HERE / "planner_published.toml").read_text())["run"]
+    rows = load_rows()
     results, skipped = [], []
     for row in rows:
         reason = skip_reason(row)
         if reason:
             skipped.append((row["name"], reason))
             continue
-        results.append(compare(row))
+        results.append(compare(row, search=not args.no_search, forced=args.framework))
         print(f"priced {row['name']}", file=sys.stderr)
-    print("| run | GPUs | published layout (as priced) | metric | published | Loom | "
-          "time ratio Loom/published |")
-    print("|---|---|---|---|---|---|---|")
+    print("| run | split | profile | GPUs | published layout (as priced) | metric | published |"
+          " Loom | time ratio Loom/published | memory GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['name']} | {r['gpus']} {r['gpu']} | {r['layout']}"
+        print(f"| {r['name']} | {r['split']} | {r['framework']} | {r['gpus']} {r['gpu']} |"
+              f" {r['layout']}"
               + (f" (assumed: {', '.join(r['assumed'])})" if r["assumed"] else "")
               + f" | {r['metric']} | {r['published']:g} | {r['predicted']:.3g} |"
-              f" {r['ratio']:.2f} |")
+              f" {r['ratio']:.2f} | {r['memory_gib']:.1f}{' OOM' if r['oom'] else ''} |")
+    print()
+    report = split_report(results)
+    print(format_split_report(report))
     print()
     print("| run | planner's best layout | predicted step (s) | vs published layout | "
           "search time (s) |")
@@ -194,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, reason in skipped:
         print(f"- skipped {name}: {reason}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": results, "skipped": skipped}, indent=2))
+        Path(args.json).write_text(json.dumps({"rows": results, "skipped": skipped,
+                                               "split_report": report}, indent=2))
     return 0
 
 

@@ -130,3 +130,59 @@ def largest_parameter(m: Any, tp: int = 1, ep: int = 1, vocab_parallel: bool = T
         if m.n_experts else 0.0
     return max(m.vocab_size * m.dim / (tp if vocab_parallel else 1), m.dim * m.ffn_dim / tp,
                m.dim * m.n_heads * m.head_dim / tp, experts)
+
+
+def korthikanti_block_activation_bytes(*, s: int, b: int, h: int, f: float, a: int, kv: int,
+                                       t: int = 1, sequence_parallel: bool = False,
+                                       sp_shards_all: bool = True, e: int = 2,
+                                       recompute: str = "none", flash: bool = True,
+                                       dropout: bool = False, gated: bool = True) -> float:
+    """Saved-for-backward bytes of one block as Megatron-style stacks keep them (Korthikanti et
+    al. 2022, §4.1, generalised to GQA, gated MLPs, flash attention and blocks without dropout),
+    for the planner's framework profiles (``loom.sim.frameworks``); Loom's own trainer is
+    ``block_activation_bytes``.
+
+    With x = s·b·h elements: the two norms' inputs (2e·x), the QKV input (e·x), Q (e·x), K and V
+    (2e·x·kv/a), the output projection's input (e·x), the MLP's input (e·x) and its inner
+    activations (gated: both branches and their product, 3e·s·b·f; GELU: its input and output,
+    2e·s·b·f), and with ``dropout`` two 1-byte masks (2x) — 34·s·b·h for a GPT block at e = 2,
+    f = 4h. The attention core adds the s x s probabilities without a ``flash`` kernel
+    ((e + (e + 1 if dropout else 0))·a·s²·b: 5·a·s²·b at e = 2 with dropout), the fp32
+    log-sum-exp (4·s·b·a) with one. Tensor parallelism splits everything but the norms' inputs,
+    the QKV and MLP inputs and the masks (10·s·b·h replicated for GPT); sequence parallelism
+    splits those too when ``sp_shards_all`` (Megatron), otherwise it keeps the QKV and MLP inputs
+    (the all-gathered ones) whole. ``recompute``: "selective" drops the s x s part (the core is
+    recomputed), "full" keeps only the block's input (split under sequence parallelism)."""
+    x = s * b * h
+    sp = sequence_parallel and t > 1
+    if recompute == "full":
+        return x * e / (t if sp else 1)
+    masks = 2 * x if dropout else 0.0
+    norms, inputs = 2 * e * x, 2 * e * x  # the norms' inputs; the QKV and MLP inputs
+    split = e * x * (1 + 2 * kv / a + 1) + (3 if gated else 2) * e * s * b * f  # Q, K, V, proj in
+    if flash:
+        core = 4 * s * b * a
+    elif recompute == "selective":
+        core = 0.0
+    else:
+        core = (e + (e + 1 if dropout else 0)) * a * s * s * b
+    if not sp:
+        replicated = norms + inputs + masks
+    elif sp_shards_all:
+        replicated = 0.0
+    else:
+        replicated = inputs
+    return replicated + (norms + inputs + masks - replicated + split + core) / t
+
+
+def framework_state_bytes(psi: float, shard: int, stage: int, *, param_bytes: int,
+                          grad_bytes: int, optimizer_bytes: int) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer) bytes of ``psi`` parameters under ZeRO ``stage`` over
+    ``shard`` ranks for a stack holding ``param_bytes`` / ``grad_bytes`` / ``optimizer_bytes``
+    per parameter (``loom.sim.frameworks``): stage 1 shards the optimizer state (Megatron's
+    distributed optimizer), 2 also the gradients, 3 also the parameters. Full-size gradients
+    stay through accumulation below stage 3, as Megatron's and DeepSpeed's buffers do."""
+    d = shard if stage else 1
+    return (param_bytes * psi / (d if stage == 3 else 1),
+            grad_bytes * psi / (d if stage >= 2 else 1),
+            optimizer_bytes * psi / d)

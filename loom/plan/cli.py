@@ -28,6 +28,7 @@ from loom.plan.hardware import HardwareError, load_catalog, make_cluster
 from loom.plan.search import Plan, plan, simulate_step
 from loom.plan.space import Workload
 from loom.sim.cost_model import CostModel
+from loom.sim.frameworks import FRAMEWORKS, Framework, framework
 
 EXIT_BAD_INPUT = 2
 
@@ -65,6 +66,9 @@ def add_plan_commands(sub: argparse._SubParsersAction,
                       help="share of device memory a layout may plan to use")
     plan.add_argument("--any", action="store_true",
                       help="rank layouts this version of Loom refuses too (for what-if planning)")
+    plan.add_argument("--framework", default="loom",
+                      help="the stack whose memory layout and overlap to price: "
+                           + ", ".join(FRAMEWORKS) + " (default loom; loom.sim.frameworks)")
     plan.add_argument("--calibrate", action="store_true", help="measure this machine and store"
                                                                " the profile --gpu local uses")
     plan.add_argument("--nproc", type=int, default=0, help="processes for --calibrate (and"
@@ -149,23 +153,41 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
         return EXIT_BAD_INPUT
 
 
+def _framework(args: argparse.Namespace) -> Framework:
+    """The ``--framework`` profile; another stack's plan ranks its whole space (Loom's config
+    rules are Loom's) and writes no Loom config."""
+    try:
+        chosen = framework(args.framework)
+    except ValueError as err:
+        raise PlanInputError(str(err)) from None
+    if not chosen.is_loom and args.output:
+        raise PlanInputError(f"-o {args.output}: writes a Loom config, so only with --framework"
+                             f" loom (not {chosen.name})")
+    return chosen
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.top < 1 or not 0 < args.memory_fraction <= 1:
         raise PlanInputError("--top must be >= 1 and --memory-fraction in (0, 1]")
+    stack = _framework(args)
     work, cluster = _workload(args), _cluster(args)
     if args.layout:
         layout = parse_layout(args.layout)
         if layout.world != cluster.gpus:
             raise PlanInputError(f"--layout: the degrees multiply to {layout.world}, not --gpus"
                                  f" {cluster.gpus}")
-        model = CostModel(work.model, work.seq_len, work.global_batch, cluster)
+        model = CostModel(work.model, work.seq_len, work.global_batch, cluster, framework=stack)
         cost = simulate_step(model, model.evaluate(layout))
         result = Plan(work, cluster, cluster.gpu.memory_bytes * args.memory_fraction, [cost], 1,
                       int(cost.memory_total <= cluster.gpu.memory_bytes * args.memory_fraction))
         print(explain.to_json(result) if args.json else explain.breakdown(result, cost))
         return 0
     result = plan(work, cluster, top=args.top, memory_fraction=args.memory_fraction,
-                  runnable_only=not args.any)
+                  runnable_only=not args.any and stack.is_loom,
+                  cost_model=CostModel(work.model, work.seq_len, work.global_batch, cluster,
+                                       framework=stack))
+    if not stack.is_loom and not args.json:
+        print(f"priced as {stack.name} (loom.sim.frameworks): its memory layout and overlap")
     print(explain.to_json(result) if args.json else explain.table(result))
     if args.explain and result.ranked:
         index = min(args.explain, len(result.ranked)) - 1

@@ -16,6 +16,12 @@ from loom.config import Config, to_toml
 from loom.plan.hardware import GiB
 from loom.plan.search import Plan, to_config
 from loom.sim.cost_model import StepCost
+from loom.sim.uncertainty import band, overlapping
+
+
+def _calibrated(plan: Plan) -> bool:
+    """A measured CPU profile (its ranks share cores): the calibration's spread widens the band."""
+    return bool(plan.cluster.gpu.cores)
 
 
 def row(plan: Plan, cost: StepCost) -> dict[str, Any]:
@@ -31,6 +37,7 @@ def row(plan: Plan, cost: StepCost) -> dict[str, Any]:
         "micro_batch": lay.micro_batch, "microbatches": lay.microbatches,
         "recompute": lay.recompute,
         "step_time_s": cost.step_time,
+        "step_band_s": list(band(cost.step_time, _calibrated(plan))),
         "tokens_per_s_per_gpu": plan.tokens_per_second_per_gpu(cost),
         "mfu": plan.mfu(cost),
         "memory_gib": cost.memory_total / GiB,
@@ -58,6 +65,12 @@ def table(plan: Plan) -> str:
                      f" {r['memory_gib']:>8.1f} {r['bubble']:>7.1%}")
     if estimated:
         lines.append("~ the schedule's closed-form estimate: the simulation budget ran out first")
+    if plan.ranked:
+        low, high = band(plan.ranked[0].step_time, _calibrated(plan))
+        tied = overlapping([c.step_time for c in plan.ranked], _calibrated(plan))
+        lines.append(f"uncertainty band of #1: {low:.3f}-{high:.3f} s (loom.sim.uncertainty);"
+                     + (f" #1-#{tied} overlap within it, so the model does not resolve their"
+                        " order" if tied > 1 else " no other listed layout reaches it"))
     if not plan.ranked:
         lines.append("   no layout fits in memory and is runnable by this version of Loom")
     if plan.best_refused is not None:
@@ -77,8 +90,10 @@ def breakdown(plan: Plan, cost: StepCost) -> str:
     """``--explain``: where the step's time and one GPU's memory go."""
     lay = cost.layout
     step = cost.step_time
+    low, high = band(step, _calibrated(plan))
     lines = [f"layout {lay.label()}  (world {lay.world})",
-             f"step {step:.4f} s = pipelined forward/backward {cost.pipeline:.4f}"
+             f"step {step:.4f} s (band {low:.4f}-{high:.4f} s) = pipelined forward/backward"
+             f" {cost.pipeline:.4f}"
              f" + exposed data-parallel {cost.dp_exposed:.4f} + optimizer {cost.optimizer:.4f}",
              f"  busiest rank's compute (with exposed tp/cp/ep comm): {cost.compute:.4f} s;"
              f" bubble {cost.bubble:.1%}"

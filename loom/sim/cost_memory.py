@@ -13,8 +13,10 @@ from dataclasses import replace
 from typing import Any
 
 from loom.layout import Layout
-from loom.formulas.memory import (block_activation_bytes, head_activation_bytes, largest_parameter,
-                                  model_state_bytes, zero2_bucket_bytes, zero2_reduction_bytes)
+from loom.formulas.memory import (block_activation_bytes, framework_state_bytes,
+                                  head_activation_bytes, korthikanti_block_activation_bytes,
+                                  largest_parameter, model_state_bytes, zero2_bucket_bytes,
+                                  zero2_reduction_bytes)
 
 
 # Peak microbatches in flight on the worst rank, in units of one rank's microbatch (a chunk of v
@@ -123,7 +125,18 @@ def _activation_bytes(model: Any, lay: Layout) -> tuple[float, float, float, flo
     width = m.expert_ffn_dim or m.ffn_dim
     moe_f = width * (m.top_k + m.n_shared_experts) + (m.top_k - 1) * m.dim / 4
 
+    fw = model.framework
+
     def block(f: float, recompute: str) -> float:
+        if not fw.is_loom and (fw.sp_shards_all or not fw.flash_attention or fw.dropout):
+            return korthikanti_block_activation_bytes(
+                s=s_local, b=b, h=m.dim, f=f, a=m.n_heads, kv=m.n_kv_heads, t=lay.tp,
+                sequence_parallel=sp, sp_shards_all=fw.sp_shards_all, e=model.e,
+                recompute=recompute, flash=fw.flash_attention, dropout=fw.dropout)
+        if fw.sp_keeps_gathered:  # Loom's block with the gathered inputs saved whole
+            return block_activation_bytes(s=s_local, b=b, h=m.dim, f=f, a=m.n_heads,
+                                          kv=m.n_kv_heads, t=lay.tp, sequence_parallel=sp,
+                                          e=model.e, recompute=recompute, compiled=True)
         return block_activation_bytes(s=s_local, b=b, h=m.dim, f=f, a=m.n_heads,
                                       kv=m.n_kv_heads, t=lay.tp, sequence_parallel=sp,
                                       e=model.e, recompute=recompute)
@@ -163,6 +176,8 @@ def _instants(model: Any, lay: Layout, psi: float, experts: float = 0.0
     warm-up is counted with the accumulated gradients of the steady state. ``experts`` of the
     ``psi`` parameters are routed experts: ZeRO shards them over dp_shard x cp, the dense ones
     over dp_shard x ep x cp."""
+    if not model.framework.is_loom:
+        return _framework_instants(model, lay, psi, experts)
     stage = lay.zero_stage if lay.dp_shard > 1 else 0
     d = lay.dp_shard * lay.cp
 
@@ -218,6 +233,40 @@ def _instants(model: Any, lay: Layout, psi: float, experts: float = 0.0
                 # AdamW's two temporaries, the size of the fp32 state it steps (not the masters)
                 "activations": 0.0, "transient": state(master=False)[2],
                 "_acts": "none"})
+    for entry in out:
+        entry["_total"] = sum(v for k, v in entry.items() if not k.startswith("_"))
+    return out
+
+
+def _framework_instants(model: Any, lay: Layout, psi: float, experts: float
+                        ) -> list[dict[str, float]]:
+    """``_instants`` for another stack's profile (``model.framework``, not Loom's): its bytes
+    per parameter (``framework_state_bytes``), the last microbatch's passes with every
+    activation (ZeRO-3: two gathered blocks in flight, or the stages held gathered inside a
+    pipeline; the unsharded gradients while microbatches accumulate), and the optimizer step
+    (with foreach AdamW's two temporaries where the profile has them). Loom's own buckets and
+    reduction instants are Loom's trainer's and are not assumed of the others."""
+    fw = model.framework
+    stage = lay.zero_stage if lay.dp_shard > 1 else 0
+    d = lay.dp_shard * lay.cp
+
+    def state(optimizer_bytes: int = fw.optimizer_bytes) -> tuple[float, ...]:
+        kw = dict(param_bytes=fw.param_bytes, grad_bytes=fw.grad_bytes,
+                  optimizer_bytes=optimizer_bytes)
+        dense = framework_state_bytes(psi - experts, d * lay.ep, stage, **kw)
+        expert = framework_state_bytes(experts, d, stage, **kw)
+        return tuple(a + b for a, b in zip(dense, expert))
+
+    params, grads, optim = state()
+    block = max(model._layer_params(True, lay), model._layer_params(False, lay))
+    held = stage == 3 and lay.pp > 1
+    transient = 2 * model.e * block if stage == 3 and not held else 0.0
+    passes_grads = fw.grad_bytes * psi if stage == 3 and lay.microbatches > 1 else grads
+    temporaries = state(8)[2] if fw.optimizer_temporaries else 0.0  # two fp32 state slices
+    out = [{"parameters": params + (model.e * psi if held else 0.0), "gradients": passes_grads,
+            "optimizer": optim, "activations": 0.0, "transient": transient, "_acts": "all"},
+           {"parameters": params, "gradients": grads, "optimizer": optim, "activations": 0.0,
+            "transient": temporaries, "_acts": "none"}]
     for entry in out:
         entry["_total"] = sum(v for k, v in entry.items() if not k.startswith("_"))
     return out

@@ -29,7 +29,9 @@ all-to-all (n-1)/n·M/beta + (n-1)·alpha, point-to-point alpha + M/beta. What o
 Loom's runtime:
 
 * tp: two all-reduces of T·h·e forward and two backward per layer (all-gather + reduce-scatter
-  pairs under SP, the same time), not overlapped; a fully recomputed layer repeats the forward's;
+  pairs under SP, the same time), not overlapped in Loom's profile; a profile with TP-comm
+  overlap (Megatron's, with SP) pipelines them with the layer's GEMMs in tp chunks
+  (``streams.chunked_overlap``); a fully recomputed layer repeats the forward's;
 * cp ring: cp-1 steps passing K and V (2T·k·d·e/t bytes), overlapped with the attention block
   of the step (exposed only beyond it), twice the bytes in backward; Ulysses: all-to-alls of q,
   k, v and the output forward, the same backward, not overlapped; hybrid: both, at their degrees;
@@ -40,9 +42,13 @@ Loom's runtime:
   the parameters of each layer forward and backward, per microbatch without a pipeline and once
   per step per stage with one, prefetched so only what exceeds the layer's compute is exposed,
   plus one reduce-scatter, all over dp_shard·cp (the cp ranks hold the same weights); HSDP adds
-  an all-reduce of 1/(dp_shard·cp) over dp_replicate. The gradient
-  reduction overlaps the last microbatch's backward of the rank; only the excess (at least one
-  bucket of 1/layers) is exposed;
+  an all-reduce of 1/(dp_shard·cp) over dp_replicate. Each of these is cut into one piece per
+  layer and queued on its link's stream behind the layer passes it overlaps
+  (``loom.sim.streams``: collectives sharing a link take their sum there, on two links the max):
+  the reduction behind the last microbatch's backward of the rank (or, per the framework
+  profile, not at all, or across the pipeline flush), ZeRO-3's gathers ahead of each layer of
+  the forward and backward, ZeRO-1/2's parameter all-gather after the step (exposed) or behind
+  the next forward (Megatron's, in bf16); only what the links carry past the compute is exposed;
 * optimizer: AdamW reads and writes 28 bytes per local parameter shard at HBM bandwidth (a CPU
   profile measures its seconds per parameter instead: ``Gpu.optimizer_per_param``).
 
@@ -58,6 +64,10 @@ finalists simulated; before that the pipelined part is the busiest rank's work p
 times m, plus the family's warm-up and cool-down as (p - 1) rank passes scaled by its published
 bubble (REFERENCE.md §1.1, §5.2), plus the stage-boundary hops; ``search_costs`` gives the
 relative per-rank costs a searched schedule is searched for.
+
+What differs between training stacks (bytes per parameter, gradients and optimizer state; what
+sequence parallelism shards; the attention kernel; the overlap defaults) comes from the
+``framework`` profile (``loom.sim.frameworks``; Loom's own by default).
 
 Memory is ``loom.formulas.memory``'s formulas (the estimator ``loom estimate-memory`` uses, measured
 to within 2% on this machine): ZeRO model state, per-block activations by tp / SP / cp /
@@ -77,6 +87,8 @@ from loom.models.layers import TransformerArgs
 from loom.parallel.context import CPLayout  # Loom's own split of cp into u x r
 from loom.schedule.cost import OpCosts, StageCosts
 from loom.sim.cost_memory import layout_memory
+from loom.sim.frameworks import LOOM, Framework
+from loom.sim.streams import Pieces, chunked_overlap, layer_overlap
 
 ELEMENTWISE_PASSES = 20  # activation-sized reads + writes per layer forward (see docstring)
 
@@ -126,9 +138,12 @@ class CostModel:
     """Prices layouts of ``model`` at ``seq_len`` with ``global_batch`` sequences per step."""
 
     def __init__(self, model: TransformerArgs, seq_len: int, global_batch: int, cluster: Any, *,
-                 dtype_bytes: int = 2, grad_bytes: int = 4, op_overhead: float | None = None):
+                 dtype_bytes: int = 2, grad_bytes: int | None = None,
+                 op_overhead: float | None = None, framework: Framework = LOOM):
         self.model, self.seq, self.batch, self.cluster = model, seq_len, global_batch, cluster
-        self.e, self.grad_bytes = dtype_bytes, grad_bytes
+        self.framework = framework  # memory layout and overlap defaults (loom.sim.frameworks)
+        self.e = dtype_bytes
+        self.grad_bytes = framework.grad_bytes if grad_bytes is None else grad_bytes
         self.op_overhead = cluster.gpu.op_overhead if op_overhead is None else op_overhead
         self.moe_layers = sum(1 for i in range(model.n_layers) if self._is_moe(i))
         self._geometry_cache: dict[tuple, tuple] = {}
@@ -136,6 +151,7 @@ class CostModel:
         self._memory_cache: dict[tuple, dict] = {}
         self._activation_cache: dict[tuple, tuple] = {}  # cost_memory._activation_bytes
         self._model_flops: float | None = None
+        self._overlap_cache: dict[tuple, float] = {}  # streams.layer_overlap answers
 
     # ----- FLOPs -------------------------------------------------------------------------
     def layer_flops(self, tokens: float, tp: int, moe: bool) -> tuple[float, float]:
@@ -209,9 +225,13 @@ class CostModel:
         # compute (and framework work) slows down when ranks share processors; communication
         # was measured with every rank taking part, so it is not scaled again
         slow = self._compute_slowdown(lay)
+        tp_exposed = tp_fwd
+        if self.framework.overlap.tp_comm and lay.sequence_parallel and tp_fwd and self.overlaps:
+            # pipelined with the GEMMs in tp chunks (Megatron's TP-comm overlap needs SP)
+            tp_exposed = chunked_overlap(t_mat * slow, tp_fwd, lay.tp) - t_mat * slow
         f_compute = (t_mat + t_core + t_elem + overhead) * slow
-        f = f_compute + tp_fwd + cp_fwd + ep_fwd
-        i = (t_mat + 2 * t_core + 2 * t_elem + overhead) * slow + tp_fwd + cp_bwd + ep_fwd
+        f = f_compute + tp_exposed + cp_fwd + ep_fwd
+        i = (t_mat + 2 * t_core + 2 * t_elem + overhead) * slow + tp_exposed + cp_bwd + ep_fwd
         w = (t_mat + overhead) * slow
         if lay.recompute == "full":
             i += f
@@ -221,6 +241,13 @@ class CostModel:
             comm_tp = tp_fwd
         else:
             comm_tp = tp_fwd
+        if self.framework.is_loom and lay.sequence_parallel and lay.tp > 1 \
+                and lay.recompute != "full":
+            # Loom's SP saves the linears' gathered inputs as the rank's slice and all-gathers
+            # them again in backward (loom.parallel.sequence_saved): one all-gather per block
+            # part, half an all-reduce's time each, not overlapped
+            i += tp_one
+            comm_tp += tp_one
         comm = {"tp": tp_fwd + comm_tp, "cp": cp_fwd + cp_bwd, "ep": 2 * ep_fwd}
         return f, i, w, comm
 
@@ -387,11 +414,13 @@ class CostModel:
             pipeline = compute
         # data parallelism and the optimizer on the end ranks (embedding, head: the worst)
         rank_params = self._rank_params(lay)
-        rank_bwd, rank_layers = {}, {}
+        rank_fwd, rank_bwd, rank_layers = {}, {}, {}
         for r in rank_params:
+            rank_fwd[r] = sum(ops[s][0] for s in owned[r])
             rank_bwd[r] = sum(ops[s][1] + ops[s][2] for s in owned[r])
             rank_layers[r] = sum(sum(counts[s]) for s in owned[r])
-        dp_exposed, comm["dp"] = self._data_parallel(lay, rank_params, rank_bwd, rank_layers)
+        dp_exposed, comm["dp"] = self._data_parallel(lay, rank_params, rank_fwd, rank_bwd,
+                                                     rank_layers)
         sharded = 0.0  # parameters one rank steps: its ZeRO slices (dense also over ep)
         experts = self._rank_expert_params(lay)
         for r, psi in rank_params.items():
@@ -425,59 +454,118 @@ class CostModel:
         return p2p_time(act, self.cluster.link_for(lay.pp, stride))
 
     def _data_parallel(self, lay: Layout, rank_params: dict[int, float],
-                       rank_bwd: dict[int, float], rank_layers: dict[int, int]
-                       ) -> tuple[float, float]:
+                       rank_fwd: dict[int, float], rank_bwd: dict[int, float],
+                       rank_layers: dict[int, int]) -> tuple[float, float]:
         """(exposed seconds, total seconds) of gradient reduction and ZeRO parameter gathers on
-        the worst pipeline rank."""
-        c = self.cluster
+        the worst pipeline rank. Each collective is cut into one piece per layer and queued on
+        its link's stream (``loom.sim.streams``) behind the layer passes it overlaps, so the
+        collectives that share a link (ZeRO-3's gathers and reduce-scatters in one backward)
+        take their sum there; the framework's ``Overlap`` says what overlaps what."""
+        c, fw = self.cluster, self.framework.overlap
         group = lay.dp_replicate * lay.dp_shard * lay.ep * lay.cp
         worst_exposed = worst_total = 0.0
         if group <= 1:
             return 0.0, 0.0
         experts = self._rank_expert_params(lay)
+        zero = lay.zero_stage if lay.dp_shard > 1 else 0
         for r, psi in rank_params.items():
             layers = max(1, rank_layers[r])
-            gathers = 0.0
+            # per stream (a link's name): the reduction's and the gathers' seconds, whole step
+            reduce: dict[str, float] = {}
+            gather: dict[str, float] = {}
             # dense parameters are replicated over ep too, routed experts are not
-            parts = ((psi - experts[r], lay.ep), (experts[r], 1))
-            if lay.zero_stage and lay.dp_shard > 1:
-                # ZeRO shards over dp_shard x cp (the cp ranks hold the same weights), dense
-                # parameters also over ep; HSDP all-reduces the slices over dp_replicate
-                rep_link = c.link_for(lay.dp_replicate, lay.tp * lay.cp * lay.ep * lay.dp_shard)
-                reduce = ag = 0.0
-                for count, over in parts:
+            for count, over in ((psi - experts[r], lay.ep), (experts[r], 1)):
+                if zero:
+                    # ZeRO shards over dp_shard x cp (the cp ranks hold the same weights), dense
+                    # parameters also over ep; HSDP all-reduces the slices over dp_replicate
                     shard = lay.dp_shard * lay.cp * over
                     shard_link = c.link_for(shard, lay.tp)
-                    reduce += gather_time(count * self.grad_bytes, shard, shard_link) + \
-                        allreduce_time(count * self.grad_bytes / shard, lay.dp_replicate, rep_link)
-                    ag += gather_time(count * (self.e if lay.zero_stage == 3 else 4), shard,
-                                      shard_link)
-                if lay.zero_stage == 3:
-                    # gathered per microbatch forward and backward without a pipeline; once per
-                    # step per stage with one (kept through the schedule window)
-                    passes = 2 * lay.microbatches if lay.pp == 1 else 1
-                    per_layer = ag / layers
-                    layer_fwd = rank_bwd[r] / 2 / layers  # F ~ half of I + W
-                    if self.overlaps:  # prefetched: all but the first layer's hide
-                        gathers = passes * layers * max(per_layer - layer_fwd, 0.0) + per_layer
-                    else:  # shared cores: every gather adds to the step, once
-                        gathers = passes * ag
-                    total = reduce + passes * ag
+                    rep_link = c.link_for(lay.dp_replicate,
+                                          lay.tp * lay.cp * lay.ep * lay.dp_shard)
+                    _add(reduce, shard_link.name,
+                         gather_time(count * self.grad_bytes, shard, shard_link))
+                    _add(reduce, rep_link.name, allreduce_time(
+                        count * self.grad_bytes / shard, lay.dp_replicate, rep_link))
+                    width = self.e if zero == 3 else self.framework.zero12_gather_bytes
+                    _add(gather, shard_link.name, gather_time(count * width, shard, shard_link))
                 else:
-                    gathers = ag  # after the optimizer step, before the next forward
-                    total = reduce + ag
+                    n = lay.dp_replicate * lay.dp_shard * lay.cp * over
+                    link = c.link_for(n, lay.tp)
+                    _add(reduce, link.name, allreduce_time(count * self.grad_bytes, n, link))
+            red_total, ag_total = sum(reduce.values()), sum(gather.values())
+            fwd_slice, bwd_slice = rank_fwd[r] / layers, rank_bwd[r] / layers
+            reduce_pieces = [Pieces(k, v / layers) for k, v in reduce.items()]
+            gather_pieces = [Pieces(k, v / layers, before=True) for k, v in gather.items()]
+            # the window that hides the reduction: the last microbatch's backward of the rank,
+            # under "pipeline_flush" widened to the drain after it (see ``_flush_window``)
+            slice_, slack = bwd_slice, 0.0
+            if fw.grad_reduce == "pipeline_flush" and lay.pp > 1:
+                slice_, slack = self._flush_window(lay, r, rank_bwd[r], layers)
+            if zero == 3:
+                # without a pipeline gathered per microbatch, forward and backward; with one
+                # once per step per stage (kept through the schedule window)
+                passes = 2 * lay.microbatches if lay.pp == 1 else 1
+                total = red_total + passes * ag_total
+                if not self.overlaps or not fw.zero3_prefetch:
+                    exposed = passes * ag_total + self._reduce_exposed(
+                        layers, slice_, reduce_pieces, slack, red_total, fw.grad_reduce)
+                elif lay.pp == 1:
+                    m = lay.microbatches
+                    fwd = self._overlap(layers, fwd_slice, gather_pieces)
+                    bwd = self._overlap(layers, bwd_slice, gather_pieces)
+                    last = self._overlap(layers, bwd_slice, gather_pieces + (
+                        reduce_pieces if fw.grad_reduce != "none" else []))
+                    if fw.grad_reduce == "none":
+                        last += red_total
+                    exposed = m * fwd + (m - 1) * bwd + last
+                else:
+                    exposed = self._overlap(layers, fwd_slice, gather_pieces) + \
+                        self._reduce_exposed(layers, slice_, reduce_pieces, slack, red_total,
+                                             fw.grad_reduce)
             else:
-                reduce = 0.0
-                for count, over in parts:
-                    group = lay.dp_replicate * lay.dp_shard * lay.cp * over
-                    reduce += allreduce_time(count * self.grad_bytes, group,
-                                             c.link_for(group, lay.tp))
-                total = reduce
-            hidden = rank_bwd[r] if self.overlaps else 0.0
-            exposed = max(reduce / layers, reduce - hidden) + gathers
+                total = red_total + ag_total
+                exposed = self._reduce_exposed(layers, slice_, reduce_pieces, slack, red_total,
+                                               fw.grad_reduce)
+                if zero and fw.param_gather and self.overlaps:  # behind the next forward
+                    exposed += self._overlap(layers, fwd_slice, gather_pieces)
+                else:  # after the optimizer step, before the next forward
+                    exposed += ag_total
             worst_exposed = max(worst_exposed, exposed)
             worst_total = max(worst_total, total)
         return worst_exposed, worst_total
+
+    def _reduce_exposed(self, layers: int, slice_: float, pieces: list[Pieces], slack: float,
+                        total: float, mode: str) -> float:
+        """Exposed seconds of the gradient reduction: all of it when nothing overlaps it (the
+        framework's choice, or ranks sharing cores), otherwise what its pieces, queued behind
+        ``layers`` backward slices, leave past them and the ``slack``."""
+        if mode == "none" or not self.overlaps:
+            return total
+        return self._overlap(layers, slice_, pieces, slack)
+
+    def _overlap(self, layers: int, slice_: float, pieces: list[Pieces],
+                 slack: float = 0.0) -> float:
+        """``streams.layer_overlap``, cached per model (the same few shapes recur across the
+        hundreds of thousands of layouts the planner screens)."""
+        key = (layers, slice_, tuple(pieces), slack)
+        value = self._overlap_cache.get(key)
+        if value is None:
+            value = self._overlap_cache[key] = layer_overlap(layers, slice_, pieces, slack)
+        return value
+
+    def _flush_window(self, lay: Layout, r: int, bwd: float, layers: int
+                      ) -> tuple[float, float]:
+        """(seconds per layer slice, slack) of rank ``r``'s gradient reduction when it overlaps
+        the pipeline's flush (Megatron's ``--overlap-grad-reduce``: each model chunk's buckets
+        are reduced once its last microbatch's backward is done). The last microbatch's
+        backward runs down the stages, one stage backward b = bwd / v each, so rank r's stages
+        r, r + p, ... finish theirs (v - 1)·p, ... stage backwards before its last: its v·layers
+        pieces are released over a window of ((v - 1)·p + 1)·b, and it then idles r·b while
+        the stages below it finish."""
+        p, v = lay.pp, (2 if lay.v_shaped else lay.chunks)
+        b = bwd / v
+        window = ((v - 1) * p + 1) * b
+        return window / layers, r * b
 
     # ----- memory --------------------------------------------------------------------------
     def memory(self, lay: Layout, in_flight: tuple[float, ...] | None = None
@@ -515,6 +603,12 @@ def wrappers(lay: Layout) -> tuple[str, ...]:
     if lay.pp > 1:
         names.append("pp")
     return tuple(names)
+
+
+def _add(seconds: dict[str, float], stream: str, value: float) -> None:
+    """Add ``value`` seconds to ``stream``'s entry (collectives grouped by the link they use)."""
+    if value > 0:
+        seconds[stream] = seconds.get(stream, 0.0) + value
 
 
 def allreduce_time(nbytes: float, n: int, link) -> float:

@@ -1,0 +1,119 @@
+"""Which training stack the planner prices: memory layout and overlap defaults per framework.
+
+``loom plan --framework loom|megatron|torchtitan|deepspeed`` picks one ``Framework``. The cost
+model reads from it what differs between the stacks at the same layout; everything else (the
+FLOPs, the alpha-beta links, the schedules) is shared. Loom's own profile follows Loom's trainer
+and is what the cost model always priced; the others let a user plan for their stack and let
+Loom's model be checked against runs published on those stacks.
+
+What a profile fixes:
+
+* **Model state bytes per parameter**: the copy the GEMMs read (``param_bytes``), the gradient
+  (``grad_bytes``, also the dtype of the gradient reduction), and the optimizer's state
+  (``optimizer_bytes``: an fp32 master copy where the parameters are 16-bit, plus AdamW's two
+  fp32 moments). ZeRO stage 1 shards the optimizer state, 2 also the gradients, 3 also the
+  parameters, over dp_shard x cp (Megatron's distributed optimizer is stage 1).
+  - Loom: the planner's model of Loom's trainer (``loom.formulas.memory.model_state_bytes``
+    without ``master``): fp32 parameters and gradients, two moments, 4 + 4 + 8. Loom's memory
+    path uses those formulas, not this profile's byte fields; its ``grad_bytes`` and
+    ``zero12_gather_bytes`` price its collectives. (Loom's trainer is gaining a bf16-parameter
+    mode with fp32 masters, ``train.dtype = bf16``; the planner does not follow it yet.)
+  - Megatron-LM (``--bf16``, gradients accumulated and reduced in fp32, the default with bf16):
+    bf16 parameters, fp32 ``main_grad``, fp32 master + moments: 2 + 4 + 12, i.e. the "6 + 12/d"
+    bytes of its distributed optimizer.
+  - torchtitan (FSDP2, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``): fp32
+    sharded parameters, fp32 gradients, two moments: 4 + 4 + 8, as Loom.
+  - DeepSpeed (ZeRO with bf16, as Megatron-DeepSpeed ran BLOOM): bf16 parameters, fp32 gradient
+    accumulation, fp32 master + moments: 2 + 4 + 12. An assumption: DeepSpeed's fp16 path
+    (ZeRO paper: 2 + 2 + 12) keeps 16-bit gradients instead.
+* **Activations**: Loom's profile is its trainer's own formula
+  (``loom.formulas.memory.block_activation_bytes``, whatever Loom's sequence parallelism saves).
+  torchtitan's is the same block with the all-gathered inputs of the column-parallel linears
+  saved whole (``sp_keeps_gathered``: DTensor's sequence parallelism saves the gathered input,
+  as Loom's compiled block does). Megatron's sequence parallelism shards every activation of a
+  block (Korthikanti et al. 2022: 34·s·b·h/t for a GPT block with dropout, 5·a·s²·b/t more
+  without a flash kernel; ``korthikanti_block_activation_bytes``), and so does DeepSpeed's
+  (Megatron-DeepSpeed's blocks); ``flash_attention`` says whether the attention core stores the
+  s x s probabilities, ``dropout`` whether the block keeps 1-byte dropout masks (GPT-style).
+* **Overlap** (``Overlap``, priced by ``loom.sim.streams``): TP communication pipelined with the
+  GEMMs (Megatron's ``--tp-comm-overlap``, which needs sequence parallelism), the ZeRO-1/2
+  parameter all-gather overlapped with the next forward (``--overlap-param-gather``, in the
+  parameters' dtype), how much of the step hides the gradient reduction (``"none"``: after the
+  backward; ``"last_backward"``: the last microbatch's backward of the rank; ``"pipeline_flush"``:
+  that and the pipeline's drain after it, Megatron's ``--overlap-grad-reduce``), and ZeRO-3's
+  prefetch of the next layer's parameters (FSDP2, DeepSpeed ZeRO-3's prefetch).
+
+Torch-free and communicates nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+GRAD_REDUCE = ("none", "last_backward", "pipeline_flush")
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """What each collective hides behind (see the module docstring)."""
+
+    tp_comm: bool = False
+    param_gather: bool = False
+    grad_reduce: str = "last_backward"
+    zero3_prefetch: bool = True
+
+    def __post_init__(self) -> None:
+        if self.grad_reduce not in GRAD_REDUCE:
+            raise ValueError(f"grad_reduce {self.grad_reduce!r}: one of {', '.join(GRAD_REDUCE)}")
+
+
+@dataclass(frozen=True)
+class Framework:
+    """One training stack's memory layout and overlap defaults."""
+
+    name: str
+    param_bytes: int  # the copy the GEMMs read (fp32 in Loom: autocast casts per use)
+    grad_bytes: int  # gradients held and reduced
+    optimizer_bytes: int  # fp32 master copy (where params are 16-bit) + AdamW's two moments
+    zero12_gather_bytes: int  # ZeRO-1/2's parameter all-gather after the step, per element
+    sp_shards_all: bool  # sequence parallelism shards every activation (Megatron)
+    flash_attention: bool = True
+    dropout: bool = False  # 1-byte dropout masks kept (GPT-style blocks)
+    optimizer_temporaries: bool = False  # foreach AdamW's two state-sized temporaries
+    sp_keeps_gathered: bool = False  # Loom's block, SP saving the gathered inputs whole
+    overlap: Overlap = field(default_factory=Overlap)
+
+    @property
+    def is_loom(self) -> bool:
+        return self.name == "loom"
+
+    def with_overlap(self, **changes: object) -> "Framework":
+        """This profile with some overlap knobs changed (a published run's own settings)."""
+        return replace(self, overlap=replace(self.overlap, **changes))
+
+
+FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
+    Framework("loom", param_bytes=4, grad_bytes=4, optimizer_bytes=8, zero12_gather_bytes=4,
+              sp_shards_all=False, optimizer_temporaries=True,
+              overlap=Overlap(tp_comm=False, param_gather=False, grad_reduce="last_backward")),
+    Framework("megatron", param_bytes=2, grad_bytes=4, optimizer_bytes=12, zero12_gather_bytes=2,
+              sp_shards_all=True, dropout=True,
+              overlap=Overlap(tp_comm=True, param_gather=True, grad_reduce="pipeline_flush")),
+    Framework("torchtitan", param_bytes=4, grad_bytes=4, optimizer_bytes=8, zero12_gather_bytes=2,
+              sp_shards_all=False, optimizer_temporaries=True, sp_keeps_gathered=True,
+              overlap=Overlap(tp_comm=False, param_gather=False, grad_reduce="last_backward")),
+    Framework("deepspeed", param_bytes=2, grad_bytes=4, optimizer_bytes=12, zero12_gather_bytes=2,
+              sp_shards_all=True, flash_attention=False, dropout=True,
+              overlap=Overlap(tp_comm=False, param_gather=False, grad_reduce="last_backward")),
+)}
+LOOM = FRAMEWORKS["loom"]
+
+
+def framework(name: str) -> Framework:
+    """The profile called ``name``; ValueError naming the choices otherwise."""
+    if name not in FRAMEWORKS:
+        raise ValueError(f"--framework {name}: one of {', '.join(FRAMEWORKS)}")
+    return FRAMEWORKS[name]
+
+
+__all__ = ["Framework", "Overlap", "FRAMEWORKS", "LOOM", "framework", "GRAD_REDUCE"]

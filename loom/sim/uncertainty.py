@@ -1,0 +1,52 @@
+"""The planner's uncertainty band: how far a predicted step time may be from the real one.
+
+A prediction is a point; how far to trust it is measured, not assumed. Two sources:
+
+* **The model's known error**, on the "tune" half of ``bench/planner_published.toml`` (the half
+  the planner may be fitted to; issue 21): Loom's predicted step time over the published one
+  has a 10th percentile of ``TUNE_RATIO_LOW`` and a 90th of ``TUNE_RATIO_HIGH`` over the 15
+  comparable tune rows, each priced with its own framework profile. A real step of a
+  prediction t is then, 8 times in 10 on that evidence, between t / TUNE_RATIO_HIGH and
+  t / TUNE_RATIO_LOW. Measured 26 Nov 2026 with
+  ``python bench/planner_published.py --no-search --json out.json`` and
+  ``statistics.quantiles(tune ratios, n=10, method="inclusive")``; on the holdout half 12 of
+  14 rows fall inside (docs/planner.md).
+* **The calibration's spread**, for a measured (CPU) profile (``Gpu.cores`` > 0): repeated
+  calibrations of this machine moved a layout's prediction by up to 29% (docs/planner.md, runs 5
+  and 6: dp4 0.794 s against 0.617 s), so the band widens by ``CALIBRATION_SPREAD`` each way.
+
+``band`` gives (low, high) around a step time; ``overlapping`` how many of the best-ranked
+steps lie within the first one's band (the ranking among them is not resolved by the model).
+Torch-free, communicates nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+TUNE_RATIO_LOW = 0.885  # 10th percentile of predicted / published step time, tune half
+TUNE_RATIO_HIGH = 1.157  # 90th percentile
+CALIBRATION_SPREAD = 0.29  # run-to-run movement of a CPU calibration's predictions
+
+
+def band(step: float, calibrated: bool = False) -> tuple[float, float]:
+    """(low, high) seconds around a predicted ``step``: the tune half's 10th-90th percentile
+    error, widened by the calibration's spread for a ``calibrated`` (measured CPU) profile.
+    Always contains ``step``."""
+    low, high = step / TUNE_RATIO_HIGH, step / TUNE_RATIO_LOW
+    if calibrated:
+        low, high = low / (1 + CALIBRATION_SPREAD), high * (1 + CALIBRATION_SPREAD)
+    return min(low, step), max(high, step)
+
+
+def overlapping(steps: Sequence[float], calibrated: bool = False) -> int:
+    """How many of ``steps`` (ranked, fastest first) could be at least as fast as the first
+    one: those whose band's low end is below the first one's high end (1 when the first
+    stands alone)."""
+    if not steps:
+        return 0
+    top_high = band(steps[0], calibrated)[1]
+    return sum(1 for s in steps if band(s, calibrated)[0] <= top_high)
+
+
+__all__ = ["band", "overlapping", "TUNE_RATIO_LOW", "TUNE_RATIO_HIGH", "CALIBRATION_SPREAD"]

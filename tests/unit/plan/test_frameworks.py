@@ -1,0 +1,153 @@
+"""Framework profiles (``loom.sim.frameworks``): what ``--framework`` changes in the cost model's
+memory and overlap, against numbers written out by hand from the profiles' definitions."""
+
+from __future__ import annotations
+
+import pytest
+
+from loom.cli import main
+from loom.formulas.memory import block_activation_bytes, korthikanti_block_activation_bytes
+from loom.layout import Layout
+from loom.models.presets import PRESETS, parameter_count
+from loom.plan.hardware import GB, Cluster, Gpu, Link
+from loom.sim.cost_model import CostModel, allreduce_time, gather_time
+from loom.sim.frameworks import FRAMEWORKS, LOOM, framework
+from loom.sim.cost_memory import _activation_bytes
+from loom.sim.streams import Pieces, layer_overlap
+
+DEBUG = PRESETS["debug"]  # h 64, 4 layers, 4 heads, 2 KV heads, FFN 128, vocab 320
+FAST = Link("fast", 100 * GB, 1e-6, efficiency=1.0)
+SLOW = Link("slow", 10 * GB, 1e-5, efficiency=1.0)
+UNIT = Gpu("unit", peak_flops=1e12, memory_bytes=80 * 2**30, hbm_bandwidth=1e12,
+           matmul_efficiency=1.0, matmul_knee=1e-9)
+
+
+def model(name: str, gpus: int = 2, per_node: int = 8, **kw) -> CostModel:
+    return CostModel(DEBUG, 32, 8, Cluster(UNIT, gpus, per_node, FAST, SLOW),
+                     framework=FRAMEWORKS[name], **kw)
+
+
+def test_an_unknown_framework_is_refused_by_name():
+    assert framework("loom") is LOOM
+    with pytest.raises(ValueError, match="--framework nemo: one of loom, megatron"):
+        framework("nemo")
+
+
+def test_model_state_bytes_per_parameter_follow_the_profile():
+    """ZeRO-1 over 2 ranks, Ψ parameters, 2-byte elements. torchtitan (FSDP2's fp32 shards):
+    fp32 params 4Ψ, fp32 grads 4Ψ, moments 8Ψ/2. Megatron's distributed optimizer: bf16 params
+    2Ψ, fp32 main grads 4Ψ, master + moments 12Ψ/2 (its "6 + 12/d"); DeepSpeed the same, and
+    Loom's own bf16 (``train.dtype = bf16``: bf16 parameters, fp32 masters in the optimizer)."""
+    lay = Layout(dp_shard=2, zero_stage=1, micro_batch=4, microbatches=1)
+    psi = parameter_count(DEBUG)
+    assert model("loom")._rank_params(lay)[0] == psi
+    memory = model("torchtitan").memory(lay)
+    assert (memory["parameters"], memory["gradients"], memory["optimizer"]) == \
+        (4 * psi, 4 * psi, 4 * psi)
+    for name in ("megatron", "deepspeed", "loom"):
+        memory = model(name).memory(lay)
+        assert (memory["parameters"], memory["gradients"], memory["optimizer"]) == \
+            (2 * psi, 4 * psi, 6 * psi), name
+
+
+def test_korthikanti_block_by_hand():
+    """GPT block (GELU f = 4h, dropout, no flash) at e = 2: 34·s·b·h + 5·a·s²·b; tp 2 without
+    SP splits all but 10·s·b·h; Megatron's SP splits everything; selective drops the s² part."""
+    kw = dict(s=8, b=1, h=64, f=256, a=4, kv=4, e=2, flash=False, dropout=True, gated=False)
+    x = 8 * 64
+    assert korthikanti_block_activation_bytes(t=1, **kw) == 34 * x + 5 * 4 * 64
+    assert korthikanti_block_activation_bytes(t=2, **kw) == 10 * x + 24 * x / 2 + 5 * 4 * 64 / 2
+    assert korthikanti_block_activation_bytes(t=2, sequence_parallel=True, **kw) == \
+        (34 * x + 5 * 4 * 64) / 2
+    assert korthikanti_block_activation_bytes(t=2, sequence_parallel=True, recompute="selective",
+                                              **kw) == 34 * x / 2
+    # Loom-like SP keeps the QKV and MLP inputs (2e·x) whole
+    assert korthikanti_block_activation_bytes(t=2, sequence_parallel=True, sp_shards_all=False,
+                                              **kw) == 4 * x + (30 * x + 5 * 4 * 64) / 2
+    assert korthikanti_block_activation_bytes(t=2, sequence_parallel=True, recompute="full",
+                                              **kw) == 2 * x / 2
+
+
+def test_megatron_sequence_parallel_activations_follow_korthikanti():
+    """One block at tp 2 with SP (s 32, b 4, h 64, f 2h, kv = a/2, e 2; x = s·b·h). Megatron
+    shards all of it: (norms 4x, QKV and MLP inputs 4x, masks 2x, Q K V proj-in e·x·3, gated
+    MLP 3e·2x)/2 + the flash kernel's lse 4·s·b·a/2. Loom's profile is Loom's own formula."""
+    lay = Layout(tp=2, sequence_parallel=True, micro_batch=4, microbatches=1)
+    x, sb = 32 * 4 * 64, 32 * 4
+    mega = _activation_bytes(model("megatron"), lay)[0]
+    assert mega == (4 + 4 + 2 + 6 + 12) * x / 2 + 4 * sb * 4 / 2
+    assert _activation_bytes(model("loom"), lay)[0] == block_activation_bytes(
+        s=32, b=4, h=64, f=128, a=4, kv=2, t=2, sequence_parallel=True, e=2)
+    assert mega < _activation_bytes(model("loom"), lay)[0]
+
+
+def test_megatron_overlaps_tp_communication_with_the_gemms():
+    """With SP, Megatron pipelines the TP collectives with the GEMMs in tp chunks; where the
+    GEMMs are longer than the collective only its first chunk shows, so the forward is shorter
+    than Loom's by tp_fwd·(1 - 1/tp); without SP nothing changes."""
+    lay = Layout(tp=2, sequence_parallel=True, micro_batch=4, microbatches=1)
+    loom, mega = model("loom"), model("megatron")
+    f_loom, f_mega = loom._layer_times(lay, False)[0], mega._layer_times(lay, False)[0]
+    tp_fwd = 2 * allreduce_time(4 * 32 * 64 * 2, 2, FAST)
+    mat, _ = loom.layer_flops(4 * 32, 2, False)
+    assert mat / 1e12 > tp_fwd  # compute-bound: the hand formula below holds
+    assert f_loom - f_mega == pytest.approx(tp_fwd * (1 - 1 / 2))
+    plain = Layout(tp=2, micro_batch=4, microbatches=1)
+    assert loom._layer_times(plain, False)[0] == mega._layer_times(plain, False)[0]
+
+
+def test_megatron_gathers_parameters_in_bf16_behind_the_forward():
+    """ZeRO-1: Loom gathers fp32 parameters after the step, exposed; Megatron bf16, behind the
+    next forward (one piece per layer on the link, the first exposed)."""
+    lay = Layout(dp_shard=2, zero_stage=1, micro_batch=4, microbatches=1)
+    psi = parameter_count(DEBUG)
+    loom, mega = model("loom", per_node=1), model("megatron", per_node=1)  # over SLOW
+    c_loom, c_mega = loom.evaluate(lay), mega.evaluate(lay)
+    assert c_loom.comm["dp"] - c_mega.comm["dp"] == pytest.approx(
+        gather_time(4 * psi, 2, SLOW) - gather_time(2 * psi, 2, SLOW))
+    assert c_mega.dp_exposed < c_loom.dp_exposed
+
+
+def test_megatron_reduces_gradients_across_the_pipeline_flush():
+    """Rank r of p with v chunks: its v·layers pieces are spread over ((v-1)p + 1)·b, b = its
+    backward / v, and it idles r·b after its last backward (hand: p 4, v 2, backward 8 s,
+    4 layers: b 4, window 20 s, 5 s per slice, slack 12 s on rank 3)."""
+    lay = Layout(pp=4, schedule="interleaved_1f1b", chunks=2, microbatches=8)
+    assert model("megatron", gpus=4)._flush_window(lay, 3, 8.0, 4) == (5.0, 12.0)
+    assert model("megatron", gpus=4)._flush_window(lay, 0, 8.0, 4) == (5.0, 0.0)
+    # a reduction of 30 s behind 4 slices of 5 s on rank 3: 30 + 5 - 20 - 12 = 3 s exposed
+    assert layer_overlap(4, 5.0, [Pieces("slow", 7.5)], slack=12.0) == pytest.approx(3.0)
+
+
+def test_loom_profile_is_the_default():
+    lay = Layout(dp_shard=2, zero_stage=3, micro_batch=2, microbatches=2)
+    plain = CostModel(DEBUG, 32, 8, Cluster(UNIT, 2, 8, FAST, SLOW))
+    assert plain.framework is LOOM
+    assert plain.evaluate(lay).step_time == model("loom").evaluate(lay).step_time
+
+
+def test_loom_plan_refuses_an_unknown_framework_and_a_config_for_another_stack(tmp_path, capsys):
+    base = ["plan", "--model", "tiny", "--gpus", "2", "--seq", "256",
+            "--global-batch-tokens", "4096"]
+    assert main(base + ["--framework", "nemo"]) == 2
+    assert "--framework nemo: one of loom, megatron" in capsys.readouterr().err
+    out = tmp_path / "plan.toml"
+    assert main(base + ["--framework", "megatron", "-o", str(out)]) == 2
+    assert "only with --framework loom" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("recompute, regathers", [("none", True), ("selective", True),
+                                                  ("full", False)])
+def test_loom_sp_pays_the_backward_regather_of_its_sharded_saved_inputs(recompute, regathers):
+    """Loom's SP saves the q/k/v and w1/w3 inputs as the rank's slice and all-gathers them again
+    in backward (``loom.parallel.sequence_saved``): one all-gather of b·s·h per block part, each
+    half an all-reduce's time, so one all-reduce's time per layer, not overlapped. TorchTitan's
+    DTensor SP keeps them whole and pays nothing; a block recomputed in full keeps no saved input."""
+    lay = Layout(tp=2, sequence_parallel=True, micro_batch=4, microbatches=2, recompute=recompute)
+    loom, titan = model("loom"), model("torchtitan")
+    _, loom_i, _, loom_comm = loom._layer_times(lay, moe=False)
+    _, titan_i, _, titan_comm = titan._layer_times(lay, moe=False)
+    regather = allreduce_time(4 * 32 * DEBUG.dim * loom.e, 2, loom.cluster.link_for(2, 1))
+    assert loom_comm["tp"] - titan_comm["tp"] == pytest.approx(regather if regathers else 0.0)
+    assert loom_i - titan_i == pytest.approx(regather if regathers else 0.0)

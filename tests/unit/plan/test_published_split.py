@@ -1,0 +1,71 @@
+"""bench/planner_published.toml's tune / holdout split and its report (issue 21), and the
+uncertainty band every prediction carries (``loom.sim.uncertainty``)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from loom.sim.frameworks import FRAMEWORKS
+from loom.sim.uncertainty import band, overlapping
+
+BENCH = Path(__file__).resolve().parents[3] / "bench" / "planner_published.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    # the bench script is not a package module: load it from its path
+    spec = importlib.util.spec_from_file_location("planner_published", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_row_has_a_split_by_the_stated_rule_and_a_known_profile(bench):
+    rows = bench.load_rows()
+    assert len(rows) >= 36
+    rule = bench.split_by_rule(rows)
+    for row in rows:
+        assert row["split"] == rule[row["name"]], row["name"]
+        assert row["framework"] in FRAMEWORKS, row["name"]
+        bench.framework_of(row)  # the overlap overrides name real knobs
+    halves = [r["split"] for r in rows if bench.skip_reason(r) is None]
+    assert halves.count("tune") >= 10 and halves.count("holdout") >= 10
+
+
+def test_the_split_report_runs_on_published_rows(bench):
+    """Two cheap rows, one per half (no pipeline): the report counts them apart."""
+    rows = {r["name"]: r for r in bench.load_rows()}
+    picked = [rows["megatron2021-t1-1.7b-32gpu"], rows["torchtitan-llama3-70b-a100-64gpu-fsdp"]]
+    assert [r["split"] for r in picked] == ["tune", "holdout"]
+    results = [bench.compare(r, search=False) for r in picked]
+    report = bench.split_report(results)
+    assert report["tune"]["rows"] == report["holdout"]["rows"] == 1
+    for half, result in zip(("tune", "holdout"), results):
+        within = abs(result["ratio"] - 1) <= 0.10
+        assert report[half]["within_10pct"] == int(within)
+        assert report[half]["median_ratio"] == result["ratio"]
+        assert report[half]["judged_oom"] == ([result["name"]] if result["oom"] else [])
+    assert "| tune | 1 |" in bench.format_split_report(report)
+
+
+@pytest.mark.parametrize("step", [1e-3, 0.5, 12.0, 300.0])
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_the_band_contains_the_point_estimate(step, calibrated):
+    low, high = band(step, calibrated)
+    assert low < step < high
+    if calibrated:  # the calibration's spread only widens it
+        plain = band(step)
+        assert low < plain[0] and high > plain[1]
+
+
+def test_overlapping_counts_the_layouts_within_the_first_ones_band():
+    low, high = band(10.0)
+    assert overlapping([10.0]) == 1
+    assert overlapping([10.0, 10.0 * 1.01, 10.0 * 2]) == 2
+    # a second layout whose band just reaches the first one's high end still overlaps
+    assert overlapping([10.0, high * 1.157 * 0.999]) == 2
+    assert overlapping([10.0, high * 1.157 * 1.01]) == 1
+    assert overlapping([]) == 0
