@@ -89,6 +89,12 @@ class ParallelConfig:
     # ... and in this placement: "auto" (the search's choice; one stage per rank when the model
     # has fewer than 2 pp layers), "looped", "interleaved" (two looped chunks) or "v"
     schedule_placement: str = "auto"
+    # schedule = "skippipe" (SkipPipe, issue 18): each microbatch skips this fraction of the pp
+    # stages (never the first or last; skip_ratio * pp a whole number <= pp - 3), on paths the
+    # path scheduler chooses over stage_replicas replicas of every stage, which must equal
+    # dp_replicate (the world is pp x stage_replicas ranks, one stage replica each)
+    skip_ratio: float = 0.0
+    stage_replicas: int = 1
     # Tensor parallelism (tp > 1): Megatron sequence parallelism for norms and residuals, and the
     # vocabulary-parallel embedding / head / fused cross entropy.
     sequence_parallel: bool = False

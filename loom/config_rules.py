@@ -30,6 +30,7 @@ from loom.data.varlen import BALANCES, token_budgets
 from loom.errors import ConfigError, suggest
 from loom.parallel.context import CPLayout, check_layout
 from loom.schedule.families import SEARCH_PLACEMENTS, simulation_only, trainable
+from loom.schedule.paths import SKIPPIPE, skip_count
 from loom.schedule.select import ChunksError, SEARCH, parse_search_costs, schedule_for
 
 if TYPE_CHECKING:  # the rules read a config; loom.config imports them to run them in resolve()
@@ -702,18 +703,65 @@ def _validate_routes(config: Config, schedule, how: str) -> None:
                           " zero_stage = 3 (reshard_after_forward = false) or dp_replicate")
 
 
+def _validate_skippipe(config: Config) -> None:
+    """schedule = "skippipe" (loom/pipeline/paths_runtime.py): the skip ratio's constraints
+    (loom/schedule/paths.py names the one broken), pp x stage_replicas ranks with the replicas
+    on dp_replicate, and nothing else inside a replica yet (each rule lifts when it is built)."""
+    par, m = config.parallel, config.model
+    if par.pp < 2:
+        raise ConfigError("parallel.schedule", par.schedule, "needs parallel.pp >= 2")
+    skip_count(par.pp, par.skip_ratio)  # ConfigError naming parallel.skip_ratio
+    if par.stage_replicas < 1 or par.stage_replicas != par.dp_replicate:
+        raise ConfigError("parallel.stage_replicas", par.stage_replicas,
+                          f"must equal dp_replicate = {par.dp_replicate} (each rank is one "
+                          "replica of one stage: the world is pp x stage_replicas)")
+    others = {"parallel.tp": par.tp, "parallel.cp": par.cp, "parallel.ep": par.ep,
+              "parallel.dp_shard": par.dp_shard, "parallel.chunks": par.chunks}
+    for name, value in others.items():
+        if value not in (0, 1):
+            raise ConfigError(name, value, "skippipe runs one stage replica per rank, with no"
+                              " other parallelism inside it yet; leave it at its default")
+    if par.dp_mode != "sync" or par.grad_compression != "none":
+        raise ConfigError("parallel.dp_mode", par.dp_mode, "skippipe averages the stage "
+                          "replicas' gradients every step: dp_mode sync, no compression")
+    if m.tie_embeddings:
+        raise ConfigError("model.tie_embeddings", True, "skippipe does not train tied "
+                          "embeddings yet (the first and last stage's copies)")
+    if m.n_experts:
+        raise ConfigError("model.n_experts", m.n_experts, "skippipe trains dense models only")
+    plain = {"train.recompute": (config.train.recompute, "none"),
+             "data.packing": (config.data.packing, "concat"),
+             "train.compile": (config.train.compile, False),
+             "train.post_validation": (config.train.post_validation, False)}
+    for name, (value, default) in plain.items():
+        if value != default:
+            raise ConfigError(name, value, f"skippipe does not run it yet; leave it {default!r}")
+    if config.train.dtype == "bf16":
+        raise ConfigError("train.dtype", "bf16", "skippipe keeps fp32 parameters: use fp32 or "
+                          "bf16_autocast")
+    if par.pp > m.n_layers:
+        raise ConfigError("parallel.pp", par.pp, f"must not exceed model.n_layers = {m.n_layers}")
+
+
 def _validate_schedule(config: Config) -> None:
     """The pipeline rules: a known schedule family, chunks it accepts, a layer per stage and a
     microbatch count m = global_batch_size / (dp * micro_batch_size) (varlen: in tokens) the
     family can schedule."""
     par, m = config.parallel, config.model
+    if par.schedule.lower() == SKIPPIPE:
+        _validate_skippipe(config)
+        return
+    if par.skip_ratio or par.stage_replicas != 1:
+        field_name = "parallel.skip_ratio" if par.skip_ratio else "parallel.stage_replicas"
+        raise ConfigError(field_name, getattr(config.parallel, field_name.split(".")[1]),
+                          "needs parallel.schedule = \"skippipe\"")
     if par.schedule.lower().replace("-", "_") in simulation_only():
         raise ConfigError("parallel.schedule", par.schedule,
                           "simulation only: its microbatches take two routes through two copies"
                           " of the model, which the pipeline runtime does not run (one copy per"
                           " stage, no gradient sum between copies); use it with loom schedule"
                           " show|simulate, and train with zbv, dualpipev or 1f1b")
-    known = [*trainable(), SEARCH]
+    known = [*trainable(), SEARCH, SKIPPIPE]
     if par.schedule.lower() == SEARCH:
         if par.schedule_memory_limit and par.schedule_memory_limit < 1:
             raise ConfigError("parallel.schedule_memory_limit", par.schedule_memory_limit,

@@ -16,6 +16,7 @@ from loom.layout import Layout
 from loom.schedule.cost import OpCosts, StageCosts
 from loom.schedule.families import SEARCH_PLACEMENTS, get
 from loom.schedule.ir import Schedule
+from loom.schedule.paths import SKIPPIPE
 from loom.schedule.search import MAX_CHUNKS, search
 from loom.schedule.validate import validate
 
@@ -108,6 +109,12 @@ def schedule_of(layout: Layout, max_stages: int = 0) -> Schedule:
     more activations on the one rank)."""
     if layout.pp == 1:
         return _generated("1f1b", 1, layout.microbatches, 0)
+    if layout.schedule == SKIPPIPE:
+        # Paths, not a per-rank action list (loom.schedule.paths): the estimator and the
+        # planner price it as GPipe over one replica's share of the microbatches, an
+        # approximation (a replica may be visited by more or fewer of them); the trainer runs
+        # the paths (loom.pipeline.paths_runtime).
+        return _generated("gpipe", layout.pp, layout.microbatches, 0)
     return schedule_for(layout.schedule, layout.pp, layout.microbatches,
                         0 if layout.searched else layout.chunks,
                         memory_limit=layout.schedule_memory_limit,

@@ -60,8 +60,10 @@ from loom.parallel.mixed_precision import master_window
 from loom.parallel.offload import activation_offload, plan_offload
 from loom.parallel.outer import OuterLoop
 from loom.parallel.zero import of_stages
+from loom.pipeline.paths_runtime import build_path_pipeline
 from loom.pipeline.runtime import build_pipeline, forward_only
 from loom.pipeline.stage import LocalStages
+from loom.schedule.paths import SKIPPIPE
 from loom.schedule.select import schedule_of
 from loom.topology import DATA_AXES, build_mesh
 from loom.train import checkpoint, full_state, preempt
@@ -139,11 +141,18 @@ class Trainer:
         # parameter name (identical on every rank; TP keeps each rank's slice of the full
         # seeded value) and parallelized. ``LocalStages`` presents them under global parameter
         # names for the optimizer, checkpoints and parity; the runtime drives them.
-        schedule = schedule_of(lay, max_stages=self.args.n_layers)
-        self.pipeline = build_pipeline(job, schedule, grid=self.grid, meshes=self.meshes,
-                                       rank=self.ctx.rank, device=self.ctx.device,
-                                       autocast=self._autocast, cp_groups=self.cp_groups,
-                                       ledger=self.ledger, compute_context=self._compute_context)
+        if lay.schedule == SKIPPIPE:  # per-microbatch paths over stage replicas (issue 18)
+            self.pipeline = build_path_pipeline(
+                job, config.parallel.skip_ratio, grid=self.grid, meshes=self.meshes,
+                rank=self.ctx.rank, device=self.ctx.device, autocast=self._autocast,
+                ledger=self.ledger, compute_context=self._compute_context)
+        else:
+            schedule = schedule_of(lay, max_stages=self.args.n_layers)
+            self.pipeline = build_pipeline(job, schedule, grid=self.grid, meshes=self.meshes,
+                                           rank=self.ctx.rank, device=self.ctx.device,
+                                           autocast=self._autocast, cp_groups=self.cp_groups,
+                                           ledger=self.ledger,
+                                           compute_context=self._compute_context)
         stages = [stage for _, stage in sorted(self.pipeline.stages.items())]
         self.model = LocalStages([s.module for s in stages],
                                  replicas=self.pipeline.route_replicas())
