@@ -34,7 +34,7 @@ from loom.data.cli import add_data_commands
 from loom.generate import generate
 from loom.grid_summary import describe_grid
 from loom.hf_cli import add_hf_commands
-from loom.launch import check_run_dir, run_job, under_external_launcher
+from loom.launch import check_run_dir, refuse_checkfree_launch, run_job, under_external_launcher
 from loom.pipeline.cli import add_schedule_commands
 from loom.plan.cli import add_plan_commands
 from loom.topology import RankGrid
@@ -83,6 +83,8 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
             if refusal:
                 print(f"loom train: config error: {refusal}", file=sys.stderr)
                 return EXIT_CONFIG_ERROR
+        if config.fault.recovery != "checkpoint":  # checked by --dry-run too
+            refuse_checkfree_launch(config, args.max_restarts, cluster)
         if args.dry_run:
             print(_dry_run_report(config, Path(run_dir), local_ranks))
             return 0

@@ -289,6 +289,22 @@ class MetricsConfig:
 
 
 @dataclass
+class FaultConfig:
+    # What happens when a worker dies: "checkpoint" (restart every worker from the newest
+    # checkpoint, --max-restarts), "checkfree" (only a lost middle pipeline stage's process is
+    # replaced, its weights the neighbours' average; no checkpoint: loom/train/checkfree.py) or
+    # "checkfree_plus" (CheckFree+, which also recovers the first and last stage: not built yet)
+    recovery: Literal["checkpoint", "checkfree", "checkfree_plus"] = "checkpoint"
+    # For tests and benchmarks only: SIGKILL the process of this pipeline stage at the start of
+    # step test_kill_step (-1: never), once per recovery generation up to test_kill_count times
+    test_kill_stage: int = -1
+    test_kill_step: int = 0
+    test_kill_count: int = 1  # how many kills in all; each next one test_kill_step steps later
+    # For tests: write the neighbours' sent blocks and the rebuilt stage to run_dir/checkfree/
+    dump_recovery: bool = False
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -297,6 +313,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
 
 # --------------------------------------------------------------------------------------------

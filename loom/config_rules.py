@@ -160,11 +160,65 @@ def validate(config: Config, world_size: int) -> None:
     if tr.backend == "nccl" and tr.device == "cpu":
         raise ConfigError("train.backend", tr.backend, "nccl needs a GPU device, not train.device=cpu")
     _validate_metrics(config)
+    _validate_fault(config)
 
     _validate_init_from(config)
     # Last, as it looks at files: a corpus with text enough for one sample (not tokenized).
 
     check_source(data)
+
+
+CHECKFREE_SCHEDULES = ("1f1b", "gpipe")  # one stage per rank, every microbatch through all
+
+
+def _validate_fault(config: Config) -> None:
+    """``[fault]``: CheckFree rebuilds a lost middle pipeline stage from the stages on both sides
+    (loom/train/checkfree.py), so it needs pp >= 3 and, as built, one rank per stage: no dp, tp,
+    cp or ep (a stage's replicas or shards would be a second recovery source, not built), and a
+    schedule with one stage per rank (1f1b, gpipe: no interleaving, V or zero bubble). The
+    equal block count of neighbouring stages is checked by the launcher (``loom.relaunch``),
+    which has the partition. CheckFree+ (first and last stage) needs out-of-order microbatches,
+    which the runtime does not run yet."""
+    fault, par, tr = config.fault, config.parallel, config.train
+    if fault.recovery == "checkpoint":
+        if fault.test_kill_stage >= 0:
+            raise ConfigError("fault.test_kill_stage", fault.test_kill_stage,
+                              "injects a failure for fault.recovery=checkfree only (under"
+                              " checkpoint recovery kill a worker from outside, --max-restarts)")
+        return
+    if fault.recovery == "checkfree_plus":
+        raise ConfigError("fault.recovery", fault.recovery,
+                          "CheckFree+ is not built yet: it needs out-of-order microbatches (the"
+                          " first two and last two stages swapped on every other microbatch),"
+                          " which the pipeline runtime does not run; use checkfree (middle"
+                          " stages) or checkpoint")
+    if par.pp < 3:
+        raise ConfigError("fault.recovery", fault.recovery,
+                          f"needs parallel.pp >= 3 (a lost stage is rebuilt from the stages on"
+                          f" both sides; pp = {par.pp})")
+    others = {"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "ep": par.ep,
+              "cp": par.cp, "tp": par.tp}
+    for name, degree in others.items():
+        if degree != 1:
+            raise ConfigError(f"parallel.{name}", degree,
+                              f"fault.recovery={fault.recovery} runs with one rank per pipeline"
+                              " stage only (dp, tp, cp and ep = 1): recovery inside replicated"
+                              " or sharded stages is not built")
+    if par.schedule not in CHECKFREE_SCHEDULES:
+        raise ConfigError("parallel.schedule", par.schedule,
+                          f"fault.recovery={fault.recovery} needs one stage per rank with every"
+                          f" microbatch through every stage: one of {', '.join(CHECKFREE_SCHEDULES)}")
+    if fault.test_kill_stage < 0:
+        return
+    if not 1 <= fault.test_kill_stage <= par.pp - 2:
+        raise ConfigError("fault.test_kill_stage", fault.test_kill_stage,
+                          f"checkfree recovers the middle stages 1..{par.pp - 2} only; the first"
+                          " and last stage need checkfree_plus")
+    if not 1 <= fault.test_kill_step <= tr.steps:
+        raise ConfigError("fault.test_kill_step", fault.test_kill_step,
+                          f"must be in [1, train.steps = {tr.steps}]")
+    if fault.test_kill_count < 1:
+        raise ConfigError("fault.test_kill_count", fault.test_kill_count, "must be >= 1")
 
 
 def _validate_packing(config: Config) -> None:

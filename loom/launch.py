@@ -39,6 +39,7 @@ from loom.config import Config, ConfigError, from_dict, to_dict, to_toml
 from loom.data.loader import prepare_data
 from loom.emulate import COMPUTE_ENV, NAMESPACE_ENV, EmulatedNetwork, EmulationUnavailable, \
     compute_speeds
+from loom.relaunch import RecoveryFailed, check_recovery_layout, launch_checkfree
 from loom.supervise import INTERRUPT_WAIT_S, Interrupted, Supervisor
 from loom.train import preempt, watchdog
 from loom.train.distributed import init_distributed
@@ -222,11 +223,34 @@ def _describe_failures(err: Any, hang: dict[str, Any] | None = None) -> str:
     return "\n".join(lines)
 
 
+def refuse_checkfree_launch(config: Config, max_restarts: int, emulate: Cluster | None) -> None:
+    """ConfigError unless this launch can run ``fault.recovery`` = checkfree: local workers
+    started by ``loom.relaunch`` (not torchrun: it owns the processes), without --max-restarts
+    (the other recovery) or --emulate, and a partition of equal stages. Writes nothing."""
+    recovery = config.fault.recovery
+    if under_external_launcher():
+        raise ConfigError("fault.recovery", recovery, "needs loom's own local launcher (loom train"
+                          " --nproc N): under torchrun or Slurm the external launcher owns the"
+                          " processes and cannot replace one")
+    if max_restarts:
+        raise ConfigError("--max-restarts", max_restarts, f"restarts every worker from a"
+                          f" checkpoint; it cannot be combined with fault.recovery={recovery}")
+    if emulate is not None:
+        raise ConfigError("--emulate", True, f"is not combined with fault.recovery={recovery}"
+                          " yet")
+    check_recovery_layout(config)
+
+
 def run_job(config: Config, run_dir: Path, nproc: int, max_restarts: int = 0,
             emulate: Cluster | None = None) -> int:
     """Run training and return a process exit code (0 ok or preempted and checkpointed, 1 a
     worker failed, 130 interrupted); ``emulate``: on that cluster's emulated network."""
     try:
+        if config.fault.recovery != "checkpoint":  # CheckFree: loom.relaunch, not the agent
+            refuse_checkfree_launch(config, max_restarts, emulate)
+            prepare_run_dir(config, run_dir)
+            launch_checkfree(config, run_dir, nproc)
+            return 0
         if under_external_launcher():
             worker_main(to_dict(config), str(run_dir))
             return 0
@@ -235,7 +259,7 @@ def run_job(config: Config, run_dir: Path, nproc: int, max_restarts: int = 0,
     except EmulationUnavailable as err:
         print(f"loom train: --emulate: {err}", file=sys.stderr)
         return 1
-    except WorkerFailed as err:
+    except (WorkerFailed, RecoveryFailed) as err:
         print(f"loom train: {err}", file=sys.stderr)
         return 1
     except (Interrupted, KeyboardInterrupt):

@@ -87,7 +87,8 @@ def test_help_lists_every_section_and_key_with_its_default_and_description() -> 
     text = help_text()
     sections = [line for line in text.splitlines() if line.startswith("[")]
     assert [s.split("]")[0] + "]" for s in sections] == [
-        "[model]", "[parallel]", "[train]", "[optim]", "[data]", "[checkpoint]", "[metrics]"]
+        "[model]", "[parallel]", "[train]", "[optim]", "[data]", "[checkpoint]", "[metrics]",
+        "[fault]"]
     body = text.split("\n[train]\n", 1)[1].split("\n[optim]\n", 1)[0]
     assert body.startswith("  steps = 200\n      optimizer steps to train\n")
     assert '\n  dtype = "fp32"  (fp32 | bf16 | bf16_autocast)\n' in body

@@ -38,7 +38,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("loom.plan",),
     # 7: the commands
     ("loom.cli", "loom.launch", "loom.supervise", "loom.generate", "loom.hf_cli", "loom.__main__",
-     "loom.pipeline.cli", "loom.calibration"),
+     "loom.pipeline.cli", "loom.calibration", "loom.relaunch"),
 ]
 
 def _module_name(path: Path, root: Path) -> str:
