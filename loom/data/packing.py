@@ -146,15 +146,10 @@ def pack_rows(document_lengths: Sequence[int] | np.ndarray, seq_len: int) -> Row
                        for values in (documents, offsets, lengths, row_start)))
 
 
-class PackedDocuments:
-    """A token range as rows of whole documents (``data.packing = "pack"``; module docstring).
-
-    ``tokens`` is the range (memory-mapped), ``offsets`` its document offsets (``num_docs + 1``
-    values from 0 to ``len(tokens)``). Same interface as ``loader.PackedSequences``
-    (``seq_len``, ``num_tokens``, ``len``, ``batch``) but samples are ``DocumentBatch``es.
-    """
-
-    packing = "pack"
+class DocumentTokens:
+    """A token range with its document boundaries: ``tokens`` (memory-mapped) and ``offsets``,
+    its ``num_docs + 1`` document offsets from 0 to ``len(tokens)`` (checked). The base of the
+    ``pack`` and ``varlen`` datasets."""
 
     def __init__(self, tokens: np.ndarray, offsets: np.ndarray, seq_len: int,
                  name: str = "") -> None:
@@ -165,11 +160,25 @@ class PackedDocuments:
         self.offsets = np.asarray(offsets, dtype=np.int64)
         self.seq_len = seq_len
         self.name = name
-        self.layout = pack_rows(np.diff(self.offsets), seq_len)
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
+
+
+class PackedDocuments(DocumentTokens):
+    """A token range as rows of whole documents (``data.packing = "pack"``; module docstring).
+
+    Same interface as ``loader.PackedSequences`` (``seq_len``, ``num_tokens``, ``len``,
+    ``batch``) but samples are ``DocumentBatch``es.
+    """
+
+    packing = "pack"
+
+    def __init__(self, tokens: np.ndarray, offsets: np.ndarray, seq_len: int,
+                 name: str = "") -> None:
+        super().__init__(tokens, offsets, seq_len, name)
+        self.layout = pack_rows(np.diff(self.offsets), seq_len)
 
     @property
     def num_docs(self) -> int:

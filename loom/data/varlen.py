@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from loom.data.packing import DocumentBatch
+from loom.data.packing import DocumentBatch, DocumentTokens
 
 if TYPE_CHECKING:  # duck-typed at run time: loader.py builds these datasets (no cycle)
     from loom.data.loader import GlobalBatchSampler
@@ -171,7 +171,7 @@ class VarlenBatch(NamedTuple):
         return VarlenBatch(tuple(mb.to(device) for mb in self.microbatches), self.step_tokens)
 
 
-class VarlenDocuments:
+class VarlenDocuments(DocumentTokens):
     """A token range as pieces of documents (``data.packing = "varlen"``; module docstring).
 
     ``tokens`` the range (memory-mapped), ``offsets`` its document offsets (``num_docs + 1``
@@ -182,18 +182,8 @@ class VarlenDocuments:
 
     def __init__(self, tokens: np.ndarray, offsets: np.ndarray, seq_len: int,
                  name: str = "") -> None:
-        if len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(tokens):
-            raise ValueError(f"document offsets of {name or 'the tokens'} must run from 0 to"
-                             f" {len(tokens)}")
-        self.tokens = tokens
-        self.offsets = np.asarray(offsets, dtype=np.int64)
-        self.seq_len = seq_len
-        self.name = name
+        super().__init__(tokens, offsets, seq_len, name)
         self.pieces = split_pieces(np.diff(self.offsets), seq_len)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
 
     @property
     def lengths(self) -> np.ndarray:

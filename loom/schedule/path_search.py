@@ -139,6 +139,21 @@ class PathScheduler:
         fwd_end, back, chosen = min(layer.values(), key=lambda e: (e[0] + e[1], e[2]))
         return fwd_end + back, chosen
 
+    def _occupancy(self, plan: _Plan) -> tuple[Counter, dict[int, list[tuple[float, float]]]]:
+        """What ``plan``'s paths so far take: visits per node, and per node the sorted
+        (start, end) spans of their forwards in a replay (the backwards come later)."""
+        visits: Counter = Counter(self.allocation[v.stage, v.replica]
+                                  for p in plan.paths if p is not None for v in p.visits)
+        subset, _ = _subset(plan, self.rules.num_stages, self.num_replicas)
+        busy: dict[int, list[tuple[float, float]]] = {}
+        if subset.num_microbatches:
+            for task, (node, start, end) in self.replay(subset).spans.items():
+                if task.op != BACKWARD:
+                    busy.setdefault(node, []).append((start, end))
+            for intervals in busy.values():
+                intervals.sort()
+        return visits, busy
+
     def _options(self, plan: _Plan, microbatch: int, left: int
                  ) -> list[tuple[float, tuple[int, ...], tuple[int, ...]]]:
         """(estimate, stage order, replicas) of every order the rules and the balance still
@@ -146,16 +161,7 @@ class PathScheduler:
         num_microbatches = len(plan.paths)
         low, high = balance_bounds(self.rules, num_microbatches)
         counts: Counter = Counter(s for p in plan.paths if p is not None for s in p.stages)
-        visits: Counter = Counter(self.allocation[v.stage, v.replica]
-                                  for p in plan.paths if p is not None for v in p.visits)
-        subset, _ = _subset(plan, self.rules.num_stages, self.num_replicas)
-        busy: dict[int, list[tuple[float, float]]] = {}
-        if subset.num_microbatches:
-            for task, (node, start, end) in self.replay(subset).spans.items():
-                if task.op != BACKWARD:  # the forward reservations; backwards come later
-                    busy.setdefault(node, []).append((start, end))
-            for intervals in busy.values():
-                intervals.sort()
+        visits, busy = self._occupancy(plan)
         options = []
         for order in self.orders:
             if not _fits(sorted(order), counts, self.rules, low, high, left):
@@ -226,16 +232,7 @@ class PathScheduler:
 
     def _route_fixed(self, plan: _Plan, microbatch: int, order: Sequence[int]) -> _Plan | None:
         """``plan`` with ``microbatch`` on ``order``, its replicas chosen by ``_route``."""
-        visits: Counter = Counter(self.allocation[v.stage, v.replica]
-                                  for p in plan.paths if p is not None for v in p.visits)
-        subset, _ = _subset(plan, self.rules.num_stages, self.num_replicas)
-        busy: dict[int, list[tuple[float, float]]] = {}
-        if subset.num_microbatches:
-            for task, (node, start, end) in self.replay(subset).spans.items():
-                if task.op != BACKWARD:
-                    busy.setdefault(node, []).append((start, end))
-            for intervals in busy.values():
-                intervals.sort()
+        visits, busy = self._occupancy(plan)
         routed = self._route(microbatch, order, busy, visits)
         return None if routed is None else plan.with_path(microbatch, Path.of(order, routed[1]))
 
