@@ -44,35 +44,19 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from loom.config import DataConfig  # noqa: E402
-from loom.data.loader import (  # noqa: E402
-    DistributedLoader,
-    GlobalBatchSampler,
-    PackedSequences,
-    prepare_data,
-)
-from loom.data.packing import offsets_from_eos  # noqa: E402
+from loom.data.loader import DistributedLoader, GlobalBatchSampler  # noqa: E402
 from loom.data.varlen import VarlenDocuments, VarlenLoader  # noqa: E402
 from loom.models import build_model, preset, reset_parameters  # noqa: E402
 
+import varlen_attention  # noqa: E402  (bench/, the script's own folder: the same corpora)
+
 
 def stdlib_sets(seq_len: int, max_bytes: int, work: Path):
-    files = prepare_data(DataConfig(source="stdlib", extensions=(".py",), seq_len=seq_len,
-                                      max_bytes=max_bytes), work)
-    return files.train_set(seq_len), files.train_set(seq_len, packing="varlen")
+    return varlen_attention.stdlib_sets(seq_len, max_bytes, work, packing="varlen")
 
 
 def short_sets(seq_len: int, median: int, n_tokens: int, work: Path, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    lengths = np.clip(rng.lognormal(np.log(median), 1.0, n_tokens // median), 2, 32 * median)
-    lengths = lengths.astype(np.int64)
-    eos = 300
-    tokens = rng.integers(0, eos, int(lengths.sum())).astype(np.uint16)
-    tokens[np.cumsum(lengths) - 1] = eos
-    path = work / "short.bin"
-    tokens.tofile(path)
-    return (PackedSequences(path, seq_len, "uint16"),
-            VarlenDocuments(tokens, offsets_from_eos(tokens, eos), seq_len))
+    return varlen_attention.short_sets(seq_len, median, n_tokens, work, seed, VarlenDocuments)
 
 
 def concat_step(model, micro: int):

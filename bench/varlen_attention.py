@@ -49,13 +49,17 @@ from loom.data.packing import IGNORE_INDEX, PackedDocuments, offsets_from_eos  #
 from loom.models import build_model, preset, reset_parameters  # noqa: E402
 
 
-def stdlib_sets(seq_len: int, max_bytes: int, work: Path):
+def stdlib_sets(seq_len: int, max_bytes: int, work: Path, packing: str = "pack"):
+    """The standard library's .py files as concatenated rows and as ``packing``'s documents."""
     files = prepare_data(DataConfig(source="stdlib", extensions=(".py",), seq_len=seq_len,
                                       max_bytes=max_bytes), work)
-    return files.train_set(seq_len), files.train_set(seq_len, packing="pack")
+    return files.train_set(seq_len), files.train_set(seq_len, packing=packing)
 
 
-def short_sets(seq_len: int, median: int, n_tokens: int, work: Path, seed: int = 0):
+def short_sets(seq_len: int, median: int, n_tokens: int, work: Path, seed: int = 0,
+               documents: type = PackedDocuments):
+    """A synthetic long tail (log-normal lengths, max 32x the median) as concatenated rows and
+    as ``documents`` (``PackedDocuments`` or ``loom.data.varlen.VarlenDocuments``)."""
     rng = np.random.default_rng(seed)
     lengths = np.clip(rng.lognormal(np.log(median), 1.0, n_tokens // median), 2, 32 * median)
     lengths = lengths.astype(np.int64)
@@ -65,7 +69,7 @@ def short_sets(seq_len: int, median: int, n_tokens: int, work: Path, seed: int =
     path = work / "short.bin"
     tokens.tofile(path)
     return (PackedSequences(path, seq_len, "uint16"),
-            PackedDocuments(tokens, offsets_from_eos(tokens, eos), seq_len))
+            documents(tokens, offsets_from_eos(tokens, eos), seq_len))
 
 
 def step_fn(model, packed: bool):

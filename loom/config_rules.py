@@ -588,29 +588,24 @@ def _validate_bf16(config: Config) -> None:
     par, tr = config.parallel, config.train
     if tr.dtype != "bf16":
         return
-    hint = "; use train.dtype = bf16_autocast (fp32 parameters) or"
-    if par.dp_mode != "sync":
-        raise ConfigError("train.dtype", tr.dtype,
-                          f"bf16 parameters with parallel.dp_mode = {par.dp_mode} are not built"
-                          f" (the outer loop merges the parameters, not their fp32 masters){hint}"
-                          " dp_mode = sync")
-    if par.grad_compression != "none":
-        raise ConfigError("train.dtype", tr.dtype,
-                          f"bf16 parameters with parallel.grad_compression ="
-                          f" {par.grad_compression} are not built (the compressor reads bf16"
-                          f" gradients, not their fp32 accumulation){hint} grad_compression = none")
-    if par.ep > 1:
-        raise ConfigError("train.dtype", tr.dtype,
-                          f"bf16 parameters with expert parallelism (ep = {par.ep}) are not"
-                          f" built (expert gradients take their own reduction){hint} ep = 1")
-    if tr.offload_optimizer:
-        raise ConfigError("train.dtype", tr.dtype,
-                          "bf16 parameters with train.offload_optimizer are not built (the fp32"
-                          f" master slices stay on the device){hint} offload_optimizer = false")
-    if tr.post_validation:
-        raise ConfigError("train.dtype", tr.dtype,
-                          "bf16 parameters with train.post_validation are not built (untested"
-                          f" rollback of fp32 masters){hint} post_validation = false")
+    unbuilt = [  # (refused when, the combination, why, the other way out)
+        (par.dp_mode != "sync", f"parallel.dp_mode = {par.dp_mode}",
+         "the outer loop merges the parameters, not their fp32 masters", "dp_mode = sync"),
+        (par.grad_compression != "none", f"parallel.grad_compression = {par.grad_compression}",
+         "the compressor reads bf16 gradients, not their fp32 accumulation",
+         "grad_compression = none"),
+        (par.ep > 1, f"expert parallelism (ep = {par.ep})",
+         "expert gradients take their own reduction", "ep = 1"),
+        (tr.offload_optimizer, "train.offload_optimizer",
+         "the fp32 master slices stay on the device", "offload_optimizer = false"),
+        (tr.post_validation, "train.post_validation", "untested rollback of fp32 masters",
+         "post_validation = false"),
+    ]
+    for refused, combination, why, other in unbuilt:
+        if refused:
+            raise ConfigError("train.dtype", tr.dtype,
+                              f"bf16 parameters with {combination} are not built ({why}); use"
+                              f" train.dtype = bf16_autocast (fp32 parameters) or {other}")
 
 
 def _validate_zero_pipeline(config: Config) -> None:

@@ -41,17 +41,24 @@ consumed pieces), identical on every rank without communication, and its state o
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Sequence
+from typing import Callable, Iterator, NamedTuple, Protocol, Sequence
 
 import numpy as np
 import torch
 
 from loom.data.packing import DocumentBatch, DocumentTokens
 
-if TYPE_CHECKING:  # duck-typed at run time: loader.py builds these datasets (no cycle)
-    from loom.data.loader import GlobalBatchSampler
-
 BALANCES = ("none", "tokens")
+
+
+class PieceOrder(Protocol):
+    """The seeded sampling order over pieces: ``loader.GlobalBatchSampler`` is one (a protocol,
+    because the loader imports this module to build varlen datasets)."""
+
+    num_samples: int
+    seed: int
+
+    def indices(self, start: int, count: int) -> np.ndarray: ...
 
 
 def token_budgets(global_batch_tokens: int, tokens_per_microbatch: int, global_batch_size: int,
@@ -227,7 +234,7 @@ class VarlenLoader:
     ``sampler`` is the training set's ``loader.GlobalBatchSampler`` over pieces (only its seeded
     ``indices``, ``num_samples`` and ``seed`` are read)."""
 
-    def __init__(self, dataset: VarlenDocuments, sampler: "GlobalBatchSampler",
+    def __init__(self, dataset: VarlenDocuments, sampler: PieceOrder,
                  global_batch_tokens: int, tokens_per_microbatch: int, balance: str = "none",
                  dp_rank: int = 0, dp_size: int = 1,
                  device: str | torch.device = "cpu") -> None:
