@@ -50,8 +50,9 @@ def table(plan: Plan) -> str:
     work, cluster = plan.workload, plan.cluster
     lines = [f"{work.name}: seq {work.seq_len}, {work.global_batch} sequences"
              f" ({work.tokens_per_step:,} tokens) per step on {cluster.describe()}",
-             f"searched {plan.considered:,} layouts, {plan.fitting:,} fit in"
-             f" {plan.memory_budget / GiB:.1f} GiB, in {plan.seconds:.1f} s", ""]
+             f"searched {plan.considered:,} layouts in {plan.seconds:.1f} s: {plan.fitting:,}"
+             f" examined fit in {plan.memory_budget / GiB:.1f} GiB, the rest ruled out by"
+             " their memory or compute floor", ""]
     header = f"{'#':>2}  {'layout':<58} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6}" \
              f" {'mem GiB':>8} {'bubble':>7}"
     lines += [header, "-" * len(header)]

@@ -5,7 +5,12 @@ Three passes, each cheaper per layout than the next:
 1. **Screen** every layout of ``loom.plan.space`` with ``CostModel.evaluate``: memory from the
    estimator's formulas, the pipelined part from the family's closed-form bubble. Layouts over
    the memory budget are dropped; of a group that differs only in recomputation the first that
-   fits is kept (more recomputation is never faster).
+   fits is kept (more recomputation is never faster). Branch and bound: groups whose model
+   state alone exceeds the budget are dropped unpriced (``memory_floor``), the others are priced
+   in order of their compute floor (``CostModel.compute_floor``: the busiest rank's passes, a
+   lower bound of the step), and the screen stops at the first group whose floor is slower than
+   every layout kept. The answer equals pricing every group (``exhaustive``; tested), and the
+   1T-on-3,072-GPU plan prices about 2,500 layouts instead of 7,400.
 2. **Simulate** the best ``finalists`` with Loom's own schedule generator and event simulator
    (``loom.schedule.simulate``) on the per-stage F / I / W costs, so the ranking rests on the schedule
    the runtime would execute. Long pipelines are simulated for ``2p`` and ``3p`` microbatches and
@@ -33,7 +38,7 @@ from typing import Any
 from loom.config import Config, ConfigError, load_config, resolve, with_layout
 from loom.layout import Layout
 from loom.plan.hardware import Cluster
-from loom.plan.space import Workload, layouts
+from loom.plan.space import LayoutGroup, Workload, layouts
 from loom.schedule import families as schedules
 from loom.schedule.select import SEARCH, schedule_of
 from loom.schedule.simulate import replay_shared, simulate
@@ -51,8 +56,8 @@ class Plan:
     cluster: Cluster
     memory_budget: float
     ranked: list[StepCost]
-    considered: int
-    fitting: int
+    considered: int  # the whole space
+    fitting: int  # examined and within the memory budget (the screen bounds the rest out)
     refused: Counter = field(default_factory=Counter)  # rule -> layouts refused by Loom's rules
     seconds: float = 0.0
     best_refused: StepCost | None = None  # faster than the first ranked, but Loom refuses it
@@ -216,29 +221,56 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
          memory_fraction: float = 0.9, runnable_only: bool = True,
          cost_model: CostModel | None = None,
          space: dict[str, Any] | None = None,
-         simulation_seconds: float = SIMULATION_SECONDS) -> Plan:
+         simulation_seconds: float = SIMULATION_SECONDS, exhaustive: bool = False) -> Plan:
     """The ``top`` fastest layouts of ``work`` on ``cluster`` that fit in ``memory_fraction`` of
     the accelerator's memory (the rest is left to the allocator, the CUDA context and the
     communication buffers) and that this version of Loom runs (unless ``runnable_only`` is off).
     The fastest layout Loom refuses is kept in ``Plan.best_refused`` for comparison. Pipelined
     finalists are simulated best estimate first until ``simulation_seconds`` are spent; the rest
-    keep their estimate (``StepCost.simulated`` is False), which the table marks."""
+    keep their estimate (``StepCost.simulated`` is False), which the table marks.
+    ``exhaustive``: every group that fits is priced, in the space's order, without the compute
+    floor's bound: the same answer, slower (the tests compare the two)."""
     started = time.perf_counter()
     model = cost_model or CostModel(work.model, work.seq_len, work.global_batch, cluster)
     budget = cluster.gpu.memory_bytes * memory_fraction
     keep = max(finalists * 2, top * 4)
-    heap: list[tuple[float, int, StepCost]] = []  # max-heap by step time (negated)
+    # kept entries (-step time, -ordinal, cost): a min-heap whose top is the slowest kept, ties
+    # going to the later layout of the space's order, whatever order the groups are priced in
+    heap: list[tuple[float, int, StepCost]] = []
     searched_heap: list[tuple[float, int, StepCost]] = []  # the same, searched schedules only
     verdicts: dict[tuple, str | None] = {}
     refused: Counter = Counter()
     best_refused: StepCost | None = None
     considered = fitting = 0
-    for group in layouts(work, cluster.gpus, cluster.gpus_per_node, **(space or {})):
-        if memory_floor(model, group[0]) > budget:  # its model state alone does not fit
-            considered += len(group)
-            continue
-        for layout in group:
-            considered += 1
+    # Branch and bound. Groups whose model state alone does not fit are dropped first. The rest
+    # are priced in order of their compute floor (no layout's step is faster than its busiest
+    # rank's passes), so the kept layouts are fast early and, once the floor of the next group
+    # is slower than every layout kept, so is every group after it: the answer is that of
+    # pricing every layout, in a fraction of the time. Searched groups are always priced (their
+    # estimate is not bounded by the floor) and first.
+    searched_groups: list[tuple[int, LayoutGroup]] = []
+    bounded: list[tuple[float, int, LayoutGroup]] = []
+    dropped: list[int] = []  # layouts the space did not build: their state does not fit
+
+    def state_too_large(lay: Layout) -> bool:  # its model state alone does not fit
+        return memory_floor(model, lay) > budget
+
+    for ordinal, group in enumerate(layouts(
+            work, cluster.gpus, cluster.gpus_per_node, drop=state_too_large,
+            skipped=dropped.append,
+            **(space or {}))):
+        considered += len(group)
+        if group.first.schedule == "search":
+            searched_groups.append((ordinal, group))
+        else:
+            bounded.append((model.compute_floor(group.first), ordinal, group))
+    considered += sum(dropped)
+    bounded.sort(key=lambda entry: entry[1 if exhaustive else 0:2])
+    for floor, ordinal, group in [(-1.0, o, g) for o, g in searched_groups] + bounded:
+        if floor >= 0 and len(heap) == keep and floor > -heap[0][0] and not exhaustive:
+            break  # this group and every later one are slower than every layout kept
+        for position, layout in enumerate(group):
+            rank = -(ordinal * 16 + position)  # the space's order, for ties
             # a searched schedule: more recomputation leaves more memory for a faster schedule,
             # so the group is searched on until the limit reaches the cap (next: ``settled``)
             searched = layout.schedule == "search"
@@ -248,10 +280,14 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
                     continue
             if model.memory_total(layout) > budget:
                 continue
-            cost = model.evaluate(layout)
             fitting += 1
             settled = not searched or layout.schedule_memory_limit >= _search_cap(layout)
-            if len(heap) == keep and -cost.step_time <= heap[0][0]:
+            if (not searched and not exhaustive and len(heap) == keep
+                    and model.compute_floor(layout) > -heap[0][0]):
+                break  # recomputing more is slower still
+            cost = model.evaluate(layout)
+            entry = (-cost.step_time, rank, cost)
+            if len(heap) == keep and entry[:2] < heap[0][:2]:
                 if settled:
                     break  # slower than every layout kept (and recomputing more is slower still)
                 continue
@@ -266,19 +302,18 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
                     if settled:
                         break
                     continue
-            entry = (-cost.step_time, considered, cost)
             if searched:  # the best few are simulated whatever their estimate
                 if len(searched_heap) < SEARCH_FINALISTS:
                     heapq.heappush(searched_heap, entry)
-                elif entry[0] > searched_heap[0][0]:
+                elif entry[:2] > searched_heap[0][:2]:
                     heapq.heapreplace(searched_heap, entry)
             if len(heap) < keep:
                 heapq.heappush(heap, entry)
-            elif entry[0] > heap[0][0]:
+            elif entry[:2] > heap[0][:2]:
                 heapq.heapreplace(heap, entry)
             if settled:
                 break  # the rest of the group recomputes more: never faster
-    screened = sorted((entry[2] for entry in heap), key=lambda c: c.step_time)
+    screened = [entry[2] for entry in sorted(heap, reverse=True)]  # fastest first, then order
     simulated: list[StepCost] = []
     spent = 0.0
     per_action = SECONDS_PER_ACTION  # refined by every simulation of this call

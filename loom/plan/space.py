@@ -22,8 +22,9 @@ Which of these Loom can run today (some combinations are still refused by
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 from loom.layout import Layout
 from loom.models.layers import TransformerArgs
@@ -95,13 +96,55 @@ def _cp_modes(m: TransformerArgs, tp: int, cp: int, seq: int) -> list[str]:
     return modes
 
 
+class LayoutGroup(Sequence[Layout]):
+    """Layouts that differ only in the recomputation policy, cheapest first. Only the first is
+    built up front: the planner drops most groups on it alone (their model state does not fit),
+    and building the hundreds of thousands of others was a third of a large plan's time."""
+
+    def __init__(self, first: Layout, recompute: tuple[str, ...]) -> None:
+        self.first = first
+        self._recompute = recompute
+        self._built: list[Layout] = [first]
+
+    def __len__(self) -> int:
+        return len(self._recompute)
+
+    @overload
+    def __getitem__(self, index: int) -> Layout: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Layout]: ...
+
+    def __getitem__(self, index: int | slice) -> Layout | list[Layout]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        while len(self._built) <= index:
+            # the first's fields with another policy (dataclasses.replace takes twice as long)
+            fields = {**vars(self.first), "recompute": self._recompute[len(self._built)]}
+            self._built.append(Layout(**fields))
+        return self._built[index]
+
+    def __iter__(self) -> Iterator[Layout]:
+        for index in range(len(self._recompute)):
+            yield self[index]
+
+
 def layouts(work: Workload, world: int, gpus_per_node: int, *,
             max_cp: int = 16, schedules: dict[str, tuple[int, ...]] | None = None,
             micro_batches: tuple[int, ...] = MICRO_BATCHES,
-            recompute: tuple[str, ...] = RECOMPUTE) -> Iterator[tuple[Layout, ...]]:
+            recompute: tuple[str, ...] = RECOMPUTE,
+            drop: Callable[[Layout], bool] | None = None,
+            skipped: Callable[[int], None] = lambda count: None) -> Iterator[LayoutGroup]:
     """Every layout of ``work`` on ``world`` accelerators (see the module docstring), in groups
     that differ only in the recomputation policy, cheapest first: a search may stop at the first
-    of a group that fits in memory, since recomputing more never makes a step faster."""
+    of a group that fits in memory, since recomputing more never makes a step faster.
+    ``drop``: a test that must not look at the context-parallel mode or the recomputation
+    (the planner's: the model state does not fit); asked once for the groups that differ only
+    in those, which are then not built (``skipped`` is told how many layouts)."""
     m, seq, batch = work.model, work.seq_len, work.global_batch
     families = SCHEDULES if schedules is None else schedules
     experts = m.n_experts
@@ -124,7 +167,7 @@ def layouts(work: Workload, world: int, gpus_per_node: int, *,
                         continue
                     local = batch // (dp * ep)
                     yield from _inner(m, pp, dp, ep, cp, tp, local, modes, gpus_per_node,
-                                      families, micro_batches, recompute)
+                                      families, micro_batches, recompute, drop, skipped)
 
 
 def _shard_options(dp: int, inner: int, gpus_per_node: int) -> list[int]:
@@ -139,7 +182,7 @@ def _shard_options(dp: int, inner: int, gpus_per_node: int) -> list[int]:
 
 
 def _inner(m, pp, dp, ep, cp, tp, local, modes, gpus_per_node, families, micro_batches,
-           recompute) -> Iterator[tuple[Layout, ...]]:
+           recompute, drop, skipped) -> Iterator[LayoutGroup]:
     for shard in _shard_options(dp, tp * cp * ep, gpus_per_node):
         stages = (0,) if shard == 1 else (1, 2, 3)
         for zero in stages:
@@ -161,15 +204,18 @@ def _inner(m, pp, dp, ep, cp, tp, local, modes, gpus_per_node, families, micro_b
                     # (``config_rules``: measured 4e-5 off one process); plain TP there.
                     sp = tp > 1 and (pp == 1 or schedule in FULL_BACKWARD)
                     for mode in modes:
-                        yield tuple(
-                            Layout(pp=pp, dp_replicate=dp // shard, dp_shard=shard, ep=ep,
-                                   cp=cp, tp=tp, zero_stage=zero, sequence_parallel=sp,
-                                   # ZeRO-3 stages stay gathered across the step, as priced
-                                   reshard_after_forward=not (pp > 1 and zero == 3),
-                                   cp_mode=mode, schedule=schedule, chunks=chunks,
-                                   micro_batch=b, microbatches=micro, recompute=rc)
-                            for rc in recompute)
+                        first = Layout(pp=pp, dp_replicate=dp // shard, dp_shard=shard, ep=ep,
+                                       cp=cp, tp=tp, zero_stage=zero, sequence_parallel=sp,
+                                       # ZeRO-3 stages stay gathered across the step, as priced
+                                       reshard_after_forward=not (pp > 1 and zero == 3),
+                                       cp_mode=mode, schedule=schedule, chunks=chunks,
+                                       micro_batch=b, microbatches=micro,
+                                       recompute=recompute[0])
+                        if drop is not None and drop(first):
+                            skipped(len(modes) * len(recompute))
+                            break  # the other modes share what ``drop`` looks at
+                        yield LayoutGroup(first, recompute)
 
 
-__all__ = ["Workload", "layouts", "divisors", "SCHEDULES", "RECOMPUTE", "MICRO_BATCHES",
+__all__ = ["Workload", "LayoutGroup", "layouts", "divisors", "SCHEDULES", "RECOMPUTE", "MICRO_BATCHES",
            "SEARCH_MAX_WORK"]

@@ -91,8 +91,7 @@ def _states(model: Any, lay: Layout, v_shaped: bool) -> dict[int, list[dict[str,
     """The end ranks' instants (``_instants``), cached: the model state at each instant depends
     on far fewer knobs than the activations (the planner screens hundreds of thousands of
     layouts with this)."""
-    key = (lay.pp, lay.chunks, v_shaped, lay.tp, lay.ep, lay.dp_shard, lay.cp,
-           lay.zero_stage, lay.microbatches > 1)
+    key = _state_key(lay, v_shaped)
     states = model._memory_cache.get(key)
     if states is None:
         rank_params = model._rank_params(lay)
@@ -102,12 +101,23 @@ def _states(model: Any, lay: Layout, v_shaped: bool) -> dict[int, list[dict[str,
     return states
 
 
+def _state_key(lay: Layout, v_shaped: bool) -> tuple:
+    """What the model state's instants depend on."""
+    return (lay.pp, lay.chunks, v_shaped, lay.tp, lay.ep, lay.dp_shard, lay.cp, lay.zero_stage,
+            lay.microbatches > 1)
+
+
 def memory_floor(model: Any, lay: Layout) -> float:
     """A lower bound of ``layout_memory``'s total that ignores the activations: the largest
     instant of model state, gradients, optimizer and transients on the end ranks. Whatever the
     microbatch, schedule and recomputation, ``lay`` does not fit below it."""
-    states = _states(model, lay, lay.v_shaped)
-    return max(entry["_total"] for instants in states.values() for entry in instants)
+    key = _state_key(lay, lay.v_shaped)
+    floor = model._memory_floor_cache.get(key)
+    if floor is None:
+        states = _states(model, lay, lay.v_shaped)
+        floor = max(entry["_total"] for instants in states.values() for entry in instants)
+        model._memory_floor_cache[key] = floor
+    return floor
 
 
 def _activation_bytes(model: Any, lay: Layout) -> tuple[float, float, float, float]:

@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
 from typing import Any
 
 from loom.formulas.flops import model_flops_per_token
@@ -97,7 +98,7 @@ class _LazyStageCosts:
     """Per-stage (F, I, W) and the send time; the validated ``StageCosts`` is built on demand
     (thousands of layouts are priced, a few are simulated)."""
 
-    def __init__(self, ops: list[tuple[float, float, float]], send: float):
+    def __init__(self, ops: Sequence[tuple[float, float, float]], send: float):
         self.ops, self.send = ops, send
 
     def build(self) -> StageCosts:
@@ -149,9 +150,12 @@ class CostModel:
         self._geometry_cache: dict[tuple, tuple] = {}
         self._times_cache: dict[tuple, tuple] = {}
         self._memory_cache: dict[tuple, dict] = {}
+        self._memory_floor_cache: dict[tuple, float] = {}  # cost_memory.memory_floor
         self._activation_cache: dict[tuple, tuple] = {}  # cost_memory._activation_bytes
         self._model_flops: float | None = None
         self._overlap_cache: dict[tuple, float] = {}  # streams.layer_overlap answers
+        self._ops_cache: dict[tuple, tuple] = {}  # _ops_and_busiest
+        self._rank_layers_cache: dict[tuple, frozenset] = {}
 
     # ----- FLOPs -------------------------------------------------------------------------
     def layer_flops(self, tokens: float, tp: int, moe: bool) -> tuple[float, float]:
@@ -368,9 +372,52 @@ class CostModel:
             out[r] = psi
         return out
 
-    def evaluate_ops(self, lay: Layout) -> list[tuple[float, float, float]]:
+    def evaluate_ops(self, lay: Layout) -> tuple[tuple[float, float, float], ...]:
         """(F, I, W) seconds of one microbatch on each global stage of ``lay`` (the last also
-        runs the head)."""
+        runs the head), cached with the busiest rank's F+I+W: layouts that differ only in data
+        parallelism (ZeRO stage, replicate vs shard, microbatch count) share them."""
+        return self._ops_and_busiest(lay)[0]
+
+    def compute_floor(self, lay: Layout) -> float:
+        """A lower bound of ``evaluate(lay).step_time`` at a fraction of its price: the busiest
+        rank's passes over all microbatches, before any bubble, exposed communication or
+        optimizer step (the planner skips layouts whose floor cannot beat those it keeps).
+        Summed per rank, not per stage as ``evaluate`` does, so it is lowered by a rounding
+        margin to stay below that sum."""
+        dense = self._times(lay, False)
+        moe = self._times(lay, True) if self.moe_layers else dense
+        head = self._head_times(lay)
+        per_layer = (sum(dense[:3]), sum(moe[:3]))
+        tail = sum(head)
+        busiest = max(nd * per_layer[0] + nm * per_layer[1] + (tail if last else 0.0)
+                      for nd, nm, last in self._rank_layers(lay.pp, lay.chunks, lay.v_shaped))
+        return busiest * lay.microbatches * (1 - 1e-9)
+
+    def _rank_layers(self, pp: int, chunks: int, v_shaped: bool) -> frozenset[tuple]:
+        """The distinct (dense layers, MoE layers, holds the head) of the pipeline's ranks."""
+        key = (pp, chunks, v_shaped)
+        found = self._rank_layers_cache.get(key)
+        if found is None:
+            counts, _, owned = self._geometry(pp, chunks, v_shaped)
+            last = len(counts) - 1
+            found = self._rank_layers_cache[key] = frozenset(
+                (sum(counts[s][0] for s in own), sum(counts[s][1] for s in own), last in own)
+                for own in owned)
+        return found
+
+    def _ops_and_busiest(self, lay: Layout) -> tuple[tuple[tuple[float, float, float], ...],
+                                                     float]:
+        key = (lay.pp, lay.chunks, lay.v_shaped, lay.tp, lay.cp, lay.cp_mode, lay.ep,
+               lay.sequence_parallel, lay.micro_batch, lay.recompute, wrappers(lay))
+        cached = self._ops_cache.get(key)
+        if cached is None:
+            ops = self._stage_ops(lay)
+            owned = self._geometry(lay.pp, lay.chunks, lay.v_shaped)[2]
+            busiest = max(sum(f + i + w for f, i, w in (ops[s] for s in own)) for own in owned)
+            cached = self._ops_cache[key] = (ops, busiest)
+        return cached
+
+    def _stage_ops(self, lay: Layout) -> tuple[tuple[float, float, float], ...]:
         counts = self._geometry(lay.pp, lay.chunks, lay.v_shaped)[0]
         dense = self._times(lay, False)
         moe = self._times(lay, True) if self.moe_layers else dense
@@ -384,7 +431,7 @@ class CostModel:
             if s == last:
                 f, i, w = f + head[0], i + head[1], w + head[2]
             ops.append((f, i, w))
-        return ops
+        return tuple(ops)
 
     def evaluate(self, lay: Layout, memory: dict[str, float] | None = None) -> StepCost:
         """Price ``lay`` (``memory``: its ``self.memory(lay)`` when already computed). The
@@ -394,10 +441,8 @@ class CostModel:
         counts, placement, owned = self._geometry(lay.pp, lay.chunks, lay.v_shaped)
         dense = self._times(lay, False)
         moe = self._times(lay, True) if self.moe_layers else dense
-        ops = self.evaluate_ops(lay)
-        totals = [f + i + w for f, i, w in ops]
-        rank_work = [sum(totals[s] for s in own) for own in owned]
-        compute = max(rank_work) * lay.microbatches
+        ops, busiest = self._ops_and_busiest(lay)
+        compute = busiest * lay.microbatches  # compute_floor(lay), but for its rounding margin
         if lay.pp > 1 and self.shared_cores(lay):  # the busiest rank's work at its share of cores
             compute *= max(1.0, lay.pp / self.shared_cores(lay))
         stage_costs, send = None, 0.0
@@ -408,7 +453,7 @@ class CostModel:
         if lay.pp > 1:
             send = self.send_time(lay)
             stage_costs = _LazyStageCosts(ops, send)
-            pipeline = pipeline_estimate(lay, ops, max(rank_work), send, self.contention)
+            pipeline = pipeline_estimate(lay, ops, busiest, send, self.contention)
             comm["pp"] = 2 * send * per_rank_mb * lay.pp * lay.chunks
         else:
             pipeline = compute
@@ -635,7 +680,7 @@ def p2p_time(nbytes: float, link) -> float:
 
 
 # -- the pipeline's part of the step, in closed form (screening; finalists are simulated) -------
-Ops = list[tuple[float, float, float]]  # (F, I, W) seconds per global stage for one microbatch
+Ops = Sequence[tuple[float, float, float]]  # (F, I, W) seconds per global stage for one microbatch
 
 
 def pipeline_estimate(lay: Layout, ops: Ops, busiest: float, send: float,

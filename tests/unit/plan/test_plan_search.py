@@ -240,3 +240,48 @@ def test_the_memory_floor_never_exceeds_a_layouts_memory():
             assert model.memory_total(lay) == pytest.approx(sum(model.memory(lay).values()))
             checked += 1
     assert checked > 1000
+
+
+@pytest.mark.parametrize("preset", ["llama3-8b", "mixtral-8x7b"])
+def test_the_compute_floor_never_exceeds_a_layouts_step(preset):
+    """The screening prices groups in order of their compute floor and stops at the first one
+    slower than every layout kept: the floor must be a lower bound of every layout's step."""
+    work = dataclasses.replace(WORK, name=preset, model=PRESETS[preset])
+    model = CostModel(work.model, work.seq_len, work.global_batch, make_cluster("H100-SXM", 16, 8))
+    checked = 0
+    for group in layouts(work, 16, 8):
+        for lay in group:
+            if lay.schedule != "search":
+                assert model.compute_floor(lay) <= model.evaluate(lay).step_time, lay.label()
+                checked += 1
+    assert checked > 1000
+
+
+def test_a_group_builds_its_layouts_lazily_and_equal_to_the_first_with_each_policy():
+    group = next(iter(layouts(WORK, 16, 8)))
+    assert len(group._built) == 1  # only the first until asked
+    assert list(group) == [dataclasses.replace(group.first, recompute=rc)
+                           for rc in ("none", "selective", "full")]
+    assert group[-1] == group[2] and group[1:] == list(group)[1:]
+
+
+@pytest.mark.parametrize("preset,gpus,gpu,seq,batch", [
+    ("llama3-8b", 16, "H100-SXM", 4096, 64),
+    ("llama3-70b", 64, "H100-SXM", 8192, 512),
+    ("mixtral-8x7b", 32, "H100-SXM", 4096, 256),
+    ("gpt3-175b", 256, "A100-80GB", 2048, 512),
+])
+def test_branch_and_bound_ranks_exactly_as_pricing_every_group(preset, gpus, gpu, seq, batch):
+    """Skipping groups by their memory and compute floors changes how many layouts are priced,
+    never the answer: the ranking (layouts, step times, order) equals the exhaustive pass's."""
+    work = Workload(preset, PRESETS[preset], seq, batch)
+    cluster = make_cluster(gpu, gpus, 8)
+    answers = []
+    for exhaustive in (False, True):
+        result = plan(work, cluster, top=5, simulation_seconds=float("inf"),
+                      exhaustive=exhaustive)
+        answers.append(([(c.layout, c.step_time, c.simulated) for c in result.ranked],
+                        result.fitting))
+    (fast, fast_priced), (slow, slow_priced) = answers
+    assert fast and fast == slow
+    assert fast_priced <= slow_priced
