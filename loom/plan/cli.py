@@ -5,6 +5,8 @@
     loom plan --model gpt-1t --gpus 3072 --gpu A100-80GB --seq 2048 --global-batch-tokens ... \\
               --layout pp=64,tp=8,dp_replicate=6,schedule=interleaved_1f1b,chunks=2,recompute=full
     loom plan --calibrate [--nproc 4]          # measure this machine; --gpu local then uses it
+    loom plan --model llama3-8b --gpus 256 --length-dist lengths.json --global-batch-tokens ...
+                                               # balances of variable-length steps (plan.varlen)
 
 Bad input (an unknown model, accelerator or link, a batch that does not divide into sequences,
 a layout field that does not exist) is refused with the field and the rule, exit code 2, before
@@ -22,13 +24,14 @@ from pathlib import Path
 from loom.config import ConfigError, load_config
 from loom.layout import Layout
 from loom.models.presets import PRESETS
-from loom.plan import explain
+from loom.plan import explain, varlen
 from loom.plan.calibrate import describe, load_profile
 from loom.plan.hardware import HardwareError, load_catalog, make_cluster
 from loom.plan.search import Plan, plan, simulate_step
 from loom.plan.space import Workload
 from loom.sim.cost_model import CostModel
 from loom.sim.frameworks import FRAMEWORKS, Framework, framework
+from loom.sim.varlen_cost import load_length_distribution
 
 EXIT_BAD_INPUT = 2
 
@@ -74,6 +77,12 @@ def add_plan_commands(sub: argparse._SubParsersAction,
     plan.add_argument("--nproc", type=int, default=0, help="processes for --calibrate (and"
                                                            " --gpu local's default --gpus)")
     plan.add_argument("--profile", help="calibration profile path (default ~/.cache/loom/local.json)")
+    plan.add_argument("--length-dist", metavar="FILE",
+                      help="rank the balances of variable-length steps drawn from this length"
+                           " distribution (loom.sim.varlen_cost; loom.plan.varlen)")
+    plan.add_argument("--nics-per-node", type=int, default=0,
+                      help="NICs sharing a node's inter-node bandwidth (0: one per GPU);"
+                           " read by --length-dist's routing-layer model only")
     plan.set_defaults(handler=_plan, measure_machine=measure_machine)
 
 
@@ -129,10 +138,13 @@ def _cluster(args: argparse.Namespace):
     if not args.gpus or args.gpus < 1:
         raise PlanInputError(f"--gpus {args.gpus}: required, >= 1")
     defaults = catalog[2]
+    if args.nics_per_node < 0:
+        raise PlanInputError(f"--nics-per-node {args.nics_per_node}: must be >= 0")
     return make_cluster(args.gpu or defaults.get("gpu"), args.gpus,
                         args.gpus_per_node or defaults.get("gpus_per_node"),
                         intra=args.intra or defaults.get("intra"),
-                        inter=args.inter or defaults.get("inter"), catalog=catalog)
+                        inter=args.inter or defaults.get("inter"), catalog=catalog,
+                        nics_per_node=args.nics_per_node)
 
 
 def _plan(args: argparse.Namespace, extra: list[str]) -> int:
@@ -170,6 +182,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.top < 1 or not 0 < args.memory_fraction <= 1:
         raise PlanInputError("--top must be >= 1 and --memory-fraction in (0, 1]")
     stack = _framework(args)
+    if args.length_dist:
+        return _run_varlen(args, stack)
     work, cluster = _workload(args), _cluster(args)
     if args.layout:
         layout = parse_layout(args.layout)
@@ -197,6 +211,29 @@ def _run(args: argparse.Namespace) -> int:
         command = explain.write_chosen(result, result.ranked[0], args.output)
         print(f"\nwrote {args.output}; launch with:\n  {command}")
     return 0 if result.ranked else 1
+
+
+def _run_varlen(args: argparse.Namespace, stack: Framework) -> int:
+    """``--length-dist``: rank the balances of variable-length steps (``loom.plan.varlen``)."""
+    for flag, value in (("--layout", args.layout), ("-o", args.output),
+                        ("--explain", args.explain)):
+        if value:
+            raise PlanInputError(f"{flag}: not with --length-dist (it ranks balances, not"
+                                 " layouts of equal sequences)")
+    dist = load_length_distribution(args.length_dist)
+    if not args.global_batch_tokens or args.global_batch_tokens < 1:
+        raise PlanInputError(f"--global-batch-tokens {args.global_batch_tokens}: required with"
+                             " --length-dist, >= 1")
+    if args.model in PRESETS:
+        model, name = PRESETS[args.model], args.model
+    elif args.model and Path(args.model).is_file():
+        model, name = load_config(args.model).model, Path(args.model).stem
+    else:
+        raise PlanInputError(f"--model {args.model}: neither a preset ({', '.join(PRESETS)})"
+                             " nor an existing config file")
+    print(varlen.run(model, name, _cluster(args), dist, args.global_batch_tokens, stack,
+                     args.json))
+    return 0
 
 
 __all__ = ["add_plan_commands", "parse_layout", "PlanInputError"]

@@ -149,10 +149,15 @@ class Cluster:
     gpus_per_node: int
     intra: Link
     inter: Link
+    # NICs of a node sharing its inter-node bandwidth (gpus_per_node x inter's); 0: one per GPU.
+    # Modelled only: varlen pricing's routing layer (loom.sim.varlen_cost) reads it.
+    nics_per_node: int = 0
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:
             raise ValueError("cluster: gpus and gpus_per_node must be >= 1")
+        if self.nics_per_node < 0:
+            raise ValueError(f"cluster: nics_per_node={self.nics_per_node} must be >= 0")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
             raise ValueError(f"cluster: gpus={self.gpus} must be a multiple of gpus_per_node="
                              f"{self.gpus_per_node}")
@@ -215,7 +220,8 @@ def load_catalog(path: str | Path | None = None) -> tuple[dict[str, Gpu], dict[s
 
 
 def make_cluster(gpu: str, gpus: int, gpus_per_node: int | None = None, *, intra: str | None = None,
-                 inter: str | None = None, catalog: tuple[dict, dict, dict] | None = None) -> Cluster:
+                 inter: str | None = None, catalog: tuple[dict, dict, dict] | None = None,
+                 nics_per_node: int = 0) -> Cluster:
     """Build a Cluster from catalog names; unknown names are refused with the known ones."""
     gpu_table, link_table, _ = catalog or (GPUS, LINKS, {})
     key = next((k for k in gpu_table if k.lower() == gpu.lower()), None)
@@ -229,7 +235,7 @@ def make_cluster(gpu: str, gpus: int, gpus_per_node: int | None = None, *, intra
         links.append(link_table[name])
     per_node = gpus_per_node or device.gpus_per_node
     try:
-        return Cluster(device, gpus, min(per_node, gpus), *links)
+        return Cluster(device, gpus, min(per_node, gpus), *links, nics_per_node=nics_per_node)
     except ValueError as err:
         raise HardwareError(str(err)) from None
 
