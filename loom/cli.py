@@ -35,6 +35,7 @@ from loom.generate import generate
 from loom.grid_summary import describe_grid
 from loom.hf_cli import add_hf_commands
 from loom.launch import check_run_dir, refuse_checkfree_launch, run_job, under_external_launcher
+from loom.parallel.fp8 import device_refusal as fp8_device_refusal
 from loom.pipeline.cli import add_schedule_commands
 from loom.plan.cli import add_plan_commands
 from loom.topology import RankGrid
@@ -58,6 +59,10 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         world_size = int(os.environ["WORLD_SIZE"]) if external else args.nproc
         config = resolve(config, world_size)
         cluster = _emulated_cluster(args, world_size, external)
+        tr = config.train
+        refusal = fp8_device_refusal(tr.fp8, tr.fp8_emulate, tr.device)  # this machine's
+        if refusal:
+            raise ConfigError("train.fp8", tr.fp8, refusal)
     except ConfigError as err:
         print(f"loom train: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

@@ -203,6 +203,11 @@ class TrainConfig:
     # steps pay for compilation (seconds per distinct block shape); the numbers equal eager's up
     # to float reordering by the fused kernels.
     compile: bool = False
+    # FP8 matmuls in the transformer blocks' linear layers (loom/parallel/fp8.py, torchao's
+    # float8 training; the optional extra loom[fp8]): none | tensorwise | rowwise |
+    # rowwise_with_gw_hp. Needs a GPU with FP8 (compute capability >= 8.9), or fp8_emulate.
+    fp8: str = "none"
+    fp8_emulate: bool = False  # torchao's high-precision emulation of the FP8 matmuls (tests)
     # Refuse to launch when the estimated peak per rank (loom estimate-memory) exceeds this;
     # 0: the CUDA device's total memory, or on CPU 90% of the host's available memory shared by
     # the local ranks. skip_memory_check (or its older name ignore_memory_limit) overrides.
@@ -597,7 +602,7 @@ def job_of(config: Config, offload_optimizer: bool = False) -> Job:
                grad_bucket_mb=tr.grad_bucket_mb, offload_optimizer=offload_optimizer,
                grad_reduce_every_microbatch=tr.grad_reduce_every_microbatch,
                dp_mode=config.parallel.dp_mode, compile=tr.compile,
-               compression=compression_of(config))
+               compression=compression_of(config), fp8=tr.fp8, fp8_emulate=tr.fp8_emulate)
 
 
 def compression_of(config: Config) -> CompressionSpec | None:

@@ -29,6 +29,7 @@ from loom.data.tokenizer import tokenizer_vocab_size
 from loom.data.varlen import BALANCES, token_budgets
 from loom.errors import ConfigError, suggest
 from loom.parallel.context import CPLayout, check_layout
+from loom.parallel.fp8 import RECIPES as FP8_RECIPES
 from loom.schedule.families import SEARCH_PLACEMENTS, simulation_only, trainable
 from loom.schedule.paths import SKIPPIPE, skip_count
 from loom.schedule.select import ChunksError, SEARCH, parse_search_costs, schedule_for
@@ -153,6 +154,7 @@ def validate(config: Config, world_size: int) -> None:
     _validate_compression(config)
     _validate_bf16(config)
     _validate_compile(config)
+    _validate_fp8(config)
     if tr.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError("train.backend", tr.backend, "must be one of auto, gloo, nccl")
     if not (tr.device in ("auto", "cpu") or tr.device.startswith(("cuda", "xpu", "mps"))):
@@ -359,6 +361,32 @@ def _validate_init_from(config: Config) -> None:
         raise ConfigError("train.run_dir", config.train.run_dir or "runs/<time>",
                           f"lies inside model.init_from ({source}), which is never written to;"
                           " choose a run directory outside it")
+
+
+def _validate_fp8(config: Config) -> None:
+    """``train.fp8`` (torchao's float8 matmuls in the blocks' linears, loom/parallel/fp8.py): a
+    known recipe, and what is not built with it yet. Whether the machine has torchao and FP8
+    matmuls is not the config's business: ``fp8.device_refusal``, asked by ``loom train``
+    before launching (the planner writes configs for machines it is not on)."""
+    tr = config.train
+    if tr.fp8 not in FP8_RECIPES:
+        raise ConfigError("train.fp8", tr.fp8, f"must be one of {', '.join(FP8_RECIPES)}"
+                          + suggest(str(tr.fp8), list(FP8_RECIPES)))
+    if tr.fp8 == "none":
+        if tr.fp8_emulate:
+            raise ConfigError("train.fp8_emulate", True, "emulates train.fp8's matmuls: set"
+                              " train.fp8 to a recipe, or leave fp8_emulate false")
+        return
+    if config.parallel.tp > 1:
+        raise ConfigError("train.fp8", tr.fp8, f"with parallel.tp = {config.parallel.tp} > 1 is"
+                          " not built yet (torchao's float8 tensor-parallel styles would replace"
+                          " Loom's TP plan): use tp = 1 with FP8, or train.fp8 = none")
+    if config.parallel.cp > 1 and tr.fp8 != "rowwise_with_gw_hp":
+        raise ConfigError("train.fp8", tr.fp8, f"with parallel.cp = {config.parallel.cp} > 1"
+                          " would scale over each rank's part of the sequence (a whole tensor's"
+                          " or a column's amax over the tokens), so results would change with"
+                          " cp: use rowwise_with_gw_hp, whose scales are per token or per weight"
+                          " row")
 
 
 def _validate_compile(config: Config) -> None:

@@ -165,6 +165,8 @@ class Job:
     # The data-parallel reducer's gradient compression (``parallel.grad_compression``); None:
     # none. A Job field for the same reason as dp_mode: the planner does not price it yet.
     compression: CompressionSpec | None = None
+    fp8: str = "none"  # FP8 matmuls in the blocks' linears (``train.fp8``, loom.parallel.fp8)
+    fp8_emulate: bool = False
 
 
 __all__ = ["Layout", "Job", "CompressionSpec", "V_SHAPED"]

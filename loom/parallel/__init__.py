@@ -30,6 +30,9 @@ on, because each later step must see the module the earlier ones produced:
    sharded fp32 parameters (ZeRO-3), fp32 slices of the flat buckets (ZeRO-1/2, ``zero.py``),
    or ``mixed_precision.apply_bf16_parameters`` before the reducer's hooks (no ZeRO).
 
+Before all of these, ``train.fp8`` converts the blocks' linear layers to torchao's
+``Float8Linear`` (``fp8.py``): the wrappers then see FP8 matmuls in place of the plain ones.
+
 Pipeline parallelism is applied before all of these by splitting the model into stages
 (``loom.pipeline``); ``loom.pipeline.runtime.build_pipeline`` then calls ``parallelize`` on every
 stage module, and the runtime decides when each stage's gradients are reduced (during its last
@@ -53,6 +56,7 @@ from loom.parallel.compile import apply_compile
 from loom.parallel.context import apply_context_parallel
 from loom.parallel.data import GradientReducer, apply_fully_shard
 from loom.parallel.expert import ExpertParallel, apply_expert_parallel, expert_parameter_names
+from loom.parallel.fp8 import apply_fp8
 from loom.parallel.mixed_precision import apply_bf16_parameters
 from loom.parallel.sequence_saved import keep_saved_inputs_sharded
 from loom.parallel.tensor import TensorParallel, apply_tensor_parallel
@@ -119,6 +123,7 @@ def parallelize(model: nn.Module, meshes: Meshes, job: Job, *, cp_groups: Any = 
     """
     parallel = job.layout
     tensor = experts = None
+    apply_fp8(model, job.fp8, emulate=job.fp8_emulate)  # first: every wrapper sees Float8Linear
     if parallel.tp > 1:
         model = apply_tensor_parallel(model, meshes.root["tp"],
                                       sequence_parallel=parallel.sequence_parallel,

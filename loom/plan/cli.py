@@ -24,6 +24,7 @@ from pathlib import Path
 from loom.config import ConfigError, load_config
 from loom.layout import Layout
 from loom.models.presets import PRESETS
+from loom.parallel.fp8 import RECIPES as FP8_RECIPES
 from loom.plan import explain, varlen
 from loom.plan.calibrate import describe, load_profile
 from loom.plan.hardware import HardwareError, load_catalog, make_cluster
@@ -77,6 +78,9 @@ def add_plan_commands(sub: argparse._SubParsersAction,
     plan.add_argument("--nproc", type=int, default=0, help="processes for --calibrate (and"
                                                            " --gpu local's default --gpus)")
     plan.add_argument("--profile", help="calibration profile path (default ~/.cache/loom/local.json)")
+    plan.add_argument("--fp8", default="none", metavar="RECIPE",
+                      help="price the blocks' linears in FP8 (train.fp8: tensorwise, rowwise,"
+                           " rowwise_with_gw_hp) at the accelerator's FP8 peak")
     plan.add_argument("--length-dist", metavar="FILE",
                       help="rank the balances of variable-length steps drawn from this length"
                            " distribution (loom.sim.varlen_cost; loom.plan.varlen)")
@@ -185,12 +189,19 @@ def _run(args: argparse.Namespace) -> int:
     if args.length_dist:
         return _run_varlen(args, stack)
     work, cluster = _workload(args), _cluster(args)
+    if args.fp8 not in FP8_RECIPES:
+        raise PlanInputError(f"--fp8 {args.fp8}: one of {', '.join(FP8_RECIPES)}")
+    fp8 = args.fp8 != "none"
+    if fp8 and not cluster.gpu.fp8_flops:
+        raise PlanInputError(f"--fp8 {args.fp8}: {cluster.gpu.name} has no FP8 matmuls")
+    work = dataclasses.replace(work, fp8=args.fp8)
     if args.layout:
         layout = parse_layout(args.layout)
         if layout.world != cluster.gpus:
             raise PlanInputError(f"--layout: the degrees multiply to {layout.world}, not --gpus"
                                  f" {cluster.gpus}")
-        model = CostModel(work.model, work.seq_len, work.global_batch, cluster, framework=stack)
+        model = CostModel(work.model, work.seq_len, work.global_batch, cluster, framework=stack,
+                          fp8=fp8)
         cost = simulate_step(model, model.evaluate(layout))
         result = Plan(work, cluster, cluster.gpu.memory_bytes * args.memory_fraction, [cost], 1,
                       int(cost.memory_total <= cluster.gpu.memory_bytes * args.memory_fraction))
@@ -199,7 +210,7 @@ def _run(args: argparse.Namespace) -> int:
     result = plan(work, cluster, top=args.top, memory_fraction=args.memory_fraction,
                   runnable_only=not args.any and stack.is_loom,
                   cost_model=CostModel(work.model, work.seq_len, work.global_batch, cluster,
-                                       framework=stack))
+                                       framework=stack, fp8=fp8))
     if not stack.is_loom and not args.json:
         print(f"priced as {stack.name} (loom.sim.frameworks): its memory layout and overlap")
     print(explain.to_json(result) if args.json else explain.table(result))

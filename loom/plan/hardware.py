@@ -66,6 +66,8 @@ class Gpu:
     # Seconds per parameter of one AdamW step, measured by ``loom plan --calibrate`` on one rank
     # alone; 0: priced as 28 bytes per parameter at ``hbm_bandwidth`` (a fused kernel's traffic)
     optimizer_per_param: float = 0.0
+    # dense FP8 FLOP/s of the tensor cores (0: no FP8 matmuls; ``loom plan --fp8`` refuses it)
+    fp8_flops: float = 0.0
 
     def __post_init__(self) -> None:
         # a profile read back from JSON holds lists; keep the dataclass hashable
@@ -116,14 +118,16 @@ class Link:
 GPUS: dict[str, Gpu] = {g.name: g for g in (
     Gpu("A100-40GB", 312e12, 40 * GiB, 1555 * GB, 0.75, intra="nvlink3", inter="hdr-ib"),
     Gpu("A100-80GB", 312e12, 80 * GiB, 2039 * GB, 0.75, intra="nvlink3", inter="hdr-ib"),
-    Gpu("H100-SXM", 989e12, 80 * GiB, 3350 * GB, 0.7),
-    Gpu("H100-NVL", 835e12, 94 * GB, 3900 * GB, 0.7),
-    Gpu("H100-PCIe", 756e12, 80 * GiB, 2000 * GB, 0.7, intra="pcie5", gpus_per_node=8),
-    Gpu("H200", 989e12, 141 * GB, 4800 * GB, 0.7),
-    Gpu("B200", 2.25e15, 180 * GB, 8000 * GB, 0.65, intra="nvlink5"),
+    Gpu("H100-SXM", 989e12, 80 * GiB, 3350 * GB, 0.7, fp8_flops=1979e12),
+    Gpu("H100-NVL", 835e12, 94 * GB, 3900 * GB, 0.7, fp8_flops=1671e12),
+    Gpu("H100-PCIe", 756e12, 80 * GiB, 2000 * GB, 0.7, intra="pcie5", gpus_per_node=8,
+        fp8_flops=1513e12),
+    Gpu("H200", 989e12, 141 * GB, 4800 * GB, 0.7, fp8_flops=1979e12),
+    Gpu("B200", 2.25e15, 180 * GB, 8000 * GB, 0.65, intra="nvlink5", fp8_flops=4.5e15),
     Gpu("MI250X", 383e12, 128 * GB, 3200 * GB, 0.55, intra="infinity-fabric-3",
         inter="slingshot-11", gpus_per_node=4),
-    Gpu("MI300X", 1300e12, 192 * GB, 5300 * GB, 0.6, intra="infinity-fabric-4", inter="ndr-ib"),
+    Gpu("MI300X", 1300e12, 192 * GB, 5300 * GB, 0.6, intra="infinity-fabric-4", inter="ndr-ib",
+        fp8_flops=2615e12),
 )}
 
 LINKS: dict[str, Link] = {link.name: link for link in (

@@ -123,14 +123,17 @@ def _simulate_searched(model: CostModel, cost: StepCost, stage_costs: Any,
 def workload_config(work: Workload) -> Config:
     """The Loom config of ``work`` before any layout: its config file or model preset, its
     sequence length, bf16 compute (the global batch comes with the layout)."""
-    return _parsed(work.config_path, None if work.config_path else work.name, work.seq_len)
+    return _parsed(work.config_path, None if work.config_path else work.name, work.seq_len,
+                   work.fp8)
 
 
 @functools.lru_cache(maxsize=8)
-def _parsed(config_path: str | None, preset: str | None, seq_len: int) -> Config:
+def _parsed(config_path: str | None, preset: str | None, seq_len: int, fp8: str) -> Config:
     """Parsed once per workload (parsing TOML and presets per layout dominated the planner's
     time); ``with_layout`` copies the sections it changes, and nothing mutates the rest."""
     values: dict[str, Any] = {"data.seq_len": seq_len, "train.dtype": "bf16"}
+    if fp8 != "none":
+        values["train.fp8"] = fp8
     if preset:
         values["model.preset"] = preset
     return load_config(config_path, values)

@@ -62,6 +62,7 @@ class Workload:
     seq_len: int
     global_batch: int  # sequences per optimizer step
     config_path: str | None = None  # a Loom TOML whose model (and other sections) to plan for
+    fp8: str = "none"  # ``train.fp8``'s recipe (the blocks' linears in FP8)
 
     @property
     def tokens_per_step(self) -> int:

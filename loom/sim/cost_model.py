@@ -140,8 +140,13 @@ class CostModel:
 
     def __init__(self, model: TransformerArgs, seq_len: int, global_batch: int, cluster: Any, *,
                  dtype_bytes: int = 2, grad_bytes: int | None = None,
-                 op_overhead: float | None = None, framework: Framework = LOOM):
+                 op_overhead: float | None = None, framework: Framework = LOOM,
+                 fp8: bool = False):
         self.model, self.seq, self.batch, self.cluster = model, seq_len, global_batch, cluster
+        # FP8 matmuls in the blocks' linears (``train.fp8``; ``_fp8_share`` says which FLOPs)
+        if fp8 and not cluster.gpu.fp8_flops:
+            raise ValueError(f"{cluster.gpu.name} has no FP8 matmuls (fp8_flops = 0)")
+        self.fp8 = fp8
         self.framework = framework  # memory layout and overlap defaults (loom.sim.frameworks)
         self.e = dtype_bytes
         self.grad_bytes = framework.grad_bytes if grad_bytes is None else grad_bytes
@@ -173,6 +178,20 @@ class CostModel:
         core = 4 * tokens * self.seq * m.n_heads * d / 2  # causal: half the square
         return (proj + mlp) / tp + router, core / tp
 
+    def _fp8_share(self, tokens: float, tp: int, moe: bool) -> tuple[float, float]:
+        """(the FLOPs of one layer's forward that run in FP8, the elements cast to FP8 per pass)
+        on one rank: Loom converts the attention projections and the dense or shared-expert MLP
+        (``loom.parallel.fp8.converts``), not the attention core, the router or the routed
+        experts. Each linear casts its own input (q, k and v each theirs) and, in backward, its
+        output gradient; about as many elements either way."""
+        m = self.model
+        proj = 2 * tokens * m.dim * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
+        width = m.expert_ffn_dim or m.ffn_dim
+        mlp = 6 * tokens * m.dim * (width * m.n_shared_experts if moe else m.ffn_dim)
+        ffn = width * m.n_shared_experts if moe else m.ffn_dim
+        cast = tokens * (4 * m.dim + (2 * m.dim + ffn if ffn else 0))
+        return (proj + mlp) / tp, cast / tp
+
     def model_flops_per_step(self) -> float:
         if self._model_flops is None:
             self._model_flops = self._count_model_flops()
@@ -194,6 +213,13 @@ class CostModel:
         smallest = min(tokens, m.dim / lay.tp, (m.expert_ffn_dim or m.ffn_dim) / lay.tp if moe
                        else m.ffn_dim / lay.tp)
         t_mat = mat / gpu.matmul_rate(smallest)
+        t_cast = 0.0
+        if self.fp8:
+            converted, cast_elements = self._fp8_share(tokens, lay.tp, moe)
+            t_mat -= converted / gpu.matmul_rate(smallest) * (1 - gpu.peak_flops / gpu.fp8_flops)
+            # dynamic scaling: each converted operand read for its amax, read again and written
+            # as one byte (unfused; torch.compile fuses some of it, not priced)
+            t_cast = cast_elements * (2 * self.e + 1) / gpu.hbm_bandwidth
         t_core = core / gpu.matmul_rate(min(s_local, m.head_dim))
         split = ELEMENTWISE_PASSES if lay.sequence_parallel and lay.tp > 1 else 12
         kept = 0 if lay.sequence_parallel and lay.tp > 1 else ELEMENTWISE_PASSES - 12
@@ -233,10 +259,11 @@ class CostModel:
         if self.framework.overlap.tp_comm and lay.sequence_parallel and tp_fwd and self.overlaps:
             # pipelined with the GEMMs in tp chunks (Megatron's TP-comm overlap needs SP)
             tp_exposed = chunked_overlap(t_mat * slow, tp_fwd, lay.tp) - t_mat * slow
-        f_compute = (t_mat + t_core + t_elem + overhead) * slow
+        f_compute = (t_mat + t_cast + t_core + t_elem + overhead) * slow
         f = f_compute + tp_exposed + cp_fwd + ep_fwd
-        i = (t_mat + 2 * t_core + 2 * t_elem + overhead) * slow + tp_exposed + cp_bwd + ep_fwd
-        w = (t_mat + overhead) * slow
+        i = (t_mat + t_cast + 2 * t_core + 2 * t_elem + overhead) * slow + tp_exposed + cp_bwd \
+            + ep_fwd
+        w = (t_mat + t_cast + overhead) * slow
         if lay.recompute == "full":
             i += f
             comm_tp = 2 * tp_fwd

@@ -1,0 +1,121 @@
+"""FP8 linear layers (``train.fp8``): the transformer blocks' matmuls in float8, through torchao.
+
+Which layers: every ``nn.Linear`` inside the transformer blocks (attention's q, k, v, o and the
+MLP's w1, w2, w3, the shared experts' too) whose two dimensions are multiples of 16 (what the
+FP8 GEMM kernels take). Not converted, as TorchTitan and Megatron leave them: the embedding, the
+output head (its logits feed the loss, where FP8's error shows most), the MoE router (its top-k
+decisions are discontinuous in its scores), and the routed experts (grouped weights, not
+``nn.Linear``). The parameters stay what they were (fp32, or bf16 under ``train.dtype = bf16``):
+FP8 is a cast inside each matmul, forward and backward, so optimizers, ZeRO, checkpoints and
+post-validation see the same tensors as without it, and a checkpoint moves freely between FP8
+and non-FP8 runs.
+
+Recipes (``train.fp8``, torchao's names): ``tensorwise`` (one dynamic scale per tensor: e4m3
+inputs and weights, e5m2 gradients), ``rowwise`` (a scale per row, e4m3 throughout; more
+accurate, slower) and ``rowwise_with_gw_hp`` (rowwise, the weight gradient's matmul in high
+precision). Scales are recomputed from each tensor's amax at every matmul (dynamic scaling), so
+a microbatch's FP8 result depends only on that microbatch: a data-parallel run equals one process
+accumulating the same microbatches.
+
+The device must have FP8 matmuls (CUDA compute capability 8.9 or more: L4/L40S, H100, H200,
+B200); anywhere else ``loom train`` refuses ``train.fp8`` by name before launching, unless
+``train.fp8_emulate`` asks torchao to emulate the FP8 matmuls in high precision with the same
+scales and casts (what the tests on this CPU-only machine use; no faster than without FP8).
+
+Context parallelism splits every sequence over ranks, so a scale over a whole tensor
+(tensorwise) or over the tokens (rowwise's weight-gradient matmul, which contracts over them)
+would see a rank's part only and results would change with cp; ``rowwise_with_gw_hp`` scales
+per token or per weight row and keeps the weight gradient in high precision, so it is the recipe
+allowed with cp > 1 (equal to one process, tests/dist/test_fp8_parity.py).
+
+Not built yet, refused by name in ``loom.config_rules``: tensor parallelism (torchao's
+``Float8ColwiseParallel`` / ``Float8RowwiseParallel`` would replace the TP plan's styles) and
+FSDP2's float8 all-gather (the all-gather stays in the parameters' dtype).
+
+Why torchao and not hand-written: its ``Float8Linear`` is the kernel TorchTitan trains with
+(scaling, the e4m3/e5m2 split, the autograd of the casts); Loom only chooses which layers convert
+and where in ``parallelize``'s order (first: before any wrapper sees the module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import torch
+from torch import nn
+
+RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp")
+# CUDA compute capability from which the FP8 tensor-core matmuls exist (Ada, Hopper, Blackwell)
+FP8_CAPABILITY = (8, 9)
+KERNEL_MULTIPLE = 16  # both dimensions of an FP8 GEMM's operands
+
+
+def torchao_available() -> bool:
+    """Whether the optional ``torchao`` package (``pip install 'loom[fp8]'``) is installed."""
+    return importlib.util.find_spec("torchao") is not None
+
+
+def device_refusal(recipe: str, emulate: bool, device: str) -> str | None:
+    """The rule ``loom train`` refuses ``train.fp8 = recipe`` by on this machine's ``device``
+    (None: torchao is installed and the device has FP8 matmuls or they are emulated, or FP8 is
+    off)."""
+    if recipe == "none":
+        return None
+    if not torchao_available():
+        return "needs the torchao package, which is not installed: pip install 'loom[fp8]'"
+    missing = None if emulate else missing_fp8_matmuls(device)
+    if missing is None:
+        return None
+    return (f"needs FP8 matmuls (CUDA compute capability 8.9 or more: L40S, H100, H200, B200);"
+            f" {missing}. Use such a GPU, or train.fp8_emulate = true to emulate them (tests;"
+            " not faster)")
+
+
+def missing_fp8_matmuls(device: str) -> str | None:
+    """Why ``device`` (``train.device``: auto, cpu, cuda, cuda:N, ...) has no FP8 matmuls, or
+    None when it has them."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not device.startswith("cuda"):
+        return f"device {device!r} has no FP8 matmuls"
+    if not torch.cuda.is_available():
+        return "CUDA is not available here"
+    index = int(device.split(":")[1]) if ":" in device else torch.cuda.current_device()
+    capability = torch.cuda.get_device_capability(index)
+    if capability < FP8_CAPABILITY:
+        return (f"{torch.cuda.get_device_name(index)} is compute capability"
+                f" {capability[0]}.{capability[1]}, below {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]}")
+    return None
+
+
+def converts(fqn: str, module: nn.Module) -> bool:
+    """Whether ``module`` (named ``fqn`` in the model) runs its matmuls in FP8."""
+    if not isinstance(module, nn.Linear) or not fqn.startswith("layers."):
+        return False
+    if fqn.rsplit(".", 1)[-1] == "router":
+        return False
+    return module.in_features % KERNEL_MULTIPLE == 0 and \
+        module.out_features % KERNEL_MULTIPLE == 0
+
+
+def apply_fp8(model: nn.Module, recipe: str, *, emulate: bool = False) -> int:
+    """Convert ``model``'s eligible linear layers (``converts``) in place to torchao's
+    ``Float8Linear`` with ``recipe``; returns how many were converted (0 for ``none``)."""
+    if recipe == "none":
+        return 0
+    if recipe not in RECIPES:
+        raise ValueError(f"train.fp8 = {recipe!r}: one of {', '.join(RECIPES)}")
+    # torchao is an optional extra, imported only by runs that ask for FP8
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+    chosen = {fqn for fqn, module in model.named_modules() if converts(fqn, module)}
+    convert_to_float8_training(model, config=config,
+                               module_filter_fn=lambda module, fqn: fqn in chosen)
+    return len(chosen)
+
+
+__all__ = ["RECIPES", "FP8_CAPABILITY", "apply_fp8", "converts", "device_refusal",
+           "missing_fp8_matmuls",
+           "torchao_available"]

@@ -1,0 +1,86 @@
+"""``train.fp8``: the blocks' linear layers in FP8 (torchao, emulated on this CPU) give one
+process's loss and gradients under every data-parallel form and a pipeline.
+
+FP8 scales are computed from each tensor's amax at every matmul, so a rank's numbers depend only
+on its microbatch: the first step of a layout equals one process accumulating the same
+microbatches, every gradient to the matrix's fp32 tolerances (tests/dist/test_layouts_parity.py).
+Later steps start from weights that differ at rounding level (gradients summed in another order,
+ZeRO's sharded step), and FP8's rounding is a step function of them: an element that crosses a
+rounding boundary moves by a whole FP8 step. Measured: ZeRO-1 at step 2, grad norm 3e-4 off
+(relative) where fp32 layouts stay within 1e-6. So later steps are checked on the loss and the
+grad norm at FP8's scale (1e-3 relative). The reference itself is checked to be an FP8 run: its
+loss differs from the fp32 run's, by less than FP8's rounding allows.
+"""
+
+import pytest
+
+from loom.parallel.fp8 import torchao_available
+from loom.testing.parity import assert_parity, layout_config, record_training
+from tests.conftest import SMALL_DATA_OVERRIDES
+
+pytestmark = pytest.mark.skipif(not torchao_available(), reason="needs torchao (loom[fp8])")
+
+STEPS = 3
+BASE = {**SMALL_DATA_OVERRIDES, "model.preset": "debug", "model.n_kv_heads": 4,
+        "train.steps": STEPS, "train.global_batch_size": 8, "train.micro_batch_size": 2,
+        "optim.warmup_steps": 1, "optim.lr": 1e-3, "train.grad_clip": 1.0}
+FP8 = {**BASE, "train.fp8": "tensorwise", "train.fp8_emulate": True}
+RTOL_FIRST, ATOL_FIRST = 1e-5, 1e-6
+RTOL_LATER = 1e-3  # FP8's rounding of weights that differ at fp32's (docstring)
+
+LAYOUTS = {
+    "dp2": (2, {"dp_replicate": 2}),
+    "zero1-dp2": (2, {"dp_shard": 2, "zero_stage": 1}),
+    "zero3-dp2": (2, {"dp_shard": 2, "zero_stage": 3}),
+    "pp2-1f1b": (2, {"pp": 2, "schedule": "1f1b"}),
+}
+
+
+def test_fp8_under_context_parallelism_matches_one_process_with_per_token_scales(
+        dist, small_data_dir):
+    """Under cp a rank holds part of each sequence: a scale over a whole tensor or over the
+    tokens (tensorwise; rowwise's weight-gradient matmul) would see only that part, so the
+    config allows cp > 1 only with ``rowwise_with_gw_hp``, whose scales are per token or per
+    weight row (the weight gradient in high precision): then sharding changes nothing."""
+    per_token = {**FP8, "train.fp8": "rowwise_with_gw_hp"}
+    reference = dist.run(1, record_training, layout_config(per_token, 1), small_data_dir, 2)[0]
+    for cp_mode in ("ring", "ulysses"):
+        config = layout_config(per_token, 2, cp=2, cp_mode=cp_mode)
+        for rank, result in enumerate(dist.run(2, record_training, config, small_data_dir, 2)):
+            assert_parity(reference, result, rtol=RTOL_FIRST, atol=ATOL_FIRST,
+                          label=f"fp8 cp2-{cp_mode} rank {rank}", steps=range(1))
+
+
+@pytest.fixture(scope="module")
+def reference(dist, small_data_dir):
+    return dist.run(1, record_training, layout_config(FP8, 1), small_data_dir, STEPS)[0]
+
+
+def test_the_reference_runs_fp8_matmuls(dist, small_data_dir, reference):
+    fp32 = dist.run(1, record_training, layout_config(BASE, 1), small_data_dir, STEPS)[0]
+    for step in range(STEPS):
+        ours, theirs = reference["loss"][step], fp32["loss"][step]
+        assert ours != theirs  # the matmuls are quantized ...
+        assert abs(ours - theirs) < 0.02 * theirs  # ... by FP8's rounding, not broken
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_each_recipe_trains_near_fp32(dist, small_data_dir, recipe):
+    fp32 = dist.run(1, record_training, layout_config(BASE, 1), small_data_dir, 1)[0]
+    ours = dist.run(1, record_training, layout_config({**FP8, "train.fp8": recipe}, 1),
+                    small_data_dir, 1)[0]
+    assert ours["loss"][0] != fp32["loss"][0]
+    assert ours["loss"][0] == pytest.approx(fp32["loss"][0], rel=0.02)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fp8_layout_matches_one_process(dist, small_data_dir, reference, layout):
+    world, parallel = LAYOUTS[layout]
+    config = layout_config(FP8, world, **parallel)
+    for rank, result in enumerate(dist.run(world, record_training, config, small_data_dir,
+                                           STEPS)):
+        label = f"fp8 {layout} rank {rank}"
+        assert_parity(reference, result, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=label,
+                      steps=range(1))
+        for key in ("loss", "grad_norm"):
+            assert result[key] == pytest.approx(reference[key], rel=RTOL_LATER), (label, key)

@@ -1,0 +1,62 @@
+"""The planner's FP8 (``loom plan --fp8``): the blocks' linear FLOPs at the accelerator's FP8
+peak plus the casts, the rest unchanged; refused where there are no FP8 matmuls."""
+
+import json
+
+import pytest
+
+from loom.cli import main
+from loom.layout import Layout
+from loom.models.presets import PRESETS
+from loom.plan.hardware import make_cluster
+from loom.sim.cost_model import CostModel
+
+MODEL = PRESETS["llama3-8b"]
+
+
+def priced(fp8: bool, layout: Layout, model=MODEL, gpu="H100-SXM"):
+    return CostModel(model, 8192, 64, make_cluster(gpu, 8, 8), fp8=fp8)
+
+
+def test_fp8_makes_the_linear_layers_faster_by_at_most_the_peak_ratio():
+    layout = Layout(dp_shard=8, zero_stage=3)
+    plain, fp8 = priced(False, layout), priced(True, layout)
+    f16, f8 = plain._times(layout, False)[0], fp8._times(layout, False)[0]
+    mat, core = plain.layer_flops(8192, 1, False)
+    converted, _ = plain._fp8_share(8192, 1, False)
+    assert converted == pytest.approx(mat)  # a dense layer: every linear converts
+    gpu = plain.cluster.gpu
+    saved = mat / gpu.matmul_rate(min(8192, MODEL.dim, MODEL.ffn_dim)) / 2  # 2x the peak
+    assert f16 - saved < f8 < f16  # faster, but the casts cost something
+    assert fp8.evaluate(layout).step_time < plain.evaluate(layout).step_time
+
+
+def test_routed_experts_and_the_router_stay_in_16_bits():
+    moe = PRESETS["mixtral-8x7b"]
+    plain = priced(False, Layout(dp_shard=8), model=moe)
+    converted, _ = plain._fp8_share(4096, 1, True)
+    proj = 2 * 4096 * moe.dim * moe.head_dim * (2 * moe.n_heads + 2 * moe.n_kv_heads)
+    assert converted == pytest.approx(proj)  # no shared experts: only attention's projections
+    assert converted < plain.layer_flops(4096, 1, True)[0] / 3
+
+
+def test_an_accelerator_without_fp8_matmuls_is_refused(capsys):
+    with pytest.raises(ValueError, match="A100-80GB has no FP8"):
+        priced(True, Layout(dp_shard=8), gpu="A100-80GB")
+    code = main(["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "A100-80GB", "--seq",
+                 "4096", "--global-batch-tokens", "262144", "--fp8", "tensorwise"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("loom plan: --fp8 tensorwise:") and "\n" not in err
+
+
+def test_the_plan_follows_loom_fp8_rules(capsys):
+    """Loom refuses FP8 with tensor parallelism, and tensorwise scaling with cp: the plan
+    reports those layouts refused by those rules and ranks only the others."""
+    code = main(["plan", "--model", "llama3-8b", "--gpus", "16", "--gpu", "H100-SXM", "--seq",
+                 "4096", "--global-batch-tokens", "1048576", "--fp8", "tensorwise", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["ranked"]
+    rules = " ".join(result["refused"])
+    assert "train.fp8: with parallel.tp = 2" in rules and "train.fp8: with parallel.cp = 2" in rules
+    assert all(row["degrees"].get("tp", 1) == 1 and row["degrees"].get("cp", 1) == 1
+               for row in result["ranked"])
