@@ -224,9 +224,10 @@ def _validate_fault(config: Config) -> None:
 
 
 def _validate_packing(config: Config) -> None:
-    """``data.packing``: a known mode; ``pack``'s document-masked attention is local (one
-    device per sequence, the plain attention core), its padding kept out of the loss only (not
-    out of MoE's routing)."""
+    """``data.packing``: a known mode; documents run on every axis (cp cuts them per
+    document, ``_validate_context_documents``; tp, sequence parallelism, selective recompute
+    and MoE all run: the attention core sees whole rows, MoE routes and balances per document,
+    padding excluded)."""
     packing, par, tr = config.data.packing, config.parallel, config.train
     if packing not in PACKINGS:
         raise ConfigError("data.packing", packing, f"must be one of {', '.join(PACKINGS)}"
@@ -248,24 +249,26 @@ def _validate_packing(config: Config) -> None:
         return
     if packing == "varlen":
         _validate_varlen_layout(config)
-    if par.cp > 1:
-        raise ConfigError("data.packing", packing, f"{packing} needs whole documents on one"
-                          f" rank; context parallelism (parallel.cp = {par.cp}) splits them:"
-                          " use cp = 1")
-    if tr.recompute == "selective":
-        raise ConfigError("data.packing", packing, f"{packing} runs its own attention kernel,"
-                          " which train.recompute = selective does not wrap: use none, full or"
-                          " every_k")
+    if par.cp > 1:  # documents cut per document over cp (loom.parallel.context_documents)
+        _validate_context_documents(config)
+    if config.model.n_experts and par.cp > 1:
+        raise ConfigError("data.packing", packing, "MoE routes and balances each document as a"
+                          f" whole; context parallelism (parallel.cp = {par.cp}) splits"
+                          " documents over ranks: use cp = 1 with model.n_experts > 0")
+
+
+def _validate_context_documents(config: Config) -> None:
+    """pack/varlen under cp > 1: what is not built on top of it yet, by name."""
+    packing, par = config.data.packing, config.parallel
     if par.tp > 1 and par.sequence_parallel:
-        raise ConfigError("data.packing", packing, f"{packing} keeps each row whole on a rank;"
-                          " parallel.sequence_parallel splits it between stages: turn it off")
-    if config.model.n_experts and packing == "varlen":
-        raise ConfigError("data.packing", packing, "MoE's load-balancing loss is weighted per"
-                          " microbatch, not per token, and varlen microbatches differ in"
-                          " tokens: use concat with model.n_experts > 0")
-    if config.model.n_experts:
-        raise ConfigError("data.packing", packing, "padding would take part in MoE routing and"
-                          " its load-balancing loss: use concat with model.n_experts > 0")
+        raise ConfigError("parallel.sequence_parallel", True, f"{packing} under cp ="
+                          f" {par.cp} with sequence parallelism is not built yet (a cp shard"
+                          " of documents is padded to the Ulysses degree, not to tp): turn it"
+                          " off or use cp = 1")
+    if par.dp_mode != "sync":
+        raise ConfigError("parallel.dp_mode", par.dp_mode, f"{packing} under cp = {par.cp}"
+                          " counts a step's tokens over dp x cp; the outer modes' replica"
+                          " groups do not include cp yet: use dp_mode = sync or cp = 1")
 
 
 def _validate_varlen_layout(config: Config) -> None:

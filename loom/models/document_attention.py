@@ -30,7 +30,9 @@ Which kernel, and why (torch 2.13):
 * A dense boolean ``[S, S]`` mask through SDPA is not used: its memory grows with ``S^2``.
 
 The unmasked model (no document ids) never comes here: it keeps ``sdpa_causal``'s ``is_causal``
-kernel, bit for bit.
+kernel, bit for bit. Under context parallelism the shard's mask (ids and ``known_positions``)
+goes to the cp core instead (``loom.parallel.context_documents``), which applies this class's
+``attention`` to the whole row after Ulysses' all-to-all, or masks ring blocks by id and position.
 
 Shape legend: B batch, S sequence, N query heads, K key/value heads, Hd head dim.
 """
@@ -58,11 +60,16 @@ class DocumentMask:
     spans (``segments``) and the ``BlockMask`` (``flex``) are computed on first use.
     """
 
-    def __init__(self, document_ids_BS: torch.Tensor) -> None:
+    def __init__(self, document_ids_BS: torch.Tensor,
+                 positions_BS: torch.Tensor | None = None) -> None:
         if document_ids_BS.dim() != 2:
             raise ValueError(f"document_ids must be [batch, seq], got shape"
                              f" {tuple(document_ids_BS.shape)}")
         self.document_ids = document_ids_BS
+        # Each token's position in its document, as the caller gave it (None: not given). A
+        # context-parallel shard holds parts of documents, which its ids alone cannot place;
+        # its core (loom.parallel.context_documents) masks by these.
+        self.known_positions = positions_BS
         starts_BS = torch.ones_like(document_ids_BS, dtype=torch.bool)
         starts_BS[:, 1:] = document_ids_BS[:, 1:] != document_ids_BS[:, :-1]
         self.starts_BS = starts_BS  # True where a run (a document, or the padding) begins
@@ -79,6 +86,25 @@ class DocumentMask:
         index_BS = torch.arange(S, device=self.document_ids.device).expand(self.shape)
         run_start_BS = torch.where(self.starts_BS, index_BS, 0).cummax(dim=1).values
         return index_BS - run_start_BS
+
+    @property
+    def real_BS(self) -> torch.Tensor:
+        """True at tokens of a document; a negative id is padding (``loom.data.packing``'s
+        ``PAD_DOCUMENT``), which attends as a run of its own but is no document: MoE routes
+        none of it (``loom.models.moe``)."""
+        return self.document_ids >= 0
+
+    @functools.cached_property
+    def run_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's run as (first, last) token index inside its row, ``[B, S]`` each: for
+        statistics over a whole document (MoE's routing groups)."""
+        S = self.shape[1]
+        index_BS = torch.arange(S, device=self.document_ids.device).expand(self.shape)
+        first_BS = index_BS - self.positions()
+        ends_BS = torch.ones_like(self.starts_BS)
+        ends_BS[:, :-1] = self.starts_BS[:, 1:]  # a run ends where the next one starts
+        last_BS = torch.where(ends_BS, index_BS, S).flip(1).cummin(dim=1).values.flip(1)
+        return first_BS, last_BS
 
     @functools.cached_property
     def spans(self) -> list[tuple[int, int, torch.Tensor | None]]:

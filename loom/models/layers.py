@@ -129,7 +129,8 @@ class Attention(nn.Module):
     Optional, per ``TransformerArgs``: biases on q/k/v (``qkv_bias``), an RMSNorm over each query
     and key head before RoPE (``qk_norm``; one weight of Hd elements shared by all heads), and a
     sliding window in the core (``sliding_window``). With ``documents`` (packed rows), attention
-    stays inside each document (``loom.models.document_attention``) instead of ``core``.
+    stays inside each document (``loom.models.document_attention``) instead of ``core``, unless
+    the core says it ``takes_documents`` (context parallelism): then it gets them.
     """
 
     def __init__(self, args: TransformerArgs) -> None:
@@ -166,11 +167,14 @@ class Attention(nn.Module):
         # Key/value heads go to the core un-repeated (GQA): context parallelism then moves K heads.
         if documents is None:
             out_BNSH = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        elif getattr(self.core, "takes_documents", False):  # a cp core: its own document path
+            out_BNSH = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                 documents=documents)
         else:
             if self.core is not self._local_core:
                 raise ValueError("document-masked attention (document_ids) runs on one device"
                                  " only; this layer's attention core was replaced from outside"
-                                 " (context parallelism or selective recompute)")
+                                 " (a context-parallel core without a document path)")
             out_BNSH = documents.attention(q.transpose(1, 2), k.transpose(1, 2),
                                            v.transpose(1, 2), self.sliding_window)
         return self.wo(out_BNSH.transpose(1, 2).reshape(B, S, -1))

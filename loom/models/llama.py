@@ -57,6 +57,9 @@ class TransformerBlock(nn.Module):
         # documents by keyword: tensor parallelism's input plans take exactly (x, cos, sin)
         h = x_BSD + self.attention(self.attention_norm(x_BSD), cos_SH, sin_SH,
                                    documents=documents)
+        if documents is not None and isinstance(self.feed_forward, MoEFeedForward):
+            # MoE routes and balances each document as its own group, padding nowhere
+            return h + self.feed_forward(self.ffn_norm(h), documents=documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -105,7 +108,7 @@ class Transformer(nn.Module):
             if document_ids.shape != h.shape[:2]:
                 raise ValueError(f"document_ids shape {tuple(document_ids.shape)} does not match"
                                  f" the input's [batch, seq] = {tuple(h.shape[:2])}")
-            documents = DocumentMask(document_ids)
+            documents = DocumentMask(document_ids, positions)
         if positions is None and documents is not None:
             positions = documents.positions()
         if positions is None:

@@ -7,8 +7,9 @@ renormalised to sum to one (Mixtral; DeepSeekMoE keeps the raw probabilities:
 ``n_shared_experts > 0``, an always-active SwiGLU of hidden size ``n_shared * F_e`` (DeepSeekMoE's
 shared experts, fused into one: a sum of SwiGLUs is one SwiGLU with the hidden dims concatenated).
 
-**Routing group = one sequence.** Capacity and the load-balancing statistics are computed per
-sequence (per row of the ``[B, S, D]`` input), never over the batch. A sequence is never split by
+**Routing group = one sequence** (one document with documents, below). Capacity and the
+load-balancing statistics are computed per sequence (per row of the ``[B, S, D]`` input), never
+over the batch. A sequence is never split by
 data or expert parallelism or by microbatching, so every layout routes, drops and balances
 exactly as one process does (parity tests depend on it; only context parallelism, which splits
 sequences, would change the groups). The balancing loss is therefore the sequence-wise form of
@@ -29,6 +30,27 @@ tokens) over the parts: the parts are equal shares, so the mean of the parts' ``
 the whole sequence's, and the balancing loss is one process's on every part. Routing itself is
 per token, so dropless routing needs nothing else. Capacity cannot be split this way (a queue
 position depends on the order of all the sequence's tokens), so ``route`` refuses the pair.
+
+**Documents as routing groups** (``data.packing = pack | varlen``: ``forward(x, documents)``
+with the model's ``DocumentMask``). A row then holds several documents (and, packed, padding),
+so the routing group is the *document*, as attention's is: a document's ``f`` and ``P``, and its
+capacity ``ceil(capacity_factor * n_d * k / E)`` over its ``n_d`` tokens, are its own whatever
+row, microbatch or rank it lands in. Padding (a negative id) chooses no expert, takes no queue
+place and no part in any statistic. The balancing loss is then defined **per token**:
+
+    aux_loss = sum over the tokens t of every document d of  E * sum_e f_{d,e} * p_{t,e}
+             (= sum over documents of  n_d * E * sum_e f_{d,e} P_{d,e}),
+
+a *sum* that the trainer divides by the step's real tokens (all ranks and microbatches), exactly
+as it does the cross entropy: the step's value is the token-weighted mean of DeepSeek-V3's
+sequence-wise loss over its documents, independent of how documents are spread over
+microbatches and ranks. (A mean per microbatch or per row, then averaged, would weigh a short
+microbatch's tokens more, and count padding.) Megatron's ``aux_loss`` and TorchTitan's
+``batch_wise`` take ``f`` over all tokens of a microbatch (Megatron's ``global_aux_loss`` over
+the data-parallel group too), which depends on how tokens are grouped into microbatches;
+their ``seq_aux_loss`` / ``sequence_wise`` take it per row: the form here, with the document
+as the sequence and the token weights made explicit. Rows without documents keep the mean over
+sequences above.
 
 **Capacity** (``capacity_factor > 0``): each expert takes at most ``C = ceil(capacity_factor * S
 * k / E)`` assignments per sequence. Priority is GShard's: all first choices in token order, then
@@ -59,6 +81,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loom.models.document_attention import DocumentMask
 from loom.models.layers import FeedForward, TransformerArgs
 
 
@@ -71,7 +94,8 @@ class Routing(NamedTuple):
     counts_E: torch.Tensor  # kept assignments per expert (int64)
     topi_BSK: torch.Tensor  # chosen experts before dropping
     keep_BSK: torch.Tensor  # False where capacity dropped the assignment
-    aux_loss: torch.Tensor  # scalar load-balancing loss, mean over sequences
+    aux_loss: torch.Tensor  # scalar balancing loss: mean over sequences, or with documents
+    # the sum over their tokens of each token's term (the caller divides by the step's tokens)
 
 
 def capacity(seq_len: int, n_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -88,16 +112,26 @@ SequenceStatistics = Callable[[torch.Tensor], torch.Tensor]
 
 def route(logits_BSE: torch.Tensor, top_k: int, capacity_factor: float = 0.0,
           renormalize: bool = True,
-          sequence_statistics: SequenceStatistics | None = None) -> Routing:
+          sequence_statistics: SequenceStatistics | None = None,
+          documents: DocumentMask | None = None) -> Routing:
     """Top-k routing with per-sequence capacity and balancing loss (see the module docstring).
     ``sequence_statistics``: the rows are parts of longer sequences; it averages f and P over
-    the parts (dropless only)."""
+    the parts (dropless only). ``documents``: the rows' documents are the routing groups, the
+    padding routed nowhere, the balancing loss a sum over tokens (module docstring)."""
     B, S, E = logits_BSE.shape
     probs_BSE = logits_BSE.float().softmax(dim=-1)  # fp32 router as Mixtral / Switch
     topw_BSK, topi_BSK = probs_BSE.topk(top_k, dim=-1)
     if renormalize:
         topw_BSK = topw_BSK / topw_BSK.sum(dim=-1, keepdim=True)
     onehot_BSKE = F.one_hot(topi_BSK, E)
+    if documents is not None:
+        if sequence_statistics is not None:
+            raise ValueError("documents as routing groups need whole documents on this rank;"
+                             " sequences split over ranks (context parallelism) are not built"
+                             " for them")
+        keep_BSK, aux_loss = _document_groups(onehot_BSKE, probs_BSE, documents,
+                                              capacity_factor)
+        return _assignments(topi_BSK, topw_BSK, keep_BSK, aux_loss, E)
     f_BE = onehot_BSKE.sum(dim=(1, 2)).float() / (S * top_k)
     P_BE = probs_BSE.mean(dim=1)
     if sequence_statistics is not None:
@@ -116,7 +150,48 @@ def route(logits_BSE: torch.Tensor, top_k: int, capacity_factor: float = 0.0,
         position_BA = ((onehot_BAE.cumsum(dim=1) - 1) * onehot_BAE).sum(dim=-1)
         keep_BSK = (position_BA < cap).view(B, top_k, S).transpose(1, 2)
 
-    # Flat assignments in token order, kept ones only, then stably sorted by expert.
+    return _assignments(topi_BSK, topw_BSK, keep_BSK, aux_loss, E)
+
+
+def _document_groups(onehot_BSKE: torch.Tensor, probs_BSE: torch.Tensor,
+                     documents: DocumentMask,
+                     capacity_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keep_BSK, aux_loss)`` with each document a routing group (module docstring): the
+    per-sequence rules, with a document's sums taken between its first and last token."""
+    B, S, K, E = onehot_BSKE.shape
+    real_BS = documents.real_BS
+    onehot_BSKE = onehot_BSKE * real_BS[:, :, None, None]  # padding chooses nothing
+    first_BS, last_BS = documents.run_bounds
+    tokens_BS = (last_BS - first_BS + 1).clamp(min=1)  # n_d, at every token of d
+
+    def at(t_BSKE: torch.Tensor, index_BS: torch.Tensor) -> torch.Tensor:
+        return t_BSKE.gather(1, index_BS[:, :, None, None].expand_as(t_BSKE))
+
+    # Inclusive running count per (slot, expert) inside the row, restarted at each document.
+    running_BSKE = onehot_BSKE.cumsum(dim=1)
+    before_BSKE = at(running_BSKE, first_BS) - at(onehot_BSKE, first_BS)
+    within_BSKE = running_BSKE - before_BSKE
+    total_BSKE = at(running_BSKE, last_BS) - before_BSKE  # the document's, per slot
+
+    f_BSE = total_BSKE.sum(dim=2).float() / (tokens_BS[:, :, None] * K)
+    term_BS = E * (f_BSE * probs_BSE).sum(dim=-1)
+    aux_loss = (term_BS * real_BS).sum()
+
+    keep_BSK = real_BS[:, :, None].expand(B, S, K)
+    if capacity_factor > 0:
+        # GShard's slot-major queue inside the document: the earlier slots' assignments to
+        # the expert, then this slot's up to this token
+        earlier_BSKE = total_BSKE.cumsum(dim=2) - total_BSKE
+        position_BSK = ((within_BSKE - 1 + earlier_BSKE) * onehot_BSKE).sum(dim=-1)
+        cap_BS = torch.ceil(tokens_BS.double() * capacity_factor * K / E).long()
+        keep_BSK = keep_BSK & (position_BSK < cap_BS[:, :, None])
+    return keep_BSK, aux_loss
+
+
+def _assignments(topi_BSK: torch.Tensor, topw_BSK: torch.Tensor, keep_BSK: torch.Tensor,
+                 aux_loss: torch.Tensor, E: int) -> Routing:
+    """The kept assignments in token order, then stably sorted by expert."""
+    top_k = topi_BSK.shape[-1]
     kept = keep_BSK.flatten().nonzero().squeeze(1)
     kept = kept[torch.argsort(topi_BSK.flatten()[kept], stable=True)]
     expert_A = topi_BSK.flatten()[kept]
@@ -194,13 +269,16 @@ class MoEFeedForward(nn.Module):
         # The seam for sequences split over ranks (a callable, not a submodule).
         self.sequence_statistics: SequenceStatistics | None = None
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        return self.experts_output(x_BSD, self.route_tokens(x_BSD))
+    def forward(self, x_BSD: torch.Tensor,
+                documents: DocumentMask | None = None) -> torch.Tensor:
+        return self.experts_output(x_BSD, self.route_tokens(x_BSD, documents))
 
-    def route_tokens(self, x_BSD: torch.Tensor) -> Routing:
-        """The router's decisions for ``x_BSD`` (whole sequences); recorded on the module."""
+    def route_tokens(self, x_BSD: torch.Tensor,
+                     documents: DocumentMask | None = None) -> Routing:
+        """The router's decisions for ``x_BSD`` (whole sequences; ``documents``: the rows'
+        documents as routing groups); recorded on the module."""
         routing = route(self.router(x_BSD), self.top_k, self.capacity_factor, self.renormalize,
-                        self.sequence_statistics)
+                        self.sequence_statistics, documents)
         self.aux_loss, self.routing = routing.aux_loss, routing
         if self.aux_loss_backward_scale and torch.is_grad_enabled():
             weight_A = _AuxLossGradient.apply(routing.weight_A, routing.aux_loss,

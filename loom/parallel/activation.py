@@ -10,8 +10,12 @@ Policies (``train.recompute``), with the bytes a block keeps per microbatch (Kor
 * ``full``: every block is one checkpoint: only its input ``sbh·e`` is kept and the whole block
   runs forward again in backward (+1 forward, about +33% FLOPs);
 * ``selective``: only the attention core (``Attention.core``: SDPA, or a CP core) is recomputed,
-  Korthikanti's selective recomputation. Loom's CPU core is a flash kernel that saves only its
-  output and logsumexp, so the saving here is small; on kernels that store ``a·s²`` it is most;
+  Korthikanti's selective recomputation. With documents (``data.packing = pack | varlen``) the
+  core is the document-masked one (``DocumentMask.attention``): the local core is wrapped as a
+  core that takes the documents (``takes_documents``) and recomputes whichever it runs; a core
+  swapped in from outside (CP) keeps its own document path, recomputed the same way. Loom's
+  CPU core is a flash kernel that saves only its output and logsumexp, so the saving here is
+  small; on kernels that store ``a·s²`` it is most;
 * ``every_k``: full recomputation of blocks ``0, k, 2k, ...`` only (``train.recompute_every``):
   a middle point between the two, Megatron's "uniform/block" granularity.
 
@@ -29,8 +33,12 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from loom.models.document_attention import DocumentMask
+from loom.models.layers import sdpa_causal
 
 POLICIES = ("none", "full", "selective", "every_k")
 
@@ -40,6 +48,26 @@ def _checkpointed(fn: Callable) -> Callable:
     def run(*args, **kwargs):
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
+    return run
+
+
+def _is_local(core: Callable) -> bool:
+    """Whether ``core`` is the model's own one-device core (``Attention.__init__``'s)."""
+    return core is sdpa_causal or (isinstance(core, functools.partial)
+                                   and core.func is sdpa_causal)
+
+
+def _local_core_with_documents(core: Callable, window: int) -> Callable:
+    """The local core, taking the documents too: within documents it is the attention
+    ``Attention`` runs for them (``DocumentMask.attention``), so recomputing this one call
+    recomputes either path."""
+    def run(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
+            documents: DocumentMask | None = None) -> torch.Tensor:
+        if documents is None:
+            return core(q_BNSH, k_BKSH, v_BKSH)
+        return documents.attention(q_BNSH, k_BKSH, v_BKSH, window)
+
+    run.takes_documents = True  # Attention hands it the documents (functools.wraps keeps it)
     return run
 
 
@@ -61,7 +89,11 @@ def apply_activation_checkpointing(model: nn.Module, policy: str, every: int = 1
         return model
     if policy == "selective":
         for block in layers.values():
-            block.attention.core = _checkpointed(block.attention.core)
+            attention = block.attention
+            core = attention.core
+            if _is_local(core):  # a CP core keeps its own document path (and flag)
+                core = _local_core_with_documents(core, attention.sliding_window)
+            attention.core = _checkpointed(core)
         return model
     full = set(recomputed_layers([int(k) for k in layers], policy, every))
     for key, block in layers.items():

@@ -33,6 +33,19 @@ local to the cp group, Hd head dim), all counted in the ``CommLedger`` under axi
 The loss is the mean over local tokens; every cp rank has the same token count, so the mean of
 the cp ranks' losses is the global mean, and averaging gradients over cp gives its gradient.
 
+Documents (``data.packing = pack | varlen``; ``loom.parallel.context_documents``): rows are cut
+per document, not per row (``shard_documents``: each document zig-zag over the ring groups,
+padding only where a varlen microbatch or uneven document lengths need it, kept out of
+attention and out of the loss), and the core gets the shard's ``DocumentMask`` (ids and
+positions). Ulysses alone runs the ordinary document attention on the gathered row; the ring
+(and hybrid) masks each block by ``same document and position_k <= position_q``. Added
+communication: one all-gather over cp of the shard's (id, position) pairs per forward,
+``2*B*S_loc`` int64 per rank, shared by every layer; the all-to-alls and ring sends are the
+ones above. Ranks then hold different numbers of real tokens, so the trainer's loss is the
+token-weighted one of packed rows: each rank's sum over its real tokens, divided by the
+step's real tokens counted over dp x cp (one scalar all-reduce) and multiplied by dp x cp,
+which the gradient average over dp x cp turns into the step's token mean.
+
 Sliding-window attention (``model.sliding_window``): the Ulysses core sees the whole sequence
 in global order and applies the window exactly; the ring's blocks are plain causal and would
 attend past it, so a ring degree > 1 with a window is refused (here, and by name in
@@ -48,14 +61,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.data.packing import DocumentBatch
+from loom.models.document_attention import DocumentMask
 from loom.models.layers import sdpa_causal
 from loom.models.moe import MoEFeedForward
 from loom.parallel import comm
 from loom.parallel.comm import CommLedger
+from loom.parallel.context_documents import (DocumentKeys, document_keys, document_ring_attention,
+                                             document_shard_indices, take_shard)
 from loom.parallel.ring_attention import Ring, ring_attention, zigzag_positions
 
 Mode = Literal["ulysses", "ring", "hybrid"]
@@ -117,6 +136,14 @@ def shard_sequence(tokens_BS: torch.Tensor, cp_rank: int,
     with the same call."""
     positions = sequence_positions(tokens_BS.shape[1], cp_rank, layout).to(tokens_BS.device)
     return tokens_BS[:, positions], positions
+
+
+def shard_documents(batch: DocumentBatch, cp_rank: int, layout: CPLayout) -> DocumentBatch:
+    """This rank's part of packed rows or a varlen microbatch (``[B, S]`` each): documents cut
+    zig-zag per document, padded where needed (``loom.parallel.context_documents``); the same
+    length on every cp rank. Its positions are the tokens' positions in their documents."""
+    index = document_shard_indices(batch.document_ids, layout.ring, layout.ulysses, cp_rank)
+    return take_shard(batch, index)
 
 
 # -- Ulysses all-to-all -------------------------------------------------------------------------
@@ -209,7 +236,9 @@ def new_cp_groups(cp_rank_groups: Sequence[Sequence[int]], layout: CPLayout,
 class ContextParallelAttention:
     """A drop-in ``Attention.core``: queries ``[B, N, S/cp, Hd]``, un-repeated keys/values
     ``[B, K, S/cp, Hd]`` of this rank's shard -> its attention output ``[B, N, S/cp, Hd]``.
-    ``window`` > 0: sliding-window attention, Ulysses only (module docstring)."""
+    ``window`` > 0: sliding-window attention, Ulysses only (module docstring). With
+    ``documents`` (the shard's ``DocumentMask``, ids and positions from ``shard_documents``)
+    attention stays inside each document (``loom.parallel.context_documents``)."""
 
     def __init__(self, groups: CPGroups, ledger: CommLedger | None = None, axis: str = "cp",
                  window: int = 0):
@@ -218,18 +247,37 @@ class ContextParallelAttention:
                              " ranks: ring attention does not apply the window; use cp_mode"
                              " 'ulysses'")
         self.window = window
+        # Attention.forward hands packed rows' documents to a core that says so (an instance
+        # attribute: selective recompute's functools.wraps copies it onto its wrapper)
+        self.takes_documents = True
+        self.layout, self.cp, self.ledger, self.axis = groups.layout, groups.cp, ledger, axis
+        # one forward's document keys, shared by its layers (and by recomputation)
+        self._keys: weakref.WeakKeyDictionary[DocumentMask, DocumentKeys] = (
+            weakref.WeakKeyDictionary())
         self.ulysses = _Group(groups.ulysses, ledger, axis) if groups.layout.ulysses > 1 else None
         self.ring = None
         if groups.layout.ring > 1:
             self.ring = Ring(groups.ring, groups.ring_ranks,
                              groups.cp_rank // groups.layout.ulysses, ledger, axis)
 
-    def __call__(self, q_BNSH: torch.Tensor, k_BKSH: torch.Tensor,
-                 v_BKSH: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
+                 documents: DocumentMask | None = None) -> torch.Tensor:
+        keys = None
+        if documents is not None:
+            keys = self._keys.get(documents)
+            if keys is None:  # the forward's first layer: one all-gather of ids and positions
+                ring_index = self.ring.index if self.ring is not None else 0
+                keys = self._keys[documents] = document_keys(
+                    documents, self.cp, self.layout.ring, self.layout.ulysses, ring_index,
+                    self.ledger, self.axis)
         if self.ulysses is not None:
             q_BNSH, k_BKSH, v_BKSH = (_Redistribute.apply(t, self.ulysses, True)
                                       for t in (q_BNSH, k_BKSH, v_BKSH))
-        if self.ring is not None:
+        if keys is not None and self.ring is not None:
+            out_BNSH = document_ring_attention(q_BNSH, k_BKSH, v_BKSH, self.ring, keys)
+        elif keys is not None:  # Ulysses only: the whole row in global order, for my heads
+            out_BNSH = keys.whole.attention(q_BNSH, k_BKSH, v_BKSH, self.window)
+        elif self.ring is not None:
             out_BNSH = ring_attention(q_BNSH, k_BKSH, v_BKSH, self.ring)
         else:  # Ulysses only: the whole sequence, in global order, for my heads
             out_BNSH = sdpa_causal(q_BNSH, k_BKSH, v_BKSH, window=self.window)

@@ -5,8 +5,9 @@ Layout. ep rank r holds experts ``[r E/ep, (r+1) E/ep)`` of every MoE layer: row
 stacked ``w1``, ``w3``, ``w2`` (global names kept), cut from the seeded full value, so the weights
 equal one process's bit for bit. The router, shared experts, attention, norms and ends are
 replicated. Dense layers treat ``ep`` as data parallel: each ep rank holds its own B/ep
-sequences and routes only them. Routing (top-k, capacity, balancing loss) is per sequence (see
-``loom.models.moe``), so every rank drops exactly the assignments one process drops.
+sequences and routes only them. Routing (top-k, capacity, balancing loss) is per sequence, or
+per document for packed rows and varlen microbatches (see ``loom.models.moe``), so every rank
+drops exactly the assignments one process drops.
 
 Collectives per MoE layer per rank, all ``all_to_all`` under axis ``ep`` in the ``CommLedger``
 (A_out: this rank's kept assignments; A_in: the group's assignments to this rank's experts;
@@ -83,10 +84,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.func import functional_call
 
+from loom.models.document_attention import DocumentMask
 from loom.models.moe import GroupedExperts, MoEFeedForward
 from loom.parallel import comm
 from loom.parallel.comm import CommLedger
@@ -179,22 +182,43 @@ _EXPERT_SHARD_DIM = {"w1": 2, "w3": 2, "w2": 1}  # GroupedExperts, [E, D, F] / [
 _SHARED_SHARD_DIM = {"w1.weight": 0, "w3.weight": 0, "w2.weight": 1}  # nn.Linear, [out, in]
 
 
-def _gather_sequence(x_BsD: torch.Tensor, etp: ExpertTensorParallel) -> torch.Tensor:
-    """[B, S/t, D] sequence shards -> [B, S, D] (all-gather of B*S*D elements)."""
+def sequence_shard_lengths(S: int, t: int) -> list[int]:
+    """The sequence lengths of the t SP shards of S tokens as DTensor's ``Shard(1)`` cuts them
+    (``torch.chunk``: ``ceil(S/t)`` each, the last shorter or empty): a varlen microbatch
+    (``data.packing = varlen``) need not divide by t."""
+    chunk = -(-S // t)
+    return [max(0, min(chunk, S - r * chunk)) for r in range(t)]
+
+
+def _gather_sequence(x_BsD: torch.Tensor, etp: ExpertTensorParallel, S: int) -> torch.Tensor:
+    """[B, S/t, D] sequence shards -> [B, S, D] (all-gather of B*S*D elements; uneven shards
+    travel padded to the longest)."""
     B, s, D = x_BsD.shape
-    out = x_BsD.new_empty((etp.size * B, s, D))  # rank-major along dim 0, as gloo wants
-    comm.all_gather_into_tensor(out, x_BsD.contiguous(), etp.group, axis="tp", ledger=etp.ledger)
-    return out.view(etp.size, B, s, D).movedim(0, 1).reshape(B, etp.size * s, D)
+    lengths = sequence_shard_lengths(S, etp.size)
+    chunk = lengths[0]
+    padded = F.pad(x_BsD, (0, 0, 0, chunk - s)) if s < chunk else x_BsD
+    out = x_BsD.new_empty((etp.size * B, chunk, D))  # rank-major along dim 0, as gloo wants
+    comm.all_gather_into_tensor(out, padded.contiguous(), etp.group, axis="tp",
+                                ledger=etp.ledger)
+    if etp.size * chunk == S:
+        return out.view(etp.size, B, chunk, D).movedim(0, 1).reshape(B, S, D)
+    parts = out.view(etp.size, B, chunk, D)
+    return torch.cat([parts[r, :, :n] for r, n in enumerate(lengths)], dim=1)
 
 
 def _reduce_scatter_sequence(x_BSD: torch.Tensor, etp: ExpertTensorParallel) -> torch.Tensor:
-    """Partial [B, S, D] -> summed [B, S/t, D] (reduce-scatter of B*S*D elements)."""
+    """Partial [B, S, D] -> summed [B, S/t, D] (reduce-scatter of B*S*D elements; uneven shards
+    padded to the longest)."""
     B, S, D = x_BSD.shape
-    parts = x_BSD.reshape(B, etp.size, S // etp.size, D).movedim(1, 0)
-    parts = parts.reshape(etp.size * B, S // etp.size, D)  # rank-major along dim 0
-    out = x_BSD.new_empty((B, S // etp.size, D))
+    lengths = sequence_shard_lengths(S, etp.size)
+    chunk = lengths[0]
+    if etp.size * chunk != S:
+        x_BSD = F.pad(x_BSD, (0, 0, 0, etp.size * chunk - S))
+    parts = x_BSD.reshape(B, etp.size, chunk, D).movedim(1, 0)
+    parts = parts.reshape(etp.size * B, chunk, D)  # rank-major along dim 0
+    out = x_BSD.new_empty((B, chunk, D))
     comm.reduce_scatter_tensor(out, parts, etp.group, axis="tp", ledger=etp.ledger)
-    return out
+    return out[:, :lengths[etp.mesh.get_local_rank()]]
 
 
 def _all_reduce(x: torch.Tensor, etp: ExpertTensorParallel) -> torch.Tensor:
@@ -204,7 +228,9 @@ def _all_reduce(x: torch.Tensor, etp: ExpertTensorParallel) -> torch.Tensor:
 
 
 def _sequence_chunk(x_BSD: torch.Tensor, etp: ExpertTensorParallel) -> torch.Tensor:
-    return x_BSD.chunk(etp.size, dim=1)[etp.mesh.get_local_rank()]
+    lengths = sequence_shard_lengths(x_BSD.shape[1], etp.size)
+    rank = etp.mesh.get_local_rank()
+    return x_BSD.narrow(1, sum(lengths[:rank]), lengths[rank])
 
 
 class _EnterExperts(torch.autograd.Function):
@@ -217,9 +243,9 @@ class _EnterExperts(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, etp: ExpertTensorParallel):
+    def forward(ctx: Any, x: torch.Tensor, etp: ExpertTensorParallel, S: int):
         ctx.etp = etp
-        full = _gather_sequence(x, etp) if etp.sequence_parallel else x
+        full = _gather_sequence(x, etp, S) if etp.sequence_parallel else x
         return full.view_as(full), full.view_as(full)
 
     @staticmethod
@@ -228,8 +254,9 @@ class _EnterExperts(torch.autograd.Function):
         g_router = torch.zeros_like(g_experts) if g_router is None else g_router
         g_experts = torch.zeros_like(g_router) if g_experts is None else g_experts
         if etp.sequence_parallel:
-            return _sequence_chunk(g_router, etp) + _reduce_scatter_sequence(g_experts, etp), None
-        return g_router + _all_reduce(g_experts, etp), None
+            return (_sequence_chunk(g_router, etp) + _reduce_scatter_sequence(g_experts, etp),
+                    None, None)
+        return g_router + _all_reduce(g_experts, etp), None, None
 
 
 class _ExitExperts(torch.autograd.Function):
@@ -238,7 +265,7 @@ class _ExitExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, partial: torch.Tensor, etp: ExpertTensorParallel) -> torch.Tensor:
-        ctx.etp = etp
+        ctx.etp, ctx.S = etp, partial.shape[1]
         if etp.sequence_parallel:
             return _reduce_scatter_sequence(partial, etp)
         return _all_reduce(partial, etp)
@@ -246,7 +273,7 @@ class _ExitExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         etp = ctx.etp
-        return (_gather_sequence(grad, etp) if etp.sequence_parallel else grad), None
+        return (_gather_sequence(grad, etp, ctx.S) if etp.sequence_parallel else grad), None
 
 
 class _SumGradient(torch.autograd.Function):
@@ -288,16 +315,20 @@ def _compute_on_local_shards(module: nn.Module) -> None:
 
 
 def _expert_tensor_parallel_forward(moe: MoEFeedForward, etp: ExpertTensorParallel) -> Callable:
-    def forward(x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(x_BSD: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
         local = x_BSD.to_local() if isinstance(x_BSD, DTensor) else x_BSD
-        x_router, x_experts = _EnterExperts.apply(local, etp)
-        routing = moe.route_tokens(x_router)  # replicated over tp: every rank routes the same
+        # under SP the DTensor knows the whole sequence's length (shards may be uneven)
+        x_router, x_experts = _EnterExperts.apply(local, etp, x_BSD.shape[1])
+        # replicated over tp: every rank routes the same (whole rows: the documents' own ids)
+        routing = moe.route_tokens(x_router, documents)
         routing = routing._replace(weight_A=_SumGradient.apply(routing.weight_A, etp))
         shared = _local(moe.shared) if moe.shared is not None else None
         partial = moe.experts_output(x_experts, routing, moe.experts, shared)
         out = _ExitExperts.apply(partial, etp)
         if etp.sequence_parallel:  # the residual stream is a DTensor sharded on the sequence
-            return DTensor.from_local(out, etp.mesh, [Shard(1)], run_check=False)
+            # the global shape said: shards of a varlen microbatch may be uneven
+            return DTensor.from_local(out, etp.mesh, [Shard(1)], run_check=False,
+                                      shape=x_BSD.shape, stride=x_BSD.stride())
         return out
 
     return forward

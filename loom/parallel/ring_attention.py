@@ -33,6 +33,11 @@ broadcasts each key head over its ``N/K`` query heads.
 
 Degree 1: ``ring_attention`` is plain causal attention (one diagonal block), no communication.
 
+Documents (packed rows, varlen microbatches): ``loom.parallel.context_documents`` runs the same
+ring (same hops, tags, travelling dK/dV sum and bytes) over shards cut zig-zag *per document*,
+with each block masked by document id and position instead of the halves above (a block with
+no shared document is skipped; its keys still travel).
+
 Why hand-written: torch's context-parallel attention (``torch.distributed.tensor.experimental``)
 has no CPU backward and no causal load balancing we could test on gloo; this file is the block
 math (torch's CPU flash kernels, which expose the log-sum-exp, or plain fp32 torch elsewhere),

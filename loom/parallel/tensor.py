@@ -29,9 +29,12 @@ dtype; fp32 = 4 bytes):
   (Megatron 2021 §3.1). The residual stream, norms, embedding and head are replicated.
 * with SP, the residual stream and the norms are sharded along the sequence (dim 1): per block
   forward an all-gather before (b·s·h gathered) and a reduce-scatter after (b·s·h input), backward
-  the reverse pair; the same wire bytes as all-reduce, activations 1/t. The norm weights stay
-  replicated; their gradients are partial sums over sequence shards and DTensor all-reduces them
-  (2 norms x h elements per layer, plus the final norm) at the end of backward.
+  the reverse pair; the same wire bytes as all-reduce, activations 1/t. A varlen microbatch
+  (``data.packing = varlen``) of a length t does not divide is cut as ``torch.chunk`` cuts it
+  (uneven shards); a pipeline stage's input is rebuilt with the whole length
+  (``_receive_sequence_shard``). The norm weights stay replicated; their gradients are partial
+  sums over sequence shards and DTensor all-reduces them (2 norms x h elements per layer, plus
+  the final norm) at the end of backward.
 * vocab-parallel (``vocab_parallel=True``): the embedding is split by vocabulary rows
   (row-parallel: forward all-reduce, or reduce-scatter under SP, of b·s·h), the head by vocabulary
   columns (backward all-reduce / reduce-scatter of its input gradient); the logits stay sharded
@@ -180,9 +183,7 @@ def _ends_plan(model: nn.Module, sp: bool, vp: bool) -> dict[str, object]:
             plan["output"] = PrepareModuleInput(input_layouts=(Shard(1),),
                                                 desired_input_layouts=(Replicate(),),
                                                 use_local_output=True)
-    if sp and model.tok_embeddings is None:  # a pipeline stage receives its local sequence shard
-        plan[""] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
-                                      use_local_output=False)
+    # a pipeline stage receives its local sequence shard: ``_receive_sequence_shard``
     if sp and model.output is None:  # ... and sends its local shard (b*s*h/t per microbatch)
         plan["__output__"] = PrepareModuleOutput(output_layouts=Shard(1),
                                                  desired_output_layouts=Shard(1),
@@ -211,17 +212,36 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
             apply_expert_tensor_parallel(block.feed_forward, tp_mesh,
                                          sequence_parallel=sequence_parallel, ledger=ledger)
     ends = _ends_plan(model, sequence_parallel, vocab_parallel)
-    root_in, root_out = ends.pop("", None), ends.pop("__output__", None)
+    root_out = ends.pop("__output__", None)
     parallelize_module(model, tp_mesh, ends, src_data_rank=None)
-    for style in (root_in, root_out):
-        if style is not None:
-            parallelize_module(model, tp_mesh, style, src_data_rank=None)
+    if sequence_parallel and model.tok_embeddings is None:
+        model.register_forward_pre_hook(_receive_sequence_shard(tp_mesh), with_kwargs=True)
+    if root_out is not None:
+        parallelize_module(model, tp_mesh, root_out, src_data_rank=None)
     if tied:  # both were sharded Shard(0) over vocabulary; make them one parameter again
         model.output.weight = model.tok_embeddings.weight
     for param in model.parameters():
         if isinstance(param, DTensor):
             param.register_post_accumulate_grad_hook(_match_grad_placement)
     return model
+
+
+def _receive_sequence_shard(mesh: DeviceMesh):
+    """A pipeline stage's forward pre-hook under SP: its input, this rank's sequence shard,
+    becomes the DTensor of the whole sequence. The whole length is the document ids' when given
+    (a varlen microbatch of any length is cut unevenly, ``expert.sequence_shard_lengths``),
+    else t equal shards (DTensor's ``PrepareModuleInput`` infers only that case)."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        x_BsD = args[0]
+        if isinstance(x_BsD, DTensor):
+            return None
+        B, s, D = x_BsD.shape
+        ids = kwargs.get("document_ids")
+        S = ids.shape[1] if ids is not None else s * mesh.size()
+        x_BSD = DTensor.from_local(x_BsD, mesh, [Shard(1)], run_check=False,
+                                   shape=torch.Size((B, S, D)), stride=(S * D, D, 1))
+        return (x_BSD, *args[1:]), kwargs
+    return hook
 
 
 def _match_grad_placement(param: nn.Parameter) -> None:

@@ -53,8 +53,8 @@ from loom.models.moe import set_aux_loss_backward_scale
 from loom.models.pretrained import PretrainedSource
 from loom.parallel import comm
 from loom.parallel.comm import CommLedger
-from loom.parallel.context import CPLayout, new_cp_groups, shard_sequence
-from loom.parallel.expert import reduce_gradients
+from loom.parallel.context import CPLayout, new_cp_groups, shard_documents, shard_sequence
+from loom.parallel.expert import reduce_gradients, sequence_shard_lengths
 from loom.parallel.load import load_local_shards
 from loom.parallel.mixed_precision import master_window
 from loom.parallel.offload import activation_offload, plan_offload
@@ -172,7 +172,10 @@ class Trainer:
         self.loss_fn = self.tp.loss if self.tp is not None else cross_entropy
         # Mixture of experts: the load-balancing loss joins the objective with its coefficient.
         self.aux_coef = self.args.aux_loss_coef if self.args.n_experts > 0 else 0.0
-        if self.aux_coef:
+        # Documents (pack, varlen): MoE's balancing loss is a sum over tokens, scaled per step
+        # as the cross entropy is (``_per_token_scale``); this is that step's factor.
+        self.aux_step_scale: torch.Tensor | None = None
+        if self.aux_coef and config.data.packing == "concat":
             # Only the last stage holds the loss: each MoE layer adds its balancing loss's
             # gradient in backward, scaled as the one-process objective scales it.
             set_aux_loss_backward_scale(self.model, self.aux_coef / lay.microbatches)
@@ -245,7 +248,10 @@ class Trainer:
         metrics = self._optimizer_step(loss_sum)
         if self.outer is not None:  # every H inner steps, the outer step across the replicas
             self.outer.after_inner_step(self.step)
-        if self.aux_coef:
+        if self.aux_coef and self.aux_step_scale is not None:  # documents: a token mean
+            metrics["moe_aux_loss"] = self._mean_over_dp(self.pipeline.aux_loss
+                                                         * self.aux_step_scale)
+        elif self.aux_coef:
             n_micro = batch[0].shape[0] // self.config.train.micro_batch_size
             metrics["moe_aux_loss"] = self._mean_over_dp(self.pipeline.aux_loss / n_micro)
         return metrics
@@ -287,6 +293,15 @@ class Trainer:
         targets, _ = shard_sequence(targets, rank, layout)
         return inputs, targets, positions
 
+    def _shard_documents(self, batch: DocumentBatch) -> DocumentBatch:
+        """With cp > 1: this rank's part of every document of packed rows or a varlen
+        microbatch, cut zig-zag per document and padded to a length common to the cp ranks
+        (``loom.parallel.context_documents``); the loss stays the step's token mean, its
+        token count taken from the shards' targets over dp x cp."""
+        if self.cp_groups is None:
+            return batch
+        return shard_documents(batch, self.cp_groups.cp_rank, self.cp_groups.layout)
+
     def _compute_context(self) -> contextlib.AbstractContextManager:
         """Entered around every forward and backward piece: DTensor's (tensor-parallel)
         collectives counted into the ledger, saved activations offloaded to the host, and on an
@@ -320,11 +335,15 @@ class Trainer:
         the ranks the mean is over, so padding and uneven documents weigh nothing."""
         if isinstance(batch, VarlenBatch):
             return self._run_varlen(batch, training=training)
+        if isinstance(batch, DocumentBatch):  # cp: this rank's part of every document
+            batch = self._shard_documents(batch)
         inputs, targets = batch[0], batch[1]
         micro = self.config.train.micro_batch_size
         n_micro = inputs.shape[0] // micro
         schedule = self.pipeline.schedule if training else forward_only(self.pipeline.schedule)
-        inputs, targets, positions = self._shard_sequence(inputs, targets)
+        positions = None  # documents: sharded above, their positions travel with them
+        if not isinstance(batch, DocumentBatch):
+            inputs, targets, positions = self._shard_sequence(inputs, targets)
         for stage in self.pipeline.stages.values():  # this rank's cp shard of every sequence
             stage.positions = positions
         wire_seq = inputs.shape[1]  # what travels between stages: the cp shard ...
@@ -333,12 +352,7 @@ class Trainer:
         loss_fn, documents = self.loss_fn, None
         if isinstance(batch, DocumentBatch):
             documents = list(zip(batch.positions.split(micro), batch.document_ids.split(micro)))
-            tokens = (targets != IGNORE_INDEX).sum()
-            # the step's real tokens, over every data rank whose gradients are averaged together
-            # (sync: all of them; an outer mode: this replica's)
-            if self.token_group_size > 1:
-                comm.all_reduce(tokens, self.token_group, axis="dp", ledger=self.ledger)
-            scale = self.token_group_size / tokens.clamp(min=1)
+            scale = self._per_token_scale((targets != IGNORE_INDEX).sum(), training)
 
             def scaled(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
                 return loss_fn(logits, y, reduction="sum") * scale
@@ -357,11 +371,10 @@ class Trainer:
         the reducer's mean is the mean over every prediction of the step; the receive buffers
         take each microbatch's own length."""
         schedule = self.pipeline.schedule if training else forward_only(self.pipeline.schedule)
-        micro = batch.microbatches
-        tokens = torch.tensor(sum(mb.targets.numel() for mb in micro), device=self.ctx.device)
-        if self.token_group_size > 1:
-            comm.all_reduce(tokens, self.token_group, axis="dp", ledger=self.ledger)
-        scale = self.token_group_size / tokens.clamp(min=1)
+        micro = [self._shard_documents(mb) for mb in batch.microbatches]
+        # cp pads a microbatch's shards (IGNORE_INDEX targets): count the predictions only
+        tokens = sum((mb.targets != IGNORE_INDEX).sum() for mb in micro).to(self.ctx.device)
+        scale = self._per_token_scale(tokens, training)
         loss_fn = self.loss_fn
 
         def scaled(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -369,8 +382,32 @@ class Trainer:
         return self.pipeline.step(
             [mb.inputs for mb in micro], [mb.targets for mb in micro], scaled,
             schedule=schedule, training=training,
-            activation_shapes=[(1, mb.inputs.shape[1], self.args.dim) for mb in micro],
+            activation_shapes=[(1, self._wire_length(mb.inputs.shape[1]), self.args.dim)
+                               for mb in micro],
             documents=[(mb.positions, mb.document_ids) for mb in micro])
+
+    def _wire_length(self, length: int) -> int:
+        """The sequence length a microbatch of ``length`` tokens travels between stages with:
+        under SP this tp rank's shard, uneven when tp does not divide it (varlen)."""
+        if self.tp is None or not self.tp.sequence_parallel:
+            return length
+        return sequence_shard_lengths(length, self.tp.mesh.size())[self.tp.mesh.get_local_rank()]
+
+    def _per_token_scale(self, tokens: torch.Tensor, training: bool) -> torch.Tensor:
+        """``dp / (the step's real tokens)``: a microbatch's summed loss times this is its share
+        of the step's token mean once the reducer averages over dp. ``tokens`` is this rank's;
+        they are summed over the data ranks whose gradients are averaged together (sync: all
+        of them; an outer mode: this replica's). MoE's balancing loss with documents is a sum
+        over tokens too (``loom.models.moe``): its gradient gets the same factor times its
+        coefficient, so it is also a token mean over the step, whatever the layout."""
+        if self.token_group_size > 1:
+            comm.all_reduce(tokens, self.token_group, axis="dp", ledger=self.ledger)
+        scale = self.token_group_size / tokens.clamp(min=1)
+        if self.aux_coef and training:
+            # one host sync per step: the layers take a plain factor
+            set_aux_loss_backward_scale(self.model, self.aux_coef * float(scale))
+            self.aux_step_scale = scale
+        return scale
 
     def _pending_mean(self, value: torch.Tensor) -> PendingMean:
         """The mean of a per-rank loss over the ranks that hold different data (dp, and cp),

@@ -166,3 +166,24 @@ def test_the_flex_kernel_pads_a_varlen_row_to_a_power_of_two_and_masks_the_paddi
         assert flex.shape == q.shape
         assert torch.allclose(flex, mask.attention(q, k, v, 0, kernel="segments"), atol=ATOL,
                               rtol=0)
+
+
+def test_selective_recompute_runs_the_document_attention_again_in_backward(monkeypatch):
+    """``train.recompute = selective`` wraps the document-masked core as it wraps the plain
+    one: each layer's document attention runs once in forward and once more in backward, and
+    the gradients are those of the unwrapped model."""
+    from loom.parallel.activation import apply_activation_checkpointing
+
+    rows = packed_rows(preset("debug"))
+    plain, wrapped = make(), apply_activation_checkpointing(make(), "selective")
+    calls = []
+    attention = DocumentMask.attention
+    monkeypatch.setattr(DocumentMask, "attention",
+                        lambda self, *a, **k: calls.append(1) or attention(self, *a, **k))
+    for model in (plain, wrapped):
+        logits = model(rows.inputs, positions=rows.positions, document_ids=rows.document_ids)
+        F.cross_entropy(logits.flatten(0, 1), rows.targets.flatten()).backward()
+    layers = len(plain.layers)
+    assert len(calls) == layers + 2 * layers  # plain: forward only; selective: and backward
+    for (name, p), q in zip(plain.named_parameters(), wrapped.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from loom.models import (PRESETS, active_parameter_count, build_model, parameter_count, preset,
                          reset_parameters)
+from loom.models.document_attention import DocumentMask
 from loom.models.moe import GroupedExperts, MoEFeedForward, capacity, route
 from loom.models.presets import layer_parameter_count
 
@@ -298,3 +299,25 @@ def test_split_sequences_average_their_statistics_to_the_whole_sequences_loss() 
     # Capacity needs whole sequences (queue positions follow all of a sequence's tokens).
     with pytest.raises(ValueError, match="capacity_factor=1.0 needs whole sequences"):
         route(halves[0], 2, capacity_factor=1.0, sequence_statistics=lambda s: s)
+
+
+def test_a_document_routes_as_it_would_alone_and_padding_nowhere():
+    """With documents (packed rows, varlen microbatches) the routing groups are the documents:
+    each keeps what it would keep alone, capacity included; padding (a negative id) takes no
+    expert and no queue place; the balancing loss is the sum over tokens of each one's term,
+    i.e. each document's own loss times its tokens."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 12, 4)
+    ids = torch.tensor([[0] * 5 + [1] * 4 + [-1] * 3, [2] * 3 + [3] * 9])
+    for capacity_factor in (0.0, 0.5, 1.0):
+        routed = route(logits, 2, capacity_factor, documents=DocumentMask(ids))
+        total = torch.zeros(())
+        for row, begin, end in ((0, 0, 5), (0, 5, 9), (1, 0, 3), (1, 3, 12)):
+            alone = route(logits[row:row + 1, begin:end], 2, capacity_factor)
+            assert torch.equal(alone.keep_BSK[0], routed.keep_BSK[row, begin:end])
+            total = total + alone.aux_loss * (end - begin)
+        assert not routed.keep_BSK[0, 9:].any()  # padding: no expert, no queue place
+        assert routed.counts_E.sum() == int(routed.keep_BSK.sum())
+        torch.testing.assert_close(routed.aux_loss, total)
+    # capacity 0.5 drops inside a document (the case is not trivial)
+    assert not route(logits, 2, 0.5, documents=DocumentMask(ids)).keep_BSK[1].all()

@@ -243,11 +243,7 @@ def test_an_unknown_packing_is_refused_by_name():
 
 
 @pytest.mark.parametrize("overrides, world, words", [
-    ({"parallel.cp": "2"}, 2, "context parallelism"),
-    ({"train.recompute": "selective"}, 1, "recompute = selective"),
-    ({"parallel.tp": "2", "parallel.sequence_parallel": "true",
-      "parallel.vocab_parallel": "false"}, 2, "sequence_parallel"),
-    ({"model.preset": "tiny-moe"}, 1, "MoE routing"),
+    ({"model.preset": "tiny-moe", "parallel.cp": "2"}, 2, "MoE routes and balances each"),
 ])
 def test_pack_refuses_what_does_not_carry_it_yet(overrides, world, words):
     with pytest.raises(ConfigError, match=words) as info:
@@ -260,6 +256,19 @@ def test_pack_is_accepted_where_the_trainer_carries_it():
     config = resolve(load_config(None, {"data.packing": "pack", "model.preset": "debug",
                                         "parallel.pp": "2", "parallel.tp": "2",
                                         "parallel.vocab_parallel": "false"}), 4)
+    assert config.data.packing == "pack"
+
+
+@pytest.mark.parametrize("overrides, world", [  # tests/dist/test_documents_axes.py runs them
+    ({"train.recompute": "selective"}, 1),
+    ({"parallel.tp": "2", "parallel.sequence_parallel": "true"}, 2),
+    ({"parallel.pp": "2", "parallel.tp": "2", "parallel.sequence_parallel": "true"}, 4),
+    ({"model.preset": "tiny-moe"}, 1),
+    ({"model.preset": "tiny-moe", "parallel.ep": "2", "parallel.dp_replicate": "1"}, 2),
+])
+def test_pack_runs_on_tp_sp_moe_and_selective_recompute(overrides, world):
+    config = resolve(load_config(None, {"data.packing": "pack", "model.preset": "debug",
+                                        **overrides}), world)
     assert config.data.packing == "pack"
 
 

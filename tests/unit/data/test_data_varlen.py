@@ -144,17 +144,23 @@ def _varlen(overrides: dict, world: int = 1):
     ({"data.tokens_per_microbatch": "16"}, 1, "data.tokens_per_microbatch", "split length"),
     ({"data.tokens_per_microbatch": "64", "train.global_batch_tokens": "192",
       "parallel.dp_replicate": "2"}, 2, "train.global_batch_tokens", "nearest valid: 128 or"),
-    ({"parallel.cp": "2"}, 2, "data.packing", "context parallelism"),
     ({"train.compile": "true"}, 1, "data.packing", "recompile"),
-    ({"parallel.tp": "2", "parallel.sequence_parallel": "true"}, 2, "data.packing",
-     "sequence_parallel"),
-    ({"train.recompute": "selective"}, 1, "data.packing", "selective"),
-    ({"model.n_experts": "4"}, 1, "data.packing", "per token"),
 ])
 def test_varlen_refuses_by_name(overrides, world, field, words):
     with pytest.raises(ConfigError, match=words) as info:
         _varlen(overrides, world)
     assert info.value.field_name == field
+
+
+@pytest.mark.parametrize("overrides, world", [  # tests/dist/test_documents_axes.py runs them
+    ({"train.recompute": "selective"}, 1),
+    ({"parallel.tp": "2", "parallel.sequence_parallel": "true"}, 2),
+    ({"parallel.tp": "2", "parallel.sequence_parallel": "true", "parallel.pp": "2"}, 4),
+    ({"model.preset": "tiny-moe"}, 1),
+    ({"model.preset": "tiny-moe", "parallel.ep": "2", "parallel.dp_replicate": "1"}, 2),
+])
+def test_varlen_runs_on_tp_sp_moe_and_selective_recompute(overrides, world):
+    assert _varlen(overrides, world).data.packing == "varlen"
 
 
 @pytest.mark.parametrize("overrides, field", [

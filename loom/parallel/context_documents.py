@@ -1,0 +1,312 @@
+"""Documents under context parallelism: packed rows and varlen microbatches split over cp ranks.
+
+``data.packing = pack | varlen`` gives rows whose documents must never attend across each
+other (``loom.models.document_attention``). Under ``parallel.cp > 1`` a row is split over the cp
+ranks; this module is what that needs beyond ``loom.parallel.context``:
+
+**Sharding, per document** (``document_shard_indices``). A row is cut document by document (a
+document is a run of equal ids; the padding run is one more): a document of L tokens is cut
+into ``2r`` contiguous chunks (``r`` the ring degree) and ring group ``g`` takes chunks ``g``
+and ``2r-1-g`` (zig-zag per document, so each group's causal work is balanced inside every
+document, not only over the row). The chunks are ``L // 2r`` tokens long and the remainder's
+``L % 2r`` tokens go one at a time to the groups in round-robin order, the turn carried from
+one document to the next along the row (a group's first extra token joins its early chunk,
+its second its late chunk): group token counts then differ by at most one per row, and a row
+of ``S`` tokens, ``S`` a multiple of ``2r``, gives every group exactly ``S / r`` (``pack``'s rows).
+A document shorter than ``2r`` tokens simply leaves some chunks empty: nothing is padded, and
+the attention below stays exact because its masks come from document ids and positions, not
+from the chunk layout. A group's tokens (document by document, early chunk then late chunk)
+are padded at the end to a length ``L_g`` common to every row and group, a multiple of the
+Ulysses degree ``u``, and its ``u`` ranks take consecutive ``L_g / u`` slices. For ``r = 1``
+(Ulysses alone) this is contiguous sharding of the row (each document's two chunks are the
+document), so the tokens a Ulysses group gathers are the row in global order.
+
+**Padding** (only where a varlen microbatch's ``T`` tokens, or uneven group counts, need it):
+a padding slot has input token 0, target ``IGNORE_INDEX`` (out of the loss and out of the
+step's token count, which the trainer takes from the targets), position 0 and document id
+``PAD_KEY`` (-1; real documents are renumbered as run ordinals >= 0 from the full row), so it
+attends only to padding and nothing real attends to it: exact for every real token.
+
+**Attention** (called by ``context.ContextParallelAttention`` with the ``DocumentMask`` of its
+shard, which carries the shard's ids and positions): one all-gather over the cp group of the
+shard's (document id, position) pairs, ``2 * B * S_loc`` int64 per rank, once per forward and
+shared by every layer (``document_keys``; recomputation reuses it), gives every rank the keys
+of every group. Then
+
+* Ulysses only (``r = 1``): after the all-to-all a rank holds the whole row for its heads, in
+  global order; the gathered ids make that row's ``DocumentMask`` and the ordinary document
+  attention runs on it (CPU: causal SDPA per document; CUDA: FlexAttention), no ``[S, S]``
+  mask;
+* ring (and hybrid, after the Ulysses all-to-all inside each group): ``document_ring_attention``
+  is the ring of ``loom.parallel.ring_attention`` (same key/value hops, same travelling dK/dV
+  sum, same bytes) whose block from group ``g'`` is masked by
+  ``id_q == id_k and position_k <= position_q``: attention inside each document, causal by
+  position, whatever the chunk sizes. A block in which no query sees a key (no shared
+  document) is skipped (its keys still travel). Block masks are ``[B, S_g, S_g]`` booleans per
+  ring step, built once per forward; the block math is plain fp32 torch (the CPU flash kernel
+  takes no mask).
+
+Why hand-written: torch's context parallelism has neither document masks nor a CPU backward.
+
+Shape legend: B batch, N query heads, K key/value heads, G = N/K, S_g tokens of a ring group
+(after Ulysses), Hd head dim, r ring degree, u Ulysses degree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from loom.data.packing import IGNORE_INDEX, DocumentBatch
+from loom.models.document_attention import DocumentMask
+from loom.parallel import comm
+from loom.parallel.comm import CommLedger
+from loom.parallel.ring_attention import DKV_TAG, KV_TAG, Ring
+
+PAD_SLOT = -1  # a shard's gather index for a padding slot
+PAD_KEY = -1  # the document id of cp padding; real documents are run ordinals >= 0
+
+
+# -- sharding -----------------------------------------------------------------------------------
+def _chunk_edges(start: int, length: int, ring: int, turn: int) -> tuple[np.ndarray, int]:
+    """The ``2r + 1`` edges of a document's chunks, and the round-robin turn after it."""
+    sizes = np.full(2 * ring, length // (2 * ring), dtype=np.int64)
+    extra = length % (2 * ring)
+    taken = np.zeros(ring, dtype=bool)
+    for k in range(extra):  # at most two per group: extra < 2r
+        group = (turn + k) % ring
+        sizes[2 * ring - 1 - group if taken[group] else group] += 1
+        taken[group] = True
+    return start + np.concatenate([[0], np.cumsum(sizes)]), (turn + extra) % ring
+
+
+def document_shard_indices(document_ids_BS: torch.Tensor, ring: int, ulysses: int,
+                           cp_rank: int) -> torch.Tensor:
+    """Which tokens of each row cp rank ``cp_rank`` holds, in order: int64 ``[B, L]`` indices
+    into the row, ``PAD_SLOT`` for padding; ``L`` is the same on every cp rank (module
+    docstring: per-document zig-zag over ``ring`` groups, each split ``ulysses`` ways)."""
+    ids = document_ids_BS.cpu().numpy()
+    B, S = ids.shape
+    group_of, slot = divmod(cp_rank, ulysses)
+    mine: list[np.ndarray] = []
+    longest = 0
+    for row in ids:
+        bounds = np.append(np.flatnonzero(np.r_[True, row[1:] != row[:-1]]), S)
+        parts: list[list[np.ndarray]] = [[] for _ in range(ring)]
+        turn = 0
+        for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+            edges, turn = _chunk_edges(start, end - start, ring, turn)
+            for g in range(ring):
+                late = 2 * ring - 1 - g
+                parts[g] += [np.arange(edges[g], edges[g + 1]),
+                             np.arange(edges[late], edges[late + 1])]
+        longest = max(longest, *(sum(len(p) for p in group) for group in parts))
+        mine.append(np.concatenate(parts[group_of]))
+    per_group = -(-longest // ulysses) * ulysses
+    index = np.full((B, per_group), PAD_SLOT, dtype=np.int64)
+    for b, tokens in enumerate(mine):
+        index[b, :len(tokens)] = tokens
+    per_rank = per_group // ulysses
+    return torch.from_numpy(index[:, slot * per_rank:(slot + 1) * per_rank].copy()).to(
+        document_ids_BS.device)
+
+
+def run_ordinals(document_ids_BS: torch.Tensor) -> torch.Tensor:
+    """Each token's run number in its row (0, 1, ...): ids that name a document uniquely in
+    the row, whichever tokens of it a rank holds (raw ids need only differ between neighbours)."""
+    starts_BS = torch.ones_like(document_ids_BS, dtype=torch.bool)
+    starts_BS[:, 1:] = document_ids_BS[:, 1:] != document_ids_BS[:, :-1]
+    return starts_BS.long().cumsum(dim=1) - 1
+
+
+def take_shard(batch: DocumentBatch, index_BL: torch.Tensor) -> DocumentBatch:
+    """The rows of ``batch`` at ``index_BL`` (``document_shard_indices``), padding slots filled
+    as the module docstring says; document ids become run ordinals."""
+    pad_BL = index_BL == PAD_SLOT
+    at_BL = index_BL.clamp(min=0)
+
+    def take(values_BS: torch.Tensor, fill: int) -> torch.Tensor:
+        return values_BS.gather(1, at_BL).masked_fill(pad_BL, fill)
+
+    return DocumentBatch(take(batch.inputs, 0), take(batch.targets, IGNORE_INDEX),
+                         take(batch.positions, 0), take(run_ordinals(batch.document_ids), PAD_KEY))
+
+
+# -- the keys every rank needs ------------------------------------------------------------------
+@dataclass(frozen=True)
+class DocumentKeys:
+    """What the cp core needs of one forward's documents: the whole row's ``DocumentMask``
+    (Ulysses only) or the ring's block masks (one per ring step, ``None``: nothing visible)."""
+
+    whole: DocumentMask | None
+    block_masks: tuple[torch.Tensor | None, ...]
+
+
+def document_keys(documents: DocumentMask, group: Any, ring: int, ulysses: int, ring_index: int,
+                  ledger: CommLedger | None = None, axis: str = "cp") -> DocumentKeys:
+    """All-gather the shard's (document id, position) pairs over the cp group (one call of
+    ``2 * B * S_loc`` int64 per rank) and derive the row's mask or the ring's block masks."""
+    positions = documents.known_positions
+    if positions is None:
+        raise ValueError("context-parallel document attention needs each token's position in"
+                         " its document (Transformer.forward(positions=..., document_ids=...))")
+    B, S_loc = documents.shape
+    mine = torch.stack([documents.document_ids.long(), positions.expand(B, S_loc).long()])
+    # [cp * 2, B, S_loc]: gloo's all-gather wants the ranks' tensors stacked along dim 0
+    gathered = torch.empty((ring * ulysses * 2, B, S_loc), dtype=mine.dtype, device=mine.device)
+    comm.all_gather_into_tensor(gathered, mine.contiguous(), group, axis=axis, ledger=ledger)
+    # cp rank = ring group * u + Ulysses rank; a group's tokens are its ranks' shards in order
+    by_group = gathered.view(ring, ulysses, 2, B, S_loc).permute(0, 2, 3, 1, 4).reshape(
+        ring, 2, B, ulysses * S_loc)
+    if ring == 1:
+        return DocumentKeys(DocumentMask(by_group[0, 0]), ())
+    ids_q, pos_q = by_group[ring_index]
+    masks = []
+    for step in range(ring):
+        ids_k, pos_k = by_group[(ring_index - step) % ring]
+        allowed = ((ids_q[:, :, None] == ids_k[:, None, :])
+                   & (pos_k[:, None, :] <= pos_q[:, :, None]))
+        masks.append(allowed if bool(allowed.any()) else None)
+    return DocumentKeys(None, tuple(masks))
+
+
+# -- the ring, masked per document --------------------------------------------------------------
+def _masked_scores(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor,
+                   allowed_BQK: torch.Tensor) -> torch.Tensor:
+    """Scaled fp32 scores ``[B, K, G, Sq, Sk]``, ``-inf`` where the mask forbids."""
+    B, N, Sq, Hd = q_BNSH.shape
+    K = k_BKSH.shape[1]
+    q_BKGSH = q_BNSH.float().view(B, K, N // K, Sq, Hd)
+    scores = q_BKGSH @ k_BKSH.float().unsqueeze(2).transpose(-1, -2) / math.sqrt(Hd)
+    return scores.masked_fill(~allowed_BQK[:, None, None], float("-inf"))
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with ``-inf`` (a row that sees no key) as 0, so ``exp(scores - it)`` is 0 there."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
+def masked_block(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
+                 allowed_BQK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's output ``[B, N, Sq, Hd]`` and log-sum-exp ``[B, N, Sq]`` (fp32); a row that
+    sees no key gets output 0 and log-sum-exp ``-inf``."""
+    B, N, Sq, Hd = q_BNSH.shape
+    scores = _masked_scores(q_BNSH, k_BKSH, allowed_BQK)
+    lse = scores.logsumexp(-1)
+    out = torch.exp(scores - _finite(lse).unsqueeze(-1)) @ v_BKSH.float().unsqueeze(2)
+    return out.reshape(B, N, Sq, Hd), lse.reshape(B, N, Sq)
+
+
+def merge_masked(out_BNSH: torch.Tensor, lse_BNS: torch.Tensor, block_out_BNSH: torch.Tensor,
+                 block_lse_BNS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ring_attention.merge_block`` where either side may have seen no key yet (``-inf``)."""
+    lse = torch.logaddexp(lse_BNS, block_lse_BNS)
+    base = _finite(lse)
+    out = (out_BNSH * torch.exp(lse_BNS - base).unsqueeze(-1)
+           + block_out_BNSH * torch.exp(block_lse_BNS - base).unsqueeze(-1))
+    return out, lse
+
+
+def masked_block_backward(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
+                          out_BNSH: torch.Tensor, dout_BNSH: torch.Tensor, lse_BNS: torch.Tensor,
+                          allowed_BQK: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The flash-attention backward of one masked block, given the rows' final output and
+    log-sum-exp (finite: every token sees itself): ``dq``, ``dk``, ``dv`` in fp32."""
+    B, N, Sq, Hd = q_BNSH.shape
+    K = k_BKSH.shape[1]
+    G = N // K
+    delta = (dout_BNSH.float() * out_BNSH.float()).sum(-1)
+    probs = torch.exp(_masked_scores(q_BNSH, k_BKSH, allowed_BQK) - lse_BNS.view(B, K, G, Sq, 1))
+    dout_BKGSH = dout_BNSH.float().view(B, K, G, Sq, Hd)
+    dv = (probs.transpose(-1, -2) @ dout_BKGSH).sum(2)
+    dprobs = dout_BKGSH @ v_BKSH.float().unsqueeze(2).transpose(-1, -2)
+    dscores = probs * (dprobs - delta.view(B, K, G, Sq, 1)) / math.sqrt(Hd)
+    dq = (dscores @ k_BKSH.float().unsqueeze(2)).reshape(B, N, Sq, Hd)
+    dk = (dscores.transpose(-1, -2) @ q_BNSH.float().view(B, K, G, Sq, Hd)).sum(2)
+    return dq, dk, dv
+
+
+def _wait(requests: list[Any]) -> None:
+    for request in requests:
+        request.wait()
+
+
+class _DocumentRing(torch.autograd.Function):
+    """``ring_attention._RingAttention`` with a mask per ring step instead of zig-zag halves:
+    the same hops, tags and travelling dK/dV sum."""
+
+    @staticmethod
+    def forward(ctx: Any, q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
+                ring: Ring, masks: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+        with torch.autocast(q_BNSH.device.type, enabled=False):  # fp32 softmax statistics
+            B, N, S, Hd = q_BNSH.shape
+            out = torch.zeros(B, N, S, Hd, dtype=torch.float32, device=q_BNSH.device)
+            lse = torch.full((B, N, S), float("-inf"), dtype=torch.float32, device=q_BNSH.device)
+            kv = torch.stack([k_BKSH, v_BKSH]).contiguous()
+            for step in range(ring.size):
+                last = step == ring.size - 1
+                if not last:  # post the transfer first: it overlaps the block below
+                    incoming, requests = ring.shift(kv, KV_TAG)
+                if masks[step] is not None:
+                    out, lse = merge_masked(out, lse, *masked_block(q_BNSH, kv[0], kv[1],
+                                                                    masks[step]))
+                if not last:
+                    _wait(requests)
+                    kv = incoming
+        ctx.ring, ctx.masks = ring, masks
+        ctx.save_for_backward(q_BNSH, k_BKSH, v_BKSH, out, lse)
+        return out.to(q_BNSH.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dout_BNSH: torch.Tensor):
+        with torch.autocast(dout_BNSH.device.type, enabled=False):
+            ring: Ring = ctx.ring
+            q_BNSH, k_BKSH, v_BKSH, out, lse = ctx.saved_tensors
+            dq = torch.zeros_like(out)
+            kv = torch.stack([k_BKSH, v_BKSH]).contiguous()
+            own, incoming_sum = None, None  # own: this rank's keys' gradient from its queries
+            pending_sum: list[Any] = []
+            sends: list[tuple[Any, torch.Tensor]] = []  # keep sent tensors alive until delivered
+            for step in range(ring.size):
+                last = step == ring.size - 1
+                if not last:
+                    incoming, requests = ring.shift(kv, KV_TAG)
+                dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+                if ctx.masks[step] is not None:
+                    dq_b, dkv[0], dkv[1] = masked_block_backward(
+                        q_BNSH, kv[0], kv[1], out, dout_BNSH, lse, ctx.masks[step])
+                    dq += dq_b
+                if step == 0:
+                    own = dkv
+                else:
+                    if step >= 2:  # the previous ranks' share of this block's gradient
+                        _wait(pending_sum)
+                        dkv += incoming_sum
+                    sends.append((ring.send(dkv, DKV_TAG), dkv))  # on to the block's owner
+                    incoming_sum = torch.empty_like(dkv)
+                    pending_sum = [ring.recv(incoming_sum, DKV_TAG)]
+                if not last:
+                    _wait(requests)
+                    kv = incoming
+            if ring.size > 1:
+                _wait(pending_sum)
+                own = own + incoming_sum
+            _wait([request for request, _ in sends])
+        return (dq.to(q_BNSH.dtype), own[0].to(k_BKSH.dtype), own[1].to(v_BKSH.dtype), None,
+                None)
+
+
+def document_ring_attention(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
+                            ring: Ring, keys: DocumentKeys) -> torch.Tensor:
+    """Attention inside each document of this ring group's tokens against the whole ring's
+    (module docstring); ``keys`` from ``document_keys`` of the same forward."""
+    return _DocumentRing.apply(q_BNSH, k_BKSH, v_BKSH, ring, keys.block_masks)
+
+
+__all__ = ["DocumentKeys", "PAD_KEY", "PAD_SLOT", "document_keys", "document_ring_attention",
+           "document_shard_indices", "masked_block", "merge_masked", "run_ordinals", "take_shard"]
