@@ -1,16 +1,21 @@
 """``python -m loom ...`` and the ``loom`` script (torchrun: ``torchrun -m loom train``).
 
-``loom schedule ...`` goes straight to the torch-free ``loom.pipeline.cli``: the other commands'
-modules import torch and the trainer (about 2 s), which the schedule tools never need."""
+``loom schedule ...`` and ``loom plan ...`` go straight to the torch-free ``loom.pipeline.cli``
+and ``loom.plan.cli``: the other commands' modules import torch and the trainer (about 2 s),
+which the schedule tools and the planner never need (``loom plan --calibrate`` does: it runs
+the trainer, so it takes the full path)."""
 
 import sys
 
 from loom.pipeline.cli import main as schedule_main
+from loom.plan.cli import main as plan_main
 
 
 def main() -> int:
     if sys.argv[1:2] == ["schedule"]:
         return schedule_main(sys.argv[1:])
+    if sys.argv[1:2] == ["plan"] and "--calibrate" not in sys.argv:
+        return plan_main(sys.argv[1:])
     from loom.cli import main as loom_main  # torch and the trainer: for the other commands only
     return loom_main()
 

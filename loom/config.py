@@ -28,13 +28,12 @@ else:  # pragma: no cover
 from loom.config_rules import DEFAULT_SCHEDULE, check_bpe_vocab
 from loom.config_rules import validate as check_rules
 from loom.data.tokenizer import tokenizer_vocab_size
-from loom.data.varlen import token_budgets
+from loom.data.budgets import token_budgets
 from loom.errors import ConfigError, suggest
 from loom.layout import CompressionSpec, Job, Layout
-from loom.models.hf import HFConversionError
-from loom.models.layers import TransformerArgs
+from loom.models.hf_config import HFConversionError
+from loom.models.args import TransformerArgs
 from loom.models.presets import PRESETS
-from loom.models.pretrained import PretrainedError, PretrainedSource
 
 from loom.topology import AXES  # noqa: E402  (one list of axis names)
 
@@ -495,6 +494,7 @@ def _take_pretrained_shape(config: Config, given: dict[str, Any]) -> None:
     its weights); an explicit ``model.*`` value that contradicts it is refused by name. A Hugging
     Face directory's own tokenizer becomes the default ``data.tokenizer``."""
     path = config.model.init_from
+    from loom.models.pretrained import PretrainedError, PretrainedSource  # torch: init_from only
     try:
         source = PretrainedSource.open(path)
     except (PretrainedError, HFConversionError) as err:

@@ -23,13 +23,13 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loom.data.loader import check_source
-from loom.data.packing import PACKINGS
+from loom.data.corpus import STDLIB_SOURCE
+from loom.data.budgets import PACKINGS
 from loom.data.tokenizer import tokenizer_vocab_size
-from loom.data.varlen import BALANCES, token_budgets
+from loom.data.budgets import BALANCES, token_budgets
 from loom.errors import ConfigError, suggest
-from loom.parallel.context import CPLayout, check_layout
-from loom.parallel.fp8 import RECIPES as FP8_RECIPES
+from loom.layout import CPLayout, check_layout
+from loom.layout import FP8_RECIPES
 from loom.schedule.families import SEARCH_PLACEMENTS, simulation_only, trainable
 from loom.schedule.paths import SKIPPIPE, skip_count
 from loom.schedule.select import ChunksError, SEARCH, parse_search_costs, schedule_for
@@ -166,8 +166,9 @@ def validate(config: Config, world_size: int) -> None:
 
     _validate_init_from(config)
     # Last, as it looks at files: a corpus with text enough for one sample (not tokenized).
-
-    check_source(data)
+    if data.mix or str(data.source) != STDLIB_SOURCE:
+        from loom.data.loader import check_source  # torch; the stdlib corpus needs no check
+        check_source(data)
 
 
 CHECKFREE_SCHEDULES = ("1f1b", "gpipe")  # one stage per rank, every microbatch through all

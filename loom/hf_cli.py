@@ -32,7 +32,7 @@ import torch
 from loom.config import load_config, model_args, to_toml
 from loom.models.hf import (HFConversionError, SINGLE_FILE, atomic_save_safetensors,
                             read_hf_checkpoint, write_hf_checkpoint)
-from loom.models.layers import TransformerArgs
+from loom.models.args import TransformerArgs
 
 EXIT_USAGE = 2
 CONFIG_FILE = "config.toml"

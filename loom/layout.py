@@ -24,12 +24,62 @@ pins the placement (1 looped, 2 the V) unless one is given.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from loom.topology import AXES, RankGrid
 
 if TYPE_CHECKING:  # annotations only: the model's module imports torch, this one must not
-    from loom.models.layers import TransformerArgs
+    from loom.models.args import TransformerArgs
+
+# ``train.fp8``'s recipes (torchao's names; ``loom.parallel.fp8`` applies them)
+FP8_RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+# -- context parallelism's split of cp into Ulysses x ring (``loom.parallel.context`` runs it) --
+Mode = Literal["ulysses", "ring", "hybrid"]
+MODES: tuple[str, ...] = ("ulysses", "ring", "hybrid")
+
+
+@dataclass(frozen=True)
+class CPLayout:
+    """cp = ulysses x ring; Ulysses groups are runs of ``ulysses`` consecutive cp ranks."""
+
+    size: int
+    ulysses: int
+
+    @property
+    def ring(self) -> int:
+        return self.size // self.ulysses
+
+    @classmethod
+    def from_mode(cls, mode: Mode, size: int, ulysses_degree: int = 0) -> "CPLayout":
+        """``ulysses_degree`` is only read for ``hybrid``; 0 picks the largest divisor u of cp
+        with u <= cp/u (cp=4 -> 2x2, cp=8 -> 2x4; cp=2 -> 1x2, i.e. ring)."""
+        if mode not in MODES:
+            raise ValueError(f"context parallel mode {mode!r} is not one of {MODES}")
+        if mode == "ulysses":
+            return cls(size, size)
+        if mode == "ring":
+            return cls(size, 1)
+        u = ulysses_degree or max(d for d in range(1, size + 1) if size % d == 0 and d * d <= size)
+        if size % u:
+            raise ValueError(f"ulysses degree {u} does not divide cp degree {size}")
+        return cls(size, u)
+
+
+def check_layout(layout: CPLayout, seq_len: int, n_heads: int, n_kv_heads: int) -> None:
+    """The rules a config must satisfy; raises ``ValueError`` naming the value and the rule.
+    ``n_heads``/``n_kv_heads`` are the heads one cp rank holds before Ulysses (divide by tp)."""
+    cp, u, r = layout.size, layout.ulysses, layout.ring
+    multiple = cp * 2 if r > 1 else cp  # zig-zag: 2r chunks, each pair split u ways
+    if seq_len % multiple:
+        nearest = max(multiple, round(seq_len / multiple) * multiple)
+        raise ValueError(f"seq_len={seq_len} must be divisible by {multiple} "
+                         f"({'2 * cp for zig-zag ring' if r > 1 else 'cp'}); nearest: {nearest}")
+    for name, heads in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
+        if heads % u:
+            raise ValueError(f"{name}={heads} must be divisible by the Ulysses degree {u} "
+                             f"(all-to-all splits heads over the Ulysses group)")
+
 
 # Families that place stages in a V (rank r holds stages r and 2p-1-r).
 V_SHAPED = frozenset({"zbv", "v_half", "v_min", "dualpipev", "hanayo"})
@@ -169,4 +219,5 @@ class Job:
     fp8_emulate: bool = False
 
 
-__all__ = ["Layout", "Job", "CompressionSpec", "V_SHAPED"]
+__all__ = ["Layout", "Job", "CompressionSpec", "V_SHAPED", "CPLayout", "MODES", "check_layout",
+           "FP8_RECIPES"]

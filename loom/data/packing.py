@@ -35,10 +35,10 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
+from loom.data.budgets import PACKINGS  # noqa: F401 (re-exported)
 from loom.data.prepare import INDEX_FILE, PreparedData
 from loom.errors import ConfigError
 
-PACKINGS = ("concat", "pack", "varlen")  # varlen: loom/data/varlen.py
 IGNORE_INDEX = -100  # target of a padding position: F.cross_entropy's default ignore_index
 PAD_DOCUMENT = -1  # document id of padding positions
 

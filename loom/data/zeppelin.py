@@ -55,7 +55,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from loom.data.varlen import balance_tokens, first_fit
+from loom.data.budgets import balance_tokens, first_fit
 
 
 @dataclass(frozen=True)

@@ -2,35 +2,42 @@
 
 ``build_model`` makes a model (or a pipeline stage's slice of one) on any device, the meta device
 included; ``reset_parameters`` then gives it the seeded, layout-independent initial weights.
+
+The names below are imported on first use (PEP 562): importing ``loom.models.args`` (shapes)
+or ``loom.models.presets`` must not import torch and the layers, which the planner never needs.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+import importlib
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    from loom.models.args import TransformerArgs
+    from loom.models.document_attention import DocumentMask
+    from loom.models.llama import Transformer, build_model, initial_value, reset_parameters
+    from loom.models.presets import PRESETS, active_parameter_count, parameter_count, preset
 
-from loom.models.document_attention import DocumentMask
-from loom.models.llama import Transformer, initial_value, reset_parameters
-from loom.models.layers import TransformerArgs
-from loom.models.presets import PRESETS, active_parameter_count, parameter_count, preset
+_HOMES = {
+    "DocumentMask": "loom.models.document_attention",
+    "PRESETS": "loom.models.presets",
+    "Transformer": "loom.models.llama",
+    "TransformerArgs": "loom.models.args",
+    "active_parameter_count": "loom.models.presets",
+    "build_model": "loom.models.llama",
+    "initial_value": "loom.models.llama",
+    "parameter_count": "loom.models.presets",
+    "preset": "loom.models.presets",
+    "reset_parameters": "loom.models.llama",
+}
 
-__all__ = [
-    "DocumentMask", "PRESETS", "Transformer", "TransformerArgs", "active_parameter_count",
-    "build_model", "initial_value",
-    "parameter_count", "preset", "reset_parameters",
-]
+__all__ = sorted(_HOMES)
 
 
-def build_model(
-    args: TransformerArgs,
-    *,
-    device: torch.device | str = "meta",
-    layer_ids: Iterable[int] | None = None,
-    with_embedding: bool = True,
-    with_head: bool = True,
-) -> Transformer:
-    """Construct the module (default: on the meta device, so no memory is touched)."""
-    with torch.device(device):
-        return Transformer(args, layer_ids=layer_ids, with_embedding=with_embedding,
-                           with_head=with_head)
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'loom.models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value

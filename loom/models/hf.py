@@ -39,7 +39,7 @@ import torch
 from loom.models import build_model
 from loom.models.hf_config import (ARCHITECTURES, HFConversionError, architecture_of,
                                    args_from_hf_config, hf_config_from_args)
-from loom.models.layers import TransformerArgs
+from loom.models.args import TransformerArgs
 
 __all__ = ["ARCHITECTURES", "HFConversionError", "architecture_of", "args_from_hf_config",
            "hf_config_from_args", "name_pairs", "permute_from_hf", "permute_to_hf",

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from loom.models.layers import TransformerArgs
+from loom.models.args import TransformerArgs
 
 LLAMA, QWEN2, QWEN3, MISTRAL = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                 "MistralForCausalLM")

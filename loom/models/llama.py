@@ -184,3 +184,17 @@ def reset_parameters(
         cos, sin = rope_tables_for(model.args)
         model.rope_cos.copy_(cos)
         model.rope_sin.copy_(sin)
+
+
+def build_model(
+    args: TransformerArgs,
+    *,
+    device: torch.device | str = "meta",
+    layer_ids: Iterable[int] | None = None,
+    with_embedding: bool = True,
+    with_head: bool = True,
+) -> Transformer:
+    """Construct the module (default: on the meta device, so no memory is touched)."""
+    with torch.device(device):
+        return Transformer(args, layer_ids=layer_ids, with_embedding=with_embedding,
+                           with_head=with_head)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from loom.models.layers import TransformerArgs
+from loom.models.args import TransformerArgs
 
 PRESETS: dict[str, TransformerArgs] = {
     # A few million parameters: trains visibly on two CPU cores in minutes.

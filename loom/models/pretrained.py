@@ -33,7 +33,7 @@ from safetensors import safe_open
 
 from loom.models.hf import (INDEX_FILE, SINGLE_FILE, args_from_hf_config, name_pairs,
                             permute_from_hf, rope_heads)
-from loom.models.layers import TransformerArgs
+from loom.models.args import TransformerArgs
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -18,24 +18,10 @@ device or on the accumulated rounding of fp32 angle products at long positions.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-# RoPE schedules Loom computes exactly (``TransformerArgs.rope_scaling``).
-ROPE_SCALINGS = ("none", "linear", "llama3")
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """How the plain frequencies are rescaled; the fields a kind does not use are ignored."""
-
-    kind: str = "none"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_len: int = 0
-
+from loom.models.args import ROPE_SCALINGS, RopeScaling
 
 def inverse_frequencies(head_dim: int, theta: float,
                         scaling: RopeScaling | None = None) -> torch.Tensor:

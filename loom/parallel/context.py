@@ -68,6 +68,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.data.packing import DocumentBatch
+from loom.layout import MODES, CPLayout, Mode, check_layout  # noqa: F401 (re-exported)
 from loom.models.document_attention import DocumentMask
 from loom.models.layers import sdpa_causal
 from loom.models.moe import MoEFeedForward
@@ -76,52 +77,6 @@ from loom.parallel.comm import CommLedger
 from loom.parallel.context_documents import (DocumentKeys, document_keys, document_ring_attention,
                                              document_shard_indices, take_shard)
 from loom.parallel.ring_attention import Ring, ring_attention, zigzag_positions
-
-Mode = Literal["ulysses", "ring", "hybrid"]
-MODES: tuple[str, ...] = ("ulysses", "ring", "hybrid")
-
-
-@dataclass(frozen=True)
-class CPLayout:
-    """cp = ulysses x ring; Ulysses groups are runs of ``ulysses`` consecutive cp ranks."""
-
-    size: int
-    ulysses: int
-
-    @property
-    def ring(self) -> int:
-        return self.size // self.ulysses
-
-    @classmethod
-    def from_mode(cls, mode: Mode, size: int, ulysses_degree: int = 0) -> "CPLayout":
-        """``ulysses_degree`` is only read for ``hybrid``; 0 picks the largest divisor u of cp
-        with u <= cp/u (cp=4 -> 2x2, cp=8 -> 2x4; cp=2 -> 1x2, i.e. ring)."""
-        if mode not in MODES:
-            raise ValueError(f"context parallel mode {mode!r} is not one of {MODES}")
-        if mode == "ulysses":
-            return cls(size, size)
-        if mode == "ring":
-            return cls(size, 1)
-        u = ulysses_degree or max(d for d in range(1, size + 1) if size % d == 0 and d * d <= size)
-        if size % u:
-            raise ValueError(f"ulysses degree {u} does not divide cp degree {size}")
-        return cls(size, u)
-
-
-def check_layout(layout: CPLayout, seq_len: int, n_heads: int, n_kv_heads: int) -> None:
-    """The rules a config must satisfy; raises ``ValueError`` naming the value and the rule.
-    ``n_heads``/``n_kv_heads`` are the heads one cp rank holds before Ulysses (divide by tp)."""
-    cp, u, r = layout.size, layout.ulysses, layout.ring
-    multiple = cp * 2 if r > 1 else cp  # zig-zag: 2r chunks, each pair split u ways
-    if seq_len % multiple:
-        nearest = max(multiple, round(seq_len / multiple) * multiple)
-        raise ValueError(f"seq_len={seq_len} must be divisible by {multiple} "
-                         f"({'2 * cp for zig-zag ring' if r > 1 else 'cp'}); nearest: {nearest}")
-    for name, heads in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
-        if heads % u:
-            raise ValueError(f"{name}={heads} must be divisible by the Ulysses degree {u} "
-                             f"(all-to-all splits heads over the Ulysses group)")
-
 
 def sequence_positions(seq_len: int, cp_rank: int, layout: CPLayout) -> torch.Tensor:
     """Global positions (int64 ``[seq_len / cp]``) of the tokens ``cp_rank`` holds, in order."""

@@ -45,7 +45,9 @@ import importlib.util
 import torch
 from torch import nn
 
-RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp")
+from loom.layout import FP8_RECIPES
+
+RECIPES = FP8_RECIPES  # torchao's names
 # CUDA compute capability from which the FP8 tensor-core matmuls exist (Ada, Hopper, Blackwell)
 FP8_CAPABILITY = (8, 9)
 KERNEL_MULTIPLE = 16  # both dimensions of an FP8 GEMM's operands

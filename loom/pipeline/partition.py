@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from loom.models.layers import TransformerArgs
+from loom.models.args import TransformerArgs
 
 
 def stage_costs(args: TransformerArgs, seq_len: int | None = None) -> dict[str, float]:

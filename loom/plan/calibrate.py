@@ -42,7 +42,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from loom.layout import Layout
-from loom.models.layers import TransformerArgs
+from loom.models.args import TransformerArgs
 from loom.plan.hardware import Cluster, Gpu, HardwareError, Link
 from loom.plan.probes import fit_framework
 from loom.sim.cost_model import CostModel

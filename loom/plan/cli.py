@@ -24,7 +24,7 @@ from pathlib import Path
 from loom.config import ConfigError, load_config
 from loom.layout import Layout
 from loom.models.presets import PRESETS
-from loom.parallel.fp8 import RECIPES as FP8_RECIPES
+from loom.layout import FP8_RECIPES
 from loom.plan import explain, varlen
 from loom.plan.calibrate import describe, load_profile
 from loom.plan.hardware import HardwareError, load_catalog, make_cluster
@@ -248,3 +248,16 @@ def _run_varlen(args: argparse.Namespace, stack: Framework) -> int:
 
 
 __all__ = ["add_plan_commands", "parse_layout", "PlanInputError"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``loom plan ...`` without the rest of ``loom`` (``loom.__main__`` sends it here, so the
+    planner never imports torch); ``--calibrate`` needs the trainer and goes through
+    ``loom.cli``."""
+    parser = argparse.ArgumentParser(prog="loom")
+    add_plan_commands(parser.add_subparsers(dest="command", required=True))
+    try:
+        args, extra = parser.parse_known_args(argv)
+        return args.handler(args, extra)
+    except SystemExit as exit_:  # argparse: --help (0) or a bad argument (2)
+        return exit_.code if isinstance(exit_.code, int) else EXIT_BAD_INPUT

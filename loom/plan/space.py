@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import overload
 
 from loom.layout import Layout
-from loom.models.layers import TransformerArgs
-from loom.parallel.context import CPLayout, check_layout
+from loom.models.args import TransformerArgs
+from loom.layout import CPLayout, check_layout
 
 # Families the planner considers, with the chunks per rank they are searched at. GPipe and the
 # looped breadth-first schedule are left out: they take 1F1B's time with m microbatches in flight

@@ -84,8 +84,8 @@ from typing import Any
 
 from loom.formulas.flops import model_flops_per_token
 from loom.layout import Layout
-from loom.models.layers import TransformerArgs
-from loom.parallel.context import CPLayout  # Loom's own split of cp into u x r
+from loom.models.args import TransformerArgs
+from loom.layout import CPLayout  # Loom's own split of cp into u x r
 from loom.schedule.cost import OpCosts, StageCosts
 from loom.sim.cost_memory import layout_memory
 from loom.sim.frameworks import LOOM, Framework

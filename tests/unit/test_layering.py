@@ -192,6 +192,20 @@ def test_the_schedule_package_and_the_layout_import_without_torch():
     assert done.returncode == 0, done.stderr
 
 
+def test_the_planner_and_the_config_import_without_torch():
+    """``loom plan`` must not import torch before it needs it (issue 21: the 1T plan in about
+    two seconds, of which importing torch alone would take more than one): the config and its
+    rules, the model shapes and presets, the cost model and the planner's CLI are torch-free."""
+    import subprocess
+    import sys
+
+    code = ("import sys, loom.config, loom.models.presets, loom.sim.cost_model, loom.plan.cli,"
+            " loom.plan.search, loom.sim.varlen_cost;"
+            " assert 'torch' not in sys.modules, 'torch imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
 MAX_LOCAL_IMPORTS = 10
 
 
