@@ -12,9 +12,13 @@ The network, made by ``EmulatedNetwork`` (root only; ``ip`` and ``tc`` from ipro
   link is shaped at its sender. HTB, not a TBF per interface as the issue first suggested: TBF
   shapes the whole interface, which gives every destination the same rate, and a cluster of two
   regions needs fast links inside a region and slow ones across on the same interface.
-* Latency is not emulated: the kernel here has no ``netem``, and the ring collectives run inside
-  gloo, where no software delay can be added per message. The link table's latencies still feed
-  the simulator; the emulation says so when it starts (``describe``).
+* Latency is not emulated by the kernel: it has no ``netem``, and the ring collectives run
+  inside gloo, where no software delay can be added per message. SkipPipe's pipeline messages
+  get it in software instead (``loom.pipeline.paths_runtime.emulated_link_time``: delivered
+  no earlier than the link's latency + bytes / bandwidth after they were sent, the send time
+  travelling with the message; the stage replicas' gradient all-reduce waits 2(R-1) latencies),
+  from the cluster the workers read from ``CLUSTER_ENV``. Other collectives and the ordinary
+  pipeline run without it; the emulation says so when it starts (``describe``).
 
 Compute: a node's ``compute`` factor (its speed relative to the others) becomes a slowdown of
 that rank's forward and backward pieces: after each one it sleeps ``(1/speed - 1)`` times what the
@@ -34,13 +38,15 @@ import ctypes
 import os
 import shutil
 import subprocess
+import sys
 import uuid
 from typing import Sequence
 
-from loom.cluster import Cluster
+from loom.cluster import Cluster, parse
 
 NAMESPACE_ENV = "LOOM_EMULATED_NETNS"  # the launcher's namespace prefix, read by each worker
 COMPUTE_ENV = "LOOM_EMULATED_COMPUTE"  # every rank's relative speed, comma-separated
+CLUSTER_ENV = "LOOM_EMULATED_CLUSTER"  # the emulated cluster's description (TOML text)
 INTERFACE = "eth0"
 SUBNET = "10.213.0"
 _CLONE_NEWNET = 0x40000000
@@ -150,8 +156,9 @@ class EmulatedNetwork:
         speeds = compute_speeds(self.cluster)
         slowed = "" if set(speeds.split(",")) == {"1.0"} else f"; rank speeds {speeds}"
         return (f"emulated network: {self.cluster.size} ranks in namespaces {self.prefix}*, links"
-                f" shaped to {shown} Gbit/s (HTB per destination){slowed}; link latencies not"
-                " emulated (no netem, and gloo's messages cannot be delayed from outside)")
+                f" shaped to {shown} Gbit/s (HTB per destination){slowed}; link latencies"
+                " emulated only for skippipe's pipeline messages and stage all-reduce (in"
+                " software; no netem, and gloo's collectives cannot be delayed from outside)")
 
 
 def _rate(bytes_per_s: float) -> list[str]:
@@ -176,6 +183,16 @@ def compute_speed_of(value: str, rank: int) -> float:
     return speeds[rank]
 
 
+def cluster_of(value: str) -> Cluster:
+    """The cluster ``CLUSTER_ENV``'s value describes (``Cluster.to_toml``'s text): workers
+    read it to plan for the cluster they run on (SkipPipe's path scheduler)."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+    return parse(tomllib.loads(value))
+
+
 def enter_namespace(name: str) -> None:
     """Move the calling thread (and every thread it starts later) into network namespace
     ``name``, made by ``ip netns add``."""
@@ -190,4 +207,5 @@ def enter_namespace(name: str) -> None:
 
 
 __all__ = ["EmulatedNetwork", "EmulationUnavailable", "enter_namespace", "compute_speeds",
-           "compute_speed_of", "NAMESPACE_ENV", "COMPUTE_ENV", "INTERFACE"]
+           "compute_speed_of", "cluster_of", "NAMESPACE_ENV", "COMPUTE_ENV", "CLUSTER_ENV",
+           "INTERFACE"]

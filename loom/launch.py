@@ -37,8 +37,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from loom.cluster import Cluster
 from loom.config import Config, ConfigError, from_dict, to_dict, to_toml
 from loom.data.loader import prepare_data
-from loom.emulate import COMPUTE_ENV, NAMESPACE_ENV, EmulatedNetwork, EmulationUnavailable, \
-    compute_speeds
+from loom.emulate import CLUSTER_ENV, COMPUTE_ENV, NAMESPACE_ENV, EmulatedNetwork, \
+    EmulationUnavailable, compute_speeds
 from loom.relaunch import RecoveryFailed, check_recovery_layout, launch_checkfree
 from loom.supervise import INTERRUPT_WAIT_S, Interrupted, Supervisor
 from loom.train import preempt, watchdog
@@ -181,6 +181,7 @@ def launch_local(config: Config, run_dir: Path, nproc: int, max_restarts: int = 
         if emulate is not None:  # the workers inherit these: their namespace and their speed
             os.environ[NAMESPACE_ENV] = network.prefix
             os.environ[COMPUTE_ENV] = compute_speeds(emulate)
+            os.environ[CLUSTER_ENV] = emulate.to_toml()  # skippipe plans its paths for it
             print(f"loom train: {network.describe()}", file=sys.stderr)
         try:
             results = elastic_launch(launch_config, worker_main)(to_dict(config), str(run_dir))
@@ -197,6 +198,7 @@ def launch_local(config: Config, run_dir: Path, nproc: int, max_restarts: int = 
         finally:
             os.environ.pop(NAMESPACE_ENV, None)
             os.environ.pop(COMPUTE_ENV, None)
+            os.environ.pop(CLUSTER_ENV, None)
     return results[0]
 
 

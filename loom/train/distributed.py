@@ -10,7 +10,8 @@ Loom's own code never uses it implicitly — groups are taken from the mesh and 
 
 Under an emulated cluster (``loom train --cluster FILE --emulate``, ``loom.emulate``) the launcher
 names a network-namespace prefix in ``LOOM_EMULATED_NETNS``: each rank joins its namespace after
-connecting to the rendezvous store and before gloo opens its sockets.
+connecting to the rendezvous store and before gloo opens its sockets, and ``DistContext.cluster``
+is the cluster itself (``LOOM_EMULATED_CLUSTER``), which SkipPipe's path scheduler plans on.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from loom.emulate import COMPUTE_ENV, INTERFACE, NAMESPACE_ENV, compute_speed_of, enter_namespace
+from loom.cluster import Cluster
+from loom.emulate import CLUSTER_ENV, COMPUTE_ENV, INTERFACE, NAMESPACE_ENV, cluster_of, \
+    compute_speed_of, enter_namespace
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,9 @@ class DistContext:
     # Emulated heterogeneous node (``loom.emulate``): this rank's compute runs at this fraction
     # of its real speed; 1.0 everywhere else.
     compute_speed: float = 1.0
+    # The emulated cluster (``CLUSTER_ENV``: node i is rank i), for what plans on it (SkipPipe's
+    # path scheduler); None outside an emulation.
+    cluster: Cluster | None = None
 
     @property
     def is_main(self) -> bool:
@@ -107,7 +113,11 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
     else:
         chosen_backend = dist.get_backend()
     speed = compute_speed_of(env[COMPUTE_ENV], rank) if COMPUTE_ENV in env else 1.0
-    return DistContext(rank, world_size, local_rank, local_world_size, dev, chosen_backend, speed)
+    cluster = cluster_of(env[CLUSTER_ENV]) if CLUSTER_ENV in env else None
+    if cluster is not None:
+        cluster.check_world(world_size, CLUSTER_ENV)
+    return DistContext(rank, world_size, local_rank, local_world_size, dev, chosen_backend, speed,
+                       cluster)
 
 
 def _restart_store(env, rank: int, world_size: int, timeout: datetime.timedelta):

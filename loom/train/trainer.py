@@ -60,7 +60,7 @@ from loom.parallel.mixed_precision import master_window
 from loom.parallel.offload import activation_offload, plan_offload
 from loom.parallel.outer import OuterLoop
 from loom.parallel.zero import of_stages
-from loom.pipeline.paths_runtime import build_path_pipeline
+from loom.pipeline.paths_runtime import PathPipeline, build_path_pipeline
 from loom.pipeline.runtime import build_pipeline, forward_only
 from loom.pipeline.stage import LocalStages
 from loom.schedule.paths import SKIPPIPE
@@ -145,7 +145,8 @@ class Trainer:
             self.pipeline = build_path_pipeline(
                 job, config.parallel.skip_ratio, grid=self.grid, meshes=self.meshes,
                 rank=self.ctx.rank, device=self.ctx.device, autocast=self._autocast,
-                ledger=self.ledger, compute_context=self._compute_context)
+                ledger=self.ledger, compute_context=self._compute_context,
+                cluster=self.ctx.cluster)  # an emulated cluster: paths planned on it
         else:
             schedule = schedule_of(lay, max_stages=self.args.n_layers)
             self.pipeline = build_pipeline(job, schedule, grid=self.grid, meshes=self.meshes,
@@ -502,6 +503,8 @@ class Trainer:
                  "data": self.loader.state_dict(), "config": to_dict(self.config)}
         if self.outer is not None:
             extra["outer"] = self._outer_counters()
+        if isinstance(self.pipeline, PathPipeline):  # skippipe: the paths it trains on
+            extra["skippipe"] = self.pipeline.state_dict()
         with master_window(self.model):  # bf16 parameters: their fp32 masters are saved
             saved = checkpoint.save(root, self.step, self._checkpoint_tensors(), extra,
                                     keep=self.config.checkpoint.keep, device=self.ctx.device,
@@ -551,6 +554,8 @@ class Trainer:
         self.step = int(extra["step"])
         self.scheduler.load_state_dict(extra["scheduler"])
         self.loader.load_state_dict(extra["data"])
+        if isinstance(self.pipeline, PathPipeline) and "skippipe" in extra:
+            self.pipeline.load_state_dict(extra["skippipe"])  # the paths it trained with
 
     def _refuse_other_dp_mode(self, path: Path) -> None:
         """A checkpoint's tensors are keyed per replica under an outer dp_mode (see
@@ -636,6 +641,8 @@ class Trainer:
                         f" {sum(p.numel() for p in self.model.parameters()):,} parameters; device"
                         f" {self.ctx.device} ({self.ctx.backend});"
                         f" {describe_peak(peak, peak_source)}")
+        if isinstance(self.pipeline, PathPipeline):  # skippipe: the paths and their plan
+            logger.log_text(self.pipeline.describe())
         if self.outer is not None:
             par = cfg.parallel
             logger.log_text(f"outer loop: {par.dp_mode} across dp_replicate = {par.dp_replicate}"
