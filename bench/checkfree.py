@@ -1,16 +1,21 @@
 """Wall-clock to a target validation loss under injected stage failures: CheckFree recovery
-(``--fault.recovery=checkfree``) vs restarting every worker from the newest checkpoint
-(``--max-restarts``, ``checkpoint.interval``), and a run without failures.
+(``--fault.recovery=checkfree``), CheckFree+ (``checkfree_plus``) vs restarting every worker
+from the newest checkpoint (``--max-restarts``, ``checkpoint.interval``), and a run without
+failures.
 
     python bench/checkfree.py [--trials 2] [--steps 80] [--every 20] [--interval 10]
+                              [--modes none,checkfree,checkfree_plus,checkpoint] [--plus-stage 0]
 
 Each run is a 4-stage pipeline of the tiny model (pp = 4, one rank per stage) on the standard
-library corpus. Stage 2's process is SIGKILLed at the start of steps every, 2*every, ... (the
-checkfree runs by ``fault.test_kill_*`` inside the worker; the checkpoint runs from outside, once
-step k*every - 1 is logged, so both lose the same step). The target is the validation loss the
-failure-free run reaches at step ``steps - every``; reported: wall-clock from launch to the first
-evaluation at or below it (or "not reached"), the same from the first logged step (start-up left
-out: on a loaded machine it dominates), and the final validation loss. Prints a table and
+library corpus. A stage's process is SIGKILLed at the start of steps every, 2*every, ...: stage
+2 (a middle stage) for checkfree and checkpoint, stage ``--plus-stage`` (default 0, the first,
+which only CheckFree+ can rebuild) for checkfree_plus (the checkfree runs by ``fault.test_kill_*``
+inside the worker; the checkpoint runs from outside, once step k*every - 1 is logged, so all lose
+the same step). The target is the validation loss the failure-free run reaches at step
+``steps - every``; reported: wall-clock from launch to the first evaluation at or below it (or
+"not reached"), the same from the first logged step (start-up left out: on a loaded machine it
+dominates), the final validation loss, and the cost of each failure: the wall-clock between the
+logged steps k*every - 1 and k*every minus the run's median step-to-step time. Prints a table and
 writes ``bench/out/checkfree.json``. Measured on a shared 2-core machine: timings are noisy.
 """
 
@@ -51,12 +56,15 @@ def _rows(path: Path) -> list[dict]:
 
 
 def run(mode: str, workdir: Path, steps: int, every: int, interval: int, eval_every: int,
-        kills: int) -> dict:
+        kills: int, plus_stage: int = 0) -> dict:
     run_dir = workdir / mode
     args = base_args(steps, eval_every) + [f"--train.run_dir={run_dir}"]
-    if mode == "checkfree":
-        args += ["--fault.recovery=checkfree", "--fault.test_kill_stage=2",
+    if mode in ("checkfree", "checkfree_plus"):
+        stage = 2 if mode == "checkfree" else plus_stage
+        args += [f"--fault.recovery={mode}", f"--fault.test_kill_stage={stage}",
                  f"--fault.test_kill_step={every}", f"--fault.test_kill_count={kills}"]
+    elif mode == "checkfree_plus_nofail":  # the out-of-order microbatches' own cost
+        args += ["--fault.recovery=checkfree_plus"]
     elif mode == "checkpoint":
         args += [f"--checkpoint.interval={interval}", "--max-restarts", str(kills)]
     start = time.monotonic()
@@ -64,6 +72,7 @@ def run(mode: str, workdir: Path, steps: int, every: int, interval: int, eval_ev
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     evals: list[tuple[float, int, float]] = []  # (wall s, step, val loss)
+    logged: dict[int, float] = {}  # step -> wall s when its row was first seen
     seen, killed = 0, 0
     first_step = None  # wall s at the first logged step: start-up (imports) is left out below
     while proc.poll() is None:
@@ -73,6 +82,8 @@ def run(mode: str, workdir: Path, steps: int, every: int, interval: int, eval_ev
                 evals.append((time.monotonic() - start, row["step"], row["val/loss"]))
             if first_step is None and "loss" in row:
                 first_step = time.monotonic() - start
+            if "loss" in row:
+                logged.setdefault(row["step"], time.monotonic() - start)
             if (mode == "checkpoint" and "loss" in row and killed < kills
                     and row["step"] == (killed + 1) * every - 1):
                 _kill_rank(proc.pid, 2)
@@ -86,11 +97,28 @@ def run(mode: str, workdir: Path, steps: int, every: int, interval: int, eval_ev
     for row in _rows(run_dir / "metrics.jsonl")[seen:]:
         if "val/loss" in row:
             evals.append((time.monotonic() - start, row["step"], row["val/loss"]))
+    inside = mode in ("checkfree", "checkfree_plus")
     return {"mode": mode, "exit_code": proc.returncode, "wall_s": time.monotonic() - start,
             "first_step_s": first_step,
-            "evals": evals, "kills": kills if mode == "checkfree" else killed,
-            "recoveries": stderr.count("rebuilt after step") if mode == "checkfree"
-            else stderr.count("resume: continuing from"), "stderr_tail": stderr[-1500:]}
+            "evals": evals, "kills": kills if inside else killed,
+            "recoveries": stderr.count("rebuilt after step") if inside
+            else stderr.count("resume: continuing from"),
+            "failure_cost_s": failure_costs(logged, every,
+                                            0 if mode.endswith(("none", "nofail")) else kills),
+            "stderr_tail": stderr[-1500:]}
+
+
+def failure_costs(logged: dict[int, float], every: int, kills: int) -> list[float | None]:
+    """Per kill k: the wall-clock between the rows of steps k*every - 1 and k*every, minus the
+    median gap between consecutive rows of steps no kill touched (None where a row is missing).
+    Rows are seen by polling every 50 ms, and an evaluation step's row comes later by the
+    evaluation's time: a few tenths of a second of noise."""
+    killed = {k * every for k in range(1, kills + 1)}
+    gaps = sorted(logged[s] - logged[s - 1] for s in logged
+                  if s - 1 in logged and s not in killed)
+    median = gaps[len(gaps) // 2] if gaps else 0.0
+    return [logged[s] - logged[s - 1] - median if s in logged and s - 1 in logged else None
+            for s in sorted(killed)]
 
 
 def _kill_rank(launcher: int, rank: int) -> None:
@@ -111,16 +139,29 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=20, help="a kill every this many steps")
     parser.add_argument("--interval", type=int, default=10, help="checkpoint interval")
     parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--modes", default="none,checkfree,checkfree_plus,checkpoint",
+                        help="comma-separated: none, checkfree, checkfree_plus, checkpoint,"
+                        " checkfree_plus_nofail (out of order, no kill)")
+    parser.add_argument("--plus-stage", type=int, default=0,
+                        help="the stage killed in the checkfree_plus runs (0..3)")
     args = parser.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - {"none", "checkfree", "checkfree_plus", "checkpoint",
+                            "checkfree_plus_nofail"}
+    if unknown or "none" not in modes:
+        parser.error(f"--modes: unknown {sorted(unknown)}" if unknown
+                     else "--modes must include none (it sets the target)")
+    if not 0 <= args.plus_stage <= 3:
+        parser.error(f"--plus-stage must be in 0..3 (pp = 4), got {args.plus_stage}")
     kills = (args.steps - 1) // args.every
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for trial in range(args.trials):
-            for mode in ("none", "checkfree", "checkpoint"):
+            for mode in modes:
                 workdir = Path(tmp) / f"t{trial}"
                 workdir.mkdir(exist_ok=True)
                 res = run(mode, workdir, args.steps, args.every, args.interval, args.eval_every,
-                          kills)
+                          kills, args.plus_stage)
                 res["trial"] = trial
                 results.append(res)
                 print(f"trial {trial} {mode:10s} exit {res['exit_code']} wall {res['wall_s']:.1f}s"
@@ -138,17 +179,19 @@ def main() -> int:
             res["train_to_target_s"] = hit - res["first_step_s"] if hit is not None \
                 and res["first_step_s"] is not None else None
     print(f"\ntarget: the failure-free run's validation loss at step {target_step};"
-          f" a kill of stage 2 every {args.every} steps ({kills} in {args.steps} steps),"
+          f" a kill every {args.every} steps ({kills} in {args.steps} steps) of stage 2"
+          f" (checkfree, checkpoint) or stage {args.plus_stage} (checkfree_plus),"
           f" checkpoints every {args.interval} steps for the restart mode")
-    print(f"{'trial':>5} {'mode':>10} {'target':>7} {'to target (s)':>14}"
-          f" {'from step 1 (s)':>15} {'final val':>9} {'wall (s)':>8}")
+    print(f"{'trial':>5} {'mode':>14} {'target':>7} {'to target (s)':>14}"
+          f" {'from step 1 (s)':>15} {'final val':>9} {'wall (s)':>8}  per failure (s)")
     for res in results:
         final = res["evals"][-1][2] if res["evals"] else float("nan")
         hit, train = res["time_to_target_s"], res["train_to_target_s"]
-        print(f"{res['trial']:>5} {res['mode']:>10} {res['target'] or float('nan'):>7.3f}"
+        costs = " ".join("-" if c is None else f"{c:.1f}" for c in res["failure_cost_s"])
+        print(f"{res['trial']:>5} {res['mode']:>14} {res['target'] or float('nan'):>7.3f}"
               f" {('%.1f' % hit) if hit is not None else 'not reached':>14}"
               f" {('%.1f' % train) if train is not None else '-':>15} {final:>9.3f}"
-              f" {res['wall_s']:>8.1f}")
+              f" {res['wall_s']:>8.1f}  {costs}")
     out = ROOT / "bench" / "out"
     out.mkdir(exist_ok=True)
     (out / "checkfree.json").write_text(json.dumps({"args": vars(args), "results": results},

@@ -297,13 +297,20 @@ class FaultConfig:
     # What happens when a worker dies: "checkpoint" (restart every worker from the newest
     # checkpoint, --max-restarts), "checkfree" (only a lost middle pipeline stage's process is
     # replaced, its weights the neighbours' average; no checkpoint: loom/train/checkfree.py) or
-    # "checkfree_plus" (CheckFree+, which also recovers the first and last stage: not built yet)
+    # "checkfree_plus" (CheckFree+: out-of-order microbatches and (de)embedding copies on the
+    # neighbours also recover the first and last stage; loom/pipeline/out_of_order.py, pp >= 4)
     recovery: Literal["checkpoint", "checkfree", "checkfree_plus"] = "checkpoint"
+    # The rebuilt stage trains on with this multiple of the schedule's learning rate (the
+    # authors' code: 1.1, or 1.2 for their 500M model); 1 keeps the schedule's
+    recovery_lr_scale: float = 1.1
     # For tests and benchmarks only: SIGKILL the process of this pipeline stage at the start of
     # step test_kill_step (-1: never), once per recovery generation up to test_kill_count times
     test_kill_stage: int = -1
     test_kill_step: int = 0
     test_kill_count: int = 1  # how many kills in all; each next one test_kill_step steps later
+    # Instead of test_kill_stage and test_kill_count: the stage killed in each generation, in
+    # order (e.g. 0,3: the first stage at test_kill_step, the last at 2 * test_kill_step)
+    test_kill_stages: tuple[int, ...] = ()
     # For tests: write the neighbours' sent blocks and the rebuilt stage to run_dir/checkfree/
     dump_recovery: bool = False
 

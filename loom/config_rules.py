@@ -180,21 +180,33 @@ def _validate_fault(config: Config) -> None:
     cp or ep (a stage's replicas or shards would be a second recovery source, not built), and a
     schedule with one stage per rank (1f1b, gpipe: no interleaving, V or zero bubble). The
     equal block count of neighbouring stages is checked by the launcher (``loom.relaunch``),
-    which has the partition. CheckFree+ (first and last stage) needs out-of-order microbatches,
-    which the runtime does not run yet."""
+    which has the partition. CheckFree+ (first and last stage too) swaps stages (0, 1) and
+    (pp-2, pp-1) on every other microbatch (loom/pipeline/out_of_order.py): pp >= 4, untied
+    embeddings, concatenated rows."""
     fault, par, tr = config.fault, config.parallel, config.train
     if fault.recovery == "checkpoint":
-        if fault.test_kill_stage >= 0:
-            raise ConfigError("fault.test_kill_stage", fault.test_kill_stage,
-                              "injects a failure for fault.recovery=checkfree only (under"
-                              " checkpoint recovery kill a worker from outside, --max-restarts)")
+        for name in ("test_kill_stage", "test_kill_stages"):
+            if getattr(fault, name) not in (-1, ()):
+                raise ConfigError(f"fault.{name}", getattr(fault, name),
+                                  "injects a failure for fault.recovery=checkfree(_plus) only"
+                                  " (under checkpoint recovery kill a worker from outside,"
+                                  " --max-restarts)")
         return
-    if fault.recovery == "checkfree_plus":
+    if not (math.isfinite(fault.recovery_lr_scale) and fault.recovery_lr_scale > 0):
+        raise ConfigError("fault.recovery_lr_scale", fault.recovery_lr_scale,
+                          "must be a finite number > 0 (1: the schedule's learning rate)")
+    plus = fault.recovery == "checkfree_plus"
+    if plus and par.pp < 4:
         raise ConfigError("fault.recovery", fault.recovery,
-                          "CheckFree+ is not built yet: it needs out-of-order microbatches (the"
-                          " first two and last two stages swapped on every other microbatch),"
-                          " which the pipeline runtime does not run; use checkfree (middle"
-                          " stages) or checkpoint")
+                          f"needs parallel.pp >= 4: out-of-order microbatches swap stages (0, 1)"
+                          f" and (pp-2, pp-1), two pairs that must not share a stage"
+                          f" (pp = {par.pp})")
+    if plus and config.model.tie_embeddings:
+        raise ConfigError("model.tie_embeddings", True, "checkfree_plus keeps the embedding and"
+                          " the head apart (each copied to its neighbour); untie them")
+    if plus and config.data.packing != "concat":
+        raise ConfigError("data.packing", config.data.packing,
+                          "checkfree_plus runs concatenated rows only (data.packing = concat)")
     if par.pp < 3:
         raise ConfigError("fault.recovery", fault.recovery,
                           f"needs parallel.pp >= 3 (a lost stage is rebuilt from the stages on"
@@ -211,12 +223,20 @@ def _validate_fault(config: Config) -> None:
         raise ConfigError("parallel.schedule", par.schedule,
                           f"fault.recovery={fault.recovery} needs one stage per rank with every"
                           f" microbatch through every stage: one of {', '.join(CHECKFREE_SCHEDULES)}")
-    if fault.test_kill_stage < 0:
+    if fault.test_kill_stage >= 0 and fault.test_kill_stages:
+        raise ConfigError("fault.test_kill_stages", ",".join(map(str, fault.test_kill_stages)),
+                          "replaces fault.test_kill_stage and test_kill_count; set one of them")
+    kills = fault.test_kill_stages or ((fault.test_kill_stage,) if fault.test_kill_stage >= 0
+                                       else ())
+    if not kills:
         return
-    if not 1 <= fault.test_kill_stage <= par.pp - 2:
-        raise ConfigError("fault.test_kill_stage", fault.test_kill_stage,
-                          f"checkfree recovers the middle stages 1..{par.pp - 2} only; the first"
-                          " and last stage need checkfree_plus")
+    name = "fault.test_kill_stages" if fault.test_kill_stages else "fault.test_kill_stage"
+    low, high = (0, par.pp - 1) if plus else (1, par.pp - 2)
+    for stage in kills:
+        if not low <= stage <= high:
+            raise ConfigError(name, stage, f"fault.recovery={fault.recovery} recovers stages"
+                              f" {low}..{high}" + ("" if plus else "; the first and last stage"
+                                                   " need checkfree_plus"))
     if not 1 <= fault.test_kill_step <= tr.steps:
         raise ConfigError("fault.test_kill_step", fault.test_kill_step,
                           f"must be in [1, train.steps = {tr.steps}]")

@@ -1,6 +1,7 @@
 """The launcher side of CheckFree recovery: local workers of which only a lost one is replaced.
 
-``loom train --fault.recovery=checkfree`` runs here instead of through torch's elastic agent
+``loom train --fault.recovery=checkfree|checkfree_plus`` runs here instead of through torch's
+elastic agent
 (``loom.launch``). The agent cannot be used: on any worker failure it stops *every* worker and
 restarts the whole group (its restart unit is the worker group), so the survivors' in-memory
 weights and optimizer state — all that CheckFree rebuilds from — would be lost. This launcher
@@ -8,13 +9,23 @@ instead:
 
 * hosts the job's TCP store itself, so it outlives any worker; each generation of the job forms
   its process group under its own store prefix (``loom.train.checkfree``);
-* starts one process per rank and watches them; when a middle pipeline stage's process dies by
-  a signal (a real SIGKILL, the OOM killer, a lost node), it publishes the next generation (the
+* starts one process per rank and watches them; when the process of a stage the mode rebuilds
+  (a middle stage; under checkfree_plus any stage) dies by a signal (a real SIGKILL, the OOM
+  killer, a lost node), it publishes the next generation (the
   dead rank, ``checkfree.failed_key``) in the store and starts a replacement process for that
   rank; the survivors, whose step failed on the dead peer, see the key, drop their group and
-  form the new one with the replacement, which is rebuilt from its neighbours' weights;
+  form the new one with the replacement, which is rebuilt from its neighbours' weights
+  (``loom.train.checkfree.recovery_sources``);
+* treats a hung worker as a lost one: a survivor whose collective times out
+  (``train.timeout_s``) writes the watchdog's diagnosis naming the rank it waited for
+  (``loom.train.watchdog``); the launcher SIGKILLs that rank's process (a stopped process cannot
+  even honour a SIGTERM) and replaces it as if it had died, so a frozen node costs one timeout,
+  not the job;
 * fails the job as ``loom.launch`` does (naming the rank) when a worker exits with an error,
-  when the first or last stage dies (CheckFree cannot rebuild those), or on Ctrl-C.
+  when a stage the mode cannot rebuild dies or hangs (the first or last stage under checkfree;
+  checkfree_plus rebuilds every stage), or on Ctrl-C;
+* on SIGTERM (a scheduler or a user stopping the launcher) stops every worker (SIGTERM, then
+  SIGKILL after ``STOP_WAIT_S``) and fails with "stopped by SIGTERM": no worker outlives it.
 
 Before any process starts, ``check_recovery_layout`` refuses (exit 2) a partition whose stages
 hold different numbers of transformer blocks: a stage is averaged block by block from its
@@ -37,7 +48,8 @@ import torch.distributed as dist
 
 from loom.config import Config, ConfigError, from_dict, model_args, to_dict
 from loom.pipeline.partition import partition_model
-from loom.train.checkfree import failed_key
+from loom.train import watchdog
+from loom.train.checkfree import failed_key, recoverable, recovery_sources
 
 POLL_S = 0.05
 STOP_WAIT_S = 5.0
@@ -45,6 +57,10 @@ STOP_WAIT_S = 5.0
 
 class RecoveryFailed(RuntimeError):
     """A worker failed in a way CheckFree does not recover; the message names the rank."""
+
+
+class LauncherStopped(RecoveryFailed):
+    """The launcher itself was told to stop (SIGTERM); every worker was stopped."""
 
 
 def check_recovery_layout(config: Config) -> None:
@@ -94,18 +110,31 @@ def launch_checkfree(config: Config, run_dir: Path, nproc: int) -> int:
     ctx = mp.get_context("spawn")
     table = to_dict(config)
 
+    started: dict[int, float] = {}  # rank -> when its current process was started
+
     def start(rank: int, generation: int) -> Any:
         proc = ctx.Process(target=_worker, name=f"loom-rank{rank}",
                            args=(table, str(run_dir), rank, nproc, store.port, generation))
+        started[rank] = time.time()
         proc.start()
         return proc
 
-    procs = {rank: start(rank, 0) for rank in range(nproc)}
-    finished: set[int] = set()
-    generation = 0
+    def on_signal(signum: int, _frame: Any) -> None:
+        raise LauncherStopped(f"stopped by {signal.Signals(signum).name}; every worker was"
+                              " stopped (no checkpoint is written under checkfree)")
+
+    recovery = config.fault.recovery
+    watchdog.clear(run_dir)
+    previous = signal.signal(signal.SIGTERM, on_signal)
+    procs: dict[int, Any] = {}
     try:
+        procs.update({rank: start(rank, 0) for rank in range(nproc)})
+        finished: set[int] = set()
+        hung: dict[int, str] = {}  # rank -> the diagnosis that named it, until it is replaced
+        generation = 0
         while len(finished) < nproc:
             time.sleep(POLL_S)
+            _reap_hung(run_dir, procs, started, hung, recovery)
             for rank, proc in list(procs.items()):
                 code = proc.exitcode
                 if code is None or rank in finished:
@@ -117,21 +146,51 @@ def launch_checkfree(config: Config, run_dir: Path, nproc: int) -> int:
                 if code > 0:
                     raise RecoveryFailed(f"worker rank {rank} (stage {stage}) failed: exit code"
                                          f" {code} (its traceback is above)")
-                how = f"killed by signal {-code}"
-                if not 1 <= stage <= pp - 2:
-                    raise RecoveryFailed(f"worker rank {rank} (stage {stage}) {how}: checkfree"
-                                         " rebuilds middle stages only (the first and last need"
-                                         " checkfree_plus, not built yet)")
+                how = (f"hung ({hung.pop(rank)}) and was killed" if rank in hung
+                       else f"killed by signal {-code}")
+                if not recoverable(recovery, stage, pp):
+                    raise RecoveryFailed(f"worker rank {rank} (stage {stage}) {how}: {recovery}"
+                                         f" rebuilds stages 1..{pp - 2} only (the first and last"
+                                         " need checkfree_plus)")
                 generation += 1
                 store.set(failed_key(generation), str(rank))
-                print(f"loom train: checkfree: worker rank {rank} (stage {stage}) {how};"
+                sources = " and ".join(map(str, recovery_sources(recovery, stage, pp)))
+                print(f"loom train: {recovery}: worker rank {rank} (stage {stage}) {how};"
                       f" starting its replacement (generation {generation}), to be rebuilt"
-                      f" from stages {stage - 1} and {stage + 1}", file=sys.stderr, flush=True)
+                      f" from stage{'s' if ' and ' in sources else ''} {sources}",
+                      file=sys.stderr, flush=True)
                 procs[rank] = start(rank, generation)
     except BaseException:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping: a second SIGTERM waits
         _stop(procs)
         raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return generation
+
+
+def _reap_hung(run_dir: Path, procs: dict[int, Any], started: dict[int, float],
+               hung: dict[int, str], recovery: str) -> None:
+    """SIGKILL the live workers that a survivor's watchdog diagnosis (written after its
+    collective timed out) names as hung, recording them in ``hung``; each diagnosis is read
+    once and removed. A diagnosis older than the named rank's current process is about the
+    process it replaced (several survivors time out on the same hung rank), so it kills
+    nothing."""
+    for found in watchdog.read_diagnoses(run_dir):
+        for culprit in found.get("culprits", []):
+            proc = procs.get(int(culprit))
+            if (proc is None or proc.exitcode is not None or int(culprit) in hung
+                    or found.get("time", 0.0) < started.get(int(culprit), 0.0)):
+                continue
+            hung[int(culprit)] = found.get("message", "named by the watchdog")[:300]
+            print(f"loom train: {recovery}: worker rank {culprit} stopped responding (rank"
+                  f" {found.get('reporter')}'s collective timed out waiting for it); killing"
+                  " it", file=sys.stderr, flush=True)
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass  # it exited meanwhile: its exit code tells
+        watchdog.diagnosis_file(run_dir, int(found["reporter"])).unlink(missing_ok=True)
 
 
 def _stop(procs: dict[int, Any]) -> None:

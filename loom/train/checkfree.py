@@ -30,9 +30,22 @@ What runs where (``loom.relaunch`` is the launcher side):
 Stages must hold the same number of blocks with the same shapes (the launcher refuses a
 partition that does not give neighbouring stages equal block counts); stage 0 also holds the
 embedding and the last stage the final norm and head, which are never averaged: only the blocks
-are sent and averaged, and only middle stages (1 .. pp-2, which hold blocks alone) are rebuilt.
-The first and last stage need CheckFree+ (out-of-order microbatches and (de)embedding copies on
-the neighbours), which is refused by name in ``loom.config_rules``.
+are sent and averaged. Under ``checkfree`` only middle stages (1 .. pp-2) are rebuilt.
+
+CheckFree+ (``fault.recovery = checkfree_plus``, pp >= 4) also rebuilds the first and the last
+stage. Training runs every other microbatch with the first two and the last two stages' blocks
+swapped (``loom.pipeline.out_of_order``), so stage 1 learns to act as stage 0 and stage pp-2 as
+stage pp-1; and after every optimizer step stage 0 sends its embedding to stage 1 and stage
+pp-1 its final norm and head to stage pp-2, which keep them as copies (``END_PARAMS``; not
+trained there). A lost stage 0 becomes a copy of stage 1's blocks plus stage 1's copy of the
+embedding; a lost stage pp-1 a copy of stage pp-2's blocks plus its copy of the norm and head
+(``recovery_sources``). Middle stages are averaged as under CheckFree.
+
+The rebuilt stage's learning rate: the authors' code gives the rebuilt stage a fresh optimizer
+whose base learning rate is ``lr_scale`` times the others' (1.1 for their 124M and 1.5B models,
+1.2 for 500M) for the rest of training; here ``fault.recovery_lr_scale`` (default 1.1) scales
+the rebuilt rank's schedule (``scaled_schedule``), which then continues at the current step.
+The paper's text was not available to check against; this follows the public code.
 
 This module is the protocol's pure part (the average, the block keys, the store keys: torch
 only, so the launcher can import it); ``loom.train.checkfree_worker`` is the trainer side.
@@ -55,9 +68,65 @@ STORE_PREFIX = "loom/checkfree"
 BLOCK = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
+# CheckFree+: the parameters of the first (last) stage that are not blocks, copied to stage 1
+# (pp - 2) after every optimizer step
+END_PARAMS = {"first": ("tok_embeddings.weight",), "last": ("norm.weight", "output.weight")}
+
+
 def failed_key(generation: int) -> str:
     """The launcher's store key naming the rank replaced at the start of ``generation``."""
     return f"{STORE_PREFIX}/gen{generation}/failed"
+
+
+def recoverable(recovery: str, stage: int, num_stages: int) -> bool:
+    """Whether ``recovery`` rebuilds a lost ``stage`` of ``num_stages``: middle stages under
+    checkfree, every stage under checkfree_plus."""
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage {stage} of {num_stages}")
+    if recovery == "checkfree_plus":
+        return True
+    return recovery == "checkfree" and 1 <= stage <= num_stages - 2
+
+
+def recovery_sources(recovery: str, stage: int, num_stages: int) -> tuple[int, ...]:
+    """The stages a lost ``stage`` is rebuilt from: both neighbours for a middle stage (their
+    weighted average), the one neighbour for the first or last stage under checkfree_plus (a
+    copy, with that neighbour's copy of the embedding or head). ValueError naming the stage
+    when ``recovery`` cannot rebuild it."""
+    if not recoverable(recovery, stage, num_stages):
+        raise ValueError(f"fault.recovery={recovery} cannot rebuild stage {stage} of"
+                         f" {num_stages} (checkfree: middle stages 1..{num_stages - 2} only;"
+                         " the first and last need checkfree_plus)")
+    if stage == 0:
+        return (1,)
+    if stage == num_stages - 1:
+        return (num_stages - 2,)
+    return (stage - 1, stage + 1)
+
+
+def copy_target(stage: int, num_stages: int) -> tuple[int, tuple[str, ...]] | None:
+    """CheckFree+: the stage that keeps a copy of this stage's end parameters, and their names
+    (stage 0: the embedding, to stage 1; the last: norm and head, to stage pp-2); None for the
+    middle stages."""
+    if stage == 0:
+        return 1, END_PARAMS["first"]
+    if stage == num_stages - 1:
+        return num_stages - 2, END_PARAMS["last"]
+    return None
+
+
+def scaled_schedule(own: Mapping[str, Any], neighbour: Mapping[str, Any],
+                    scale: float) -> dict[str, Any]:
+    """A rebuilt stage's LambdaLR state: its own (fresh) state with the neighbour's position
+    (``last_epoch``, ``_step_count``) and every base learning rate times ``scale``. Built from
+    the rank's own base rates, so a neighbour that was itself rebuilt (scaled) does not pass its
+    scale on."""
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"learning-rate scale must be finite and > 0, got {scale}")
+    state = dict(own)
+    state["last_epoch"], state["_step_count"] = neighbour["last_epoch"], neighbour["_step_count"]
+    state["base_lrs"] = [lr * scale for lr in own["base_lrs"]]
+    return state
 
 
 # -- the pure part --------------------------------------------------------------------------------

@@ -60,6 +60,7 @@ from loom.parallel.mixed_precision import master_window
 from loom.parallel.offload import activation_offload, plan_offload
 from loom.parallel.outer import OuterLoop
 from loom.parallel.zero import of_stages
+from loom.pipeline.out_of_order import build_out_of_order_pipeline
 from loom.pipeline.paths_runtime import PathPipeline, build_path_pipeline
 from loom.pipeline.runtime import build_pipeline, forward_only
 from loom.pipeline.stage import LocalStages
@@ -147,6 +148,12 @@ class Trainer:
                 rank=self.ctx.rank, device=self.ctx.device, autocast=self._autocast,
                 ledger=self.ledger, compute_context=self._compute_context,
                 cluster=self.ctx.cluster)  # an emulated cluster: paths planned on it
+        elif config.fault.recovery == "checkfree_plus":  # CheckFree+'s out-of-order microbatches
+            self.pipeline = build_out_of_order_pipeline(
+                job, schedule_of(lay, max_stages=self.args.n_layers), grid=self.grid,
+                meshes=self.meshes, rank=self.ctx.rank, device=self.ctx.device,
+                autocast=self._autocast, ledger=self.ledger,
+                compute_context=self._compute_context)
         else:
             schedule = schedule_of(lay, max_stages=self.args.n_layers)
             self.pipeline = build_pipeline(job, schedule, grid=self.grid, meshes=self.meshes,

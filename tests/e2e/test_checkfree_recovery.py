@@ -2,7 +2,9 @@
 pipeline stages, the middle stage 2's process SIGKILLed at the start of step 3. The survivors
 keep their state in memory, a replacement process is rebuilt from stages 1 and 3, and the run
 finishes every step. From the dumps the ranks wrote at the rebuild: the replacement's blocks equal
-the neighbours' gradient-norm-weighted average bit for bit. No checkpoint exists to be read."""
+the neighbours' gradient-norm-weighted average bit for bit, its optimizer starts empty and its
+learning rate is ``fault.recovery_lr_scale`` (1.1) times the neighbours'. No checkpoint exists
+to be read."""
 
 from __future__ import annotations
 
@@ -61,6 +63,9 @@ def test_a_killed_middle_stage_is_rebuilt_from_its_neighbours_and_the_run_finish
     assert prev["grad_norm"] > 0 and nxt["grad_norm"] > 0
     assert (rebuilt["w_prev"], rebuilt["w_next"]) == (w_prev, w_next)
     assert set(rebuilt["blocks"]) == set(prev["blocks"]) == set(nxt["blocks"])
+    assert rebuilt["sources"] == [1, 3] and rebuilt["optimizer_states"] == 0
+    assert prev["lr"] == nxt["lr"] == rebuilt["source_lr"] > 0
+    assert rebuilt["lr"] == pytest.approx(1.1 * prev["lr"], rel=1e-12)
     for key, value in rebuilt["blocks"].items():
         want = (prev["blocks"][key] * w_prev + nxt["blocks"][key] * w_next) / (w_prev + w_next)
         assert torch.equal(value, want), key

@@ -13,8 +13,10 @@ from loom.config import ConfigError, load_config, model_args, resolve
 from loom.launch import refuse_checkfree_launch
 from loom.models.llama import Transformer
 from loom.relaunch import check_recovery_layout
-from loom.train.checkfree import (NORM_EPS, blocks_grad_norm, neighbour_average,
-                                  neighbour_weights, stage_blocks)
+from loom.train.checkfree import (NORM_EPS, blocks_grad_norm, copy_target, neighbour_average,
+                                  neighbour_weights, recoverable, recovery_sources,
+                                  scaled_schedule, stage_blocks)
+from loom.train.optim import build_scheduler
 
 
 def _blocks(seed: int) -> dict[str, torch.Tensor]:
@@ -76,7 +78,20 @@ def test_blocks_line_up_by_position_in_the_stage_and_skip_embedding_and_head():
 
 @pytest.mark.parametrize("overrides, world, field", [
     ({"fault.recovery": "checkfree", "parallel.pp": "2"}, 2, "fault.recovery"),
-    ({"fault.recovery": "checkfree_plus", "parallel.pp": "4"}, 4, "fault.recovery"),
+    ({"fault.recovery": "checkfree_plus", "parallel.pp": "3"}, 3, "fault.recovery"),
+    ({"fault.recovery": "checkfree_plus", "parallel.pp": "4", "model.tie_embeddings": "true"}, 4,
+     "model.tie_embeddings"),
+    ({"fault.recovery": "checkfree_plus", "parallel.pp": "4", "data.packing": "pack"}, 4,
+     "data.packing"),
+    ({"fault.recovery": "checkfree_plus", "parallel.pp": "4", "fault.test_kill_stages": "0,4"},
+     4, "fault.test_kill_stages"),
+    ({"fault.recovery": "checkfree", "parallel.pp": "4", "fault.test_kill_stages": "0"}, 4,
+     "fault.test_kill_stages"),
+    ({"fault.recovery": "checkfree_plus", "parallel.pp": "4", "fault.test_kill_stages": "0",
+      "fault.test_kill_stage": "1"}, 4, "fault.test_kill_stages"),
+    ({"fault.recovery": "checkfree", "parallel.pp": "4", "fault.recovery_lr_scale": "0"}, 4,
+     "fault.recovery_lr_scale"),
+    ({"fault.test_kill_stages": "1", "parallel.pp": "4"}, 4, "fault.test_kill_stages"),
     ({"fault.recovery": "checkfree", "parallel.pp": "4", "parallel.tp": "2"}, 8, "parallel.tp"),
     ({"fault.recovery": "checkfree", "parallel.pp": "4", "parallel.dp_shard": "2"}, 8,
      "parallel.dp_shard"),
@@ -121,3 +136,50 @@ def test_launches_checkfree_cannot_run_are_refused_before_anything_is_written(mo
     with pytest.raises(ConfigError) as err:
         refuse_checkfree_launch(config, 0, None)
     assert err.value.field_name == "fault.recovery" and "torchrun" in str(err.value)
+
+
+def test_which_stages_each_mode_rebuilds_and_from_what():
+    assert [recoverable("checkfree", s, 4) for s in range(4)] == [False, True, True, False]
+    assert all(recoverable("checkfree_plus", s, 4) for s in range(4))
+    assert not recoverable("checkpoint", 1, 4)
+    # a middle stage: both neighbours (averaged); the ends under checkfree_plus: the one neighbour
+    assert recovery_sources("checkfree", 2, 5) == (1, 3)
+    assert recovery_sources("checkfree_plus", 2, 5) == (1, 3)
+    assert recovery_sources("checkfree_plus", 0, 5) == (1,)
+    assert recovery_sources("checkfree_plus", 4, 5) == (3,)
+    with pytest.raises(ValueError, match=r"cannot rebuild stage 0 of 4 .*checkfree_plus"):
+        recovery_sources("checkfree", 0, 4)
+    # the ends' copies live on the neighbours; middle stages copy nothing
+    assert copy_target(0, 4) == (1, ("tok_embeddings.weight",))
+    assert copy_target(3, 4) == (2, ("norm.weight", "output.weight"))
+    assert copy_target(1, 4) is None and copy_target(2, 4) is None
+
+
+def _scheduler(lr: float):
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    optimizer = torch.optim.AdamW(params, lr=lr)
+    return build_scheduler(optimizer, total_steps=20, warmup_steps=5, min_ratio=0.1)
+
+
+def test_the_rebuilt_schedule_continues_at_the_neighbours_step_scaled_once():
+    neighbour = _scheduler(1e-3)
+    for _ in range(7):
+        neighbour.optimizer.step()
+        neighbour.step()
+    fresh = _scheduler(1e-3)
+    state = scaled_schedule(fresh.state_dict(), neighbour.state_dict(), 1.1)
+    assert state["last_epoch"] == neighbour.last_epoch == 7
+    assert state["base_lrs"] == [1e-3 * 1.1]
+    fresh.load_state_dict(state)
+    fresh.optimizer.step()
+    fresh.step()
+    neighbour.optimizer.step()
+    neighbour.step()
+    # one step later both follow the schedule, the rebuilt one 1.1x higher
+    assert fresh.get_last_lr()[0] == pytest.approx(1.1 * neighbour.get_last_lr()[0], rel=1e-12)
+    # a neighbour that was itself rebuilt (scaled) does not pass its scale on: the base rates
+    # are the receiver's own
+    again = scaled_schedule(_scheduler(1e-3).state_dict(), fresh.state_dict(), 1.1)
+    assert again["base_lrs"] == [1e-3 * 1.1] and again["last_epoch"] == 8
+    with pytest.raises(ValueError, match="finite and > 0"):
+        scaled_schedule(fresh.state_dict(), neighbour.state_dict(), 0.0)

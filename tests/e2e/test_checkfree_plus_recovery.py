@@ -1,0 +1,85 @@
+"""CheckFree+ end to end (loom/pipeline/out_of_order.py, loom/train/checkfree_worker.py,
+loom/relaunch.py): `loom train --fault.recovery=checkfree_plus` with four pipeline stages; the
+FIRST stage's process is SIGKILLed at the start of step 2 and, after its replacement has trained,
+the LAST stage's at the start of step 4. Each time the survivors keep their state in memory and
+the replacement is rebuilt from its one neighbour; the run finishes every step.
+
+From the dumps the ranks wrote: the rebuilt stage's blocks are its neighbour's blocks bit for
+bit, and its embedding (norm and head) is the neighbour's copy, which is bit for bit what the
+lost stage held after its last step. The rebuilt stage's optimizer starts empty and its learning
+rate is ``fault.recovery_lr_scale`` (1.1) times the schedule's. No checkpoint exists to be read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+STEPS, KILL_EVERY = 6, 2
+ARGS = ["--nproc", "4", "--parallel.pp=4", "--fault.recovery=checkfree_plus",
+        "--fault.test_kill_stages=0,3", f"--fault.test_kill_step={KILL_EVERY}",
+        "--fault.dump_recovery=true", f"--train.steps={STEPS}", "--model.preset=tiny",
+        "--data.max_bytes=300000", "--data.seq_len=64", "--train.global_batch_size=4",
+        "--train.micro_batch_size=1", "--train.eval_every=0", "--train.timeout_s=30",
+        "--checkpoint.interval=0", "--metrics.tensorboard=false", "--metrics.plot=false"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+SCALE = 1.1  # fault.recovery_lr_scale's default
+
+
+def _check_rebuild(dumps: Path, generation: int, lost: int, source: int, after_step: int,
+                   end_names: set[str]) -> None:
+    sent = torch.load(dumps / f"gen{generation}_rank{source}_sent.pt")
+    rebuilt = torch.load(dumps / f"gen{generation}_rank{lost}_rebuilt.pt")
+    lost_end = torch.load(dumps / f"step{after_step}_rank{lost}_end.pt")  # its last step's
+    assert sent["step"] == rebuilt["step"] == lost_end["step"] == after_step
+    assert sent["end_step"] == after_step and rebuilt["sources"] == [source]
+    assert set(rebuilt["blocks"]) == set(sent["blocks"]) and rebuilt["blocks"]
+    for key, value in rebuilt["blocks"].items():  # a copy of the neighbour's blocks
+        assert torch.equal(value, sent["blocks"][key]), key
+    assert set(rebuilt["end"]) == set(sent["end"]) == set(lost_end["end"]) == end_names
+    for name, value in rebuilt["end"].items():  # the copy is what the lost stage held
+        assert torch.equal(value, sent["end"][name]), name
+        assert torch.equal(value, lost_end["end"][name]), name
+    # a fresh optimizer, and the schedule's learning rate times the scale
+    assert rebuilt["optimizer_states"] == 0
+    assert rebuilt["scale"] == SCALE and sent["lr"] == rebuilt["source_lr"] > 0
+    assert rebuilt["lr"] == pytest.approx(SCALE * sent["lr"], rel=1e-12)
+
+
+def test_the_first_and_the_last_stage_are_rebuilt_from_their_neighbour(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "loom", "train", *ARGS,
+                             f"--train.run_dir={run_dir}"], cwd=Path(__file__).parents[2],
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=360)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every worker it started
+        log, _ = proc.communicate()
+        pytest.fail(f"the run did not finish in 360 s:\n{log[-6000:]}")
+    assert proc.returncode == 0, log[-4000:]
+    assert "worker rank 0 (stage 0) killed by signal 9" in log, log[-4000:]
+    assert "worker rank 3 (stage 3) killed by signal 9" in log, log[-4000:]
+    assert ("checkfree_plus: stage 0 (rank 0) rebuilt after step 1 from stage 1: a copy of its"
+            " blocks" in log), log[-4000:]
+    assert ("checkfree_plus: stage 3 (rank 3) rebuilt after step 3 from stage 2: a copy of its"
+            " blocks" in log), log[-4000:]
+    assert not (run_dir / "checkpoints").exists()
+    assert "resume:" not in log
+    steps = [row["step"] for row in map(json.loads, (run_dir / "metrics.jsonl").read_text()
+                                         .splitlines()) if "loss" in row]
+    assert steps == list(range(1, STEPS + 1))
+    assert (run_dir / "model.safetensors").exists()
+
+    dumps = run_dir / "checkfree"
+    _check_rebuild(dumps, 1, lost=0, source=1, after_step=1, end_names={"tok_embeddings.weight"})
+    _check_rebuild(dumps, 2, lost=3, source=2, after_step=3,
+                   end_names={"norm.weight", "output.weight"})

@@ -1,0 +1,140 @@
+"""The CheckFree launcher (loom/relaunch.py) when a worker hangs instead of dying, and when the
+launcher itself is told to stop.
+
+* A hung middle stage: once step 2 is logged, stage 2's process is SIGSTOPped (a frozen node:
+  alive, its sockets open, answering nothing). Its neighbours' collectives time out after
+  ``train.timeout_s``; their watchdog names rank 2; the launcher SIGKILLs it and replaces it
+  exactly as if it had died, rebuilt from stages 1 and 3. Every step finishes, in bounded time.
+* A hung first stage under checkfree (which cannot rebuild it): the same detection and kill,
+  then the job fails naming the hung rank, in bounded time, and no worker is left behind.
+* SIGTERM to the launcher: it stops every worker and exits nonzero saying so; no worker process
+  outlives it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+TIMEOUT_S = 15
+
+
+def _args(steps: int, run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "loom", "train", "--nproc", "4", "--parallel.pp=4",
+            "--fault.recovery=checkfree", f"--train.steps={steps}", "--model.preset=tiny",
+            "--data.max_bytes=300000", "--data.seq_len=64", "--train.global_batch_size=4",
+            "--train.micro_batch_size=1", "--train.eval_every=0",
+            f"--train.timeout_s={TIMEOUT_S}", "--checkpoint.interval=0",
+            "--metrics.tensorboard=false", "--metrics.plot=false", f"--train.run_dir={run_dir}"]
+
+
+def _start(steps: int, run_dir: Path) -> subprocess.Popen:
+    return subprocess.Popen(_args(steps, run_dir), cwd=Path(__file__).parents[2], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _logged_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    steps = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line being written
+            break
+        if "loss" in row:
+            steps.append(row["step"])
+    return steps
+
+
+def _wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, limit_s: float) -> None:
+    deadline = time.monotonic() + limit_s
+    while step not in _logged_steps(run_dir):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"step {step} not logged:\n{proc.communicate()[0][-4000:]}")
+        time.sleep(0.02)
+
+
+def _workers(session: int) -> dict[int, int]:
+    """rank -> pid of the live loom-rank<R> processes of the launcher's session."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            comm = (entry / "comm").read_text().strip()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            if comm.startswith("loom-rank") and os.getsid(int(entry.name)) == session \
+                    and state != "Z":
+                out[int(comm[len("loom-rank"):])] = int(entry.name)
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _finish(proc: subprocess.Popen, limit_s: float) -> str:
+    try:
+        return proc.communicate(timeout=limit_s)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the launcher did not exit within {limit_s:.0f} s:"
+                    f"\n{proc.communicate()[0][-6000:]}")
+
+
+def test_a_hung_middle_stage_is_killed_and_rebuilt_and_the_run_finishes(tmp_path):
+    run_dir, steps = tmp_path / "run", 12
+    proc = _start(steps, run_dir)
+    _wait_for_step(proc, run_dir, 2, 240)
+    hung = _workers(proc.pid)[2]
+    os.kill(hung, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    log = _finish(proc, 240)
+    assert proc.returncode == 0, log[-4000:]
+    # one timeout (the neighbours' collectives), then a kill and a rebuild: not forever
+    assert time.monotonic() - stopped_at < 4 * TIMEOUT_S + 120, log[-4000:]
+    assert "worker rank 2 stopped responding" in log, log[-4000:]
+    assert "worker rank 2 (stage 2) hung (" in log, log[-4000:]
+    assert "checkfree: stage 2 (rank 2) rebuilt after step" in log, log[-4000:]
+    assert _logged_steps(run_dir) == list(range(1, steps + 1))
+    with pytest.raises(ProcessLookupError):
+        os.kill(hung, 0)  # the frozen process is gone, not left stopped
+
+
+def test_a_hung_stage_checkfree_cannot_rebuild_fails_the_job_naming_it(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(10_000, run_dir)
+    _wait_for_step(proc, run_dir, 2, 240)
+    os.kill(_workers(proc.pid)[0], signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    log = _finish(proc, 240)
+    assert proc.returncode != 0, log[-4000:]
+    assert time.monotonic() - stopped_at < 4 * TIMEOUT_S + 120, log[-4000:]
+    assert "worker rank 0 stopped responding" in log, log[-4000:]
+    assert ("worker rank 0 (stage 0) hung (" in log
+            and "checkfree rebuilds stages 1..2 only" in log), log[-4000:]
+    deadline = time.monotonic() + 10
+    while _workers(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _workers(proc.pid) == {}, "workers outlived the launcher"
+
+
+def test_sigterm_to_the_launcher_stops_every_worker_and_fails(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(10_000, run_dir)
+    _wait_for_step(proc, run_dir, 2, 240)
+    assert len(_workers(proc.pid)) == 4
+    os.kill(proc.pid, signal.SIGTERM)  # the launcher only, as a scheduler would
+    log = _finish(proc, 60)
+    assert proc.returncode != 0, log[-4000:]
+    assert "loom train: stopped by SIGTERM; every worker was stopped" in log, log[-4000:]
+    deadline = time.monotonic() + 10
+    while _workers(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _workers(proc.pid) == {}, "workers outlived the launcher"
