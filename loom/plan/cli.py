@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,11 +28,12 @@ from loom.models.presets import PRESETS
 from loom.layout import FP8_RECIPES
 from loom.plan import explain, varlen
 from loom.plan.calibrate import describe, load_profile
-from loom.plan.hardware import HardwareError, load_catalog, make_cluster
+from loom.plan.hardware import LINKS, Cluster, HardwareError, load_catalog, make_cluster
 from loom.plan.search import Plan, plan, simulate_step
 from loom.plan.space import Workload
-from loom.sim.cost_model import CostModel
+from loom.sim.cost_model import CostModel, StepCost
 from loom.sim.frameworks import FRAMEWORKS, Framework, framework
+from loom.sim.outer_cost import Sites, price_modes, recommend
 from loom.sim.varlen_cost import load_length_distribution
 
 EXIT_BAD_INPUT = 2
@@ -81,6 +83,13 @@ def add_plan_commands(sub: argparse._SubParsersAction,
     plan.add_argument("--fp8", default="none", metavar="RECIPE",
                       help="price the blocks' linears in FP8 (train.fp8: tensorwise, rowwise,"
                            " rowwise_with_gw_hp) at the accelerator's FP8 peak")
+    plan.add_argument("--sites", type=int, default=0,
+                      help="price the best layout's data-parallel replicas over this many sites"
+                           " under each dp_mode (sync, diloco, noloco, co2) and recommend one")
+    plan.add_argument("--site-link", default="wan-1gbit",
+                      help="each site's uplink (a catalog link, e.g. wan-100mbit, wan-1gbit)")
+    plan.add_argument("--outer-steps", default="8,32,128", metavar="H,H,...",
+                      help="the outer modes' inner steps per outer step to price")
     plan.add_argument("--length-dist", metavar="FILE",
                       help="rank the balances of variable-length steps drawn from this length"
                            " distribution (loom.sim.varlen_cost; loom.plan.varlen)")
@@ -169,6 +178,36 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
         return EXIT_BAD_INPUT
 
 
+def _sites(args: argparse.Namespace, cluster: Cluster, ranked: list[StepCost],
+           model: CostModel) -> tuple | None:
+    """``--sites``: the first ranked layout whose replicas split evenly over the sites, priced
+    under every dp_mode (``loom.sim.outer_cost``); None without ``--sites``."""
+    if not args.sites:
+        return None
+    if args.sites < 2 or cluster.gpus % args.sites:
+        raise PlanInputError(f"--sites {args.sites}: must be >= 2 and divide --gpus"
+                             f" {cluster.gpus}")
+    links = load_catalog(args.hardware)[1] if args.hardware else LINKS
+    if args.site_link not in links:
+        raise PlanInputError(f"--site-link {args.site_link}: unknown link; known:"
+                             f" {', '.join(links)}")
+    try:
+        steps = tuple(int(h) for h in args.outer_steps.split(","))
+    except ValueError:
+        steps = ()
+    if not steps or min(steps) < 1:
+        raise PlanInputError(f"--outer-steps {args.outer_steps}: integers >= 1, comma-separated")
+    link = links[args.site_link]
+    sites = Sites(args.sites, link.bandwidth, link.latency, link.name)
+    for cost in ranked:
+        lay = cost.layout
+        if lay.dp_replicate >= args.sites and lay.dp_replicate % args.sites == 0:
+            inner, modes = price_modes(model, lay, sites, steps)
+            return lay, sites, inner, modes, recommend(inner, modes)
+    raise PlanInputError(f"--sites {args.sites}: no ranked layout has dp_replicate a multiple"
+                         f" of {args.sites} (each site holds whole replicas); try --top larger")
+
+
 def _framework(args: argparse.Namespace) -> Framework:
     """The ``--framework`` profile; another stack's plan ranks its whole space (Loom's config
     rules are Loom's) and writes no Loom config."""
@@ -207,13 +246,24 @@ def _run(args: argparse.Namespace) -> int:
                       int(cost.memory_total <= cluster.gpu.memory_bytes * args.memory_fraction))
         print(explain.to_json(result) if args.json else explain.breakdown(result, cost))
         return 0
+    model = CostModel(work.model, work.seq_len, work.global_batch, cluster, framework=stack,
+                      fp8=fp8)
     result = plan(work, cluster, top=args.top, memory_fraction=args.memory_fraction,
-                  runnable_only=not args.any and stack.is_loom,
-                  cost_model=CostModel(work.model, work.seq_len, work.global_batch, cluster,
-                                       framework=stack, fp8=fp8))
+                  runnable_only=not args.any and stack.is_loom, cost_model=model)
     if not stack.is_loom and not args.json:
         print(f"priced as {stack.name} (loom.sim.frameworks): its memory layout and overlap")
-    print(explain.to_json(result) if args.json else explain.table(result))
+    sites = _sites(args, cluster, result.ranked, model)
+    if args.json and sites:
+        table = json.loads(explain.to_json(result))
+        table["sites"] = explain.sites_json(*sites)
+        print(json.dumps(table))
+    elif args.json:
+        print(explain.to_json(result))
+    else:
+        print(explain.table(result))
+        if sites:
+            print()
+            print(explain.sites_table(*sites))
     if args.explain and result.ranked:
         index = min(args.explain, len(result.ranked)) - 1
         print()

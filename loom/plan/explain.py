@@ -175,3 +175,30 @@ def to_json(plan: Plan) -> str:
 
 
 __all__ = ["table", "breakdown", "row", "write_chosen", "launch_command", "to_json", "still_to_set"]
+
+
+def sites_table(lay: Any, sites: Any, inner: StepCost, modes: list, chosen: Any) -> str:
+    """``loom plan --sites``: each dp_mode's step of ``lay`` over the sites (outer_cost)."""
+    lines = [f"{lay.label()} with its {lay.dp_replicate} replicas over {sites.count} sites"
+             f" ({sites.name or 'custom link'}: {sites.bandwidth * 8 / 1e9:g} Gbit/s per site,"
+             f" {sites.latency * 1e3:g} ms); one replica's step {inner.step_time:.3f} s",
+             f"{'mode':<8} {'H':>5} {'step s':>10} {'exposed s':>10} {'MB/step/GPU':>12}"]
+    for cost in modes:
+        mark = "  <- recommended" if cost is chosen else ""
+        lines.append(f"{cost.mode:<8} {cost.outer_steps:>5} {cost.step_time:>10.3f}"
+                     f" {cost.exposed:>10.3f} {cost.bytes_per_step / 1e6:>12.1f}{mark}")
+    rule = ("sync is within 10% of one replica's step" if chosen.mode == "sync" else
+            "the smallest H within 10% of one replica's step"
+            if chosen.step_time <= 1.1 * inner.step_time else
+            "no mode is within 10% of one replica's step: the fastest")
+    lines.append(f"recommended: {rule}; outer modes trade convergence per token for"
+                 " communication, which is not priced here")
+    return "\n".join(lines)
+
+
+def sites_json(lay: Any, sites: Any, inner: StepCost, modes: list, chosen: Any) -> dict:
+    return {"layout": lay.label(), "sites": sites.count, "link": sites.name,
+            "replica_step_s": inner.step_time,
+            "modes": [{"mode": c.mode, "outer_steps": c.outer_steps, "step_time_s": c.step_time,
+                       "exposed_s": c.exposed, "bytes_per_step": c.bytes_per_step,
+                       "recommended": c is chosen} for c in modes]}

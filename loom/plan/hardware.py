@@ -141,6 +141,12 @@ LINKS: dict[str, Link] = {link.name: link for link in (
     Link("ndr-ib", 50 * GB, 10e-6),  # 400 Gb/s per GPU
     Link("roce-400", 50 * GB, 12e-6),
     Link("slingshot-11", 25 * GB, 10e-6),  # 200 Gb/s per NIC, one NIC per MI250X module
+    # Between sites (``loom plan --sites``): one uplink per site, shared by all its GPUs;
+    # latencies of a metro / regional round trip's one-way half
+    Link("wan-100mbit", 0.0125 * GB, 20e-3),
+    Link("wan-1gbit", 0.125 * GB, 20e-3),
+    Link("wan-10gbit", 1.25 * GB, 10e-3),
+    Link("wan-100gbit", 12.5 * GB, 5e-3),
 )}
 
 

@@ -493,13 +493,7 @@ class CostModel:
             rank_layers[r] = sum(sum(counts[s]) for s in owned[r])
         dp_exposed, comm["dp"] = self._data_parallel(lay, rank_params, rank_fwd, rank_bwd,
                                                      rank_layers)
-        sharded = 0.0  # parameters one rank steps: its ZeRO slices (dense also over ep)
-        experts = self._rank_expert_params(lay)
-        for r, psi in rank_params.items():
-            if lay.zero_stage and lay.dp_shard > 1:
-                d = lay.dp_shard * lay.cp
-                psi = (psi - experts[r]) / (d * lay.ep) + experts[r] / d
-            sharded = max(sharded, psi)
+        sharded = self.stepped_parameters(lay)
         # AdamW reads and writes 28 bytes per parameter; a CPU profile measures the step itself
         # (torch's multi-tensor AdamW makes several passes over each state)
         optimizer = sharded * c.gpu.optimizer_per_param if c.gpu.optimizer_per_param \
@@ -516,6 +510,19 @@ class CostModel:
             extra = self.batch * self.seq * m.n_layers * self.layer_flops(1, 1, False)[1] * 2
         return StepCost(lay, stage_costs, compute, pipeline, dp_exposed, optimizer, memory,
                         model_flops, model_flops + extra, comm)
+
+    def stepped_parameters(self, lay: Layout) -> float:
+        """Parameters the busiest end rank steps: its ZeRO slices (dense ones also over ep), or
+        all it holds without ZeRO; what an outer loop synchronises per rank, too."""
+        rank_params = self._rank_params(lay)
+        experts = self._rank_expert_params(lay)
+        sharded = 0.0
+        for r, psi in rank_params.items():
+            if lay.zero_stage and lay.dp_shard > 1:
+                d = lay.dp_shard * lay.cp
+                psi = (psi - experts[r]) / (d * lay.ep) + experts[r] / d
+            sharded = max(sharded, psi)
+        return sharded
 
     def send_time(self, lay: Layout) -> float:
         """One activation (or its gradient) across a stage boundary: T·h·e, T·h·e/t under SP."""
