@@ -142,7 +142,7 @@ def launch_checkfree(config: Config, run_dir: Path, nproc: int) -> int:
                 if code == 0:
                     finished.add(rank)
                     continue
-                stage = rank  # one rank per stage (loom.config_rules._validate_fault)
+                stage = rank  # one rank per stage (loom.config_rules.pipeline.validate_fault)
                 if code > 0:
                     raise RecoveryFailed(f"worker rank {rank} (stage {stage}) failed: exit code"
                                          f" {code} (its traceback is above)")

@@ -81,7 +81,7 @@ def table(plan: Plan) -> str:
         lines += ["", f"faster but refused by this version of Loom: {b['layout']}"
                       f" ({b['step_time_s']:.3f} s{how}, MFU {b['mfu']:.1%})"]
     if plan.refused:
-        lines.append("refused layouts by rule (loom/config_rules.py):")
+        lines.append("refused layouts by rule (loom/config_rules/):")
         for rule, count in plan.refused.most_common(5):
             lines.append(f"  {count:>6,}  {rule[:150]}")
     return "\n".join(lines)

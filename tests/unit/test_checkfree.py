@@ -1,4 +1,4 @@
-"""CheckFree's pure part and its refusals (loom/train/checkfree.py, loom/config_rules.py,
+"""CheckFree's pure part and its refusals (loom/train/checkfree.py, loom/config_rules/pipeline.py,
 loom/relaunch.py): the rebuilt stage is the neighbours' gradient-norm-weighted average, bit for
 bit; blocks line up by position inside the stage; layouts CheckFree cannot recover are refused by
 name before anything starts."""
