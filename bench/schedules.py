@@ -34,7 +34,8 @@ import time
 import torch
 from torch.distributed.pipelining import schedules as ts
 
-from loom.schedule import Action, Op, Schedule, ScheduleError, from_torch_rows, validate
+from loom.pipeline.torch_orders import TORCH_CLASSES, torch_schedule
+from loom.schedule import Schedule
 from loom.schedule.search import MAX_CHUNKS, placement_costs, search
 from loom.schedule.replay import encode, peak_units
 from loom.schedule.cost import StageCosts
@@ -60,44 +61,8 @@ EXTRA = {
 CHARTED = {"F=1 I=1 W=1 lat=0": "w1", "F=1 I=1 W=0.5 lat=0.05": "w05"}
 # (torch class, stages per rank): every class torch 2.13 ships at every chunk count the search
 # goes up to; torch_schedule drops the ones torch refuses (ZB-V and DualPipeV take exactly 2)
-TORCH = [(cls, chunks) for cls in (getattr(ts, name) for name in ts.__all__
-                                   if name.startswith("Schedule"))
-         for chunks in range(1, MAX_CHUNKS + 1)
+TORCH = [(cls, chunks) for cls in TORCH_CLASSES for chunks in range(1, MAX_CHUNKS + 1)
          if chunks == 1 or not issubclass(cls, ts.PipelineScheduleSingle)]
-
-
-class FakeStage:
-    """The attributes torch's schedule constructors read from a pipeline stage."""
-
-    def __init__(self, index: int, num_stages: int, pp: int):
-        self.stage_index, self.num_stages, self.group_size, self.group_rank = index, num_stages, pp, 0
-        self.submod = None
-        self.is_first, self.is_last = index == 0, index == num_stages - 1
-
-
-def torch_schedule(cls: type, chunks: int, p: int, m: int) -> Schedule | None:
-    """torch's own order for (p, m) as a Loom Schedule, or None if torch rejects the sizes."""
-    num_stages = p * chunks
-    try:
-        if chunks == 1 and issubclass(cls, ts.PipelineScheduleSingle):
-            made = cls(FakeStage(0, num_stages, p), m)
-        else:
-            made = cls([FakeStage(i, num_stages, p) for i in range(chunks)], m)
-    except Exception:  # noqa: BLE001  (torch raises assorted errors for sizes it does not take)
-        return None
-    order = made.pipeline_order
-    name = f"torch:{cls.__name__.removeprefix('Schedule')}" + (f"(v={chunks})" if chunks > 1 else "")
-    schedule = from_torch_rows((order[r] for r in sorted(order)), num_microbatches=m, name=name)
-    if cls is ts.Schedule1F1B:  # repair the last rank's off-by-one (see the module docstring)
-        last = tuple(Action(a.stage, a.op, a.microbatch - 1) if a.op is Op.F else a
-                     for a in schedule.actions[-1])
-        schedule = Schedule(schedule.num_stages, m, schedule.placement,
-                            (*schedule.actions[:-1], last), name)
-    try:
-        validate(schedule)
-    except ScheduleError:
-        return None
-    return schedule
 
 
 def best_torch(p: int, m: int, costs: StageCosts, limit: float

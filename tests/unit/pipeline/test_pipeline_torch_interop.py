@@ -12,37 +12,14 @@ import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from loom.schedule import Action, Op, Schedule, ScheduleError, from_torch_rows, validate
+from loom.pipeline.torch_orders import FakeStage, pipeline_order
 from loom.schedule.families import get, names
 
 torch.set_num_threads(1)
 
 
-class FakeStage:
-    """The attributes torch's schedule constructors read from a pipeline stage."""
-
-    def __init__(self, stage_index: int, num_stages: int, pp_size: int, rank: int = 0):
-        self.stage_index = stage_index
-        self.num_stages = num_stages
-        self.group_size = pp_size
-        self.group_rank = rank
-        self.submod = None
-        self.is_first = stage_index == 0
-        self.is_last = stage_index == num_stages - 1
-
-
-def torch_order(schedule_class, p: int, m: int, chunks: int):
-    """Instantiate a torch schedule on fake stages of rank 0 and return its pipeline_order."""
-    num_stages = p * chunks
-    if chunks == 1 and issubclass(schedule_class, torch_schedules.PipelineScheduleSingle):
-        schedule = schedule_class(FakeStage(0, num_stages, p), m)
-    else:
-        stages = [FakeStage(index, num_stages, p) for index in range(chunks)]
-        schedule = schedule_class(stages, m)
-    return schedule.pipeline_order
-
-
 def imported(schedule_class, p, m, chunks, name="torch"):
-    order = torch_order(schedule_class, p, m, chunks)
+    order = pipeline_order(schedule_class, chunks, p, m)
     return from_torch_rows((order[rank] for rank in sorted(order)), num_microbatches=m, name=name)
 
 

@@ -19,7 +19,8 @@ import pytest
 import torch
 from torch.distributed.pipelining import schedules as ts
 
-from loom.schedule import Action, Op, Schedule, StageCosts, from_torch_rows, validate
+from loom.pipeline.torch_orders import TORCH_CLASSES, pipeline_order, torch_schedule
+from loom.schedule import Schedule, StageCosts, validate
 from loom.schedule.families.zero_bubble import interleaved_zb, zb_h1
 from loom.schedule.replay import Costs, encode, peak_units
 from loom.schedule.search import (
@@ -40,41 +41,6 @@ PROFILES = {  # full-stage F, I, W and the send latency
     "F=1 I=2 W=1 lat=0.1": StageCosts.uniform(1, 2, 1, 0.1),
 }
 GRID = [(p, m) for p in (4, 8) for m in (p, 2 * p, 4 * p)]
-TORCH_CLASSES = [getattr(ts, name) for name in ts.__all__ if name.startswith("Schedule")]
-
-
-class FakeStage:
-    """The attributes torch's schedule constructors read from a pipeline stage."""
-
-    def __init__(self, index: int, num_stages: int, pp: int):
-        self.stage_index, self.num_stages = index, num_stages
-        self.group_size, self.group_rank = pp, 0
-        self.submod = None
-        self.is_first, self.is_last = index == 0, index == num_stages - 1
-
-
-def torch_order(cls: type, chunks: int, p: int, m: int) -> Schedule | None:
-    """torch's order for (p, m, chunks) as a Loom schedule; None where torch refuses the sizes."""
-    num_stages = p * chunks
-    try:
-        if issubclass(cls, ts.PipelineScheduleSingle):
-            if chunks > 1:
-                return None
-            made = cls(FakeStage(0, num_stages, p), m)
-        else:
-            made = cls([FakeStage(i, num_stages, p) for i in range(chunks)], m)
-    except Exception:  # noqa: BLE001  (torch raises assorted errors for sizes it does not take)
-        return None
-    order = made.pipeline_order
-    name = f"torch:{cls.__name__}(v={chunks})"
-    schedule = from_torch_rows((order[r] for r in sorted(order)), num_microbatches=m, name=name)
-    if cls is ts.Schedule1F1B:  # the last rank's off-by-one (module docstring)
-        last = tuple(Action(a.stage, a.op, a.microbatch - 1) if a.op is Op.F else a
-                     for a in schedule.actions[-1])
-        schedule = Schedule(schedule.num_stages, m, schedule.placement,
-                            (*schedule.actions[:-1], last), name)
-        validate(schedule)
-    return schedule
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +48,7 @@ def torch_orders() -> dict[tuple[int, int], list[Schedule]]:
     """Every order torch gives for each grid size."""
     orders = {}
     for p, m in GRID:
-        made = [torch_order(cls, v, p, m)
+        made = [torch_schedule(cls, v, p, m)
                 for cls in TORCH_CLASSES for v in range(1, MAX_CHUNKS + 1)]
         orders[p, m] = [schedule for schedule in made if schedule is not None]
     return orders
@@ -90,7 +56,7 @@ def torch_orders() -> dict[tuple[int, int], list[Schedule]]:
 
 def test_every_torch_class_gives_orders_on_the_grid(torch_orders):
     names = {s.name.split("(")[0] for orders in torch_orders.values() for s in orders}
-    assert names == {f"torch:{cls.__name__}" for cls in TORCH_CLASSES}
+    assert names == {f"torch:{cls.__name__.removeprefix('Schedule')}" for cls in TORCH_CLASSES}
     chunks = {s.chunks_per_rank for orders in torch_orders.values() for s in orders}
     assert chunks == set(range(1, MAX_CHUNKS + 1))
 
@@ -139,11 +105,14 @@ def test_search_is_strictly_better_where_the_gap_allows(torch_orders):
 @pytest.mark.parametrize("chunks", (1, 2, 3, 5, 8))
 def test_interleaved_zb_is_torchs_interleaved_zero_bubble(p, chunks):
     for m in sorted({1, p - 1 or 1, p, p + 1, 2 * p, 3 * p + 1, 4 * p}):
-        theirs = torch_order(ts.ScheduleInterleavedZeroBubble, chunks, p, m)
+        theirs = torch_schedule(ts.ScheduleInterleavedZeroBubble, chunks, p, m)
         ours = interleaved_zb(p, m, chunks)
         validate(ours)  # also where torch refuses m (not a multiple of its rounds)
         if theirs is not None:
             assert (ours.placement, ours.actions) == (theirs.placement, theirs.actions), m
+        else:  # torch refused the sizes: never an order that does not validate
+            with pytest.raises(Exception):  # noqa: B017  (torch's assorted errors)
+                pipeline_order(ts.ScheduleInterleavedZeroBubble, chunks, p, m)
         if chunks == 1:
             assert ours.actions == zb_h1(p, m).actions
 
@@ -166,7 +135,7 @@ def test_screened_search_prices_the_best_torch_order_above_the_screen():
     # (equal costs, no latency: the ramp shrinks with v and nothing else grows).
     p, m = 2 * SCREEN_PP, 2 * 2 * SCREEN_PP
     costs = StageCosts.uniform(1, 1, 1)
-    theirs = torch_order(ts.ScheduleInterleavedZeroBubble, 8, p, m)
+    theirs = torch_schedule(ts.ScheduleInterleavedZeroBubble, 8, p, m)
     best = simulate(theirs, placement_costs(costs, theirs.placement)).makespan
     found = search(p, m, costs, p, effort=1)
     assert found.sim_result.makespan <= best
