@@ -35,7 +35,7 @@ from loom.schedule.cost import StageCosts, full_stage_costs, parse_cost_spec
 from loom.schedule.families import get, names, routed, simulation_only
 from loom.schedule.ir import Schedule, csv_text
 from loom.schedule.render import render_gantt, summary_text, write_chrome_trace
-from loom.schedule.search import DEFAULT_EFFORT, PLACEMENTS, SearchError, search
+from loom.schedule.search import DEFAULT_EFFORT, MAX_CHUNKS, PLACEMENTS, SearchError, search
 from loom.schedule.simulate import simulate
 from loom.schedule.validate import ScheduleError, format_grid, validate
 
@@ -167,6 +167,9 @@ def add_schedule_commands(subparsers: Any) -> argparse.ArgumentParser:
                         help="peak activation units per rank (1F1B needs --pp; minimum 1)")
     search.add_argument("--placement", default="any", choices=("any", *PLACEMENTS),
                         help="looped (1 stage per rank), interleaved (2, looped), v (2, V shape)")
+    search.add_argument("--layers", type=_positive_int, metavar="N",
+                        help="the model's layers: at most N // --pp stages per rank, as "
+                        f"parallel.schedule = \"search\" allows (default: up to {MAX_CHUNKS})")
     search.add_argument("--effort", type=_positive_int, default=DEFAULT_EFFORT,
                         help=f"simulated actions to spend (default {DEFAULT_EFFORT}; "
                         "the patient pass adds a quarter)")
@@ -290,13 +293,20 @@ def _simulate(args: argparse.Namespace) -> int:
 def _search(args: argparse.Namespace) -> int:
     microbatches = args.microbatches or 2 * args.pp
     costs = _costs(args)
+    max_chunks = MAX_CHUNKS
+    if args.layers is not None:
+        if args.layers < args.pp:
+            raise UsageError("--layers", f"{args.layers} layers cannot give each of the --pp "
+                             f"{args.pp} ranks a stage; use --layers >= {args.pp}")
+        max_chunks = min(MAX_CHUNKS, args.layers // args.pp)
     try:
         found = search(args.pp, microbatches, costs, args.memory_limit, args.placement,
-                       effort=args.effort, time_budget_s=args.time_budget)
+                       max_chunks=max_chunks, effort=args.effort, time_budget_s=args.time_budget)
     except SearchError as err:
         text = str(err)
         argument = "--memory-limit" if "memory_limit" in text else (
-            "--cost-file" if args.cost_file else "--costs") if "costs" in text else "arguments"
+            "--cost-file" if args.cost_file else "--costs") if "costs" in text else (
+            "--layers") if "max_chunks" in text else "arguments"
         raise UsageError(argument, text) from None
     schedule = found.schedule
     if args.output:

@@ -138,19 +138,45 @@ def replay(rows: Sequence[Row], placement: Sequence[int], microbatches: int, cos
     action scheduled twice runs twice; its dependents wait for the first one replayed."""
     num_stages = len(placement)
     route = stages_per_route or num_stages
-    stages, mbs, base = _index_space(rows, num_stages, microbatches)
+    stages, mbs, base, ops = _index_space(rows, num_stages, microbatches)
+    low = -(base // mbs)  # the lowest stage of the index space (below 0 when widened)
     size = stages * mbs
     finish: list[Number | None] = [None] * (4 * size)  # index (op * stages + stage) * mbs + mb
-    split = bytearray(size)
-    for row in rows:
-        for s, o, k in row:
-            if o == I:
-                split[s * mbs + k + base] = 1
+    # split[(stage, microbatch)]: its backward runs as I and W (else as one B). Without any B
+    # every pair is split: one that has no I has no backward at all, and a rank waiting for it
+    # waits forever either way (the same replay); likewise without any I none is.
+    if B not in ops:
+        split = b"\x01" * size
+    elif I not in ops:
+        split = bytes(size)
+    else:
+        split = bytearray(size)
+        for n in [s * mbs + k + base for row in rows for s, o, k in row if o == I]:
+            split[n] = 1
     duration, send = costs.duration, costs.send
+    # Per stage, precomputed once (the loop below runs once per action): where its F's input
+    # (the previous stage's F) and its backward's input (the next stage's I or B) are, by flat
+    # index less the microbatch (-1: the first / last stage of its route, no input), whether
+    # those messages cross ranks, and the index bases of its own actions by op code.
+    span = range(low, low + stages)
+    crosses = bool(send)
+
+    def crossing(a: int, b: int) -> bool:  # (a broken schedule's stages outside: no send)
+        return crosses and 0 <= min(a, b) and max(a, b) < num_stages and placement[a] != placement[b]
+
+    f_input = [(s - 1) * mbs + base if s % route else -1 for s in span]
+    b_input = [(s + 1) * mbs + base if (s + 1) % route else -1 for s in span]
+    f_send = [f_input[n] >= 0 and crossing(s - 1, s) for n, s in enumerate(span)]
+    b_send = [b_input[n] >= 0 and crossing(s + 1, s) for n, s in enumerate(span)]
+    own = [s * mbs + base for s in span]
+    if low:  # a broken schedule's stages below 0: index the tables by stage
+        f_input, b_input, f_send, b_send, own = (dict(zip(span, table)) for table in
+                                                 (f_input, b_input, f_send, b_send, own))
     starts: list[list[Number]] = [[] for _ in rows]
     free_at: list[Number] = [0] * len(rows)
     waiting: dict[int, list[int]] = {}  # index of an unfinished action -> ranks blocked on it
     runnable = deque(range(len(rows)))
+    split_i, split_b = size, 3 * size
     while runnable:
         rank = runnable.popleft()
         row, started = rows[rank], starts[rank]
@@ -159,43 +185,45 @@ def replay(rows: Sequence[Row], placement: Sequence[int], microbatches: int, cos
             s, o, k = row[index]
             start = t_free
             if o == F:
-                if s % route:  # not the first stage of its route
-                    dep = (s - 1) * mbs + k + base
+                dep = f_input[s]
+                if dep >= 0:  # not the first stage of its route
+                    dep += k
                     t = finish[dep]
                     if t is None:
                         break
-                    if send and placement[s - 1] != placement[s]:
+                    if f_send[s]:
                         t += send
                     if t > start:
                         start = t
             elif o == W:
-                dep = size + s * mbs + k + base
+                dep = size + own[s] + k
                 t = finish[dep]
                 if t is None:
                     break
                 if t > start:
                     start = t
             else:
-                dep = s * mbs + k + base
+                dep = own[s] + k
                 t = finish[dep]
                 if t is None:
                     break
                 if t > start:
                     start = t
-                if (s + 1) % route:  # not the last stage of its route
-                    dep = (s + 1) * mbs + k + base
-                    dep += size if split[dep] else 3 * size
+                dep = b_input[s]
+                if dep >= 0:  # not the last stage of its route
+                    dep += k
+                    dep += split_i if split[dep] else split_b
                     t = finish[dep]
                     if t is None:
                         break
-                    if send and placement[s + 1] != placement[s]:
+                    if b_send[s]:
                         t += send
                     if t > start:
                         start = t
             t_free = start + duration[s][o]
             started.append(start)
             index += 1
-            key = (o * stages + s) * mbs + k + base
+            key = o * size + own[s] + k
             if finish[key] is None:
                 finish[key] = t_free
                 if key in waiting:
@@ -209,18 +237,27 @@ def replay(rows: Sequence[Row], placement: Sequence[int], microbatches: int, cos
 
 
 def _index_space(rows: Sequence[Row], num_stages: int, microbatches: int
-                 ) -> tuple[int, int, int]:
-    """``(stages, microbatches, base)`` of an index ``(op * stages + stage) * microbatches +
-    microbatch + base`` for every action of ``rows`` and its dependencies: the schedule's shape,
-    widened for actions outside it (a broken schedule, whose grid the validator shows)."""
+                 ) -> tuple[int, int, int, set[int]]:
+    """``(stages, microbatches, base, op codes used)`` of an index ``(op * stages + stage) *
+    microbatches + microbatch + base`` for every action of ``rows`` and its dependencies: the
+    schedule's shape, widened for actions outside it (a broken schedule, whose grid the
+    validator shows)."""
+    inside, ops = True, set()
+    for row in rows:  # by C-level passes over each row's columns
+        if row:
+            stage, op, microbatch = zip(*row)
+            ops.update(op)
+            if (min(stage) < 0 or max(stage) >= num_stages or min(microbatch) < 0
+                    or max(microbatch) >= microbatches):
+                inside = False
+    if inside:
+        return num_stages, microbatches, 0, ops
     out = [(s, k) for row in rows for s, _, k in row if not (0 <= s < num_stages
                                                               and 0 <= k < microbatches)]
-    if not out:
-        return num_stages, microbatches, 0
     low_s, low_k = min(0, *(s for s, _ in out)) - 1, min(0, *(k for _, k in out))  # F(s-1)
     high_s = max(num_stages - 1, *(s for s, _ in out)) + 1  # and I(s+1) of the outermost
     mbs = max(microbatches, *(k + 1 for _, k in out)) - low_k
-    return high_s - low_s + 1, mbs, -low_s * mbs - low_k
+    return high_s - low_s + 1, mbs, -low_s * mbs - low_k, ops
 
 
 @dataclass(frozen=True)

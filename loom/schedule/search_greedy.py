@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loom.schedule.replay import EPS, F, I, W, Costs, Row
-from loom.schedule.search_loop import forward_ready as input_ready, ranks_of, run
+from loom.schedule.search_loop import ranks_of, run
 
 
 @dataclass(frozen=True)
@@ -96,67 +96,92 @@ def list_schedule(
     total = 3 * num_stages * m
     peak = 0.0
 
+    reserve = knobs.reserve
+    patience, w_backlog, w_fill = knobs.patience, knobs.w_backlog, knobs.w_fill
+    forward_first = knobs.forward_first
+    # Per rank, the stages to scan with their flat-index bases and whether the message crosses
+    # ranks (precomputed: the scans below run once per started action). An I of stage s needs
+    # I(s+1) (base -1: the last stage has none); an F of stage s needs F(s-1) (-1: stage 0).
+    i_scan = [[(s, s * m, (s + 1) * m if s + 1 < num_stages else -1,
+                s + 1 < num_stages and placement[s + 1] != placement[s])
+               for s in order] for order in backward_order]
+    f_scan = [[(s, (s - 1) * m if s else -1, bool(s) and placement[s - 1] != placement[s])
+               for s in order] for order in forward_order]
+    first_stage = [stages[0] for stages in stages_of]
+    admit_cap = [min(limit_c[r], caps_c[r]) for r in range(pp)]
+    inf = float("inf")
+
     def reserve_after(r: int) -> int:
         """Counts kept free for the pending forwards once one more microbatch is admitted."""
-        if knobs.reserve is None:
+        if reserve is None:
             return pending_total[r] + v[r] - 1
-        if not knobs.reserve:
+        if not reserve:
             return 0
-        oldest = list(itertools.islice(pending[r].values(), knobs.reserve))
-        return sum((oldest + [v[r] - 1])[: knobs.reserve])
+        oldest = list(itertools.islice(pending[r].values(), reserve))
+        return sum((oldest + [v[r] - 1])[:reserve])
 
     def decide(r: int, t: float) -> tuple[tuple[int, int, int], float] | float:
         """The action rank r starts (and when), or the time to look again (inf: on an event)."""
-        wake = float("inf")
-        best, best_ready = None, 0.0
-        for s in backward_order[r]:
+        wake = inf
+        best_s, best_k, best_ready = -1, 0, 0.0
+        for s, base, above, cross in i_scan[r]:
             k = next_i[s]
             if k >= m:
                 continue
-            ready = fin_f[s * m + k]
+            ready = fin_f[base + k]
             if ready < 0:
                 continue
-            if s + 1 < num_stages:
-                after = fin_i[(s + 1) * m + k]
+            if above >= 0:
+                after = fin_i[above + k]
                 if after < 0:
                     continue
-                after += send if placement[s + 1] != r else 0.0
-                ready = after if after > ready else ready
-            if best is None or ready < best_ready - EPS:
-                best, best_ready = (s, I, k), ready
-        backlog = len(deferred[r]) - deferred_head[r]
-        if backlog and knobs.w_backlog is not None and backlog > knobs.w_backlog:
-            s, k = deferred[r][deferred_head[r]]
+                if cross:
+                    after += send
+                if after > ready:
+                    ready = after
+            if best_s < 0 or ready < best_ready - EPS:
+                best_s, best_k, best_ready = s, k, ready
+        head = deferred_head[r]
+        backlog = len(deferred[r]) - head
+        if backlog and w_backlog is not None and backlog > w_backlog:
+            s, k = deferred[r][head]
             return (s, W, k), t
-        forward, forward_ready = None, 0.0
-        for s in forward_order[r]:
+        forward = None
+        now = t + EPS
+        for s, below, cross in f_scan[r]:
             k = next_f[s]
             if k >= m:
                 continue
-            ready = input_ready(fin_f, placement, r, s, k, m, send)
-            if ready is None:
-                continue
-            if s == stages_of[r][0]:
-                room = live[r] + 1 + reserve_after(r) <= min(limit_c[r], caps_c[r])
+            if below < 0:
+                ready = 0.0
             else:
-                room = live[r] + 1 <= limit_c[r]
-            if not room:
+                ready = fin_f[below + k]
+                if ready < 0:
+                    continue
+                if cross:
+                    ready += send
+            if s == first_stage[r]:
+                if live[r] + 1 + reserve_after(r) > admit_cap[r]:
+                    continue
+            elif live[r] + 1 > limit_c[r]:
                 continue
-            if ready <= t + EPS:
-                forward, forward_ready = (s, F, k), t
+            if ready <= now:
+                forward = (s, F, k)
                 break
-            wake = min(wake, ready)
-        if forward is not None and knobs.forward_first:
-            return forward, forward_ready
-        if best is not None:
-            if best_ready <= t + knobs.patience + EPS:
-                return best, max(t, best_ready)
-            wake = min(wake, best_ready)
+            if ready < wake:
+                wake = ready
+        if forward is not None and forward_first:
+            return forward, t
+        if best_s >= 0:
+            if best_ready <= t + patience + EPS:
+                return (best_s, I, best_k), (best_ready if best_ready > t else t)
+            if best_ready < wake:
+                wake = best_ready
         if forward is not None:
-            return forward, forward_ready
+            return forward, t
         if backlog:
-            s, k = deferred[r][deferred_head[r]]
-            if wake - t >= knobs.w_fill * duration[s][W] - EPS:
+            s, k = deferred[r][head]
+            if wake - t >= w_fill * duration[s][W] - EPS:
                 return (s, W, k), t
         return wake
 
@@ -167,15 +192,19 @@ def list_schedule(
             fin_f[s * m + k] = end
             next_f[s] += 1
             live[r] += 1
-            peak = max(peak, live[r] / v[r])
-            if s == stages_of[r][0]:
+            level = live[r] / v[r]
+            if level > peak:
+                peak = level
+            if s == first_stage[r]:
                 if v[r] > 1:
                     pending[r][k] = v[r] - 1
                     pending_total[r] += v[r] - 1
             else:
                 pending_total[r] -= 1
-                pending[r][k] -= 1
-                if pending[r][k] == 0:
+                left = pending[r][k] - 1
+                if left:
+                    pending[r][k] = left
+                else:
                     del pending[r][k]
         elif o == I:
             fin_i[s * m + k] = end

@@ -50,19 +50,6 @@ def ranks_of(placement: Sequence[int], limit: float) -> Ranks | None:
     return Ranks(pp, stages_of, v, limit_c)
 
 
-def forward_ready(fin_f: list[float], placement: Sequence[int], rank: int, stage: int,
-                  microbatch: int, microbatches: int, send: float) -> float | None:
-    """When the forward of (stage, microbatch) on ``rank`` can start: its input's finish on the
-    previous stage plus ``send`` across ranks (0 on the first stage); None while that forward
-    has not run (``fin_f`` holds -1 for it)."""
-    if stage == 0:
-        return 0.0
-    ready = fin_f[(stage - 1) * microbatches + microbatch]
-    if ready < 0:
-        return None
-    return ready + (send if placement[stage - 1] != rank else 0.0)
-
-
 def run(placement: Sequence[int], costs: Costs, rows: list[Row], free_at: list[float],
         decide: Decide, commit: Commit, release: Sequence[float] | None = None,
         backwards: bool = False) -> int:
@@ -75,16 +62,26 @@ def run(placement: Sequence[int], costs: Costs, rows: list[Row], free_at: list[f
     duration, send = costs.duration, costs.send
     ready = release or [0.0] * len(free_at)
     heap = [(ready[r], r) for r in range(len(free_at))]
+    # the rank an F (I) of each stage sends to, -1 for none (reversed when ``backwards``)
+    n = len(placement)
+    up = [placement[s + 1] if s + 1 < n else -1 for s in range(n)]
+    down = [placement[s - 1] if s > 0 else -1 for s in range(n)]
+    after_f, after_i = (down, up) if backwards else (up, down)
+    pop, push, inf = heapq.heappop, heapq.heappush, float("inf")
     started = 0
     while heap:
-        t, r = heapq.heappop(heap)
-        if free_at[r] > t + EPS:
+        t, r = pop(heap)
+        free = free_at[r]
+        if free > t + EPS:
             continue
-        t = max(t, free_at[r], ready[r])
+        if free > t:
+            t = free
+        if ready[r] > t:
+            t = ready[r]
         choice = decide(r, t)
-        if isinstance(choice, float):
-            if choice != float("inf"):
-                heapq.heappush(heap, (choice, r))
+        if choice.__class__ is not tuple:
+            if choice != inf:
+                push(heap, (choice, r))
             continue
         action, start = choice
         s, o, _ = action
@@ -93,10 +90,13 @@ def run(placement: Sequence[int], costs: Costs, rows: list[Row], free_at: list[f
         free_at[r] = end
         started += 1
         commit(r, action, end)
-        heapq.heappush(heap, (end, r))
-        if o == F or o == I:
-            to = s + 1 if (o == F) != backwards else s - 1
-            if 0 <= to < len(placement) and placement[to] != r:
-                if free_at[placement[to]] <= end + send + EPS:  # else busy then: its end wakes it
-                    heapq.heappush(heap, (end + send, placement[to]))
+        push(heap, (end, r))
+        if o == F:
+            to = after_f[s]
+        elif o == I:
+            to = after_i[s]
+        else:
+            continue
+        if to >= 0 and to != r and free_at[to] <= end + send + EPS:
+            push(heap, (end + send, to))  # else busy then: its end wakes it
     return started

@@ -119,53 +119,72 @@ def reverse_schedule(
         pending_w[r] += v[r]
         return k
 
+    # Per rank, precomputed scans: F's chain downwards (higher stage first) with the flat base
+    # of the stage above (-1: none) and whether its message crosses ranks; I's chain upwards
+    # with the stage below likewise.
+    f_scan = [[(s, s * m, (s + 1) * m if s + 1 < num_stages else -1,
+                s + 1 < num_stages and placement[s + 1] != placement[s])
+               for s in sorted(stages, reverse=True)] for stages in stages_of]
+    i_scan = [[(s, s * m, (s - 1) * m if s > 0 else -1,
+                s > 0 and placement[s - 1] != placement[s]) for s in stages] for stages in up]
+    i_first = knobs.i_first
+    inf = float("inf")
+
     def decide(r: int, t: float) -> tuple[tuple[int, int, int], float] | float:
-        wake = float("inf")
+        wake = inf
+        now = t + EPS
         ready_f = ready_i = None
-        for s in sorted(stages_of[r], reverse=True):  # F's chain downwards: higher stage first
+        for s, base, above, cross in f_scan[r]:
             j = next_f[s]
             if j >= m:
                 continue
             k = m - 1 - j
-            at = fin_i[s * m + k]
+            at = fin_i[base + k]
             if at < 0:
                 continue
-            if s + 1 < num_stages:
-                above = fin_f[(s + 1) * m + k]
-                if above < 0:
+            if above >= 0:
+                above_at = fin_f[above + k]
+                if above_at < 0:
                     continue
-                at = max(at, above + (send if placement[s + 1] != r else 0.0))
-            if at <= t + EPS:
+                if cross:
+                    above_at += send
+                if above_at > at:
+                    at = above_at
+            if at <= now:
                 if ready_f is None:
                     ready_f = (s, F, k)
-            else:
-                wake = min(wake, at)
+            elif at < wake:
+                wake = at
         waiting_w = None
-        for s in up[r]:
+        for s, base, below, cross in i_scan[r]:
             j = next_i[s]
             if j >= m:
                 continue
             k = m - 1 - j
-            if s > 0:
-                below = fin_i[(s - 1) * m + k]
-                if below < 0:
+            if below >= 0:
+                at = fin_i[below + k]
+                if at < 0:
                     continue
-                at = below + (send if placement[s - 1] != r else 0.0)
+                if cross:
+                    at += send
             else:
                 at = 0.0
-            if not done_w[s * m + k]:
-                if at <= t + EPS and waiting_w is None:
-                    waiting_w = (s, k)
-                elif at > t + EPS:
-                    wake = min(wake, at)
+            if not done_w[base + k]:
+                if at <= now:
+                    if waiting_w is None:
+                        waiting_w = (s, k)
+                elif at < wake:
+                    wake = at
                 continue
-            at = max(at, fin_w_time[s * m + k])
-            if at <= t + EPS:
+            w_at = fin_w_time[base + k]
+            if w_at > at:
+                at = w_at
+            if at <= now:
                 if ready_i is None:
                     ready_i = (s, I, k)
-            else:
-                wake = min(wake, at)
-        if knobs.i_first and ready_i is not None:
+            elif at < wake:
+                wake = at
+        if i_first and ready_i is not None:
             return ready_i, t
         if ready_f is not None:
             return ready_f, t

@@ -270,8 +270,8 @@ def replay_shared(schedule: Schedule, work: dict[Action, float], latency: float,
 def _busy(row: tuple[Slot, ...]) -> Number:
     """The sum of the slots' durations: Fractions added up by denominator (the same number, much
     faster than one by one), ints and floats one by one, in order (floats round as always)."""
-    times = [x for slot in row for x in (slot.start, slot.finish)]
-    if all(type(x) is int for x in times) or not all(isinstance(x, Rational) for x in times):
+    kinds = set(map(type, [x for slot in row for x in (slot.start, slot.finish)]))
+    if kinds <= {int} or not all(issubclass(kind, Rational) for kind in kinds):
         return sum((slot.duration for slot in row), 0)
     numerators: dict[int, int] = defaultdict(int)  # denominator -> sum of numerators
     for slot in row:

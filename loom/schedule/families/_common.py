@@ -48,25 +48,24 @@ def one_forward_one_backward(
     remaining W's close the list.
     """
     backward_op = Op.I if split_backward else Op.B
-    actions = [Action(stage, Op.F, mb) for stage, mb in forwards[:warmup]]
-    next_forward = warmup
+    forward_op, weight_op = Op.F, Op.W
+    actions = [Action(stage, forward_op, mb) for stage, mb in forwards[:warmup]]
+    append = actions.append
+    next_forward, total = warmup, len(forwards)
     deferred: deque[Work] = deque()
     for stage, mb in backwards:
-        if next_forward < len(forwards):
-            actions.append(Action(*_at(forwards[next_forward], Op.F)))
+        if next_forward < total:
+            ahead, ahead_mb = forwards[next_forward]
+            append(Action(ahead, forward_op, ahead_mb))
             next_forward += 1
-        actions.append(Action(stage, backward_op, mb))
+        append(Action(stage, backward_op, mb))
         if split_backward:
             deferred.append((stage, mb))
             if len(deferred) > weight_delay:
-                actions.append(Action(*_at(deferred.popleft(), Op.W)))
-    actions.extend(Action(*_at(work, Op.W)) for work in deferred)
+                done, done_mb = deferred.popleft()
+                append(Action(done, weight_op, done_mb))
+    actions.extend(Action(stage, weight_op, mb) for stage, mb in deferred)
     return actions
-
-
-def _at(work: Work, op: Op) -> tuple[int, Op, int]:
-    stage, mb = work
-    return stage, op, mb
 
 
 def microbatch_groups(microbatches: int, group_size: int) -> list[range]:

@@ -35,6 +35,29 @@ def test_a_hand_computed_replay():
     assert replayed.finish(1) == [5, 8, 9, 11, 14, 15]
 
 
+def test_a_backward_runs_as_one_B_or_as_I_and_W_per_stage_and_microbatch():
+    """Microbatch 0 splits its backward, microbatch 1 runs it whole: 0B1 waits for 1B1, not for
+    an I of stage 1 that does not exist (B = 4: rank 1 runs 1B1 11-15, 0B1 waits until 16)."""
+    mixed = Schedule(2, 2, (0, 1), [
+        [Action.parse(a) for a in "0F0 0F1 0I0 0W0 0B1".split()],
+        [Action.parse(a) for a in "1F0 1I0 1W0 1F1 1B1".split()],
+    ])
+    replayed = replay(encode(mixed), mixed.placement, 2, Costs(((2, 3, 1, 4),) * 2, 1))
+    assert replayed.start == [[0, 2, 9, 12, 16], [3, 5, 8, 9, 11]]
+    assert replayed.end == [20, 15]
+
+
+def test_an_action_outside_the_schedule_stops_its_rank_and_leaves_the_others_times():
+    """A broken schedule's stray action (stage 5 of 2, microbatch 7 of 2: the validator's grid
+    shows it) waits for a stage that never runs; every other action keeps its time."""
+    stray = Schedule(2, 2, (0, 1), [list(HAND.actions[0]) + [Action.parse("5F7")],
+                                    HAND.actions[1]])
+    replayed = replay(encode(stray), stray.placement, 2, Costs(((2, 3, 1, 4),) * 6, 1))
+    assert not replayed.completed
+    assert replayed.start == HAND_STARTS
+    assert replayed.end == [19, 15]
+
+
 def test_the_search_score_of_the_hand_case():
     # the longest span is rank 0's, 0 to 19, with 12 units of work: 7 idle
     found = score(encode(HAND), HAND.placement, 2, Costs(((2.0, 3.0, 1.0, 4.0),) * 2, 1.0))

@@ -102,6 +102,32 @@ def test_a_bad_argument_is_one_line_naming_it_and_exit_code_2(capsys, argv, argu
     assert argument in err
 
 
+@pytest.mark.parametrize("layers, chunks", [(8, 1), (15, 1), (16, 2), (40, 5), (1000, 8)])
+def test_search_layers_bound_the_stages_per_rank(capsys, layers, chunks):
+    """``--layers N``: at most N // --pp stages per rank (and the search's own 8), as
+    ``parallel.schedule = "search"`` does with the model's layers."""
+    code, out, _ = run(capsys, "search", "--pp", "8", "-m", "16", "--memory-limit", "16",
+                       "--layers", str(layers), "--effort", "20000", "--json")
+    assert code == 0
+    found = json.loads(out)
+    assert found["chunks"] <= chunks
+    assert all(entry["chunks"] <= chunks for entry in found["leaderboard"])
+    if chunks == 1:
+        assert found["placement"] == "looped"
+
+
+@pytest.mark.parametrize("argv", [
+    ["--layers", "7"],  # fewer layers than ranks
+    ["--layers", "15", "--placement", "v"],  # V needs two stages per rank: 16 layers
+    ["--layers", "0"],
+])
+def test_search_refuses_layers_that_cannot_hold_the_placement(capsys, argv):
+    code, _, err = run(capsys, "search", "--pp", "8", "--memory-limit", "8", *argv)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1
+    assert "--layers" in err
+
+
 def test_the_memory_limit_passes_when_the_peak_fits(capsys):
     code, _, _ = run(capsys, "simulate", "zb_h2", "--pp", "4", "--memory-limit", "7")
     assert code == 0
