@@ -6,11 +6,13 @@ model and simulator (``loom plan --layout``), puts the prediction beside the pub
 the same FLOP convention, and asks the planner for its own best layout of the same model, batch
 and cluster (``loom plan --any``: what-if, including layouts this version of Loom refuses).
 
-Mapping a published row to Loom's model: GPT rows have a 4h GELU MLP (8h^2 weights); Loom's block
-is SwiGLU, so F = 8h/3 gives the same parameters and FLOPs (as ``loom.models.presets`` does for
-GPT-3). Unstated knobs take the value stated in the row's notes or Megatron's default: micro batch
-1, interleaving with 2 chunks, no sequence parallelism before Korthikanti et al. 2022, full
-recomputation for the 2021 Megatron rows (their FLOP formula includes it). FP8 rows and MoE rows
+Mapping a published row to Loom's model: rows marked ``activation = "swiglu"`` (Llama) keep their
+SwiGLU MLP; the others are GPT-style and get Loom's GELU MLP (``model.mlp = "gelu"``) of the
+published ``ffn_dim`` (4h where unstated), as ``loom.models.presets`` does for GPT-3 (until 26 Nov
+2026 both stood in a SwiGLU MLP of F = 8h/3, the same parameters and FLOPs). Unstated knobs
+take the value stated in the row's notes or Megatron's default: micro batch 1, interleaving
+with 2 chunks, no sequence parallelism before Korthikanti et al. 2022, full recomputation for
+the 2021 Megatron rows (their FLOP formula includes it). FP8 rows and MoE rows
 with features Loom's model lacks (MLA, attention sinks) are listed as skipped with the reason.
 
 Each row is priced with its ``framework`` profile (``loom.sim.frameworks``; the row's
@@ -77,10 +79,11 @@ def model_of(row: dict) -> TransformerArgs:
     m = row["model"]
     h = m["hidden"]
     swiglu = m.get("activation") == "swiglu"
-    ffn = m["ffn_dim"] if swiglu and "ffn_dim" in m else round(8 * h / 3)
+    ffn = m.get("ffn_dim") or (round(8 * h / 3) if swiglu else 4 * h)
     return TransformerArgs(dim=h, n_layers=m["layers"], n_heads=m["heads"],
                            n_kv_heads=m.get("kv_heads", m["heads"]), ffn_dim=ffn,
-                           vocab_size=m["vocab"], max_seq_len=m["seq_len"])
+                           vocab_size=m["vocab"], max_seq_len=m["seq_len"],
+                           mlp="swiglu" if swiglu else "gelu")
 
 
 def layout_of(row: dict) -> tuple[Layout, list[str]]:

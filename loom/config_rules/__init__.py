@@ -470,6 +470,9 @@ def _validate_experts(config: Config) -> None:
     m, par = config.model, config.parallel
     if m.n_experts < 0:
         raise ConfigError("model.n_experts", m.n_experts, "must be >= 0 (0: a dense model)")
+    if m.n_experts > 0 and m.mlp != "swiglu":
+        raise ConfigError("model.mlp", m.mlp, f"must be 'swiglu' with model.n_experts ="
+                          f" {m.n_experts} (the experts are SwiGLU only)")
     if m.n_experts == 0:
         if par.ep > 1:
             raise ConfigError("parallel.ep", par.ep, "expert parallelism needs an MoE model"

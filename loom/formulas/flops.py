@@ -28,6 +28,7 @@ def training_flops_per_token(
     top_k: int = 0,
     expert_ffn_dim: int = 0,
     n_shared_experts: int = 0,
+    mlp_matrices: int = 3,
 ) -> float:
     """Model FLOPs to train on one token (forward + backward, no activation recompute).
 
@@ -40,10 +41,12 @@ def training_flops_per_token(
 
         per layer   q:  2·h·(H·d)        k, v: 2 · 2·h·(K·d)   (grouped-query: K <= H)
                     o:  2·(H·d)·h        SwiGLU gate, up, down: 3 · 2·h·f
+                                         (GELU: up, down: 2 · 2·h·f)
                     scores Q·Kᵀ and probs·V: 2 · 2·s·(H·d)
         head        2·h·V
 
-    so, writing N = l·(2·h·H·d + 2·h·K·d + 3·h·f) + h·V for the matmul parameter count
+    so, writing N = l·(2·h·H·d + 2·h·K·d + c·h·f) + h·V for the matmul parameter count (c =
+    ``mlp_matrices``: 3 for SwiGLU, 2 for GELU; ``TransformerArgs.mlp_matrices``)
     (embedding excluded, head included even when tied, since the head matmul is executed),
 
         F_token = 6·N + 12·l·s·H·d                                           (x 1/2 on the
@@ -57,7 +60,8 @@ def training_flops_per_token(
       72·B·s·l·h²·(1 + s/(6h) + V/(12·h·l)), i.e. per token 72·l·h² + 12·l·s·h + 6·h·V. That is
       the GPT case K = H, H·d = h, MLP of two h x 4h matrices (8h² weights per layer). Our
       SwiGLU has 3·h·f weights, which equals 8h² exactly when f = 8h/3; then 6N = 6·l·(4h² + 8h²)
-      + 6·h·V and the two formulas agree term by term.
+      + 6·h·V and the two formulas agree term by term. A GELU MLP (``mlp = "gelu"``) with
+      f = 4h is GPT's own: 2·h·4h = 8h², the same terms with no stand-in.
     * Megatron eq. 3 (Narayanan et al. 2021, 96·B·s·l·h²·...) includes the recompute forward; it
       is a *hardware* FLOP count, not model FLOPs, so it is deliberately not what we compute.
 
@@ -85,10 +89,13 @@ def training_flops_per_token(
     if not 0 <= moe_layers <= n_layers:
         raise ValueError(f"training_flops_per_token: moe_layers={moe_layers} must be in"
                          f" [0, n_layers={n_layers}]")
-    mlp = 3 * dim * ffn_dim
+    if mlp_matrices not in (2, 3):
+        raise ValueError(f"training_flops_per_token: mlp_matrices={mlp_matrices} must be 3"
+                         " (SwiGLU) or 2 (GELU)")
+    mlp_params = mlp_matrices * dim * ffn_dim
     moe_mlp = (3 * dim * (expert_ffn_dim or ffn_dim) * (top_k + n_shared_experts)
                + dim * n_experts)
-    n_matmul_params = ((n_layers - moe_layers) * (attn_proj + mlp)
+    n_matmul_params = ((n_layers - moe_layers) * (attn_proj + mlp_params)
                        + moe_layers * (attn_proj + moe_mlp) + dim * vocab_size)
     attention = 12 * n_layers * seq_len * n_heads * head_dim
     if causal and halve_causal:
@@ -105,4 +112,5 @@ def model_flops_per_token(args: Any, seq_len: int, *, halve_causal: bool = False
         head_dim=args.head_dim, ffn_dim=args.ffn_dim, vocab_size=args.vocab_size,
         seq_len=seq_len, halve_causal=halve_causal, moe_layers=moe_layers,
         n_experts=args.n_experts if moe_layers else 0, top_k=args.top_k if moe_layers else 0,
-        expert_ffn_dim=args.expert_ffn_dim, n_shared_experts=args.n_shared_experts)
+        expert_ffn_dim=args.expert_ffn_dim, n_shared_experts=args.n_shared_experts,
+        mlp_matrices=getattr(args, "mlp_matrices", 3))

@@ -21,7 +21,8 @@ MAX_IN_FLIGHT = 2
 
 def block_activation_bytes(*, s: int, b: int, h: int, f: float, a: int, kv: int, t: int = 1,
                            sequence_parallel: bool = False, e: int = 4,
-                           recompute: str = "none", compiled: bool = False) -> float:
+                           recompute: str = "none", compiled: bool = False,
+                           gated: bool = True) -> float:
     """Saved-for-backward bytes of one transformer block for one microbatch on one rank.
 
     ``s`` is the rank's sequence shard (after cp), ``f`` the FFN width (an MoE layer passes its
@@ -29,31 +30,36 @@ def block_activation_bytes(*, s: int, b: int, h: int, f: float, a: int, kv: int,
     (the block recomputed: only its input is kept). The formulas: ``loom.train.memory``'s docstring.
     Under SP everything is split t ways (``loom.parallel.sequence_saved`` keeps the linears'
     gathered inputs as the rank's slice) except in a ``compiled`` block, which saves them whole.
+    The MLP's F-wide saved tensors: four for SwiGLU (``gated``: w1's and w3's outputs, silu's,
+    their product), two for GELU (its input, w1's output, and its output, w2's input; Korthikanti
+    et al. 2022 §4.1); its D-wide input is counted with the rest either way.
     """
     x = s * b * h
     if recompute == "full":
         return x * e
+    wide = (4 if gated else 2) * f / h  # the MLP's F-wide saved tensors, in units of x
     if t == 1:
-        full = x * e * (10 + 4 * f / h) + 4 * s * b * (2 + a)
+        full = x * e * (10 + wide) + 4 * s * b * (2 + a)
     elif sequence_parallel:
         inputs = 2 * x * e * (1 if compiled else 1 / t)  # the q/k/v and w1/w3 input
-        full = inputs + x * e * (8 + 4 * f / h) / t + 4 * s * b * (2 + a) / t
+        full = inputs + x * e * (8 + wide) / t + 4 * s * b * (2 + a) / t
     else:
-        full = x * e * (6 + (4 + 4 * f / h) / t) + 4 * s * b * (2 + a / t)
+        full = x * e * (6 + (4 + wide) / t) + 4 * s * b * (2 + a / t)
     if recompute == "selective":  # the core's own: repeated k, v beyond q's inputs; lse
         full -= (2 * x * e * (1 - kv / a) + 4 * s * b * a) / t
     return full
 
 
 def block_weight_grad_bytes(*, s: int, b: int, h: int, f: float, a: int, kv: int,
-                            e: int = 4) -> float:
+                            e: int = 4, gated: bool = True) -> float:
     """What one block (no tp) still holds between its input-gradient step I and its weight-gradient
     step W (Zero Bubble's M_W; the freeing split of ``loom.pipeline.stage``): each linear's input
     and its output's gradient. Inputs: both norms' outputs (one each for q/k/v and for w1/w3), the
     attention output, the SwiGLU product (3h + f); gradients: q, k, v, wo's and w2's outputs,
-    w1's and w3's (3h + 2h·kv/a + 2f). ``weight_grad_fraction`` = this / ``block_activation_bytes``
-    (0.73 for h = 256, f = 3h, kv = a/2)."""
-    return s * b * e * (6 * h + 2 * h * kv / a + 3 * f)
+    w1's and w3's (3h + 2h·kv/a + 2f; a GELU MLP, not ``gated``, has w1's only: f).
+    ``weight_grad_fraction`` = this / ``block_activation_bytes`` (0.73 for h = 256, f = 3h,
+    kv = a/2)."""
+    return s * b * e * (6 * h + 2 * h * kv / a + (3 if gated else 2) * f)
 
 
 def head_activation_bytes(*, s: int, b: int, h: int, vocab: int, e: int = 4) -> float:

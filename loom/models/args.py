@@ -13,6 +13,8 @@ from typing import Literal
 
 # RoPE schedules Loom computes exactly (``TransformerArgs.rope_scaling``).
 ROPE_SCALINGS = ("none", "linear", "llama3")
+# Dense MLP kinds (``TransformerArgs.mlp``) and their D x F weight matrices.
+MLP_MATRICES = {"swiglu": 3, "gelu": 2}
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,9 @@ class RopeScaling:
 
 @dataclass
 class TransformerArgs:
-    """Shape of a decoder. ``ffn_dim`` is the SwiGLU hidden size (three D x F matrices).
+    """Shape of a decoder. ``ffn_dim`` is the dense MLP's hidden size F: ``mlp = "swiglu"``
+    (Llama: w2(silu(w1 x) * w3 x), three D x F matrices) or ``"gelu"`` (GPT-2/3, Megatron's GPT:
+    w2(gelu(w1 x)), two, tanh approximation; no biases, as everywhere in Loom's block).
 
     Mixture of experts (``loom.models.moe``; ``n_experts=0`` is a dense model): ``n_experts``
     routed SwiGLU experts of hidden size ``expert_ffn_dim`` (0: ``ffn_dim``), ``top_k`` per token
@@ -47,7 +51,7 @@ class TransformerArgs:
     n_layers: int = 4  # transformer blocks
     n_heads: int = 8  # query heads (head size dim / n_heads)
     n_kv_heads: int = 4  # key/value heads (grouped-query attention; n_heads for plain MHA)
-    ffn_dim: int = 768  # SwiGLU hidden size of the dense MLP
+    ffn_dim: int = 768  # hidden size F of the dense MLP
     vocab_size: int = 320  # embedding and output rows
     max_seq_len: int = 1024  # longest sequence the RoPE tables cover
     norm_eps: float = 1e-5  # RMSNorm epsilon
@@ -71,6 +75,7 @@ class TransformerArgs:
     rope_scaling_low_freq_factor: float = 1.0  # llama3: wavelengths > L / this are divided
     rope_scaling_high_freq_factor: float = 4.0  # llama3: wavelengths < L / this are kept
     rope_scaling_original_max_len: int = 0  # llama3: L, the original training context
+    mlp: Literal["swiglu", "gelu"] = "swiglu"  # dense MLP: SwiGLU (3 D x F) or GELU (2 D x F)
 
     @property
     def head_dim(self) -> int:
@@ -83,10 +88,17 @@ class TransformerArgs:
                            self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor,
                            self.rope_scaling_original_max_len)
 
+    @property
+    def mlp_matrices(self) -> int:
+        """D x F weight matrices of the dense MLP: 3 (SwiGLU: w1, w3, w2) or 2 (GELU: w1, w2)."""
+        if self.mlp not in MLP_MATRICES:
+            raise ValueError(f"model.mlp={self.mlp!r}: must be one of {', '.join(MLP_MATRICES)}")
+        return MLP_MATRICES[self.mlp]
+
     def moe_layer(self, layer_id: int) -> bool:
         """Whether global layer ``layer_id`` has a mixture-of-experts feed-forward."""
         return (self.n_experts > 0 and layer_id >= self.n_dense_layers
                 and (layer_id + 1) % self.moe_every == 0)
 
 
-__all__ = ["ROPE_SCALINGS", "RopeScaling", "TransformerArgs"]
+__all__ = ["MLP_MATRICES", "ROPE_SCALINGS", "RopeScaling", "TransformerArgs"]

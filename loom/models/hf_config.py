@@ -221,6 +221,10 @@ def architecture_of(args: TransformerArgs) -> str:
         raise HFConversionError(f"model.n_experts={args.n_experts}: a mixture-of-experts model is"
                                 " not one of the supported HF families; only dense models can be"
                                 " exported")
+    if args.mlp != "swiglu":
+        raise HFConversionError(f"model.mlp={args.mlp!r}: a GELU-MLP (GPT-style) model is not one"
+                                " of the HF families Loom converts (all are SwiGLU); only"
+                                " mlp = 'swiglu' models can be exported")
     if args.qk_norm and args.qkv_bias:
         raise HFConversionError("model.qkv_bias=True with model.qk_norm=True: Qwen3 (the family"
                                 " with q/k norms) has biases on all of q/k/v/o or on none")

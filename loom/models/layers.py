@@ -1,5 +1,6 @@
 """The layers a Llama-style model is built from: its shape (``TransformerArgs``, kept torch-free
-in ``loom.models.args`` for the planner), rotary position embeddings, grouped-query attention and the SwiGLU feed-forward, in plain PyTorch.
+in ``loom.models.args`` for the planner), rotary position embeddings, grouped-query attention
+and the SwiGLU (or GPT's GELU) feed-forward, in plain PyTorch.
 
 ``loom.models.llama`` assembles them into blocks and the model, and ``loom.models.moe`` builds
 its experts on ``FeedForward``; both import this module, so neither imports the other's
@@ -118,13 +119,25 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """The dense MLP (``TransformerArgs.mlp``): SwiGLU w2(silu(w1 x) * w3 x), or GELU
+    w2(gelu(w1 x)) with no ``w3`` (GPT-2/3 and Megatron's GPT, without their biases).
+
+    GELU uses the tanh approximation: it is what GPT-2 was trained with (HF's ``gelu_new``) and
+    what Megatron's fused bias-GELU kernel computes, so the published GPT runs this MLP stands
+    for used it; it differs from the exact erf form by under 1e-3 and costs the same here.
+    Saved for backward: SwiGLU's w1 and w3 outputs, silu's output and the product (four F-wide
+    tensors); GELU's pre-activation and its output (two; ``loom.formulas.memory``).
+    """
 
     def __init__(self, args: TransformerArgs) -> None:
         super().__init__()
+        self.gated = args.mlp_matrices == 3  # refuses an unknown model.mlp by name
         self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)
-        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        if self.gated:
+            self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x_BSD)) * self.w3(x_BSD))
+        if self.gated:
+            return self.w2(F.silu(self.w1(x_BSD)) * self.w3(x_BSD))
+        return self.w2(F.gelu(self.w1(x_BSD), approximate="tanh"))

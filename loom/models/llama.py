@@ -1,9 +1,9 @@
 """A Llama-style decoder-only transformer in plain PyTorch.
 
-RMSNorm, rotary position embeddings (RoPE), SwiGLU MLP and grouped-query attention, optionally with
-the output head tied to the token embedding. The module is written for a single device and imports
-nothing from torch's distributed package: every parallelism is applied from outside (``loom.parallel``).
-Three seams make that possible:
+RMSNorm, rotary position embeddings (RoPE), SwiGLU (or GPT's GELU) MLP and grouped-query attention,
+optionally with the output head tied to the token embedding. The module is written for a single
+device and imports nothing from torch's distributed package: every parallelism is applied from
+outside (``loom.parallel``). Three seams make that possible:
 
 * layers live in a ``ModuleDict`` keyed by their *global* index, and the embedding, the final norm
   and the output head are optional, so a pipeline stage can hold any contiguous slice of the model

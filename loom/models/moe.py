@@ -251,6 +251,9 @@ class MoEFeedForward(nn.Module):
 
     def __init__(self, args: TransformerArgs) -> None:
         super().__init__()
+        if args.mlp != "swiglu":
+            raise ValueError(f"model.mlp={args.mlp!r} with model.n_experts={args.n_experts}: the"
+                             " experts are SwiGLU only; use mlp = 'swiglu' for an MoE model")
         self.n_experts, self.top_k = args.n_experts, args.top_k
         self.capacity_factor, self.renormalize = args.capacity_factor, args.renormalize_top_k
         hidden = args.expert_ffn_dim or args.ffn_dim

@@ -6,11 +6,12 @@ never instantiated on this machine. Published shapes:
 * Llama 3 8B / 70B / 405B: Llama 3 paper, Table 3 (dims, layers, heads, 8 KV heads, FFN sizes,
   vocabulary 128,256, RoPE theta 500,000).
 * GPT-3 175B: Brown et al. 2020, Table 2.1 (h = 12,288, 96 layers, 96 heads, context 2,048,
-  vocabulary 50,257 padded to 51,200 as Megatron does). Loom's block is SwiGLU, so the MLP hidden
-  size is F = 8h/3 = 32,768: three h x F matrices then hold 8h^2 parameters, the same as GPT-3's
-  two h x 4h matrices, so parameter count and FLOPs match the published shape.
+  vocabulary 50,257 padded to 51,200 as Megatron does), with GPT's own MLP: GELU over
+  F = 4h = 49,152 (``mlp = "gelu"``, two h x F matrices, 8h^2 parameters). Until 26 Nov 2026
+  this preset stood in a SwiGLU MLP of F = 8h/3 (the same parameters and FLOPs, but not the
+  same activations or GEMM shapes).
 * GPT 1T: the largest configuration of Narayanan et al. 2021, Table 1 (h = 25,600, 128 layers,
-  160 heads), MLP chosen the same way (F = 8h/3 rounded to a multiple of 256).
+  160 heads), GELU over F = 4h = 102,400 (eq. 2's shape).
 * Mixtral 8x7B: Jiang et al. 2024 ("Mixtral of Experts"), Table 1 (dim 4,096, 32 layers, 32
   heads, 8 KV heads, 8 experts top-2 of hidden 14,336, vocabulary 32,000, context 32,768, RoPE
   theta 1e6). 46.7B parameters, 12.9B active per token.
@@ -40,11 +41,12 @@ PRESETS: dict[str, TransformerArgs] = {
     "llama3-405b": TransformerArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
                                    ffn_dim=53248, vocab_size=128256, max_seq_len=8192,
                                    rope_theta=500000.0),
-    "gpt3-175b": TransformerArgs(dim=12288, n_layers=96, n_heads=96, n_kv_heads=96, ffn_dim=32768,
-                                 vocab_size=51200, max_seq_len=2048, tie_embeddings=True),
+    "gpt3-175b": TransformerArgs(dim=12288, n_layers=96, n_heads=96, n_kv_heads=96, ffn_dim=49152,
+                                 vocab_size=51200, max_seq_len=2048, tie_embeddings=True,
+                                 mlp="gelu"),
     "gpt-1t": TransformerArgs(dim=25600, n_layers=128, n_heads=160, n_kv_heads=160,
-                              ffn_dim=68352, vocab_size=51200, max_seq_len=2048,
-                              tie_embeddings=True),
+                              ffn_dim=102400, vocab_size=51200, max_seq_len=2048,
+                              tie_embeddings=True, mlp="gelu"),
     # Mixture of experts, every feature on (shared expert, a dense first layer): tests and CPU.
     "tiny-moe": TransformerArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128,
                                 vocab_size=320, max_seq_len=256, n_experts=4, top_k=2,
@@ -72,7 +74,8 @@ def layer_parameter_count(args: TransformerArgs, layer_id: int, *, active: bool 
     its matmul multiply-adds per token, attention scores aside).
 
     Attention D*(N*Hd) + 2*D*(K*Hd) + (N*Hd)*D and two norms 2*D, with ``qkv_bias`` the biases
-    N*Hd + 2*K*Hd and with ``qk_norm`` two Hd-sized norms, plus the feed-forward: dense 3*D*F; MoE
+    N*Hd + 2*K*Hd and with ``qk_norm`` two Hd-sized norms, plus the feed-forward: dense 3*D*F
+    (SwiGLU) or 2*D*F (GELU, ``mlp_matrices``); MoE
     a router D*E and 3*D*F_e per routed expert (E of them, or top_k when ``active``) and per
     shared expert.
     """
@@ -82,7 +85,7 @@ def layer_parameter_count(args: TransformerArgs, layer_id: int, *, active: bool 
     count += (q_width + 2 * kv_width if args.qkv_bias else 0) + (2 * args.head_dim
                                                                  if args.qk_norm else 0)
     if not args.moe_layer(layer_id):
-        return count + 3 * args.dim * args.ffn_dim
+        return count + args.mlp_matrices * args.dim * args.ffn_dim
     routed = args.top_k if active else args.n_experts
     expert = 3 * args.dim * (args.expert_ffn_dim or args.ffn_dim)
     return count + args.dim * args.n_experts + (routed + args.n_shared_experts) * expert

@@ -18,7 +18,9 @@ dtype; fp32 = 4 bytes):
   q/k norm weights (Hd elements, shared by every head) are replicated and see their input as
   sharded by heads (dim 2), so their gradient is a partial sum over the rank's heads: DTensor
   all-reduces it (2 x Hd elements per layer, in backward) through ``_match_grad_placement``.
-* MLP (SwiGLU): ``w1``, ``w3`` column-parallel, ``w2`` row-parallel. Rule: t divides ``ffn_dim``.
+* MLP (SwiGLU): ``w1``, ``w3`` column-parallel, ``w2`` row-parallel; GELU (``mlp = "gelu"``, no
+  ``w3``): ``w1`` column-parallel, ``w2`` row-parallel, the same collectives. Rule: t divides
+  ``ffn_dim``.
   An MoE block's feed-forward gets expert-TP = TP instead (``expert.apply_expert_tensor_parallel``:
   every expert split the same way, router replicated; the same two collectives as this MLP plus
   one all-reduce of the combine weights' gradient). Rule: t divides the expert hidden dim.
@@ -114,7 +116,7 @@ def check_divisible(model: nn.Module, degree: int, *, vocab_parallel: bool) -> N
     args = model.args
     rules = [("n_kv_heads", args.n_kv_heads, "key/value heads are split across TP ranks"),
              ("n_heads", args.n_heads, "query heads are split across TP ranks"),
-             ("ffn_dim", args.ffn_dim, "the SwiGLU hidden dim is split across TP ranks")]
+             ("ffn_dim", args.ffn_dim, "the MLP hidden dim is split across TP ranks")]
     if vocab_parallel:
         rules.append(("vocab_size", args.vocab_size, "vocabulary rows/columns are split"))
     if args.n_experts:
@@ -127,10 +129,12 @@ def check_divisible(model: nn.Module, degree: int, *, vocab_parallel: bool) -> N
                              f"{[d for d in range(1, value + 1) if value % d == 0]}")
 
 
-def _block_plan(sp: bool, dense_ffn: bool = True, qk_norm: bool = False) -> dict[str, object]:
+def _block_plan(sp: bool, dense_ffn: bool = True, qk_norm: bool = False,
+                gated: bool = True) -> dict[str, object]:
     """TorchTitan's plan for one ``TransformerBlock`` (module names of ``loom.models.llama``);
     without the feed-forward entries for an MoE block (``expert.apply_expert_tensor_parallel``);
-    with the per-head q/k norms of a ``qk_norm`` model."""
+    with the per-head q/k norms of a ``qk_norm`` model; without ``w3`` for a GELU MLP
+    (``gated`` False)."""
     seq = Shard(1) if sp else Replicate()
     # One DTensor for the block input: with SP it is all-gathered once; without, the q/k/v (w1/w3)
     # partial input gradients are summed locally and all-reduced once instead of three times.
@@ -152,6 +156,8 @@ def _block_plan(sp: bool, dense_ffn: bool = True, qk_norm: bool = False) -> dict
     }
     if not dense_ffn:
         plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
+    elif not gated:
+        del plan["feed_forward.w3"]
     if qk_norm:  # [B, S, heads/t, Hd] local heads: replicated weight, input Shard(2) (heads)
         plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -206,7 +212,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
                          " embedding and head are then split along the same vocabulary dim)")
     for block in model.layers.values():
         moe = isinstance(block.feed_forward, MoEFeedForward)
-        plan = _block_plan(sequence_parallel, dense_ffn=not moe, qk_norm=model.args.qk_norm)
+        plan = _block_plan(sequence_parallel, dense_ffn=not moe, qk_norm=model.args.qk_norm,
+                           gated=model.args.mlp == "swiglu")
         parallelize_module(block, tp_mesh, plan, src_data_rank=None)
         if moe:  # same tp group, its own layout and collectives (see loom.parallel.expert)
             apply_expert_tensor_parallel(block.feed_forward, tp_mesh,

@@ -15,7 +15,8 @@ Default costs (``stage_costs``) are training matmul FLOPs per token, relative to
 the same counting rule as ``loom.train.flops`` (a matmul of k x n weights costs 2·k·n FLOPs per
 token forward, backward twice that, so the ratio is that of the forward):
 
-    block   2·D·(N·Hd) + 2·D·(K·Hd) + 3·D·F  (q, o, k, v, SwiGLU weights)  + 2·S·(N·Hd)  (scores)
+    block   2·D·(N·Hd) + 2·D·(K·Hd) + c·D·F  (q, o, k, v, MLP weights)  + 2·S·(N·Hd)  (scores)
+            (c = 3 for SwiGLU, 2 for GELU: ``TransformerArgs.mlp_matrices``)
     head    D·V                                 (one D x V matmul)
     embed   0                                   (a gather: no matmul FLOPs)
 
@@ -36,7 +37,8 @@ def stage_costs(args: TransformerArgs, seq_len: int | None = None) -> dict[str, 
     """Predicted costs relative to one transformer block: ``layer`` (1.0), ``embedding``, ``head``."""
     seq_len = seq_len or args.max_seq_len
     q_width, kv_width = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    block = 2 * args.dim * q_width + 2 * args.dim * kv_width + 3 * args.dim * args.ffn_dim
+    block = (2 * args.dim * q_width + 2 * args.dim * kv_width
+             + args.mlp_matrices * args.dim * args.ffn_dim)
     block += 2 * seq_len * q_width  # Q·Kᵀ and probs·V, per token, as multiply-adds
     return {"layer": 1.0, "embedding": 0.0, "head": args.dim * args.vocab_size / block}
 

@@ -28,11 +28,16 @@ may override any entry or add new ones::
     [cluster]                    # optional defaults for --gpu / --gpus-per-node / links
     gpu = "my-gpu"
     inter = "my-fabric"
+    nodes_per_rack = 16          # optional topology (``Cluster``); default non-blocking
+    rack_oversubscription = 1
+    racks_per_pod = 24
+    spine_oversubscription = 7
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,7 +157,17 @@ LINKS: dict[str, Link] = {link.name: link for link in (
 
 @dataclass(frozen=True)
 class Cluster:
-    """N accelerators of one type, ``gpus_per_node`` of them per node."""
+    """N accelerators of one type, ``gpus_per_node`` of them per node.
+
+    Topology (defaults: non-blocking, every node one hop from every other): nodes sit
+    ``nodes_per_rack`` to a rack (0: one rack) behind a top-of-rack switch whose uplinks carry
+    1 / ``rack_oversubscription`` of its downlinks' bandwidth, and racks ``racks_per_pod`` to a
+    pod (0: one pod) behind a spine (aggregation) layer oversubscribed ``spine_oversubscription``
+    to 1 towards the other pods (Llama 3's RoCE cluster: 7). A collective whose group spans
+    racks gets the inter-node bandwidth divided by the rack ratio, one that spans pods by both
+    (``link_for``): every member's traffic crosses the oversubscribed uplinks at once, as in a
+    ring or a data-parallel reduction over the whole group.
+    """
 
     gpu: Gpu
     gpus: int
@@ -162,10 +177,24 @@ class Cluster:
     # NICs of a node sharing its inter-node bandwidth (gpus_per_node x inter's); 0: one per GPU.
     # Modelled only: varlen pricing's routing layer (loom.sim.varlen_cost) reads it.
     nics_per_node: int = 0
+    nodes_per_rack: int = 0  # nodes behind one top-of-rack switch; 0: all of them
+    rack_oversubscription: float = 1.0  # a rack's downlink : uplink bandwidth (1: non-blocking)
+    racks_per_pod: int = 0  # racks behind one spine layer; 0: all of them
+    spine_oversubscription: float = 1.0  # a pod's downlink : uplink bandwidth (1: non-blocking)
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:
             raise ValueError("cluster: gpus and gpus_per_node must be >= 1")
+        for name in ("nodes_per_rack", "racks_per_pod"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"cluster: {name}={getattr(self, name)} must be >= 0 (0: all)")
+        for name in ("rack_oversubscription", "spine_oversubscription"):
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"cluster: {name}={getattr(self, name)} must be >= 1"
+                                 " (downlink : uplink; 1 is non-blocking)")
+        if self.racks_per_pod and not self.nodes_per_rack:
+            raise ValueError(f"cluster: racks_per_pod={self.racks_per_pod} needs nodes_per_rack"
+                             " (the size of a rack)")
         if self.nics_per_node < 0:
             raise ValueError(f"cluster: nics_per_node={self.nics_per_node} must be >= 0")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
@@ -175,14 +204,43 @@ class Cluster:
     def link_for(self, group_size: int, stride: int) -> Link:
         """The link a group of ``group_size`` ranks ``stride`` apart in the rank order uses: the
         intra-node link when the whole group sits inside one node (ranks are packed node by node),
-        else the inter-node link, which bounds a hierarchical or flat collective alike."""
-        return self.intra if group_size * stride <= self.gpus_per_node else self.inter
+        else the inter-node link, which bounds a hierarchical or flat collective alike; its
+        bandwidth divided by the rack (and spine) oversubscription when the group spans racks
+        (pods), the class docstring's topology."""
+        span = group_size * stride
+        if span <= self.gpus_per_node:
+            return self.intra
+        rack = self.gpus_per_node * self.nodes_per_rack
+        if not rack or span <= rack:
+            return self.inter
+        ratio = self.rack_oversubscription
+        if self.racks_per_pod and span > rack * self.racks_per_pod:
+            ratio *= self.spine_oversubscription
+        return _oversubscribed(self.inter, ratio)
 
     def describe(self) -> str:
         nodes = max(1, self.gpus // self.gpus_per_node)
         return (f"{self.gpus} x {self.gpu.name} ({nodes} node(s) of {self.gpus_per_node}; "
                 f"{self.intra.name} {self.intra.bandwidth / GB:g} GB/s inside a node, "
-                f"{self.inter.name} {self.inter.bandwidth / GB:g} GB/s between nodes)")
+                f"{self.inter.name} {self.inter.bandwidth / GB:g} GB/s between nodes"
+                + (f"; {self.nodes_per_rack} nodes per rack, uplinks"
+                   f" {self.rack_oversubscription:g}:1" if self.nodes_per_rack else "")
+                + (f"; {self.racks_per_pod} racks per pod, spine"
+                   f" {self.spine_oversubscription:g}:1" if self.racks_per_pod else "") + ")")
+
+
+# The ``[cluster]`` keys of a hardware file that describe the network's topology.
+TOPOLOGY_KEYS = ("nodes_per_rack", "rack_oversubscription", "racks_per_pod",
+                 "spine_oversubscription")
+
+
+@functools.lru_cache(maxsize=64)
+def _oversubscribed(link: Link, ratio: float) -> Link:
+    """``link`` with 1 / ``ratio`` of its bandwidth (cached: the planner asks for it often)."""
+    if ratio == 1:
+        return link
+    return dataclasses.replace(link, name=f"{link.name}/{ratio:g}",
+                               bandwidth=link.bandwidth / ratio)
 
 
 class HardwareError(ValueError):
@@ -233,7 +291,16 @@ def make_cluster(gpu: str, gpus: int, gpus_per_node: int | None = None, *, intra
                  inter: str | None = None, catalog: tuple[dict, dict, dict] | None = None,
                  nics_per_node: int = 0) -> Cluster:
     """Build a Cluster from catalog names; unknown names are refused with the known ones."""
-    gpu_table, link_table, _ = catalog or (GPUS, LINKS, {})
+    gpu_table, link_table, defaults = catalog or (GPUS, LINKS, {})
+    topology = {}
+    for key in TOPOLOGY_KEYS:
+        if key in defaults:
+            value, kind = defaults[key], int if key.endswith(("_rack", "_pod")) else float
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                    kind is int and not float(value).is_integer()):
+                raise HardwareError(f"cluster.{key}: {value!r} must be a"
+                                    f" {'whole ' if kind is int else ''}number")
+            topology[key] = kind(value)
     key = next((k for k in gpu_table if k.lower() == gpu.lower()), None)
     if key is None:
         raise HardwareError(f"--gpu {gpu}: unknown accelerator; known: {', '.join(gpu_table)}")
@@ -245,7 +312,8 @@ def make_cluster(gpu: str, gpus: int, gpus_per_node: int | None = None, *, intra
         links.append(link_table[name])
     per_node = gpus_per_node or device.gpus_per_node
     try:
-        return Cluster(device, gpus, min(per_node, gpus), *links, nics_per_node=nics_per_node)
+        return Cluster(device, gpus, min(per_node, gpus), *links, nics_per_node=nics_per_node,
+                       **topology)
     except ValueError as err:
         raise HardwareError(str(err)) from None
 

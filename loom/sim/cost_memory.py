@@ -137,24 +137,27 @@ def _activation_bytes(model: Any, lay: Layout) -> tuple[float, float, float, flo
 
     fw = model.framework
 
-    def block(f: float, recompute: str) -> float:
+    def block(f: float, recompute: str, gated: bool = True) -> float:
+        """One block's bytes; ``gated``: a SwiGLU MLP (the experts always), else GELU."""
         if not fw.is_loom and (fw.sp_shards_all or not fw.flash_attention or fw.dropout):
             return korthikanti_block_activation_bytes(
                 s=s_local, b=b, h=m.dim, f=f, a=m.n_heads, kv=m.n_kv_heads, t=lay.tp,
                 sequence_parallel=sp, sp_shards_all=fw.sp_shards_all, e=model.e,
-                recompute=recompute, flash=fw.flash_attention, dropout=fw.dropout)
+                recompute=recompute, flash=fw.flash_attention, dropout=fw.dropout, gated=gated)
         if fw.sp_keeps_gathered:  # Loom's block with the gathered inputs saved whole
             return block_activation_bytes(s=s_local, b=b, h=m.dim, f=f, a=m.n_heads,
                                           kv=m.n_kv_heads, t=lay.tp, sequence_parallel=sp,
-                                          e=model.e, recompute=recompute, compiled=True)
+                                          e=model.e, recompute=recompute, compiled=True,
+                                          gated=gated)
         return block_activation_bytes(s=s_local, b=b, h=m.dim, f=f, a=m.n_heads,
                                       kv=m.n_kv_heads, t=lay.tp, sequence_parallel=sp,
-                                      e=model.e, recompute=recompute)
+                                      e=model.e, recompute=recompute, gated=gated)
 
     head = head_activation_bytes(s=s_local, b=b, h=m.dim, vocab=m.vocab_size // lay.tp,
                                  e=model.e)
-    full = block(m.ffn_dim, "none") if lay.recompute == "full" else 0.0
-    cache[key] = (block(m.ffn_dim, lay.recompute), block(moe_f, lay.recompute), head, full)
+    gated = m.mlp == "swiglu"
+    full = block(m.ffn_dim, "none", gated) if lay.recompute == "full" else 0.0
+    cache[key] = (block(m.ffn_dim, lay.recompute, gated), block(moe_f, lay.recompute), head, full)
     return cache[key]
 
 

@@ -10,10 +10,10 @@ share one notion of cost. It communicates nothing.
 Compute (per layer, per microbatch, on one rank; T = b·s/cp tokens, h dim, a / k query / KV
 heads of width d, f FFN width, t = tp; a matmul of m x k by k x n is 2mkn FLOPs):
 
-* projections 2T·h·d·(2a + 2k)/t, SwiGLU MLP 6T·h·f/t, attention core 4T·s·a·d/t halved for a
-  causal mask (the work a mask-skipping kernel does; MFU below counts the full square, as PaLM
-  and TorchTitan do); an MoE layer replaces the MLP by a router 2T·h·E and top_k routed plus
-  n_shared experts of width f_e: 6T·h·f_e·(top_k + n_shared)/t;
+* projections 2T·h·d·(2a + 2k)/t, SwiGLU MLP 6T·h·f/t (GELU: 4T·h·f/t), attention core
+  4T·s·a·d/t halved for a causal mask (the work a mask-skipping kernel does; MFU below counts
+  the full square, as PaLM and TorchTitan do); an MoE layer replaces the MLP by a router 2T·h·E
+  and top_k routed plus n_shared experts of width f_e: 6T·h·f_e·(top_k + n_shared)/t;
 * backward after Zero Bubble (Qi et al. 2024, Table 1): I = the matmuls again plus twice the
   attention core, W = the matmuls again; full recomputation adds F to I, selective the core;
 * matmul time = FLOPs / ``Gpu.matmul_rate(smallest dim)``; element-wise work (norms, residuals,
@@ -22,9 +22,10 @@ heads of width d, f FFN width, t = tp; a matmul of m x k by k x n is 2mkn FLOPs)
   at the HBM bandwidth; plus a fixed ``op_overhead`` per layer pass (kernel launches).
 
 Communication, alpha-beta per link class (``Cluster.link_for``: a group inside one node uses the
-intra-node link, otherwise the inter-node one; n ranks, M bytes, beta = effective bandwidth):
-ring all-reduce 2(n-1)/n·M/beta + 2(n-1)·alpha, tree all-reduce 2·M/beta + 2·log2(n)·alpha (the
-cheaper is used, as NCCL picks), all-gather / reduce-scatter (n-1)/n·M/beta + (n-1)·alpha,
+intra-node link, otherwise the inter-node one, its bandwidth divided by the rack's (and the
+spine's) oversubscription when the group spans racks (pods); n ranks, M bytes, beta = effective
+bandwidth): ring all-reduce 2(n-1)/n·M/beta + 2(n-1)·alpha, tree all-reduce 2·M/beta +
+2·log2(n)·alpha (the cheaper is used, as NCCL picks), all-gather / reduce-scatter (n-1)/n·M/beta + (n-1)·alpha,
 all-to-all (n-1)/n·M/beta + (n-1)·alpha, point-to-point alpha + M/beta. What overlaps follows
 Loom's runtime:
 
@@ -174,7 +175,7 @@ class CostModel:
             mlp = 6 * tokens * m.dim * width * (m.top_k + m.n_shared_experts)
             router = 2 * tokens * m.dim * m.n_experts
         else:
-            mlp, router = 6 * tokens * m.dim * m.ffn_dim, 0.0
+            mlp, router = 2 * m.mlp_matrices * tokens * m.dim * m.ffn_dim, 0.0
         core = 4 * tokens * self.seq * m.n_heads * d / 2  # causal: half the square
         return (proj + mlp) / tp + router, core / tp
 
@@ -187,9 +188,11 @@ class CostModel:
         m = self.model
         proj = 2 * tokens * m.dim * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
         width = m.expert_ffn_dim or m.ffn_dim
-        mlp = 6 * tokens * m.dim * (width * m.n_shared_experts if moe else m.ffn_dim)
+        matrices = 3 if moe else m.mlp_matrices  # experts are SwiGLU; GELU has no w3
+        mlp = 2 * matrices * tokens * m.dim * (width * m.n_shared_experts if moe else m.ffn_dim)
         ffn = width * m.n_shared_experts if moe else m.ffn_dim
-        cast = tokens * (4 * m.dim + (2 * m.dim + ffn if ffn else 0))
+        # each linear casts its own input: w1 (and w3) D elements each, w2 F
+        cast = tokens * (4 * m.dim + ((matrices - 1) * m.dim + ffn if ffn else 0))
         return (proj + mlp) / tp, cast / tp
 
     def model_flops_per_step(self) -> float:
@@ -336,7 +339,7 @@ class CostModel:
             experts = 3 * m.dim * width * m.n_experts / (lay.ep * lay.tp)
             shared = 3 * m.dim * width * m.n_shared_experts / lay.tp
             return attn + norms + experts + shared + m.dim * m.n_experts
-        return attn + norms + 3 * m.dim * m.ffn_dim / lay.tp
+        return attn + norms + m.mlp_matrices * m.dim * m.ffn_dim / lay.tp
 
     def _rank_expert_params(self, lay: Layout) -> dict[int, float]:
         """Routed-expert parameters on the end pipeline ranks (E / ep experts of every MoE layer,

@@ -65,7 +65,8 @@ element, f = FFN width, a = query heads, k = key/value heads; s is the cp shard)
 
 * no TP: ``x·e·(10 + 4f/h) + 4sb(2 + a)``; TP: ``x·e·(6 + (4 + 4f/h)/t) + 4sb(2 + a/t)``;
   TP + SP: all of the no-TP bytes over t (``x·e·(2 + (8 + 4f/h)/t) + 4sb(2 + a)/t`` under
-  ``train.compile``, whose blocks save the linears' gathered inputs whole);
+  ``train.compile``, whose blocks save the linears' gathered inputs whole); a GELU MLP
+  (``model.mlp = "gelu"``) saves two F-wide tensors instead of SwiGLU's four: 2f/h for 4f/h;
 * full recomputation keeps the block input ``x·e`` (plus one block's full set while it is
   recomputed); ``every_k`` does that for every k-th block; selective keeps everything but the
   attention core's own saved tensors (the GQA-repeated k and v and the logsumexp);
@@ -139,7 +140,8 @@ def layer_activation_bytes(config: Config, *, layer_recomputed: bool = False) ->
     return block_activation_bytes(
         s=config.data.seq_len // lay.cp, b=lay.micro_batch, h=m.dim, f=m.ffn_dim,
         a=m.n_heads, kv=m.n_kv_heads, t=lay.tp, sequence_parallel=lay.sequence_parallel,
-        e=2 if tr.dtype != "fp32" else 4, recompute=recompute, compiled=tr.compile)
+        e=2 if tr.dtype != "fp32" else 4, recompute=recompute, compiled=tr.compile,
+        gated=m.mlp == "swiglu")
 
 
 def _head_activation_bytes(config: Config) -> float:

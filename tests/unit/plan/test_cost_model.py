@@ -62,7 +62,8 @@ def test_model_flops_equal_the_mfu_convention():
         model = CostModel(m, seq_len=seq, global_batch=4, cluster=cluster(1))
         per_token = training_flops_per_token(
             dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-            head_dim=m.head_dim, ffn_dim=m.ffn_dim, vocab_size=m.vocab_size, seq_len=seq)
+            head_dim=m.head_dim, ffn_dim=m.ffn_dim, vocab_size=m.vocab_size, seq_len=seq,
+            mlp_matrices=m.mlp_matrices)  # gpt3-175b: GELU, 2 matrices
         assert model.model_flops_per_step() == pytest.approx(per_token * 4 * seq, rel=1e-12)
 
 

@@ -1,0 +1,52 @@
+"""A GELU-MLP (GPT-style, ``model.mlp = "gelu"``) model under tensor parallelism (with and
+without sequence parallelism) and pipeline parallelism trains exactly as one process does.
+
+Same harness and tolerances as tests/dist/test_layouts_parity.py: the debug preset (4 query and
+4 key/value heads) with a GELU MLP of hidden size 4·dim, 3 optimizer steps, fp32. Under tp the
+plan splits ``w1`` by columns and ``w2`` by rows, with no ``w3`` (loom.parallel.tensor).
+"""
+
+import pytest
+
+from loom.testing.parity import assert_parity, layout_config, record_training
+from tests.conftest import SMALL_DATA_OVERRIDES
+
+STEPS = 3
+BASE = {**SMALL_DATA_OVERRIDES, "model.preset": "debug", "model.n_kv_heads": 4,
+        "model.mlp": "gelu", "model.ffn_dim": 256,
+        "train.steps": STEPS, "train.global_batch_size": 8, "train.micro_batch_size": 2,
+        "optim.warmup_steps": 1, "optim.lr": 1e-3, "train.grad_clip": 1.0}
+RTOL_FIRST, ATOL_FIRST = 1e-5, 1e-6
+RTOL, ATOL = 1e-4, 1e-5
+
+LAYOUTS = {
+    "tp2": (2, {"tp": 2}),
+    "tp2-sp": (2, {"tp": 2, "sequence_parallel": True}),
+    "pp2": (2, {"pp": 2, "schedule": "1f1b"}),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(dist, small_data_dir):
+    return dist.run(1, record_training, layout_config(BASE, 1), small_data_dir, STEPS)[0]
+
+
+def test_reference_is_a_gelu_mlp(reference):
+    """The one-process run trains w1 and w2 only: a SwiGLU run (w3) would make the parity below
+    say nothing about the GELU MLP."""
+    names = set(reference["grads"][0])
+    assert "layers.0.feed_forward.w1.weight" in names
+    assert "layers.0.feed_forward.w2.weight" in names
+    assert not any(".w3." in name for name in names), sorted(names)
+    assert reference["grads"][0]["layers.0.feed_forward.w1.weight"].shape == (256, 64)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_gelu_layout_matches_one_process(dist, small_data_dir, reference, layout):
+    world, parallel = LAYOUTS[layout]
+    config = layout_config(BASE, world, **parallel)
+    for rank, result in enumerate(dist.run(world, record_training, config, small_data_dir, STEPS)):
+        label = f"gelu {layout} rank {rank}"
+        assert_parity(reference, result, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=label,
+                      steps=range(1))
+        assert_parity(reference, result, rtol=RTOL, atol=ATOL, label=label)
