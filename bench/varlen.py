@@ -22,7 +22,25 @@ shared machine it counts this process's work, not the waits for a core.
 
     python bench/varlen.py [--threads 1] [--pairs 8] [--steps 2]
 
-Writes ``bench/out/varlen.json``; results are in ``docs/benchmarks.md``.
+``--ranks 4`` measures the balances instead: the real ``Trainer`` on 4 gloo ranks (one thread
+each, ``loom.testing.harness``), ``train.global_batch_tokens = 4 x --micro x --seq-len`` in
+microbatches of ``--micro x --seq-len``: ``none`` and ``tokens`` as dp = 4 (each rank its own
+microbatch, documents whole), ``static-cp4`` as cp = 4 (ring, every document zig-zag over the 4
+ranks, ``tokens``' microbatches) and ``zeppelin`` as cp = 4 (``data.balance = zeppelin``, the
+same microbatches placed by ``loom.parallel.zeppelin_cp``). Per step: each rank's CPU time
+(``time.thread_time``: its own compute; gloo's transfers run on other threads and a blocked
+wait costs none), the compute imbalance max / mean over ranks, and the step's wall time (the
+slowest rank). On a machine with fewer free cores than ranks the wall time counts the ranks'
+total work, not the slowest; the busiest rank's CPU time is then the step time 4 free cores
+would give, less the waits between ranks (both are reported). Corpora: ``longtail``
+(log-normal lengths, median ``--tail-median`` tokens, max 32x the median, as text files) and
+``stdlib``. ``--calibrate`` prints the tiled attention's time per flop over the linear
+modules' (``zeppelin_cp.ATTENTION_SLOWDOWN``).
+
+    python bench/varlen.py --ranks 4 [--seq-len 2048 --micro 1 --steps 3]
+
+Writes ``bench/out/varlen.json`` (``varlen_ranks.json`` with ``--ranks``); results are in
+``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -122,6 +140,150 @@ def measure(model, concat_set, varlen_set, args) -> dict:
     return out
 
 
+# -- the balances on several ranks (--ranks) ---------------------------------------------------
+BALANCE_LAYOUTS = {  # name: (data.balance, parallel degrees and mode)
+    "none": ("none", {"parallel.dp_replicate": -1}),
+    "tokens": ("tokens", {"parallel.dp_replicate": -1}),
+    "static-cp4": ("tokens", {"parallel.cp": 4, "parallel.cp_mode": "ring",
+                              "parallel.dp_replicate": 1}),
+    "zeppelin": ("zeppelin", {"parallel.cp": 4, "parallel.cp_mode": "ring",
+                              "parallel.dp_replicate": 1}),
+}
+
+
+def write_long_tail(directory: Path, median: int, n_tokens: int, seed: int = 0) -> None:
+    """Text files of log-normal lengths (median ``median`` bytes, sigma 1, capped at 32x)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(np.log(median), 1.0, n_tokens // median), 2, 32 * median)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz     \n", dtype=np.uint8)
+    directory.mkdir(parents=True, exist_ok=True)
+    for i, n in enumerate(lengths.astype(np.int64)):
+        (directory / f"d{i:05d}.txt").write_bytes(rng.choice(letters, int(n)).tobytes())
+
+
+def rank_steps(ctx, config_table: dict, data_dir: str, steps: int) -> dict:
+    """On every rank: one warm-up step, then ``steps`` timed ones (CPU and wall)."""
+    from loom.config import from_dict
+    from loom.train.trainer import Trainer
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    trainer = Trainer(from_dict(config_table), Path(data_dir), None, ctx)
+    trainer.train_step()
+    cpu, wall, losses = [], [], []
+    for _ in range(steps):
+        dist.barrier()
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        losses.append(trainer.train_step()["loss"])
+        cpu.append(time.thread_time() - start_cpu)
+        dist.barrier()
+        wall.append(time.perf_counter() - start)
+    return {"cpu": cpu, "wall": wall, "loss": losses}
+
+
+def measure_balances(corpus: dict, data_dir: str, args, registry) -> dict:
+    from loom.testing.parity import layout_config
+    budget = args.micro * args.seq_len
+    base = {**corpus, "data.seq_len": args.seq_len, "data.packing": "varlen",
+            "data.tokens_per_microbatch": budget, "train.global_batch_tokens": 4 * budget,
+            "model.preset": "tiny", "model.max_seq_len": max(1024, args.seq_len),
+            "train.steps": args.steps + 1, "train.eval_every": 0, "optim.warmup_steps": 1}
+    rows = {}
+    for name, (balance, degrees) in BALANCE_LAYOUTS.items():
+        config = layout_config({**base, "data.balance": balance, **degrees}, args.ranks)
+        got = registry.run(args.ranks, rank_steps, config, data_dir, args.steps,
+                           task_timeout_s=1800)
+        cpu = np.array([r["cpu"] for r in got])  # [rank, step]
+        wall = np.array([r["wall"] for r in got]).max(axis=0)
+        imbalance = cpu.max(axis=0) / cpu.mean(axis=0)
+        rows[name] = {"imbalance": float(np.median(imbalance)),
+                      "busiest_cpu_s": float(np.median(cpu.max(axis=0))),
+                      "mean_cpu_s": float(np.median(cpu.mean(axis=0))),
+                      "wall_s": float(np.median(wall)), "loss": got[0]["loss"]}
+        r = rows[name]
+        print(f"  {name:11s} imbalance {r['imbalance']:.2f}  busiest rank CPU"
+              f" {r['busiest_cpu_s']:.2f} s  mean {r['mean_cpu_s']:.2f} s  wall"
+              f" {r['wall_s']:.2f} s", flush=True)
+    return rows
+
+
+def calibrate() -> float:
+    """The tiled attention's seconds per flop over the linear modules' (one thread, tiny)."""
+    from loom.parallel.context_documents import block_backward, block_forward, document_tiles
+    from loom.parallel.zeppelin_cp import model_token_costs
+    args = preset("tiny")
+    model = build_model(args, device="cpu")
+    reset_parameters(model, seed=0)
+    T = 1024
+    x = torch.randint(0, 300, (1, T))
+    ids, pos = (torch.arange(T) // 8)[None], (torch.arange(T) % 8)[None]  # attention ~ nil
+
+    def linear() -> None:
+        model(x, positions=pos, document_ids=ids).float().sum().backward()
+
+    S, doc = 512, 128
+    q, k, v = torch.randn(1, 8, S, 32), torch.randn(1, 4, S, 32), torch.randn(1, 4, S, 32)
+    run_ids, run_pos = np.repeat(np.arange(S // doc), doc), np.tile(np.arange(doc), S // doc)
+    tiles = document_tiles(run_ids, run_pos, run_ids, run_pos, torch.device("cpu"))
+
+    def attention() -> None:
+        out, lse = block_forward(q, k, v, tiles)
+        block_backward(q, k, v, out, torch.randn_like(out), lse, tiles)
+
+    def seconds(fn, n: int) -> float:
+        fn()
+        start = time.thread_time()
+        for _ in range(n):
+            fn()
+        return (time.thread_time() - start) / n
+
+    costs = model_token_costs(args, attention_slowdown=1.0)
+    linear_rate = costs.linear * T / seconds(linear, 3)
+    attention_rate = costs.attention / args.n_layers * S * doc / seconds(attention, 5)
+    return linear_rate / attention_rate
+
+
+def balances_main(args) -> int:
+    from loom.data.loader import prepare_data as prepare
+    from loom.config import DataConfig as Data
+    from loom.testing.harness import PoolRegistry
+    import varlen as this  # noqa: PLW0406  (the pool pickles rank_steps by module name)
+    results: dict = {"args": vars(args), "torch": torch.__version__}
+    if args.calibrate:
+        results["attention_slowdown"] = calibrate()
+        print(f"tiled attention / linear, seconds per flop: {results['attention_slowdown']:.2f}")
+    registry = PoolRegistry()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(tmp)
+            write_long_tail(work / "longtail_src", args.tail_median, args.tail_tokens)
+            corpora = {"longtail": {"data.source": str(work / "longtail_src"),
+                                    "data.extensions": ".txt"},
+                       "stdlib": {"data.source": "stdlib", "data.extensions": ".py",
+                                  "data.max_bytes": args.max_bytes}}
+            for name, corpus in corpora.items():
+                data_dir = work / f"{name}_data"
+                prepare(Data(source=corpus["data.source"],
+                             extensions=(corpus["data.extensions"],), seq_len=args.seq_len,
+                             max_bytes=corpus.get("data.max_bytes", 0)), data_dir)
+                print(f"{name}:", flush=True)
+                results[name] = measure_balances(corpus, str(data_dir), args, registry)
+                results[name] = this.with_speedups(results[name])
+    finally:
+        registry.close()
+    out = ROOT / "bench" / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "varlen_ranks.json").write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+def with_speedups(rows: dict) -> dict:
+    """Each balance's step time (wall and busiest CPU) relative to zeppelin's."""
+    for r in rows.values():
+        r["zeppelin_speedup_wall"] = r["wall_s"] / rows["zeppelin"]["wall_s"]
+        r["zeppelin_speedup_busiest_cpu"] = r["busiest_cpu_s"] / rows["zeppelin"]["busiest_cpu_s"]
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -133,7 +295,16 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--max-bytes", type=int, default=4_000_000)
     parser.add_argument("--short-median", type=int, default=64)
+    parser.add_argument("--ranks", type=int, default=0,
+                        help="4: the balances on 4 ranks (module docstring)")
+    parser.add_argument("--tail-median", type=int, default=64)
+    parser.add_argument("--tail-tokens", type=int, default=400_000)
+    parser.add_argument("--calibrate", action="store_true")
     args = parser.parse_args()
+    if args.ranks:
+        if args.ranks != 4:
+            parser.error("--ranks: 4 (static cp and zeppelin run cp = 4)")
+        return balances_main(args)
     torch.set_num_threads(args.threads)
 
     model = build_model(preset("tiny"), device="cpu")

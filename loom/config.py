@@ -256,8 +256,9 @@ class DataConfig:
     # seq_len); 0: train.micro_batch_size * seq_len
     tokens_per_microbatch: int = 0
     # varlen: "none" (microbatches filled in sampling order) or "tokens" (the step's documents,
-    # longest first, dealt so every microbatch and rank gets nearly equal tokens)
-    balance: Literal["none", "tokens"] = "none"
+    # longest first, dealt so every microbatch and rank gets nearly equal tokens) or "zeppelin"
+    # (tokens' microbatches, each placed over the cp ranks by loom/data/zeppelin.py; cp > 1)
+    balance: Literal["none", "tokens", "zeppelin"] = "none"
 
 
 @dataclass

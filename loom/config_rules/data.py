@@ -48,6 +48,8 @@ def validate_packing(config: Config) -> None:
                           " needs data.packing = varlen")
     if packing == "concat":
         return
+    if data.balance == "zeppelin":
+        _validate_zeppelin(config)
     if packing == "varlen":
         _validate_varlen_layout(config)
     if par.cp > 1:  # documents cut per document over cp (loom.parallel.context_documents)
@@ -70,6 +72,23 @@ def _validate_context_documents(config: Config) -> None:
         raise ConfigError("parallel.dp_mode", par.dp_mode, f"{packing} under cp = {par.cp}"
                           " counts a step's tokens over dp x cp; the outer modes' replica"
                           " groups do not include cp yet: use dp_mode = sync or cp = 1")
+
+
+def _validate_zeppelin(config: Config) -> None:
+    """``data.balance = zeppelin`` places each varlen microbatch's documents over the cp ranks
+    (``loom.parallel.zeppelin_cp``): it needs a ring of cp > 1 ranks, and is built and tested
+    with dp, not yet with tp or pp."""
+    par = config.parallel
+    if par.cp < 2:
+        raise ConfigError("data.balance", "zeppelin", "places documents over the cp ranks:"
+                          f" needs parallel.cp > 1 (got {par.cp}); use tokens with cp = 1")
+    if par.cp_mode != "ring":
+        raise ConfigError("parallel.cp_mode", par.cp_mode, "data.balance = zeppelin runs its"
+                          " placement on the document ring: use cp_mode = ring")
+    for field, degree in (("parallel.tp", par.tp), ("parallel.pp", par.pp)):
+        if degree > 1:
+            raise ConfigError(field, degree, "data.balance = zeppelin is not built with it yet:"
+                              f" use {field} = 1 or data.balance = tokens")
 
 
 def _validate_varlen_layout(config: Config) -> None:

@@ -14,7 +14,7 @@ import heapq
 import numpy as np
 
 PACKINGS = ("concat", "pack", "varlen")  # pack: loom/data/packing.py; varlen: loom/data/varlen.py
-BALANCES = ("none", "tokens")
+BALANCES = ("none", "tokens", "zeppelin")  # zeppelin: the tokens deal + cp placement
 
 
 def token_budgets(global_batch_tokens: int, tokens_per_microbatch: int, global_batch_size: int,

@@ -23,7 +23,9 @@
 * **``data.balance``.** ``none``: the bins as filled above. ``tokens`` (the simple baseline of
   Zeppelin, Chen et al. 2025): the same step's pieces, longest first, each dealt to the bin with
   the fewest predictions so far (ties: the lowest bin), so every microbatch, and so every rank,
-  gets nearly equal tokens. The deal is still layout-independent. Should it put more than ``B``
+  gets nearly equal tokens. The deal is still layout-independent. ``zeppelin`` deals the bins
+  the same way; what differs is how each microbatch is placed over the cp ranks
+  (``loom.parallel.zeppelin_cp``). Should it put more than ``B``
   predictions in a bin (possible only when the step's pieces nearly fill every bin), that step
   keeps the ``none`` bins: the budget is a hard bound (it is what sizes activation memory).
 * **A microbatch** (``VarlenDocuments.microbatch``) is one row ``[1, T]`` (T its predictions):
@@ -114,7 +116,7 @@ def plan_step(order: Callable[[int, int], np.ndarray], start: int, lengths: np.n
             return None
         count *= 2
     pieces = pieces[:taken]
-    if balance == "tokens":
+    if balance in ("tokens", "zeppelin"):  # zeppelin: the same bins, placed over cp later
         dealt = balance_tokens(lengths[pieces], num_bins, budget)
         bins = dealt if dealt is not None else bins
     elif balance != "none":

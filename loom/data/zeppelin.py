@@ -42,10 +42,16 @@ torch with the data package and ``varlen``, whose ``tokens`` deal it reuses); th
 the simulator price it (``loom.sim.varlen_cost``) without running anything. Hand-written: no
 library partitions variable-length sequences over sub-rings by a cost model.
 
-What the runtime still lacks: an attention engine that runs each sequence on its group's
-sub-ring (per-group ring attention with different group sizes in one layer, document masks
-inside a rank) and a loader that hands every rank its ``token_indices``; until both exist the
-plan is priced, not trained, and ``data.balance`` does not offer ``zeppelin``.
+What runs: ``data.balance = zeppelin`` (varlen under a cp ring, ``loom.parallel.zeppelin_cp``)
+places each microbatch's documents over the cp ranks with these candidates
+(``zeppelin_candidates``), priced as that runtime runs them, and hands every cp rank its
+``token_indices``; attention is the masked document ring over the whole cp group, cut per
+document so a rank computes only its documents' tiles. What it still lacks: sub-ring
+communication (every key/value still makes the full ring's hops, so the plan buys Zeppelin's
+compute balance, not its communication savings), the remapping layer in the model
+(``loom.parallel.remap`` is built and tested alone; shards are padded to the longest rank's
+instead), and placement over dp ranks (dp keeps ``tokens``' microbatches; the plan runs over
+each microbatch's cp ranks).
 """
 
 from __future__ import annotations
@@ -402,11 +408,19 @@ def plan_zeppelin(lengths: Sequence[int], ranks: Ranks, costs: TokenCosts,
     and run the linear modules on the equal split (Zeppelin's); otherwise they balance a
     rank's attention and linear work together, with no remapping (an ablation: it ignores that
     a ring's ranks wait for each other in every layer, so it is optimistic)."""
+    return min(zeppelin_candidates(lengths, ranks, costs, remap), key=lambda p: p.step_seconds())
+
+
+def zeppelin_candidates(lengths: Sequence[int], ranks: Ranks, costs: TokenCosts,
+                        remap: bool = True) -> list[Partition]:
+    """What ``plan_zeppelin`` chooses from: the sized-and-placed plan of every target factor,
+    then the ``tokens`` deal (all named ``zeppelin``), for a caller that prices them its own
+    way (the cp runtime, ``loom.parallel.zeppelin_cp``)."""
     seqs = _check(lengths, ranks)
     candidates = [_place(seqs, ranks, costs, factor, remap) for factor in TARGET_FACTORS]
     candidates.append(replace(partition_tokens(seqs, ranks, costs), name="zeppelin"))
-    return min(candidates, key=lambda p: p.step_seconds())
+    return candidates
 
 
 __all__ = ["Partition", "Ranks", "TokenCosts", "TARGET_FACTORS", "group_time", "partition_none",
-           "partition_static_cp", "partition_tokens", "plan_zeppelin"]
+           "partition_static_cp", "partition_tokens", "plan_zeppelin", "zeppelin_candidates"]

@@ -44,7 +44,13 @@ of every group. Then
   position, whatever the chunk sizes. A block in which no query sees a key (no shared
   document) is skipped (its keys still travel). Block masks are ``[B, S_g, S_g]`` booleans per
   ring step, built once per forward; the block math is plain fp32 torch (the CPU flash kernel
-  takes no mask).
+  takes no mask). A varlen microbatch (``B = 1``) has its blocks cut per document instead
+  (``document_tiles``: each document's queries against its own keys), so a block costs the sum
+  of its documents' queries x keys rather than ``S_g²``: on ring step 0 each document is a
+  causal tile on torch's kernel (``ring_attention.attend_block``); on the others a long
+  document's chunk pairs are full (non-causal) tiles on it, and short documents share masked
+  fp32 tiles of up to ``TILE_TOKENS`` queries. ``data.balance = zeppelin`` (``loom.parallel
+  .zeppelin_cp``) relies on it: a short document whole on one rank costs its own square.
 
 Why hand-written: torch's context parallelism has neither document masks nor a CPU backward.
 
@@ -65,7 +71,8 @@ from loom.data.packing import IGNORE_INDEX, DocumentBatch
 from loom.models.document_attention import DocumentMask
 from loom.parallel import comm
 from loom.parallel.comm import CommLedger
-from loom.parallel.ring_attention import DKV_TAG, KV_TAG, Ring
+from loom.parallel.ring_attention import (DKV_TAG, KV_TAG, Ring, attend_block,
+                                          attend_block_backward)
 
 PAD_SLOT = -1  # a shard's gather index for a padding slot
 PAD_KEY = -1  # the document id of cp padding; real documents are run ordinals >= 0
@@ -137,13 +144,117 @@ def take_shard(batch: DocumentBatch, index_BL: torch.Tensor) -> DocumentBatch:
 
 
 # -- the keys every rank needs ------------------------------------------------------------------
+TILE_TOKENS = 128  # a tile's documents are merged until its queries would pass this
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Part of one ring step's block: the queries ``q_index`` and keys ``k_index`` of one or a
+    few documents present on both sides, and their mask ``[1, len(q_index), len(k_index)]``."""
+
+    q_index: torch.Tensor
+    k_index: torch.Tensor
+    allowed: torch.Tensor
+    # "masked" (the fp32 math under ``allowed``); "causal" (the mask is exactly lower-triangular)
+    # or "full" (every query sees every key): torch's kernel runs those two
+    kernel: str = "masked"
+
+
+def _position_runs(index: np.ndarray, positions: np.ndarray) -> list[np.ndarray]:
+    """``index`` cut where the positions stop counting up by one (a document's chunks)."""
+    cuts = np.flatnonzero(np.diff(positions[index]) != 1) + 1
+    return np.split(index, cuts)
+
+
 @dataclass(frozen=True)
 class DocumentKeys:
     """What the cp core needs of one forward's documents: the whole row's ``DocumentMask``
-    (Ulysses only) or the ring's block masks (one per ring step, ``None``: nothing visible)."""
+    (Ulysses only) or the ring's blocks (one per ring step: ``None``, nothing visible; a dense
+    mask, rows of ``B > 1``; or tiles, a varlen microbatch's single row)."""
 
     whole: DocumentMask | None
-    block_masks: tuple[torch.Tensor | None, ...]
+    block_masks: tuple[Any, ...]
+
+
+def document_tiles(ids_q: np.ndarray, pos_q: np.ndarray, ids_k: np.ndarray, pos_k: np.ndarray,
+                   device: torch.device, tile_tokens: int = TILE_TOKENS,
+                   own_keys: bool = False) -> tuple[Tile, ...]:
+    """One row's block cut per document: for every real document (id >= 0; cp padding sees
+    nothing and is seen by nothing real) present among the queries and the keys, its queries
+    against its keys, consecutive documents merged while the tile's queries stay within
+    ``tile_tokens`` (fewer small kernels; the mask keeps them apart). The block's work is then
+    ~ the sum over its documents of queries x keys, not ``S_q x S_k``: a short document whole
+    on one rank costs its own square only (what ``data.balance = zeppelin`` relies on).
+
+    ``own_keys``: the keys are the queries' own tokens (ring step 0). A document whose tokens
+    there are in increasing position (always: whole, or its two zig-zag chunks in order) has
+    the mask ``position_k <= position_q`` = lower-triangular: it gets a tile of its own,
+    ``causal``, which runs on torch's causal kernel (``ring_attention.attend_block``).
+
+    Other keys: a document with at least ``tile_tokens`` queries here is cut into its chunks
+    (runs of consecutive positions) on both sides; a chunk pair is either fully visible (every
+    key at or before the first query) or not at all (chunks of different ranks never overlap),
+    so it becomes a ``full`` tile on torch's kernel, or nothing; a pair that overlaps (not made
+    by the cp sharding) keeps the document masked."""
+    def runs(ids: np.ndarray) -> dict[int, np.ndarray]:
+        order = np.argsort(ids, kind="stable")
+        values, starts = np.unique(ids[order], return_index=True)
+        return {int(v): part for v, part in zip(values, np.split(order, starts[1:]))}
+
+    keys = runs(ids_k)
+    queries = runs(ids_q)
+    shared = [d for d in dict.fromkeys(ids_q.tolist()) if d >= 0 and d in keys]
+    tiles = []
+    if own_keys:
+        rest = []
+        for d in shared:
+            qi = queries[d]
+            if np.array_equal(qi, keys[d]) and bool(np.all(np.diff(pos_q[qi]) > 0)):
+                tiles.append(Tile(torch.from_numpy(qi).to(device),
+                                  torch.from_numpy(qi).to(device),
+                                  torch.ones(1, 1, 1, dtype=torch.bool, device=device), "causal"))
+            else:
+                rest.append(d)
+        shared = rest
+    else:
+        rest = []
+        for d in shared:
+            if len(queries[d]) < tile_tokens:
+                rest.append(d)
+                continue
+            pairs, overlap = [], False
+            for q_run in _position_runs(queries[d], pos_q):
+                for k_run in _position_runs(keys[d], pos_k):
+                    if pos_k[k_run[-1]] <= pos_q[q_run[0]]:
+                        pairs.append((q_run, k_run))
+                    elif pos_k[k_run[0]] <= pos_q[q_run[-1]]:
+                        overlap = True
+            if overlap:
+                rest.append(d)
+                continue
+            for q_run, k_run in pairs:
+                tiles.append(Tile(torch.from_numpy(q_run).to(device),
+                                  torch.from_numpy(k_run).to(device),
+                                  torch.ones(1, 1, 1, dtype=torch.bool, device=device), "full"))
+        shared = rest
+    groups: list[list[int]] = []
+    count = 0
+    for d in shared:
+        n = len(queries[d])
+        if not groups or count + n > tile_tokens:
+            groups.append([])
+            count = 0
+        groups[-1].append(d)
+        count += n
+    for docs in groups:
+        qi = np.concatenate([queries[d] for d in docs])
+        ki = np.concatenate([keys[d] for d in docs])
+        allowed = ((ids_q[qi][:, None] == ids_k[ki][None, :])
+                   & (pos_k[ki][None, :] <= pos_q[qi][:, None]))
+        if allowed.any():
+            tiles.append(Tile(torch.from_numpy(qi).to(device), torch.from_numpy(ki).to(device),
+                              torch.from_numpy(allowed)[None].to(device)))
+    return tuple(tiles)
 
 
 def document_keys(documents: DocumentMask, group: Any, ring: int, ulysses: int, ring_index: int,
@@ -165,7 +276,15 @@ def document_keys(documents: DocumentMask, group: Any, ring: int, ulysses: int, 
     if ring == 1:
         return DocumentKeys(DocumentMask(by_group[0, 0]), ())
     ids_q, pos_q = by_group[ring_index]
-    masks = []
+    masks: list[Any] = []
+    if B == 1:  # a varlen microbatch: each block cut per document (document_tiles)
+        q_np = ids_q[0].cpu().numpy(), pos_q[0].cpu().numpy()
+        for step in range(ring):
+            ids_k, pos_k = by_group[(ring_index - step) % ring]
+            tiles = document_tiles(*q_np, ids_k[0].cpu().numpy(), pos_k[0].cpu().numpy(),
+                                   ids_q.device, own_keys=step == 0)
+            masks.append(tiles or None)
+        return DocumentKeys(None, tuple(masks))
     for step in range(ring):
         ids_k, pos_k = by_group[(ring_index - step) % ring]
         allowed = ((ids_q[:, :, None] == ids_k[:, None, :])
@@ -231,6 +350,51 @@ def masked_block_backward(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: to
     return dq, dk, dv
 
 
+def block_forward(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
+                  block: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``masked_block`` of a dense mask, or of tiles (rows in no tile: output 0, ``-inf``)."""
+    if not isinstance(block, tuple):
+        return masked_block(q_BNSH, k_BKSH, v_BKSH, block)
+    B, N, S, Hd = q_BNSH.shape
+    out = q_BNSH.new_zeros((B, N, S, Hd), dtype=torch.float32)
+    lse = q_BNSH.new_full((B, N, S), float("-inf"), dtype=torch.float32)
+    for tile in block:
+        q, k, v = (q_BNSH[:, :, tile.q_index], k_BKSH[:, :, tile.k_index],
+                   v_BKSH[:, :, tile.k_index])
+        if tile.kernel == "masked":
+            o, l = masked_block(q, k, v, tile.allowed)
+        else:
+            o, l = attend_block(q, k, v, tile.kernel == "causal")
+        # a query's keys may span several tiles of one document (full tiles): merge them
+        out[:, :, tile.q_index], lse[:, :, tile.q_index] = merge_masked(
+            out[:, :, tile.q_index], lse[:, :, tile.q_index], o, l)
+    return out, lse
+
+
+def block_backward(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
+                   out_BNSH: torch.Tensor, dout_BNSH: torch.Tensor, lse_BNS: torch.Tensor,
+                   block: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``masked_block_backward`` of a dense mask, or of tiles (added back: a tile's queries
+    and keys belong to its documents only; only a document's full tiles share rows)."""
+    if not isinstance(block, tuple):
+        return masked_block_backward(q_BNSH, k_BKSH, v_BKSH, out_BNSH, dout_BNSH, lse_BNS, block)
+    dq = torch.zeros(q_BNSH.shape, dtype=torch.float32, device=q_BNSH.device)
+    dk = torch.zeros(k_BKSH.shape, dtype=torch.float32, device=k_BKSH.device)
+    dv = torch.zeros_like(dk)
+    for tile in block:
+        qi, ki = tile.q_index, tile.k_index
+        args = (q_BNSH[:, :, qi], k_BKSH[:, :, ki], v_BKSH[:, :, ki], out_BNSH[:, :, qi],
+                dout_BNSH[:, :, qi], lse_BNS[:, :, qi].contiguous())
+        if tile.kernel == "masked":
+            dq_t, dk_t, dv_t = masked_block_backward(*args, tile.allowed)
+        else:
+            dq_t, dk_t, dv_t = attend_block_backward(*args, tile.kernel == "causal")
+        dq.index_add_(2, qi, dq_t)  # full tiles of one document share rows
+        dk.index_add_(2, ki, dk_t)
+        dv.index_add_(2, ki, dv_t)
+    return dq, dk, dv
+
+
 def _wait(requests: list[Any]) -> None:
     for request in requests:
         request.wait()
@@ -242,7 +406,7 @@ class _DocumentRing(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
-                ring: Ring, masks: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+                ring: Ring, masks: tuple[Any, ...]) -> torch.Tensor:
         with torch.autocast(q_BNSH.device.type, enabled=False):  # fp32 softmax statistics
             B, N, S, Hd = q_BNSH.shape
             out = torch.zeros(B, N, S, Hd, dtype=torch.float32, device=q_BNSH.device)
@@ -253,8 +417,8 @@ class _DocumentRing(torch.autograd.Function):
                 if not last:  # post the transfer first: it overlaps the block below
                     incoming, requests = ring.shift(kv, KV_TAG)
                 if masks[step] is not None:
-                    out, lse = merge_masked(out, lse, *masked_block(q_BNSH, kv[0], kv[1],
-                                                                    masks[step]))
+                    out, lse = merge_masked(out, lse, *block_forward(q_BNSH, kv[0], kv[1],
+                                                                     masks[step]))
                 if not last:
                     _wait(requests)
                     kv = incoming
@@ -278,7 +442,7 @@ class _DocumentRing(torch.autograd.Function):
                     incoming, requests = ring.shift(kv, KV_TAG)
                 dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
                 if ctx.masks[step] is not None:
-                    dq_b, dkv[0], dkv[1] = masked_block_backward(
+                    dq_b, dkv[0], dkv[1] = block_backward(
                         q_BNSH, kv[0], kv[1], out, dout_BNSH, lse, ctx.masks[step])
                     dq += dq_b
                 if step == 0:
@@ -308,5 +472,6 @@ def document_ring_attention(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: 
     return _DocumentRing.apply(q_BNSH, k_BKSH, v_BKSH, ring, keys.block_masks)
 
 
-__all__ = ["DocumentKeys", "PAD_KEY", "PAD_SLOT", "document_keys", "document_ring_attention",
-           "document_shard_indices", "masked_block", "merge_masked", "run_ordinals", "take_shard"]
+__all__ = ["DocumentKeys", "PAD_KEY", "PAD_SLOT", "TILE_TOKENS", "Tile", "block_backward",
+           "block_forward", "document_keys", "document_ring_attention", "document_shard_indices",
+           "document_tiles", "masked_block", "merge_masked", "run_ordinals", "take_shard"]

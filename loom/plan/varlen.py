@@ -5,8 +5,9 @@ degrees: the planner samples steps of ``--global-batch-tokens`` from the length 
 (``loom.sim.varlen_cost.load_length_distribution`` defines the file) and prices every balance
 (none, tokens, static cp over one node, Zeppelin with and without remapping) on all ``--gpus``
 as data parallel x cp (tp = pp = 1), fastest first, with each one's attention and linear
-imbalance (max / mean). Predictions of the cost model, never measurements; ``zeppelin`` is not
-a ``data.balance`` Loom trains yet (``loom.data.zeppelin`` says what the runtime lacks).
+imbalance (max / mean). Predictions of the cost model, never measurements; ``data.balance =
+zeppelin`` trains only part of what is priced here (over cp ranks, full-ring communication, no
+remapping: ``loom.data.zeppelin`` says what the runtime lacks).
 """
 
 from __future__ import annotations

@@ -54,6 +54,8 @@ from loom.models.pretrained import PretrainedSource
 from loom.parallel import comm
 from loom.parallel.comm import CommLedger
 from loom.parallel.context import CPLayout, new_cp_groups, shard_documents, shard_sequence
+from loom.parallel.context_documents import take_shard
+from loom.parallel.zeppelin_cp import model_token_costs, zeppelin_shard_indices
 from loom.parallel.expert import reduce_gradients, sequence_shard_lengths
 from loom.parallel.load import load_local_shards
 from loom.parallel.mixed_precision import master_window
@@ -305,9 +307,15 @@ class Trainer:
         """With cp > 1: this rank's part of every document of packed rows or a varlen
         microbatch, cut zig-zag per document and padded to a length common to the cp ranks
         (``loom.parallel.context_documents``); the loss stays the step's token mean, its
-        token count taken from the shards' targets over dp x cp."""
+        token count taken from the shards' targets over dp x cp. ``data.balance = zeppelin``:
+        the microbatch's documents placed over the cp ranks instead, each whole on a rank or
+        zig-zag over a group (``loom.parallel.zeppelin_cp``)."""
         if self.cp_groups is None:
             return batch
+        if self.config.data.balance == "zeppelin":
+            costs = model_token_costs(model_args(self.config))
+            return take_shard(batch, zeppelin_shard_indices(
+                batch.document_ids, self.cp_groups.layout.ring, self.cp_groups.cp_rank, costs))
         return shard_documents(batch, self.cp_groups.cp_rank, self.cp_groups.layout)
 
     def _compute_context(self) -> contextlib.AbstractContextManager:

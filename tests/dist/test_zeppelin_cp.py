@@ -1,0 +1,261 @@
+"""``data.balance = zeppelin`` (``loom.parallel.zeppelin_cp``): each varlen microbatch's documents
+placed over the cp ranks by the Zeppelin planner, trained exactly.
+
+The corpus mixes many short documents (3 to 30 bytes) with long ones (300 to 400 bytes, cut
+into pieces of up to 256 predictions): a step's microbatch then holds a long piece, which the
+placement spreads zig-zag over a group of cp ranks, beside short ones kept whole on single
+ranks (checked: the test is about a step that has both).
+
+* The placement: every token of a microbatch on exactly one cp rank, every rank's shard the
+  same length (padded), a document either whole on one rank or zig-zag over an aligned
+  power-of-two group, and no worse than static cp on the runtime's price.
+* The tiled document ring (``context_documents.document_tiles``) equals the dense masked one,
+  also where a step-0 tile runs torch's causal kernel and where a split document's chunk pairs
+  run as full (non-causal) tiles on it.
+* The ``Trainer`` (2 AdamW steps: loss, gradient norm, every gradient) with cp = 2, cp = 4 and
+  dp = 2 x cp = 2 equals one process running the same microbatches (``data.balance =
+  tokens``, the same bins) with per-document attention; so does its evaluation loss (cp = 4).
+* The config refuses, by name, zeppelin without cp > 1, with Ulysses, with tp or with pp.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from loom.config import from_dict, load_config, model_args, resolve
+from loom.data.loader import prepare_data
+from loom.errors import ConfigError
+from loom.parallel.context_documents import (PAD_SLOT, block_backward, block_forward,
+                                             document_tiles)
+from loom.parallel.zeppelin_cp import (cp_step_price, document_runs, model_token_costs,
+                                       place_over_cp, zeppelin_shard_indices)
+from loom.data.zeppelin import Ranks, partition_static_cp
+from loom.testing.parity import assert_parity, layout_config, record_training
+from loom.train.trainer import Trainer
+from tests.data_fixtures import DataCfg
+
+STEPS = 2
+SEQ_LEN, BUDGET = 256, 384  # split length, tokens per microbatch
+RTOL_FIRST, ATOL_FIRST = 1e-5, 1e-6
+RTOL, ATOL = 1e-4, 1e-5
+LAYOUTS = {  # name: (world, degrees)
+    "cp2": (2, {"cp": 2, "dp_replicate": 1}),
+    "cp4": (4, {"cp": 4, "dp_replicate": 1}),
+    "dp2-cp2": (4, {"cp": 2, "dp_replicate": 2}),
+}
+
+
+def write_long_tail(directory: Path, count: int, seed: int) -> None:
+    """``count`` text files: one in eight 300 to 400 bytes, the others 3 to 30 (log-uniform)."""
+    rng = random.Random(seed)
+    for i in range(count):
+        length = rng.randint(300, 400) if i % 8 == 3 else int(3 * 10 ** rng.random())
+        text = "".join(rng.choice("abcdefghij klmnop\n") for _ in range(length))
+        (directory / f"doc{i:04d}.txt").write_text(text)
+
+
+@pytest.fixture(scope="module")
+def long_tail(tmp_path_factory) -> tuple[str, dict]:
+    source = tmp_path_factory.mktemp("zeppelin_docs")
+    write_long_tail(source, count=240, seed=5)
+    out = tmp_path_factory.mktemp("zeppelin_docs_data")
+    prepare_data(DataCfg(source=str(source), extensions=(".txt",), seq_len=SEQ_LEN,
+                         val_fraction=0.1), out)
+    overrides = {"data.source": str(source), "data.extensions": ".txt",
+                 "data.seq_len": SEQ_LEN, "data.val_fraction": 0.1, "data.packing": "varlen",
+                 "data.tokens_per_microbatch": BUDGET, "train.global_batch_tokens": 2 * BUDGET,
+                 "model.preset": "tiny", "model.n_layers": 2, "train.steps": STEPS,
+                 "optim.warmup_steps": 1, "optim.lr": 1e-3, "train.grad_clip": 1.0,
+                 "train.eval_every": 0}
+    return str(out), overrides
+
+
+def first_step_placements(ctx, config_table: dict, data_dir: str) -> dict:
+    """The first step's microbatch runs and each one's placement over cp = 2 and 4 ranks."""
+    config = from_dict(config_table)
+    trainer = Trainer(config, data_dir, None, ctx)
+    costs = model_token_costs(model_args(config))
+    out: dict = {"runs": [], "sizes": {2: [], 4: []}}
+    for mb in trainer.loader.next_batch().microbatches:
+        runs = document_runs(mb.document_ids[0].numpy())
+        out["runs"].append(runs)
+        for cp in (2, 4):
+            out["sizes"][cp].append(list(place_over_cp(runs, cp, costs).size))
+    return out
+
+
+def test_the_step_holds_a_long_document_on_a_group_and_short_ones_whole(dist, long_tail):
+    data_dir, base = long_tail
+    config = layout_config({**base, "data.balance": "tokens"}, 1)
+    got = dist.run(1, first_step_placements, config, data_dir)[0]
+    for cp in (2, 4):
+        sizes = [g for mb in got["sizes"][cp] for g in mb]
+        assert max(sizes) > 1 and sizes.count(1) >= 4, (cp, got)
+
+
+def test_every_token_is_on_one_rank_and_groups_are_aligned():
+    runs = [120, 5, 9, 3, 17, 4, 28, 6]
+    ids = torch.from_numpy(np.repeat(np.arange(len(runs)), runs))[None]
+    costs = model_token_costs(model_args(resolve(load_config(None, {"model.preset": "tiny"}),
+                                                 1)))
+    for cp in (2, 4):
+        plan = place_over_cp(runs, cp, costs)
+        shards = [zeppelin_shard_indices(ids, cp, r, costs)[0] for r in range(cp)]
+        assert len({len(s) for s in shards}) == 1
+        held = torch.cat([s[s != PAD_SLOT] for s in shards])
+        assert sorted(held.tolist()) == list(range(sum(runs)))
+        for b, g in zip(plan.start, plan.size):
+            assert g & (g - 1) == 0 and b % g == 0 and b + g <= cp
+        assert max(plan.size) > 1 and 1 in plan.size  # both kinds in this microbatch
+        static = partition_static_cp(runs, Ranks(cp, per_node=cp), cp, costs)
+        assert cp_step_price(plan) <= cp_step_price(static)
+
+
+def test_tiled_blocks_equal_the_dense_masked_block():
+    gen = torch.Generator().manual_seed(0)
+    ids_q = np.array([0, 0, 0, 1, 1, 2, 2, 2, 2, -1])
+    pos_q = np.array([0, 1, 2, 0, 1, 3, 4, 5, 6, 0])
+    ids_k = np.array([2, 2, 0, 0, 3, 1, 1, 1, -1, -1])
+    pos_k = np.array([0, 1, 3, 4, 0, 0, 1, 2, 0, 0])
+    q = torch.randn(1, 4, 10, 8, generator=gen, dtype=torch.float64)
+    k = torch.randn(1, 2, 10, 8, generator=gen, dtype=torch.float64)
+    v = torch.randn(1, 2, 10, 8, generator=gen, dtype=torch.float64)
+    real = ids_q >= 0
+    dense = torch.from_numpy((ids_q[:, None] == ids_k[None, :]) & (pos_k[None, :] <= pos_q[:, None])
+                             & real[:, None])[None]
+    for tile_tokens in (1, 4, 128):  # one tile per document, merged, all in one
+        tiles = document_tiles(ids_q, pos_q, ids_k, pos_k, torch.device("cpu"), tile_tokens)
+        out_t, lse_t = block_forward(q, k, v, tiles)
+        out_d, lse_d = block_forward(q, k, v, dense)
+        torch.testing.assert_close(out_t, out_d)
+        torch.testing.assert_close(lse_t, lse_d)
+        seen = torch.isfinite(lse_d[0, 0])
+        assert 0 < int(seen.sum()) < 9  # rows that see keys and rows that see none
+        dout = torch.randn(out_d.shape, generator=gen, dtype=torch.float64) * seen[:, None]
+        # the backward takes rows' final statistics; a row that sees nothing has none to give
+        lse_fin = lse_d.masked_fill(~seen, 0.0)
+        for a, b in zip(block_backward(q, k, v, out_d, dout, lse_fin, tiles),
+                        block_backward(q, k, v, out_d, dout, lse_fin, dense)):
+            torch.testing.assert_close(a, b)
+
+
+def test_own_key_tiles_run_the_causal_kernel_and_equal_the_dense_block():
+    """Ring step 0: a whole document and a document's two zig-zag chunks are causal tiles."""
+    gen = torch.Generator().manual_seed(1)
+    ids = np.array([0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2, -1])
+    pos = np.array([0, 1, 2, 3, 0, 1, 2, 1, 2, 7, 8, 0])  # document 2: chunks [1, 2], [7, 8]
+    tiles = document_tiles(ids, pos, ids, pos, torch.device("cpu"), own_keys=True)
+    assert [t.kernel for t in tiles] == ["causal"] * 3
+    q = torch.randn(1, 4, 12, 8, generator=gen)
+    k = torch.randn(1, 2, 12, 8, generator=gen)
+    v = torch.randn(1, 2, 12, 8, generator=gen)
+    dense = torch.from_numpy((ids[:, None] == ids[None, :]) & (pos[None, :] <= pos[:, None])
+                             & (ids >= 0)[:, None])[None]
+    out_t, lse_t = block_forward(q, k, v, tiles)
+    out_d, lse_d = block_forward(q, k, v, dense)
+    torch.testing.assert_close(out_t, out_d, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse_t, lse_d, rtol=1e-5, atol=1e-6)
+    seen = torch.isfinite(lse_d[0, 0])
+    dout = torch.randn(out_d.shape, generator=gen) * seen[:, None]
+    lse_fin = lse_d.masked_fill(~seen, 0.0)
+    for a, b in zip(block_backward(q, k, v, out_d, dout, lse_fin, tiles),
+                    block_backward(q, k, v, out_d, dout, lse_fin, dense)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_split_documents_chunk_pairs_run_as_full_tiles_and_equal_the_dense_block():
+    """Another rank's keys: a long document's chunks pair up fully visible or invisible (full
+    tiles on torch's kernel); a short document, and one whose chunks overlap, stay masked."""
+    gen = torch.Generator().manual_seed(2)
+    ids_q = np.array([0] * 6 + [1, 1] + [2] * 4 + [-1])
+    pos_q = np.array([3, 4, 5, 12, 13, 14, 5, 6, 0, 1, 2, 3, 0])
+    ids_k = np.array([0] * 6 + [1, 1] + [2] * 4 + [-1])
+    pos_k = np.array([0, 1, 2, 15, 16, 17, 1, 2, 1, 2, 3, 4, 0])  # document 2 overlaps
+    tiles = document_tiles(ids_q, pos_q, ids_k, pos_k, torch.device("cpu"), tile_tokens=4)
+    assert sorted(t.kernel for t in tiles) == ["full", "full", "masked", "masked"]
+    q = torch.randn(1, 4, 13, 8, generator=gen)
+    k = torch.randn(1, 2, 13, 8, generator=gen)
+    v = torch.randn(1, 2, 13, 8, generator=gen)
+    dense = torch.from_numpy((ids_q[:, None] == ids_k[None, :])
+                             & (pos_k[None, :] <= pos_q[:, None]) & (ids_q >= 0)[:, None])[None]
+    out_t, lse_t = block_forward(q, k, v, tiles)
+    out_d, lse_d = block_forward(q, k, v, dense)
+    torch.testing.assert_close(out_t, out_d, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse_t, lse_d, rtol=1e-5, atol=1e-6)
+    seen = torch.isfinite(lse_d[0, 0])
+    assert 0 < int(seen.sum()) < 13
+    dout = torch.randn(out_d.shape, generator=gen) * seen[:, None]
+    lse_fin = lse_d.masked_fill(~seen, 0.0)
+    for a, b in zip(block_backward(q, k, v, out_d, dout, lse_fin, tiles),
+                    block_backward(q, k, v, out_d, dout, lse_fin, dense)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+_reference: dict[str, dict] = {}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_zeppelin_under_cp_matches_one_process(dist, long_tail, layout):
+    data_dir, base = long_tail
+    if "ref" not in _reference:  # the same bins: tokens' deal
+        _reference["ref"] = dist.run(1, record_training,
+                                     layout_config({**base, "data.balance": "tokens"}, 1),
+                                     data_dir, STEPS)[0]
+    reference = _reference["ref"]
+    world, degrees = LAYOUTS[layout]
+    config = layout_config({**base, "data.balance": "zeppelin", "parallel.cp_mode": "ring"},
+                           world, **degrees)
+    for rank, got in enumerate(dist.run(world, record_training, config, data_dir, STEPS)):
+        where = f"zeppelin {layout} rank {rank}"
+        assert_parity(reference, got, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=where,
+                      steps=range(1))
+        assert_parity(reference, got, rtol=RTOL, atol=ATOL, label=where)
+    assert reference["loss"][-1] != reference["loss"][0]
+
+
+def evaluation_loss(ctx, config_table: dict, data_dir: str) -> float:
+    return Trainer(from_dict(config_table), data_dir, None, ctx).evaluate()
+
+
+def test_evaluation_under_zeppelin_matches_one_process(dist, long_tail, tmp_path):
+    _, base = long_tail
+    data_dir = str(tmp_path / "half_validation")  # enough validation pieces for whole steps
+    prepare_data(DataCfg(source=base["data.source"], extensions=(".txt",), seq_len=SEQ_LEN,
+                         val_fraction=0.5), data_dir)
+    base = {**base, "data.val_fraction": 0.5, "train.eval_batches": 2}
+    want = dist.run(1, evaluation_loss, layout_config({**base, "data.balance": "tokens"}, 1),
+                    data_dir)[0]
+    config = layout_config({**base, "data.balance": "zeppelin", "parallel.cp_mode": "ring"}, 4,
+                           cp=4, dp_replicate=1)
+    assert want == want  # not NaN: the split holds whole steps
+    for got in dist.run(4, evaluation_loss, config, data_dir):
+        assert got == pytest.approx(want, rel=1e-5)
+
+
+def _config(overrides: dict, world: int):
+    return resolve(load_config(None, {"model.preset": "tiny", "data.seq_len": "32",
+                                      "data.packing": "varlen", "data.balance": "zeppelin",
+                                      **overrides}), world)
+
+
+def test_zeppelin_is_accepted_with_a_cp_ring_and_dp():
+    config = _config({"parallel.cp": "2", "parallel.dp_replicate": "2"}, 4)
+    assert config.data.balance == "zeppelin" and config.parallel.cp == 2
+
+
+@pytest.mark.parametrize("overrides, world, field, words", [
+    ({}, 1, "data.balance", "parallel.cp > 1"),
+    ({"parallel.cp": "2", "parallel.cp_mode": "ulysses"}, 2, "parallel.cp_mode", "ring"),
+    ({"parallel.cp": "2", "parallel.tp": "2"}, 4, "parallel.tp", "not built"),
+    ({"parallel.cp": "2", "parallel.pp": "2"}, 4, "parallel.pp", "not built"),
+    ({"data.packing": "pack", "parallel.cp": "2"}, 2, "data.balance", "varlen"),
+])
+def test_zeppelin_refuses_what_is_not_built_by_name(overrides, world, field, words):
+    with pytest.raises(ConfigError, match=words) as info:
+        _config(overrides, world)
+    assert info.value.field_name == field
