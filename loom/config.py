@@ -88,6 +88,11 @@ class ParallelConfig:
     # ... and in this placement: "auto" (the search's choice; one stage per rank when the model
     # has fewer than 2 pp layers), "looped", "interleaved" (two looped chunks) or "v"
     schedule_placement: str = "auto"
+    # PipeOffload (issue 22): offload saved activations to host memory inside the schedule so
+    # that no pipeline rank holds more than this many activation units on its device (units of
+    # one full rank's activations of one microbatch; >= 2: one F computing, one copy in flight);
+    # 0: off. ``loom.schedule.offload.insert_offload`` places the offloads and reloads.
+    schedule_offload_limit: float = 0.0
     # schedule = "skippipe" (SkipPipe, issue 18): each microbatch skips this fraction of the pp
     # stages (never the first or last; skip_ratio * pp a whole number <= pp - 3), on paths the
     # path scheduler chooses over stage_replicas replicas of every stage, which must equal
@@ -584,6 +589,7 @@ def layout_of(config: Config) -> Layout:
         schedule_memory_limit=par.schedule_memory_limit if searched else 0.0,
         schedule_costs=par.schedule_costs if searched else "",
         schedule_placement=par.schedule_placement if searched else "auto",
+        schedule_offload_limit=par.schedule_offload_limit if par.pp > 1 else 0.0,
         **_microbatching(config),
         recompute=tr.recompute, recompute_every=tr.recompute_every)
 

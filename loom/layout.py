@@ -111,6 +111,9 @@ class Layout:
     schedule_memory_limit: float = 0.0
     schedule_costs: str = ""
     schedule_placement: str = "auto"
+    # PipeOffload: the schedule's offloads keep each rank's device activations within this many
+    # units (0: no offload; ``loom.schedule.offload.insert_offload``)
+    schedule_offload_limit: float = 0.0
     micro_batch: int = 1  # sequences per forward/backward on one rank
     microbatches: int = 1  # per pipeline (or accumulation steps) per optimizer step
     recompute: str = "none"  # none | selective | full | every_k
@@ -171,6 +174,8 @@ class Layout:
                 text += f"@{self.schedule_memory_limit:g}"
         elif self.pp > 1:
             text += f" {self.schedule}" + (f"x{self.chunks}" if self.chunks > 1 else "")
+        if self.schedule_offload_limit:
+            text += f" offload@{self.schedule_offload_limit:g}"
         text += f" mb{self.micro_batch}x{self.microbatches}"
         if self.recompute != "none":
             text += f" rc-{self.recompute}"

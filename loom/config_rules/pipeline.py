@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from loom.config_rules.data import varlen_budgets
 from loom.errors import ConfigError, suggest
 from loom.schedule.families import SEARCH_PLACEMENTS, simulation_only, trainable
+from loom.schedule.offload import insert_offload
 from loom.schedule.paths import SKIPPIPE, skip_count
 from loom.schedule.select import ChunksError, SEARCH, parse_search_costs, schedule_for
 
@@ -214,11 +215,41 @@ def _validate_skippipe(config: Config) -> None:
         raise ConfigError("parallel.pp", par.pp, f"must not exceed model.n_layers = {m.n_layers}")
 
 
+def _validate_offload(config: Config, schedule, how: str) -> None:
+    """``parallel.schedule_offload_limit`` (PipeOffload): a limit the policy can meet on this
+    schedule, and only what the runtime's offload is tested with (parity vs the same schedule
+    without offload, ``tests/dist/test_pipeline_offload.py``): plain pipeline and data
+    parallelism, fp32 or bf16 autocast, no recomputation, no other activation offload."""
+    par, tr = config.parallel, config.train
+    limit = par.schedule_offload_limit
+    if limit < 2:
+        raise ConfigError("parallel.schedule_offload_limit", limit,
+                          "must be 0 (off) or >= 2 units (one microbatch's forward running and"
+                          " one offload in flight)")
+    untested = {"train.offload_activations": (tr.offload_activations, False),
+                "train.recompute": (tr.recompute, "none"),
+                "parallel.tp": (par.tp, 1), "parallel.cp": (par.cp, 1),
+                "parallel.dp_shard": (par.dp_shard, 1), "parallel.ep": (par.ep, 1)}
+    for name, (value, default) in untested.items():
+        if value != default:
+            raise ConfigError(name, value, "parallel.schedule_offload_limit does not compose with"
+                              f" it yet; leave it {default!r} or the offload limit 0")
+    try:
+        insert_offload(schedule, limit)
+    except ValueError as err:
+        raise ConfigError("parallel.schedule_offload_limit", limit, f"{how}: {err}") from None
+
+
 def validate_schedule(config: Config) -> None:
     """The pipeline rules: a known schedule family, chunks it accepts, a layer per stage and a
     microbatch count m = global_batch_size / (dp * micro_batch_size) (varlen: in tokens) the
     family can schedule."""
     par, m = config.parallel, config.model
+    if par.schedule_offload_limit and (par.pp == 1 or par.schedule.lower() == SKIPPIPE):
+        raise ConfigError("parallel.schedule_offload_limit", par.schedule_offload_limit,
+                          "offloads inside a pipeline schedule: needs parallel.pp > 1 and a"
+                          " schedule family or search (skippipe runs paths, not a schedule);"
+                          " leave it 0")
     if par.schedule.lower() == SKIPPIPE:
         _validate_skippipe(config)
         return
@@ -288,6 +319,8 @@ def validate_schedule(config: Config) -> None:
                           f" {model_stages}, got {m.n_layers} (one layer per stage)")
     if schedule.num_routes > 1:
         _validate_routes(config, schedule, how)
+    if par.schedule_offload_limit:
+        _validate_offload(config, schedule, how)
     if m.tie_embeddings:
         _validate_tied_pipeline(config, schedule)
     splits_backward = any(a.op.name in ("I", "W") for row in schedule.actions for a in row)

@@ -52,6 +52,10 @@ transfer and reduction below goes through ``loom.parallel.comm`` with the traine
   same four model stages): one flat all-reduce of 4·P_rank bytes per rank per step, P_rank the
   parameters of the rank's stages, axis ``pp_copies``. Both copies start from the same seeded
   weights and step identically, so they stay bit-identical.
+* PipeOffload (``O`` / ``R`` actions, ``loom.schedule.offload``): an F whose (stage, microbatch)
+  this rank's list offloads saves its tensors into a ``SavedActivations`` store
+  (``loom.pipeline.host_offload``); O copies them to host memory, R back, in list order, on this
+  rank only: nothing is communicated.
 * After the step: one 1-element all-reduce over ``pp`` so every rank reports the loss, which only
   the last stage of each route computes.
 
@@ -76,6 +80,7 @@ from loom.parallel import comm, parallelize
 from loom.parallel.comm import CommLedger
 from loom.parallel.data import FullyShardedSync, GradientReducer
 from loom.parallel.mixed_precision import gradient_of
+from loom.pipeline.host_offload import SavedActivations
 from loom.pipeline.partition import partition_model
 from loom.pipeline.stage import LossFn, PipelineStage, build_stages
 from loom.schedule.ir import Action, Op, Schedule
@@ -178,6 +183,10 @@ class PipelineRuntime:
         # the step's MoE load-balancing loss, summed over microbatches and this pipeline's
         # stages (the same on every pipeline rank); None for a dense model
         self.aux_loss: torch.Tensor | None = None
+        # PipeOffload (O/R actions, ``loom.pipeline.host_offload``): the last step's bytes moved
+        # to the host and back and the seconds the copies took, measured
+        self.offload_bytes = 0
+        self.offload_seconds = 0.0
         self.moe = next(iter(stages.values())).module.args.n_experts > 0
         # The data-parallel reducer of each stage (none at degree 1), from its parallelize record
         self.reducers = {index: stage.applied.reducer for index, stage in stages.items()
@@ -233,6 +242,15 @@ class PipelineRuntime:
                 reducer.sync = False
         for stage in self.stages.values():
             stage.aux_loss_sum = None
+        # (stage, microbatch) whose saved activations this rank offloads: their F saves into a
+        # SavedActivations store, which O and R move to the host and back
+        offloads = {(a.stage, a.microbatch) for a in row if a.op is Op.O}
+        if offloads and recorder is not None and recorder.track_memory:
+            # only the innermost saved_tensors_hooks run: the recorder would miss those tensors
+            raise ValueError(f"schedule {schedule.name!r} offloads activations: the recorder's "
+                             "track_memory cannot count them; record without it")
+        saved: dict[tuple[int, int], SavedActivations] = {}
+        self.offload_bytes, self.offload_seconds = 0, 0.0
 
         for index, action in enumerate(row):
             # Post the receives of the next few actions before computing this one.
@@ -247,6 +265,16 @@ class PipelineRuntime:
                                       tag=needed.tag(schedule.num_microbatches))
                     posted[needed] = (work, buffer)
                 next_to_post += 1
+            if action.op.is_transfer:  # O / R: a host copy, no compute, nothing to send
+                key = (action.stage, action.microbatch)
+                if action.op is Op.O:
+                    saved[key].offload()
+                else:  # reloaded: the graph holds the slots from now on
+                    store = saved.pop(key)
+                    store.reload()
+                    self.offload_bytes += store.bytes_moved
+                    self.offload_seconds += store.seconds
+                continue
             received = self._receive(schedule, action, posted, local)
             if recorder is not None:  # after the receive: waiting for a message is not compute
                 recorder.begin(action)
@@ -258,7 +286,11 @@ class PipelineRuntime:
                 # A full backward runs autograd's hooks: the reducer reduces each bucket as
                 # its gradients are ready, overlapping the rest of this backward (as DDP does)
                 self.reducers[action.stage].sync = True
-            with self.compute_context():
+            hooks: contextlib.AbstractContextManager = contextlib.nullcontext()
+            if action.op is Op.F and (action.stage, mb) in offloads:
+                saved[action.stage, mb] = SavedActivations(str(action))
+                hooks = saved[action.stage, mb].hooks()
+            with self.compute_context(), hooks:
                 if action.op is Op.F:
                     x = inputs[mb] if stage.is_first else received
                     out = stage.forward(mb, x, targets[mb], loss_fn, training=training,

@@ -81,6 +81,12 @@ class StageCosts:
     message_bytes: Number = 0
     activation: tuple[Number, ...] | None = None
     weight_grad_fraction: Number = 1
+    # PipeOffload's host link (``loom.schedule.offload``): bytes/s between device and host
+    # memory, each direction, and the bytes of one activation unit (one full rank's activations
+    # of one microbatch). Offloading (stage, microbatch) moves ``activation_weight`` units.
+    # None: transfers are not priced (they take no time).
+    host_bandwidth: Number | None = None
+    host_unit_bytes: Number = 0
     # Where the numbers came from (a file path, "uniform", ...), shown by the CLI and in JSON.
     source: str = field(default="", compare=False)
 
@@ -94,6 +100,8 @@ class StageCosts:
             raise ValueError(f"latency must be >= 0, got {self.latency}")
         if self.bandwidth is not None and self.bandwidth <= 0:
             raise ValueError(f"bandwidth must be > 0 (or None), got {self.bandwidth}")
+        if self.host_bandwidth is not None and self.host_bandwidth <= 0:
+            raise ValueError(f"host_bandwidth must be > 0 (or None), got {self.host_bandwidth}")
         if not 0 <= self.weight_grad_fraction <= 1:
             raise ValueError(
                 f"weight_grad_fraction must be in [0, 1], got {self.weight_grad_fraction}"
@@ -208,6 +216,14 @@ class StageCosts:
             return self.activation[stage]
         return schedule.stage_weight(stage)
 
+    def transfer_time(self, schedule: Schedule, stage: int) -> Number:
+        """How long offloading (or reloading) one microbatch's activations of ``stage`` takes on
+        the host link: ``activation_weight * host_unit_bytes / host_bandwidth`` (0 unpriced)."""
+        if self.host_bandwidth is None:
+            return 0
+        return _divide(self.activation_weight(schedule, stage) * self.host_unit_bytes,
+                       self.host_bandwidth)
+
     def describe(self) -> str:
         """Short human form, e.g. ``F=1 I=1 W=1 latency=0`` (per-stage costs: the source)."""
         if len(self.stages) == 1:
@@ -222,7 +238,8 @@ class StageCosts:
         return text
 
 
-_OPTIONS = ("latency", "bandwidth", "message_bytes", "activation", "weight_grad_fraction")
+_OPTIONS = ("latency", "bandwidth", "message_bytes", "activation", "weight_grad_fraction",
+            "host_bandwidth", "host_unit_bytes")
 
 
 def _divide(a: Number, b: Number) -> Number:

@@ -45,9 +45,20 @@ class Op(str, enum.Enum):
     I = "I"  # noqa: E741  (the letter is the established name: torch and the ZB paper use it)
     W = "W"
     B = "B"
+    # PipeOffload (Wan et al. 2025): not compute but host transfers, run on a copy stream beside
+    # it. ``O`` moves the saved activations of (stage, microbatch) to host memory after its F,
+    # ``R`` brings them back before its backward (``loom.schedule.offload`` places, checks and
+    # prices them). Torch's CSV has no such tokens: schedules holding them travel as JSON.
+    O = "O"  # noqa: E741
+    R = "R"
+
+    @property
+    def is_transfer(self) -> bool:
+        """An offload or reload (a host transfer), not a compute step."""
+        return self is Op.O or self is Op.R
 
 
-_ACTION_PATTERN = re.compile(r"^(\d+)([FIWB])(\d+)$")
+_ACTION_PATTERN = re.compile(r"^(\d+)([FIWBOR])(\d+)$")
 
 
 @dataclass(frozen=True, order=True)
@@ -227,6 +238,21 @@ class Schedule:
         return tuple(Fraction(1, owned[rank, stage // per_route])
                      for stage, rank in enumerate(self.placement))
 
+    @cached_property
+    def has_transfers(self) -> bool:
+        """Whether any rank's list holds offload/reload actions (``Op.O`` / ``Op.R``)."""
+        return any(action.op.is_transfer for row in self.actions for action in row)
+
+    def compute_only(self) -> Schedule:
+        """This schedule without its offload/reload actions: what the compute streams run in
+        order (``self`` when there are none). The replay, the search and torch's CSV see this."""
+        if not self.has_transfers:
+            return self
+        return Schedule(self.num_stages, self.num_microbatches, self.placement,
+                        tuple(tuple(a for a in row if not a.op.is_transfer)
+                              for row in self.actions),
+                        name=self.name, num_routes=self.num_routes, routes=self.routes)
+
     def position(self, action: Action) -> tuple[int, int] | None:
         """``(rank, index)`` of ``action`` in this schedule, or None if it is not scheduled."""
         return self._positions.get(action)
@@ -291,6 +317,9 @@ class Schedule:
         if self.num_routes > 1:
             raise ValueError(f"{self.name}: torch's CSV cannot say which of the {self.num_routes}"
                              " routes (copies of the stages) a microbatch takes; export JSON")
+        if self.has_transfers:
+            raise ValueError(f"{self.name}: torch's CSV has no offload/reload actions (O, R); "
+                             "export JSON, or compute_only() for the compute actions")
         rows = [[str(action) for action in row] for row in self.actions]
         if isinstance(destination, (str, os.PathLike)):
             with open(destination, "w", newline="") as handle:

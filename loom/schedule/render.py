@@ -25,10 +25,13 @@ from loom.schedule.ir import Action, Op, Schedule
 from loom.schedule.simulate import SimResult, simulate
 
 # Op -> colour, shared by the Gantt chart and the traces (F blue, B red, I orange, W green).
-OP_COLORS: Mapping[str, str] = {"F": "#4387fd", "B": "#f44a3f", "I": "#ee8e00", "W": "#0da861"}
+OP_COLORS: Mapping[str, str] = {"F": "#4387fd", "B": "#f44a3f", "I": "#ee8e00", "W": "#0da861",
+                                 # PipeOffload's host copies (loom.schedule.offload)
+                                 "O": "#b67d8f", "R": "#c79b7d"}
 # Op -> Chrome trace-viewer reserved colour name with (about) the same colour as OP_COLORS.
 OP_CNAMES: Mapping[str, str] = {
     "F": "rail_response", "B": "rail_animation", "I": "rail_idle", "W": "rail_load",
+    "O": "thread_state_uninterruptible", "R": "thread_state_unknown",
 }
 MEMORY_COLOR = "#6a3d9a"
 

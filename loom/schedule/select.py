@@ -16,6 +16,7 @@ from loom.layout import Layout
 from loom.schedule.cost import OpCosts, StageCosts
 from loom.schedule.families import SEARCH_PLACEMENTS, get
 from loom.schedule.ir import Schedule
+from loom.schedule.offload import insert_offload
 from loom.schedule.paths import SKIPPIPE
 from loom.schedule.search import MAX_CHUNKS, search
 from loom.schedule.validate import validate
@@ -109,6 +110,14 @@ def schedule_of(layout: Layout, max_stages: int = 0) -> Schedule:
     more activations on the one rank)."""
     if layout.pp == 1:
         return _generated("1f1b", 1, layout.microbatches, 0)
+    if layout.schedule_offload_limit:  # PipeOffload: the same schedule, with host copies
+        return _offloaded(schedule_for(layout.schedule, layout.pp, layout.microbatches,
+                                       0 if layout.searched else layout.chunks,
+                                       memory_limit=layout.schedule_memory_limit,
+                                       costs=layout.schedule_costs or "1,1,1,0",
+                                       max_stages=max_stages,
+                                       placement=layout.schedule_placement),
+                          layout.schedule_offload_limit)
     if layout.schedule == SKIPPIPE:
         # Paths, not a per-rank action list (loom.schedule.paths): the estimator and the
         # planner price it as GPipe over one replica's share of the microbatches, an
@@ -120,6 +129,15 @@ def schedule_of(layout: Layout, max_stages: int = 0) -> Schedule:
                         memory_limit=layout.schedule_memory_limit,
                         costs=layout.schedule_costs or "1,1,1,0", max_stages=max_stages,
                         placement=layout.schedule_placement)
+
+
+@functools.lru_cache(maxsize=64)
+def _offloaded(schedule: Schedule, limit: float) -> Schedule:
+    """``schedule`` with PipeOffload's offloads and reloads under ``limit`` units per rank
+    (``parallel.schedule_offload_limit``), validated against that limit; cached like the rest."""
+    offloaded = insert_offload(schedule, limit)
+    validate(offloaded, memory_limit=limit)
+    return offloaded
 
 
 @functools.lru_cache(maxsize=256)

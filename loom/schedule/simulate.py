@@ -192,6 +192,9 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, *,
     Assumes a schedule that ``validate`` accepts (complete, well placed); a stall raises
     ``ScheduleError`` (rule ``deadlock``).
     """
+    if schedule.has_transfers:  # PipeOffload's O/R need copy streams and a host link
+        raise ValueError(f"{schedule.name}: holds offload/reload actions; simulate it with "
+                         "loom.schedule.offload.simulate_offload")
     costs = costs or StageCosts.uniform(1, 1, 1)
     costs.check(schedule)
     rows = encode(schedule)

@@ -20,7 +20,7 @@ microbatch's route, and a microbatch needs actions only on the stages of its rou
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -44,14 +44,21 @@ def dependencies(schedule: Schedule, action: Action) -> tuple[Action, ...]:
 
     F(s,m) needs F(s-1,m). I or B(s,m) needs F(s,m) and the input gradient of (s+1,m), i.e.
     I(s+1,m) when that stage splits its backward, else B(s+1,m). W(s,m) needs I(s,m). (The
-    first and last stages are those of m's route.)
+    first and last stages are those of m's route.) PipeOffload's transfers: O(s,m) needs
+    F(s,m), R(s,m) needs O(s,m), and I or B(s,m) also needs R(s,m) when it is scheduled.
     """
     stage, op, microbatch = action.stage, action.op, action.microbatch
+    if op is Op.O:  # offload: the activations exist once the forward has run
+        return (Action(stage, Op.F, microbatch),)
+    if op is Op.R:  # reload: what comes back must have gone
+        return (Action(stage, Op.O, microbatch),)
     if op is Op.F:
         return () if schedule.is_first(stage) else (Action(stage - 1, Op.F, microbatch),)
     if op is Op.W:
         return (Action(stage, Op.I, microbatch),)
     needed = [Action(stage, Op.F, microbatch)]
+    if schedule.has_transfers and op is not Op.W and Action(stage, Op.R, microbatch) in schedule:
+        needed.append(Action(stage, Op.R, microbatch))  # offloaded: the backward waits for it
     if not schedule.is_last(stage):
         split = Action(stage + 1, Op.I, microbatch)
         needed.append(split if split in schedule else Action(stage + 1, Op.B, microbatch))
@@ -126,7 +133,11 @@ def execute(schedule: Schedule, durations: Mapping[Op, int] = UNIT_DURATIONS) ->
 
 
 def memory_profile(schedule: Schedule, rank: int) -> tuple[Fraction, ...]:
-    """Live activation units on ``rank`` while each of its actions runs (exact fractions)."""
+    """Live activation units on ``rank`` while each of its actions runs (exact fractions). With
+    PipeOffload's transfers: ``offload_levels`` (offloaded activations off the device), one
+    level per action, transfers included."""
+    if schedule.has_transfers:
+        return offload_levels(schedule, rank)
     weights, unit = _weights(schedule, rank)
     levels = live_levels(encode_row(schedule.actions[rank]), weights)
     return tuple(Fraction(level, unit) for level in levels)
@@ -207,7 +218,14 @@ def validate(schedule: Schedule, memory_limit: float | None = None) -> None:
     has F and either B or I and W), ``mixed`` (not both), ``order`` (a dependency on the same
     rank comes earlier in its list), ``deadlock`` (in-order execution finishes), ``memory``
     (peak live activations per rank <= ``memory_limit`` units).
+
+    A schedule with offload/reload actions (``Op.O`` / ``Op.R``) is checked by
+    ``validate_transfers``: its compute actions by these rules, then the
+    ``offload`` rule, and memory with offloaded activations off the device.
     """
+    if schedule.has_transfers:
+        validate_transfers(schedule, memory_limit)
+        return
     rows = encode(schedule)
     seen = _check_actions(schedule, rows)
     _check_complete(schedule, seen)
@@ -287,7 +305,7 @@ def _check_complete(schedule: Schedule, seen: bytearray) -> None:
                 raise _fail(schedule, "missing", f"{where} has no forward {Action(stage, Op.F, mb)}")
             if has[Op.B] and (has[Op.I] or has[Op.W]):
                 raise _fail(schedule, "mixed", f"{where} has both B and I/W",
-                            *(Action(stage, op, mb) for op in Op if has[op] and op is not Op.F))
+                            *(Action(stage, op, mb) for op in CODE_OP if has[op] and op is not Op.F))
             if has[Op.I] != has[Op.W]:
                 present, absent = (Op.I, Op.W) if has[Op.I] else (Op.W, Op.I)
                 raise _fail(schedule, "missing", f"{where} has {present.value} but no "
@@ -321,3 +339,109 @@ def _check_memory(schedule: Schedule, limit: float, rows: list[Row]) -> None:
                     format_grid(schedule, execute(schedule), mark=[action]),
                     [action],
                 )
+
+
+# ----------------------------------------------------------------------------------------------
+# PipeOffload's transfers (``loom.schedule.offload`` places and prices them)
+
+
+def _transfer_fail(schedule: Schedule, reason: str, *actions: Action, rule: str = "offload"
+          ) -> ScheduleError:
+    compute = schedule.compute_only()
+    marked = [a for a in actions if not a.op.is_transfer]
+    return ScheduleError(rule, reason, format_grid(compute, mark=marked), actions)
+
+
+def offload_levels(schedule: Schedule, rank: int) -> tuple[Fraction, ...]:
+    """Live activation units on the device of ``rank`` at each action of its list (transfers
+    included), by order: an F or an R adds the (stage, microbatch)'s weight (``stage_weight``)
+    while it runs; the last backward piece (W, or B) frees after it; an O frees only after the
+    next compute action in the list (its copy overlaps that action, which therefore still sees
+    it: ``simulate_offload`` makes the compute action after that one wait for the copy, so the
+    device never holds more than these levels). Without transfers this is
+    ``validate.memory_profile``."""
+    return transfer_levels(schedule.actions[rank], schedule.stage_weights)
+
+
+def transfer_levels(row: Iterable[Action], weights: Sequence[Fraction]) -> tuple[Fraction, ...]:
+    """``offload_levels`` of one rank's list ``row`` with the stages' ``weights``."""
+    row = list(row)
+    last = {(a.stage, a.microbatch): n for n, a in enumerate(row) if a.op in (Op.W, Op.B)}
+    live, levels = Fraction(0), []
+    in_flight = Fraction(0)  # offloads issued since the last compute action: still on the device
+    for n, action in enumerate(row):
+        weight = weights[action.stage]
+        if action.op in (Op.F, Op.R):
+            live += weight
+        levels.append(live)
+        if action.op is Op.O:
+            in_flight += weight
+        elif not action.op.is_transfer:  # the compute action that covers the copies in flight
+            live -= in_flight
+            in_flight = Fraction(0)
+        if last.get((action.stage, action.microbatch)) == n:
+            live -= weight
+    return tuple(levels)
+
+
+def validate_transfers(schedule: Schedule, memory_limit: float | None = None) -> None:
+    """``validate`` for a schedule with PipeOffload's offload/reload actions
+    (``loom.schedule.offload``): the compute actions obey every rule of ``validate``; then the
+    ``offload`` rule (each transfer on the rank owning its stage, at most one O and one R per
+    (stage, microbatch), both or neither, in the order F < O < R < its first backward piece, I
+    or B); then ``memory`` by ``offload_levels``. Raises ``ScheduleError``."""
+    validate(schedule.compute_only())
+    stages, mbs = schedule.num_stages, schedule.num_microbatches
+    for rank, row in enumerate(schedule.actions):
+        where: dict[tuple[Op, int, int], int] = {}
+        backward: dict[tuple[int, int], int] = {}
+        for n, action in enumerate(row):
+            key = (action.stage, action.microbatch)
+            if action.op in (Op.I, Op.B):
+                backward.setdefault(key, n)
+            if action.op is Op.F or action.op.is_transfer:
+                where.setdefault((action.op, *key), n)
+            if not action.op.is_transfer:
+                continue
+            if not (0 <= action.stage < stages and 0 <= action.microbatch < mbs):
+                raise _transfer_fail(schedule, f"{action}: no such stage or microbatch", action,
+                            rule="range")
+            if action.stage not in schedule.route_stages(action.microbatch):
+                raise _transfer_fail(schedule, f"{action}: stage {action.stage} is not on microbatch "
+                            f"{action.microbatch}'s route", action, rule="route")
+            if schedule.rank_of(action.stage) != rank:
+                raise _transfer_fail(schedule, f"{action} is on rank {rank} but stage {action.stage} is "
+                            f"placed on rank {schedule.rank_of(action.stage)}", action,
+                            rule="placement")
+            if where[(action.op, *key)] != n:
+                raise _transfer_fail(schedule, f"{action} is scheduled more than once", action,
+                            rule="duplicate")
+        for (op, stage, mb), n in where.items():
+            if op is not Op.O:
+                continue
+            offload, reload = Action(stage, Op.O, mb), Action(stage, Op.R, mb)
+            if (Op.R, stage, mb) not in where:
+                raise _transfer_fail(schedule, f"{offload} has no {reload}: the backward would find its "
+                            "activations on the host", offload)
+            if not where[(Op.F, stage, mb)] < n:
+                raise _transfer_fail(schedule, f"{offload} comes before {Action(stage, Op.F, mb)}: "
+                            "there is nothing to offload yet", offload)
+            if not n < where[(Op.R, stage, mb)]:
+                raise _transfer_fail(schedule, f"{reload} comes before {offload}", offload, reload)
+            first = backward[(stage, mb)]
+            if not where[(Op.R, stage, mb)] < first:
+                raise _transfer_fail(schedule, f"{reload} comes after {row[first]}, which needs the "
+                            "activations back", reload, row[first])
+        for (op, stage, mb) in where:
+            if op is Op.R and (Op.O, stage, mb) not in where:
+                raise _transfer_fail(schedule, f"{Action(stage, Op.R, mb)} reloads what no "
+                            f"{Action(stage, Op.O, mb)} offloaded", Action(stage, Op.R, mb))
+    if memory_limit is None:
+        return
+    limit = Fraction(memory_limit)
+    for rank in range(schedule.pp_size):
+        for action, level in zip(schedule.actions[rank], offload_levels(schedule, rank)):
+            if level > limit:
+                raise _transfer_fail(schedule, f"rank {rank} holds {float(level):g} activation units on "
+                            f"the device at {action}, over the limit of {memory_limit:g}",
+                            action, rule="memory")

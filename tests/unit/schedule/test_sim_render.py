@@ -18,7 +18,7 @@ def zbv():
 
 def test_every_op_has_a_distinct_colour_and_trace_name():
     assert set(OP_COLORS) == set(OP_CNAMES) == {op.value for op in Op}
-    assert len(set(OP_COLORS.values())) == len(set(OP_CNAMES.values())) == 4
+    assert len(set(OP_COLORS.values())) == len(set(OP_CNAMES.values())) == len(Op)
 
 
 def test_later_chunks_are_lighter_shades_of_the_same_colour():
