@@ -107,6 +107,7 @@ def test_a_hung_middle_stage_is_killed_and_rebuilt_and_the_run_finishes(tmp_path
         os.kill(hung, 0)  # the frozen process is gone, not left stopped
 
 
+@pytest.mark.slow  # 34 s: the hang path itself is covered by the rebuild test above
 def test_a_hung_stage_checkfree_cannot_rebuild_fails_the_job_naming_it(tmp_path):
     run_dir = tmp_path / "run"
     proc = _start(10_000, run_dir)
