@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import json
 import random
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+from loom.data.loader import prepare_data
 
 BOS, EOS = "<s>", "</s>"
 
@@ -104,3 +106,20 @@ def write_short_documents(directory: Path, count: int, seed: int) -> None:
         length = int(3 * 10 ** rng.random()) if rng.random() < 0.9 else rng.randint(40, 120)
         text = "".join(rng.choice("abcdefghij klmnop\n") for _ in range(length))
         (directory / f"doc{i:04d}.txt").write_text(text)
+
+
+def prepared_documents(tmp_path_factory: Any, name: str, seq_len: int, *, count: int, seed: int,
+                       write: Callable[[Path, int, int], None] = write_short_documents
+                       ) -> tuple[str, dict[str, Any]]:
+    """A prepared data directory of ``write``'s documents (``count`` files, ``seed``) and the
+    overrides every document parity test starts from: the source, ``seq_len``, one warm-up step,
+    lr 1e-3, clipping at 1, no evaluation."""
+    source = tmp_path_factory.mktemp(name)
+    write(source, count, seed)
+    out = tmp_path_factory.mktemp(f"{name}_data")
+    prepare_data(DataCfg(source=str(source), extensions=(".txt",), seq_len=seq_len,
+                         val_fraction=0.1), out)
+    overrides = {"data.source": str(source), "data.extensions": ".txt", "data.seq_len": seq_len,
+                 "data.val_fraction": 0.1, "optim.warmup_steps": 1, "optim.lr": 1e-3,
+                 "train.grad_clip": 1.0, "train.eval_every": 0}
+    return str(out), overrides

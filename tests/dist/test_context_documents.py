@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from loom.config import load_config, resolve
-from loom.data.loader import prepare_data
 from loom.data.packing import IGNORE_INDEX, PAD_DOCUMENT, DocumentBatch
 from loom.errors import ConfigError
 from loom.models.document_attention import DocumentMask
@@ -40,7 +39,7 @@ from loom.parallel.context import (CPLayout, ContextParallelAttention, apply_con
                                    new_cp_groups, reduce_gradients_over_cp, shard_documents)
 from loom.parallel.context_documents import PAD_SLOT, document_shard_indices
 from loom.testing.parity import assert_parity, layout_config, record_training
-from tests.data_fixtures import DataCfg, write_short_documents
+from tests.data_fixtures import prepared_documents
 
 ARGS = TransformerArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=128, vocab_size=64,
                        max_seq_len=64)
@@ -277,18 +276,10 @@ TRAINER_LAYOUTS = {  # name: (world, degrees, extra overrides)
 @pytest.fixture(scope="module")
 def short_documents(tmp_path_factory) -> tuple[str, dict]:
     """Short documents of very different lengths (``tests/dist/test_varlen_parity.py``'s)."""
-    source = tmp_path_factory.mktemp("cp_docs")
-    write_short_documents(source, count=300, seed=23)
-    out = tmp_path_factory.mktemp("cp_docs_data")
-    prepare_data(DataCfg(source=str(source), extensions=(".txt",), seq_len=SEQ_LEN,
-                         val_fraction=0.1), out)
-    overrides = {"data.source": str(source), "data.extensions": ".txt",
-                 "data.seq_len": SEQ_LEN, "data.val_fraction": 0.1, "data.packing": "varlen",
-                 "data.tokens_per_microbatch": BUDGET, "train.global_batch_tokens": 4 * BUDGET,
-                 "model.preset": "tiny", "model.n_layers": 2, "train.steps": STEPS,
-                 "optim.warmup_steps": 1, "optim.lr": 1e-3, "train.grad_clip": 1.0,
-                 "train.eval_every": 0}
-    return str(out), overrides
+    data_dir, overrides = prepared_documents(tmp_path_factory, "cp_docs", SEQ_LEN, count=300,
+                                             seed=23)
+    overrides.update({"data.packing": "varlen", "data.tokens_per_microbatch": BUDGET, "train.global_batch_tokens": 4 * BUDGET, "model.preset": "tiny", "model.n_layers": 2, "train.steps": STEPS})
+    return data_dir, overrides
 
 
 def _pack(base: dict) -> dict:

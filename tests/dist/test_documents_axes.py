@@ -34,13 +34,12 @@ import torch
 import torch.nn.functional as F
 
 from loom.config import from_dict
-from loom.data.loader import prepare_data
 from loom.data.packing import IGNORE_INDEX
 from loom.data.varlen import VarlenBatch
 from loom.models.moe import MoEFeedForward
 from loom.testing.parity import assert_parity, layout_config, record_training
 from loom.train.trainer import Trainer
-from tests.data_fixtures import DataCfg, write_short_documents
+from tests.data_fixtures import prepared_documents
 
 STEPS = 2
 SEQ_LEN = 32
@@ -81,16 +80,10 @@ SLOW = {"pp2-tp2-sp"}  # four ranks on CI's two cores
 @pytest.fixture(scope="module")
 def short_documents(tmp_path_factory) -> tuple[str, dict]:
     """A prepared data directory of short documents and the overrides that match it."""
-    source = tmp_path_factory.mktemp("axes_docs")
-    write_short_documents(source, count=400, seed=29)
-    out = tmp_path_factory.mktemp("axes_docs_data")
-    prepare_data(DataCfg(source=str(source), extensions=(".txt",), seq_len=SEQ_LEN,
-                         val_fraction=0.1), out)
-    overrides = {"data.source": str(source), "data.extensions": ".txt",
-                 "data.seq_len": SEQ_LEN, "data.val_fraction": 0.1, "train.steps": STEPS,
-                 "optim.warmup_steps": 1, "optim.lr": 1e-3, "train.grad_clip": 1.0,
-                 "train.eval_every": 0}
-    return str(out), overrides
+    data_dir, overrides = prepared_documents(tmp_path_factory, "axes_docs", SEQ_LEN, count=400,
+                                             seed=29)
+    overrides.update({"train.steps": STEPS})
+    return data_dir, overrides
 
 
 def _base(short_documents, packing: str, model: str) -> tuple[str, dict]:

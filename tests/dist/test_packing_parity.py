@@ -24,11 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from loom.config import from_dict
-from loom.data.loader import prepare_data
 from loom.data.packing import IGNORE_INDEX
 from loom.testing.parity import assert_parity, layout_config, record_training
 from loom.train.trainer import Trainer
-from tests.data_fixtures import DataCfg, write_short_documents
+from tests.data_fixtures import prepared_documents
 
 STEPS = 2
 SEQ_LEN = 32
@@ -48,17 +47,10 @@ LAYOUTS = {  # name: (world, degrees, extra overrides)
 @pytest.fixture(scope="module")
 def short_documents(tmp_path_factory) -> tuple[str, dict]:
     """A prepared data directory of short documents and the overrides that match it."""
-    source = tmp_path_factory.mktemp("short_docs")
-    write_short_documents(source, count=600, seed=17)
-    out = tmp_path_factory.mktemp("short_docs_data")
-    prepare_data(DataCfg(source=str(source), extensions=(".txt",), seq_len=SEQ_LEN,
-                         val_fraction=0.1), out)
-    overrides = {"data.source": str(source), "data.extensions": ".txt",
-                 "data.seq_len": SEQ_LEN, "data.val_fraction": 0.1, "data.packing": "pack",
-                 "model.preset": "tiny", "train.steps": STEPS, "train.global_batch_size": 8,
-                 "train.micro_batch_size": 2, "optim.warmup_steps": 1, "optim.lr": 1e-3,
-                 "train.grad_clip": 1.0, "train.eval_every": 0}
-    return str(out), overrides
+    data_dir, overrides = prepared_documents(tmp_path_factory, "short_docs", SEQ_LEN, count=600,
+                                             seed=17)
+    overrides.update({"data.packing": "pack", "model.preset": "tiny", "train.steps": STEPS, "train.global_batch_size": 8, "train.micro_batch_size": 2})
+    return data_dir, overrides
 
 
 def first_loss_against_documents_alone(ctx, config_table: dict, data_dir: str) -> dict:

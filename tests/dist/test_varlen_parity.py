@@ -28,11 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from loom.config import from_dict
-from loom.data.loader import prepare_data
 from loom.data.varlen import plan_step
 from loom.testing.parity import assert_parity, layout_config, record_training
 from loom.train.trainer import Trainer
-from tests.data_fixtures import DataCfg, write_short_documents
+from tests.data_fixtures import prepared_documents
 
 STEPS = 2
 SEQ_LEN = 32  # the split length
@@ -56,17 +55,10 @@ SLOW = {"pp2-dp2", "zero3-dp2"}  # nothing new for varlen beyond the others: not
 @pytest.fixture(scope="module")
 def short_documents(tmp_path_factory) -> tuple[str, dict]:
     """A prepared data directory of short documents and the overrides that match it."""
-    source = tmp_path_factory.mktemp("varlen_docs")
-    write_short_documents(source, count=300, seed=23)
-    out = tmp_path_factory.mktemp("varlen_docs_data")
-    prepare_data(DataCfg(source=str(source), extensions=(".txt",), seq_len=SEQ_LEN,
-                         val_fraction=0.1), out)
-    overrides = {"data.source": str(source), "data.extensions": ".txt",
-                 "data.seq_len": SEQ_LEN, "data.val_fraction": 0.1, "data.packing": "varlen",
-                 "data.tokens_per_microbatch": BUDGET, "train.global_batch_tokens": STEP_TOKENS,
-                 "model.preset": "tiny", "train.steps": STEPS, "optim.warmup_steps": 1,
-                 "optim.lr": 1e-3, "train.grad_clip": 1.0, "train.eval_every": 0}
-    return str(out), overrides
+    data_dir, overrides = prepared_documents(tmp_path_factory, "varlen_docs", SEQ_LEN, count=300,
+                                             seed=23)
+    overrides.update({"data.packing": "varlen", "data.tokens_per_microbatch": BUDGET, "train.global_batch_tokens": STEP_TOKENS, "model.preset": "tiny", "train.steps": STEPS})
+    return data_dir, overrides
 
 
 def first_step_against_pieces_alone(ctx, config_table: dict, data_dir: str) -> dict:

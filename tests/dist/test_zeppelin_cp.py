@@ -37,7 +37,7 @@ from loom.parallel.zeppelin_cp import (cp_step_price, document_runs, model_token
 from loom.data.zeppelin import Ranks, partition_static_cp
 from loom.testing.parity import assert_parity, layout_config, record_training
 from loom.train.trainer import Trainer
-from tests.data_fixtures import DataCfg
+from tests.data_fixtures import DataCfg, prepared_documents
 
 STEPS = 2
 SEQ_LEN, BUDGET = 256, 384  # split length, tokens per microbatch
@@ -61,18 +61,10 @@ def write_long_tail(directory: Path, count: int, seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def long_tail(tmp_path_factory) -> tuple[str, dict]:
-    source = tmp_path_factory.mktemp("zeppelin_docs")
-    write_long_tail(source, count=240, seed=5)
-    out = tmp_path_factory.mktemp("zeppelin_docs_data")
-    prepare_data(DataCfg(source=str(source), extensions=(".txt",), seq_len=SEQ_LEN,
-                         val_fraction=0.1), out)
-    overrides = {"data.source": str(source), "data.extensions": ".txt",
-                 "data.seq_len": SEQ_LEN, "data.val_fraction": 0.1, "data.packing": "varlen",
-                 "data.tokens_per_microbatch": BUDGET, "train.global_batch_tokens": 2 * BUDGET,
-                 "model.preset": "tiny", "model.n_layers": 2, "train.steps": STEPS,
-                 "optim.warmup_steps": 1, "optim.lr": 1e-3, "train.grad_clip": 1.0,
-                 "train.eval_every": 0}
-    return str(out), overrides
+    data_dir, overrides = prepared_documents(tmp_path_factory, "zeppelin_docs", SEQ_LEN, count=240,
+                                             seed=5, write=write_long_tail)
+    overrides.update({"data.packing": "varlen", "data.tokens_per_microbatch": BUDGET, "train.global_batch_tokens": 2 * BUDGET, "model.preset": "tiny", "model.n_layers": 2, "train.steps": STEPS})
+    return data_dir, overrides
 
 
 def first_step_placements(ctx, config_table: dict, data_dir: str) -> dict:
