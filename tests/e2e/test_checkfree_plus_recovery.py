@@ -12,24 +12,16 @@ rate is ``fault.recovery_lr_scale`` (1.1) times the schedule's. No checkpoint ex
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.e2e.checkfree_runs import logged_steps, pipeline_args, run_to_end
+
 STEPS, KILL_EVERY = 6, 2
-ARGS = ["--nproc", "4", "--parallel.pp=4", "--fault.recovery=checkfree_plus",
-        "--fault.test_kill_stages=0,3", f"--fault.test_kill_step={KILL_EVERY}",
-        "--fault.dump_recovery=true", f"--train.steps={STEPS}", "--model.preset=tiny",
-        "--data.max_bytes=300000", "--data.seq_len=64", "--train.global_batch_size=4",
-        "--train.micro_batch_size=1", "--train.eval_every=0", "--train.timeout_s=30",
-        "--checkpoint.interval=0", "--metrics.tensorboard=false", "--metrics.plot=false"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+FAULT = ["--fault.test_kill_stages=0,3", f"--fault.test_kill_step={KILL_EVERY}",
+         "--fault.dump_recovery=true"]
 SCALE = 1.1  # fault.recovery_lr_scale's default
 
 
@@ -55,17 +47,7 @@ def _check_rebuild(dumps: Path, generation: int, lost: int, source: int, after_s
 
 def test_the_first_and_the_last_stage_are_rebuilt_from_their_neighbour(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "loom", "train", *ARGS,
-                             f"--train.run_dir={run_dir}"], cwd=Path(__file__).parents[2],
-                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=360)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every worker it started
-        log, _ = proc.communicate()
-        pytest.fail(f"the run did not finish in 360 s:\n{log[-6000:]}")
-    assert proc.returncode == 0, log[-4000:]
+    log = run_to_end(pipeline_args("checkfree_plus", STEPS, run_dir) + FAULT, 360)
     assert "worker rank 0 (stage 0) killed by signal 9" in log, log[-4000:]
     assert "worker rank 3 (stage 3) killed by signal 9" in log, log[-4000:]
     assert ("checkfree_plus: stage 0 (rank 0) rebuilt after step 1 from stage 1: a copy of its"
@@ -74,9 +56,7 @@ def test_the_first_and_the_last_stage_are_rebuilt_from_their_neighbour(tmp_path)
             " blocks" in log), log[-4000:]
     assert not (run_dir / "checkpoints").exists()
     assert "resume:" not in log
-    steps = [row["step"] for row in map(json.loads, (run_dir / "metrics.jsonl").read_text()
-                                         .splitlines()) if "loss" in row]
-    assert steps == list(range(1, STEPS + 1))
+    assert logged_steps(run_dir) == list(range(1, STEPS + 1))
     assert (run_dir / "model.safetensors").exists()
 
     dumps = run_dir / "checkfree"

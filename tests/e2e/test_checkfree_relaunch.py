@@ -13,51 +13,26 @@ launcher itself is told to stop.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+from tests.e2e.checkfree_runs import logged_steps, pipeline_args, start
+
 TIMEOUT_S = 15
 
 
-def _args(steps: int, run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "loom", "train", "--nproc", "4", "--parallel.pp=4",
-            "--fault.recovery=checkfree", f"--train.steps={steps}", "--model.preset=tiny",
-            "--data.max_bytes=300000", "--data.seq_len=64", "--train.global_batch_size=4",
-            "--train.micro_batch_size=1", "--train.eval_every=0",
-            f"--train.timeout_s={TIMEOUT_S}", "--checkpoint.interval=0",
-            "--metrics.tensorboard=false", "--metrics.plot=false", f"--train.run_dir={run_dir}"]
-
-
 def _start(steps: int, run_dir: Path) -> subprocess.Popen:
-    return subprocess.Popen(_args(steps, run_dir), cwd=Path(__file__).parents[2], env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-
-
-def _logged_steps(run_dir: Path) -> list[int]:
-    path = run_dir / "metrics.jsonl"
-    steps = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            row = json.loads(line)
-        except ValueError:  # a line being written
-            break
-        if "loss" in row:
-            steps.append(row["step"])
-    return steps
+    return start(pipeline_args("checkfree", steps, run_dir, timeout_s=TIMEOUT_S))
 
 
 def _wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, limit_s: float) -> None:
     deadline = time.monotonic() + limit_s
-    while step not in _logged_steps(run_dir):
+    while step not in logged_steps(run_dir):
         if proc.poll() is not None or time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
             pytest.fail(f"step {step} not logged:\n{proc.communicate()[0][-4000:]}")
@@ -102,7 +77,7 @@ def test_a_hung_middle_stage_is_killed_and_rebuilt_and_the_run_finishes(tmp_path
     assert "worker rank 2 stopped responding" in log, log[-4000:]
     assert "worker rank 2 (stage 2) hung (" in log, log[-4000:]
     assert "checkfree: stage 2 (rank 2) rebuilt after step" in log, log[-4000:]
-    assert _logged_steps(run_dir) == list(range(1, steps + 1))
+    assert logged_steps(run_dir) == list(range(1, steps + 1))
     with pytest.raises(ProcessLookupError):
         os.kill(hung, 0)  # the frozen process is gone, not left stopped
 
