@@ -60,7 +60,6 @@ Shape legend: B batch, N query heads, K key/value heads, G = N/K, S_g tokens of 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +71,8 @@ from loom.models.document_attention import DocumentMask
 from loom.parallel import comm
 from loom.parallel.comm import CommLedger
 from loom.parallel.ring_attention import (DKV_TAG, KV_TAG, Ring, attend_block,
-                                          attend_block_backward)
+                                          attend_block_backward, attend_block_backward_math,
+                                          attend_block_math, finite)
 
 PAD_SLOT = -1  # a shard's gather index for a padding slot
 PAD_KEY = -1  # the document id of cp padding; real documents are run ordinals >= 0
@@ -294,37 +294,18 @@ def document_keys(documents: DocumentMask, group: Any, ring: int, ulysses: int, 
 
 
 # -- the ring, masked per document --------------------------------------------------------------
-def _masked_scores(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor,
-                   allowed_BQK: torch.Tensor) -> torch.Tensor:
-    """Scaled fp32 scores ``[B, K, G, Sq, Sk]``, ``-inf`` where the mask forbids."""
-    B, N, Sq, Hd = q_BNSH.shape
-    K = k_BKSH.shape[1]
-    q_BKGSH = q_BNSH.float().view(B, K, N // K, Sq, Hd)
-    scores = q_BKGSH @ k_BKSH.float().unsqueeze(2).transpose(-1, -2) / math.sqrt(Hd)
-    return scores.masked_fill(~allowed_BQK[:, None, None], float("-inf"))
-
-
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    """``lse`` with ``-inf`` (a row that sees no key) as 0, so ``exp(scores - it)`` is 0 there."""
-    return lse.masked_fill(lse == float("-inf"), 0.0)
-
-
 def masked_block(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
                  allowed_BQK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's output ``[B, N, Sq, Hd]`` and log-sum-exp ``[B, N, Sq]`` (fp32); a row that
-    sees no key gets output 0 and log-sum-exp ``-inf``."""
-    B, N, Sq, Hd = q_BNSH.shape
-    scores = _masked_scores(q_BNSH, k_BKSH, allowed_BQK)
-    lse = scores.logsumexp(-1)
-    out = torch.exp(scores - _finite(lse).unsqueeze(-1)) @ v_BKSH.float().unsqueeze(2)
-    return out.reshape(B, N, Sq, Hd), lse.reshape(B, N, Sq)
+    """One block's output ``[B, N, Sq, Hd]`` and log-sum-exp ``[B, N, Sq]`` (fp32) under a
+    per-row mask; a row that sees no key gets output 0 and log-sum-exp ``-inf``."""
+    return attend_block_math(q_BNSH, k_BKSH, v_BKSH, False, allowed_BQK)
 
 
 def merge_masked(out_BNSH: torch.Tensor, lse_BNS: torch.Tensor, block_out_BNSH: torch.Tensor,
                  block_lse_BNS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``ring_attention.merge_block`` where either side may have seen no key yet (``-inf``)."""
     lse = torch.logaddexp(lse_BNS, block_lse_BNS)
-    base = _finite(lse)
+    base = finite(lse)
     out = (out_BNSH * torch.exp(lse_BNS - base).unsqueeze(-1)
            + block_out_BNSH * torch.exp(block_lse_BNS - base).unsqueeze(-1))
     return out, lse
@@ -336,18 +317,8 @@ def masked_block_backward(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: to
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The flash-attention backward of one masked block, given the rows' final output and
     log-sum-exp (finite: every token sees itself): ``dq``, ``dk``, ``dv`` in fp32."""
-    B, N, Sq, Hd = q_BNSH.shape
-    K = k_BKSH.shape[1]
-    G = N // K
-    delta = (dout_BNSH.float() * out_BNSH.float()).sum(-1)
-    probs = torch.exp(_masked_scores(q_BNSH, k_BKSH, allowed_BQK) - lse_BNS.view(B, K, G, Sq, 1))
-    dout_BKGSH = dout_BNSH.float().view(B, K, G, Sq, Hd)
-    dv = (probs.transpose(-1, -2) @ dout_BKGSH).sum(2)
-    dprobs = dout_BKGSH @ v_BKSH.float().unsqueeze(2).transpose(-1, -2)
-    dscores = probs * (dprobs - delta.view(B, K, G, Sq, 1)) / math.sqrt(Hd)
-    dq = (dscores @ k_BKSH.float().unsqueeze(2)).reshape(B, N, Sq, Hd)
-    dk = (dscores.transpose(-1, -2) @ q_BNSH.float().view(B, K, G, Sq, Hd)).sum(2)
-    return dq, dk, dv
+    return attend_block_backward_math(q_BNSH, k_BKSH, v_BKSH, out_BNSH, dout_BNSH, lse_BNS,
+                                      False, allowed_BQK)
 
 
 def block_forward(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,

@@ -89,8 +89,11 @@ def block_slices(kind: BlockKind, local_len: int) -> tuple[slice, slice, bool]:
     return slice(half, None), every, False
 
 
-def _scores(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Scaled scores ``[B, K, G, Sq, Sk]`` (fp32); each key head broadcasts over its G queries."""
+def _scores(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, causal: bool,
+            allowed_BQK: torch.Tensor | None = None) -> torch.Tensor:
+    """Scaled scores ``[B, K, G, Sq, Sk]`` (fp32); each key head broadcasts over its G queries.
+    ``-inf`` above the diagonal when ``causal``, and where ``allowed_BQK`` (a per-row mask of
+    the block: context parallelism's document ring) forbids."""
     B, N, Sq, Hd = q_BNSH.shape
     K = k_BKSH.shape[1]
     q_BKGSH = q_BNSH.float().view(B, K, N // K, Sq, Hd)
@@ -99,18 +102,26 @@ def _scores(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, causal: bool) -> torch.T
         Sk = k_BKSH.shape[2]
         future = torch.ones(Sq, Sk, dtype=torch.bool, device=scores.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
+    if allowed_BQK is not None:
+        scores = scores.masked_fill(~allowed_BQK[:, None, None], float("-inf"))
     return scores
 
 
+def finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with ``-inf`` (a row that sees no key) as 0, so ``exp(scores - it)`` is 0 there."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
 def attend_block_math(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
-                      causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                      causal: bool, allowed_BQK: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of one block: output ``[B, N, Sq, Hd]`` and log-sum-exp ``[B, N, Sq]``,
-    both fp32, in plain torch (the reference, and the path off the CPU). Every query row must see
-    at least one key (true of all three zig-zag blocks)."""
+    both fp32, in plain torch (the reference, the path off the CPU, and the document ring's
+    masked blocks). A row that sees no key gets output 0 and log-sum-exp ``-inf``."""
     B, N, Sq, Hd = q_BNSH.shape
-    scores = _scores(q_BNSH, k_BKSH, causal)
+    scores = _scores(q_BNSH, k_BKSH, causal, allowed_BQK)
     lse = scores.logsumexp(-1)
-    out = torch.exp(scores - lse.unsqueeze(-1)) @ v_BKSH.float().unsqueeze(2)
+    out = torch.exp(scores - finite(lse).unsqueeze(-1)) @ v_BKSH.float().unsqueeze(2)
     return out.reshape(B, N, Sq, Hd), lse.reshape(B, N, Sq)
 
 
@@ -153,14 +164,17 @@ def merge_block(out_BNSH: torch.Tensor, lse_BNS: torch.Tensor, block_out_BNSH: t
 def attend_block_backward_math(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
                                out_BNSH: torch.Tensor, dout_BNSH: torch.Tensor,
                                lse_BNS: torch.Tensor, causal: bool,
+                               allowed_BQK: torch.Tensor | None = None,
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the rows' *final* output and log-sum-exp (the flash-attention
-    backward): ``dq [B,N,Sq,Hd]``, ``dk, dv [B,K,Sk,Hd]``, fp32."""
+    backward): ``dq [B,N,Sq,Hd]``, ``dk, dv [B,K,Sk,Hd]``, fp32; the block masked as
+    ``_scores`` masks it."""
     B, N, Sq, Hd = q_BNSH.shape
     K = k_BKSH.shape[1]
     G = N // K
     delta = (dout_BNSH.float() * out_BNSH.float()).sum(-1)  # = sum_k P dP, per query row
-    probs = torch.exp(_scores(q_BNSH, k_BKSH, causal) - lse_BNS.view(B, K, G, Sq, 1))
+    probs = torch.exp(_scores(q_BNSH, k_BKSH, causal, allowed_BQK)
+                      - lse_BNS.view(B, K, G, Sq, 1))
     dout_BKGSH = dout_BNSH.float().view(B, K, G, Sq, Hd)
     dv = (probs.transpose(-1, -2) @ dout_BKGSH).sum(2)
     dprobs = dout_BKGSH @ v_BKSH.float().unsqueeze(2).transpose(-1, -2)
