@@ -58,10 +58,10 @@ def torchao_available() -> bool:
     return importlib.util.find_spec("torchao") is not None
 
 
-def device_refusal(recipe: str, emulate: bool, device: str) -> str | None:
+def device_refusal(recipe: str, emulate: bool, device: torch.device) -> str | None:
     """The rule ``loom train`` refuses ``train.fp8 = recipe`` by on this machine's ``device``
-    (None: torchao is installed and the device has FP8 matmuls or they are emulated, or FP8 is
-    off)."""
+    (``train.device`` resolved; None: torchao is installed and the device has FP8 matmuls or
+    they are emulated, or FP8 is off)."""
     if recipe == "none":
         return None
     if not torchao_available():
@@ -74,19 +74,15 @@ def device_refusal(recipe: str, emulate: bool, device: str) -> str | None:
             " not faster)")
 
 
-def missing_fp8_matmuls(device: str) -> str | None:
-    """Why ``device`` (``train.device``: auto, cpu, cuda, cuda:N, ...) has no FP8 matmuls, or
-    None when it has them."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if not device.startswith("cuda"):
-        return f"device {device!r} has no FP8 matmuls"
+def missing_fp8_matmuls(device: torch.device) -> str | None:
+    """Why ``device`` has no FP8 matmuls, or None when it has them."""
+    if device.type != "cuda":
+        return f"device {str(device)!r} has no FP8 matmuls"
     if not torch.cuda.is_available():
         return "CUDA is not available here"
-    index = int(device.split(":")[1]) if ":" in device else torch.cuda.current_device()
-    capability = torch.cuda.get_device_capability(index)
+    capability = torch.cuda.get_device_capability(device)
     if capability < FP8_CAPABILITY:
-        return (f"{torch.cuda.get_device_name(index)} is compute capability"
+        return (f"{torch.cuda.get_device_name(device)} is compute capability"
                 f" {capability[0]}.{capability[1]}, below {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]}")
     return None
 
