@@ -81,18 +81,23 @@ compute = 0.25
 def test_a_slower_node_slows_every_step_to_its_pace(tmp_path):
     (tmp_path / "slow.toml").write_text(SLOW_NODE)
     (tmp_path / "even.toml").write_text(SLOW_NODE.replace("compute = 0.25", "compute = 1.0"))
-    times, logs = {}, {}
+    times, losses, logs = {}, {}, {}
     for name in ("slow", "even"):
         done = loom("train", "--nproc", "2", "--cluster", f"{name}.toml", "--emulate",
                     f"--train.run_dir=runs/{name}", *SMALL, cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-3000:]
-        times[name] = sorted(r["step_time_s"] for r in steps(tmp_path / "runs" / name))[1]
+        rows = steps(tmp_path / "runs" / name)
+        times[name] = sorted(r["step_time_s"] for r in rows)[1]
+        losses[name] = [r["loss"] for r in rows]
         logs[name] = done.stderr
     assert "rank speeds 1.0,0.25" in logs["slow"] and "rank speeds" not in logs["even"]
+    assert losses["slow"] == losses["even"]  # the slowdown changes time, never numbers
     # rank 1's forward and backward take 4x as long and rank 0 waits for its gradients; the
     # optimizer step, data loading and the all-reduce are not stretched, and on this tiny model
-    # they are about half of a step: measured 2.1x (a step without the slowdown would be ~1x)
-    assert times["slow"] > 1.6 * times["even"], times
+    # they are about half of a step: measured 2.1x on a quiet machine. Only "slower" is asserted
+    # here: the ratio shrank to 1.34x under a loaded machine's noise, and how much each piece is
+    # stretched is tests/unit/train/test_emulated_speed.py's to check, without wall clocks.
+    assert times["slow"] > times["even"], times
 
 
 @pytest.mark.parametrize("args, words", [
