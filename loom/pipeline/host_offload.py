@@ -38,12 +38,15 @@ def _is_leaf_weight(tensor: torch.Tensor) -> bool:
 
 
 class _Slot:
-    """One saved tensor: on the device (``offloaded`` False) or its host copy."""
+    """One saved tensor: on its ``home`` device (``offloaded`` False) or its host copy. The home
+    is per slot: autograd also saves small host tensors beside the activations (on a GPU, e.g. an
+    attention kernel's random-number state), which must come back where they were."""
 
-    __slots__ = ("tensor",)
+    __slots__ = ("tensor", "home")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
+        self.home = tensor.device
 
 
 class SavedActivations:
@@ -54,7 +57,6 @@ class SavedActivations:
         self.name = name  # e.g. "2O3": named in errors
         self.slots: list[_Slot] = []
         self._by_id: dict[int, _Slot] = {}
-        self.device: torch.device | None = None
         self.offloaded = False
         self.bytes_moved = 0
         self.seconds = 0.0
@@ -71,7 +73,6 @@ class SavedActivations:
             slot = _Slot(tensor)
             self._by_id[id(tensor)] = slot
             self.slots.append(slot)
-            self.device = tensor.device
         return slot
 
     def _unpack(self, packed: torch.Tensor | _Slot) -> torch.Tensor:
@@ -107,9 +108,8 @@ class SavedActivations:
         """Copy every slot back to the device it came from."""
         began = time.perf_counter()
         for slot in self.slots:
-            tensor = slot.tensor
-            slot.tensor = tensor.clone() if self.device is None or self.device.type == "cpu" \
-                else tensor.to(self.device)
+            slot.tensor = slot.tensor.clone() if slot.home.type == "cpu" \
+                else slot.tensor.to(slot.home)
         self.offloaded = False
         self.bytes_moved += self.nbytes
         self.seconds += time.perf_counter() - began
