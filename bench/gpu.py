@@ -6,9 +6,12 @@ figures and Loom's own memory estimator.
 
 The model is Llama 3 8B's shape (dim 4096, 32 heads, 8 KV heads, FFN 14336, vocabulary 128,256,
 RoPE theta 500,000) with fewer layers (``--layers``, default 4) so that it trains on one GPU
-without sharding: it runs ``train.dtype = bf16_autocast``, fp32 parameters, gradients and Adam
-moments (16 bytes per parameter) under bf16 autocast, about 31 GB at 4 layers: the mode the
-recorded H200 numbers were measured in (``bf16``, bf16 parameters with fp32 masters, needs 14). Each variant is one
+without sharding. Variants run ``train.dtype = bf16`` (bf16 parameters and gradients, fp32
+master weights and Adam moments: 14 bytes per parameter, about 27 GB at 4 layers) unless named
+otherwise: ``bf16-autocast`` is fp32 parameters, gradients and moments (16 bytes) under bf16
+autocast, the mode the first recorded H200 numbers were measured in. The FP8 variants
+(``train.fp8``, torchao's float8 training; compiled, as TorchTitan runs it) need a GPU with FP8
+matmuls; with ``--device cpu`` (a smoke run) they are emulated. Each variant is one
 ``loom train --nproc 1`` on the standard-library corpus (byte tokens) at sequence length 8192,
 global batch 2 sequences (TorchTitan's local batch per GPU) as 2 microbatches of 1. Reported per
 variant: the median tokens/s and MFU over the steps after the first ``--warmup`` (Loom's own
@@ -46,12 +49,15 @@ from loom.train.memory import GiB, estimate_memory  # noqa: E402
 TORCHTITAN = {"tokens_per_s_per_gpu_eager": 5762, "tokens_per_s_per_gpu_compiled": 6667,
               "mfu_range": "33%-39%", "memory_gib": 82.4,
               "setup": "Llama 3.1 8B, 8 H100 (500 W), FSDP, local batch 2, seq 8192, selective AC"}
-VARIANTS = {  # name: extra overrides
+VARIANTS = {  # name: extra overrides of the bf16 base
     "bf16": {},
+    "bf16-autocast": {"train.dtype": "bf16_autocast"},
     "bf16-selective-recompute": {"train.recompute": "selective"},
     "bf16-full-recompute": {"train.recompute": "full"},
     "fp32": {"train.dtype": "fp32"},  # MFU n/a: the catalog's peak is BF16's
     "bf16-compile": {"train.compile": True},
+    "fp8-tensorwise-compile": {"train.compile": True, "train.fp8": "tensorwise"},
+    "fp8-rowwise-compile": {"train.compile": True, "train.fp8": "rowwise"},
 }
 
 
@@ -61,7 +67,7 @@ def overrides(preset: str, layers: int, seq_len: int, steps: int,
     return {"model.preset": preset, "model.n_layers": layers, "model.vocab_size": vocab,
             "data.seq_len": seq_len, "data.max_bytes": 4 * seq_len * (2 * steps + 8),
             "data.extensions": ".py", "train.steps": steps, "train.global_batch_size": 2,
-            "train.micro_batch_size": 1, "train.dtype": "bf16_autocast", "train.device": device,
+            "train.micro_batch_size": 1, "train.dtype": "bf16", "train.device": device,
             "train.eval_every": 0, "optim.warmup_steps": 2, "metrics.progress": False,
             "train.skip_memory_check": True}
 
@@ -114,7 +120,10 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="loom-gpu-bench-") as tmp:
         for name in args.variants.split(","):
-            result = run_variant(name, {**table, **VARIANTS[name]}, Path(tmp), args.warmup)
+            variant = {**table, **VARIANTS[name]}
+            if "train.fp8" in variant and args.device == "cpu":
+                variant["train.fp8_emulate"] = True  # a smoke run: no FP8 matmuls on a CPU
+            result = run_variant(name, variant, Path(tmp), args.warmup)
             if "tokens_per_s" in result:
                 result["tokens_per_s_at_32_layers"] = result["tokens_per_s"] * depth_ratio
             results.append(result)
@@ -127,7 +136,7 @@ def main() -> None:
     print(f"\n{device}, torch {torch.__version__}, {args.preset} shape with {args.layers} layers,"
           f" seq {args.seq_len}, batch 2 x 1")
     print(f"{'variant':<26} {'tok/s':>8} {'MFU':>6} {'tok/s@32L':>10} {'peak GiB':>9}"
-          f" {'est GiB':>8} {'est/peak':>8}")
+          f" {'est GiB':>8} {'est/peak':>8} {'loss':>7}")
     for r in results:
         if "error" in r:
             print(f"{r['variant']:<26} failed: {r['error'].splitlines()[-1] if r['error'] else ''}")
@@ -135,7 +144,8 @@ def main() -> None:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
         print(f"{r['variant']:<26} {r['tokens_per_s']:8.0f} {mfu:>6}"
               f" {r['tokens_per_s_at_32_layers']:10.0f} {r['peak_mem_gib']:9.1f}"
-              f" {r['estimated_peak_gib']:8.1f} {r['estimate_over_measured']:8.2f}")
+              f" {r['estimated_peak_gib']:8.1f} {r['estimate_over_measured']:8.2f}"
+              f" {r['final_loss']:7.4f}")
     print(f"TorchTitan: {TORCHTITAN['setup']}: {TORCHTITAN['tokens_per_s_per_gpu_eager']} tok/s"
           f" per GPU eager, MFU {TORCHTITAN['mfu_range']}")
 

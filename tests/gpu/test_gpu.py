@@ -19,8 +19,12 @@ show, on whatever GPUs the machine has.
   its run directory and reports MFU against the catalog's peak; ``loom generate`` samples from it.
 
 * ``train.compile`` on a GPU (inductor's Triton kernels) equals eager, fp32 and bf16.
-
-FP8 (issue 20 item 5) has no test here yet: Loom has none.
+* ``train.fp8`` on a GPU with FP8 matmuls (compute capability 8.9+, torchao installed): the real
+  float8 GEMMs equal torchao's emulation of them (what the CPU suite tests) up to the tensor
+  cores' accumulation, and stay within FP8's rounding of fp32.
+* PipeOffload's accelerator path: a Loom model's saved activations move to pinned host memory
+  (the device memory they held is freed, measured with the allocator) and back, and the backward
+  is bit-identical to one without the move.
 """
 
 from __future__ import annotations
@@ -35,7 +39,10 @@ import torch
 import torch.distributed as dist
 
 from loom.data.loader import prepare_data
+from loom.models import TransformerArgs, build_model, reset_parameters
 from loom.models.document_attention import DocumentMask
+from loom.parallel.fp8 import missing_fp8_matmuls, torchao_available
+from loom.pipeline.host_offload import SavedActivations
 from loom.testing.harness import PoolRegistry
 from loom.testing.parity import assert_parity, layout_config, record_training
 from tests.conftest import SMALL_DATA_OVERRIDES
@@ -138,6 +145,86 @@ def test_compiled_blocks_on_a_gpu_equal_eager(gpus, small_data_dir):
             assert_parity(eager, compiled, rtol=2e-3, atol=1e-4, label="compiled")
         else:
             assert_close_in_bf16(eager, compiled, "compiled bf16")
+
+
+# -- FP8 -------------------------------------------------------------------------------------------
+FP8_GPU = N_GPUS > 0 and torchao_available() and missing_fp8_matmuls(torch.device("cuda")) is None
+
+
+@pytest.mark.skipif(not FP8_GPU, reason="needs torchao and a GPU with FP8 matmuls (8.9+)")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_matmuls_on_a_gpu_equal_their_emulation(gpus, small_data_dir, recipe):
+    """The GPU runs ``torch._scaled_mm`` on float8 operands; torchao's emulation casts to the
+    same float8 values with the same scales and multiplies them in high precision. The first
+    step differs only by the tensor cores' accumulation (a small fraction of later casts may
+    round to the neighbouring float8 value): loss within 1e-3, every gradient within 2% relative
+    Frobenius error, where one float8 step of e4m3 is 6%. Both differ from fp32 by FP8's
+    rounding: the loss moves, by less than 2%."""
+    base = {**BASE, "model.n_kv_heads": 4}
+    fp8 = {**base, "train.fp8": recipe}
+    fp32 = gpus.run(1, record_training, layout_config(base, 1), small_data_dir, STEPS)[0]
+    emulated = gpus.run(1, record_training, layout_config({**fp8, "train.fp8_emulate": True}, 1),
+                        small_data_dir, STEPS)[0]
+    real = gpus.run(1, record_training, layout_config(fp8, 1), small_data_dir, STEPS)[0]
+    report(f"fp8 {recipe} real vs emulated", emulated, real)
+    report(f"fp8 {recipe} real vs fp32", fp32, real)
+    assert real["loss"][0] == pytest.approx(emulated["loss"][0], rel=1e-3)
+    for name, ref in emulated["grads"][0].items():
+        error = ((real["grads"][0][name] - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+        assert error <= 0.02, f"fp8 {recipe} step 1 grad of {name}: relative error {error:.3e}"
+    for step in range(STEPS):
+        assert real["loss"][step] != fp32["loss"][step]  # the matmuls are quantized ...
+        assert real["loss"][step] == pytest.approx(fp32["loss"][step], rel=0.02)  # ... no more
+
+
+# -- PipeOffload on an accelerator -------------------------------------------------------------------
+def test_offloaded_activations_free_gpu_memory_and_return_bit_identical():
+    """What ``SavedActivations`` moves leaves the GPU: the allocator's count drops by the bytes
+    the store holds (to pinned host memory), returns on reload, and the backward then gives the
+    same gradients, bit for bit, as the model without offloading. A Loom model (SDPA on the GPU,
+    whose saved state includes small tensors besides activations) in fp32."""
+    args = TransformerArgs(dim=512, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=1536,
+                           vocab_size=512, max_seq_len=1024)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, args.vocab_size, (4, 1024), device="cuda")
+
+    def model() -> torch.nn.Module:
+        built = build_model(args, device="cuda")
+        reset_parameters(built, seed=0)
+        return built
+
+    def loss_of(net: torch.nn.Module) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(net(tokens).flatten(0, 1), tokens.flatten())
+
+    reference = model()
+    loss_of(reference).backward()
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+    del reference
+
+    net = model()
+    store = SavedActivations("0O0")
+    with store.hooks():
+        loss = loss_of(net)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    device_bytes = sum(slot.tensor.numel() * slot.tensor.element_size()
+                       for slot in store.slots if slot.tensor.is_cuda)
+    store.offload()
+    torch.cuda.synchronize()
+    freed = before - torch.cuda.memory_allocated()
+    print(f"offload: {len(store.slots)} saved tensors, {store.nbytes / 2**20:.1f} MiB"
+          f" ({device_bytes / 2**20:.1f} MiB on the GPU), freed {freed / 2**20:.1f} MiB,"
+          f" {store.bytes_moved / store.seconds / 1e9:.1f} GB/s to pinned host memory")
+    assert device_bytes > 100 * 2**20
+    assert all(not slot.tensor.is_cuda for slot in store.slots)
+    assert 0.95 * device_bytes <= freed <= 1.05 * device_bytes
+    store.reload()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == pytest.approx(before, rel=0.01)
+    assert all(slot.tensor.device == slot.home for slot in store.slots)  # host tensors stay
+    loss.backward()
+    for name, parameter in net.named_parameters():
+        assert torch.equal(parameter.grad, expected[name]), name
 
 
 # -- packed documents --------------------------------------------------------------------------------
