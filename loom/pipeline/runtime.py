@@ -288,7 +288,8 @@ class PipelineRuntime:
                 self.reducers[action.stage].sync = True
             hooks: contextlib.AbstractContextManager = contextlib.nullcontext()
             if action.op is Op.F and (action.stage, mb) in offloads:
-                saved[action.stage, mb] = SavedActivations(str(action))
+                saved[action.stage, mb] = SavedActivations(str(action),
+                                                           resident=stage.module.buffers())
                 hooks = saved[action.stage, mb].hooks()
             with self.compute_context(), hooks:
                 if action.op is Op.F:
