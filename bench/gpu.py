@@ -56,6 +56,8 @@ VARIANTS = {  # name: extra overrides of the bf16 base
     "bf16-full-recompute": {"train.recompute": "full"},
     "fp32": {"train.dtype": "fp32"},  # MFU n/a: the catalog's peak is BF16's
     "bf16-compile": {"train.compile": True},
+    "fp8-tensorwise": {"train.fp8": "tensorwise"},
+    "fp8-rowwise": {"train.fp8": "rowwise"},
     "fp8-tensorwise-compile": {"train.compile": True, "train.fp8": "tensorwise"},
     "fp8-rowwise-compile": {"train.compile": True, "train.fp8": "rowwise"},
 }
@@ -85,7 +87,8 @@ def run_variant(name: str, table: dict[str, object], workdir: Path, warmup: int)
     if done.returncode != 0:
         return {"variant": name, "error": done.stderr[-2000:], "wall_s": wall}
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [row for row in rows if "tokens_per_s" in row][warmup:]
+    every_step = [row for row in rows if "tokens_per_s" in row]
+    steps = every_step[warmup:]
     config = resolve(load_config(None, table), 1)
     estimate = estimate_memory(config)
     peak = max(row["peak_mem_bytes"] for row in steps)
@@ -95,7 +98,7 @@ def run_variant(name: str, table: dict[str, object], workdir: Path, warmup: int)
             "step_time_s": statistics.median(row["step_time_s"] for row in steps),
             "peak_mem_gib": peak / GiB, "estimated_peak_gib": estimate.total / GiB,
             "estimate_over_measured": estimate.total / peak,
-            "final_loss": steps[-1]["loss"]}
+            "final_loss": steps[-1]["loss"], "losses": [row["loss"] for row in every_step]}
 
 
 def main() -> None:

@@ -151,15 +151,25 @@ def test_compiled_blocks_on_a_gpu_equal_eager(gpus, small_data_dir):
 FP8_GPU = N_GPUS > 0 and torchao_available() and missing_fp8_matmuls(torch.device("cuda")) is None
 
 
+def gradient_error(reference: dict, candidate: dict, step: int = 0) -> float:
+    """Relative Frobenius error of all gradients of a step together."""
+    ref, got = reference["grads"][step], candidate["grads"][step]
+    squared = sum(((got[n] - r).double().norm() ** 2).item() for n, r in ref.items())
+    return (squared / sum((r.double().norm() ** 2).item() for r in ref.values())) ** 0.5
+
+
 @pytest.mark.skipif(not FP8_GPU, reason="needs torchao and a GPU with FP8 matmuls (8.9+)")
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_matmuls_on_a_gpu_equal_their_emulation(gpus, small_data_dir, recipe):
     """The GPU runs ``torch._scaled_mm`` on float8 operands; torchao's emulation casts to the
     same float8 values with the same scales and multiplies them in high precision. The first
-    step differs only by the tensor cores' accumulation (a small fraction of later casts may
-    round to the neighbouring float8 value): loss within 1e-3, every gradient within 2% relative
-    Frobenius error, where one float8 step of e4m3 is 6%. Both differ from fp32 by FP8's
-    rounding: the loss moves, by less than 2%."""
+    layer's matmuls differ only by the tensor cores' accumulation, but from there on a scale
+    computed from an amax that moved by rounding shifts the float8 grid, so later casts round
+    differently: the real run is the emulated one with another draw of FP8's rounding. Checked:
+    the first step's loss within 1e-4 (measured 1.5e-5 on an H100), and the gradients as far from
+    the emulation's as the emulation's are from fp32 at most twice over (two independent draws
+    of one rounding noise are sqrt(2) apart); the losses of every step within FP8's rounding of
+    fp32 (2%) and not equal to them."""
     base = {**BASE, "model.n_kv_heads": 4}
     fp8 = {**base, "train.fp8": recipe}
     fp32 = gpus.run(1, record_training, layout_config(base, 1), small_data_dir, STEPS)[0]
@@ -167,11 +177,11 @@ def test_fp8_matmuls_on_a_gpu_equal_their_emulation(gpus, small_data_dir, recipe
                         small_data_dir, STEPS)[0]
     real = gpus.run(1, record_training, layout_config(fp8, 1), small_data_dir, STEPS)[0]
     report(f"fp8 {recipe} real vs emulated", emulated, real)
-    report(f"fp8 {recipe} real vs fp32", fp32, real)
-    assert real["loss"][0] == pytest.approx(emulated["loss"][0], rel=1e-3)
-    for name, ref in emulated["grads"][0].items():
-        error = ((real["grads"][0][name] - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-        assert error <= 0.02, f"fp8 {recipe} step 1 grad of {name}: relative error {error:.3e}"
+    noise, apart = gradient_error(fp32, emulated), gradient_error(emulated, real)
+    print(f"fp8 {recipe} step 1 gradients: emulated vs fp32 {noise:.2e}, real vs emulated"
+          f" {apart:.2e}, real vs fp32 {gradient_error(fp32, real):.2e}")
+    assert real["loss"][0] == pytest.approx(emulated["loss"][0], rel=1e-4)
+    assert 0 < apart <= 2 * noise
     for step in range(STEPS):
         assert real["loss"][step] != fp32["loss"][step]  # the matmuls are quantized ...
         assert real["loss"][step] == pytest.approx(fp32["loss"][step], rel=0.02)  # ... no more
@@ -202,25 +212,28 @@ def test_offloaded_activations_free_gpu_memory_and_return_bit_identical():
     del reference
 
     net = model()
-    store = SavedActivations("0O0")
+    store = SavedActivations("0O0", resident=net.buffers())  # RoPE tables stay: the model has them
     with store.hooks():
         loss = loss_of(net)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    device_bytes = sum(slot.tensor.numel() * slot.tensor.element_size()
-                       for slot in store.slots if slot.tensor.is_cuda)
+    on_gpu = [group for group in store.groups() if group.home.type == "cuda"]
+    device_bytes = sum(group.nbytes for group in on_gpu)  # the ranges the saved tensors read
+    storage_bytes = sum(group.slots[0].tensor.untyped_storage().nbytes() for group in on_gpu)
     store.offload()
     torch.cuda.synchronize()
     freed = before - torch.cuda.memory_allocated()
-    print(f"offload: {len(store.slots)} saved tensors, {store.nbytes / 2**20:.1f} MiB"
-          f" ({device_bytes / 2**20:.1f} MiB on the GPU), freed {freed / 2**20:.1f} MiB,"
+    print(f"offload: {len(store.slots)} saved tensors in {len(store.groups())} storages,"
+          f" {store.nbytes / 2**20:.1f} MiB ({device_bytes / 2**20:.1f} MiB on the GPU),"
+          f" freed {freed / 2**20:.1f} MiB,"
           f" {store.bytes_moved / store.seconds / 1e9:.1f} GB/s to pinned host memory")
     assert device_bytes > 100 * 2**20
     assert all(not slot.tensor.is_cuda for slot in store.slots)
-    assert 0.95 * device_bytes <= freed <= 1.05 * device_bytes
+    # all of it freed (a storage read in part frees whole); the allocator rounds to 512 B
+    assert 0.99 * device_bytes <= freed <= 1.01 * storage_bytes
     store.reload()
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == pytest.approx(before, rel=0.01)
+    assert torch.cuda.memory_allocated() == pytest.approx(before, rel=0.01)  # views share again
     assert all(slot.tensor.device == slot.home for slot in store.slots)  # host tensors stay
     loss.backward()
     for name, parameter in net.named_parameters():
