@@ -24,7 +24,7 @@ show, on whatever GPUs the machine has.
   cores' accumulation, and stay within FP8's rounding of fp32.
 * PipeOffload's accelerator path: a Loom model's saved activations move to pinned host memory
   (the device memory they held is freed, measured with the allocator) and back, and the backward
-  is bit-identical to one without the move.
+  equals one without the move (to fp32 reordering: CUDA's embedding backward uses atomics).
 """
 
 from __future__ import annotations
@@ -191,8 +191,8 @@ def test_fp8_matmuls_on_a_gpu_equal_their_emulation(gpus, small_data_dir, recipe
 def test_offloaded_activations_free_gpu_memory_and_return_bit_identical():
     """What ``SavedActivations`` moves leaves the GPU: the allocator's count drops by the bytes
     the store holds (to pinned host memory), returns on reload, and the backward then gives the
-    same gradients, bit for bit, as the model without offloading. A Loom model (SDPA on the GPU,
-    whose saved state includes small tensors besides activations) in fp32."""
+    gradients of the model without offloading (to fp32 reordering: see below). A Loom model
+    (SDPA on the GPU, whose saved state includes small tensors besides activations) in fp32."""
     args = TransformerArgs(dim=512, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=1536,
                            vocab_size=512, max_seq_len=1024)
     torch.manual_seed(0)
@@ -237,7 +237,11 @@ def test_offloaded_activations_free_gpu_memory_and_return_bit_identical():
     assert all(slot.tensor.device == slot.home for slot in store.slots)  # host tensors stay
     loss.backward()
     for name, parameter in net.named_parameters():
-        assert torch.equal(parameter.grad, expected[name]), name
+        # The copies are exact (bit-identical on the CPU: tests/dist/test_pipeline_offload.py),
+        # but CUDA's embedding backward sums with atomics: two runs without any offload differ
+        # in the last bits (measured on an H100), so the GPU is held to fp32 reordering.
+        torch.testing.assert_close(parameter.grad, expected[name], rtol=1e-5, atol=1e-8,
+                                   msg=lambda m, n=name: f"{n}: {m}")
 
 
 # -- packed documents --------------------------------------------------------------------------------
