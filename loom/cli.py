@@ -65,6 +65,11 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         refusal = fp8_device_refusal(tr.fp8, tr.fp8_emulate, resolve_device(tr.device, 0))
         if refusal:
             raise ConfigError("train.fp8", tr.fp8, refusal)
+        if tr.fp8 != "none" and not tr.fp8_emulate and not tr.compile:
+            # measured on an H100 (docs/benchmarks.md, GPU run 3): 0.62x of eager bf16
+            print("loom train: note: train.fp8 without train.compile runs torchao's casts as"
+                  " separate kernels, slower than bf16; set train.compile = true",
+                  file=sys.stderr)
     except ConfigError as err:
         print(f"loom train: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
