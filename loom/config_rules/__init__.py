@@ -206,10 +206,6 @@ def _validate_fp8(config: Config) -> None:
             raise ConfigError("train.fp8_emulate", True, "emulates train.fp8's matmuls: set"
                               " train.fp8 to a recipe, or leave fp8_emulate false")
         return
-    if config.parallel.tp > 1:
-        raise ConfigError("train.fp8", tr.fp8, f"with parallel.tp = {config.parallel.tp} > 1 is"
-                          " not built yet (torchao's float8 tensor-parallel styles would replace"
-                          " Loom's TP plan): use tp = 1 with FP8, or train.fp8 = none")
     if config.parallel.cp > 1 and tr.fp8 != "rowwise_with_gw_hp":
         raise ConfigError("train.fp8", tr.fp8, f"with parallel.cp = {config.parallel.cp} > 1"
                           " would scale over each rank's part of the sequence (a whole tensor's"

@@ -28,9 +28,14 @@ would see a rank's part only and results would change with cp; ``rowwise_with_gw
 per token or per weight row and keeps the weight gradient in high precision, so it is the recipe
 allowed with cp > 1 (equal to one process, tests/dist/test_fp8_parity.py).
 
-Not built yet, refused by name in ``loom.config_rules``: tensor parallelism (torchao's
-``Float8ColwiseParallel`` / ``Float8RowwiseParallel`` would replace the TP plan's styles) and
-FSDP2's float8 all-gather (the all-gather stays in the parameters' dtype).
+Tensor parallelism (and SP) keeps Loom's plain TP plan: the converted linears' weights become
+DTensors, and ``Float8Linear`` computes its scales from DTensor amaxes, which reduce over the tp
+mesh, so every recipe scales by the whole tensor as one process does (tests/dist/
+test_fp8_parity.py, tp = 2 with and without SP). torchao's float8 styles
+(``Float8ColwiseParallel``, ``PrepareFloat8ModuleInput``) would all-gather the SP input in float8
+(half bf16's bytes on the wire); not taken: gloo cannot carry float8 tensors ("Invalid scalar
+type"), so that path could not be proven against one process here. Not built: FSDP2's float8
+all-gather (the all-gather stays in the parameters' dtype).
 
 Why torchao and not hand-written: its ``Float8Linear`` is the kernel TorchTitan trains with
 (scaling, the e4m3/e5m2 split, the autograd of the casts); Loom only chooses which layers convert

@@ -51,9 +51,11 @@ def test_emulation_without_a_recipe_is_refused():
 
 
 @needs_torchao
-def test_tensor_parallelism_is_not_built_with_fp8():
-    err = refusal(2, **{"train.fp8": "tensorwise", "train.fp8_emulate": True, "parallel.tp": 2})
-    assert err.field_name == "train.fp8" and "parallel.tp = 2" in str(err)
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_tensor_and_sequence_parallelism_take_every_recipe(recipe):
+    config = resolved(2, **{"train.fp8": recipe, "train.fp8_emulate": True, "parallel.tp": 2,
+                            "parallel.sequence_parallel": True})
+    assert config.parallel.tp == 2 and config.train.fp8 == recipe
 
 
 @needs_torchao
