@@ -77,8 +77,8 @@ def loom_formula(*, s: int, b: int, h: int, a: int, k: int, f: int, t: int, sp: 
     """Loom's block (RMSNorm, GQA + RoPE, CPU SDPA, SwiGLU, no dropout), bytes per layer.
 
     Elements saved (x = s·b·h; e bytes per activation element; rstd and logsumexp are fp32):
-      each RMSNorm: its input x, the normalised x (for the weight's gradient) and rstd s·b;
-      the norm output (after the weight) is saved once more as the q/k/v (w1/w3) linear input;
+      each RMSNorm: its input x and rstd s·b (``loom.models.norm``: the normalised x is
+      recomputed in backward); its output is saved as the q/k/v (w1/w3) linear input;
       attention: RoPE saves only cos/sin (buffers: its inputs need no saving for a constant
         factor); SDPA (CPU flash kernel) saves q after RoPE, k and v after the GQA repeat (so
         x each, not x·k/a) and its output x, plus logsumexp a·s·b — no s² softmax, no dropout;
@@ -91,7 +91,7 @@ def loom_formula(*, s: int, b: int, h: int, a: int, k: int, f: int, t: int, sp: 
     """
     x = s * b * h
     norm_in = x / t if sp else x
-    norms = 2 * (2 * norm_in * e + s * b * 4 / (t if sp else 1))
+    norms = 2 * (norm_in * e + s * b * 4 / (t if sp else 1))
     linear_inputs = 2 * x * e / (t if sp else 1)  # norm outputs: the q/k/v and w1/w3 input
     attention = (4 * x / t) * e + a * s * b * 4 / t
     mlp = 4 * s * b * f / t * e
@@ -177,8 +177,22 @@ def main() -> None:
                      "by_module": by_module})
         print(f"{name:8} {t:>2} {measured:>12,} {formula['total']:>13,.0f}"
               f" {measured / formula['total']:>6.3f} {paper:>25,.0f}")
+    # issue 20: bf16 activations against fp32's at the same layout (no TP). ``bf16`` is
+    # train.dtype = bf16 (the model's parameters in bf16), ``bf16_autocast`` fp32 parameters
+    # under autocast (the linears' outputs bf16, norms and the residual stream fp32)
+    fp32 = sum(runs[0][3].values())
+    bf16_model = Transformer(args)
+    reset_parameters(bf16_model, 0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = sum(measure(model, tokens).values())
+    bf16 = sum(measure(bf16_model.to(torch.bfloat16), tokens).values())
+    formula = loom_formula(**shape, t=1, sp=False, e=2)["total"]
+    dtypes = {"fp32": fp32, "bf16_autocast": autocast, "bf16": bf16, "bf16_formula": formula}
+    print(f"per layer, no TP: fp32 {fp32:,}; bf16_autocast {autocast:,} ({autocast / fp32:.3f}x);"
+          f" bf16 {bf16:,} ({bf16 / fp32:.3f}x; Loom formula at e = 2: {formula:,.0f})")
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(opts.out).write_text(json.dumps({"shape": shape, "rows": rows}, indent=1))
+    Path(opts.out).write_text(json.dumps({"shape": shape, "rows": rows, "dtypes": dtypes},
+                                         indent=1))
 
 
 if __name__ == "__main__":

@@ -38,13 +38,15 @@ def block_activation_bytes(*, s: int, b: int, h: int, f: float, a: int, kv: int,
     if recompute == "full":
         return x * e
     wide = (4 if gated else 2) * f / h  # the MLP's F-wide saved tensors, in units of x
+    # two norms (input and rstd each, loom.models.norm), the q/k/v and w1/w3 inputs (2x), the
+    # attention's four (q, repeated k and v, output) and its logsumexp, the MLP's F-wide ones
     if t == 1:
-        full = x * e * (10 + wide) + 4 * s * b * (2 + a)
+        full = x * e * (8 + wide) + 4 * s * b * (2 + a)
     elif sequence_parallel:
         inputs = 2 * x * e * (1 if compiled else 1 / t)  # the q/k/v and w1/w3 input
-        full = inputs + x * e * (8 + wide) / t + 4 * s * b * (2 + a) / t
+        full = inputs + x * e * (6 + wide) / t + 4 * s * b * (2 + a) / t
     else:
-        full = x * e * (6 + (4 + wide) / t) + 4 * s * b * (2 + a / t)
+        full = x * e * (4 + (4 + wide) / t) + 4 * s * b * (2 + a / t)
     if recompute == "selective":  # the core's own: repeated k, v beyond q's inputs; lse
         full -= (2 * x * e * (1 - kv / a) + 4 * s * b * a) / t
     return full

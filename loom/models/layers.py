@@ -28,6 +28,7 @@ from torch import nn
 
 from loom.models.args import TransformerArgs
 from loom.models.rope import apply_rope, rope_tables
+from loom.models.norm import RMSNorm
 
 if TYPE_CHECKING:  # document_attention builds on sdpa_causal, so it imports this module
     from loom.models.document_attention import DocumentMask
@@ -80,8 +81,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         if args.qk_norm:
-            self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
-            self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
+            self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
         else:
             self.q_norm = self.k_norm = None
         # The seam for context parallelism: any callable with sdpa_causal's signature

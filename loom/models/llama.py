@@ -37,6 +37,7 @@ from torch import nn
 from loom.models.document_attention import DocumentMask
 from loom.models.layers import Attention, FeedForward, TransformerArgs, rope_tables_for
 from loom.models.moe import MoEFeedForward
+from loom.models.norm import RMSNorm
 
 
 class TransformerBlock(nn.Module):
@@ -44,9 +45,9 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, args: TransformerArgs, layer_id: int = 0) -> None:
         super().__init__()
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         if args.moe_layer(layer_id):
             self.feed_forward: nn.Module = MoEFeedForward(args)
         else:
@@ -91,7 +92,7 @@ class Transformer(nn.Module):
         layer_ids = range(args.n_layers) if layer_ids is None else list(layer_ids)
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) if with_embedding else None
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in layer_ids})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps) if with_head else None
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps) if with_head else None
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if with_head else None
         if args.tie_embeddings and with_embedding and with_head:
             self.output.weight = self.tok_embeddings.weight

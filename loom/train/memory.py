@@ -63,9 +63,10 @@ Activations per layer and microbatch (docs/benchmarks.md "Activation memory per 
 et al. 2022 Table 2 adjusted to Loom's block and measured to the byte; x = s·b·h, e = bytes per
 element, f = FFN width, a = query heads, k = key/value heads; s is the cp shard):
 
-* no TP: ``x·e·(10 + 4f/h) + 4sb(2 + a)``; TP: ``x·e·(6 + (4 + 4f/h)/t) + 4sb(2 + a/t)``;
-  TP + SP: all of the no-TP bytes over t (``x·e·(2 + (8 + 4f/h)/t) + 4sb(2 + a)/t`` under
-  ``train.compile``, whose blocks save the linears' gathered inputs whole); a GELU MLP
+* no TP: ``x·e·(8 + 4f/h) + 4sb(2 + a)``; TP: ``x·e·(4 + (4 + 4f/h)/t) + 4sb(2 + a/t)``;
+  TP + SP: all of the no-TP bytes over t (``x·e·(2 + (6 + 4f/h)/t) + 4sb(2 + a)/t`` under
+  ``train.compile``, whose blocks save the linears' gathered inputs whole); each norm keeps its
+  input and rstd (``loom.models.norm``: ``x·e + 4sb``); a GELU MLP
   (``model.mlp = "gelu"``) saves two F-wide tensors instead of SwiGLU's four: 2f/h for 4f/h;
 * full recomputation keeps the block input ``x·e`` (plus one block's full set while it is
   recomputed); ``every_k`` does that for every k-th block; selective keeps everything but the

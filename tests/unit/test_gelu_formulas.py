@@ -144,11 +144,11 @@ def test_block_activation_bytes_are_the_measured_saved_tensors(mlp, ffn):
 
 def test_activation_formulas_by_hand():
     x = 32 * 2 * 64  # s·b·h
-    # Loom, no tp: x·e·(10 + 2f/h) + 4sb(2 + a); tp 2: x·e·(6 + (4 + 2f/h)/t) + 4sb(2 + a/t)
+    # Loom, no tp: x·e·(8 + 2f/h) + 4sb(2 + a); tp 2: x·e·(4 + (4 + 2f/h)/t) + 4sb(2 + a/t)
     assert block_activation_bytes(s=32, b=2, h=64, f=256, a=4, kv=2, gated=False) == \
-        x * 4 * (10 + 8) + 4 * 64 * 6
+        x * 4 * (8 + 8) + 4 * 64 * 6
     assert block_activation_bytes(s=32, b=2, h=64, f=256, a=4, kv=4, t=2, gated=False) == \
-        x * 4 * (6 + 12 / 2) + 4 * 64 * (2 + 2)
+        x * 4 * (4 + 12 / 2) + 4 * 64 * (2 + 2)
     # Korthikanti et al. 2022 §4.1: 34·s·b·h for a GPT block (f = 4h, e = 2, with dropout's
     # masks, no flash); its 5·a·s²·b attention core aside
     gpt = korthikanti_block_activation_bytes(s=32, b=2, h=64, f=256, a=4, kv=4, e=2,
@@ -161,7 +161,7 @@ def test_the_estimator_and_the_planner_price_the_gelu_block():
                                         "model.ffn_dim": "256", "data.seq_len": "32",
                                         "train.micro_batch_size": "2",
                                         "train.global_batch_size": "8"}), 1)
-    assert layer_activation_bytes(config) == 4096 * 4 * (10 + 8) + 4 * 64 * 6
+    assert layer_activation_bytes(config) == 4096 * 4 * (8 + 8) + 4 * 64 * 6
     model = CostModel(config.model, seq_len=32, global_batch=8,
                       cluster=Cluster(UNIT, 1, 8, LINK, LINK), dtype_bytes=4)
     from loom.sim.cost_memory import _activation_bytes

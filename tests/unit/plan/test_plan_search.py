@@ -189,10 +189,11 @@ def test_a_searched_schedule_is_given_the_activation_units_the_memory_budget_lea
 
 
 def test_between_the_families_memory_levels_the_plan_ranks_a_searched_schedule_first(no_tp):
-    """At 75% of an H100 a 4-rank looped pipeline holds 3 activation units: 1F1B and ZB-H1
+    """At 72% of an H100 a 4-rank looped pipeline holds 3 activation units: 1F1B and ZB-H1
     (4 units) do not fit. The search, given those 3 units, finds a schedule faster than every
-    family that fits, and the plan ranks it first."""
-    result = plan(no_tp, make_cluster("H100-SXM", 4, 8), top=10, memory_fraction=0.75,
+    family that fits, and the plan ranks it first. (75% until the norms stopped saving their
+    normalised output: then ZB-H1's 4 units fit.)"""
+    result = plan(no_tp, make_cluster("H100-SXM", 4, 8), top=10, memory_fraction=0.72,
                   space=NO_TP_SPACE)
     best = result.ranked[0]
     assert best.layout.schedule == "search" and best.simulated
@@ -205,7 +206,7 @@ def test_the_planner_simulates_the_schedule_loom_train_would_search(no_tp):
     """What the planner replays for a searched layout is the schedule the config it writes
     makes every rank search for (the same limit, relative costs and placement)."""
     work = no_tp
-    result = plan(work, make_cluster("H100-SXM", 4, 8), top=1, memory_fraction=0.75,
+    result = plan(work, make_cluster("H100-SXM", 4, 8), top=1, memory_fraction=0.72,
                   space=NO_TP_SPACE)
     cost = result.ranked[0]
     assert cost.layout.schedule == "search"
