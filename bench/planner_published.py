@@ -16,7 +16,9 @@ the 2021 Megatron rows (their FLOP formula includes it). FP8 rows and MoE rows
 with features Loom's model lacks (MLA, attention sinks) are listed as skipped with the reason.
 
 Each row is priced with its ``framework`` profile (``loom.sim.frameworks``; the row's
-``[run.overlap]`` overrides its overlap defaults) unless ``--framework`` forces one for every
+``[run.overlap]`` overrides its overlap defaults, its ``rank_order`` the profile's placement of
+the parallelisms, and its ``[run.topology]`` describes the network, ``loom plan
+--nodes-per-rack`` and the like) unless ``--framework`` forces one for every
 row, and the rows are reported in their two halves (``split``, issue 21): the planner may be
 tuned on "tune" rows only, and "holdout" rows measure it (``split_report``: within 10% and 15%,
 the median time ratio per family = framework/accelerator, and the out-of-memory verdict, which
@@ -30,6 +32,7 @@ is right when the published layout fits, since every published run ran).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -55,9 +58,15 @@ def gpu_of(row: dict) -> tuple[str, str, str] | None:
     name = row.get("gpu", "")
     if "A100" in name or "Ampere" in name:
         return "A100-80GB", "nvlink3", "hdr-ib"  # Selene: one 200 Gb/s HCA per GPU
+    if "H100" in name and "500 W" in name:  # TorchTitan's Grand Teton parts: 400 Gb/s per GPU
+        return "H100-SXM-500W", "nvlink4", "roce-400"
     if "H100" in name:
         inter = "roce-400" if "llama3-405b" in row["name"] else "ndr-ib"
         return "H100-SXM", "nvlink4", inter
+    if "V100" in name and "SXM3" in name:  # DGX-2H: NVSwitch, 8 EDR HCAs per 16 GPUs
+        return "V100-SXM3-32GB", "nvswitch2", "edr-ib-x2"
+    if "V100" in name:
+        return "V100-SXM2-32GB", "nvlink2", "edr-ib"
     return None
 
 
@@ -134,11 +143,16 @@ def megatron_eq3(batch: int, seq: int, model: TransformerArgs) -> float:
 def split_by_rule(rows: list[dict]) -> dict[str, str]:
     """The split the file's header states, recomputed: rows grouped by publication (``source``
     up to its first comma), groups numbered from 1 in file order, rows alternating within a
-    group in file order from "tune" (odd groups) or "holdout" (even groups)."""
+    group in file order from "tune" (odd groups) or "holdout" (even groups). Rows added after
+    the tune half was frozen (``added_after_split = true``) are all "holdout" and take no part
+    in the alternation, so adding them moves no earlier row."""
     groups: list[str] = []
     seen: dict[str, int] = {}
     out = {}
     for row in rows:
+        if row.get("added_after_split"):
+            out[row["name"]] = "holdout"
+            continue
         group = row["source"].split(",")[0].strip()
         if group not in groups:
             groups.append(group)
@@ -150,11 +164,14 @@ def split_by_rule(rows: list[dict]) -> dict[str, str]:
 
 
 def framework_of(row: dict, forced: str | None = None) -> Framework:
-    """The row's profile with its ``[run.overlap]`` overrides (``forced``: one profile for every
-    row, without overrides)."""
+    """The row's profile with its ``[run.overlap]`` overrides and its stated ``rank_order``
+    (``forced``: one profile for every row, without overrides)."""
     if forced:
         return framework(forced)
-    return framework(row["framework"]).with_overlap(**row.get("overlap", {}))
+    stack = framework(row["framework"]).with_overlap(**row.get("overlap", {}))
+    if "rank_order" in row:
+        stack = dataclasses.replace(stack, rank_order=tuple(row["rank_order"]))
+    return stack
 
 
 def compare(row: dict, *, search: bool = True, forced: str | None = None) -> dict:
@@ -163,7 +180,8 @@ def compare(row: dict, *, search: bool = True, forced: str | None = None) -> dic
     layout, assumed = layout_of(row)
     batch = layout.dp * layout.micro_batch * layout.microbatches
     gpu, intra, inter = gpu_of(row)
-    cluster = make_cluster(gpu, row["gpus"], row.get("gpus_per_node", 8), intra=intra, inter=inter)
+    cluster = make_cluster(gpu, row["gpus"], row.get("gpus_per_node", 8), intra=intra, inter=inter,
+                           network=row.get("topology"))
     stack = framework_of(row, forced)
     cost_model = CostModel(model, seq, batch, cluster, framework=stack)
     cost = simulate_step(cost_model, cost_model.evaluate(layout))
@@ -176,6 +194,12 @@ def compare(row: dict, *, search: bool = True, forced: str | None = None) -> dic
            "family": f"{row.get('framework', 'loom')}/{gpu}",
            "oom": cost.memory_total > cluster.gpu.memory_bytes}
     convention = str(row.get("flops_convention", ""))
+    # the published outcome: every row ran, except a sweep's cells published as out of memory
+    out["published_oom"] = rep.get("outcome") == "oom"
+    out["oom_right"] = out["oom"] == out["published_oom"]
+    if out["published_oom"]:  # no throughput: scored by the out-of-memory verdict alone
+        out.update(metric="outcome", published=None, predicted=None, ratio=None)
+        return out
     if "tflops_per_gpu" in rep and "megatron-eq3" in convention:
         out["metric"] = "TFLOP/s/GPU (Megatron eq. 3)"
         out["published"] = rep["tflops_per_gpu"]
@@ -211,10 +235,13 @@ def compare(row: dict, *, search: bool = True, forced: str | None = None) -> dic
 
 def split_report(results: list[dict]) -> dict[str, dict]:
     """Per half: rows, within 10% and 15% (time ratio Loom/published), the median ratio per
-    family, and how many published layouts the model wrongly judges out of memory."""
+    family, how many published layouts that ran the model wrongly judges out of memory, and
+    how often its out-of-memory verdict matches the published outcome over every row (those
+    that ran and the cells published as out of memory)."""
     out = {}
     for half in SPLITS:
-        rows = [r for r in results if r["split"] == half]
+        everything = [r for r in results if r["split"] == half]
+        rows = [r for r in everything if r["ratio"] is not None]
         families: dict[str, list[float]] = {}
         for r in rows:
             families.setdefault(r["family"], []).append(r["ratio"])
@@ -225,19 +252,27 @@ def split_report(results: list[dict]) -> dict[str, dict]:
             "median_ratio": statistics.median(r["ratio"] for r in rows) if rows else None,
             "median_ratio_by_family": {f: statistics.median(v) for f, v in sorted(families.items())},
             "judged_oom": [r["name"] for r in rows if r["oom"]],
+            "oom_verdicts": len(everything),
+            "oom_verdicts_right": sum(r["oom_right"] for r in everything),
+            "published_oom_missed": [r["name"] for r in everything
+                                     if r["published_oom"] and not r["oom"]],
         }
     return out
 
 
 def format_split_report(report: dict[str, dict]) -> str:
     lines = ["| half | rows | within ±10% | within ±15% | median ratio | median ratio by family |"
-             " published layouts judged OOM (all ran) |", "|---|---|---|---|---|---|---|"]
+             " layouts that ran, judged OOM | OOM verdict right |", "|---|---|---|---|---|---|---|---|"]
     for half, r in report.items():
         fam = "; ".join(f"{f} {m:.2f}" for f, m in r["median_ratio_by_family"].items())
         med = f"{r['median_ratio']:.2f}" if r["median_ratio"] is not None else "-"
+        missed = r["published_oom_missed"]
         lines.append(f"| {half} | {r['rows']} | {r['within_10pct']} | {r['within_15pct']} |"
                      f" {med} | {fam} | {len(r['judged_oom'])}"
-                     + (f" ({', '.join(r['judged_oom'])})" if r["judged_oom"] else "") + " |")
+                     + (f" ({', '.join(r['judged_oom'])})" if r["judged_oom"] else "")
+                     + f" | {r['oom_verdicts_right']} of {r['oom_verdicts']}"
+                     + (f" (published OOM judged to fit: {', '.join(missed)})" if missed else "")
+                     + " |")
     return "\n".join(lines)
 
 
@@ -266,6 +301,11 @@ def main(argv: list[str] | None = None) -> int:
           " Loom | time ratio Loom/published | memory GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
+        if r["ratio"] is None:
+            print(f"| {r['name']} | {r['split']} | {r['framework']} | {r['gpus']} {r['gpu']} |"
+                  f" {r['layout']} | outcome | out of memory |"
+                  f" {'out of memory' if r['oom'] else 'fits'} | - | {r['memory_gib']:.1f} |")
+            continue
         print(f"| {r['name']} | {r['split']} | {r['framework']} | {r['gpus']} {r['gpu']} |"
               f" {r['layout']}"
               + (f" (assumed: {', '.join(r['assumed'])})" if r["assumed"] else "")

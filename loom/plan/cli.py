@@ -4,6 +4,8 @@
               --global-batch-tokens 8388608 [--top 5] [--json] [--explain [N]] [-o plan.toml]
     loom plan --model gpt-1t --gpus 3072 --gpu A100-80GB --seq 2048 --global-batch-tokens ... \\
               --layout pp=64,tp=8,dp_replicate=6,schedule=interleaved_1f1b,chunks=2,recompute=full
+    loom plan --model llama3-405b --gpus 16384 --seq 8192 --global-batch-tokens 16777216 \\
+              --nodes-per-rack 2 --racks-per-pod 192 --spine-oversubscription 7  # Llama 3's RoCE
     loom plan --calibrate [--nproc 4]          # measure this machine; --gpu local then uses it
     loom plan --model llama3-8b --gpus 256 --length-dist lengths.json --global-batch-tokens ...
                                                # balances of variable-length steps (plan.varlen)
@@ -43,6 +45,47 @@ class PlanInputError(ValueError):
     """A ``loom plan`` argument breaks a rule; ``str()`` names the argument and the rule."""
 
 
+# The network's topology (``loom.plan.hardware.Cluster``): flag, type, help. Each overrides the
+# ``[cluster]`` key of a ``--hardware`` file with its name (``--nodes-per-rack`` ->
+# ``nodes_per_rack``); unset, the file's value or non-blocking.
+TOPOLOGY_FLAGS = (
+    ("--nodes-per-rack", int, "nodes behind one top-of-rack switch (0: one rack)"),
+    ("--rack-oversubscription", float, "a rack's downlink : uplink bandwidth, >= 1 (1:"
+                                       " non-blocking; Cluster.uplink_overload prices it)"),
+    ("--racks-per-pod", int, "racks behind one spine / aggregation layer (0: one pod);"
+                             " needs --nodes-per-rack"),
+    ("--spine-oversubscription", float, "a pod's downlink : uplink bandwidth towards the other"
+                                        " pods, >= 1 (Llama 3's aggregation layer: 7)"),
+)
+
+
+def _topology(args: argparse.Namespace, defaults: dict) -> dict[str, float]:
+    """The topology flags given, checked one by one: a whole number >= 0 for the counts, a
+    number >= 1 for the oversubscription ratios; ``--racks-per-pod`` needs a rack size (the
+    flag's or the ``--hardware`` file's ``defaults``)."""
+    out: dict[str, float] = {}
+    for flag, kind, _ in TOPOLOGY_FLAGS:
+        key = flag[2:].replace("-", "_")
+        raw = getattr(args, key, None)
+        if raw is None:
+            continue
+        try:
+            value = kind(raw)
+        except ValueError:
+            value = None
+        if kind is int and (value is None or value < 0):
+            raise PlanInputError(f"{flag} {raw}: must be a whole number >= 0 (0: all in one)")
+        if kind is float and (value is None or not value >= 1 or value == float("inf")):
+            raise PlanInputError(f"{flag} {raw}: must be a number >= 1 (downlink : uplink;"
+                                 " 1 is non-blocking)")
+        out[key] = value
+    if out.get("racks_per_pod") and not out.get("nodes_per_rack",
+                                                defaults.get("nodes_per_rack", 0)):
+        raise PlanInputError(f"--racks-per-pod {out['racks_per_pod']}: needs --nodes-per-rack"
+                             " > 0 (the size of a rack)")
+    return out
+
+
 def add_plan_commands(sub: argparse._SubParsersAction,
                       measure_machine: Callable[[int, str | None], Path] | None = None) -> None:
     """``loom plan``. ``measure_machine(nproc, profile_path)`` runs the calibration for
@@ -59,6 +102,8 @@ def add_plan_commands(sub: argparse._SubParsersAction,
     plan.add_argument("--intra", help="intra-node link name (default: the accelerator's)")
     plan.add_argument("--inter", help="inter-node link name (default: the accelerator's)")
     plan.add_argument("--hardware", help="TOML file adding or overriding catalog entries")
+    for flag, kind, what in TOPOLOGY_FLAGS:
+        plan.add_argument(flag, metavar="N" if kind is int else "R", help=what)
     plan.add_argument("--seq", type=int, help="sequence length (default: the config's)")
     plan.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
     plan.add_argument("--top", type=int, default=5)
@@ -157,7 +202,7 @@ def _cluster(args: argparse.Namespace):
                         args.gpus_per_node or defaults.get("gpus_per_node"),
                         intra=args.intra or defaults.get("intra"),
                         inter=args.inter or defaults.get("inter"), catalog=catalog,
-                        nics_per_node=args.nics_per_node)
+                        nics_per_node=args.nics_per_node, network=_topology(args, defaults))
 
 
 def _plan(args: argparse.Namespace, extra: list[str]) -> int:

@@ -19,9 +19,10 @@ from loom.sim.cost_model import StepCost
 from loom.sim.uncertainty import band, overlapping
 
 
-def _calibrated(plan: Plan) -> bool:
-    """A measured CPU profile (its ranks share cores): the calibration's spread widens the band."""
-    return bool(plan.cluster.gpu.cores)
+def _spread(plan: Plan) -> tuple[bool, tuple[float, float]]:
+    """``band``'s widenings for the plan's accelerator: a measured CPU profile (its ranks share
+    cores) by the calibration's spread, a power-capped part by its uncertain clock."""
+    return bool(plan.cluster.gpu.cores), plan.cluster.gpu.step_spread
 
 
 def row(plan: Plan, cost: StepCost) -> dict[str, Any]:
@@ -37,7 +38,7 @@ def row(plan: Plan, cost: StepCost) -> dict[str, Any]:
         "micro_batch": lay.micro_batch, "microbatches": lay.microbatches,
         "recompute": lay.recompute,
         "step_time_s": cost.step_time,
-        "step_band_s": list(band(cost.step_time, _calibrated(plan))),
+        "step_band_s": list(band(cost.step_time, *_spread(plan))),
         "tokens_per_s_per_gpu": plan.tokens_per_second_per_gpu(cost),
         "mfu": plan.mfu(cost),
         "memory_gib": cost.memory_total / GiB,
@@ -67,8 +68,8 @@ def table(plan: Plan) -> str:
     if estimated:
         lines.append("~ the schedule's closed-form estimate: the simulation budget ran out first")
     if plan.ranked:
-        low, high = band(plan.ranked[0].step_time, _calibrated(plan))
-        tied = overlapping([c.step_time for c in plan.ranked], _calibrated(plan))
+        low, high = band(plan.ranked[0].step_time, *_spread(plan))
+        tied = overlapping([c.step_time for c in plan.ranked], *_spread(plan))
         lines.append(f"uncertainty band of #1: {low:.3f}-{high:.3f} s (loom.sim.uncertainty);"
                      + (f" #1-#{tied} overlap within it, so the model does not resolve their"
                         " order" if tied > 1 else " no other listed layout reaches it"))
@@ -91,7 +92,7 @@ def breakdown(plan: Plan, cost: StepCost) -> str:
     """``--explain``: where the step's time and one GPU's memory go."""
     lay = cost.layout
     step = cost.step_time
-    low, high = band(step, _calibrated(plan))
+    low, high = band(step, *_spread(plan))
     lines = [f"layout {lay.label()}  (world {lay.world})",
              f"step {step:.4f} s (band {low:.4f}-{high:.4f} s) = pipelined forward/backward"
              f" {cost.pipeline:.4f}"

@@ -7,6 +7,11 @@ latency per message and a per-direction bandwidth per accelerator, times the fra
 libraries achieve on it). A ``Cluster`` is N accelerators of one type, K per node, an intra-node
 and an inter-node link.
 
+``GPUS`` are the parts Loom's trainer names for its MFU (``loom.train.flops``); ``VARIANTS`` adds
+parts priced for published runs: a power-capped H100 (``Gpu.power_fraction``: the share of its
+nominal peak it sustains, with the range that estimate is known within) and V100s, each with its
+source beside it.
+
 Sources. Peaks are the dense (non-sparse) BF16 tensor-core numbers of ``../shared/REFERENCE.md``
 §0 (torchtitan's ``get_peak_flops``, Narayanan et al. 2021 for the A100); MI250X is AMD's datasheet
 383 TFLOP/s per module (two GCDs; we count a module as one device). Memory and bandwidth are the
@@ -28,7 +33,8 @@ may override any entry or add new ones::
     [cluster]                    # optional defaults for --gpu / --gpus-per-node / links
     gpu = "my-gpu"
     inter = "my-fabric"
-    nodes_per_rack = 16          # optional topology (``Cluster``); default non-blocking
+    nodes_per_rack = 16          # optional topology (``Cluster``; ``loom plan --nodes-per-rack``
+                                 # and the like win over it); default non-blocking
     rack_oversubscription = 1
     racks_per_pod = 24
     spine_oversubscription = 7
@@ -73,10 +79,24 @@ class Gpu:
     optimizer_per_param: float = 0.0
     # dense FP8 FLOP/s of the tensor cores (0: no FP8 matmuls; ``loom plan --fp8`` refuses it)
     fp8_flops: float = 0.0
+    # Fraction of ``peak_flops`` a power-capped part sustains in large matmuls (its clocks under
+    # the cap), and the (low, high) range that fraction is known to within: ``peak_flops`` stays
+    # the nominal datasheet number (MFU is reported against it), ``matmul_rate`` is scaled, and
+    # the planner's uncertainty band widens by the range (``loom.sim.uncertainty``).
+    power_fraction: float = 1.0
+    power_fraction_range: tuple = ()
 
     def __post_init__(self) -> None:
         # a profile read back from JSON holds lists; keep the dataclass hashable
         object.__setattr__(self, "framework", tuple(tuple(entry) for entry in self.framework))
+        object.__setattr__(self, "power_fraction_range", tuple(self.power_fraction_range))
+        if not 0 < self.power_fraction <= 1:
+            raise ValueError(f"gpu {self.name}: power_fraction must be in (0, 1], got"
+                             f" {self.power_fraction}")
+        span = self.power_fraction_range
+        if span and not (len(span) == 2 and 0 < span[0] <= self.power_fraction <= span[1] <= 1):
+            raise ValueError(f"gpu {self.name}: power_fraction_range must be (low, high) with"
+                             f" 0 < low <= power_fraction <= high <= 1, got {list(span)}")
         if self.cores < 0:
             raise ValueError(f"gpu {self.name}: cores must be >= 0, got {self.cores}")
         for key in ("peak_flops", "memory_bytes", "hbm_bandwidth", "matmul_knee"):
@@ -98,7 +118,17 @@ class Gpu:
     def matmul_rate(self, smallest_dim: float) -> float:
         """FLOP/s of a matmul whose smallest dimension is ``smallest_dim``: the efficiency rises
         as d / (d + knee), the usual saturating shape of GEMM throughput against tile occupancy."""
-        return self.peak_flops * self.matmul_efficiency * smallest_dim / (smallest_dim + self.matmul_knee)
+        return (self.peak_flops * self.power_fraction * self.matmul_efficiency * smallest_dim
+                / (smallest_dim + self.matmul_knee))
+
+    @property
+    def step_spread(self) -> tuple[float, float]:
+        """(low, high) factors a predicted step time may be off by from this part's uncertain
+        sustained clock alone: (1, 1) for a part at its rated power."""
+        if not self.power_fraction_range:
+            return 1.0, 1.0
+        low, high = self.power_fraction_range
+        return self.power_fraction / high, self.power_fraction / low
 
 
 @dataclass(frozen=True)
@@ -135,13 +165,51 @@ GPUS: dict[str, Gpu] = {g.name: g for g in (
         fp8_flops=2615e12),
 )}
 
+# Parts the planner prices for published runs beside ``GPUS``: measured-power variants of a GPUS
+# part (the same silicon under a lower power cap: it reports the same device name, so the
+# trainer's MFU peak is the nominal one, as published MFUs are) and older generations the
+# trainer's MFU table does not name (``loom.train.flops``; it reports MFU n/a there).
+VARIANTS: dict[str, Gpu] = {g.name: g for g in (
+    # H100 SXM with 96 GB HBM2e at a 500 W power limit, the part of TorchTitan's published runs
+    # (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, "Hardware": "96GB HBM2e
+    # with 2.4 TB/sec peak memory bandwidth", "the default 500W power limit, although tuning it
+    # up to 700W TDP can potentially provide further speedups"; 96 GiB as six 16 GiB stacks, as
+    # the 80 GB part is 80 GiB). The clock it sustains in large BF16 GEMMs under 500 W is not
+    # published: 0.8 of the nominal 989 TFLOP/s is an estimate, known only to within 0.67-0.90.
+    # Dynamic power goes as f * V^2: with the voltage at its floor the clock scales with power
+    # (500/700 = 0.71, 0.67 allowing for static power a cap does not cut), with the voltage
+    # tracking the clock as power^(1/3) ((500/700)^(1/3) = 0.89). Practitioners report 10-15%
+    # longer steps at a 600 W cap (factryze.ai scale-atlas, "Power Capping"), the middle of that
+    # range. Not fitted to any published run.
+    Gpu("H100-SXM-500W", 989e12, 96 * GiB, 2400 * GB, 0.7, fp8_flops=1979e12,
+        power_fraction=0.8, power_fraction_range=(0.67, 0.9)),
+    # V100 SXM2 32 GB (NVIDIA V100 datasheet: 125 TFLOP/s dense FP16 tensor, 32 GB HBM2 at
+    # 900 GB/s, NVLink 2 300 GB/s bidirectional) in 8-GPU nodes with one 100 Gb/s EDR
+    # InfiniBand NIC per GPU (``edr-ib``; a DGX-1's four per eight GPUs: ``--inter edr-ib-x2``).
+    Gpu("V100-SXM2-32GB", 125e12, 32 * GiB, 900 * GB, 0.7, intra="nvlink2", inter="edr-ib"),
+    # V100 SXM3 32 GB at 450 W in a DGX-2H: 16 GPUs on NVSwitch, 8 EDR HCAs per node. Shoeybi et
+    # al. 2019 (Megatron-LM, arXiv 1909.08053 §5): "512 Tesla V100 SXM3 32GB GPUs ... 300 GB/sec
+    # bandwidth between GPUs inside a server via NVSwitch and 100 GB/sec of interconnect
+    # bandwidth between servers using 8 InfiniBand adapters per server"; its 39 TFLOP/s baseline
+    # is "30% of the theoretical peak", i.e. a 130 TFLOP/s peak (derived: the SXM3 part runs
+    # above the SXM2's 125). Rajbhandari et al. 2019 (ZeRO, arXiv 1910.02054, evaluation) ran on
+    # DGX-2 nodes of the same network: "400 V100 GPUs (25 DGX-2 nodes) with 800 Gbps internode
+    # communication bandwidth".
+    Gpu("V100-SXM3-32GB", 130e12, 32 * GiB, 900 * GB, 0.7, intra="nvswitch2",
+        inter="edr-ib-x2", gpus_per_node=16),
+)}
+
 LINKS: dict[str, Link] = {link.name: link for link in (
+    Link("nvlink2", 150 * GB, 5e-6),  # V100 SXM2: 6 links x 25 GB/s per direction
+    Link("nvswitch2", 150 * GB, 5e-6),  # DGX-2(H): the same 6 NVLink 2 links into NVSwitch
     Link("nvlink3", 300 * GB, 5e-6),
     Link("nvlink4", 450 * GB, 5e-6),
     Link("nvlink5", 900 * GB, 5e-6),
     Link("pcie5", 64 * GB, 5e-6),
     Link("infinity-fabric-3", 100 * GB, 6e-6),  # MI250X: per-GCD-pair links of 50-100 GB/s
     Link("infinity-fabric-4", 448 * GB, 6e-6),  # MI300X: 7 x 64 GB/s per direction
+    Link("edr-ib", 12.5 * GB, 10e-6),  # 100 Gb/s per GPU
+    Link("edr-ib-x2", 6.25 * GB, 10e-6),  # one 100 Gb/s EDR NIC per 2 GPUs (DGX-2(H), DGX-1)
     Link("hdr-ib", 25 * GB, 10e-6),  # 200 Gb/s per GPU
     Link("ndr-ib", 50 * GB, 10e-6),  # 400 Gb/s per GPU
     Link("roce-400", 50 * GB, 12e-6),
@@ -163,10 +231,13 @@ class Cluster:
     ``nodes_per_rack`` to a rack (0: one rack) behind a top-of-rack switch whose uplinks carry
     1 / ``rack_oversubscription`` of its downlinks' bandwidth, and racks ``racks_per_pod`` to a
     pod (0: one pod) behind a spine (aggregation) layer oversubscribed ``spine_oversubscription``
-    to 1 towards the other pods (Llama 3's RoCE cluster: 7). A collective whose group spans
-    racks gets the inter-node bandwidth divided by the rack ratio, one that spans pods by both
-    (``link_for``): every member's traffic crosses the oversubscribed uplinks at once, as in a
-    ring or a data-parallel reduction over the whole group.
+    to 1 towards the other pods (Llama 3's RoCE cluster: 7). A collective whose groups span
+    racks shares the rack's uplinks among the streams that leave it (``link_for``): every group
+    of the collective runs at once (all data-parallel groups reduce together), each sends out
+    of a rack one stream per NIC its members use in a node (NCCL's rings and p2p: one channel
+    per NIC), and the rack's uplinks carry rack GPUs x bandwidth / ratio. The inter-node
+    bandwidth is divided by the resulting overload, never below 1; a group spanning pods is
+    checked against the pod's uplinks too, oversubscribed by both ratios.
     """
 
     gpu: Gpu
@@ -205,18 +276,34 @@ class Cluster:
         """The link a group of ``group_size`` ranks ``stride`` apart in the rank order uses: the
         intra-node link when the whole group sits inside one node (ranks are packed node by node),
         else the inter-node link, which bounds a hierarchical or flat collective alike; its
-        bandwidth divided by the rack (and spine) oversubscription when the group spans racks
-        (pods), the class docstring's topology."""
+        bandwidth divided by the overload of the rack's (and pod's) uplinks when the groups span
+        racks (pods), the class docstring's topology (``uplink_overload``)."""
         span = group_size * stride
         if span <= self.gpus_per_node:
             return self.intra
         rack = self.gpus_per_node * self.nodes_per_rack
         if not rack or span <= rack:
             return self.inter
-        ratio = self.rack_oversubscription
-        if self.racks_per_pod and span > rack * self.racks_per_pod:
-            ratio *= self.spine_oversubscription
+        ratio = self.uplink_overload(stride, rack, self.rack_oversubscription)
+        pod = rack * self.racks_per_pod
+        if pod and span > pod:
+            ratio = max(ratio, self.uplink_overload(
+                stride, pod, self.rack_oversubscription * self.spine_oversubscription))
         return _oversubscribed(self.inter, ratio)
+
+    def uplink_overload(self, stride: int, domain: int, oversubscription: float) -> float:
+        """How many times the uplinks of a domain of ``domain`` GPUs (a rack, a pod) are
+        overloaded when every group of ranks ``stride`` apart that spans domains communicates at
+        once, each GPU's NIC at full bandwidth B: a group has ``members = domain / stride`` ranks
+        in a domain (1 when ``stride`` >= ``domain``) and leaves it on ``streams = gpus_per_node /
+        stride`` NICs (its members in one node, at least 1); the domain holds ``domain /
+        members`` such groups, so ``domain / members * streams * B`` leaves it through uplinks of
+        ``domain * B / oversubscription``: overload ``oversubscription * streams / members``, at
+        least 1. Every member's traffic leaves (``oversubscription`` itself) when each member
+        sits in a domain of its own."""
+        members = max(1, domain // stride)
+        streams = max(1, self.gpus_per_node // stride)
+        return max(1.0, oversubscription * streams / members)
 
     def describe(self) -> str:
         nodes = max(1, self.gpus // self.gpus_per_node)
@@ -270,7 +357,7 @@ def _from_table(kind: type, name: str, table: dict[str, Any]) -> Any:
 
 def load_catalog(path: str | Path | None = None) -> tuple[dict[str, Gpu], dict[str, Link], dict]:
     """The built-in catalog, extended or overridden by the TOML file at ``path``."""
-    gpus, links, defaults = dict(GPUS), dict(LINKS), {}
+    gpus, links, defaults = {**GPUS, **VARIANTS}, dict(LINKS), {}
     if path is None:
         return gpus, links, defaults
     try:
@@ -289,16 +376,21 @@ def load_catalog(path: str | Path | None = None) -> tuple[dict[str, Gpu], dict[s
 
 def make_cluster(gpu: str, gpus: int, gpus_per_node: int | None = None, *, intra: str | None = None,
                  inter: str | None = None, catalog: tuple[dict, dict, dict] | None = None,
-                 nics_per_node: int = 0) -> Cluster:
-    """Build a Cluster from catalog names; unknown names are refused with the known ones."""
-    gpu_table, link_table, defaults = catalog or (GPUS, LINKS, {})
+                 nics_per_node: int = 0, network: dict[str, float] | None = None) -> Cluster:
+    """Build a Cluster from catalog names; unknown names are refused with the known ones.
+    ``network`` (keys of ``TOPOLOGY_KEYS``: ``loom plan --nodes-per-rack`` and the like, a
+    published row's ``[run.topology]``) overrides the catalog's ``[cluster]`` topology."""
+    gpu_table, link_table, defaults = catalog or ({**GPUS, **VARIANTS}, LINKS, {})
     topology = {}
     for key in TOPOLOGY_KEYS:
-        if key in defaults:
-            value, kind = defaults[key], int if key.endswith(("_rack", "_pod")) else float
+        given = key in (network or {})
+        if given or key in defaults:
+            value = (network or {})[key] if given else defaults[key]
+            kind = int if key.endswith(("_rack", "_pod")) else float
+            where = f"--{key.replace('_', '-')}" if given else f"cluster.{key}"
             if isinstance(value, bool) or not isinstance(value, (int, float)) or (
                     kind is int and not float(value).is_integer()):
-                raise HardwareError(f"cluster.{key}: {value!r} must be a"
+                raise HardwareError(f"{where}: {value!r} must be a"
                                     f" {'whole ' if kind is int else ''}number")
             topology[key] = kind(value)
     key = next((k for k in gpu_table if k.lower() == gpu.lower()), None)
@@ -318,5 +410,5 @@ def make_cluster(gpu: str, gpus: int, gpus_per_node: int | None = None, *, intra
         raise HardwareError(str(err)) from None
 
 
-__all__ = ["Gpu", "Link", "Cluster", "GPUS", "LINKS", "GB", "GiB", "HardwareError",
-           "load_catalog", "make_cluster"]
+__all__ = ["Gpu", "Link", "Cluster", "GPUS", "VARIANTS", "LINKS", "GB", "GiB", "HardwareError",
+           "TOPOLOGY_KEYS", "load_catalog", "make_cluster"]

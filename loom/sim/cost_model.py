@@ -237,7 +237,7 @@ class CostModel:
         if lay.cp > 1:
             split = CPLayout.from_mode(lay.cp_mode, lay.cp)
             ulysses, ring = split.ulysses, split.ring
-            stride = lay.tp
+            stride = self._strides(lay)["cp"]
             if ulysses > 1:
                 qkvo = tokens * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads) / lay.tp * self.e
                 cp_fwd += all_to_all_time(qkvo, ulysses, c.link_for(ulysses, stride))
@@ -251,7 +251,7 @@ class CostModel:
         ep_fwd = 0.0
         if moe and lay.ep > 1:
             rows = tokens * m.top_k * m.dim * self.e
-            ep_link = c.link_for(lay.ep, lay.cp * lay.tp)
+            ep_link = c.link_for(lay.ep, self._strides(lay)["ep"])
             ep_fwd = 2 * all_to_all_time(rows, lay.ep, ep_link)
         per_pass, _, per_token = gpu.framework_overhead(wrappers(lay))
         overhead = self.op_overhead + per_pass + per_token * tokens
@@ -527,13 +527,18 @@ class CostModel:
             sharded = max(sharded, psi)
         return sharded
 
+    def _strides(self, lay: Layout) -> dict[str, int]:
+        """The rank distance of each group the model prices (``Framework.group_strides``)."""
+        return self.framework.group_strides(
+            (lay.tp, lay.cp, lay.ep, lay.dp_shard, lay.dp_replicate, lay.pp))
+
     def send_time(self, lay: Layout) -> float:
         """One activation (or its gradient) across a stage boundary: T·h·e, T·h·e/t under SP."""
         act = lay.micro_batch * self.seq / lay.cp * self.model.dim * self.e
         if lay.sequence_parallel and lay.tp > 1:
             act /= lay.tp
-        stride = lay.dp_replicate * lay.dp_shard * lay.ep * lay.cp * lay.tp
-        return p2p_time(act, self.cluster.link_for(lay.pp, stride))
+        return p2p_time(act, self.cluster.link_for(
+            lay.pp, self._strides(lay)["pp"]))
 
     def _data_parallel(self, lay: Layout, rank_params: dict[int, float],
                        rank_fwd: dict[int, float], rank_bwd: dict[int, float],
@@ -550,6 +555,9 @@ class CostModel:
             return 0.0, 0.0
         experts = self._rank_expert_params(lay)
         zero = lay.zero_stage if lay.dp_shard > 1 else 0
+        # the rank distances of the dense groups (the experts' groups are priced on the same)
+        strides = self._strides(lay)
+        shard_stride, rep_stride, dp_stride = strides["shard"], strides["rep"], strides["dp"]
         for r, psi in rank_params.items():
             layers = max(1, rank_layers[r])
             # per stream (a link's name): the reduction's and the gathers' seconds, whole step
@@ -561,9 +569,8 @@ class CostModel:
                     # ZeRO shards over dp_shard x cp (the cp ranks hold the same weights), dense
                     # parameters also over ep; HSDP all-reduces the slices over dp_replicate
                     shard = lay.dp_shard * lay.cp * over
-                    shard_link = c.link_for(shard, lay.tp)
-                    rep_link = c.link_for(lay.dp_replicate,
-                                          lay.tp * lay.cp * lay.ep * lay.dp_shard)
+                    shard_link = c.link_for(shard, shard_stride)
+                    rep_link = c.link_for(lay.dp_replicate, rep_stride)
                     _add(reduce, shard_link.name,
                          gather_time(count * self.grad_bytes, shard, shard_link))
                     _add(reduce, rep_link.name, allreduce_time(
@@ -572,7 +579,7 @@ class CostModel:
                     _add(gather, shard_link.name, gather_time(count * width, shard, shard_link))
                 else:
                     n = lay.dp_replicate * lay.dp_shard * lay.cp * over
-                    link = c.link_for(n, lay.tp)
+                    link = c.link_for(n, dp_stride)
                     _add(reduce, link.name, allreduce_time(count * self.grad_bytes, n, link))
             red_total, ag_total = sum(reduce.values()), sum(gather.values())
             fwd_slice, bwd_slice = rank_fwd[r] / layers, rank_bwd[r] / layers

@@ -42,15 +42,29 @@ What a profile fixes:
   backward; ``"last_backward"``: the last microbatch's backward of the rank; ``"pipeline_flush"``:
   that and the pipeline's drain after it, Megatron's ``--overlap-grad-reduce``), and ZeRO-3's
   prefetch of the next layer's parameters (FSDP2, DeepSpeed ZeRO-3's prefetch).
+* **Rank order** (``rank_order``, innermost first): which ranks a group of each parallelism
+  spans, and so which link and how much of a rack's or pod's uplinks it uses
+  (``loom.plan.hardware.Cluster.link_for``). Loom, Megatron-LM (``tp-cp-ep-dp-pp``) and
+  torchtitan (``pp, dp_replicate, dp_shard, cp, tp`` outermost first) all put the pipeline
+  outermost; a published run may state another (Llama 3: "[TP, CP, PP, DP]", data parallelism
+  outermost), which its row overrides.
 
 Torch-free and communicates nothing.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 GRAD_REDUCE = ("none", "last_backward", "pipeline_flush")
+# Loom's rank grid, innermost (fastest-varying) axis first: loom.topology.AXES reversed
+RANK_ORDER = ("tp", "cp", "ep", "dp_shard", "dp_replicate", "pp")
+# The groups whose rank distance the cost model asks for (``Framework.group_strides``)
+GROUPS = {"cp": ("cp",), "ep": ("ep",), "pp": ("pp",), "shard": ("dp_shard", "cp", "ep"),
+          "rep": ("dp_replicate",), "dp": ("dp_replicate", "dp_shard", "cp", "ep")}
 
 
 @dataclass(frozen=True)
@@ -82,14 +96,51 @@ class Framework:
     optimizer_temporaries: bool = False  # foreach AdamW's two state-sized temporaries
     sp_keeps_gathered: bool = False  # Loom's block, SP saving the gathered inputs whole
     overlap: Overlap = field(default_factory=Overlap)
+    rank_order: tuple[str, ...] = RANK_ORDER  # innermost first
+
+    def __post_init__(self) -> None:
+        if sorted(self.rank_order) != sorted(RANK_ORDER):
+            raise ValueError(f"rank_order {list(self.rank_order)}: an ordering of"
+                             f" {', '.join(RANK_ORDER)} (innermost first)")
 
     @property
     def is_loom(self) -> bool:
         return self.name == "loom"
 
+    def stride(self, degrees: Mapping[str, int] | tuple[int, ...], *axes: str) -> int:
+        """The rank distance ``Cluster.link_for`` takes for a group along ``axes``: the ranks
+        such a group spans (the product of the degrees of every axis up to its outermost one in
+        ``rank_order``) over its size; a group along one axis gets the product of the axes
+        inside it. ``degrees``: each axis's degree, by name or as a tuple in ``RANK_ORDER``
+        (the cost model's form: the search asks this for every layout, so it is cached)."""
+        if not isinstance(degrees, tuple):
+            degrees = tuple(degrees.get(a, 1) for a in RANK_ORDER)
+        return _stride(self.rank_order, degrees, axes)
+
+    def group_strides(self, degrees: tuple[int, ...]) -> dict[str, int]:
+        """``stride`` of every group of ``GROUPS`` (degrees in ``RANK_ORDER``), cached per
+        grid: the search prices many layouts of one grid. Shared: do not change it."""
+        return _group_strides(self.rank_order, degrees)
+
     def with_overlap(self, **changes: object) -> "Framework":
         """This profile with some overlap knobs changed (a published run's own settings)."""
         return replace(self, overlap=replace(self.overlap, **changes))
+
+
+@functools.lru_cache(maxsize=16384)
+def _group_strides(order: tuple[str, ...], degrees: tuple[int, ...]) -> dict[str, int]:
+    return {name: _stride(order, degrees, axes) for name, axes in GROUPS.items()}
+
+
+@functools.lru_cache(maxsize=16384)
+def _stride(order: tuple[str, ...], degrees: tuple[int, ...], axes: tuple[str, ...]) -> int:
+    """``Framework.stride`` for ``degrees`` given in ``RANK_ORDER``."""
+    degree = dict(zip(RANK_ORDER, degrees))
+    active = [a for a in axes if degree[a] > 1]
+    if not active:
+        return 1
+    outer = max(order.index(a) for a in active)
+    return math.prod(degree[a] for a in order[:outer + 1]) // math.prod(degree[a] for a in active)
 
 
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
@@ -116,4 +167,5 @@ def framework(name: str) -> Framework:
     return FRAMEWORKS[name]
 
 
-__all__ = ["Framework", "Overlap", "FRAMEWORKS", "LOOM", "framework", "GRAD_REDUCE"]
+__all__ = ["Framework", "Overlap", "FRAMEWORKS", "LOOM", "framework", "GRAD_REDUCE",
+           "RANK_ORDER", "GROUPS"]

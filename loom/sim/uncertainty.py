@@ -10,10 +10,16 @@ A prediction is a point; how far to trust it is measured, not assumed. Two sourc
   t / TUNE_RATIO_LOW. Measured 26 Nov 2026 with
   ``python bench/planner_published.py --no-search --json out.json`` and
   ``statistics.quantiles(tune ratios, n=10, method="inclusive")``; on the holdout half 12 of
-  14 rows fall inside (docs/planner.md).
+  14 rows fell inside, and 25 of 34 once 20 held-out rows were added (same day, with the
+  hardware spread below; docs/planner.md).
 * **The calibration's spread**, for a measured (CPU) profile (``Gpu.cores`` > 0): repeated
   calibrations of this machine moved a layout's prediction by up to 29% (docs/planner.md, runs 5
   and 6: dp4 0.794 s against 0.617 s), so the band widens by ``CALIBRATION_SPREAD`` each way.
+
+* **The accelerator's uncertain clock**, for a power-capped part (``Gpu.power_fraction_range``,
+  e.g. the H100 at 500 W): the sustained fraction of peak is an estimate known only within a
+  range, so the band widens by ``Gpu.step_spread`` (the step times that range implies, over
+  the predicted one).
 
 ``band`` gives (low, high) around a step time; ``overlapping`` how many of the best-ranked
 steps lie within the first one's band (the ranking among them is not resolved by the model).
@@ -29,24 +35,29 @@ TUNE_RATIO_HIGH = 1.157  # 90th percentile
 CALIBRATION_SPREAD = 0.29  # run-to-run movement of a CPU calibration's predictions
 
 
-def band(step: float, calibrated: bool = False) -> tuple[float, float]:
+def band(step: float, calibrated: bool = False,
+         hardware: tuple[float, float] = (1.0, 1.0)) -> tuple[float, float]:
     """(low, high) seconds around a predicted ``step``: the tune half's 10th-90th percentile
-    error, widened by the calibration's spread for a ``calibrated`` (measured CPU) profile.
-    Always contains ``step``."""
-    low, high = step / TUNE_RATIO_HIGH, step / TUNE_RATIO_LOW
+    error, widened by the calibration's spread for a ``calibrated`` (measured CPU) profile and
+    by the accelerator's ``hardware`` spread (``Gpu.step_spread``: the real step over the
+    predicted one that its uncertain clock allows, low <= 1 <= high). Always contains ``step``."""
+    if not hardware[0] <= 1 <= hardware[1]:
+        raise ValueError(f"hardware spread {hardware} must be (low <= 1, high >= 1)")
+    low, high = step / TUNE_RATIO_HIGH * hardware[0], step / TUNE_RATIO_LOW * hardware[1]
     if calibrated:
         low, high = low / (1 + CALIBRATION_SPREAD), high * (1 + CALIBRATION_SPREAD)
     return min(low, step), max(high, step)
 
 
-def overlapping(steps: Sequence[float], calibrated: bool = False) -> int:
+def overlapping(steps: Sequence[float], calibrated: bool = False,
+                hardware: tuple[float, float] = (1.0, 1.0)) -> int:
     """How many of ``steps`` (ranked, fastest first) could be at least as fast as the first
     one: those whose band's low end is below the first one's high end (1 when the first
     stands alone)."""
     if not steps:
         return 0
-    top_high = band(steps[0], calibrated)[1]
-    return sum(1 for s in steps if band(s, calibrated)[0] <= top_high)
+    top_high = band(steps[0], calibrated, hardware)[1]
+    return sum(1 for s in steps if band(s, calibrated, hardware)[0] <= top_high)
 
 
 __all__ = ["band", "overlapping", "TUNE_RATIO_LOW", "TUNE_RATIO_HIGH", "CALIBRATION_SPREAD"]

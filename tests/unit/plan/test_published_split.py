@@ -51,6 +51,48 @@ def test_the_split_report_runs_on_published_rows(bench):
     assert "| tune | 1 |" in bench.format_split_report(report)
 
 
+def test_rows_added_after_the_split_are_held_out_and_move_no_earlier_row(bench):
+    rows = bench.load_rows()
+    added = [r for r in rows if r.get("added_after_split")]
+    assert len(added) >= 20
+    assert {r["split"] for r in added} == {"holdout"}
+    assert all(r["source"] and r["source_file"] for r in added)
+    earlier = [r for r in rows if not r.get("added_after_split")]
+    rule_without = bench.split_by_rule(earlier)
+    assert all(rule_without[r["name"]] == r["split"] for r in earlier)
+
+
+def test_a_cell_published_as_out_of_memory_is_scored_by_the_verdict(bench):
+    """Narayanan et al. 2021's 530B under ZeRO-3 at microbatch 4 did not fit on 560 GPUs; the
+    row has no throughput, and the report counts its out-of-memory verdict."""
+    rows = {r["name"]: r for r in bench.load_rows()}
+    cell = bench.compare(rows["megatron2021-t2-530b-zero3-560gpu-oom"], search=False)
+    assert cell["published_oom"] and cell["ratio"] is None
+    assert cell["oom_right"] == cell["oom"]
+    ran = bench.compare(rows["megatron2021-t1-1.7b-32gpu"], search=False)
+    report = bench.split_report([cell, ran])
+    assert report["holdout"]["rows"] == 0 and report["holdout"]["oom_verdicts"] == 1
+    assert report["holdout"]["oom_verdicts_right"] == int(cell["oom"])
+    assert report["tune"]["oom_verdicts_right"] == int(not ran["oom"])
+    assert "OOM verdict right" in bench.format_split_report(report)
+
+
+def test_llama3_rows_are_priced_on_their_stated_network_and_rank_order(bench):
+    """The paper's network (2 servers a rack, 192 racks a pod, 1:7 above) and its "[TP, CP,
+    PP, DP]" order: the pipeline stays inside a pod, so the row prices as on a flat network,
+    and the same network with the pipeline outermost is slower."""
+    rows = {r["name"]: r for r in bench.load_rows()}
+    row = rows["llama3-405b-8192gpu-seq8k"]
+    assert row["topology"]["spine_oversubscription"] == 7 and row["rank_order"][:3] == [
+        "tp", "cp", "pp"]
+    stated = bench.compare(row, search=False)
+    flat = bench.compare({k: v for k, v in row.items() if k != "topology"}, search=False)
+    pipeline_outermost = bench.compare({k: v for k, v in row.items() if k != "rank_order"},
+                                       search=False)
+    assert stated["predicted_step_s"] == pytest.approx(flat["predicted_step_s"], rel=1e-9)
+    assert pipeline_outermost["predicted_step_s"] > stated["predicted_step_s"]
+
+
 @pytest.mark.parametrize("step", [1e-3, 0.5, 12.0, 300.0])
 @pytest.mark.parametrize("calibrated", [False, True])
 def test_the_band_contains_the_point_estimate(step, calibrated):

@@ -1,0 +1,186 @@
+"""Loom's planner on a published layout sweep that includes the runs that ran out of memory.
+
+Hagemann et al. 2023 ("Efficient Parallelization Layouts for Large-Scale Distributed Model
+Training", arXiv 2311.05610) trained Llama 13B, 30B and 65B on up to 256 A100-80GB GPUs with
+every combination of tensor and pipeline degree, microbatch size, activation checkpointing,
+attention kernel and (in a second set) sequence parallelism, and published every run's step
+time, or "OOM Error", in spreadsheets (github.com/JohannesHa/COLM-submission-efficient-
+parallelization-layouts, data/*.xlsx, CC BY-NC-SA 4.0). Loom does not copy them: this script
+reads them from a folder you give it (a clone of that repository), prices every cell's layout
+with the cost model, and reports per spreadsheet (one model size and sequence length):
+
+* the out-of-memory verdict against the published outcome (right / cells, and both error kinds),
+* Spearman's rank correlation between predicted and published step time over the cells that
+  ran (the issue's target: >= 0.9 within each model size),
+
+    git clone https://github.com/JohannesHa/COLM-submission-efficient-parallelization-layouts sweep
+    python bench/planner_sweep.py sweep/data [--zero 1] [--json out.json]
+
+Mapping a cell to Loom (assumptions, not stated in the spreadsheets; the paper was not
+available to this script's author): Llama's published shapes (SwiGLU, vocabulary 32,000, no
+dropout); sequence 2,048, or 8,192 for the files named "8k"; the global batch
+(``--global-batch``, default 2,048 sequences at 2k and 512 at 8k) only sets the microbatch
+count, which moves the pipeline bubble; the Megatron profile's memory (bf16 parameters, fp32
+gradients, fp32 master and moments), its optimizer state sharded over data parallelism
+(``--zero 1``, a distributed optimizer; ``--zero 0``: replicated); "every_layer" checkpointing
+is Loom's full recomputation; the "torch" and "fused" kernels store the attention probabilities
+(no flash kernel); pipelines run 1F1B; the spreadsheets' "Kernel not available" and "Other Error"
+cells are left out. A100-80GB nodes of 8 with one 200 Gb/s HDR link per GPU. Nothing is fitted.
+
+Reading .xlsx needs no third-party package: a sheet is XML in a zip archive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+import zipfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from loom.layout import Layout
+from loom.models.layers import TransformerArgs
+from loom.plan.hardware import make_cluster
+from loom.sim.cost_model import CostModel
+from loom.sim.frameworks import framework
+
+SHEET = "{http://schemas.openxmlformats.org/spreadsheetml/2006/main}"
+# Llama (Touvron et al. 2023, Table 2) dims: hidden, layers, heads, SwiGLU width
+LLAMA = {"13B": (5120, 40, 40, 13824), "30B": (6656, 60, 52, 17920), "65B": (8192, 80, 64, 22016)}
+NO_FLASH = ("torch", "fused")
+
+
+def read_sheet(path: Path) -> list[dict[str, str]]:
+    """The first sheet of an .xlsx file as rows keyed by the header row (the sheet's second row:
+    its first holds the file's title), strings as written."""
+    with zipfile.ZipFile(path) as z:
+        shared = []
+        if "xl/sharedStrings.xml" in z.namelist():
+            for item in ET.fromstring(z.read("xl/sharedStrings.xml")).iter(f"{SHEET}si"):
+                shared.append("".join(t.text or "" for t in item.iter(f"{SHEET}t")))
+        sheet = sorted(n for n in z.namelist() if re.fullmatch(r"xl/worksheets/sheet\d+\.xml", n))[0]
+        root = ET.fromstring(z.read(sheet))
+    table = []
+    for row in root.iter(f"{SHEET}row"):
+        cells = {}
+        for cell in row.iter(f"{SHEET}c"):
+            column = re.match(r"[A-Z]+", cell.get("r")).group()
+            value = cell.find(f"{SHEET}v")
+            inline = cell.find(f"{SHEET}is")
+            if value is not None:
+                cells[column] = shared[int(value.text)] if cell.get("t") == "s" else value.text
+            elif inline is not None:
+                cells[column] = "".join(t.text or "" for t in inline.iter(f"{SHEET}t"))
+        table.append(cells)
+    header = table[1]
+    return [{header[c]: v for c, v in row.items() if c in header} for row in table[2:]]
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def price(cell: dict[str, str], size: str, seq: int, batch: int, zero: int) -> dict:
+    """One spreadsheet cell priced: predicted step and memory, and the published outcome."""
+    h, layers, heads, ffn = LLAMA[size]
+    model = TransformerArgs(dim=h, n_layers=layers, n_heads=heads, n_kv_heads=heads, ffn_dim=ffn,
+                            vocab_size=32000, max_seq_len=seq, mlp="swiglu")
+    world, tp = int(cell["World Size"]), int(cell["model_parallel_size"])
+    pp, micro = int(cell["pipe_parallel_size"]), int(cell["micro_batch_size"])
+    dp = world // (tp * pp)
+    sharded = zero and dp > 1
+    layout = Layout(pp=pp, tp=tp, dp_replicate=1 if sharded else dp, dp_shard=dp if sharded else 1,
+                    zero_stage=zero if sharded else 0,
+                    sequence_parallel=cell.get("sequence_parallel") == "1" and tp > 1,
+                    schedule="1f1b" if pp > 1 else "none", micro_batch=micro,
+                    microbatches=max(1, batch // (dp * micro)),
+                    recompute="full" if cell["activation_checkpointing_type"] == "every_layer"
+                    else "none")
+    stack = dataclasses.replace(framework("megatron"), dropout=False,
+                                flash_attention=cell["kernel"] not in NO_FLASH)
+    cluster = make_cluster("A100-80GB", world, 8, intra="nvlink3", inter="hdr-ib")
+    cost = CostModel(model, seq, layout.dp * micro * layout.microbatches, cluster,
+                     framework=stack).evaluate(layout)
+    published = cell["Average Step Time"]
+    return {"layout": layout.label(), "kernel": cell["kernel"],
+            "predicted_step_s": cost.step_time, "memory_gib": cost.memory_total / 2**30,
+            "oom": cost.memory_total > cluster.gpu.memory_bytes,
+            "published_oom": published == "OOM Error",
+            "published_step_s": None if published == "OOM Error" else float(published)}
+
+
+def score(path: Path, batch: dict[int, int], zero: int) -> dict:
+    """Every usable cell of one spreadsheet priced, and the sheet's two scores."""
+    size = re.search(r"llama_(\d+B)", path.name).group(1)
+    seq = 8192 if "8k" in path.name else 2048
+    cells = []
+    for cell in read_sheet(path):
+        outcome = cell.get("Average Step Time")
+        if outcome != "OOM Error" and not re.fullmatch(r"[\d.]+", outcome or ""):
+            continue  # "Kernel not available", "Other Error"
+        cells.append(price(cell, size, seq, batch[seq], zero))
+    ran = [c for c in cells if not c["published_oom"]]
+    return {"sheet": path.name, "model": size, "seq": seq, "cells": len(cells),
+            "oom_right": sum(c["oom"] == c["published_oom"] for c in cells),
+            "ran_judged_oom": sum(c["oom"] for c in ran),
+            "oom_judged_to_fit": sum(not c["oom"] for c in cells if c["published_oom"]),
+            "ran": len(ran),
+            "spearman": spearman([c["predicted_step_s"] for c in ran],
+                                 [c["published_step_s"] for c in ran]) if len(ran) > 2 else None,
+            "rows": cells}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("data", type=Path, help="the repository's data/ folder (.xlsx files)")
+    parser.add_argument("--zero", type=int, choices=(0, 1), default=1,
+                        help="optimizer state sharded over data parallelism (1) or not (0)")
+    parser.add_argument("--global-batch", default="2048,512", metavar="AT_2K,AT_8K",
+                        help="global batch in sequences at 2k and at 8k tokens")
+    parser.add_argument("--json", type=Path, help="also write every priced cell here")
+    args = parser.parse_args(argv)
+    at2k, at8k = (int(b) for b in args.global_batch.split(","))
+    sheets = sorted(args.data.rglob("llama_*.xlsx"))
+    if not sheets:
+        print(f"{args.data}: no llama_*.xlsx spreadsheets", file=sys.stderr)
+        return 2
+    results = [score(p, {2048: at2k, 8192: at8k}, args.zero) for p in sheets]
+    print("| spreadsheet | model | seq | cells | OOM verdict right | ran, judged OOM |"
+          " OOM, judged to fit | Spearman (step, cells that ran) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        rho = f"{r['spearman']:.2f} ({r['ran']})" if r["spearman"] is not None else "-"
+        print(f"| {r['sheet']} | {r['model']} | {r['seq']} | {r['cells']} |"
+              f" {r['oom_right']} ({r['oom_right'] / r['cells']:.0%}) | {r['ran_judged_oom']} |"
+              f" {r['oom_judged_to_fit']} | {rho} |")
+    cells = sum(r["cells"] for r in results)
+    right = sum(r["oom_right"] for r in results)
+    print(f"\nall: OOM verdict right on {right} of {cells} cells ({right / cells:.1%});"
+          f" --zero {args.zero}, --global-batch {args.global_batch}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
