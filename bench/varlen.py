@@ -22,20 +22,25 @@ shared machine it counts this process's work, not the waits for a core.
 
     python bench/varlen.py [--threads 1] [--pairs 8] [--steps 2]
 
-``--ranks 4`` measures the balances instead: the real ``Trainer`` on 4 gloo ranks (one thread
-each, ``loom.testing.harness``), ``train.global_batch_tokens = 4 x --micro x --seq-len`` in
-microbatches of ``--micro x --seq-len``: ``none`` and ``tokens`` as dp = 4 (each rank its own
-microbatch, documents whole), ``static-cp4`` as cp = 4 (ring, every document zig-zag over the 4
-ranks, ``tokens``' microbatches) and ``zeppelin`` as cp = 4 (``data.balance = zeppelin``, the
-same microbatches placed by ``loom.parallel.zeppelin_cp``). Per step: each rank's CPU time
-(``time.thread_time``: its own compute; gloo's transfers run on other threads and a blocked
-wait costs none), the compute imbalance max / mean over ranks, and the step's wall time (the
-slowest rank). On a machine with fewer free cores than ranks the wall time counts the ranks'
-total work, not the slowest; the busiest rank's CPU time is then the step time 4 free cores
-would give, less the waits between ranks (both are reported). Corpora: ``longtail``
-(log-normal lengths, median ``--tail-median`` tokens, max 32x the median, as text files) and
-``stdlib``. ``--calibrate`` prints the tiled attention's time per flop over the linear
-modules' (``zeppelin_cp.ATTENTION_SLOWDOWN``).
+``--ranks 4`` measures the balances instead: the real ``Trainer`` on 4 gloo ranks (one thread each,
+``loom.testing.harness``), ``train.global_batch_tokens = 4 x --micro x --seq-len`` in microbatches
+of ``--micro x --seq-len``: ``none`` and ``tokens`` as dp = 4 (each rank its own microbatch,
+documents whole), ``static-cp4`` as cp = 4 (ring, every document zig-zag over the 4 ranks,
+``tokens``' microbatches), ``zeppelin`` as cp = 4 (``data.balance = zeppelin``, the same
+microbatches placed by ``loom.parallel.zeppelin_cp``: whole documents on one rank with no ring
+traffic, long ones over a sub-ring of their own group, shards not padded) and ``zeppelin-step`` the
+same with one microbatch of the step's ``4 x --micro x --seq-len`` tokens (the step's documents
+placed over the 4 ranks at once; one bin of 4 budgets may take other pieces than 4 bins of one: its
+losses can differ from the others' in the third digit). Per step: each rank's CPU time
+(``time.thread_time``: its own compute; gloo's transfers run on other threads and a blocked wait
+costs none), the compute imbalance max / mean over ranks, the step's wall time (the slowest rank)
+and the most bytes a rank sent point to point over cp (the rings' hops, from the ``metrics.comm``
+ledger; 0 for dp). On a machine with fewer free cores than ranks the wall time counts the ranks'
+total work, not the slowest; the busiest rank's CPU time is then the step time 4 free cores would
+give, less the waits between ranks (both are reported). Corpora: ``longtail`` (log-normal lengths,
+median ``--tail-median`` tokens, max 32x the median, as text files) and ``stdlib``. ``--calibrate``
+prints the tiled attention's time per flop over the linear modules'
+(``zeppelin_cp.ATTENTION_SLOWDOWN``).
 
     python bench/varlen.py --ranks 4 [--seq-len 2048 --micro 1 --steps 3]
 
@@ -148,7 +153,12 @@ BALANCE_LAYOUTS = {  # name: (data.balance, parallel degrees and mode)
                               "parallel.dp_replicate": 1}),
     "zeppelin": ("zeppelin", {"parallel.cp": 4, "parallel.cp_mode": "ring",
                               "parallel.dp_replicate": 1}),
+    "zeppelin-step": ("zeppelin", {"parallel.cp": 4, "parallel.cp_mode": "ring",
+                                   "parallel.dp_replicate": 1}),
 }
+# One microbatch of the whole step's tokens, placed over the 4 ranks at once (Zeppelin's
+# placement of a step's sequences over all its ranks; one bin may fit other pieces than four)
+WHOLE_STEP = ("zeppelin-step",)
 
 
 def write_long_tail(directory: Path, median: int, n_tokens: int, seed: int = 0) -> None:
@@ -162,22 +172,25 @@ def write_long_tail(directory: Path, median: int, n_tokens: int, seed: int = 0) 
 
 
 def rank_steps(ctx, config_table: dict, data_dir: str, steps: int) -> dict:
-    """On every rank: one warm-up step, then ``steps`` timed ones (CPU and wall)."""
+    """On every rank: one warm-up step, then ``steps`` timed ones (CPU and wall), and the bytes
+    the rank sent point to point over cp in each (ring hops: ``metrics.comm``'s ledger)."""
     from loom.config import from_dict
     from loom.train.trainer import Trainer
     import torch.distributed as dist
     torch.set_num_threads(1)
     trainer = Trainer(from_dict(config_table), Path(data_dir), None, ctx)
     trainer.train_step()
-    cpu, wall, losses = [], [], []
+    cpu, wall, losses, sent = [], [], [], []
     for _ in range(steps):
+        trainer.ledger.reset()
         dist.barrier()
         start, start_cpu = time.perf_counter(), time.thread_time()
         losses.append(trainer.train_step()["loss"])
         cpu.append(time.thread_time() - start_cpu)
         dist.barrier()
         wall.append(time.perf_counter() - start)
-    return {"cpu": cpu, "wall": wall, "loss": losses}
+        sent.append(trainer.ledger.get("cp", "send").payload_bytes)
+    return {"cpu": cpu, "wall": wall, "loss": losses, "cp_sent": sent}
 
 
 def measure_balances(corpus: dict, data_dir: str, args, registry) -> dict:
@@ -186,10 +199,13 @@ def measure_balances(corpus: dict, data_dir: str, args, registry) -> dict:
     base = {**corpus, "data.seq_len": args.seq_len, "data.packing": "varlen",
             "data.tokens_per_microbatch": budget, "train.global_batch_tokens": 4 * budget,
             "model.preset": "tiny", "model.max_seq_len": max(1024, args.seq_len),
-            "train.steps": args.steps + 1, "train.eval_every": 0, "optim.warmup_steps": 1}
+            "train.steps": args.steps + 1, "train.eval_every": 0, "optim.warmup_steps": 1,
+            "metrics.comm": True}
     rows = {}
     for name, (balance, degrees) in BALANCE_LAYOUTS.items():
-        config = layout_config({**base, "data.balance": balance, **degrees}, args.ranks)
+        per_microbatch = budget * (args.ranks if name in WHOLE_STEP else 1)
+        config = layout_config({**base, "data.balance": balance, **degrees,
+                                "data.tokens_per_microbatch": per_microbatch}, args.ranks)
         got = registry.run(args.ranks, rank_steps, config, data_dir, args.steps,
                            task_timeout_s=1800)
         cpu = np.array([r["cpu"] for r in got])  # [rank, step]
@@ -198,11 +214,14 @@ def measure_balances(corpus: dict, data_dir: str, args, registry) -> dict:
         rows[name] = {"imbalance": float(np.median(imbalance)),
                       "busiest_cpu_s": float(np.median(cpu.max(axis=0))),
                       "mean_cpu_s": float(np.median(cpu.mean(axis=0))),
-                      "wall_s": float(np.median(wall)), "loss": got[0]["loss"]}
+                      "wall_s": float(np.median(wall)), "loss": got[0]["loss"],
+                      "cp_sent_mb_max": float(np.median(
+                          np.array([r["cp_sent"] for r in got]).max(axis=0))) / 2**20}
         r = rows[name]
         print(f"  {name:11s} imbalance {r['imbalance']:.2f}  busiest rank CPU"
               f" {r['busiest_cpu_s']:.2f} s  mean {r['mean_cpu_s']:.2f} s  wall"
-              f" {r['wall_s']:.2f} s", flush=True)
+              f" {r['wall_s']:.2f} s  cp sent (busiest rank) {r['cp_sent_mb_max']:.1f} MiB",
+              flush=True)
     return rows
 
 

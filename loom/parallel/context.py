@@ -44,7 +44,11 @@ communication: one all-gather over cp of the shard's (id, position) pairs per fo
 ones above. Ranks then hold different numbers of real tokens, so the trainer's loss is the
 token-weighted one of packed rows: each rank's sum over its real tokens, divided by the
 step's real tokens counted over dp x cp (one scalar all-reduce) and multiplied by dp x cp,
-which the gradient average over dp x cp turns into the step's token mean.
+which the gradient average over dp x cp turns into the step's token mean. Under ``data.balance
+= zeppelin`` (``new_cp_groups(sub_rings=True)``) a varlen microbatch's shards are the Zeppelin
+placement's (whole documents on one rank, long ones over an aligned group), unpadded, and the
+core runs ``zeppelin_cp.sub_ring_attention``: each group's ring on its own process group,
+nothing sent for whole documents.
 
 Sliding-window attention (``model.sliding_window``): the Ulysses core sees the whole sequence
 in global order and applies the window exactly; the ring's blocks are plain causal and would
@@ -77,6 +81,8 @@ from loom.parallel.comm import CommLedger
 from loom.parallel.context_documents import (DocumentKeys, document_keys, document_ring_attention,
                                              document_shard_indices, take_shard)
 from loom.parallel.ring_attention import Ring, ring_attention, zigzag_positions
+from loom.parallel.zeppelin_cp import (SubRingKeys, new_sub_rings, sub_ring_attention,
+                                       sub_ring_keys)
 
 def sequence_positions(seq_len: int, cp_rank: int, layout: CPLayout) -> torch.Tensor:
     """Global positions (int64 ``[seq_len / cp]``) of the tokens ``cp_rank`` holds, in order."""
@@ -157,13 +163,16 @@ class CPGroups:
     ulysses: Any
     ring: Any
     ring_ranks: tuple[int, ...]
+    sub_rings: Any = None  # zeppelin_cp.SubRings: data.balance = zeppelin's sub-ring groups
 
 
 def new_cp_groups(cp_rank_groups: Sequence[Sequence[int]], layout: CPLayout,
-                  rank: int) -> CPGroups:
+                  rank: int, sub_rings: bool = False) -> CPGroups:
     """Create the cp, Ulysses and ring groups of every cp group (e.g. ``RankGrid.groups("cp")``,
-    each listing global ranks in cp order). Collective: every rank of the default group must call
-    it with the same arguments (``new_group`` is; gloo has no ``split_group``)."""
+    each listing global ranks in cp order), and with ``sub_rings`` (ring mode) the group of
+    every aligned block of cp ranks (``zeppelin_cp.new_sub_rings``). Collective: every rank of
+    the default group must call it with the same arguments (``new_group`` is; gloo has no
+    ``split_group``)."""
     if layout.size == 1:  # nothing to create; the model is left untouched
         return CPGroups(layout, 0, None, None, None, (rank,))
     u, r = layout.ulysses, layout.ring
@@ -185,6 +194,10 @@ def new_cp_groups(cp_rank_groups: Sequence[Sequence[int]], layout: CPLayout,
             group = dist.new_group(members) if r > 1 else None
             if rank in members:
                 mine.update(ring=group, ring_ranks=tuple(members))
+    if sub_rings:
+        if u > 1:
+            raise ValueError(f"sub-rings run on a ring of cp ranks, not Ulysses (u = {u})")
+        mine["sub_rings"] = new_sub_rings(cp_rank_groups, rank)
     return CPGroups(layout=layout, **mine)
 
 
@@ -206,6 +219,7 @@ class ContextParallelAttention:
         # attribute: selective recompute's functools.wraps copies it onto its wrapper)
         self.takes_documents = True
         self.layout, self.cp, self.ledger, self.axis = groups.layout, groups.cp, ledger, axis
+        self.sub_rings = groups.sub_rings  # varlen rows run on them (zeppelin_cp)
         # one forward's document keys, shared by its layers (and by recomputation)
         self._keys: weakref.WeakKeyDictionary[DocumentMask, DocumentKeys] = (
             weakref.WeakKeyDictionary())
@@ -220,11 +234,16 @@ class ContextParallelAttention:
         keys = None
         if documents is not None:
             keys = self._keys.get(documents)
+            if keys is None and self.sub_rings is not None and documents.shape[0] == 1:
+                keys = self._keys[documents] = sub_ring_keys(documents, self.sub_rings, self.cp,
+                                                             self.ledger, self.axis)
             if keys is None:  # the forward's first layer: one all-gather of ids and positions
                 ring_index = self.ring.index if self.ring is not None else 0
                 keys = self._keys[documents] = document_keys(
                     documents, self.cp, self.layout.ring, self.layout.ulysses, ring_index,
                     self.ledger, self.axis)
+        if isinstance(keys, SubRingKeys):  # whole documents local, grouped ones on sub-rings
+            return sub_ring_attention(q_BNSH, k_BKSH, v_BKSH, keys)
         if self.ulysses is not None:
             q_BNSH, k_BKSH, v_BKSH = (_Redistribute.apply(t, self.ulysses, True)
                                       for t in (q_BNSH, k_BKSH, v_BKSH))

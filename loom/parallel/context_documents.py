@@ -50,7 +50,8 @@ of every group. Then
   causal tile on torch's kernel (``ring_attention.attend_block``); on the others a long
   document's chunk pairs are full (non-causal) tiles on it, and short documents share masked
   fp32 tiles of up to ``TILE_TOKENS`` queries. ``data.balance = zeppelin`` (``loom.parallel
-  .zeppelin_cp``) relies on it: a short document whole on one rank costs its own square.
+  .zeppelin_cp``) runs its sub-rings' blocks with the same tiles (and its whole documents
+  with no ring at all).
 
 Why hand-written: torch's context parallelism has neither document masks nor a CPU backward.
 
@@ -184,7 +185,8 @@ def document_tiles(ids_q: np.ndarray, pos_q: np.ndarray, ids_k: np.ndarray, pos_
     against its keys, consecutive documents merged while the tile's queries stay within
     ``tile_tokens`` (fewer small kernels; the mask keeps them apart). The block's work is then
     ~ the sum over its documents of queries x keys, not ``S_q x S_k``: a short document whole
-    on one rank costs its own square only (what ``data.balance = zeppelin`` relies on).
+    on one rank costs its own square only (``data.balance = zeppelin``'s sub-rings cut their
+    blocks with it too).
 
     ``own_keys``: the keys are the queries' own tokens (ring step 0). A document whose tokens
     there are in increasing position (always: whole, or its two zig-zag chunks in order) has

@@ -10,41 +10,67 @@ rank (short ones: no ring work at all) or zig-zag over an aligned power-of-two g
 of g) and linear work (~ tokens) are balanced. The placement is a pure function of the
 microbatch's piece lengths, computed alike on every rank: nothing is communicated to agree.
 
-The attention that runs it is the existing masked document ring over the whole cp group
-(``context_documents.document_ring_attention``), with each block cut per document
-(``document_tiles``): a rank's block against a peer's keys has work only where the two share a
-document, so a document whole on one rank costs its own square on that rank (torch's causal
-kernel) and nothing on the others, and a group's document costs each of its ranks one causal
-tile and ``g - 1`` blocks of ``(s/g)²`` (torch's kernel for a long one's chunk pairs). **The
-communication is still the full ring's** (every rank's keys and values make every hop, and the
-key/value gradients travel back the same way): this is Zeppelin's compute balance without its
-sub-ring communication savings, and without its remapping layer (``loom.parallel.remap`` is
-not wired into the model): every rank's shard is padded to the longest rank's token count
-(padding: ``context_documents``' rules, out of attention and out of the loss), so the linear
-modules run on that many rows everywhere.
+The attention that runs it is Zeppelin's engine (``sub_ring_attention``), fed by the shard's
+document ids and positions (one all-gather of them over the cp group per forward, shared by
+every layer: ``sub_ring_keys``):
 
-The placement is therefore priced as it runs: attention waits for the busiest rank (the ring
-synchronises every layer), priced per tile (``tiled_attention``: a document cut over more ranks
-than its length needs costs each of them a whole tile), and the linear stage for the longest
-shard, ``max(attention) + max(tokens) x linear``; the candidates are the planner's
+* **Whole documents** (held by one rank) run the model's own document attention on that rank
+  (``DocumentMask.attention``: what ``data.balance = tokens`` runs), with no communication.
+* **A document over a group** of ``g`` cp ranks (an aligned block: start a multiple of ``g``)
+  runs ring attention over **that group only**: its members' keys and values of the group's
+  documents make ``g - 1`` hops inside the group's own process group, and the key/value
+  gradients travel back the same way (``ring_attention``'s travelling dK/dV sum). Every
+  aligned block of cp ranks has its process group, created once at setup, collectively on all
+  ranks (``new_sub_rings``: gloo has no ``split_group``), and passed explicitly
+  (``context.CPGroups.sub_rings``). A document's block is the smallest aligned one that holds
+  all its ranks (the placement's own group; any other sharding still runs, on a larger ring).
+* A rank's own block of its grouped documents (their queries against its own keys: causal
+  tiles) is computed while the first hop of each of its rings is in flight; then its rings
+  run one after another in one global order (largest first, then by start), the same on
+  every rank, so ranks in several rings cannot wait on each other in a cycle. Forward and backward are one autograd
+  ``Function``, so the order does not depend on autograd's.
+* Messages carry exactly the sender's tokens of the ring's documents (every rank knows every
+  rank's counts from the all-gather): **no shard is padded to the longest** (a rank's shard is
+  its own tokens, ``zeppelin_shard_indices``; one padding slot only for a rank given none),
+  and the linear modules run on each rank's own tokens.
+
+Without the remapping layer (``loom.parallel.remap`` is not wired into the model), a rank's
+linear work is its own tokens', so a placement is priced as the busiest rank's attention
+(``tiled_attention``: a document cut over more ranks than its length needs costs each of them
+a whole tile) plus its linear work, ``max(attention + tokens x linear)`` (``cp_step_price``;
+the ring's waits inside a group are not modelled). The candidates are the planner's
 (``zeppelin_candidates``, both with the linear work balanced per rank and with attention
-alone), its ``tokens`` deal and static cp (every document over all cp ranks, the default
-sharding's placement), and the cheapest wins (ties: the first), so on this cost model a
-placement is never worse than static cp.
-Costs (``model_token_costs``) are flop counts of the model's shape, forward and backward.
+alone), its ``tokens`` deal and static cp (every document over all cp ranks), and the
+cheapest wins (ties: the first), so on this cost model a placement is never worse than static
+cp. Costs (``model_token_costs``) are flop counts of the model's shape, forward and backward.
 
-Hand-written: no library places variable-length sequences over a context-parallel ring.
+Hand-written: no library places variable-length sequences over a context-parallel ring, nor
+runs ring attention over several sub-rings of one cp group side by side (torch's context
+parallelism has one ring and no document masks).
+
+Shape legend: B batch (1: a varlen microbatch), N query heads, K key/value heads, L this
+rank's tokens, n a member's tokens of one ring's documents, Hd head dim, g a ring's size.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Sequence
+
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from loom.data.zeppelin import (Partition, Ranks, TokenCosts, partition_static_cp,
                                 zeppelin_candidates)
 from loom.models.args import TransformerArgs
-from loom.parallel.context_documents import PAD_SLOT, TILE_TOKENS
+from loom.models.document_attention import DocumentMask
+from loom.parallel import comm
+from loom.parallel.comm import CommLedger
+from loom.parallel.context_documents import (PAD_KEY, PAD_SLOT, TILE_TOKENS, Tile,
+                                             block_backward, block_forward, document_tiles,
+                                             merge_masked)
+from loom.parallel.ring_attention import DKV_TAG, KV_TAG, Ring
 
 
 ATTENTION_SLOWDOWN = 4.5  # the masked fp32 tiles' time per flop / the linear GEMMs' (CPU)
@@ -89,9 +115,9 @@ def tiled_attention(partition: Partition, tile_tokens: int = TILE_TOKENS,
 
 def cp_step_price(partition: Partition) -> float:
     """A placement's time on the cp runtime (module docstring): the busiest rank's attention
-    (``tiled_attention``) plus the longest shard's linear work (every shard is padded to it)."""
-    return float(tiled_attention(partition).max()
-                 + partition.rank_tokens().max() * partition.costs.linear)
+    (``tiled_attention``) plus linear work on its own tokens (shards are not padded)."""
+    return float((tiled_attention(partition)
+                  + partition.rank_tokens() * partition.costs.linear).max())
 
 
 def place_over_cp(lengths: list[int] | np.ndarray, cp: int, costs: TokenCosts) -> Partition:
@@ -114,17 +140,301 @@ def document_runs(document_ids_S: np.ndarray) -> list[int]:
 def zeppelin_shard_indices(document_ids_BS: torch.Tensor, cp: int, cp_rank: int,
                            costs: TokenCosts) -> torch.Tensor:
     """Which tokens of a varlen microbatch (``[1, S]``) cp rank ``cp_rank`` holds: int64
-    ``[1, L]`` indices into the row (``place_over_cp``'s ``token_indices``), ``PAD_SLOT`` after
-    them up to ``L``, the longest rank's token count (the ring passes equal shapes)."""
+    ``[1, L]`` indices into the row (``place_over_cp``'s ``token_indices``), ``L`` its own
+    token count (not padded: the sub-rings pass each member's own count); a rank the placement
+    gives no token holds one ``PAD_SLOT`` (a forward needs a token)."""
     if document_ids_BS.shape[0] != 1:
         raise ValueError(f"data.balance = zeppelin places a varlen microbatch (one row), not"
                          f" {document_ids_BS.shape[0]} rows")
     partition = place_over_cp(document_runs(document_ids_BS[0].cpu().numpy()), cp, costs)
     mine = partition.token_indices(cp_rank)
-    index = np.full((1, int(partition.rank_tokens().max())), PAD_SLOT, dtype=np.int64)
-    index[0, :len(mine)] = mine
+    index = mine[None] if len(mine) else np.full((1, 1), PAD_SLOT, dtype=np.int64)
     return torch.from_numpy(index).to(document_ids_BS.device)
 
 
-__all__ = ["ATTENTION_SLOWDOWN", "cp_step_price", "document_runs", "model_token_costs",
-           "place_over_cp", "tiled_attention", "zeppelin_shard_indices"]
+
+# -- the sub-rings: process groups, made once ---------------------------------------------------
+def aligned_blocks(cp: int) -> list[tuple[int, int]]:
+    """Every block of cp ranks a document's ring can run on, as (start, size): the aligned
+    power-of-two blocks of >= 2 ranks (start a multiple of the size), largest first, then by
+    start, and the whole cp group where ``cp`` is not a power of two. This order is the one
+    every rank runs its rings in."""
+    blocks = []
+    g = 2
+    while g <= cp:
+        blocks += [(b, g) for b in range(0, cp - g + 1, g)]
+        g *= 2
+    if cp & (cp - 1):
+        blocks.append((0, cp))
+    return sorted(blocks, key=lambda block: (-block[1], block[0]))
+
+
+@dataclass(frozen=True)
+class SubRings:
+    """This rank's sub-ring process groups (``new_sub_rings``): ``members`` the global ranks of
+    its cp group in cp order, ``cp_rank`` its place there, ``groups`` the process group of
+    every aligned block (``aligned_blocks``) that holds it, by (start, size)."""
+
+    members: tuple[int, ...]
+    cp_rank: int
+    groups: tuple[tuple[tuple[int, int], Any], ...]
+
+    def group(self, block: tuple[int, int]) -> Any:
+        return dict(self.groups)[block]
+
+
+def new_sub_rings(cp_rank_groups: Sequence[Sequence[int]], rank: int) -> SubRings:
+    """The process group of every aligned block of every cp group (each listing global ranks
+    in cp order; ``cp - 1`` groups per cp group when cp is a power of two). Collective: every
+    rank of the default group calls it with the same arguments (``dist.new_group`` is)."""
+    mine = None
+    for ranks in cp_rank_groups:
+        ranks = tuple(int(r) for r in ranks)
+        made = []
+        for start, size in aligned_blocks(len(ranks)):
+            members = ranks[start:start + size]
+            group = dist.new_group(list(members))
+            if rank in members:
+                made.append(((start, size), group))
+        if rank in ranks:
+            mine = SubRings(ranks, ranks.index(rank), tuple(made))
+    if mine is None:
+        raise ValueError(f"rank {rank} is in none of the cp groups {cp_rank_groups}")
+    return mine
+
+
+def ring_block(first: int, last: int, cp: int) -> tuple[int, int]:
+    """The smallest block of ``aligned_blocks(cp)`` holding cp ranks ``first`` to ``last``;
+    ``(first, 1)`` when they are one rank."""
+    if first == last:
+        return first, 1
+    for start, size in sorted(aligned_blocks(cp), key=lambda block: block[1]):
+        if start <= first and last < start + size:
+            return start, size
+    raise AssertionError("the whole cp group holds every rank")
+
+
+# -- one forward's plan: which documents run where ----------------------------------------------
+@dataclass(frozen=True)
+class RingPart:
+    """This rank's part of one sub-ring: the ring (its process group, members, this rank's
+    index), every member's token count of the ring's documents (ring order), this rank's rows
+    of them (``index``, in its order) and, per hop ``1 .. g-1``, the tiles of this rank's
+    queries (all its rows) against the keys that arrive then (member ``index - hop``'s)."""
+
+    ring: Ring
+    counts: tuple[int, ...]
+    index: torch.Tensor
+    tiles: tuple[tuple[Tile, ...], ...]
+
+
+@dataclass(frozen=True)
+class SubRingKeys:
+    """One forward's plan, shared by its layers. ``whole``: the ``DocumentMask`` of this rank's
+    whole documents (rows ``whole_index`` of its shard, each document contiguous and in
+    order), which the model's own document attention runs; ``ring_index``: the rows the
+    engine runs (the other documents' tokens), ``own`` their tiles against their own keys and
+    ``rings`` this rank's rings in the global order (indices into those rows). Padding rows
+    are in neither and attend to nothing (output 0)."""
+
+    rows: int
+    whole: DocumentMask | None
+    whole_index: torch.Tensor
+    ring_index: torch.Tensor
+    own: tuple[Tile, ...]
+    rings: tuple[RingPart, ...]
+
+
+def _plain_runs(ids: np.ndarray, pos: np.ndarray, docs: set[int]) -> set[int]:
+    """Those of ``docs`` whose tokens here are one contiguous run at positions 0, 1, ...: what
+    the model's document attention (runs of equal ids, causal by index) computes exactly."""
+    plain = set()
+    for d in docs:
+        at = np.flatnonzero(ids == d)
+        if at[-1] - at[0] + 1 == len(at) and np.array_equal(pos[at], np.arange(len(at))):
+            plain.add(d)
+    return plain
+
+
+def sub_ring_keys(documents: DocumentMask, sub_rings: SubRings, cp_group: Any,
+                  ledger: CommLedger | None = None, axis: str = "cp") -> SubRingKeys:
+    """Gather every cp rank's (document id, position) pairs (an all-gather of the token
+    counts, then one of the pairs padded to the longest, ``2 x L_max`` int64 per rank) and
+    derive the plan: each document's block (``ring_block`` of the ranks that hold it), this
+    rank's whole documents, its other rows' own tiles and, for every ring it is in, the tiles
+    of each hop."""
+    positions = documents.known_positions
+    if documents.shape[0] != 1 or positions is None:
+        raise ValueError("sub-ring attention runs a varlen microbatch ([1, L]) with each"
+                         " token's position in its document")
+    ids_L, pos_L = documents.document_ids[0].long(), positions.expand(documents.shape)[0].long()
+    cp, device = len(sub_rings.members), ids_L.device
+    counts = torch.empty(cp, dtype=torch.int64, device=device)
+    comm.all_gather_into_tensor(counts, torch.tensor([len(ids_L)], device=device), cp_group,
+                                axis=axis, ledger=ledger)
+    longest = int(counts.max())
+    mine = torch.stack([torch.full((longest,), PAD_KEY, device=device),
+                        torch.zeros(longest, dtype=torch.int64, device=device)])
+    mine[0, :len(ids_L)], mine[1, :len(ids_L)] = ids_L, pos_L
+    gathered = torch.empty((cp * 2, longest), dtype=torch.int64, device=device)
+    comm.all_gather_into_tensor(gathered, mine, cp_group, axis=axis, ledger=ledger)
+    pairs = gathered.view(cp, 2, longest).cpu().numpy()
+    ids = [pairs[p, 0, :n] for p, n in enumerate(counts.tolist())]
+    pos = [pairs[p, 1, :n] for p, n in enumerate(counts.tolist())]
+    holders: dict[int, list[int]] = {}
+    for p in range(cp):
+        for d in np.unique(ids[p][ids[p] >= 0]).tolist():
+            holders.setdefault(d, []).append(p)
+    block_of = {d: ring_block(min(ps), max(ps), cp) for d, ps in holders.items()}
+    me = sub_rings.cp_rank
+    plain = _plain_runs(ids[me], pos[me], {d for d in np.unique(ids[me][ids[me] >= 0]).tolist()
+                                           if block_of[d][1] == 1})
+    whole_rows = np.flatnonzero(np.isin(ids[me], sorted(plain)))
+    whole = None
+    if len(whole_rows):
+        whole = DocumentMask(torch.from_numpy(ids[me][whole_rows])[None].to(device))
+    engine_rows = [np.flatnonzero((ids[p] >= 0) & ~np.isin(ids[p], sorted(plain)))
+                   for p in range(cp)]  # other ranks' "plain" ids are never in my rings
+    ids_e = [ids[p][engine_rows[p]] for p in range(cp)]
+    pos_e = [pos[p][engine_rows[p]] for p in range(cp)]
+    own = document_tiles(ids_e[me], pos_e[me], ids_e[me], pos_e[me], device, own_keys=True)
+    rings = []
+    for start, size in aligned_blocks(cp):
+        if not start <= me < start + size:
+            continue
+        docs = np.array(sorted(d for d, block in block_of.items() if block == (start, size)))
+        if not len(docs):
+            continue
+        held = [np.isin(ids_e[start + j], docs) for j in range(size)]
+        j = me - start
+        tiles = []
+        for hop in range(1, size):
+            src = start + (j - hop) % size
+            tiles.append(document_tiles(ids_e[me], pos_e[me], ids_e[src][held[src - start]],
+                                        pos_e[src][held[src - start]], device))
+        ring = Ring(sub_rings.group((start, size)), sub_rings.members[start:start + size], j,
+                    ledger, axis)
+        rings.append(RingPart(ring, tuple(int(h.sum()) for h in held),
+                              torch.from_numpy(np.flatnonzero(held[j])).to(device),
+                              tuple(tiles)))
+    return SubRingKeys(len(ids_L), whole, torch.from_numpy(whole_rows).to(device),
+                       torch.from_numpy(engine_rows[me]).to(device), own, tuple(rings))
+
+
+# -- the engine ---------------------------------------------------------------------------------
+def _hop(part: RingPart, sending: torch.Tensor, tag: int, sent_of: int,
+         received_of: int) -> tuple[torch.Tensor, list[Any], list[Any]]:
+    """Post one hop of ``part``'s ring: ``sending`` (member ``sent_of``'s rows, dim 3) to the
+    next member, and a buffer for member ``received_of``'s rows from the previous one; returns
+    the buffer, the send's and the receive's requests (each awaited once: gloo's wait is not
+    idempotent). Both sides know every count: an empty message is neither sent nor awaited."""
+    g = part.ring.size
+    sent = [part.ring.send(sending, tag)] if part.counts[sent_of % g] else []
+    shape = list(sending.shape)
+    shape[3] = part.counts[received_of % g]
+    buffer = sending.new_empty(shape)
+    received = [part.ring.recv(buffer, tag)] if shape[3] else []
+    return buffer, sent, received
+
+
+def _wait(requests: list[Any]) -> None:
+    for request in requests:
+        request.wait()
+
+
+def _kv_of(part: RingPart, k_BKLH: torch.Tensor, v_BKLH: torch.Tensor) -> torch.Tensor:
+    """This rank's keys and values of the ring's documents, one message: ``[2, B, K, n, Hd]``."""
+    return torch.stack([k_BKLH[:, :, part.index], v_BKLH[:, :, part.index]]).contiguous()
+
+
+def _first_hops(keys: SubRingKeys, k_BKLH: torch.Tensor, v_BKLH: torch.Tensor) -> list[Any]:
+    """Every ring's first hop of this rank's keys and values, posted at once."""
+    return [_hop(part, _kv_of(part, k_BKLH, v_BKLH), KV_TAG, part.ring.index, part.ring.index - 1)
+            for part in keys.rings]
+
+
+class _SubRingAttention(torch.autograd.Function):
+    """Own tiles, then each ring's hops (module docstring); forward and backward in one fixed
+    order on every rank. The hops and the travelling dK/dV sum are ``ring_attention``'s, over
+    each sub-ring's own process group with each member's own token count."""
+
+    @staticmethod
+    def forward(ctx: Any, q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch.Tensor,
+                keys: SubRingKeys) -> torch.Tensor:
+        with torch.autocast(q_BNLH.device.type, enabled=False):  # fp32 softmax statistics
+            first = _first_hops(keys, k_BKLH, v_BKLH)  # in flight during the own tiles
+            out, lse = block_forward(q_BNLH, k_BKLH, v_BKLH, keys.own)
+            for part, (incoming, *requests) in zip(keys.rings, first):
+                j, g = part.ring.index, part.ring.size
+                for hop in range(1, g):  # holding member j - hop's keys
+                    _wait(requests[0] + requests[1])
+                    kv = incoming
+                    if hop < g - 1:  # pass it on before computing with it
+                        incoming, *requests = _hop(part, kv, KV_TAG, j - hop, j - hop - 1)
+                    if part.tiles[hop - 1]:
+                        out, lse = merge_masked(out, lse, *block_forward(
+                            q_BNLH, kv[0], kv[1], part.tiles[hop - 1]))
+        ctx.keys = keys
+        ctx.save_for_backward(q_BNLH, k_BKLH, v_BKLH, out, lse)
+        return out.to(q_BNLH.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dout_BNLH: torch.Tensor):
+        with torch.autocast(dout_BNLH.device.type, enabled=False):
+            keys: SubRingKeys = ctx.keys
+            q_BNLH, k_BKLH, v_BKLH, out, lse = ctx.saved_tensors
+            first = _first_hops(keys, k_BKLH, v_BKLH)  # in flight during the own tiles
+            dq, dk, dv = block_backward(q_BNLH, k_BKLH, v_BKLH, out, dout_BNLH, lse, keys.own)
+            sends: list[tuple[list[Any], torch.Tensor]] = []  # alive until delivered
+            for part, (incoming, *requests) in zip(keys.rings, first):
+                j, g = part.ring.index, part.ring.size
+                pending_sum: list[Any] = []
+                incoming_sum = None
+                for hop in range(1, g):  # holding member j - hop's keys
+                    _wait(requests[0] + requests[1])
+                    kv = incoming
+                    if hop < g - 1:
+                        incoming, *requests = _hop(part, kv, KV_TAG, j - hop, j - hop - 1)
+                    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+                    if part.tiles[hop - 1]:
+                        dq_b, dkv[0], dkv[1] = block_backward(
+                            q_BNLH, kv[0], kv[1], out, dout_BNLH, lse, part.tiles[hop - 1])
+                        dq += dq_b
+                    if hop >= 2:  # the previous members' share of this block's gradient
+                        _wait(pending_sum)
+                        dkv += incoming_sum
+                    # on to the next member; after g - 1 hops the sum reaches the owner
+                    incoming_sum, sent, pending_sum = _hop(part, dkv, DKV_TAG, j - hop,
+                                                           j - hop - 1)
+                    sends.append((sent, dkv))
+                _wait(pending_sum)  # the other members' queries' gradient of my keys
+                dk.index_add_(2, part.index, incoming_sum[0])
+                dv.index_add_(2, part.index, incoming_sum[1])
+            for posted, _ in sends:
+                _wait(posted)
+        return dq.to(q_BNLH.dtype), dk.to(k_BKLH.dtype), dv.to(v_BKLH.dtype), None
+
+
+def sub_ring_attention(q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch.Tensor,
+                       keys: SubRingKeys) -> torch.Tensor:
+    """Attention inside each document of this rank's shard (``[1, N, L, Hd]`` queries,
+    un-repeated ``[1, K, L, Hd]`` keys and values): whole documents by the model's own
+    document attention (what ``tokens`` runs), the others on the engine with their sub-rings
+    (module docstring); ``keys`` from ``sub_ring_keys`` of the same forward."""
+    if keys.whole is not None and len(keys.whole_index) == keys.rows:  # all whole, in order
+        return keys.whole.attention(q_BNLH, k_BKLH, v_BKLH)
+    # padding rows attend to nothing: output 0, in the graph (a shard of padding alone has a
+    # backward too)
+    out_BNLH = q_BNLH * 0
+    for index, attend in ((keys.whole_index, keys.whole.attention if keys.whole else None),
+                          (keys.ring_index, lambda *qkv: _SubRingAttention.apply(*qkv, keys))):
+        if len(index):
+            part = attend(*(t.index_select(2, index) for t in (q_BNLH, k_BKLH, v_BKLH)))
+            out_BNLH = out_BNLH.index_copy(2, index, part)
+    return out_BNLH
+
+
+__all__ = ["ATTENTION_SLOWDOWN", "RingPart", "SubRingKeys", "SubRings", "aligned_blocks",
+           "cp_step_price", "document_runs", "model_token_costs", "new_sub_rings",
+           "place_over_cp", "ring_block", "sub_ring_attention", "sub_ring_keys",
+           "tiled_attention", "zeppelin_shard_indices"]

@@ -129,7 +129,8 @@ class Trainer:
         lay = self.layout
         if lay.cp > 1:
             split = CPLayout.from_mode(lay.cp_mode, lay.cp, lay.cp_ulysses)
-            self.cp_groups = new_cp_groups(self.grid.groups("cp"), split, self.ctx.rank)
+            self.cp_groups = new_cp_groups(self.grid.groups("cp"), split, self.ctx.rank,
+                                           sub_rings=config.data.balance == "zeppelin")
 
         self.args = model_args(config)
 

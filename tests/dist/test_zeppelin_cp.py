@@ -6,9 +6,15 @@ into pieces of up to 256 predictions): a step's microbatch then holds a long pie
 placement spreads zig-zag over a group of cp ranks, beside short ones kept whole on single
 ranks (checked: the test is about a step that has both).
 
-* The placement: every token of a microbatch on exactly one cp rank, every rank's shard the
-  same length (padded), a document either whole on one rank or zig-zag over an aligned
-  power-of-two group, and no worse than static cp on the runtime's price.
+* The placement: every token of a microbatch on exactly one cp rank, each rank's shard its own
+  tokens (not padded to the longest), a document either whole on one rank or zig-zag over an
+  aligned power-of-two group, and no worse than static cp on the runtime's price.
+* The sub-ring engine (``zeppelin_cp.sub_ring_attention``, cp = 4: a document over all four
+  ranks, one over ranks 2-3 only, whole ones on single ranks)
+  equals one process's per-document attention (output, dQ, dK, dV); its ring traffic is exactly
+  each document's own group's (ranks 0-1 send nothing of the 2-3 document), and a microbatch
+  of whole documents sends nothing at all, also where a rank is given no token (it holds one
+  padding slot).
 * The tiled document ring (``context_documents.document_tiles``) equals the dense masked one,
   also where a step-0 tile runs torch's causal kernel and where a split document's chunk pairs
   run as full (non-causal) tiles on it.
@@ -29,12 +35,17 @@ import torch
 
 from loom.config import from_dict, load_config, model_args, resolve
 from loom.data.loader import prepare_data
+from loom.data.packing import DocumentBatch
 from loom.errors import ConfigError
+from loom.models.document_attention import DocumentMask
+from loom.parallel.comm import CommLedger
+from loom.parallel.context import CPLayout, ContextParallelAttention, new_cp_groups
 from loom.parallel.context_documents import (PAD_SLOT, block_backward, block_forward,
-                                             document_tiles)
-from loom.parallel.zeppelin_cp import (cp_step_price, document_runs, model_token_costs,
-                                       place_over_cp, zeppelin_shard_indices)
-from loom.data.zeppelin import Ranks, partition_static_cp
+                                             document_tiles, take_shard)
+from loom.parallel.zeppelin_cp import (aligned_blocks, cp_step_price, document_runs,
+                                       model_token_costs, place_over_cp, ring_block,
+                                       zeppelin_shard_indices)
+from loom.data.zeppelin import UNIT, Partition, Ranks, partition_static_cp
 from loom.testing.parity import assert_parity, layout_config, record_training
 from loom.train.trainer import Trainer
 from tests.data_fixtures import DataCfg, prepared_documents
@@ -98,8 +109,8 @@ def test_every_token_is_on_one_rank_and_groups_are_aligned():
     for cp in (2, 4):
         plan = place_over_cp(runs, cp, costs)
         shards = [zeppelin_shard_indices(ids, cp, r, costs)[0] for r in range(cp)]
-        assert len({len(s) for s in shards}) == 1
-        held = torch.cat([s[s != PAD_SLOT] for s in shards])
+        assert [len(s) for s in shards] == plan.rank_tokens().tolist()  # no padding
+        held = torch.cat(shards)
         assert sorted(held.tolist()) == list(range(sum(runs)))
         for b, g in zip(plan.start, plan.size):
             assert g & (g - 1) == 0 and b % g == 0 and b + g <= cp
@@ -186,6 +197,98 @@ def test_a_split_documents_chunk_pairs_run_as_full_tiles_and_equal_the_dense_blo
     for a, b in zip(block_backward(q, k, v, out_d, dout, lse_fin, tiles),
                     block_backward(q, k, v, out_d, dout, lse_fin, dense)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_documents_ring_is_the_smallest_aligned_block_that_holds_it():
+    assert aligned_blocks(4) == [(0, 4), (0, 2), (2, 2)]
+    assert aligned_blocks(6) == [(0, 6), (0, 4), (0, 2), (2, 2), (4, 2)]
+    assert [ring_block(a, b, 4) for a, b in ((1, 1), (0, 1), (2, 3), (1, 2), (0, 3))] == [
+        (1, 1), (0, 2), (2, 2), (0, 4), (0, 4)]
+    assert ring_block(4, 5, 6) == (4, 2) and ring_block(3, 4, 6) == (0, 6)
+
+
+# cp = 4: a document over all four ranks, one over ranks 2-3, whole ones on ranks 0, 1 and 3,
+# rank 2 holding only its rings' tokens (each document's (start, size), in row order)
+SUB_RING_PLACEMENT = {"lengths": (40, 9, 24, 5, 3, 7), "start": (0, 0, 2, 1, 1, 3),
+                      "size": (4, 1, 2, 1, 1, 1)}
+WHOLE_PLACEMENT = {"lengths": (9, 5, 3, 7), "start": (0, 1, 1, 3), "size": (1,) * 4}  # 2: none
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
+
+
+def _placed(placement: dict, rank: int) -> tuple[torch.Tensor, torch.Tensor, DocumentBatch]:
+    """The row's document ids, this rank's indices into it, and its shard of the row."""
+    partition = Partition("test", ranks=Ranks(4, per_node=4), costs=UNIT, **placement)
+    ids = torch.from_numpy(np.repeat(np.arange(len(placement["lengths"])),
+                                     placement["lengths"]))[None]
+    mine = partition.token_indices(rank)
+    index = torch.from_numpy(mine if len(mine) else np.array([PAD_SLOT]))[None]  # as the trainer
+    zeros = torch.zeros_like(ids)
+    batch = DocumentBatch(zeros, zeros, DocumentMask(ids).positions(), ids)
+    return ids, index, take_shard(batch, index)
+
+
+def _qkv(S: int):
+    g = torch.Generator().manual_seed(3)
+    q_shape, kv_shape = (1, HEADS, S, HEAD_DIM), (1, KV_HEADS, S, HEAD_DIM)
+    return (torch.randn(q_shape, generator=g), torch.randn(kv_shape, generator=g),
+            torch.randn(kv_shape, generator=g), torch.randn(q_shape, generator=g))
+
+
+def sub_ring_core(ctx, placement: dict):
+    """Output, dQ, dK, dV and send bytes of the cp = 4 core with sub-rings on this rank's
+    shard of a seeded q, k, v (the forward's plan reused by a second layer's call)."""
+    groups = new_cp_groups([list(range(4))], CPLayout.from_mode("ring", 4, 0), ctx.rank,
+                           sub_rings=True)
+    ids, index, local = _placed(placement, groups.cp_rank)
+    at = index[0].clamp(min=0)
+    q, k, v, dout = (t[:, :, at].clone().requires_grad_() for t in _qkv(ids.shape[1]))
+    ledger = CommLedger()
+    core = ContextParallelAttention(groups, ledger)
+    documents = DocumentMask(local.document_ids, local.positions)
+    out = core(q, k, v, documents=documents)
+    out.backward(dout.detach())
+    sends = ledger.get("cp", "send").payload_bytes
+    core(q, k, v, documents=documents)  # the same forward's next layer: no new all-gather
+    return (index[0], out.detach(), q.grad, k.grad, v.grad, sends,
+            ledger.get("cp", "all_gather").calls)
+
+
+def ring_send_bytes(counts: list[int], j: int) -> int:
+    """What member ``j`` of a ring with these token counts sends in one forward and backward:
+    key/value hops both ways (fp32) and the travelling dK/dV sum (fp32)."""
+    g, per_token = len(counts), 2 * KV_HEADS * HEAD_DIM * 4
+    kv = sum(counts[(j - hop + 1) % g] for hop in range(1, g))
+    dkv = sum(counts[(j - hop) % g] for hop in range(1, g))
+    return (2 * kv + dkv) * per_token
+
+
+def test_sub_rings_are_document_attention_with_traffic_inside_each_group(dist):
+    lengths = SUB_RING_PLACEMENT["lengths"]
+    S = sum(lengths)
+    ids = torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths))[None]
+    q, k, v, dout = (t.requires_grad_() for t in _qkv(S))
+    want = DocumentMask(ids).attention(q, k, v, 0, kernel="segments")
+    want.backward(dout.detach())
+    got = [torch.full_like(t, float("nan")) for t in (want, q, k, v)]
+    sent, gathers = [], []
+    for index, *local, sends, calls in dist.run(4, sub_ring_core, SUB_RING_PLACEMENT):
+        for full, part in zip(got, local):
+            full[:, :, index] = part
+        sent.append(sends)
+        gathers.append(calls)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, (want, q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(g, w, rtol=RTOL_FIRST, atol=ATOL_FIRST,
+                                   msg=lambda m: f"{name}: {m}")
+    # the 40-token document: 5 tokens per rank; the 24-token one: 12 on each of ranks 2 and 3
+    whole_group = [ring_send_bytes([10] * 4, j) for j in range(4)]
+    assert sent == [whole_group[0], whole_group[1], whole_group[2] + ring_send_bytes([12, 12], 0),
+                    whole_group[3] + ring_send_bytes([12, 12], 1)]
+    assert gathers == [2] * 4  # token counts, then (id, position) pairs: once per forward
+
+
+def test_whole_documents_need_no_ring_traffic(dist):
+    for index, *_, sends, calls in dist.run(4, sub_ring_core, WHOLE_PLACEMENT):
+        assert sends == 0 and calls == 2
 
 
 _reference: dict[str, dict] = {}
