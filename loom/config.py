@@ -103,6 +103,10 @@ class ParallelConfig:
     # vocabulary-parallel embedding / head / fused cross entropy.
     sequence_parallel: bool = False
     vocab_parallel: bool = True
+    # Vocabulary parallelism across the pipeline (pp > 1; Yeung et al. 2024): the embedding and
+    # the output layer with its loss split over the vocabulary onto every pp rank instead of the
+    # first and last stage, their passes placed in the schedule (loom.schedule.vocab_passes)
+    vocab_parallel_pp: bool = False
     # Context parallelism (cp > 1): "ring" (zig-zag ring attention), "ulysses" (all-to-all to
     # heads) or "hybrid" (Ulysses inside groups of cp_ulysses ranks, ring across; 0 = auto).
     cp_mode: Literal["ring", "ulysses", "hybrid"] = "ring"
@@ -616,7 +620,8 @@ def job_of(config: Config, offload_optimizer: bool = False) -> Job:
                grad_bucket_mb=tr.grad_bucket_mb, offload_optimizer=offload_optimizer,
                grad_reduce_every_microbatch=tr.grad_reduce_every_microbatch,
                dp_mode=config.parallel.dp_mode, compile=tr.compile,
-               compression=compression_of(config), fp8=tr.fp8, fp8_emulate=tr.fp8_emulate)
+               compression=compression_of(config), fp8=tr.fp8, fp8_emulate=tr.fp8_emulate,
+               vocab_parallel_pp=config.parallel.vocab_parallel_pp)
 
 
 def compression_of(config: Config) -> CompressionSpec | None:

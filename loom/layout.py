@@ -222,6 +222,10 @@ class Job:
     compression: CompressionSpec | None = None
     fp8: str = "none"  # FP8 matmuls in the blocks' linears (``train.fp8``, loom.parallel.fp8)
     fp8_emulate: bool = False
+    # The embedding and output layer split over the vocabulary onto every pipeline rank
+    # (``parallel.vocab_parallel_pp``, loom.parallel.vocab_pipeline). A Job field for the same
+    # reason as dp_mode: the planner does not price it yet.
+    vocab_parallel_pp: bool = False
 
 
 __all__ = ["Layout", "Job", "CompressionSpec", "V_SHAPED", "CPLayout", "MODES", "check_layout",

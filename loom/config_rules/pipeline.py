@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from loom.config_rules.common import nearest_multiples
 from loom.config_rules.data import varlen_budgets
 from loom.errors import ConfigError, suggest
 from loom.schedule.families import SEARCH_PLACEMENTS, simulation_only, trainable
@@ -240,11 +241,56 @@ def _validate_offload(config: Config, schedule, how: str) -> None:
         raise ConfigError("parallel.schedule_offload_limit", limit, f"{how}: {err}") from None
 
 
+def _validate_vocab_pp(config: Config) -> None:
+    """``parallel.vocab_parallel_pp`` (loom/parallel/vocab_pipeline.py): the embedding and head
+    split over pp ranks, as built and tested: pp > 1, the vocabulary divisible by pp, fp32, plain
+    data parallelism over dp_replicate only (no dp_shard, tp, cp, ep: the shards have no ZeRO,
+    tp split or cp reducer yet),
+    concatenated rows, a dense model, one route, no offload or CheckFree, and no checkpoints or
+    pretrained weights (both match tensors by name, and the rows of one name differ by rank)."""
+    par, m, tr = config.parallel, config.model, config.train
+    rule = "vocab_parallel_pp"
+    if par.pp < 2:
+        raise ConfigError(f"parallel.{rule}", True, "splits the vocabulary over pipeline ranks:"
+                          f" needs parallel.pp > 1 (pp = {par.pp}); for tp use"
+                          " parallel.vocab_parallel")
+    if m.vocab_size % par.pp:
+        raise ConfigError("model.vocab_size", m.vocab_size, f"must be divisible by parallel.pp ="
+                          f" {par.pp} (parallel.vocab_parallel_pp splits it evenly); nearest: "
+                          + nearest_multiples(m.vocab_size, par.pp))
+    others = {"tp": par.tp, "cp": par.cp, "ep": par.ep, "dp_shard": par.dp_shard}
+    for name, degree in others.items():
+        if degree != 1:
+            raise ConfigError(f"parallel.{name}", degree, f"parallel.{rule} is not composed with"
+                              f" {name} yet (the vocabulary shards have no {name} split or"
+                              " reducer; dp_replicate is): set it to 1 or"
+                              " parallel.vocab_parallel_pp = false")
+    if par.dp_mode != "sync":
+        raise ConfigError("parallel.dp_mode", par.dp_mode, f"parallel.{rule} runs with"
+                          " dp_mode = 'sync' only (an outer loop over the vocabulary shards is"
+                          " not tested)")
+    plain = {"train.dtype": (tr.dtype, "fp32"), "data.packing": (config.data.packing, "concat"),
+             "model.n_experts": (m.n_experts, 0), "parallel.schedule_offload_limit":
+             (par.schedule_offload_limit, 0.0), "fault.recovery": (config.fault.recovery,
+                                                                   "checkpoint"),
+             "checkpoint.interval": (config.checkpoint.interval, 0),
+             "model.init_from": (m.init_from, "")}
+    for name, (value, wanted) in plain.items():
+        if value != wanted:
+            raise ConfigError(name, value, f"parallel.{rule} runs with {name} = {wanted!r} only"
+                              " (the combination is not built or tested)")
+    if par.schedule.lower() == SKIPPIPE:
+        raise ConfigError("parallel.schedule", par.schedule, f"parallel.{rule} places its passes"
+                          " in a schedule's action lists; skippipe runs paths")
+
+
 def validate_schedule(config: Config) -> None:
     """The pipeline rules: a known schedule family, chunks it accepts, a layer per stage and a
     microbatch count m = global_batch_size / (dp * micro_batch_size) (varlen: in tokens) the
     family can schedule."""
     par, m = config.parallel, config.model
+    if par.vocab_parallel_pp:
+        _validate_vocab_pp(config)
     if par.schedule_offload_limit and (par.pp == 1 or par.schedule.lower() == SKIPPIPE):
         raise ConfigError("parallel.schedule_offload_limit", par.schedule_offload_limit,
                           "offloads inside a pipeline schedule: needs parallel.pp > 1 and a"
@@ -317,6 +363,10 @@ def validate_schedule(config: Config) -> None:
                           f"{model_stages} stages (pp = {par.pp} x"
                           f" {schedule.chunks_per_rank} per rank{copies}) need model.n_layers >="
                           f" {model_stages}, got {m.n_layers} (one layer per stage)")
+    if schedule.num_routes > 1 and par.vocab_parallel_pp:
+        raise ConfigError("parallel.schedule", par.schedule, "parallel.vocab_parallel_pp needs one"
+                          " route through the stages (the output layer follows the last stage);"
+                          f" {par.schedule} has {schedule.num_routes}")
     if schedule.num_routes > 1:
         _validate_routes(config, schedule, how)
     if par.schedule_offload_limit:

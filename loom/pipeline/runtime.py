@@ -56,8 +56,21 @@ transfer and reduction below goes through ``loom.parallel.comm`` with the traine
   this rank's list offloads saves its tensors into a ``SavedActivations`` store
   (``loom.pipeline.host_offload``); O copies them to host memory, R back, in list order, on this
   rank only: nothing is communicated.
+* Vocabulary parallelism across the pipeline (``parallel.vocab_parallel_pp``: the schedule holds
+  S and T passes, ``loom.schedule.vocab_passes``; the shards are ``loom.parallel.vocab_pipeline``'s
+  ``VocabShard``), all point-to-point over ``pp`` with tags of their own (virtual stages past
+  the last, ``vocab_transfer``): at the step's start every rank sends its partial embedding of
+  each microbatch to the first stage's rank ((p-1)·4·micro·seq·dim bytes per microbatch into
+  it), which sums them; after F of the last stage its output X goes to every other rank (the
+  same volume out of it); S sends its ``[3, micro·seq]`` fp32 statistics to every other rank,
+  T its part of dX to the last stage's rank (the volume of X, into it), which sums the parts in
+  rank order before its I or B; the first stage's input gradients go back to every rank (the
+  volume of the embedding, out of it), which runs its embedding rows' backward after the
+  schedule. Every receive is posted ahead like the others and waited just before use, so a
+  schedule the validator accepts (its barriers included) cannot deadlock here either.
 * After the step: one 1-element all-reduce over ``pp`` so every rank reports the loss, which only
-  the last stage of each route computes.
+  the last stage of each route computes (under vocabulary parallelism: the last stage's rank's
+  T passes, every rank having computed the same loss).
 
 Written here rather than taken from ``torch.distributed.pipelining``: torch's runtime interprets
 a lowered schedule only for its own ``PipelineStage`` (which traces shapes with a meta forward
@@ -80,10 +93,12 @@ from loom.parallel import comm, parallelize
 from loom.parallel.comm import CommLedger
 from loom.parallel.data import FullyShardedSync, GradientReducer
 from loom.parallel.mixed_precision import gradient_of
+from loom.parallel.vocab_pipeline import OutputPass, VocabShard
 from loom.pipeline.host_offload import SavedActivations
 from loom.pipeline.partition import partition_model
 from loom.pipeline.stage import LossFn, PipelineStage, build_stages
 from loom.schedule.ir import Action, Op, Schedule
+from loom.schedule.vocab_passes import vocab_schedule
 from loom.topology import Meshes, RankGrid
 
 if TYPE_CHECKING:
@@ -129,15 +144,46 @@ def outgoing(schedule: Schedule, action: Action) -> _Transfer | None:
     return None
 
 
+# Vocabulary parallelism's messages (module docstring): their tags are those of virtual stages
+# num_stages + kind, so they never meet a stage boundary's.
+X_OUT, STATS, DX_PART, EMBED_PART, EMBED_GRAD = range(5)
+VOCAB_ROWS = -1  # the key of the vocabulary rows' data-parallel reducer (stages are >= 0)
+
+
+def vocab_transfer(schedule: Schedule, kind: int, microbatch: int, peer: int) -> _Transfer:
+    """The message of vocabulary-parallel ``kind`` for ``microbatch`` from or to ``peer``."""
+    return _Transfer(schedule.num_stages + kind, microbatch, ACTIVATION, peer)
+
+
+def vocab_incoming(schedule: Schedule, rank: int, action: Action) -> list[_Transfer]:
+    """The receives a vocabulary-parallel ``action`` needs on ``rank``: S the last stage's output,
+    T every other shard's statistics, the last stage's I or B every other shard's part of dX."""
+    last_rank = schedule.rank_of(schedule.num_stages - 1)
+    others = [q for q in range(schedule.pp_size) if q != rank]
+    mb = action.microbatch
+    if action.op is Op.S:
+        return [] if last_rank == rank else [vocab_transfer(schedule, X_OUT, mb, last_rank)]
+    if action.op is Op.T:
+        return [vocab_transfer(schedule, STATS, mb, q) for q in others]
+    if action.op in (Op.I, Op.B) and action.stage == schedule.num_stages - 1 \
+            and schedule.has_vocab_passes:
+        return [vocab_transfer(schedule, DX_PART, mb, q) for q in others]
+    return []
+
+
 def forward_only(schedule: Schedule) -> Schedule:
     """An F-only schedule with ``schedule``'s placement and routes: each rank runs its stages in
     increasing order, every microbatch that visits a stage before the next (deadlock-free: data
-    flows to higher stages only). Used for evaluation."""
+    flows to higher stages only). Used for evaluation. With vocabulary passes every rank then
+    runs S of every microbatch, then T (the loss, no backward)."""
     rows = []
     for rank in range(schedule.pp_size):
+        vocab = ([Action(rank, op, mb) for op in (Op.S, Op.T)
+                  for mb in range(schedule.num_microbatches)]
+                 if schedule.has_vocab_passes else [])
         rows.append(tuple(Action(stage, Op.F, mb) for stage in schedule.stages_of(rank)
                           for mb in range(schedule.num_microbatches)
-                          if stage in schedule.route_stages(mb)))
+                          if stage in schedule.route_stages(mb)) + tuple(vocab))
     return Schedule(schedule.num_stages, schedule.num_microbatches, schedule.placement,
                     tuple(rows), name=f"{schedule.name}-forward",
                     num_routes=schedule.num_routes, routes=schedule.routes)
@@ -159,7 +205,8 @@ class PipelineRuntime:
                  copy_group: dist.ProcessGroup | None = None,
                  compute_context: Callable[[], contextlib.AbstractContextManager]
                  = contextlib.nullcontext, reduce_every_microbatch: bool = False,
-                 wire_dtype: torch.dtype = WIRE_DTYPE) -> None:
+                 wire_dtype: torch.dtype = WIRE_DTYPE, vocab: VocabShard | None = None,
+                 vocab_reducer: GradientReducer | None = None) -> None:
         if sorted(stages) != list(schedule.stages_of(pp_rank)):
             raise ValueError(f"rank {pp_rank} holds stages {sorted(stages)}, the schedule places "
                              f"{list(schedule.stages_of(pp_rank))} on it")
@@ -174,6 +221,12 @@ class PipelineRuntime:
         self.ledger = ledger  # counts the sends, receives and reductions over "pp" (comm.py)
         self.tie_group = tie_group  # {first stage's rank, last stage's rank} of a tied model
         self.copy_group = copy_group  # the ranks holding the other routes' copies of my stages
+        # this rank's rows of the embedding and the head, when the schedule has vocabulary
+        # passes (S, T): the stages then hold neither
+        self.vocab = vocab
+        if schedule.has_vocab_passes != (vocab is not None):
+            raise ValueError(f"schedule {schedule.name!r} and the vocabulary shard disagree: "
+                             "vocabulary passes need a VocabShard on every rank, and only they")
         # entered around every action's compute (forward and backward): the trainer's counting
         # of tensor-parallel collectives and activation offload
         self.compute_context = compute_context
@@ -191,6 +244,8 @@ class PipelineRuntime:
         # The data-parallel reducer of each stage (none at degree 1), from its parallelize record
         self.reducers = {index: stage.applied.reducer for index, stage in stages.items()
                          if stage.applied is not None and stage.applied.reducer is not None}
+        if vocab_reducer is not None:  # the vocabulary rows' reducer, flushed after the step
+            self.reducers[VOCAB_ROWS] = vocab_reducer
         splits = any(a.op in (Op.I, Op.W) for a in schedule.actions[pp_rank])
         if splits and any(getattr(r, "per_microbatch", False) for r in self.reducers.values()):
             raise ValueError(f"schedule {schedule.name!r} splits the backward into I and W: its "
@@ -251,19 +306,26 @@ class PipelineRuntime:
                              "track_memory cannot count them; record without it")
         saved: dict[tuple[int, int], SavedActivations] = {}
         self.offload_bytes, self.offload_seconds = 0, 0.0
+        # vocabulary parallelism: this rank's partial embeddings (with their graph) and, on the
+        # first stage's rank, their sums; the S passes' state until their T
+        partial: list[torch.Tensor] = []
+        embedded: dict[int, torch.Tensor] = {}
+        outputs: dict[int, OutputPass] = {}
+        if self.vocab is not None:
+            partial, embedded = self._embed(schedule, inputs, training, device, posted, sends,
+                                            activation_shape, activation_shapes)
 
         for index, action in enumerate(row):
             # Post the receives of the next few actions before computing this one.
             while next_to_post < min(len(row), index + 1 + self.recv_lookahead):
-                needed = incoming(schedule, self.pp_rank, row[next_to_post])
-                if needed is not None:
+                ahead = row[next_to_post]
+                single = incoming(schedule, self.pp_rank, ahead)
+                for needed in ([single] if single is not None else []) + (
+                        vocab_incoming(schedule, self.pp_rank, ahead)
+                        if self.vocab is not None else []):
                     shape = activation_shape if activation_shapes is None \
                         else activation_shapes[needed.microbatch]
-                    buffer = torch.empty(tuple(shape), dtype=self.wire_dtype, device=device)
-                    work = comm.irecv(buffer, self.pp_ranks[needed.peer], self.pp_group,
-                                      axis="pp", ledger=self.ledger,
-                                      tag=needed.tag(schedule.num_microbatches))
-                    posted[needed] = (work, buffer)
+                    posted[needed] = self._post(schedule, needed, shape, device)
                 next_to_post += 1
             if action.op.is_transfer:  # O / R: a host copy, no compute, nothing to send
                 key = (action.stage, action.microbatch)
@@ -274,6 +336,11 @@ class PipelineRuntime:
                     store.reload()
                     self.offload_bytes += store.bytes_moved
                     self.offload_seconds += store.seconds
+                continue
+            if action.op.is_vocab:  # an output-layer pass on this rank's vocabulary shard
+                with self.compute_context():
+                    loss_sum += self._vocab_pass(schedule, action, targets, loss_fn, training,
+                                                 posted, local, sends, outputs)
                 continue
             received = self._receive(schedule, action, posted, local)
             if recorder is not None:  # after the receive: waiting for a message is not compute
@@ -293,18 +360,24 @@ class PipelineRuntime:
                 hooks = saved[action.stage, mb].hooks()
             with self.compute_context(), hooks:
                 if action.op is Op.F:
-                    x = inputs[mb] if stage.is_first else received
+                    x = inputs[mb] if stage.takes_tokens else \
+                        embedded[mb] if stage.is_first else received
                     out = stage.forward(mb, x, targets[mb], loss_fn, training=training,
                                         documents=documents[mb] if documents else None)
                     result = None if stage.is_last else out
-                    if stage.is_last:
+                    if stage.computes_loss:
                         loss_sum += out.detach().float()
+                    elif stage.is_last:  # vocabulary-parallel: X to every rank's shard
+                        self._send_all(schedule, X_OUT, mb, out, local, sends)
                 elif action.op is Op.I:
                     result = stage.backward_input(mb, received)
                 elif action.op is Op.B:
                     result = stage.backward(mb, received)
                 else:
                     result = stage.backward_weight(mb)
+            if self.vocab is not None and stage.is_first and action.op in (Op.I, Op.B):
+                # the embedding's gradient, for every rank's rows (after the schedule)
+                self._send_all(schedule, EMBED_GRAD, mb, result, local, sends)
             transfer = outgoing(schedule, action)
             if transfer is not None and result is not None:
                 # The residual stream's dtype on the wire: fp32 in fp32 and under bf16 autocast
@@ -320,6 +393,10 @@ class PipelineRuntime:
                 recorder.end(action, stage.held_for_weight(mb) if action.op is Op.I else ())
             if final_piece:  # what the hooks did not reduce (all of it after a W) goes now,
                 self.reducers[action.stage].flush()  # overlapping the rest of the schedule
+        if self.vocab is not None and training:
+            self._embedding_backward(schedule, partial, posted, local)
+            if reduce_once and VOCAB_ROWS in self.reducers:  # the rows' last gradient is in
+                self.reducers[VOCAB_ROWS].flush()
         for work in sends:
             work.wait()
         for reducer in self.reducers.values():
@@ -344,6 +421,10 @@ class PipelineRuntime:
                  posted: dict[_Transfer, tuple[dist.Work, torch.Tensor]],
                  local: dict[_Transfer, torch.Tensor]) -> torch.Tensor | None:
         """The tensor ``action`` consumes from a neighbouring stage (waiting just before use)."""
+        if self.vocab is not None and action.op in (Op.I, Op.B) \
+                and action.stage == schedule.num_stages - 1:
+            return self._gathered(schedule, DX_PART, action.microbatch, posted, local,
+                                  sum_parts=True)
         needed = incoming(schedule, self.pp_rank, action)
         if needed is not None:
             work, buffer = posted.pop(needed)
@@ -355,6 +436,142 @@ class PipelineRuntime:
         if action.op in (Op.I, Op.B) and not schedule.is_last(s):
             return local.pop(_Transfer(s, mb, GRADIENT, self.pp_rank))
         return None
+
+    # -- vocabulary parallelism (loom.parallel.vocab_pipeline) ------------------------------------
+    def _post(self, schedule: Schedule, needed: _Transfer, shape: Sequence[int],
+              device: torch.device) -> tuple[dist.Work, torch.Tensor]:
+        """Post the receive of ``needed`` into a new buffer: activation-shaped, or for softmax
+        statistics ``[3, tokens]`` fp32."""
+        if needed.stage == schedule.num_stages + STATS:
+            buffer = torch.empty((3, shape[0] * shape[1]), dtype=torch.float32, device=device)
+        else:
+            buffer = torch.empty(tuple(shape), dtype=self.wire_dtype, device=device)
+        work = comm.irecv(buffer, self.pp_ranks[needed.peer], self.pp_group, axis="pp",
+                          ledger=self.ledger, tag=needed.tag(schedule.num_microbatches))
+        return work, buffer
+
+    def _send_all(self, schedule: Schedule, kind: int, mb: int, tensor: torch.Tensor,
+                  local: dict[_Transfer, torch.Tensor], sends: list[dist.Work]) -> None:
+        """``tensor`` to every rank (this one's copy in memory)."""
+        payload = tensor.detach()
+        if kind != STATS:
+            payload = payload.to(self.wire_dtype)
+        payload = payload.contiguous()
+        for peer in range(schedule.pp_size):
+            self._send(schedule, kind, mb, peer, payload, local, sends)
+
+    def _send(self, schedule: Schedule, kind: int, mb: int, peer: int, payload: torch.Tensor,
+              local: dict[_Transfer, torch.Tensor], sends: list[dist.Work]) -> None:
+        if peer == self.pp_rank:
+            local[vocab_transfer(schedule, kind, mb, peer)] = payload
+            return
+        transfer = vocab_transfer(schedule, kind, mb, self.pp_rank)  # as the receiver names it
+        sends.append(comm.isend(payload, self.pp_ranks[peer], self.pp_group, axis="pp",
+                                ledger=self.ledger, tag=transfer.tag(schedule.num_microbatches)))
+
+    def _gathered(self, schedule: Schedule, kind: int, mb: int,
+                  posted: dict[_Transfer, tuple[dist.Work, torch.Tensor]],
+                  local: dict[_Transfer, torch.Tensor], *, sum_parts: bool = False
+                  ) -> list[torch.Tensor] | torch.Tensor:
+        """Every rank's message of ``kind`` for ``mb``, in rank order (this rank's from memory):
+        the list, or with ``sum_parts`` their sum, added in rank order (the same bits on every
+        layout of the same pp)."""
+        parts = []
+        for peer in range(schedule.pp_size):
+            if peer == self.pp_rank:
+                parts.append(local.pop(vocab_transfer(schedule, kind, mb, peer)))
+            else:
+                work, buffer = posted.pop(vocab_transfer(schedule, kind, mb, peer))
+                work.wait()
+                parts.append(buffer)
+        if not sum_parts:
+            return parts
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        return total
+
+    def _vocab_pass(self, schedule: Schedule, action: Action, targets: Sequence[torch.Tensor],
+                    loss_fn: LossFn, training: bool,
+                    posted: dict[_Transfer, tuple[dist.Work, torch.Tensor]],
+                    local: dict[_Transfer, torch.Tensor], sends: list[dist.Work],
+                    outputs: dict[int, OutputPass]) -> torch.Tensor | float:
+        """Run S or T of ``action`` on this rank's shard; returns the loss this rank reports (T on
+        the last stage's rank), else 0. The recorder times the compute, after the receives."""
+        mb, last_rank = action.microbatch, schedule.rank_of(schedule.num_stages - 1)
+        if action.op is Op.S:
+            if last_rank == self.pp_rank:
+                x = local.pop(vocab_transfer(schedule, X_OUT, mb, self.pp_rank))
+            else:
+                work, x = posted.pop(vocab_transfer(schedule, X_OUT, mb, last_rank))
+                work.wait()
+            if self.recorder is not None:
+                self.recorder.begin(action)
+            with contextlib.nullcontext() if training else torch.no_grad():
+                outputs[mb], stats = self.vocab.s_pass(x, targets[mb])
+            self._send_all(schedule, STATS, mb, stats, local, sends)
+            if self.recorder is not None:
+                self.recorder.end(action)
+            return 0.0
+        stats = self._gathered(schedule, STATS, mb, posted, local)
+        if self.recorder is not None:
+            self.recorder.begin(action)
+        loss, dx = self.vocab.t_pass(outputs.pop(mb), stats, targets[mb], loss_fn,
+                                     training=training)
+        if dx is not None:
+            self._send(schedule, DX_PART, mb, last_rank, dx.to(self.wire_dtype).contiguous(),
+                       local, sends)
+        if self.recorder is not None:
+            self.recorder.end(action)
+        return loss.float() if last_rank == self.pp_rank else 0.0
+
+    def _embed(self, schedule: Schedule, inputs: Sequence[torch.Tensor], training: bool,
+               device: torch.device, posted: dict[_Transfer, tuple[dist.Work, torch.Tensor]],
+               sends: list[dist.Work], activation_shape: Sequence[int] | None,
+               activation_shapes: Sequence[Sequence[int]] | None
+               ) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+        """The step's start: this rank's partial embedding of every microbatch, sent to the first
+        stage's rank, which sums the p parts (exact: one is non-zero per token). Training: the
+        other ranks post the receives of the embedding's gradients for after the schedule."""
+        first_rank = schedule.rank_of(0)
+        mbs = range(schedule.num_microbatches)
+        shape = (lambda mb: activation_shape) if activation_shapes is None \
+            else (lambda mb: activation_shapes[mb])
+        with contextlib.nullcontext() if training else torch.no_grad():
+            partial = [self.vocab.embed(inputs[mb]) for mb in mbs]
+        local: dict[_Transfer, torch.Tensor] = {}
+        if first_rank != self.pp_rank:
+            for mb in mbs:
+                self._send(schedule, EMBED_PART, mb, first_rank,
+                           partial[mb].detach().to(self.wire_dtype).contiguous(), local, sends)
+                if training:
+                    needed = vocab_transfer(schedule, EMBED_GRAD, mb, first_rank)
+                    posted[needed] = self._post(schedule, needed, shape(mb), device)
+            return partial, {}
+        for mb in mbs:
+            for peer in range(schedule.pp_size):
+                if peer != self.pp_rank:
+                    needed = vocab_transfer(schedule, EMBED_PART, mb, peer)
+                    posted[needed] = self._post(schedule, needed, shape(mb), device)
+            local[vocab_transfer(schedule, EMBED_PART, mb, self.pp_rank)] = \
+                partial[mb].detach().to(self.wire_dtype)
+        embedded = {mb: self._gathered(schedule, EMBED_PART, mb, posted, local, sum_parts=True)
+                    for mb in mbs}
+        return partial, embedded
+
+    def _embedding_backward(self, schedule: Schedule, partial: list[torch.Tensor],
+                            posted: dict[_Transfer, tuple[dist.Work, torch.Tensor]],
+                            local: dict[_Transfer, torch.Tensor]) -> None:
+        """After the schedule: the first stage's input gradient of every microbatch, through this
+        rank's embedding rows, in microbatch order (one process's accumulation order)."""
+        first_rank = schedule.rank_of(0)
+        for mb, part in enumerate(partial):
+            if first_rank == self.pp_rank:
+                grad = local.pop(vocab_transfer(schedule, EMBED_GRAD, mb, self.pp_rank))
+            else:
+                work, grad = posted.pop(vocab_transfer(schedule, EMBED_GRAD, mb, first_rank))
+                work.wait()
+            torch.autograd.backward(part, grad.to(part.dtype))
 
     # -- data-parallel gradient reduction -------------------------------------------------------------
     def finish_gradient_reduction(self) -> None:
@@ -421,8 +638,8 @@ class PipelineRuntime:
     def shared_tied_ends(self) -> list[tuple[int, int]]:
         """(first, last) stage of each route of a tied model whose two ends this rank holds:
         they share one Parameter."""
-        if not self.stages[next(iter(self.stages))].module.args.tie_embeddings:
-            return []
+        if not self.stages[next(iter(self.stages))].module.args.tie_embeddings or self.vocab:
+            return []  # (vocabulary-parallel: the shard holds the one tied Parameter)
         return [(first, final) for first, final in route_ends(self.schedule)
                 if first != final and first in self.stages and final in self.stages]
 
@@ -444,6 +661,8 @@ def build_pipeline(job: Job, schedule: Schedule, *, grid: RankGrid, meshes: Mesh
     stage keeps the record in ``PipelineStage.applied``.
     """
     args = job.args
+    if job.vocab_parallel_pp and not schedule.has_vocab_passes:
+        schedule = vocab_schedule(schedule)
     layers = partition_model(args, schedule.stages_per_route, job.seq_len)
     pp_rank = grid.coords(rank)["pp"]
     kwargs = {"autocast": autocast} if autocast is not None else {}
@@ -465,7 +684,17 @@ def build_pipeline(job: Job, schedule: Schedule, *, grid: RankGrid, meshes: Mesh
                 if rank in ranks:
                     copy_group = group
     pp_group = meshes.root["pp"].get_group() if grid.degree("pp") > 1 else None
+    vocab = vocab_reducer = None
+    if schedule.has_vocab_passes:
+        vocab = VocabShard(args, pp_rank, schedule.pp_size, device, job.seed)
+        if meshes.dp.size() > 1:  # plain data parallelism (the config refuses the others)
+            vocab_reducer = GradientReducer(
+                list(vocab.parameters()), meshes.dp.get_group(), meshes.dp.size(),
+                ledger=ledger, axis="dp", bucket_bytes=int(job.grad_bucket_mb * 2**20),
+                reduce_dtype=torch.bfloat16 if job.grad_reduce_dtype == "bf16" else torch.float32,
+                compression=job.compression, seed=job.seed)
     return PipelineRuntime(schedule, stages, pp_rank, grid.group(rank, "pp"), pp_group,
+                           vocab=vocab, vocab_reducer=vocab_reducer,
                            ledger=ledger, tie_group=tie_group, copy_group=copy_group,
                            compute_context=compute_context,
                            reduce_every_microbatch=job.grad_reduce_every_microbatch,
@@ -536,8 +765,8 @@ def tie_embedding(args, schedule: Schedule, stages: dict[int, PipelineStage], gr
     p-1) and are shared there; the copy sum then adds the two copies' shared weight like any
     other parameter.
     """
-    if not args.tie_embeddings or schedule.stages_per_route == 1:
-        return None
+    if not args.tie_embeddings or schedule.stages_per_route == 1 or schedule.has_vocab_passes:
+        return None  # (vocabulary-parallel: each rank's shard ties its own rows)
     ends = route_ends(schedule)
     if all(schedule.rank_of(first) == schedule.rank_of(final) for first, final in ends):
         for first, final in ends:  # each route's (each model copy's) ends on one rank

@@ -227,6 +227,10 @@ class PipelineStage:
     # I frees every activation W does not read (see the module docstring); off: the retaining
     # split, for blocks recomputed in full. DTensor parameters always take the retaining split.
     free_graph_after_input_grad: bool = True
+    # Vocabulary parallelism across the pipeline (``loom.parallel.vocab_pipeline``): the first
+    # stage takes the summed embedding (hidden states, whose gradient it returns) and the last
+    # ends at the final norm, its output X going to every rank's output-layer shard
+    vocab_parallel: bool = False
     _in_flight: dict[int, _InFlight] = field(default_factory=dict)
 
     @property
@@ -242,6 +246,18 @@ class PipelineStage:
     def is_last(self) -> bool:
         return self.model_stage == self.num_stages - 1
 
+    @property
+    def takes_tokens(self) -> bool:
+        """The input is token ids (no gradient to return): the first stage, unless the
+        embedding is vocabulary-parallel across the pipeline."""
+        return self.is_first and not self.vocab_parallel
+
+    @property
+    def computes_loss(self) -> bool:
+        """The output is the loss: the last stage, unless the output layer is
+        vocabulary-parallel across the pipeline."""
+        return self.is_last and not self.vocab_parallel
+
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
@@ -249,25 +265,26 @@ class PipelineStage:
                 loss_fn: LossFn | None = None, *, training: bool = True,
                 documents: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Run the slice. Returns the output (hidden states) or, on the last stage, the loss of
-        ``loss_fn(logits, targets)``. With ``training`` the graph is kept for the backward.
+        ``loss_fn(logits, targets)`` (``computes_loss``; under vocabulary parallelism the
+        normalised hidden states). With ``training`` the graph is kept for the backward.
         ``documents``: packed rows' (positions, document ids), for attention within documents."""
         positions, document_ids = documents if documents is not None else (self.positions, None)
         if not training:
             with torch.no_grad(), self.autocast():
                 out = self.module(inputs, positions=positions, document_ids=document_ids)
-            return loss_fn(out, targets) if self.is_last else out
-        if not self.is_first:  # a leaf, so I can ask autograd for its gradient
+            return loss_fn(out, targets) if self.computes_loss else out
+        if not self.takes_tokens:  # a leaf, so I can ask autograd for its gradient
             inputs = inputs.detach().requires_grad_(True)
         with self.autocast():
             out = self.module(inputs, positions=positions, document_ids=document_ids)
-        if not self.is_last and out._is_view():
+        if not self.computes_loss and out._is_view():
             # Under sequence parallelism the output is a view of a DTensor's local shard;
             # torch's stage_backward_input detaches stage outputs in place, which views forbid.
             out = out.clone()
         if self.module.args.n_experts:
             aux = self.module.moe_aux_loss().detach()
             self.aux_loss_sum = aux if self.aux_loss_sum is None else self.aux_loss_sum + aux
-        if self.is_last:
+        if self.computes_loss:
             out = loss_fn(out, targets)
         self._in_flight[microbatch] = _InFlight(inputs, out)
         return out
@@ -281,10 +298,10 @@ class PipelineStage:
         state = self._in_flight[microbatch]
         state.output_grad = output_grad
         if self._frees_graph():
-            plan = _plan_split(state.output, self.parameters(), cut_embedding=self.is_first)
-            if not self.is_first or plan.embedding is not None:
+            plan = _plan_split(state.output, self.parameters(), cut_embedding=self.takes_tokens)
+            if not self.takes_tokens or plan.embedding is not None:
                 return self._input_grad_freeing(state, plan)
-        if self.is_first:
+        if self.takes_tokens:
             return None  # token ids have no gradient; W does the whole backward
         grads = None if output_grad is None else [output_grad]
         dinputs, state.param_groups = stage_backward_input(
@@ -295,7 +312,7 @@ class PipelineStage:
     def _input_grad_freeing(self, state: _InFlight, plan: _SplitPlan) -> torch.Tensor | None:
         """I without ``retain_graph``: the input gradient and the eager parameters' gradients;
         the deferred matmuls' pre-hooks keep what W needs (``_SplitPlan``)."""
-        start = GradientEdge(plan.embedding, 0) if self.is_first else state.inputs
+        start = GradientEdge(plan.embedding, 0) if self.takes_tokens else state.inputs
         handles = [m.node.register_prehook(m.read) for m in plan.matmuls]
         try:
             grads = torch.autograd.grad(
@@ -315,7 +332,7 @@ class PipelineStage:
                 _accumulate(param, grad)
         state.plan, state.output_grad = plan, None
         state.inputs = state.output = None  # type: ignore[assignment]  (frees the graph)
-        if self.is_first:
+        if self.takes_tokens:
             plan.embedding_grad = grads[0]
             return None
         return grads[0]
@@ -339,7 +356,7 @@ class PipelineStage:
         if plan is not None:
             with torch.no_grad():
                 self._weight_grads(plan)
-        elif self.is_first:
+        elif self.takes_tokens:
             torch.autograd.backward(state.output, state.output_grad)
         else:
             stage_backward_weight(self.parameters(), state.param_groups)
@@ -359,7 +376,7 @@ class PipelineStage:
         """B: one backward pass for the input and the weights; returns the input gradient."""
         state = self._in_flight.pop(microbatch)
         torch.autograd.backward(state.output, output_grad)  # loss: output_grad None means 1
-        return None if self.is_first else state.inputs.grad
+        return None if self.takes_tokens else state.inputs.grad
 
     @property
     def holds_activations(self) -> bool:
@@ -372,17 +389,23 @@ def build_stages(args: TransformerArgs, schedule: Schedule, layers: Sequence[ran
                  ) -> dict[int, PipelineStage]:
     """The stages ``rank`` owns under ``schedule.placement``, with ``layers[model stage]`` each,
     made on the meta device and initialised by name, so every slice holds the full model's
-    weights (and the copies of a stage on different routes start identical)."""
+    weights (and the copies of a stage on different routes start identical). A schedule with
+    vocabulary passes (``Schedule.has_vocab_passes``) keeps the embedding and the head out of
+    the stages (``loom.parallel.vocab_pipeline.VocabShard`` holds them): the last stage ends at
+    the final norm."""
     stages = {}
     length = schedule.stages_per_route
+    vocab = schedule.has_vocab_passes
     for index in schedule.stages_of(rank):
         module = build_model(args, device="meta", layer_ids=layers[index % length],
-                             with_embedding=schedule.is_first(index),
+                             with_embedding=schedule.is_first(index) and not vocab,
                              with_head=schedule.is_last(index))
+        if vocab and module.output is not None:
+            module.output = nn.Identity()  # before any memory: the head rows are the shards'
         module.to_empty(device=device)
         reset_parameters(module, seed)  # a tied head starts as the embedding (seeded_name)
-        stages[index] = PipelineStage(index, length, module, autocast)
-    for route in range(schedule.num_routes if length > 1 else 0):
+        stages[index] = PipelineStage(index, length, module, autocast, vocab_parallel=vocab)
+    for route in range(schedule.num_routes if length > 1 and not vocab else 0):
         first, last = route * length, route * length + length - 1
         if args.tie_embeddings and first in stages and last in stages:
             # Both ends on this rank (a V placement): one Parameter, as in the unsplit model.
@@ -413,6 +436,11 @@ class LocalStages(nn.Module):
     a *replica* (``tied_replicas``): the first stage's rank holds the same gradient after the
     runtime's tie reduction, so the global norm counts it there only.
 
+    Vocabulary parallelism across the pipeline (``vocab``, a ``VocabShard``): ``tok_embeddings``
+    and ``output`` are this rank's rows of them, under the full names; the last stage gives only
+    its ``norm``. The rows of one name differ by rank: ``loom.train.full_state`` concatenates
+    them in pp order.
+
     Routes (bidirectional schedules): ``replicas`` are the modules of this rank's stages whose
     copy on route 0 lives on another rank. After the runtime's copy sum they hold the same
     gradients as that copy, so ``tied_replicas`` lists their parameters too: the global norm
@@ -421,10 +449,12 @@ class LocalStages(nn.Module):
     """
 
     def __init__(self, modules: Sequence[Transformer],
-                 replicas: Sequence[Transformer] = ()) -> None:
+                 replicas: Sequence[Transformer] = (), vocab: nn.Module | None = None) -> None:
         super().__init__()
         self.layers = nn.ModuleDict()
         self._tie_replica = False
+        if vocab is not None:  # this rank's rows of the embedding and the head (VocabShard)
+            self.tok_embeddings = vocab.tok_embeddings
         # by identity: a copy's tied head and embedding are one Parameter, listed once
         self._route_replicas = list({id(p): p for module in replicas
                                      for p in module.parameters()}.values())
@@ -433,11 +463,15 @@ class LocalStages(nn.Module):
                 self.tok_embeddings = module.tok_embeddings
             for name, layer in module.layers.items():
                 self.layers[name] = layer
-            if module.output is not None:
+            if module.output is not None and vocab is not None:
+                self.norm = module.norm
+            elif module.output is not None:
                 if module.args.tie_embeddings and "tok_embeddings" not in self._modules:
                     self.tok_embeddings = _TiedHead(module.output.weight)
                     self._tie_replica = True
                 self.norm, self.output = module.norm, module.output
+        if vocab is not None:
+            self.output = vocab.output
 
     def tied_replicas(self) -> list[nn.Parameter]:
         """Parameters another rank counts in the global norm: the tied head weight when this rank

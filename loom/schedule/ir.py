@@ -14,6 +14,14 @@ opposite directions, half the microbatches through each; the copies' weight grad
 summed before the optimizer step. torch's CSV cannot say which route a microbatch takes, so such
 schedules travel as JSON only.
 
+Vocabulary parallelism across the pipeline (Yeung et al. 2024, ``loom.schedule.vocab_passes``):
+the output layer and its loss are split over the vocabulary onto every pipeline rank, and run as
+two passes per microbatch on every rank, ``S`` (this shard's logits and their softmax statistics)
+and ``T`` (the loss from every shard's statistics, this shard's weight gradient and its part of
+the gradient of the last stage's output). For these two ops the number before the letter is the
+vocabulary shard, which is the pipeline rank holding it (``2S5``: shard 2's S of microbatch 5 on
+rank 2), not a stage. Torch's CSV has no such tokens: such schedules travel as JSON.
+
 Everything that runs, simulates or plans a pipeline consumes this one type. Nothing here imports
 torch.
 """
@@ -51,14 +59,23 @@ class Op(str, enum.Enum):
     # prices them). Torch's CSV has no such tokens: schedules holding them travel as JSON.
     O = "O"  # noqa: E741
     R = "R"
+    # Vocabulary parallelism (``loom.schedule.vocab_passes``): the output layer's passes on one
+    # vocabulary shard; the action's number is the shard (= its pipeline rank), not a stage.
+    S = "S"
+    T = "T"
 
     @property
     def is_transfer(self) -> bool:
         """An offload or reload (a host transfer), not a compute step."""
         return self is Op.O or self is Op.R
 
+    @property
+    def is_vocab(self) -> bool:
+        """An output-layer pass on a vocabulary shard (S or T), not a stage's compute."""
+        return self is Op.S or self is Op.T
 
-_ACTION_PATTERN = re.compile(r"^(\d+)([FIWBOR])(\d+)$")
+
+_ACTION_PATTERN = re.compile(r"^(\d+)([FIWBORST])(\d+)$")
 
 
 @dataclass(frozen=True, order=True)
@@ -82,6 +99,7 @@ class Action:
         if match is None:
             raise ValueError(
                 f"cannot parse action {text!r}: expected <stage><F|I|W|B><microbatch>, e.g. '2F0'"
+                " (or the ops O, R of PipeOffload, S, T of vocabulary parallelism)"
             )
         stage, op, microbatch = match.groups()
         return cls(int(stage), Op(op), int(microbatch))
@@ -243,6 +261,20 @@ class Schedule:
         """Whether any rank's list holds offload/reload actions (``Op.O`` / ``Op.R``)."""
         return any(action.op.is_transfer for row in self.actions for action in row)
 
+    @cached_property
+    def has_vocab_passes(self) -> bool:
+        """Whether the output layer runs vocabulary-parallel over the ranks (``Op.S``/``Op.T``)."""
+        return any(action.op.is_vocab for row in self.actions for action in row)
+
+    def without_vocab_passes(self) -> Schedule:
+        """This schedule without its S and T passes: the stages' own compute, what the output
+        layer's placement does not change (``self`` when there are none)."""
+        if not self.has_vocab_passes:
+            return self
+        return Schedule(self.num_stages, self.num_microbatches, self.placement,
+                        tuple(tuple(a for a in row if not a.op.is_vocab) for row in self.actions),
+                        name=self.name, num_routes=self.num_routes, routes=self.routes)
+
     def compute_only(self) -> Schedule:
         """This schedule without its offload/reload actions: what the compute streams run in
         order (``self`` when there are none). The replay, the search and torch's CSV see this."""
@@ -320,6 +352,9 @@ class Schedule:
         if self.has_transfers:
             raise ValueError(f"{self.name}: torch's CSV has no offload/reload actions (O, R); "
                              "export JSON, or compute_only() for the compute actions")
+        if self.has_vocab_passes:
+            raise ValueError(f"{self.name}: torch's CSV has no vocabulary-parallel passes (S, T);"
+                             " export JSON, or without_vocab_passes() for the stages' actions")
         rows = [[str(action) for action in row] for row in self.actions]
         if isinstance(destination, (str, os.PathLike)):
             with open(destination, "w", newline="") as handle:

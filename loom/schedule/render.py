@@ -27,11 +27,14 @@ from loom.schedule.simulate import SimResult, simulate
 # Op -> colour, shared by the Gantt chart and the traces (F blue, B red, I orange, W green).
 OP_COLORS: Mapping[str, str] = {"F": "#4387fd", "B": "#f44a3f", "I": "#ee8e00", "W": "#0da861",
                                  # PipeOffload's host copies (loom.schedule.offload)
-                                 "O": "#b67d8f", "R": "#c79b7d"}
+                                 "O": "#b67d8f", "R": "#c79b7d",
+                                 # vocabulary parallelism's output-layer passes (vocab_passes)
+                                 "S": "#8e6bd0", "T": "#d06bb6"}
 # Op -> Chrome trace-viewer reserved colour name with (about) the same colour as OP_COLORS.
 OP_CNAMES: Mapping[str, str] = {
     "F": "rail_response", "B": "rail_animation", "I": "rail_idle", "W": "rail_load",
     "O": "thread_state_uninterruptible", "R": "thread_state_unknown",
+    "S": "thread_state_iowait", "T": "thread_state_runnable",
 }
 MEMORY_COLOR = "#6a3d9a"
 

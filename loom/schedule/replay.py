@@ -13,8 +13,15 @@ action starts when its rank is free and its dependencies have finished, plus the
 another rank. Nothing is shared between ranks, so start times follow from earlier finish times
 alone: a rank resumes when the action it waits for finishes, without a global clock.
 
+Vocabulary parallelism (``Op.S`` / ``Op.T``, codes 4 and 5; ``loom.schedule.vocab_passes``): S of
+shard r and microbatch k needs the last stage's F(k) (its output goes to every rank); T needs
+every shard's S(k) (their softmax statistics), and the last stage's I or B of k needs every
+shard's T(k) (their parts of its output gradient). A barrier over all shards is one more finish
+time per microbatch, set when the last shard's pass of that microbatch finishes. Their durations
+are the 5th and 6th entries of each stage's row of ``Costs.duration`` (the same on every row).
+
 Memory by order (``live_levels``): a (stage, microbatch) is live on its rank from the start of
-its F to the end of its last backward piece (W, or B when not split).
+its F to the end of its last backward piece (W, or B when not split). S and T are not counted.
 """
 
 from __future__ import annotations
@@ -31,8 +38,11 @@ from loom.schedule.ir import Action, Op, Schedule
 
 # Integer op codes: the second item of an action triple, and the index into a stage's durations.
 F, I, W, B = 0, 1, 2, 3
-CODE_OP = (Op.F, Op.I, Op.W, Op.B)
-OP_CODE = {op: code for code, op in enumerate(CODE_OP)}
+S, T = 4, 5  # vocabulary parallelism's output-layer passes (their number is the shard)
+CODE_OP = (Op.F, Op.I, Op.W, Op.B)  # a stage's compute ops: the rows of a stage's costs
+VOCAB_OPS = (Op.S, Op.T)
+ALL_OPS = CODE_OP + VOCAB_OPS  # by op code
+OP_CODE = {op: code for code, op in enumerate(ALL_OPS)}
 EPS = 1e-9  # float slack for the search's memory limits and makespan comparisons
 
 Row = list[tuple[int, int, int]]  # one rank's actions as (stage, op code, microbatch)
@@ -53,7 +63,7 @@ def decode(rows: Sequence[Row], like: Schedule, name: str) -> Schedule:
         num_stages=like.num_stages,
         num_microbatches=like.num_microbatches,
         placement=like.placement,
-        actions=tuple(tuple(Action(s, CODE_OP[o], k) for s, o, k in row) for row in rows),
+        actions=tuple(tuple(Action(s, ALL_OPS[o], k) for s, o, k in row) for row in rows),
         name=name,
         num_routes=like.num_routes,
         routes=like.routes,
@@ -77,14 +87,24 @@ class Costs:
                          for stage in range(schedule_like.num_stages)), send)
 
     @classmethod
-    def exact(cls, costs: StageCosts, num_stages: int) -> tuple[Costs, int | None]:
+    def exact(cls, costs: StageCosts, num_stages: int,
+              vocab: tuple[Number, Number] | None = None) -> tuple[Costs, int | None]:
         """``costs`` as ints and their scale when they are all exact (``to_ints``), else as they
-        are and None: a replay on them gives every time exactly, times the scale."""
-        flat, scale = to_ints([costs.message_time(), *(costs.op_costs(stage).of(op)
-                                                       for stage in range(num_stages)
-                                                       for op in CODE_OP)])
-        return cls(tuple(tuple(flat[1 + 4 * stage:5 + 4 * stage])
+        are and None: a replay on them gives every time exactly, times the scale. ``vocab``:
+        the durations of S and T (vocabulary passes), appended to every stage's row."""
+        extra = list(vocab or ())
+        flat, scale = to_ints([costs.message_time(), *extra,
+                               *(costs.op_costs(stage).of(op) for stage in range(num_stages)
+                                 for op in CODE_OP)])
+        first = 1 + len(extra)
+        tail = tuple(flat[1:first])
+        return cls(tuple(tuple(flat[first + 4 * stage:first + 4 + 4 * stage]) + tail
                          for stage in range(num_stages)), flat[0]), scale
+
+
+def with_vocab(costs: Costs, s_time: Number, t_time: Number) -> Costs:
+    """``costs`` with the durations of the vocabulary passes S and T appended to every row."""
+    return Costs(tuple(tuple(row[:4]) + (s_time, t_time) for row in costs.duration), costs.send)
 
 
 def to_ints(values: list) -> tuple[list, int | None]:
@@ -139,9 +159,12 @@ def replay(rows: Sequence[Row], placement: Sequence[int], microbatches: int, cos
     num_stages = len(placement)
     route = stages_per_route or num_stages
     stages, mbs, base, ops = _index_space(rows, num_stages, microbatches)
+    vocab = S in ops or T in ops
     low = -(base // mbs)  # the lowest stage of the index space (below 0 when widened)
     size = stages * mbs
-    finish: list[Number | None] = [None] * (4 * size)  # index (op * stages + stage) * mbs + mb
+    # index (op * stages + stage) * mbs + mb; with S and T, then the barriers "every shard's S of
+    # microbatch k" (at 6 * size + k) and "every shard's T of k" (at 6 * size + mbs + k)
+    finish: list[Number | None] = [None] * ((6 * size + 2 * mbs) if vocab else 4 * size)
     # split[(stage, microbatch)]: its backward runs as I and W (else as one B). Without any B
     # every pair is split: one that has no I has no backward at all, and a rank waiting for it
     # waits forever either way (the same replay); likewise without any I none is.
@@ -165,9 +188,17 @@ def replay(rows: Sequence[Row], placement: Sequence[int], microbatches: int, cos
         return crosses and 0 <= min(a, b) and max(a, b) < num_stages and placement[a] != placement[b]
 
     f_input = [(s - 1) * mbs + base if s % route else -1 for s in span]
-    b_input = [(s + 1) * mbs + base if (s + 1) % route else -1 for s in span]
+    # -1: the last stage of its route has no next stage; -2: ... and waits for every shard's T
+    b_input = [(s + 1) * mbs + base if (s + 1) % route else (-2 if vocab else -1) for s in span]
     f_send = [f_input[n] >= 0 and crossing(s - 1, s) for n, s in enumerate(span)]
     b_send = [b_input[n] >= 0 and crossing(s + 1, s) for n, s in enumerate(span)]
+    shards = len(rows)
+    if vocab:  # the vocabulary passes' inputs: the last stage's F, then the barriers
+        last_f = (num_stages - 1) * mbs + base
+        barrier = 6 * size
+        passes_done = [0] * (2 * mbs)  # shards whose S (then T) of microbatch k has finished
+        passes_end: list[Number] = [0] * (2 * mbs)  # ... and the latest of their finishes
+        many = crosses and shards > 1  # a barrier gathers messages from other ranks
     own = [s * mbs + base for s in span]
     if low:  # a broken schedule's stages below 0: index the tables by stage
         f_input, b_input, f_send, b_send, own = (dict(zip(span, table)) for table in
@@ -202,6 +233,15 @@ def replay(rows: Sequence[Row], placement: Sequence[int], microbatches: int, cos
                     break
                 if t > start:
                     start = t
+            elif o > B:  # S: the last stage's output; T: every shard's S
+                dep = last_f + k if o == S else barrier + k
+                t = finish[dep]
+                if t is None:
+                    break
+                if many if o == T else (crosses and placement[num_stages - 1] != rank):
+                    t += send
+                if t > start:
+                    start = t
             else:
                 dep = own[s] + k
                 t = finish[dep]
@@ -220,6 +260,15 @@ def replay(rows: Sequence[Row], placement: Sequence[int], microbatches: int, cos
                         t += send
                     if t > start:
                         start = t
+                elif dep == -2:  # the last stage: every shard's part of its output gradient
+                    dep = barrier + mbs + k
+                    t = finish[dep]
+                    if t is None:
+                        break
+                    if many:
+                        t += send
+                    if t > start:
+                        start = t
             t_free = start + duration[s][o]
             started.append(start)
             index += 1
@@ -228,6 +277,15 @@ def replay(rows: Sequence[Row], placement: Sequence[int], microbatches: int, cos
                 finish[key] = t_free
                 if key in waiting:
                     runnable.extend(waiting.pop(key))
+                if o > B:  # the barrier of this pass and microbatch: done by its last shard
+                    n = (o - S) * mbs + k
+                    passes_done[n] += 1
+                    if t_free > passes_end[n]:
+                        passes_end[n] = t_free
+                    if passes_done[n] == shards:
+                        finish[barrier + n] = passes_end[n]
+                        if barrier + n in waiting:
+                            runnable.extend(waiting.pop(barrier + n))
         else:
             free_at[rank] = t_free
             continue

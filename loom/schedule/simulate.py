@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 from loom.schedule.ir import Action, Schedule
 from loom.schedule.validate import deadlock_error, dependencies
 from loom.schedule.cost import Number, StageCosts
-from loom.schedule.replay import F, Costs, Row, encode, from_ints, replay, to_ints
+from loom.schedule.replay import B, F, Costs, Row, encode, from_ints, replay, to_ints
 
 
 class Slot(NamedTuple):
@@ -186,11 +186,15 @@ class SimResult:
 
 
 def simulate(schedule: Schedule, costs: StageCosts | None = None, *,
-             memory: bool = True) -> SimResult:
+             memory: bool = True, vocab_costs: tuple[Number, Number] = (1, 1)) -> SimResult:
     """Replay ``schedule`` in order on every rank with ``costs`` (default F = I = W = 1).
 
     Assumes a schedule that ``validate`` accepts (complete, well placed); a stall raises
-    ``ScheduleError`` (rule ``deadlock``).
+    ``ScheduleError`` (rule ``deadlock``). ``vocab_costs``: the durations of one shard's S and
+    T passes (vocabulary parallelism, ``loom.schedule.vocab_passes``), when the schedule has
+    them; their barriers wait for the slowest shard plus the message time. They hold no
+    activation units in the memory curve (each keeps its shard's logits, ``[tokens, V/p]``,
+    from S to T: a cost of its own, which the units of a stage's activations do not measure).
     """
     if schedule.has_transfers:  # PipeOffload's O/R need copy streams and a host link
         raise ValueError(f"{schedule.name}: holds offload/reload actions; simulate it with "
@@ -198,7 +202,8 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, *,
     costs = costs or StageCosts.uniform(1, 1, 1)
     costs.check(schedule)
     rows = encode(schedule)
-    timing, scale = Costs.exact(costs, schedule.num_stages)
+    timing, scale = Costs.exact(costs, schedule.num_stages,
+                                vocab_costs if schedule.has_vocab_passes else None)
     replayed = replay(rows, schedule.placement, schedule.num_microbatches, timing,
                       schedule.stages_per_route)
     if not replayed.completed:
@@ -302,6 +307,8 @@ def _memory_curve(row: Row, starts: list[Number], ends: list[Number], deltas: li
     """The step function of live activations on one rank (``_memory_deltas``' changes)."""
     events: list[tuple[Number, int, Number]] = []  # (time, 0 = free / 1 = allocate, delta)
     for (stage, op, _), start, end in zip(row, starts, ends):
+        if op > B:  # a vocabulary pass: no stage activations
+            continue
         if op == F:
             events.append((start, 1, deltas[stage][op]))
         elif deltas[stage][op] is not None:

@@ -15,6 +15,10 @@ reuse them:
 
 With routes (``Schedule.num_routes`` > 1) "the next stage" and "the last stage" are those of the
 microbatch's route, and a microbatch needs actions only on the stages of its route.
+
+Vocabulary parallelism (``Op.S`` / ``Op.T``, ``loom.schedule.vocab_passes``): rule ``vocab``, one
+S and one T of every microbatch on every rank, numbered by that rank (its vocabulary shard), S
+before T, one route only; their dependencies join the deadlock check.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from loom.schedule.ir import Action, Op, Schedule
-from loom.schedule.replay import CODE_OP, Costs, Row, encode, encode_row, live_levels, replay
+from loom.schedule.replay import (B, CODE_OP, Costs, Row, encode, encode_row, live_levels,
+                                  replay, with_vocab)
 
 
 class ScheduleError(ValueError):
@@ -46,8 +51,14 @@ def dependencies(schedule: Schedule, action: Action) -> tuple[Action, ...]:
     I(s+1,m) when that stage splits its backward, else B(s+1,m). W(s,m) needs I(s,m). (The
     first and last stages are those of m's route.) PipeOffload's transfers: O(s,m) needs
     F(s,m), R(s,m) needs O(s,m), and I or B(s,m) also needs R(s,m) when it is scheduled.
+    Vocabulary passes: S(r,m) needs the last stage's F(m); T(r,m) needs S(q,m) of every shard
+    q; and the last stage's I or B(m) needs T(q,m) of every shard q.
     """
     stage, op, microbatch = action.stage, action.op, action.microbatch
+    if op is Op.S:
+        return (Action(schedule.num_stages - 1, Op.F, microbatch),)
+    if op is Op.T:
+        return tuple(Action(shard, Op.S, microbatch) for shard in range(schedule.pp_size))
     if op is Op.O:  # offload: the activations exist once the forward has run
         return (Action(stage, Op.F, microbatch),)
     if op is Op.R:  # reload: what comes back must have gone
@@ -62,10 +73,12 @@ def dependencies(schedule: Schedule, action: Action) -> tuple[Action, ...]:
     if not schedule.is_last(stage):
         split = Action(stage + 1, Op.I, microbatch)
         needed.append(split if split in schedule else Action(stage + 1, Op.B, microbatch))
+    elif schedule.has_vocab_passes:
+        needed.extend(Action(shard, Op.T, microbatch) for shard in range(schedule.pp_size))
     return tuple(needed)
 
 
-UNIT_DURATIONS: Mapping[Op, int] = {Op.F: 1, Op.I: 1, Op.W: 1, Op.B: 1}
+UNIT_DURATIONS: Mapping[Op, int] = {Op.F: 1, Op.I: 1, Op.W: 1, Op.B: 1, Op.S: 1, Op.T: 1}
 
 
 @dataclass(frozen=True)
@@ -111,8 +124,11 @@ def execute(schedule: Schedule, durations: Mapping[Op, int] = UNIT_DURATIONS) ->
     # one row of durations per stage, broken schedules' stages beyond the last one included
     stages = max([schedule.num_stages - 1] + [s for row in rows for s, _, _ in row]) + 1
     step: tuple = tuple(durations.get(op) for op in CODE_OP)
-    replayed = replay(rows, schedule.placement, schedule.num_microbatches,
-                      Costs((step,) * stages, 0), schedule.stages_per_route)
+    costs = Costs((step,) * stages, 0)
+    if schedule.has_vocab_passes:
+        costs = with_vocab(costs, durations.get(Op.S, 1), durations.get(Op.T, 1))
+    replayed = replay(rows, schedule.placement, schedule.num_microbatches, costs,
+                      schedule.stages_per_route)
     begins = replayed.start
     ends = [replayed.finish(rank) for rank in range(len(rows))]
     pending = tuple(row[len(begins[rank]):] for rank, row in enumerate(schedule.actions))
@@ -227,9 +243,13 @@ def validate(schedule: Schedule, memory_limit: float | None = None) -> None:
         validate_transfers(schedule, memory_limit)
         return
     rows = encode(schedule)
-    seen = _check_actions(schedule, rows)
+    vocab = schedule.has_vocab_passes
+    if vocab:
+        _check_vocab(schedule)
+    seen = _check_actions(schedule, [[a for a in row if a[1] <= B] for row in rows]
+                          if vocab else rows)
     _check_complete(schedule, seen)
-    unit = Costs(((1, 1, 1, 1),) * schedule.num_stages, 0)
+    unit = Costs(((1, 1, 1, 1, 1, 1) if vocab else (1, 1, 1, 1),) * schedule.num_stages, 0)
     replayed = replay(rows, schedule.placement, schedule.num_microbatches, unit,
                       schedule.stages_per_route)
     if not replayed.completed:  # a dependency later on its own rank stalls it too: say which
@@ -312,6 +332,39 @@ def _check_complete(schedule: Schedule, seen: bytearray) -> None:
                             f"{Action(stage, absent, mb)}", Action(stage, present, mb))
             if not (has[Op.B] or has[Op.I]):
                 raise _fail(schedule, "missing", f"{where} has no backward (B, or I and W)")
+
+
+def _check_vocab(schedule: Schedule) -> None:
+    """Rule ``vocab``: every rank runs S then T of every microbatch on its own shard (its rank),
+    once each; one route (the passes follow the one last stage)."""
+    if schedule.num_routes > 1:
+        first = next(a for row in schedule.actions for a in row if a.op.is_vocab)
+        raise _fail(schedule, "vocab", f"{first}: vocabulary passes need one route (the output"
+                    f" layer follows the last stage), the schedule has {schedule.num_routes}",
+                    first)
+    for rank, row in enumerate(schedule.actions):
+        where: dict[tuple[Op, int], int] = {}
+        for index, action in enumerate(row):
+            if not action.op.is_vocab:
+                continue
+            if action.stage != rank:
+                raise _fail(schedule, "vocab", f"{action} is on rank {rank}: shard"
+                            f" {action.stage}'s passes run on rank {action.stage}", action)
+            if not 0 <= action.microbatch < schedule.num_microbatches:
+                raise _fail(schedule, "range", f"{action}: microbatch {action.microbatch} does not"
+                            f" exist (num_microbatches={schedule.num_microbatches})", action)
+            if (action.op, action.microbatch) in where:
+                raise _fail(schedule, "duplicate", f"{action} is scheduled more than once", action)
+            where[action.op, action.microbatch] = index
+        for mb in range(schedule.num_microbatches):
+            s_pass, t_pass = Action(rank, Op.S, mb), Action(rank, Op.T, mb)
+            for op, action in ((Op.S, s_pass), (Op.T, t_pass)):
+                if (op, mb) not in where:
+                    raise _fail(schedule, "vocab", f"rank {rank} has no {action}: every rank runs"
+                                " S and T of every microbatch on its shard")
+            if where[Op.T, mb] < where[Op.S, mb]:
+                raise _fail(schedule, "order", f"{t_pass} comes before its {s_pass} on rank"
+                            f" {rank}", t_pass, s_pass)
 
 
 def _check_rank_order(schedule: Schedule) -> None:

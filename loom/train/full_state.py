@@ -47,7 +47,9 @@ def _gather_experts(trainer: Trainer, grads: dict[str, torch.Tensor]) -> dict[st
 def _gather_over_pp(trainer: Trainer, tensors: dict[str, torch.Tensor],
                     to_main: bool = False) -> dict[str, torch.Tensor]:
     """Merge name -> tensor dicts of the ``pp`` group (CPU copies, pickled: fine for tests
-    and final weights, not for per-step use); ``to_main``: only pp rank 0 receives."""
+    and final weights, not for per-step use); ``to_main``: only pp rank 0 receives. Under
+    vocabulary parallelism across pp the embedding's and the head's rows are concatenated in
+    pp order (``loom.parallel.vocab_pipeline``: rank r holds rows [rV/p, (r+1)V/p))."""
     local = {k: v.detach().cpu().clone() for k, v in tensors.items()}
     if trainer.pipeline.pp_group is None:  # pp = 1: this rank holds the whole model
         return local
@@ -57,7 +59,14 @@ def _gather_over_pp(trainer: Trainer, tensors: dict[str, torch.Tensor],
                            dst=trainer.pipeline.pp_ranks[0], group=trainer.pipeline.pp_group)
     else:
         dist.all_gather_object(parts, local, group=trainer.pipeline.pp_group)
-    return {k: v for part in parts if part for k, v in part.items()}
+    rows = {"tok_embeddings.weight", "output.weight"} \
+        if getattr(trainer.pipeline, "vocab", None) is not None else set()
+    merged = {k: v for part in parts if part for k, v in part.items() if k not in rows}
+    for name in sorted(rows):
+        pieces = [part[name] for part in parts if part and name in part]
+        if pieces:
+            merged[name] = torch.cat(pieces)
+    return merged
 
 
 def save_weights(trainer: Trainer, path: Path) -> None:

@@ -51,7 +51,7 @@ from loom.formulas.flops import model_flops_per_token
 from loom.grid_summary import describe_grid
 from loom.models.moe import set_aux_loss_backward_scale
 from loom.models.pretrained import PretrainedSource
-from loom.parallel import comm
+from loom.parallel import comm, vocab_pipeline
 from loom.parallel.comm import CommLedger
 from loom.parallel.context import CPLayout, new_cp_groups, shard_documents, shard_sequence
 from loom.parallel.context_documents import take_shard
@@ -166,7 +166,8 @@ class Trainer:
                                            compute_context=self._compute_context)
         stages = [stage for _, stage in sorted(self.pipeline.stages.items())]
         self.model = LocalStages([s.module for s in stages],
-                                 replicas=self.pipeline.route_replicas())
+                                 replicas=self.pipeline.route_replicas(),
+                                 vocab=getattr(self.pipeline, "vocab", None))
         # What parallelize applied, passed explicitly to the optimizer, clipping, checkpoints
         # and gathering: every stage of this rank had the same (any one's TP / EP records), and
         # ZeRO-1/2 steps the stages' slices as one sharded optimizer
@@ -181,6 +182,8 @@ class Trainer:
                 self.zero.masters_from_parameters()
             self.pretrained_bytes_read = source.bytes_read
         self.loss_fn = self.tp.loss if self.tp is not None else cross_entropy
+        if getattr(self.pipeline, "vocab", None) is not None:  # vocabulary-parallel over pp
+            self.loss_fn = vocab_pipeline.cross_entropy  # also reduces a shard's ShardedLogits
         # Mixture of experts: the load-balancing loss joins the objective with its coefficient.
         self.aux_coef = self.args.aux_loss_coef if self.args.n_experts > 0 else 0.0
         # Documents (pack, varlen): MoE's balancing loss is a sum over tokens, scaled per step

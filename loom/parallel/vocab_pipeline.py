@@ -1,0 +1,208 @@
+"""Vocabulary parallelism across pipeline stages (Yeung et al. 2024, arXiv 2411.05288): the input
+embedding and the output layer with its loss split over the vocabulary onto every ``pp`` rank.
+
+Without it the first pipeline rank holds the whole embedding and the last one the whole head, its
+``[tokens, V]`` logits and the loss: for a large vocabulary both ends carry much more memory and
+the last one much more compute than the middle. Here pipeline rank r of p holds rows
+[rV/p, (r+1)V/p) of both (``VocabShard``; one Parameter when they are tied), and:
+
+* input embedding, at the edges of the step (cheap: a lookup and its scatter): every rank looks up
+  its rows for every microbatch, zero outside them (``embed``), and the first stage sums the p
+  partial embeddings — exactly one is non-zero per token, so the sum is exact; after the
+  schedule the first stage's input gradients go back to every rank, which scatters them into
+  its rows (the same backward as a whole embedding's, restricted to them).
+* output layer and loss, in two passes per microbatch that the schedule places
+  (``loom.schedule.vocab_passes``; ``Op.S`` / ``Op.T``): the last stage's normalised output X
+  goes to every rank; ``s_pass``: this shard's logits ``X W_r^T`` and their softmax statistics
+  (row max, sum of exp of the shifted logits, the target's logit where the target is in the
+  shard), sent to every rank; ``t_pass``: every shard's statistics combined in rank order into
+  the global max, sum and target logit — the loss — then the shard's backward, its weight
+  gradient and its part of dX, which the last stage sums before its own backward.
+
+The loss formula is ``loom.parallel.vocab``'s (Megatron's vocab-parallel cross entropy on tp):
+loss_i = log(sum_j exp(z_ij - max_i)) + max_i - z_i,target, gradient softmax - onehot, all in
+fp32. What differs is where the statistics meet: tp all-reduces them inside one forward, while
+over the pipeline they travel between two passes, so that no rank stalls for them; the combine
+therefore rescales each shard's sum by exp(max_r - max) (``combine``). The loss reduction and
+scaling stay the caller's: ``t_pass`` hands a ``ShardedLogits`` to the trainer's loss function,
+and ``cross_entropy`` here reduces it as ``loom.parallel.vocab.cross_entropy`` reduces logits.
+
+Hand-written because no library offers it: torch's pipelining and Megatron-Core keep the head
+on the last stage; the paper's code patches Megatron-LM's schedules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.data.packing import IGNORE_INDEX
+from loom.models import TransformerArgs
+from loom.models.llama import initial_value, seeded_name
+from loom.parallel.vocab import cross_entropy as tensor_cross_entropy
+
+
+class _Rows(nn.Module):
+    """Rows of a ``[V, D]`` weight, under the name ``weight`` (the full model's names)."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+
+class VocabShard(nn.Module):
+    """Pipeline rank ``shard`` of ``shards``' rows of the input embedding (``tok_embeddings``) and
+    the output layer (``output``), initialised with those rows of the full model's seeded
+    weights (bit-identical to one process's). Tied embeddings: one Parameter for both."""
+
+    def __init__(self, args: TransformerArgs, shard: int, shards: int,
+                 device: torch.device | str, seed: int) -> None:
+        super().__init__()
+        if args.vocab_size % shards:
+            raise ValueError(f"vocab_size {args.vocab_size} is not divisible by pp = {shards}")
+        rows = args.vocab_size // shards
+        self.vocab_start, self.rows = shard * rows, rows
+        self.args = args
+        full = (args.vocab_size, args.dim)
+
+        def rows_of(name: str) -> nn.Parameter:
+            value = initial_value(seeded_name(name, args), torch.Size(full), args, seed)
+            return nn.Parameter(value[self.vocab_start:self.vocab_start + rows].clone().to(device))
+
+        self.tok_embeddings = _Rows(rows_of("tok_embeddings.weight"))
+        self.output = _Rows(self.tok_embeddings.weight if args.tie_embeddings
+                            else rows_of("output.weight"))
+
+    def _local(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids as rows of this shard (0 outside it) and the mask of those outside."""
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.rows)
+        return local.masked_fill(outside, 0), outside
+
+    def embed(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """This shard's part of the embedding of ``tokens_BS``: its rows, zero for the tokens of
+        other shards (the p parts sum to the full embedding, exactly: one is non-zero)."""
+        local, outside = self._local(tokens_BS)
+        return F.embedding(local, self.tok_embeddings.weight).masked_fill(outside[..., None], 0.0)
+
+    def s_pass(self, x_BSD: torch.Tensor, targets_BS: torch.Tensor) -> tuple[OutputPass,
+                                                                               torch.Tensor]:
+        """S: this shard's logits of ``x_BSD`` (fp32, autograd kept from a leaf copy of x) and
+        their statistics ``[3, N]``: row max, sum of exp(logit - max), target logit (0 when the
+        target is another shard's), for every rank's ``t_pass``."""
+        x = x_BSD.detach().requires_grad_(torch.is_grad_enabled())
+        logits = F.linear(x, self.output.weight).flatten(0, 1).float()
+        local, outside = self._local(targets_BS.flatten(0, 1))
+        with torch.no_grad():
+            row_max = logits.max(dim=-1).values
+            target = logits.gather(1, local[:, None]).squeeze(1).masked_fill(outside, 0.0)
+            # In place: T needs exp(z - max) (its softmax is a rescale of it), never z again, and
+            # the matmul's backward reads x and the rows, not its output: one [N, V/p] held.
+            exp = logits.sub_(row_max[:, None]).exp_()
+            sum_exp = exp.sum(dim=-1)
+        return OutputPass(x, exp, row_max, local, outside), torch.stack((row_max, sum_exp, target))
+
+    def t_pass(self, state: OutputPass, stats: list[torch.Tensor], targets_BS: torch.Tensor,
+               loss_fn, *, training: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """T: the loss of ``loss_fn(ShardedLogits, targets)`` from every shard's ``stats`` (in rank
+        order); training: its backward through this shard, accumulating the head rows'
+        gradient. Returns the loss (detached) and this shard's part of dX (or None)."""
+        row_max, sum_exp, target = combine(stats)
+        # this shard's softmax = exp(z - its max) * exp(its max - the max) / the sum
+        scale = (state.row_max - row_max).exp_().div_(sum_exp)
+        logits = ShardedLogits(state.exp, scale, row_max, sum_exp, target, state.local,
+                               state.outside, shape=tuple(targets_BS.shape))
+        loss = loss_fn(logits, targets_BS)
+        if not training:
+            return loss.detach(), None
+        loss.backward()
+        return loss.detach(), state.x.grad
+
+
+@dataclass
+class OutputPass:
+    """What one microbatch's S keeps for its T: the leaf copy of X, exp(logits - the shard's row
+    max) in the logits' own storage (so with their graph to X and the head rows) and that max,
+    and the targets as rows of the shard."""
+
+    x: torch.Tensor
+    exp: torch.Tensor
+    row_max: torch.Tensor
+    local: torch.Tensor
+    outside: torch.Tensor
+
+
+def combine(stats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every shard's ``[3, N]`` statistics (rank order) -> the global row max, sum of exp(z - max)
+    and target logit: each shard's sum is rescaled by exp(its max - the max), as online softmax
+    does, and added in rank order (every rank gets the same bits)."""
+    row_max = torch.stack([s[0] for s in stats]).max(dim=0).values
+    sum_exp = torch.zeros_like(row_max)
+    target = torch.zeros_like(row_max)
+    for shard in stats:
+        sum_exp += shard[1] * (shard[0] - row_max).exp()
+        target += shard[2]
+    return row_max, sum_exp, target
+
+
+@dataclass
+class ShardedLogits:
+    """One shard's logits, as ``exp`` = exp(logits - the shard's row max) ``[N, V/p]`` (autograd's
+    handle on them), and the global statistics of all shards: what a loss function receives in
+    place of full logits (``cross_entropy`` reduces it). ``exp`` times ``scale`` (per row) is the
+    shard's part of the softmax. ``shape``: the targets' ``[B, S]``."""
+
+    exp: torch.Tensor
+    scale: torch.Tensor
+    row_max: torch.Tensor
+    sum_exp: torch.Tensor
+    target: torch.Tensor
+    local_target: torch.Tensor
+    outside: torch.Tensor
+    shape: tuple[int, ...]
+
+    def token_losses(self) -> torch.Tensor:
+        """loss_i = log(sum_exp_i) + max_i - target_i, differentiable w.r.t. the local logits."""
+        return _ShardCrossEntropy.apply(self.exp, self.scale, self.row_max, self.sum_exp,
+                                        self.target, self.local_target, self.outside)
+
+
+class _ShardCrossEntropy(torch.autograd.Function):
+    """Token losses from the global statistics; backward to this shard's logits only:
+    softmax - onehot restricted to the shard (``loom.parallel.vocab``'s gradient), the softmax
+    being S's exponentials rescaled (no second exp over ``[N, V/p]``). The backward runs once:
+    it turns the saved exponentials into the gradient in place."""
+
+    @staticmethod
+    def forward(ctx, exp_NV: torch.Tensor, scale_N: torch.Tensor, row_max: torch.Tensor,
+                sum_exp: torch.Tensor, target: torch.Tensor, local_target: torch.Tensor,
+                outside: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(exp_NV, scale_N, local_target, outside)
+        return sum_exp.log() + row_max - target
+
+    @staticmethod
+    def backward(ctx, grad_N: torch.Tensor):
+        exp, scale, local_target, outside = ctx.saved_tensors
+        grad = exp.mul_(scale[:, None])
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_target] -= (~outside).to(grad.dtype)
+        return grad.mul_(grad_N[:, None]), None, None, None, None, None, None
+
+
+def cross_entropy(logits: torch.Tensor | ShardedLogits, targets_BS: torch.Tensor, *,
+                  reduction: str = "mean", **kwargs) -> torch.Tensor:
+    """``loom.parallel.vocab.cross_entropy`` that also takes a ``ShardedLogits``: the mean over
+    every target, or (``reduction="sum"``, packed rows) the sum over those that are not
+    ``IGNORE_INDEX``, as that function reduces full logits."""
+    if not isinstance(logits, ShardedLogits):
+        return tensor_cross_entropy(logits, targets_BS, reduction=reduction, **kwargs)
+    losses = logits.token_losses()
+    if reduction == "sum":
+        return losses.masked_fill(targets_BS.flatten(0, 1) == IGNORE_INDEX, 0.0).sum()
+    return losses.mean()
+
+
+__all__ = ["VocabShard", "ShardedLogits", "OutputPass", "combine", "cross_entropy"]
