@@ -66,7 +66,9 @@ import dataclasses
 import functools
 import gc
 import inspect
+import itertools
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,9 +80,9 @@ from loom.schedule.replay import (EPS, B, F, I, W, Costs, Row, Score, decode, en
                                   score)
 from loom.schedule.search_greedy import Knobs, list_schedule
 from loom.schedule.search_local import improve
+from loom.schedule.search_loop import Asap
 from loom.schedule.search_priority import priority_schedule
 from loom.schedule.search_reverse import ReverseKnobs, reverse_schedule
-from loom.schedule.validate import validate
 from loom.schedule.cost import StageCosts, full_stage_costs
 from loom.schedule.simulate import SimResult, simulate
 
@@ -341,8 +343,11 @@ def search(
     seeded = pool.built.get(id(rows))
     schedule = (decode(rows, problem.shape(best.place), name) if seeded is None
                 else dataclasses.replace(seeded, name=name))
-    validate(schedule, memory_limit=memory_limit + EPS)
-    result = simulate(schedule, problem.scaled(best.place))
+    _check_complete(rows, problem.layout(best.place), microbatches, name)
+    result = simulate(schedule, problem.scaled(best.place))  # raises if it does not run
+    if max(result.peak_memory) > memory_limit + EPS:
+        raise AssertionError(f"{name}: peak memory {float(max(result.peak_memory)):g} over the "
+                             f"limit {memory_limit:g} (a bug in the search's memory accounting)")
     return SearchResult(
         schedule=schedule,
         sim_result=result,
@@ -352,6 +357,40 @@ def search(
         best=best,
         leaderboard=tuple(c for c, _ in pool.best(5)),
     )
+
+
+def _check_complete(rows: list[Row], layout: tuple[int, ...], microbatches: int,
+                    name: str) -> None:
+    """The winner holds, once each and on the stage's rank, every (stage, microbatch)'s F and
+    either its I and W or its B (the families' seeds may run full backwards).
+
+    What ``loom.schedule.validate`` checks that the search has not checked already: every
+    candidate's replay ran to its end (so nothing waits forever) and its peak was within the
+    limit (``simulate`` confirms both for the winner). Stated on the integer rows with sets and
+    counts, the check costs a tenth of a full validation (1.8 s at p=64, m=512 and eight chunks
+    per rank), which the search's callers run where they need it (``loom.schedule.select``)."""
+    pairs = len(layout) * microbatches
+    on_rank = [{s for s, r in enumerate(layout) if r == rank} for rank in range(len(rows))]
+    seen: set[tuple[int, int, int]] = set()
+    ops: Counter[int] = Counter()
+    for rank, row in enumerate(rows):
+        seen.update(row)
+        ops.update([o for _, o, _ in row])
+        if not {s for s, _, _ in row} <= on_rank[rank]:
+            raise AssertionError(f"{name}: rank {rank} holds a stage placed elsewhere (a bug "
+                                 "in the search)")
+    mbs = [k for row in rows for _, _, k in row]
+    split = set()
+    if ops[B]:  # which pairs run I and W, which run B
+        split = {(s, k) for s, o, k in seen if o == I}
+    # distinct actions in range: then these counts mean every F, I, W (or B) is there
+    if (len(seen) != len(mbs) or set(ops) - {F, I, W, B}
+            or (mbs and (min(mbs) < 0 or max(mbs) >= microbatches))
+            or ops[F] != pairs or ops[I] != ops[W] or ops[I] + ops[B] != pairs
+            or (ops[B] and (split != {(s, k) for s, o, k in seen if o == W}
+                            or any((s, k) in split for s, o, k in seen if o == B)))):
+        raise AssertionError(f"{name}: not every (stage, microbatch) has its F and either its I "
+                             "and W or its B, once each (a bug in the search)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,7 +422,15 @@ class _Budget:
 
 
 class _Pool:
-    """Every candidate that fits; ``best`` orders by makespan, then peak, then arrival."""
+    """Every candidate that fits; ``best`` orders by makespan, then idle, then peak, then
+    arrival.
+
+    A candidate whose makespan is known without a replay (the list scheduler's sweep) may come
+    without its idle (``add(..., idle_from=...)``): the idle is replayed only when ``best`` needs
+    it, i.e. when the makespan alone does not already rank the candidate below the ones asked
+    for. Most sweep candidates are longer than five others and are never replayed (a replay at
+    p=32, m=256 and four chunks per rank is a twentieth of a second), and the order is exactly
+    the one with every idle known."""
 
     def __init__(self) -> None:
         self.entries: list[tuple[Candidate, list[Row]]] = []
@@ -391,19 +438,45 @@ class _Pool:
         # a seed's own Schedule, by the id of its rows (which the pool keeps alive): the winner
         # need not be decoded again (a second at p=64, m=512 and 8 chunks)
         self.built: dict[int, Schedule] = {}
+        # entry index -> (layout, microbatches, costs) to replay its idle with (``add``)
+        self.unscored: dict[int, tuple[tuple[int, ...], int, Costs]] = {}
 
-    def add(self, candidate: Candidate, rows: list[Row], built: Schedule | None = None) -> None:
+    def add(self, candidate: Candidate, rows: list[Row], built: Schedule | None = None,
+            idle_from: tuple[tuple[int, ...], int, Costs] | None = None) -> None:
+        """``idle_from``: ``candidate``'s idle is not known yet; replay ``rows`` on this layout,
+        microbatches and costs when it counts (``candidate.idle_zb`` is a placeholder until)."""
+        if idle_from is not None:
+            self.unscored[len(self.entries)] = idle_from
         self.entries.append((candidate, rows))
         if built is not None:
             self.built[id(rows)] = built
 
     def best(self, count: int) -> list[tuple[Candidate, list[Row]]]:
+        self._score(count)
+
         def key(n: int) -> tuple:
             c = self.entries[n][0]
             return (*Score(c.makespan, c.idle_zb).key(), c.peak, n)
 
         order = sorted(range(len(self.entries)), key=key)
         return [self.entries[n] for n in order[:count]]
+
+    def _score(self, count: int) -> None:
+        """Replay the idle of every unscored entry that the makespan alone does not rank below
+        the first ``count``: those ranked below have ``count`` entries whose (rounded) makespan
+        is smaller, which no idle can reorder."""
+        if not self.unscored or count <= 0:
+            return
+        rounded = sorted(Score(c.makespan, 0.0).key()[0] for c, _ in self.entries)
+        bar = rounded[min(count, len(rounded)) - 1]
+        for n in sorted(self.unscored):
+            candidate, rows = self.entries[n]
+            if Score(candidate.makespan, 0.0).key()[0] > bar:
+                continue
+            layout, microbatches, costs = self.unscored.pop(n)
+            scored = score(rows, layout, microbatches, costs)
+            idle = scored.idle_zb if scored is not None else float("inf")
+            self.entries[n] = (dataclasses.replace(candidate, idle_zb=idle), rows)
 
 
 def _label(place: Place) -> str:
@@ -482,7 +555,26 @@ def _made(seed: _Seed, problem: _Problem, allowed: list[Place], limit: float
     if place not in allowed:
         return None
     rows = encode(schedule)
-    return place, rows, max(peak_units(rows, schedule.placement)), schedule
+    return place, rows, _peak(rows, schedule.placement), schedule
+
+
+_LIVE_STEP = (1, 0, -1, -1)  # by op code: F allocates; W, or B when not split, frees; I holds
+
+
+def _peak(rows: list[Row], layout: tuple[int, ...]) -> float:
+    """The peak live units over the ranks of a complete schedule (``replay.peak_units``' figure).
+
+    A (stage, microbatch) is live from its F to its last backward piece, which in a complete
+    schedule is its W or, unsplit, its B: so the level while an F runs is the running sum of
+    +1 per F and -1 per W or B before it, and only F's raise it. One pass of ``accumulate``
+    per rank (the families' seeds are priced by the hundred, up to 800,000 actions each)."""
+    peak = 0.0
+    step = _LIVE_STEP.__getitem__
+    for rank, row in enumerate(rows):
+        if row:
+            level = max(itertools.accumulate(map(step, [o for _, o, _ in row])))
+            peak = max(peak, level / max(layout.count(rank), 1))
+    return peak
 
 
 def _seed(problem: _Problem, allowed: list[Place], limit: float, budget: _Budget,
@@ -610,11 +702,10 @@ def _sweep(place: Place, problem: _Problem, limit: float, budget: _Budget, pool:
                 made = list_schedule(layout, microbatches, costs, limit, knobs)
                 if made is None:
                     continue
-                rows, makespan, peak = made
-                scored = score(rows, layout, microbatches, costs)
-                idle = scored.idle_zb if scored is not None else float("inf")
+                rows, makespan, peak = made  # the idle is replayed if it ever counts
                 pool.add(Candidate(f"greedy:{_label(place)}:{knobs.label()}", place[0], makespan,
-                                   peak, idle, place[1]), rows)
+                                   peak, 0.0, place[1]), rows,
+                         idle_from=(layout, microbatches, costs))
                 if makespan < best_time - EPS:
                     best_knobs, best_time, improved = knobs, makespan, True
         if not improved:
@@ -681,12 +772,16 @@ def _backward(place: Place, problem: _Problem, limit: float, budget: _Budget, po
         pool.tried += 1
         calm = min(calm, pp - 1)
         waits = [patience * hop] * (pp - calm) + [0.0] * calm
-        forward = priority_schedule(layout, microbatches, costs, limit, made[2], reserve, waits)
+        asap = Asap(layout, microbatches, costs)  # replays the rows as they are built
+        forward = priority_schedule(layout, microbatches, costs, limit, made[2], reserve, waits,
+                                    asap)
         if forward is not None:
             label = (f"forward-backward:{name}:{knobs.label()},reserve="
                      f"{'all' if reserve is None else reserve},patience={patience:g}"
                      + (f",calm={calm}" if calm and patience else ""))
-            _add_scored(pool, label, place, forward[0], forward[1], problem)
+            scored = asap.score(forward[0])
+            pool.add(Candidate(label, place[0], scored.makespan, forward[1], scored.idle_zb,
+                               place[1]), forward[0])
 
 
 def _add_scored(pool: _Pool, label: str, place: Place, rows: list[Row], peak: float,

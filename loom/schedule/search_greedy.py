@@ -146,9 +146,19 @@ def list_schedule(
         if backlog and w_backlog is not None and backlog > w_backlog:
             s, k = deferred[r][head]
             return (s, W, k), t
+        # An I due within the patience wins over any forward unless forwards go first: then
+        # there is no need to look at the forwards at all.
+        if not forward_first and best_s >= 0 and best_ready <= t + patience + EPS:
+            return (best_s, I, best_k), (best_ready if best_ready > t else t)
         forward = None
         now = t + EPS
-        for s, below, cross in f_scan[r]:
+        # Memory: a forward that is not an admission needs one free count; an admission needs
+        # its reserve too, under a cap no higher than the limit. Both the same for every stage
+        # of the rank, so checked once: no room at all means no forward to start or wait for.
+        level = live[r]
+        first = first_stage[r]
+        admit: bool | None = None  # decided when the first stage has a forward to admit
+        for s, below, cross in f_scan[r] if level < limit_c[r] else ():
             k = next_f[s]
             if k >= m:
                 continue
@@ -160,11 +170,11 @@ def list_schedule(
                     continue
                 if cross:
                     ready += send
-            if s == first_stage[r]:
-                if live[r] + 1 + reserve_after(r) > admit_cap[r]:
+            if s == first:
+                if admit is None:
+                    admit = level + 1 + reserve_after(r) <= admit_cap[r]
+                if not admit:
                     continue
-            elif live[r] + 1 > limit_c[r]:
-                continue
             if ready <= now:
                 forward = (s, F, k)
                 break

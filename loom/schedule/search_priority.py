@@ -22,7 +22,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 
 from loom.schedule.replay import EPS, F, I, W, Costs, Row
-from loom.schedule.search_loop import ranks_of, run
+from loom.schedule.search_loop import Asap, ranks_of, run
 
 Priority = Mapping[tuple[int, int, int], float]  # (stage, op code, microbatch) -> lower runs first
 
@@ -35,6 +35,7 @@ def priority_schedule(
     priority: Priority,
     reserve: int | None = None,
     patience: float | Sequence[float] = 0.0,
+    asap: Asap | None = None,
 ) -> tuple[list[Row], float] | None:
     """Integer rows (see ``replay.encode``) and peak units; None if it stalls.
 
@@ -42,7 +43,9 @@ def priority_schedule(
     admitted microbatches on the rank (None: all of them, which cannot deadlock; fewer lets a
     rank run deeper ahead, and a setting that stalls returns None). ``patience``: a rank waits up
     to this long for a more urgent action whose inputs are on their way rather than start a less
-    urgent one that would still be running when they arrive (one value, or one per rank)."""
+    urgent one that would still be running when they arrive (one value, or one per rank).
+    ``asap``: an ``Asap`` of this placement, microbatches and costs, which then holds the rows'
+    replayed score."""
     num_stages, m = len(placement), microbatches
     ranks = ranks_of(placement, limit)
     if ranks is None:
@@ -82,8 +85,14 @@ def priority_schedule(
     def decide(r: int, t: float) -> tuple[tuple[int, int, int], float] | float:
         wake = inf
         now = t + EPS
-        best, best_key = None, None
-        soon, soon_key = inf, None  # the most urgent action that is not ready yet
+        # The most urgent ready action and the most urgent one not ready yet, by key (priority,
+        # stage, op, microbatch); the priorities are compared first, the tuples only on a tie.
+        best, best_key, best_p = None, None, inf
+        soon, soon_key, soon_p = inf, None, inf
+        # Memory, the same for every stage of the rank: room for one more forward of an admitted
+        # microbatch, and (decided when first needed) room to admit a new one.
+        more = live[r] + 1 <= limit_c[r]
+        admit = None
         for s, base, above, cross_up, below, cross_down in scan[r]:
             k = next_i[s]
             if k < m:
@@ -99,27 +108,32 @@ def priority_schedule(
                             if after > ready:
                                 ready = after
                     if ready >= 0:
-                        key = (prio_i[base + k], s, I, k)
+                        p = prio_i[base + k]
                         if ready <= now:
-                            if best_key is None or key < best_key:
-                                best, best_key = (s, I, k), key
+                            if best_key is None or p < best_p or (
+                                    p == best_p and (p, s, I, k) < best_key):
+                                best, best_key, best_p = (s, I, k), (p, s, I, k), p
                         else:
                             if ready < wake:
                                 wake = ready
-                            if soon_key is None or key < soon_key:
-                                soon, soon_key = ready, key
+                            if soon_key is None or p < soon_p or (
+                                    p == soon_p and (p, s, I, k) < soon_key):
+                                soon, soon_key, soon_p = ready, (p, s, I, k), p
             k = next_f[s]
             if k >= m:
                 continue
             if k in left[r]:
-                room = live[r] + 1 <= limit_c[r]
-            elif reserve is None:
-                room = live[r] + owed[r] + v[r] <= limit_c[r]
+                if not more:
+                    continue
             else:
-                kept = sum(itertools.islice(left[r].values(), reserve))
-                room = live[r] + kept + v[r] <= limit_c[r]
-            if not room:
-                continue
+                if admit is None:
+                    if reserve is None:
+                        admit = live[r] + owed[r] + v[r] <= limit_c[r]
+                    else:
+                        kept = sum(itertools.islice(left[r].values(), reserve))
+                        admit = live[r] + kept + v[r] <= limit_c[r]
+                if not admit:
+                    continue
             if below < 0:
                 ready = 0.0
             else:
@@ -128,15 +142,15 @@ def priority_schedule(
                     continue
                 if cross_down:
                     ready += send
-            key = (prio_f[base + k], s, F, k)
+            p = prio_f[base + k]
             if ready <= now:
-                if best_key is None or key < best_key:
-                    best, best_key = (s, F, k), key
+                if best_key is None or p < best_p or (p == best_p and (p, s, F, k) < best_key):
+                    best, best_key, best_p = (s, F, k), (p, s, F, k), p
             else:
                 if ready < wake:
                     wake = ready
-                if soon_key is None or key < soon_key:
-                    soon, soon_key = ready, key
+                if soon_key is None or p < soon_p or (p == soon_p and (p, s, F, k) < soon_key):
+                    soon, soon_key, soon_p = ready, (p, s, F, k), p
         if deferred[r]:
             prio, s, k = deferred[r][0]
             if best_key is None or (prio, s, W, k) < best_key:
@@ -170,7 +184,7 @@ def priority_schedule(
             heapq.heappop(deferred[r])
             live[r] -= 1
 
-    count = run(placement, costs, rows, free_at, decide, commit)
+    count = run(placement, costs, rows, free_at, decide, commit, asap=asap)
     if count < total:
         return None
     return rows, peak

@@ -131,9 +131,11 @@ def reverse_schedule(
     inf = float("inf")
 
     def decide(r: int, t: float) -> tuple[tuple[int, int, int], float] | float:
+        # The first ready F (in scan order) or the first ready I, whichever goes first, is
+        # returned as soon as it is found (``wake`` only matters when nothing is ready).
         wake = inf
         now = t + EPS
-        ready_f = ready_i = None
+        ready_f = None
         for s, base, above, cross in f_scan[r]:
             j = next_f[s]
             if j >= m:
@@ -151,9 +153,11 @@ def reverse_schedule(
                 if above_at > at:
                     at = above_at
             if at <= now:
-                if ready_f is None:
-                    ready_f = (s, F, k)
-            elif at < wake:
+                ready_f = (s, F, k)
+                if not i_first:
+                    return ready_f, t
+                break
+            if at < wake:
                 wake = at
         waiting_w = None
         for s, base, below, cross in i_scan[r]:
@@ -180,16 +184,11 @@ def reverse_schedule(
             if w_at > at:
                 at = w_at
             if at <= now:
-                if ready_i is None:
-                    ready_i = (s, I, k)
-            elif at < wake:
+                return (s, I, k), t  # i_first, or no F is ready
+            if at < wake:
                 wake = at
-        if i_first and ready_i is not None:
-            return ready_i, t
         if ready_f is not None:
             return ready_f, t
-        if ready_i is not None:
-            return ready_i, t
         if waiting_w is not None:
             s, k = waiting_w
             if k in w_left[r] or (k == m - 1 - next_admit[r] and admit(r) == k):
