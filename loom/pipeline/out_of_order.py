@@ -116,6 +116,7 @@ class OutOfOrderPipeline:
 
     aux_loss = None  # dense models only (the config refuses experts: ep = 1)
     reducers: dict = {}
+    vocab = None  # no vocabulary shard (the config refuses vocab_parallel_pp with CheckFree)
 
     def __init__(self, stage: PipelineStage, ranks: Sequence[int], group: dist.ProcessGroup,
                  schedule: Schedule, *, ledger: CommLedger | None = None,

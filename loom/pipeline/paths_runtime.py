@@ -333,6 +333,7 @@ class PathPipeline:
 
     aux_loss = None  # dense models only (the config refuses experts)
     reducers: dict = {}
+    vocab = None  # no vocabulary shard (the config refuses vocab_parallel_pp with paths)
 
     def __init__(self, train: PathRuntime, evaluate: PathRuntime, schedule,
                  pp_group: dist.ProcessGroup | None, pp_ranks: Sequence[int],

@@ -167,7 +167,7 @@ class Trainer:
         stages = [stage for _, stage in sorted(self.pipeline.stages.items())]
         self.model = LocalStages([s.module for s in stages],
                                  replicas=self.pipeline.route_replicas(),
-                                 vocab=getattr(self.pipeline, "vocab", None))
+                                 vocab=self.pipeline.vocab)
         # What parallelize applied, passed explicitly to the optimizer, clipping, checkpoints
         # and gathering: every stage of this rank had the same (any one's TP / EP records), and
         # ZeRO-1/2 steps the stages' slices as one sharded optimizer
@@ -182,7 +182,7 @@ class Trainer:
                 self.zero.masters_from_parameters()
             self.pretrained_bytes_read = source.bytes_read
         self.loss_fn = self.tp.loss if self.tp is not None else cross_entropy
-        if getattr(self.pipeline, "vocab", None) is not None:  # vocabulary-parallel over pp
+        if self.pipeline.vocab is not None:  # vocabulary-parallel over pp
             self.loss_fn = vocab_pipeline.cross_entropy  # also reduces a shard's ShardedLogits
         # Mixture of experts: the load-balancing loss joins the objective with its coefficient.
         self.aux_coef = self.args.aux_loss_coef if self.args.n_experts > 0 else 0.0
