@@ -45,13 +45,12 @@ library partitions variable-length sequences over sub-rings by a cost model.
 What runs: ``data.balance = zeppelin`` (varlen under a cp ring, ``loom.parallel.zeppelin_cp``)
 places each microbatch's documents over the cp ranks with these candidates
 (``zeppelin_candidates``), priced as that runtime runs them, and hands every cp rank its
-``token_indices``; attention is the masked document ring over the whole cp group, cut per
-document so a rank computes only its documents' tiles. What it still lacks: sub-ring
-communication (every key/value still makes the full ring's hops, so the plan buys Zeppelin's
-compute balance, not its communication savings), the remapping layer in the model
-(``loom.parallel.remap`` is built and tested alone; shards are padded to the longest rank's
-instead), and placement over dp ranks (dp keeps ``tokens``' microbatches; the plan runs over
-each microbatch's cp ranks).
+``token_indices``; attention runs on sub-rings (``zeppelin_cp.sub_ring_attention``): a
+document whole on one rank with no communication, a grouped one over its group's own process
+group, shards unpadded. What it still lacks: the remapping layer in the model
+(``loom.parallel.remap`` is built and tested alone; a rank's linear work is its own tokens'),
+and placement over dp ranks (dp keeps ``tokens``' microbatches; the plan runs over each
+microbatch's cp ranks).
 """
 
 from __future__ import annotations

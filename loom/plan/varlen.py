@@ -6,7 +6,7 @@ degrees: the planner samples steps of ``--global-batch-tokens`` from the length 
 (none, tokens, static cp over one node, Zeppelin with and without remapping) on all ``--gpus``
 as data parallel x cp (tp = pp = 1), fastest first, with each one's attention and linear
 imbalance (max / mean). Predictions of the cost model, never measurements; ``data.balance =
-zeppelin`` trains only part of what is priced here (over cp ranks, full-ring communication, no
+zeppelin`` trains only part of what is priced here (over cp ranks, on sub-rings, no
 remapping: ``loom.data.zeppelin`` says what the runtime lacks).
 """
 
