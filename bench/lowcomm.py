@@ -13,6 +13,9 @@ the bytes each rank put on the data-parallel wire per trained token (the communi
 noloco within 5% of sync's validation loss at equal tokens in <= 1/3 of its wall-clock, >= 8x
 fewer bytes per token; lgreco >= 1.5x fewer bytes than fixed-rank PowerSGD at the same final loss.
 
+The losses do not depend on the links: bench/lowcomm_convergence.py runs the same modes without
+the emulation (``run_mode`` with no cluster), longer, to compare their losses at equal tokens.
+
 Runs are sequential, not interleaved: each mode is a separate job of several minutes. The link
 emulation shapes bandwidth only (no latency: ``loom.emulate`` says why); on this 2-core machine
 four ranks also share two cores, so compute is ~2x slower than on four.
@@ -52,18 +55,22 @@ def cluster_toml(gbit: float, ranks: int) -> str:
     return f"[defaults]\nlatency_ms = 0\nbandwidth_gbit = {gbit}\n\n{nodes}"
 
 
-def run_mode(name: str, overrides: dict, cluster: Path, steps: int, eval_every: int,
-             workdir: Path) -> dict:
-    run_dir = workdir / f"{name}-{cluster.stem}"  # one directory per mode and bandwidth
+def run_mode(name: str, overrides: dict, cluster: Path | None, steps: int, eval_every: int,
+             workdir: Path, tag: str = "") -> dict:
+    """One ``loom train --nproc 4`` of mode ``name``; over the emulated ``cluster``, or, with
+    None, plain (no network namespaces: the losses are the same, only the time differs)."""
+    stem = cluster.stem if cluster is not None else "local"
+    run_dir = workdir / f"{name}-{stem}{tag}"  # one directory per mode, bandwidth and tag
     table = {**BASE, **overrides, "train.steps": steps, "train.eval_every": eval_every,
              "train.run_dir": str(run_dir)}
     args = [f"--{key}={value}" for key, value in table.items()]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    emulation = ["--cluster", str(cluster), "--emulate"] if cluster is not None else []
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "loom", "train", "--nproc", "4", "--cluster",
-                           str(cluster), "--emulate", *args], cwd=workdir, env=env, text=True,
-                          capture_output=True, timeout=3600)
+    done = subprocess.run([sys.executable, "-m", "loom", "train", "--nproc", "4", *emulation,
+                           *args], cwd=workdir, env=env, text=True, capture_output=True,
+                          timeout=3600)
     if done.returncode != 0:
         return {"mode": name, "error": done.stderr[-1500:]}
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

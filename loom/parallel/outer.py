@@ -51,20 +51,33 @@ The modes differ in g and in when it is applied:
 
       g_t       = mean_i(x_{t-1,0} - x^i_{t-1,tau}) / Lambda_t     (staleness-gap penalty)
       m_t       = clip(mu * m_{t-1} + g_t, phi_clip)               (outer momentum clipping)
-      x_{t+1,0} = x_{t,0} - lr * (g_t + mu * m_t)      (the paper: - lr * m_t, nesterov=False)
+      x_{t+1,0} = x_{t,0} - lr * m_t                               (heavy ball)
 
+  The outer step is heavy ball: ``nesterov`` defaults to False for co2 (True for diloco and
+  noloco, DiLoCo's Nesterov). Until 2026-11-26 co2 took Nesterov's ``g_t + mu * m_t`` like the
+  other modes; on a one-step-stale average that look-ahead moves x further from where the
+  average was computed, and the penalty below then divides the next step by a larger Lambda.
   Staleness-gap penalty: Lambda_t >= 1 grows with the gap ``x_{t,0} - x_{t-1,0}`` between the
   weights the stale average was computed from and the weights it is applied to. Loom computes it
   per tensor as ``1 + lambda * |x_{t,0} - x_{t-1,0}| / |stale average|``, Gap-Aware's
   normalisation (Barkai et al., ICLR 2020: the gap measured in units of one update;
-  ``co2_gap_penalty`` = lambda, 0 turns it off). The authors' code (fairscale-CO2) divides by a
-  constant instead; the paper's own normalisation of Lambda could not be checked against its text
-  when this was written — compare before tuning lambda. The norms are over the rank's local
-  shard, so with lambda > 0 the result depends on the tp / ZeRO layout inside a replica (a
-  layout-independent norm would cost one all-reduce of a float per tensor). Clipping is
-  elementwise to [-phi_clip, phi_clip] (``co2_clip``, None: off), as in the authors' code. The
-  first outer step has no stale average yet: it applies nothing and the replicas restart from
-  the starting weights (their H steps arrive one outer step late, which is CO2's delay).
+  ``co2_gap_penalty`` = lambda, 0 turns it off). Clipping is elementwise to
+  [-phi_clip, phi_clip] (``co2_clip``, None: off), applied to the momentum after the penalised
+  average enters it and before the step. The first outer step has no stale average yet: it
+  applies nothing and the replicas restart from the starting weights (their H steps arrive one
+  outer step late, which is CO2's delay).
+  What this was checked against (2026-11-26, issue 19): the paper's abstract and its six
+  OpenReview reviews (one notes that its Eq. 3, the penalty's analysis, assumes a decaying inner
+  learning rate), and the authors' code that the paper links (weigao266/fairscale-CO2,
+  ``gossip/co2.py``, ``_perform_local_optimization``): ``m <- mu m + (x_old - x) / lambda;
+  clip(m); x_old <- x_old - lr m`` — heavy ball, the order above, lambda a constant, the clip
+  elementwise (there ``torch.clamp``'s result is discarded, so their clip does nothing as
+  written; Loom clamps in place, its evident intent). The text of the paper's Section 3, with
+  Lambda_t's own normalisation, was not available to check: Loom's Gap-Aware ratio is Loom's
+  choice, and with ``co2_gap_penalty = 0`` the update is the authors' code with lambda = 1
+  (their default). The norms are over the rank's local shard, so with lambda > 0 the result
+  depends on the tp / ZeRO layout inside a replica (a layout-independent norm would cost one
+  all-reduce of a float per tensor).
 
 Communication (group: ``group``, the ranks holding the same shard in different replicas — a
 ``dp_replicate`` group of the rank grid; every tensor is the rank's local shard, fp32; P_local
@@ -216,11 +229,13 @@ class OuterLoop:
     parameters that do not require gradients are left alone. ``group``: the replica process group
     (this rank and the ranks holding the same shard in the other replicas), of size R >= 2.
     ``seed``: NoLoCo's pairing schedule. ``ledger``/``axis``: where the bytes are counted.
+    ``nesterov``: the outer step's momentum form; None picks the paper's (co2: heavy ball,
+    diloco and noloco: Nesterov).
     """
 
     def __init__(self, named_parameters: Iterable[tuple[str, nn.Parameter]]
                  | Mapping[str, nn.Parameter], group: Any, *, mode: str, outer_steps: int,
-                 outer_lr: float, outer_momentum: float = 0.9, nesterov: bool = True,
+                 outer_lr: float, outer_momentum: float = 0.9, nesterov: bool | None = None,
                  seed: int = 0, fragments: int = 1, noloco_consensus: float = 1.0,
                  co2_gap_penalty: float = 1.0, co2_clip: float | None = None,
                  ledger: comm.CommLedger | None = None, axis: str = "dp_replicate",
@@ -241,6 +256,8 @@ class OuterLoop:
             raise ValueError(f"group must hold at least 2 replicas for an outer loop, got a "
                              f"group of {replicas} (dp_replicate = 1 has nothing to average)")
         self.mode, self.outer_steps, self.fragments = mode, outer_steps, fragments
+        if nesterov is None:  # DiLoCo's Nesterov; CO2's heavy ball (its Algorithm 1)
+            nesterov = mode != "co2"
         self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
         self.seed, self.noloco_consensus = seed, noloco_consensus
         self.co2_gap_penalty, self.co2_clip = co2_gap_penalty, co2_clip

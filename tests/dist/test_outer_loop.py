@@ -78,10 +78,12 @@ def _nesterov(g, m, mu, lr, nesterov):
 
 
 def reference(mode: str, replicas: int, steps: int, *, outer_steps: int, outer_lr: float,
-              outer_momentum: float = 0.9, nesterov: bool = True, seed: int = 0,
+              outer_momentum: float = 0.9, nesterov: bool | None = None, seed: int = 0,
               fragments: int = 1, noloco_consensus: float = 1.0, co2_gap_penalty: float = 1.0,
               co2_clip: float | None = None, bucket_bytes: int | None = None):
     """R replicas on one process; returns every replica's weights and what was exercised."""
+    if nesterov is None:  # the papers' forms: DiLoCo and NoLoCo Nesterov, CO2 heavy ball
+        nesterov = mode != "co2"
     names = list(SHAPES)
     init = initial_params()
     theta = [{n: init[n].clone() for n in names} for _ in range(replicas)]
@@ -314,6 +316,8 @@ CASES = {
                                   co2_gap_penalty=1.0, co2_clip=0.01)),
     "co2-no-penalty": ("co2", None, 8, dict(outer_steps=2, outer_lr=0.7, outer_momentum=0.9,
                                             co2_gap_penalty=0.0)),
+    "co2-nesterov": ("co2", None, 8, dict(outer_steps=2, outer_lr=0.7, outer_momentum=0.5,
+                                          nesterov=True, co2_clip=0.01)),
 }
 
 
@@ -338,6 +342,45 @@ def test_outer_update_matches_the_reference(dist, case):
         # (every case ends on an outer step of w2's fragment; streaming's w1 synced 2 steps ago)
         assert all(torch.equal(results[r]["params"]["w2"], results[0]["params"]["w2"])
                    for r in range(replicas))
+
+
+# -- CO2, one outer step worked out by hand ---------------------------------------------------------
+# Two elements, 4 replicas, H = 1, lr 0.5, mu 0.5, lambda 1, clip 0.4, heavy ball (CO2's update):
+#   step 1: mean step a1 = (0.3, 0.9); nothing stale yet, so x stays at x0 = (1, 1), a1 in flight.
+#   step 2: stale a1 lands; gap x_{1,0} - x_{0,0} = 0, so Lambda = 1;
+#           m = clip(0.5 * 0 + a1, 0.4) = (0.3, 0.4);  x = x0 - 0.5 m = (0.85, 0.8).
+#   step 3: stale a2 = (0.2, -0.15) lands (|a2| = 0.25); gap = -0.5 m = (-0.15, -0.2), |gap| = 0.25,
+#           so Lambda = 1 + 1 * 0.25 / 0.25 = 2;  m = clip(0.5 (0.3, 0.4) + a2 / 2, 0.4)
+#           = (0.15 + 0.1, 0.2 - 0.075) = (0.25, 0.125);  x = (0.85, 0.8) - 0.5 m = (0.725, 0.7375).
+# Nesterov instead would have stepped by lr (g + mu m) at step 2: x = x0 - 0.5 (0.3 + 0.15, 0.4 + 0.2)
+# = (0.775, 0.7), which the test also rules out.
+MEAN_STEPS = {1: (0.3, 0.9), 2: (0.2, -0.15), 3: (-1.0, 2.0)}  # step 3's is in flight at the end
+SPREAD = (0.125, -0.125, 0.25, -0.25)  # each replica's own deviation; they sum to zero
+
+
+def co2_by_hand(ctx, steps: int):
+    x = nn.Parameter(torch.ones(2))
+    loop = OuterLoop([("x", x)], torch_dist.group.WORLD, mode="co2", outer_steps=1, outer_lr=0.5,
+                     outer_momentum=0.5, co2_gap_penalty=1.0, co2_clip=0.4)
+    after = []
+    for step in range(1, steps + 1):
+        with torch.no_grad():
+            x.sub_(torch.tensor(MEAN_STEPS[step]) + SPREAD[ctx.rank])
+        loop.after_inner_step(step)
+        after.append(x.detach().clone())
+    loop.finish()
+    return after
+
+
+def test_co2_outer_steps_equal_the_paper_update_worked_by_hand(dist):
+    results = dist.run(WORLD, co2_by_hand, 3)
+    expected = [torch.tensor([1.0, 1.0]), torch.tensor([0.85, 0.8]),
+                torch.tensor([0.725, 0.7375])]
+    for rank, after in enumerate(results):
+        for step, (got, want) in enumerate(zip(after, expected), start=1):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6,
+                                       msg=lambda m: f"replica {rank} after step {step}: {m}")
+    assert not torch.allclose(results[0][1], torch.tensor([0.775, 0.7]))  # not Nesterov
 
 
 # -- (4) state_dict round trip -------------------------------------------------------------------

@@ -1,0 +1,107 @@
+"""Convergence of the outer loops against sync DP at equal tokens, without the link emulation.
+
+    python bench/lowcomm_convergence.py --seed 1234 --runs sync,diloco8 --outer-lr 0.5,0.7,1.0
+    python bench/lowcomm_convergence.py --seed 4321 --runs sync,diloco8,noloco8,co2-8 \\
+        --outer-lr 0.7 --outer-momentum 0.9
+    python bench/lowcomm_convergence.py --table            # every run recorded so far
+
+The validation loss after a given number of tokens does not depend on the links' speed (the
+emulation changes time, not arithmetic: bench/lowcomm.py's runs at 0.1 and 1 Gbit/s gave identical
+losses), so these runs are plain ``loom train --nproc 4`` jobs: the tiny model, dp_replicate = 4,
+the same data, batch and schedule as bench/lowcomm.py (its ``BASE``), longer (``--steps``), with an
+evaluation every ``--eval-every`` steps. ``--seed`` is ``train.seed``: the initial weights and the
+order of the training samples. Tune the outer lr and momentum on one seed, then report the chosen
+setting on a seed that was not tuned on. Every run appends one JSON line to ``--out`` (so runs can
+be made one at a time on a loaded machine and gathered later); ``--table`` prints, per seed, each
+run's validation loss at every evaluation and its ratio to sync's at the same step (= the same
+tokens: every mode trains on global_batch x seq_len tokens per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lowcomm import BASE, MODES, ROOT, run_mode  # noqa: E402
+
+TOKENS_PER_STEP = BASE["train.global_batch_size"] * BASE["data.seq_len"]
+
+
+def run_specs(runs: list[str], outer_lrs: list[float],
+              outer_momenta: list[float]) -> list[tuple[str, dict, dict]]:
+    """(mode name, overrides, the outer settings recorded) for every run asked for: sync once,
+    each outer mode once per (outer lr, momentum) pair."""
+    specs = []
+    for name in runs:
+        overrides = dict(MODES[name])
+        if "parallel.dp_mode" not in overrides:
+            specs.append((name, overrides, {}))
+            continue
+        for lr, mu in itertools.product(outer_lrs, outer_momenta):
+            outer = {"parallel.outer_lr": lr, "parallel.outer_momentum": mu}
+            specs.append((name, {**overrides, **outer}, outer))
+    return specs
+
+
+def print_table(records: list[dict]) -> None:
+    for seed in sorted({r["seed"] for r in records}):
+        rows = [r for r in records if r["seed"] == seed and "error" not in r]
+        sync = next((r for r in rows if r["mode"] == "sync"), None)
+        steps = sorted({step for r in rows for step, _ in r["evals"]})
+        print(f"\nseed {seed}: validation loss (ratio to sync at the same tokens)")
+        print("| run | " + " | ".join(f"{s * TOKENS_PER_STEP / 1e3:.0f}k" for s in steps) + " |")
+        print("| --- |" + " ---: |" * len(steps))
+        for r in rows:
+            outer = r.get("outer", {})
+            label = r["mode"] + "".join(f", {key.split('.')[-1]} {value}"
+                                        for key, value in outer.items())
+            evals, cells = dict(r["evals"]), []
+            for s in steps:
+                if s not in evals:
+                    cells.append("")
+                    continue
+                base = dict(sync["evals"]).get(s) if sync else None
+                cells.append(f"{evals[s]:.3f}" + (f" ({evals[s] / base:.3f})" if base else ""))
+            print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=1234, help="train.seed")
+    parser.add_argument("--runs", default="sync,diloco8,noloco8,co2-8",
+                        help=f"comma-separated, from {', '.join(MODES)}")
+    parser.add_argument("--outer-lr", default="0.7", help="outer lrs to try, comma-separated")
+    parser.add_argument("--outer-momentum", default="0.9", help="outer momenta, comma-separated")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a further config override for every run, e.g. "
+                             "parallel.co2_gap_penalty=0 (recorded with the run)")
+    parser.add_argument("--steps", type=int, default=384)
+    parser.add_argument("--eval-every", type=int, default=32)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "out" / "lowcomm_convergence.jsonl"))
+    parser.add_argument("--table", action="store_true", help="print what --out holds and stop")
+    args = parser.parse_args()
+    out = Path(args.out)
+    if not args.table:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        extra = dict(item.split("=", 1) for item in args.set)
+        specs = [(name, {**overrides, **extra}, {**outer, **extra}) for name, overrides, outer
+                 in run_specs(args.runs.split(","), [float(v) for v in args.outer_lr.split(",")],
+                              [float(v) for v in args.outer_momentum.split(",")])]
+        with tempfile.TemporaryDirectory(prefix="loom-lowcomm-conv-") as tmp:
+            for k, (name, overrides, outer) in enumerate(specs):
+                result = run_mode(name, {**overrides, "train.seed": args.seed}, None, args.steps,
+                                  args.eval_every, Path(tmp), tag=f"-{k}")
+                record = {"seed": args.seed, "steps": args.steps, "outer": outer, **result}
+                print(json.dumps(record), flush=True)
+                with out.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+    print_table([json.loads(line) for line in out.read_text().splitlines() if line.strip()])
+
+
+if __name__ == "__main__":
+    main()
