@@ -5,6 +5,7 @@ estimator (loom/train/memory.py) vs measured tensor bytes for several layouts.
     python bench/zero_memory.py --peak          # only the allocator-level peak table
     python bench/zero_memory.py --peak zero2    # only its rows whose name contains "zero2"
     python bench/zero_memory.py --bf16          # bf16 parameters, fp32 masters: ZeRO-1/2/3, d 4
+    python bench/zero_memory.py --peak-bf16     # the peak table in bf16 at every ZeRO stage
 
 Model state = the bytes of every distinct storage held by parameters, gradients and optimizer
 state after one optimizer step (deduplicated by storage: ZeRO-1/2 parameters are views of flat
@@ -305,6 +306,13 @@ PEAK_LAYOUTS = [  # (name, ranks, overrides): global batch 16, so m = 16 / (dp x
 ]
 
 
+# issue 20: the estimator's bf16 peak at every ZeRO stage (``--peak-bf16``), one and four
+# microbatches
+BF16_PEAK_LAYOUTS = [row for row in PEAK_LAYOUTS if row[0] in (
+    "single", "zero1-dp4 m=1", "zero1-dp4 m=4", "zero2-dp4 m=1", "zero2-dp4 m=4",
+    "zero3-dp4 m=1", "zero3-dp4 m=4")]
+
+
 def main() -> None:
     from loom.config import load_config, resolve, to_dict
     from loom.data.loader import prepare_data
@@ -332,6 +340,16 @@ def main() -> None:
         results = json.loads((out_dir / "zero_memory.json").read_text()) \
             if (out_dir / "zero_memory.json").exists() else {}
         results["bf16_state"] = bf16_table(registry, resolved, data_dir)
+        registry.close()
+        (out_dir / "zero_memory.json").write_text(json.dumps(results, indent=1))
+        return
+
+    if "--peak-bf16" in sys.argv:  # the allocator-level table at every ZeRO stage in bf16
+        results = json.loads((out_dir / "zero_memory.json").read_text()) \
+            if (out_dir / "zero_memory.json").exists() else {}
+        results["peak_bf16"] = peak_table(registry, resolved, data_dir, estimate_memory,
+                                          layouts=BF16_PEAK_LAYOUTS,
+                                          extra={"train.dtype": "bf16"})
         registry.close()
         (out_dir / "zero_memory.json").write_text(json.dumps(results, indent=1))
         return
@@ -383,9 +401,11 @@ def main() -> None:
     (out_dir / "zero_memory.json").write_text(json.dumps(results, indent=1))
 
 
-def peak_table(registry, resolved, data_dir, estimate_memory) -> list[dict]:
+def peak_table(registry, resolved, data_dir, estimate_memory, layouts=None,
+               extra=None) -> list[dict]:
     """The estimator's peak (its worst rank) vs the allocator-level peak of step 2 on the worst
-    measured rank, without and with gloo's staging inside the collectives."""
+    measured rank, without and with gloo's staging inside the collectives; ``layouts``
+    (default ``PEAK_LAYOUTS``) each with the ``extra`` overrides."""
     import tempfile
 
     from loom.config import to_dict
@@ -395,10 +415,10 @@ def peak_table(registry, resolved, data_dir, estimate_memory) -> list[dict]:
           " estimated/measured | with gloo staging (B) |")
     with tempfile.TemporaryDirectory() as trace_dir:
         only = [a for a in sys.argv[1:] if not a.startswith("--")]
-        for name, world, over in PEAK_LAYOUTS:
+        for name, world, over in layouts or PEAK_LAYOUTS:
             if only and not any(word in name for word in only):
                 continue
-            config = resolved(world, **over)
+            config = resolved(world, **over, **(extra or {}))
             measured = registry.run(world, measure_peak, to_dict(config), str(data_dir),
                                     trace_dir)
             est = estimate_memory(config)
