@@ -137,15 +137,20 @@ def _live_curve(trace_path: str, window: tuple[float, float]) -> dict[str, int]:
     return out
 
 
-def _model_state(trainer) -> int:
-    """Distinct storages of parameters, gradients (ZeRO-1/2 buffers and slices of every stage's
-    reducer too) and optimizer state."""
+def _state_tensors(trainer) -> dict[str, list]:
+    """The trainer's parameters, fp32 masters (bf16's ``master_weight``; ZeRO-1/2's fp32 slices;
+    FSDP2's sharded parameters are the model's), gradients (``.grad``, ``main_grad``, ZeRO-1/2's
+    buffers and slices of every stage's reducer, the masters' ``.grad``) and optimizer state."""
     import torch
 
     from loom.parallel.zero import ZeroShardedOptimizer
 
     params = list(trainer.model.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
+    masters = [p.master_weight for p in params if hasattr(p, "master_weight")]
+    masters += [p for g in trainer.optimizer.param_groups for p in g["params"]
+                if not any(p is q for q in params)]  # ZeRO-1/2's slices (fp32: views)
+    grads = [t for p in params + masters
+             for t in (p.grad, getattr(p, "main_grad", None)) if t is not None]
     for stage in trainer.pipeline.stages.values():
         reducer = stage.applied.reducer
         if isinstance(reducer, ZeroShardedOptimizer):
@@ -153,7 +158,12 @@ def _model_state(trainer) -> int:
                       if t is not None]
     opt = [v for state in trainer.optimizer.state.values() for v in state.values()
            if torch.is_tensor(v) and v.numel() > 1]
-    return _storages(params + grads + opt)
+    return {"params": params, "masters": masters, "grads": grads, "optimizer": opt}
+
+
+def _model_state(trainer) -> int:
+    """Distinct storages of parameters, masters, gradients and optimizer state."""
+    return _storages([t for tensors in _state_tensors(trainer).values() for t in tensors])
 
 
 def measure_peak(ctx, table, data_dir, trace_dir):
@@ -202,28 +212,15 @@ def measure_bf16_state(ctx, table, data_dir):
     bf16 parameters, the fp32 masters (``master_weight``; ZeRO-1/2's slices; FSDP2's sharded
     parameters are the model's), every gradient buffer (``.grad``, ``main_grad``, ZeRO-1/2's
     buffers and slices, the masters' ``.grad``) and the optimizer's moments."""
-    import torch
-
     from loom.config import from_dict
     from loom.train.trainer import Trainer
 
     trainer = Trainer(from_dict(table), data_dir, None, ctx)
     trainer.train_step()
-    params = list(trainer.model.parameters())
-    masters = [p.master_weight for p in params if hasattr(p, "master_weight")]
-    masters += [p for g in trainer.optimizer.param_groups for p in g["params"]
-                if not any(p is q for q in params)]  # ZeRO-1/2's fp32 slices
-    grads = [t for p in params + masters
-             for t in (p.grad, getattr(p, "main_grad", None)) if t is not None]
-    if trainer.zero is not None:
-        grads += [t for b in trainer.zero.buckets for t in (b.grad_flat, b.grad_shard)
-                  if t is not None]
-    opt = [v for state in trainer.optimizer.state.values() for v in state.values()
-           if torch.is_tensor(v) and v.numel() > 1]
-    return {"params": _storages(params), "masters": _storages(masters),
-            "grads": _storages(grads), "optimizer": _storages(opt),
-            "state": _storages(params + masters + grads + opt),
-            "psi": sum(p.numel() for p in params)}
+    parts = _state_tensors(trainer)
+    return {**{name: _storages(tensors) for name, tensors in parts.items()},
+            "state": _storages([t for tensors in parts.values() for t in tensors]),
+            "psi": sum(p.numel() for p in parts["params"])}
 
 
 def bf16_formula(stage: int, psi: int, d: int, grad_bytes: int) -> float:
