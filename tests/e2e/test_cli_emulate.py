@@ -77,6 +77,9 @@ compute = 0.25
 """
 
 
+# slow (22 s in CI): the stretch itself is tests/unit/train/test_emulated_speed.py's, and the
+# CLI's --emulate path is the slow-link test's above; kept out for the suite's 25 minutes
+@pytest.mark.slow
 @pytest.mark.skipif(not _namespaces_work(), reason="needs root and network namespaces")
 def test_a_slower_node_slows_every_step_to_its_pace(tmp_path):
     (tmp_path / "slow.toml").write_text(SLOW_NODE)
