@@ -7,8 +7,11 @@ process groups are started once per world size, not once per test.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
+from pathlib import Path
+from types import ModuleType
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -19,6 +22,16 @@ import torch  # noqa: E402
 torch.set_num_threads(1)  # before any worker is forked or spawned
 
 from loom.testing.harness import PoolRegistry  # noqa: E402
+
+BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+
+
+def load_bench(name: str) -> ModuleType:
+    """A bench script (``bench/<name>.py``, not a package module) loaded from its path."""
+    spec = importlib.util.spec_from_file_location(name, BENCH_DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="session")

@@ -8,13 +8,13 @@ to the layout it names, and scores it.
 
 from __future__ import annotations
 
-import importlib.util
 import zipfile
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[3] / "bench" / "planner_sweep.py"
+from tests.conftest import load_bench
+
 HEADER = ["Trial ID", "World Size", "Average Step Time", "Average Step Time * World size",
           "Average TFlops Megatron", "Average TFlops Aleph Alpha", "Average MFU",
           "activation_checkpointing_type", "kernel", "micro_batch_size", "model_parallel_size",
@@ -23,10 +23,7 @@ HEADER = ["Trial ID", "World Size", "Average Step Time", "Average Step Time * Wo
 
 @pytest.fixture(scope="module")
 def sweep():
-    spec = importlib.util.spec_from_file_location("planner_sweep", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("planner_sweep")
 
 
 def write_sheet(path: Path, rows: list[list[str]]) -> None:

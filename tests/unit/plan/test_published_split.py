@@ -3,24 +3,17 @@ uncertainty band every prediction carries (``loom.sim.uncertainty``)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 from loom.sim.frameworks import FRAMEWORKS
 from loom.sim.uncertainty import band, overlapping
-
-BENCH = Path(__file__).resolve().parents[3] / "bench" / "planner_published.py"
+from tests.conftest import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    # the bench script is not a package module: load it from its path
-    spec = importlib.util.spec_from_file_location("planner_published", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("planner_published")
 
 
 def test_every_row_has_a_split_by_the_stated_rule_and_a_known_profile(bench):
