@@ -54,9 +54,9 @@ def _view(buffer: torch.Tensor, dtype: torch.dtype, shape: torch.Size, stride: t
           byte_offset: int) -> torch.Tensor:
     """A tensor of ``dtype``, ``shape`` and ``stride`` over the bytes of ``buffer`` (uint8)
     from ``byte_offset`` on."""
-    element = torch.empty((), dtype=dtype).element_size()
     return torch.empty(0, dtype=dtype, device=buffer.device).set_(
-        buffer.untyped_storage(), buffer.storage_offset() + byte_offset // element, shape, stride)
+        buffer.untyped_storage(), buffer.storage_offset() + byte_offset // dtype.itemsize, shape,
+        stride)
 
 
 class _Slot:
