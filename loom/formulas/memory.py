@@ -1,13 +1,16 @@
 """The per-rank memory formulas of one layer, the head, the ZeRO model state and the step's
-transient buffers: pure functions of sizes, shared by the launch-time estimator
-(``loom.train.memory``, which weighs them at each instant of a rank's step) and the planner
-(``loom.sim.cost_memory``). Ground floor: imports nothing of Loom and no torch. The derivations
-and measurements are in ``loom.train.memory``'s docstring and docs/benchmarks.md. Communicates
-nothing.
-"""
+transient buffers, and the instants of a rank's step at which the model state can peak
+(``rank_state_instants``): pure functions of sizes, shared by the launch-time estimator
+(``loom.train.memory``, which walks the runtime's schedule) and the planner
+(``loom.sim.cost_memory``, which walks a rank's last microbatch), so the two differ only in the
+timeline they give, not in the rules. Ground floor: imports nothing of Loom and no torch. The
+derivations and measurements are in ``loom.train.memory``'s docstring and docs/benchmarks.md.
+Communicates nothing."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 # The data-parallel gradient reducers' bucket size (``loom.parallel.data``; ZeRO-2's packing
@@ -194,3 +197,179 @@ def framework_state_bytes(psi: float, shard: int, stage: int, *, param_bytes: in
     return (param_bytes * psi / (d if stage == 3 else 1),
             grad_bytes * psi / (d if stage >= 2 else 1),
             optimizer_bytes * psi / d)
+
+
+@dataclass(frozen=True)
+class StageSpan:
+    """One pipeline stage a rank holds: its parameters and when (indices of the rank's actions)
+    it is first run forward, first produces weight gradients (B or W) and runs its last backward
+    piece (after which it is flushed: gradients reduced, a held ZeRO-3 stage resharded)."""
+
+    psi: float
+    first_f: int
+    first_w: int
+    last: int
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """A rank's step as memory sees it: its stages, and the live activation units (in one
+    rank-microbatch's units) during each action and right after it."""
+
+    stages: tuple[StageSpan, ...]
+    during: tuple[float, ...]
+    after: tuple[float, ...]
+
+
+def accumulation_loop(psi: float, microbatches: int) -> RankStep:
+    """The step without a pipeline: F then B per microbatch (the reduction after the last B)."""
+    n = max(1, microbatches)
+    return RankStep((StageSpan(psi, 0, 1, 2 * n - 1),), (1.0,) * (2 * n), (1.0, 0.0) * n)
+
+
+def last_microbatch(psi: float, accumulated: bool) -> RankStep:
+    """The last F and B of ``accumulation_loop``, which hold its peaks: after earlier
+    microbatches (``accumulated``) its gradients exist from its start (weight gradients came
+    first at index -1)."""
+    return RankStep((StageSpan(psi, 0, -1 if accumulated else 1, 1),), (1.0, 1.0), (1.0, 0.0))
+
+
+@dataclass(frozen=True)
+class StateRules:
+    """How a rank keeps its model state through a step (``rank_state_instants``).
+
+    ``shard``: ZeRO's shard degree of the dense parameters' group less ep (dp_shard x cp); the
+    dense ones shard over ``shard x ep``, routed experts over ``shard``. ``grad_bytes``: a
+    gradient element as held (the reduction dtype; FSDP2 accumulates in it). ``master``: bf16
+    parameters with fp32 masters in the optimizer (ZeRO-0/1/2). ``accumulates``: ZeRO-2/3 hold
+    full-size gradients while microbatches accumulate (sync off). ``held``: ZeRO-3 units stay
+    gathered from their first forward to their flush. ``block``: one rank's largest block's
+    parameters; ``largest``: its largest parameter's bytes (a bucket closes at most that far
+    past its size). ``offloaded``: the optimizer state lives on the host."""
+
+    shard: int
+    ep: int
+    stage: int
+    compute_bytes: int
+    grad_bytes: int
+    master: bool
+    accumulates: bool
+    held: bool
+    pipelined: bool
+    block: float
+    largest: float
+    bucket_bytes: float | None = None
+    offloaded: bool = False
+    explain: bool = True  # write each instant's notes (the planner, pricing thousands, does not)
+
+
+@dataclass(frozen=True)
+class StateInstant:
+    """One instant of a rank's step that can be its peak: the model state's bytes by component,
+    and which activations are live: ``level`` rank-microbatches of them, less the head's and
+    the top block's when ``less_head_and_top`` (a backward has freed them by then)."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    transient: float
+    level: float
+    less_head_and_top: bool = False
+    notes: tuple[str, ...] = ()
+
+
+def rank_state_instants(psi: float, experts: float, step: RankStep, rules: StateRules
+                        ) -> Iterator[StateInstant]:
+    """Every instant of a rank's ``step`` that can be its peak, with ``psi`` parameters of which
+    ``experts`` are routed experts (a stage's in the rank's proportion): during and right after
+    each action, ZeRO-3's reduction in a backward, ZeRO-2's reduction (during the last backward;
+    in a pipeline, a stage's flush), then the optimizer step. The derivations and measurements
+    are ``loom.train.memory``'s docstring's; the launch-time estimator weighs these over the
+    runtime's real schedule, the planner over ``last_microbatch`` with its family's peak."""
+    r = rules
+    share = experts / psi if psi else 0.0
+    master = r.master and r.stage < 3
+
+    def state(p: float, accumulating: bool = False, with_master: bool = master
+              ) -> tuple[float, float, float]:
+        kw = dict(accumulating=accumulating, grad_bytes=r.grad_bytes, master=with_master)
+        dense = model_state_bytes(p * (1 - share), r.shard * r.ep, r.stage, **kw)
+        expert = model_state_bytes(p * share, r.shard, r.stage, **kw)
+        return dense[0] + expert[0], dense[1] + expert[1], dense[2] + expert[2]
+
+    params, grads, optim = state(psi)
+    if r.offloaded:
+        optim = 0.0
+    stage, block = r.stage, r.block
+    # ZeRO-3: the gathered block in use + the prefetched one (none extra when units are held)
+    gathering = 2 * r.compute_bytes * block if stage == 3 and not r.held else 0.0
+    # FSDP2 reduce-scatters each unit in the backward (every microbatch's when none accumulate;
+    # else only the last one's, which the accumulated instant covers); a pipeline stage is
+    # flushed by the runtime instead (indices are F, B, F, B... without one)
+    in_backward = stage == 3 and not r.held and not r.pipelined and block > 0
+    last_index = len(step.during) - 1
+    # what accumulating turns each stage's gradients into: full-size beside the slice
+    grown = {st: state(st.psi, True)[1] - state(st.psi)[1] for st in step.stages} \
+        if r.accumulates else {}
+    for index in range(len(step.during)):
+        for level, ended in ((step.during[index], False), (step.after[index], True)):
+            # a stage's parameters are whole from its first F to its flush; its full-size
+            # gradients from its first weight-gradient piece to the flush
+            gathered = sum(r.compute_bytes * st.psi for st in step.stages if
+                           st.first_f <= index and (index < st.last or not ended and
+                                                    index == st.last)) if r.held else 0.0
+            full = [st for st in grown if (st.first_w < index <= st.last if not ended
+                                           else st.first_w <= index < st.last)]
+            g = grads + sum(grown[st] for st in full) if full else grads
+            # FSDP2 computes a unit's fresh gradient beside its accumulated one, then adds it
+            fresh = r.grad_bytes * block if stage == 3 and full else 0.0
+            notes = []
+            if gathered and r.explain:
+                notes.append(f"ZeRO-3 units held gathered (reshard_after_forward = false):"
+                             f" {gathered:,.0f} B of whole parameters in 'parameters'")
+            if full and r.explain:
+                notes.append(f"gradients full-size while microbatches accumulate (ZeRO-"
+                             f"{stage}, reduce-scattered after the last backward):"
+                             f" {sum(r.grad_bytes * st.psi for st in full):,.0f} B in"
+                             f" 'gradients'")
+            yield StateInstant(params + gathered, g, optim, gathering + fresh, level,
+                               notes=tuple(notes))
+            if (in_backward and not ended and index % 2 and not full
+                    and (not r.accumulates or index == last_index)):
+                # ZeRO-3 reducing in this backward: at the end of the top block's backward its
+                # unsharded gradients and FSDP2's reduce-scatter input (a block each) beside the
+                # gathered blocks; the head's and that block's activations are freed by then
+                yield StateInstant(params, g, optim, gathering + 2 * r.grad_bytes * block,
+                                   level, True, ("ZeRO-3 backward: a block's unsharded gradients"
+                                                 " and the reduce-scatter input in"
+                                                 " 'transient'",))
+            # ZeRO-2's reduction: without a pipeline during the last backward (its hooks pack
+            # the gradients as they come, the full-size ones already in ``g`` if accumulated);
+            # in one, priced as the flush after a stage's last backward piece, all of them
+            # full-size (a W's case; a last B reduces in its hooks as without a pipeline, so
+            # this is an upper bound there)
+            reducing = [st for st in step.stages if st.last == index]
+            if stage == 2 and reducing and ended == r.pipelined:
+                flushed = sum(st.psi for st in reducing)
+                accumulated = r.pipelined or bool(full)
+                full_size, packing = zero2_reduction_bytes(
+                    flushed, r.shard, accumulated=accumulated, bucket_bytes=r.bucket_bytes,
+                    largest=r.largest)
+                packing += state(flushed)[1] - 4 * flushed / r.shard  # the slices, by group
+                note = (*notes, f"ZeRO-2 reduction: gradients packed into buckets of"
+                                f" {r.bucket_bytes or BUCKET_BYTES:,.0f} B (at most three held,"
+                                f" one beside full-size gradients) and the slices' outputs in"
+                                f" 'transient'") if r.explain else ()
+                if r.pipelined:
+                    yield StateInstant(params + gathered, g + full_size, optim, packing,
+                                       level, notes=note)
+                else:  # the first buffer beside every activation; three once the head and
+                    # the top block are done (two buckets' gradients cannot come sooner)
+                    first = zero2_bucket_bytes(flushed, r.bucket_bytes, r.largest)
+                    yield StateInstant(params, g, optim, first, level, notes=note)
+                    if not accumulated:
+                        yield StateInstant(params, g, optim, packing, level, True, note)
+    # AdamW's two temporaries, the size of the fp32 state it steps (the moments', not the
+    # masters held beside them under bf16); none on the device when the state is on the host
+    yield StateInstant(params, grads, optim, 0.0 if r.offloaded else state(psi, False, False)[2],
+                       0.0, notes=("optimizer step: AdamW's two temporaries in 'transient'",))

@@ -1,10 +1,11 @@
 """Per-rank memory of a layout, for the planner's cost model (``CostModel.memory``).
 
-The bytes are ``loom.formulas.memory``'s, the formulas the launch-time estimator uses too:
-ZeRO model state (with full-size gradients while microbatches accumulate, and ZeRO-3 stages
-held gathered inside pipelines), per-block activations by tp / SP / cp / recomputation, the
-head's, and the schedule's peak microbatches in flight (``PEAK_IN_FLIGHT``). It communicates
-nothing. Split from ``cost_model.py`` to keep that module about time.
+The bytes are ``loom.formulas.memory``'s, the formulas and model-state instants the launch-time
+estimator uses too: ZeRO model state (with full-size gradients while microbatches accumulate,
+ZeRO-3 stages held gathered inside pipelines, ZeRO's reductions and the optimizer step),
+per-block activations by tp / SP / cp / recomputation, the head's, and the schedule's peak
+microbatches in flight (``PEAK_IN_FLIGHT``). It communicates nothing. Split from
+``cost_model.py`` to keep that module about time.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from dataclasses import replace
 from typing import Any
 
 from loom.layout import Layout
-from loom.formulas.memory import (block_activation_bytes, framework_state_bytes,
-                                  head_activation_bytes, korthikanti_block_activation_bytes,
-                                  largest_parameter, model_state_bytes, zero2_bucket_bytes,
-                                  zero2_reduction_bytes)
+from loom.formulas.memory import (StateRules, block_activation_bytes, last_microbatch,
+                                  framework_state_bytes, head_activation_bytes,
+                                  korthikanti_block_activation_bytes, largest_parameter,
+                                  rank_state_instants)
 
 
 # Peak microbatches in flight on the worst rank, in units of one rank's microbatch (a chunk of v
@@ -181,74 +182,36 @@ def search_units_left(model: Any, lay: Layout, budget: float, cap: float) -> flo
 def _instants(model: Any, lay: Layout, psi: float, experts: float = 0.0
               ) -> list[dict[str, float]]:
     """The instants of a rank's step that can be its peak, as the estimator weighs them
-    (``loom.train.memory._rank_instants``): the last microbatch's passes (peak activations beside
-    the gradients accumulated so far), ZeRO-2's reduction (during the last backward, or a
-    pipeline stage's flush), and the optimizer step; ``_acts`` tells the caller which
-    activations each holds (all, none, or all but the head's and the top block's). Under a pipeline
-    the first is an upper bound: the activation peak of the
-    warm-up is counted with the accumulated gradients of the steady state. ``experts`` of the
-    ``psi`` parameters are routed experts: ZeRO shards them over dp_shard x cp, the dense ones
-    over dp_shard x ep x cp."""
+    (``loom.formulas.memory.rank_state_instants``) over its last microbatch: the passes (peak activations beside the gradients accumulated so far), ZeRO's
+    reductions (in the last backward, or a pipeline stage's flush) and the optimizer step, the
+    largest of each kind; ``_acts`` tells the caller which activations each holds (all, none,
+    or all but the head's and the top block's). Under a pipeline the first is an upper bound:
+    the activation peak of the warm-up is counted with the accumulated gradients of the steady
+    state. ``experts`` of the ``psi`` parameters are routed experts: ZeRO shards them over
+    dp_shard x cp, the dense ones over dp_shard x ep x cp."""
     if not model.framework.is_loom:
         return _framework_instants(model, lay, psi, experts)
     stage = lay.zero_stage if lay.dp_shard > 1 else 0
-    d = lay.dp_shard * lay.cp
-
-    # Loom's bf16 (2-byte elements): bf16 parameters with fp32 masters held by the optimizer,
-    # gradients in grad_bytes (``model_state_bytes``' ``master``); ZeRO-3 is FSDP2's, as fp32's
-    master = {"master": True} if model.e == 2 and stage < 3 else {}
-
-    def state(**kwargs: Any) -> tuple[float, float, float]:
-        kwargs = {**master, "grad_bytes": model.grad_bytes, **kwargs}
-        dense = model_state_bytes(psi - experts, d * lay.ep, stage, **kwargs)
-        expert = model_state_bytes(experts, d, stage, **kwargs)
-        return tuple(a + b for a, b in zip(dense, expert))
-
-    accumulating = lay.microbatches > 1
-    params, grads, optim = state()
-    passes_grads = state(accumulating=accumulating, grad_bytes=model.grad_bytes)[1]
-    block = max(model._layer_params(True, lay), model._layer_params(False, lay))
-    held = stage == 3 and lay.pp > 1  # stages held gathered across the step (to_overrides)
-    transient = 0.0
-    if stage == 3 and not held:  # the gathered block in use and the prefetched one
-        transient = 2 * model.e * block
-    if stage == 3 and accumulating:  # a unit's fresh gradient beside its accumulated one
-        transient += model.grad_bytes * block
-    out = [{"parameters": params + (model.e * psi if held else 0.0), "gradients": passes_grads,
-            "optimizer": optim, "activations": 0.0, "transient": transient, "_acts": "all"}]
-    if stage == 3 and not held and lay.pp == 1 and not accumulating:
-        # FSDP2 reducing in the backward: a block's unsharded gradients and the reduce-scatter
-        # input beside the gathered blocks, once the head and the top block are done
-        out.append({"parameters": params, "gradients": grads, "optimizer": optim,
-                    "activations": 0.0, "transient": transient + 2 * model.grad_bytes * block,
-                    "_acts": "less_head_and_top"})
-    if stage == 2:
-        # without a pipeline during the last backward (the hooks pack the gradients as they
-        # come; the accumulated full-size ones are in passes_grads), in one the stage's flush
-        # after its last piece, beside all its full-size gradients
-        largest = 4 * largest_parameter(model.model, lay.tp, lay.ep)
-        full_size, packing = zero2_reduction_bytes(
-            psi, d, accumulated=accumulating or lay.pp > 1, largest=largest)
-        packing += grads - 4 * psi / d  # the reduced slices' outputs, by shard group
-        if lay.pp > 1:
-            out.append({"parameters": params, "gradients": grads + full_size,
-                        "optimizer": optim, "activations": 0.0, "transient": packing,
-                        "_acts": "none"})
-        else:  # the first buffer beside every activation; all of them after the top block
-            first = zero2_bucket_bytes(psi, largest=largest)
-            out.append({"parameters": params, "gradients": passes_grads, "optimizer": optim,
-                        "activations": 0.0, "transient": first, "_acts": "all"})
-            if not accumulating:
-                out.append({"parameters": params, "gradients": grads, "optimizer": optim,
-                            "activations": 0.0, "transient": packing,
-                            "_acts": "less_head_and_top"})
-    out.append({"parameters": params, "gradients": grads, "optimizer": optim,
-                # AdamW's two temporaries, the size of the fp32 state it steps (not the masters)
-                "activations": 0.0, "transient": state(master=False)[2],
-                "_acts": "none"})
-    for entry in out:
-        entry["_total"] = sum(v for k, v in entry.items() if not k.startswith("_"))
-    return out
+    rules = StateRules(
+        shard=lay.dp_shard * lay.cp, ep=lay.ep, stage=stage, compute_bytes=model.e,
+        grad_bytes=model.grad_bytes, master=model.e == 2, accumulates=stage in (2, 3),
+        # ZeRO-3 stages held gathered across the step inside a pipeline (to_overrides)
+        held=stage == 3 and lay.pp > 1, pipelined=lay.pp > 1,
+        block=max(model._layer_params(True, lay), model._layer_params(False, lay)),
+        largest=4 * largest_parameter(model.model, lay.tp, lay.ep), explain=False)
+    worst: dict[str, dict[str, float]] = {}
+    for instant in rank_state_instants(psi, experts,
+                                       last_microbatch(psi, lay.microbatches > 1), rules):
+        kind = "none" if not instant.level else (
+            "less_head_and_top" if instant.less_head_and_top else "all")
+        entry = {"parameters": instant.parameters, "gradients": instant.gradients,
+                 "optimizer": instant.optimizer, "activations": 0.0,
+                 "transient": instant.transient, "_acts": kind}
+        entry["_total"] = (instant.parameters + instant.gradients + instant.optimizer
+                           + instant.transient)
+        if kind not in worst or entry["_total"] > worst[kind]["_total"]:
+            worst[kind] = entry  # the activations of a kind are alike: its largest state wins
+    return list(worst.values())
 
 
 def _framework_instants(model: Any, lay: Layout, psi: float, experts: float

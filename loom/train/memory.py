@@ -81,12 +81,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from loom.config import Config, ConfigError, layout_of
-from loom.formulas.memory import (block_activation_bytes, head_activation_bytes, largest_parameter,
-                                  model_state_bytes, optimizer_step_bytes, zero2_bucket_bytes,
-                                  zero2_reduction_bytes)
+from loom.formulas.memory import (RankStep, StageSpan, StateRules, accumulation_loop,
+                                  block_activation_bytes, head_activation_bytes, largest_parameter,
+                                  model_state_bytes, optimizer_step_bytes, rank_state_instants,
+                                  zero2_bucket_bytes, zero2_reduction_bytes)
 from loom.models.presets import layer_parameter_count
 from loom.pipeline.partition import partition_model
 from loom.schedule.ir import Op
@@ -153,28 +153,14 @@ def _head_activation_bytes(config: Config) -> float:
 
 
 @dataclass(frozen=True)
-class _Stage:
-    """One pipeline stage on a rank: its parameters and when (action indices) it is first run
-    forward, first produces weight gradients (B or W) and runs its last backward piece (after
-    which the runtime flushes it: gradients reduced, a held ZeRO-3 stage resharded)."""
-
-    psi: float
-    first_f: int
-    first_w: int
-    last: int
-
-
-@dataclass(frozen=True)
 class _Timeline:
-    """A rank's step: its layers, ends, stages, and the live activation units during each action
-    and right after it (in units of one rank's microbatch)."""
+    """A rank's step: its layers, ends, and its stages and live activations through the
+    schedule's actions (``RankStep``)."""
 
     layers: list[int]
     embedding: bool
     head: bool
-    stages: list[_Stage]
-    during: list[float]
-    after: list[float]
+    step: RankStep
 
 
 def _timelines(config: Config) -> list[_Timeline]:
@@ -185,9 +171,7 @@ def _timelines(config: Config) -> list[_Timeline]:
     if lay.pp == 1:
         layers = list(range(config.model.n_layers))
         psi = _parameter_count(config, layers, True, True)
-        n = max(1, micro)
-        return [_Timeline(layers, True, True, [_Stage(psi, 0, 1, 2 * n - 1)],
-                          [1.0] * (2 * n), [1.0, 0.0] * n)]
+        return [_Timeline(layers, True, True, accumulation_loop(psi, micro))]
     schedule = schedule_of(lay, max_stages=config.model.n_layers)
     # a schedule with routes (bidirectional_v) holds copies of an L-stage model: stage s is
     # model stage s % L of copy s // L, with its own parameters
@@ -212,14 +196,15 @@ def _timelines(config: Config) -> list[_Timeline]:
                 config.model.vocab_size * config.model.dim / (lay.tp if lay.vocab_parallel else 1)
                 if j == final and j != 0 and first_of_copy in ids and config.model.tie_embeddings
                 else 0)
-            stages.append(_Stage(psi, forward[0], weight[0], weight[-1]))
+            stages.append(StageSpan(psi, forward[0], weight[0], weight[-1]))
         during = [float(level) for level in memory_profile(schedule, rank)]
         after = [level - (float(schedule.stage_weight(a.stage))
                           if last_piece.get((a.stage, a.microbatch)) == i else 0.0)
                  for i, (a, level) in enumerate(zip(row, during))]
         out.append(_Timeline([i for s in ids for i in ranges[s % per_route]],
                              any(s % per_route == 0 for s in ids),
-                             any(s % per_route == final for s in ids), stages, during, after))
+                             any(s % per_route == final for s in ids),
+                             RankStep(tuple(stages), tuple(during), tuple(after))))
     return out
 
 
@@ -247,17 +232,6 @@ def _expert_parameters(config: Config, layers: list[int]) -> float:
         return 0.0
     expert = 3 * m.dim * (m.expert_ffn_dim or m.ffn_dim)
     return sum(m.n_experts * expert / (lay.ep * lay.tp) for i in layers if m.moe_layer(i))
-
-
-def _sharded_state(config: Config, psi: float, expert: float, stage: int, **kwargs: Any
-                   ) -> tuple[float, float, float]:
-    """``model_state_bytes`` of a rank's ``psi`` parameters of which ``expert`` are routed
-    experts: dense ones shard over dp_shard x ep (x cp), experts over dp_shard (x cp)."""
-    lay = layout_of(config)
-    d = lay.dp_shard * lay.cp
-    dense = model_state_bytes(psi - expert, d * lay.ep, stage, **kwargs)
-    experts = model_state_bytes(expert, d, stage, **kwargs)
-    return tuple(a + b for a, b in zip(dense, experts))
 
 
 def _held(config: Config, stage: int) -> bool:
@@ -289,112 +263,35 @@ def _per_microbatch_activations(config: Config, line: _Timeline) -> float:
 
 
 def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[MemoryEstimate]:
-    """The bytes of one pipeline rank at every instant of its step that can be its peak."""
+    """The bytes of one pipeline rank at every instant of its step that can be its peak: the
+    model state's instants (``rank_state_instants``) with the live activations beside each."""
     lay, tr, m = layout_of(config), config.train, config.model
-    d = lay.dp_shard * lay.cp  # ZeRO shards over dp_shard x cp (cp ranks hold the same weights)
     stage = lay.zero_stage
-    compute = 2 if tr.dtype != "fp32" else 4  # bf16, bf16_autocast
-    # FSDP2 accumulates in reduce_dtype when it differs from the compute dtype, else in that
-    grad_bytes = 2 if stage == 3 and tr.dtype != "fp32" and tr.grad_reduce_dtype == "bf16" else 4
-    # bf16 parameters at ZeRO-0/1/2: 2-byte parameters, gradients in the reduction dtype, fp32
-    # masters with the moments (model_state_bytes' ``master``); ZeRO-3 is FSDP2's, as above
-    master = {"master": True, "grad_bytes": 2 if tr.grad_reduce_dtype == "bf16" else 4} \
-        if tr.dtype == "bf16" and stage < 3 else {}
-    # ZeRO-1 and plain data parallelism hold full-size gradients anyway
-    accumulates = stage in (2, 3) and not tr.grad_reduce_every_microbatch
-    held = _held(config, stage)
+    if tr.dtype == "bf16" and stage < 3:  # bf16 parameters: gradients in the reduction dtype
+        grad_bytes = 2 if tr.grad_reduce_dtype == "bf16" else 4
+    else:  # FSDP2 accumulates in reduce_dtype when it differs from the compute dtype
+        grad_bytes = 2 if stage == 3 and tr.dtype != "fp32" and tr.grad_reduce_dtype == "bf16" \
+            else 4
+    rules = StateRules(
+        shard=lay.dp_shard * lay.cp, ep=lay.ep, stage=stage,
+        compute_bytes=2 if tr.dtype != "fp32" else 4, grad_bytes=grad_bytes,
+        master=tr.dtype == "bf16",
+        accumulates=stage in (2, 3) and not tr.grad_reduce_every_microbatch,
+        held=_held(config, stage), pipelined=lay.pp > 1,
+        block=max((layer_parameter_count(m, i) for i in line.layers), default=0.0) / lay.tp,
+        largest=4 * largest_parameter(m, lay.tp, lay.ep, lay.vocab_parallel),
+        bucket_bytes=tr.grad_bucket_mb * 2**20,
+        offloaded=bool(tr.offload_optimizer and stage and not tr.device.startswith("cpu")))
     psi = _parameter_count(config, line.layers, line.embedding, line.head)
-    expert_share = _expert_parameters(config, line.layers) / psi if psi else 0.0
-
-    def state(p: float, **kwargs: Any) -> tuple[float, float, float]:
-        # a stage's experts in the proportion of the rank's (stages of a rank are alike)
-        return _sharded_state(config, p, p * expert_share, stage, **{**kwargs, **master})
-
-    params, grads, optim = state(psi)
-    offloaded = tr.offload_optimizer and stage and not tr.device.startswith("cpu")
-    if offloaded:
-        optim = 0.0  # on the host (a CPU device has nothing to offload to)
-    block = 0.0
-    if line.layers:
-        block = max(layer_parameter_count(m, i) for i in line.layers) / lay.tp
-    # ZeRO-3: the gathered block in use + the prefetched one (none extra when units are held)
-    gathering = 2 * compute * block if stage == 3 and not held else 0.0
-    bucket_bytes = tr.grad_bucket_mb * 2**20
-    largest = 4 * largest_parameter(m, lay.tp, lay.ep, lay.vocab_parallel)
     per_micro = _per_microbatch_activations(config, line)
-    # FSDP2 reduce-scatters each unit in the backward itself (one microbatch, or every one);
-    # a pipeline stage is flushed by the runtime instead (indices are F, B, F, B... without one)
-    reduces_in_backward = stage == 3 and not held and lay.pp == 1 and line.layers
     # what a backward has freed once the head and the top block are done
     head_and_top = ((_head_activation_bytes(config) if line.head else 0.0)
                     + layer_activation_bytes(config, layer_recomputed=lay.recompute == "full"))
-    for index in range(len(line.during)):
-        for level, ended in ((line.during[index], False), (line.after[index], True)):
-            # a stage's parameters are whole from its first F to its flush; its full-size
-            # gradients from its first weight-gradient piece to the flush
-            gathered = sum(compute * st.psi for st in line.stages if held and
-                           st.first_f <= index and (index < st.last or not ended and
-                                                    index == st.last))
-            full = [st for st in line.stages if accumulates and
-                    (st.first_w < index <= st.last if not ended
-                     else st.first_w <= index < st.last)]
-            g = grads + sum(state(st.psi, accumulating=True, grad_bytes=grad_bytes)[1]
-                            - state(st.psi)[1] for st in full)
-            # FSDP2 computes a unit's fresh gradient beside its accumulated one, then adds it
-            fresh = grad_bytes * block if stage == 3 and full else 0.0
-            notes = []
-            if gathered:
-                notes.append(f"ZeRO-3 units held gathered (reshard_after_forward = false):"
-                             f" {gathered:,.0f} B of whole parameters in 'parameters'")
-            if full:
-                notes.append(f"gradients full-size while microbatches accumulate (ZeRO-"
-                             f"{stage}, reduce-scattered after the last backward):"
-                             f" {sum(grad_bytes * st.psi for st in full):,.0f} B in"
-                             f" 'gradients'")
-            yield MemoryEstimate(params + gathered, g, optim, per_micro * level,
-                                 gathering + fresh, rank, tuple(notes))
-            if reduces_in_backward and not ended and index % 2 and not full:
-                # ZeRO-3 reducing in this backward: at the end of the top block's backward its
-                # unsharded gradients and FSDP2's reduce-scatter input (a block each) beside the
-                # gathered blocks; the head's and that block's activations are freed by then
-                yield MemoryEstimate(
-                    params, g, optim, max(0.0, per_micro - head_and_top) * level,
-                    gathering + 2 * grad_bytes * block, rank,
-                    ("ZeRO-3 backward: a block's unsharded gradients and the reduce-scatter"
-                     " input in 'transient'",))
-            # ZeRO-2's reduction: without a pipeline during the last backward (its hooks pack
-            # the gradients as they come, the full-size ones already in ``g`` if accumulated);
-            # in one, priced as the flush after a stage's last backward piece, all of them
-            # full-size (a W's case; a last B reduces in its hooks as without a pipeline, so
-            # this is an upper bound there)
-            reducing = [st for st in line.stages if st.last == index]
-            if stage == 2 and reducing and ended == (lay.pp > 1):
-                flushed = sum(st.psi for st in reducing)
-                accumulated = lay.pp > 1 or bool(full)
-                full_size, packing = zero2_reduction_bytes(
-                    flushed, d, accumulated=accumulated, bucket_bytes=bucket_bytes,
-                    largest=largest)
-                packing += state(flushed)[1] - 4 * flushed / d  # the slices' outputs, by group
-                note = (*notes, f"ZeRO-2 reduction: gradients packed into buckets of"
-                                f" {bucket_bytes:,.0f} B (at most three held, one beside"
-                                f" full-size gradients) and the slices' outputs in 'transient'")
-                if lay.pp > 1:
-                    yield MemoryEstimate(params + gathered, g + full_size, optim,
-                                         per_micro * level, packing, rank, note)
-                else:  # the first buffer beside every activation; three once the head and
-                    # the top block are done (two buckets' gradients cannot come sooner)
-                    first = zero2_bucket_bytes(flushed, bucket_bytes, largest)
-                    yield MemoryEstimate(params, g, optim, per_micro * level, first, rank, note)
-                    if not accumulated:
-                        yield MemoryEstimate(params, g, optim,
-                                             max(0.0, per_micro - head_and_top) * level, packing,
-                                             rank, note)
-    yield MemoryEstimate(params, grads, optim, 0.0,
-                         # the temporaries are the size of the fp32 state AdamW steps (the
-                         # moments'), not of the masters held beside it under bf16
-                         0.0 if offloaded else _sharded_state(config, psi, psi * expert_share,
-                                                              stage)[2], rank,
-                         ("optimizer step: AdamW's two temporaries in 'transient'",))
+    for instant in rank_state_instants(psi, _expert_parameters(config, line.layers), line.step,
+                                       rules):
+        live = max(0.0, per_micro - head_and_top) if instant.less_head_and_top else per_micro
+        yield MemoryEstimate(instant.parameters, instant.gradients, instant.optimizer,
+                             live * instant.level, instant.transient, rank, instant.notes)
 
 
 def estimate_memory(config: Config) -> MemoryEstimate:
