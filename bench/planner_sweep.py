@@ -50,7 +50,12 @@ from loom.sim.frameworks import framework
 SHEET = "{http://schemas.openxmlformats.org/spreadsheetml/2006/main}"
 # Llama (Touvron et al. 2023, Table 2) dims: hidden, layers, heads, SwiGLU width
 LLAMA = {"13B": (5120, 40, 40, 13824), "30B": (6656, 60, 52, 17920), "65B": (8192, 80, 64, 22016)}
-NO_FLASH = ("torch", "fused")
+# the spreadsheets' kernels as the cost model prices them (``Framework.attention_kernel``):
+# "torch" is PyTorch's attention written out (scale, mask and softmax kernels), "fused"
+# Megatron's fused scale-mask-softmax; only the "+ RMS kernel" cells have a fused RMSNorm
+KERNELS = {"torch": "unfused", "fused": "fused", "flash_attention": "flash1",
+           "flash_attentionv1.0.8": "flash1", "flash_attention2": "flash2",
+           "flash_attention2 + RMS kernel": "flash2"}
 
 
 def read_sheet(path: Path) -> list[dict[str, str]]:
@@ -117,7 +122,8 @@ def price(cell: dict[str, str], size: str, seq: int, batch: int, zero: int) -> d
                     recompute="full" if cell["activation_checkpointing_type"] == "every_layer"
                     else "none")
     stack = dataclasses.replace(framework("megatron"), dropout=False,
-                                flash_attention=cell["kernel"] not in NO_FLASH)
+                                attention_kernel=KERNELS[cell["kernel"]],
+                                fused_norm="RMS kernel" in cell["kernel"])
     cluster = make_cluster("A100-80GB", world, 8, intra="nvlink3", inter="hdr-ib")
     cost = CostModel(model, seq, layout.dp * micro * layout.microbatches, cluster,
                      framework=stack).evaluate(layout)

@@ -12,8 +12,13 @@ heads of width d, f FFN width, t = tp; a matmul of m x k by k x n is 2mkn FLOPs)
 
 * projections 2T·h·d·(2a + 2k)/t, SwiGLU MLP 6T·h·f/t (GELU: 4T·h·f/t), attention core
   4T·s·a·d/t halved for a causal mask (the work a mask-skipping kernel does; MFU below counts
-  the full square, as PaLM and TorchTitan do); an MoE layer replaces the MLP by a router 2T·h·E
-  and top_k routed plus n_shared experts of width f_e: 6T·h·f_e·(top_k + n_shared)/t;
+  the full square, as PaLM and TorchTitan do) with the stack's flash kernel (FlashAttention v1
+  at half v2's rate); a kernel that stores the s x s scores (``Framework.attention_kernel``
+  fused or unfused) computes the whole square and moves the scores through memory
+  (``SCORE_PASSES`` e-byte passes each way, at the HBM bandwidth); a stack without a fused
+  RMSNorm (``Framework.fused_norm``) moves ``UNFUSED_NORM_BYTES`` more per element; an MoE
+  layer replaces the MLP by a router 2T·h·E and top_k routed plus n_shared experts of width
+  f_e: 6T·h·f_e·(top_k + n_shared)/t;
 * backward after Zero Bubble (Qi et al. 2024, Table 1): I = the matmuls again plus twice the
   attention core, W = the matmuls again; full recomputation adds F to I, selective the core;
 * matmul time = FLOPs / ``Gpu.matmul_rate(smallest dim)``; element-wise work (norms, residuals,
@@ -93,6 +98,20 @@ from loom.sim.frameworks import LOOM, Framework
 from loom.sim.streams import Pieces, chunked_overlap, layer_overlap
 
 ELEMENTWISE_PASSES = 20  # activation-sized reads + writes per layer forward (see docstring)
+# FlashAttention (v1) against FlashAttention-2, which the core's matmul rate prices: "around 2x"
+# slower (Dao 2023, arXiv 2307.08691, abstract and §4.1)
+FLASH1_SLOWDOWN = 2.0
+# Kernels that store the s x s scores: e-byte passes over them, (forward, backward). Fused: the
+# QK^T output written, read and written by the scale-mask-softmax kernel, read by PV; backward,
+# dP written, P read for dV, P and dP read and dS written by the softmax's backward, dS read for
+# dQ and for dK. Unfused: scale and mask as two more read-write kernels each way.
+SCORE_PASSES = {"fused": (4, 7), "unfused": (8, 11)}
+# Bytes per activation element a block's two RMSNorms move beyond a fused kernel's read and
+# write when run as eager ops in fp32 (``Framework.fused_norm`` false; Llama's reference
+# RMSNorm on bf16 input: upcast 2 + 4, square 4 + 4, mean 4, scale 4 + 4, downcast 4 + 2,
+# weight 2 + 2 = 36 against 4, per norm), forward; backward twice that, as every element-wise
+# pass here
+UNFUSED_NORM_BYTES = 64
 
 
 class _LazyStageCosts:
@@ -224,9 +243,22 @@ class CostModel:
             # as one byte (unfused; torch.compile fuses some of it, not priced)
             t_cast = cast_elements * (2 * self.e + 1) / gpu.hbm_bandwidth
         t_core = core / gpu.matmul_rate(min(s_local, m.head_dim))
+        t_scores_f = t_scores_i = 0.0  # the stored scores' memory traffic (non-flash kernels)
+        kernel = self.framework.attention_kernel
+        if kernel == "flash1":
+            t_core *= FLASH1_SLOWDOWN
+        elif kernel in SCORE_PASSES:  # the whole square (no causal skipping), scores stored
+            t_core *= 2
+            scores = lay.micro_batch * m.n_heads / lay.tp * s_local * self.seq * self.e
+            passes_f, passes_i = SCORE_PASSES[kernel]
+            t_scores_f = passes_f * scores / gpu.hbm_bandwidth
+            t_scores_i = passes_i * scores / gpu.hbm_bandwidth
         split = ELEMENTWISE_PASSES if lay.sequence_parallel and lay.tp > 1 else 12
         kept = 0 if lay.sequence_parallel and lay.tp > 1 else ELEMENTWISE_PASSES - 12
         t_elem = tokens * m.dim * self.e * (kept + split / lay.tp) / gpu.hbm_bandwidth
+        if not self.framework.fused_norm:  # the norms as eager fp32 ops (split under SP)
+            t_elem += tokens * m.dim * UNFUSED_NORM_BYTES / (
+                lay.tp if lay.sequence_parallel else 1) / gpu.hbm_bandwidth
         comm: dict[str, float] = {}
         # tensor parallelism: 2 all-reduces (or AG + RS pairs) each way
         tp_link = c.link_for(lay.tp, 1)
@@ -262,16 +294,16 @@ class CostModel:
         if self.framework.overlap.tp_comm and lay.sequence_parallel and tp_fwd and self.overlaps:
             # pipelined with the GEMMs in tp chunks (Megatron's TP-comm overlap needs SP)
             tp_exposed = chunked_overlap(t_mat * slow, tp_fwd, lay.tp) - t_mat * slow
-        f_compute = (t_mat + t_cast + t_core + t_elem + overhead) * slow
+        f_compute = (t_mat + t_cast + t_core + t_scores_f + t_elem + overhead) * slow
         f = f_compute + tp_exposed + cp_fwd + ep_fwd
-        i = (t_mat + t_cast + 2 * t_core + 2 * t_elem + overhead) * slow + tp_exposed + cp_bwd \
-            + ep_fwd
+        i = (t_mat + t_cast + 2 * t_core + t_scores_i + 2 * t_elem + overhead) * slow \
+            + tp_exposed + cp_bwd + ep_fwd
         w = (t_mat + t_cast + overhead) * slow
         if lay.recompute == "full":
             i += f
             comm_tp = 2 * tp_fwd
         elif lay.recompute == "selective":
-            i += t_core * slow
+            i += (t_core + t_scores_f) * slow
             comm_tp = tp_fwd
         else:
             comm_tp = tp_fwd

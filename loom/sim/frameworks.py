@@ -33,8 +33,17 @@ What a profile fixes:
   as Loom's compiled block does). Megatron's sequence parallelism shards every activation of a
   block (Korthikanti et al. 2022: 34·s·b·h/t for a GPT block with dropout, 5·a·s²·b/t more
   without a flash kernel; ``korthikanti_block_activation_bytes``), and so does DeepSpeed's
-  (Megatron-DeepSpeed's blocks); ``flash_attention`` says whether the attention core stores the
-  s x s probabilities, ``dropout`` whether the block keeps 1-byte dropout masks (GPT-style).
+  (Megatron-DeepSpeed's blocks); ``flash_attention`` (a flash ``attention_kernel``) says whether
+  the attention core stores the s x s probabilities, ``dropout`` whether the block keeps 1-byte
+  dropout masks (GPT-style).
+* **Attention kernel** (``attention_kernel``, its time; ``loom.sim.cost_model``): a flash kernel
+  skips the causal half of the square, FlashAttention (v1) at half FlashAttention-2's rate
+  (Dao 2023: "around 2x" faster); the others compute the whole square with two batched matmuls
+  and move the s x s scores through memory, ``fused`` in one softmax kernel, ``unfused`` through
+  separate scale, mask and softmax kernels. Loom, Megatron-LM and torchtitan run flash kernels
+  today; the DeepSpeed profile (Megatron-DeepSpeed as BLOOM ran it) the fused softmax.
+  ``fused_norm`` false prices the RMSNorms as eager fp32 ops (a stack without a norm kernel);
+  every profile here has one (Loom's own is its measured element-wise passes).
 * **Overlap** (``Overlap``, priced by ``loom.sim.streams``): TP communication pipelined with the
   GEMMs (Megatron's ``--tp-comm-overlap``, which needs sequence parallelism), the ZeRO-1/2
   parameter all-gather overlapped with the next forward (``--overlap-param-gather``, in the
@@ -60,6 +69,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 GRAD_REDUCE = ("none", "last_backward", "pipeline_flush")
+# How a stack runs the attention core (``Framework.attention_kernel``; the cost model prices each,
+# ``loom.sim.cost_model``): FlashAttention-2, FlashAttention (v1), or the s x s scores stored
+# and read back around a softmax, fused into one kernel (Megatron's scale-mask-softmax) or not
+ATTENTION_KERNELS = ("flash2", "flash1", "fused", "unfused")
 # Loom's rank grid, innermost (fastest-varying) axis first: loom.topology.AXES reversed
 RANK_ORDER = ("tp", "cp", "ep", "dp_shard", "dp_replicate", "pp")
 # The groups whose rank distance the cost model asks for (``Framework.group_strides``)
@@ -91,7 +104,8 @@ class Framework:
     optimizer_bytes: int  # fp32 master copy (where params are 16-bit) + AdamW's two moments
     zero12_gather_bytes: int  # ZeRO-1/2's parameter all-gather after the step, per element
     sp_shards_all: bool  # sequence parallelism shards every activation (Megatron)
-    flash_attention: bool = True
+    attention_kernel: str = "flash2"  # ATTENTION_KERNELS: how the attention core runs
+    fused_norm: bool = True  # one kernel per RMSNorm (else eager fp32 ops; loom.sim.cost_model)
     dropout: bool = False  # 1-byte dropout masks kept (GPT-style blocks)
     optimizer_temporaries: bool = False  # foreach AdamW's two state-sized temporaries
     sp_keeps_gathered: bool = False  # Loom's block, SP saving the gathered inputs whole
@@ -99,6 +113,9 @@ class Framework:
     rank_order: tuple[str, ...] = RANK_ORDER  # innermost first
 
     def __post_init__(self) -> None:
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel {self.attention_kernel!r}: one of"
+                             f" {', '.join(ATTENTION_KERNELS)}")
         if sorted(self.rank_order) != sorted(RANK_ORDER):
             raise ValueError(f"rank_order {list(self.rank_order)}: an ordering of"
                              f" {', '.join(RANK_ORDER)} (innermost first)")
@@ -106,6 +123,11 @@ class Framework:
     @property
     def is_loom(self) -> bool:
         return self.name == "loom"
+
+    @property
+    def flash_attention(self) -> bool:
+        """Whether the attention core is a flash kernel (the s x s scores never stored)."""
+        return self.attention_kernel.startswith("flash")
 
     def stride(self, degrees: Mapping[str, int] | tuple[int, ...], *axes: str) -> int:
         """The rank distance ``Cluster.link_for`` takes for a group along ``axes``: the ranks
@@ -154,7 +176,7 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
               sp_shards_all=False, optimizer_temporaries=True, sp_keeps_gathered=True,
               overlap=Overlap(tp_comm=False, param_gather=False, grad_reduce="last_backward")),
     Framework("deepspeed", param_bytes=2, grad_bytes=4, optimizer_bytes=12, zero12_gather_bytes=2,
-              sp_shards_all=True, flash_attention=False, dropout=True,
+              sp_shards_all=True, attention_kernel="fused", dropout=True,
               overlap=Overlap(tp_comm=False, param_gather=False, grad_reduce="last_backward")),
 )}
 LOOM = FRAMEWORKS["loom"]

@@ -3,6 +3,8 @@ memory and overlap, against numbers written out by hand from the profiles' defin
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from loom.cli import main
@@ -151,3 +153,47 @@ def test_loom_sp_pays_the_backward_regather_of_its_sharded_saved_inputs(recomput
     regather = allreduce_time(4 * 32 * DEBUG.dim * loom.e, 2, loom.cluster.link_for(2, 1))
     assert loom_comm["tp"] - titan_comm["tp"] == pytest.approx(regather if regathers else 0.0)
     assert loom_i - titan_i == pytest.approx(regather if regathers else 0.0)
+
+
+def _layer(stack, lay: Layout) -> tuple[float, float, float]:
+    """(F, I, W) seconds of one dense layer of the debug model, seq 32, one GPU."""
+    f, i, w, _ = CostModel(DEBUG, 32, 8, Cluster(UNIT, 1, 8, FAST, SLOW),
+                           framework=stack)._layer_times(lay, False)
+    return f, i, w
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_attention_kernels_are_priced_by_what_they_compute_and_move(recompute):
+    """The debug model at seq 32, one sequence, on the unit GPU (1 TFLOP/s at any shape, 1 TB/s):
+    FlashAttention-2's causal core is 4·T·s·a·d/2 = 4·32·32·4·16/2 FLOPs; v1 takes twice as
+    long; a kernel that stores the scores computes the whole square (twice v2's FLOPs) and moves
+    the a·s² = 4·32·32 two-byte scores 4 times forward and 7 backward (fused), 8 and 11 unfused;
+    W (the weight gradients) never changes. Selective recompute repeats the core's forward."""
+    lay = Layout(recompute=recompute)
+    core = 4 * 32 * 32 * 4 * 16 / 2 / 1e12
+    scores = 4 * 32 * 32 * 2 / 1e12
+    base = _layer(replace(LOOM, attention_kernel="flash2"), lay)
+    again = 1 if recompute == "selective" else 0  # the core's forward once more in I
+    for kernel, extra_f, extra_i in [
+            ("flash1", core, 2 * core + again * core),
+            ("fused", core + 4 * scores, 2 * core + 7 * scores + again * (core + 4 * scores)),
+            ("unfused", core + 8 * scores, 2 * core + 11 * scores + again * (core + 8 * scores))]:
+        f, i, w = _layer(replace(LOOM, attention_kernel=kernel), lay)
+        assert f - base[0] == pytest.approx(extra_f, rel=1e-9)
+        assert i - base[1] == pytest.approx(extra_i, rel=1e-9)
+        assert w == base[2]
+
+
+def test_an_unfused_rmsnorm_moves_64_more_bytes_per_element_forward_and_128_backward():
+    """Eager fp32 RMSNorms (``fused_norm = False``): T·h·64 bytes more forward at 1 TB/s, twice
+    that in I; split over tp under sequence parallelism."""
+    lay = Layout()
+    base = _layer(LOOM, lay)
+    f, i, w = _layer(replace(LOOM, fused_norm=False), lay)
+    extra = 32 * 64 * 64 / 1e12
+    assert (f - base[0], i - base[1], w - base[2]) == pytest.approx((extra, 2 * extra, 0.0))
+
+
+def test_an_unknown_attention_kernel_is_refused_by_name():
+    with pytest.raises(ValueError, match="attention_kernel 'xformers': one of flash2, flash1"):
+        replace(LOOM, attention_kernel="xformers")
