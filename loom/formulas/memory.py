@@ -203,12 +203,14 @@ def framework_state_bytes(psi: float, shard: int, stage: int, *, param_bytes: in
 class StageSpan:
     """One pipeline stage a rank holds: its parameters and when (indices of the rank's actions)
     it is first run forward, first produces weight gradients (B or W) and runs its last backward
-    piece (after which it is flushed: gradients reduced, a held ZeRO-3 stage resharded)."""
+    piece (after which it is flushed: gradients reduced, a held ZeRO-3 stage resharded).
+    ``early``: its parameters whose gradients a backward makes first (the head's)."""
 
     psi: float
     first_f: int
     first_w: int
     last: int
+    early: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -221,17 +223,18 @@ class RankStep:
     after: tuple[float, ...]
 
 
-def accumulation_loop(psi: float, microbatches: int) -> RankStep:
+def accumulation_loop(psi: float, microbatches: int, early: float = 0.0) -> RankStep:
     """The step without a pipeline: F then B per microbatch (the reduction after the last B)."""
     n = max(1, microbatches)
-    return RankStep((StageSpan(psi, 0, 1, 2 * n - 1),), (1.0,) * (2 * n), (1.0, 0.0) * n)
+    return RankStep((StageSpan(psi, 0, 1, 2 * n - 1, early),), (1.0,) * (2 * n), (1.0, 0.0) * n)
 
 
-def last_microbatch(psi: float, accumulated: bool) -> RankStep:
+def last_microbatch(psi: float, accumulated: bool, early: float = 0.0) -> RankStep:
     """The last F and B of ``accumulation_loop``, which hold its peaks: after earlier
     microbatches (``accumulated``) its gradients exist from its start (weight gradients came
     first at index -1)."""
-    return RankStep((StageSpan(psi, 0, -1 if accumulated else 1, 1),), (1.0, 1.0), (1.0, 0.0))
+    return RankStep((StageSpan(psi, 0, -1 if accumulated else 1, 1, early),), (1.0, 1.0),
+                    (1.0, 0.0))
 
 
 @dataclass(frozen=True)
@@ -245,7 +248,10 @@ class StateRules:
     full-size gradients while microbatches accumulate (sync off). ``held``: ZeRO-3 units stay
     gathered from their first forward to their flush. ``block``: one rank's largest block's
     parameters; ``largest``: its largest parameter's bytes (a bucket closes at most that far
-    past its size). ``offloaded``: the optimizer state lives on the host."""
+    past its size). ``offloaded``: the optimizer state lives on the host. ``resting_grads``:
+    the gradients outlive the step (ZeRO-1's accumulation buffer, ZeRO-2's reduced slice);
+    otherwise ``zero_grad`` frees them and a stage has none before its first backward (but its
+    ``early`` ones at that backward's start, while its activations are all live)."""
 
     shard: int
     ep: int
@@ -260,6 +266,7 @@ class StateRules:
     largest: float
     bucket_bytes: float | None = None
     offloaded: bool = False
+    resting_grads: bool = True
     explain: bool = True  # write each instant's notes (the planner, pricing thousands, does not)
 
 
@@ -311,6 +318,9 @@ def rank_state_instants(psi: float, experts: float, step: RankStep, rules: State
     # what accumulating turns each stage's gradients into: full-size beside the slice
     grown = {st: state(st.psi, True)[1] - state(st.psi)[1] for st in step.stages} \
         if r.accumulates else {}
+    # a stage's gradients at rest, and those that exist from its first backward's start
+    held = {st: state(st.psi)[1] for st in step.stages}
+    early = {st: state(st.early)[1] for st in step.stages}
     for index in range(len(step.during)):
         for level, ended in ((step.during[index], False), (step.after[index], True)):
             # a stage's parameters are whole from its first F to its flush; its full-size
@@ -321,6 +331,11 @@ def rank_state_instants(psi: float, experts: float, step: RankStep, rules: State
             full = [st for st in grown if (st.first_w < index <= st.last if not ended
                                            else st.first_w <= index < st.last)]
             g = grads + sum(grown[st] for st in full) if full else grads
+            if not r.resting_grads:  # none before a stage's first backward, its early ones
+                # at that backward's start
+                g -= sum(held[st] for st in step.stages if index < st.first_w) + sum(
+                    held[st] - early[st] for st in step.stages
+                    if index == st.first_w and not ended)
             # FSDP2 computes a unit's fresh gradient beside its accumulated one, then adds it
             fresh = r.grad_bytes * block if stage == 3 and full else 0.0
             notes = []

@@ -97,7 +97,11 @@ def _states(model: Any, lay: Layout, v_shaped: bool) -> dict[int, list[dict[str,
     if states is None:
         rank_params = model._rank_params(lay)
         experts = model._rank_expert_params(lay)
-        states = {r: _instants(model, lay, rank_params[r], experts[r]) for r in rank_params}
+        counts, _, owned = model._geometry(lay.pp, lay.chunks, v_shaped)
+        head = model.model.vocab_size * model.model.dim / lay.tp  # the output layer's weight
+        states = {r: _instants(model, lay, rank_params[r], experts[r],
+                               head if len(counts) - 1 in owned[r] else 0.0)
+                  for r in rank_params}
         model._memory_cache[key] = states
     return states
 
@@ -179,7 +183,7 @@ def search_units_left(model: Any, lay: Layout, budget: float, cap: float) -> flo
     return float(low)
 
 
-def _instants(model: Any, lay: Layout, psi: float, experts: float = 0.0
+def _instants(model: Any, lay: Layout, psi: float, experts: float = 0.0, head: float = 0.0
               ) -> list[dict[str, float]]:
     """The instants of a rank's step that can be its peak, as the estimator weighs them
     (``loom.formulas.memory.rank_state_instants``) over its last microbatch: the passes (peak activations beside the gradients accumulated so far), ZeRO's
@@ -188,7 +192,8 @@ def _instants(model: Any, lay: Layout, psi: float, experts: float = 0.0
     or all but the head's and the top block's). Under a pipeline the first is an upper bound:
     the activation peak of the warm-up is counted with the accumulated gradients of the steady
     state. ``experts`` of the ``psi`` parameters are routed experts: ZeRO shards them over
-    dp_shard x cp, the dense ones over dp_shard x ep x cp."""
+    dp_shard x cp, the dense ones over dp_shard x ep x cp; ``head`` of them are the output
+    layer's, whose gradients a backward makes first."""
     if not model.framework.is_loom:
         return _framework_instants(model, lay, psi, experts)
     stage = lay.zero_stage if lay.dp_shard > 1 else 0
@@ -198,10 +203,11 @@ def _instants(model: Any, lay: Layout, psi: float, experts: float = 0.0
         # ZeRO-3 stages held gathered across the step inside a pipeline (to_overrides)
         held=stage == 3 and lay.pp > 1, pipelined=lay.pp > 1,
         block=max(model._layer_params(True, lay), model._layer_params(False, lay)),
-        largest=4 * largest_parameter(model.model, lay.tp, lay.ep), explain=False)
+        largest=4 * largest_parameter(model.model, lay.tp, lay.ep),
+        resting_grads=stage in (1, 2), explain=False)
     worst: dict[str, dict[str, float]] = {}
     for instant in rank_state_instants(psi, experts,
-                                       last_microbatch(psi, lay.microbatches > 1), rules):
+                                       last_microbatch(psi, lay.microbatches > 1, head), rules):
         kind = "none" if not instant.level else (
             "less_head_and_top" if instant.less_head_and_top else "all")
         entry = {"parameters": instant.parameters, "gradients": instant.gradients,

@@ -56,6 +56,9 @@ for 8 of 10 layouts with accumulation and pipelines (docs/benchmarks.md "ZeRO me
   (they are freed bucket by bucket as they are packed), plus the slices' outputs
   (``transient``). With ``train.grad_reduce_every_microbatch`` ZeRO-2/3 never hold full-size
   gradients: every backward is reduced;
+* gradients that ``zero_grad`` frees (plain data parallelism, ZeRO-3; not ZeRO-1's buffer or
+  ZeRO-2's slice) are absent before a stage's first backward piece, and at its start only the
+  head's exist (a backward makes it first), while every activation is still live;
 * the optimizer step: no activations, and AdamW's two temporaries (the square root of the second
   moment, then its quotient) the size of the state it steps: ``2 x 4Ψ/d`` (``transient``).
 
@@ -171,7 +174,8 @@ def _timelines(config: Config) -> list[_Timeline]:
     if lay.pp == 1:
         layers = list(range(config.model.n_layers))
         psi = _parameter_count(config, layers, True, True)
-        return [_Timeline(layers, True, True, accumulation_loop(psi, micro))]
+        return [_Timeline(layers, True, True,
+                          accumulation_loop(psi, micro, _head_parameters(config)))]
     schedule = schedule_of(lay, max_stages=config.model.n_layers)
     # a schedule with routes (bidirectional_v) holds copies of an L-stage model: stage s is
     # model stage s % L of copy s // L, with its own parameters
@@ -196,7 +200,8 @@ def _timelines(config: Config) -> list[_Timeline]:
                 config.model.vocab_size * config.model.dim / (lay.tp if lay.vocab_parallel else 1)
                 if j == final and j != 0 and first_of_copy in ids and config.model.tie_embeddings
                 else 0)
-            stages.append(StageSpan(psi, forward[0], weight[0], weight[-1]))
+            stages.append(StageSpan(psi, forward[0], weight[0], weight[-1],
+                                    _head_parameters(config) if j == final else 0.0))
         during = [float(level) for level in memory_profile(schedule, rank)]
         after = [level - (float(schedule.stage_weight(a.stage))
                           if last_piece.get((a.stage, a.microbatch)) == i else 0.0)
@@ -222,6 +227,12 @@ def _parameter_count(config: Config, layers: list[int], embedding: bool, head: b
     if head:
         total += m.dim + (0 if m.tie_embeddings and embedding else vocab)
     return total
+
+
+def _head_parameters(config: Config) -> float:
+    """The output layer's weight on one rank (a tied head's is the embedding's)."""
+    m, lay = config.model, layout_of(config)
+    return m.vocab_size * m.dim / (lay.tp if lay.vocab_parallel else 1)
 
 
 def _expert_parameters(config: Config, layers: list[int]) -> float:
@@ -281,7 +292,10 @@ def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[Memor
         block=max((layer_parameter_count(m, i) for i in line.layers), default=0.0) / lay.tp,
         largest=4 * largest_parameter(m, lay.tp, lay.ep, lay.vocab_parallel),
         bucket_bytes=tr.grad_bucket_mb * 2**20,
-        offloaded=bool(tr.offload_optimizer and stage and not tr.device.startswith("cpu")))
+        offloaded=bool(tr.offload_optimizer and stage and not tr.device.startswith("cpu")),
+        # ZeRO-1's accumulation buffer and ZeRO-2's reduced slice outlive the step; the others
+        # are freed by zero_grad (set_to_none)
+        resting_grads=stage in (1, 2))
     psi = _parameter_count(config, line.layers, line.embedding, line.head)
     per_micro = _per_microbatch_activations(config, line)
     # what a backward has freed once the head and the top block are done

@@ -37,10 +37,19 @@ def forward_peak(cfg, rank: int = 0):
     (3, 4 * PSI / 4, 4 * PSI / 4, 8 * PSI / 4),
 ])
 def test_model_state_per_zero_stage(stage, params, grads, optim):
+    """The state at rest is the optimizer step's (every gradient there). At the forward peak of
+    one microbatch the gradients are there only where they outlive the step (ZeRO-1's buffer,
+    ZeRO-2's slice); zero_grad freed the others, and the first backward starts with the head's
+    (20,480 parameters: vocab 320 x dim 64), sharded at ZeRO-3."""
     over = {"parallel.dp_shard": "4", "parallel.zero_stage": str(stage)} if stage else {}
-    est = forward_peak(config(4, **over))  # one microbatch: the state at rest
-    assert (est.parameters, est.gradients, est.optimizer) == (params, grads, optim)
-    assert est.model_state == params + grads + optim
+    cfg = config(4, **over)  # one microbatch
+    rest = memory_instants(cfg)[-1]
+    assert (rest.parameters, rest.gradients, rest.optimizer) == (params, grads, optim)
+    assert rest.model_state == params + grads + optim
+    peak = forward_peak(cfg)
+    head = 320 * 64
+    assert (peak.parameters, peak.optimizer) == (params, optim)
+    assert peak.gradients == {0: 4 * head, 1: grads, 2: grads, 3: 4 * head / 4}[stage]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -209,7 +218,10 @@ def test_optimizer_step_adds_two_temporaries_of_the_stepped_state():
         cfg = accumulating(stage) if stage else config(1)
         step = memory_instants(cfg)[-1]
         assert (step.activations, step.transient) == (0, 2 * 4 * stepped)
-        assert step.model_state == memory_instants(cfg)[0].model_state  # the state at rest
+        first = memory_instants(cfg)[0]  # the first forward: the state at rest, but zero_grad
+        # has freed the gradients that do not outlive the step (all but ZeRO-1/2's)
+        assert (step.parameters, step.optimizer) == (first.parameters, first.optimizer)
+        assert first.gradients == (step.gradients if stage in (1, 2) else 0)
 
 
 def test_zero3_accumulation_holds_unsharded_gradients_instead_of_shards():
