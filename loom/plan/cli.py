@@ -34,7 +34,7 @@ from loom.plan.hardware import LINKS, Cluster, HardwareError, load_catalog, make
 from loom.plan.search import Plan, plan, simulate_step
 from loom.plan.space import Workload
 from loom.sim.cost_model import CostModel, StepCost
-from loom.sim.frameworks import FRAMEWORKS, Framework, framework
+from loom.sim.frameworks import ATTENTION_KERNELS, FRAMEWORKS, Framework, framework
 from loom.sim.outer_cost import Sites, price_modes, recommend
 from loom.sim.varlen_cost import load_length_distribution
 
@@ -120,6 +120,9 @@ def add_plan_commands(sub: argparse._SubParsersAction,
     plan.add_argument("--framework", default="loom",
                       help="the stack whose memory layout and overlap to price: "
                            + ", ".join(FRAMEWORKS) + " (default loom; loom.sim.frameworks)")
+    plan.add_argument("--attention-kernel", choices=ATTENTION_KERNELS,
+                      help="the attention kernel another stack runs (default: its profile's;"
+                           " fused/unfused store the s x s scores)")
     plan.add_argument("--calibrate", action="store_true", help="measure this machine and store"
                                                                " the profile --gpu local uses")
     plan.add_argument("--nproc", type=int, default=0, help="processes for --calibrate (and"
@@ -263,7 +266,12 @@ def _framework(args: argparse.Namespace) -> Framework:
     if not chosen.is_loom and args.output:
         raise PlanInputError(f"-o {args.output}: writes a Loom config, so only with --framework"
                              f" loom (not {chosen.name})")
-    return chosen
+    kernel = getattr(args, "attention_kernel", None)
+    if kernel and chosen.is_loom and kernel != chosen.attention_kernel:
+        raise PlanInputError(f"--attention-kernel {kernel}: Loom's trainer runs"
+                             f" {chosen.attention_kernel} (SDPA's flash kernel); another stack's"
+                             " kernel goes with --framework megatron, torchtitan or deepspeed")
+    return dataclasses.replace(chosen, attention_kernel=kernel) if kernel else chosen
 
 
 def _run(args: argparse.Namespace) -> int:

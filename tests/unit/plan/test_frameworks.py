@@ -3,6 +3,7 @@ memory and overlap, against numbers written out by hand from the profiles' defin
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -197,3 +198,18 @@ def test_an_unfused_rmsnorm_moves_64_more_bytes_per_element_forward_and_128_back
 def test_an_unknown_attention_kernel_is_refused_by_name():
     with pytest.raises(ValueError, match="attention_kernel 'xformers': one of flash2, flash1"):
         replace(LOOM, attention_kernel="xformers")
+
+
+def test_loom_plan_prices_another_stacks_attention_kernel_and_refuses_one_for_loom(capsys):
+    """``--attention-kernel`` replaces the profile's kernel: the unfused kernel's step is longer
+    at the same layout; Loom's own trainer runs SDPA's flash kernel, so it is refused there."""
+    base = ["plan", "--model", "tiny", "--gpus", "2", "--gpu", "A100-80GB", "--seq", "2048",
+            "--global-batch-tokens", "16384", "--layout", "dp_replicate=2", "--json"]
+    steps = {}
+    for kernel in ("flash2", "unfused"):
+        assert main(base + ["--framework", "megatron", "--attention-kernel", kernel]) == 0
+        steps[kernel] = json.loads(capsys.readouterr().out)
+    step = {kernel: out["ranked"][0]["step_time_s"] for kernel, out in steps.items()}
+    assert step["unfused"] > step["flash2"]
+    assert main(base + ["--attention-kernel", "fused"]) == 2
+    assert "--attention-kernel fused: Loom's trainer runs flash2" in capsys.readouterr().err
