@@ -7,6 +7,8 @@ shape and placement it trains with; for each one this rank reads exactly the reg
   from its mesh and placements (``compute_local_shape_and_global_offset``, what DCP uses);
 * an expert weight under expert parallelism: this ep rank's experts, rows
   ``[rank E/ep, (rank + 1) E/ep)`` of dim 0 (before any TP split of them);
+* the embedding's and the head's rows under vocabulary parallelism across the pipeline
+  (``loom.parallel.vocab_pipeline.VocabRows``): this pipeline rank's rows ``[start, start + V/p)``;
 * anything else (replicated parameters, ZeRO-1/2's views into their flat buckets): the whole
   tensor.
 
@@ -28,6 +30,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from loom.models.pretrained import PretrainedSource
 from loom.parallel.expert import ExpertParallel, expert_parameter_names
+from loom.parallel.vocab_pipeline import row_slices
 
 
 @torch.no_grad()
@@ -37,6 +40,7 @@ def load_local_shards(model: nn.Module, source: PretrainedSource,
     returns how many parameters were written. Raises ``PretrainedError`` for a name or region
     the source does not hold."""
     expert_names = expert_parameter_names(model) if experts is not None else set()
+    vocab_rows = row_slices(model)  # name -> (first row, rows) of a vocabulary shard's rows
     written = 0
     for name, param in model.named_parameters():  # a tied weight is yielded once
         if isinstance(param, DTensor) and _strided(param):
@@ -66,6 +70,8 @@ def load_local_shards(model: nn.Module, source: PretrainedSource,
             shape, offsets, local = tuple(param.shape), (0,) * param.ndim, param.data
         if name in expert_names:  # this ep rank's experts: its rows of the full stack
             offsets = (offsets[0] + experts.rank * _experts_of(param), *offsets[1:])
+        if name in vocab_rows:  # this pipeline rank's rows of the vocabulary
+            offsets = (offsets[0] + vocab_rows[name][0], *offsets[1:])
         if local.numel():  # FSDP2 leaves an empty shard on ranks past the end of a small dim
             local.copy_(source.read(name, tuple(offsets), tuple(shape)).to(local.dtype))
         written += 1

@@ -27,12 +27,25 @@ therefore rescales each shard's sum by exp(max_r - max) (``combine``). The loss 
 scaling stay the caller's: ``t_pass`` hands a ``ShardedLogits`` to the trainer's loss function,
 and ``cross_entropy`` here reduces it as ``loom.parallel.vocab.cross_entropy`` reduces logits.
 
+Precision: under ``train.dtype = bf16`` the rows are bf16 parameters with fp32 masters (the
+runtime applies ``loom.parallel.mixed_precision`` to the shard as to a stage), under
+``bf16_autocast`` S's matmul runs in the stages' autocast; either way a shard's logits are the
+very bf16 values of its columns of one process's logits, upcast to fp32 before the statistics,
+which travel and combine in fp32, and the runtime adds the p parts of dX in fp32.
+
+Checkpoints: ``VocabRows`` records where its rows sit in the full ``[V, D]`` weight;
+``row_slices`` hands that to ``loom.train.checkpoint_state``, which saves each rank's rows (and
+their Adam moments) at that offset, so a checkpoint holds the whole embedding and head under
+their names, as one process's does, and any layout loads it.
+
 Hand-written because no library offers it: torch's pipelining and Megatron-Core keep the head
 on the last stage; the paper's code patches Megatron-LM's schedules.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,12 +58,22 @@ from loom.models.llama import initial_value, seeded_name
 from loom.parallel.vocab import cross_entropy as tensor_cross_entropy
 
 
-class _Rows(nn.Module):
-    """Rows of a ``[V, D]`` weight, under the name ``weight`` (the full model's names)."""
+class VocabRows(nn.Module):
+    """Rows ``[start, start + rows)`` of a ``[total, D]`` weight, under the name ``weight`` (the
+    full model's names). ``start`` and ``total`` are where they sit in the full weight: what a
+    checkpoint needs to write them at their global offset (``row_slices``)."""
 
-    def __init__(self, weight: nn.Parameter) -> None:
+    def __init__(self, weight: nn.Parameter, start: int, total: int) -> None:
         super().__init__()
         self.weight = weight
+        self.start, self.total = start, total
+
+
+def row_slices(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """``{parameter name: (first row, rows of the full weight)}`` of every vocabulary shard's
+    rows in ``model`` (a tied pair under both names), empty without vocabulary parallelism."""
+    return {f"{name}.weight": (module.start, module.total)
+            for name, module in model.named_modules() if isinstance(module, VocabRows)}
 
 
 class VocabShard(nn.Module):
@@ -59,8 +82,13 @@ class VocabShard(nn.Module):
     weights (bit-identical to one process's). Tied embeddings: one Parameter for both."""
 
     def __init__(self, args: TransformerArgs, shard: int, shards: int,
-                 device: torch.device | str, seed: int) -> None:
+                 device: torch.device | str, seed: int,
+                 autocast: Callable[[], contextlib.AbstractContextManager]
+                 = contextlib.nullcontext) -> None:
         super().__init__()
+        # the stages' autocast (train.dtype = bf16_autocast): the head's matmul runs under it,
+        # as the whole model's output layer does
+        self.autocast = autocast
         if args.vocab_size % shards:
             raise ValueError(f"vocab_size {args.vocab_size} is not divisible by pp = {shards}")
         rows = args.vocab_size // shards
@@ -72,9 +100,10 @@ class VocabShard(nn.Module):
             value = initial_value(seeded_name(name, args), torch.Size(full), args, seed)
             return nn.Parameter(value[self.vocab_start:self.vocab_start + rows].clone().to(device))
 
-        self.tok_embeddings = _Rows(rows_of("tok_embeddings.weight"))
-        self.output = _Rows(self.tok_embeddings.weight if args.tie_embeddings
-                            else rows_of("output.weight"))
+        self.tok_embeddings = VocabRows(rows_of("tok_embeddings.weight"), self.vocab_start,
+                                        args.vocab_size)
+        self.output = VocabRows(self.tok_embeddings.weight if args.tie_embeddings
+                                else rows_of("output.weight"), self.vocab_start, args.vocab_size)
 
     def _local(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids as rows of this shard (0 outside it) and the mask of those outside."""
@@ -94,7 +123,9 @@ class VocabShard(nn.Module):
         their statistics ``[3, N]``: row max, sum of exp(logit - max), target logit (0 when the
         target is another shard's), for every rank's ``t_pass``."""
         x = x_BSD.detach().requires_grad_(torch.is_grad_enabled())
-        logits = F.linear(x, self.output.weight).flatten(0, 1).float()
+        with self.autocast():  # bf16 parameters or autocast: bf16 logits, as one process's
+            logits = F.linear(x, self.output.weight)
+        logits = logits.flatten(0, 1).float()  # then fp32, as the loss upcasts full logits
         local, outside = self._local(targets_BS.flatten(0, 1))
         with torch.no_grad():
             row_max = logits.max(dim=-1).values
@@ -205,4 +236,5 @@ def cross_entropy(logits: torch.Tensor | ShardedLogits, targets_BS: torch.Tensor
     return losses.mean()
 
 
-__all__ = ["VocabShard", "ShardedLogits", "OutputPass", "combine", "cross_entropy"]
+__all__ = ["VocabShard", "VocabRows", "row_slices", "ShardedLogits", "OutputPass", "combine",
+           "cross_entropy"]

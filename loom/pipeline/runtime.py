@@ -64,10 +64,12 @@ transfer and reduction below goes through ``loom.parallel.comm`` with the traine
   it), which sums them; after F of the last stage its output X goes to every other rank (the
   same volume out of it); S sends its ``[3, micro·seq]`` fp32 statistics to every other rank,
   T its part of dX to the last stage's rank (the volume of X, into it), which sums the parts in
-  rank order before its I or B; the first stage's input gradients go back to every rank (the
-  volume of the embedding, out of it), which runs its embedding rows' backward after the
-  schedule. Every receive is posted ahead like the others and waited just before use, so a
-  schedule the validator accepts (its barriers included) cannot deadlock here either.
+  rank order, in fp32, before its I or B; the first stage's input gradients go back to every
+  rank (the volume of the embedding, out of it), which runs its embedding rows' backward after
+  the schedule. (Under ``train.dtype = bf16`` X, dX and the embeddings travel in bf16, half
+  those bytes; the statistics stay fp32.) Every receive is posted ahead like the others and
+  waited just before use, so a schedule the validator accepts (its barriers included) cannot
+  deadlock here either.
 * After the step: one 1-element all-reduce over ``pp`` so every rank reports the loss, which only
   the last stage of each route computes (under vocabulary parallelism: the last stage's rank's
   T passes, every rank having computed the same loss).
@@ -92,7 +94,7 @@ from loom.layout import Job
 from loom.parallel import comm, parallelize
 from loom.parallel.comm import CommLedger
 from loom.parallel.data import FullyShardedSync, GradientReducer
-from loom.parallel.mixed_precision import gradient_of
+from loom.parallel.mixed_precision import apply_bf16_parameters, gradient_of
 from loom.parallel.vocab_pipeline import OutputPass, VocabShard
 from loom.pipeline.host_offload import SavedActivations
 from loom.pipeline.partition import partition_model
@@ -486,10 +488,11 @@ class PipelineRuntime:
                 parts.append(buffer)
         if not sum_parts:
             return parts
-        total = parts[0].clone()
+        # added in fp32 (bf16 parts: one rounding of the sum, not one per addition)
+        total = parts[0].to(torch.float32, copy=True)
         for part in parts[1:]:
             total += part
-        return total
+        return total.to(parts[0].dtype)
 
     def _vocab_pass(self, schedule: Schedule, action: Action, targets: Sequence[torch.Tensor],
                     loss_fn: LossFn, training: bool,
@@ -686,13 +689,15 @@ def build_pipeline(job: Job, schedule: Schedule, *, grid: RankGrid, meshes: Mesh
     pp_group = meshes.root["pp"].get_group() if grid.degree("pp") > 1 else None
     vocab = vocab_reducer = None
     if schedule.has_vocab_passes:
-        vocab = VocabShard(args, pp_rank, schedule.pp_size, device, job.seed)
+        vocab = VocabShard(args, pp_rank, schedule.pp_size, device, job.seed, **kwargs)
+        reduce_dtype = torch.bfloat16 if job.grad_reduce_dtype == "bf16" else torch.float32
+        if job.dtype == "bf16":  # bf16 rows with fp32 masters, as the stages' parameters
+            apply_bf16_parameters(vocab, reduce_dtype)  # (before the reducer's hooks)
         if meshes.dp.size() > 1:  # plain data parallelism (the config refuses the others)
             vocab_reducer = GradientReducer(
                 list(vocab.parameters()), meshes.dp.get_group(), meshes.dp.size(),
                 ledger=ledger, axis="dp", bucket_bytes=int(job.grad_bucket_mb * 2**20),
-                reduce_dtype=torch.bfloat16 if job.grad_reduce_dtype == "bf16" else torch.float32,
-                compression=job.compression, seed=job.seed)
+                reduce_dtype=reduce_dtype, compression=job.compression, seed=job.seed)
     return PipelineRuntime(schedule, stages, pp_rank, grid.group(rank, "pp"), pp_group,
                            vocab=vocab, vocab_reducer=vocab_reducer,
                            ledger=ledger, tie_group=tie_group, copy_group=copy_group,

@@ -8,8 +8,8 @@ as ``torch.distributed.checkpoint.state_dict.get_state_dict`` writes it. Each va
 
 * a plain tensor: the whole value, identical on every rank that holds it (DCP writes it once);
 * a DTensor (tensor parallelism, FSDP2): DCP reads its placement;
-* a ``ShardedTensor`` built here, for the two layouts whose local tensors do not say where they
-  sit in the global one:
+* a ``ShardedTensor`` built here, for the three layouts whose local tensors do not say where
+  they sit in the global one:
 
   - ZeRO-1/2 (``loom.parallel.zero``): rank r owns a contiguous range of a flat bucket, which
     covers parts of several parameters. A parameter's part of that range is a run of its
@@ -19,9 +19,13 @@ as ``torch.distributed.checkpoint.state_dict.get_state_dict`` writes it. Each va
   - expert parallelism (``loom.parallel.expert``): ep rank r holds experts ``[r E/ep, (r+1)
     E/ep)`` under the global name, saved as that slice of the ``[E, ...]`` tensor. An expert
     weight that is also a DTensor (expert-TP) contributes its tp-local box within that slice.
+  - vocabulary parallelism across the pipeline (``loom.parallel.vocab_pipeline``): pipeline
+    rank r holds rows ``[rV/p, (r+1)V/p)`` of the embedding and the head (and their moments)
+    under the full names, saved as that box of the ``[V, D]`` weight (``VocabRows`` records
+    where), so the checkpoint holds the whole weights, as one process's does.
 
 ``load_training_state`` copies what ``dcp.load`` filled back into the model and optimizer (for
-the two cases above it was filled in place already; only hyper-parameters and step counts are
+the three cases above it was filled in place already; only hyper-parameters and step counts are
 set). ``gather_full`` turns any of these values into full tensors (tests, inspection).
 
 Collectives: building a ``ShardedTensor`` state needs every rank's boxes, exchanged in one
@@ -39,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.parallel.expert import ExpertParallel, expert_parameter_names
+from loom.parallel.vocab_pipeline import row_slices
 from loom.parallel.zero import ZeroShardedOptimizer
 from loom.train.checkpoint_safety import CheckpointError
 
@@ -298,13 +303,44 @@ def _expert_pieces(value: torch.Tensor, ep: Any) -> tuple[tuple[int, ...],
 
 def _experts_as_slices(model: nn.Module, ep: Any, model_sd: dict[str, Any],
                        optim_sd: dict[str, Any]) -> None:
-    names = expert_parameter_names(model)
+    _as_slices(expert_parameter_names(model), lambda name, value: _expert_pieces(value, ep),
+               model_sd, optim_sd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Vocabulary parallelism across the pipeline: rows of the embedding and the head
+
+
+def _vocab_pieces(rows: dict[str, tuple[int, int]], name: str, value: torch.Tensor
+                  ) -> tuple[tuple[int, ...], list[tuple[Box, torch.Tensor]]]:
+    """(global shape, [(box, local view)]) of a vocabulary shard's rows of ``name`` (or of one
+    of its moments): pipeline rank r's rows ``[start, start + V/p)`` of the ``[V, D]`` weight
+    (``loom.parallel.vocab_pipeline.VocabRows``)."""
+    start, total = rows[name]
+    return (total, *value.shape[1:]), [(((start, *(0,) * (value.ndim - 1)), tuple(value.shape)),
+                                        value.detach())]
+
+
+def _vocab_as_slices(model: nn.Module, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
+    """Under ``parallel.vocab_parallel_pp`` every pipeline rank holds other rows under the same
+    names: each rank's rows (and moments) are saved as its box of the full weight, so the
+    checkpoint holds the whole embedding and head, loadable by any layout (collective)."""
+    rows = row_slices(model)
+    if rows:
+        _as_slices(set(rows), lambda name, value: _vocab_pieces(rows, name, value), model_sd,
+                   optim_sd)
+
+
+def _as_slices(names: set[str], pieces_of: Any, model_sd: dict[str, Any],
+               optim_sd: dict[str, Any]) -> None:
+    """Replace every weight of ``names`` and its moments (``state.<name>.*`` tensors; not the
+    step count) by a ShardedTensor of ``pieces_of(name, value)``'s boxes (collective)."""
     local: dict[str, Any] = {}
     for name in sorted(names):
-        local[name] = _expert_pieces(model_sd[name], ep)
+        local[name] = pieces_of(name, model_sd[name])
         for key, value in optim_sd.items():
             if key.startswith(f"state.{name}.") and torch.is_tensor(value) and value.ndim:
-                local[key] = _expert_pieces(value, ep)
+                local[key] = pieces_of(name, value)
     sharded: dict[str, Any] = {}
     _as_sharded(sharded, local)
     for key, value in sharded.items():
@@ -340,6 +376,7 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, *,
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
     if ep is not None:
         _experts_as_slices(model, ep, model_sd, optim_sd)
+    _vocab_as_slices(model, model_sd, optim_sd)
     return {"model": model_sd, "optim": optim_sd}
 
 

@@ -192,6 +192,10 @@ def test_the_config_turns_it_on():
     assert job_of(_config()).vocab_parallel_pp is True
     assert job_of(_config(4, **{"parallel.dp_replicate": 2,
                                 "train.global_batch_size": 8})).vocab_parallel_pp is True
+    # composed: checkpoints and bf16 (tests/dist/test_vocab_pp_checkpoint.py, _bf16.py)
+    assert _config(**{"checkpoint.interval": 5}).checkpoint.interval == 5
+    for dtype in ("bf16", "bf16_autocast"):
+        assert _config(**{"train.dtype": dtype}).train.dtype == dtype
 
 
 @pytest.mark.parametrize("overrides, field", [
@@ -200,8 +204,6 @@ def test_the_config_turns_it_on():
     ({"parallel.dp_shard": 2, "world": 4, "train.global_batch_size": 8}, "parallel.dp_shard"),
     ({"parallel.dp_replicate": 2, "world": 4, "train.global_batch_size": 8,
       "parallel.dp_mode": "diloco"}, "parallel.dp_mode"),
-    ({"train.dtype": "bf16"}, "train.dtype"),
-    ({"checkpoint.interval": 5}, "checkpoint.interval"),
     ({"model.vocab_size": 511}, "model.vocab_size"),
     ({"parallel.schedule": "bidirectional_v", "world": 4, "parallel.pp": 4,
       "train.global_batch_size": 8}, "parallel.schedule"),
