@@ -199,11 +199,6 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-def _measure_machine(nproc: int, profile: str | None) -> Path:
-    """``loom plan --calibrate``: measure this machine (processes, torch, the trainer's probes)."""
-    return calibrate(nproc, profile)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loom", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -263,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_data_commands(sub)
 
-    add_plan_commands(sub, measure_machine=_measure_machine)
+    add_plan_commands(sub, measure_machine=calibrate)  # --calibrate: processes, the trainer
     return parser
 
 

@@ -41,7 +41,6 @@ if TYPE_CHECKING:  # the rules read a config; loom.config imports them to run th
     from loom.config import Config
 
 
-
 def validate(config: Config, world_size: int) -> None:
     """Check every cross-field rule; raise ConfigError naming the first broken one."""
     m, par, tr, data, opt = config.model, config.parallel, config.train, config.data, config.optim
@@ -287,8 +286,7 @@ def _validate_zero(config: Config) -> None:
     par, tr = config.parallel, config.train
     if par.zero_stage not in (1, 2, 3):
         raise ConfigError("parallel.zero_stage", par.zero_stage, "must be 1, 2 or 3")
-    if tr.recompute_every < 1:
-        raise ConfigError("train.recompute_every", tr.recompute_every, "must be >= 1")
+    require_positive(config, ["train.recompute_every"])
     if tr.memory_limit_gb < 0:
         raise ConfigError("train.memory_limit_gb", tr.memory_limit_gb,
                           "must be >= 0 (0: the device's memory, or no check on CPU)")
@@ -476,14 +474,10 @@ def _validate_experts(config: Config) -> None:
         return
     if not 1 <= m.top_k <= m.n_experts:
         raise ConfigError("model.top_k", m.top_k, f"must be in [1, model.n_experts = {m.n_experts}]")
-    for key in ("expert_ffn_dim", "n_shared_experts", "n_dense_layers"):
-        if getattr(m, key) < 0:
-            raise ConfigError(f"model.{key}", getattr(m, key), "must be >= 0")
-    if m.capacity_factor < 0 or m.aux_loss_coef < 0:
-        key = "capacity_factor" if m.capacity_factor < 0 else "aux_loss_coef"
-        raise ConfigError(f"model.{key}", getattr(m, key), "must be >= 0")
-    if m.moe_every < 1:
-        raise ConfigError("model.moe_every", m.moe_every, "must be >= 1")
+    require_positive(config, ["model.expert_ffn_dim", "model.n_shared_experts",
+                              "model.n_dense_layers", "model.capacity_factor",
+                              "model.aux_loss_coef"], minimum=0)
+    require_positive(config, ["model.moe_every"])
     if not any(m.moe_layer(i) for i in range(m.n_layers)):
         raise ConfigError("model.n_dense_layers", m.n_dense_layers, "leaves no MoE layer"
                           f" (n_layers = {m.n_layers}, moe_every = {m.moe_every})")

@@ -58,7 +58,7 @@ from loom.data.hf_tokenizer import SPECIAL_TOKENS_FILE as HF_SPECIAL_TOKENS_FILE
 from loom.data.mix import MixedSequences, MixSampler, check_mix_paths, interleaved_order, parse_mix
 from loom.data.packing import DocumentBatch, PackedDocuments, document_offsets
 from loom.data.prepare import PreparedData
-from loom.data.samples import WindowedSamples
+from loom.data.samples import BatchSampler, WindowedSamples, rank_slice
 from loom.data.varlen import VarlenDocuments
 from loom.data.sources import (
     PREPARED,
@@ -605,13 +605,7 @@ def _check_dp(dp_rank: int, dp_size: int, batch_size: int, name: str) -> None:
         )
 
 
-def rank_slice(indices: np.ndarray, dp_rank: int, dp_size: int) -> np.ndarray:
-    """The dp_rank-th of dp_size contiguous, equal slices (rank slices concatenate to the whole)."""
-    local = len(indices) // dp_size
-    return indices[dp_rank * local : (dp_rank + 1) * local]
-
-
-class GlobalBatchSampler:
+class GlobalBatchSampler(BatchSampler):
     """Maps global sample indices to dataset samples: one fresh permutation per epoch.
 
     Global index g is position g % num_samples of epoch g // num_samples; the permutation of epoch
@@ -622,13 +616,8 @@ class GlobalBatchSampler:
     def __init__(self, num_samples: int, global_batch_size: int, seed: int = 0) -> None:
         if num_samples < 1:
             raise ValueError(f"num_samples={num_samples}: the dataset has no sample to draw")
-        if global_batch_size < 1:
-            raise ValueError(f"global_batch_size={global_batch_size} must be >= 1")
-        if seed < 0:
-            raise ValueError(f"seed={seed} must be >= 0")
+        super().__init__(global_batch_size, seed)
         self.num_samples = num_samples
-        self.global_batch_size = global_batch_size
-        self.seed = seed
         self._perms: dict[int, np.ndarray] = {}
 
     def permutation(self, epoch: int) -> np.ndarray:
@@ -639,7 +628,6 @@ class GlobalBatchSampler:
         return self._perms[epoch]
 
     def indices(self, start: int, count: int) -> np.ndarray:
-        """Dataset sample indices of global indices start .. start + count - 1."""
         g = np.arange(start, start + count, dtype=np.int64)
         epochs, positions = np.divmod(g, self.num_samples)
         out = np.empty_like(g)
@@ -647,13 +635,6 @@ class GlobalBatchSampler:
             sel = epochs == epoch
             out[sel] = self.permutation(int(epoch))[positions[sel]]
         return out
-
-    def step_indices(self, consumed_samples: int) -> np.ndarray:
-        """The global batch starting at global index ``consumed_samples``."""
-        return self.indices(consumed_samples, self.global_batch_size)
-
-    def rank_indices(self, consumed_samples: int, dp_rank: int, dp_size: int) -> np.ndarray:
-        return rank_slice(self.step_indices(consumed_samples), dp_rank, dp_size)
 
 
 class DistributedLoader:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from loom.data.packing import DocumentBatch, stack_rows
-from loom.data.samples import WindowedSamples
+from loom.data.samples import BatchSampler, WindowedSamples
 from loom.errors import ConfigError
 
 BLOCK = 10_000
@@ -103,7 +103,7 @@ def block_quotas(weights: Sequence[float], block: int = BLOCK) -> np.ndarray:
     return quotas
 
 
-class MixSampler:
+class MixSampler(BatchSampler):
     """Global sample indices of a mixture (see the module docstring); the interface of
     ``GlobalBatchSampler``. Dataset index = ``offsets[s] + local sample of source s``."""
 
@@ -111,10 +111,7 @@ class MixSampler:
                  seed: int = 0) -> None:
         if len(sizes) != len(weights) or not sizes:
             raise ValueError("one weight per source, and at least one source")
-        if global_batch_size < 1:
-            raise ValueError(f"global_batch_size={global_batch_size} must be >= 1")
-        if seed < 0:
-            raise ValueError(f"seed={seed} must be >= 0")
+        super().__init__(global_batch_size, seed)
         self.sizes = np.asarray(sizes, dtype=np.int64)
         self.quotas = block_quotas(weights)
         empty = [i for i in range(len(sizes)) if self.quotas[i] > 0 and self.sizes[i] < 1]
@@ -122,8 +119,6 @@ class MixSampler:
             raise ValueError(f"mixed source(s) {empty} have a weight but no sample")
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]])
         self.num_samples = int(self.sizes.sum())
-        self.global_batch_size = global_batch_size
-        self.seed = seed
         self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._perms: dict[tuple[int, int], np.ndarray] = {}
 
@@ -164,7 +159,6 @@ class MixSampler:
         return source, nth
 
     def indices(self, start: int, count: int) -> np.ndarray:
-        """Dataset sample indices of global indices start .. start + count - 1."""
         source, nth = self.draws(start, count)
         epochs, positions = np.divmod(nth, self.sizes[source])
         out = np.empty_like(source)
@@ -172,14 +166,6 @@ class MixSampler:
             sel = (source == s) & (epochs == e)
             out[sel] = self.offsets[s] + self._permutation(s, e)[positions[sel]]
         return out
-
-    def step_indices(self, consumed_samples: int) -> np.ndarray:
-        return self.indices(consumed_samples, self.global_batch_size)
-
-    def rank_indices(self, consumed_samples: int, dp_rank: int, dp_size: int) -> np.ndarray:
-        idx = self.step_indices(consumed_samples)
-        local = len(idx) // dp_size
-        return idx[dp_rank * local : (dp_rank + 1) * local]
 
 
 def interleaved_order(sizes: Sequence[int], weights: Sequence[float], seed: int = 0) -> np.ndarray:

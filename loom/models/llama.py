@@ -21,8 +21,7 @@ A fourth seam is the feed-forward: with ``n_experts > 0`` the MoE layers (``moe_
 ``loom.models.moe.MoEFeedForward``, whose expert computation is a swappable ``dispatcher`` (expert
 parallelism replaces it); its load-balancing loss is read through ``Transformer.moe_aux_loss()``.
 
-Shape legend: B batch, S sequence, D model dim, N query heads, K key/value heads, Hd head dim,
-F MLP hidden dim, V vocabulary.
+Shape letters: ``loom.models.layers``' legend.
 """
 
 from __future__ import annotations

@@ -229,8 +229,8 @@ class GradCompressor:
         raise NotImplementedError
 
 
-def _write(flat: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
-    """Write a flat buffer back into the gradients it stands for, in order."""
+def copy_back(flat: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
+    """Write a flat buffer back into the gradients it was packed from, in order."""
     offset = 0
     for grad in grads:
         grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
@@ -265,7 +265,7 @@ class Int8Compressor(GradCompressor):
                 slots: list[int], sums: list[torch.Tensor]) -> _Bucket:
         flat = torch.cat([c.reshape(-1) for c in sums]).float()
         q, scales, sent = self.quantize(flat)
-        _write(_clean(flat - sent), [self.residual[s] for s in slots])
+        copy_back(_clean(flat - sent), [self.residual[s] for s in slots])
         payload = torch.cat([scales.view(torch.int8), q])  # one message: scales, then values
         gathered = torch.empty(self.size * payload.numel(), dtype=torch.int8, device=q.device)
         work = comm.all_gather_into_tensor(gathered, payload, self.group, axis=self.axis,
@@ -284,7 +284,7 @@ class Int8Compressor(GradCompressor):
                 scales = part[:4 * chunks].clone().view(torch.float32)  # a part may be unaligned
                 decoded[:values] = part[4 * chunks:]
                 total += (decoded.view(chunks, -1) * scales[:, None]).view(-1)
-            _write(total[:values].div_(self.size), bucket.grads)
+            copy_back(total[:values].div_(self.size), bucket.grads)
 
 
 class TopKCompressor(GradCompressor):
@@ -345,7 +345,7 @@ class TopKCompressor(GradCompressor):
                                 device=bucket.buffer.device)
             for part in bucket.buffer.view(self.size, -1):  # rank order: the same sum everywhere
                 total.index_add_(0, part[k:].long(), part[:k].contiguous().view(torch.float32))
-            _write(total.div_(self.size), bucket.grads)
+            copy_back(total.div_(self.size), bucket.grads)
 
 
 def orthonormalize(matrix: torch.Tensor) -> torch.Tensor:

@@ -63,7 +63,7 @@ we can run on gloo. The model never imports any of this: only ``Attention.core``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
 import weakref
 
@@ -72,7 +72,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.data.packing import DocumentBatch
-from loom.layout import MODES, CPLayout, Mode, check_layout  # noqa: F401 (re-exported)
+from loom.layout import CPLayout, check_layout  # noqa: F401 (re-exported)
 from loom.models.document_attention import DocumentMask
 from loom.models.layers import sdpa_causal
 from loom.models.moe import MoEFeedForward

@@ -65,7 +65,8 @@ from torch import nn
 from loom.formulas.memory import BUCKET_BYTES  # the memory formulas depend on it too
 from loom.models.moe import GroupedExperts
 from loom.parallel import comm
-from loom.parallel.compression import CompressionSpec, GradCompressor, build_compressor
+from loom.parallel.compression import (CompressionSpec, GradCompressor, build_compressor,
+                                        copy_back)
 from loom.parallel.mixed_precision import gradient_of
 
 
@@ -169,14 +170,6 @@ class GradientReducer:
             work.wait()
             copy_back(flat, grads)
         self._reset()
-
-
-def copy_back(flat: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
-    """Write a reduced flat buffer back into the gradients it was packed from, in order."""
-    offset = 0
-    for grad in grads:
-        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-        offset += grad.numel()
 
 
 class _CountedAllGather:

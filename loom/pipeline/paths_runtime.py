@@ -59,6 +59,8 @@ from loom.models import TransformerArgs, build_model, reset_parameters
 from loom.parallel import Parallelized, comm
 from loom.parallel.comm import CommLedger
 from loom.pipeline.partition import partition_model
+# the runtime's messages (their ``peer`` is a global rank here: paths span the replicas)
+from loom.pipeline.runtime import ACTIVATION, GRADIENT, WIRE_DTYPE, Transfer
 from loom.pipeline.stage import LossFn, PipelineStage
 from loom.schedule.path_replay import (BACKWARD, FORWARD, PathCosts, Task, execution_orders,
                                        replay_paths)
@@ -67,8 +69,6 @@ from loom.schedule.paths import PathRules, PathSet, check_paths, full_paths, ski
 from loom.schedule.select import schedule_of
 from loom.topology import Meshes, RankGrid
 
-ACTIVATION, GRADIENT = 0, 1
-WIRE_DTYPE = torch.float32
 WIRE_BYTES = 4
 _STAMP = 2  # a float64 send time travels as two fp32 words after the payload
 
@@ -105,17 +105,6 @@ def build_path_stage(args: TransformerArgs, num_stages: int, stage: int,
     module.to_empty(device=device)
     reset_parameters(module, seed)
     return PipelineStage(stage, num_stages, module, autocast)
-
-
-@dataclass(frozen=True)
-class _Message:
-    stage: int  # the receiving stage
-    microbatch: int
-    direction: int
-    peer: int  # global rank of the other side
-
-    def tag(self, num_microbatches: int) -> int:
-        return (self.stage * num_microbatches + self.microbatch) * 2 + self.direction
 
 
 class PathRuntime:
@@ -171,28 +160,28 @@ class PathRuntime:
     def rank_of(self, stage: int, replica: int) -> int:
         return self.ranks[stage * self.paths.num_replicas + replica]
 
-    def _incoming(self, task: Task) -> _Message | None:
+    def _incoming(self, task: Task) -> Transfer | None:
         path = self.paths.paths[task.microbatch].visits
         if task.op == FORWARD and task.index > 0:
             prev = path[task.index - 1]
-            return _Message(path[task.index].stage, task.microbatch, ACTIVATION,
-                            self.rank_of(prev.stage, prev.replica))
+            return Transfer(path[task.index].stage, task.microbatch, ACTIVATION,
+                             self.rank_of(prev.stage, prev.replica))
         if task.op == BACKWARD and task.index + 1 < len(path):
             nxt = path[task.index + 1]
-            return _Message(path[task.index].stage, task.microbatch, GRADIENT,
-                            self.rank_of(nxt.stage, nxt.replica))
+            return Transfer(path[task.index].stage, task.microbatch, GRADIENT,
+                             self.rank_of(nxt.stage, nxt.replica))
         return None
 
-    def _outgoing(self, task: Task) -> _Message | None:
+    def _outgoing(self, task: Task) -> Transfer | None:
         path = self.paths.paths[task.microbatch].visits
         if task.op == FORWARD and task.index + 1 < len(path):
             nxt = path[task.index + 1]
-            return _Message(nxt.stage, task.microbatch, ACTIVATION,
-                            self.rank_of(nxt.stage, nxt.replica))
+            return Transfer(nxt.stage, task.microbatch, ACTIVATION,
+                             self.rank_of(nxt.stage, nxt.replica))
         if task.op == BACKWARD and task.index > 0:
             prev = path[task.index - 1]
-            return _Message(prev.stage, task.microbatch, GRADIENT,
-                            self.rank_of(prev.stage, prev.replica))
+            return Transfer(prev.stage, task.microbatch, GRADIENT,
+                             self.rank_of(prev.stage, prev.replica))
         return None
 
     def step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
@@ -208,7 +197,7 @@ class PathRuntime:
         row = [t for t in self.orders[stage.model_stage, self.replica]
                if training or t.op == FORWARD]
         device = stage.module.rope_cos.device
-        posted: dict[_Message, tuple[dist.Work, torch.Tensor]] = {}
+        posted: dict[Transfer, tuple[dist.Work, torch.Tensor]] = {}
         numel = math.prod(activation_shape)
         stamp = _STAMP if self.link_time is not None else 0  # the send time rides along
         sends: list[dist.Work] = []

@@ -93,6 +93,7 @@ from torch import nn
 from loom.layout import Job
 from loom.parallel import comm, parallelize
 from loom.parallel.comm import CommLedger
+from loom.parallel.compression import copy_back
 from loom.parallel.data import FullyShardedSync, GradientReducer
 from loom.parallel.mixed_precision import apply_bf16_parameters, gradient_of
 from loom.parallel.vocab_pipeline import OutputPass, VocabShard
@@ -111,38 +112,38 @@ WIRE_DTYPE = torch.float32  # activations and their gradients travel in fp32 (se
 
 
 @dataclass(frozen=True)
-class _Transfer:
+class Transfer:
     """A point-to-point message: into ``stage`` for ``microbatch``, ``direction`` 0 or 1."""
 
     stage: int
     microbatch: int
     direction: int
-    peer: int  # pipeline rank of the other side
+    peer: int  # rank of the other side (pipeline rank here; global in paths_runtime)
 
     def tag(self, num_microbatches: int) -> int:
         return (self.stage * num_microbatches + self.microbatch) * 2 + self.direction
 
 
-def incoming(schedule: Schedule, rank: int, action: Action) -> _Transfer | None:
+def incoming(schedule: Schedule, rank: int, action: Action) -> Transfer | None:
     """The receive ``action`` (on ``rank``) needs from another rank, if any."""
     s, mb = action.stage, action.microbatch
     if action.op is Op.F and not schedule.is_first(s) and schedule.rank_of(s - 1) != rank:
-        return _Transfer(s, mb, ACTIVATION, schedule.rank_of(s - 1))
+        return Transfer(s, mb, ACTIVATION, schedule.rank_of(s - 1))
     if action.op in (Op.I, Op.B) and not schedule.is_last(s) \
             and schedule.rank_of(s + 1) != rank:
-        return _Transfer(s, mb, GRADIENT, schedule.rank_of(s + 1))
+        return Transfer(s, mb, GRADIENT, schedule.rank_of(s + 1))
     return None
 
 
-def outgoing(schedule: Schedule, action: Action) -> _Transfer | None:
+def outgoing(schedule: Schedule, action: Action) -> Transfer | None:
     """Where the result of ``action`` goes: a transfer into the neighbouring stage (its ``peer``
     is the sender's own rank when the neighbour is local), or None at the ends of the
     microbatch's route and for W."""
     s, mb = action.stage, action.microbatch
     if action.op is Op.F and not schedule.is_last(s):
-        return _Transfer(s + 1, mb, ACTIVATION, schedule.rank_of(s + 1))
+        return Transfer(s + 1, mb, ACTIVATION, schedule.rank_of(s + 1))
     if action.op in (Op.I, Op.B) and not schedule.is_first(s):
-        return _Transfer(s - 1, mb, GRADIENT, schedule.rank_of(s - 1))
+        return Transfer(s - 1, mb, GRADIENT, schedule.rank_of(s - 1))
     return None
 
 
@@ -152,12 +153,12 @@ X_OUT, STATS, DX_PART, EMBED_PART, EMBED_GRAD = range(5)
 VOCAB_ROWS = -1  # the key of the vocabulary rows' data-parallel reducer (stages are >= 0)
 
 
-def vocab_transfer(schedule: Schedule, kind: int, microbatch: int, peer: int) -> _Transfer:
+def vocab_transfer(schedule: Schedule, kind: int, microbatch: int, peer: int) -> Transfer:
     """The message of vocabulary-parallel ``kind`` for ``microbatch`` from or to ``peer``."""
-    return _Transfer(schedule.num_stages + kind, microbatch, ACTIVATION, peer)
+    return Transfer(schedule.num_stages + kind, microbatch, ACTIVATION, peer)
 
 
-def vocab_incoming(schedule: Schedule, rank: int, action: Action) -> list[_Transfer]:
+def vocab_incoming(schedule: Schedule, rank: int, action: Action) -> list[Transfer]:
     """The receives a vocabulary-parallel ``action`` needs on ``rank``: S the last stage's output,
     T every other shard's statistics, the last stage's I or B every other shard's part of dX."""
     last_rank = schedule.rank_of(schedule.num_stages - 1)
@@ -288,9 +289,9 @@ class PipelineRuntime:
             if first in last_piece and final in last_piece:
                 # The first stage's reducer holds the shared weight: reduce it once both are done.
                 last_piece[first] = max(last_piece[first], last_piece[final])
-        posted: dict[_Transfer, tuple[dist.Work, torch.Tensor]] = {}
+        posted: dict[Transfer, tuple[dist.Work, torch.Tensor]] = {}
         next_to_post = 0
-        local: dict[_Transfer, torch.Tensor] = {}  # same-rank hand-overs
+        local: dict[Transfer, torch.Tensor] = {}  # same-rank hand-overs
         sends: list[dist.Work] = []
         loss_sum = torch.zeros((), device=device)
         reduce_once = training and not self.reduce_every_microbatch
@@ -420,8 +421,8 @@ class PipelineRuntime:
         return loss_sum
 
     def _receive(self, schedule: Schedule, action: Action,
-                 posted: dict[_Transfer, tuple[dist.Work, torch.Tensor]],
-                 local: dict[_Transfer, torch.Tensor]) -> torch.Tensor | None:
+                 posted: dict[Transfer, tuple[dist.Work, torch.Tensor]],
+                 local: dict[Transfer, torch.Tensor]) -> torch.Tensor | None:
         """The tensor ``action`` consumes from a neighbouring stage (waiting just before use)."""
         if self.vocab is not None and action.op in (Op.I, Op.B) \
                 and action.stage == schedule.num_stages - 1:
@@ -434,13 +435,13 @@ class PipelineRuntime:
             return buffer
         s, mb = action.stage, action.microbatch
         if action.op is Op.F and not schedule.is_first(s):
-            return local.pop(_Transfer(s, mb, ACTIVATION, self.pp_rank))
+            return local.pop(Transfer(s, mb, ACTIVATION, self.pp_rank))
         if action.op in (Op.I, Op.B) and not schedule.is_last(s):
-            return local.pop(_Transfer(s, mb, GRADIENT, self.pp_rank))
+            return local.pop(Transfer(s, mb, GRADIENT, self.pp_rank))
         return None
 
     # -- vocabulary parallelism (loom.parallel.vocab_pipeline) ------------------------------------
-    def _post(self, schedule: Schedule, needed: _Transfer, shape: Sequence[int],
+    def _post(self, schedule: Schedule, needed: Transfer, shape: Sequence[int],
               device: torch.device) -> tuple[dist.Work, torch.Tensor]:
         """Post the receive of ``needed`` into a new buffer: activation-shaped, or for softmax
         statistics ``[3, tokens]`` fp32."""
@@ -453,7 +454,7 @@ class PipelineRuntime:
         return work, buffer
 
     def _send_all(self, schedule: Schedule, kind: int, mb: int, tensor: torch.Tensor,
-                  local: dict[_Transfer, torch.Tensor], sends: list[dist.Work]) -> None:
+                  local: dict[Transfer, torch.Tensor], sends: list[dist.Work]) -> None:
         """``tensor`` to every rank (this one's copy in memory)."""
         payload = tensor.detach()
         if kind != STATS:
@@ -463,7 +464,7 @@ class PipelineRuntime:
             self._send(schedule, kind, mb, peer, payload, local, sends)
 
     def _send(self, schedule: Schedule, kind: int, mb: int, peer: int, payload: torch.Tensor,
-              local: dict[_Transfer, torch.Tensor], sends: list[dist.Work]) -> None:
+              local: dict[Transfer, torch.Tensor], sends: list[dist.Work]) -> None:
         if peer == self.pp_rank:
             local[vocab_transfer(schedule, kind, mb, peer)] = payload
             return
@@ -472,8 +473,8 @@ class PipelineRuntime:
                                 ledger=self.ledger, tag=transfer.tag(schedule.num_microbatches)))
 
     def _gathered(self, schedule: Schedule, kind: int, mb: int,
-                  posted: dict[_Transfer, tuple[dist.Work, torch.Tensor]],
-                  local: dict[_Transfer, torch.Tensor], *, sum_parts: bool = False
+                  posted: dict[Transfer, tuple[dist.Work, torch.Tensor]],
+                  local: dict[Transfer, torch.Tensor], *, sum_parts: bool = False
                   ) -> list[torch.Tensor] | torch.Tensor:
         """Every rank's message of ``kind`` for ``mb``, in rank order (this rank's from memory):
         the list, or with ``sum_parts`` their sum, added in rank order (the same bits on every
@@ -496,8 +497,8 @@ class PipelineRuntime:
 
     def _vocab_pass(self, schedule: Schedule, action: Action, targets: Sequence[torch.Tensor],
                     loss_fn: LossFn, training: bool,
-                    posted: dict[_Transfer, tuple[dist.Work, torch.Tensor]],
-                    local: dict[_Transfer, torch.Tensor], sends: list[dist.Work],
+                    posted: dict[Transfer, tuple[dist.Work, torch.Tensor]],
+                    local: dict[Transfer, torch.Tensor], sends: list[dist.Work],
                     outputs: dict[int, OutputPass]) -> torch.Tensor | float:
         """Run S or T of ``action`` on this rank's shard; returns the loss this rank reports (T on
         the last stage's rank), else 0. The recorder times the compute, after the receives."""
@@ -529,7 +530,7 @@ class PipelineRuntime:
         return loss.float() if last_rank == self.pp_rank else 0.0
 
     def _embed(self, schedule: Schedule, inputs: Sequence[torch.Tensor], training: bool,
-               device: torch.device, posted: dict[_Transfer, tuple[dist.Work, torch.Tensor]],
+               device: torch.device, posted: dict[Transfer, tuple[dist.Work, torch.Tensor]],
                sends: list[dist.Work], activation_shape: Sequence[int] | None,
                activation_shapes: Sequence[Sequence[int]] | None
                ) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
@@ -542,7 +543,7 @@ class PipelineRuntime:
             else (lambda mb: activation_shapes[mb])
         with contextlib.nullcontext() if training else torch.no_grad():
             partial = [self.vocab.embed(inputs[mb]) for mb in mbs]
-        local: dict[_Transfer, torch.Tensor] = {}
+        local: dict[Transfer, torch.Tensor] = {}
         if first_rank != self.pp_rank:
             for mb in mbs:
                 self._send(schedule, EMBED_PART, mb, first_rank,
@@ -563,8 +564,8 @@ class PipelineRuntime:
         return partial, embedded
 
     def _embedding_backward(self, schedule: Schedule, partial: list[torch.Tensor],
-                            posted: dict[_Transfer, tuple[dist.Work, torch.Tensor]],
-                            local: dict[_Transfer, torch.Tensor]) -> None:
+                            posted: dict[Transfer, tuple[dist.Work, torch.Tensor]],
+                            local: dict[Transfer, torch.Tensor]) -> None:
         """After the schedule: the first stage's input gradient of every microbatch, through this
         rank's embedding rows, in microbatch order (one process's accumulation order)."""
         first_rank = schedule.rank_of(0)
@@ -615,10 +616,7 @@ class PipelineRuntime:
         grads = [getattr(g, "_local_tensor", g) for g in grads]
         flat = torch.cat([g.reshape(-1) for g in grads])
         comm.all_reduce(flat, self.copy_group, axis="pp_copies", ledger=self.ledger)
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+        copy_back(flat, grads)
 
     def route_replicas(self) -> list[nn.Module]:
         """The modules of this rank's stages whose route-0 copy another rank holds (the global

@@ -18,10 +18,8 @@ its seconds per step y, so three shapes give all three:
 (L layers, b sequences per microbatch). "base" (Loom's trainer with plain data parallelism over
 every rank) is fitted first; every other wrapper is fitted with base's values in place, so what
 it gets is its own addition. The fit is non-negative: a term that would come out negative (the
-cost model already over-prices it) is dropped and the others refitted.
-
-Communication: each probe is a ``Trainer`` on the calibration's process group, so it issues
-exactly the collectives that training with that layout would (counted nowhere: no ledger).
+cost model already over-prices it) is dropped and the others refitted. What running the probes
+communicates: ``loom.calibration.probes``.
 """
 
 from __future__ import annotations

@@ -45,14 +45,12 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from operator import itemgetter
 
 from loom.schedule import families
 from loom.schedule.cost import Number, OpCosts, StageCosts
 from loom.schedule.ir import Action, Op, Schedule
-from loom.schedule.simulate import SimResult, Slot
-from loom.schedule.validate import (deadlock_error, dependencies, offload_levels,
-                                    transfer_levels, validate_transfers)
+from loom.schedule.simulate import SimResult, Slot, step_function
+from loom.schedule.validate import deadlock_error, dependencies, offload_levels, transfer_levels
 
 _BACKWARD_FIRST = (Op.I, Op.B)  # the piece that reads the saved activations
 
@@ -267,16 +265,7 @@ def _curve(schedule: Schedule, costs: StageCosts, row: Iterable[Action],
                  Op.I: -weight * (1 - kept), Op.W: -weight * kept}[action.op]
         if delta:
             events.append((start[action], 1, delta) if delta > 0 else (finish[action], 0, delta))
-    events.sort(key=itemgetter(0, 1))
-    points: list[tuple[Number, Number]] = [(0, 0)]
-    level: Number = 0
-    for time, _, delta in events:
-        level += delta
-        if points[-1][0] == time:
-            points[-1] = (time, level)
-        else:
-            points.append((time, level))
-    return tuple(points)
+    return tuple(step_function(events))
 
 
 def best_with_offload(pp_size: int, microbatches: int, costs: StageCosts, limit: float,

@@ -10,8 +10,10 @@ Rules (``loom.schedule.validate.dependencies`` states them on ``Action`` objects
 F(s-1,k); I or B(s,k) needs F(s,k) and I(s+1,k) when that pair is split into I and W, else
 B(s+1,k); W(s,k) needs I(s,k); first and last stages are those of the microbatch's route. An
 action starts when its rank is free and its dependencies have finished, plus the send time from
-another rank. Nothing is shared between ranks, so start times follow from earlier finish times
-alone: a rank resumes when the action it waits for finishes, without a global clock.
+another rank. Nothing is shared between ranks (each link is its own, sends overlap compute and do
+not contend: the ZB paper's T_comm model), so start times follow from earlier finish times alone:
+a rank resumes when the action it waits for finishes, which gives the times of a discrete-event
+loop over a global clock without one.
 
 Vocabulary parallelism (``Op.S`` / ``Op.T``, codes 4 and 5; ``loom.schedule.vocab_passes``): S of
 shard r and microbatch k needs the last stage's F(k) (its output goes to every rank); T needs
@@ -342,14 +344,21 @@ def score(rows: Sequence[Row], placement: Sequence[int], microbatches: int, cost
     replayed = replay(rows, placement, microbatches, costs)
     if not replayed.completed:
         return None
+    return score_of(rows, [starts[0] if starts else 0.0 for starts in replayed.start],
+                    replayed.end, costs)
+
+
+def score_of(rows: Sequence[Row], first: Sequence[float], ends: Sequence[float], costs: Costs
+             ) -> Score:
+    """``score`` from each rank's first start and last end (``search_loop.Asap`` keeps them)."""
     duration = costs.duration
     best_rank, best_span = -1, -1.0
     for rank, row in enumerate(rows):
-        span = replayed.end[rank] - replayed.start[rank][0] if row else 0.0
+        span = ends[rank] - first[rank] if row else 0.0
         if span > best_span + EPS:
             best_rank, best_span = rank, span
     busy = sum(duration[s][o] for s, o, _ in rows[best_rank])
-    makespan = max((end for end, row in zip(replayed.end, rows) if row), default=0.0)
+    makespan = max((end for end, row in zip(ends, rows) if row), default=0.0)
     return Score(makespan, max(best_span - busy, 0.0))
 
 

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loom.schedule.replay import EPS, F, I, W, Costs, Row
-from loom.schedule.search_loop import ranks_of, run
+from loom.schedule.search_loop import neighbours, ranks_of, run
 
 
 @dataclass(frozen=True)
@@ -99,14 +99,9 @@ def list_schedule(
     reserve = knobs.reserve
     patience, w_backlog, w_fill = knobs.patience, knobs.w_backlog, knobs.w_fill
     forward_first = knobs.forward_first
-    # Per rank, the stages to scan with their flat-index bases and whether the message crosses
-    # ranks (precomputed: the scans below run once per started action). An I of stage s needs
-    # I(s+1) (base -1: the last stage has none); an F of stage s needs F(s-1) (-1: stage 0).
-    i_scan = [[(s, s * m, (s + 1) * m if s + 1 < num_stages else -1,
-                s + 1 < num_stages and placement[s + 1] != placement[s])
-               for s in order] for order in backward_order]
-    f_scan = [[(s, (s - 1) * m if s else -1, bool(s) and placement[s - 1] != placement[s])
-               for s in order] for order in forward_order]
+    # An I of stage s needs I(s+1), an F needs F(s-1) (``search_loop.neighbours``).
+    i_scan = neighbours(placement, m, backward_order, 1)
+    f_scan = neighbours(placement, m, forward_order, -1)
     first_stage = [stages[0] for stages in stages_of]
     admit_cap = [min(limit_c[r], caps_c[r]) for r in range(pp)]
     inf = float("inf")
@@ -158,7 +153,7 @@ def list_schedule(
         level = live[r]
         first = first_stage[r]
         admit: bool | None = None  # decided when the first stage has a forward to admit
-        for s, below, cross in f_scan[r] if level < limit_c[r] else ():
+        for s, _, below, cross in f_scan[r] if level < limit_c[r] else ():
             k = next_f[s]
             if k >= m:
                 continue

@@ -14,7 +14,7 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from loom.schedule.replay import EPS, F, I, Costs, Row, Score
+from loom.schedule.replay import EPS, F, I, Costs, Row, Score, score_of
 
 Action = tuple[int, int, int]  # (stage, op code, microbatch)
 Decide = Callable[[int, float], "tuple[Action, float] | float"]
@@ -50,6 +50,17 @@ def ranks_of(placement: Sequence[int], limit: float) -> Ranks | None:
     return Ranks(pp, stages_of, v, limit_c)
 
 
+def neighbours(placement: Sequence[int], m: int, orders: Sequence[Sequence[int]], step: int
+               ) -> list[list[tuple[int, int, int, bool]]]:
+    """Per rank, for each stage ``s`` of its scan order: ``s``, its flat index base ``s * m``, the
+    base of stage ``s + step`` (-1: no such stage) and whether a message between the two crosses
+    ranks. The policies precompute these scans: their ``Decide`` runs once per started action."""
+    n = len(placement)
+    return [[(s, s * m, (s + step) * m if 0 <= s + step < n else -1,
+              0 <= s + step < n and placement[s + step] != placement[s]) for s in order]
+            for order in orders]
+
+
 class Asap:
     """What ``loom.schedule.replay.score`` would say of the rows a forward scheduler builds,
     computed while ``run`` builds them (``run(..., asap=...)``), so that the search need not
@@ -73,17 +84,8 @@ class Asap:
         self.end = [0.0] * pp  # ... and end of its last
 
     def score(self, rows: Sequence[Row]) -> Score:
-        """``replay.score(rows, ...)``: makespan, and the idle inside the longest rank span
-        (the lowest rank on a tie) less that rank's work."""
-        duration = self.costs.duration
-        best_rank, best_span = -1, -1.0
-        for rank, row in enumerate(rows):
-            span = self.end[rank] - self.first[rank] if row else 0.0
-            if span > best_span + EPS:
-                best_rank, best_span = rank, span
-        busy = sum(duration[s][o] for s, o, _ in rows[best_rank])
-        makespan = max((end for end, row in zip(self.end, rows) if row), default=0.0)
-        return Score(makespan, max(best_span - busy, 0.0))
+        """``replay.score(rows, ...)``, from the times kept while ``run`` built the rows."""
+        return score_of(rows, self.first, self.end, self.costs)
 
 
 def run(placement: Sequence[int], costs: Costs, rows: list[Row], free_at: list[float],

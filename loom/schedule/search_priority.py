@@ -22,7 +22,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 
 from loom.schedule.replay import EPS, F, I, W, Costs, Row
-from loom.schedule.search_loop import Asap, ranks_of, run
+from loom.schedule.search_loop import Asap, neighbours, ranks_of, run
 
 Priority = Mapping[tuple[int, int, int], float]  # (stage, op code, microbatch) -> lower runs first
 
@@ -66,9 +66,8 @@ def priority_schedule(
     total, peak = 3 * num_stages * m, 0.0
 
     # The priorities as flat tables by op code, index stage * m + microbatch (a dict lookup by
-    # a fresh tuple per scanned action was a third of the time); per rank, the stages with the
-    # flat bases of the stage above (-1: none) and below (-1: stage 0) and whether those
-    # messages cross ranks.
+    # a fresh tuple per scanned action was a third of the time); per rank, the stages with their
+    # neighbours above and below (``search_loop.neighbours``).
     table: list[list[float | None]] = [[None] * (num_stages * m) for _ in range(3)]
     for (s, o, k), value in priority.items():
         if 0 <= s < num_stages and 0 <= k < m and o < 3:
@@ -76,10 +75,9 @@ def priority_schedule(
     if any(None in ops for ops in table):
         raise KeyError("priority: every F, I and W of the schedule needs a priority")
     prio_f, prio_i, prio_w = table
-    scan = [[(s, s * m, (s + 1) * m if s + 1 < num_stages else -1,
-              s + 1 < num_stages and placement[s + 1] != placement[s],
-              (s - 1) * m if s else -1, bool(s) and placement[s - 1] != placement[s])
-             for s in stages] for stages in stages_of]
+    scan = [[above + below[2:] for above, below in zip(*rank)]
+            for rank in zip(neighbours(placement, m, stages_of, 1),
+                            neighbours(placement, m, stages_of, -1))]
     inf = float("inf")
 
     def decide(r: int, t: float) -> tuple[tuple[int, int, int], float] | float:

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loom.schedule.replay import EPS, F, I, W, Costs, Row
-from loom.schedule.search_loop import ranks_of, run
+from loom.schedule.search_loop import neighbours, ranks_of, run
 
 
 @dataclass(frozen=True)
@@ -72,8 +72,8 @@ def reverse_schedule(
     pp, stages_of, v, limit_c = ranks.pp, ranks.stages_of, ranks.v, ranks.limit_c
     duration, send = costs.duration, costs.send
     size = num_stages * m
-    done_w = bytearray(size)
-    fin_i = [-1.0] * size  # reverse finish times, index stage * m + microbatch
+    fin_w = [-1.0] * size  # reverse finish times, index stage * m + microbatch
+    fin_i = [-1.0] * size
     fin_f = [-1.0] * size
     # Reverse microbatch order: microbatch m-1 drains last in forward time, so it starts here.
     next_i = [0] * num_stages  # count of reverse-ordered microbatches whose I ran on this stage
@@ -96,7 +96,6 @@ def reverse_schedule(
 
     def run_w(r: int, s: int, k: int) -> None:
         nonlocal peak
-        done_w[s * m + k] = 1
         live[r] += 1
         peak = max(peak, live[r] * 1.0 / v[r])
         stages = w_left[r][k]
@@ -119,14 +118,10 @@ def reverse_schedule(
         pending_w[r] += v[r]
         return k
 
-    # Per rank, precomputed scans: F's chain downwards (higher stage first) with the flat base
-    # of the stage above (-1: none) and whether its message crosses ranks; I's chain upwards
-    # with the stage below likewise.
-    f_scan = [[(s, s * m, (s + 1) * m if s + 1 < num_stages else -1,
-                s + 1 < num_stages and placement[s + 1] != placement[s])
-               for s in sorted(stages, reverse=True)] for stages in stages_of]
-    i_scan = [[(s, s * m, (s - 1) * m if s > 0 else -1,
-                s > 0 and placement[s - 1] != placement[s]) for s in stages] for stages in up]
+    # F's chain downwards (higher stage first) after the stage above; I's chain upwards after
+    # the stage below (``search_loop.neighbours``).
+    f_scan = neighbours(placement, m, [stages[::-1] for stages in up], 1)
+    i_scan = neighbours(placement, m, up, -1)
     i_first = knobs.i_first
     inf = float("inf")
 
@@ -173,14 +168,14 @@ def reverse_schedule(
                     at += send
             else:
                 at = 0.0
-            if not done_w[base + k]:
+            w_at = fin_w[base + k]
+            if w_at < 0:
                 if at <= now:
                     if waiting_w is None:
                         waiting_w = (s, k)
                 elif at < wake:
                     wake = at
                 continue
-            w_at = fin_w_time[base + k]
             if w_at > at:
                 at = w_at
             if at <= now:
@@ -200,14 +195,12 @@ def reverse_schedule(
             return (w_left[r][k][0], W, k), t
         return wake
 
-    fin_w_time = [-1.0] * size
-
     def commit(r: int, action: tuple[int, int, int], end: float) -> None:
         s, o, k = action
         ends[r].append(end)
         if o == W:
             run_w(r, s, k)
-            fin_w_time[s * m + k] = end
+            fin_w[s * m + k] = end
         elif o == I:
             fin_i[s * m + k] = end
             next_i[s] += 1

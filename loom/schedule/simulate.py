@@ -1,15 +1,10 @@
 """Replay a pipeline schedule with real costs: timeline, makespan, bubbles and memory over time.
 
 ``simulate(schedule, costs)`` runs every rank's list in order, as the runtime does, through the
-one replay engine (``loom.schedule.replay``), exactly: ints and Fractions are replayed as ints
-scaled by their common denominator, floats as they are. An action starts when its rank
-is free and every dependency (``loom.schedule.validate.dependencies``) has finished, plus the send
-time when the dependency ran on another rank. Start times therefore
-follow from the finish times of earlier actions alone: no resource is shared between ranks (each
-link is its own, sends overlap compute and do not contend, the ZB paper's T_comm model), so the
-replay processes actions as their inputs complete, which gives the same times as a discrete-event
-loop over a global clock, without one. A stall (a deadlock, or a dependency that is never
-scheduled) raises the validator's ``ScheduleError`` with its rank-by-step grid.
+one replay engine (``loom.schedule.replay``, whose docstring gives the rules), exactly: ints and
+Fractions are replayed as ints scaled by their common denominator, floats as they are. A stall (a
+deadlock, or a dependency that is never scheduled) raises the validator's ``ScheduleError`` with
+its rank-by-step grid.
 
 Two bubble figures, both fractions of time:
 
@@ -313,6 +308,13 @@ def _memory_curve(row: Row, starts: list[Number], ends: list[Number], deltas: li
             events.append((start, 1, deltas[stage][op]))
         elif deltas[stage][op] is not None:
             events.append((end, 0, deltas[stage][op]))
+    return step_function(events)
+
+
+def step_function(events: list[tuple[Number, int, Number]]) -> list[tuple[Number, Number]]:
+    """``(time, level)`` points of a memory curve from ``(time, 0 = free / 1 = allocate, delta)``
+    events: one point per instant, after all of its events (frees first, so a peak is never
+    overstated)."""
     events.sort(key=itemgetter(0, 1))  # by time, frees first; stable: floats add up as before
     points: list[tuple[Number, Number]] = [(0, 0)]
     level: Number = 0

@@ -94,33 +94,27 @@ def register(run_dir: str | Path, rank: int) -> None:
         "heartbeat": now, "progress": now})
 
 
-def read_records(run_dir: str | Path, job: str | None = None) -> dict[int, dict[str, Any]]:
-    """Every rank's latest record of ``job`` (default: any job), by rank."""
-    records: dict[int, dict[str, Any]] = {}
-    folder = progress_dir(run_dir)
-    if not folder.is_dir():
-        return records
-    for path in folder.glob("rank*.json"):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if job is None or record.get("job") == job:
-            records[int(record["rank"])] = record
-    return records
-
-
-def read_diagnoses(run_dir: str | Path, job: str | None = None) -> list[dict[str, Any]]:
+def _read(run_dir: str | Path, pattern: str, job: str | None) -> list[dict[str, Any]]:
+    """The readable records of ``job`` (None: any job) in the files matching ``pattern``."""
     found = []
     folder = progress_dir(run_dir)
-    for path in sorted(folder.glob("diagnosis-rank*.json")) if folder.is_dir() else []:
+    for path in sorted(folder.glob(pattern)) if folder.is_dir() else []:
         try:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
         if job is None or record.get("job") == job:
             found.append(record)
-    return sorted(found, key=lambda d: d["reporter"])
+    return found
+
+
+def read_records(run_dir: str | Path, job: str | None = None) -> dict[int, dict[str, Any]]:
+    """Every rank's latest record of ``job`` (default: any job), by rank."""
+    return {int(record["rank"]): record for record in _read(run_dir, "rank*.json", job)}
+
+
+def read_diagnoses(run_dir: str | Path, job: str | None = None) -> list[dict[str, Any]]:
+    return sorted(_read(run_dir, "diagnosis-rank*.json", job), key=lambda d: d["reporter"])
 
 
 # -- the diagnosis ----------------------------------------------------------------------------
