@@ -37,12 +37,17 @@ costs none), the compute imbalance max / mean over ranks, the step's wall time (
 and the most bytes a rank sent point to point over cp (the rings' hops, from the ``metrics.comm``
 ledger; 0 for dp). On a machine with fewer free cores than ranks the wall time counts the ranks'
 total work, not the slowest; the busiest rank's CPU time is then the step time 4 free cores would
-give, less the waits between ranks (both are reported). Corpora: ``longtail`` (log-normal lengths,
-median ``--tail-median`` tokens, max 32x the median, as text files) and ``stdlib``. ``--calibrate``
-prints the tiled attention's time per flop over the linear modules'
-(``zeppelin_cp.ATTENTION_SLOWDOWN``).
+give, less the waits between ranks (both are reported). Corpora (``--corpora``, comma-separated):
+``longtail`` (log-normal lengths, median ``--tail-median`` tokens, max 32x the median, as text
+files, split at ``--seq-len``), ``longtail-long`` (long-context: median ``--long-median`` = 256,
+sigma ``--long-sigma`` = 1.5, max 32x = 8192, split at 8192 so documents stay whole and a step is
+4 x 8192 tokens: a few long documents hold most of the attention work, more than a rank's fair
+share) and ``stdlib``. ``--calibrate``
+prints the costs the placement uses (``zeppelin_cp.KERNEL_SLOWDOWN``, ``TILE_SLOWDOWN``,
+``RING_SLOWDOWN``; ``calibrate``), alone with ``--corpora ""``.
 
     python bench/varlen.py --ranks 4 [--seq-len 2048 --micro 1 --steps 3]
+    python bench/varlen.py --ranks 4 --micro 1 --steps 3 --corpora longtail-long --long-seed 1
 
 Writes ``bench/out/varlen.json`` (``varlen_ranks.json`` with ``--ranks``); results are in
 ``docs/benchmarks.md``.
@@ -161,14 +166,40 @@ BALANCE_LAYOUTS = {  # name: (data.balance, parallel degrees and mode)
 WHOLE_STEP = ("zeppelin-step",)
 
 
-def write_long_tail(directory: Path, median: int, n_tokens: int, seed: int = 0) -> None:
-    """Text files of log-normal lengths (median ``median`` bytes, sigma 1, capped at 32x)."""
+def write_long_tail(directory: Path, median: int, n_tokens: int, seed: int = 0,
+                    sigma: float = 1.0) -> None:
+    """Text files of log-normal lengths (median ``median`` bytes, ``sigma``, capped at 32x)."""
     rng = np.random.default_rng(seed)
-    lengths = np.clip(rng.lognormal(np.log(median), 1.0, n_tokens // median), 2, 32 * median)
+    lengths = np.clip(rng.lognormal(np.log(median), sigma, n_tokens // median), 2, 32 * median)
     letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz     \n", dtype=np.uint8)
     directory.mkdir(parents=True, exist_ok=True)
     for i, n in enumerate(lengths.astype(np.int64)):
         (directory / f"d{i:05d}.txt").write_bytes(rng.choice(letters, int(n)).tobytes())
+
+
+CORPORA = ("longtail", "longtail-long", "stdlib")
+
+
+def balance_corpus(name: str, work: Path, args) -> tuple[dict, int]:
+    """A ``--ranks`` corpus's config entries and its split length. ``longtail``: log-normal
+    lengths of median ``--tail-median`` bytes, sigma 1, capped at 32x, split at ``--seq-len``;
+    ``longtail-long`` (long-context): median ``--long-median``, sigma ``--long-sigma``, capped at
+    32x, split at ``max(--seq-len, 32 x --long-median)`` so every document stays whole and one
+    can fill a microbatch, seed ``--long-seed``; ``stdlib``: the standard library's ``.py``
+    files (the first ``--max-bytes``), split at ``--seq-len``."""
+    if name == "stdlib":
+        return ({"data.source": "stdlib", "data.extensions": ".py",
+                 "data.max_bytes": args.max_bytes}, args.seq_len)
+    source = work / f"{name}_src"
+    if name == "longtail":
+        write_long_tail(source, args.tail_median, args.tail_tokens)
+        return {"data.source": str(source), "data.extensions": ".txt"}, args.seq_len
+    if name == "longtail-long":
+        write_long_tail(source, args.long_median, args.long_tokens, args.long_seed,
+                        args.long_sigma)
+        return ({"data.source": str(source), "data.extensions": ".txt"},
+                max(args.seq_len, 32 * args.long_median))
+    raise ValueError(f"--corpora: {name!r} is none of {', '.join(CORPORA)}")
 
 
 def rank_steps(ctx, config_table: dict, data_dir: str, steps: int) -> dict:
@@ -193,12 +224,13 @@ def rank_steps(ctx, config_table: dict, data_dir: str, steps: int) -> dict:
     return {"cpu": cpu, "wall": wall, "loss": losses, "cp_sent": sent}
 
 
-def measure_balances(corpus: dict, data_dir: str, args, registry) -> dict:
+def measure_balances(corpus: dict, data_dir: str, seq_len: int, args, registry) -> dict:
+    """Every ``BALANCE_LAYOUTS`` row on one corpus, split length ``seq_len``."""
     from loom.testing.parity import layout_config
-    budget = args.micro * args.seq_len
-    base = {**corpus, "data.seq_len": args.seq_len, "data.packing": "varlen",
+    budget = args.micro * seq_len
+    base = {**corpus, "data.seq_len": seq_len, "data.packing": "varlen",
             "data.tokens_per_microbatch": budget, "train.global_batch_tokens": 4 * budget,
-            "model.preset": "tiny", "model.max_seq_len": max(1024, args.seq_len),
+            "model.preset": "tiny", "model.max_seq_len": max(1024, seq_len),
             "train.steps": args.steps + 1, "train.eval_every": 0, "optim.warmup_steps": 1,
             "metrics.comm": True}
     rows = {}
@@ -225,28 +257,24 @@ def measure_balances(corpus: dict, data_dir: str, args, registry) -> dict:
     return rows
 
 
-def calibrate() -> float:
-    """The tiled attention's seconds per flop over the linear modules' (one thread, tiny)."""
+def calibrate(reps: int = 2) -> dict:
+    """The attention costs per flop over the linear modules' (one thread, ``tiny``, forward and
+    backward), what ``zeppelin_cp.KERNEL_SLOWDOWN`` and ``TILE_SLOWDOWN`` hold, and a grouped
+    document's tiles over the same document whole (``RING_SLOWDOWN``, ``ring_over_whole``).
+
+    The model's own kernel: the model on rows of ``T`` tokens (1024, 2048, 4096) cut into ``k``
+    whole documents (1, 4, 16), each on the CPU document attention (causal SDPA per document),
+    CPU seconds fitted by least squares to ``fixed + a T + b pairs + c k`` (``pairs`` the causal
+    query-key pairs, ``sum s(s+1)/2``; ``c`` a document's Python and launch): ``a`` is the linear
+    modules' seconds per token, ``b`` the kernel's per pair. The masked tiles: the ring engine's
+    fp32 tiles (``block_forward`` / ``block_backward``) of 128-token documents, per computed pair.
+    Each is divided by its flops (``model_token_costs`` with a slowdown of 1)."""
+    from dataclasses import replace as with_fields
     from loom.parallel.context_documents import block_backward, block_forward, document_tiles
     from loom.parallel.zeppelin_cp import model_token_costs
-    args = preset("tiny")
+    args = with_fields(preset("tiny"), max_seq_len=4096)
     model = build_model(args, device="cpu")
     reset_parameters(model, seed=0)
-    T = 1024
-    x = torch.randint(0, 300, (1, T))
-    ids, pos = (torch.arange(T) // 8)[None], (torch.arange(T) % 8)[None]  # attention ~ nil
-
-    def linear() -> None:
-        model(x, positions=pos, document_ids=ids).float().sum().backward()
-
-    S, doc = 512, 128
-    q, k, v = torch.randn(1, 8, S, 32), torch.randn(1, 4, S, 32), torch.randn(1, 4, S, 32)
-    run_ids, run_pos = np.repeat(np.arange(S // doc), doc), np.tile(np.arange(doc), S // doc)
-    tiles = document_tiles(run_ids, run_pos, run_ids, run_pos, torch.device("cpu"))
-
-    def attention() -> None:
-        out, lse = block_forward(q, k, v, tiles)
-        block_backward(q, k, v, out, torch.randn_like(out), lse, tiles)
 
     def seconds(fn, n: int) -> float:
         fn()
@@ -255,10 +283,74 @@ def calibrate() -> float:
             fn()
         return (time.thread_time() - start) / n
 
-    costs = model_token_costs(args, attention_slowdown=1.0)
-    linear_rate = costs.linear * T / seconds(linear, 3)
-    attention_rate = costs.attention / args.n_layers * S * doc / seconds(attention, 5)
-    return linear_rate / attention_rate
+    rows, times = [], []
+    for T in (1024, 2048, 4096):
+        x = torch.randint(0, 300, (1, T))
+        for k in (1, 4, 16):
+            s = T // k
+            ids, pos = (torch.arange(T) // s)[None], (torch.arange(T) % s)[None]
+
+            def step() -> None:
+                model(x, positions=pos, document_ids=ids).float().sum().backward()
+            rows.append([1.0, T, k * s * (s + 1) / 2, k])
+            times.append(seconds(step, reps))
+    (fixed, per_token, per_pair, per_document), *_ = np.linalg.lstsq(
+        np.array(rows), np.array(times), rcond=None)
+
+    S, doc = 512, 128
+    q, k_, v = torch.randn(1, 8, S, 32), torch.randn(1, 4, S, 32), torch.randn(1, 4, S, 32)
+    run_ids, run_pos = np.repeat(np.arange(S // doc), doc), np.tile(np.arange(doc), S // doc)
+    tiles = document_tiles(run_ids, run_pos, run_ids, run_pos, torch.device("cpu"))
+
+    def attention() -> None:
+        out, lse = block_forward(q, k_, v, tiles)
+        block_backward(q, k_, v, out, torch.randn_like(out), lse, tiles)
+    per_tile_pair = seconds(attention, 5 * reps) / (S * doc) * args.n_layers
+    ring = ring_over_whole(4096, 4, seconds, reps)
+
+    flops = model_token_costs(args, attention_slowdown=1.0)
+    linear_per_flop = per_token / flops.linear
+    return {"kernel_slowdown": float(per_pair / flops.attention / linear_per_flop),
+            "tile_slowdown": float(per_tile_pair / flops.attention / linear_per_flop),
+            "ring_slowdown": ring,
+            "linear_s_per_token": float(per_token), "kernel_s_per_pair": float(per_pair),
+            "s_per_document": float(per_document), "fixed_s": float(fixed),
+            "fit_residual_max": float(np.max(np.abs(np.array(rows) @ np.array(
+                [fixed, per_token, per_pair, per_document]) - np.array(times))))}
+
+
+def ring_over_whole(n: int, g: int, seconds, reps: int) -> float:
+    """A document of ``n`` tokens zig-zag over a group of ``g``: rank 0's attention on the
+    engine's tiles (its own causal tile, then full tiles against each member's chunks, merged;
+    forward and backward, one layer) over a ``g``-th of the whole document's on the model's
+    causal kernel."""
+    from loom.data.zeppelin import UNIT, Partition, Ranks
+    from loom.parallel.context_documents import (block_backward, block_forward, document_tiles,
+                                                 merge_masked)
+    plan = Partition("ring", (n,), (0,), (g,), Ranks(g, g), UNIT)
+    held = [plan.token_indices(r) for r in range(g)]  # global index = position (one document)
+    cpu = torch.device("cpu")
+    tiles = [document_tiles(np.zeros(len(held[0]), np.int64), held[0],
+                            np.zeros(len(held[m]), np.int64), held[m], cpu, own_keys=m == 0)
+             for m in range(g)]
+    q = torch.randn(1, 8, len(held[0]), 32)
+    kv = [(torch.randn(1, 4, len(h), 32), torch.randn(1, 4, len(h), 32)) for h in held]
+
+    def tiled() -> None:
+        out, lse = block_forward(q, *kv[0], tiles[0])
+        for m in range(1, g):
+            if tiles[m]:
+                out, lse = merge_masked(out, lse, *block_forward(q, *kv[m], tiles[m]))
+        dout = torch.randn_like(out)
+        for m in range(g):
+            if tiles[m]:
+                block_backward(q, *kv[m], out, dout, lse, tiles[m])
+    qkv = [torch.randn(1, 8, n, 32, requires_grad=True) for _ in range(3)]
+
+    def whole() -> None:
+        out = F.scaled_dot_product_attention(*qkv, is_causal=True)
+        out.backward(torch.ones_like(out))
+    return float(seconds(tiled, 2 * reps) * g / seconds(whole, reps))
 
 
 def balances_main(args) -> int:
@@ -268,24 +360,26 @@ def balances_main(args) -> int:
     import varlen as this  # noqa: PLW0406  (the pool pickles rank_steps by module name)
     results: dict = {"args": vars(args), "torch": torch.__version__}
     if args.calibrate:
-        results["attention_slowdown"] = calibrate()
-        print(f"tiled attention / linear, seconds per flop: {results['attention_slowdown']:.2f}")
+        results["calibration"] = c = calibrate()
+        print(f"seconds per flop over the linear modules': the model's kernel"
+              f" {c['kernel_slowdown']:.2f}, the masked tiles {c['tile_slowdown']:.2f};"
+              f" a document over 4 ranks / whole {c['ring_slowdown']:.2f}"
+              f" (fit: {1e6 * c['linear_s_per_token']:.1f} us per token,"
+              f" {1e9 * c['kernel_s_per_pair']:.1f} ns per causal pair,"
+              f" {1e3 * c['s_per_document']:.2f} ms per document, worst residual"
+              f" {1e3 * c['fit_residual_max']:.0f} ms)", flush=True)
     registry = PoolRegistry()
     try:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
-            write_long_tail(work / "longtail_src", args.tail_median, args.tail_tokens)
-            corpora = {"longtail": {"data.source": str(work / "longtail_src"),
-                                    "data.extensions": ".txt"},
-                       "stdlib": {"data.source": "stdlib", "data.extensions": ".py",
-                                  "data.max_bytes": args.max_bytes}}
-            for name, corpus in corpora.items():
+            for name in [c for c in args.corpora.split(",") if c]:  # "": --calibrate only
+                corpus, seq_len = balance_corpus(name, work, args)
                 data_dir = work / f"{name}_data"
                 prepare(Data(source=corpus["data.source"],
-                             extensions=(corpus["data.extensions"],), seq_len=args.seq_len,
+                             extensions=(corpus["data.extensions"],), seq_len=seq_len,
                              max_bytes=corpus.get("data.max_bytes", 0)), data_dir)
-                print(f"{name}:", flush=True)
-                results[name] = measure_balances(corpus, str(data_dir), args, registry)
+                print(f"{name} (split length {seq_len}):", flush=True)
+                results[name] = measure_balances(corpus, str(data_dir), seq_len, args, registry)
                 results[name] = this.with_speedups(results[name])
     finally:
         registry.close()
@@ -318,6 +412,12 @@ def main() -> int:
                         help="4: the balances on 4 ranks (module docstring)")
     parser.add_argument("--tail-median", type=int, default=64)
     parser.add_argument("--tail-tokens", type=int, default=400_000)
+    parser.add_argument("--corpora", default="longtail,stdlib",
+                        help=f"--ranks: comma-separated, of {', '.join(CORPORA)}")
+    parser.add_argument("--long-median", type=int, default=256)
+    parser.add_argument("--long-sigma", type=float, default=1.5)
+    parser.add_argument("--long-tokens", type=int, default=600_000)
+    parser.add_argument("--long-seed", type=int, default=0)
     parser.add_argument("--calibrate", action="store_true")
     args = parser.parse_args()
     if args.ranks:

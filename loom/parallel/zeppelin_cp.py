@@ -42,7 +42,11 @@ the ring's waits inside a group are not modelled). The candidates are the planne
 (``zeppelin_candidates``, both with the linear work balanced per rank and with attention
 alone), its ``tokens`` deal and static cp (every document over all cp ranks), and the
 cheapest wins (ties: the first), so on this cost model a placement is never worse than static
-cp. Costs (``model_token_costs``) are flop counts of the model's shape, forward and backward.
+cp. Costs (``model_token_costs``) are flop counts of the model's shape, forward and backward,
+attention's weighted by how much slower per flop each attention path runs than the linear
+modules, measured on this machine's CPU (``KERNEL_SLOWDOWN`` for the model's own kernel on
+whole documents, ``TILE_SLOWDOWN`` for the engine's masked tiles, ``RING_SLOWDOWN`` for a
+grouped document's tiles against the same document whole; ``bench/varlen.py --calibrate``).
 
 Hand-written: no library places variable-length sequences over a context-parallel ring, nor
 runs ring attention over several sub-rings of one cp group side by side (torch's context
@@ -73,18 +77,31 @@ from loom.parallel.context_documents import (PAD_KEY, PAD_SLOT, TILE_TOKENS, Til
 from loom.parallel.ring_attention import DKV_TAG, KV_TAG, Ring
 
 
-ATTENTION_SLOWDOWN = 4.5  # the masked fp32 tiles' time per flop / the linear GEMMs' (CPU)
+# Attention's seconds per flop over the linear modules' (forward + backward, fp32, one CPU
+# thread, the tiny model), measured by ``python bench/varlen.py --ranks 4 --calibrate
+# --corpora ""`` on this machine (2026-11-26, docs/benchmarks.md): the model's own kernel on
+# whole documents (causal SDPA per document) fitted to the model's step time over rows of 1024
+# to 4096 tokens cut into 1 to 16 documents: 1.00; the engine's masked fp32 tiles: 3.68 (load
+# ~10); an 8192-token document cut over a group of 4 (its zig-zag chunks' causal and full tiles
+# on the same kernel, merged per hop) against a quarter of it whole: 1.12 to 1.16 over the
+# ranks (load ~13; the bench's ``ring_over_whole``, 4096 tokens, gave 1.27 at load 16 to 68,
+# where the other two read 1.22 and 4.21: the ratios move ~20% with load). The kernel's 1.00
+# predicts the busiest rank's CPU time under data.balance = tokens on the long-context long
+# tail within 1% (10.14 s vs 10.21 s measured, seed 0). Only the ratios matter to the
+# placement, and they are constants, not per-run measurements: every rank must compute the
+# same placement.
+KERNEL_SLOWDOWN = 1.0
+TILE_SLOWDOWN = 3.7
+RING_SLOWDOWN = 1.13
 
 
 def model_token_costs(args: TransformerArgs,
-                      attention_slowdown: float = ATTENTION_SLOWDOWN) -> TokenCosts:
+                      attention_slowdown: float = KERNEL_SLOWDOWN) -> TokenCosts:
     """Flops of one token through the linear modules (projections, MLP, output head) and of
     one query-key pair of attention (scores and weighted values), forward and backward (x3),
     over every layer; attention's weighted by ``attention_slowdown``, how much slower per flop
-    the masked tiles run than the linear modules (fp32 masked scores, exp and small matmuls:
-    2.4x to 4.5x on this machine's CPU, load-dependent, ``bench/varlen.py --calibrate``).
-    Only the ratio matters to the placement, and it is a constant, not a per-run measurement:
-    every rank must compute the same placement."""
+    the model's own attention kernel runs than the linear modules (``KERNEL_SLOWDOWN``; the
+    engine's tiles are priced relative to it by ``tiled_attention``)."""
     d, layers = args.dim, args.n_layers
     kv = d * args.n_kv_heads // args.n_heads
     per_layer = 2 * d * d + 2 * d * kv + args.mlp_matrices * d * args.ffn_dim  # q, o; k, v; MLP
@@ -94,22 +111,27 @@ def model_token_costs(args: TransformerArgs,
 
 
 def tiled_attention(partition: Partition, tile_tokens: int = TILE_TOKENS,
-                    slowdown: float = ATTENTION_SLOWDOWN) -> np.ndarray:
-    """Each rank's attention work on the tiled ring, in ``costs.attention`` units (the masked
-    tiles' pairs): a document of ``s`` tokens on a group of ``g`` ranks gives each of them its
-    own causal tile of ``s/g`` tokens (torch's causal kernel: (s/g)²/2 pairs at the linear
-    modules' speed, ``1 / slowdown`` of a masked pair) and ``g - 1`` blocks against the other
-    ranks' chunks: full tiles on the same kernel (half the pairs visible) when its ``s/g``
-    queries reach ``tile_tokens``, else a masked tile of at least ``tile_tokens`` keys (small
-    documents share one, whose masked pairs are computed too): a document whole on one rank
-    costs the causal kernel only, one cut over more ranks than its length needs pays masked
-    tiles on each."""
+                    masked: float = TILE_SLOWDOWN / KERNEL_SLOWDOWN,
+                    ring: float = RING_SLOWDOWN) -> np.ndarray:
+    """Each rank's attention work on the cp runtime, in ``costs.attention`` units (pairs on
+    the model's kernel): a document whole on one rank costs its causal pairs, s²/2, on the
+    model's kernel. One of ``s`` tokens on a group of ``g`` ranks gives each of them its own
+    causal tile of ``s/g`` tokens ((s/g)²/2 pairs) and ``g - 1`` blocks against the other
+    ranks' chunks: full tiles (half the pairs visible) when its ``s/g`` queries reach
+    ``tile_tokens``, those pairs ``ring`` times a whole document's (the tiles' merges and
+    smaller kernels); else a masked tile of at least ``tile_tokens`` keys (small documents
+    share one, whose masked pairs are computed too), each computed pair ``masked`` times a
+    kernel pair: a document cut over more ranks than its length needs pays masked tiles on
+    each."""
     load = np.zeros(partition.ranks.count)
     for n, b, g in zip(partition.lengths, partition.start, partition.size):
+        if g == 1:
+            load[b] += n * n / 2
+            continue
         chunk = n / g
-        remote = (chunk * chunk / (2 * slowdown) if chunk >= tile_tokens  # full tiles
-                  else chunk * tile_tokens)  # masked, in a shared tile
-        load[b:b + g] += chunk * chunk / (2 * slowdown) + (g - 1) * remote
+        remote = (chunk * chunk / 2 if chunk >= tile_tokens  # full tiles
+                  else chunk * tile_tokens * masked / ring)  # masked, in a shared tile
+        load[b:b + g] += ring * (chunk * chunk / 2 + (g - 1) * remote)
     return load * partition.costs.attention
 
 
@@ -434,7 +456,7 @@ def sub_ring_attention(q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch
     return out_BNLH
 
 
-__all__ = ["ATTENTION_SLOWDOWN", "RingPart", "SubRingKeys", "SubRings", "aligned_blocks",
-           "cp_step_price", "document_runs", "model_token_costs", "new_sub_rings",
-           "place_over_cp", "ring_block", "sub_ring_attention", "sub_ring_keys",
-           "tiled_attention", "zeppelin_shard_indices"]
+__all__ = ["KERNEL_SLOWDOWN", "RING_SLOWDOWN", "TILE_SLOWDOWN", "RingPart", "SubRingKeys",
+           "SubRings", "aligned_blocks", "cp_step_price", "document_runs", "model_token_costs",
+           "new_sub_rings", "place_over_cp", "ring_block", "sub_ring_attention",
+           "sub_ring_keys", "tiled_attention", "zeppelin_shard_indices"]

@@ -9,6 +9,9 @@ ranks (checked: the test is about a step that has both).
 * The placement: every token of a microbatch on exactly one cp rank, each rank's shard its own
   tokens (not padded to the longest), a document either whole on one rank or zig-zag over an
   aligned power-of-two group, and no worse than static cp on the runtime's price.
+* The runtime's price: a whole document's causal pairs at the model's kernel rate, a grouped
+  one's shared evenly by its ranks at the calibrated ring rate; a long-context microbatch's
+  4309-token document goes to a group of 4 and its short ones stay whole.
 * The sub-ring engine (``zeppelin_cp.sub_ring_attention``, cp = 4: a document over all four
   ranks, one over ranks 2-3 only, whole ones on single ranks)
   equals one process's per-document attention (output, dQ, dK, dV); its ring traffic is exactly
@@ -42,10 +45,11 @@ from loom.parallel.comm import CommLedger
 from loom.parallel.context import CPLayout, ContextParallelAttention, new_cp_groups
 from loom.parallel.context_documents import (PAD_SLOT, block_backward, block_forward,
                                              document_tiles, take_shard)
-from loom.parallel.zeppelin_cp import (aligned_blocks, cp_step_price, document_runs,
-                                       model_token_costs, place_over_cp, ring_block,
-                                       zeppelin_shard_indices)
-from loom.data.zeppelin import UNIT, Partition, Ranks, partition_static_cp
+from loom.parallel.zeppelin_cp import (RING_SLOWDOWN, aligned_blocks, cp_step_price,
+                                       document_runs, model_token_costs, place_over_cp,
+                                       ring_block, tiled_attention, zeppelin_shard_indices)
+from loom.data.zeppelin import (UNIT, Partition, Ranks, partition_static_cp,
+                                partition_tokens)
 from loom.testing.parity import assert_parity, layout_config, record_training
 from loom.train.trainer import Trainer
 from tests.data_fixtures import DataCfg, prepared_documents
@@ -117,6 +121,34 @@ def test_every_token_is_on_one_rank_and_groups_are_aligned():
         assert max(plan.size) > 1 and 1 in plan.size  # both kinds in this microbatch
         static = partition_static_cp(runs, Ranks(cp, per_node=cp), cp, costs)
         assert cp_step_price(plan) <= cp_step_price(static)
+
+
+def test_the_runtime_price_is_causal_pairs_at_the_kernel_rate_and_a_group_shares_them():
+    """A document whole on one rank costs its causal pairs on the model's kernel; one over a
+    group of 4 costs each member a quarter of them, ``RING_SLOWDOWN`` times dearer (its tiles
+    and merges: calibrated in ``bench/varlen.py --calibrate``)."""
+    costs = model_token_costs(model_args(resolve(load_config(None, {"model.preset": "tiny"}),
+                                                 1)))
+    n, ranks = 8192, Ranks(4, per_node=4)
+    whole = Partition("whole", (n,), (2,), (1,), ranks, costs)
+    assert tiled_attention(whole).tolist() == [0, 0, n * n / 2 * costs.attention, 0]
+    grouped = Partition("grouped", (n,), (0,), (4,), ranks, costs)
+    np.testing.assert_allclose(tiled_attention(grouped),
+                               [RING_SLOWDOWN * n * n / 8 * costs.attention] * 4, rtol=1e-12)
+
+
+def test_a_long_context_document_beyond_a_ranks_share_goes_to_a_group_and_short_ones_stay_whole():
+    """A long-context microbatch (``bench/varlen.py --corpora longtail-long``, seed 0, its second
+    microbatch): the 4309-token document alone would be more attention than a rank's share, so
+    it is cut over all 4 ranks; the 14 short ones stay whole; and the plan is priced well under
+    the ``tokens`` deal (every document whole)."""
+    runs = [4309, 68, 25, 190, 983, 146, 43, 44, 701, 17, 105, 69, 363, 542, 271]
+    costs = model_token_costs(model_args(resolve(load_config(None, {"model.preset": "tiny"}),
+                                                 1)))
+    plan = place_over_cp(runs, 4, costs)
+    assert plan.size == (4,) + (1,) * 14
+    tokens = partition_tokens(runs, Ranks(4, per_node=4), costs)
+    assert cp_step_price(plan) < 0.6 * cp_step_price(tokens)
 
 
 def test_tiled_blocks_equal_the_dense_masked_block():
