@@ -123,13 +123,14 @@ class ParallelConfig:
     # every gradient over every data axis each step; "diloco", "noloco" and "co2" let each
     # replica train on its own part of the batch (gradients averaged only inside it, over
     # dp_shard and cp) and merge the replicas' weights every outer_steps inner steps with an outer
-    # SGD step with Nesterov momentum on the pseudo-gradient: DiLoCo (all-reduce), NoLoCo (one
+    # SGD step with momentum on the pseudo-gradient (DiLoCo Nesterov, NoLoCo and CO2 heavy
+    # ball, as their papers' code): DiLoCo (all-reduce), NoLoCo (one
     # seeded peer, no collective), CO2 (the all-reduce overlapped, applied one outer step late).
     # The final model.safetensors is replica 0's weights.
     dp_mode: Literal["sync", "diloco", "noloco", "co2"] = "sync"
     outer_steps: int = 8  # H: inner optimizer steps per outer step (outer modes)
     outer_lr: float = 0.7  # the outer SGD's learning rate (DiLoCo's; 1 with momentum 0 averages)
-    outer_momentum: float = 0.9  # Nesterov momentum of the outer SGD, in [0, 1)
+    outer_momentum: float = 0.9  # momentum of the outer SGD, in [0, 1)
     # Streaming DiLoCo (dp_mode = diloco): the parameters split into this many contiguous
     # fragments, each merged every outer_steps steps, their merges spread evenly over the window
     # (peak bandwidth / fragments); 1: the whole model at once. At most outer_steps.

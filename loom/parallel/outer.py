@@ -5,9 +5,10 @@ ZeRO layout it has inside) trains on its own data with its own inner optimizer (
 gradient all-reduce across replicas. ``OuterLoop.after_inner_step`` is called after every inner
 optimizer step; every H steps (``outer_steps``) it takes an *outer step*: each replica's
 pseudo-gradient ``delta_i = phi - theta_i`` (the snapshot ``phi`` taken at the last outer step
-minus the current weights) is combined with the other replicas', fed to an outer SGD with Nesterov
-momentum, and every replica restarts from the new snapshot. Written with torch's SGD convention
-(``nesterov=True``, no dampening), with g the combined outer gradient::
+minus the current weights) is combined with the other replicas', fed to an outer SGD with
+Nesterov (diloco) or heavy-ball (noloco, co2) momentum, and every replica restarts from the new
+snapshot. Written with torch's SGD convention (``nesterov=True``, no dampening), with g the
+combined outer gradient::
 
     m   <- mu * m + g
     phi <- phi - lr * (g + mu * m)          (nesterov=False: phi <- phi - lr * m, heavy ball)
@@ -37,7 +38,14 @@ The modes differ in g and in when it is applied:
 
   c is ``noloco_consensus``, the consensus term's weight against the pseudo-gradient's (the
   authors' code weighs them equally: c = 1). With c = 1, lr = 1 and mu = 0 a pair ends at
-  (theta_i + theta_p) / 2: one gossip averaging step.
+  (theta_i + theta_p) / 2: one gossip averaging step. The outer step is heavy ball, like CO2's
+  (``nesterov`` defaults to False for noloco): the paper's abstract calls it a "variant of the
+  Nesterov momentum optimizer", and the authors' code (jkolehm/noloco, ``sparse_optimizer_c.py``,
+  ``outer_step``) computes it as ``v <- mu v + lr g_i; phi_i <- phi_i - v``, which for a
+  constant lr is ``m <- mu m + g_i; phi_i <- phi_i - lr m`` (the paper's full text was not
+  checked). Until 2026-11-26 Loom's noloco took torch's Nesterov
+  ``phi_i - lr (g_i + mu m)`` like DiLoCo, which weighs each new g_i by (1 + mu) instead of 1;
+  with mu = 0 the two are the same.
   Since g_i = ((1 + c) phi_i - theta_i + s_p) / 2 with s_p = (1 - c) phi_p - theta_p, the peer
   sends s_p alone: one tensor of the model's size each way. With an odd number of replicas the
   last one in the permutation sits the exchange out: it takes the same outer step on its own
@@ -53,8 +61,8 @@ The modes differ in g and in when it is applied:
       m_t       = clip(mu * m_{t-1} + g_t, phi_clip)               (outer momentum clipping)
       x_{t+1,0} = x_{t,0} - lr * m_t                               (heavy ball)
 
-  The outer step is heavy ball: ``nesterov`` defaults to False for co2 (True for diloco and
-  noloco, DiLoCo's Nesterov). Until 2026-11-26 co2 took Nesterov's ``g_t + mu * m_t`` like the
+  The outer step is heavy ball: ``nesterov`` defaults to False for co2 (and noloco; True for
+  diloco, DiLoCo's Nesterov). Until 2026-11-26 co2 took Nesterov's ``g_t + mu * m_t`` like the
   other modes; on a one-step-stale average that look-ahead moves x further from where the
   average was computed, and the penalty below then divides the next step by a larger Lambda.
   Staleness-gap penalty: Lambda_t >= 1 grows with the gap ``x_{t,0} - x_{t-1,0}`` between the
@@ -229,8 +237,8 @@ class OuterLoop:
     parameters that do not require gradients are left alone. ``group``: the replica process group
     (this rank and the ranks holding the same shard in the other replicas), of size R >= 2.
     ``seed``: NoLoCo's pairing schedule. ``ledger``/``axis``: where the bytes are counted.
-    ``nesterov``: the outer step's momentum form; None picks the paper's (co2: heavy ball,
-    diloco and noloco: Nesterov).
+    ``nesterov``: the outer step's momentum form; None picks the paper's (diloco: Nesterov,
+    noloco and co2: heavy ball, as their authors' code steps).
     """
 
     def __init__(self, named_parameters: Iterable[tuple[str, nn.Parameter]]
@@ -256,8 +264,8 @@ class OuterLoop:
             raise ValueError(f"group must hold at least 2 replicas for an outer loop, got a "
                              f"group of {replicas} (dp_replicate = 1 has nothing to average)")
         self.mode, self.outer_steps, self.fragments = mode, outer_steps, fragments
-        if nesterov is None:  # DiLoCo's Nesterov; CO2's heavy ball (its Algorithm 1)
-            nesterov = mode != "co2"
+        if nesterov is None:  # DiLoCo's Nesterov; NoLoCo's and CO2's heavy ball (their code)
+            nesterov = mode == "diloco"
         self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
         self.seed, self.noloco_consensus = seed, noloco_consensus
         self.co2_gap_penalty, self.co2_clip = co2_gap_penalty, co2_clip

@@ -666,7 +666,8 @@ class Trainer:
             par = cfg.parallel
             logger.log_text(f"outer loop: {par.dp_mode} across dp_replicate = {par.dp_replicate}"
                             f" replicas, H = {par.outer_steps}, outer lr {par.outer_lr},"
-                            f" Nesterov momentum {par.outer_momentum}")
+                            f" {'Nesterov' if self.outer.nesterov else 'heavy-ball'}"
+                            f" momentum {par.outer_momentum}")
         last: dict[str, float] = {}
         ck = cfg.checkpoint
         watch = self._collective_watch()  # names a hung rank when a collective times out

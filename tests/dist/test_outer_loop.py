@@ -82,8 +82,8 @@ def reference(mode: str, replicas: int, steps: int, *, outer_steps: int, outer_l
               fragments: int = 1, noloco_consensus: float = 1.0, co2_gap_penalty: float = 1.0,
               co2_clip: float | None = None, bucket_bytes: int | None = None):
     """R replicas on one process; returns every replica's weights and what was exercised."""
-    if nesterov is None:  # the papers' forms: DiLoCo and NoLoCo Nesterov, CO2 heavy ball
-        nesterov = mode != "co2"
+    if nesterov is None:  # the papers' forms: DiLoCo Nesterov, NoLoCo and CO2 heavy ball
+        nesterov = mode == "diloco"
     names = list(SHAPES)
     init = initial_params()
     theta = [{n: init[n].clone() for n in names} for _ in range(replicas)]
@@ -381,6 +381,43 @@ def test_co2_outer_steps_equal_the_paper_update_worked_by_hand(dist):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6,
                                        msg=lambda m: f"replica {rank} after step {step}: {m}")
     assert not torch.allclose(results[0][1], torch.tensor([0.775, 0.7]))  # not Nesterov
+
+
+# -- NoLoCo, two outer steps worked out by hand --------------------------------------------------
+# One element, 4 replicas, H = 1, lr 0.5, mu 0.5, consensus c = 1, seed 1, heavy ball (the update of
+# the NoLoCo authors' code: v <- mu v + lr g; phi <- phi - v). noloco_pairs(4, 1, k) pairs
+# {0, 2}, {1, 3} at outer step 0 and {1, 2}, {0, 3} at outer step 1. Every replica starts at 1.
+#   step 1: replica r moves down by (0.2, 0.4, 0.6, 0.0)[r]; the snapshots are all 1, so the
+#           consensus term is 0 and g = the pair's mean pseudo-gradient: 0.4 for {0, 2}, 0.2 for
+#           {1, 3}. m = g; phi = 1 - 0.5 m = (0.8, 0.9, 0.8, 0.9).
+#   step 2: moves (0.2, 0.0, 0.2, 0.4). Pair {1, 2}: mean delta 0.1, mean phi 0.85, so
+#           g1 = 0.1 + (0.9 - 0.85) = 0.15, g2 = 0.1 - 0.05 = 0.05; pair {0, 3}: mean delta 0.3,
+#           g0 = 0.3 - 0.05 = 0.25, g3 = 0.35. m = 0.5 m + g = (0.45, 0.25, 0.25, 0.45);
+#           phi = phi - 0.5 m = (0.575, 0.775, 0.675, 0.675).
+# Nesterov would have stepped by lr (g + mu m) at step 1: phi = 1 - 0.75 g = (0.7, 0.85, 0.7, 0.85).
+NOLOCO_MOVES = {1: (0.2, 0.4, 0.6, 0.0), 2: (0.2, 0.0, 0.2, 0.4)}
+
+
+def noloco_by_hand(ctx, steps: int):
+    x = nn.Parameter(torch.ones(1))
+    loop = OuterLoop([("x", x)], torch_dist.group.WORLD, mode="noloco", outer_steps=1,
+                     outer_lr=0.5, outer_momentum=0.5, seed=1, noloco_consensus=1.0)
+    after = []
+    for step in range(1, steps + 1):
+        with torch.no_grad():
+            x.sub_(NOLOCO_MOVES[step][ctx.rank])
+        loop.after_inner_step(step)
+        after.append(float(x))
+    return after
+
+
+def test_noloco_outer_steps_equal_the_authors_update_worked_by_hand(dist):
+    assert [noloco_pairs(4, 1, k)[0] for k in range(2)] == [((3, 1), (2, 0)), ((2, 1), (0, 3))]
+    results = dist.run(WORLD, noloco_by_hand, 2)
+    expected = [(0.8, 0.575), (0.9, 0.775), (0.8, 0.675), (0.9, 0.675)]
+    for rank, (after, want) in enumerate(zip(results, expected)):
+        assert after == pytest.approx(want, abs=1e-6), f"replica {rank}"
+    assert results[0][0] != pytest.approx(0.7, abs=1e-3)  # not Nesterov
 
 
 # -- (4) state_dict round trip -------------------------------------------------------------------
