@@ -319,7 +319,7 @@ def rank_state_instants(psi: float, experts: float, step: RankStep, rules: State
     grown = {st: state(st.psi, True)[1] - state(st.psi)[1] for st in step.stages} \
         if r.accumulates else {}
     # a stage's gradients at rest, and those that exist from its first backward's start
-    held = {st: state(st.psi)[1] for st in step.stages}
+    at_rest = {st: state(st.psi)[1] for st in step.stages}
     early = {st: state(st.early)[1] for st in step.stages}
     for index in range(len(step.during)):
         for level, ended in ((step.during[index], False), (step.after[index], True)):
@@ -333,8 +333,8 @@ def rank_state_instants(psi: float, experts: float, step: RankStep, rules: State
             g = grads + sum(grown[st] for st in full) if full else grads
             if not r.resting_grads:  # none before a stage's first backward, its early ones
                 # at that backward's start
-                g -= sum(held[st] for st in step.stages if index < st.first_w) + sum(
-                    held[st] - early[st] for st in step.stages
+                g -= sum(at_rest[st] for st in step.stages if index < st.first_w) + sum(
+                    at_rest[st] - early[st] for st in step.stages
                     if index == st.first_w and not ended)
             # FSDP2 computes a unit's fresh gradient beside its accumulated one, then adds it
             fresh = r.grad_bytes * block if stage == 3 and full else 0.0

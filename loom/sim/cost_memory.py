@@ -186,9 +186,9 @@ def search_units_left(model: Any, lay: Layout, budget: float, cap: float) -> flo
 def _instants(model: Any, lay: Layout, psi: float, experts: float = 0.0, head: float = 0.0
               ) -> list[dict[str, float]]:
     """The instants of a rank's step that can be its peak, as the estimator weighs them
-    (``loom.formulas.memory.rank_state_instants``) over its last microbatch: the passes (peak activations beside the gradients accumulated so far), ZeRO's
-    reductions (in the last backward, or a pipeline stage's flush) and the optimizer step, the
-    largest of each kind; ``_acts`` tells the caller which activations each holds (all, none,
+    (``loom.formulas.memory.rank_state_instants``) over its last microbatch: the passes (peak
+    activations beside the gradients accumulated so far), ZeRO's reductions (in the last
+    backward, or a pipeline stage's flush) and the optimizer step, the largest of each kind; ``_acts`` tells the caller which activations each holds (all, none,
     or all but the head's and the top block's). Under a pipeline the first is an upper bound:
     the activation peak of the warm-up is counted with the accumulated gradients of the steady
     state. ``experts`` of the ``psi`` parameters are routed experts: ZeRO shards them over
