@@ -139,6 +139,9 @@ class ParallelConfig:
     # and the elementwise bound of the outer momentum (outer momentum clipping; 0: off)
     co2_gap_penalty: float = 1.0
     co2_clip: float = 0.0
+    # dp_mode = noloco: the consensus term's weight against the pseudo-gradient's (the authors'
+    # code: 1; 0 leaves only the pair's mean pseudo-gradient; loom/parallel/outer.py)
+    noloco_consensus: float = 1.0
     # Gradient compression of synchronous data parallelism (loom/parallel/compression.py; plain
     # data parallelism only, not ZeRO or an outer dp_mode): none (the fp32 all-reduce), powersgd
     # (rank compression_rank), int8 (per-chunk scales) or topk (compression_topk_ratio of each

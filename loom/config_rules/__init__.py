@@ -350,7 +350,7 @@ def _validate_outer(config: Config) -> None:
     if par.outer_fragments < 1:
         raise ConfigError("parallel.outer_fragments", par.outer_fragments,
                           "must be >= 1 (1: the whole model at once)")
-    for key in ("co2_gap_penalty", "co2_clip"):
+    for key in ("co2_gap_penalty", "co2_clip", "noloco_consensus"):
         if getattr(par, key) < 0:
             raise ConfigError(f"parallel.{key}", getattr(par, key), "must be >= 0 (0: off)")
     if par.dp_mode == "sync":

@@ -239,7 +239,8 @@ class Trainer:
                          outer_steps=par.outer_steps, outer_lr=par.outer_lr,
                          outer_momentum=par.outer_momentum, seed=self.config.train.seed,
                          fragments=par.outer_fragments, co2_gap_penalty=par.co2_gap_penalty,
-                         co2_clip=par.co2_clip or None, ledger=self.ledger)
+                         co2_clip=par.co2_clip or None, noloco_consensus=par.noloco_consensus,
+                         ledger=self.ledger)
 
     # -- one step ---------------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:

@@ -216,6 +216,22 @@ def test_noloco_full_averaging_is_one_averaging_step_of_the_replicas(dist, small
                                                    results[1]["grads"].values())) > 1e-3
 
 
+def outer_settings(ctx, config_table: dict, data_dir: str) -> dict:
+    """What the trainer's outer loop was built with."""
+    outer = Trainer(from_dict(config_table), Path(data_dir), None, ctx).outer
+    return {"consensus": outer.noloco_consensus, "nesterov": outer.nesterov}
+
+
+def test_the_configured_noloco_consensus_and_momentum_form_reach_the_outer_loop(
+        dist, small_data_dir):
+    """``parallel.noloco_consensus`` is the outer loop's c (its effect on one step is worked by
+    hand in test_outer_loop.py), and NoLoCo steps by heavy ball, as its authors' code."""
+    config = outer_config(2, "noloco", outer_steps=2)
+    config["parallel"]["noloco_consensus"] = 0.25
+    assert dist.run(2, outer_settings, config, small_data_dir) == \
+        [{"consensus": 0.25, "nesterov": False}] * 2
+
+
 # -- (c) DiLoCo H = 4 against two single processes and torch's Nesterov SGD ----------------------
 @pytest.mark.parametrize("steps, options", [
     (8, dict(outer_steps=4, outer_lr=0.7, outer_momentum=0.9)),  # two outer steps: momentum

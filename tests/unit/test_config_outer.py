@@ -34,6 +34,8 @@ DILOCO = {"parallel.dp_mode": "diloco"}
     ({"parallel.dp_mode": "co2", "parallel.co2_clip": "-1"}, 2, "parallel.co2_clip", ">= 0"),
     ({"parallel.dp_mode": "co2", "parallel.co2_gap_penalty": "-0.5"}, 2,
      "parallel.co2_gap_penalty", ">= 0"),
+    ({"parallel.dp_mode": "noloco", "parallel.noloco_consensus": "-1"}, 2,
+     "parallel.noloco_consensus", ">= 0"),
     ({"parallel.outer_lr": "nan"}, 2, "parallel.outer_lr", "finite"),
     ({**DILOCO, "train.post_validation": "true"}, 2, "train.post_validation", "dp_mode = diloco"),
     # streaming: diloco only, and a fragment per inner step of the window at most
