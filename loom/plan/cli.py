@@ -266,7 +266,7 @@ def _framework(args: argparse.Namespace) -> Framework:
     if not chosen.is_loom and args.output:
         raise PlanInputError(f"-o {args.output}: writes a Loom config, so only with --framework"
                              f" loom (not {chosen.name})")
-    kernel = getattr(args, "attention_kernel", None)
+    kernel = args.attention_kernel
     if kernel and chosen.is_loom and kernel != chosen.attention_kernel:
         raise PlanInputError(f"--attention-kernel {kernel}: Loom's trainer runs"
                              f" {chosen.attention_kernel} (SDPA's flash kernel); another stack's"

@@ -36,6 +36,7 @@ Collectives: building a ``ShardedTensor`` state needs every rank's boxes, exchan
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -331,8 +332,10 @@ def _vocab_as_slices(model: nn.Module, model_sd: dict[str, Any], optim_sd: dict[
                    optim_sd)
 
 
-def _as_slices(names: set[str], pieces_of: Any, model_sd: dict[str, Any],
-               optim_sd: dict[str, Any]) -> None:
+def _as_slices(names: set[str],
+               pieces_of: Callable[[str, torch.Tensor],
+                                   tuple[tuple[int, ...], list[tuple[Box, torch.Tensor]]]],
+               model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
     """Replace every weight of ``names`` and its moments (``state.<name>.*`` tensors; not the
     step count) by a ShardedTensor of ``pieces_of(name, value)``'s boxes (collective)."""
     local: dict[str, Any] = {}

@@ -197,7 +197,7 @@ def _timelines(config: Config) -> list[_Timeline]:
             j, first_of_copy = s % per_route, s - s % per_route
             # a tied head on its copy's embedding rank shares its weight (one Parameter)
             psi = _parameter_count(config, list(ranges[j]), j == 0, j == final) - (
-                config.model.vocab_size * config.model.dim / (lay.tp if lay.vocab_parallel else 1)
+                _head_parameters(config)
                 if j == final and j != 0 and first_of_copy in ids and config.model.tie_embeddings
                 else 0)
             stages.append(StageSpan(psi, forward[0], weight[0], weight[-1],
@@ -221,7 +221,7 @@ def _parameter_count(config: Config, layers: list[int], embedding: bool, head: b
     total = sum((layer_parameter_count(m, i) - norms) / t + norms for i in layers)
     # the routed experts are split over ep as well: this rank keeps n_experts / ep of them
     total -= _expert_parameters(config, layers) * (lay.ep - 1)
-    vocab = m.vocab_size * m.dim / (t if lay.vocab_parallel else 1)
+    vocab = _head_parameters(config)  # the embedding's rows are as many
     if embedding:
         total += vocab
     if head:
@@ -230,7 +230,8 @@ def _parameter_count(config: Config, layers: list[int], embedding: bool, head: b
 
 
 def _head_parameters(config: Config) -> float:
-    """The output layer's weight on one rank (a tied head's is the embedding's)."""
+    """The output layer's weight on one rank, the embedding's size too (a tied head's is the
+    embedding's)."""
     m, lay = config.model, layout_of(config)
     return m.vocab_size * m.dim / (lay.tp if lay.vocab_parallel else 1)
 
