@@ -36,6 +36,7 @@ import argparse
 import dataclasses
 import json
 import re
+import statistics
 import sys
 import zipfile
 import xml.etree.ElementTree as ET
@@ -183,6 +184,16 @@ def main(argv: list[str] | None = None) -> int:
     right = sum(r["oom_right"] for r in results)
     print(f"\nall: OOM verdict right on {right} of {cells} cells ({right / cells:.1%});"
           f" --zero {args.zero}, --global-batch {args.global_batch}")
+    ratios: dict[tuple[int, str], list[float]] = {}  # published / predicted step, by kernel
+    for r in results:
+        for c in r["rows"]:
+            if c["published_step_s"]:
+                ratios.setdefault((r["seq"], c["kernel"]), []).append(
+                    c["published_step_s"] / c["predicted_step_s"])
+    print("\n| seq | kernel | cells that ran | median published / predicted step |")
+    print("|---|---|---|---|")
+    for (seq, kernel), values in sorted(ratios.items()):
+        print(f"| {seq} | {kernel} | {len(values)} | {statistics.median(values):.2f} |")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0
