@@ -58,7 +58,7 @@ rank's tokens, n a member's tokens of one ring's documents, Hd head dim, g a rin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -135,6 +135,13 @@ def tiled_attention(partition: Partition, tile_tokens: int = TILE_TOKENS,
     return load * partition.costs.attention
 
 
+def per_token_square(costs: TokenCosts) -> TokenCosts:
+    """``costs`` in the planner's attention unit: ``loom.data.zeppelin.group_time`` prices a
+    causal sequence of n tokens as attention x n², while ``model_token_costs`` and
+    ``tiled_attention`` count attention per query-key pair (n²/2 of them)."""
+    return replace(costs, attention=costs.attention / 2)
+
+
 def cp_step_price(partition: Partition) -> float:
     """A placement's time on the cp runtime (module docstring): the busiest rank's attention
     (``tiled_attention``) plus linear work on its own tokens (shards are not padded)."""
@@ -147,10 +154,10 @@ def place_over_cp(lengths: list[int] | np.ndarray, cp: int, costs: TokenCosts) -
     ranks: the cheapest candidate by ``cp_step_price`` (module docstring)."""
     seqs = [int(n) for n in lengths]
     ranks = Ranks(cp, per_node=cp)  # one machine's ranks: every group inside a node
-    candidates = (zeppelin_candidates(seqs, ranks, costs, remap=False)
-                  + zeppelin_candidates(seqs, ranks, costs, remap=True)
-                  + [partition_static_cp(seqs, ranks, cp, costs)])
-    return min(candidates, key=cp_step_price)
+    sizing = per_token_square(costs)  # the planner's unit; each candidate priced in pairs
+    candidates = [replace(plan, costs=costs) for remap in (False, True)
+                  for plan in zeppelin_candidates(seqs, ranks, sizing, remap=remap)]
+    return min(candidates + [partition_static_cp(seqs, ranks, cp, costs)], key=cp_step_price)
 
 
 def document_runs(document_ids_S: np.ndarray) -> list[int]:
@@ -458,5 +465,5 @@ def sub_ring_attention(q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch
 
 __all__ = ["KERNEL_SLOWDOWN", "RING_SLOWDOWN", "TILE_SLOWDOWN", "RingPart", "SubRingKeys",
            "SubRings", "aligned_blocks", "cp_step_price", "document_runs", "model_token_costs",
-           "new_sub_rings", "place_over_cp", "ring_block", "sub_ring_attention",
+           "new_sub_rings", "per_token_square", "place_over_cp", "ring_block", "sub_ring_attention",
            "sub_ring_keys", "tiled_attention", "zeppelin_shard_indices"]

@@ -46,9 +46,10 @@ from loom.parallel.context import CPLayout, ContextParallelAttention, new_cp_gro
 from loom.parallel.context_documents import (PAD_SLOT, block_backward, block_forward,
                                              document_tiles, take_shard)
 from loom.parallel.zeppelin_cp import (RING_SLOWDOWN, aligned_blocks, cp_step_price,
-                                       document_runs, model_token_costs, place_over_cp,
-                                       ring_block, tiled_attention, zeppelin_shard_indices)
-from loom.data.zeppelin import (UNIT, Partition, Ranks, partition_static_cp,
+                                       document_runs, model_token_costs, per_token_square,
+                                       place_over_cp, ring_block, tiled_attention,
+                                       zeppelin_shard_indices)
+from loom.data.zeppelin import (UNIT, Partition, Ranks, group_time, partition_static_cp,
                                 partition_tokens)
 from loom.testing.parity import assert_parity, layout_config, record_training
 from loom.train.trainer import Trainer
@@ -149,6 +150,20 @@ def test_a_long_context_document_beyond_a_ranks_share_goes_to_a_group_and_short_
     assert plan.size == (4,) + (1,) * 14
     tokens = partition_tokens(runs, Ranks(4, per_node=4), costs)
     assert cp_step_price(plan) < 0.6 * cp_step_price(tokens)
+
+
+def test_the_planner_sizes_groups_in_the_units_the_runtime_prices():
+    """The planner's ``group_time`` prices a causal document of n tokens as attention x n²,
+    the runtime's ``tiled_attention`` as attention x n²/2 query-key pairs: converted by
+    ``per_token_square``, a document whole on one rank costs the same in both, so the sizing
+    compares attention and linear work at the runtime's ratio (not twice the attention)."""
+    costs = model_token_costs(model_args(resolve(load_config(None, {"model.preset": "tiny"}),
+                                                 1)))
+    ranks = Ranks(1, per_node=1)
+    for n in (1, 17, 4309):
+        whole = partition_tokens([n], ranks, costs)
+        assert group_time(n, 1, True, per_token_square(costs)) == pytest.approx(
+            tiled_attention(whole)[0], rel=1e-12)
 
 
 def test_tiled_blocks_equal_the_dense_masked_block():
