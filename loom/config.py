@@ -25,8 +25,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from loom.config_rules import DEFAULT_SCHEDULE, check_bpe_vocab
-from loom.config_rules import validate as check_rules
+from loom.config_rules import DEFAULT_SCHEDULE, check_bpe_vocab, validate
 from loom.data.tokenizer import tokenizer_vocab_size
 from loom.data.budgets import token_budgets
 from loom.errors import ConfigError, suggest
@@ -353,10 +352,6 @@ def known_keys() -> list[str]:
     return [f"{s}.{f.name}" for s, cls in _sections().items() for f in dataclasses.fields(cls)]
 
 
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 def _coerce(key: str, raw: Any, kind: Any) -> Any:
     """Convert ``raw`` (TOML value or command-line string) to ``kind`` or raise ConfigError."""
     origin = typing.get_origin(kind)
@@ -500,7 +495,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     for key, raw in flat.items():
         section, _, name = key.partition(".")
         target = getattr(config, section)
-        setattr(target, name, _coerce(key, raw, _field_types(type(target))[name]))
+        setattr(target, name, _coerce(key, raw, typing.get_type_hints(type(target))[name]))
     if config.model.init_from and pretrained:
         _take_pretrained_shape(config, flat)
     return config
@@ -572,11 +567,6 @@ def resolve(config: Config, world_size: int) -> Config:
         config.model.vocab_size = -(-base // multiple) * multiple
     validate(config, world_size)
     return config
-
-
-def validate(config: Config, world_size: int) -> None:
-    """Check every cross-field rule (``loom.config_rules``); raise ConfigError on the first broken one."""
-    check_rules(config, world_size)
 
 
 def layout_of(config: Config) -> Layout:

@@ -148,9 +148,7 @@ def validate(config: Config, world_size: int) -> None:
 def _validate_attention(config: Config) -> None:
     """Heads, head size and the attention variants of ``TransformerArgs`` (model families)."""
     m = config.model
-    if m.head_dim_override < 0:
-        raise ConfigError("model.head_dim_override", m.head_dim_override,
-                          "must be >= 0 (0: dim / n_heads)")
+    require_positive(config, {"model.head_dim_override": "0: dim / n_heads"}, minimum=0)
     if m.head_dim_override == 0:
         require_divisible("model.dim", m.dim, m.n_heads, "model.n_heads")
         if m.head_dim % 2:
@@ -159,9 +157,7 @@ def _validate_attention(config: Config) -> None:
     elif m.head_dim_override % 2:
         raise ConfigError("model.head_dim_override", m.head_dim_override,
                           "must be even (RoPE rotates pairs of channels)")
-    if m.sliding_window < 0:
-        raise ConfigError("model.sliding_window", m.sliding_window,
-                          "must be >= 0 (0: full causal attention)")
+    require_positive(config, {"model.sliding_window": "0: full causal attention"}, minimum=0)
     if not m.rope_theta > 0:
         raise ConfigError("model.rope_theta", m.rope_theta, "must be > 0")
     if m.rope_scaling != "none" and not m.rope_scaling_factor > 0:
@@ -236,9 +232,8 @@ def _validate_metrics(config: Config) -> None:
     """The stated MFU peak, the profiled steps and the experiment tracker (whose package must be
     installed: checked here, before launch, rather than by a worker's failed import)."""
     mc, steps = config.metrics, config.train.steps
-    if mc.peak_tflops < 0:
-        raise ConfigError("metrics.peak_tflops", mc.peak_tflops, "must be >= 0 (0: the catalog's"
-                          " peak of a known GPU, else MFU is n/a)")
+    require_positive(config, {"metrics.peak_tflops": "0: the catalog's peak of a known GPU,"
+                                                     " else MFU is n/a"}, minimum=0)
     if mc.profile_steps:
         shown = ",".join(map(str, mc.profile_steps))
         rule = (f"must be A,B: the first and last step to trace, inclusive (or one step A), with"
@@ -287,9 +282,8 @@ def _validate_zero(config: Config) -> None:
     if par.zero_stage not in (1, 2, 3):
         raise ConfigError("parallel.zero_stage", par.zero_stage, "must be 1, 2 or 3")
     require_positive(config, ["train.recompute_every"])
-    if tr.memory_limit_gb < 0:
-        raise ConfigError("train.memory_limit_gb", tr.memory_limit_gb,
-                          "must be >= 0 (0: the device's memory, or no check on CPU)")
+    require_positive(config, {"train.memory_limit_gb": "0: the device's memory,"
+                                                       " or no check on CPU"}, minimum=0)
     if tr.offload_optimizer and par.dp_shard == 1:
         raise ConfigError("train.offload_optimizer", True, "needs a sharded optimizer:"
                           " parallel.dp_shard > 1 (ZeRO keeps its shard on the host)")
@@ -307,8 +301,9 @@ def _validate_zero(config: Config) -> None:
     if par.dp_shard == 1:
         return
     # cp > 1 composes: ZeRO shards over dp_shard x cp (cp ranks hold the same weights).
-    # ep > 1 composes: dense weights shard over dp_shard x ep, experts over dp_shard (MoE rules
-    # in _validate_zero_experts).
+    # MoE composes: with ep = 1 experts are ordinary parameters; with ep > 1 dense weights shard
+    # over dp_shard x ep (x cp), experts over dp_shard (x cp) (parity tests:
+    # tests/dist/test_zero_expert.py, with dp_replicate, tp, cp and pp).
     if par.pp > 1:
         validate_zero_pipeline(config)
 
@@ -340,19 +335,14 @@ def _validate_outer(config: Config) -> None:
     and an outer mode needs replicas and a layout whose gradient reduction this version keeps
     inside a replica (dp_shard and cp; never dp_replicate)."""
     par = config.parallel
-    if par.outer_steps < 1:
-        raise ConfigError("parallel.outer_steps", par.outer_steps,
-                          "must be >= 1 (H: inner optimizer steps per outer step)")
+    require_positive(config, {"parallel.outer_steps": "H: inner optimizer steps per outer step"})
     if not par.outer_lr > 0:
         raise ConfigError("parallel.outer_lr", par.outer_lr, "must be > 0")
     if not 0 <= par.outer_momentum < 1:
         raise ConfigError("parallel.outer_momentum", par.outer_momentum, "must be in [0, 1)")
-    if par.outer_fragments < 1:
-        raise ConfigError("parallel.outer_fragments", par.outer_fragments,
-                          "must be >= 1 (1: the whole model at once)")
-    for key in ("co2_gap_penalty", "co2_clip", "noloco_consensus"):
-        if getattr(par, key) < 0:
-            raise ConfigError(f"parallel.{key}", getattr(par, key), "must be >= 0 (0: off)")
+    require_positive(config, {"parallel.outer_fragments": "1: the whole model at once"})
+    require_positive(config, dict.fromkeys(["parallel.co2_gap_penalty", "parallel.co2_clip",
+                                            "parallel.noloco_consensus"], "0: off"), minimum=0)
     if par.dp_mode == "sync":
         return
     if par.dp_replicate < 2:
@@ -391,15 +381,11 @@ def _validate_compression(config: Config) -> None:
     knobs are checked whatever the mode; it is a step of the plain data-parallel reducer's
     all-reduce, so it is refused where gradients take another path."""
     par, tr = config.parallel, config.train
-    if par.compression_rank < 1:
-        raise ConfigError("parallel.compression_rank", par.compression_rank,
-                          "must be >= 1 (PowerSGD's rank)")
+    require_positive(config, {"parallel.compression_rank": "PowerSGD's rank"})
     if not 0 < par.compression_topk_ratio <= 1:
         raise ConfigError("parallel.compression_topk_ratio", par.compression_topk_ratio,
                           "must be in (0, 1] (the fraction of each tensor's elements sent)")
-    if par.compression_refresh < 1:
-        raise ConfigError("parallel.compression_refresh", par.compression_refresh,
-                          "must be >= 1 (steps between L-GreCo's choices)")
+    require_positive(config, {"parallel.compression_refresh": "steps between L-GreCo's choices"})
     if par.compression_adaptive != "none" and par.grad_compression not in ("powersgd", "topk"):
         raise ConfigError("parallel.compression_adaptive", par.compression_adaptive,
                           f"needs a base compressor with levels to choose from:"
@@ -462,8 +448,7 @@ def _validate_bf16(config: Config) -> None:
 def _validate_experts(config: Config) -> None:
     """MoE shape rules, and what expert parallelism composes with in this version."""
     m, par = config.model, config.parallel
-    if m.n_experts < 0:
-        raise ConfigError("model.n_experts", m.n_experts, "must be >= 0 (0: a dense model)")
+    require_positive(config, {"model.n_experts": "0: a dense model"}, minimum=0)
     if m.n_experts > 0 and m.mlp != "swiglu":
         raise ConfigError("model.mlp", m.mlp, f"must be 'swiglu' with model.n_experts ="
                           f" {m.n_experts} (the experts are SwiGLU only)")
@@ -494,26 +479,13 @@ def _validate_experts(config: Config) -> None:
                           f" with parallel.cp = {par.cp}: capacity is per sequence, and a queue"
                           " position depends on the order of all of a sequence's tokens, which"
                           " cp splits over ranks")
-    if par.dp_shard > 1:
-        _validate_zero_experts(config)
-
-
-def _validate_zero_experts(config: Config) -> None:
-    """ZeRO (dp_shard > 1) with an MoE model: with ep = 1 experts are ordinary parameters; with
-    ep > 1 dense weights shard over dp_shard x ep (x cp) and experts over dp_shard (x cp) (parity
-    tests: tests/dist/test_zero_expert.py, with dp_replicate, tp, cp and pp). What is not built
-    is refused by name."""
-    par = config.parallel
-    if par.ep == 1:
-        return
 
 
 def _validate_context_parallel(config: Config) -> None:
     """cp rules: the zig-zag ring needs seq_len divisible by 2*cp (cp for Ulysses alone); the
     Ulysses degree must divide cp and the heads each tp rank holds."""
     par, m = config.parallel, config.model
-    if par.cp_ulysses < 0:
-        raise ConfigError("parallel.cp_ulysses", par.cp_ulysses, "must be >= 0 (0: automatic)")
+    require_positive(config, {"parallel.cp_ulysses": "0: automatic"}, minimum=0)
     if par.cp == 1:
         return
 

@@ -23,12 +23,15 @@ def require_divisible(field_name: str, value: int, divisor: int, what: str) -> N
                           f" nearest valid: {nearest_multiples(value, divisor)}")
 
 
-def require_positive(config: Config, keys: list[str], minimum: float = 1) -> None:
+def require_positive(config: Config, keys: list[str] | dict[str, str], minimum: float = 1) -> None:
+    """Each field of ``keys`` must be >= ``minimum``; a dict also says, for the refusal, what
+    each field's value means (``{"model.n_experts": "0: a dense model"}``)."""
     for key in keys:
         section, name = key.split(".")
         value = getattr(getattr(config, section), name)
         if value < minimum:
-            raise ConfigError(key, value, f"must be >= {minimum}")
+            note = f" ({keys[key]})" if isinstance(keys, dict) else ""
+            raise ConfigError(key, value, f"must be >= {minimum}{note}")
 
 
 __all__ = ["nearest_multiples", "require_divisible", "require_positive"]

@@ -117,10 +117,7 @@ def list_files(
     root = _resolve_source(source)
     if str(source) == STDLIB_SOURCE:
         extensions = STDLIB_EXTENSIONS
-    if root.is_file():
-        entries = [(root.name, root)]
-    else:
-        entries = walk_sorted(root, extensions)
+    entries = [(root.name, root)] if root.is_file() else walk_sorted(root, extensions)
     files = [SourceFile(name, path, size) for name, path in entries
              if (size := _regular_size(path)) > 0]
     if not files:

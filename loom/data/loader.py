@@ -43,16 +43,8 @@ import numpy as np
 import torch
 
 from loom.errors import ConfigError
-from loom.data.corpus import (
-    STDLIB_SOURCE,
-    Document,
-    SourceFile,
-    fingerprint,
-    first_text_file,
-    list_files,
-    read_documents,
-    split_documents,
-)
+from loom.data.corpus import (STDLIB_SOURCE, Document, SourceFile, fingerprint, first_text_file,
+                              list_files, read_documents, split_documents)
 from loom.data.hf_tokenizer import CONFIG_FILE as HF_CONFIG_FILE
 from loom.data.hf_tokenizer import SPECIAL_TOKENS_FILE as HF_SPECIAL_TOKENS_FILE
 from loom.data.mix import MixedSequences, MixSampler, check_mix_paths, interleaved_order, parse_mix
@@ -60,24 +52,10 @@ from loom.data.packing import DocumentBatch, PackedDocuments, document_offsets
 from loom.data.prepare import PreparedData
 from loom.data.samples import BatchSampler, WindowedSamples, rank_slice
 from loom.data.varlen import VarlenDocuments
-from loom.data.sources import (
-    PREPARED,
-    TEXT,
-    Source,
-    check_text_field,
-    read_source_documents,
-    record_val_count,
-    resolve_source,
-    split_records,
-)
-from loom.data.tokenizer import (
-    Tokenizer,
-    build_tokenizer,
-    encode_documents,
-    identity_of,
-    is_builtin,
-    load_tokenizer,
-)
+from loom.data.sources import (PREPARED, TEXT, Source, check_text_field, read_source_documents,
+                               record_val_count, resolve_source, split_records)
+from loom.data.tokenizer import (Tokenizer, build_tokenizer, encode_documents, identity_of,
+                                 is_builtin, load_tokenizer)
 
 TRAIN_FILE = "train.bin"
 VAL_FILE = "val.bin"
@@ -88,9 +66,7 @@ _ENCODE_CHUNK = 256  # documents per encode_batch call: parallel in Rust, bounde
 Batch = tuple[torch.Tensor, torch.Tensor] | DocumentBatch
 
 
-# ---------------------------------------------------------------------------------------------
-# Preparing the token files
-# ---------------------------------------------------------------------------------------------
+# -- Preparing the token files -----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -542,9 +518,7 @@ def prepare_data(cfg: Any, out_dir: str | Path) -> DataFiles:
     return DataFiles._from_meta(out_dir, meta)
 
 
-# ---------------------------------------------------------------------------------------------
-# Packed sequences
-# ---------------------------------------------------------------------------------------------
+# -- Packed sequences --------------------------------------------------------------------------
 
 
 class PackedSequences(WindowedSamples):
@@ -589,9 +563,7 @@ def _map_tokens(path: Path, dtype: np.dtype) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
-# ---------------------------------------------------------------------------------------------
-# Sampling and loading
-# ---------------------------------------------------------------------------------------------
+# -- Sampling and loading ----------------------------------------------------------------------
 
 
 def _check_dp(dp_rank: int, dp_size: int, batch_size: int, name: str) -> None:

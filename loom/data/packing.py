@@ -35,7 +35,6 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
-from loom.data.budgets import PACKINGS  # noqa: F401 (re-exported)
 from loom.data.prepare import INDEX_FILE, PreparedData
 from loom.errors import ConfigError
 
@@ -234,6 +233,6 @@ def document_offsets(tokens: np.ndarray, eos_id: int, prepared_range: tuple[int,
     return offsets_from_eos(tokens, eos_id)
 
 
-__all__ = ["DocumentBatch", "IGNORE_INDEX", "PACKINGS", "PAD_DOCUMENT", "PackedDocuments",
+__all__ = ["DocumentBatch", "IGNORE_INDEX", "PAD_DOCUMENT", "PackedDocuments",
            "RowLayout", "check_offsets", "document_offsets", "offsets_from_eos", "pack_rows",
            "prepared_offsets"]

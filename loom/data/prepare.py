@@ -42,19 +42,9 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from loom.data.corpus import fingerprint, list_files
-from loom.data.sources import (
-    DEFAULT_EXTENSIONS,
-    PREPARED,
-    PREPARED_MANIFEST,
-    RECORDS,
-    SAVED,
-    TEXT,
-    Source,
-    check_readable,
-    iter_texts,
-    record_val_count,
-    resolve_source,
-)
+from loom.data.sources import (DEFAULT_EXTENSIONS, PREPARED, PREPARED_MANIFEST, RECORDS, SAVED,
+                               TEXT, Source, check_readable, iter_texts, record_val_count,
+                               resolve_source)
 from loom.data.tokenizer import Tokenizer, build_tokenizer, encode_documents, tokenizer_identity
 from loom.errors import ConfigError
 
@@ -76,9 +66,7 @@ def prepared_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 2**16 else "uint32"
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading a prepared directory
-# ---------------------------------------------------------------------------------------------
+# -- Reading a prepared directory --------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -162,9 +150,7 @@ class PreparedData:
                               f" --data.tokenizer={use}")
 
 
-# ---------------------------------------------------------------------------------------------
-# Tokenizing in worker processes
-# ---------------------------------------------------------------------------------------------
+# -- Tokenizing in worker processes ------------------------------------------------------------
 
 
 _WORKER_TOKENIZER: Tokenizer | None = None
@@ -298,9 +284,7 @@ class _Progress:
             self._bar.close()
 
 
-# ---------------------------------------------------------------------------------------------
-# The command
-# ---------------------------------------------------------------------------------------------
+# -- The command -------------------------------------------------------------------------------
 
 
 def check_prepare_inputs(source: str, tokenizer: str, out: str | Path, *, text_field: str = "text",

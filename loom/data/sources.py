@@ -32,15 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from loom.data.corpus import (
-    STDLIB_SOURCE,
-    Document,
-    SourceFile,
-    first_text_file,
-    list_files,
-    read_documents,
-    walk_sorted,
-)
+from loom.data.corpus import (STDLIB_SOURCE, Document, SourceFile, first_text_file, list_files,
+                              read_documents, walk_sorted)
 from loom.errors import ConfigError, suggest
 
 TEXT, RECORDS, SAVED, PREPARED = "text", "records", "saved", "prepared"
@@ -118,9 +111,7 @@ def resolve_source(source: str | os.PathLike[str],
     return Source(spec, TEXT, path.resolve() if path.exists() else None)  # corpus.py refuses
 
 
-# ---------------------------------------------------------------------------------------------
-# Record sources, through the datasets library
-# ---------------------------------------------------------------------------------------------
+# -- Record sources, through the datasets library ----------------------------------------------
 
 
 @contextlib.contextmanager

@@ -151,11 +151,6 @@ class BpeTokenizer:
         _write_meta(directory, _meta(self))
 
 
-def _check_kind(kind: str) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"data.tokenizer={kind!r} is not one of {KINDS}")
-
-
 def is_builtin(kind: str) -> bool:
     """True for Loom's own tokenizers ("byte", "bpe"); anything else names a tokenizer.json."""
     return kind in KINDS
@@ -198,7 +193,8 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     meta = json.loads(meta_path.read_text())
     if meta["kind"] == HF_KIND:
         return load_hf_tokenizer(directory)
-    _check_kind(meta["kind"])
+    if meta["kind"] not in KINDS:
+        raise ValueError(f"data.tokenizer={meta['kind']!r} is not one of {KINDS}")
     if meta["kind"] == "byte":
         return ByteTokenizer()
     return BpeTokenizer.load(directory, int(meta["vocab_size"]))

@@ -119,15 +119,11 @@ def _permute(tensor: torch.Tensor, heads: int, to_hf: bool) -> torch.Tensor:
     return permute(tensor[:, None], heads)[:, 0] if tensor.ndim == 1 else permute(tensor, heads)
 
 
-def _expected_shapes(args: TransformerArgs) -> dict[str, torch.Size]:
-    return {k: v.shape for k, v in build_model(args, device="meta").state_dict().items()}
-
-
 def _convert(state: dict[str, torch.Tensor], args: TransformerArgs, *, to_hf: bool,
              source: str) -> dict[str, torch.Tensor]:
     """Rename (and permute what lives in the RoPE basis) every tensor; refuse missing, unknown
     or misshapen ones."""
-    shapes = _expected_shapes(args)
+    shapes = {k: v.shape for k, v in build_model(args, device="meta").state_dict().items()}
     pairs = [(hf, loom) if to_hf else (loom, hf) for loom, hf in name_pairs(args)]
     head = "output.weight" if to_hf else "lm_head.weight"
     # What may be present and is dropped: a tied head stored anyway (the embedding wins, as

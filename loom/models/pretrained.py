@@ -48,10 +48,6 @@ class PretrainedError(ValueError):
     """``model.init_from`` does not name a readable model; the message says what is missing."""
 
 
-def _shape_fields() -> set[str]:
-    return {f.name for f in dataclasses.fields(TransformerArgs)}
-
-
 @dataclass
 class PretrainedSource:
     """An opened pretrained model: its shape, where each Loom parameter lives, and the reads."""
@@ -105,7 +101,7 @@ class PretrainedSource:
         defaults = TransformerArgs()
         shape = {}
         for key, value in (model.items() if isinstance(model, dict) else ()):
-            if key not in _shape_fields():
+            if key not in {f.name for f in dataclasses.fields(TransformerArgs)}:
                 continue
             want = type(getattr(defaults, key))
             if not isinstance(value, want) or isinstance(value, bool) != (want is bool):

@@ -69,6 +69,11 @@ class CommLedger:
         return out
 
 
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank's own storage of a (possibly DTensor) tensor."""
+    return getattr(tensor, "_local_tensor", tensor)
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 

@@ -78,6 +78,7 @@ from torch import nn
 
 from loom.layout import CompressionSpec
 from loom.parallel import comm
+from loom.parallel.comm import local_shard
 
 METHODS = ("none", "powersgd", "int8", "topk")
 ADAPTIVE = ("none", "lgreco")
@@ -85,11 +86,6 @@ INT8_CHUNK = 1024  # elements per int8 scale: 0.4% of the payload in scales
 LEVEL_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)  # L-GreCo's candidate levels around the configured one
 REFERENCE_LEVEL = LEVEL_FACTORS.index(1.0)
 DP_BINS = 1000  # error resolution of L-GreCo's dynamic program (budget / DP_BINS per bin)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank's own storage of a (possibly DTensor) tensor."""
-    return getattr(tensor, "_local_tensor", tensor)
 
 
 def _clean(tensor: torch.Tensor) -> torch.Tensor:
@@ -165,7 +161,7 @@ class GradCompressor:
         self.ledger, self.axis, self.seed = ledger, axis, seed
         self.params = list(params)  # the reducer's order: the slot of each tensor's state
         self.slot = {id(p): i for i, p in enumerate(self.params)}
-        self.residual = [torch.zeros_like(_local(p)) for p in self.params]
+        self.residual = [torch.zeros_like(local_shard(p)) for p in self.params]
         self.level = torch.full((len(self.params),), REFERENCE_LEVEL, dtype=torch.long)
         self.steps = torch.zeros((), dtype=torch.long)
         self._errors: dict[int, torch.Tensor] = {}  # L-GreCo's measurements this step, by slot

@@ -71,9 +71,9 @@ from loom.data.packing import IGNORE_INDEX, DocumentBatch
 from loom.models.document_attention import DocumentMask
 from loom.parallel import comm
 from loom.parallel.comm import CommLedger
-from loom.parallel.ring_attention import (DKV_TAG, KV_TAG, Ring, attend_block,
+from loom.parallel.ring_attention import (GradientRelay, Ring, attend_block,
                                           attend_block_backward, attend_block_backward_math,
-                                          attend_block_math, finite)
+                                          attend_block_math, finite, ring_hops)
 
 PAD_SLOT = -1  # a shard's gather index for a padding slot
 PAD_KEY = -1  # the document id of cp padding; real documents are run ordinals >= 0
@@ -296,13 +296,6 @@ def document_keys(documents: DocumentMask, group: Any, ring: int, ulysses: int, 
 
 
 # -- the ring, masked per document --------------------------------------------------------------
-def masked_block(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
-                 allowed_BQK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's output ``[B, N, Sq, Hd]`` and log-sum-exp ``[B, N, Sq]`` (fp32) under a
-    per-row mask; a row that sees no key gets output 0 and log-sum-exp ``-inf``."""
-    return attend_block_math(q_BNSH, k_BKSH, v_BKSH, False, allowed_BQK)
-
-
 def merge_masked(out_BNSH: torch.Tensor, lse_BNS: torch.Tensor, block_out_BNSH: torch.Tensor,
                  block_lse_BNS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``ring_attention.merge_block`` where either side may have seen no key yet (``-inf``)."""
@@ -313,21 +306,13 @@ def merge_masked(out_BNSH: torch.Tensor, lse_BNS: torch.Tensor, block_out_BNSH: 
     return out, lse
 
 
-def masked_block_backward(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
-                          out_BNSH: torch.Tensor, dout_BNSH: torch.Tensor, lse_BNS: torch.Tensor,
-                          allowed_BQK: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The flash-attention backward of one masked block, given the rows' final output and
-    log-sum-exp (finite: every token sees itself): ``dq``, ``dk``, ``dv`` in fp32."""
-    return attend_block_backward_math(q_BNSH, k_BKSH, v_BKSH, out_BNSH, dout_BNSH, lse_BNS,
-                                      False, allowed_BQK)
-
-
 def block_forward(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
                   block: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``masked_block`` of a dense mask, or of tiles (rows in no tile: output 0, ``-inf``)."""
+    """One block's output ``[B, N, Sq, Hd]`` and log-sum-exp ``[B, N, Sq]`` (fp32) under a dense
+    per-row mask (``attend_block_math``: a row that sees no key gets output 0 and log-sum-exp
+    ``-inf``), or under tiles (rows in no tile: the same)."""
     if not isinstance(block, tuple):
-        return masked_block(q_BNSH, k_BKSH, v_BKSH, block)
+        return attend_block_math(q_BNSH, k_BKSH, v_BKSH, False, block)
     B, N, S, Hd = q_BNSH.shape
     out = q_BNSH.new_zeros((B, N, S, Hd), dtype=torch.float32)
     lse = q_BNSH.new_full((B, N, S), float("-inf"), dtype=torch.float32)
@@ -335,7 +320,7 @@ def block_forward(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tens
         q, k, v = (q_BNSH[:, :, tile.q_index], k_BKSH[:, :, tile.k_index],
                    v_BKSH[:, :, tile.k_index])
         if tile.kernel == "masked":
-            o, l = masked_block(q, k, v, tile.allowed)
+            o, l = attend_block_math(q, k, v, False, tile.allowed)
         else:
             o, l = attend_block(q, k, v, tile.kernel == "causal")
         # a query's keys may span several tiles of one document (full tiles): merge them
@@ -347,10 +332,13 @@ def block_forward(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tens
 def block_backward(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
                    out_BNSH: torch.Tensor, dout_BNSH: torch.Tensor, lse_BNS: torch.Tensor,
                    block: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``masked_block_backward`` of a dense mask, or of tiles (added back: a tile's queries
-    and keys belong to its documents only; only a document's full tiles share rows)."""
+    """The flash-attention backward of one block under a dense per-row mask, given the rows'
+    final output and log-sum-exp (finite: every token sees itself): ``dq``, ``dk``, ``dv`` in
+    fp32; or under tiles (added back: a tile's queries and keys belong to its documents only;
+    only a document's full tiles share rows)."""
     if not isinstance(block, tuple):
-        return masked_block_backward(q_BNSH, k_BKSH, v_BKSH, out_BNSH, dout_BNSH, lse_BNS, block)
+        return attend_block_backward_math(q_BNSH, k_BKSH, v_BKSH, out_BNSH, dout_BNSH, lse_BNS,
+                                          False, block)
     dq = torch.zeros(q_BNSH.shape, dtype=torch.float32, device=q_BNSH.device)
     dk = torch.zeros(k_BKSH.shape, dtype=torch.float32, device=k_BKSH.device)
     dv = torch.zeros_like(dk)
@@ -359,18 +347,13 @@ def block_backward(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Ten
         args = (q_BNSH[:, :, qi], k_BKSH[:, :, ki], v_BKSH[:, :, ki], out_BNSH[:, :, qi],
                 dout_BNSH[:, :, qi], lse_BNS[:, :, qi].contiguous())
         if tile.kernel == "masked":
-            dq_t, dk_t, dv_t = masked_block_backward(*args, tile.allowed)
+            dq_t, dk_t, dv_t = attend_block_backward_math(*args, False, tile.allowed)
         else:
             dq_t, dk_t, dv_t = attend_block_backward(*args, tile.kernel == "causal")
         dq.index_add_(2, qi, dq_t)  # full tiles of one document share rows
         dk.index_add_(2, ki, dk_t)
         dv.index_add_(2, ki, dv_t)
     return dq, dk, dv
-
-
-def _wait(requests: list[Any]) -> None:
-    for request in requests:
-        request.wait()
 
 
 class _DocumentRing(torch.autograd.Function):
@@ -384,17 +367,10 @@ class _DocumentRing(torch.autograd.Function):
             B, N, S, Hd = q_BNSH.shape
             out = torch.zeros(B, N, S, Hd, dtype=torch.float32, device=q_BNSH.device)
             lse = torch.full((B, N, S), float("-inf"), dtype=torch.float32, device=q_BNSH.device)
-            kv = torch.stack([k_BKSH, v_BKSH]).contiguous()
-            for step in range(ring.size):
-                last = step == ring.size - 1
-                if not last:  # post the transfer first: it overlaps the block below
-                    incoming, requests = ring.shift(kv, KV_TAG)
+            for step, kv in ring_hops(ring, torch.stack([k_BKSH, v_BKSH]).contiguous()):
                 if masks[step] is not None:
                     out, lse = merge_masked(out, lse, *block_forward(q_BNSH, kv[0], kv[1],
                                                                      masks[step]))
-                if not last:
-                    _wait(requests)
-                    kv = incoming
         ctx.ring, ctx.masks = ring, masks
         ctx.save_for_backward(q_BNSH, k_BKSH, v_BKSH, out, lse)
         return out.to(q_BNSH.dtype)
@@ -402,38 +378,17 @@ class _DocumentRing(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout_BNSH: torch.Tensor):
         with torch.autocast(dout_BNSH.device.type, enabled=False):
-            ring: Ring = ctx.ring
             q_BNSH, k_BKSH, v_BKSH, out, lse = ctx.saved_tensors
             dq = torch.zeros_like(out)
-            kv = torch.stack([k_BKSH, v_BKSH]).contiguous()
-            own, incoming_sum = None, None  # own: this rank's keys' gradient from its queries
-            pending_sum: list[Any] = []
-            sends: list[tuple[Any, torch.Tensor]] = []  # keep sent tensors alive until delivered
-            for step in range(ring.size):
-                last = step == ring.size - 1
-                if not last:
-                    incoming, requests = ring.shift(kv, KV_TAG)
+            relay = GradientRelay(ctx.ring)  # the block's dK/dV, on to its owner
+            for step, kv in ring_hops(ctx.ring, torch.stack([k_BKSH, v_BKSH]).contiguous()):
                 dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
                 if ctx.masks[step] is not None:
                     dq_b, dkv[0], dkv[1] = block_backward(
                         q_BNSH, kv[0], kv[1], out, dout_BNSH, lse, ctx.masks[step])
                     dq += dq_b
-                if step == 0:
-                    own = dkv
-                else:
-                    if step >= 2:  # the previous ranks' share of this block's gradient
-                        _wait(pending_sum)
-                        dkv += incoming_sum
-                    sends.append((ring.send(dkv, DKV_TAG), dkv))  # on to the block's owner
-                    incoming_sum = torch.empty_like(dkv)
-                    pending_sum = [ring.recv(incoming_sum, DKV_TAG)]
-                if not last:
-                    _wait(requests)
-                    kv = incoming
-            if ring.size > 1:
-                _wait(pending_sum)
-                own = own + incoming_sum
-            _wait([request for request, _ in sends])
+                relay.add(step, dkv)
+            own = relay.total()
         return (dq.to(q_BNSH.dtype), own[0].to(k_BKSH.dtype), own[1].to(v_BKSH.dtype), None,
                 None)
 
@@ -447,4 +402,4 @@ def document_ring_attention(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: 
 
 __all__ = ["DocumentKeys", "PAD_KEY", "PAD_SLOT", "TILE_TOKENS", "Tile", "block_backward",
            "block_forward", "document_keys", "document_ring_attention", "document_shard_indices",
-           "document_tiles", "masked_block", "merge_masked", "run_ordinals", "take_shard"]
+           "document_tiles", "merge_masked", "run_ordinals", "take_shard"]

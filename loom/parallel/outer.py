@@ -144,14 +144,10 @@ from torch.distributed.tensor import DTensor
 
 from loom.formulas.memory import BUCKET_BYTES, MAX_IN_FLIGHT
 from loom.parallel import comm
+from loom.parallel.comm import local_shard
 
 MODES: tuple[str, ...] = ("diloco", "noloco", "co2")
 _NORM_FLOOR = 1e-12  # keeps the staleness ratio finite when a stale average is exactly zero
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank's own storage of a (possibly DTensor) tensor."""
-    return getattr(tensor, "_local_tensor", tensor)
 
 
 def noloco_pairs(replicas: int, seed: int,
@@ -278,7 +274,7 @@ class OuterLoop:
         self._offsets = fragment_offsets(outer_steps, fragments)
         self._buckets = self._make_buckets(bucket_bytes)
         with torch.no_grad():
-            self._snapshot = [_local(p).detach().to(torch.float32, copy=True)
+            self._snapshot = [local_shard(p).detach().to(torch.float32, copy=True)
                               for p in self.params]
             self._momentum = [torch.zeros_like(s) for s in self._snapshot]
             if mode == "co2":
@@ -353,7 +349,8 @@ class OuterLoop:
         c = self.noloco_consensus
         for tag, bucket in enumerate(buckets):
             phi = torch.cat([self._snapshot[i].reshape(-1) for i in bucket.indices])
-            theta = torch.cat([_local(self.params[i]).reshape(-1).float() for i in bucket.indices])
+            theta = torch.cat([local_shard(self.params[i]).reshape(-1).float()
+                               for i in bucket.indices])
             if peer is None:  # sitting this one out: a group of one
                 outer_grad = phi.sub_(theta)
             else:
@@ -380,7 +377,7 @@ class OuterLoop:
             else:  # x_{1,0} = x_{0,0}: nothing stale to apply yet
                 for i in bucket.indices:
                     self._displacement[i].zero_()
-                    _local(self.params[i]).copy_(self._snapshot[i])
+                    local_shard(self.params[i]).copy_(self._snapshot[i])
             self._pending_flat[k].copy_(fresh)
             self._pending_work[k] = comm.all_reduce(self._pending_flat[k], self.group,
                                                     axis=self.axis, ledger=self.ledger,
@@ -416,11 +413,11 @@ class OuterLoop:
             displacement.sub_(snapshot).neg_()  # x_{t+1,0} - x_{t,0}, the next step's gap
         else:
             snapshot.sub_(update, alpha=self.outer_lr)
-        _local(self.params[i]).copy_(snapshot)
+        local_shard(self.params[i]).copy_(snapshot)
 
     # -- packing -----------------------------------------------------------------------------------
     def _make_buckets(self, bucket_bytes: int) -> list[_Bucket]:
-        numels = [_local(p).numel() for p in self.params]
+        numels = [local_shard(p).numel() for p in self.params]
         fragment_of = _fragment_of_each(numels, self.fragments)
         buckets: list[_Bucket] = []
         for i, (numel, fragment) in enumerate(zip(numels, fragment_of)):
@@ -433,7 +430,7 @@ class OuterLoop:
 
     def _pseudo_gradient(self, bucket: _Bucket) -> torch.Tensor:
         """This replica's phi - theta over the bucket, flat fp32."""
-        return torch.cat([(self._snapshot[i] - _local(self.params[i]).float()).reshape(-1)
+        return torch.cat([(self._snapshot[i] - local_shard(self.params[i]).float()).reshape(-1)
                           for i in bucket.indices])
 
     def _unflatten(self, flat: torch.Tensor, bucket: _Bucket):
@@ -482,7 +479,7 @@ class OuterLoop:
                     raise ValueError(f"state_dict[{key!r}] has no entry for parameters "
                                      f"{missing[:3]}{' ...' if len(missing) > 3 else ''}")
                 for name, target in zip(self.names, targets):
-                    target.copy_(_local(saved[name]))
+                    target.copy_(local_shard(saved[name]))
         self.inner_steps = int(state["inner_steps"])
         self.outer_step_count = [int(n) for n in state["outer_step_count"]]
         if self.mode == "co2":

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
@@ -237,9 +238,55 @@ class Ring:
         return buffer, [self.send(tensor, tag), self.recv(buffer, tag)]
 
 
-def _wait(requests: list[Any]) -> None:
+def wait_all(requests: list[Any]) -> None:
     for request in requests:
         request.wait()
+
+
+def ring_hops(ring: Ring, kv: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """Each step's key/value block, this rank's own first (step 0): the transfer of the next
+    one is posted before a block is handed out, so it overlaps the caller's work on that block."""
+    for step in range(ring.size):
+        last = step == ring.size - 1
+        if not last:
+            incoming, requests = ring.shift(kv, KV_TAG)
+        yield step, kv
+        if not last:
+            wait_all(requests)
+            kv = incoming
+
+
+class GradientRelay:
+    """The dK/dV of the block each ring step holds, passed on as a running sum: after r-1 hops
+    it reaches the block's owner. The owner's own contribution (step 0) never travels."""
+
+    def __init__(self, ring: Ring) -> None:
+        self.ring = ring
+        self.own: torch.Tensor | None = None
+        self.incoming: torch.Tensor | None = None
+        self.pending: list[Any] = []  # irecv of the running dK/dV sum for the next block
+        self.sends: list[tuple[Any, torch.Tensor]] = []  # keep sent tensors alive until delivered
+
+    def add(self, step: int, dkv: torch.Tensor) -> None:
+        """Add step ``step``'s block gradient (fp32, ``[2, B, K, Sk, Hd]``) and pass it on."""
+        if step == 0:
+            self.own = dkv
+            return
+        if step >= 2:  # the previous ranks' share of this block's gradient
+            wait_all(self.pending)
+            dkv += self.incoming
+        self.sends.append((self.ring.send(dkv, DKV_TAG), dkv))
+        self.incoming = torch.empty_like(dkv)
+        self.pending = [self.ring.recv(self.incoming, DKV_TAG)]
+
+    def total(self) -> torch.Tensor:
+        """This rank's keys' dK/dV over every rank's queries; waits for every send too."""
+        own = self.own
+        if self.ring.size > 1:
+            wait_all(self.pending)
+            own = own + self.incoming
+        wait_all([request for request, _ in self.sends])
+        return own
 
 
 class _RingAttention(torch.autograd.Function):
@@ -247,78 +294,40 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx: Any, q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
                 ring: Ring) -> torch.Tensor:
         with torch.autocast(q_BNSH.device.type, enabled=False):  # fp32 softmax statistics
-            out = _RingAttention._forward(ctx, q_BNSH, k_BKSH, v_BKSH, ring)
-        return out.to(q_BNSH.dtype)
-
-    @staticmethod
-    def _forward(ctx: Any, q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
-                 ring: Ring) -> torch.Tensor:
-        B, N, S, Hd = q_BNSH.shape
-        out = torch.zeros(B, N, S, Hd, dtype=torch.float32, device=q_BNSH.device)
-        lse = torch.full((B, N, S), float("-inf"), dtype=torch.float32, device=q_BNSH.device)
-        kv = torch.stack([k_BKSH, v_BKSH]).contiguous()  # one message per hop, not two
-        for step in range(ring.size):
-            last = step == ring.size - 1
-            if not last:  # post the transfer first: it overlaps the block below
-                incoming, requests = ring.shift(kv, KV_TAG)
-            rows, cols, causal = block_slices(
-                block_kind(ring.index, (ring.index - step) % ring.size), S)
-            block_out, block_lse = attend_block(q_BNSH[:, :, rows], kv[0][:, :, cols],
-                                                kv[1][:, :, cols], causal)
-            out[:, :, rows], lse[:, :, rows] = merge_block(out[:, :, rows], lse[:, :, rows],
-                                                           block_out, block_lse)
-            if not last:
-                _wait(requests)
-                kv = incoming
+            B, N, S, Hd = q_BNSH.shape
+            out = torch.zeros(B, N, S, Hd, dtype=torch.float32, device=q_BNSH.device)
+            lse = torch.full((B, N, S), float("-inf"), dtype=torch.float32, device=q_BNSH.device)
+            # one message per hop, not two
+            for step, kv in ring_hops(ring, torch.stack([k_BKSH, v_BKSH]).contiguous()):
+                rows, cols, causal = block_slices(
+                    block_kind(ring.index, (ring.index - step) % ring.size), S)
+                block_out, block_lse = attend_block(q_BNSH[:, :, rows], kv[0][:, :, cols],
+                                                    kv[1][:, :, cols], causal)
+                out[:, :, rows], lse[:, :, rows] = merge_block(out[:, :, rows], lse[:, :, rows],
+                                                               block_out, block_lse)
         ctx.ring = ring
         ctx.save_for_backward(q_BNSH, k_BKSH, v_BKSH, out, lse)
-        return out
+        return out.to(q_BNSH.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout_BNSH: torch.Tensor):
         with torch.autocast(dout_BNSH.device.type, enabled=False):
-            return _RingAttention._backward(ctx, dout_BNSH)
-
-    @staticmethod
-    def _backward(ctx: Any, dout_BNSH: torch.Tensor):
-        ring: Ring = ctx.ring
-        q_BNSH, k_BKSH, v_BKSH, out, lse = ctx.saved_tensors
-        S = q_BNSH.shape[2]
-        dq = torch.zeros_like(out)
-        kv = torch.stack([k_BKSH, v_BKSH]).contiguous()
-        own = None  # dK/dV of this rank's block from its own queries; never travels
-        pending_sum: list[Any] = []  # irecv of the running dK/dV sum for the next block
-        sends: list[tuple[Any, torch.Tensor]] = []  # keep sent tensors alive until delivered
-        incoming_sum = None
-        for step in range(ring.size):
-            last = step == ring.size - 1
-            if not last:
-                incoming, requests = ring.shift(kv, KV_TAG)
-            rows, cols, causal = block_slices(
-                block_kind(ring.index, (ring.index - step) % ring.size), S)
-            dq_b, dk_b, dv_b = attend_block_backward(
-                q_BNSH[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows],
-                dout_BNSH[:, :, rows], lse[:, :, rows], causal)
-            dq[:, :, rows] += dq_b
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            dkv[0][:, :, cols], dkv[1][:, :, cols] = dk_b, dv_b
-            if step == 0:
-                own = dkv
-            else:
-                if step >= 2:  # the previous ranks' share of this block's gradient
-                    _wait(pending_sum)
-                    dkv += incoming_sum
-                # Pass the running sum on; after r-1 hops it reaches the block's owner.
-                sends.append((ring.send(dkv, DKV_TAG), dkv))
-                incoming_sum = torch.empty_like(dkv)
-                pending_sum = [ring.recv(incoming_sum, DKV_TAG)]
-            if not last:
-                _wait(requests)
-                kv = incoming
-        if ring.size > 1:
-            _wait(pending_sum)  # the sum over every other rank's queries, for this rank's keys
-            own = own + incoming_sum
-        _wait([request for request, _ in sends])
+            ring: Ring = ctx.ring
+            q_BNSH, k_BKSH, v_BKSH, out, lse = ctx.saved_tensors
+            S = q_BNSH.shape[2]
+            dq = torch.zeros_like(out)
+            relay = GradientRelay(ring)
+            for step, kv in ring_hops(ring, torch.stack([k_BKSH, v_BKSH]).contiguous()):
+                rows, cols, causal = block_slices(
+                    block_kind(ring.index, (ring.index - step) % ring.size), S)
+                dq_b, dk_b, dv_b = attend_block_backward(
+                    q_BNSH[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows],
+                    dout_BNSH[:, :, rows], lse[:, :, rows], causal)
+                dq[:, :, rows] += dq_b
+                dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+                dkv[0][:, :, cols], dkv[1][:, :, cols] = dk_b, dv_b
+                relay.add(step, dkv)
+            own = relay.total()
         return (dq.to(q_BNSH.dtype), own[0].to(k_BKSH.dtype), own[1].to(v_BKSH.dtype), None)
 
 

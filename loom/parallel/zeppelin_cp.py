@@ -74,7 +74,7 @@ from loom.parallel.comm import CommLedger
 from loom.parallel.context_documents import (PAD_KEY, PAD_SLOT, TILE_TOKENS, Tile,
                                              block_backward, block_forward, document_tiles,
                                              merge_masked)
-from loom.parallel.ring_attention import DKV_TAG, KV_TAG, Ring
+from loom.parallel.ring_attention import DKV_TAG, KV_TAG, Ring, wait_all
 
 
 # Attention's seconds per flop over the linear modules' (forward + backward, fp32, one CPU
@@ -366,11 +366,6 @@ def _hop(part: RingPart, sending: torch.Tensor, tag: int, sent_of: int,
     return buffer, sent, received
 
 
-def _wait(requests: list[Any]) -> None:
-    for request in requests:
-        request.wait()
-
-
 def _kv_of(part: RingPart, k_BKLH: torch.Tensor, v_BKLH: torch.Tensor) -> torch.Tensor:
     """This rank's keys and values of the ring's documents, one message: ``[2, B, K, n, Hd]``."""
     return torch.stack([k_BKLH[:, :, part.index], v_BKLH[:, :, part.index]]).contiguous()
@@ -396,7 +391,7 @@ class _SubRingAttention(torch.autograd.Function):
             for part, (incoming, *requests) in zip(keys.rings, first):
                 j, g = part.ring.index, part.ring.size
                 for hop in range(1, g):  # holding member j - hop's keys
-                    _wait(requests[0] + requests[1])
+                    wait_all(requests[0] + requests[1])
                     kv = incoming
                     if hop < g - 1:  # pass it on before computing with it
                         incoming, *requests = _hop(part, kv, KV_TAG, j - hop, j - hop - 1)
@@ -420,7 +415,7 @@ class _SubRingAttention(torch.autograd.Function):
                 pending_sum: list[Any] = []
                 incoming_sum = None
                 for hop in range(1, g):  # holding member j - hop's keys
-                    _wait(requests[0] + requests[1])
+                    wait_all(requests[0] + requests[1])
                     kv = incoming
                     if hop < g - 1:
                         incoming, *requests = _hop(part, kv, KV_TAG, j - hop, j - hop - 1)
@@ -430,17 +425,17 @@ class _SubRingAttention(torch.autograd.Function):
                             q_BNLH, kv[0], kv[1], out, dout_BNLH, lse, part.tiles[hop - 1])
                         dq += dq_b
                     if hop >= 2:  # the previous members' share of this block's gradient
-                        _wait(pending_sum)
+                        wait_all(pending_sum)
                         dkv += incoming_sum
                     # on to the next member; after g - 1 hops the sum reaches the owner
                     incoming_sum, sent, pending_sum = _hop(part, dkv, DKV_TAG, j - hop,
                                                            j - hop - 1)
                     sends.append((sent, dkv))
-                _wait(pending_sum)  # the other members' queries' gradient of my keys
+                wait_all(pending_sum)  # the other members' queries' gradient of my keys
                 dk.index_add_(2, part.index, incoming_sum[0])
                 dv.index_add_(2, part.index, incoming_sum[1])
             for posted, _ in sends:
-                _wait(posted)
+                wait_all(posted)
         return dq.to(q_BNLH.dtype), dk.to(k_BKLH.dtype), dv.to(v_BKLH.dtype), None
 
 

@@ -15,49 +15,14 @@ runtime, the simulator's callers, the visualizer and the planner all consume one
   drawing).
 """
 
-from loom.schedule.ir import (
-    Action,
-    Op,
-    Schedule,
-    explicit_placement,
-    from_torch_rows,
-    looped_placement,
-    v_placement,
-)
+from loom.schedule.ir import (Action, Op, Schedule, explicit_placement, from_torch_rows,
+                              looped_placement, v_placement)
 from loom.schedule.cost import OpCosts, StageCosts, full_stage_costs, parse_cost_spec
 from loom.schedule.simulate import SimResult, Slot, simulate
-from loom.schedule.validate import (
-    Execution,
-    ScheduleError,
-    dependencies,
-    execute,
-    format_grid,
-    memory_profile,
-    peak_memory,
-    validate,
-)
+from loom.schedule.validate import (Execution, ScheduleError, dependencies, execute, format_grid,
+                                    memory_profile, peak_memory, validate)
 
-__all__ = [
-    "Action",
-    "dependencies",
-    "execute",
-    "Execution",
-    "explicit_placement",
-    "format_grid",
-    "from_torch_rows",
-    "looped_placement",
-    "memory_profile",
-    "Op",
-    "OpCosts",
-    "parse_cost_spec",
-    "full_stage_costs",
-    "peak_memory",
-    "Schedule",
-    "ScheduleError",
-    "SimResult",
-    "simulate",
-    "Slot",
-    "StageCosts",
-    "v_placement",
-    "validate",
-]
+__all__ = ["Action", "dependencies", "execute", "Execution", "explicit_placement", "format_grid",
+           "from_torch_rows", "looped_placement", "memory_profile", "Op", "OpCosts",
+           "parse_cost_spec", "full_stage_costs", "peak_memory", "Schedule", "ScheduleError",
+           "SimResult", "simulate", "Slot", "StageCosts", "v_placement", "validate"]

@@ -49,15 +49,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from loom.data.zeppelin import (
-    Partition,
-    Ranks,
-    TokenCosts,
-    partition_none,
-    partition_static_cp,
-    partition_tokens,
-    plan_zeppelin,
-)
+from loom.data.zeppelin import (Partition, Ranks, TokenCosts, partition_none, partition_static_cp,
+                                partition_tokens, plan_zeppelin)
 from loom.errors import ConfigError
 from loom.sim.cost_model import CostModel
 

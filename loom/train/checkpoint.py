@@ -103,12 +103,6 @@ def _write_atomic(path: Path, text: str) -> None:
 # Verification
 
 
-def check_metadata_is_safe(path: Path) -> None:
-    """Raise CheckpointError unless ``path/.metadata`` unpickles with the exact allow-list and
-    describes plain files of ``path`` (``loom.train.checkpoint_safety``)."""
-    load_metadata(Path(path))
-
-
 def _read_extra(path: Path) -> Any:
     """``extra.json``'s JSON; CheckpointError when it is not a readable regular file of JSON."""
     if not (path / EXTRA).is_file():  # a FIFO would block the read
@@ -156,7 +150,7 @@ def verify(path: Path) -> dict[str, Any]:
     extra_files = set(present) - set(manifest["files"])
     if extra_files:
         raise CheckpointError(f"{path}: files not in the manifest: {sorted(extra_files)}")
-    check_metadata_is_safe(path)
+    load_metadata(path)  # unpickled with the exact allow-list; plain files of path only
     _check_extra(path, manifest.get("step"))
     for name in present:
         if name.startswith("rng/"):

@@ -264,7 +264,6 @@ class _State:
     history: dict[str, deque] = field(default_factory=dict)
     last: list | None = None
     progress: float = field(default_factory=time.time)
-    version: int = 0
 
 
 class CollectiveWatch:
@@ -348,13 +347,11 @@ class CollectiveWatch:
         with self._lock:
             self._state.step = step
             self._state.progress = time.time()
-            self._state.version += 1
         self._changed.set()
 
     def set_status(self, status: str) -> None:
         with self._lock:
             self._state.status = status
-            self._state.version += 1
         self._changed.set()
 
     def _group(self, group: Any) -> tuple[str, str, list[int]]:
@@ -396,7 +393,6 @@ class CollectiveWatch:
             state.history.setdefault(key, deque(maxlen=HISTORY)).append(entry)
             state.last = entry
             state.progress = now
-            state.version += 1
         self._changed.set()
 
     # -- records

@@ -17,13 +17,8 @@ and whenever torch accepts m the two schedules are identical.
 from __future__ import annotations
 
 from loom.schedule.ir import Schedule, looped_placement
-from loom.schedule.families._common import (
-    check_sizes,
-    looped_work,
-    make_schedule,
-    microbatch_groups,
-    one_forward_one_backward,
-)
+from loom.schedule.families._common import (check_sizes, looped_work, make_schedule,
+                                            microbatch_groups, one_forward_one_backward)
 
 
 def interleaved_1f1b(pp_size: int, microbatches: int, chunks: int = 2) -> Schedule:
@@ -37,6 +32,4 @@ def interleaved_1f1b(pp_size: int, microbatches: int, chunks: int = 2) -> Schedu
         # forward; each hop towards rank 0 adds one forward and one backward of delay.
         warmup = (chunks - 1) * len(groups[0]) + 2 * (pp_size - 1 - rank)
         rows.append(one_forward_one_backward(forwards, backwards, min(warmup, len(forwards))))
-    return make_schedule(
-        "interleaved_1f1b", looped_placement(pp_size, chunks), microbatches, rows
-    )
+    return make_schedule("interleaved_1f1b", looped_placement(pp_size, chunks), microbatches, rows)

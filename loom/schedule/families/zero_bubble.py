@@ -28,13 +28,8 @@ torch-interop suites to cover a new name.
 from __future__ import annotations
 
 from loom.schedule.ir import Schedule, looped_placement
-from loom.schedule.families._common import (
-    check_sizes,
-    looped_work,
-    make_schedule,
-    microbatch_groups,
-    one_forward_one_backward,
-)
+from loom.schedule.families._common import (check_sizes, looped_work, make_schedule,
+                                            microbatch_groups, one_forward_one_backward)
 
 
 def _handcrafted(name: str, pp_size: int, microbatches: int, depth: int) -> Schedule:
