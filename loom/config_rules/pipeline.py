@@ -168,12 +168,8 @@ def _validate_routes(config: Config, schedule, how: str) -> None:
                           f"{how}; schedule {par.schedule!r} sends microbatches alternately"
                           " through its two model copies, so training needs m >= 2 (the"
                           " generator accepts any m >= 1, an even m balances the copies)")
-    if par.dp_shard > 1 and par.zero_stage in (1, 2):
-        raise ConfigError("parallel.zero_stage", par.zero_stage, f"schedule {par.schedule!r} (two"
-                          " model copies, gradients summed over mirror ranks) with ZeRO-1/2 is"
-                          " not implemented: their reduced gradients live in flat slices, which"
-                          " the copy sum and the norm's count of replicas do not see; use"
-                          " zero_stage = 3 (reshard_after_forward = false) or dp_replicate")
+    # ZeRO-1/2 (dp_shard > 1) train: the copy sum acts on the reduced flat slices, which line
+    # up on mirror ranks, and the norm leaves the replicas' slices out (loom.pipeline.route_copies)
 
 
 def _validate_skippipe(config: Config) -> None:

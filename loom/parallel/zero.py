@@ -145,6 +145,7 @@ class _Bucket:
     packed: torch.Tensor | None = None  # stage 2: the gradients being packed for reduction
     reduced: torch.Tensor | None = None  # the reduce-scatter outputs received this step, summed
     ready: int = 0
+    counted: bool = True  # in the clipping norm (False: a copy another rank counts)
 
 
 class ZeroShardedOptimizer:
@@ -359,6 +360,13 @@ class ZeroShardedOptimizer:
             bucket.shard.grad = bucket.grad_shard.to(bucket.shard.device, bucket.shard.dtype)
         self._next = 0
 
+    def leave_out_of_norm(self) -> None:
+        """These parameters are a copy whose gradient another rank holds and counts (a pipeline
+        route's replica, after the runtime's copy sum): ``clip_grad_norm`` leaves their slices'
+        squares out and still scales them by the same factor, so the copies stay identical."""
+        for bucket in self.buckets:
+            bucket.counted = False
+
     # -- optimizer ------------------------------------------------------------------------------
     def build_optimizer(self, *, lr: float, weight_decay: float, betas: tuple[float, float],
                         eps: float) -> torch.optim.AdamW:
@@ -417,9 +425,10 @@ class ZeroShardedOptimizer:
         squares summed over the shard group; under TP the tp shards' also over tp (replicated
         parameters are whole on every tp rank: counted once); over pp for a rank's stages."""
         squares = torch.zeros(2, dtype=torch.float32, device=self.buckets[0].flat.device)
-        for bucket in self.buckets:  # [tp-sharded, whole]
-            squares[0 if bucket.tp_sharded else 1] += \
-                bucket.shard.grad.float().pow(2).sum().to(squares.device)
+        for bucket in self.buckets:  # [tp-sharded, whole]; a copy's squares are counted elsewhere
+            if bucket.counted:
+                squares[0 if bucket.tp_sharded else 1] += \
+                    bucket.shard.grad.float().pow(2).sum().to(squares.device)
         if self.tp_group is None:  # nothing to tell apart: one float on the wire
             squares = squares.sum().reshape(1)
         comm.all_reduce(squares, self.group, axis=self.axis, ledger=self.ledger)

@@ -209,7 +209,7 @@ def _list(args: argparse.Namespace) -> int:
         doc = (inspect.getdoc(get(name)) or "").splitlines()[0]
         chunks = " [--chunks]" if _takes_chunks(name) else ""
         only = " [simulation only: not trainable]" if name in simulation_only() else ""
-        only += " [two model copies: JSON export]" if name in routed() else ""
+        only += " [two model copies: CSV with a routes row]" if name in routed() else ""
         print(f"{name:<{width}}  {doc}{chunks}{only}")
     return 0
 

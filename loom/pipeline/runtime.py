@@ -49,9 +49,11 @@ transfer and reduction below goes through ``loom.parallel.comm`` with the traine
   tokens, its last computes the loss). After the data-parallel reduction,
   ``finish_gradient_reduction`` sums each stage's gradient with its other copy over the ranks
   that hold the copies (``copy_groups``: for bidirectional_v rank r and p-1-r, which hold the
-  same four model stages): one flat all-reduce of 4·P_rank bytes per rank per step, P_rank the
-  parameters of the rank's stages, axis ``pp_copies``. Both copies start from the same seeded
-  weights and step identically, so they stay bit-identical.
+  same four model stages): 4·P_rank bytes per rank per step, P_rank the parameters of the
+  rank's stages (under ZeRO-1/2 the reduced slices, 4·P_rank/d), axis ``pp_copies``, one
+  all-reduce per model stage started as soon as its last W or B is done on both ranks when
+  there is no data-parallel reducer (eager, ``loom.pipeline.route_copies``). Both copies start
+  from the same seeded weights and step identically, so they stay bit-identical.
 * PipeOffload (``O`` / ``R`` actions, ``loom.schedule.offload``): an F whose (stage, microbatch)
   this rank's list offloads saves its tensors into a ``SavedActivations`` store
   (``loom.pipeline.host_offload``); O copies them to host memory, R back, in list order, on this
@@ -93,12 +95,13 @@ from torch import nn
 from loom.layout import Job
 from loom.parallel import comm, parallelize
 from loom.parallel.comm import CommLedger
-from loom.parallel.compression import copy_back
 from loom.parallel.data import FullyShardedSync, GradientReducer
 from loom.parallel.mixed_precision import apply_bf16_parameters, gradient_of
 from loom.parallel.vocab_pipeline import OutputPass, VocabShard
+from loom.parallel.zero import ZeroShardedOptimizer
 from loom.pipeline.host_offload import SavedActivations
 from loom.pipeline.partition import partition_model
+from loom.pipeline.route_copies import RouteCopySum, copy_units
 from loom.pipeline.stage import LossFn, PipelineStage, build_stages
 from loom.schedule.ir import Action, Op, Schedule
 from loom.schedule.vocab_passes import vocab_schedule
@@ -249,6 +252,18 @@ class PipelineRuntime:
                          if stage.applied is not None and stage.applied.reducer is not None}
         if vocab_reducer is not None:  # the vocabulary rows' reducer, flushed after the step
             self.reducers[VOCAB_ROWS] = vocab_reducer
+        # Routes: the copies' gradient sum, unit by unit and eagerly (``route_copies``); under
+        # ZeRO-1/2 it sums the reduced slices, and the replicas' slices stay out of the norm
+        self.copy_sum: RouteCopySum | None = None
+        if copy_group is not None:
+            pair = next(ranks for ranks in copy_groups(schedule) if pp_rank in ranks)
+            tied = next(iter(stages.values())).module.args.tie_embeddings and vocab is None
+            self.copy_sum = RouteCopySum(copy_units(schedule, pp_rank, pair, tied), stages,
+                                         self.reducers, copy_group, ledger)
+            for index, reducer in self.reducers.items():
+                if index >= schedule.stages_per_route and \
+                        isinstance(reducer, ZeroShardedOptimizer):
+                    reducer.leave_out_of_norm()
         splits = any(a.op in (Op.I, Op.W) for a in schedule.actions[pp_rank])
         if splits and any(getattr(r, "per_microbatch", False) for r in self.reducers.values()):
             raise ValueError(f"schedule {schedule.name!r} splits the backward into I and W: its "
@@ -300,6 +315,9 @@ class PipelineRuntime:
                 reducer.sync = False
         for stage in self.stages.values():
             stage.aux_loss_sum = None
+        copy_sum = self.copy_sum if training else None
+        if copy_sum is not None:
+            copy_sum.begin_step()
         # (stage, microbatch) whose saved activations this rank offloads: their F saves into a
         # SavedActivations store, which O and R move to the host and back
         offloads = {(a.stage, a.microbatch) for a in row if a.op is Op.O}
@@ -396,6 +414,8 @@ class PipelineRuntime:
                 recorder.end(action, stage.held_for_weight(mb) if action.op is Op.I else ())
             if final_piece:  # what the hooks did not reduce (all of it after a W) goes now,
                 self.reducers[action.stage].flush()  # overlapping the rest of the schedule
+            if copy_sum is not None:  # eager: the copy sums this action completes start now
+                copy_sum.after_action(index)
         if self.vocab is not None and training:
             self._embedding_backward(schedule, partial, posted, local)
             if reduce_once and VOCAB_ROWS in self.reducers:  # the rows' last gradient is in
@@ -584,8 +604,8 @@ class PipelineRuntime:
         embedding's gradient over the tie group."""
         for reducer in self.reducers.values():
             reducer.finish()
-        if self.copy_group is not None:
-            self._sum_route_copies()
+        if self.copy_sum is not None:
+            self.copy_sum.finish()
         if self.tie_group is not None:
             param = self.tied_weight
             # zeros if none (cannot happen in a training step; keeps the pair matched); a bf16
@@ -598,31 +618,13 @@ class PipelineRuntime:
             local = getattr(grad, "_local_tensor", grad)
             comm.all_reduce(local, self.tie_group, axis="pp_tie", ledger=self.ledger)
 
-    def _sum_route_copies(self) -> None:
-        """Sum every parameter's gradient with its copies on the other routes: one flat
-        all-reduce over ``copy_group``, 4·P bytes for the P parameters of this rank's stages.
-
-        Each copy saw only its route's microbatches, and each microbatch's loss is already
-        divided by the total count, so the sum is the whole batch's gradient; the copies' data
-        parallel averages came first (both linear, so the order does not change the result).
-        Both ranks of a pair hold the same model stages (``copy_groups``) and flatten them in
-        model-stage order, so the buffers line up; a sum of two values is the same bits on both,
-        so the copies' gradients, and after identical optimizer steps their weights, stay equal.
-        """
-        params = list({id(p): p for _, stage in sorted(self.stages.items(),
-                                                       key=lambda item: item[1].model_stage)
-                       for p in stage.parameters()}.values())  # a tied head is the embedding
-        grads = [gradient_of(p, create=True) for p in params]  # zeros: keeps the pair matched
-        grads = [getattr(g, "_local_tensor", g) for g in grads]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(flat, self.copy_group, axis="pp_copies", ledger=self.ledger)
-        copy_back(flat, grads)
-
     def route_replicas(self) -> list[nn.Module]:
         """The modules of this rank's stages whose route-0 copy another rank holds (the global
-        norm counts those parameters there; see ``LocalStages``)."""
+        norm counts those parameters there; see ``LocalStages``). Under ZeRO-1/2 none: the
+        sharded optimizer leaves those stages' slices out of its norm itself."""
         return [stage.module for index, stage in sorted(self.stages.items())
-                if index >= self.schedule.stages_per_route]
+                if index >= self.schedule.stages_per_route
+                and not isinstance(self.reducers.get(index), ZeroShardedOptimizer)]
 
     @property
     def tied_weight(self) -> nn.Parameter | None:

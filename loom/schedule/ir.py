@@ -11,8 +11,11 @@ may instead hold ``num_routes`` copies of an L-stage model: stage ``r * L + j`` 
 stage j, and microbatch m visits only the stages of its route ``routes[m]``, in order. This is
 what bidirectional schedules (BitPipe, Chimera, DualPipe) need: two copies of the model placed in
 opposite directions, half the microbatches through each; the copies' weight gradients must be
-summed before the optimizer step. torch's CSV cannot say which route a microbatch takes, so such
-schedules travel as JSON only.
+summed before the optimizer step. PyTorch's CSV cannot say which route a microbatch takes (its
+rows are ranks, its cells actions), so Loom writes such schedules with one extra final row, the
+routes row ``routes=<num_routes>,<route of microbatch 0>,<of 1>,...``: Loom's extension, which
+``from_torch_csv`` reads back and torch's own reader refuses (the first cell is no action); a
+one-route schedule's CSV is torch's format unchanged.
 
 Vocabulary parallelism across the pipeline (Yeung et al. 2024, ``loom.schedule.vocab_passes``):
 the output layer and its loss are split over the vocabulary onto every pipeline rank, and run as
@@ -345,10 +348,18 @@ class Schedule:
         ``ScheduleMulti._load_csv`` / ``_PipelineScheduleRuntime._load_csv`` read this back.
         The CSV has no room for the name, the microbatch count or the placement: torch infers
         the placement from which row holds a stage, and so does ``from_torch_csv``.
+
+        Routes (``num_routes`` > 1, e.g. ``bidirectional_v``): PyTorch's format cannot hold
+        them, so one more row follows the ranks', ``routes=<num_routes>`` and then each
+        microbatch's route (``ROUTES_CELL``): Loom's extension, read back by ``from_torch_csv``
+        only. Every stage must appear in some row (the placement is inferred from the rows).
         """
         if self.num_routes > 1:
-            raise ValueError(f"{self.name}: torch's CSV cannot say which of the {self.num_routes}"
-                             " routes (copies of the stages) a microbatch takes; export JSON")
+            unused = sorted(set(range(self.num_stages)) - {a.stage for row in self.actions
+                                                           for a in row})
+            if unused:
+                raise ValueError(f"{self.name}: stages {unused} run no action (a route without"
+                                 " microbatches), so a CSV cannot place them; export JSON")
         if self.has_transfers:
             raise ValueError(f"{self.name}: torch's CSV has no offload/reload actions (O, R); "
                              "export JSON, or compute_only() for the compute actions")
@@ -356,6 +367,8 @@ class Schedule:
             raise ValueError(f"{self.name}: torch's CSV has no vocabulary-parallel passes (S, T);"
                              " export JSON, or without_vocab_passes() for the stages' actions")
         rows = [[str(action) for action in row] for row in self.actions]
+        if self.num_routes > 1:  # Loom's extension: the routes row
+            rows.append([f"{ROUTES_CELL}{self.num_routes}", *map(str, self.routes)])
         if isinstance(destination, (str, os.PathLike)):
             with open(destination, "w", newline="") as handle:
                 csv.writer(handle).writerows(rows)
@@ -369,7 +382,8 @@ class Schedule:
         num_microbatches: int | None = None,
         name: str | None = None,
     ) -> Schedule:
-        """Read torch's compute-only CSV (see ``from_torch_rows`` for what is accepted).
+        """Read torch's compute-only CSV (see ``from_torch_rows`` for what is accepted), or
+        Loom's extension of it for schedules with routes (``to_torch_csv``).
 
         The CSV carries no name: unless ``name`` is given, a schedule read from a path is named
         after the file (``zbv.csv`` -> ``zbv``, what ``loom schedule export`` writes), and one
@@ -386,6 +400,8 @@ class Schedule:
         return from_torch_rows(rows, num_microbatches=num_microbatches, name=name)
 
 
+# The first cell of the routes row that ends the CSV of a schedule with routes (Loom's extension)
+ROUTES_CELL = "routes="
 # Tokens torch's own lowering passes insert; Loom's lowering adds its own, so they are dropped.
 _TORCH_BOOKKEEPING = {"REDUCE_GRAD", "UNSHARD", "RESHARD"}
 _TORCH_OVERLAP = re.compile(r"^\((.*)\)OVERLAP_F_B$")
@@ -403,9 +419,20 @@ def from_torch_rows(
     ``(a;b)OVERLAP_F_B`` (DualPipeV) is flattened to ``a`` then ``b``; ``REDUCE_GRAD``,
     ``UNSHARD`` and ``RESHARD`` are dropped. SEND/RECV (torch's "compute_comms" format) are
     rejected. The stage count, the placement and (unless given) the microbatch count are
-    inferred from the actions, as torch's ``_validate_schedule`` does.
+    inferred from the actions, as torch's ``_validate_schedule`` does. A last row starting
+    with ``routes=`` (Loom's extension, ``Schedule.to_torch_csv``) gives the routes.
     """
     actions: list[list[Action]] = []
+    rows = [list(row) for row in rows]
+    num_routes, routes = 1, ()
+    if rows and rows[-1] and str(rows[-1][0]).strip().startswith(ROUTES_CELL):
+        head, *cells = rows.pop()
+        try:
+            num_routes = int(str(head).strip()[len(ROUTES_CELL):])
+            routes = tuple(int(str(cell)) for cell in cells if str(cell).strip())
+        except ValueError:
+            raise ValueError(f"cannot read the routes row {[head, *cells]}: expected "
+                             f"'{ROUTES_CELL}<count>' and then one route per microbatch") from None
     for rank, row in enumerate(rows):
         parsed: list[Action] = []
         for cell in row:
@@ -443,6 +470,8 @@ def from_torch_rows(
         placement=tuple(owner[stage] for stage in range(num_stages)),
         actions=tuple(tuple(row) for row in actions),
         name=name,
+        num_routes=num_routes,
+        routes=routes,
     )
 
 

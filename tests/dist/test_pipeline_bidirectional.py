@@ -13,8 +13,13 @@ against one process with the same global batch. On top, what is particular to tw
 * with tied embeddings (p2 m2, p4 m9, pp2 x dp2 m4): each copy's embedding and head sit on one
   rank and are one Parameter there, and the copy sum adds the two copies' shared weight: the
   same parity and bit-identical copies;
-* the copy sum is counted in the comm ledger: one all-reduce per step of 4·P_rank bytes on axis
-  ``pp_copies`` (a 2-rank ring: wire bytes = payload);
+* the copy sum is counted in the comm ledger: 4·P_rank bytes per step on axis ``pp_copies`` (a
+  2-rank ring: wire bytes = payload), one all-reduce per unit (a model stage, or a tied model's
+  two ends);
+* eager gradient synchronisation (``loom.pipeline.route_copies``): without a data-parallel
+  reducer the units' sums start during the schedule, and the losses, norms, gradients and
+  weights are bit-identical (``torch.equal``) to the end-of-step sum's (``eager = False``, one
+  flat all-reduce), with the same bytes counted;
 * a run stopped halfway and resumed from its checkpoint ends bit-identical to one that never
   stopped (the two copies load the same names), and a checkpoint saved under bidirectional_v
   loads into one process with bit-identical weights and optimizer state (each name saved once,
@@ -25,7 +30,9 @@ against one process with the same global batch. On top, what is particular to tw
   gathered across the step) on the debug model, and MoE (tiny-moe) at pp2, pp2 x ep2 dropless
   and with capacity drops (test_expert_tp.py's settings). The copy sum acts on each rank's
   local tensors; mirror ranks share their tp, cp, ep and dp coordinates, so the shards line
-  up. ZeRO-1/2 stay refused by the config (measured: the norm is off at step 1). Also the
+  up. ZeRO-1/2 (pp2 x dp_shard2, stages 1 and 2): the copy sum adds the reduced flat slices
+  (4 bytes per slice element) and the norm leaves the copy-1 replicas' slices out (without that
+  the norm is sqrt(2) too large at step 1); the copies' weights stay bit-identical. Also the
   post-validated optimizer step (pp2), whose norm leaves the replicas out the same way.
 
 The one-process comparison uses test_pipeline_parity's tolerances and reasoning (step 1 rtol
@@ -34,6 +41,8 @@ amplification of rounding-level elements).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -63,6 +72,7 @@ def copies(trainer) -> dict:
         "grads": {k: p.grad.detach().cpu().clone() for k, p in params.items()},
         "numel": sum(p.numel() for p in params.values()),
         "calls": record.calls, "payload": record.payload_bytes, "wire": record.wire_bytes,
+        "units": len(trainer.pipeline.copy_sum.units),
     }
     trainer.ledger.reset()
     return observed
@@ -108,8 +118,10 @@ def check_copies(dist, data_dir, references, tmp_path, base: dict, layout: str) 
         holders: dict[str, list[int]] = {}
         for rank, result in enumerate(results):
             seen = result["observed"][step]
-            # One all-reduce of every gradient element this rank holds, fp32, over a pair.
-            assert (seen["calls"], seen["payload"]) == (1, 4 * seen["numel"]), (label, rank)
+            # Every gradient element this rank holds, fp32, over a pair: one all-reduce per
+            # unit (a model stage, or a tied model's two ends), the bytes of one flat sum.
+            assert (seen["calls"], seen["payload"]) == (seen["units"], 4 * seen["numel"]), \
+                (label, rank)
             assert seen["wire"] == seen["payload"], (label, rank)
             for name in seen["weights"]:
                 holders.setdefault(name, []).append(rank)
@@ -122,6 +134,56 @@ def check_copies(dist, data_dir, references, tmp_path, base: dict, layout: str) 
                 for kind in ("weights", "grads"):
                     assert torch.equal(other[kind][name], first[kind][name]), \
                         f"{label} step {step + 1}: {kind} of {name} on ranks {ranks[0]}, {rank}"
+
+
+def record_sync(ctx, config_table: dict, data_dir: str, steps: int, eager: bool) -> dict:
+    """Per step: loss, grad norm, this rank's gradients and weights (exact CPU copies), the copy
+    sum's counted bytes and how many of its units started during the schedule."""
+    import torch
+
+    from loom.config import from_dict
+    from loom.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    trainer = Trainer(from_dict(config_table), Path(data_dir), None, ctx)
+    trainer.pipeline.copy_sum.eager = eager
+    record: dict = {"loss": [], "grad_norm": [], "grads": [], "weights": [], "bytes": [],
+                    "early": []}
+    for _ in range(steps):
+        metrics = trainer.train_step()
+        params = dict(trainer.model.named_parameters())
+        record["loss"].append(metrics["loss"])
+        record["grad_norm"].append(metrics["grad_norm"])
+        record["grads"].append({k: p.grad.detach().cpu().clone() for k, p in params.items()})
+        record["weights"].append({k: p.detach().cpu().clone() for k, p in params.items()})
+        record["bytes"].append(trainer.ledger.get("pp_copies", "all_reduce").payload_bytes)
+        record["early"].append(trainer.pipeline.copy_sum.launched_early)
+        trainer.ledger.reset()
+    return record
+
+
+@pytest.mark.parametrize("layout", ["p2-m5", "p4-m9"])
+def test_eager_synchronisation_is_bit_identical_to_the_end_of_step_sum(dist, small_data_dir,
+                                                                       layout):
+    """Each unit's all-reduce starts as soon as both ranks are past its last W or B; every
+    element is still the sum of the same two values, so nothing changes but the timing."""
+    import torch
+
+    world, micro, parallel = LAYOUTS[layout]
+    config = layout_config({**COPY_BASE, "train.global_batch_size": micro,
+                            "parallel.schedule": "bidirectional_v"}, world, **parallel)
+    eager, at_end = (dist.run(world, record_sync, config, small_data_dir, STEPS, flag)
+                     for flag in (True, False))
+    for rank, (fast, slow) in enumerate(zip(eager, at_end)):
+        assert fast["loss"] == slow["loss"] and fast["grad_norm"] == slow["grad_norm"], rank
+        assert fast["bytes"] == slow["bytes"], rank  # the same bytes, in more calls
+        assert all(early >= 1 for early in fast["early"]), (rank, fast["early"])
+        assert slow["early"] == [0] * STEPS
+        for step in range(STEPS):
+            for kind in ("grads", "weights"):
+                for name, value in fast[kind][step].items():
+                    assert torch.equal(value, slow[kind][step][name]), \
+                        f"{layout} rank {rank} step {step + 1}: {kind} of {name}"
 
 
 RESUME_LAYOUTS = {  # name -> (world size, parallel settings); 8 samples, 2 per microbatch
@@ -173,6 +235,16 @@ COMPOSED = {  # name -> (world, microbatches per pipeline, parallel settings, ov
     "p2-hsdp-2x2": (8, 4, {"pp": 2, "dp_replicate": 2, "dp_shard": 2, "zero_stage": 3,
                            "reshard_after_forward": False}, {}),
 }
+# ZeRO-1/2 inside the stages: the copy sum adds the reduced flat slices (mirror ranks share their
+# dp coordinate, so the slices line up) and the norm leaves the copy-1 replicas' slices out
+ZERO = {**{f"p2-zero{stage}": (4, 4, {"pp": 2, "dp_shard": 2, "zero_stage": stage},
+                               {"metrics.comm": True}) for stage in (1, 2)},
+        # HSDP: each slice is averaged over dp_replicate too, before the copy sum
+        "p2-hsdp-2x2-zero2": (8, 4, {"pp": 2, "dp_replicate": 2, "dp_shard": 2,
+                                     "zero_stage": 2}, {"metrics.comm": True})}
+COMPOSED.update(ZERO)
+# ... and under tp: the buckets hold each rank's tp shards, mirror ranks share the tp coordinate
+COMPOSED["p2-tp2-zero1"] = (8, 4, {"pp": 2, "tp": 2, "dp_shard": 2, "zero_stage": 1}, {})
 
 
 @pytest.mark.parametrize("layout", list(COMPOSED))
@@ -184,8 +256,45 @@ def test_composed_layouts_match_one_process(dist, small_data_dir, tmp_path, layo
     reference = reference_runs(dist, small_data_dir, str(tmp_path / "ref"), base, STEPS)(batch)
     config = layout_config({**base, "train.global_batch_size": batch,
                             "parallel.schedule": "bidirectional_v"}, world, **parallel)
-    results = dist.run(world, record_pipeline, config, small_data_dir, STEPS, str(tmp_path))
+    observe = zero_copies if layout in ZERO else None
+    results = dist.run(world, record_pipeline, config, small_data_dir, STEPS, str(tmp_path),
+                       observe)
     check(reference, results, f"bidirectional_v {layout}")
+    if layout in ZERO:
+        check_zero_copies(results, layout, holders=world)  # 2 copies x world / pp replicas
+
+
+def zero_copies(trainer) -> dict:
+    """After a ZeRO-1/2 step: this rank's weights by name, its reduced gradient slices' element
+    count (the buckets' padded slices) and the copy sum's counted payload (then reset)."""
+    record = trainer.ledger.get("pp_copies", "all_reduce")
+    observed = {
+        "weights": {k: p.detach().cpu().clone() for k, p in trainer.model.named_parameters()},
+        "slices": sum(b.shard.numel() for b in trainer.zero.buckets),
+        "payload": record.payload_bytes,
+    }
+    trainer.ledger.reset()
+    return observed
+
+
+def check_zero_copies(results: list[dict], layout: str, holders: int) -> None:
+    """The copy sum moves the reduced slices only (4 bytes per slice element, not the full
+    gradients), and the two copies of every parameter stay bit-identical."""
+    import torch
+
+    for step in range(STEPS):
+        held: dict[str, list[int]] = {}
+        for rank, result in enumerate(results):
+            seen = result["observed"][step]
+            assert seen["payload"] == 4 * seen["slices"], (layout, step, rank)
+            for name in seen["weights"]:
+                held.setdefault(name, []).append(rank)
+        for name, ranks in held.items():
+            assert len(ranks) == holders, (layout, name, ranks)
+            first = results[ranks[0]]["observed"][step]["weights"][name]
+            for rank in ranks[1:]:
+                assert torch.equal(results[rank]["observed"][step]["weights"][name], first), \
+                    f"{layout} step {step + 1}: {name} on ranks {ranks[0]}, {rank}"
 
 
 MOE = {  # name -> (world, degrees, routing overrides)

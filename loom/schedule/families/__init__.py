@@ -51,7 +51,8 @@ _REGISTRY: dict[str, Generator] = {
     "hanayo": hanayo,
 }
 
-# Families over two copies of the model (per-microbatch routes): trainable, JSON export only.
+# Families over two copies of the model (per-microbatch routes): trainable; their CSV export
+# ends with a routes row (Loom's extension of torch's format, ``Schedule.to_torch_csv``).
 _ROUTED: dict[str, Generator] = {
     "bidirectional_v": bidirectional_v,
 }

@@ -17,15 +17,22 @@ do worse than 1F1B.
 
 Training. A microbatch visits one copy of each stage, so the two copies' weight gradients are
 summed before the optimizer step: rank r and its mirror p-1-r hold the same four model stages
-(one copy each), and ``loom.pipeline.runtime`` all-reduces their gradients over that pair after
-the data-parallel average. Both copies start from the same seeded weights and step identically,
-so they stay bit-identical; the global norm counts each parameter once (on its route-0 copy's
-rank) and checkpoints write each name once (DCP deduplicates the identical replicas). The
-schedule is valid for any m >= 1 (an even m balances the copies); training needs m >= 2 (each
-copy must see a microbatch) and an even p (with an odd p the middle rank holds both copies of
-its stages). Tied embeddings: each copy's two ends sit on one rank (copy 0's on rank 0, copy 1's
-on rank p-1) and share one Parameter there. ``loom schedule show|simulate|export`` (JSON) work
-as for every family.
+(one copy each), and ``loom.pipeline.route_copies`` all-reduces their gradients over that pair,
+one model stage at a time, after the data-parallel average. BitPipe's eager gradient
+synchronisation: without a data-parallel reducer a stage's sum starts as soon as both ranks
+are past its last W or B, overlapping the rest of the schedule (the greedy order defers W
+pieces to the drain, so that is the last few percent of the step; see docs/design.md); the
+result is bit-identical to one sum at the step's end. ZeRO-1/2 sum the reduced flat slices,
+which line up on mirror ranks. Both copies start from the same seeded weights and step
+identically, so they stay bit-identical; the global norm counts each parameter once (on its
+route-0 copy's rank; under ZeRO-1/2 the sharded optimizer leaves the replicas' slices out) and
+checkpoints write each name once (DCP deduplicates the identical replicas). The schedule is
+valid for any m >= 1 (an even m balances the copies); training needs m >= 2 (each copy must see
+a microbatch) and an even p (with an odd p the middle rank holds both copies of its stages).
+Tied embeddings: each copy's two ends sit on one rank (copy 0's on rank 0, copy 1's on rank p-1)
+and share one Parameter there. ``loom schedule show|simulate|export`` work as for every family;
+PyTorch's CSV cannot hold the routes, so the CSV export adds a last ``routes=2,...`` row, Loom's
+extension that ``Schedule.from_torch_csv`` reads back (JSON holds them natively).
 """
 
 from __future__ import annotations

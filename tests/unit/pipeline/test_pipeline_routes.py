@@ -5,6 +5,7 @@ tests/dist/test_pipeline_bidirectional.py and test_pipeline_parity.py)."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -55,13 +56,54 @@ def test_routes_must_fit_the_stages_and_the_microbatches():
         Schedule(4, 2, (0, 1, 1, 0), [[], []], num_routes=2, routes=(0, 2))
 
 
-def test_json_keeps_the_routes_and_torch_csv_refuses_them():
+def test_json_keeps_the_routes():
     schedule = get("bidirectional_v")(4, 8)
     again = Schedule.from_json(schedule.to_json())
     assert again == schedule and again.routes == schedule.routes and again.num_routes == 2
-    with pytest.raises(ValueError, match="cannot say which of the 2 routes"):
-        csv_text(schedule)
     assert "routes" not in get("zbv")(4, 8).to_dict()  # one-route schedules: the JSON is as before
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 5), (4, 8), (8, 16)])
+def test_the_csv_carries_the_routes_in_a_last_row_and_reads_back(p, m, tmp_path):
+    """PyTorch's CSV has rows for ranks only: Loom appends ``routes=2,<route per microbatch>``
+    (its extension), and its reader restores the schedule exactly, routes included."""
+    schedule = get("bidirectional_v")(p, m)
+    lines = csv_text(schedule).splitlines()
+    assert len(lines) == p + 1
+    assert lines[-1] == ",".join(["routes=2"] + [str(mb % 2) for mb in range(m)])
+    assert lines[:p] == [",".join(map(str, row)) for row in schedule.actions]
+    path = tmp_path / "bidi.csv"
+    schedule.to_torch_csv(path)
+    again = Schedule.from_torch_csv(path, name=schedule.name)
+    assert again == schedule and again.routes == schedule.routes and again.num_routes == 2
+    assert Schedule.from_torch_csv(path).name == "bidi"  # named after the file, as before
+
+
+def test_one_route_csv_is_torchs_format_unchanged():
+    """No routes row for one-route schedules: the same lines as the rank rows, byte for byte."""
+    for schedule in (get("zbv")(4, 8), get("1f1b")(2, 3), _one_route_by_hand()):
+        text = csv_text(schedule)
+        assert text == "".join(",".join(map(str, row)) + "\r\n" for row in schedule.actions)
+        assert "routes" not in text
+        assert Schedule.from_torch_csv(io.StringIO(text),
+                                       name=schedule.name) == schedule
+
+
+def _one_route_by_hand() -> Schedule:
+    rows = ([Action(0, Op.F, 0), Action(0, Op.B, 0)], [Action(1, Op.F, 0), Action(1, Op.B, 0)])
+    return Schedule(2, 1, (0, 1), rows, name="by_hand")
+
+
+def test_a_route_without_microbatches_cannot_be_placed_by_a_csv():
+    """m = 1: route 1's stages run nothing, so no row shows where they sit (JSON can)."""
+    with pytest.raises(ValueError, match="run no action"):
+        csv_text(get("bidirectional_v")(2, 1))
+
+
+def test_a_bad_routes_row_is_refused_by_name():
+    text = csv_text(_two_routes()).replace("routes=2", "routes=two")
+    with pytest.raises(ValueError, match="routes row"):
+        Schedule.from_torch_csv(io.StringIO(text))
 
 
 @pytest.mark.parametrize("p, m", CASES, ids=[f"p{p}-m{m}" for p, m in CASES])
@@ -111,6 +153,9 @@ def test_the_config_trains_it_with_an_even_pp_and_data_parallelism():
     _bidirectional({"parallel.tp": "2", "parallel.cp": "2"}, 8)
     _bidirectional({"parallel.dp_shard": "2", "parallel.reshard_after_forward": "false",
                     "train.global_batch_size": "4"}, 4)  # ZeRO-3, gathered across the step
+    for stage in ("1", "2"):  # ZeRO-1/2: the copy sum acts on the reduced slices
+        _bidirectional({"parallel.dp_shard": "2", "parallel.zero_stage": stage,
+                        "train.global_batch_size": "4"}, 4)
     _bidirectional({"model.preset": "tiny-moe", "parallel.ep": "2",
                     "train.global_batch_size": "4"}, 4)
 
@@ -119,10 +164,9 @@ def test_the_config_trains_it_with_an_even_pp_and_data_parallelism():
     ({"parallel.pp": "3", "model.n_layers": "6"}, 3, "parallel.pp", "even pp"),
     ({"train.global_batch_size": "1"}, 2, "train.global_batch_size", "m >= 2"),
     ({"parallel.pp": "4"}, 4, "parallel.schedule", "8 stages"),  # debug: 4 layers
-    ({"parallel.dp_shard": "2", "parallel.zero_stage": "1", "train.global_batch_size": "4"}, 4,
-     "parallel.zero_stage", "ZeRO-1/2"),
-    ({"parallel.dp_shard": "2", "parallel.zero_stage": "2", "train.global_batch_size": "4"}, 4,
-     "parallel.zero_stage", "ZeRO-1/2"),
+    # tied embeddings with ZeRO-1/2 are refused for every pipeline (the tie's sum)
+    ({"parallel.dp_shard": "2", "parallel.zero_stage": "1", "model.tie_embeddings": "true",
+      "train.global_batch_size": "4"}, 4, "parallel.zero_stage", "ZeRO-1/2"),
     # each copy's tied ends share one Parameter on one rank, which ZeRO-3 cannot shard twice
     ({"parallel.dp_shard": "2", "parallel.reshard_after_forward": "false",
       "model.tie_embeddings": "true", "train.global_batch_size": "4"}, 4, "parallel.dp_shard",
@@ -150,10 +194,79 @@ def test_the_command_line_lists_shows_simulates_and_exports_json(capsys, tmp_pat
     schedule = get("bidirectional_v")(4, 8)  # --costs: a full stage's, a chunk of 2 takes half
     unit = full_stage_costs(StageCosts.uniform(1, 1, 1), schedule)
     assert figures["makespan"] == simulate(schedule, unit).makespan
-    assert main(["schedule", "export", "bidirectional_v", "--pp", "2", "-m", "4"]) == 2
-    assert "--format" in capsys.readouterr().err
-    path = tmp_path / "bidir.json"
-    assert main(["schedule", "export", "bidirectional_v", "--pp", "2", "-m", "4", "-o",
-                 str(path)]) == 0
-    assert main(["schedule", "show", str(path)]) == 0
-    assert "0F0" in capsys.readouterr().out
+    capsys.readouterr()
+    assert main(["schedule", "export", "bidirectional_v", "--pp", "2", "-m", "4"]) == 0
+    printed = capsys.readouterr().out  # Loom's CSV: the rank rows, then the routes row
+    assert printed == csv_text(get("bidirectional_v")(2, 4))
+    assert printed.splitlines()[-1] == "routes=2,0,1,0,1"
+    for suffix in ("json", "csv"):
+        path = tmp_path / f"bidir.{suffix}"
+        assert main(["schedule", "export", "bidirectional_v", "--pp", "2", "-m", "4", "-o",
+                     str(path)]) == 0
+        assert main(["schedule", "show", str(path)]) == 0
+        assert "0F0" in capsys.readouterr().out
+        again = Schedule.from_json(path.read_text()) if suffix == "json" else \
+            Schedule.from_torch_csv(path, name="bidirectional_v")
+        assert again == get("bidirectional_v")(2, 4)
+    assert main(["schedule", "export", "bidirectional_v", "--pp", "2", "-m", "1"]) == 2
+    assert "--format" in capsys.readouterr().err  # a route without microbatches: JSON only
+
+
+def eager_windows(p: int, m: int) -> list[float]:
+    """Per copy-sum unit of every rank (``route_copies.copy_units``): the share of the simulated
+    step (F = I = W) left after both ranks of its pair are past its last W or B, the time an
+    eager all-reduce has to hide behind."""
+    from loom.pipeline.route_copies import copy_units
+    from loom.pipeline.runtime import copy_groups
+
+    schedule = get("bidirectional_v")(p, m)
+    result = simulate(schedule, StageCosts.uniform(1, 1, 1))
+    finish = {slot.action: slot.finish for row in result.timeline for slot in row}
+    span = max(finish.values())
+    length = schedule.stages_per_route
+    windows = []
+    for rank in range(p):
+        pair = next(ranks for ranks in copy_groups(schedule) if rank in ranks)
+        for unit in copy_units(schedule, rank, pair, tied=False):
+            ready = max(finish[next(a for a in reversed(schedule.actions[member])
+                                    if a.op in (Op.W, Op.B)
+                                    and a.stage % length in unit.model_stages)]
+                        for member in pair)
+            windows.append((span - ready) / span)
+    return windows
+
+
+@pytest.mark.parametrize("p, m, early, mean", [(2, 4, 1 / 2, 0.021), (4, 8, 7 / 8, 0.055),
+                                               (4, 16, 7 / 8, 0.029), (8, 16, 7 / 8, 0.027),
+                                               (8, 32, 15 / 16, 0.027)])
+def test_eager_sync_has_the_drain_to_hide_behind(p, m, early, mean):
+    """The numbers in docs/design.md ("BitPipe in full"): the greedy order fills the drain with
+    W pieces, so units are ready only in the last few percent of the step; most are ready
+    before its end, which is what eager synchronisation overlaps."""
+    windows = eager_windows(p, m)
+    assert sum(w > 0 for w in windows) / len(windows) == early
+    assert sum(windows) / len(windows) == pytest.approx(mean, abs=0.0005)
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 5), (4, 8), (4, 9), (8, 16)])
+@pytest.mark.parametrize("tied", [False, True])
+def test_both_ranks_of_a_pair_sum_the_same_units_in_the_same_order(p, m, tied):
+    """Collectives on the pair's group are matched by order: the copy-sum units (one per model
+    stage; a tied model's two ends together) come out the same on both ranks, each rank's unit
+    on its own copy of those stages, and every model stage of the rank exactly once."""
+    from loom.pipeline.route_copies import copy_units
+    from loom.pipeline.runtime import copy_groups
+
+    schedule = get("bidirectional_v")(p, m)
+    length = schedule.stages_per_route
+    for pair in copy_groups(schedule):
+        orders = [copy_units(schedule, rank, pair, tied) for rank in pair]
+        assert len({tuple(u.model_stages for u in units) for units in orders}) == 1, pair
+        for rank, units in zip(pair, orders):
+            held = sorted(s % length for s in schedule.stages_of(rank))
+            assert sorted(j for u in units for j in u.model_stages) == held
+            for unit in units:
+                assert {schedule.rank_of(s) for s in unit.stages} == {rank}
+                assert sorted(s % length for s in unit.stages) == sorted(unit.model_stages)
+        ends = [u.model_stages for u in orders[0] if 0 in u.model_stages]
+        assert ends in ([], [(0, length - 1)] if tied else [(0,)])
