@@ -20,6 +20,12 @@ processes; per rank it reports:
 * the step's wall time (the same on every rank: the step ends with an all-reduce).
 
     python bench/vocab_pipeline.py [--pp 2 4] [--steps 4]
+    python bench/vocab_pipeline.py --pp 2 --tp 2  # composed with tensor parallelism
+
+``--tp t`` runs every configuration on p x t ranks: the stages' blocks Megatron-split over tp;
+without vocabulary parallelism across the pipeline the embedding and the head are split over
+tp on the first and last stage (``parallel.vocab_parallel``, Megatron's vocab-parallel head);
+with it every rank holds V/(p t) rows of both. Parameter bytes are each rank's local shards.
     python bench/vocab_pipeline.py --simulate     # the simulator's view, no processes
 
 ``--simulate`` replays 1F1B with the output layer on the last stage (its F and B heavier by
@@ -69,7 +75,8 @@ def measure(ctx, config_table: dict, data_dir: str, steps: int) -> dict:
     torch.set_num_threads(1)
     trainer = Trainer(from_dict(config_table), Path(data_dir), None, ctx)
     built = _rss_bytes()
-    params = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    params = sum(getattr(p, "_local_tensor", p).numel() * p.element_size()  # tp: local shard
+                 for p in trainer.model.parameters())
     trainer.train_step()  # warm-up: Adam's states, the allocator's pools
     recorder = PipelineRecorder(ctx.rank)
     trainer.pipeline.recorder = recorder
@@ -87,13 +94,14 @@ def measure(ctx, config_table: dict, data_dir: str, steps: int) -> dict:
         for token, start, end in step.actions:
             op = token.lstrip("0123456789")[0]
             ops[op] = ops.get(op, 0.0) + (end - start) / len(recorder.profile.steps)
-    return {"rank": ctx.rank, "param_bytes": params, "rss_growth": peak - built,
+    return {"rank": ctx.rank, "pp_rank": trainer.pipeline.pp_rank, "param_bytes": params,
+            "rss_growth": peak - built,
             "compute_s": statistics.median(compute), "wall_s": statistics.median(walls),
             "cpu_s": cpu,
             "compute_by_op_s": ops, "schedule": trainer.pipeline.schedule.name}
 
 
-def run(pp: int, vocab: bool, data_dir: str, steps: int) -> list[dict]:
+def run(pp: int, vocab: bool, data_dir: str, steps: int, tp: int = 1) -> list[dict]:
     from loom.testing.harness import WorkerPool
     from loom.testing.parity import layout_config
 
@@ -101,8 +109,8 @@ def run(pp: int, vocab: bool, data_dir: str, steps: int) -> list[dict]:
                             "train.micro_batch_size": MICRO,
                             "train.global_batch_size": MICRO * MICROBATCHES,
                             "parallel.schedule": "1f1b", "parallel.vocab_parallel_pp": vocab,
-                            "metrics.tensorboard": False}, pp, pp=pp)
-    pool = WorkerPool(pp, pg_timeout_s=600.0)
+                            "metrics.tensorboard": False}, pp * tp, pp=pp, tp=tp)
+    pool = WorkerPool(pp * tp, pg_timeout_s=600.0)
     try:
         return pool.run(measure, config, data_dir, steps, task_timeout_s=1800.0)
     finally:
@@ -145,6 +153,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (p x tp ranks)")
     parser.add_argument("--simulate", action="store_true")
     args = parser.parse_args()
     if args.simulate:
@@ -162,20 +171,23 @@ def main() -> None:
         for pp in args.pp:
             for vocab in (False, True):
                 began = time.perf_counter()
-                ranks = run(pp, vocab, data_dir, args.steps)
-                results.append({"pp": pp, "vocab_parallel_pp": vocab, "ranks": ranks,
+                ranks = run(pp, vocab, data_dir, args.steps, args.tp)
+                results.append({"pp": pp, "tp": args.tp, "vocab_parallel_pp": vocab,
+                                "ranks": ranks,
                                 "bench_s": time.perf_counter() - began})
-                print(f"pp={pp} vocab_parallel_pp={vocab} ({ranks[0]['schedule']}): "
+                print(f"pp={pp} tp={args.tp} vocab_parallel_pp={vocab} ({ranks[0]['schedule']}): "
                       f"step {ranks[0]['wall_s'] * 1e3:.0f} ms")
                 for r in ranks:
-                    print(f"  rank {r['rank']}: params {r['param_bytes'] / 2**20:6.1f} MiB, "
+                    print(f"  rank {r['rank']} (pp {r['pp_rank']}): params"
+                          f" {r['param_bytes'] / 2**20:6.1f} MiB, "
                           f"RSS growth {r['rss_growth'] / 2**20:6.1f} MiB, CPU "
                           f"{r['cpu_s'] * 1e3:6.0f} ms, compute {r['compute_s'] * 1e3:6.0f} ms "
                           + " ".join(f"{op}={t * 1e3:.0f}" for op, t in
                                      sorted(r["compute_by_op_s"].items())))
     out = ROOT / "bench" / "out"
     out.mkdir(exist_ok=True)
-    (out / "vocab_pipeline.json").write_text(json.dumps(
+    name = "vocab_pipeline.json" if args.tp == 1 else f"vocab_pipeline_tp{args.tp}.json"
+    (out / name).write_text(json.dumps(
         {"model": MODEL, "micro_batch": MICRO, "microbatches": MICROBATCHES, "seq_len": SEQ,
          "load": os.getloadavg(), "results": results}, indent=1))
 

@@ -239,29 +239,38 @@ def _validate_offload(config: Config, schedule, how: str) -> None:
 
 def _validate_vocab_pp(config: Config) -> None:
     """``parallel.vocab_parallel_pp`` (loom/parallel/vocab_pipeline.py): the embedding and head
-    split over pp ranks, as built and tested: pp > 1, the vocabulary divisible by pp, plain
-    data parallelism over dp_replicate only (no dp_shard, tp, cp, ep: the shards have no ZeRO,
-    tp split or cp reducer yet), concatenated rows, a dense model, one route, no offload or
-    CheckFree. Composed and tested: every train.dtype (fp32; bf16 parameters with fp32
-    masters; bf16 autocast), checkpoints and pretrained weights (each rank's rows saved at, and
-    read from, their offset in the full weight: ``loom.train.checkpoint_state``,
-    ``loom.parallel.load``), so any layout resumes them."""
+    split over pp ranks, as built and tested: pp > 1, the vocabulary divisible by pp x tp, tp
+    without sequence parallelism (the rows split over all pp x tp ranks; the last stage's output
+    replicated over tp), plain data parallelism over dp_replicate only (no dp_shard, cp, ep: the
+    shards have no ZeRO, cp reducer or expert split yet), concatenated rows, a dense model, one
+    route, no offload or CheckFree. Composed and tested: every train.dtype (fp32; bf16
+    parameters with fp32 masters; bf16 autocast), checkpoints and pretrained weights
+    (each rank's rows saved at, and read from, their offset in the full weight:
+    ``loom.train.checkpoint_state``, ``loom.parallel.load``), so any layout resumes them; under
+    tp too (tests/dist/test_pipeline_vocab_tp.py)."""
     par, m = config.parallel, config.model
     rule = "vocab_parallel_pp"
     if par.pp < 2:
         raise ConfigError(f"parallel.{rule}", True, "splits the vocabulary over pipeline ranks:"
                           f" needs parallel.pp > 1 (pp = {par.pp}); for tp use"
                           " parallel.vocab_parallel")
-    if m.vocab_size % par.pp:
-        raise ConfigError("model.vocab_size", m.vocab_size, f"must be divisible by parallel.pp ="
-                          f" {par.pp} (parallel.vocab_parallel_pp splits it evenly); nearest: "
-                          + nearest_multiples(m.vocab_size, par.pp))
-    others = {"tp": par.tp, "cp": par.cp, "ep": par.ep, "dp_shard": par.dp_shard}
+    shards = par.pp * par.tp
+    if m.vocab_size % shards:
+        raise ConfigError("model.vocab_size", m.vocab_size, f"must be divisible by parallel.pp x"
+                          f" parallel.tp = {par.pp} x {par.tp} (parallel.vocab_parallel_pp splits"
+                          " it evenly over every rank of a pipeline); nearest: "
+                          + nearest_multiples(m.vocab_size, shards))
+    if par.tp > 1 and par.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel", True, f"parallel.{rule} under tp > 1"
+                          " needs the last stage's output replicated over tp, which sequence"
+                          " parallelism shards (not built): set parallel.sequence_parallel ="
+                          " false or parallel.vocab_parallel_pp = false")
+    others = {"cp": par.cp, "ep": par.ep, "dp_shard": par.dp_shard}
     for name, degree in others.items():
         if degree != 1:
             raise ConfigError(f"parallel.{name}", degree, f"parallel.{rule} is not composed with"
                               f" {name} yet (the vocabulary shards have no {name} split or"
-                              " reducer; dp_replicate is): set it to 1 or"
+                              " reducer; dp_replicate and tp are): set it to 1 or"
                               " parallel.vocab_parallel_pp = false")
     if par.dp_mode != "sync":
         raise ConfigError("parallel.dp_mode", par.dp_mode, f"parallel.{rule} runs with"

@@ -31,7 +31,32 @@ Precision: under ``train.dtype = bf16`` the rows are bf16 parameters with fp32 m
 runtime applies ``loom.parallel.mixed_precision`` to the shard as to a stage), under
 ``bf16_autocast`` S's matmul runs in the stages' autocast; either way a shard's logits are the
 very bf16 values of its columns of one process's logits, upcast to fp32 before the statistics,
-which travel and combine in fp32, and the runtime adds the p parts of dX in fp32.
+which travel and combine in fp32, and the runtime adds the p parts of dX in fp32 (under tp,
+the tp sums below too).
+
+Tensor parallelism (``parallel.tp`` = t > 1, Megatron's: the stages' blocks split over tp, their
+residual stream replicated): the rows are split over all p·t ranks of a pipeline, pipeline
+rank r and tp rank u holding shard r·t + u, rows [(r·t + u)V/(pt), (r·t + u + 1)V/(pt)):
+pipeline-major, so the p pipeline blocks of rows are those of tp = 1, each split over tp as
+Megatron splits a vocab-parallel head. Each weight is a DTensor ``Shard(0)`` on the ``tp`` mesh
+of its pipeline rank's ``[V/p, D]`` block (``VocabRows`` records that block), so clipping sums
+its squares over tp, and ``full_tensor``, checkpoints and pretrained loads place every tp rank's
+rows as they do any tp-sharded weight. The point-to-point messages above run in each tp
+slice's own pp group, unchanged (X, dX and the embedding's gradient are replicated over tp);
+three tp collectives (axis ``tp_vocab`` in the ledger, fp32, per microbatch) join the t shards
+of each pipeline rank:
+
+* S: an all-gather of the ``[3, N]`` statistics over tp (payload 4·3·N·t bytes, on every rank),
+  combined in tp order into the pipeline rank's ``[3, N]``, which travels over pp as before;
+* the last stage: after summing the p parts of dX over pp, an all-reduce over tp (4·N·D bytes),
+  so every tp rank of the last stage holds the whole dX its replicated output needs;
+* the first stage: after summing the p partial embeddings over pp, an all-reduce over tp
+  (4·N·D bytes), so every tp rank of the first stage gets the whole embedding (exact: one part
+  is non-zero per token).
+
+Sequence parallelism (the last stage's output sharded over the sequence) is refused by the
+config (``parallel.sequence_parallel``); ``parallel.vocab_parallel`` (tp-only splitting of the
+head) is moot: the stages hold no embedding or head to split.
 
 Checkpoints: ``VocabRows`` records where its rows sit in the full ``[V, D]`` weight;
 ``row_slices`` hands that to ``loom.train.checkpoint_state``, which saves each rank's rows (and
@@ -51,17 +76,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from loom.data.packing import IGNORE_INDEX
 from loom.models import TransformerArgs
 from loom.models.llama import initial_value, seeded_name
+from loom.parallel import comm
+from loom.parallel.comm import CommLedger
 from loom.parallel.vocab import cross_entropy as tensor_cross_entropy
 
 
 class VocabRows(nn.Module):
     """Rows ``[start, start + rows)`` of a ``[total, D]`` weight, under the name ``weight`` (the
     full model's names). ``start`` and ``total`` are where they sit in the full weight: what a
-    checkpoint needs to write them at their global offset (``row_slices``)."""
+    checkpoint needs to write them at their global offset (``row_slices``). Under tp the weight
+    is a DTensor of those rows, ``Shard(0)`` over tp: its placement locates each tp rank's part
+    within them, as for any tp-sharded weight."""
 
     def __init__(self, weight: nn.Parameter, start: int, total: int) -> None:
         super().__init__()
@@ -79,31 +110,44 @@ def row_slices(model: nn.Module) -> dict[str, tuple[int, int]]:
 class VocabShard(nn.Module):
     """Pipeline rank ``shard`` of ``shards``' rows of the input embedding (``tok_embeddings``) and
     the output layer (``output``), initialised with those rows of the full model's seeded
-    weights (bit-identical to one process's). Tied embeddings: one Parameter for both."""
+    weights (bit-identical to one process's). Tied embeddings: one Parameter for both.
+
+    ``tp`` (the ``tp`` mesh of this rank, degree t > 1): this rank holds shard
+    ``shard * t + its tp rank`` of ``shards * t`` (the module docstring), as a DTensor
+    ``Shard(0)`` of the pipeline rank's rows; its tp collectives are counted in ``ledger``."""
 
     def __init__(self, args: TransformerArgs, shard: int, shards: int,
                  device: torch.device | str, seed: int,
                  autocast: Callable[[], contextlib.AbstractContextManager]
-                 = contextlib.nullcontext) -> None:
+                 = contextlib.nullcontext, tp: DeviceMesh | None = None,
+                 ledger: CommLedger | None = None) -> None:
         super().__init__()
         # the stages' autocast (train.dtype = bf16_autocast): the head's matmul runs under it,
         # as the whole model's output layer does
         self.autocast = autocast
-        if args.vocab_size % shards:
-            raise ValueError(f"vocab_size {args.vocab_size} is not divisible by pp = {shards}")
-        rows = args.vocab_size // shards
-        self.vocab_start, self.rows = shard * rows, rows
+        self.tp = tp if tp is not None and tp.size() > 1 else None
+        self.ledger = ledger
+        degree, tp_rank = (self.tp.size(), self.tp.get_local_rank()) if self.tp else (1, 0)
+        if args.vocab_size % (shards * degree):
+            raise ValueError(f"vocab_size {args.vocab_size} is not divisible by pp x tp ="
+                             f" {shards} x {degree}")
+        block = args.vocab_size // shards  # the pipeline rank's rows, split over tp
+        rows = block // degree
+        self.vocab_start, self.rows = (shard * degree + tp_rank) * rows, rows
         self.args = args
         full = (args.vocab_size, args.dim)
 
         def rows_of(name: str) -> nn.Parameter:
             value = initial_value(seeded_name(name, args), torch.Size(full), args, seed)
-            return nn.Parameter(value[self.vocab_start:self.vocab_start + rows].clone().to(device))
+            mine = value[self.vocab_start:self.vocab_start + rows].clone().to(device)
+            if self.tp is None:
+                return nn.Parameter(mine)
+            return nn.Parameter(DTensor.from_local(mine, self.tp, [Shard(0)], run_check=False))
 
-        self.tok_embeddings = VocabRows(rows_of("tok_embeddings.weight"), self.vocab_start,
+        self.tok_embeddings = VocabRows(rows_of("tok_embeddings.weight"), shard * block,
                                         args.vocab_size)
         self.output = VocabRows(self.tok_embeddings.weight if args.tie_embeddings
-                                else rows_of("output.weight"), self.vocab_start, args.vocab_size)
+                                else rows_of("output.weight"), shard * block, args.vocab_size)
 
     def _local(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids as rows of this shard (0 outside it) and the mask of those outside."""
@@ -115,7 +159,8 @@ class VocabShard(nn.Module):
         """This shard's part of the embedding of ``tokens_BS``: its rows, zero for the tokens of
         other shards (the p parts sum to the full embedding, exactly: one is non-zero)."""
         local, outside = self._local(tokens_BS)
-        return F.embedding(local, self.tok_embeddings.weight).masked_fill(outside[..., None], 0.0)
+        return F.embedding(local, _own(self.tok_embeddings.weight)).masked_fill(
+            outside[..., None], 0.0)
 
     def s_pass(self, x_BSD: torch.Tensor, targets_BS: torch.Tensor) -> tuple[OutputPass,
                                                                                torch.Tensor]:
@@ -124,7 +169,7 @@ class VocabShard(nn.Module):
         target is another shard's), for every rank's ``t_pass``."""
         x = x_BSD.detach().requires_grad_(torch.is_grad_enabled())
         with self.autocast():  # bf16 parameters or autocast: bf16 logits, as one process's
-            logits = F.linear(x, self.output.weight)
+            logits = F.linear(x, _own(self.output.weight))
         logits = logits.flatten(0, 1).float()  # then fp32, as the loss upcasts full logits
         local, outside = self._local(targets_BS.flatten(0, 1))
         with torch.no_grad():
@@ -134,13 +179,28 @@ class VocabShard(nn.Module):
             # the matmul's backward reads x and the rows, not its output: one [N, V/p] held.
             exp = logits.sub_(row_max[:, None]).exp_()
             sum_exp = exp.sum(dim=-1)
-        return OutputPass(x, exp, row_max, local, outside), torch.stack((row_max, sum_exp, target))
+            stats = torch.stack((row_max, sum_exp, target))
+            if self.tp is not None:  # the pipeline rank's statistics: its t shards' combined
+                gathered = stats.new_empty((self.tp.size() * 3, stats.shape[1]))
+                comm.all_gather_into_tensor(gathered, stats, self.tp.get_group(),
+                                            axis="tp_vocab", ledger=self.ledger)
+                stats = torch.stack(combine(list(gathered.view(-1, 3, stats.shape[1]))))
+        return OutputPass(x, exp, row_max, local, outside), stats
+
+    def sum_over_tp(self, total: torch.Tensor) -> torch.Tensor:
+        """``total`` (a pipeline rank's sum of dX parts or of partial embeddings) summed in place
+        over the tp ranks, whose shards hold the other rows: every tp rank gets the whole sum.
+        A no-op without tp."""
+        if self.tp is not None:
+            comm.all_reduce(total, self.tp.get_group(), axis="tp_vocab", ledger=self.ledger)
+        return total
 
     def t_pass(self, state: OutputPass, stats: list[torch.Tensor], targets_BS: torch.Tensor,
                loss_fn, *, training: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """T: the loss of ``loss_fn(ShardedLogits, targets)`` from every shard's ``stats`` (in rank
-        order); training: its backward through this shard, accumulating the head rows'
-        gradient. Returns the loss (detached) and this shard's part of dX (or None)."""
+        """T: the loss of ``loss_fn(ShardedLogits, targets)`` from every pipeline rank's ``stats``
+        (in rank order; under tp each already its t shards' combination); training: its
+        backward through this shard, accumulating the head rows' gradient. Returns the loss
+        (detached) and this shard's part of dX (or None)."""
         row_max, sum_exp, target = combine(stats)
         # this shard's softmax = exp(z - its max) * exp(its max - the max) / the sum
         scale = (state.row_max - row_max).exp_().div_(sum_exp)
@@ -164,6 +224,11 @@ class OutputPass:
     row_max: torch.Tensor
     local: torch.Tensor
     outside: torch.Tensor
+
+
+def _own(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a vocabulary weight (a tp DTensor's local shard, with autograd to it)."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def combine(stats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

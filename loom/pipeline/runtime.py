@@ -71,7 +71,8 @@ transfer and reduction below goes through ``loom.parallel.comm`` with the traine
   the schedule. (Under ``train.dtype = bf16`` X, dX and the embeddings travel in bf16, half
   those bytes; the statistics stay fp32.) Every receive is posted ahead like the others and
   waited just before use, so a schedule the validator accepts (its barriers included) cannot
-  deadlock here either.
+  deadlock here either. Under tp all of this runs in each tp slice's pp group, and the vocabulary
+  shards add three tp collectives (``loom.parallel.vocab_pipeline``, axis ``tp_vocab``).
 * After the step: one 1-element all-reduce over ``pp`` so every rank reports the loss, which only
   the last stage of each route computes (under vocabulary parallelism: the last stage's rank's
   T passes, every rank having computed the same loss).
@@ -85,7 +86,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -513,7 +514,8 @@ class PipelineRuntime:
         total = parts[0].to(torch.float32, copy=True)
         for part in parts[1:]:
             total += part
-        return total.to(parts[0].dtype)
+        # under tp the other tp ranks' shards hold the other rows: theirs are added (tp_vocab)
+        return self.vocab.sum_over_tp(total).to(parts[0].dtype)
 
     def _vocab_pass(self, schedule: Schedule, action: Action, targets: Sequence[torch.Tensor],
                     loss_fn: LossFn, training: bool,
@@ -670,6 +672,8 @@ def build_pipeline(job: Job, schedule: Schedule, *, grid: RankGrid, meshes: Mesh
     pp_rank = grid.coords(rank)["pp"]
     kwargs = {"autocast": autocast} if autocast is not None else {}
     stages = build_stages(args, schedule, layers, pp_rank, device, job.seed, **kwargs)
+    if schedule.has_vocab_passes:  # the stages hold no embedding or head for tp to split
+        job = replace(job, layout=replace(job.layout, vocab_parallel=False))
     for stage in stages.values():
         stage.applied = parallelize(stage.module, meshes, job, cp_groups=cp_groups, ledger=ledger)
         stage.module = stage.applied.module
@@ -689,7 +693,8 @@ def build_pipeline(job: Job, schedule: Schedule, *, grid: RankGrid, meshes: Mesh
     pp_group = meshes.root["pp"].get_group() if grid.degree("pp") > 1 else None
     vocab = vocab_reducer = None
     if schedule.has_vocab_passes:
-        vocab = VocabShard(args, pp_rank, schedule.pp_size, device, job.seed, **kwargs)
+        vocab = VocabShard(args, pp_rank, schedule.pp_size, device, job.seed, **kwargs,
+                           tp=meshes.root["tp"] if grid.degree("tp") > 1 else None, ledger=ledger)
         reduce_dtype = torch.bfloat16 if job.grad_reduce_dtype == "bf16" else torch.float32
         if job.dtype == "bf16":  # bf16 rows with fp32 masters, as the stages' parameters
             apply_bf16_parameters(vocab, reduce_dtype)  # (before the reducer's hooks)

@@ -22,7 +22,8 @@ as ``torch.distributed.checkpoint.state_dict.get_state_dict`` writes it. Each va
   - vocabulary parallelism across the pipeline (``loom.parallel.vocab_pipeline``): pipeline
     rank r holds rows ``[rV/p, (r+1)V/p)`` of the embedding and the head (and their moments)
     under the full names, saved as that box of the ``[V, D]`` weight (``VocabRows`` records
-    where), so the checkpoint holds the whole weights, as one process's does.
+    where; under tp each tp rank its ``Shard(0)`` part of it, where its DTensor places it), so
+    the checkpoint holds the whole weights, as one process's does.
 
 ``load_training_state`` copies what ``dcp.load`` filled back into the model and optimizer (for
 the three cases above it was filled in place already; only hyper-parameters and step counts are
@@ -42,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from loom.parallel.expert import ExpertParallel, expert_parameter_names
 from loom.parallel.vocab_pipeline import row_slices
@@ -242,8 +244,6 @@ def _in_global(boxes: list[Box], param: torch.Tensor) -> list[Box]:
     (ZeRO-1/2 under TP); a plain tensor's unchanged."""
     if not hasattr(param, "device_mesh"):
         return boxes
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     _, shift = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
                                                      param.placements)
     return [(tuple(o + s for o, s in zip(off, shift)), size) for off, size in boxes]
@@ -290,8 +290,6 @@ def _expert_pieces(value: torch.Tensor, ep: Any) -> tuple[tuple[int, ...],
     offset = [0] * value.ndim
     shape = list(value.shape)
     if hasattr(value, "device_mesh"):  # expert-TP: the tp-local box inside this ep slice
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh,
                                                           value.placements)
         offset = list(offset)
@@ -316,10 +314,16 @@ def _vocab_pieces(rows: dict[str, tuple[int, int]], name: str, value: torch.Tens
                   ) -> tuple[tuple[int, ...], list[tuple[Box, torch.Tensor]]]:
     """(global shape, [(box, local view)]) of a vocabulary shard's rows of ``name`` (or of one
     of its moments): pipeline rank r's rows ``[start, start + V/p)`` of the ``[V, D]`` weight
-    (``loom.parallel.vocab_pipeline.VocabRows``)."""
+    (``loom.parallel.vocab_pipeline.VocabRows``); under tp this tp rank's part of them, where
+    the DTensor's placement puts it."""
     start, total = rows[name]
-    return (total, *value.shape[1:]), [(((start, *(0,) * (value.ndim - 1)), tuple(value.shape)),
-                                        value.detach())]
+    offset = [0] * value.ndim
+    if hasattr(value, "device_mesh"):  # tp: Shard(0) of the pipeline rank's rows
+        _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh,
+                                                          value.placements)
+        offset, value = list(offset), value.to_local()
+    offset[0] += start
+    return (total, *value.shape[1:]), [((tuple(offset), tuple(value.shape)), value.detach())]
 
 
 def _vocab_as_slices(model: nn.Module, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:

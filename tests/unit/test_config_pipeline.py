@@ -81,6 +81,13 @@ REJECTED = [
      "parallel.schedule_memory_limit", "parallel.schedule_memory_limit=0.5", [">= 1 unit"]),
     ({**PP2, "parallel.schedule": "search", "parallel.chunks": "2"}, 2, "parallel.chunks",
      "parallel.chunks=2", ["the search chooses the placement"]),
+    # vocabulary parallelism across pp x tp: the rows split evenly over every rank of a pipeline
+    ({**PP2, "parallel.vocab_parallel_pp": "true", "parallel.tp": "2", "model.preset": "debug",
+      "model.vocab_size": "322"}, 4, "model.vocab_size", "model.vocab_size=322",
+     ["divisible by parallel.pp x parallel.tp = 2 x 2", "nearest: 320"]),
+    ({**PP2, "parallel.vocab_parallel_pp": "true", "parallel.tp": "2", "model.preset": "debug",
+      "parallel.sequence_parallel": "true"}, 4, "parallel.sequence_parallel",
+     "parallel.sequence_parallel=True", ["output replicated over tp"]),
 ]
 
 
@@ -124,6 +131,12 @@ def test_a_schedule_without_a_pipeline_is_refused() -> None:
     ({**PP2, "model.tie_embeddings": "true", "parallel.dp_shard": "2",
       "parallel.reshard_after_forward": "false"}, 4),
     ({**PP2, "parallel.schedule": "search"}, 2),
+    # vocabulary parallelism across the pipeline composed with tp (and with dp_replicate too)
+    ({**PP2, "parallel.vocab_parallel_pp": "true", "parallel.tp": "2", "model.preset": "debug"},
+     4),
+    ({**PP2, "parallel.vocab_parallel_pp": "true", "parallel.tp": "2", "model.preset": "debug",
+      "parallel.schedule": "zbv", "model.tie_embeddings": "true",
+      "parallel.dp_replicate": "2", "train.global_batch_size": "16"}, 8),
     ({**PP2, "parallel.schedule": "search", "parallel.schedule_memory_limit": "3",
       "parallel.schedule_costs": "1,1,0.5,0.05"}, 2),
     # per-rank costs (the planner writes these) and a pinned placement

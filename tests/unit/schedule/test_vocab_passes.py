@@ -200,7 +200,8 @@ def test_the_config_turns_it_on():
 
 @pytest.mark.parametrize("overrides, field", [
     ({"parallel.pp": 1, "world": 1}, "parallel.vocab_parallel_pp"),
-    ({"parallel.tp": 2, "world": 4}, "parallel.tp"),
+    ({"parallel.tp": 2, "world": 4, "parallel.sequence_parallel": True},
+     "parallel.sequence_parallel"),  # tp itself is composed (tests/dist/test_pipeline_vocab_tp.py)
     ({"parallel.dp_shard": 2, "world": 4, "train.global_batch_size": 8}, "parallel.dp_shard"),
     ({"parallel.dp_replicate": 2, "world": 4, "train.global_batch_size": 8,
       "parallel.dp_mode": "diloco"}, "parallel.dp_mode"),
