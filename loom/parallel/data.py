@@ -65,7 +65,7 @@ from torch import nn
 from loom.formulas.memory import BUCKET_BYTES  # the memory formulas depend on it too
 from loom.models.moe import GroupedExperts
 from loom.parallel import comm
-from loom.parallel.comm import local_shard as _local  # zero.py imports it from here too
+from loom.parallel.comm import local_shard as _local
 from loom.parallel.compression import (CompressionSpec, GradCompressor, build_compressor,
                                         copy_back)
 from loom.parallel.mixed_precision import gradient_of

@@ -99,7 +99,8 @@ from loom.parallel.mixed_precision import MAIN_GRAD, fold_main_grad, gradient_of
 # overlap the reduction of one bucket with the packing of the next (DeepSpeed's double buffer)
 # and bound the packed gradients held to three buckets (the memory formulas depend on it).
 from loom.formulas.memory import MAX_IN_FLIGHT
-from loom.parallel.data import BUCKET_BYTES, _local
+from loom.parallel.comm import local_shard as _local
+from loom.parallel.data import BUCKET_BYTES
 from loom.parallel.expert import expert_parameter_names
 
 
