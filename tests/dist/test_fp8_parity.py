@@ -5,7 +5,9 @@ the whole tensor's).
 
 FP8 scales are computed from each tensor's amax at every matmul, so a rank's numbers depend only
 on its microbatch: the first step of a layout equals one process accumulating the same
-microbatches, every gradient to the matrix's fp32 tolerances (tests/dist/test_layouts_parity.py).
+microbatches, every gradient to the matrix's fp32 tolerances (tests/dist/test_layouts_parity.py),
+where the layout runs the same matmuls (dp, ZeRO, pp); under tp and cp, whose sums run in
+another order, up to FP8 rounding-boundary crossings (``CROSS_*`` below).
 Later steps start from weights that differ at rounding level (gradients summed in another order,
 ZeRO's sharded step), and FP8's rounding is a step function of them: an element that crosses a
 rounding boundary moves by a whole FP8 step. Measured: ZeRO-1 at step 2, grad norm 3e-4 off
@@ -28,11 +30,23 @@ BASE = {**SMALL_DATA_OVERRIDES, "model.preset": "debug", "model.n_kv_heads": 4,
         "optim.warmup_steps": 1, "optim.lr": 1e-3, "train.grad_clip": 1.0}
 FP8 = {**BASE, "train.fp8": "tensorwise", "train.fp8_emulate": True}
 RTOL_FIRST, ATOL_FIRST = 1e-5, 1e-6
-RTOL_LATER = 1e-3  # FP8's rounding of weights that differ at fp32's (docstring)
-# Under tp the row-parallel matmuls sum their partial products in another order from the first
-# step on, so more weights differ at fp32's rounding after it: measured 1.06e-3 on the grad norm
-# at step 3 (tp = 2, with or without SP); FP8 itself moves the gradients ~4% from fp32's.
-RTOL_LATER_TP = 2e-3
+# Under tp the row-parallel matmuls sum their partial products in another order, and under cp
+# the ring merges attention blocks in another order, from the first step on: a value that
+# differs at fp32's rounding can cross an FP8 rounding boundary when it is quantized, and moves
+# by a whole FP8 step (e4m3: at most 1/8 of the value). Which elements do depends on the CPU's
+# kernels. Measured on an AVX-512/AMX Xeon (26 Nov 2026), step 1: tp = 2, 15 of 4,096 elements
+# of one weight's gradient off by up to 2.4e-6; cp = 2 (ring, per-token scales), 76 of 4,096
+# (1.9%) off by up to 1.9e-5, the grad norm by 2.0e-5 relative. On the CPU these tests were
+# written on, both were within RTOL_FIRST. So there step 1 is checked as crossings
+# (``assert_crossings``): loss and grad norm to CROSS_RTOL, every gradient element within
+# CROSS_STEP of the gradient's largest element (a crossing spreads through a reduction: 11 of
+# the 64 elements of a norm's weight gradient moved under cp; a wrong shard moves them by
+# their own size).
+CROSS_RTOL, CROSS_STEP = 1e-4, 1 / 8
+# Later steps: FP8's rounding of weights that differ at fp32's (docstring); more of them under
+# tp. Measured on the grad norm at step 3: 1.06e-3 (tp = 2, with or without SP) and, on the
+# AVX-512/AMX Xeon, 1.05e-3 (pp = 2); FP8 itself moves the gradients ~4% from fp32's.
+RTOL_LATER = 2e-3
 
 LAYOUTS = {
     "dp2": (2, {"dp_replicate": 2}),
@@ -55,8 +69,16 @@ def test_fp8_under_context_parallelism_matches_one_process_with_per_token_scales
     for cp_mode in ("ring", "ulysses"):
         config = layout_config(per_token, 2, cp=2, cp_mode=cp_mode)
         for rank, result in enumerate(dist.run(2, record_training, config, small_data_dir, 2)):
-            assert_parity(reference, result, rtol=RTOL_FIRST, atol=ATOL_FIRST,
-                          label=f"fp8 cp2-{cp_mode} rank {rank}", steps=range(1))
+            assert_crossings(reference, result, f"fp8 cp2-{cp_mode} rank {rank}")
+
+
+def assert_crossings(reference: dict, result: dict, label: str) -> None:
+    """Step 1 equal but for FP8 rounding-boundary crossings (``CROSS_*`` above)."""
+    for key in ("loss", "grad_norm"):
+        assert result[key][0] == pytest.approx(reference[key][0], rel=CROSS_RTOL), (label, key)
+    for name, ref in reference["grads"][0].items():
+        error = (result["grads"][0][name] - ref).abs().max() / ref.abs().max()
+        assert error <= CROSS_STEP, (label, name, float(error))
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +110,13 @@ def test_fp8_layout_matches_one_process(dist, small_data_dir, reference, layout)
     for rank, result in enumerate(dist.run(world, record_training, config, small_data_dir,
                                            STEPS)):
         label = f"fp8 {layout} rank {rank}"
-        assert_parity(reference, result, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=label,
-                      steps=range(1))
-        later = RTOL_LATER_TP if parallel.get("tp", 1) > 1 else RTOL_LATER
+        if parallel.get("tp", 1) > 1:
+            assert_crossings(reference, result, label)
+        else:
+            assert_parity(reference, result, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=label,
+                          steps=range(1))
         for key in ("loss", "grad_norm"):
-            assert result[key] == pytest.approx(reference[key], rel=later), (label, key)
+            assert result[key] == pytest.approx(reference[key], rel=RTOL_LATER), (label, key)
 
 
 def test_rowwise_fp8_under_tensor_and_sequence_parallelism_matches_one_process(
