@@ -300,6 +300,21 @@ PEAK_LAYOUTS = [  # (name, ranks, overrides): global batch 16, so m = 16 / (dp x
     ("pp2 x zero2-dp2 1f1b m=4 1MiB buckets", 4, {"pp": 2, "dp_shard": 2, "zero_stage": 2,
                                                   "train.micro_batch_size": 2,
                                                   "train.grad_bucket_mb": 1}),
+    # vocabulary parallelism across the pipeline (loom.parallel.vocab_pipeline) against the same
+    # pipeline with the head on the last stage, at a vocabulary of 8192 (the tiny preset's 320
+    # makes the head's share invisible): every rank holds V/2 rows of the embedding and head and
+    # each microbatch's exp-logits between its S and T
+    ("pp2 1f1b m=4 vocab 8192", 2, {"pp": 2, "model.vocab_size": 8192,
+                                    "train.micro_batch_size": 4}),
+    ("pp2 vocab-pp 1f1b m=4 vocab 8192", 2, {"pp": 2, "vocab_parallel_pp": True,
+                                             "model.vocab_size": 8192,
+                                             "train.micro_batch_size": 4}),
+    ("pp2 zbv m=4 vocab 8192", 2, {"pp": 2, "schedule": "zbv", "model.vocab_size": 8192,
+                                   "train.micro_batch_size": 4}),
+    ("pp2 vocab-pp zbv m=4 vocab 8192", 2, {"pp": 2, "schedule": "zbv",
+                                            "vocab_parallel_pp": True,
+                                            "model.vocab_size": 8192,
+                                            "train.micro_batch_size": 4}),
 ]
 
 

@@ -589,7 +589,8 @@ def layout_of(config: Config) -> Layout:
         schedule_placement=par.schedule_placement if searched else "auto",
         schedule_offload_limit=par.schedule_offload_limit if par.pp > 1 else 0.0,
         **_microbatching(config),
-        recompute=tr.recompute, recompute_every=tr.recompute_every)
+        recompute=tr.recompute, recompute_every=tr.recompute_every,
+        vocab_parallel_pp=par.vocab_parallel_pp)
 
 
 def _microbatching(config: Config) -> dict[str, int]:
@@ -637,7 +638,8 @@ def with_layout(config: Config, layout: Layout) -> Config:
         config.parallel, **layout.degrees(),
         reshard_after_forward=layout.reshard_after_forward,
         sequence_parallel=layout.sequence_parallel, vocab_parallel=layout.vocab_parallel,
-        cp_mode=layout.cp_mode, cp_ulysses=layout.cp_ulysses)
+        cp_mode=layout.cp_mode, cp_ulysses=layout.cp_ulysses,
+        vocab_parallel_pp=layout.vocab_parallel_pp)
     if layout.zero_stage:
         par.zero_stage = layout.zero_stage
     if layout.searched:

@@ -118,6 +118,9 @@ class Layout:
     microbatches: int = 1  # per pipeline (or accumulation steps) per optimizer step
     recompute: str = "none"  # none | selective | full | every_k
     recompute_every: int = 2
+    # the embedding and head split over every pipeline rank (``parallel.vocab_parallel_pp``),
+    # as the planner and the memory estimator price it; the runtime reads Job's
+    vocab_parallel_pp: bool = False
 
     def __post_init__(self) -> None:
         # The search's stages per rank pin its placement when none is named (the planner's
@@ -176,6 +179,8 @@ class Layout:
             text += f" {self.schedule}" + (f"x{self.chunks}" if self.chunks > 1 else "")
         if self.schedule_offload_limit:
             text += f" offload@{self.schedule_offload_limit:g}"
+        if self.vocab_parallel_pp:
+            text += " vocab-pp"
         text += f" mb{self.micro_batch}x{self.microbatches}"
         if self.recompute != "none":
             text += f" rc-{self.recompute}"
@@ -223,8 +228,8 @@ class Job:
     fp8: str = "none"  # FP8 matmuls in the blocks' linears (``train.fp8``, loom.parallel.fp8)
     fp8_emulate: bool = False
     # The embedding and output layer split over the vocabulary onto every pipeline rank
-    # (``parallel.vocab_parallel_pp``, loom.parallel.vocab_pipeline). A Job field for the same
-    # reason as dp_mode: the planner does not price it yet.
+    # (``parallel.vocab_parallel_pp``, loom.parallel.vocab_pipeline); the runtime reads this
+    # one, the planner and the estimator ``Layout.vocab_parallel_pp`` (the same setting)
     vocab_parallel_pp: bool = False
 
 

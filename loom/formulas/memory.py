@@ -73,6 +73,26 @@ def head_activation_bytes(*, s: int, b: int, h: int, vocab: int, e: int = 4) -> 
     return 2 * s * b * h * e + 4 * s * b + 4 * s * b * vocab + e * s * b * vocab
 
 
+def vocab_pass_bytes(*, tokens: int, vocab: int, shards: int, h: int, wire: int = 4,
+                     final: bool = False) -> float:
+    """What one microbatch holds on a pipeline rank between its S and T under vocabulary
+    parallelism across the pipeline (``loom.parallel.vocab_pipeline.OutputPass``): the shard's
+    exp(logits - row max) ``[tokens, vocab/shards]`` in fp32 (``shards`` = pp x tp), and X as
+    received (``wire`` bytes) unless the rank holds the last stage (``final``: its X is its
+    own output, counted with the final norm)."""
+    return 4 * tokens * (vocab // shards) + (0 if final else wire * tokens * h)
+
+
+def vocab_embedding_bytes(*, microbatches: int, tokens: int, h: int, e: int = 4,
+                          wire: int = 4) -> float:
+    """What every pipeline rank holds all step for the embedding split across the pipeline:
+    its partial embedding of every microbatch (``e`` bytes, kept for the gradient scatter after
+    the schedule) and as many ``[tokens, h]`` buffers in ``wire`` bytes (the first stage's
+    summed inputs not yet run or their gradients come back; the other ranks' posted receives
+    of those gradients)."""
+    return microbatches * tokens * h * (e + wire)
+
+
 def model_state_bytes(psi: float, shard: int, stage: int, *, accumulating: bool = False,
                       grad_bytes: int = 4, master: bool = False) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer) bytes for ``psi`` parameters under ZeRO ``stage`` (0:

@@ -94,6 +94,8 @@ def simulate_step(model: CostModel, cost: StepCost, *, max_simulated: int | None
         second = min(m, first + p)
         later = makespan(second)
         pipeline = later + (m - second) * (later - pipeline) / (second - first)
+    if lay.vocab_parallel_pp:  # the split embedding's messages at the step's edges
+        pipeline += model.vocab_pass_times(lay)[4] * m
     return replace(cost, pipeline=pipeline, simulated=True)
 
 

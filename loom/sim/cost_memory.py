@@ -4,20 +4,27 @@ The bytes are ``loom.formulas.memory``'s, the formulas and model-state instants 
 estimator uses too: ZeRO model state (with full-size gradients while microbatches accumulate,
 ZeRO-3 stages held gathered inside pipelines, ZeRO's reductions and the optimizer step),
 per-block activations by tp / SP / cp / recomputation, the head's, and the schedule's peak
-microbatches in flight (``PEAK_IN_FLIGHT``). It communicates nothing. Split from
+microbatches in flight (``PEAK_IN_FLIGHT``; under vocabulary parallelism across the pipeline
+the runtime's schedule with its S and T passes, ``vocab_schedule_levels``, and the estimator's
+rows, exp-logits and embedding buffers). It communicates nothing. Split from
 ``cost_model.py`` to keep that module about time.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Any
 
 from loom.layout import Layout
+from loom.schedule.ir import Op
+from loom.schedule.select import schedule_of
+from loom.schedule.validate import peak_memory
+from loom.schedule.vocab_passes import vocab_schedule
 from loom.formulas.memory import (StateRules, block_activation_bytes, last_microbatch,
                                   framework_state_bytes, head_activation_bytes,
                                   korthikanti_block_activation_bytes, largest_parameter,
-                                  rank_state_instants)
+                                  rank_state_instants, vocab_embedding_bytes, vocab_pass_bytes)
 
 
 # Peak microbatches in flight on the worst rank, in units of one rank's microbatch (a chunk of v
@@ -41,16 +48,35 @@ PEAK_IN_FLIGHT = {
 
 
 def layout_memory(model: Any, lay: Layout, in_flight: tuple[float, ...] | None = None, *,
-                  total_only: bool = False) -> Any:
+                  total_only: bool = False, rank: int | None = None) -> Any:
     """Bytes by component at the worst instant of the worst pipeline rank of ``model`` (a
     ``CostModel``; checked first: most layouts of a large model do not fit, and this is a
     fraction of ``evaluate``'s work). ``in_flight``: the peak activation units of each rank
     of a known schedule (a searched one, once found), instead of the family's. ``total_only``:
-    just the sum (the planner's screening drops most layouts on it)."""
+    just the sum (the planner's screening drops most layouts on it). ``rank``: that end
+    rank's worst instant instead (0 or pp - 1)."""
     v_shaped = lay.v_shaped
     counts, _, owned = model._geometry(lay.pp, lay.chunks, v_shaped)
     states = _states(model, lay, v_shaped)
     dense_act, moe_act, head, full_block = _activation_bytes(model, lay)
+    split_vocab = lay.vocab_parallel_pp and lay.pp > 1
+    windows: tuple[int, ...] = ()
+    if split_vocab:  # the last stage ends at its final norm; the rows' passes on every rank
+        m = model.model
+        tokens = lay.micro_batch * model.seq // lay.cp
+        head = head_activation_bytes(s=model.seq // lay.cp, b=lay.micro_batch, h=m.dim,
+                                     vocab=0, e=model.e)
+        if in_flight is None and lay.schedule != "search":
+            in_flight, windows = vocab_schedule_levels(lay, m.n_layers)
+        else:  # at most the rank's own microbatches in flight hold S's output
+            windows = tuple(int(max(in_flight or (lay.pp,))) for _ in range(lay.pp))
+        # between S and T: the shard's fp32 exp-logits and the received X (parameter dtype on
+        # the wire, as the planner prices); all step long: the partial embeddings and the
+        # first stage's inputs or their gradients (``loom.train.memory``'s accounting)
+        one_pass = vocab_pass_bytes(tokens=tokens, vocab=m.vocab_size, shards=lay.pp * lay.tp,
+                                    h=m.dim, wire=model.e)
+        held_all_step = vocab_embedding_bytes(microbatches=lay.microbatches, tokens=tokens,
+                                              h=m.dim, e=model.e, wire=model.e)
     if lay.schedule == "search":  # the search keeps every rank within its limit (0: pp)
         peak = lay.schedule_memory_limit or float(lay.pp)
     else:
@@ -61,6 +87,8 @@ def layout_memory(model: Any, lay: Layout, in_flight: tuple[float, ...] | None =
     worst: tuple[dict[str, float], float] | None = None
     worst_total = 0.0
     for r, instants in states.items():
+        if rank is not None and r != rank:
+            continue
         own = owned[r]
         per_mb = sum(counts[s][0] * dense_act + counts[s][1] * moe_act for s in own)
         # in flight on rank r: the schedule's peak on rank 0 (and on every rank of a V, whose
@@ -72,6 +100,8 @@ def layout_memory(model: Any, lay: Layout, in_flight: tuple[float, ...] | None =
         holds_head = last in own
         if holds_head:  # the head's logits live from its F to its backward: briefly
             acts += head
+        if split_vocab:
+            acts += windows[r] * one_pass + held_all_step
         # the passes' instant, and ZeRO-2's reduction during the last backward, hold them
         freed = (head if holds_head else 0.0) + dense_act  # the head's and the top block's
         for entry in instants:
@@ -88,6 +118,23 @@ def layout_memory(model: Any, lay: Layout, in_flight: tuple[float, ...] | None =
             if not name.startswith("_")}
 
 
+@functools.lru_cache(maxsize=64)
+def vocab_schedule_levels(lay: Layout, n_layers: int) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """Under vocabulary parallelism across the pipeline, per rank: the peak activation units
+    of the schedule the runtime runs (``vocab_schedule``: 1F1B holds one more warm-up
+    forward) and the most microbatches whose S has run and T not (their exp-logits held)."""
+    schedule = vocab_schedule(schedule_of(lay, max_stages=n_layers))
+    windows = []
+    for row in schedule.actions:
+        live = most = 0
+        for action in row:
+            live += action.op is Op.S
+            most = max(most, live)
+            live -= action.op is Op.T
+        windows.append(most)
+    return peak_memory(schedule), tuple(windows)
+
+
 def _states(model: Any, lay: Layout, v_shaped: bool) -> dict[int, list[dict[str, float]]]:
     """The end ranks' instants (``_instants``), cached: the model state at each instant depends
     on far fewer knobs than the activations (the planner screens hundreds of thousands of
@@ -99,6 +146,8 @@ def _states(model: Any, lay: Layout, v_shaped: bool) -> dict[int, list[dict[str,
         experts = model._rank_expert_params(lay)
         counts, _, owned = model._geometry(lay.pp, lay.chunks, v_shaped)
         head = model.model.vocab_size * model.model.dim / lay.tp  # the output layer's weight
+        if lay.vocab_parallel_pp and lay.pp > 1:
+            head = 0.0  # the rows' gradients come with T, not first in a stage's backward
         states = {r: _instants(model, lay, rank_params[r], experts[r],
                                head if len(counts) - 1 in owned[r] else 0.0)
                   for r in rank_params}
@@ -109,7 +158,7 @@ def _states(model: Any, lay: Layout, v_shaped: bool) -> dict[int, list[dict[str,
 def _state_key(lay: Layout, v_shaped: bool) -> tuple:
     """What the model state's instants depend on."""
     return (lay.pp, lay.chunks, v_shaped, lay.tp, lay.ep, lay.dp_shard, lay.cp, lay.zero_stage,
-            lay.microbatches > 1)
+            lay.microbatches > 1, lay.vocab_parallel_pp)
 
 
 def memory_floor(model: Any, lay: Layout) -> float:

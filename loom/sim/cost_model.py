@@ -43,6 +43,10 @@ Loom's runtime:
   k, v and the output forward, the same backward, not overlapped; hybrid: both, at their degrees;
 * ep: dispatch and combine all-to-alls of T·top_k·h·e forward, the same backward, per MoE layer;
 * pp: one activation of T·h·e (T·h·e/t under SP) per stage boundary, as the simulator's send;
+  under vocabulary parallelism across the pipeline (``Layout.vocab_parallel_pp``) every rank
+  runs 1/p of the head as its S and T passes instead of the last stage all of it, with the
+  statistics' all-gather, X's sends and dX's parts (``vocab_pass_times``) and the split
+  embedding's messages at the step's edges;
 * data parallelism (group dp_replicate·dp_shard·ep·cp, gradients in ``grad_bytes`` per element):
   all-reduce; ZeRO-1/2 reduce-scatter + all-gather of parameters (the same 2Ψ); ZeRO-3 all-gathers
   the parameters of each layer forward and backward, per microbatch without a pipeline and once
@@ -427,6 +431,11 @@ class CostModel:
         out = {}
         for r in sorted({0, lay.pp - 1}):
             psi = sum(counts[s][0] * dense_params + counts[s][1] * moe_params for s in owned[r])
+            if vocab_pp(lay):  # every rank: V/(pp x tp) rows of the embedding and of the head
+                rows = vocab / lay.pp
+                out[r] = psi + rows * (1 if m.tie_embeddings else 2) + (
+                    m.dim if last in owned[r] else 0)  # the final norm
+                continue
             if 0 in owned[r]:
                 psi += vocab
             if last in owned[r]:
@@ -451,7 +460,9 @@ class CostModel:
         head = self._head_times(lay)
         per_layer = (sum(dense[:3]), sum(moe[:3]))
         tail = sum(head)
-        busiest = max(nd * per_layer[0] + nm * per_layer[1] + (tail if last else 0.0)
+        spread = vocab_pp(lay)  # every rank runs 1/p of the head (its messages left out)
+        busiest = max(nd * per_layer[0] + nm * per_layer[1]
+                      + (tail / lay.pp if spread else tail if last else 0.0)
                       for nd, nm, last in self._rank_layers(lay.pp, lay.chunks, lay.v_shaped))
         return busiest * lay.microbatches * (1 - 1e-9)
 
@@ -470,7 +481,8 @@ class CostModel:
     def _ops_and_busiest(self, lay: Layout) -> tuple[tuple[tuple[float, float, float], ...],
                                                      float]:
         key = (lay.pp, lay.chunks, lay.v_shaped, lay.tp, lay.cp, lay.cp_mode, lay.ep,
-               lay.sequence_parallel, lay.micro_batch, lay.recompute, wrappers(lay))
+               lay.sequence_parallel, lay.micro_batch, lay.recompute, wrappers(lay),
+               vocab_pp(lay))
         cached = self._ops_cache.get(key)
         if cached is None:
             ops = self._stage_ops(lay)
@@ -480,20 +492,73 @@ class CostModel:
         return cached
 
     def _stage_ops(self, lay: Layout) -> tuple[tuple[float, float, float], ...]:
-        counts = self._geometry(lay.pp, lay.chunks, lay.v_shaped)[0]
+        counts, _, owned = self._geometry(lay.pp, lay.chunks, lay.v_shaped)
         dense = self._times(lay, False)
         moe = self._times(lay, True) if self.moe_layers else dense
         head = self._head_times(lay)
         last = len(counts) - 1
+        shares = self._vocab_shares(lay, owned) if vocab_pp(lay) else None
         ops = []
         for s, (nd, nm) in enumerate(counts):
             f = nd * dense[0] + nm * moe[0]
             i = nd * dense[1] + nm * moe[1]
             w = nd * dense[2] + nm * moe[2]
-            if s == last:
+            if shares is not None:  # every rank's S and T, spread over its stages
+                f, i, w = (x + y for x, y in zip((f, i, w), shares[s]))
+            elif s == last:
                 f, i, w = f + head[0], i + head[1], w + head[2]
             ops.append((f, i, w))
         return tuple(ops)
+
+    def vocab_pass_times(self, lay: Layout) -> tuple[float, float, float, float, float]:
+        """Vocabulary parallelism across the pipeline (``parallel.vocab_parallel_pp``,
+        ``loom.parallel.vocab_pipeline``), per microbatch: (S on one rank: 1/p of the head's
+        forward; T on one rank: 1/p of its backward, input and weight gradients, with the
+        all-gather of the ``[3, N]`` fp32 softmax statistics over pp, and over tp first under
+        tp; the last stage's extra forward: X sent to the p - 1 other ranks; its extra
+        backward: the p - 1 parts of dX received (and all-reduced over tp in fp32); the
+        step's edges: the partial embeddings into the first stage and its input gradients
+        back, p - 1 messages each way per microbatch, on the first rank's link). The head's
+        matmuls and log-softmax are ``_head_times``' over V/(p·t) columns: each rank 1/p."""
+        m, c = self.model, self.cluster
+        p, t = lay.pp, lay.tp
+        tokens = lay.micro_batch * self.seq // lay.cp
+        head = self._head_times(lay)
+        pp_link = c.link_for(p, self._strides(lay)["pp"])
+        tp_link = c.link_for(t, 1)
+        stats = gather_time(4 * 3 * tokens * p, p, pp_link) + gather_time(
+            4 * 3 * tokens * t, t, tp_link)
+        activation = tokens * m.dim * self.e
+        s_pass = head[0] / p
+        t_pass = (head[1] + head[2]) / p + stats
+        x_out = (p - 1) * p2p_time(activation, pp_link)
+        dx_in = (p - 1) * p2p_time(activation, pp_link) + allreduce_time(4 * tokens * m.dim, t,
+                                                                         tp_link)
+        edges = 2 * (p - 1) * p2p_time(activation, pp_link) + allreduce_time(
+            4 * tokens * m.dim, t, tp_link)
+        return s_pass, t_pass, x_out, dx_in, edges
+
+    def _vocab_shares(self, lay: Layout, owned: Sequence[Sequence[int]]
+                      ) -> list[tuple[float, float, float]]:
+        """Per global stage, the (F, I, W) seconds its rank's vocabulary passes add: S with the
+        forwards, T's input-gradient half and the statistics with the input gradients, its
+        weight-gradient half with the weight gradients, split evenly over the rank's stages
+        (the schedule inserts S and T where they overlap the barriers: ``loom.schedule.
+        vocab_passes``, within 4.3% of the work spread evenly); the last stage adds sending X
+        to its F and receiving the parts of dX to its I."""
+        s_pass, t_pass, x_out, dx_in, _ = self.vocab_pass_times(lay)
+        head = self._head_times(lay)
+        weight = head[2] / lay.pp
+        last = sum(len(own) for own in owned) - 1
+        shares: list[tuple[float, float, float]] = [(0.0, 0.0, 0.0)] * (last + 1)
+        for own in owned:
+            v = len(own)
+            for s in own:
+                f, i, w = s_pass / v, (t_pass - weight) / v, weight / v
+                if s == last:
+                    f, i = f + x_out, i + dx_in
+                shares[s] = (f, i, w)
+        return shares
 
     def evaluate(self, lay: Layout, memory: dict[str, float] | None = None) -> StepCost:
         """Price ``lay`` (``memory``: its ``self.memory(lay)`` when already computed). The
@@ -517,6 +582,11 @@ class CostModel:
             stage_costs = _LazyStageCosts(ops, send)
             pipeline = pipeline_estimate(lay, ops, busiest, send, self.contention)
             comm["pp"] = 2 * send * per_rank_mb * lay.pp * lay.chunks
+            if vocab_pp(lay):  # the split embedding's messages at the step's edges, exposed
+                s_pass, t_pass, x_out, dx_in, edges = self.vocab_pass_times(lay)
+                pipeline += edges * lay.microbatches
+                stats = t_pass - sum(self._head_times(lay)[1:]) / lay.pp
+                comm["pp_vocab"] = (edges + stats + x_out + dx_in) * lay.microbatches
         else:
             pipeline = compute
         # data parallelism and the optimizer on the end ranks (embedding, head: the worst)
@@ -705,6 +775,11 @@ __all__ = ["CostModel", "StepCost"]
 
 
 # -- the wrappers a layout runs through, and the collectives' alpha-beta times ------------------
+def vocab_pp(lay: Layout) -> bool:
+    """Whether ``lay`` splits the embedding and head over its pipeline's ranks."""
+    return lay.vocab_parallel_pp and lay.pp > 1
+
+
 def wrappers(lay: Layout) -> tuple[str, ...]:
     """The parallel wrappers a layout runs its layers through, by the names the calibration
     measures their framework work under (``Gpu.framework``): "base" always (Loom's trainer with

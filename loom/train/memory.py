@@ -78,6 +78,16 @@ element, f = FFN width, a = query heads, k = key/value heads; s is the cp shard)
   logits ``4sbV/t`` (vocab parallel) and the logits themselves;
 * in flight: 1 microbatch without a pipeline; the schedule's peak in units of one rank's
   microbatch (``schedule.validate.peak_memory``) with one.
+
+Vocabulary parallelism across the pipeline (``parallel.vocab_parallel_pp``,
+``loom.parallel.vocab_pipeline``): the schedule is the one the runtime runs, with its S and T
+passes (``vocab_schedule``: 1F1B gains a warm-up forward); every rank holds V/(pp·tp) rows of
+the embedding and of the head (one tensor when tied) with their state, the stages neither (the
+last ends at the final norm); each microbatch's fp32 exp-logits ``[N, V/(pp·tp)]`` and the
+received X live from its S to its T (``vocab_pass_bytes``), a T after the rank's first adds
+the rows' fresh gradient, and the m partial embeddings with as many ``[N, D]`` buffers live all
+step (``vocab_embedding_bytes``; both ``loom.formulas.memory``'s, the planner's too). Measured
+within 6% (docs/benchmarks.md, the last section).
 """
 
 from __future__ import annotations
@@ -89,12 +99,14 @@ from loom.config import Config, ConfigError, layout_of
 from loom.formulas.memory import (RankStep, StageSpan, StateRules, accumulation_loop,
                                   block_activation_bytes, head_activation_bytes, largest_parameter,
                                   model_state_bytes, optimizer_step_bytes, rank_state_instants,
-                                  zero2_bucket_bytes, zero2_reduction_bytes)
+                                  vocab_embedding_bytes, vocab_pass_bytes, zero2_bucket_bytes,
+                                  zero2_reduction_bytes)
 from loom.models.presets import layer_parameter_count
 from loom.pipeline.partition import partition_model
-from loom.schedule.ir import Op
+from loom.schedule.ir import Action, Op
 from loom.schedule.select import schedule_of
 from loom.schedule.validate import memory_profile
+from loom.schedule.vocab_passes import vocab_schedule
 
 GiB = 2**30
 
@@ -164,6 +176,12 @@ class _Timeline:
     embedding: bool
     head: bool
     step: RankStep
+    # vocabulary parallelism across the pipeline: the microbatches whose S has run and T not,
+    # during and right after each action (their exp-logits are held), and whether the rank
+    # holds the last stage (its X is the stage's output, not a received copy)
+    vocab_during: tuple[int, ...] = ()
+    vocab_after: tuple[int, ...] = ()
+    final_norm: bool = False
 
 
 def _timelines(config: Config) -> list[_Timeline]:
@@ -177,6 +195,9 @@ def _timelines(config: Config) -> list[_Timeline]:
         return [_Timeline(layers, True, True,
                           accumulation_loop(psi, micro, _head_parameters(config)))]
     schedule = schedule_of(lay, max_stages=config.model.n_layers)
+    vocab_pp = _vocab_pp(config)
+    if vocab_pp:  # the S and T passes where the runtime places them (loom.pipeline.runtime)
+        schedule = vocab_schedule(schedule)
     # a schedule with routes (bidirectional_v) holds copies of an L-stage model: stage s is
     # model stage s % L of copy s // L, with its own parameters
     per_route = schedule.stages_per_route
@@ -195,6 +216,11 @@ def _timelines(config: Config) -> list[_Timeline]:
             forward = [i for i, a in enumerate(row) if a.stage == s and a.op is Op.F]
             weight = [i for i, a in enumerate(row) if a.stage == s and a.op in (Op.B, Op.W)]
             j, first_of_copy = s % per_route, s - s % per_route
+            if vocab_pp:  # the stages hold no embedding or head, the last one the final norm
+                psi = _parameter_count(config, list(ranges[j]), False, False) + (
+                    config.model.dim if j == final else 0)
+                stages.append(StageSpan(psi, forward[0], weight[0], weight[-1]))
+                continue
             # a tied head on its copy's embedding rank shares its weight (one Parameter)
             psi = _parameter_count(config, list(ranges[j]), j == 0, j == final) - (
                 _head_parameters(config)
@@ -202,15 +228,60 @@ def _timelines(config: Config) -> list[_Timeline]:
                 else 0)
             stages.append(StageSpan(psi, forward[0], weight[0], weight[-1],
                                     _head_parameters(config) if j == final else 0.0))
+        vocab_during: tuple[int, ...] = ()
+        vocab_after: tuple[int, ...] = ()
+        if vocab_pp:
+            stages.extend(_vocab_spans(config, row))
+            vocab_during, vocab_after = _vocab_levels(row)
         during = [float(level) for level in memory_profile(schedule, rank)]
         after = [level - (float(schedule.stage_weight(a.stage))
                           if last_piece.get((a.stage, a.microbatch)) == i else 0.0)
                  for i, (a, level) in enumerate(zip(row, during))]
         out.append(_Timeline([i for s in ids for i in ranges[s % per_route]],
-                             any(s % per_route == 0 for s in ids),
-                             any(s % per_route == final for s in ids),
-                             RankStep(tuple(stages), tuple(during), tuple(after))))
+                             not vocab_pp and any(s % per_route == 0 for s in ids),
+                             not vocab_pp and any(s % per_route == final for s in ids),
+                             RankStep(tuple(stages), tuple(during), tuple(after)),
+                             vocab_during, vocab_after,
+                             vocab_pp and any(s % per_route == final for s in ids)))
     return out
+
+
+def _vocab_pp(config: Config) -> bool:
+    """Whether the embedding and head are split over the pipeline's ranks
+    (``parallel.vocab_parallel_pp``, ``loom.parallel.vocab_pipeline``)."""
+    return config.parallel.vocab_parallel_pp and layout_of(config).pp > 1
+
+
+def _vocab_rows(config: Config) -> float:
+    """Parameters of one rank's rows of the embedding (or of the head: as many) under
+    vocabulary parallelism across the pipeline: V / (pp x tp) rows of D."""
+    m, lay = config.model, layout_of(config)
+    return m.vocab_size // (lay.pp * lay.tp) * m.dim
+
+
+def _vocab_spans(config: Config, row: tuple[Action, ...]) -> list[StageSpan]:
+    """The vocabulary shard as the model state sees it: its rows are used from the step's start
+    (the embedding's lookup) to its end (the embedding's gradient scatter, after the
+    schedule); the head rows' gradients appear at the rank's first T, the embedding's (untied)
+    only at that scatter, after the last action."""
+    rows, end = _vocab_rows(config), len(row) - 1
+    first_t = next(i for i, a in enumerate(row) if a.op is Op.T)
+    spans = [StageSpan(rows, 0, first_t, end)]
+    if not config.model.tie_embeddings:
+        spans.append(StageSpan(rows, 0, end, end))
+    return spans
+
+
+def _vocab_levels(row: tuple[Action, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per action of ``row``, the microbatches whose S has run (or is running) and whose T has
+    not finished: during the action and right after it."""
+    live, during, after = 0, [], []
+    for action in row:
+        live += action.op is Op.S
+        during.append(live)
+        live -= action.op is Op.T
+        after.append(live)
+    return tuple(during), tuple(after)
 
 
 def _parameter_count(config: Config, layers: list[int], embedding: bool, head: bool) -> float:
@@ -269,9 +340,54 @@ def _per_microbatch_activations(config: Config, line: _Timeline) -> float:
         per_micro += layer_activation_bytes(config)
     if line.head:
         per_micro += _head_activation_bytes(config)
+    elif line.final_norm:  # vocabulary-parallel: the last stage ends at the final norm
+        per_micro += head_activation_bytes(s=config.data.seq_len, b=lay.micro_batch,
+                                           h=config.model.dim, vocab=0,
+                                           e=2 if tr.dtype != "fp32" else 4)
     if tr.offload_activations and not tr.device.startswith("cpu"):
         per_micro = 0.0
     return per_micro
+
+
+def _vocab_pass_bytes(config: Config, final: bool) -> float:
+    """``vocab_pass_bytes`` of ``config``: N = micro_batch x seq_len tokens, the wire dtype
+    bf16 under ``train.dtype = bf16``, else fp32."""
+    m, lay = config.model, layout_of(config)
+    return vocab_pass_bytes(tokens=lay.micro_batch * config.data.seq_len, vocab=m.vocab_size,
+                            shards=lay.pp * lay.tp, h=m.dim,
+                            wire=2 if config.train.dtype == "bf16" else 4, final=final)
+
+
+def _vocab_embedding_bytes(config: Config) -> float:
+    """``vocab_embedding_bytes`` of ``config`` (parameters and wire in bf16 under
+    ``train.dtype = bf16``, else fp32)."""
+    lay = layout_of(config)
+    e = 2 if config.train.dtype == "bf16" else 4
+    return vocab_embedding_bytes(microbatches=lay.microbatches,
+                                 tokens=lay.micro_batch * config.data.seq_len,
+                                 h=config.model.dim, e=e, wire=e)
+
+
+def _with_vocab_activations(config: Config, line: _Timeline, per_micro: float) -> RankStep:
+    """``line``'s step with the vocabulary passes' bytes added to its levels, in units of
+    ``per_micro`` (one rank-microbatch of the stages' activations, the final norm's on the
+    last stage): the split embedding's all through the schedule, and each microbatch's
+    between its S and T."""
+    unit = per_micro or 1.0
+    held = _vocab_embedding_bytes(config) / unit
+    one = _vocab_pass_bytes(config, line.final_norm) / unit
+    # a T after the rank's first makes the head rows' fresh gradient (parameter dtype) before
+    # autograd adds it to the accumulated one
+    fresh = (2 if config.train.dtype == "bf16" else 4) * _vocab_rows(config) / unit
+    step = line.step
+    t_passes = [i for i, n in enumerate(line.vocab_during)
+                if i < len(line.vocab_after) and n > line.vocab_after[i]]
+    later = set(t_passes[1:])
+    return RankStep(step.stages,
+                    tuple(level + held + n * one + (fresh if i in later else 0.0)
+                          for i, (level, n) in enumerate(zip(step.during, line.vocab_during))),
+                    tuple(level + held + n * one for level, n in zip(step.after,
+                                                                      line.vocab_after)))
 
 
 def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[MemoryEstimate]:
@@ -299,10 +415,15 @@ def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[Memor
         resting_grads=stage in (1, 2))
     psi = _parameter_count(config, line.layers, line.embedding, line.head)
     per_micro = _per_microbatch_activations(config, line)
+    step = line.step
+    if line.vocab_during:  # the rows are the rank's parameters too; their passes' bytes
+        psi = sum(st.psi for st in step.stages)
+        step = _with_vocab_activations(config, line, per_micro)
+        per_micro = per_micro or 1.0  # the levels above are in its units
     # what a backward has freed once the head and the top block are done
     head_and_top = ((_head_activation_bytes(config) if line.head else 0.0)
                     + layer_activation_bytes(config, layer_recomputed=lay.recompute == "full"))
-    for instant in rank_state_instants(psi, _expert_parameters(config, line.layers), line.step,
+    for instant in rank_state_instants(psi, _expert_parameters(config, line.layers), step,
                                        rules):
         live = max(0.0, per_micro - head_and_top) if instant.less_head_and_top else per_micro
         yield MemoryEstimate(instant.parameters, instant.gradients, instant.optimizer,
@@ -410,4 +531,5 @@ def check_memory_limit(config: Config, local_ranks: int = 1) -> str | None:
 __all__ = ["MemoryEstimate", "estimate_memory", "memory_instants", "layer_activation_bytes",
            "check_memory_limit", "block_activation_bytes", "head_activation_bytes",
            "model_state_bytes", "zero2_reduction_bytes", "zero2_bucket_bytes", "largest_parameter",
-           "optimizer_step_bytes", "device_limit_bytes", "GiB"]
+           "optimizer_step_bytes", "device_limit_bytes", "vocab_pass_bytes",
+           "vocab_embedding_bytes", "GiB"]
