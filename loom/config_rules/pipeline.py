@@ -231,6 +231,8 @@ def _validate_offload(config: Config, schedule, how: str) -> None:
         if value != default:
             raise ConfigError(name, value, "parallel.schedule_offload_limit does not compose with"
                               f" it yet; leave it {default!r} or the offload limit 0")
+    if par.schedule.lower() == SEARCH:  # the search places the transfers itself, and finds a
+        return  # schedule under any limit >= 1 unit (loom.schedule.select, offload_limit)
     try:
         insert_offload(schedule, limit)
     except ValueError as err:

@@ -175,6 +175,13 @@ def add_schedule_commands(subparsers: Any) -> argparse.ArgumentParser:
                         "the patient pass adds a quarter)")
     search.add_argument("--time-budget", type=_positive_float, metavar="SECONDS",
                         help="also stop after this long (the result may then vary by machine)")
+    search.add_argument("--offload", action="store_true",
+                        help="also weigh PipeOffload: the fastest schedules over the limit with "
+                        "offloads and reloads that make them fit, priced on the host link")
+    search.add_argument("--host-copy-time", type=_positive_float, metavar="TIME",
+                        help="with --offload: how long one activation unit takes to copy to or "
+                        "from the host, in the units of --costs (default: a --cost-file's "
+                        "host_bandwidth and host_unit_bytes)")
     search.add_argument("--format", choices=("torch-csv", "json"),
                         help="file format for -o (default: from the suffix, else torch-csv)")
     search.add_argument("-o", "--output", metavar="FILE", help="write the schedule here")
@@ -299,9 +306,18 @@ def _search(args: argparse.Namespace) -> int:
             raise UsageError("--layers", f"{args.layers} layers cannot give each of the --pp "
                              f"{args.pp} ranks a stage; use --layers >= {args.pp}")
         max_chunks = min(MAX_CHUNKS, args.layers // args.pp)
+    if args.host_copy_time is not None:
+        if not args.offload:
+            raise UsageError("--host-copy-time", "prices offloads: give it with --offload")
+        costs = dataclasses.replace(costs, host_bandwidth=1 / args.host_copy_time,
+                                    host_unit_bytes=1)
+    if args.offload and costs.host_bandwidth is None:
+        raise UsageError("--offload", "needs the host link's speed: --host-copy-time TIME, or "
+                         "host_bandwidth and host_unit_bytes in --cost-file")
     try:
         found = search(args.pp, microbatches, costs, args.memory_limit, args.placement,
-                       max_chunks=max_chunks, effort=args.effort, time_budget_s=args.time_budget)
+                       max_chunks=max_chunks, effort=args.effort, time_budget_s=args.time_budget,
+                       offload=args.offload)
     except SearchError as err:
         text = str(err)
         argument = "--memory-limit" if "memory_limit" in text else (
@@ -320,6 +336,9 @@ def _search(args: argparse.Namespace) -> int:
     print(f"{schedule.name}: p={args.pp} m={microbatches} placement={found.best.placement}, "
           f"{found.candidates_tried} candidates; full-stage costs {costs.describe()}")
     print(_summary_line(found.sim_result) + f" (limit {args.memory_limit:g})")
+    if schedule.has_transfers:  # --offload: the winner moves activations to the host
+        print(f"offloads {found.summary()['offloads']} (each reloaded) on a host link of "
+              f"{float(costs.transfer_time(schedule, 0) * schedule.chunks_per_rank):g} per unit")
     for rank, candidate in enumerate(found.leaderboard, 1):
         print(f"  {rank}. {candidate.label:<60} makespan {candidate.makespan:g}")
     if args.output:

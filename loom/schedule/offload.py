@@ -41,6 +41,7 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -95,7 +96,10 @@ def insert_offload(schedule: Schedule, limit: float, *, prefetch: int = 2) -> Sc
 
 def _offload_row(schedule: Schedule, rank: int, cap: Fraction, prefetch: int) -> list[Action]:
     row = schedule.actions[rank]
-    weights = schedule.stage_weights
+    # whole numbers of 1/scale units: exact as the fractions, a tenth of their cost
+    scale = math.lcm(*(w.denominator for w in schedule.stage_weights))
+    weights = [int(w * scale) for w in schedule.stage_weights]
+    most = math.floor(cap * scale)  # the cap in those units: levels are whole, the floor is exact
     first_back: dict[tuple[int, int], int] = {}
     last: dict[tuple[int, int], int] = {}
     for n, action in enumerate(row):
@@ -109,19 +113,19 @@ def _offload_row(schedule: Schedule, rank: int, cap: Fraction, prefetch: int) ->
     forward: dict[tuple[int, int], int] = {}
     on_device: set[tuple[int, int]] = set()  # forwarded, backward not started: offloadable
     offloaded: set[tuple[int, int]] = set()
-    live = Fraction(0)
+    live = 0
     for n, action in enumerate(row):
         key = (action.stage, action.microbatch)
         weight = weights[action.stage]
         reload = action.op in _BACKWARD_FIRST and key in offloaded
-        need = weight if action.op is Op.F or reload else Fraction(0)
-        while live + need > cap:
+        need = weight if action.op is Op.F or reload else 0
+        while live + need > most:
             # an O right after a victim's F frees after the next compute action: in time for
             # this one only when that F is at least two actions back
             victims = [k for k in on_device if first_back.get(k, -1) > n and forward[k] < n - 1]
             if not victims:
                 raise ValueError(
-                    f"{schedule.name}: rank {rank} needs {float(live + need):g} activation "
+                    f"{schedule.name}: rank {rank} needs {(live + need) / scale:g} activation "
                     f"units at {action} with every offloadable microbatch (forwarded, backward "
                     f"not begun) offloaded, over the limit of "
                     f"{float(cap):g}")
@@ -150,17 +154,31 @@ def _offload_row(schedule: Schedule, rank: int, cap: Fraction, prefetch: int) ->
 def _hoist_reloads(schedule: Schedule, rank: int, row: list[Action], cap: Fraction,
                    prefetch: int) -> list[Action]:
     """Move each reload up to ``prefetch`` compute actions earlier, one at a time, while it stays
-    after its offload and the rank's device level stays within ``cap``."""
+    after its offload and the rank's device level (``transfer_levels``) stays within ``cap``.
+
+    A move swaps the reload with the action before it, which changes the levels at those two
+    places only (both add and free the same in either order), so each try costs O(1), not a
+    pass over the row (that pass made the policy quadratic: seconds per schedule at p = 4 with
+    eight chunks, what the search's offload step prices)."""
     weights = schedule.stage_weights
+    levels = list(transfer_levels(row, weights))
+    over = sum(level > cap for level in levels)  # places over the cap
+    position = {action: n for n, action in enumerate(row)}
     for reload in [a for a in row if a.op is Op.R]:
+        weight = weights[reload.stage]
         for _ in range(prefetch):
-            at = row.index(reload)
+            at = position[reload]
             if at == 0 or row[at - 1] == Action(reload.stage, Op.O, reload.microbatch):
                 break  # never past its own offload
-            trial = row[:at - 1] + [reload, row[at - 1]] + row[at + 1:]
-            if max(transfer_levels(trial, weights)) > cap:
+            before = row[at - 1]
+            added = weights[before.stage] if before.op in (Op.F, Op.R) else 0
+            moved = (levels[at - 1] - added + weight, levels[at - 1] + weight)
+            if over - (levels[at - 1] > cap) - (levels[at] > cap) or max(moved) > cap:
                 break
-            row = trial
+            row[at - 1], row[at] = reload, before
+            levels[at - 1], levels[at] = moved
+            position[reload], position[before] = at - 1, at
+            over = 0  # the two moved levels are within the cap, and were the only ones over
     return row
 
 

@@ -56,19 +56,23 @@ def parse_search_costs(text: str, pp: int = 0
 @functools.lru_cache(maxsize=16)
 def _searched(pp: int, microbatches: int, memory_limit: float,
               costs: tuple[tuple[tuple[float, float, float], ...], float],
-              placement: str, max_chunks: int) -> Schedule:
-    """Deterministic (an effort limit, no wall-clock budget): every rank finds the same one."""
+              placement: str, max_chunks: int, offload: bool = False) -> Schedule:
+    """Deterministic (an effort limit, no wall-clock budget): every rank finds the same one.
+    ``offload``: the search may place PipeOffload's transfers to fit ``memory_limit``; the
+    config's costs name no host link, so they are priced as free (the copies fully overlapped:
+    what offloading the search's pick afterwards, as the trainer did before, assumed too)."""
     stages, latency = costs
     schedule = search(pp, microbatches,
                       StageCosts(tuple(OpCosts(f, i, w) for f, i, w in stages), latency=latency),
-                      memory_limit, placement, max_chunks=max_chunks).schedule
-    validate(schedule)
+                      memory_limit, placement, max_chunks=max_chunks, offload=offload).schedule
+    validate(schedule, memory_limit=memory_limit if offload else None)
     return schedule
 
 
 def schedule_for(name: str, pp: int, microbatches: int, chunks: int = 0, *,
                  memory_limit: float = 0.0, costs: str = "1,1,1,0",
-                 max_stages: int = 0, placement: str = "auto") -> Schedule:
+                 max_stages: int = 0, placement: str = "auto",
+                 offload_limit: float = 0.0) -> Schedule:
     """The validated schedule of family ``name`` (``parallel.schedule``) for ``pp`` ranks and
     ``microbatches``; ``chunks`` stages per rank, 0 for the family's default. Raises ValueError
     with the family's rule when the sizes are invalid, ``ChunksError`` for a fixed-chunk family
@@ -82,7 +86,14 @@ def schedule_for(name: str, pp: int, microbatches: int, chunks: int = 0, *,
     (``parallel.schedule_placement``) pins the search to one placement (looped, interleaved or
     v); "auto" lets it choose among all of them with up to ``MAX_CHUNKS`` stages per rank, as
     many as ``max_stages`` (the model's layers; 0: no bound) allows: layers // pp, so below 2 pp
-    one stage per rank."""
+    one stage per rank.
+
+    ``offload_limit`` (``parallel.schedule_offload_limit``, 0: off): PipeOffload's device limit
+    in the same units. A family's schedule gets ``insert_offload``'s transfers under it; the
+    search places them itself (``search(..., offload=True)``) under the lower of the two limits,
+    so a schedule over the limit competes with its transfers against those that fit without."""
+    if offload_limit and name.lower() != SEARCH:
+        return _offloaded(_generated(name, pp, microbatches, chunks), offload_limit)
     if name.lower() == SEARCH:
         if chunks:
             raise ChunksError("the search chooses the placement and its stages per rank; use"
@@ -96,8 +107,10 @@ def schedule_for(name: str, pp: int, microbatches: int, chunks: int = 0, *,
             raise ValueError(f"placement {placement!r} puts two stages on each rank: it needs"
                              f" 2 x pp = {2 * pp} layers, the model has {max_stages}")
         max_chunks = min(MAX_CHUNKS, max_stages // pp) if max_stages else MAX_CHUNKS
-        return _searched(pp, microbatches, float(memory_limit or pp),
-                         parse_search_costs(costs, pp), placement, max(max_chunks, 1))
+        limit = float(memory_limit or pp)
+        return _searched(pp, microbatches, min(limit, offload_limit) if offload_limit else limit,
+                         parse_search_costs(costs, pp), placement, max(max_chunks, 1),
+                         bool(offload_limit))
     return _generated(name, pp, microbatches, chunks)
 
 
@@ -110,14 +123,14 @@ def schedule_of(layout: Layout, max_stages: int = 0) -> Schedule:
     more activations on the one rank)."""
     if layout.pp == 1:
         return _generated("1f1b", 1, layout.microbatches, 0)
-    if layout.schedule_offload_limit:  # PipeOffload: the same schedule, with host copies
-        return _offloaded(schedule_for(layout.schedule, layout.pp, layout.microbatches,
-                                       0 if layout.searched else layout.chunks,
-                                       memory_limit=layout.schedule_memory_limit,
-                                       costs=layout.schedule_costs or "1,1,1,0",
-                                       max_stages=max_stages,
-                                       placement=layout.schedule_placement),
-                          layout.schedule_offload_limit)
+    if layout.schedule_offload_limit:  # PipeOffload: the family's schedule with host copies,
+        # or the search's pick with the copies it placed
+        return schedule_for(layout.schedule, layout.pp, layout.microbatches,
+                            0 if layout.searched else layout.chunks,
+                            memory_limit=layout.schedule_memory_limit,
+                            costs=layout.schedule_costs or "1,1,1,0", max_stages=max_stages,
+                            placement=layout.schedule_placement,
+                            offload_limit=layout.schedule_offload_limit)
     if layout.schedule == SKIPPIPE:
         # Paths, not a per-rank action list (loom.schedule.paths): the estimator and the
         # planner price it as GPipe over one replica's share of the microbatches, an
