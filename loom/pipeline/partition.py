@@ -104,9 +104,14 @@ def partition(
     return [range(bounds[k], bounds[k + 1]) for k in range(n_stages)]
 
 
-def partition_model(args: TransformerArgs, n_stages: int, seq_len: int | None = None) -> list[range]:
-    """``partition`` with the predicted costs of ``stage_costs``."""
+def partition_model(args: TransformerArgs, n_stages: int, seq_len: int | None = None, *,
+                    vocab_spread: bool = False) -> list[range]:
+    """``partition`` with the predicted costs of ``stage_costs``. ``vocab_spread``: the
+    embedding and the head are split over every pipeline rank (``parallel.vocab_parallel_pp``),
+    which adds the same work to each, so the layers alone are balanced."""
     costs = stage_costs(args, seq_len)
+    if vocab_spread:
+        return partition(args.n_layers, n_stages, costs["layer"])
     return partition(args.n_layers, n_stages, costs["layer"], costs["embedding"], costs["head"])
 
 

@@ -668,7 +668,8 @@ def build_pipeline(job: Job, schedule: Schedule, *, grid: RankGrid, meshes: Mesh
     args = job.args
     if job.vocab_parallel_pp and not schedule.has_vocab_passes:
         schedule = vocab_schedule(schedule)
-    layers = partition_model(args, schedule.stages_per_route, job.seq_len)
+    layers = partition_model(args, schedule.stages_per_route, job.seq_len,
+                             vocab_spread=schedule.has_vocab_passes)
     pp_rank = grid.coords(rank)["pp"]
     kwargs = {"autocast": autocast} if autocast is not None else {}
     stages = build_stages(args, schedule, layers, pp_rank, device, job.seed, **kwargs)

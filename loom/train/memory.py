@@ -201,7 +201,8 @@ def _timelines(config: Config) -> list[_Timeline]:
     # a schedule with routes (bidirectional_v) holds copies of an L-stage model: stage s is
     # model stage s % L of copy s // L, with its own parameters
     per_route = schedule.stages_per_route
-    ranges = partition_model(config.model, per_route, config.data.seq_len)
+    ranges = partition_model(config.model, per_route, config.data.seq_len,
+                             vocab_spread=vocab_pp)
     final = per_route - 1
     out = []
     for rank in range(lay.pp):

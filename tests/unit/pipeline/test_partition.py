@@ -57,6 +57,14 @@ def test_default_costs_from_the_model_shape():
     assert sorted(len(r) for r in ranges[:3]) == [8, 8, 9] and len(ranges[3]) == 7
 
 
+def test_a_vocabulary_split_over_the_pipeline_leaves_the_layers_even():
+    """Under ``parallel.vocab_parallel_pp`` every rank runs 1/p of the head and holds 1/p of
+    the embedding, the same work on each: the last stage keeps all of its layers."""
+    args = preset("llama3-8b")
+    assert [len(r) for r in partition_model(args, 4, seq_len=8192, vocab_spread=True)] == \
+        [8, 8, 8, 8]
+
+
 def test_rejects_impossible_splits():
     with pytest.raises(ValueError, match="n_layers >= n_stages"):
         partition(3, 4)
