@@ -241,15 +241,15 @@ def _validate_offload(config: Config, schedule, how: str) -> None:
 
 def _validate_vocab_pp(config: Config) -> None:
     """``parallel.vocab_parallel_pp`` (loom/parallel/vocab_pipeline.py): the embedding and head
-    split over pp ranks, as built and tested: pp > 1, the vocabulary divisible by pp x tp, tp
-    without sequence parallelism (the rows split over all pp x tp ranks; the last stage's output
-    replicated over tp), plain data parallelism over dp_replicate only (no dp_shard, cp, ep: the
-    shards have no ZeRO, cp reducer or expert split yet), concatenated rows, a dense model, one
-    route, no offload or CheckFree. Composed and tested: every train.dtype (fp32; bf16
-    parameters with fp32 masters; bf16 autocast), checkpoints and pretrained weights
-    (each rank's rows saved at, and read from, their offset in the full weight:
-    ``loom.train.checkpoint_state``, ``loom.parallel.load``), so any layout resumes them; under
-    tp too (tests/dist/test_pipeline_vocab_tp.py)."""
+    split over pp ranks, as built and tested: pp > 1, the vocabulary divisible by pp x tp (the
+    rows split over all pp x tp ranks; tp with or without sequence parallelism, whose split
+    backwards the general SP rule below refuses), plain data parallelism over dp_replicate only
+    (no dp_shard, cp, ep: the shards have no ZeRO, cp reducer or expert split yet), concatenated
+    rows, a dense model, one route, no offload or CheckFree. Composed and tested: every
+    train.dtype (fp32; bf16 parameters with fp32 masters; bf16 autocast), checkpoints and
+    pretrained weights (each rank's rows saved at, and read from, their offset in the full
+    weight: ``loom.train.checkpoint_state``, ``loom.parallel.load``), so any layout resumes
+    them; under tp too, and tp with SP (tests/dist/test_pipeline_vocab_tp.py)."""
     par, m = config.parallel, config.model
     rule = "vocab_parallel_pp"
     if par.pp < 2:
@@ -262,11 +262,6 @@ def _validate_vocab_pp(config: Config) -> None:
                           f" parallel.tp = {par.pp} x {par.tp} (parallel.vocab_parallel_pp splits"
                           " it evenly over every rank of a pipeline); nearest: "
                           + nearest_multiples(m.vocab_size, shards))
-    if par.tp > 1 and par.sequence_parallel:
-        raise ConfigError("parallel.sequence_parallel", True, f"parallel.{rule} under tp > 1"
-                          " needs the last stage's output replicated over tp, which sequence"
-                          " parallelism shards (not built): set parallel.sequence_parallel ="
-                          " false or parallel.vocab_parallel_pp = false")
     others = {"cp": par.cp, "ep": par.ep, "dp_shard": par.dp_shard}
     for name, degree in others.items():
         if degree != 1:

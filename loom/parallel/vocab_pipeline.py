@@ -54,9 +54,31 @@ of each pipeline rank:
   (4·N·D bytes), so every tp rank of the first stage gets the whole embedding (exact: one part
   is non-zero per token).
 
-Sequence parallelism (the last stage's output sharded over the sequence) is refused by the
-config (``parallel.sequence_parallel``); ``parallel.vocab_parallel`` (tp-only splitting of the
-head) is moot: the stages hold no embedding or head to split.
+Sequence parallelism (``parallel.sequence_parallel`` with tp, Megatron's: the activations
+between the stages' blocks sharded over the sequence on the tp ranks): every vocabulary message
+over pp carries a tp rank's sequence shard ``[b, S/t, D]``, as the stages' own activations do,
+and each pipeline rank converts with tp collectives (axis ``tp_vocab``, per microbatch,
+N = b·S tokens, 4 bytes an element in fp32): the statistics' all-gather as above, the two
+all-reduces become reduce-scatters on every rank, and two all-gathers join:
+
+* S: X arrives as this tp rank's shard (the last stage sends its shard, ``loom.parallel.tensor``
+  no longer gathers it for an Identity head) and is all-gathered over tp (payload 4·N·D, every
+  rank): the S pass needs the whole sequence against its rows;
+* T: this rank's part of dX ``[b, S, D]`` is reduce-scattered over tp (payload 4·N·D, every
+  rank) into the sum over the t shards' rows of its sequence shard, which travels over pp;
+  the last stage adds the p shards (no all-reduce: the sum is already over tp) and hands its
+  blocks the sequence-sharded dX SP's backward expects;
+* the embedding: every rank's partial embedding is reduce-scattered over tp (payload 4·N·D,
+  every rank) before it travels; the first stage adds the p shards: its input, sequence-sharded;
+* its gradient: the first stage's input gradient travels as the shard and every rank
+  all-gathers it over tp (payload 4·N·D) before the backward through its rows.
+
+Why convert at every pipeline rank rather than gather at the last stage and send whole
+tensors: both move (p t - 1)·4·N·D bytes in all, but this way the pp messages (the slower
+links, usually between nodes) are t times smaller and the tp collectives run on the fast tp
+links of every rank in parallel, where gathering first puts t (p - 1) whole tensors on the
+last stage's pp links. ``parallel.vocab_parallel`` (tp-only splitting of the head) is moot:
+the stages hold no embedding or head to split.
 
 Checkpoints: ``VocabRows`` records where its rows sit in the full ``[V, D]`` weight;
 ``row_slices`` hands that to ``loom.train.checkpoint_state``, which saves each rank's rows (and
@@ -114,20 +136,25 @@ class VocabShard(nn.Module):
 
     ``tp`` (the ``tp`` mesh of this rank, degree t > 1): this rank holds shard
     ``shard * t + its tp rank`` of ``shards * t`` (the module docstring), as a DTensor
-    ``Shard(0)`` of the pipeline rank's rows; its tp collectives are counted in ``ledger``."""
+    ``Shard(0)`` of the pipeline rank's rows; its tp collectives are counted in ``ledger``.
+    ``sequence_parallel`` (with tp): the pp messages are tp sequence shards (module docstring)."""
 
     def __init__(self, args: TransformerArgs, shard: int, shards: int,
                  device: torch.device | str, seed: int,
                  autocast: Callable[[], contextlib.AbstractContextManager]
                  = contextlib.nullcontext, tp: DeviceMesh | None = None,
-                 ledger: CommLedger | None = None) -> None:
+                 ledger: CommLedger | None = None, sequence_parallel: bool = False) -> None:
         super().__init__()
         # the stages' autocast (train.dtype = bf16_autocast): the head's matmul runs under it,
         # as the whole model's output layer does
         self.autocast = autocast
         self.tp = tp if tp is not None and tp.size() > 1 else None
         self.ledger = ledger
+        self.sequence_parallel = self.tp is not None and sequence_parallel
         degree, tp_rank = (self.tp.size(), self.tp.get_local_rank()) if self.tp else (1, 0)
+        # how many sequence shards a pp message of X, dX or the embedding is of the whole
+        # sequence the S and T passes (and their statistics) cover
+        self.sequence_shards = degree if self.sequence_parallel else 1
         if args.vocab_size % (shards * degree):
             raise ValueError(f"vocab_size {args.vocab_size} is not divisible by pp x tp ="
                              f" {shards} x {degree}")
@@ -167,6 +194,8 @@ class VocabShard(nn.Module):
         """S: this shard's logits of ``x_BSD`` (fp32, autograd kept from a leaf copy of x) and
         their statistics ``[3, N]``: row max, sum of exp(logit - max), target logit (0 when the
         target is another shard's), for every rank's ``t_pass``."""
+        if self.sequence_parallel:  # x_BSD is this tp rank's shard: the whole sequence first
+            x_BSD = self.gather_sequence(x_BSD.detach())
         x = x_BSD.detach().requires_grad_(torch.is_grad_enabled())
         with self.autocast():  # bf16 parameters or autocast: bf16 logits, as one process's
             logits = F.linear(x, _own(self.output.weight))
@@ -190,17 +219,48 @@ class VocabShard(nn.Module):
     def sum_over_tp(self, total: torch.Tensor) -> torch.Tensor:
         """``total`` (a pipeline rank's sum of dX parts or of partial embeddings) summed in place
         over the tp ranks, whose shards hold the other rows: every tp rank gets the whole sum.
-        A no-op without tp."""
-        if self.tp is not None:
+        A no-op without tp, and under sequence parallelism, where each part was already summed
+        over tp by ``scatter_sequence`` before it travelled."""
+        if self.tp is not None and not self.sequence_parallel:
             comm.all_reduce(total, self.tp.get_group(), axis="tp_vocab", ledger=self.ledger)
         return total
+
+    def gather_sequence(self, x_BsD: torch.Tensor) -> torch.Tensor:
+        """Every tp rank's sequence shard ``[b, S/t, D]`` -> the whole ``[b, S, D]`` (in tp order,
+        all-gathered; a tp rank holds the sequence's u-th contiguous part, as SP cuts it).
+        Identity without sequence parallelism."""
+        if not self.sequence_parallel:
+            return x_BsD
+        t = self.tp.size()
+        B, s, D = x_BsD.shape
+        gathered = x_BsD.new_empty((t * B, s, D))  # (gloo gathers along dim 0)
+        comm.all_gather_into_tensor(gathered, x_BsD.contiguous(), self.tp.get_group(),
+                                    axis="tp_vocab", ledger=self.ledger)
+        return gathered.view(t, B, s, D).transpose(0, 1).reshape(B, t * s, D)
+
+    def scatter_sequence(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        """A ``[b, S, D]`` part (of dX or the embedding; this rank's rows) -> this tp rank's
+        sequence shard of its sum over the tp ranks (reduce-scattered in fp32). Identity without
+        sequence parallelism."""
+        if not self.sequence_parallel:
+            return x_BSD
+        t = self.tp.size()
+        B, S, D = x_BSD.shape
+        # [t·b, S/t, D]: tp rank u's chunk is rows [u b, (u + 1) b) (gloo wants dim 0 cut)
+        chunks = x_BSD.detach().float().view(B, t, S // t, D).transpose(0, 1).reshape(
+            t * B, S // t, D)
+        shard = chunks.new_empty((B, S // t, D))
+        comm.reduce_scatter_tensor(shard, chunks, self.tp.get_group(), axis="tp_vocab",
+                                   ledger=self.ledger)
+        return shard
 
     def t_pass(self, state: OutputPass, stats: list[torch.Tensor], targets_BS: torch.Tensor,
                loss_fn, *, training: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """T: the loss of ``loss_fn(ShardedLogits, targets)`` from every pipeline rank's ``stats``
         (in rank order; under tp each already its t shards' combination); training: its
         backward through this shard, accumulating the head rows' gradient. Returns the loss
-        (detached) and this shard's part of dX (or None)."""
+        (detached) and this shard's part of dX (or None; under sequence parallelism this tp
+        rank's sequence shard of the tp ranks' sum, ``scatter_sequence``)."""
         row_max, sum_exp, target = combine(stats)
         # this shard's softmax = exp(z - its max) * exp(its max - the max) / the sum
         scale = (state.row_max - row_max).exp_().div_(sum_exp)
@@ -210,7 +270,7 @@ class VocabShard(nn.Module):
         if not training:
             return loss.detach(), None
         loss.backward()
-        return loss.detach(), state.x.grad
+        return loss.detach(), self.scatter_sequence(state.x.grad)
 
 
 @dataclass

@@ -72,7 +72,8 @@ transfer and reduction below goes through ``loom.parallel.comm`` with the traine
   those bytes; the statistics stay fp32.) Every receive is posted ahead like the others and
   waited just before use, so a schedule the validator accepts (its barriers included) cannot
   deadlock here either. Under tp all of this runs in each tp slice's pp group, and the vocabulary
-  shards add three tp collectives (``loom.parallel.vocab_pipeline``, axis ``tp_vocab``).
+  shards add tp collectives (``loom.parallel.vocab_pipeline``, axis ``tp_vocab``; under SP the
+  pp messages carry sequence shards).
 * After the step: one 1-element all-reduce over ``pp`` so every rank reports the loss, which only
   the last stage of each route computes (under vocabulary parallelism: the last stage's rank's
   T passes, every rank having computed the same loss).
@@ -465,9 +466,10 @@ class PipelineRuntime:
     def _post(self, schedule: Schedule, needed: Transfer, shape: Sequence[int],
               device: torch.device) -> tuple[dist.Work, torch.Tensor]:
         """Post the receive of ``needed`` into a new buffer: activation-shaped, or for softmax
-        statistics ``[3, tokens]`` fp32."""
+        statistics ``[3, tokens]`` fp32 (the whole sequence's: under SP ``shape`` is a shard's)."""
         if needed.stage == schedule.num_stages + STATS:
-            buffer = torch.empty((3, shape[0] * shape[1]), dtype=torch.float32, device=device)
+            tokens = shape[0] * shape[1] * self.vocab.sequence_shards
+            buffer = torch.empty((3, tokens), dtype=torch.float32, device=device)
         else:
             buffer = torch.empty(tuple(shape), dtype=self.wire_dtype, device=device)
         work = comm.irecv(buffer, self.pp_ranks[needed.peer], self.pp_group, axis="pp",
@@ -568,8 +570,10 @@ class PipelineRuntime:
         local: dict[Transfer, torch.Tensor] = {}
         if first_rank != self.pp_rank:
             for mb in mbs:
+                # (under SP this tp rank's sequence shard of the tp ranks' sum)
+                part = self.vocab.scatter_sequence(partial[mb].detach())
                 self._send(schedule, EMBED_PART, mb, first_rank,
-                           partial[mb].detach().to(self.wire_dtype).contiguous(), local, sends)
+                           part.to(self.wire_dtype).contiguous(), local, sends)
                 if training:
                     needed = vocab_transfer(schedule, EMBED_GRAD, mb, first_rank)
                     posted[needed] = self._post(schedule, needed, shape(mb), device)
@@ -580,7 +584,7 @@ class PipelineRuntime:
                     needed = vocab_transfer(schedule, EMBED_PART, mb, peer)
                     posted[needed] = self._post(schedule, needed, shape(mb), device)
             local[vocab_transfer(schedule, EMBED_PART, mb, self.pp_rank)] = \
-                partial[mb].detach().to(self.wire_dtype)
+                self.vocab.scatter_sequence(partial[mb].detach()).to(self.wire_dtype)
         embedded = {mb: self._gathered(schedule, EMBED_PART, mb, posted, local, sum_parts=True)
                     for mb in mbs}
         return partial, embedded
@@ -597,6 +601,7 @@ class PipelineRuntime:
             else:
                 work, grad = posted.pop(vocab_transfer(schedule, EMBED_GRAD, mb, first_rank))
                 work.wait()
+            grad = self.vocab.gather_sequence(grad)  # under SP: the whole sequence's, over tp
             torch.autograd.backward(part, grad.to(part.dtype))
 
     # -- data-parallel gradient reduction -------------------------------------------------------------
@@ -695,7 +700,8 @@ def build_pipeline(job: Job, schedule: Schedule, *, grid: RankGrid, meshes: Mesh
     vocab = vocab_reducer = None
     if schedule.has_vocab_passes:
         vocab = VocabShard(args, pp_rank, schedule.pp_size, device, job.seed, **kwargs,
-                           tp=meshes.root["tp"] if grid.degree("tp") > 1 else None, ledger=ledger)
+                           tp=meshes.root["tp"] if grid.degree("tp") > 1 else None, ledger=ledger,
+                           sequence_parallel=job.layout.sequence_parallel)
         reduce_dtype = torch.bfloat16 if job.grad_reduce_dtype == "bf16" else torch.float32
         if job.dtype == "bf16":  # bf16 rows with fp32 masters, as the stages' parameters
             apply_bf16_parameters(vocab, reduce_dtype)  # (before the reducer's hooks)

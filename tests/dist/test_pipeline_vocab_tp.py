@@ -19,7 +19,9 @@ Then the state: a pp2 x tp2 checkpoint holds every row (and Adam moment) at its 
 process (tied too) and vocab-pp4 load it bit-identically, one process's loads into pp2 x tp2,
 and a stopped run resumes bit-exactly; pretrained weights load into each rank's rows bit for
 bit. And bf16 (fp32 masters) and bf16 autocast against one process in the same mode, with
-tests/dist/test_vocab_pp_bf16.py's bounds. Not built: sequence parallelism (refused by name).
+tests/dist/test_vocab_pp_bf16.py's bounds. With sequence parallelism (1F1B, untied and tied;
+ZB-V's split backwards are refused under SP by the pipeline's general rule) the same parity,
+and its tp collectives counted exactly too.
 """
 
 from __future__ import annotations
@@ -76,13 +78,37 @@ def test_vocab_parallel_pipeline_with_tp_matches_one_process(dist, small_data_di
             assert observed["stage_vocab"] == []
 
 
+# Sequence parallelism (``parallel.sequence_parallel``): the stages' activations, and every
+# vocabulary message over pp, are tp sequence shards; S all-gathers X over tp, T reduce-scatters
+# its part of dX, the embedding is reduce-scattered before it travels and its gradient
+# all-gathered after. ZB-V (split backwards) is refused under SP by the pipeline's general rule
+# (tests/unit/test_config_pipeline.py), so the 1F1B variant, untied and tied.
+SP_CASES = [("1f1b", False), ("1f1b", True)]
+
+
+@pytest.mark.parametrize("schedule, tied", SP_CASES,
+                         ids=[f"{s}{'-tied' if t else ''}" for s, t in SP_CASES])
+def test_vocab_parallel_pipeline_with_sequence_parallel_matches_one_process(
+        dist, small_data_dir, references, tmp_path, schedule, tied):
+    pp, tp, microbatches = 2, 2, 4
+    config = layout_config({**VOCAB, "train.global_batch_size": microbatches,
+                            "parallel.schedule": schedule, "model.tie_embeddings": tied,
+                            "parallel.sequence_parallel": True}, pp * tp, pp=pp, tp=tp)
+    assert config["parallel"]["sequence_parallel"] is True
+    results = dist.run(pp * tp, record_pipeline, config, small_data_dir, STEPS,
+                       str(tmp_path), vocab_shard)
+    check(references(microbatches, tied), results,
+          f"vocab {schedule} pp={pp} tp={tp} sp m={microbatches}")
+
+
 def traffic_records(trainer) -> dict:
     """The step's ledger records: ``pp``'s (``pp_records``) and, under ``tp_vocab/``, those of
     the vocabulary shards' tp collectives; then the ledger is reset for the next step."""
     from tests.dist.test_pipeline_comm import pp_records
 
     ledger = trainer.ledger
-    record = {op: ledger.get("tp_vocab", op) for op in ("all_gather", "all_reduce")}
+    record = {op: ledger.get("tp_vocab", op)
+              for op in ("all_gather", "all_reduce", "reduce_scatter")}
     tp = {f"tp_vocab/{op}": (r.calls, r.payload_bytes, r.wire_bytes)
           for op, r in record.items()}
     return {**tp, **pp_records(trainer)}
@@ -119,6 +145,43 @@ def test_vocab_tp_traffic_is_counted_and_equals_its_volume(dist, small_data_dir,
             reduces = micro * ((r == 0) + (r == pp - 1))  # first stage: embedding; last: dX
             assert records["tp_vocab/all_reduce"] == (reduces, reduces * big,
                                                       reduces * big * 2 * (tp - 1) / tp), where
+
+
+def test_vocab_sp_traffic_is_counted_and_equals_its_volume(dist, small_data_dir, tmp_path):
+    """Under sequence parallelism, per microbatch and training step, every rank all-gathers its
+    [3, b s] statistics, X (S) and the embedding's gradient (b s h fp32 each) over tp, and
+    reduce-scatters its part of dX (T) and its partial embedding (b s h fp32 each); no
+    all-reduce. Over pp each tp slice sends and receives what tp = 1 does, the same calls, with
+    every message but the statistics a 1/t sequence shard. Counted exactly, on axis tp_vocab
+    (t = 2: an all-gather's wire bytes are half its output, a reduce-scatter's half its input)."""
+    from tests.dist.test_pipeline_comm import pp_records
+
+    micro, pp, tp = 4, 2, 2
+    base = {**VOCAB, "train.global_batch_size": micro, "train.steps": 2, "metrics.comm": True,
+            "parallel.schedule": "1f1b"}
+    config = layout_config({**base, "parallel.sequence_parallel": True}, pp * tp, pp=pp, tp=tp)
+    results = dist.run(pp * tp, record_pipeline, config, small_data_dir, 2, str(tmp_path),
+                       traffic_records)
+    alone = dist.run(pp, record_pipeline, layout_config(base, pp, pp=pp), small_data_dir, 2,
+                     str(tmp_path), pp_records)
+    tokens = config["data"]["seq_len"]  # micro batch 1
+    big, gathered = tokens * config["model"]["dim"] * 4, tp * 3 * tokens * 4
+    stats = micro * (pp - 1) * 3 * tokens * 4  # each way, per rank: [3, b s] to every other
+    for result in results:
+        for step, records in enumerate(result["observed"]):
+            r = records["pp_rank"]
+            where = f"pp rank {r} step {step + 1}: {records}"
+            for way in ("send", "recv"):
+                calls, payload, wire = alone[r]["observed"][step][way]
+                shards = (payload - stats) // tp + stats
+                # (the ledger counts a message's wire bytes at its sender)
+                assert records[way] == (calls, shards, shards if wire else 0), f"{where} {way}"
+            assert records["tp_vocab/all_gather"] == (
+                3 * micro, micro * (gathered + 2 * big),
+                micro * (gathered + 2 * big) * (tp - 1) / tp), where
+            assert records["tp_vocab/reduce_scatter"] == (
+                2 * micro, 2 * micro * big, 2 * micro * big * (tp - 1) / tp), where
+            assert records["tp_vocab/all_reduce"] == (0, 0, 0), where
 
 
 # Checkpoints: each rank's rows are saved at their offset in the [V, D] weight (pipeline block

@@ -196,12 +196,14 @@ def test_the_config_turns_it_on():
     assert _config(**{"checkpoint.interval": 5}).checkpoint.interval == 5
     for dtype in ("bf16", "bf16_autocast"):
         assert _config(**{"train.dtype": dtype}).train.dtype == dtype
+    # tp, and tp with sequence parallelism (tests/dist/test_pipeline_vocab_tp.py)
+    assert _config(4, **{"parallel.tp": 2}).parallel.tp == 2
+    assert _config(4, **{"parallel.tp": 2, "parallel.sequence_parallel": True}
+                   ).parallel.sequence_parallel is True
 
 
 @pytest.mark.parametrize("overrides, field", [
     ({"parallel.pp": 1, "world": 1}, "parallel.vocab_parallel_pp"),
-    ({"parallel.tp": 2, "world": 4, "parallel.sequence_parallel": True},
-     "parallel.sequence_parallel"),  # tp itself is composed (tests/dist/test_pipeline_vocab_tp.py)
     ({"parallel.dp_shard": 2, "world": 4, "train.global_batch_size": 8}, "parallel.dp_shard"),
     ({"parallel.dp_replicate": 2, "world": 4, "train.global_batch_size": 8,
       "parallel.dp_mode": "diloco"}, "parallel.dp_mode"),
