@@ -239,7 +239,7 @@ def _validate_offload(config: Config, schedule, how: str) -> None:
         raise ConfigError("parallel.schedule_offload_limit", limit, f"{how}: {err}") from None
 
 
-def _validate_vocab_pp(config: Config) -> None:
+def validate_vocab_pp(config: Config) -> None:
     """``parallel.vocab_parallel_pp`` (loom/parallel/vocab_pipeline.py): the embedding and head
     split over pp ranks, as built and tested: pp > 1, the vocabulary divisible by pp x tp (the
     rows split over all pp x tp ranks; tp with or without sequence parallelism, whose split
@@ -292,7 +292,7 @@ def validate_schedule(config: Config) -> None:
     family can schedule."""
     par, m = config.parallel, config.model
     if par.vocab_parallel_pp:
-        _validate_vocab_pp(config)
+        validate_vocab_pp(config)
     if par.schedule_offload_limit and (par.pp == 1 or par.schedule.lower() == SKIPPIPE):
         raise ConfigError("parallel.schedule_offload_limit", par.schedule_offload_limit,
                           "offloads inside a pipeline schedule: needs parallel.pp > 1 and a"
@@ -386,4 +386,4 @@ def validate_schedule(config: Config) -> None:
 
 
 __all__ = ["DEFAULT_SCHEDULE", "CHECKFREE_SCHEDULES", "validate_fault", "validate_schedule",
-           "validate_zero_pipeline"]
+           "validate_vocab_pp", "validate_zero_pipeline"]

@@ -31,7 +31,7 @@ from loom.layout import FP8_RECIPES
 from loom.plan import explain, varlen
 from loom.plan.calibrate import describe, load_profile
 from loom.plan.hardware import LINKS, Cluster, HardwareError, load_catalog, make_cluster
-from loom.plan.search import Plan, plan, simulate_step
+from loom.plan.search import Plan, check_vocab_pp, plan, simulate_step
 from loom.plan.space import Workload
 from loom.sim.cost_model import CostModel, StepCost
 from loom.sim.frameworks import ATTENTION_KERNELS, FRAMEWORKS, Framework, framework
@@ -292,6 +292,7 @@ def _run(args: argparse.Namespace) -> int:
         if layout.world != cluster.gpus:
             raise PlanInputError(f"--layout: the degrees multiply to {layout.world}, not --gpus"
                                  f" {cluster.gpus}")
+        check_vocab_pp(layout, work)  # the trainer's rules for it (ConfigError: exit 2)
         model = CostModel(work.model, work.seq_len, work.global_batch, cluster, framework=stack,
                           fp8=fp8)
         cost = simulate_step(model, model.evaluate(layout))

@@ -36,9 +36,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from loom.config import Config, ConfigError, load_config, resolve, with_layout
+from loom.config_rules.pipeline import validate_vocab_pp
 from loom.layout import Layout
 from loom.plan.hardware import Cluster
-from loom.plan.space import LayoutGroup, Workload, layouts
+from loom.plan.space import LayoutGroup, Workload, layouts, vocab_pp_fits
 from loom.schedule import families as schedules
 from loom.schedule.select import SEARCH, schedule_of
 from loom.schedule.simulate import replay_shared, simulate
@@ -159,7 +160,10 @@ def runnable(layout: Layout, work: Workload, *, exact: bool = True,
     of two ranks and two microbatches with the same axes, schedule and knobs."""
     if not exact and layout.pp > 1 and layout.microbatches > layout.pp:
         layout = replace(layout, microbatches=layout.pp)
-    if representative and layout.pp > 2:  # the same structure on the smallest pipeline
+    # vocabulary parallelism over the pipeline needs V divisible by pp x tp, a size the space
+    # checked at the real pp: the structure is checked there when two ranks would not divide it
+    split_vocab = layout.vocab_parallel_pp and work.model.vocab_size % (2 * layout.tp)
+    if representative and layout.pp > 2 and not split_vocab:  # the same structure, smallest pp
         layout = replace(layout, pp=2, microbatches=2, schedule_costs="",  # (costs: per rank)
                          schedule_memory_limit=min(layout.schedule_memory_limit, 2.0))
     try:
@@ -167,6 +171,15 @@ def runnable(layout: Layout, work: Workload, *, exact: bool = True,
     except ConfigError as err:
         return f"{err.field_name}: {err.rule}"
     return None
+
+
+def check_vocab_pp(layout: Layout, work: Workload) -> None:
+    """Raise the trainer's ``ConfigError`` (the field and the rule) when ``layout`` splits the
+    vocabulary over its pipeline and the rules for that (``parallel.vocab_parallel_pp``: its
+    axes, and the workload config's data packing, data-parallel mode, model and schedule) refuse
+    it. Only these rules: ``--layout`` prices what-if layouts the other rules may refuse."""
+    if layout.vocab_parallel_pp:
+        validate_vocab_pp(with_layout(workload_config(work), layout))
 
 
 # A finalist whose screening estimate exceeds the best simulated step by more than this is not
@@ -185,6 +198,14 @@ SEARCH_ACTIONS_PER_PASS = 72
 # rough one (``loom.sim.cost_model.search_estimate``), and only the search finds out
 SEARCH_FINALISTS = 2
 SEARCH_MARGIN = 1.3  # ... unless even that estimate is this far behind the best simulated
+# Pipeline layouts (the best kept, family schedules) whose twin with the vocabulary split over
+# the pipeline (``Layout.vocab_parallel_pp``) is priced after the screen. Not every layout's:
+# its memory replays the runtime's vocabulary schedule, 2 s per layout at pp = 64 here (the
+# 1T plan took 533 s instead of 10 s with every twin in the space)
+VOCAB_PP_TWINS = 3
+# ... and of pipelines of at most this many p·m actions per pass (the replay's cost grows with
+# them: p = 8, m = 64 takes about 0.1 s here), like the schedule search's ``SEARCH_MAX_WORK``
+VOCAB_PP_MAX_WORK = 512
 
 
 def _search_cap(lay: Layout) -> float:
@@ -219,14 +240,15 @@ def _structure(lay: Layout) -> tuple:
     themselves are the space's business (it only yields divisible ones)."""
     return (lay.pp > 1, lay.dp_replicate > 1, lay.dp_shard > 1, lay.zero_stage, lay.ep > 1,
             lay.cp > 1, lay.cp_mode if lay.cp > 1 else "", lay.tp > 1, lay.sequence_parallel,
-            lay.schedule, lay.recompute != "none")
+            lay.schedule, lay.recompute != "none", lay.vocab_parallel_pp)
 
 
 def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
          memory_fraction: float = 0.9, runnable_only: bool = True,
          cost_model: CostModel | None = None,
          space: dict[str, Any] | None = None,
-         simulation_seconds: float = SIMULATION_SECONDS, exhaustive: bool = False) -> Plan:
+         simulation_seconds: float = SIMULATION_SECONDS, exhaustive: bool = False,
+         vocab_pp: bool = True) -> Plan:
     """The ``top`` fastest layouts of ``work`` on ``cluster`` that fit in ``memory_fraction`` of
     the accelerator's memory (the rest is left to the allocator, the CUDA context and the
     communication buffers) and that this version of Loom runs (unless ``runnable_only`` is off).
@@ -234,7 +256,9 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
     finalists are simulated best estimate first until ``simulation_seconds`` are spent; the rest
     keep their estimate (``StepCost.simulated`` is False), which the table marks.
     ``exhaustive``: every group that fits is priced, in the space's order, without the compute
-    floor's bound: the same answer, slower (the tests compare the two)."""
+    floor's bound: the same answer, slower (the tests compare the two).
+    ``vocab_pp``: the twins of the best ``VOCAB_PP_TWINS`` kept pipeline layouts with the
+    vocabulary split over the pipeline are priced too (off: the space without the split)."""
     started = time.perf_counter()
     model = cost_model or CostModel(work.model, work.seq_len, work.global_batch, cluster)
     budget = cluster.gpu.memory_bytes * memory_fraction
@@ -318,6 +342,37 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
                 heapq.heapreplace(heap, entry)
             if settled:
                 break  # the rest of the group recomputes more: never faster
+    # the vocabulary split over the pipeline: the twins of the best kept pipeline layouts whose
+    # axes allow it, priced and ranked like the rest (a tie goes to the layout without)
+    twins = [entry for entry in sorted(heap, reverse=True) if entry[2].layout.schedule != SEARCH
+             and not entry[2].layout.vocab_parallel_pp
+             and entry[2].layout.pp * entry[2].layout.microbatches <= VOCAB_PP_MAX_WORK
+             and vocab_pp_fits(work.model, entry[2].layout)][:VOCAB_PP_TWINS] if vocab_pp else []
+    for _, rank, plain in twins:
+        layout = replace(plain.layout, vocab_parallel_pp=True)
+        considered += 1
+        if len(heap) == keep and model.compute_floor(layout) > -heap[0][0]:
+            continue
+        if memory_floor(model, layout) > budget or model.memory_total(layout) > budget:
+            continue
+        fitting += 1
+        cost = model.evaluate(layout)
+        entry = (-cost.step_time, rank - 0.5, cost)
+        if len(heap) == keep and entry[:2] < heap[0][:2]:
+            continue
+        if runnable_only:
+            key = _structure(layout)
+            if key not in verdicts:
+                verdicts[key] = runnable(layout, work, exact=False, representative=True)
+            if verdicts[key]:
+                refused[verdicts[key]] += 1
+                if best_refused is None or cost.step_time < best_refused.step_time:
+                    best_refused = cost
+                continue
+        if len(heap) < keep:
+            heapq.heappush(heap, entry)
+        else:
+            heapq.heapreplace(heap, entry)
     screened = [entry[2] for entry in sorted(heap, reverse=True)]  # fastest first, then order
     simulated: list[StepCost] = []
     spent = 0.0
@@ -365,4 +420,5 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
     return result
 
 
-__all__ = ["Plan", "plan", "simulate_step", "runnable", "to_config", "workload_config"]
+__all__ = ["Plan", "plan", "simulate_step", "runnable", "check_vocab_pp", "to_config",
+           "workload_config"]

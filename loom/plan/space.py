@@ -8,6 +8,11 @@ and by one dominance rule: sequence parallelism is always on under tp > 1. It mo
 bytes as plain TP (all-gather + reduce-scatter = all-reduce) and holds less activation memory, so
 a layout without it is never better (Korthikanti et al. 2022 §4.2).
 
+``vocab_pp_fits`` says whether a pipeline layout's axes allow its twin with the embedding and
+head split over every pipeline rank (``Layout.vocab_parallel_pp``); the space itself does not
+yield the twins, whose memory is priced on the runtime's schedule (seconds each on a deep
+pipeline): the search adds the twins of its best pipeline layouts.
+
 The pipeline schedule is one of Loom's families or the schedule search's own output under the
 activation memory the budget leaves (``schedule = "search"``; ``loom.plan.search`` sets the
 limit, since the space knows shapes, not bytes).
@@ -77,6 +82,15 @@ def divisors(n: int) -> list[int]:
 def _tp_ok(m: TransformerArgs, tp: int, seq: int, cp: int) -> bool:
     return (m.n_heads % tp == 0 and m.n_kv_heads % tp == 0 and m.vocab_size % tp == 0
             and (seq // cp) % tp == 0)
+
+
+def vocab_pp_fits(m: TransformerArgs, lay: Layout) -> bool:
+    """Whether the trainer's rules on the axes allow ``lay`` with the embedding and head split
+    over its pipeline (``loom.config_rules.pipeline``'s vocab_parallel_pp rules): pp > 1, the
+    vocabulary divisible by pp x tp, no cp, ep or dp_shard (the shards have no split or reducer
+    over them yet), a dense model and one route through the pipeline (Loom's families here)."""
+    return (lay.pp > 1 and m.vocab_size % (lay.pp * lay.tp) == 0 and lay.cp == 1
+            and lay.ep == 1 and lay.dp_shard == 1 and m.n_experts == 0)
 
 
 def _cp_modes(m: TransformerArgs, tp: int, cp: int, seq: int) -> list[str]:
@@ -218,5 +232,5 @@ def _inner(m, pp, dp, ep, cp, tp, local, modes, gpus_per_node, families, micro_b
                         yield LayoutGroup(first, recompute)
 
 
-__all__ = ["Workload", "LayoutGroup", "layouts", "divisors", "SCHEDULES", "RECOMPUTE", "MICRO_BATCHES",
-           "SEARCH_MAX_WORK"]
+__all__ = ["Workload", "LayoutGroup", "layouts", "vocab_pp_fits", "divisors", "SCHEDULES",
+           "RECOMPUTE", "MICRO_BATCHES", "SEARCH_MAX_WORK"]
