@@ -243,6 +243,15 @@ def _structure(lay: Layout) -> tuple:
             lay.schedule, lay.recompute != "none", lay.vocab_parallel_pp)
 
 
+def _keep_best(heap: list, entry: tuple, size: int) -> None:
+    """Keep ``entry`` if it is among the ``size`` best of ``heap`` (a min-heap on
+    (-step time, rank): the slowest kept on top)."""
+    if len(heap) < size:
+        heapq.heappush(heap, entry)
+    elif entry[:2] > heap[0][:2]:
+        heapq.heapreplace(heap, entry)
+
+
 def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
          memory_fraction: float = 0.9, runnable_only: bool = True,
          cost_model: CostModel | None = None,
@@ -270,6 +279,19 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
     verdicts: dict[tuple, str | None] = {}
     refused: Counter = Counter()
     best_refused: StepCost | None = None
+
+    def refuses(layout: Layout, cost: StepCost) -> bool:
+        """Whether Loom's rules refuse ``layout``'s structure (one verdict per structure); a
+        refusal is counted, and the fastest refused layout kept."""
+        nonlocal best_refused
+        key = _structure(layout)
+        if key not in verdicts:
+            verdicts[key] = runnable(layout, work, exact=False, representative=True)
+        if verdicts[key]:
+            refused[verdicts[key]] += 1
+            if best_refused is None or cost.step_time < best_refused.step_time:
+                best_refused = cost
+        return bool(verdicts[key])
     considered = fitting = 0
     # Branch and bound. Groups whose model state alone does not fit are dropped first. The rest
     # are priced in order of their compute floor (no layout's step is faster than its busiest
@@ -320,26 +342,13 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
                 if settled:
                     break  # slower than every layout kept (and recomputing more is slower still)
                 continue
-            if runnable_only:
-                key = _structure(layout)
-                if key not in verdicts:
-                    verdicts[key] = runnable(layout, work, exact=False, representative=True)
-                if verdicts[key]:
-                    refused[verdicts[key]] += 1
-                    if best_refused is None or cost.step_time < best_refused.step_time:
-                        best_refused = cost
-                    if settled:
-                        break
-                    continue
+            if runnable_only and refuses(layout, cost):
+                if settled:
+                    break
+                continue
             if searched:  # the best few are simulated whatever their estimate
-                if len(searched_heap) < SEARCH_FINALISTS:
-                    heapq.heappush(searched_heap, entry)
-                elif entry[:2] > searched_heap[0][:2]:
-                    heapq.heapreplace(searched_heap, entry)
-            if len(heap) < keep:
-                heapq.heappush(heap, entry)
-            elif entry[:2] > heap[0][:2]:
-                heapq.heapreplace(heap, entry)
+                _keep_best(searched_heap, entry, SEARCH_FINALISTS)
+            _keep_best(heap, entry, keep)
             if settled:
                 break  # the rest of the group recomputes more: never faster
     # the vocabulary split over the pipeline: the twins of the best kept pipeline layouts whose
@@ -360,19 +369,9 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
         entry = (-cost.step_time, rank - 0.5, cost)
         if len(heap) == keep and entry[:2] < heap[0][:2]:
             continue
-        if runnable_only:
-            key = _structure(layout)
-            if key not in verdicts:
-                verdicts[key] = runnable(layout, work, exact=False, representative=True)
-            if verdicts[key]:
-                refused[verdicts[key]] += 1
-                if best_refused is None or cost.step_time < best_refused.step_time:
-                    best_refused = cost
-                continue
-        if len(heap) < keep:
-            heapq.heappush(heap, entry)
-        else:
-            heapq.heapreplace(heap, entry)
+        if runnable_only and refuses(layout, cost):
+            continue
+        _keep_best(heap, entry, keep)
     screened = [entry[2] for entry in sorted(heap, reverse=True)]  # fastest first, then order
     simulated: list[StepCost] = []
     spent = 0.0
