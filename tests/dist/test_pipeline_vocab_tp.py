@@ -101,6 +101,27 @@ def test_vocab_parallel_pipeline_with_sequence_parallel_matches_one_process(
           f"vocab {schedule} pp={pp} tp={tp} sp m={microbatches}")
 
 
+TRAFFIC = (4, 2, 2)  # microbatches per step, pp, tp of the traffic tests
+
+
+def traffic_runs(dist, small_data_dir, tmp_path, sequence_parallel: bool):
+    """Two training steps of vocab-pp at pp x tp (``TRAFFIC``, 1F1B) with every message
+    recorded, and of the same at tp = 1 (the pp messages alone): (records, records at tp = 1,
+    tokens per microbatch, model dim)."""
+    from tests.dist.test_pipeline_comm import pp_records
+
+    micro, pp, tp = TRAFFIC
+    base = {**VOCAB, "train.global_batch_size": micro, "train.steps": 2, "metrics.comm": True,
+            "parallel.schedule": "1f1b"}
+    config = layout_config({**base, "parallel.sequence_parallel": sequence_parallel}, pp * tp,
+                           pp=pp, tp=tp)
+    results = dist.run(pp * tp, record_pipeline, config, small_data_dir, 2, str(tmp_path),
+                       traffic_records)
+    alone = dist.run(pp, record_pipeline, layout_config(base, pp, pp=pp), small_data_dir, 2,
+                     str(tmp_path), pp_records)
+    return results, alone, config["data"]["seq_len"], config["model"]["dim"]  # micro batch 1
+
+
 def traffic_records(trainer) -> dict:
     """The step's ledger records: ``pp``'s (``pp_records``) and, under ``tp_vocab/``, those of
     the vocabulary shards' tp collectives; then the ledger is reset for the next step."""
@@ -121,18 +142,9 @@ def test_vocab_tp_traffic_is_counted_and_equals_its_volume(dist, small_data_dir,
     stage's ranks all-reduce the embedding (b s h fp32), the last stage's the summed dX.
     Counted exactly, on axis tp_vocab (t = 2: an all-gather's wire bytes are half its output,
     an all-reduce's equal its tensor)."""
-    from tests.dist.test_pipeline_comm import pp_records
-
-    micro, pp, tp = 4, 2, 2
-    base = {**VOCAB, "train.global_batch_size": micro, "train.steps": 2, "metrics.comm": True,
-            "parallel.schedule": "1f1b"}
-    config = layout_config(base, pp * tp, pp=pp, tp=tp)
-    results = dist.run(pp * tp, record_pipeline, config, small_data_dir, 2, str(tmp_path),
-                       traffic_records)
-    alone = dist.run(pp, record_pipeline, layout_config(base, pp, pp=pp), small_data_dir, 2,
-                     str(tmp_path), pp_records)
-    tokens = config["data"]["seq_len"]  # micro batch 1
-    big, gathered = tokens * config["model"]["dim"] * 4, tp * 3 * tokens * 4
+    results, alone, tokens, dim = traffic_runs(dist, small_data_dir, tmp_path, False)
+    micro, pp, tp = TRAFFIC
+    big, gathered = tokens * dim * 4, tp * 3 * tokens * 4
     for result in results:
         for step, records in enumerate(result["observed"]):
             r = records["pp_rank"]
@@ -154,18 +166,9 @@ def test_vocab_sp_traffic_is_counted_and_equals_its_volume(dist, small_data_dir,
     all-reduce. Over pp each tp slice sends and receives what tp = 1 does, the same calls, with
     every message but the statistics a 1/t sequence shard. Counted exactly, on axis tp_vocab
     (t = 2: an all-gather's wire bytes are half its output, a reduce-scatter's half its input)."""
-    from tests.dist.test_pipeline_comm import pp_records
-
-    micro, pp, tp = 4, 2, 2
-    base = {**VOCAB, "train.global_batch_size": micro, "train.steps": 2, "metrics.comm": True,
-            "parallel.schedule": "1f1b"}
-    config = layout_config({**base, "parallel.sequence_parallel": True}, pp * tp, pp=pp, tp=tp)
-    results = dist.run(pp * tp, record_pipeline, config, small_data_dir, 2, str(tmp_path),
-                       traffic_records)
-    alone = dist.run(pp, record_pipeline, layout_config(base, pp, pp=pp), small_data_dir, 2,
-                     str(tmp_path), pp_records)
-    tokens = config["data"]["seq_len"]  # micro batch 1
-    big, gathered = tokens * config["model"]["dim"] * 4, tp * 3 * tokens * 4
+    results, alone, tokens, dim = traffic_runs(dist, small_data_dir, tmp_path, True)
+    micro, pp, tp = TRAFFIC
+    big, gathered = tokens * dim * 4, tp * 3 * tokens * 4
     stats = micro * (pp - 1) * 3 * tokens * 4  # each way, per rank: [3, b s] to every other
     for result in results:
         for step, records in enumerate(result["observed"]):
