@@ -255,21 +255,13 @@ def test_bf16_vocab_tp_matches_one_bf16_process(dist, small_data_dir, dtype):
     one process in the same mode: tests/dist/test_vocab_pp_bf16.py's bounds and reasons (the
     first loss to fp32 parity's first-step bound, the first step's gradients to bf16's bound
     for a layout that computes in another order); here dX is also summed over tp, in fp32."""
-    import torch
-
-    from loom.testing.parity import assert_parity, record_training
-    from tests.dist.test_vocab_pp_bf16 import (ATOL_BF16, ATOL_LOSS, BASE, RTOL_BF16,
-                                               RTOL_LOSS, STEPS, first_step)
+    from loom.testing.parity import record_training
+    from tests.dist.test_vocab_pp_bf16 import BASE, STEPS, assert_bf16_first_step
 
     overrides = {**BASE, "train.dtype": dtype, "parallel.schedule": "1f1b"}
     reference = dist.run(1, record_training, layout_config(overrides, 1), small_data_dir,
                          STEPS)[0]
     table = layout_config({**overrides, "parallel.vocab_parallel_pp": True}, 4, pp=2, tp=2)
     for rank, result in enumerate(dist.run(4, record_training, table, small_data_dir, STEPS)):
-        label = f"vocab-pp2xtp2 {dtype} rank {rank}"
-        torch.testing.assert_close(torch.tensor(result["loss"][0]),
-                                   torch.tensor(reference["loss"][0]), rtol=RTOL_LOSS,
-                                   atol=ATOL_LOSS, msg=lambda m: f"{label} first loss: {m}")
-        assert_parity(first_step(reference), first_step(result), rtol=RTOL_BF16,
-                      atol=ATOL_BF16, label=label)
+        assert_bf16_first_step(reference, result, f"vocab-pp2xtp2 {dtype} rank {rank}")
     assert len(set(reference["loss"])) == STEPS  # it trained
