@@ -16,7 +16,11 @@ matmuls; with ``--device cpu`` (a smoke run) they are emulated. Each variant is 
 global batch 2 sequences (TorchTitan's local batch per GPU) as 2 microbatches of 1. Reported per
 variant: the median tokens/s and MFU over the steps after the first ``--warmup`` (Loom's own
 accounting: 6 x parameters + attention FLOPs per token, against the catalog's dense BF16 peak),
-the allocator's peak, and ``estimate_memory``'s prediction of that peak.
+the allocator's peak, ``estimate_memory``'s prediction of that peak, and the planner's predicted
+step time (``CostModel`` on a one-GPU cluster of the catalog part the device names, the layout the
+run's config trains under, searched at nothing: ``loom plan``'s pricing of exactly this run) over
+the measured median step (issue 21: how the planner does on a machine it was never tuned on; the
+fp32 variant has none, the planner prices bf16 matmuls).
 
 TorchTitan's published reference (docs/performance.md of pytorch/torchtitan): Llama 3.1 8B on
 8 H100s (500 W), FSDP, local batch 2, sequence 8192, selective activation checkpointing: 5,762
@@ -41,9 +45,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from loom.config import load_config, model_args, resolve  # noqa: E402
+from loom.config import layout_of, load_config, model_args, resolve  # noqa: E402
 from loom.formulas.flops import model_flops_per_token  # noqa: E402
 from loom.models.presets import PRESETS  # noqa: E402
+from loom.plan.hardware import GPUS, make_cluster  # noqa: E402
+from loom.plan.search import simulate_step  # noqa: E402
+from loom.sim.cost_model import CostModel  # noqa: E402
 from loom.train.memory import GiB, estimate_memory  # noqa: E402
 
 TORCHTITAN = {"tokens_per_s_per_gpu_eager": 5762, "tokens_per_s_per_gpu_compiled": 6667,
@@ -74,7 +81,31 @@ def overrides(preset: str, layers: int, seq_len: int, steps: int,
             "train.skip_memory_check": True}
 
 
-def run_variant(name: str, table: dict[str, object], workdir: Path, warmup: int) -> dict:
+def catalog_part(device_name: str) -> str | None:
+    """The planner's catalog part a CUDA device name is ("NVIDIA H100 80GB HBM3" -> H100-SXM)."""
+    name = device_name.upper()
+    for key, part in (("H200", "H200"), ("H100 PCIE", "H100-PCIe"), ("H100 NVL", "H100-NVL"),
+                      ("H100", "H100-SXM"), ("A100-SXM4-40GB", "A100-40GB"), ("A100", "A100-80GB"),
+                      ("B200", "B200")):
+        if key in name:
+            return part if part in GPUS else None
+    return None
+
+
+def predicted_step_s(config, part: str | None) -> float | None:
+    """The planner's step time for the run ``config`` describes on one ``part`` (None: no part,
+    or an fp32 run, which the planner does not price)."""
+    if part is None or config.train.dtype == "fp32":
+        return None
+    cluster = make_cluster(part, 1)
+    model = CostModel(model_args(config), config.data.seq_len, config.train.global_batch_size,
+                      cluster, fp8=config.train.fp8 != "none")
+    layout = layout_of(config)
+    return simulate_step(model, model.evaluate(layout)).step_time
+
+
+def run_variant(name: str, table: dict[str, object], workdir: Path, warmup: int,
+                part: str | None = None) -> dict:
     run_dir = workdir / name
     args = [f"--{key}={value}" for key, value in table.items()]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
@@ -92,10 +123,13 @@ def run_variant(name: str, table: dict[str, object], workdir: Path, warmup: int)
     config = resolve(load_config(None, table), 1)
     estimate = estimate_memory(config)
     peak = max(row["peak_mem_bytes"] for row in steps)
+    step_time = statistics.median(row["step_time_s"] for row in steps)
+    predicted = predicted_step_s(config, part)
     return {"variant": name, "steps_timed": len(steps), "wall_s": round(wall, 1),
             "tokens_per_s": statistics.median(row["tokens_per_s"] for row in steps),
             "mfu": statistics.median(row["mfu"] for row in steps) if steps[0].get("mfu") else None,
-            "step_time_s": statistics.median(row["step_time_s"] for row in steps),
+            "step_time_s": step_time, "planner_part": part, "predicted_step_s": predicted,
+            "predicted_over_measured": None if predicted is None else predicted / step_time,
             "peak_mem_gib": peak / GiB, "estimated_peak_gib": estimate.total / GiB,
             "estimate_over_measured": estimate.total / peak,
             "final_loss": steps[-1]["loss"], "losses": [row["loss"] for row in every_step]}
@@ -126,7 +160,7 @@ def main() -> None:
             variant = {**table, **VARIANTS[name]}
             if "train.fp8" in variant and args.device == "cpu":
                 variant["train.fp8_emulate"] = True  # a smoke run: no FP8 matmuls on a CPU
-            result = run_variant(name, variant, Path(tmp), args.warmup)
+            result = run_variant(name, variant, Path(tmp), args.warmup, catalog_part(device))
             if "tokens_per_s" in result:
                 result["tokens_per_s_at_32_layers"] = result["tokens_per_s"] * depth_ratio
             results.append(result)
@@ -139,16 +173,19 @@ def main() -> None:
     print(f"\n{device}, torch {torch.__version__}, {args.preset} shape with {args.layers} layers,"
           f" seq {args.seq_len}, batch 2 x 1")
     print(f"{'variant':<26} {'tok/s':>8} {'MFU':>6} {'tok/s@32L':>10} {'peak GiB':>9}"
-          f" {'est GiB':>8} {'est/peak':>8} {'loss':>7}")
+          f" {'est GiB':>8} {'est/peak':>8} {'step s':>7} {'plan s':>7} {'plan/step':>9}"
+          f" {'loss':>7}")
     for r in results:
         if "error" in r:
             print(f"{r['variant']:<26} failed: {r['error'].splitlines()[-1] if r['error'] else ''}")
             continue
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        plan = "n/a" if r["predicted_step_s"] is None else f"{r['predicted_step_s']:.3f}"
+        ratio = "n/a" if r["predicted_step_s"] is None else f"{r['predicted_over_measured']:.2f}"
         print(f"{r['variant']:<26} {r['tokens_per_s']:8.0f} {mfu:>6}"
               f" {r['tokens_per_s_at_32_layers']:10.0f} {r['peak_mem_gib']:9.1f}"
               f" {r['estimated_peak_gib']:8.1f} {r['estimate_over_measured']:8.2f}"
-              f" {r['final_loss']:7.4f}")
+              f" {r['step_time_s']:7.3f} {plan:>7} {ratio:>9} {r['final_loss']:7.4f}")
     print(f"TorchTitan: {TORCHTITAN['setup']}: {TORCHTITAN['tokens_per_s_per_gpu_eager']} tok/s"
           f" per GPU eager, MFU {TORCHTITAN['mfu_range']}")
 
