@@ -219,6 +219,9 @@ class TrainConfig:
     # rowwise_with_gw_hp. Needs a GPU with FP8 (compute capability >= 8.9), or fp8_emulate.
     fp8: str = "none"
     fp8_emulate: bool = False  # torchao's high-precision emulation of the FP8 matmuls (tests)
+    # ZeRO-3 (FSDP2) all-gathers the FP8 linears' weights in float8 (1 byte/element, half of
+    # bf16's), each shard cast with the whole weight's scale. tensorwise only; dp_shard > 1.
+    fp8_all_gather: bool = False
     # Refuse to launch when the estimated peak per rank (loom estimate-memory) exceeds this;
     # 0: the CUDA device's total memory, or on CPU 90% of the host's available memory shared by
     # the local ranks. skip_memory_check (or its older name ignore_memory_limit) overrides.
@@ -616,6 +619,7 @@ def job_of(config: Config, offload_optimizer: bool = False) -> Job:
                grad_reduce_every_microbatch=tr.grad_reduce_every_microbatch,
                dp_mode=config.parallel.dp_mode, compile=tr.compile,
                compression=compression_of(config), fp8=tr.fp8, fp8_emulate=tr.fp8_emulate,
+               fp8_all_gather=tr.fp8_all_gather,
                vocab_parallel_pp=config.parallel.vocab_parallel_pp)
 
 

@@ -227,6 +227,7 @@ class Job:
     compression: CompressionSpec | None = None
     fp8: str = "none"  # FP8 matmuls in the blocks' linears (``train.fp8``, loom.parallel.fp8)
     fp8_emulate: bool = False
+    fp8_all_gather: bool = False  # ZeRO-3 gathers the FP8 linears' weights in float8
     # The embedding and output layer split over the vocabulary onto every pipeline rank
     # (``parallel.vocab_parallel_pp``, loom.parallel.vocab_pipeline); the runtime reads this
     # one, the planner and the estimator ``Layout.vocab_parallel_pp`` (the same setting)

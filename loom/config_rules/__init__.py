@@ -196,13 +196,33 @@ def _validate_fp8(config: Config) -> None:
     if tr.fp8 not in FP8_RECIPES:
         raise ConfigError("train.fp8", tr.fp8, f"must be one of {', '.join(FP8_RECIPES)}"
                           + suggest(str(tr.fp8), list(FP8_RECIPES)))
+    par = config.parallel
+    if tr.fp8_all_gather:
+        if tr.fp8 != "tensorwise":
+            raise ConfigError("train.fp8_all_gather", True, "gathers weights cast to float8"
+                              " with one scale per tensor: torchao builds it for train.fp8 ="
+                              f" tensorwise only, not {tr.fp8!r}")
+        if par.dp_shard == 1 or par.zero_stage != 3:
+            raise ConfigError("train.fp8_all_gather", True, "is ZeRO-3's all-gather of the"
+                              " weights (FSDP2): needs parallel.dp_shard > 1 with zero_stage = 3"
+                              f" (here dp_shard = {par.dp_shard}, zero_stage ="
+                              f" {par.zero_stage})")
+        if par.tp > 1:
+            raise ConfigError("train.fp8_all_gather", True, f"with parallel.tp = {par.tp} > 1"
+                              " is not built (the float8 gather of 2-D sharded weights is not"
+                              " proven against one process here); use tp = 1")
+        if tr.offload_optimizer:
+            raise ConfigError("train.fp8_all_gather", True, "with train.offload_optimizer is not"
+                              " built (the shards and their amaxes' all-reduce would be on the"
+                              " host, and offload is a no-op on the CPU where the float8"
+                              " gather is proven); leave one of them off")
     if tr.fp8 == "none":
         if tr.fp8_emulate:
             raise ConfigError("train.fp8_emulate", True, "emulates train.fp8's matmuls: set"
                               " train.fp8 to a recipe, or leave fp8_emulate false")
         return
-    if config.parallel.cp > 1 and tr.fp8 != "rowwise_with_gw_hp":
-        raise ConfigError("train.fp8", tr.fp8, f"with parallel.cp = {config.parallel.cp} > 1"
+    if par.cp > 1 and tr.fp8 != "rowwise_with_gw_hp":
+        raise ConfigError("train.fp8", tr.fp8, f"with parallel.cp = {par.cp} > 1"
                           " would scale over each rank's part of the sequence (a whole tensor's"
                           " or a column's amax over the tokens), so results would change with"
                           " cp: use rowwise_with_gw_hp, whose scales are per token or per weight"

@@ -123,7 +123,8 @@ def parallelize(model: nn.Module, meshes: Meshes, job: Job, *, cp_groups: Any = 
     """
     parallel = job.layout
     tensor = experts = None
-    apply_fp8(model, job.fp8, emulate=job.fp8_emulate)  # first: every wrapper sees Float8Linear
+    apply_fp8(model, job.fp8, emulate=job.fp8_emulate,  # first: every wrapper sees Float8Linear
+              fsdp_float8_all_gather=job.fp8_all_gather)
     if parallel.tp > 1:
         model = apply_tensor_parallel(model, meshes.root["tp"],
                                       sequence_parallel=parallel.sequence_parallel,

@@ -34,8 +34,25 @@ mesh, so every recipe scales by the whole tensor as one process does (tests/dist
 test_fp8_parity.py, tp = 2 with and without SP). torchao's float8 styles
 (``Float8ColwiseParallel``, ``PrepareFloat8ModuleInput``) would all-gather the SP input in float8
 (half bf16's bytes on the wire); not taken: gloo cannot carry float8 tensors ("Invalid scalar
-type"), so that path could not be proven against one process here. Not built: FSDP2's float8
-all-gather (the all-gather stays in the parameters' dtype).
+type"), so that path could not be proven against one process here.
+
+FSDP2's float8 all-gather (``train.fp8_all_gather``; ZeRO-3, dp_shard > 1, ``tensorwise``
+only): without it ZeRO-3 gathers each weight in the parameters' dtype and the gathered weight
+is then cast to float8 inside the matmul. With it each rank casts its own shard to float8 with
+the scale of the whole weight (the amax of every shard: an all-reduce) and the gather carries
+the float8 bytes, 1 per element (half of bf16's, a quarter of fp32's); the gathered tensor is
+the float8 weight the matmul takes. The scale is the one-process scale of the same weight, so
+the float8 weight is the one cast after an fp32 gather, element for element: every step equals
+ZeRO-3's without it (bit-identical, emulated on gloo, which carries FSDP2's packed byte buffer;
+and with the H100's float8 GEMMs: tests/dist/test_fp8_parity.py, tests/gpu/test_gpu.py).
+Measured, the debug model at dp_shard = 2, 3 steps: 9.9 MB gathered per rank in fp32 -> 4.0 MB,
+4.9 MB in bf16 -> 3.0 MB (the embedding, head and norms still gather in their dtype). Not built
+with tp > 1 or train.offload_optimizer (not proven here). ``precompute_all_gather_scales`` computes every weight's scale in one
+all-reduce of all the amaxes before each step's forward instead of one per weight at each
+gather (TorchTitan does it after the optimizer step; before the forward it also covers weights
+changed between steps, by an outer step or a checkpoint load). Under ``train.dtype = bf16``
+the shard is cast to float8 from its fp32 master instead of from the bf16 gathered copy: one
+rounding instead of two. Only tensorwise: rowwise scales would need the gathered weight.
 
 Why torchao and not hand-written: its ``Float8Linear`` is the kernel TorchTitan trains with
 (scaling, the e4m3/e5m2 split, the autograd of the casts); Loom only chooses which layers convert
@@ -102,23 +119,38 @@ def converts(fqn: str, module: nn.Module) -> bool:
         module.out_features % KERNEL_MULTIPLE == 0
 
 
-def apply_fp8(model: nn.Module, recipe: str, *, emulate: bool = False) -> int:
+def apply_fp8(model: nn.Module, recipe: str, *, emulate: bool = False,
+              fsdp_float8_all_gather: bool = False) -> int:
     """Convert ``model``'s eligible linear layers (``converts``) in place to torchao's
-    ``Float8Linear`` with ``recipe``; returns how many were converted (0 for ``none``)."""
+    ``Float8Linear`` with ``recipe``; returns how many were converted (0 for ``none``).
+    ``fsdp_float8_all_gather``: their weights become torchao's float8-castable tensors, which
+    FSDP2 (applied afterwards) gathers in float8 (``tensorwise`` only)."""
     if recipe == "none":
         return 0
     if recipe not in RECIPES:
         raise ValueError(f"train.fp8 = {recipe!r}: one of {', '.join(RECIPES)}")
+    if fsdp_float8_all_gather and recipe != "tensorwise":
+        raise ValueError(f"train.fp8_all_gather needs train.fp8 = tensorwise, not {recipe!r}")
     # torchao is an optional extra, imported only by runs that ask for FP8
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,
+                                 enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
     chosen = {fqn for fqn, module in model.named_modules() if converts(fqn, module)}
     convert_to_float8_training(model, config=config,
                                module_filter_fn=lambda module, fqn: fqn in chosen)
     return len(chosen)
 
 
+def precompute_all_gather_scales(model: nn.Module) -> None:
+    """Every float8-gathered weight's scale (``apply_fp8(..., fsdp_float8_all_gather=True)``
+    under FSDP2) from its current sharded values, in one all-reduce of all their amaxes; call
+    on every rank of the shard group, with the parameters sharded (between steps)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
+
+
 __all__ = ["RECIPES", "FP8_CAPABILITY", "apply_fp8", "converts", "device_refusal",
-           "missing_fp8_matmuls",
+           "missing_fp8_matmuls", "precompute_all_gather_scales",
            "torchao_available"]

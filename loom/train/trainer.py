@@ -57,6 +57,7 @@ from loom.parallel.context import CPLayout, new_cp_groups, shard_documents, shar
 from loom.parallel.context_documents import take_shard
 from loom.parallel.zeppelin_cp import model_token_costs, zeppelin_shard_indices
 from loom.parallel.expert import reduce_gradients, sequence_shard_lengths
+from loom.parallel.fp8 import precompute_all_gather_scales
 from loom.parallel.load import load_local_shards
 from loom.parallel.mixed_precision import master_window
 from loom.parallel.offload import activation_offload, plan_offload
@@ -354,6 +355,10 @@ class Trainer:
         each microbatch's mean divided by their number; for packed rows each microbatch's sum
         over its real tokens, divided by the step's real tokens (all ranks) and multiplied by
         the ranks the mean is over, so padding and uneven documents weigh nothing."""
+        if self.config.train.fp8_all_gather:
+            # the float8 gathers' scales from the weights as they are now (one all-reduce): also
+            # right after an optimizer, outer or checkpoint step, and for evaluation
+            precompute_all_gather_scales(self.model)
         if isinstance(batch, VarlenBatch):
             return self._run_varlen(batch, training=training)
         if isinstance(batch, DocumentBatch):  # cp: this rank's part of every document

@@ -119,6 +119,26 @@ def test_fp8_layout_matches_one_process(dist, small_data_dir, reference, layout)
             assert result[key] == pytest.approx(reference[key], rel=RTOL_LATER), (label, key)
 
 
+def test_the_float8_all_gather_gives_zero3s_result(dist, small_data_dir, reference):
+    """``train.fp8_all_gather``: ZeRO-3 casts each shard to float8 with the whole weight's scale
+    (the shards' amaxes all-reduced: at the gather on step 1, precomputed before the forward
+    later) and gathers the float8 bytes (gloo carries FSDP2's packed byte buffer). That is the
+    float8 weight the matmul casts after an fp32 gather, element for element, so every step
+    equals ZeRO-3's at fp32's tolerances (measured: bit-identical); a scale left from an earlier
+    step would move the casts. And, as every layout, one process's first step."""
+    zero3 = {"dp_shard": 2, "zero_stage": 3}
+    gathered = dist.run(2, record_training, layout_config(FP8, 2, **zero3), small_data_dir,
+                        STEPS)[0]
+    float8 = layout_config({**FP8, "train.fp8_all_gather": True}, 2, **zero3)
+    for rank, result in enumerate(dist.run(2, record_training, float8, small_data_dir, STEPS)):
+        label = f"fp8 all-gather zero3-dp2 rank {rank}"
+        assert_parity(gathered, result, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=label)
+        assert_parity(reference, result, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=label,
+                      steps=range(1))
+        for key in ("loss", "grad_norm"):
+            assert result[key] == pytest.approx(reference[key], rel=RTOL_LATER), (label, key)
+
+
 def test_rowwise_fp8_under_tensor_and_sequence_parallelism_matches_one_process(
         dist, small_data_dir):
     """Per-row scales of a sharded weight or a sequence-sharded input are reduced over the tp

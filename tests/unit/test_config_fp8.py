@@ -67,6 +67,25 @@ def test_context_parallelism_takes_only_the_per_token_recipe(recipe):
                           "parallel.cp": 2}).parallel.cp == 2
 
 
+@needs_torchao
+def test_the_float8_all_gather_takes_tensorwise_under_zero3_only():
+    """``train.fp8_all_gather`` is ZeRO-3's (FSDP2's) gather of the weights cast with one scale
+    per tensor: torchao builds it for tensorwise only, and without sharded weights there is no
+    gather (TorchTitan's rule: dp_shard > 1)."""
+    zero3 = {"train.fp8": "tensorwise", "train.fp8_emulate": True, "train.fp8_all_gather": True,
+             "parallel.dp_shard": 2, "parallel.zero_stage": 3}
+    assert resolved(2, **zero3).train.fp8_all_gather
+    cases = [(2, {"train.fp8": "rowwise"}, "tensorwise"),
+             (2, {"train.fp8": "none", "train.fp8_emulate": False}, "tensorwise"),
+             (2, {"parallel.zero_stage": 1}, "zero_stage = 3"),
+             (2, {"parallel.dp_shard": 1, "parallel.dp_replicate": 2}, "dp_shard > 1"),
+             (4, {"parallel.tp": 2}, "tp = 2"),
+             (2, {"train.offload_optimizer": True}, "offload_optimizer")]
+    for world, change, rule in cases:
+        err = refusal(world, **{**zero3, **change})
+        assert err.field_name == "train.fp8_all_gather" and rule in str(err), (change, err)
+
+
 def test_the_blocks_linears_convert_but_not_the_head_the_router_or_odd_shapes():
     model = Transformer(PRESETS["tiny-moe"])
     chosen = {name for name, module in model.named_modules() if converts(name, module)}
