@@ -64,3 +64,31 @@ def test_state_dict_and_repr_are_torchs():
     assert ours.state_dict().keys() == reference.state_dict().keys()
     assert repr(ours) == repr(reference)
     assert isinstance(ours, nn.RMSNorm)
+
+
+
+def test_compiled_it_is_torchs_rms_norm():
+    """Inside ``torch.compile`` the module is ``F.rms_norm``: inductor on CUDA gave the Function's
+    weight a zero gradient (measured on an H100, torch 2.11; tests/gpu), so a compiled block must
+    not trace it. The graph dynamo captures holds torch's rms_norm and no autograd Function, and
+    the compiled module's gradients are the eager ones."""
+    graphs = []
+
+    def capture(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    _, ours = _pair(torch.float32)
+    x = torch.randn(2, 5, 64)
+    eager_x, compiled_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ours(eager_x).square().sum().backward()
+    eager_grads = (eager_x.grad, ours.weight.grad.clone())
+    ours.weight.grad = None
+    torch._dynamo.reset()
+    torch.compile(ours, backend=capture, fullgraph=True)(compiled_x).square().sum().backward()
+    calls = [str(node.target) for graph in graphs for node in graph.graph.nodes
+             if node.op == "call_function"]
+    assert any("rms_norm" in call for call in calls), calls
+    assert not any("autograd_function" in call for call in calls), calls
+    torch.testing.assert_close((compiled_x.grad, ours.weight.grad), eager_grads,
+                               rtol=1e-5, atol=1e-6)
