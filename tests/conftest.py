@@ -34,6 +34,23 @@ def load_bench(name: str) -> ModuleType:
     return module
 
 
+def matrix(cases, ci: list) -> list:
+    """``cases`` for ``pytest.mark.parametrize`` with every case not in ``ci`` marked ``matrix``.
+
+    The parity matrices cross every axis with every other; CI (a 25-minute budget on 2 cores)
+    runs the cases in ``ci``, chosen so that each axis, each ZeRO stage and each pair the
+    feature composes with still runs at least once, and ``python -m pytest -m matrix`` runs the
+    rest. A case is a value or a tuple of the parametrized arguments."""
+    cases = list(cases)
+    unknown = [case for case in ci if case not in cases]
+    if unknown:
+        raise ValueError(f"matrix: CI cases {unknown} are not among the cases")
+    return [case if case in ci else
+            pytest.param(*(case if isinstance(case, tuple) else (case,)),
+                         marks=pytest.mark.matrix)
+            for case in cases]
+
+
 @pytest.fixture(scope="session")
 def dist():
     registry = PoolRegistry(pg_timeout_s=120.0)  # short enough to fail fast, long enough for a loaded 2-core box

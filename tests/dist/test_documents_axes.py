@@ -39,6 +39,7 @@ from loom.data.varlen import VarlenBatch
 from loom.models.moe import MoEFeedForward
 from loom.testing.parity import assert_parity, layout_config, record_training
 from loom.train.trainer import Trainer
+from tests.conftest import matrix
 from tests.data_fixtures import prepared_documents
 
 STEPS = 2
@@ -105,8 +106,14 @@ def references(dist, short_documents):
     return get
 
 
+# CI: every layout under one of the two packings (matrix: the other)
+VARLEN_IN_CI = {"tp2-sp", "selective", "moe-ep2", "moe-capacity-dp2", "moe-pp2"}
+
+
 @pytest.mark.parametrize("layout,packing", [
-    pytest.param(*case, marks=pytest.mark.slow) if case[0] in SLOW else case for case in CASES])
+    pytest.param(*case, marks=pytest.mark.slow) if case[0] in SLOW else case
+    for case in matrix(CASES, ci=[(layout, "varlen" if layout in VARLEN_IN_CI else "pack")
+                                  for layout in LAYOUTS])])
 def test_documents_on_the_axis_match_one_process(dist, short_documents, references, layout,
                                                  packing):
     model, world, degrees, extra = LAYOUTS[layout]

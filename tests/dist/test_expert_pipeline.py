@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import matrix
 from tests.dist.test_expert_tp import ROUTING, assert_layout_matches, references  # noqa: F401
 
 LAYOUTS = {  # name: (world, degrees, extra overrides)
@@ -35,7 +36,10 @@ CASES = [(layout, "dropless") for layout in LAYOUTS] + [("pp2-ep2-1f1b", "capaci
                                                          ("pp2-tp2-sp-1f1b", "capacity-1.0")]
 
 
-@pytest.mark.parametrize("layout, routing", CASES, ids=[f"{a}-{b}" for a, b in CASES])
+@pytest.mark.parametrize("layout, routing", matrix(CASES, ci=[
+    ("pp2-zbv", "dropless"), ("pp2-ep2-1f1b", "dropless"), ("pp2-tp2-sp-1f1b", "dropless"),
+    ("pp2-ep2-tp2-1f1b", "dropless"), ("pp2-ep2-1f1b", "capacity-1.0")]),
+    ids=[f"{a}-{b}" for a, b in CASES])
 def test_moe_pipeline_trainer_matches_one_process(dist, small_data_dir, references, layout,
                                                   routing):
     world, degrees, extra = LAYOUTS[layout]

@@ -25,7 +25,7 @@ from loom.parallel.comm import CommLedger
 from loom.parallel.tensor import TensorParallel, apply_tensor_parallel
 from loom.testing.parity import assert_parity, layout_config, record_training
 from loom.topology import RankGrid, build_mesh
-from tests.conftest import SMALL_DATA_OVERRIDES
+from tests.conftest import SMALL_DATA_OVERRIDES, matrix
 from tests.dist.test_tensor_parallel import expected_tp_volume
 
 STEPS = 3
@@ -75,7 +75,9 @@ def assert_layout_matches(dist, data_dir: str, reference: dict, world: int, degr
     assert reference["loss"][-1] < reference["loss"][0]  # the runs really train
 
 
-@pytest.mark.parametrize("layout, routing", CASES, ids=[f"{a}-{b}" for a, b in CASES])
+@pytest.mark.parametrize("layout, routing", matrix(CASES, ci=[
+    ("tp2", "dropless"), ("ep2-tp2-sp", "dropless"), ("ep2-tp2-dp2", "dropless"),
+    ("ep2-tp2", "capacity-1.0")]), ids=[f"{a}-{b}" for a, b in CASES])
 def test_moe_tensor_parallel_trainer_matches_one_process(dist, small_data_dir, references,
                                                          layout, routing):
     world, degrees, extra = LAYOUTS[layout]

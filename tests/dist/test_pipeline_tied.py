@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from loom.testing.parity import layout_config
-from tests.conftest import SMALL_DATA_OVERRIDES
+from tests.conftest import SMALL_DATA_OVERRIDES, matrix
 from tests.dist.test_pipeline_parity import check, record_pipeline, reference_runs
 
 STEPS = 4
@@ -73,7 +73,8 @@ def references(dist, small_data_dir, tmp_path_factory):
                           STEPS)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", matrix(LAYOUTS, ci=[name for name in LAYOUTS
+                                                       if name != "1f1b-tp2-vocab"]))
 def test_tied_pipeline_matches_one_process(dist, small_data_dir, references, tmp_path, layout):
     import torch
 

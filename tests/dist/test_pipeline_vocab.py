@@ -32,6 +32,7 @@ from __future__ import annotations
 import pytest
 
 from loom.testing.parity import layout_config
+from tests.conftest import matrix
 from tests.dist.test_pipeline_parity import BASE, STEPS, check, record_pipeline, reference_runs
 
 VOCAB = {**BASE, "parallel.vocab_parallel_pp": True}
@@ -67,7 +68,9 @@ def vocab_rows(trainer) -> dict:
                             if name.startswith(("tok_embeddings", "output"))]}
 
 
-@pytest.mark.parametrize("schedule, pp, microbatches, tied, dp", CASES,
+@pytest.mark.parametrize("schedule, pp, microbatches, tied, dp", matrix(CASES, ci=[
+    ("1f1b", 4, 5, False, 1), ("1f1b", 2, 5, True, 1), ("interleaved_1f1b", 2, 4, False, 1),
+    ("zbv", 4, 8, True, 1), ("v_half", 2, 4, False, 1), ("1f1b", 2, 4, True, 2)]),
                          ids=[f"{s}-p{p}-m{m}{'-tied' if t else ''}{f'-dp{d}' if d > 1 else ''}"
                               for s, p, m, t, d in CASES])
 def test_vocab_parallel_pipeline_matches_one_process(dist, small_data_dir, references, tmp_path,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import pytest
 
 from loom.testing.parity import layout_config
+from tests.conftest import matrix
 from tests.dist.test_pipeline_parity import STEPS, check, record_pipeline
 from tests.dist.test_pipeline_vocab import VOCAB, references  # noqa: F401  (the fixture)
 
@@ -54,7 +55,9 @@ def vocab_shard(trainer) -> dict:
                             if name.startswith(("tok_embeddings", "output"))]}
 
 
-@pytest.mark.parametrize("schedule, microbatches, tied, dp", CASES,
+@pytest.mark.parametrize("schedule, microbatches, tied, dp",
+                         matrix(CASES, ci=[("1f1b", 4, True, 1), ("zbv", 4, False, 1),
+                                           ("1f1b", 4, False, 2)]),
                          ids=[f"{s}-m{m}{'-tied' if t else ''}{f'-dp{d}' if d > 1 else ''}"
                               for s, m, t, d in CASES])
 def test_vocab_parallel_pipeline_with_tp_matches_one_process(dist, small_data_dir, references,
@@ -86,7 +89,7 @@ def test_vocab_parallel_pipeline_with_tp_matches_one_process(dist, small_data_di
 SP_CASES = [("1f1b", False), ("1f1b", True)]
 
 
-@pytest.mark.parametrize("schedule, tied", SP_CASES,
+@pytest.mark.parametrize("schedule, tied", matrix(SP_CASES, ci=[("1f1b", True)]),
                          ids=[f"{s}{'-tied' if t else ''}" for s, t in SP_CASES])
 def test_vocab_parallel_pipeline_with_sequence_parallel_matches_one_process(
         dist, small_data_dir, references, tmp_path, schedule, tied):

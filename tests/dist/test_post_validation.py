@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from loom.testing.parity import assert_parity, layout_config
-from tests.conftest import SMALL_DATA_OVERRIDES
+from tests.conftest import SMALL_DATA_OVERRIDES, matrix
 
 STEPS = 5
 CLIP = 2.75  # one process's norms (debug preset, this data): ~2.66, 3.3, 2.65, 2.8, 2.4
@@ -154,7 +154,8 @@ def _run(dist, data_dir: str, layout: str, *, post: bool, poison_step: int = 0,
     return dist.run(world, record, config, data_dir, STEPS, poison_step)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", matrix(LAYOUTS, ci=[name for name in LAYOUTS
+                                                       if name != "pp2xdp2-1f1b"]))
 def test_post_validation_equals_the_synchronous_step_bit_for_bit(dist, small_data_dir,
                                                                  one_process, layout):
     sync = _run(dist, small_data_dir, layout, post=False)

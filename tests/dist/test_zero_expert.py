@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 
 from loom.testing.parity import assert_parity, layout_config, record_training
-from tests.conftest import SMALL_DATA_OVERRIDES
+from tests.conftest import SMALL_DATA_OVERRIDES, matrix
 from tests.dist.test_zero import ATOL, ATOL_FIRST, RTOL, RTOL_FIRST
 
 STEPS = 5
@@ -60,8 +60,9 @@ def check(reference: dict, results: list, label: str) -> None:
         assert_parity(reference, result, rtol=RTOL, atol=ATOL, label=where)
 
 
-@pytest.mark.parametrize("routing", list(ROUTING))
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout, routing", matrix(
+    [(layout, routing) for routing in ROUTING for layout in LAYOUTS],
+    ci=[(layout, "dropless") for layout in LAYOUTS] + [("zero3-dp2-ep2", "capacity-1.0")]))
 def test_zero_with_experts_matches_one_process(dist, small_data_dir, references, layout,
                                                routing):
     world, parallel = LAYOUTS[layout]
@@ -70,7 +71,7 @@ def test_zero_with_experts_matches_one_process(dist, small_data_dir, references,
           f"{layout} {routing}")
 
 
-@pytest.mark.parametrize("layout", list(HSDP))
+@pytest.mark.parametrize("layout", matrix(HSDP, ci=["zero2-hsdp-2x2-ep2"]))
 def test_hsdp_with_experts_matches_one_process(dist, small_data_dir, layout):
     """8 data-parallel ranks: one sequence per rank, so one-sequence microbatches (for the
     reference too)."""
@@ -104,7 +105,9 @@ COMPOSED = {  # name -> (world size, parallel settings): ZeRO of an MoE model wi
 }
 
 
-@pytest.mark.parametrize("layout", list(COMPOSED))
+@pytest.mark.parametrize("layout", matrix(COMPOSED, ci=[
+    "zero3-dp2-tp2", "zero2-dp2-cp2-ring", "zero3-dp2-cp2-ulysses", "zero2-pp2-dp2-zbv",
+    "zero3-pp2-dp2-ep2-1f1b"]))
 def test_zero_with_experts_composed_matches_one_process(dist, small_data_dir, references,
                                                         layout):
     world, parallel = COMPOSED[layout]
@@ -132,8 +135,9 @@ def ckpt_config(layout: str) -> tuple[int, dict]:
     return world, layout_config(CKPT_BASE, world, **parallel)
 
 
-@pytest.mark.parametrize("layout", ["zero2-dp2-ep2", "zero3-dp2-ep2", "zero1-dp2",
-                                    "zero1-dp2-ep2-tp2"])
+@pytest.mark.parametrize("layout", matrix(["zero2-dp2-ep2", "zero3-dp2-ep2", "zero1-dp2",
+                                           "zero1-dp2-ep2-tp2"],
+                                          ci=["zero2-dp2-ep2"]))
 def test_zero_with_experts_resumes_bit_exact(dist, small_data_dir, tmp_path, layout):
     from tests.dist.test_checkpoint_resume import check_resume
 
@@ -141,7 +145,7 @@ def test_zero_with_experts_resumes_bit_exact(dist, small_data_dir, tmp_path, lay
     check_resume(dist, small_data_dir, tmp_path, world, config, layout)
 
 
-@pytest.mark.parametrize("source, target", [("zero1-dp2-ep2", "single"),
+@pytest.mark.parametrize("source, target", matrix([("zero1-dp2-ep2", "single"),
                                             ("single", "zero2-dp2-ep2"),
                                             ("zero3-dp2-ep2", "single"),
                                             ("single", "zero3-dp2-ep2"),
@@ -151,7 +155,11 @@ def test_zero_with_experts_resumes_bit_exact(dist, small_data_dir, tmp_path, lay
                                             ("zero3-dp2", "zero1-dp2-ep2"),
                                             ("zero2-pp2-dp2-ep2-1f1b", "single"),
                                             ("zero1-dp2-ep2-tp2", "zero3-dp2-ep2"),
-                                            ("zero3-dp2-ep2-tp2", "zero1-dp2-ep2")])
+                                            ("zero3-dp2-ep2-tp2", "zero1-dp2-ep2")],
+                                                   ci=[("zero1-dp2-ep2", "single"),
+                                                       ("single", "zero3-dp2-ep2"),
+                                                       ("zero2-dp2-ep2", "zero3-dp2-ep2"),
+                                                       ("zero3-dp2", "zero1-dp2-ep2")]))
 def test_zero_with_experts_checkpoint_reshards(dist, small_data_dir, tmp_path, source, target):
     from tests.dist.test_checkpoint_resume import check_reshard
 
