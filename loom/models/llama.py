@@ -76,6 +76,10 @@ class Transformer(nn.Module):
     (``loom.models.document_attention``), and RoPE takes ``positions`` ``[B, S]``, which restart
     at 0 at each document (derived from the ids when not given). Without ``document_ids`` the
     model is the plain causal one, unchanged.
+
+    ``head_in_vocab_shards`` is False here; a vocabulary-parallel pipeline
+    (``loom.pipeline.stage.build_stages``) sets it True on the last stage, whose head then runs as
+    the pipeline's vocabulary shards and whose ``output`` is an ``nn.Identity``.
     """
 
     def __init__(
@@ -95,6 +99,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if with_head else None
         if args.tie_embeddings and with_embedding and with_head:
             self.output.weight = self.tok_embeddings.weight
+        self.head_in_vocab_shards = False
         # RoPE tables are derived data, not state: rebuilt by reset_parameters after meta init.
         cos, sin = rope_tables_for(args)
         self.register_buffer("rope_cos", cos, persistent=False)

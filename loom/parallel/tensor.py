@@ -185,13 +185,14 @@ def _ends_plan(model: nn.Module, sp: bool, vp: bool) -> dict[str, object]:
         if vp:  # logits stay [B, S, V/t], a DTensor the loss recognises
             plan["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
                                              use_local_output=False)
-        elif sp and not isinstance(model.output, nn.Identity):
+        elif sp and not model.head_in_vocab_shards:
             plan["output"] = PrepareModuleInput(input_layouts=(Shard(1),),
                                                 desired_input_layouts=(Replicate(),),
                                                 use_local_output=True)
     # a pipeline stage receives its local sequence shard: ``_receive_sequence_shard``
-    # (an Identity head is vocab_pipeline's last stage: its shards gather X themselves)
-    if sp and (model.output is None or isinstance(model.output, nn.Identity)):
+    # (a head in the vocabulary shards -- vocab_pipeline's last stage, output an Identity -- does
+    # too: its shards gather X themselves)
+    if sp and (model.output is None or model.head_in_vocab_shards):
         # ... and sends its local shard (b*s*h/t per microbatch)
         plan["__output__"] = PrepareModuleOutput(output_layouts=Shard(1),
                                                  desired_output_layouts=Shard(1),

@@ -402,6 +402,7 @@ def build_stages(args: TransformerArgs, schedule: Schedule, layers: Sequence[ran
                              with_head=schedule.is_last(index))
         if vocab and module.output is not None:
             module.output = nn.Identity()  # before any memory: the head rows are the shards'
+            module.head_in_vocab_shards = True
         module.to_empty(device=device)
         reset_parameters(module, seed)  # a tied head starts as the embedding (seeded_name)
         stages[index] = PipelineStage(index, length, module, autocast, vocab_parallel=vocab)
