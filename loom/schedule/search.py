@@ -45,19 +45,8 @@ d. local improvement of the best orders, seeds included (small sizes only): swap
 e. a patient forward-backward pass (``_PATIENT``) with its own effort, ``effort / 4`` on top:
    ranks wait briefly for urgent inputs, except the last few, which lowers the Zero Bubble idle
    at the same makespan. It runs last, so everything before it is what it would be without it.
-f. only with ``offload=True`` (PipeOffload, ``loom.schedule.offload``), after a-e, which it
-   leaves as they are: the family seeds (all of them up to ``SCREEN_PP`` ranks; above, the
-   ``OFFLOAD_SCREENED`` best of the screen run with no limit) whose peak is over the limit are
-   replayed without it, and the ``OFFLOAD_CANDIDATES`` fastest whose makespan beats a-e's winner
-   get ``insert_offload(seed, limit)``'s transfers and are priced with ``simulate_offload``
-   (compute plus copy streams on ``costs.host_bandwidth`` / ``host_unit_bytes``; unpriced, the
-   copies take no time), fastest first, stopping at the first that cannot beat the best priced
-   one. One wins only with a makespan shorter than a-e's winner by more than float noise: a tie
-   keeps the schedule without transfers. Only seeds, not the inner sweeps'
-   candidates: those are built under the limit (they never go over it), and pricing transfers
-   costs a full simulation each. Offloading never shortens a schedule (the compute order stays,
-   the copies only add waits), so a seed no faster than a-e's winner without its transfers is
-   not priced at all, and a slow host link costs a few simulations, not a different answer.
+f. only with ``offload=True``: PipeOffload after a-e, which it leaves as they are
+   (``loom.schedule.search_offload``).
 
 Why hand-written: no library does pipeline-schedule search. torch.distributed.pipelining ships
 fixed families and a CSV loader; the Zero Bubble authors' ILP/heuristic lives inside their
@@ -83,10 +72,10 @@ import itertools
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from loom.schedule.ir import Op, Schedule, looped_placement, v_placement
+from loom.schedule.ir import Schedule, looped_placement, v_placement
 from loom.schedule.families import SEARCH_PLACEMENTS, get, names
 from loom.schedule.families.zero_bubble import interleaved_zb
 from loom.schedule.replay import (EPS, B, F, I, W, Costs, Row, Score, decode, encode, peak_units,
@@ -96,9 +85,10 @@ from loom.schedule.search_local import improve
 from loom.schedule.search_loop import Asap
 from loom.schedule.search_priority import priority_schedule
 from loom.schedule.search_reverse import ReverseKnobs, reverse_schedule
-from loom.schedule.cost import OpCosts, StageCosts, full_stage_costs
-from loom.schedule.offload import count_transfers, insert_offload, offload_peak, simulate_offload
-from loom.schedule.simulate import SimResult, simulate
+from loom.schedule.cost import StageCosts, full_stage_costs
+from loom.schedule.search_offload import with_offload
+from loom.schedule.search_types import Candidate, Place, SearchResult
+from loom.schedule.simulate import simulate
 
 PLACEMENTS = SEARCH_PLACEMENTS  # what ``placement`` pins: looped (v=1), interleaved (v=2), v (V)
 PINNED = {"looped": ("looped", 1), "interleaved": ("interleaved", 2), "v": ("v", 2)}
@@ -108,58 +98,11 @@ DEFAULT_EFFORT = 500_000  # simulated actions over all candidates (p=32, m=256: 
 LOCAL_MAX_ACTIONS = 5_000  # local improvement only below this size: each try replays everything
 SCREEN_PP = 8  # above this many ranks the seeds are ranked on a copy with this many first
 MIN_SEEDS = 1  # family seeds priced exactly however little effort is left: the screen's best
-OFFLOAD_CANDIDATES = 4  # step f: the fastest seeds over the limit whose offloaded versions are
-# simulated with their transfers (each a full ``simulate_offload``)
 OFFLOAD_SCREENED = 12  # step f above SCREEN_PP ranks: seeds built at full size, best screened
-
-Place = tuple[str, int]  # (placement kind, stages per rank): ("interleaved", 4), ("v", 2), ...
 
 
 class SearchError(ValueError):
     """The search cannot run with these inputs (the message names the argument and the rule)."""
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One ranked candidate: where it came from and its replayed makespan and peak memory."""
-
-    label: str
-    placement: str  # looped, interleaved, v or wave (``Place``'s kind)
-    makespan: float
-    peak: float
-    idle_zb: float = 0.0  # idle time inside the longest rank span (``SimResult.bubble_time_zb``)
-    chunks: int = 1  # stages per rank
-
-    @property
-    def place(self) -> Place:
-        return (self.placement, self.chunks)
-
-
-@dataclass(frozen=True)
-class SearchResult:
-    """The best schedule, its reference simulation, and what the search looked at."""
-
-    schedule: Schedule
-    sim_result: SimResult
-    costs: StageCosts  # the placement-scaled costs ``sim_result`` was simulated with
-    memory_limit: float
-    candidates_tried: int
-    best: Candidate
-    leaderboard: tuple[Candidate, ...] = field(default=())  # the best few, best first
-
-    def summary(self) -> dict:
-        return {
-            "schedule": self.schedule.name,
-            "placement": self.best.placement,
-            "chunks": self.best.chunks,
-            "memory_limit": self.memory_limit,
-            "candidates_tried": self.candidates_tried,
-            **self.sim_result.summary(),
-            "leaderboard": [dataclasses.asdict(c) for c in self.leaderboard],
-            # PipeOffload's transfers (``search(..., offload=True)``), when the winner has any
-            **({"offloads": sum(n for (_, op), n in count_transfers(self.schedule).items()
-                                if op is Op.O)} if self.schedule.has_transfers else {}),
-        }
 
 
 def places(pp: int, placement: str = "any", max_chunks: int = MAX_CHUNKS) -> list[Place]:
@@ -381,84 +324,13 @@ def search(
         best=best,
         leaderboard=tuple(c for c, _ in pool.best(5)),
     )
-    return _with_offload(found, problem, allowed, budget) if offload else found
-
-
-def _with_offload(found: SearchResult, problem: _Problem, allowed: list[Place],
-                  budget: _Budget) -> SearchResult:
-    """Step f (``offload=True``, see the module docstring): ``found``, steps a-e's winner, or
-    the fastest of the few fastest seeds over its limit once ``insert_offload`` has made them fit
-    and ``simulate_offload`` has priced their transfers, when that is shorter."""
-    limit = found.memory_limit
+    if not offload:
+        return found
     seeds: list[_Seed] = [seed for seed in _seed_list(allowed) if isinstance(seed, _FamilySeed)]
-    if problem.pp > SCREEN_PP:  # building every family at full size costs more than the rest
+    if pp > SCREEN_PP:  # building every family at full size costs more than the rest
         seeds = _screened(seeds, problem, allowed, float("inf"))[0][:OFFLOAD_SCREENED]
-    bar = float(found.sim_result.makespan)
-    bar -= EPS * max(1.0, bar)  # a tie keeps the schedule without transfers
-    tried = 0
-    over: list[tuple[float, int, str, Place, Schedule]] = []
-    for n, seed in enumerate(seeds):
-        if budget.late():
-            break
-        made = _made(seed, problem, allowed, limit)
-        if made is None:
-            continue
-        place, rows, peak, schedule = made
-        tried += 1
-        if peak <= limit + EPS or schedule is None:
-            continue  # it fits as it is: steps a-e weighed it
-        # offloading keeps the compute order and only adds waits: no faster than this replay
-        scored = score(rows, problem.layout(place), problem.microbatches, problem.fast(place))
-        if scored is not None and scored.makespan < bar:
-            over.append((scored.makespan, n, seed.label, place, schedule))
-    best: tuple[tuple, Candidate, Schedule, Place] | None = None
-    priced: list[Candidate] = []
-    # priced in floats, as steps a-e rank (exact fractions cost 5x at p = 16 with 8 chunks);
-    # the winner is simulated again with the exact costs, as ``search`` simulates its winner
-    floats = {place: _float_costs(problem.scaled(place)) for *_, place, _ in over}
-    for replayed, n, label, place, schedule in sorted(over, key=lambda item: item[:2])[
-            :OFFLOAD_CANDIDATES]:
-        if best is not None and replayed >= best[0][0]:
-            break  # its transfers can only lengthen it: no shorter than the best priced one
-        try:
-            offloaded = insert_offload(schedule, limit)
-        except ValueError:  # some action needs more than the limit with all else offloaded
-            continue
-        name = f"search[{label}+offload]"
-        offloaded = dataclasses.replace(offloaded, name=name)
-        sim = simulate_offload(offloaded, floats[place])
-        peak = float(max(offload_peak(offloaded)))
-        if peak > limit + EPS:
-            raise AssertionError(f"{name}: device peak {peak:g} over the limit {limit:g} (a bug "
-                                 "in insert_offload)")
-        makespan = float(sim.result.makespan)
-        candidate = Candidate(f"{label}+offload", place[0], makespan, peak,
-                              float(sim.result.bubble_time_zb), place[1])
-        priced.append(candidate)
-        key = (makespan, sum(map(len, sim.transfers)), n)
-        if makespan < bar and (best is None or key < best[0]):
-            best = (key, candidate, offloaded, place)
-    tried += len(priced)
-    if best is None:
-        return dataclasses.replace(found, candidates_tried=found.candidates_tried + tried)
-    board = list(found.leaderboard)
-    for candidate in sorted(priced, key=lambda c: c.makespan):
-        # before the first entry of steps a-e that it beats by more than float noise
-        at = next((k for k, c in enumerate(board) if candidate.makespan < c.makespan
-                   - EPS * max(1.0, c.makespan)), len(board))
-        board.insert(at, candidate)
-    _, candidate, schedule, place = best
-    result = simulate_offload(schedule, problem.scaled(place)).result
-    return SearchResult(schedule=schedule, sim_result=result, costs=problem.scaled(place),
-                        memory_limit=limit, candidates_tried=found.candidates_tried + tried,
-                        best=candidate, leaderboard=tuple(board[:5]))
-
-
-def _float_costs(costs: StageCosts) -> StageCosts:
-    """``costs`` with float durations (the host link's fields as they are)."""
-    return dataclasses.replace(costs, stages=tuple(
-        OpCosts(*(None if x is None else float(x) for x in (c.f, c.i, c.w, c.b)))
-        for c in costs.stages))
+    made = functools.partial(_made, problem=problem, allowed=allowed, limit=memory_limit)
+    return with_offload(found, seeds, made, problem, budget.late)
 
 
 def _check_complete(rows: list[Row], layout: tuple[int, ...], microbatches: int,

@@ -1,0 +1,63 @@
+"""The schedule search's result types: ``Candidate`` (one ranked schedule) and ``SearchResult``
+(the winner, its simulation and the leaderboard), with ``Place``, a placement kind and its
+stages per rank.
+
+Their own module so that the search (``loom.schedule.search``) and its PipeOffload step
+(``loom.schedule.search_offload``) both build them without importing each other;
+``loom.schedule.search`` re-exports them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from loom.schedule.ir import Op, Schedule
+from loom.schedule.cost import StageCosts
+from loom.schedule.offload import count_transfers
+from loom.schedule.simulate import SimResult
+
+Place = tuple[str, int]  # (placement kind, stages per rank): ("interleaved", 4), ("v", 2), ...
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One ranked candidate: where it came from and its replayed makespan and peak memory."""
+
+    label: str
+    placement: str  # looped, interleaved, v or wave (``Place``'s kind)
+    makespan: float
+    peak: float
+    idle_zb: float = 0.0  # idle time inside the longest rank span (``SimResult.bubble_time_zb``)
+    chunks: int = 1  # stages per rank
+
+    @property
+    def place(self) -> Place:
+        return (self.placement, self.chunks)
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The best schedule, its reference simulation, and what the search looked at."""
+
+    schedule: Schedule
+    sim_result: SimResult
+    costs: StageCosts  # the placement-scaled costs ``sim_result`` was simulated with
+    memory_limit: float
+    candidates_tried: int
+    best: Candidate
+    leaderboard: tuple[Candidate, ...] = field(default=())  # the best few, best first
+
+    def summary(self) -> dict:
+        return {
+            "schedule": self.schedule.name,
+            "placement": self.best.placement,
+            "chunks": self.best.chunks,
+            "memory_limit": self.memory_limit,
+            "candidates_tried": self.candidates_tried,
+            **self.sim_result.summary(),
+            "leaderboard": [dataclasses.asdict(c) for c in self.leaderboard],
+            # PipeOffload's transfers (``search(..., offload=True)``), when the winner has any
+            **({"offloads": sum(n for (_, op), n in count_transfers(self.schedule).items()
+                                if op is Op.O)} if self.schedule.has_transfers else {}),
+        }
