@@ -47,10 +47,11 @@ ZeRO-3's without it (bit-identical, emulated on gloo, which carries FSDP2's pack
 and with the H100's float8 GEMMs: tests/dist/test_fp8_parity.py, tests/gpu/test_gpu.py).
 Measured, the debug model at dp_shard = 2, 3 steps: 9.9 MB gathered per rank in fp32 -> 4.0 MB,
 4.9 MB in bf16 -> 3.0 MB (the embedding, head and norms still gather in their dtype). Not built
-with tp > 1 or train.offload_optimizer (not proven here). ``precompute_all_gather_scales`` computes every weight's scale in one
-all-reduce of all the amaxes before each step's forward instead of one per weight at each
-gather (TorchTitan does it after the optimizer step; before the forward it also covers weights
-changed between steps, by an outer step or a checkpoint load). Under ``train.dtype = bf16``
+with tp > 1 or train.offload_optimizer (not proven here). ``precompute_all_gather_scales``
+computes every weight's scale in one all-reduce of all the amaxes before every forward pass of
+the trainer (a step's or an evaluation's) instead of one per weight at each gather (TorchTitan
+does it after the optimizer step; before the forward it also covers weights changed between
+steps by an outer step or a checkpoint load). Under ``train.dtype = bf16``
 the shard is cast to float8 from its fp32 master instead of from the bf16 gathered copy: one
 rounding instead of two. Only tensorwise: rowwise scales would need the gathered weight.
 
