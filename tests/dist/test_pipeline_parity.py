@@ -130,7 +130,7 @@ CASES = [(family, pp, m) for family in FAMILIES for pp in (2, 4) for m in (pp, 2
 # CI runs every family at four stages with m = 2p + 1 (uneven), and the main families also with
 # m = p (the warm-up exactly fills); two stages run in
 # test_pipeline_with_data_parallel_matches_one_process
-M_EQUALS_P = ("1f1b", "interleaved_1f1b", "zbv", "dualpipev", "search")
+M_EQUALS_P = ("1f1b", "interleaved_1f1b", "zbv", "zb_h2", "search")
 
 
 @pytest.mark.parametrize("family, pp, microbatches",
