@@ -148,10 +148,36 @@ def zero2_reduction_bytes(psi: float, shard: int, *, accumulated: bool,
 
 
 def optimizer_step_bytes(psi: float, shard: int, stage: int) -> float:
-    """Transient bytes of the optimizer step: torch's foreach AdamW allocates two temporaries the
-    size of the state it steps (the square root of the second moment, then its quotient), this
-    rank's slice under ZeRO (``stage`` > 0) and all ``psi`` parameters without."""
+    """Transient bytes of an unfused optimizer step: torch's foreach AdamW allocates two
+    temporaries the size of the state it steps (the square root of the second moment, then its
+    quotient), this rank's slice under ZeRO (``stage`` > 0) and all ``psi`` parameters without.
+    The fused kernel allocates none (``adamw_step_fused`` says when Loom's step is fused)."""
     return 2 * 4 * psi / (shard if stage else 1)
+
+
+# Device types with a fused AdamW kernel in torch (``_get_fused_kernels_supported_devices``; a
+# unit test checks every one is torch's); ``loom.parallel.zero.adamw_kernel`` asks torch itself
+FUSED_ADAMW_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia")
+
+
+def adamw_step_fused(device: str, *, tp: int, zero_stage: int, sequence_parallel: bool,
+                     vocab_parallel: bool, moe: bool = False, ends: bool = True,
+                     vocab_parallel_pp: bool = False) -> bool:
+    """Whether a rank's AdamW step runs torch's fused kernel, predicted from its layout:
+    ``loom.parallel.zero.adamw_kernel`` fuses a parameter list on a ``device`` type with the
+    kernel unless it mixes DTensors and plain tensors, and only tensor parallelism without ZeRO
+    (``zero_stage`` 0) gives such a list: ZeRO-1/2 step plain flat slices, FSDP2 (ZeRO-3) makes
+    every parameter a DTensor. Under tp > 1 the block's linears are DTensors, while these stay
+    plain: the norms without sequence parallelism, an MoE router (``moe``), and on a rank
+    holding the embedding or the head (``ends``) those two without ``vocab_parallel``. The
+    split embedding and head of ``vocab_parallel_pp`` are counted as mixed (an upper bound).
+    Fused, the step allocates no temporaries; otherwise ``optimizer_step_bytes``."""
+    if device != "auto" and device.split(":")[0] not in FUSED_ADAMW_DEVICES:
+        return False  # "auto" is a GPU or the CPU: both fused
+    if tp == 1 or zero_stage:
+        return True
+    return not (moe or not sequence_parallel or vocab_parallel_pp
+                or (ends and not vocab_parallel))
 
 
 def largest_parameter(m: Any, tp: int = 1, ep: int = 1, vocab_parallel: bool = True) -> float:
@@ -287,6 +313,7 @@ class StateRules:
     bucket_bytes: float | None = None
     offloaded: bool = False
     resting_grads: bool = True
+    fused_step: bool = False  # AdamW's fused kernel: no temporaries (``adamw_step_fused``)
     explain: bool = True  # write each instant's notes (the planner, pricing thousands, does not)
 
 
@@ -404,7 +431,13 @@ def rank_state_instants(psi: float, experts: float, step: RankStep, rules: State
                     yield StateInstant(params, g, optim, first, level, notes=note)
                     if not accumulated:
                         yield StateInstant(params, g, optim, packing, level, True, note)
-    # AdamW's two temporaries, the size of the fp32 state it steps (the moments', not the
-    # masters held beside them under bf16); none on the device when the state is on the host
-    yield StateInstant(params, grads, optim, 0.0 if r.offloaded else state(psi, False, False)[2],
-                       0.0, notes=("optimizer step: AdamW's two temporaries in 'transient'",))
+    # Unfused, AdamW's two temporaries, the size of the fp32 state it steps (the moments', not
+    # the masters held beside them under bf16); none on the device when the state is on the
+    # host, none from the fused kernel (elementwise, in place)
+    if r.offloaded or r.fused_step:
+        yield StateInstant(params, grads, optim, 0.0, 0.0, notes=(
+            "optimizer step: " + ("state on the host" if r.offloaded
+                                  else "fused AdamW, no temporaries"),))
+    else:
+        yield StateInstant(params, grads, optim, state(psi, False, False)[2], 0.0,
+                           notes=("optimizer step: AdamW's two temporaries in 'transient'",))

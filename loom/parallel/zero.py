@@ -471,7 +471,10 @@ def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
     parameters it holds; ``build_optimizer`` and ZeRO-1/2 both take it from here so that every
     layout runs the same kernel as the one-process reference (fused and foreach differ in the
     last bit). Not fused: a list mixing DTensor (tensor-parallel) and plain tensors, as with
-    tp > 1 and a replicated embedding, which neither multi-tensor path takes; meta tensors."""
+    tp > 1 and a replicated embedding, which neither multi-tensor path takes; meta tensors.
+    ``loom.formulas.memory.adamw_step_fused`` predicts this from the layout for the memory
+    estimator and the planner (the fused step has no temporaries); tests/dist's
+    test_fused_step_rule checks the two agree."""
     if not params:
         return {}
     kinds = {type(p).__name__ == "DTensor" for p in params}

@@ -21,8 +21,8 @@ from loom.schedule.ir import Op
 from loom.schedule.select import schedule_of
 from loom.schedule.validate import peak_memory
 from loom.schedule.vocab_passes import vocab_schedule
-from loom.formulas.memory import (StateRules, block_activation_bytes, last_microbatch,
-                                  framework_state_bytes, head_activation_bytes,
+from loom.formulas.memory import (StateRules, adamw_step_fused, block_activation_bytes,
+                                  last_microbatch, framework_state_bytes, head_activation_bytes,
                                   korthikanti_block_activation_bytes, largest_parameter,
                                   rank_state_instants, vocab_embedding_bytes, vocab_pass_bytes)
 
@@ -253,7 +253,13 @@ def _instants(model: Any, lay: Layout, psi: float, experts: float = 0.0, head: f
         held=stage == 3 and lay.pp > 1, pipelined=lay.pp > 1,
         block=max(model._layer_params(True, lay), model._layer_params(False, lay)),
         largest=4 * largest_parameter(model.model, lay.tp, lay.ep),
-        resting_grads=stage in (1, 2), explain=False)
+        resting_grads=stage in (1, 2), explain=False,
+        # the trainer's fused AdamW on the accelerator (no temporaries) where the layout allows;
+        # the rank is priced as if it held the ends (the embedding's and head's tensors)
+        fused_step=adamw_step_fused("auto", tp=lay.tp, zero_stage=stage,
+                                    sequence_parallel=lay.sequence_parallel,
+                                    vocab_parallel=lay.vocab_parallel, moe=experts > 0,
+                                    vocab_parallel_pp=lay.vocab_parallel_pp))
     worst: dict[str, dict[str, float]] = {}
     for instant in rank_state_instants(psi, experts,
                                        last_microbatch(psi, lay.microbatches > 1, head), rules):

@@ -167,13 +167,13 @@ def _stride(order: tuple[str, ...], degrees: tuple[int, ...], axes: tuple[str, .
 
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     Framework("loom", param_bytes=4, grad_bytes=4, optimizer_bytes=8, zero12_gather_bytes=4,
-              sp_shards_all=False, optimizer_temporaries=True,
+              sp_shards_all=False,  # its step: cost_memory's fused_step rule, per layout
               overlap=Overlap(tp_comm=False, param_gather=False, grad_reduce="last_backward")),
     Framework("megatron", param_bytes=2, grad_bytes=4, optimizer_bytes=12, zero12_gather_bytes=2,
               sp_shards_all=True, dropout=True,
               overlap=Overlap(tp_comm=True, param_gather=True, grad_reduce="pipeline_flush")),
     Framework("torchtitan", param_bytes=4, grad_bytes=4, optimizer_bytes=8, zero12_gather_bytes=2,
-              sp_shards_all=False, optimizer_temporaries=True, sp_keeps_gathered=True,
+              sp_shards_all=False, sp_keeps_gathered=True,  # fused AdamW by default
               overlap=Overlap(tp_comm=False, param_gather=False, grad_reduce="last_backward")),
     Framework("deepspeed", param_bytes=2, grad_bytes=4, optimizer_bytes=12, zero12_gather_bytes=2,
               sp_shards_all=True, attention_kernel="fused", dropout=True,

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from loom.cli import main
 from loom.config import load_config, resolve
+from loom.formulas.memory import FUSED_ADAMW_DEVICES, adamw_step_fused
 from loom.train.memory import (check_memory_limit, estimate_memory, layer_activation_bytes,
                                memory_instants)
 
@@ -212,16 +214,51 @@ def test_zero2_small_buckets_bound_the_packed_gradients(batch, every):
         assert all(e.gradients == PSI for e in memory_instants(cfg)[:-1])  # never full-size
 
 
-def test_optimizer_step_adds_two_temporaries_of_the_stepped_state():
-    """No activations; AdamW's sqrt and quotient of the state it steps (this rank's slice)."""
-    for stage, stepped in ((0, PSI), (1, PSI / 4), (3, PSI / 4)):
+def test_fused_optimizer_step_adds_no_temporaries():
+    """No activations, and nothing beside the state: Loom's AdamW is fused on the CPU and CUDA
+    (one elementwise kernel) for every layout whose parameters are all plain or all DTensors."""
+    for stage in (0, 1, 3):
         cfg = accumulating(stage) if stage else config(1)
         step = memory_instants(cfg)[-1]
-        assert (step.activations, step.transient) == (0, 2 * 4 * stepped)
+        assert (step.activations, step.transient) == (0, 0)
         first = memory_instants(cfg)[0]  # the first forward: the state at rest, but zero_grad
         # has freed the gradients that do not outlive the step (all but ZeRO-1/2's)
         assert (step.parameters, step.optimizer) == (first.parameters, first.optimizer)
         assert first.gradients == (step.gradients if stage in (1, 2) else 0)
+
+
+@pytest.mark.parametrize("over, fused", [
+    ({}, False),  # the norms and the ends stay plain beside DTensor linears
+    ({"parallel.sequence_parallel": "true"}, True),  # all DTensors
+    ({"parallel.sequence_parallel": "true", "parallel.vocab_parallel": "false"}, False),
+    ({"parallel.dp_shard": "2", "parallel.zero_stage": "1"}, True),  # plain flat slices
+    ({"parallel.dp_shard": "2", "parallel.zero_stage": "3"}, True),  # FSDP2: all DTensors
+])
+def test_unfused_step_adds_two_temporaries_of_the_stepped_state(over, fused):
+    """The rule (``adamw_step_fused``, ``zero.adamw_kernel``'s): a list mixing DTensors and
+    plain tensors -- tp > 1 without ZeRO, unless sequence and vocabulary parallelism make every
+    parameter a DTensor -- steps with foreach AdamW, whose square root of the second moment and
+    quotient are the size of the fp32 state it steps: 2 x 4 Ψ/d, the moments' bytes at fp32."""
+    world = 4 if "parallel.dp_shard" in over else 2
+    cfg = config(world, **{"parallel.tp": "2", "train.global_batch_size": str(2 * world),
+                           **over})
+    step = memory_instants(cfg)[-1]
+    assert step.activations == 0
+    assert step.transient == (0 if fused else step.optimizer)
+    assert step.optimizer > 0
+
+
+def test_fused_step_rule_by_device_and_layout():
+    """``adamw_step_fused``: torch's fused kernel exists for these device types (not for meta);
+    only tp > 1 without ZeRO can mix DTensors and plain tensors in one list."""
+    assert set(FUSED_ADAMW_DEVICES) <= set(_get_fused_kernels_supported_devices())
+    tp2 = dict(tp=2, zero_stage=0, sequence_parallel=True, vocab_parallel=True)
+    assert adamw_step_fused("cuda:3", **tp2) and adamw_step_fused("auto", **tp2)
+    assert not adamw_step_fused("meta", **{**tp2, "tp": 1})
+    assert not adamw_step_fused("cpu", **tp2, moe=True)  # the router stays plain
+    assert adamw_step_fused("cpu", **{**tp2, "vocab_parallel": False}, ends=False)  # mid stage
+    assert not adamw_step_fused("cpu", **{**tp2, "vocab_parallel": False})
+    assert adamw_step_fused("cpu", **{**tp2, "sequence_parallel": False, "zero_stage": 2})
 
 
 def test_zero3_accumulation_holds_unsharded_gradients_instead_of_shards():
