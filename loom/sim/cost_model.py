@@ -30,8 +30,9 @@ Communication, alpha-beta per link class (``Cluster.link_for``: a group inside o
 intra-node link, otherwise the inter-node one, its bandwidth divided by the rack's (and the
 spine's) oversubscription when the group spans racks (pods); n ranks, M bytes, beta = effective
 bandwidth): ring all-reduce 2(n-1)/n·M/beta + 2(n-1)·alpha, tree all-reduce 2·M/beta +
-2·log2(n)·alpha (the cheaper is used, as NCCL picks), all-gather / reduce-scatter (n-1)/n·M/beta + (n-1)·alpha,
-all-to-all (n-1)/n·M/beta + (n-1)·alpha, point-to-point alpha + M/beta. What overlaps follows
+2·log2(n)·alpha (the cheaper is used, as NCCL picks), all-gather / reduce-scatter
+(n-1)/n·M/beta + (n-1)·alpha, all-to-all (n-1)/n·M/beta + (n-1)·alpha, point-to-point alpha +
+M/beta (``loom.sim.collectives``). What overlaps follows
 Loom's runtime:
 
 * tp: two all-reduces of T·h·e forward and two backward per layer (all-gather + reduce-scatter
@@ -43,10 +44,7 @@ Loom's runtime:
   k, v and the output forward, the same backward, not overlapped; hybrid: both, at their degrees;
 * ep: dispatch and combine all-to-alls of T·top_k·h·e forward, the same backward, per MoE layer;
 * pp: one activation of T·h·e (T·h·e/t under SP) per stage boundary, as the simulator's send;
-  under vocabulary parallelism across the pipeline (``Layout.vocab_parallel_pp``) every rank
-  runs 1/p of the head as its S and T passes instead of the last stage all of it, with the
-  statistics' all-gather, X's sends and dX's parts (``vocab_pass_times``) and the split
-  embedding's messages at the step's edges;
+  vocabulary parallelism across the pipeline (``Layout.vocab_parallel_pp``) is in ``vocab_cost``;
 * data parallelism (group dp_replicate·dp_shard·ep·cp, gradients in ``grad_bytes`` per element):
   all-reduce; ZeRO-1/2 reduce-scatter + all-gather of parameters (the same 2Ψ); ZeRO-3 all-gathers
   the parameters of each layer forward and backward, per microbatch without a pipeline and once
@@ -87,7 +85,6 @@ closed forms checked against ``loom.schedule.validate.peak_memory`` in the tests
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from collections.abc import Sequence
 from typing import Any
@@ -97,9 +94,12 @@ from loom.layout import Layout
 from loom.models.args import TransformerArgs
 from loom.layout import CPLayout  # Loom's own split of cp into u x r
 from loom.schedule.cost import OpCosts, StageCosts
+from loom.sim.collectives import all_to_all_time, allreduce_time, gather_time, p2p_time
 from loom.sim.cost_memory import layout_memory
 from loom.sim.frameworks import LOOM, Framework
 from loom.sim.streams import Pieces, chunked_overlap, layer_overlap
+from loom.sim.vocab_cost import (VocabPasses, vocab_pass_times, vocab_pp, vocab_shares,
+                                 vocab_stats_time)
 
 ELEMENTWISE_PASSES = 20  # activation-sized reads + writes per layer forward (see docstring)
 # FlashAttention (v1) against FlashAttention-2, which the core's matmul rate prices: "around 2x"
@@ -510,55 +510,20 @@ class CostModel:
             ops.append((f, i, w))
         return tuple(ops)
 
-    def vocab_pass_times(self, lay: Layout) -> tuple[float, float, float, float, float]:
-        """Vocabulary parallelism across the pipeline (``parallel.vocab_parallel_pp``,
-        ``loom.parallel.vocab_pipeline``), per microbatch: (S on one rank: 1/p of the head's
-        forward; T on one rank: 1/p of its backward, input and weight gradients, with the
-        all-gather of the ``[3, N]`` fp32 softmax statistics over pp, and over tp first under
-        tp; the last stage's extra forward: X sent to the p - 1 other ranks; its extra
-        backward: the p - 1 parts of dX received (and all-reduced over tp in fp32); the
-        step's edges: the partial embeddings into the first stage and its input gradients
-        back, p - 1 messages each way per microbatch, on the first rank's link). The head's
-        matmuls and log-softmax are ``_head_times``' over V/(p·t) columns: each rank 1/p."""
-        m, c = self.model, self.cluster
-        p, t = lay.pp, lay.tp
-        tokens = lay.micro_batch * self.seq // lay.cp
-        head = self._head_times(lay)
-        pp_link = c.link_for(p, self._strides(lay)["pp"])
-        tp_link = c.link_for(t, 1)
-        stats = gather_time(4 * 3 * tokens * p, p, pp_link) + gather_time(
-            4 * 3 * tokens * t, t, tp_link)
-        activation = tokens * m.dim * self.e
-        s_pass = head[0] / p
-        t_pass = (head[1] + head[2]) / p + stats
-        x_out = (p - 1) * p2p_time(activation, pp_link)
-        dx_in = (p - 1) * p2p_time(activation, pp_link) + allreduce_time(4 * tokens * m.dim, t,
-                                                                         tp_link)
-        edges = 2 * (p - 1) * p2p_time(activation, pp_link) + allreduce_time(
-            4 * tokens * m.dim, t, tp_link)
-        return s_pass, t_pass, x_out, dx_in, edges
+    def vocab_pass_times(self, lay: Layout) -> VocabPasses:
+        """Vocabulary parallelism across the pipeline, per microbatch: (S on one rank, T on one
+        rank, the last stage's extra forward, its extra backward, the step's edges), from this
+        model's head times and links (``loom.sim.vocab_cost.vocab_pass_times``)."""
+        c = self.cluster
+        return vocab_pass_times(
+            lay, self.model.dim, self.seq, self.e, self._head_times(lay),
+            c.link_for(lay.pp, self._strides(lay)["pp"]), c.link_for(lay.tp, 1))
 
     def _vocab_shares(self, lay: Layout, owned: Sequence[Sequence[int]]
                       ) -> list[tuple[float, float, float]]:
-        """Per global stage, the (F, I, W) seconds its rank's vocabulary passes add: S with the
-        forwards, T's input-gradient half and the statistics with the input gradients, its
-        weight-gradient half with the weight gradients, split evenly over the rank's stages
-        (the schedule inserts S and T where they overlap the barriers: ``loom.schedule.
-        vocab_passes``, within 4.3% of the work spread evenly); the last stage adds sending X
-        to its F and receiving the parts of dX to its I."""
-        s_pass, t_pass, x_out, dx_in, _ = self.vocab_pass_times(lay)
-        head = self._head_times(lay)
-        weight = head[2] / lay.pp
-        last = sum(len(own) for own in owned) - 1
-        shares: list[tuple[float, float, float]] = [(0.0, 0.0, 0.0)] * (last + 1)
-        for own in owned:
-            v = len(own)
-            for s in own:
-                f, i, w = s_pass / v, (t_pass - weight) / v, weight / v
-                if s == last:
-                    f, i = f + x_out, i + dx_in
-                shares[s] = (f, i, w)
-        return shares
+        """Per global stage, the (F, I, W) seconds its rank's vocabulary passes add
+        (``loom.sim.vocab_cost.vocab_shares``)."""
+        return vocab_shares(lay.pp, owned, self.vocab_pass_times(lay), self._head_times(lay))
 
     def evaluate(self, lay: Layout, memory: dict[str, float] | None = None) -> StepCost:
         """Price ``lay`` (``memory``: its ``self.memory(lay)`` when already computed). The
@@ -583,9 +548,10 @@ class CostModel:
             pipeline = pipeline_estimate(lay, ops, busiest, send, self.contention)
             comm["pp"] = 2 * send * per_rank_mb * lay.pp * lay.chunks
             if vocab_pp(lay):  # the split embedding's messages at the step's edges, exposed
-                s_pass, t_pass, x_out, dx_in, edges = self.vocab_pass_times(lay)
+                passes = self.vocab_pass_times(lay)
+                s_pass, t_pass, x_out, dx_in, edges = passes
                 pipeline += edges * lay.microbatches
-                stats = t_pass - sum(self._head_times(lay)[1:]) / lay.pp
+                stats = vocab_stats_time(passes, self._head_times(lay), lay.pp)
                 comm["pp_vocab"] = (edges + stats + x_out + dx_in) * lay.microbatches
         else:
             pipeline = compute
@@ -771,15 +737,7 @@ class CostModel:
         return layout_memory(self, lay, total_only=True)
 
 
-__all__ = ["CostModel", "StepCost"]
-
-
-# -- the wrappers a layout runs through, and the collectives' alpha-beta times ------------------
-def vocab_pp(lay: Layout) -> bool:
-    """Whether ``lay`` splits the embedding and head over its pipeline's ranks."""
-    return lay.vocab_parallel_pp and lay.pp > 1
-
-
+# -- the wrappers a layout runs through (the collectives' alpha-beta times: loom.sim.collectives) -
 def wrappers(lay: Layout) -> tuple[str, ...]:
     """The parallel wrappers a layout runs its layers through, by the names the calibration
     measures their framework work under (``Gpu.framework``): "base" always (Loom's trainer with
@@ -805,29 +763,6 @@ def _add(seconds: dict[str, float], stream: str, value: float) -> None:
     """Add ``value`` seconds to ``stream``'s entry (collectives grouped by the link they use)."""
     if value > 0:
         seconds[stream] = seconds.get(stream, 0.0) + value
-
-
-def allreduce_time(nbytes: float, n: int, link) -> float:
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    beta = link.effective_bandwidth
-    ring = 2 * (n - 1) / n * nbytes / beta + 2 * (n - 1) * link.latency
-    tree = 2 * nbytes / beta + 2 * math.ceil(math.log2(n)) * link.latency
-    return min(ring, tree)
-
-
-def gather_time(nbytes: float, n: int, link) -> float:
-    """All-gather or reduce-scatter of ``nbytes`` (the full, gathered size)."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    return (n - 1) / n * nbytes / link.effective_bandwidth + (n - 1) * link.latency
-
-
-all_to_all_time = gather_time  # the same alpha-beta form: (n-1)/n of the bytes cross, n-1 steps
-
-
-def p2p_time(nbytes: float, link) -> float:
-    return link.latency + nbytes / link.effective_bandwidth
 
 
 # -- the pipeline's part of the step, in closed form (screening; finalists are simulated) -------
@@ -900,4 +835,4 @@ def search_costs(model: Any, lay: Layout) -> str:
     return f"{text},{model.send_time(lay) / unit:.3g}"
 
 
-__all__ = ["pipeline_estimate", "search_estimate", "search_costs"]
+__all__ = ["CostModel", "StepCost", "pipeline_estimate", "search_estimate", "search_costs"]
