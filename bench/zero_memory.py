@@ -87,8 +87,9 @@ def measure(ctx, table, data_dir):
     inputs, targets = trainer.loader.next_batch()
     inputs, targets, positions = trainer._shard_sequence(inputs, targets)
     micro = trainer.config.train.micro_batch_size
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), trainer._counting():
-        loss = trainer.loss_fn(model(inputs[:micro], positions=positions), targets[:micro])
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), trainer._compute_context():
+        (stage,) = trainer.pipeline.stages.values()  # pp = 1: one stage, the whole model
+        loss = trainer.loss_fn(stage.module(inputs[:micro], positions=positions), targets[:micro])
         pieces = [getattr(t, "_local_tensor", t) for t in saved]
         pieces = [t for t in pieces if _ptr(t) not in exclude and t.dtype.is_floating_point]
         act_bytes = _storages(pieces)
