@@ -59,7 +59,8 @@ def reference(dist, small_data_dir):
     return dist.run(1, record_training, layout_config(BASE, 1), small_data_dir, STEPS)[0]
 
 
-@pytest.mark.parametrize("layout", matrix(LAYOUTS, ci=[name for name in LAYOUTS if name != "tp2-sp"]))
+@pytest.mark.parametrize("layout", matrix(LAYOUTS, ci=[name for name in LAYOUTS
+                                                       if name != "tp2-sp"]))
 def test_compiled_layout_matches_eager_one_process(dist, small_data_dir, reference, layout):
     world, parallel, overrides = LAYOUTS[layout]
     config = layout_config({**COMPILED, **overrides}, world, **parallel)

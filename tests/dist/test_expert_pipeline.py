@@ -38,7 +38,7 @@ CASES = [(layout, "dropless") for layout in LAYOUTS] + [("pp2-ep2-1f1b", "capaci
 
 @pytest.mark.parametrize("layout, routing", matrix(CASES, ci=[
     ("pp2-zbv", "dropless"), ("pp2-ep2-1f1b", "dropless"), ("pp2-tp2-sp-1f1b", "dropless"),
-    ("pp2-ep2-tp2-1f1b", "dropless"), ("pp2-ep2-1f1b", "capacity-1.0")]),
+    ("pp2-ep2-1f1b", "capacity-1.0")]),
     ids=[f"{a}-{b}" for a, b in CASES])
 def test_moe_pipeline_trainer_matches_one_process(dist, small_data_dir, references, layout,
                                                   routing):

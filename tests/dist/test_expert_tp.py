@@ -76,7 +76,7 @@ def assert_layout_matches(dist, data_dir: str, reference: dict, world: int, degr
 
 
 @pytest.mark.parametrize("layout, routing", matrix(CASES, ci=[
-    ("tp2", "dropless"), ("ep2-tp2-sp", "dropless"), ("ep2-tp2-dp2", "dropless"),
+    ("tp2", "dropless"), ("ep2-tp2-sp", "dropless"),
     ("ep2-tp2", "capacity-1.0")]), ids=[f"{a}-{b}" for a, b in CASES])
 def test_moe_tensor_parallel_trainer_matches_one_process(dist, small_data_dir, references,
                                                          layout, routing):

@@ -27,7 +27,7 @@ from loom.data.loader import DistributedLoader
 from loom.testing.parity import layout_config
 from loom.train.checkpoint import CheckpointError
 from loom.train.trainer import Trainer
-from tests.conftest import SMALL_DATA_OVERRIDES
+from tests.conftest import SMALL_DATA_OVERRIDES, matrix
 
 GLOBAL_BATCH = 8
 REPLICAS = 2
@@ -320,14 +320,19 @@ def straight_and_resumed(ctx, config_table: dict, data_dir: str, run_dir: str, s
             "replica": second.replica}
 
 
-@pytest.mark.parametrize("mode, options", [
+RESUMES = [
     ("diloco", dict(outer_steps=2, outer_lr=0.7, outer_momentum=0.9)),
     ("diloco", dict(outer_steps=2, outer_lr=0.7, outer_momentum=0.9, dp_shard=2,
                     zero_stage=3)),
     ("diloco", dict(outer_steps=4, outer_lr=0.7, outer_momentum=0.9, outer_fragments=2)),
     ("noloco", dict(outer_steps=2, outer_lr=0.7, outer_momentum=0.9)),
     ("co2", dict(outer_steps=2, outer_lr=0.7, outer_momentum=0.9, co2_clip=0.01)),
-], ids=["diloco", "diloco-zero3", "diloco-streaming", "noloco", "co2"])
+]
+
+
+# matrix: ZeRO-3 inside the replicas (its resume runs in tests/dist/test_checkpoint_resume.py)
+@pytest.mark.parametrize("mode, options", matrix(RESUMES, ci=[RESUMES[i] for i in (0, 2, 3, 4)]),
+                         ids=["diloco", "diloco-zero3", "diloco-streaming", "noloco", "co2"])
 def test_checkpoint_resume_is_bit_exact(dist, small_data_dir, tmp_path, mode, options):
     # stop at 5: after outer steps have built momentum (co2: an average in flight; streaming:
     # one fragment merged since the other), in the middle of a window

@@ -102,7 +102,8 @@ def test_microbatching_does_not_change_the_step(dist, short_documents, reference
     assert_parity(reference, got, rtol=RTOL_FIRST, atol=ATOL_FIRST, label="micro 1 vs 2")
 
 
-@pytest.mark.parametrize("layout", matrix(LAYOUTS, ci=[name for name in LAYOUTS if name != "pp2-1f1b"]))
+@pytest.mark.parametrize("layout", matrix(LAYOUTS, ci=[name for name in LAYOUTS
+                                                       if name != "pp2-1f1b"]))
 def test_packed_layouts_match_one_process(dist, short_documents, reference, layout):
     data_dir, base = short_documents
     world, degrees, extra = LAYOUTS[layout]

@@ -50,7 +50,8 @@ def reference(dist, small_data_dir):
 
 
 @pytest.mark.parametrize("layout", matrix(LAYOUTS, ci=[name for name in LAYOUTS
-                                                       if name != "zero1-dp2-tp2"]))
+                                                       if name not in ("zero1-dp2-tp2",
+                                                                       "hsdp-2x2-cp2-ulysses")]))
 def test_zero_composition_matches_one_process(dist, small_data_dir, reference, layout):
     world, parallel = LAYOUTS[layout]
     config = layout_config(BASE, world, **parallel)
@@ -102,7 +103,7 @@ def plain_pp_tp(dist, small_data_dir, tmp_path_factory):
                     small_data_dir, STEPS, str(out))[0]
 
 
-@pytest.mark.parametrize("layout", matrix(PIPELINES_TP, ci=["zero3-pp2-dp2-tp2-1f1b"]))
+@pytest.mark.parametrize("layout", matrix(PIPELINES_TP, ci=[]))
 def test_zero_pipeline_with_tp_matches(dist, small_data_dir, pipe_reference, plain_pp_tp,
                                        tmp_path, layout):
     """pp2 x dp_shard2 x tp2: loss, gradient norm and every gradient of 5 steps, and the
@@ -155,7 +156,7 @@ def resume_config(layout: str) -> tuple[int, dict]:
 
 
 # tp-SP checkpoints: test_checkpoint_matrix.py's tp2-sp-dp2 target
-@pytest.mark.parametrize("layout", matrix(RESUMES, ci=["zero2-dp2-cp2-ring", "zero2-pp2-dp2-zbv"]))
+@pytest.mark.parametrize("layout", matrix(RESUMES, ci=["zero2-pp2-dp2-zbv"]))
 def test_zero_composition_resumes_bit_exact(dist, small_data_dir, tmp_path, layout):
     from tests.dist.test_checkpoint_resume import check_resume
 
