@@ -34,6 +34,7 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
+import signal
 import tempfile
 import time
 import traceback
@@ -81,6 +82,37 @@ def _worker_loop(rank: int, world_size: int, init_file: str, tasks: Any, results
         except BaseException:  # report everything, including assertion errors, to the parent
             results.put((rank, "error", traceback.format_exc(), _thread_count()))
     dist.destroy_process_group()
+
+
+def _death_note(proc: Any) -> str:
+    """How a worker ended, for the failure message: its exit code, or the signal that killed it
+    (a SIGKILL nobody sent is usually the kernel's out-of-memory killer, so the memory the
+    machine had left then is added)."""
+    code = proc.exitcode
+    if code is None:
+        return f"{proc.name} (still running)"
+    if code >= 0:
+        return f"{proc.name} (exit code {code})"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    note = f"{proc.name} (killed by {name}"
+    if -code == signal.SIGKILL:
+        note += f"; {_memory_available()} available now"
+    return note + ")"
+
+
+def _memory_available() -> str:
+    """The machine's available memory from /proc/meminfo ("unknown" where there is none)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return f"{int(line.split()[1]) / 2**20:.1f} GiB"
+    except OSError:
+        pass
+    return "unknown memory"
 
 
 def _thread_count() -> int:
@@ -148,7 +180,7 @@ class WorkerPool:
             remaining = deadline - time.monotonic()
             if any(status == "error" for status, _ in reports.values()):
                 remaining = min(remaining, 5.0)  # peers of a failed rank may never answer
-            dead = [p.name for p in self._procs if not p.is_alive()]
+            dead = [_death_note(p) for p in self._procs if not p.is_alive()]
             try:
                 rank, status, payload, threads = self._results.get(
                     timeout=max(0.05, min(remaining, 1.0)))

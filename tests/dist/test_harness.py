@@ -2,6 +2,7 @@
 pools with too many threads recycled."""
 
 import os
+import signal
 
 import pytest
 import torch
@@ -26,6 +27,14 @@ def fail_on_rank_one(ctx):
     return ctx.rank
 
 
+def die_on_rank_one(ctx, how):
+    if ctx.rank == 1:
+        if how == "exit":
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return ctx.rank
+
+
 def test_results_come_back_in_rank_order(dist):
     assert dist.run(4, rank_times, 10) == [0, 10, 20, 30]
 
@@ -38,6 +47,14 @@ def test_a_failing_rank_is_named_and_the_pool_is_replaced(dist):
     with pytest.raises(HarnessError, match=r"failed on ranks \[1\][\s\S]*boom on rank one"):
         dist.run(2, fail_on_rank_one)
     assert dist.run(2, rank_times, 1) == [0, 1]  # a fresh pool answers
+
+
+@pytest.mark.parametrize("how, note", [("exit", r"exit code 3"),
+                                       ("kill", r"killed by SIGKILL; [\d.]+ GiB available now")])
+def test_a_rank_that_dies_is_named_with_how_it_ended(dist, how, note):
+    with pytest.raises(HarnessError, match=r"processes died: \['loom-rank1 \(" + note):
+        dist.run(2, die_on_rank_one, how, task_timeout_s=30)
+    assert dist.run(2, rank_times, 1) == [0, 1]
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="threads counted in /proc")
