@@ -107,8 +107,10 @@ class ParallelConfig:
     # first and last stage, their passes placed in the schedule (loom.schedule.vocab_passes)
     vocab_parallel_pp: bool = False
     # Context parallelism (cp > 1): "ring" (zig-zag ring attention), "ulysses" (all-to-all to
-    # heads) or "hybrid" (Ulysses inside groups of cp_ulysses ranks, ring across; 0 = auto).
-    cp_mode: Literal["ring", "ulysses", "hybrid"] = "ring"
+    # heads), "hybrid" (Ulysses inside groups of cp_ulysses ranks, ring across; 0 = auto) or
+    # "allgather" (the ring's zig-zag shards, keys and values all-gathered at once: Megatron's
+    # cp_comm_type all_gather, Llama 3's).
+    cp_mode: Literal["ring", "ulysses", "hybrid", "allgather"] = "ring"
     cp_ulysses: int = 0
     # Sharded data parallelism on dp_shard (> 1), ZeRO's stages: 1 optimizer state, 2 + gradients
     # (Loom's own sharded optimizer), 3 + parameters (FSDP2). Default 3: a dp_shard axis exists to

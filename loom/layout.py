@@ -35,16 +35,19 @@ if TYPE_CHECKING:  # annotations only: the model's module imports torch, this on
 FP8_RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 # -- context parallelism's split of cp into Ulysses x ring (``loom.parallel.context`` runs it) --
-Mode = Literal["ulysses", "ring", "hybrid"]
-MODES: tuple[str, ...] = ("ulysses", "ring", "hybrid")
+Mode = Literal["ulysses", "ring", "hybrid", "allgather"]
+MODES: tuple[str, ...] = ("ulysses", "ring", "hybrid", "allgather")
 
 
 @dataclass(frozen=True)
 class CPLayout:
-    """cp = ulysses x ring; Ulysses groups are runs of ``ulysses`` consecutive cp ranks."""
+    """cp = ulysses x ring; Ulysses groups are runs of ``ulysses`` consecutive cp ranks.
+    ``gather``: the ring's keys and values all-gathered at once instead of passed around
+    (``allgather`` mode, ``loom.parallel.allgather_attention``; same zig-zag shards)."""
 
     size: int
     ulysses: int
+    gather: bool = False
 
     @property
     def ring(self) -> int:
@@ -60,6 +63,8 @@ class CPLayout:
             return cls(size, size)
         if mode == "ring":
             return cls(size, 1)
+        if mode == "allgather":
+            return cls(size, 1, gather=True)
         u = ulysses_degree or max(d for d in range(1, size + 1) if size % d == 0 and d * d <= size)
         if size % u:
             raise ValueError(f"ulysses degree {u} does not divide cp degree {size}")
@@ -101,7 +106,7 @@ class Layout:
     reshard_after_forward: bool = True
     sequence_parallel: bool = False
     vocab_parallel: bool = True
-    cp_mode: str = "ring"  # ring | ulysses | hybrid
+    cp_mode: str = "ring"  # ring | ulysses | hybrid | allgather
     cp_ulysses: int = 0  # hybrid: Ulysses group size (0: auto)
     schedule: str = "none"  # a schedule family (or "search") when pp > 1
     chunks: int = 1  # stages per pipeline rank; 0: the family's own or the search's choice

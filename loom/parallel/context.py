@@ -1,6 +1,6 @@
 """Context parallelism on the ``cp`` mesh axis: the sequence of every sample is split over cp ranks.
 
-Three modes, one layout ``CPLayout(size=cp, ulysses=u)`` with ``cp = u * r``:
+Four modes, one layout ``CPLayout(size=cp, ulysses=u)`` with ``cp = u * r``:
 
 =========  ====  ====  ==========================================================================
 mode       u     r     attention
@@ -8,6 +8,8 @@ mode       u     r     attention
 ulysses    cp    1     all-to-all sequence shards -> head shards, local causal attention, back
 ring       1     cp    ring attention over zig-zag shards (``loom.parallel.ring_attention``)
 hybrid     u     cp/u  Ulysses inside groups of u consecutive cp ranks, ring across the r groups
+allgather  1     cp    the ring's zig-zag shards, keys and values all-gathered at once
+                       (``loom.parallel.allgather_attention``; ``CPLayout.gather``)
 =========  ====  ====  ==========================================================================
 
 Sharding (``sequence_positions``): the sequence is cut into ``2r`` chunks, ring group ``j`` holds
@@ -77,6 +79,7 @@ from loom.models.document_attention import DocumentMask
 from loom.models.layers import sdpa_causal
 from loom.models.moe import MoEFeedForward
 from loom.parallel import comm
+from loom.parallel.allgather_attention import allgather_attention
 from loom.parallel.comm import CommLedger
 from loom.parallel.context_documents import (DocumentKeys, document_keys, document_ring_attention,
                                              document_shard_indices, take_shard)
@@ -247,10 +250,15 @@ class ContextParallelAttention:
         if self.ulysses is not None:
             q_BNSH, k_BKSH, v_BKSH = (_Redistribute.apply(t, self.ulysses, True)
                                       for t in (q_BNSH, k_BKSH, v_BKSH))
+        if keys is not None and self.layout.gather:
+            raise ValueError("all-gather attention runs concatenated rows only; documents need"
+                             " the document ring (cp_mode ring)")
         if keys is not None and self.ring is not None:
             out_BNSH = document_ring_attention(q_BNSH, k_BKSH, v_BKSH, self.ring, keys)
         elif keys is not None:  # Ulysses only: the whole row in global order, for my heads
             out_BNSH = keys.whole.attention(q_BNSH, k_BKSH, v_BKSH, self.window)
+        elif self.ring is not None and self.layout.gather:  # one all-gather, not r-1 hops
+            out_BNSH = allgather_attention(q_BNSH, k_BKSH, v_BKSH, self.ring)
         elif self.ring is not None:
             out_BNSH = ring_attention(q_BNSH, k_BKSH, v_BKSH, self.ring)
         else:  # Ulysses only: the whole sequence, in global order, for my heads

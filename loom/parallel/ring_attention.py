@@ -202,6 +202,34 @@ def attend_block_backward(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: to
     return dq, dk.view(B, K, N // K, Sk, Hd).sum(2), dv.view(B, K, N // K, Sk, Hd).sum(2)
 
 
+def attend_kind(q_BNSH: torch.Tensor, kv: torch.Tensor, out_BNSH: torch.Tensor,
+                lse_BNS: torch.Tensor, kind: BlockKind) -> None:
+    """Merge the ``kind`` block of the stacked keys and values ``kv`` (``[2, B, K, S, Hd]``)
+    into the running fp32 output and log-sum-exp of this rank's zig-zag queries, in place."""
+    rows, cols, causal = block_slices(kind, q_BNSH.shape[2])
+    block_out, block_lse = attend_block(q_BNSH[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                        causal)
+    out_BNSH[:, :, rows], lse_BNS[:, :, rows] = merge_block(out_BNSH[:, :, rows],
+                                                            lse_BNS[:, :, rows], block_out,
+                                                            block_lse)
+
+
+def backward_kind(q_BNSH: torch.Tensor, kv: torch.Tensor, out_BNSH: torch.Tensor,
+                  dout_BNSH: torch.Tensor, lse_BNS: torch.Tensor, dq_BNSH: torch.Tensor,
+                  kind: BlockKind) -> torch.Tensor:
+    """The ``kind`` block's backward from the rows' final output and log-sum-exp: its dQ added
+    to ``dq_BNSH`` in place; returns its dK/dV, fp32 ``[2, B, K, S, Hd]`` (zero outside the
+    block's columns)."""
+    rows, cols, causal = block_slices(kind, q_BNSH.shape[2])
+    dq_b, dk_b, dv_b = attend_block_backward(
+        q_BNSH[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out_BNSH[:, :, rows],
+        dout_BNSH[:, :, rows], lse_BNS[:, :, rows], causal)
+    dq_BNSH[:, :, rows] += dq_b
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    dkv[0][:, :, cols], dkv[1][:, :, cols] = dk_b, dv_b
+    return dkv
+
+
 @dataclass(frozen=True)
 class Ring:
     """This rank's ring: the process group, its members' global ranks in ring order, and where
@@ -299,12 +327,8 @@ class _RingAttention(torch.autograd.Function):
             lse = torch.full((B, N, S), float("-inf"), dtype=torch.float32, device=q_BNSH.device)
             # one message per hop, not two
             for step, kv in ring_hops(ring, torch.stack([k_BKSH, v_BKSH]).contiguous()):
-                rows, cols, causal = block_slices(
-                    block_kind(ring.index, (ring.index - step) % ring.size), S)
-                block_out, block_lse = attend_block(q_BNSH[:, :, rows], kv[0][:, :, cols],
-                                                    kv[1][:, :, cols], causal)
-                out[:, :, rows], lse[:, :, rows] = merge_block(out[:, :, rows], lse[:, :, rows],
-                                                               block_out, block_lse)
+                attend_kind(q_BNSH, kv, out, lse,
+                            block_kind(ring.index, (ring.index - step) % ring.size))
         ctx.ring = ring
         ctx.save_for_backward(q_BNSH, k_BKSH, v_BKSH, out, lse)
         return out.to(q_BNSH.dtype)
@@ -314,19 +338,11 @@ class _RingAttention(torch.autograd.Function):
         with torch.autocast(dout_BNSH.device.type, enabled=False):
             ring: Ring = ctx.ring
             q_BNSH, k_BKSH, v_BKSH, out, lse = ctx.saved_tensors
-            S = q_BNSH.shape[2]
             dq = torch.zeros_like(out)
             relay = GradientRelay(ring)
             for step, kv in ring_hops(ring, torch.stack([k_BKSH, v_BKSH]).contiguous()):
-                rows, cols, causal = block_slices(
-                    block_kind(ring.index, (ring.index - step) % ring.size), S)
-                dq_b, dk_b, dv_b = attend_block_backward(
-                    q_BNSH[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows],
-                    dout_BNSH[:, :, rows], lse[:, :, rows], causal)
-                dq[:, :, rows] += dq_b
-                dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-                dkv[0][:, :, cols], dkv[1][:, :, cols] = dk_b, dv_b
-                relay.add(step, dkv)
+                relay.add(step, backward_kind(q_BNSH, kv, out, dout_BNSH, lse, dq, block_kind(
+                    ring.index, (ring.index - step) % ring.size)))
             own = relay.total()
         return (dq.to(q_BNSH.dtype), own[0].to(k_BKSH.dtype), own[1].to(v_BKSH.dtype), None)
 

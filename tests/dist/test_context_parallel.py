@@ -1,4 +1,4 @@
-"""Context parallelism (Ulysses, ring, hybrid) is one process, split along the sequence.
+"""Context parallelism (Ulysses, ring, hybrid, all-gather) is one process, split along the sequence.
 
 Parity: the same seeded model and batches, trained 3 AdamW steps in fp32 on one process and on
 cp = 2 and 4 ranks; the loss (mean of the cp ranks' local means) and every parameter's gradient
@@ -34,7 +34,8 @@ RTOL, ATOL = 1e-4, 1e-5
 # (mode, cp, ulysses degree for hybrid): cp=2 hybrid is 1x2 by default (auto) and 2x1 when asked;
 # both degenerate to one technique, so cp=4 (2x2) is the hybrid proper.
 LAYOUTS = [("ulysses", 2, 0), ("ring", 2, 0), ("hybrid", 2, 0), ("hybrid", 2, 2),
-           ("ulysses", 4, 0), ("ring", 4, 0), ("hybrid", 4, 2)]
+           ("ulysses", 4, 0), ("ring", 4, 0), ("hybrid", 4, 2), ("allgather", 2, 0),
+           ("allgather", 4, 0)]
 
 
 def _batches():
@@ -132,7 +133,14 @@ def _expected_comm(mode, cp, ulysses):
         # [B,S/cp,N,Hd]; backward the same four on the gradients. Each rank keeps 1/u of its own.
         payload = 2 * L * BATCH * s_local * (2 * N + 2 * K) * Hd * FP32
         expected[("cp", "all_to_all")] = (8 * L, payload, (u - 1) / u * payload)
-    if r > 1:
+    if r > 1 and layout.gather:
+        # Per layer: the stacked keys and values of every rank [r,2,B,K,S/r,Hd] all-gathered in
+        # forward and again in backward, and their fp32 gradients reduce-scattered once.
+        gathered = r * 2 * BATCH * K * (SEQ // r) * Hd * FP32
+        wire = (r - 1) / r * gathered
+        expected[("cp", "all_gather")] = (2 * L, 2 * L * gathered, 2 * L * wire)
+        expected[("cp", "reduce_scatter")] = (L, L * gathered, L * wire)
+    elif r > 1:
         # Per layer: key+value block [2,B,K/u,S/r,Hd] sent r-1 times forward, r-1 times again in
         # backward, plus r-1 hops of the travelling dK/dV sum of the same size.
         block = 2 * BATCH * (K // u) * (SEQ // r) * Hd * FP32
@@ -187,7 +195,7 @@ def _attention_inputs():
 
 
 @pytest.mark.parametrize("mode, cp, ulysses", [("ulysses", 4, 0), ("ring", 4, 0), ("hybrid", 4, 2),
-                                               ("ring", 2, 0)])
+                                               ("ring", 2, 0), ("allgather", 4, 0)])
 def test_attention_core_matches_sdpa(dist, mode, cp, ulysses):
     q, k, v, dout = (t.requires_grad_() for t in _attention_inputs())
     want = sdpa_causal(q, k, v)

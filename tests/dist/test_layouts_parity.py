@@ -30,6 +30,7 @@ LAYOUTS = {
     "cp2-ring": (2, {"cp": 2, "cp_mode": "ring"}),
     "cp2-ulysses": (2, {"cp": 2, "cp_mode": "ulysses"}),
     "cp4-hybrid": (4, {"cp": 4, "cp_mode": "hybrid"}),
+    "cp2-allgather": (2, {"cp": 2, "cp_mode": "allgather"}),
     "dp2-tp2": (4, {"dp_replicate": 2, "tp": 2}),
     "dp2-cp2": (4, {"dp_replicate": 2, "cp": 2}),
     "tp2-cp2-sp": (4, {"tp": 2, "cp": 2, "sequence_parallel": True}),
