@@ -102,7 +102,8 @@ def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, group: Any
                           op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                           async_op: bool = False):
     _record(ledger, axis, "reduce_scatter", _nbytes(tensor), group, lambda n: (n - 1) / n)
-    return dist.reduce_scatter_tensor(output, tensor, op=op, group=group, async_op=async_op)
+    # torch 2.13 deprecates reduce_scatter_tensor (a FutureWarning in every run) for this name
+    return dist.reduce_scatter_single(output, tensor, op=op, group=group, async_op=async_op)
 
 
 def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, group: Any, *, axis: str,

@@ -227,6 +227,7 @@ _OPS: dict[str, tuple[int | None, str | None, int, str | None]] = {
     "reduce": (0, "tensor", 3, None),
     "all_gather_into_tensor": (0, "output_tensor", 2, None),
     "reduce_scatter_tensor": (1, "input", 3, None),
+    "reduce_scatter_single": (1, "input", 3, None),  # what loom.parallel.comm calls
     "all_to_all_single": (1, "input", 4, None),
     "all_gather": (1, "tensor", 2, None),
     "barrier": (None, None, 0, None),
