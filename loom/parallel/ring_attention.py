@@ -41,7 +41,10 @@ no shared document is skipped; its keys still travel).
 Why hand-written: torch's context-parallel attention (``torch.distributed.tensor.experimental``)
 has no CPU backward and no causal load balancing we could test on gloo; this file is the block
 math (torch's CPU flash kernels, which expose the log-sum-exp, or plain fp32 torch elsewhere),
-the online-softmax merge and point-to-point messages through ``loom.parallel.comm``.
+the online-softmax merge and point-to-point messages through ``loom.parallel.comm``. The plain
+torch path takes query rows in tiles of ``SCORE_TILE_BYTES`` of fp32 scores, so its memory per
+block grows with the keys, not with the block's square; it is still math, not a fused kernel
+(on a GPU the flash and memory-efficient kernels' log-sum-exp variants are the next step).
 
 Shape legend: B batch, N query heads, K key/value heads, G = N/K, Sq/Sk query/key tokens of a
 block, Hd head dim, r ring size, c chunk length (S_loc = 2c tokens per rank).
@@ -90,18 +93,33 @@ def block_slices(kind: BlockKind, local_len: int) -> tuple[slice, slice, bool]:
     return slice(half, None), every, False
 
 
+# The plain-torch block math holds a tile's fp32 scores (and their exponent) at once: query rows
+# are taken in tiles of at most this many score bytes, so a block's memory grows with its keys,
+# not with the square of its length (off the CPU, where no kernel returns the log-sum-exp)
+SCORE_TILE_BYTES = 256 * 2**20
+
+
+def query_tiles(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor,
+                tile_bytes: int = SCORE_TILE_BYTES) -> list[slice]:
+    """Query-row ranges whose fp32 scores against all of the block's keys fit ``tile_bytes``."""
+    B, N, Sq, _ = q_BNSH.shape
+    rows = max(1, tile_bytes // max(1, 4 * B * N * k_BKSH.shape[2]))
+    return [slice(start, min(start + rows, Sq)) for start in range(0, Sq, rows)]
+
+
 def _scores(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, causal: bool,
-            allowed_BQK: torch.Tensor | None = None) -> torch.Tensor:
+            allowed_BQK: torch.Tensor | None = None, row_offset: int = 0) -> torch.Tensor:
     """Scaled scores ``[B, K, G, Sq, Sk]`` (fp32); each key head broadcasts over its G queries.
-    ``-inf`` above the diagonal when ``causal``, and where ``allowed_BQK`` (a per-row mask of
-    the block: context parallelism's document ring) forbids."""
+    ``-inf`` above the diagonal when ``causal`` (these queries being rows ``row_offset`` on of
+    the block), and where ``allowed_BQK`` (a per-row mask of the block: context parallelism's
+    document ring) forbids."""
     B, N, Sq, Hd = q_BNSH.shape
     K = k_BKSH.shape[1]
     q_BKGSH = q_BNSH.float().view(B, K, N // K, Sq, Hd)
     scores = q_BKGSH @ k_BKSH.float().unsqueeze(2).transpose(-1, -2) / math.sqrt(Hd)
     if causal:
         Sk = k_BKSH.shape[2]
-        future = torch.ones(Sq, Sk, dtype=torch.bool, device=scores.device).triu(1)
+        future = torch.ones(Sq, Sk, dtype=torch.bool, device=scores.device).triu(1 + row_offset)
         scores = scores.masked_fill(future, float("-inf"))
     if allowed_BQK is not None:
         scores = scores.masked_fill(~allowed_BQK[:, None, None], float("-inf"))
@@ -114,16 +132,24 @@ def finite(lse: torch.Tensor) -> torch.Tensor:
 
 
 def attend_block_math(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
-                      causal: bool, allowed_BQK: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      causal: bool, allowed_BQK: torch.Tensor | None = None,
+                      tile_bytes: int = SCORE_TILE_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of one block: output ``[B, N, Sq, Hd]`` and log-sum-exp ``[B, N, Sq]``,
     both fp32, in plain torch (the reference, the path off the CPU, and the document ring's
-    masked blocks). A row that sees no key gets output 0 and log-sum-exp ``-inf``."""
+    masked blocks), query rows in tiles of ``tile_bytes`` of scores (``query_tiles``; every
+    row's result is the untiled one's). A row that sees no key gets output 0 and log-sum-exp
+    ``-inf``."""
     B, N, Sq, Hd = q_BNSH.shape
-    scores = _scores(q_BNSH, k_BKSH, causal, allowed_BQK)
-    lse = scores.logsumexp(-1)
-    out = torch.exp(scores - finite(lse).unsqueeze(-1)) @ v_BKSH.float().unsqueeze(2)
-    return out.reshape(B, N, Sq, Hd), lse.reshape(B, N, Sq)
+    out = torch.empty(B, N, Sq, Hd, dtype=torch.float32, device=q_BNSH.device)
+    lse = torch.empty(B, N, Sq, dtype=torch.float32, device=q_BNSH.device)
+    for rows in query_tiles(q_BNSH, k_BKSH, tile_bytes):
+        scores = _scores(q_BNSH[:, :, rows], k_BKSH, causal,
+                         None if allowed_BQK is None else allowed_BQK[:, rows], rows.start)
+        tile_lse = scores.logsumexp(-1)
+        tile_out = torch.exp(scores - finite(tile_lse).unsqueeze(-1)) @ v_BKSH.float().unsqueeze(2)
+        out[:, :, rows] = tile_out.reshape(B, N, -1, Hd)
+        lse[:, :, rows] = tile_lse.reshape(B, N, -1)
+    return out, lse
 
 
 # torch's CPU flash-attention kernels return and accept the log-sum-exp the ring needs; ~10x the
@@ -166,22 +192,33 @@ def attend_block_backward_math(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKS
                                out_BNSH: torch.Tensor, dout_BNSH: torch.Tensor,
                                lse_BNS: torch.Tensor, causal: bool,
                                allowed_BQK: torch.Tensor | None = None,
+                               tile_bytes: int = SCORE_TILE_BYTES,
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the rows' *final* output and log-sum-exp (the flash-attention
     backward): ``dq [B,N,Sq,Hd]``, ``dk, dv [B,K,Sk,Hd]``, fp32; the block masked as
-    ``_scores`` masks it."""
+    ``_scores`` masks it; query rows in tiles as ``attend_block_math`` takes them (dK and dV
+    summed over the tiles)."""
     B, N, Sq, Hd = q_BNSH.shape
-    K = k_BKSH.shape[1]
+    K, Sk = k_BKSH.shape[1], k_BKSH.shape[2]
     G = N // K
-    delta = (dout_BNSH.float() * out_BNSH.float()).sum(-1)  # = sum_k P dP, per query row
-    probs = torch.exp(_scores(q_BNSH, k_BKSH, causal, allowed_BQK)
-                      - lse_BNS.view(B, K, G, Sq, 1))
-    dout_BKGSH = dout_BNSH.float().view(B, K, G, Sq, Hd)
-    dv = (probs.transpose(-1, -2) @ dout_BKGSH).sum(2)
-    dprobs = dout_BKGSH @ v_BKSH.float().unsqueeze(2).transpose(-1, -2)
-    dscores = probs * (dprobs - delta.view(B, K, G, Sq, 1)) / math.sqrt(Hd)
-    dq = (dscores @ k_BKSH.float().unsqueeze(2)).reshape(B, N, Sq, Hd)
-    dk = (dscores.transpose(-1, -2) @ q_BNSH.float().view(B, K, G, Sq, Hd)).sum(2)
+    k_BK1SH, v_BK1SH = k_BKSH.float().unsqueeze(2), v_BKSH.float().unsqueeze(2)
+    dq = torch.empty(B, N, Sq, Hd, dtype=torch.float32, device=q_BNSH.device)
+    dk = torch.zeros(B, K, Sk, Hd, dtype=torch.float32, device=q_BNSH.device)
+    dv = torch.zeros_like(dk)
+    for rows in query_tiles(q_BNSH, k_BKSH, tile_bytes):
+        n = rows.stop - rows.start
+        q_t, dout_t = q_BNSH[:, :, rows], dout_BNSH[:, :, rows].float()
+        delta = (dout_t * out_BNSH[:, :, rows].float()).sum(-1)  # = sum_k P dP, per query row
+        probs = torch.exp(_scores(q_t, k_BKSH, causal,
+                                  None if allowed_BQK is None else allowed_BQK[:, rows],
+                                  rows.start)
+                          - lse_BNS[:, :, rows].reshape(B, K, G, n, 1))
+        dout_BKGSH = dout_t.reshape(B, K, G, n, Hd)
+        dv += (probs.transpose(-1, -2) @ dout_BKGSH).sum(2)
+        dprobs = dout_BKGSH @ v_BK1SH.transpose(-1, -2)
+        dscores = probs * (dprobs - delta.reshape(B, K, G, n, 1)) / math.sqrt(Hd)
+        dq[:, :, rows] = (dscores @ k_BK1SH).reshape(B, N, n, Hd)
+        dk += (dscores.transpose(-1, -2) @ q_t.float().reshape(B, K, G, n, Hd)).sum(2)
     return dq, dk, dv
 
 
