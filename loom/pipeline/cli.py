@@ -42,6 +42,10 @@ from loom.schedule.validate import ScheduleError, format_grid, validate
 EXIT_USAGE = 2
 # From this many ranks show/simulate print the per-rank summary instead of the step grid.
 SUMMARY_FROM_PP = 16
+# The largest step the commands build: ranks x microbatches x stages per rank. A step is
+# 3 actions per (microbatch, stage); past this it takes minutes to generate and simulate in
+# Python, while the largest published pipelines are p <= 128 with m <= 4096 (1 stage a rank)
+MAX_STEP_CELLS = 2**20
 # --costs help, shared by every command: one meaning everywhere (see the module docstring)
 FULL_STAGE_COSTS = ("of one full stage (a rank's whole share of the model; a rank holding v "
                     "chunks spends 1/v of them on each)")
@@ -201,9 +205,15 @@ def _run(handler: Any) -> Any:
         try:
             if extra:
                 raise UsageError("arguments", f"unexpected {' '.join(extra)}")
+            if getattr(args, "output", None):
+                _check_output(args.output)
             return handler(args)
         except UsageError as err:
             print(f"loom schedule {args.schedule_command}: {err}", file=sys.stderr)
+            return EXIT_USAGE
+        except OSError as err:  # a path the checks above could not foresee (e.g. under /proc)
+            print(f"loom schedule {args.schedule_command}: {err.filename}: {err.strerror}",
+                  file=sys.stderr)
             return EXIT_USAGE
 
     return wrapped
@@ -306,6 +316,7 @@ def _search(args: argparse.Namespace) -> int:
             raise UsageError("--layers", f"{args.layers} layers cannot give each of the --pp "
                              f"{args.pp} ranks a stage; use --layers >= {args.pp}")
         max_chunks = min(MAX_CHUNKS, args.layers // args.pp)
+    _check_size(args.pp, microbatches, max_chunks, "the most the search tries")
     if args.host_copy_time is not None:
         if not args.offload:
             raise UsageError("--host-copy-time", "prices offloads: give it with --offload")
@@ -348,6 +359,29 @@ def _search(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------------------------
 # Shared steps
+
+
+def _check_output(path: str) -> None:
+    """Refuse ``-o PATH`` that cannot be written (a folder, a missing or read-only folder)
+    before any work, so a bad path is one line and exit 2 rather than a traceback after it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError("-o", f"{path} is a folder; give a file name")
+    if not os.path.isdir(folder):
+        raise UsageError("-o", f"{path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UsageError("-o", f"{path}: not writable")
+
+
+def _check_size(pp: int, microbatches: int, chunks: int, which: str) -> None:
+    """Refuse a step larger than ``MAX_STEP_CELLS`` ranks x microbatches x stages per rank
+    (``which`` says where the stages per rank come from)."""
+    cells = pp * microbatches * chunks
+    if cells > MAX_STEP_CELLS:
+        raise UsageError("--pp", f"--pp {pp} x --microbatches {microbatches} x {chunks} stages"
+                         f" per rank ({which}) = {cells:,}: at most {MAX_STEP_CELLS:,} (a larger"
+                         " step takes minutes to build; published pipelines have p <= 128,"
+                         " m <= 4096)")
 
 
 def _view(args: argparse.Namespace, schedule: Schedule, default: str) -> str:
@@ -403,6 +437,8 @@ def _build(args: argparse.Namespace) -> Schedule:
                                          f"families with --chunks: {takes}")
         options["chunks"] = args.chunks
     microbatches = args.microbatches or 2 * args.pp
+    _check_size(args.pp, microbatches, args.chunks or 2,
+                "--chunks" if args.chunks else "at most 2 without --chunks")
     try:
         return generator(args.pp, microbatches, **options)
     except ValueError as err:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -137,6 +138,10 @@ class StageCosts:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StageCosts:
         """``{"stages": [{"F": 1, "I": 1, "W": 1, "B": 2?}, ...], "latency": 0, ...}``."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("stages"), (list, tuple)):
+            raise ValueError('expected {"stages": [{"F": ..., "I": ..., "W": ...}, ...], ...},'
+                             f" got a {type(data).__name__}"
+                             + (" without a stages list" if isinstance(data, Mapping) else ""))
         stages = tuple(_op_costs(row, where=f"stages[{n}]") for n, row in enumerate(data["stages"]))
         options: dict[str, Any] = {}
         for key in _OPTIONS:
@@ -167,7 +172,8 @@ class StageCosts:
             data = {"stages": rows}
             if rows and rows[0].get("activation") not in (None, ""):
                 data["activation"] = [_number(row["activation"], "activation") for row in rows]
-        data = {**data, **overrides, "source": path}
+        if isinstance(data, Mapping):  # (anything else: from_dict names what it expected)
+            data = {**data, **overrides, "source": path}
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
@@ -254,18 +260,34 @@ def _fmt(value: Number) -> str:
     return f"{float(value):g}"
 
 
+# The largest cost a file or --costs may give (any unit; only ratios matter to a schedule)
+MAX_COST = 10**15
+
+
 def _number(text: Any, where: str) -> Number:
-    """Parse a number, keeping decimals exact (``"0.1"`` becomes 1/10, not a float)."""
+    """Parse a number, keeping decimals exact (``"0.1"`` becomes 1/10, not a float); numbers
+    pass as they are. At most ``MAX_COST`` in size (sums of larger ones overflow a float in the
+    simulator), finite, and not a bool."""
+    if isinstance(text, bool) or (isinstance(text, float) and not math.isfinite(text)):
+        raise ValueError(f"{where}: expected a finite number, got {text!r}")
+    value: Number
     if isinstance(text, (int, float, Fraction)):
-        return text
-    try:
-        value = Fraction(str(text).strip())
-    except (ValueError, ZeroDivisionError):
-        raise ValueError(f"{where}: expected a number, got {text!r}") from None
-    return int(value) if value.denominator == 1 else value
+        value = text
+    else:
+        try:
+            parsed = Fraction(str(text).strip())
+        except (ValueError, ZeroDivisionError):
+            raise ValueError(f"{where}: expected a number, got {text!r}") from None
+        value = int(parsed) if parsed.denominator == 1 else parsed
+    if abs(value) > MAX_COST:
+        raise ValueError(f"{where}: {text!r} is larger than {MAX_COST:.0e} (costs are relative:"
+                         " scale them down)")
+    return value
 
 
 def _op_costs(row: Mapping[str, Any], where: str) -> OpCosts:
+    if not isinstance(row, Mapping):
+        raise ValueError(f"{where}: expected an object with F, I and W, got {row!r:.40}")
     upper = {str(k).strip().upper(): v for k, v in row.items()}
     missing = [op for op in "FIW" if upper.get(op) in (None, "")]
     if missing:

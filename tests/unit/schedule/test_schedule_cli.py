@@ -94,6 +94,13 @@ def test_show_prints_the_grid_or_draws_a_chart(capsys, tmp_path):
     (["export", "zb_h2", "--pp", "4", "--memory-limit", "6.5"], "--memory-limit"),
     (["simulate", "no_such_schedule", "--pp", "4"], "name"),
     (["show", "1f1b", "--pp", "2", "-o", "chart.pdf"], "-o"),
+    # hostile sizes and paths: refused before any work, not a traceback or an hour of Python
+    (["simulate", "1f1b", "--pp", "4", "--costs", "1e308,1e308,1"], "--costs"),
+    (["show", "1f1b", "--pp", "100000", "-m", "100000"], "--pp"),
+    (["search", "--pp", "100000", "-m", "8", "--memory-limit", "10"], "--pp"),
+    (["export", "zbv", "--pp", "4", "-m", "8", "-o", "/"], "-o"),
+    (["export", "zbv", "--pp", "4", "-m", "8", "-o", "/nonexistent/dir/x.csv"], "-o"),
+    (["show", "zbv", "--pp", "4", "-m", "8", "-o", "/proc/x.png"], "/proc/x.png"),
 ])
 def test_a_bad_argument_is_one_line_naming_it_and_exit_code_2(capsys, argv, argument):
     code, _, err = run(capsys, *argv)
@@ -237,3 +244,16 @@ def test_a_chart_drawn_from_a_csv_is_titled_with_the_schedules_name(capsys, tmp_
     text = page.read_text()
     assert "<title>hanayo pipeline schedule</title>" in text and "<h2>hanayo " in text
     assert "torch_csv" not in text and f"from {csv_path}" in text  # the source: a subtitle
+
+
+@pytest.mark.parametrize("content", ['[{"F": 1, "I": 1, "W": 1}]', '{"stages": [[1, 1, 1]]}',
+                                     '{"stages": [{"F": NaN, "I": 1, "W": 1}]}',
+                                     '{"stages": [{"F": 1e308, "I": 1, "W": 1}]}',
+                                     '{"stages": [{"F": true, "I": 1, "W": 1}]}', '{"stages": 3}'])
+def test_a_hostile_cost_file_is_one_line_naming_it(capsys, tmp_path, content):
+    path = tmp_path / "costs.json"
+    path.write_text(content)
+    for argv in (["simulate", "gpipe", "--pp", "2", "-m", "2"],
+                 ["search", "--pp", "2", "-m", "2", "--memory-limit", "4"]):
+        code, _, err = run(capsys, *argv, "--cost-file", str(path))
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "--cost-file" in err, err
