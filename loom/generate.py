@@ -19,6 +19,10 @@ from loom.data.tokenizer import load_tokenizer
 from loom.models import build_model, reset_parameters
 from loom.config import model_args
 
+# The most tokens ``loom generate`` samples in one call: there is no key/value cache, so each
+# token re-runs the window (a bound on a command's time, not on the model)
+MAX_NEW_TOKENS = 100_000
+
 
 def load_trained_model(run_dir: Path, device: torch.device):
     """The run's model with its final weights, in eval mode, and its tokenizer."""

@@ -77,6 +77,35 @@ def test_generate_continues_the_prompt(finished_run):
     assert result.stdout.startswith("def ")
 
 
+@pytest.mark.parametrize("flags, named", [
+    (["--max-new-tokens", "-1"], "--max-new-tokens"),
+    (["--max-new-tokens", "1000000000"], "--max-new-tokens"),  # would sample for hours
+    (["--temperature", "nan"], "--temperature"), (["--temperature", "-1"], "--temperature"),
+    (["--top-k", "-5"], "--top-k"),
+])
+def test_generate_refuses_a_bad_flag_in_one_line(finished_run, capsys, flags, named):
+    from loom.cli import main
+
+    run_dir, _ = finished_run
+    assert main(["generate", "--run", str(run_dir), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"loom generate: {named}"), err
+
+
+def test_generate_refuses_a_run_it_cannot_read_in_one_line(finished_run, tmp_path, capsys):
+    from loom.cli import main
+
+    run_dir, _ = finished_run
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.toml").write_text((run_dir / "config.toml").read_text())
+    (broken / "model.safetensors").write_text("not tensors")
+    for run in (tmp_path / "missing", broken):
+        assert main(["generate", "--run", str(run)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"loom generate: --run {run}"), err
+
+
 def _worker_pids(launcher_pid: int) -> dict[int, int]:
     """rank -> pid of the launcher's descendants, which name themselves ``loom-rank<N>``."""
     ranks: dict[int, int] = {}
