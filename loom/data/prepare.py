@@ -311,6 +311,10 @@ def check_prepare_inputs(source: str, tokenizer: str, out: str | Path, *, text_f
     return src, tok
 
 
+# ``--workers`` beyond this many per core is refused (``prepare``)
+MAX_WORKERS_PER_CORE = 4
+
+
 def prepare(source: str, tokenizer: str, out: str | Path, *, workers: int = 1,
             text_field: str = "text", extensions: Sequence[str] = DEFAULT_EXTENSIONS,
             batch_rows: int = 1024, progress: bool = True, overwrite: bool = False
@@ -323,11 +327,19 @@ def prepare(source: str, tokenizer: str, out: str | Path, *, workers: int = 1,
     """
     if workers < 1:
         raise ConfigError("workers", workers, "must be >= 1")
+    most = MAX_WORKERS_PER_CORE * (os.cpu_count() or 1)
+    if workers > most:  # each is a forked tokenizer: 100,000 of them exhausted the memory
+        raise ConfigError("workers", workers, f"must be at most {MAX_WORKERS_PER_CORE} x this"
+                          f" machine's cores = {most} (more only add memory; the output does"
+                          " not depend on the count)")
     src, tok = check_prepare_inputs(source, tokenizer, out, text_field=text_field,
                                     extensions=extensions, overwrite=overwrite)
     out = Path(out).resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.prepare-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.prepare-", dir=out.parent))
+    except OSError as err:
+        raise ConfigError("out", str(out), f"cannot write there: {err.strerror}") from None
     try:
         manifest = _write(src, tok, tokenizer, tmp, workers=workers, text_field=text_field,
                           extensions=extensions, batch_rows=batch_rows, progress=progress)

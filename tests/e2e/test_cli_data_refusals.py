@@ -104,6 +104,12 @@ PREPARE = {  # name: (argv, substrings of the one stderr line)
                               ("--out='out'", "exists and is not empty")),
     "prepare-workers": (("--source", "docs.jsonl", "--tokenizer", "tok", "--workers", "0"),
                         ("--workers=0", "must be >= 1")),
+    "prepare-out-unwritable": (("--source", "docs.jsonl", "--tokenizer", "tok", "--out",
+                                "/proc/loom-prepared"), ("--out='/proc/loom-prepared'",
+                                                         "cannot write there")),  # (Linux)
+    # forked tokenizers: 100,000 of them exhausted the machine's memory
+    "prepare-workers-too-many": (("--source", "docs.jsonl", "--tokenizer", "tok", "--workers",
+                                  "100000"), ("--workers=100000", "x this machine's cores")),
     "prepare-already-prepared": (("--source", "prep", "--tokenizer", "tok"),
                                  ("--source='prep'", "already a prepared directory")),
 }
