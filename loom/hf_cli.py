@@ -105,7 +105,8 @@ def _describe(args: TransformerArgs) -> str:
 
 def _run(command: str, convert: Callable[[], TransformerArgs], target: Path, outputs: list[str],
          args: argparse.Namespace, extra: list[str]) -> int:
-    """Shared error handling of both commands: one line, exit 2 for a bad input, 1 for files."""
+    """Shared error handling of both commands: one line and exit 2 for a bad input (a model
+    the conversion refuses, a missing input, an output that exists or cannot be written)."""
     if extra:
         print(f"loom hf {command}: unexpected arguments {extra}", file=sys.stderr)
         return EXIT_USAGE
@@ -115,9 +116,9 @@ def _run(command: str, convert: Callable[[], TransformerArgs], target: Path, out
     except HFConversionError as err:
         print(f"loom hf {command}: {err}", file=sys.stderr)
         return EXIT_USAGE
-    except (FileNotFoundError, FileExistsError) as err:
+    except OSError as err:  # FileNotFoundError, FileExistsError, an unwritable target
         print(f"loom hf {command}: {err}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE
     print(f"wrote {target} ({_describe(shape)})")
     return 0
 

@@ -191,7 +191,10 @@ def test_cli(tmp_path: Path, capsys) -> None:
     hf = hf_dir_with(tmp_path)
     assert main(["hf", "import", str(hf), "--run", str(tmp_path / "run")]) == 0
     assert "2 layers, dim 64" in capsys.readouterr().out
-    assert main(["hf", "import", str(hf), "--run", str(tmp_path / "run")]) == 1  # exists
+    assert main(["hf", "import", str(hf), "--run", str(tmp_path / "run")]) == 2  # exists
+    assert main(["hf", "import", str(tmp_path / "nowhere"), "--run", str(tmp_path / "r0")]) == 2
+    assert main(["hf", "export", str(tmp_path / "nowhere"), str(tmp_path / "o0")]) == 2
+    assert not (tmp_path / "r0").exists() and not (tmp_path / "o0").exists()
     assert main(["hf", "import", str(hf), "--run", str(tmp_path / "run"), "--overwrite"]) == 0
     assert main(["hf", "export", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
     (hf / "config.json").write_text(json.dumps({**hf_config_from_args(SMALL), "mlp_bias": True}))
