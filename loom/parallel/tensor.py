@@ -17,7 +17,7 @@ dtype; fp32 = 4 bytes):
   bias is split with its weight's rows (``ColwiseParallel`` shards both). With ``qk_norm`` the
   q/k norm weights (Hd elements, shared by every head) are replicated and see their input as
   sharded by heads (dim 2), so their gradient is a partial sum over the rank's heads: DTensor
-  all-reduces it (2 x Hd elements per layer, in backward) through ``_match_grad_placement``.
+  all-reduces it (2 x Hd elements per layer, in backward) through ``match_grad_placement``.
 * MLP (SwiGLU): ``w1``, ``w3`` column-parallel, ``w2`` row-parallel; GELU (``mlp = "gelu"``, no
   ``w3``): ``w1`` column-parallel, ``w2`` row-parallel, the same collectives. Rule: t divides
   ``ffn_dim``.
@@ -232,7 +232,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
         model.output.weight = model.tok_embeddings.weight
     for param in model.parameters():
         if isinstance(param, DTensor):
-            param.register_post_accumulate_grad_hook(_match_grad_placement)
+            param.register_post_accumulate_grad_hook(match_grad_placement)
     return model
 
 
@@ -254,7 +254,7 @@ def _receive_sequence_shard(mesh: DeviceMesh):
     return hook
 
 
-def _match_grad_placement(param: nn.Parameter) -> None:
+def match_grad_placement(param: nn.Parameter) -> None:
     """Give each gradient its parameter's placement as soon as it is accumulated.
 
     DTensor leaves two kinds of gradient in another placement: the norm weights under SP get a
@@ -262,6 +262,8 @@ def _match_grad_placement(param: nn.Parameter) -> None:
     per norm per microbatch), and the vocab-parallel embedding gets a full ``Replicate`` gradient
     (its scatter-add is computed for every row; cut to this rank's ``Shard(0)`` rows here, no
     communication). Without this the optimizer and the clipping would see partial sums.
+    A post-accumulate hook on each DTensor parameter; a pipeline stage's retaining I/W split,
+    whose W sets ``.grad`` itself (no hook fires), calls it after each W (``loom.pipeline.stage``).
     """
     grad = param.grad
     if isinstance(grad, DTensor) and grad.placements != param.placements:

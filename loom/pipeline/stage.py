@@ -29,6 +29,9 @@ I runs ``autograd.grad(..., retain_graph=True)`` and W restarts from the interme
 weight branches join, so the whole graph is held until W): parameters that are DTensors (tensor
 parallelism, ZeRO-3's FSDP2) and blocks recomputed in full (``free_graph_after_input_grad`` off,
 set by ``build_pipeline``: reading a checkpointed matmul's input in I would unpack it twice).
+That W writes ``.grad`` itself, so no post-accumulate hook fires; the stage then gives each
+gradient its parameter's placement as tensor parallelism's hook would (SP's norm weights hold
+a ``Partial`` sum until then, which the clipping norm would count as replicated).
 ``tests/unit/pipeline/test_stage.py`` pins both (I+W == B, bit for bit on CPU, and what each
 frees).
 """
@@ -49,6 +52,7 @@ from torch.distributed.tensor import DTensor
 from loom.models import Transformer, TransformerArgs, build_model, reset_parameters
 from loom.parallel import Parallelized
 from loom.parallel.mixed_precision import accumulate
+from loom.parallel.tensor import match_grad_placement
 from loom.schedule.ir import Schedule
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -359,7 +363,13 @@ class PipelineStage:
         elif self.takes_tokens:
             torch.autograd.backward(state.output, state.output_grad)
         else:
-            stage_backward_weight(self.parameters(), state.param_groups)
+            params = self.parameters()
+            stage_backward_weight(params, state.param_groups)
+            # W set ``.grad`` itself, so no post-accumulate hook ran: a replicated weight whose
+            # input is a sequence shard (SP's norms) still holds a Partial sum, which the
+            # clipping norm would count as if replicated. Reduce it as B's hook would.
+            for param in params:
+                match_grad_placement(param)
 
     @staticmethod
     def _weight_grads(plan: _SplitPlan) -> None:

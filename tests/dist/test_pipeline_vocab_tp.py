@@ -20,7 +20,7 @@ process (tied too) and vocab-pp4 load it bit-identically, one process's loads in
 and a stopped run resumes bit-exactly; pretrained weights load into each rank's rows bit for
 bit. And bf16 (fp32 masters) and bf16 autocast against one process in the same mode, with
 tests/dist/test_vocab_pp_bf16.py's bounds. With sequence parallelism (1F1B, untied and tied;
-ZB-V's split backwards are refused under SP by the pipeline's general rule) the same parity,
+ZB-V's split backwards under SP: tests/dist/test_pipeline_split_sp.py) the same parity,
 and its tp collectives counted exactly too.
 """
 
@@ -83,8 +83,8 @@ def test_vocab_parallel_pipeline_with_tp_matches_one_process(dist, small_data_di
 # Sequence parallelism (``parallel.sequence_parallel``): the stages' activations, and every
 # vocabulary message over pp, are tp sequence shards; S all-gathers X over tp, T reduce-scatters
 # its part of dX, the embedding is reduce-scattered before it travels and its gradient
-# all-gathered after. ZB-V (split backwards) is refused under SP by the pipeline's general rule
-# (tests/unit/test_config_pipeline.py), so the 1F1B variant, untied and tied.
+# all-gathered after. The 1F1B variant, untied and tied (ZB-V's split backwards under SP:
+# tests/dist/test_pipeline_split_sp.py).
 SP_CASES = [("1f1b", False), ("1f1b", True)]
 
 

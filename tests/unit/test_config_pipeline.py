@@ -44,10 +44,6 @@ REJECTED = [
       "train.global_batch_size": "6"}, 8, "parallel.schedule",
      "parallel.schedule='interleaved_1f1b'",
      ["= 6 / (2 * 1) = 3", "needs microbatches >= 4 for pp_size=4"]),
-    # Pipelines still cannot be combined with what is not implemented yet.
-    ({**PP2, "parallel.tp": "2", "parallel.sequence_parallel": "true",
-      "parallel.schedule": "zb_h2"}, 4, "parallel.sequence_parallel",
-     "parallel.sequence_parallel=True", ["is not exact yet", "full backwards"]),
     # Tied embeddings across stages: a V placement shares one Parameter, which ZeRO-3 cannot
     # shard in two stages.
     ({**PP2, "model.tie_embeddings": "true", "parallel.schedule": "zbv",
@@ -85,10 +81,6 @@ REJECTED = [
     ({**PP2, "parallel.vocab_parallel_pp": "true", "parallel.tp": "2", "model.preset": "debug",
       "model.vocab_size": "322"}, 4, "model.vocab_size", "model.vocab_size=322",
      ["divisible by parallel.pp x parallel.tp = 2 x 2", "nearest: 320"]),
-    # ... with sequence parallelism too, but not with split backwards (SP's general rule)
-    ({**PP2, "parallel.vocab_parallel_pp": "true", "parallel.tp": "2", "model.preset": "debug",
-      "parallel.sequence_parallel": "true", "parallel.schedule": "zbv"}, 4,
-     "parallel.sequence_parallel", "parallel.sequence_parallel=True", ["is not exact yet"]),
 ]
 
 
@@ -140,6 +132,12 @@ def test_a_schedule_without_a_pipeline_is_refused() -> None:
       "parallel.dp_replicate": "2", "train.global_batch_size": "16"}, 8),
     ({**PP2, "parallel.schedule": "search", "parallel.schedule_memory_limit": "3",
       "parallel.schedule_costs": "1,1,0.5,0.05"}, 2),
+    # sequence parallelism under schedules that split the backward into I and W, vocabulary
+    # parallelism across the pipeline too (tests/dist/test_pipeline_split_sp.py)
+    ({**PP2, "parallel.tp": "2", "parallel.sequence_parallel": "true",
+      "parallel.schedule": "zb_h2"}, 4),
+    ({**PP2, "parallel.vocab_parallel_pp": "true", "parallel.tp": "2", "model.preset": "debug",
+      "parallel.sequence_parallel": "true", "parallel.schedule": "zbv"}, 4),
     # per-rank costs (the planner writes these) and a pinned placement
     ({**PP2, "parallel.schedule": "search", "parallel.schedule_placement": "looped",
       "parallel.schedule_costs": "0.9,1,0.6;1,1.2,0.7,0.02"}, 2),
