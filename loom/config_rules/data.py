@@ -61,9 +61,11 @@ def validate_packing(config: Config) -> None:
 
 
 def _validate_context_documents(config: Config) -> None:
-    """pack/varlen under cp > 1: what is not built on top of it yet, by name."""
+    """pack/varlen under cp > 1: what is not built on top of it yet, by name. Sequence
+    parallelism runs under ``data.balance = zeppelin`` (a cp rank's shard is its own tokens,
+    split over its tp ranks unevenly as varlen is at cp = 1), not under the static cp shard."""
     packing, par = config.data.packing, config.parallel
-    if par.tp > 1 and par.sequence_parallel:
+    if par.tp > 1 and par.sequence_parallel and config.data.balance != "zeppelin":
         raise ConfigError("parallel.sequence_parallel", True, f"{packing} under cp ="
                           f" {par.cp} with sequence parallelism is not built yet (a cp shard"
                           " of documents is padded to the Ulysses degree, not to tp): turn it"
@@ -76,8 +78,10 @@ def _validate_context_documents(config: Config) -> None:
 
 def _validate_zeppelin(config: Config) -> None:
     """``data.balance = zeppelin`` places each varlen microbatch's documents over the cp ranks
-    (``loom.parallel.zeppelin_cp``): it needs a ring of cp > 1 ranks, and is built and tested
-    with dp, not yet with tp or pp."""
+    (``loom.parallel.zeppelin_cp``): it needs a ring of cp > 1 ranks. It runs with dp, tp
+    (sequence parallelism on or off) and pp: every rank of a cp rank's tp group and pipeline
+    computes the same placement from the same microbatch, and the sub-rings are made per
+    (dp, tp, pp) coordinate, like the cp ring."""
     par = config.parallel
     if par.cp < 2:
         raise ConfigError("data.balance", "zeppelin", "places documents over the cp ranks:"
@@ -85,10 +89,6 @@ def _validate_zeppelin(config: Config) -> None:
     if par.cp_mode != "ring":
         raise ConfigError("parallel.cp_mode", par.cp_mode, "data.balance = zeppelin runs its"
                           " placement on the document ring: use cp_mode = ring")
-    for field, degree in (("parallel.tp", par.tp), ("parallel.pp", par.pp)):
-        if degree > 1:
-            raise ConfigError(field, degree, "data.balance = zeppelin is not built with it yet:"
-                              f" use {field} = 1 or data.balance = tokens")
 
 
 def _validate_varlen_layout(config: Config) -> None:

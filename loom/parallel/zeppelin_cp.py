@@ -34,6 +34,16 @@ every layer: ``sub_ring_keys``):
   its own tokens, ``zeppelin_shard_indices``; one padding slot only for a rank given none),
   and the linear modules run on each rank's own tokens.
 
+With tensor parallelism (``parallel.tp > 1``) the tp ranks of one cp rank hold the same tokens
+and a shard of the heads: each computes the same placement from the same microbatch (nothing
+is communicated), and its sub-rings join the cp ranks of its own tp index, as the cp ring does
+(``new_sub_rings`` makes them for every cp group, one per tp and data coordinate). Under
+sequence parallelism a cp rank's shard, its own token count, is split over its tp ranks
+unevenly where tp does not divide it, as a varlen microbatch is at cp = 1; the engine sees the
+whole shard, gathered. With pipeline parallelism every stage computes the same placement, its
+stage-to-stage messages between ranks of one cp index (one shard length), and each stage's
+sub-rings join its own cp ranks, which run the schedule's passes in the same order.
+
 Without the remapping layer (``loom.parallel.remap`` is not wired into the model), a rank's
 linear work is its own tokens', so a placement is priced as the busiest rank's attention
 (``tiled_attention``: a document cut over more ranks than its length needs costs each of them
@@ -214,8 +224,10 @@ class SubRings:
 
 def new_sub_rings(cp_rank_groups: Sequence[Sequence[int]], rank: int) -> SubRings:
     """The process group of every aligned block of every cp group (each listing global ranks
-    in cp order; ``cp - 1`` groups per cp group when cp is a power of two). Collective: every
-    rank of the default group calls it with the same arguments (``dist.new_group`` is)."""
+    in cp order; ``cp - 1`` groups per cp group when cp is a power of two). With tp, pp and
+    data axes there is one cp group per (tp, pp, data) coordinate, so a sub-ring never joins
+    ranks holding different heads, layers or data. Collective: every rank of the default group
+    calls it with the same arguments (``dist.new_group`` is)."""
     mine = None
     for ranks in cp_rank_groups:
         ranks = tuple(int(r) for r in ranks)

@@ -21,10 +21,16 @@ ranks (checked: the test is about a step that has both).
 * The tiled document ring (``context_documents.document_tiles``) equals the dense masked one,
   also where a step-0 tile runs torch's causal kernel and where a split document's chunk pairs
   run as full (non-causal) tiles on it.
-* The ``Trainer`` (2 AdamW steps: loss, gradient norm, every gradient) with cp = 2, cp = 4 and
-  dp = 2 x cp = 2 equals one process running the same microbatches (``data.balance =
-  tokens``, the same bins) with per-document attention; so does its evaluation loss (cp = 4).
-* The config refuses, by name, zeppelin without cp > 1, with Ulysses, with tp or with pp.
+* The ``Trainer`` (2 AdamW steps: loss, gradient norm, every gradient) with cp = 2, cp = 4,
+  dp = 2 x cp = 2, tp = 2 x cp = 2 (sequence parallelism off and on) and pp = 2 x cp = 2
+  (1f1b; matrix: zb_h1, dualpipev) equals one process
+  running the same microbatches (``data.balance = tokens``, the same bins) with per-document
+  attention; so does its evaluation loss (cp = 4). In each run every tp rank of a cp rank
+  holds the same tokens, a data coordinate's cp ranks hold each microbatch's tokens exactly
+  once between them, some document is cut over several ranks (each of them sends on the cp
+  axis: its ring ran) and some is kept whole.
+* The config accepts zeppelin with dp, with tp (also with sequence parallelism) and with pp,
+  and refuses, by name, zeppelin without cp > 1 or with Ulysses.
 """
 
 from __future__ import annotations
@@ -53,17 +59,29 @@ from loom.data.zeppelin import (UNIT, Partition, Ranks, group_time, partition_st
                                 partition_tokens)
 from loom.testing.parity import assert_parity, layout_config, record_training
 from loom.train.trainer import Trainer
+from tests.conftest import matrix
 from tests.data_fixtures import DataCfg, prepared_documents
 
 STEPS = 2
 SEQ_LEN, BUDGET = 256, 384  # split length, tokens per microbatch
 RTOL_FIRST, ATOL_FIRST = 1e-5, 1e-6
 RTOL, ATOL = 1e-4, 1e-5
-LAYOUTS = {  # name: (world, degrees)
+LAYOUTS = {  # name: (world, degrees[, other overrides])
     "cp2": (2, {"cp": 2, "dp_replicate": 1}),
     "cp4": (4, {"cp": 4, "dp_replicate": 1}),
     "dp2-cp2": (4, {"cp": 2, "dp_replicate": 2}),
+    # each tp rank of a cp rank: the same placement, its shard of the heads, its sub-rings
+    # among the cp ranks of its own tp index
+    "tp2-cp2": (4, {"cp": 2, "tp": 2, "dp_replicate": 1}),
+    "tp2sp-cp2": (4, {"cp": 2, "tp": 2, "dp_replicate": 1, "sequence_parallel": True}),
+    # the same placement on every stage; each stage's sub-rings among its own cp ranks, run
+    # in the schedule's order (also split backward passes, and dualpipev's two directions)
+    "pp2-cp2": (4, {"cp": 2, "pp": 2, "dp_replicate": 1}),
+    "pp2-cp2-zb": (4, {"cp": 2, "pp": 2, "dp_replicate": 1, "schedule": "zb_h1"}),
+    "pp2-cp2-dualpipev": (4, {"cp": 2, "pp": 2, "dp_replicate": 1, "schedule": "dualpipev"},
+                          {"model.n_layers": 4, "train.global_batch_tokens": 4 * BUDGET}),
 }
+CI_LAYOUTS = ["cp2", "cp4", "dp2-cp2", "tp2-cp2", "tp2sp-cp2", "pp2-cp2"]
 
 
 def write_long_tail(directory: Path, count: int, seed: int) -> None:
@@ -341,22 +359,87 @@ def test_whole_documents_need_no_ring_traffic(dist):
 _reference: dict[str, dict] = {}
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+def record_placed_training(ctx, config_table: dict, data_dir: str, steps: int) -> dict:
+    """``record_training``, plus where this rank sits (its cp, tp and data coordinates, whether
+    tp is applied), each microbatch's (document id, position) pairs whole and in this rank's
+    shard, and the bytes it sent on the cp axis (the sub-rings' hops)."""
+    trainer = Trainer(from_dict(config_table), Path(data_dir), None, ctx)
+    placed: list[tuple[list, list]] = []
+    shard = trainer._shard_documents
+
+    def recording(batch: DocumentBatch) -> DocumentBatch:
+        local = shard(batch)
+        placed.append(tuple(list(zip(b.document_ids[0].tolist(), b.positions[0].tolist()))
+                            for b in (batch, local)))
+        return local
+
+    trainer._shard_documents = recording
+    record: dict = {"loss": [], "grad_norm": [], "grads": []}
+    for _ in range(steps):
+        metrics = trainer.train_step()
+        record["loss"].append(metrics["loss"])
+        record["grad_norm"].append(metrics["grad_norm"])
+        record["grads"].append({k: v.cpu() for k, v in trainer.named_gradients().items()})
+    coords = trainer.grid.coords(ctx.rank)
+    record.update(placed=placed, tp_applied=trainer.tp is not None,
+                  sequence_parallel=trainer.tp is not None and trainer.tp.sequence_parallel,
+                  cp_sent=trainer.ledger.get("cp", "send").payload_bytes,
+                  where=(coords["cp"], coords["tp"],
+                         tuple(v for k, v in sorted(coords.items()) if k not in ("cp", "tp"))))
+    return record
+
+
+def assert_placed_over_cp(ranks: list[dict], cp: int) -> None:
+    """Every tp rank of a cp rank holds the same tokens; a data coordinate's cp ranks hold each
+    microbatch's tokens exactly once between them, some document cut over several ranks (its
+    ring ran: each of them sent on the cp axis) and some kept whole."""
+    by_place = {}
+    for got in ranks:
+        by_place.setdefault((got["where"][2], got["where"][0]), []).append(got)
+    for alike in by_place.values():  # one cp rank's tp ranks
+        assert all(got["placed"] == alike[0]["placed"] for got in alike)
+        assert len({got["cp_sent"] for got in alike}) == 1
+    for data in {place for place, _ in by_place}:
+        shards = [by_place[data, c][0]["placed"] for c in range(cp)]
+        split = whole = 0
+        in_rings: set[int] = set()
+        for mb in range(len(shards[0])):
+            row = shards[0][mb][0]
+            held = [pair for c in range(cp) for pair in shards[c][mb][1] if pair[0] >= 0]
+            assert sorted(held) == sorted(p for p in row if p[0] >= 0)
+            ranks_of: dict[int, set] = {}
+            for c in range(cp):
+                for doc, _ in shards[c][mb][1]:
+                    ranks_of.setdefault(doc, set()).add(c)
+            split += sum(len(r) > 1 for d, r in ranks_of.items() if d >= 0)
+            in_rings.update(c for d, r in ranks_of.items() if d >= 0 and len(r) > 1 for c in r)
+            whole += sum(len(r) == 1 for d, r in ranks_of.items() if d >= 0)
+        assert split and whole, (split, whole)
+        assert all(got["cp_sent"] > 0 for c in in_rings for got in by_place[data, c])
+
+
+@pytest.mark.parametrize("layout", matrix(LAYOUTS, ci=CI_LAYOUTS))
 def test_zeppelin_under_cp_matches_one_process(dist, long_tail, layout):
     data_dir, base = long_tail
-    if "ref" not in _reference:  # the same bins: tokens' deal
-        _reference["ref"] = dist.run(1, record_training,
-                                     layout_config({**base, "data.balance": "tokens"}, 1),
-                                     data_dir, STEPS)[0]
-    reference = _reference["ref"]
-    world, degrees = LAYOUTS[layout]
-    config = layout_config({**base, "data.balance": "zeppelin", "parallel.cp_mode": "ring"},
-                           world, **degrees)
-    for rank, got in enumerate(dist.run(world, record_training, config, data_dir, STEPS)):
+    world, degrees, *other = LAYOUTS[layout]
+    base = {**base, **(other[0] if other else {})}
+    key = repr(sorted(other[0].items())) if other else "ref"
+    if key not in _reference:  # the same bins: tokens' deal
+        _reference[key] = dist.run(1, record_training,
+                                   layout_config({**base, "data.balance": "tokens"}, 1),
+                                   data_dir, STEPS)[0]
+    reference = _reference[key]
+    config = layout_config({**base, "data.balance": "zeppelin", "parallel.cp_mode": "ring",
+                            "metrics.comm": True}, world, **degrees)
+    ranks = dist.run(world, record_placed_training, config, data_dir, STEPS)
+    for rank, got in enumerate(ranks):
         where = f"zeppelin {layout} rank {rank}"
+        assert got["tp_applied"] == (degrees.get("tp", 1) > 1)
+        assert got["sequence_parallel"] == degrees.get("sequence_parallel", False)
         assert_parity(reference, got, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=where,
                       steps=range(1))
         assert_parity(reference, got, rtol=RTOL, atol=ATOL, label=where)
+    assert_placed_over_cp(ranks, degrees["cp"])
     assert reference["loss"][-1] != reference["loss"][0]
 
 
@@ -385,16 +468,26 @@ def _config(overrides: dict, world: int):
                                       **overrides}), world)
 
 
-def test_zeppelin_is_accepted_with_a_cp_ring_and_dp():
+def test_zeppelin_is_accepted_with_a_cp_ring_and_dp_tp_or_pp():
     config = _config({"parallel.cp": "2", "parallel.dp_replicate": "2"}, 4)
     assert config.data.balance == "zeppelin" and config.parallel.cp == 2
+    config = _config({"parallel.cp": "2", "parallel.tp": "2"}, 4)
+    assert config.parallel.tp == 2 and not config.parallel.sequence_parallel
+    # with sequence parallelism too: a cp rank's shard is its own tokens, split unevenly over
+    # its tp ranks as varlen is at cp = 1 (the static cp shard still refuses it: tokens)
+    config = _config({"parallel.cp": "2", "parallel.tp": "2", "parallel.sequence_parallel":
+                      "true"}, 4)
+    assert config.parallel.sequence_parallel
+    with pytest.raises(ConfigError, match="not built") as info:
+        _config({"parallel.cp": "2", "parallel.tp": "2", "parallel.sequence_parallel": "true",
+                 "data.balance": "tokens"}, 4)
+    assert info.value.field_name == "parallel.sequence_parallel"
+    assert _config({"parallel.cp": "2", "parallel.pp": "2"}, 4).parallel.pp == 2
 
 
 @pytest.mark.parametrize("overrides, world, field, words", [
     ({}, 1, "data.balance", "parallel.cp > 1"),
     ({"parallel.cp": "2", "parallel.cp_mode": "ulysses"}, 2, "parallel.cp_mode", "ring"),
-    ({"parallel.cp": "2", "parallel.tp": "2"}, 4, "parallel.tp", "not built"),
-    ({"parallel.cp": "2", "parallel.pp": "2"}, 4, "parallel.pp", "not built"),
     ({"data.packing": "pack", "parallel.cp": "2"}, 2, "data.balance", "varlen"),
 ])
 def test_zeppelin_refuses_what_is_not_built_by_name(overrides, world, field, words):
