@@ -97,7 +97,9 @@ def write_long_tail(directory: Path, count: int, seed: int) -> None:
 def long_tail(tmp_path_factory) -> tuple[str, dict]:
     data_dir, overrides = prepared_documents(tmp_path_factory, "zeppelin_docs", SEQ_LEN, count=240,
                                              seed=5, write=write_long_tail)
-    overrides.update({"data.packing": "varlen", "data.tokens_per_microbatch": BUDGET, "train.global_batch_tokens": 2 * BUDGET, "model.preset": "tiny", "model.n_layers": 2, "train.steps": STEPS})
+    overrides.update({"data.packing": "varlen", "data.tokens_per_microbatch": BUDGET,
+                      "train.global_batch_tokens": 2 * BUDGET, "model.preset": "tiny",
+                      "model.n_layers": 2, "train.steps": STEPS})
     return data_dir, overrides
 
 
