@@ -18,7 +18,8 @@ variant: the median tokens/s and MFU over the steps after the first ``--warmup``
 accounting: 6 x parameters + attention FLOPs per token, against the catalog's dense BF16 peak),
 the allocator's peak, ``estimate_memory``'s prediction of that peak, and the planner's predicted
 step time (``CostModel`` on a one-GPU cluster of the catalog part the device names, the layout the
-run's config trains under, searched at nothing: ``loom plan``'s pricing of exactly this run) over
+run's config trains under, eager or compiled as its ``train.compile``, searched at nothing:
+``loom plan``'s pricing of exactly this run) over
 the measured median step (issue 21: how the planner does on a machine it was never tuned on; the
 fp32 variant has none, the planner prices bf16 matmuls).
 
@@ -40,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +53,7 @@ from loom.models.presets import PRESETS  # noqa: E402
 from loom.plan.hardware import GPUS, make_cluster  # noqa: E402
 from loom.plan.search import simulate_step  # noqa: E402
 from loom.sim.cost_model import CostModel  # noqa: E402
+from loom.sim.frameworks import LOOM  # noqa: E402
 from loom.train.memory import GiB, estimate_memory  # noqa: E402
 
 TORCHTITAN = {"tokens_per_s_per_gpu_eager": 5762, "tokens_per_s_per_gpu_compiled": 6667,
@@ -98,8 +101,9 @@ def predicted_step_s(config, part: str | None) -> float | None:
     if part is None or config.train.dtype == "fp32":
         return None
     cluster = make_cluster(part, 1)
+    stack = replace(LOOM, compiled=bool(config.train.compile))  # eager or compiled blocks
     model = CostModel(model_args(config), config.data.seq_len, config.train.global_batch_size,
-                      cluster, fp8=config.train.fp8 != "none")
+                      cluster, fp8=config.train.fp8 != "none", framework=stack)
     layout = layout_of(config)
     return simulate_step(model, model.evaluate(layout)).step_time
 

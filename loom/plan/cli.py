@@ -131,6 +131,13 @@ def add_plan_commands(sub: argparse._SubParsersAction,
     plan.add_argument("--fp8", default="none", metavar="RECIPE",
                       help="price the blocks' linears in FP8 (train.fp8: tensorwise, rowwise,"
                            " rowwise_with_gw_hp) at the accelerator's FP8 peak")
+    plan.add_argument("--fp8-all-gather", action="store_true",
+                      help="ZeRO-3 layouts all-gather the FP8 linears' weights in float8, 1 byte"
+                           " per element (train.fp8_all_gather; needs --fp8 tensorwise)")
+    plan.add_argument("--compile", metavar="true|false",
+                      help="price the blocks compiled (train.compile: element-wise chains fused)"
+                           " or eager (default: the --model config's train.compile, else the"
+                           " --framework profile's; loom.sim.eager_cost)")
     plan.add_argument("--sites", type=int, default=0,
                       help="price the best layout's data-parallel replicas over this many sites"
                            " under each dp_mode (sync, diloco, noloco, co2) and recommend one")
@@ -274,10 +281,24 @@ def _framework(args: argparse.Namespace) -> Framework:
     return dataclasses.replace(chosen, attention_kernel=kernel) if kernel else chosen
 
 
+def _compiled(args: argparse.Namespace, stack: Framework) -> tuple[Framework, bool]:
+    """``stack`` eager or compiled as ``--compile`` says (default: Loom's from the --model
+    config's ``train.compile``, another stack's its profile's), and that choice."""
+    if args.compile is None:
+        config = args.model and args.model not in PRESETS and Path(args.model).is_file()
+        compiled = (load_config(args.model).train.compile if config else False) \
+            if stack.is_loom else stack.compiled
+    elif args.compile.lower() in ("true", "false"):
+        compiled = args.compile.lower() == "true"
+    else:
+        raise PlanInputError(f"--compile {args.compile}: true or false")
+    return dataclasses.replace(stack, compiled=compiled), compiled
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.top < 1 or not 0 < args.memory_fraction <= 1:
         raise PlanInputError("--top must be >= 1 and --memory-fraction in (0, 1]")
-    stack = _framework(args)
+    stack, compiled = _compiled(args, _framework(args))
     if args.length_dist:
         return _run_varlen(args, stack)
     work, cluster = _workload(args), _cluster(args)
@@ -286,7 +307,11 @@ def _run(args: argparse.Namespace) -> int:
     fp8 = args.fp8 != "none"
     if fp8 and not cluster.gpu.fp8_flops:
         raise PlanInputError(f"--fp8 {args.fp8}: {cluster.gpu.name} has no FP8 matmuls")
-    work = dataclasses.replace(work, fp8=args.fp8)
+    if args.fp8_all_gather and args.fp8 != "tensorwise":
+        raise PlanInputError(f"--fp8-all-gather: gathers weights cast to float8 with one scale"
+                             f" per tensor, so needs --fp8 tensorwise (not {args.fp8})")
+    work = dataclasses.replace(work, fp8=args.fp8, fp8_all_gather=args.fp8_all_gather,
+                               compile=compiled if stack.is_loom else None)
     if args.layout:
         layout = parse_layout(args.layout)
         if layout.world != cluster.gpus:
@@ -294,14 +319,14 @@ def _run(args: argparse.Namespace) -> int:
                                  f" {cluster.gpus}")
         check_vocab_pp(layout, work)  # the trainer's rules for it (ConfigError: exit 2)
         model = CostModel(work.model, work.seq_len, work.global_batch, cluster, framework=stack,
-                          fp8=fp8)
+                          fp8=fp8, fp8_all_gather=work.fp8_all_gather)
         cost = simulate_step(model, model.evaluate(layout))
         result = Plan(work, cluster, cluster.gpu.memory_bytes * args.memory_fraction, [cost], 1,
                       int(cost.memory_total <= cluster.gpu.memory_bytes * args.memory_fraction))
         print(explain.to_json(result) if args.json else explain.breakdown(result, cost))
         return 0
     model = CostModel(work.model, work.seq_len, work.global_batch, cluster, framework=stack,
-                      fp8=fp8)
+                      fp8=fp8, fp8_all_gather=work.fp8_all_gather)
     result = plan(work, cluster, top=args.top, memory_fraction=args.memory_fraction,
                   runnable_only=not args.any and stack.is_loom, cost_model=model)
     if not stack.is_loom and not args.json:

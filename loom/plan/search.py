@@ -47,6 +47,7 @@ from loom.schedule.validate import peak_memory
 from loom.sim.cost_memory import memory_floor, search_units_left
 from loom.sim.cost_model import CostModel, StepCost
 from loom.sim.cost_model import search_costs
+from loom.sim.frameworks import LOOM
 
 
 @dataclass
@@ -144,8 +145,17 @@ def _parsed(config_path: str | None, preset: str | None, seq_len: int, fp8: str)
 
 def to_config(layout: Layout, work: Workload) -> Config:
     """The resolved Loom ``Config`` that trains ``work`` under ``layout`` (raises ConfigError):
-    the workload's config with the layout written in by value (``loom.config.with_layout``)."""
-    return resolve(with_layout(workload_config(work), layout), layout.world)
+    the workload's config with the layout written in by value (``loom.config.with_layout``),
+    compiled as the workload says, and FSDP2's float8 all-gather where the workload asks for it
+    and the layout is one the trainer builds it for (ZeRO-3 over dp_shard > 1, tp = 1)."""
+    config = with_layout(workload_config(work), layout)
+    gather = work.fp8_all_gather and layout.zero_stage == 3 and layout.dp_shard > 1 \
+        and layout.tp == 1
+    compiled = config.train.compile if work.compile is None else work.compile
+    if gather or compiled != config.train.compile:
+        config = replace(config, train=replace(config.train, compile=compiled,
+                                               fp8_all_gather=gather))
+    return resolve(config, layout.world)
 
 
 def runnable(layout: Layout, work: Workload, *, exact: bool = True,
@@ -269,7 +279,10 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
     ``vocab_pp``: the twins of the best ``VOCAB_PP_TWINS`` kept pipeline layouts with the
     vocabulary split over the pipeline are priced too (off: the space without the split)."""
     started = time.perf_counter()
-    model = cost_model or CostModel(work.model, work.seq_len, work.global_batch, cluster)
+    # eager or compiled blocks as the workload trains them (``Framework.compiled``)
+    compiled = workload_config(work).train.compile if work.compile is None else work.compile
+    model = cost_model or CostModel(work.model, work.seq_len, work.global_batch, cluster,
+                                    framework=replace(LOOM, compiled=compiled))
     budget = cluster.gpu.memory_bytes * memory_fraction
     keep = max(finalists * 2, top * 4)
     # kept entries (-step time, -ordinal, cost): a min-heap whose top is the slowest kept, ties

@@ -68,6 +68,10 @@ class Workload:
     global_batch: int  # sequences per optimizer step
     config_path: str | None = None  # a Loom TOML whose model (and other sections) to plan for
     fp8: str = "none"  # ``train.fp8``'s recipe (the blocks' linears in FP8)
+    # ``train.fp8_all_gather``: ZeRO-3 gathers the FP8 linears' weights in float8 (tensorwise)
+    fp8_all_gather: bool = False
+    # ``train.compile``: the blocks compiled (``Framework.compiled``); None: the config's own
+    compile: bool | None = None
 
     @property
     def tokens_per_step(self) -> int:

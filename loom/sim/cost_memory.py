@@ -260,6 +260,10 @@ def _instants(model: Any, lay: Layout, psi: float, experts: float = 0.0, head: f
                                     sequence_parallel=lay.sequence_parallel,
                                     vocab_parallel=lay.vocab_parallel, moe=experts > 0,
                                     vocab_parallel_pp=lay.vocab_parallel_pp))
+    # FSDP2's float8 all-gather: the two gathered blocks every pass instant holds (not the
+    # gradients' reduce-scatter beside them) have their FP8 linears at 1 byte
+    float8 = 2 * (rules.block - gathered_block(model, lay)) * model.e \
+        if stage == 3 and not rules.held else 0.0
     worst: dict[str, dict[str, float]] = {}
     for instant in rank_state_instants(psi, experts,
                                        last_microbatch(psi, lay.microbatches > 1, head), rules):
@@ -267,12 +271,22 @@ def _instants(model: Any, lay: Layout, psi: float, experts: float = 0.0, head: f
             "less_head_and_top" if instant.less_head_and_top else "all")
         entry = {"parameters": instant.parameters, "gradients": instant.gradients,
                  "optimizer": instant.optimizer, "activations": 0.0,
-                 "transient": instant.transient, "_acts": kind}
+                 "transient": instant.transient - (float8 if instant.level else 0.0),
+                 "_acts": kind}
         entry["_total"] = (instant.parameters + instant.gradients + instant.optimizer
-                           + instant.transient)
+                           + entry["transient"])
         if kind not in worst or entry["_total"] > worst[kind]["_total"]:
             worst[kind] = entry  # the activations of a kind are alike: its largest state wins
     return list(worst.values())
+
+
+def gathered_block(model: Any, lay: Layout) -> float:
+    """A ZeRO-3 unit's gathered bytes in elements of ``model.e`` (the largest layer's
+    parameters on a rank): FSDP2's float8 all-gather (``CostModel.fp8_all_gather``) holds the
+    FP8 linears' weights at 1 byte."""
+    e = model.e
+    return max(model._layer_params(moe, lay) - model.fp8_layer_params(moe, lay) * (e - 1) / e
+               for moe in (True, False))
 
 
 def _framework_instants(model: Any, lay: Layout, psi: float, experts: float
@@ -295,7 +309,7 @@ def _framework_instants(model: Any, lay: Layout, psi: float, experts: float
         return tuple(a + b for a, b in zip(dense, expert))
 
     params, grads, optim = state()
-    block = max(model._layer_params(True, lay), model._layer_params(False, lay))
+    block = gathered_block(model, lay)
     held = stage == 3 and lay.pp > 1
     transient = 2 * model.e * block if stage == 3 and not held else 0.0
     passes_grads = fw.grad_bytes * psi if stage == 3 and lay.microbatches > 1 else grads

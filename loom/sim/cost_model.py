@@ -24,7 +24,9 @@ heads of width d, f FFN width, t = tp; a matmul of m x k by k x n is 2mkn FLOPs)
 * matmul time = FLOPs / ``Gpu.matmul_rate(smallest dim)``; element-wise work (norms, residuals,
   RoPE, SwiGLU) is memory-bound: about 20 reads or writes of T·h elements per layer forward
   (8 replicated and 12 split by tp, all split under sequence parallelism), twice that backward,
-  at the HBM bandwidth; plus a fixed ``op_overhead`` per layer pass (kernel launches).
+  at the HBM bandwidth (what fused kernels move: a compiled block); an eager one
+  (``Framework.compiled`` false) moves ``loom.sim.eager_cost``'s bytes more, each op its own
+  kernel; plus a fixed ``op_overhead`` per layer pass (kernel launches).
 
 Communication, alpha-beta per link class (``Cluster.link_for``: a group inside one node uses the
 intra-node link, otherwise the inter-node one, its bandwidth divided by the rack's (and the
@@ -49,7 +51,8 @@ Loom's runtime:
   all-reduce; ZeRO-1/2 reduce-scatter + all-gather of parameters (the same 2Ψ); ZeRO-3 all-gathers
   the parameters of each layer forward and backward, per microbatch without a pipeline and once
   per step per stage with one, prefetched so only what exceeds the layer's compute is exposed,
-  plus one reduce-scatter, all over dp_shard·cp (the cp ranks hold the same weights); HSDP adds
+  plus one reduce-scatter, all over dp_shard·cp (the cp ranks hold the same weights), the FP8
+  linears' weights at 1 byte under FSDP2's float8 all-gather (``fp8_all_gather``); HSDP adds
   an all-reduce of 1/(dp_shard·cp) over dp_replicate. Each of these is cut into one piece per
   layer and queued on its link's stream behind the layer passes it overlaps
   (``loom.sim.streams``: collectives sharing a link take their sum there, on two links the max):
@@ -96,6 +99,7 @@ from loom.layout import CPLayout  # Loom's own split of cp into u x r
 from loom.schedule.cost import OpCosts, StageCosts
 from loom.sim.collectives import all_to_all_time, allreduce_time, gather_time, p2p_time
 from loom.sim.cost_memory import layout_memory
+from loom.sim.eager_cost import eager_extra_bytes
 from loom.sim.frameworks import LOOM, Framework
 from loom.sim.streams import Pieces, chunked_overlap, layer_overlap
 from loom.sim.vocab_cost import (VocabPasses, vocab_pass_times, vocab_pp, vocab_shares,
@@ -165,12 +169,16 @@ class CostModel:
     def __init__(self, model: TransformerArgs, seq_len: int, global_batch: int, cluster: Any, *,
                  dtype_bytes: int = 2, grad_bytes: int | None = None,
                  op_overhead: float | None = None, framework: Framework = LOOM,
-                 fp8: bool = False):
+                 fp8: bool = False, fp8_all_gather: bool = False):
         self.model, self.seq, self.batch, self.cluster = model, seq_len, global_batch, cluster
         # FP8 matmuls in the blocks' linears (``train.fp8``; ``_fp8_share`` says which FLOPs)
         if fp8 and not cluster.gpu.fp8_flops:
             raise ValueError(f"{cluster.gpu.name} has no FP8 matmuls (fp8_flops = 0)")
         self.fp8 = fp8
+        # FSDP2 all-gathers the FP8 linears' weights in float8 (``train.fp8_all_gather``)
+        if fp8_all_gather and not fp8:
+            raise ValueError("fp8_all_gather needs fp8 (the gathered weights are the FP8 linears')")
+        self.fp8_all_gather = fp8_all_gather
         self.framework = framework  # memory layout and overlap defaults (loom.sim.frameworks)
         self.e = dtype_bytes
         self.grad_bytes = framework.grad_bytes if grad_bytes is None else grad_bytes
@@ -260,7 +268,12 @@ class CostModel:
         split = ELEMENTWISE_PASSES if lay.sequence_parallel and lay.tp > 1 else 12
         kept = 0 if lay.sequence_parallel and lay.tp > 1 else ELEMENTWISE_PASSES - 12
         t_elem = tokens * m.dim * self.e * (kept + split / lay.tp) / gpu.hbm_bandwidth
-        if not self.framework.fused_norm:  # the norms as eager fp32 ops (split under SP)
+        t_eager_f = t_eager_i = 0.0
+        if not self.framework.compiled:  # one kernel per element-wise op (its norms included)
+            extra_f, extra_i = eager_extra_bytes(m, tokens, lay.tp, lay.sequence_parallel, moe,
+                                                 self.e)
+            t_eager_f, t_eager_i = extra_f / gpu.hbm_bandwidth, extra_i / gpu.hbm_bandwidth
+        elif not self.framework.fused_norm:  # the norms as eager fp32 ops (split under SP)
             t_elem += tokens * m.dim * UNFUSED_NORM_BYTES / (
                 lay.tp if lay.sequence_parallel else 1) / gpu.hbm_bandwidth
         comm: dict[str, float] = {}
@@ -298,10 +311,11 @@ class CostModel:
         if self.framework.overlap.tp_comm and lay.sequence_parallel and tp_fwd and self.overlaps:
             # pipelined with the GEMMs in tp chunks (Megatron's TP-comm overlap needs SP)
             tp_exposed = chunked_overlap(t_mat * slow, tp_fwd, lay.tp) - t_mat * slow
-        f_compute = (t_mat + t_cast + t_core + t_scores_f + t_elem + overhead) * slow
+        f_compute = (t_mat + t_cast + t_core + t_scores_f + t_elem + t_eager_f
+                     + overhead) * slow
         f = f_compute + tp_exposed + cp_fwd + ep_fwd
-        i = (t_mat + t_cast + 2 * t_core + t_scores_i + 2 * t_elem + overhead) * slow \
-            + tp_exposed + cp_bwd + ep_fwd
+        i = (t_mat + t_cast + 2 * t_core + t_scores_i + 2 * t_elem + t_eager_i
+             + overhead) * slow + tp_exposed + cp_bwd + ep_fwd
         w = (t_mat + t_cast + overhead) * slow
         if lay.recompute == "full":
             i += f
@@ -376,6 +390,27 @@ class CostModel:
             shared = 3 * m.dim * width * m.n_shared_experts / lay.tp
             return attn + norms + experts + shared + m.dim * m.n_experts
         return attn + norms + m.mlp_matrices * m.dim * m.ffn_dim / lay.tp
+
+    def fp8_gathered_params(self, lay: Layout) -> dict[int, float]:
+        """Parameters of the FP8 linears (``_fp8_share``'s: the attention projections and the
+        dense or shared-expert MLP) on the end pipeline ranks, split by tp: what FSDP2's float8
+        all-gather moves at 1 byte (0 without it)."""
+        dense, moe = self.fp8_layer_params(False, lay), self.fp8_layer_params(True, lay)
+        counts, _, owned = self._geometry(lay.pp, lay.chunks, lay.v_shaped)
+        return {r: sum(counts[s][0] * dense + counts[s][1] * moe for s in owned[r])
+                for r in {0, lay.pp - 1}}
+
+    def fp8_layer_params(self, moe: bool, lay: Layout) -> float:
+        """``fp8_gathered_params`` of one (MoE or dense) layer on one rank (none where Loom's
+        trainer does not build the float8 gather: tp > 1)."""
+        if not self.fp8_all_gather or (self.framework.is_loom and lay.tp > 1):
+            return 0.0
+        m = self.model
+        attn = m.dim * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
+        if moe:
+            shared = 3 * m.dim * (m.expert_ffn_dim or m.ffn_dim) * m.n_shared_experts
+            return (attn + shared) / lay.tp
+        return (attn + m.mlp_matrices * m.dim * m.ffn_dim) / lay.tp
 
     def _rank_expert_params(self, lay: Layout) -> dict[int, float]:
         """Routed-expert parameters on the end pipeline ranks (E / ep experts of every MoE layer,
@@ -623,6 +658,7 @@ class CostModel:
             return 0.0, 0.0
         experts = self._rank_expert_params(lay)
         zero = lay.zero_stage if lay.dp_shard > 1 else 0
+        fp8 = self.fp8_gathered_params(lay)  # gathered at 1 byte under ZeRO-3
         # the rank distances of the dense groups (the experts' groups are priced on the same)
         strides = self._strides(lay)
         shard_stride, rep_stride, dp_stride = strides["shard"], strides["rep"], strides["dp"]
@@ -632,7 +668,7 @@ class CostModel:
             reduce: dict[str, float] = {}
             gather: dict[str, float] = {}
             # dense parameters are replicated over ep too, routed experts are not
-            for count, over in ((psi - experts[r], lay.ep), (experts[r], 1)):
+            for count, over, in_fp8 in ((psi - experts[r], lay.ep, fp8[r]), (experts[r], 1, 0)):
                 if zero:
                     # ZeRO shards over dp_shard x cp (the cp ranks hold the same weights), dense
                     # parameters also over ep; HSDP all-reduces the slices over dp_replicate
@@ -644,7 +680,8 @@ class CostModel:
                     _add(reduce, rep_link.name, allreduce_time(
                         count * self.grad_bytes / shard, lay.dp_replicate, rep_link))
                     width = self.e if zero == 3 else self.framework.zero12_gather_bytes
-                    _add(gather, shard_link.name, gather_time(count * width, shard, shard_link))
+                    gathered = count * width - (in_fp8 * (width - 1) if zero == 3 else 0)
+                    _add(gather, shard_link.name, gather_time(gathered, shard, shard_link))
                 else:
                     n = lay.dp_replicate * lay.dp_shard * lay.cp * over
                     link = c.link_for(n, dp_stride)

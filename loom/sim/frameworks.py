@@ -44,6 +44,16 @@ What a profile fixes:
   today; the DeepSpeed profile (Megatron-DeepSpeed as BLOOM ran it) the fused softmax.
   ``fused_norm`` false prices the RMSNorms as eager fp32 ops (a stack without a norm kernel);
   every profile here has one (Loom's own is its measured element-wise passes).
+* **Eager or compiled** (``compiled``): whether the block's element-wise chains (norms,
+  residual adds, RoPE, SwiGLU) run fused, as ``torch.compile``'s inductor or hand-fused kernels
+  run them, or as one eager kernel per op; ``loom.sim.eager_cost`` counts what eager moves
+  beyond fused, from Loom's block. Loom: false, as ``train.compile`` defaults (the plan follows
+  ``loom plan --compile``; ``bench/gpu.py`` the run's ``train.compile``). torchtitan: false,
+  its configs' default (``compile.enable``) and what its published BF16 rows ran (its 8B FSDP
+  row: "no torch.compile"; the compiled ones are its Float8 rows). Megatron-LM: true, its
+  fused RMSNorm / LayerNorm (Apex or Transformer Engine), fused RoPE and bias-SwiGLU / GELU
+  kernels do what the compiler's fusion does. DeepSpeed (Megatron-DeepSpeed): true, the same
+  fused norm, bias-GELU and scale-mask-softmax kernels.
 * **Overlap** (``Overlap``, priced by ``loom.sim.streams``): TP communication pipelined with the
   GEMMs (Megatron's ``--tp-comm-overlap``, which needs sequence parallelism), the ZeRO-1/2
   parameter all-gather overlapped with the next forward (``--overlap-param-gather``, in the
@@ -106,6 +116,7 @@ class Framework:
     sp_shards_all: bool  # sequence parallelism shards every activation (Megatron)
     attention_kernel: str = "flash2"  # ATTENTION_KERNELS: how the attention core runs
     fused_norm: bool = True  # one kernel per RMSNorm (else eager fp32 ops; loom.sim.cost_model)
+    compiled: bool = True  # element-wise chains fused (else one kernel per op; eager_cost)
     dropout: bool = False  # 1-byte dropout masks kept (GPT-style blocks)
     optimizer_temporaries: bool = False  # foreach AdamW's two state-sized temporaries
     sp_keeps_gathered: bool = False  # Loom's block, SP saving the gathered inputs whole
@@ -168,12 +179,14 @@ def _stride(order: tuple[str, ...], degrees: tuple[int, ...], axes: tuple[str, .
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     Framework("loom", param_bytes=4, grad_bytes=4, optimizer_bytes=8, zero12_gather_bytes=4,
               sp_shards_all=False,  # its step: cost_memory's fused_step rule, per layout
+              compiled=False,  # train.compile's default
               overlap=Overlap(tp_comm=False, param_gather=False, grad_reduce="last_backward")),
     Framework("megatron", param_bytes=2, grad_bytes=4, optimizer_bytes=12, zero12_gather_bytes=2,
               sp_shards_all=True, dropout=True,
               overlap=Overlap(tp_comm=True, param_gather=True, grad_reduce="pipeline_flush")),
     Framework("torchtitan", param_bytes=4, grad_bytes=4, optimizer_bytes=8, zero12_gather_bytes=2,
               sp_shards_all=False, sp_keeps_gathered=True,  # fused AdamW by default
+              compiled=False,  # compile.enable's default; its published BF16 rows ran eager
               overlap=Overlap(tp_comm=False, param_gather=False, grad_reduce="last_backward")),
     Framework("deepspeed", param_bytes=2, grad_bytes=4, optimizer_bytes=12, zero12_gather_bytes=2,
               sp_shards_all=True, attention_kernel="fused", dropout=True,

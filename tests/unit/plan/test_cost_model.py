@@ -6,6 +6,8 @@ Each expected value is written out from the formula in ``loom/sim/cost_model.py`
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from loom.config import load_config, resolve
@@ -17,6 +19,7 @@ from loom.plan.hardware import GB, Cluster, Gpu, Link, make_cluster
 from loom.plan.space import SCHEDULES
 from loom.layout import Layout
 from loom.sim.cost_model import CostModel
+from loom.sim.frameworks import LOOM
 from loom.sim.cost_memory import PEAK_IN_FLIGHT
 from loom.sim.cost_model import all_to_all_time, allreduce_time, gather_time, p2p_time
 from loom.formulas.flops import training_flops_per_token
@@ -180,7 +183,8 @@ def test_tensor_parallel_communication_is_four_all_reduces_per_layer():
     per element size, REFERENCE.md §1.1), not overlapped: F and I each carry two."""
     m = TransformerArgs(dim=1024, n_layers=2, n_heads=8, n_kv_heads=8, ffn_dim=4096,
                         vocab_size=1024)
-    model = CostModel(m, seq_len=512, global_batch=2, cluster=cluster(8), dtype_bytes=2)
+    model = CostModel(m, seq_len=512, global_batch=2, cluster=cluster(8), dtype_bytes=2,
+                      framework=replace(LOOM, compiled=True))  # the fused passes only
     f1, i1, w1, _ = model._layer_times(Layout(tp=1), moe=False)
     f4, i4, w4, comm = model._layer_times(Layout(tp=4), moe=False)
     one = allreduce_time(1 * 512 * 1024 * 2, 4, FAST)

@@ -17,6 +17,7 @@ from loom.plan.search import plan, runnable, simulate_step, to_config
 from loom.plan.space import SCHEDULES, Workload, layouts
 from loom.layout import Layout
 from loom.sim.cost_model import CostModel
+from loom.sim.frameworks import LOOM
 from loom.schedule.validate import peak_memory
 from loom.sim.cost_memory import search_units_left
 from loom.schedule.simulate import simulate
@@ -57,7 +58,8 @@ def test_simulating_2p_microbatches_and_extending_equals_the_full_simulation(nam
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_the_screening_estimate_is_close_to_the_simulation(name):
-    model = CostModel(WORK.model, WORK.seq_len, 128, make_cluster("H100-SXM", 32, 8))
+    model = CostModel(WORK.model, WORK.seq_len, 128, make_cluster("H100-SXM", 32, 8),
+                      framework=dataclasses.replace(LOOM, compiled=True))  # eager v_half: 11%
     lay = Layout(pp=4, dp_replicate=8, schedule=name, chunks=SCHEDULES[name][0],
                  micro_batch=1, microbatches=16)
     cost = model.evaluate(lay)
@@ -171,7 +173,7 @@ def no_tp(tmp_path) -> Workload:
     path = tmp_path / "kv1.toml"
     path.write_text('[model]\npreset = "llama3-8b"\nn_kv_heads = 1\n')
     return Workload("kv1", dataclasses.replace(PRESETS["llama3-8b"], n_kv_heads=1), 4096, 16,
-                    config_path=str(path))
+                    config_path=str(path), compile=True)  # (eager: ZB-H1 + selective wins)
 
 
 def test_a_searched_schedule_is_given_the_activation_units_the_memory_budget_leaves(no_tp):
@@ -220,7 +222,8 @@ def test_the_planner_simulates_the_schedule_loom_train_would_search(no_tp):
         par.chunks, memory_limit=par.schedule_memory_limit, costs=par.schedule_costs,
         max_stages=config.model.n_layers, placement=par.schedule_placement)
     assert max(peak_memory(trained)) <= 3
-    model = CostModel(work.model, work.seq_len, work.global_batch, make_cluster("H100-SXM", 4, 8))
+    model = CostModel(work.model, work.seq_len, work.global_batch, make_cluster("H100-SXM", 4, 8),
+                      framework=dataclasses.replace(LOOM, compiled=True))  # as work compiles
     replayed = simulate(trained, model.evaluate(cost.layout).stage_costs.build()).makespan
     assert cost.pipeline == pytest.approx(float(replayed), rel=1e-9)
 
