@@ -6,6 +6,7 @@ estimator (loom/train/memory.py) vs measured tensor bytes for several layouts.
     python bench/zero_memory.py --peak zero2    # only its rows whose name contains "zero2"
     python bench/zero_memory.py --bf16          # bf16 parameters, fp32 masters: ZeRO-1/2/3, d 4
     python bench/zero_memory.py --peak-bf16     # the peak table in bf16 at every ZeRO stage
+    python bench/zero_memory.py --loss-path     # one rank at a vocabulary of 128,256
 
 Model state = the bytes of every distinct storage held by parameters, gradients and optimizer
 state after one optimizer step (deduplicated by storage: ZeRO-1/2 parameters are views of flat
@@ -326,6 +327,19 @@ BF16_PEAK_LAYOUTS = [row for row in PEAK_LAYOUTS if row[0] in (
     "zero3-dp4 m=1", "zero3-dp4 m=4")]
 
 
+# issue 20: the loss path at a large vocabulary (``--loss-path``), one rank, one microbatch: the
+# step peaks in the cross entropy's backward (the fp32 log-probabilities, nll_loss's gradient
+# and the logits' fp32 gradient, ``loom.formulas.memory.loss_backward_bytes``)
+LARGE_VOCAB = {"model.n_layers": 1, "model.vocab_size": 128256, "train.global_batch_size": 1,
+               "train.micro_batch_size": 1}
+LOSS_PATH_LAYOUTS = [
+    ("vocab 128256 seq 1024 1 layer bf16", 1, {**LARGE_VOCAB, "data.seq_len": 1024,
+                                               "train.dtype": "bf16"}),
+    ("vocab 128256 seq 512 2 layers fp32", 1, {**LARGE_VOCAB, "data.seq_len": 512,
+                                               "model.n_layers": 2, "train.dtype": "fp32"}),
+]
+
+
 def main() -> None:
     from loom.config import load_config, resolve, to_dict
     from loom.data.loader import prepare_data
@@ -363,6 +377,15 @@ def main() -> None:
         results["peak_bf16"] = peak_table(registry, resolved, data_dir, estimate_memory,
                                           layouts=BF16_PEAK_LAYOUTS,
                                           extra={"train.dtype": "bf16"})
+        registry.close()
+        (out_dir / "zero_memory.json").write_text(json.dumps(results, indent=1))
+        return
+
+    if "--loss-path" in sys.argv:  # the large-vocabulary rows (about 2.5 GB each)
+        results = json.loads((out_dir / "zero_memory.json").read_text()) \
+            if (out_dir / "zero_memory.json").exists() else {}
+        results["loss_path"] = peak_table(registry, resolved, data_dir, estimate_memory,
+                                          layouts=LOSS_PATH_LAYOUTS)
         registry.close()
         (out_dir / "zero_memory.json").write_text(json.dumps(results, indent=1))
         return

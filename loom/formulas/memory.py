@@ -68,9 +68,27 @@ def block_weight_grad_bytes(*, s: int, b: int, h: int, f: float, a: int, kv: int
 
 
 def head_activation_bytes(*, s: int, b: int, h: int, vocab: int, e: int = 4) -> float:
-    """The head's saved bytes for one microbatch: final norm (input, output, rstd), the fp32
-    log-softmax and the logits (``vocab`` is the rank's share of the vocabulary)."""
-    return 2 * s * b * h * e + 4 * s * b + 4 * s * b * vocab + e * s * b * vocab
+    """The head's saved bytes for one microbatch: final norm (input, output, rstd) and the
+    loss's fp32 log-probabilities ``[s·b, vocab]`` (``vocab`` is the rank's share of the
+    vocabulary; the fused vocab-parallel loss saves its softmax, as many). Not the logits: the
+    output layer saves its input, the fp32 upcast and log-softmax do not keep theirs, and the
+    stage drops its reference once the loss is computed (``loom.pipeline.stage``)."""
+    return 2 * s * b * h * e + 4 * s * b + 4 * s * b * vocab
+
+
+def loss_backward_bytes(*, tokens: int, vocab: int, fused: bool = False) -> float:
+    """What the cross entropy's backward holds beyond its saved fp32 log-probabilities
+    (``head_activation_bytes``), at its largest instant, for ``tokens`` rows of ``vocab`` (the
+    rank's share) logits. ``F.cross_entropy`` (log_softmax, then nll_loss; the plain head):
+    nll_loss's gradient ``[tokens, vocab]`` in fp32 and log_softmax's backward output, the
+    logits' fp32 gradient, beside the saved log-probabilities: 8 bytes per logit (12 with
+    them). ``fused`` (``loom.parallel.vocab``'s vocab-parallel loss): its clone of the saved
+    softmax, scaled in place: 4. Later instants hold less: the logits' gradient cast to the
+    compute dtype beside the fp32 one (then the log-probabilities are freed), and the head's
+    weight gradient, which does not exist yet at this instant. The forward's largest (logits,
+    their fp32 copy and the log-probabilities: 10 bytes in bf16) is smaller too. Measured to
+    the allocation on CPU (``bench/zero_memory.py --loss-path``)."""
+    return (4 if fused else 8) * tokens * vocab
 
 
 def vocab_pass_bytes(*, tokens: int, vocab: int, shards: int, h: int, wire: int = 4,
@@ -267,12 +285,16 @@ class RankStep:
     stages: tuple[StageSpan, ...]
     during: tuple[float, ...]
     after: tuple[float, ...]
+    # per action, whether it runs the loss's backward (a B or I of the stage computing it):
+    # an instant then holds ``loss_backward_bytes`` before the head's weight gradient exists
+    loss: tuple[bool, ...] = ()
 
 
 def accumulation_loop(psi: float, microbatches: int, early: float = 0.0) -> RankStep:
     """The step without a pipeline: F then B per microbatch (the reduction after the last B)."""
     n = max(1, microbatches)
-    return RankStep((StageSpan(psi, 0, 1, 2 * n - 1, early),), (1.0,) * (2 * n), (1.0, 0.0) * n)
+    return RankStep((StageSpan(psi, 0, 1, 2 * n - 1, early),), (1.0,) * (2 * n), (1.0, 0.0) * n,
+                    (False, True) * n)
 
 
 def last_microbatch(psi: float, accumulated: bool, early: float = 0.0) -> RankStep:
@@ -280,7 +302,7 @@ def last_microbatch(psi: float, accumulated: bool, early: float = 0.0) -> RankSt
     microbatches (``accumulated``) its gradients exist from its start (weight gradients came
     first at index -1)."""
     return RankStep((StageSpan(psi, 0, -1 if accumulated else 1, 1, early),), (1.0, 1.0),
-                    (1.0, 0.0))
+                    (1.0, 0.0), (False, True))
 
 
 @dataclass(frozen=True)
@@ -330,6 +352,7 @@ class StateInstant:
     level: float
     less_head_and_top: bool = False
     notes: tuple[str, ...] = ()
+    loss: bool = False  # in the loss's backward: add ``loss_backward_bytes`` to the activations
 
 
 def rank_state_instants(psi: float, experts: float, step: RankStep, rules: StateRules
@@ -396,6 +419,15 @@ def rank_state_instants(psi: float, experts: float, step: RankStep, rules: State
                              f" 'gradients'")
             yield StateInstant(params + gathered, g, optim, gathering + fresh, level,
                                notes=tuple(notes))
+            if not ended and index < len(step.loss) and step.loss[index]:
+                # the loss's backward, before the output layer's: the head's fresh weight
+                # gradient not made yet (freed by zero_grad, a first backward has none of it)
+                before = g - sum(early[st] for st in step.stages
+                                 if index == st.first_w and not r.resting_grads)
+                yield StateInstant(params + gathered, before, optim, gathering, level,
+                                   notes=(*notes, "the loss's backward: its fp32 gradients"
+                                          " beside the saved log-probabilities in"
+                                          " 'activations'") if r.explain else (), loss=True)
             if (in_backward and not ended and index % 2 and not full
                     and (not r.accumulates or index == last_index)):
                 # ZeRO-3 reducing in this backward: at the end of the top block's backward its

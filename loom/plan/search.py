@@ -288,6 +288,9 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
     # kept entries (-step time, -ordinal, cost): a min-heap whose top is the slowest kept, ties
     # going to the later layout of the space's order, whatever order the groups are priced in
     heap: list[tuple[float, int, StepCost]] = []
+    # (-memory, rank, layout): the pipeline layouts closest over the memory budget whose
+    # vocabulary could be split over the pipeline
+    over_budget: list[tuple[float, int, Layout]] = []
     searched_heap: list[tuple[float, int, StepCost]] = []  # the same, searched schedules only
     verdicts: dict[tuple, str | None] = {}
     refused: Counter = Counter()
@@ -316,6 +319,12 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
     bounded: list[tuple[float, int, LayoutGroup]] = []
     dropped: list[int] = []  # layouts the space did not build: their state does not fit
 
+    def vocab_twin_allowed(lay: Layout) -> bool:
+        """Whether ``lay`` has a twin with the vocabulary split over its pipeline to price."""
+        return (vocab_pp and lay.schedule != SEARCH and not lay.vocab_parallel_pp
+                and lay.pp * lay.microbatches <= VOCAB_PP_MAX_WORK
+                and vocab_pp_fits(work.model, lay))
+
     def state_too_large(lay: Layout) -> bool:  # its model state alone does not fit
         return memory_floor(model, lay) > budget
 
@@ -342,7 +351,11 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
                 layout = _with_memory_left(model, layout, budget)
                 if layout is None:
                     continue
-            if model.memory_total(layout) > budget:
+            memory = model.memory_total(layout)
+            if memory > budget:
+                if not searched and vocab_twin_allowed(layout):  # the head's rank may be what
+                    # does not fit, which the split spreads: the closest few get twins too
+                    _keep_best(over_budget, (-memory, rank, layout), VOCAB_PP_TWINS)
                 continue
             fitting += 1
             settled = not searched or layout.schedule_memory_limit >= _search_cap(layout)
@@ -365,13 +378,13 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
             if settled:
                 break  # the rest of the group recomputes more: never faster
     # the vocabulary split over the pipeline: the twins of the best kept pipeline layouts whose
-    # axes allow it, priced and ranked like the rest (a tie goes to the layout without)
-    twins = [entry for entry in sorted(heap, reverse=True) if entry[2].layout.schedule != SEARCH
-             and not entry[2].layout.vocab_parallel_pp
-             and entry[2].layout.pp * entry[2].layout.microbatches <= VOCAB_PP_MAX_WORK
-             and vocab_pp_fits(work.model, entry[2].layout)][:VOCAB_PP_TWINS] if vocab_pp else []
-    for _, rank, plain in twins:
-        layout = replace(plain.layout, vocab_parallel_pp=True)
+    # axes allow it, and of the closest ones over the budget (the head's rank may be what
+    # does not fit), priced and ranked like the rest (a tie goes to the layout without)
+    twins = [(rank, cost.layout) for _, rank, cost in sorted(heap, reverse=True)
+             if vocab_twin_allowed(cost.layout)][:VOCAB_PP_TWINS]
+    twins += [(rank, lay) for _, rank, lay in sorted(over_budget, reverse=True)]
+    for rank, plain in twins:
+        layout = replace(plain, vocab_parallel_pp=True)
         considered += 1
         if len(heap) == keep and model.compute_floor(layout) > -heap[0][0]:
             continue

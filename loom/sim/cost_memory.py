@@ -24,7 +24,8 @@ from loom.schedule.vocab_passes import vocab_schedule
 from loom.formulas.memory import (StateRules, adamw_step_fused, block_activation_bytes,
                                   last_microbatch, framework_state_bytes, head_activation_bytes,
                                   korthikanti_block_activation_bytes, largest_parameter,
-                                  rank_state_instants, vocab_embedding_bytes, vocab_pass_bytes)
+                                  loss_backward_bytes, rank_state_instants,
+                                  vocab_embedding_bytes, vocab_pass_bytes)
 
 
 # Peak microbatches in flight on the worst rank, in units of one rank's microbatch (a chunk of v
@@ -104,9 +105,13 @@ def layout_memory(model: Any, lay: Layout, in_flight: tuple[float, ...] | None =
             acts += windows[r] * one_pass + held_all_step
         # the passes' instant, and ZeRO-2's reduction during the last backward, hold them
         freed = (head if holds_head else 0.0) + dense_act  # the head's and the top block's
+        loss = loss_backward_bytes(  # the loss's backward, as the estimator prices it
+            tokens=lay.micro_batch * model.seq // lay.cp, vocab=model.model.vocab_size // lay.tp,
+            fused=lay.tp > 1 and lay.vocab_parallel) if holds_head and not split_vocab else 0.0
         for entry in instants:
             kind = entry["_acts"]
-            held = acts if kind == "all" else 0.0 if kind == "none" else max(0.0, acts - freed)
+            held = acts if kind == "all" else 0.0 if kind == "none" else acts + loss \
+                if kind == "loss" else max(0.0, acts - freed)
             total = entry["_total"] + held
             if worst is None or total > worst_total:
                 worst, worst_total = (entry, held), total
@@ -268,7 +273,8 @@ def _instants(model: Any, lay: Layout, psi: float, experts: float = 0.0, head: f
     for instant in rank_state_instants(psi, experts,
                                        last_microbatch(psi, lay.microbatches > 1, head), rules):
         kind = "none" if not instant.level else (
-            "less_head_and_top" if instant.less_head_and_top else "all")
+            "less_head_and_top" if instant.less_head_and_top else "loss" if instant.loss
+            else "all")
         entry = {"parameters": instant.parameters, "gradients": instant.gradients,
                  "optimizer": instant.optimizer, "activations": 0.0,
                  "transient": instant.transient - (float8 if instant.level else 0.0),

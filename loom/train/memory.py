@@ -84,7 +84,12 @@ element, f = FFN width, a = query heads, k = key/value heads; s is the cp shard)
   recomputed); ``every_k`` does that for every k-th block; selective keeps everything but the
   attention core's own saved tensors (the GQA-repeated k and v and the logsumexp);
 * the ends: the head's input and the final norm ``3x·e + 4sb``, the fp32 log-softmax of the
-  logits ``4sbV/t`` (vocab parallel) and the logits themselves;
+  logits ``4sbV/t`` (vocab parallel; the logits themselves are not kept); at the loss's
+  backward, before the head's weight gradient exists, its fp32 gradients ``8sbV`` beside
+  them (``F.cross_entropy``: nll_loss's and log_softmax's; the fused vocab-parallel loss's
+  softmax clone, ``4sbV/t``), an instant of its own (``loss_backward_bytes``). Counting the
+  bf16 logits instead of these put the estimate of 4 layers of Llama-3-8B's shape on an H100
+  12% under the allocator's peak at seq 8192;
 * in flight: 1 microbatch without a pipeline; the schedule's peak in units of one rank's
   microbatch (``schedule.validate.peak_memory``) with one.
 
@@ -108,7 +113,8 @@ from loom.config import Config, ConfigError, layout_of
 from loom.formulas.memory import (RankStep, StageSpan, StateRules, accumulation_loop,
                                   adamw_step_fused,
                                   block_activation_bytes, head_activation_bytes, largest_parameter,
-                                  model_state_bytes, optimizer_step_bytes, rank_state_instants,
+                                  loss_backward_bytes, model_state_bytes, optimizer_step_bytes,
+                                  rank_state_instants,
                                   vocab_embedding_bytes, vocab_pass_bytes, zero2_bucket_bytes,
                                   zero2_reduction_bytes)
 from loom.models.presets import layer_parameter_count
@@ -173,8 +179,23 @@ def layer_activation_bytes(config: Config, *, layer_recomputed: bool = False) ->
 def _head_activation_bytes(config: Config) -> float:
     m, lay, tr = config.model, layout_of(config), config.train
     return head_activation_bytes(s=config.data.seq_len // lay.cp, b=lay.micro_batch, h=m.dim,
-                                 vocab=m.vocab_size // (lay.tp if lay.vocab_parallel else 1),
-                                 e=2 if tr.dtype != "fp32" else 4)
+                                 vocab=_loss_vocab(config), e=2 if tr.dtype != "fp32" else 4)
+
+
+def _loss_vocab(config: Config) -> int:
+    """The logits' width on one rank: its share under vocabulary parallelism (tp > 1), else
+    the whole vocabulary (tp gathers the logits for the plain loss)."""
+    lay = layout_of(config)
+    return config.model.vocab_size // (lay.tp if lay.vocab_parallel else 1)
+
+
+def _loss_backward_bytes(config: Config) -> float:
+    """``loss_backward_bytes`` of ``config``'s microbatch: the fused vocab-parallel loss
+    (``loom.parallel.vocab``) where the logits are vocab-sharded, else ``F.cross_entropy``."""
+    lay = layout_of(config)
+    return loss_backward_bytes(tokens=config.data.seq_len // lay.cp * lay.micro_batch,
+                               vocab=_loss_vocab(config),
+                               fused=lay.vocab_parallel and lay.tp > 1)
 
 
 @dataclass(frozen=True)
@@ -251,7 +272,9 @@ def _timelines(config: Config) -> list[_Timeline]:
         out.append(_Timeline([i for s in ids for i in ranges[s % per_route]],
                              not vocab_pp and any(s % per_route == 0 for s in ids),
                              not vocab_pp and any(s % per_route == final for s in ids),
-                             RankStep(tuple(stages), tuple(during), tuple(after)),
+                             RankStep(tuple(stages), tuple(during), tuple(after),
+                                      tuple(not vocab_pp and a.op in (Op.B, Op.I)
+                                            and a.stage % per_route == final for a in row)),
                              vocab_during, vocab_after,
                              vocab_pp and any(s % per_route == final for s in ids)))
     return out
@@ -442,8 +465,9 @@ def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[Memor
     for instant in rank_state_instants(psi, _expert_parameters(config, line.layers), step,
                                        rules):
         live = max(0.0, per_micro - head_and_top) if instant.less_head_and_top else per_micro
+        loss = _loss_backward_bytes(config) if instant.loss and line.head else 0.0
         yield MemoryEstimate(instant.parameters, instant.gradients, instant.optimizer,
-                             live * instant.level, instant.transient, rank, instant.notes)
+                             live * instant.level + loss, instant.transient, rank, instant.notes)
 
 
 def estimate_memory(config: Config) -> MemoryEstimate:
@@ -547,5 +571,5 @@ def check_memory_limit(config: Config, local_ranks: int = 1) -> str | None:
 __all__ = ["MemoryEstimate", "estimate_memory", "memory_instants", "layer_activation_bytes",
            "check_memory_limit", "block_activation_bytes", "head_activation_bytes",
            "model_state_bytes", "zero2_reduction_bytes", "zero2_bucket_bytes", "largest_parameter",
-           "optimizer_step_bytes", "device_limit_bytes", "vocab_pass_bytes",
+           "optimizer_step_bytes", "device_limit_bytes", "vocab_pass_bytes", "loss_backward_bytes",
            "vocab_embedding_bytes", "GiB"]

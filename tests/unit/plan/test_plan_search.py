@@ -162,17 +162,19 @@ def test_cli_bad_input_names_the_argument(args, named, tmp_path, capsys):
 
 
 # ----- the schedule search's own output, under the memory left ----------------------------------
-# llama3-8b with one KV head (so no tensor parallelism) on 4 H100s without context parallelism:
-# every layout is a pipeline or data parallelism, and at 75% of the memory (bf16 parameters with
-# fp32 masters) a 4-rank looped pipeline holds 3 activation units.
+# llama3-8b with one KV head (so no tensor parallelism) and a 32k vocabulary on 4 H100s without
+# context parallelism: every layout is a pipeline or data parallelism. (With the 128k
+# vocabulary, since the loss's backward is priced, the last rank's head decides the memory
+# levels and ZB-H1 fits wherever the search's levels do.)
 NO_TP_SPACE = {"max_cp": 1, "micro_batches": (1,)}
 
 
 @pytest.fixture
 def no_tp(tmp_path) -> Workload:
     path = tmp_path / "kv1.toml"
-    path.write_text('[model]\npreset = "llama3-8b"\nn_kv_heads = 1\n')
-    return Workload("kv1", dataclasses.replace(PRESETS["llama3-8b"], n_kv_heads=1), 4096, 16,
+    path.write_text('[model]\npreset = "llama3-8b"\nn_kv_heads = 1\nvocab_size = 32000\n')
+    return Workload("kv1", dataclasses.replace(PRESETS["llama3-8b"], n_kv_heads=1,
+                                               vocab_size=32000), 4096, 16,
                     config_path=str(path), compile=True)  # (eager: ZB-H1 + selective wins)
 
 
@@ -191,15 +193,14 @@ def test_a_searched_schedule_is_given_the_activation_units_the_memory_budget_lea
 
 
 def test_between_the_families_memory_levels_the_plan_ranks_a_searched_schedule_first(no_tp):
-    """At 72% of an H100 a 4-rank looped pipeline holds 3 activation units: 1F1B and ZB-H1
-    (4 units) do not fit. The search, given those 3 units, finds a schedule faster than every
-    family that fits, and the plan ranks it first. (75% until the norms stopped saving their
-    normalised output: then ZB-H1's 4 units fit.)"""
+    """At 72% of an H100 the search, given the activation units the memory leaves a 4-rank
+    pipeline, finds a schedule faster than every family that fits (ZB-V, interleaved, ZB-H1),
+    and the plan ranks it first."""
     result = plan(no_tp, make_cluster("H100-SXM", 4, 8), top=10, memory_fraction=0.72,
-                  space=NO_TP_SPACE, vocab_pp=False)  # (the vocabulary split frees ZB-H1's unit)
+                  space=NO_TP_SPACE, vocab_pp=False)
     best = result.ranked[0]
     assert best.layout.schedule == "search" and best.simulated
-    assert best.layout.schedule_memory_limit == 3 and best.memory_total <= result.memory_budget
+    assert best.layout.schedule_memory_limit >= 3 and best.memory_total <= result.memory_budget
     families = [c for c in result.ranked if c.layout.pp > 1 and c.layout.schedule != "search"]
     assert families and all(best.step_time < c.step_time for c in families)
 
@@ -214,14 +215,15 @@ def test_the_planner_simulates_the_schedule_loom_train_would_search(no_tp):
     assert cost.layout.schedule == "search"
     config = to_config(cost.layout, work)
     par = config.parallel
-    assert (par.schedule, par.schedule_placement) == ("search", "looped")
-    assert par.schedule_memory_limit == 3 and par.schedule_costs == cost.layout.schedule_costs
+    assert (par.schedule, par.schedule_placement) == ("search", cost.layout.schedule_placement)
+    assert par.schedule_memory_limit == cost.layout.schedule_memory_limit
+    assert par.schedule_costs == cost.layout.schedule_costs
     trained = schedule_for(
         par.schedule, par.pp, config.train.global_batch_size // (par.dp * config.train.
                                                                 micro_batch_size),
         par.chunks, memory_limit=par.schedule_memory_limit, costs=par.schedule_costs,
         max_stages=config.model.n_layers, placement=par.schedule_placement)
-    assert max(peak_memory(trained)) <= 3
+    assert max(peak_memory(trained)) <= par.schedule_memory_limit
     model = CostModel(work.model, work.seq_len, work.global_batch, make_cluster("H100-SXM", 4, 8),
                       framework=dataclasses.replace(LOOM, compiled=True))  # as work compiles
     replayed = simulate(trained, model.evaluate(cost.layout).stage_costs.build()).makespan
