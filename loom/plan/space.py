@@ -53,7 +53,6 @@ SCHEDULES: dict[str, tuple[int, ...]] = {
 # The search runs on every rank when training starts and in the planner's simulation: kept to
 # pipelines of at most this many p·m actions per pass (p = 8, m = 32: about a second here)
 SEARCH_MAX_WORK = 256
-FULL_BACKWARD = ("1f1b", "interleaved_1f1b", "gpipe", "looped_bfs")
 RECOMPUTE = ("none", "selective", "full")
 MICRO_BATCHES = (1, 2, 4, 8)
 
@@ -219,9 +218,8 @@ def _inner(m, pp, dp, ep, cp, tp, local, modes, gpus_per_node, families, micro_b
                              and (name != "interleaved_1f1b" or micro % pp == 0)
                              and (name != "search" or pp * micro <= SEARCH_MAX_WORK)]
                 for schedule, chunks in plans:
-                    # Loom refuses SP inside pipelines that split the backward into I and W
-                    # (``config_rules``: measured 4e-5 off one process); plain TP there.
-                    sp = tp > 1 and (pp == 1 or schedule in FULL_BACKWARD)
+                    sp = tp > 1  # under every schedule (split I/W backwards too, since the
+                    # retaining split's W applies TP's gradient placement: loom.pipeline.stage)
                     for mode in modes:
                         first = Layout(pp=pp, dp_replicate=dp // shard, dp_shard=shard, ep=ep,
                                        cp=cp, tp=tp, zero_stage=zero, sequence_parallel=sp,
