@@ -164,11 +164,14 @@ def split_by_rule(rows: list[dict]) -> dict[str, str]:
 
 
 def framework_of(row: dict, forced: str | None = None) -> Framework:
-    """The row's profile with its ``[run.overlap]`` overrides and its stated ``rank_order``
+    """The row's profile with its ``[run.overlap]`` overrides, its ``compiled`` and its stated
+    ``rank_order``
     (``forced``: one profile for every row, without overrides)."""
     if forced:
         return framework(forced)
     stack = framework(row["framework"]).with_overlap(**row.get("overlap", {}))
+    if "compiled" in row:  # the row's stack, where it is known to differ from the profile's
+        stack = dataclasses.replace(stack, compiled=bool(row["compiled"]))
     if "rank_order" in row:
         stack = dataclasses.replace(stack, rank_order=tuple(row["rank_order"]))
     return stack
