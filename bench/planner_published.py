@@ -129,6 +129,7 @@ def layout_of(row: dict) -> tuple[Layout, list[str]]:
         sp = False
     layout = Layout(pp=pp, dp_replicate=1 if (sharded or zero) else dp,
                     dp_shard=dp if (sharded or zero) else 1, cp=cp, tp=tp, zero_stage=zero,
+                    cp_mode=lay.get("cp_mode", "ring"),
                     sequence_parallel=bool(sp) and tp > 1, schedule=schedule, chunks=chunks,
                     micro_batch=micro, microbatches=batch // (dp * micro), recompute=recompute)
     return layout, assumed

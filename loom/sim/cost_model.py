@@ -291,7 +291,15 @@ class CostModel:
                 qkvo = tokens * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads) / lay.tp * self.e
                 cp_fwd += all_to_all_time(qkvo, ulysses, c.link_for(ulysses, stride))
                 cp_bwd += all_to_all_time(qkvo, ulysses, c.link_for(ulysses, stride))
-            if ring > 1:
+            if ring > 1 and split.gather:  # all-gather cp (loom.parallel.allgather_attention)
+                # every rank's keys and values gathered before the attention, again in the
+                # backward, and their fp32 gradients reduce-scattered after it: not overlapped
+                kv_all = 2 * tokens * m.n_kv_heads * m.head_dim / lay.tp * self.e * ring
+                link = c.link_for(ring, stride)
+                cp_fwd += gather_time(kv_all, ring, link)
+                cp_bwd += gather_time(kv_all, ring, link) + gather_time(kv_all * 4 / self.e,
+                                                                        ring, link)
+            elif ring > 1:
                 kv = 2 * tokens * m.n_kv_heads * m.head_dim / lay.tp * self.e * ulysses
                 link = c.link_for(ring, stride * ulysses)
                 block = t_core / ring if self.overlaps else 0.0
@@ -787,7 +795,7 @@ def wrappers(lay: Layout) -> tuple[str, ...]:
     if lay.dp_shard > 1 and lay.zero_stage:
         names.append(f"zero{lay.zero_stage}")
     if lay.cp > 1:
-        if lay.cp_mode in ("ring", "hybrid"):
+        if lay.cp_mode in ("ring", "hybrid", "allgather"):  # (all-gather: the ring's blocks)
             names.append("ring")
         if lay.cp_mode in ("ulysses", "hybrid"):
             names.append("ulysses")

@@ -325,3 +325,27 @@ def test_framework_work_is_charged_per_wrapper():
             assert with_work[k] - without[k] == pytest.approx(per_pass)
         assert charged.evaluate(lay).optimizer - plain.evaluate(lay).optimizer == \
             pytest.approx(per_step)
+
+
+def test_all_gather_context_parallelism_pays_its_three_collectives_unhidden():
+    """cp_mode allgather (loom.parallel.allgather_attention): per layer and microbatch, the
+    keys and values of every cp rank all-gathered forward and again backward, and their fp32
+    gradients reduce-scattered; none of it hidden behind the attention, where the ring's hops
+    are. The same bytes cross as on the ring, so with the ring's overlap off the two agree up
+    to the collectives' latency terms."""
+    from loom.sim.collectives import gather_time
+
+    m = PRESETS["llama3-8b"]
+    cluster = make_cluster("H100-SXM", 8, 8)
+    model = CostModel(m, 8192, 8, cluster)
+    ring = model.evaluate(Layout(cp=8, cp_mode="ring", dp_replicate=1, micro_batch=1,
+                                 microbatches=8))
+    gather = model.evaluate(Layout(cp=8, cp_mode="allgather", dp_replicate=1, micro_batch=1,
+                                   microbatches=8))
+    tokens = 8192 // 8
+    kv_all = 2 * tokens * m.n_kv_heads * m.head_dim * model.e * 8
+    link = cluster.link_for(8, 1)
+    per_layer = (2 * gather_time(kv_all, 8, link)
+                 + gather_time(kv_all * 4 / model.e, 8, link))
+    assert gather.comm["cp"] == pytest.approx(per_layer * m.n_layers * 8, rel=1e-9)
+    assert gather.step_time > ring.step_time  # the ring hides its hops behind the blocks
