@@ -184,7 +184,7 @@ def _workload(args: argparse.Namespace):
     else:
         raise PlanInputError(f"--model {args.model}: neither a preset ({', '.join(PRESETS)})"
                              " nor an existing config file")
-    seq = args.seq or default_seq
+    seq = default_seq if args.seq is None else args.seq  # (0 was taken as "not given")
     if seq < 1:
         raise PlanInputError(f"--seq {seq}: must be >= 1")
     if not args.global_batch_tokens or args.global_batch_tokens < seq:
@@ -233,10 +233,16 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
         return EXIT_BAD_INPUT
 
 
-def _sites(args: argparse.Namespace, cluster: Cluster, ranked: list[StepCost],
-           model: CostModel) -> tuple | None:
-    """``--sites``: the first ranked layout whose replicas split evenly over the sites, priced
-    under every dp_mode (``loom.sim.outer_cost``); None without ``--sites``."""
+def _site_flags(args: argparse.Namespace, cluster: Cluster) -> tuple | None:
+    """``--sites``, ``--site-link`` and ``--outer-steps`` checked (before any search, so a bad
+    one costs nothing): (link, outer steps), or None without ``--sites``. The outer steps are
+    checked even then: a malformed value is refused, not ignored."""
+    try:
+        steps = tuple(int(h) for h in args.outer_steps.split(","))
+    except ValueError:
+        steps = ()
+    if not steps or min(steps) < 1:
+        raise PlanInputError(f"--outer-steps {args.outer_steps}: integers >= 1, comma-separated")
     if not args.sites:
         return None
     if args.sites < 2 or cluster.gpus % args.sites:
@@ -246,13 +252,17 @@ def _sites(args: argparse.Namespace, cluster: Cluster, ranked: list[StepCost],
     if args.site_link not in links:
         raise PlanInputError(f"--site-link {args.site_link}: unknown link; known:"
                              f" {', '.join(links)}")
-    try:
-        steps = tuple(int(h) for h in args.outer_steps.split(","))
-    except ValueError:
-        steps = ()
-    if not steps or min(steps) < 1:
-        raise PlanInputError(f"--outer-steps {args.outer_steps}: integers >= 1, comma-separated")
-    link = links[args.site_link]
+    return links[args.site_link], steps
+
+
+def _sites(args: argparse.Namespace, cluster: Cluster, ranked: list[StepCost],
+           model: CostModel) -> tuple | None:
+    """``--sites``: the first ranked layout whose replicas split evenly over the sites, priced
+    under every dp_mode (``loom.sim.outer_cost``); None without ``--sites``."""
+    checked = _site_flags(args, cluster)
+    if checked is None:
+        return None
+    link, steps = checked
     sites = Sites(args.sites, link.bandwidth, link.latency, link.name)
     for cost in ranked:
         lay = cost.layout
@@ -312,6 +322,7 @@ def _run(args: argparse.Namespace) -> int:
                              f" per tensor, so needs --fp8 tensorwise (not {args.fp8})")
     work = dataclasses.replace(work, fp8=args.fp8, fp8_all_gather=args.fp8_all_gather,
                                compile=compiled if stack.is_loom else None)
+    _site_flags(args, cluster)  # refused now, not after the search
     if args.layout:
         layout = parse_layout(args.layout)
         if layout.world != cluster.gpus:

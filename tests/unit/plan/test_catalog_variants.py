@@ -157,6 +157,10 @@ def test_topology_flags_win_over_the_hardware_file(tmp_path, capsys):
     (["--spine-oversubscription", "nan"], "--spine-oversubscription nan: must be a number >= 1"),
     (["--spine-oversubscription", "inf"], "--spine-oversubscription inf: must be a number >= 1"),
     (["--racks-per-pod", "4"], "--racks-per-pod 4: needs --nodes-per-rack > 0"),
+    # a zero taken as "not given", a flag ignored without --sites: refused, before the search
+    (["--seq", "0"], "--seq 0: must be >= 1"),
+    (["--outer-steps", "0"], "--outer-steps 0: integers >= 1"),
+    (["--outer-steps", "8,x"], "--outer-steps 8,x: integers >= 1"),
 ])
 def test_bad_topology_flags_are_refused_on_one_line(flags, named, capsys):
     assert main([*PLAN, *flags]) == 2
