@@ -7,6 +7,7 @@ estimator (loom/train/memory.py) vs measured tensor bytes for several layouts.
     python bench/zero_memory.py --bf16          # bf16 parameters, fp32 masters: ZeRO-1/2/3, d 4
     python bench/zero_memory.py --peak-bf16     # the peak table in bf16 at every ZeRO stage
     python bench/zero_memory.py --loss-path     # one rank at a vocabulary of 128,256
+    python bench/zero_memory.py --cp-allgather  # cp 2, ring vs all-gather, seq 4096
 
 Model state = the bytes of every distinct storage held by parameters, gradients and optimizer
 state after one optimizer step (deduplicated by storage: ZeRO-1/2 parameters are views of flat
@@ -340,6 +341,16 @@ LOSS_PATH_LAYOUTS = [
 ]
 
 
+# all-gather context parallelism's transient buffers (``allgather_attention_bytes``): the same
+# 2-layer model and step under the ring and under all-gather, cp 2, one 4096-token row per step
+# (2048 per rank), fp32 and bf16 autocast; the estimate prices all-gather's gathered keys and
+# values, not the ring's travelling blocks (both modes' peaks: the loss's backward)
+CP_LAYOUTS = [(f"cp2 {mode} seq4096 {dtype}", 2, {
+    "cp": 2, "cp_mode": mode, "model.n_layers": 2, "model.max_seq_len": 4096,
+    "data.seq_len": 4096, "train.global_batch_size": 1, "train.micro_batch_size": 1,
+    "train.dtype": dtype}) for dtype in ("fp32", "bf16_autocast") for mode in ("ring", "allgather")]
+
+
 def main() -> None:
     from loom.config import load_config, resolve, to_dict
     from loom.data.loader import prepare_data
@@ -387,6 +398,19 @@ def main() -> None:
         results["loss_path"] = peak_table(registry, resolved, data_dir, estimate_memory,
                                           layouts=LOSS_PATH_LAYOUTS)
         registry.close()
+        (out_dir / "zero_memory.json").write_text(json.dumps(results, indent=1))
+        return
+
+    if "--cp-allgather" in sys.argv:  # ring vs all-gather under cp 2
+        results = json.loads((out_dir / "zero_memory.json").read_text()) \
+            if (out_dir / "zero_memory.json").exists() else {}
+        rows = peak_table(registry, resolved, data_dir, estimate_memory, layouts=CP_LAYOUTS)
+        registry.close()
+        for ring, gather in zip(rows[::2], rows[1::2]):
+            est = gather["estimated"] - ring["estimated"]
+            got = gather["measured_peak"] - ring["measured_peak"]
+            print(f"{gather['layout']} - ring: measured {got:,} B, estimated {est:,.0f} B")
+        results["cp_allgather"] = rows
         (out_dir / "zero_memory.json").write_text(json.dumps(results, indent=1))
         return
 

@@ -91,6 +91,27 @@ def loss_backward_bytes(*, tokens: int, vocab: int, fused: bool = False) -> floa
     return (4 if fused else 8) * tokens * vocab
 
 
+def allgather_attention_bytes(*, s: int, b: int, kv_heads: float, head_dim: int, cp: int,
+                              e: int = 4) -> float:
+    """What all-gather context parallelism (``loom.parallel.allgather_attention``) holds while
+    one layer's attention runs, beyond the block's saved bytes and beyond the ring, whose
+    travelling blocks (like both modes' per-block temporaries) are not priced: the gathered
+    keys and values ``[cp, 2, B, K/tp, s, Hd]`` in the compute dtype, ``cp·u·e`` with
+    ``u = 2·B·(K/tp)·s·Hd`` one rank's stacked pair (``s`` the rank's sequence shard,
+    ``kv_heads`` its K/tp heads, ``e`` bytes). One layer at a time: the forward frees the buffer
+    and the backward gathers it again.
+
+    The backward's fp32 dK/dV blocks are not counted: while they are made it holds ``cp`` of
+    them (the ring's relay as many or more: its own, those sent, the one received); only the
+    final ``torch.stack`` instant holds ``4(cp-1)·u`` more than the ring's last instant, and
+    there without the per-block temporaries (the heads repeated in fp32, the block's dQ, dK,
+    dV), which outweigh it at cp 2 (unmeasured at larger cp). Measured
+    (``bench/zero_memory.py --cp-allgather``: cp 2, 2048 tokens a rank, 4 key/value heads of
+    32, so ``cp·u·e`` = 4 MiB in fp32, 2 MiB in bf16): the step's peak exceeds the ring's by
+    2 MiB in fp32, 0 to 2 MiB in bf16 from run to run."""
+    return cp * 2 * b * kv_heads * s * head_dim * e
+
+
 def vocab_pass_bytes(*, tokens: int, vocab: int, shards: int, h: int, wire: int = 4,
                      final: bool = False) -> float:
     """What one microbatch holds on a pipeline rank between its S and T under vocabulary

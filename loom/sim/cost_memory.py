@@ -6,8 +6,9 @@ ZeRO-3 stages held gathered inside pipelines, ZeRO's reductions and the optimize
 per-block activations by tp / SP / cp / recomputation, the head's, and the schedule's peak
 microbatches in flight (``PEAK_IN_FLIGHT``; under vocabulary parallelism across the pipeline
 the runtime's schedule with its S and T passes, ``vocab_schedule_levels``, and the estimator's
-rows, exp-logits and embedding buffers). It communicates nothing. Split from
-``cost_model.py`` to keep that module about time.
+rows, exp-logits and embedding buffers), and all-gather context parallelism's gathered keys and
+values while a layer's attention runs (``allgather_attention_bytes``). It communicates
+nothing. Split from ``cost_model.py`` to keep that module about time.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from loom.schedule.ir import Op
 from loom.schedule.select import schedule_of
 from loom.schedule.validate import peak_memory
 from loom.schedule.vocab_passes import vocab_schedule
-from loom.formulas.memory import (StateRules, adamw_step_fused, block_activation_bytes,
+from loom.formulas.memory import (StateRules, adamw_step_fused, allgather_attention_bytes,
+                                  block_activation_bytes,
                                   last_microbatch, framework_state_bytes, head_activation_bytes,
                                   korthikanti_block_activation_bytes, largest_parameter,
                                   loss_backward_bytes, rank_state_instants,
@@ -85,7 +87,8 @@ def layout_memory(model: Any, lay: Layout, in_flight: tuple[float, ...] | None =
                                                                    lay.chunks)
     last = len(counts) - 1
     level_everywhere = v_shaped or lay.schedule == "search"
-    worst: tuple[dict[str, float], float] | None = None
+    attention = attention_transient(model, lay)  # at the instants with every activation
+    worst: tuple[dict[str, float], float, float] | None = None
     worst_total = 0.0
     for r, instants in states.items():
         if rank is not None and r != rank:
@@ -112,15 +115,29 @@ def layout_memory(model: Any, lay: Layout, in_flight: tuple[float, ...] | None =
             kind = entry["_acts"]
             held = acts if kind == "all" else 0.0 if kind == "none" else acts + loss \
                 if kind == "loss" else max(0.0, acts - freed)
-            total = entry["_total"] + held
+            extra = attention if kind == "all" else 0.0
+            total = entry["_total"] + held + extra
             if worst is None or total > worst_total:
-                worst, worst_total = (entry, held), total
+                worst, worst_total = (entry, held, extra), total
     assert worst is not None
     if total_only:
         return worst_total
-    entry, acts = worst
-    return {name: (acts if name == "activations" else value) for name, value in entry.items()
-            if not name.startswith("_")}
+    entry, acts, extra = worst
+    return {name: (acts if name == "activations" else value + extra if name == "transient"
+                   else value) for name, value in entry.items() if not name.startswith("_")}
+
+
+def attention_transient(model: Any, lay: Layout) -> float:
+    """What one layer's attention holds while it runs, as the estimator prices it
+    (``loom.train.memory.attention_transient_bytes``): all-gather context parallelism's
+    gathered keys and values under Loom's profile, else 0 (the other stacks' all-gather
+    buffers are not modelled)."""
+    if lay.cp == 1 or lay.cp_mode != "allgather" or not model.framework.is_loom:
+        return 0.0
+    m = model.model
+    return allgather_attention_bytes(s=model.seq // lay.cp, b=lay.micro_batch,
+                                     kv_heads=m.n_kv_heads / lay.tp, head_dim=m.head_dim,
+                                     cp=lay.cp, e=model.e)
 
 
 @functools.lru_cache(maxsize=64)

@@ -90,6 +90,10 @@ element, f = FFN width, a = query heads, k = key/value heads; s is the cp shard)
   softmax clone, ``4sbV/t``), an instant of its own (``loss_backward_bytes``). Counting the
   bf16 logits instead of these put the estimate of 4 layers of Llama-3-8B's shape on an H100
   12% under the allocator's peak at seq 8192;
+* all-gather context parallelism (``parallel.cp_mode = "allgather"``): while a layer's
+  attention runs, its gathered keys and values ``cp·u·e`` (u = 2·b·(k/t)·s·Hd, one rank's
+  stacked pair), in ``transient`` at every instant with activations but the loss's backward
+  (``allgather_attention_bytes``; the ring's travelling blocks are not priced);
 * in flight: 1 microbatch without a pipeline; the schedule's peak in units of one rank's
   microbatch (``schedule.validate.peak_memory``) with one.
 
@@ -111,7 +115,7 @@ from dataclasses import dataclass
 
 from loom.config import Config, ConfigError, layout_of
 from loom.formulas.memory import (RankStep, StageSpan, StateRules, accumulation_loop,
-                                  adamw_step_fused,
+                                  adamw_step_fused, allgather_attention_bytes,
                                   block_activation_bytes, head_activation_bytes, largest_parameter,
                                   loss_backward_bytes, model_state_bytes, optimizer_step_bytes,
                                   rank_state_instants,
@@ -196,6 +200,18 @@ def _loss_backward_bytes(config: Config) -> float:
     return loss_backward_bytes(tokens=config.data.seq_len // lay.cp * lay.micro_batch,
                                vocab=_loss_vocab(config),
                                fused=lay.vocab_parallel and lay.tp > 1)
+
+
+def attention_transient_bytes(config: Config) -> float:
+    """What one layer's attention holds while it runs beyond its saved bytes: all-gather
+    context parallelism's gathered keys and values (``allgather_attention_bytes``); 0 for the
+    other cp modes (the ring's travelling blocks are not priced) and without cp."""
+    m, lay = config.model, layout_of(config)
+    if lay.cp == 1 or lay.cp_mode != "allgather":
+        return 0.0
+    return allgather_attention_bytes(s=config.data.seq_len // lay.cp, b=lay.micro_batch,
+                                     kv_heads=m.n_kv_heads / lay.tp, head_dim=m.head_dim,
+                                     cp=lay.cp, e=2 if config.train.dtype != "fp32" else 4)
 
 
 @dataclass(frozen=True)
@@ -462,12 +478,20 @@ def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[Memor
     # what a backward has freed once the head and the top block are done
     head_and_top = ((_head_activation_bytes(config) if line.head else 0.0)
                     + layer_activation_bytes(config, layer_recomputed=lay.recompute == "full"))
+    # a layer's attention buffers, at every instant with activations at which one can run
+    # (not the loss's backward, nor the end of the top block's backward, nor the optimizer step)
+    attention = attention_transient_bytes(config) if line.layers else 0.0
+    attention_note = (f"all-gather CP: one layer's gathered keys and values,"
+                      f" {attention:,.0f} B in 'transient'",)
     for instant in rank_state_instants(psi, _expert_parameters(config, line.layers), step,
                                        rules):
         live = max(0.0, per_micro - head_and_top) if instant.less_head_and_top else per_micro
         loss = _loss_backward_bytes(config) if instant.loss and line.head else 0.0
+        extra = attention if (instant.level and not instant.loss
+                              and not instant.less_head_and_top) else 0.0
         yield MemoryEstimate(instant.parameters, instant.gradients, instant.optimizer,
-                             live * instant.level + loss, instant.transient, rank, instant.notes)
+                             live * instant.level + loss, instant.transient + extra, rank,
+                             instant.notes + attention_note if extra else instant.notes)
 
 
 def estimate_memory(config: Config) -> MemoryEstimate:
@@ -572,4 +596,4 @@ __all__ = ["MemoryEstimate", "estimate_memory", "memory_instants", "layer_activa
            "check_memory_limit", "block_activation_bytes", "head_activation_bytes",
            "model_state_bytes", "zero2_reduction_bytes", "zero2_bucket_bytes", "largest_parameter",
            "optimizer_step_bytes", "device_limit_bytes", "vocab_pass_bytes", "loss_backward_bytes",
-           "vocab_embedding_bytes", "GiB"]
+           "vocab_embedding_bytes", "attention_transient_bytes", "GiB"]
