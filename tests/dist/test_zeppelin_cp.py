@@ -81,7 +81,8 @@ LAYOUTS = {  # name: (world, degrees[, other overrides])
     "pp2-cp2-dualpipev": (4, {"cp": 2, "pp": 2, "dp_replicate": 1, "schedule": "dualpipev"},
                           {"model.n_layers": 4, "train.global_batch_tokens": 4 * BUDGET}),
 }
-CI_LAYOUTS = ["cp2", "cp4", "dp2-cp2", "tp2-cp2", "tp2sp-cp2", "pp2-cp2"]
+# tp2-cp2 in the matrix: tp2sp-cp2 runs the same tp split with sequence parallelism on top
+CI_LAYOUTS = ["cp2", "cp4", "dp2-cp2", "tp2sp-cp2", "pp2-cp2"]
 
 
 def write_long_tail(directory: Path, count: int, seed: int) -> None:
