@@ -34,7 +34,11 @@ def layout_config(base: dict[str, Any], world_size: int, **parallel: int) -> dic
 def record_training(ctx: Any, config_table: dict[str, Any], data_dir: str, steps: int) -> dict:
     """Train ``steps`` steps; per step: loss, grad norm, every named gradient (on CPU) and,
     for an MoE model, the logged load-balancing loss."""
-    trainer = Trainer(from_dict(config_table), Path(data_dir), None, ctx)
+    return train_and_record(Trainer(from_dict(config_table), Path(data_dir), None, ctx), steps)
+
+
+def train_and_record(trainer: Trainer, steps: int) -> dict:
+    """``record_training``'s loop on a trainer the caller built (or instrumented)."""
     record: dict[str, list] = {"loss": [], "grad_norm": [], "grads": [], "moe_aux_loss": []}
     for _ in range(steps):
         metrics = trainer.train_step()

@@ -32,7 +32,7 @@ from loom.pipeline.out_of_order import OutOfOrderPipeline, block_order, is_swapp
 from loom.pipeline.partition import partition_model
 from loom.pipeline.stage import build_stages
 from loom.schedule.families import get
-from loom.testing.parity import assert_parity, layout_config
+from loom.testing.parity import assert_parity, layout_config, train_and_record
 from loom.train.trainer import Trainer
 from tests.dist.test_pipeline_parity import ATOL, ATOL_FIRST, BASE, RTOL, RTOL_FIRST
 
@@ -149,12 +149,7 @@ def _record(ctx, config_table: dict, data_dir: str, steps: int, reference: bool)
 
     kind = _OutOfOrderReference if reference else Trainer
     trainer = kind(from_dict(config_table), Path(data_dir), None, ctx)
-    record: dict = {"loss": [], "grad_norm": [], "grads": []}
-    for _ in range(steps):
-        metrics = trainer.train_step()
-        record["loss"].append(metrics["loss"])
-        record["grad_norm"].append(metrics["grad_norm"])
-        record["grads"].append({k: v.cpu() for k, v in trainer.named_gradients().items()})
+    record = train_and_record(trainer, steps)
     record["val_loss"] = trainer.evaluate()
     record["pipeline"] = type(trainer.pipeline).__name__
     return record

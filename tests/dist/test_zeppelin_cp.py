@@ -57,7 +57,8 @@ from loom.parallel.zeppelin_cp import (RING_SLOWDOWN, aligned_blocks, cp_step_pr
                                        zeppelin_shard_indices)
 from loom.data.zeppelin import (UNIT, Partition, Ranks, group_time, partition_static_cp,
                                 partition_tokens)
-from loom.testing.parity import assert_parity, layout_config, record_training
+from loom.testing.parity import (assert_parity, layout_config, record_training,
+                                 train_and_record)
 from loom.train.trainer import Trainer
 from tests.conftest import matrix
 from tests.data_fixtures import DataCfg, prepared_documents
@@ -377,12 +378,7 @@ def record_placed_training(ctx, config_table: dict, data_dir: str, steps: int) -
         return local
 
     trainer._shard_documents = recording
-    record: dict = {"loss": [], "grad_norm": [], "grads": []}
-    for _ in range(steps):
-        metrics = trainer.train_step()
-        record["loss"].append(metrics["loss"])
-        record["grad_norm"].append(metrics["grad_norm"])
-        record["grads"].append({k: v.cpu() for k, v in trainer.named_gradients().items()})
+    record = train_and_record(trainer, steps)
     coords = trainer.grid.coords(ctx.rank)
     record.update(placed=placed, tp_applied=trainer.tp is not None,
                   sequence_parallel=trainer.tp is not None and trainer.tp.sequence_parallel,
