@@ -255,11 +255,11 @@ def _site_flags(args: argparse.Namespace, cluster: Cluster) -> tuple | None:
     return links[args.site_link], steps
 
 
-def _sites(args: argparse.Namespace, cluster: Cluster, ranked: list[StepCost],
+def _sites(args: argparse.Namespace, checked: tuple | None, ranked: list[StepCost],
            model: CostModel) -> tuple | None:
     """``--sites``: the first ranked layout whose replicas split evenly over the sites, priced
-    under every dp_mode (``loom.sim.outer_cost``); None without ``--sites``."""
-    checked = _site_flags(args, cluster)
+    under every dp_mode (``loom.sim.outer_cost``); None without ``--sites``. ``checked``:
+    ``_site_flags``'s result, taken before the search."""
     if checked is None:
         return None
     link, steps = checked
@@ -322,7 +322,7 @@ def _run(args: argparse.Namespace) -> int:
                              f" per tensor, so needs --fp8 tensorwise (not {args.fp8})")
     work = dataclasses.replace(work, fp8=args.fp8, fp8_all_gather=args.fp8_all_gather,
                                compile=compiled if stack.is_loom else None)
-    _site_flags(args, cluster)  # refused now, not after the search
+    site_flags = _site_flags(args, cluster)  # refused now, not after the search
     if args.layout:
         layout = parse_layout(args.layout)
         if layout.world != cluster.gpus:
@@ -342,7 +342,7 @@ def _run(args: argparse.Namespace) -> int:
                   runnable_only=not args.any and stack.is_loom, cost_model=model)
     if not stack.is_loom and not args.json:
         print(f"priced as {stack.name} (loom.sim.frameworks): its memory layout and overlap")
-    sites = _sites(args, cluster, result.ranked, model)
+    sites = _sites(args, site_flags, result.ranked, model)
     if args.json and sites:
         table = json.loads(explain.to_json(result))
         table["sites"] = explain.sites_json(*sites)
