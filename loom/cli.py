@@ -32,7 +32,7 @@ from loom.cluster import load as load_cluster
 from loom.config import Config, ConfigError, load_config, parse_overrides, resolve, to_toml
 from loom.config_help import help_text
 from loom.data.cli import add_data_commands
-from loom.generate import MAX_NEW_TOKENS, generate
+from loom.generate import generate, sampling_errors
 from loom.grid_summary import describe_grid
 from loom.hf_cli import add_hf_commands
 from loom.launch import check_run_dir, refuse_checkfree_launch, run_job, under_external_launcher
@@ -189,18 +189,10 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"loom generate: --device {args.device!r} must name a device this machine has"
               " (cpu, cuda, cuda:N)", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    rules = (("--max-new-tokens", args.max_new_tokens, 0 <= args.max_new_tokens
-              <= MAX_NEW_TOKENS, f"must be in [0, {MAX_NEW_TOKENS:,}] (no key/value cache: each"
-              " token re-runs the window)"),
-             ("--temperature", args.temperature, args.temperature >= 0,  # False for NaN
-              "must be a finite number >= 0 (0: greedy)"),
-             ("--temperature", args.temperature, args.temperature < float("inf"),
-              "must be a finite number >= 0 (0: greedy)"),
-             ("--top-k", args.top_k, args.top_k >= 0, "must be >= 0 (0: no cut)"))
-    for flag, value, ok, rule in rules:
-        if not ok:
-            print(f"loom generate: {flag} {value}: {rule}", file=sys.stderr)
-            return EXIT_CONFIG_ERROR
+    for name, value, rule in sampling_errors(args.max_new_tokens, args.temperature,
+                                             args.top_k)[:1]:
+        print(f"loom generate: --{name.replace('_', '-')} {value}: {rule}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     try:
         text = generate(Path(args.run), args.prompt, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_k=args.top_k, seed=args.seed,

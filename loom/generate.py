@@ -24,6 +24,19 @@ from loom.config import model_args
 MAX_NEW_TOKENS = 100_000
 
 
+def sampling_errors(max_new_tokens: int, temperature: float, top_k: int) -> list[tuple[str, object, str]]:
+    """The sampling arguments that break a rule, as ``(argument, value, rule)``: the one place
+    the limits live, so ``generate_tokens`` refuses what ``loom generate`` refuses (a NaN
+    temperature would otherwise sample from a softmax of NaNs)."""
+    finite = "must be a finite number >= 0 (0: greedy)"
+    rules = (("max_new_tokens", max_new_tokens, 0 <= max_new_tokens <= MAX_NEW_TOKENS,
+              f"must be in [0, {MAX_NEW_TOKENS:,}] (no key/value cache: each token re-runs"
+              " the window)"),
+             ("temperature", temperature, 0 <= temperature < float("inf"), finite),  # NaN fails
+             ("top_k", top_k, top_k >= 0, "must be >= 0 (0: no cut)"))
+    return [(name, value, rule) for name, value, ok, rule in rules if not ok]
+
+
 def load_trained_model(run_dir: Path, device: torch.device):
     """The run's model with its final weights, in eval mode, and its tokenizer."""
     from safetensors.torch import load_file
@@ -54,11 +67,14 @@ def generate_tokens(model: torch.nn.Module, ids_1S: torch.Tensor, *, max_new_tok
     """Up to ``max_new_tokens`` token ids sampled after the prompt ``ids_1S`` (``[1, S]``).
 
     Each step runs ``model`` on the last ``window`` tokens (default: all; no key/value cache)
-    and picks the next token from the last position's logits: the argmax when ``temperature <=
+    and picks the next token from the last position's logits: the argmax when ``temperature ==
     0`` (greedy; the first maximum on ties, as ``torch.argmax`` and HF's greedy search), else a
     sample of ``softmax(logits / temperature)`` over the ``top_k`` largest. Logit rows from
     ``vocab_size`` on (the embedding's padding) are never picked; ``eos_id`` stops, unreturned.
+    Arguments outside ``sampling_errors``' rules raise ``ValueError`` naming the first.
     """
+    for name, value, rule in sampling_errors(max_new_tokens, temperature, top_k)[:1]:
+        raise ValueError(f"{name} = {value}: {rule}")
     ids = ids_1S
     new: list[int] = []
     for _ in range(max_new_tokens):
