@@ -32,11 +32,11 @@ from loom.cluster import load as load_cluster
 from loom.config import Config, ConfigError, load_config, parse_overrides, resolve, to_toml
 from loom.config_help import help_text
 from loom.data.cli import add_data_commands
+from loom.fp8_support import device_refusal as fp8_device_refusal
 from loom.generate import generate, sampling_errors
 from loom.grid_summary import describe_grid
 from loom.hf_cli import add_hf_commands
 from loom.launch import check_run_dir, refuse_checkfree_launch, run_job, under_external_launcher
-from loom.parallel.fp8 import device_refusal as fp8_device_refusal
 from loom.pipeline.cli import add_schedule_commands
 from loom.plan.cli import add_plan_commands
 from loom.topology import RankGrid

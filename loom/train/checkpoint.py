@@ -58,12 +58,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from loom.train.checkpoint_safety import (CheckpointError, check_signature, load_metadata,
                                           load_rng_file, read_manifest, regular_files,
                                           safe_storage_reader, sha256_of, sign)
-from loom.train.checkpoint_state import is_sharded_tensor, sharded_tensor_to_cpu
 
 COMMIT_MARKER = "COMMITTED"
 MANIFEST = "manifest.json"
@@ -206,6 +204,32 @@ class PendingSave:
         return self.path
 
 
+def sharded_tensor_to_cpu(value: Any) -> Any:
+    """A CPU copy of a ShardedTensor built here (the staging of an asynchronous save; DCP's own
+    stager copies plain tensors and DTensors but not ShardedTensors)."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
+    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+
+    def on_cpu(md: Any) -> Any:
+        return ShardMetadata(md.shard_offsets, md.shard_sizes, f"rank:{md.placement.rank()}/cpu")
+
+    meta = value.metadata()
+    shards_md = [on_cpu(md) for md in meta.shards_metadata]
+    local = [Shard(s.tensor.detach().to("cpu", copy=True), on_cpu(s.metadata))
+             for s in value.local_shards()]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local, ShardedTensorMetadata(shards_md, meta.size, meta.tensor_properties),
+        sharding_spec=EnumerableShardingSpec(shards_md))
+
+
+def is_sharded_tensor(value: Any) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(value, ShardedTensor)
+
+
 class _Stager:
     """DCP's default CPU staging, plus the ShardedTensors Loom builds (ZeRO-1/2 slices, expert
     slices), which DCP's stager cannot copy. Synchronous: the copy is complete on return."""
@@ -336,8 +360,13 @@ def _agree(group: Any, error: str | None) -> None:
         raise CheckpointError(error)
 
 
-# DCP's CheckpointException derives from BaseException, not Exception
-_FAILURES = (Exception, CheckpointException)
+def _failures() -> tuple[type[BaseException], ...]:
+    """What a DCP write or read may raise: its CheckpointException derives from BaseException,
+    not Exception. Imported on use: DCP's package imports DTensor (about 1.5 s), which
+    ``loom train``'s resume check (``resume_refusal``, before any worker starts) never needs."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
 
 
 def _unwrap_dcp_failure(err: BaseException) -> BaseException:
@@ -369,7 +398,7 @@ def save(root: Path, step: int, tensors: dict[str, Any], extra: dict[str, Any], 
         try:
             action()
             return None
-        except _FAILURES as err:  # every failure becomes one named line
+        except _failures() as err:  # every failure becomes one named line
             return _describe_write_error(_unwrap_dcp_failure(err), partial, step, needed)
 
     def cleanup() -> None:
@@ -403,7 +432,7 @@ def save(root: Path, step: int, tensors: dict[str, Any], extra: dict[str, Any], 
         def finish() -> None:
             try:
                 written.result()
-            except _FAILURES as err:
+            except _failures() as err:
                 cleanup()
                 raise CheckpointError(_describe_write_error(_unwrap_dcp_failure(err), partial,
                                                             step, needed)) from None
@@ -485,7 +514,7 @@ def load(path: Path, tensors: dict[str, Any], *, device: torch.device = torch.de
                  planner=_weights_only_load_planner())
     except CheckpointError as err:  # raised before DCP's collectives (reading .metadata)
         raise CheckpointError(f"{path}: {err}") from None
-    except _FAILURES as err:  # DCP gathers every rank's failure: rank -> (exception, traceback)
+    except _failures() as err:  # DCP gathers every rank's failure: rank -> (exception, traceback)
         cause = _unwrap_dcp_failure(err)
         if isinstance(cause, CheckpointError):
             raise CheckpointError(f"{path}: {cause}") from None

@@ -48,6 +48,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from loom.parallel.expert import ExpertParallel, expert_parameter_names
 from loom.parallel.vocab_pipeline import row_slices
 from loom.parallel.zero import ZeroShardedOptimizer
+from loom.train.checkpoint import is_sharded_tensor
 from loom.train.checkpoint_safety import CheckpointError
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in the global tensor
@@ -140,32 +141,6 @@ def _as_sharded(state: dict[str, Any], local: dict[str, tuple[tuple[int, ...],
     everyone = _exchange_boxes({k: [box for box, _ in pieces] for k, (_, pieces) in local.items()})
     for key, (shape, pieces) in local.items():
         state[key] = _sharded_tensor(shape, pieces, [r.get(key, []) for r in everyone])
-
-
-def sharded_tensor_to_cpu(value: Any) -> Any:
-    """A CPU copy of a ShardedTensor built here (the staging of an asynchronous save; DCP's own
-    stager copies plain tensors and DTensors but not ShardedTensors)."""
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
-    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
-
-    def on_cpu(md: Any) -> Any:
-        return ShardMetadata(md.shard_offsets, md.shard_sizes, f"rank:{md.placement.rank()}/cpu")
-
-    meta = value.metadata()
-    shards_md = [on_cpu(md) for md in meta.shards_metadata]
-    local = [Shard(s.tensor.detach().to("cpu", copy=True), on_cpu(s.metadata))
-             for s in value.local_shards()]
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        local, ShardedTensorMetadata(shards_md, meta.size, meta.tensor_properties),
-        sharding_spec=EnumerableShardingSpec(shards_md))
-
-
-def is_sharded_tensor(value: Any) -> bool:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    return isinstance(value, ShardedTensor)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -206,6 +206,20 @@ def test_the_planner_and_the_config_import_without_torch():
     assert done.returncode == 0, done.stderr
 
 
+def test_the_commands_start_without_dtensor():
+    """``loom train``'s launcher checks the config and the resume point before any worker
+    starts; DTensor (with sympy: about 1.5 s, the parallel wrappers and DCP import it) is the
+    workers' business, so a refusal, and every launch, pays torch's own import only."""
+    import subprocess
+    import sys
+
+    code = ("import sys, loom.cli, loom.launch;"
+            " heavy = [m for m in ('torch.distributed.tensor', 'loom.parallel', 'sympy')"
+            " if m in sys.modules]; assert not heavy, heavy")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
 MAX_LOCAL_IMPORTS = 10
 
 
