@@ -67,6 +67,10 @@ class Gpu:
     inter: str = "ndr-ib"  # default link between nodes
     gpus_per_node: int = 8
     op_overhead: float = 0.0  # seconds per layer pass (F, I or W) not tied to FLOPs or bytes
+    # Host seconds to dispatch and launch one kernel (``loom.sim.launch_cost``: a layer pass
+    # takes the longer of its device time and its kernels' host time); 0: not priced, as on a
+    # CPU profile, whose host is its device (``op_overhead`` measures the block's fixed cost)
+    launch_overhead: float = 0.0
     # Ranks of a node that share ``cores`` processors (a CPU profile: ``gpus_per_node`` processes
     # on fewer cores); 0 means each rank has its own processor, as every accelerator does.
     cores: float = 0.0
@@ -150,7 +154,17 @@ class Link:
         return self.bandwidth * self.efficiency
 
 
-GPUS: dict[str, Gpu] = {g.name: g for g in (
+# Host time per kernel of an accelerator driven by eager PyTorch (``Gpu.launch_overhead``):
+# Loom's block forward + backward at a size where its kernels do nothing (dim 64, 16 tokens,
+# one thread), timed on the CPU of the machine this was written on, over the dispatcher's count
+# of its kernels (``loom.sim.launch_cost``): 21-27 us per kernel (forward 1.06 ms / 40, backward
+# 1.36 ms / 64 in fp32; bf16 1.25 ms / 48 and 1.83 ms / 76), Python, autograd and the
+# dispatcher included. A CUDA launch adds cudaLaunchKernel's few microseconds and saves the tiny
+# CPU kernel's; a dedicated server core is likely faster than these two shared ones, so 25 us
+# leans towards host-bound. Measured on no GPU, fitted to no step time.
+HOST_LAUNCH = 25e-6
+
+GPUS: dict[str, Gpu] = {g.name: dataclasses.replace(g, launch_overhead=HOST_LAUNCH) for g in (
     Gpu("A100-40GB", 312e12, 40 * GiB, 1555 * GB, 0.75, intra="nvlink3", inter="hdr-ib"),
     Gpu("A100-80GB", 312e12, 80 * GiB, 2039 * GB, 0.75, intra="nvlink3", inter="hdr-ib"),
     Gpu("H100-SXM", 989e12, 80 * GiB, 3350 * GB, 0.7, fp8_flops=1979e12),
@@ -169,7 +183,7 @@ GPUS: dict[str, Gpu] = {g.name: g for g in (
 # part (the same silicon under a lower power cap: it reports the same device name, so the
 # trainer's MFU peak is the nominal one, as published MFUs are) and older generations the
 # trainer's MFU table does not name (``loom.train.flops``; it reports MFU n/a there).
-VARIANTS: dict[str, Gpu] = {g.name: g for g in (
+VARIANTS: dict[str, Gpu] = {g.name: dataclasses.replace(g, launch_overhead=HOST_LAUNCH) for g in (
     # H100 SXM with 96 GB HBM2e at a 500 W power limit, the part of TorchTitan's published runs
     # (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, "Hardware": "96GB HBM2e
     # with 2.4 TB/sec peak memory bandwidth", "the default 500W power limit, although tuning it

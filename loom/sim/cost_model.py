@@ -26,7 +26,9 @@ heads of width d, f FFN width, t = tp; a matmul of m x k by k x n is 2mkn FLOPs)
   (8 replicated and 12 split by tp, all split under sequence parallelism), twice that backward,
   at the HBM bandwidth (what fused kernels move: a compiled block); an eager one
   (``Framework.compiled`` false) moves ``loom.sim.eager_cost``'s bytes more, each op its own
-  kernel; plus a fixed ``op_overhead`` per layer pass (kernel launches).
+  kernel; plus a fixed ``op_overhead`` per layer pass (a CPU profile's measured block cost);
+  a pass takes at least its kernels' host launch time (``loom.sim.launch_cost``: eager or
+  compiled kernel counts times ``Gpu.launch_overhead``), the host queuing ahead of the device.
 
 Communication, alpha-beta per link class (``Cluster.link_for``: a group inside one node uses the
 intra-node link, otherwise the inter-node one, its bandwidth divided by the rack's (and the
@@ -101,6 +103,7 @@ from loom.sim.collectives import all_to_all_time, allreduce_time, gather_time, p
 from loom.sim.cost_memory import layout_memory
 from loom.sim.eager_cost import eager_extra_bytes
 from loom.sim.frameworks import LOOM, Framework
+from loom.sim.launch_cost import block_kernels, host_bound
 from loom.sim.streams import Pieces, chunked_overlap, layer_overlap
 from loom.sim.vocab_cost import (VocabPasses, vocab_pass_times, vocab_pp, vocab_shares,
                                  vocab_stats_time)
@@ -319,12 +322,16 @@ class CostModel:
         if self.framework.overlap.tp_comm and lay.sequence_parallel and tp_fwd and self.overlaps:
             # pipelined with the GEMMs in tp chunks (Megatron's TP-comm overlap needs SP)
             tp_exposed = chunked_overlap(t_mat * slow, tp_fwd, lay.tp) - t_mat * slow
-        f_compute = (t_mat + t_cast + t_core + t_scores_f + t_elem + t_eager_f
-                     + overhead) * slow
+        # the host queues each pass's kernels ahead of the device: a pass of short kernels
+        # takes their launches' host time instead (loom.sim.launch_cost)
+        k_f, k_i, k_w = block_kernels(m, moe, self.framework.compiled, self.e, lay.ep)
+        launch = gpu.launch_overhead
+        f_compute = host_bound((t_mat + t_cast + t_core + t_scores_f + t_elem + t_eager_f
+                                + overhead) * slow, k_f, launch)
         f = f_compute + tp_exposed + cp_fwd + ep_fwd
-        i = (t_mat + t_cast + 2 * t_core + t_scores_i + 2 * t_elem + t_eager_i
-             + overhead) * slow + tp_exposed + cp_bwd + ep_fwd
-        w = (t_mat + t_cast + overhead) * slow
+        i = host_bound((t_mat + t_cast + 2 * t_core + t_scores_i + 2 * t_elem + t_eager_i
+                        + overhead) * slow, k_i, launch) + tp_exposed + cp_bwd + ep_fwd
+        w = host_bound((t_mat + t_cast + overhead) * slow, k_w, launch)
         if lay.recompute == "full":
             i += f
             comm_tp = 2 * tp_fwd

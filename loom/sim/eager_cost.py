@@ -34,10 +34,10 @@ read in (about 9e per norm: x, the incoming gradients, dx, and the weight's redu
 2e, SwiGLU one kernel reading the gradient and both inputs and writing two gradients (5e).
 
 Eager minus compiled, per element: forward D 56 + 4c - 3e, Q + KV 36 + 2c - 2e, F 2e;
-backward D 152 + 6c - 3e, Q + KV 60 + 2c - 2e, F 4e (bf16: 74, 44, 4; 182, 68, 8). Kernel
-launches are not priced: the catalog's accelerators have no per-kernel overhead (``Gpu.op_overhead`` is per layer pass, 0 there; the host queues kernels ahead of the
-device), which under-prices eager where kernels are short (a few thousand tokens). FP8's casts
-(``CostModel._fp8_share``) are priced the same either way. Torch-free.
+backward D 152 + 6c - 3e, Q + KV 60 + 2c - 2e, F 4e (bf16: 74, 44, 4; 182, 68, 8). The host
+time of launching these kernels is ``loom.sim.launch_cost``'s (the same counts, pinned to the
+dispatcher's). FP8's casts (``CostModel._fp8_share``) are priced the same either way.
+Torch-free.
 """
 
 from __future__ import annotations
