@@ -58,12 +58,30 @@ def preempt(cwd: Path, run: str, target: str, after_steps: int = 5) -> tuple[int
         proc.kill()
 
 
+class Straight:
+    """The uninterrupted run, started in the background when the module's first test asks for
+    it (its start-up overlaps that test's preempted run); ``weights()`` waits for it."""
+
+    def __init__(self, cwd: Path) -> None:
+        self.cwd, self.log = cwd, cwd / "straight.log"
+        with self.log.open("w") as log:  # a file, not a pipe nobody reads while it runs
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "loom", "train", *ARGS, "--train.run_dir=runs/straight"],
+                cwd=cwd, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+        self._weights: dict | None = None
+
+    def weights(self) -> dict:
+        if self._weights is None:
+            assert self.proc.wait(timeout=600) == 0, self.log.read_text()[-2000:]
+            self._weights = _weights(self.cwd / "runs" / "straight")
+        return self._weights
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("preempt")
-    done = train(cwd, "straight")
-    assert done.returncode == 0, done.stderr[-2000:]
-    return cwd, _weights(cwd / "runs" / "straight")
+    run = Straight(tmp_path_factory.mktemp("preempt"))
+    yield run.cwd, run
+    run.proc.kill()
 
 
 def check_preempted(cwd: Path, run: str, code: int, stderr: str, took: float) -> int:
@@ -85,8 +103,9 @@ def check_preempted(cwd: Path, run: str, code: int, stderr: str, took: float) ->
     return step
 
 
-def resume_and_compare(cwd: Path, run: str, step: int, expected: dict) -> None:
+def resume_and_compare(cwd: Path, run: str, step: int, straight: Straight) -> None:
     done = train(cwd, run, "--resume", "auto")
+    expected = straight.weights()
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resume: continuing from" in done.stderr and f"(step {step})" in done.stderr
     got = _weights(cwd / "runs" / run)
@@ -97,21 +116,21 @@ def resume_and_compare(cwd: Path, run: str, step: int, expected: dict) -> None:
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to find the worker processes")
 def test_sigterm_to_the_launcher_checkpoints_and_the_resumed_run_is_bit_identical(straight):
-    cwd, expected = straight
+    cwd, reference = straight
     code, stderr, took = preempt(cwd, "launcher", "launcher")
     step = check_preempted(cwd, "launcher", code, stderr, took)
-    resume_and_compare(cwd, "launcher", step, expected)
+    resume_and_compare(cwd, "launcher", step, reference)
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to find the worker processes")
 def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(straight):
-    cwd, expected = straight
+    cwd, reference = straight
     code, stderr, took = preempt(cwd, "worker", "rank1")
     step = check_preempted(cwd, "worker", code, stderr, took)
     progress = cwd / "runs" / "worker" / ".progress"
     records = [json.loads((progress / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [(r["status"], r["step"]) for r in records] == [("preempted", step)] * 2
-    resume_and_compare(cwd, "worker", step, expected)
+    resume_and_compare(cwd, "worker", step, reference)
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to find the worker processes")
