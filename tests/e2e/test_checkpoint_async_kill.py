@@ -103,12 +103,20 @@ def test_loom_train_with_async_checkpoints_commits_them_and_matches_a_sync_run(t
 
     args = [a for a in ARGS if not a.startswith(("--train.steps", "--checkpoint.interval"))]
     args += ["--train.steps=7", "--checkpoint.interval=2", "--checkpoint.keep=2"]
+    runs = {}  # the two runs side by side: their start-ups overlap
     for mode in ("sync", "async"):
-        done = subprocess.run([sys.executable, "-m", "loom", "train", *args,
-                               f"--checkpoint.async_save={str(mode == 'async').lower()}",
-                               f"--train.run_dir=runs/{mode}"], cwd=tmp_path, env=ENV,
-                              capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-2000:]
+        log = (tmp_path / f"{mode}.log").open("w")  # a file: an unread pipe could stall a run
+        runs[mode] = (subprocess.Popen([sys.executable, "-m", "loom", "train", *args,
+                                        f"--checkpoint.async_save={str(mode == 'async').lower()}",
+                                        f"--train.run_dir=runs/{mode}"], cwd=tmp_path, env=ENV,
+                                       stdout=log, stderr=subprocess.STDOUT), log)
+    for mode, (proc, log) in runs.items():
+        try:
+            code = proc.wait(timeout=600)
+        finally:
+            proc.kill()
+            log.close()
+        assert code == 0, (tmp_path / f"{mode}.log").read_text()[-2000:]
     root = tmp_path / "runs" / "async" / "checkpoints"
     assert complete_checkpoints(root) == [step_dir(root, 6), step_dir(root, 7)]
     assert not list(root.glob("*.partial"))
