@@ -156,6 +156,15 @@ def test_pipeline_with_data_parallel_matches_one_process(dist, small_data_dir, r
     check(references(2 * microbatches), results, f"{family} pp=2 x dp=2")
 
 
+@pytest.mark.matrix  # the runtime runs any placement's order alike: one wave is in CI, this in the matrix
+def test_hanayo_with_two_waves_matches_one_process(dist, small_data_dir, references, tmp_path):
+    # four sweeps over two ranks: 8 stages of one layer; m = 9 shares the CI cases' reference
+    config = layout_config({**BASE, "train.global_batch_size": 9, "parallel.schedule": "hanayo",
+                            "parallel.chunks": 4}, 2, pp=2)
+    results = dist.run(2, record_pipeline, config, small_data_dir, STEPS, str(tmp_path))
+    check(references(9), results, "hanayo chunks=4 pp=2 m=9")
+
+
 # What ``loom plan`` writes for a searched schedule: a pinned placement, a limit between the
 # families' levels and one F,I,W per rank (the last rank also runs the head)
 PLANNED = [("looped", 3, "0.9,1.1,0.7;1,1.3,0.8,0.02"), ("v", 2, "0.95,1.2,0.7;1,1.3,0.8,0.05")]

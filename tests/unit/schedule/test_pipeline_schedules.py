@@ -158,6 +158,7 @@ def test_hanayo_bubble_lies_between_interleaved_and_1f1b(p):
         assert makespan["interleaved_1f1b"] < makespan["hanayo"] < makespan["1f1b"]
 
 
-def test_hanayo_refuses_wave_counts_it_has_no_order_for():
-    with pytest.raises(ValueError, match="chunks=4 is not derived"):
-        get("hanayo")(4, 8, chunks=4)
+def test_hanayo_refuses_sweep_counts_that_are_not_whole_waves():
+    for chunks in (1, 3, 5):
+        with pytest.raises(ValueError, match=f"chunks={chunks} must be even"):
+            get("hanayo")(4, 8, chunks=chunks)
