@@ -62,8 +62,11 @@ Loom's runtime:
   profile, not at all, or across the pipeline flush), ZeRO-3's gathers ahead of each layer of
   the forward and backward, ZeRO-1/2's parameter all-gather after the step (exposed) or behind
   the next forward (Megatron's, in bf16); only what the links carry past the compute is exposed;
-* optimizer: AdamW reads and writes 28 bytes per local parameter shard at HBM bandwidth (a CPU
-  profile measures its seconds per parameter instead: ``Gpu.optimizer_per_param``).
+* optimizer: the gradient handling and AdamW step of the framework's code path at HBM
+  bandwidth (``loom.sim.optimizer_cost``: bytes per parameter the rank holds and per parameter
+  it steps, by microbatches, dtype, ZeRO stage, clipping and fused or foreach AdamW; Loom's
+  profile is bf16 parameters with fp32 masters at ``dtype_bytes`` 2, fp32 otherwise); a CPU
+  profile measures its AdamW step's seconds per parameter instead (``Gpu.optimizer_per_param``).
 
 A CPU profile (``loom plan --calibrate``) adds three things an accelerator does not have: ranks
 that share fewer cores (``Gpu.cores``: compute slows by ranks / cores when every rank computes;
@@ -95,6 +98,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from loom.formulas.flops import model_flops_per_token
+from loom.formulas.memory import adamw_step_fused
 from loom.layout import Layout
 from loom.models.args import TransformerArgs
 from loom.layout import CPLayout  # Loom's own split of cp into u x r
@@ -104,6 +108,7 @@ from loom.sim.cost_memory import layout_memory
 from loom.sim.eager_cost import eager_extra_bytes
 from loom.sim.frameworks import LOOM, Framework
 from loom.sim.launch_cost import block_kernels, host_bound
+from loom.sim.optimizer_cost import step_traffic
 from loom.sim.streams import Pieces, chunked_overlap, layer_overlap
 from loom.sim.vocab_cost import (VocabPasses, vocab_pass_times, vocab_pp, vocab_shares,
                                  vocab_stats_time)
@@ -172,8 +177,9 @@ class CostModel:
     def __init__(self, model: TransformerArgs, seq_len: int, global_batch: int, cluster: Any, *,
                  dtype_bytes: int = 2, grad_bytes: int | None = None,
                  op_overhead: float | None = None, framework: Framework = LOOM,
-                 fp8: bool = False, fp8_all_gather: bool = False):
+                 fp8: bool = False, fp8_all_gather: bool = False, grad_clip: bool = True):
         self.model, self.seq, self.batch, self.cluster = model, seq_len, global_batch, cluster
+        self.grad_clip = grad_clip  # gradients scaled by the clipping factor (train.grad_clip > 0)
         # FP8 matmuls in the blocks' linears (``train.fp8``; ``_fp8_share`` says which FLOPs)
         if fp8 and not cluster.gpu.fp8_flops:
             raise ValueError(f"{cluster.gpu.name} has no FP8 matmuls (fp8_flops = 0)")
@@ -614,11 +620,10 @@ class CostModel:
             rank_layers[r] = sum(sum(counts[s]) for s in owned[r])
         dp_exposed, comm["dp"] = self._data_parallel(lay, rank_params, rank_fwd, rank_bwd,
                                                      rank_layers)
-        sharded = self.stepped_parameters(lay)
-        # AdamW reads and writes 28 bytes per parameter; a CPU profile measures the step itself
-        # (torch's multi-tensor AdamW makes several passes over each state)
-        optimizer = sharded * c.gpu.optimizer_per_param if c.gpu.optimizer_per_param \
-            else 28 * sharded / c.gpu.hbm_bandwidth
+        # the framework's gradient handling and AdamW step (loom.sim.optimizer_cost); a CPU
+        # profile measures its AdamW step instead (torch's multi-tensor AdamW, several passes)
+        optimizer = self.stepped_parameters(lay) * c.gpu.optimizer_per_param \
+            if c.gpu.optimizer_per_param else self.optimizer_bytes(lay) / c.gpu.hbm_bandwidth
         # per-step framework work (optimizer over many tensors, hooks, the loss) runs on every
         # rank at once, so it is always charged the full contention
         optimizer = (optimizer + c.gpu.framework_overhead(wrappers(lay))[1]) * self.contention
@@ -635,15 +640,41 @@ class CostModel:
     def stepped_parameters(self, lay: Layout) -> float:
         """Parameters the busiest end rank steps: its ZeRO slices (dense ones also over ep), or
         all it holds without ZeRO; what an outer loop synchronises per rank, too."""
-        rank_params = self._rank_params(lay)
+        return max(stepped for _, stepped in self._held_and_stepped(lay).values())
+
+    def _held_and_stepped(self, lay: Layout) -> dict[int, tuple[float, float]]:
+        """Per end rank, (parameters it holds, parameters it steps: ``stepped_parameters``)."""
         experts = self._rank_expert_params(lay)
-        sharded = 0.0
-        for r, psi in rank_params.items():
+        out = {}
+        for r, psi in self._rank_params(lay).items():
+            stepped = psi
             if lay.zero_stage and lay.dp_shard > 1:
                 d = lay.dp_shard * lay.cp
-                psi = (psi - experts[r]) / (d * lay.ep) + experts[r] / d
-            sharded = max(sharded, psi)
-        return sharded
+                stepped = (psi - experts[r]) / (d * lay.ep) + experts[r] / d
+            out[r] = (psi, stepped)
+        return out
+
+    def optimizer_bytes(self, lay: Layout) -> float:
+        """HBM bytes of the busiest end rank's gradient handling and optimizer step per step
+        (``loom.sim.optimizer_cost.step_traffic`` of the framework's code path): Loom's and
+        torchtitan's parameters are bf16 with fp32 masters (FSDP2's bf16 ``param_dtype``) at
+        2-byte compute, the others' when their parameters are 2-byte."""
+        fw = self.framework
+        stage = lay.zero_stage if lay.dp_shard > 1 else 0
+        master = self.e == 2 if fw.step_path in ("loom", "torchtitan") else fw.param_bytes == 2
+        fused = fw.step_path != "loom" or adamw_step_fused(
+            "auto", tp=lay.tp, zero_stage=stage, sequence_parallel=lay.sequence_parallel,
+            vocab_parallel=lay.vocab_parallel, moe=self.moe_layers > 0,
+            vocab_parallel_pp=lay.vocab_parallel_pp)
+        # ZeRO-3 gathers each parameter for every forward and backward, or once per step for a
+        # pipeline stage kept gathered (the planner's pipelined ZeRO-3); torchtitan's ZeRO-1/2
+        # are FSDP2 kept gathered across the step
+        gathers = 2 * lay.microbatches if stage == 3 and lay.pp == 1 else 1 if stage else 0
+        traffic = step_traffic(fw.step_path, microbatches=lay.microbatches, master=master,
+                               zero_stage=stage, gathers=gathers, clip=self.grad_clip,
+                               fused=fused)
+        return max(traffic.bytes(held, stepped)
+                   for held, stepped in self._held_and_stepped(lay).values())
 
     def _strides(self, lay: Layout) -> dict[str, int]:
         """The rank distance of each group the model prices (``Framework.group_strides``)."""

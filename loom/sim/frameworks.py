@@ -61,6 +61,9 @@ What a profile fixes:
   backward; ``"last_backward"``: the last microbatch's backward of the rank; ``"pipeline_flush"``:
   that and the pipeline's drain after it, Megatron's ``--overlap-grad-reduce``), and ZeRO-3's
   prefetch of the next layer's parameters (FSDP2, DeepSpeed ZeRO-3's prefetch).
+* **Gradient handling and optimizer step** (``step_path``): whose code path the step's HBM
+  traffic follows (gradient accumulation, clipping, AdamW, masters rounded back);
+  ``loom.sim.optimizer_cost`` counts each stack's bytes.
 * **Rank order** (``rank_order``, innermost first): which ranks a group of each parallelism
   spans, and so which link and how much of a rack's or pod's uplinks it uses
   (``loom.plan.hardware.Cluster.link_for``). Loom, Megatron-LM (``tp-cp-ep-dp-pp``) and
@@ -77,6 +80,8 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+
+from loom.sim.optimizer_cost import STACKS
 
 GRAD_REDUCE = ("none", "last_backward", "pipeline_flush")
 # How a stack runs the attention core (``Framework.attention_kernel``; the cost model prices each,
@@ -120,6 +125,9 @@ class Framework:
     dropout: bool = False  # 1-byte dropout masks kept (GPT-style blocks)
     optimizer_temporaries: bool = False  # foreach AdamW's two state-sized temporaries
     sp_keeps_gathered: bool = False  # Loom's block, SP saving the gathered inputs whole
+    # whose gradient handling and optimizer step the step's HBM traffic follows
+    # (``loom.sim.optimizer_cost.STACKS``)
+    step_path: str = "loom"
     overlap: Overlap = field(default_factory=Overlap)
     rank_order: tuple[str, ...] = RANK_ORDER  # innermost first
 
@@ -127,6 +135,8 @@ class Framework:
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"attention_kernel {self.attention_kernel!r}: one of"
                              f" {', '.join(ATTENTION_KERNELS)}")
+        if self.step_path not in STACKS:
+            raise ValueError(f"step_path {self.step_path!r}: one of {', '.join(STACKS)}")
         if sorted(self.rank_order) != sorted(RANK_ORDER):
             raise ValueError(f"rank_order {list(self.rank_order)}: an ordering of"
                              f" {', '.join(RANK_ORDER)} (innermost first)")
@@ -182,14 +192,15 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
               compiled=False,  # train.compile's default
               overlap=Overlap(tp_comm=False, param_gather=False, grad_reduce="last_backward")),
     Framework("megatron", param_bytes=2, grad_bytes=4, optimizer_bytes=12, zero12_gather_bytes=2,
-              sp_shards_all=True, dropout=True,
+              sp_shards_all=True, dropout=True, step_path="megatron",
               overlap=Overlap(tp_comm=True, param_gather=True, grad_reduce="pipeline_flush")),
     Framework("torchtitan", param_bytes=4, grad_bytes=4, optimizer_bytes=8, zero12_gather_bytes=2,
               sp_shards_all=False, sp_keeps_gathered=True,  # fused AdamW by default
               compiled=False,  # compile.enable's default; its published BF16 rows ran eager
+              step_path="torchtitan",
               overlap=Overlap(tp_comm=False, param_gather=False, grad_reduce="last_backward")),
     Framework("deepspeed", param_bytes=2, grad_bytes=4, optimizer_bytes=12, zero12_gather_bytes=2,
-              sp_shards_all=True, attention_kernel="fused", dropout=True,
+              sp_shards_all=True, attention_kernel="fused", dropout=True, step_path="deepspeed",
               overlap=Overlap(tp_comm=False, param_gather=False, grad_reduce="last_backward")),
 )}
 LOOM = FRAMEWORKS["loom"]
