@@ -86,7 +86,8 @@ def check_layout(layout: CPLayout, seq_len: int, n_heads: int, n_kv_heads: int) 
                              f"(all-to-all splits heads over the Ulysses group)")
 
 
-# Families that place stages in a V (rank r holds stages r and 2p-1-r).
+# Families that place stages in a V (rank r holds stages r and 2p-1-r), or, Hanayo with more
+# than one wave, in a snake of ``chunks`` sweeps (``loom.schedule.ir.v_placement``).
 V_SHAPED = frozenset({"zbv", "v_half", "v_min", "dualpipev", "hanayo"})
 
 

@@ -98,7 +98,7 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
                         help="microbatches per step (default: 2 x --pp)")
     parser.add_argument("--chunks", type=_positive_int,
                         help="stages per rank, for families that take it (interleaved_1f1b, "
-                             "looped_bfs; hanayo: one-way sweeps of its wave, 2 for now)")
+                             "looped_bfs; hanayo: one-way sweeps of its waves, an even count)")
     _add_cost_arguments(parser, FULL_STAGE_COSTS,
                         "per-stage costs, one row per global stage, used as given")
     parser.add_argument("--memory-limit", type=_positive_float, metavar="UNITS",

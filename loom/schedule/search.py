@@ -495,7 +495,8 @@ _Seed = _FamilySeed | _GreedySeed
 
 def _seed_list(allowed: list[Place]) -> list[_Seed]:
     """Every family at every chunk count it takes (up to the largest allowed), torch's
-    interleaved zero bubble, then the waves' list-scheduled seeds (no family orders a wave)."""
+    interleaved zero bubble, then the waves' list-scheduled seeds (Hanayo orders only whole
+    waves, an even chunk count; the list scheduler seeds every wave placement)."""
     top = max(v for _, v in allowed)
     seeds = []
     for family in sorted(names(), key=lambda f: (_FAMILY_ORDER + [f]).index(f)):

@@ -39,7 +39,9 @@ PEAK_IN_FLIGHT = {
     "1f1b": lambda p, m, v: p,
     "zb_h1": lambda p, m, v: p,
     "zbv": lambda p, m, v: p,
-    "hanayo": lambda p, m, v: p,
+    # one wave: p; more (v = 2W sweeps): measured at m >= 4p, pinned in
+    # tests/unit/schedule/test_hanayo_waves.py (waiting turns hold a few chunks longer)
+    "hanayo": lambda p, m, v: p if v <= 2 else p + ((p + 1) // 3) / v,
     # m a multiple of p (Megatron's rule; the planner's space keeps to it): at m = p every
     # microbatch is in flight at once
     "interleaved_1f1b": lambda p, m, v: p if m == p else p + (p - 1) / v,

@@ -103,6 +103,7 @@ from loom.layout import Layout
 from loom.models.args import TransformerArgs
 from loom.layout import CPLayout  # Loom's own split of cp into u x r
 from loom.schedule.cost import OpCosts, StageCosts
+from loom.schedule.ir import v_placement
 from loom.sim.collectives import all_to_all_time, allreduce_time, gather_time, p2p_time
 from loom.sim.cost_memory import layout_memory
 from loom.sim.eager_cost import eager_extra_bytes
@@ -457,8 +458,8 @@ class CostModel:
                 moe = sum(1 for i in range(start, start + size) if self._is_moe(i))
                 counts.append((size - moe, moe))
                 start += size
-            if v_shaped:
-                placement = tuple(list(range(pp)) + list(range(pp - 1, -1, -1)))
+            if v_shaped:  # a V, or Hanayo's snake of ``chunks`` sweeps
+                placement = v_placement(pp, max(chunks, 2))
             else:
                 placement = tuple(s % pp for s in range(stages))
             owned = [[s for s in range(stages) if placement[s] == r] for r in range(pp)]
@@ -872,13 +873,15 @@ def pipeline_estimate(lay: Layout, ops: Ops, busiest: float, send: float,
     elif name in ("zb_h2", "zbv", "dualpipev"):
         bubble = (p - 1) * max(f + i - 2 * w, 0)
     elif name == "hanayo":  # 1F1B over the V, full backwards: the ramp's hops are half stages
-        # and the turn on rank p-1 costs no send; measured (p-1)(f+i+w)·2/3 at F:B = 1:2
-        bubble = (p - 1) * (f + i + w) * 2 / 3
+        # and the turn on rank p-1 costs no send; measured (p-1)(f+i+w)·2/3 at F:B = 1:2; W = v/2
+        # waves: 5/(6W) of it, measured at m = 2p, p = 4 and 8 (at m = 4p 0.36 and 0.24 for W = 2,
+        # 3: an upper bound there)
+        bubble = (p - 1) * (f + i + w) * (2 / 3 if v <= 2 else 5 / (3 * v))
     elif name == "v_half":
         bubble = (p - 1) * (f + i + w) / 2
     else:  # v_min
         bubble = (p - 1) * (f + i + w) * 2 / 3
-    hops = 2 * (p - 1) * (2 if lay.v_shaped else v)
+    hops = 2 * (p - 1) * (max(v, 2) if lay.v_shaped else v)
     return (busiest * m + bubble) * contention + hops * send
 
 

@@ -14,9 +14,8 @@ export, and the config would refuse them for training by name).
   sums their gradients over the mirror ranks (see ``loom.pipeline.runtime``); the config refuses
   ZeRO-1/2, which it does not compose with yet, by name.
 
-* ``hanayo``: Hanayo's wave (Liu et al. SC'23) with one down-and-up wave (``chunks=2``, the V
-  placement) and full backwards; more waves are refused until their order is derived (see the
-  module).
+* ``hanayo``: Hanayo's wave (Liu et al. SC'23), ``chunks / 2`` down-and-up waves (an even
+  count; ``chunks=2`` is the V placement) with full backwards (see the module).
 """
 
 from __future__ import annotations

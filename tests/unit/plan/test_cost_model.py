@@ -349,3 +349,13 @@ def test_all_gather_context_parallelism_pays_its_three_collectives_unhidden():
                  + gather_time(kv_all * 4 / model.e, 8, link))
     assert gather.comm["cp"] == pytest.approx(per_layer * m.n_layers * 8, rel=1e-9)
     assert gather.step_time > ring.step_time  # the ring hides its hops behind the blocks
+
+
+def test_hanayo_peak_in_flight_matches_the_validator_for_every_wave_count():
+    """One wave holds 1F1B's p; more waves (v = 2W sweeps) the measured closed form, m >= 4p."""
+    for p in range(2, 9):
+        for v in (2, 4, 6):
+            for m in (4 * p, 5 * p + 1):
+                schedule = schedules.get("hanayo")(p, m, chunks=v)
+                assert PEAK_IN_FLIGHT["hanayo"](p, m, v) == pytest.approx(
+                    float(max(peak_memory(schedule)))), (p, m, v)
