@@ -28,16 +28,19 @@ of ``--micro x --seq-len``: ``none`` and ``tokens`` as dp = 4 (each rank its own
 documents whole), ``static-cp4`` as cp = 4 (ring, every document zig-zag over the 4 ranks,
 ``tokens``' microbatches), ``zeppelin`` as cp = 4 (``data.balance = zeppelin``, the same
 microbatches placed by ``loom.parallel.zeppelin_cp``: whole documents on one rank with no ring
-traffic, long ones over a sub-ring of their own group, shards not padded) and ``zeppelin-step`` the
+traffic, long ones over a sub-ring of their own group, shards not padded), ``zeppelin-dp`` as
+dp = 4, cp = 1 (``data.balance = zeppelin`` over the data-parallel ranks: every rank runs the
+4 ranks' microbatches merged, placed over the 4 dp ranks) and ``zeppelin-step`` the
 same with one microbatch of the step's ``4 x --micro x --seq-len`` tokens (the step's documents
 placed over the 4 ranks at once; one bin of 4 budgets may take other pieces than 4 bins of one: its
 losses can differ from the others' in the third digit). Per step: each rank's CPU time
 (``time.thread_time``: its own compute; gloo's transfers run on other threads and a blocked wait
 costs none), the compute imbalance max / mean over ranks, the step's wall time (the slowest rank)
 and the most bytes a rank sent point to point over cp (the rings' hops, from the ``metrics.comm``
-ledger; 0 for dp). On a machine with fewer free cores than ranks the wall time counts the ranks'
-total work, not the slowest; the busiest rank's CPU time is then the step time 4 free cores would
-give, less the waits between ranks (both are reported). Corpora (``--corpora``, comma-separated):
+ledger; 0 for none and tokens; zeppelin-dp's sub-rings over dp ranks count there too). On a
+machine with fewer free cores than ranks the wall time counts the ranks' total work, not the
+slowest; the busiest rank's CPU time is then the step time 4 free cores would give, less the
+waits between ranks (both are reported). Corpora (``--corpora``, comma-separated):
 ``longtail`` (log-normal lengths, median ``--tail-median`` tokens, max 32x the median, as text
 files, split at ``--seq-len``), ``longtail-long`` (long-context: median ``--long-median`` = 256,
 sigma ``--long-sigma`` = 1.5, max 32x = 8192, split at 8192 so documents stay whole and a step is
@@ -48,6 +51,7 @@ prints the costs the placement uses (``zeppelin_cp.KERNEL_SLOWDOWN``, ``TILE_SLO
 
     python bench/varlen.py --ranks 4 [--seq-len 2048 --micro 1 --steps 3]
     python bench/varlen.py --ranks 4 --micro 1 --steps 3 --corpora longtail-long --long-seed 1
+    python bench/varlen.py --ranks 4 --seq-len 2048 --micro 1 --balances tokens,zeppelin-dp
 
 Writes ``bench/out/varlen.json`` (``varlen_ranks.json`` with ``--ranks``); results are in
 ``docs/benchmarks.md``.
@@ -160,6 +164,9 @@ BALANCE_LAYOUTS = {  # name: (data.balance, parallel degrees and mode)
                               "parallel.dp_replicate": 1}),
     "zeppelin-step": ("zeppelin", {"parallel.cp": 4, "parallel.cp_mode": "ring",
                                    "parallel.dp_replicate": 1}),
+    # dp = 4, cp = 1: every rank runs the 4 ranks' i-th microbatches merged, placed over the
+    # 4 dp ranks (short documents whole on one, long ones over a sub-ring of dp ranks)
+    "zeppelin-dp": ("zeppelin", {"parallel.dp_replicate": -1}),
 }
 # One microbatch of the whole step's tokens, placed over the 4 ranks at once (Zeppelin's
 # placement of a step's sequences over all its ranks; one bin may fit other pieces than four)
@@ -234,7 +241,9 @@ def measure_balances(corpus: dict, data_dir: str, seq_len: int, args, registry) 
             "train.steps": args.steps + 1, "train.eval_every": 0, "optim.warmup_steps": 1,
             "metrics.comm": True}
     rows = {}
-    for name, (balance, degrees) in BALANCE_LAYOUTS.items():
+    chosen = [b for b in args.balances.split(",") if b] or list(BALANCE_LAYOUTS)
+    for name in chosen:
+        balance, degrees = BALANCE_LAYOUTS[name]
         per_microbatch = budget * (args.ranks if name in WHOLE_STEP else 1)
         config = layout_config({**base, "data.balance": balance, **degrees,
                                 "data.tokens_per_microbatch": per_microbatch}, args.ranks)
@@ -390,10 +399,15 @@ def balances_main(args) -> int:
 
 
 def with_speedups(rows: dict) -> dict:
-    """Each balance's step time (wall and busiest CPU) relative to zeppelin's."""
-    for r in rows.values():
-        r["zeppelin_speedup_wall"] = r["wall_s"] / rows["zeppelin"]["wall_s"]
-        r["zeppelin_speedup_busiest_cpu"] = r["busiest_cpu_s"] / rows["zeppelin"]["busiest_cpu_s"]
+    """Each balance's step time (wall and busiest CPU) relative to zeppelin's and to
+    zeppelin-dp's, where they ran."""
+    for ref in ("zeppelin", "zeppelin-dp"):
+        if ref not in rows:
+            continue
+        tag = ref.replace("-", "_")
+        for r in rows.values():
+            r[f"{tag}_speedup_wall"] = r["wall_s"] / rows[ref]["wall_s"]
+            r[f"{tag}_speedup_busiest_cpu"] = r["busiest_cpu_s"] / rows[ref]["busiest_cpu_s"]
     return rows
 
 
@@ -419,7 +433,13 @@ def main() -> int:
     parser.add_argument("--long-tokens", type=int, default=600_000)
     parser.add_argument("--long-seed", type=int, default=0)
     parser.add_argument("--calibrate", action="store_true")
+    parser.add_argument("--balances", default="",
+                        help=f"--ranks: comma-separated rows, of {', '.join(BALANCE_LAYOUTS)}"
+                        " (default: all)")
     args = parser.parse_args()
+    unknown = [b for b in args.balances.split(",") if b and b not in BALANCE_LAYOUTS]
+    if unknown:
+        parser.error(f"--balances: {unknown} not among {', '.join(BALANCE_LAYOUTS)}")
     if args.ranks:
         if args.ranks != 4:
             parser.error("--ranks: 4 (static cp and zeppelin run cp = 4)")

@@ -76,19 +76,41 @@ def _validate_context_documents(config: Config) -> None:
                           " groups do not include cp yet: use dp_mode = sync or cp = 1")
 
 
-def _validate_zeppelin(config: Config) -> None:
-    """``data.balance = zeppelin`` places each varlen microbatch's documents over the cp ranks
-    (``loom.parallel.zeppelin_cp``): it needs a ring of cp > 1 ranks. It runs with dp, tp
-    (sequence parallelism on or off) and pp: every rank of a cp rank's tp group and pipeline
-    computes the same placement from the same microbatch, and the sub-rings are made per
-    (dp, tp, pp) coordinate, like the cp ring."""
+def zeppelin_over_dp(config: Config) -> str | None:
+    """Why ``data.balance = zeppelin`` places over the cp ranks of each data-parallel rank
+    rather than over every dp x cp rank, or None where it places over dp x cp: the domain is
+    built for a data-parallel degree > 1 with tp = pp = ep = 1, synchronous data parallelism
+    and a dense model (dp_replicate and dp_shard alike: ZeRO/FSDP shards parameters, not data)."""
     par = config.parallel
-    if par.cp < 2:
-        raise ConfigError("data.balance", "zeppelin", "places documents over the cp ranks:"
-                          f" needs parallel.cp > 1 (got {par.cp}); use tokens with cp = 1")
-    if par.cp_mode != "ring":
+    if par.dp < 2:
+        return "one data-parallel rank"
+    for name, value in (("tp", par.tp), ("pp", par.pp), ("ep", par.ep)):
+        if value > 1:
+            return f"parallel.{name} = {value} (the dp x cp domain is not built with it yet)"
+    if par.dp_mode != "sync":
+        return (f"parallel.dp_mode = {par.dp_mode} (an outer mode's replicas train their own"
+                " data)")
+    if config.model.n_experts:
+        return "an MoE model (the dp x cp domain is built for dense models)"
+    return None
+
+
+def _validate_zeppelin(config: Config) -> None:
+    """``data.balance = zeppelin`` places each varlen microbatch's documents over a domain of
+    ranks (``loom.parallel.zeppelin_cp``): every dp x cp rank where ``zeppelin_over_dp`` allows
+    (merged microbatches, sub-rings over the flattened dp x cp index, cp = 1 included);
+    otherwise the cp ranks of each data-parallel rank, which needs cp > 1 and runs with tp
+    (sequence parallelism on or off) and pp (every rank of a cp rank's tp group and pipeline
+    computes the same placement; sub-rings per (dp, tp, pp) coordinate, like the cp ring)."""
+    par = config.parallel
+    if par.cp > 1 and par.cp_mode != "ring":
         raise ConfigError("parallel.cp_mode", par.cp_mode, "data.balance = zeppelin runs its"
                           " placement on the document ring: use cp_mode = ring")
+    why_not_dp = zeppelin_over_dp(config)
+    if why_not_dp is not None and par.cp < 2:
+        raise ConfigError("data.balance", "zeppelin", "places documents over the dp x cp ranks,"
+                          f" or over the cp ranks with parallel.cp > 1; here cp = {par.cp} and"
+                          f" the dp x cp domain is out: {why_not_dp}. Use tokens, or cp > 1")
 
 
 def _validate_varlen_layout(config: Config) -> None:

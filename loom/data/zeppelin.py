@@ -42,15 +42,16 @@ torch with the data package and ``varlen``, whose ``tokens`` deal it reuses); th
 the simulator price it (``loom.sim.varlen_cost``) without running anything. Hand-written: no
 library partitions variable-length sequences over sub-rings by a cost model.
 
-What runs: ``data.balance = zeppelin`` (varlen under a cp ring, ``loom.parallel.zeppelin_cp``)
-places each microbatch's documents over the cp ranks with these candidates
-(``zeppelin_candidates``), priced as that runtime runs them, and hands every cp rank its
-``token_indices``; attention runs on sub-rings (``zeppelin_cp.sub_ring_attention``): a
-document whole on one rank with no communication, a grouped one over its group's own process
-group, shards unpadded. What it still lacks: the remapping layer in the model
-(``loom.parallel.remap`` is built and tested alone; a rank's linear work is its own tokens'),
-and placement over dp ranks (dp keeps ``tokens``' microbatches; the plan runs over each
-microbatch's cp ranks).
+What runs: ``data.balance = zeppelin`` (varlen, ``loom.parallel.zeppelin_cp``) places each
+microbatch's documents over the cp ranks, or, with a data-parallel degree > 1, over every dp x
+cp rank (cp index innermost, so an aligned block is nearest ranks first; each rank runs the dp
+ranks' microbatches merged) with these candidates (``zeppelin_candidates``), priced as that
+runtime runs them, and hands every rank its ``token_indices``; attention runs on sub-rings
+(``zeppelin_cp.sub_ring_attention``): a document whole on one rank with no communication, a
+grouped one over its group's own process group, shards unpadded. What it still lacks: the
+remapping layer in the model (``loom.parallel.remap`` is built and tested alone; a rank's
+linear work is its own tokens'), and the dp x cp domain with tp or pp > 1 (refused by the
+config; at dp = 1 the cp placement runs with both).
 """
 
 from __future__ import annotations

@@ -131,7 +131,7 @@ def parallelize(model: nn.Module, meshes: Meshes, job: Job, *, cp_groups: Any = 
                                       vocab_parallel=parallel.vocab_parallel, ledger=ledger)
         tensor = TensorParallel(meshes.root["tp"], parallel.sequence_parallel,
                                 parallel.vocab_parallel, ledger)
-    if parallel.cp > 1:
+    if parallel.cp > 1 or cp_groups is not None:  # or zeppelin's dp x cp domain at cp = 1
         model = apply_context_parallel(model, cp_groups, ledger)
     if parallel.ep > 1:
         experts = apply_expert_parallel(model, meshes.root["ep"].get_group(), ledger)

@@ -1,4 +1,4 @@
-"""``data.balance = zeppelin`` at run time: each varlen microbatch placed over the cp ranks.
+"""``data.balance = zeppelin`` at run time: each varlen microbatch placed over the cp (x dp) ranks.
 
 ``data.balance = tokens`` deals a step's pieces into microbatches of nearly equal tokens; under
 context parallelism (``parallel.cp > 1``) the default sharding (``context_documents
@@ -44,19 +44,43 @@ whole shard, gathered. With pipeline parallelism every stage computes the same p
 stage-to-stage messages between ranks of one cp index (one shard length), and each stage's
 sub-rings join its own cp ranks, which run the schedule's passes in the same order.
 
+**Over the data-parallel ranks too** (``parallel.dp > 1``: Zeppelin's "sub-ring of the cp x dp
+ranks, nearest ranks first"). The placement domain is then every dp x cp rank of the (tp, pp)
+coordinate, ``D x C`` ranks flattened with the cp index innermost (``RankGrid.groups(dp axes,
+"cp")``' order), so an aligned block of ranks is nearest ranks first: a group of ``g <= C``
+stays inside one dp rank's cp ranks, a larger one spans neighbouring dp ranks. Every rank of
+the domain gets the same *merged* microbatch (``merge_dp_microbatches``): microbatch ``i`` of
+the step is the pieces the ``D`` dp ranks would have got as their ``i``-th (``data.balance =
+tokens``' bins), concatenated in dp order; the planner places its documents over the ``D x C``
+ranks exactly as over cp ranks (cp = 1 with dp > 1 too: short documents whole on a dp rank,
+long ones over a sub-ring of dp ranks), and the sub-rings are the domain's aligned blocks
+(``new_sub_rings`` over the domain groups, made once at setup, collectively, passed
+explicitly). The step's documents are unchanged, and so is the loss: each rank sums its own
+tokens' losses, the step's tokens are counted over dp x cp (the placement holds each token
+once), and the gradient average over dp x cp turns the ranks' sums, each times ``D x C`` over
+the step's tokens, into the token mean however unevenly the ranks hold tokens. The step keeps
+its ``M = N / D`` microbatches, each merged from ``D`` bins, rather than one microbatch of all
+``N``: a rank then holds about ``B / C`` tokens of a microbatch (``B`` the token budget), what
+``tokens`` gives a rank under cp, so activation memory and the schedule (``M`` forward and
+backward passes) stay as they are; one merged microbatch of the whole step would give the
+planner more freedom but ``M`` times the activations (the bench's ``zeppelin-step`` row
+measures that choice at cp = 4).
+
 Without the remapping layer (``loom.parallel.remap`` is not wired into the model), a rank's
 linear work is its own tokens', so a placement is priced as the busiest rank's attention
 (``tiled_attention``: a document cut over more ranks than its length needs costs each of them
 a whole tile) plus its linear work, ``max(attention + tokens x linear)`` (``cp_step_price``;
 the ring's waits inside a group are not modelled). The candidates are the planner's
 (``zeppelin_candidates``, both with the linear work balanced per rank and with attention
-alone), its ``tokens`` deal and static cp (every document over all cp ranks), and the
-cheapest wins (ties: the first), so on this cost model a placement is never worse than static
-cp. Costs (``model_token_costs``) are flop counts of the model's shape, forward and backward,
+alone), its ``tokens`` deal and static cp (every document over all cp ranks; over a dp x cp
+domain also over each dp rank's own cp ranks), and the cheapest wins (ties: the first), so on
+this cost model a placement is never worse than static cp or an all-whole deal. Costs
+(``model_token_costs``) are flop counts of the model's shape, forward and backward,
 attention's weighted by how much slower per flop each attention path runs than the linear
 modules, measured on this machine's CPU (``KERNEL_SLOWDOWN`` for the model's own kernel on
 whole documents, ``TILE_SLOWDOWN`` for the engine's masked tiles, ``RING_SLOWDOWN`` for a
-grouped document's tiles against the same document whole; ``bench/varlen.py --calibrate``).
+grouped document's tiles against the same document whole, dearer where a rank's share is
+under ``RING_CHUNK`` tokens; ``bench/varlen.py --calibrate``).
 
 Hand-written: no library places variable-length sequences over a context-parallel ring, nor
 runs ring attention over several sub-rings of one cp group side by side (torch's context
@@ -75,6 +99,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from loom.data.packing import DocumentBatch
+from loom.data.varlen import VarlenBatch
 from loom.data.zeppelin import (Partition, Ranks, TokenCosts, partition_static_cp,
                                 zeppelin_candidates)
 from loom.models.args import TransformerArgs
@@ -103,6 +129,14 @@ from loom.parallel.ring_attention import DKV_TAG, KV_TAG, Ring, wait_all
 KERNEL_SLOWDOWN = 1.0
 TILE_SLOWDOWN = 3.7
 RING_SLOWDOWN = 1.13
+# RING_SLOWDOWN holds for a rank's share of a grouped document of RING_CHUNK tokens or more;
+# smaller shares run smaller, relatively dearer tiles: ``ring_over_whole`` (2026-11-27, load
+# ~50) gave 1.06 at 2048 tokens a rank (8192 over 4), 1.21 and 1.42 at 1024 (2048 over 2, 4096
+# over 4), 1.83 and 1.91 at 512 (1024 over 2, 2048 over 4): RING_SLOWDOWN x (RING_CHUNK /
+# share) ** RING_CHUNK_EXPONENT fits them within ~15%. Without it the placement cut stdlib's
+# 2048-token pieces over 4 ranks at a predicted 0.85 of tokens' step and ran ~1.3x slower.
+RING_CHUNK = 2048
+RING_CHUNK_EXPONENT = 0.35
 
 
 def model_token_costs(args: TransformerArgs,
@@ -129,19 +163,23 @@ def tiled_attention(partition: Partition, tile_tokens: int = TILE_TOKENS,
     causal tile of ``s/g`` tokens ((s/g)²/2 pairs) and ``g - 1`` blocks against the other
     ranks' chunks: full tiles (half the pairs visible) when its ``s/g`` queries reach
     ``tile_tokens``, those pairs ``ring`` times a whole document's (the tiles' merges and
-    smaller kernels); else a masked tile of at least ``tile_tokens`` keys (small documents
-    share one, whose masked pairs are computed too), each computed pair ``masked`` times a
-    kernel pair: a document cut over more ranks than its length needs pays masked tiles on
-    each."""
+    smaller kernels), and ``(RING_CHUNK / (s/g)) ** RING_CHUNK_EXPONENT`` times more where
+    ``s/g`` is under ``RING_CHUNK``; else a masked tile of at least ``tile_tokens`` keys
+    (small documents share one, whose masked pairs are computed too), each computed pair
+    ``masked`` times a kernel pair: a document cut over more ranks than its length needs pays
+    masked tiles on each."""
     load = np.zeros(partition.ranks.count)
     for n, b, g in zip(partition.lengths, partition.start, partition.size):
         if g == 1:
             load[b] += n * n / 2
             continue
         chunk = n / g
-        remote = (chunk * chunk / 2 if chunk >= tile_tokens  # full tiles
-                  else chunk * tile_tokens * masked / ring)  # masked, in a shared tile
-        load[b:b + g] += ring * (chunk * chunk / 2 + (g - 1) * remote)
+        if chunk >= tile_tokens:  # full tiles, dearer the smaller they are (RING_CHUNK)
+            rate = ring * max(1.0, RING_CHUNK / chunk) ** RING_CHUNK_EXPONENT
+            load[b:b + g] += rate * g * chunk * chunk / 2
+            continue
+        # masked, in a shared tile
+        load[b:b + g] += ring * chunk * chunk / 2 + (g - 1) * chunk * tile_tokens * masked
     return load * partition.costs.attention
 
 
@@ -159,15 +197,20 @@ def cp_step_price(partition: Partition) -> float:
                   + partition.rank_tokens() * partition.costs.linear).max())
 
 
-def place_over_cp(lengths: list[int] | np.ndarray, cp: int, costs: TokenCosts) -> Partition:
+def place_over_cp(lengths: list[int] | np.ndarray, cp: int, costs: TokenCosts,
+                  inner_cp: int = 0) -> Partition:
     """The placement of one microbatch's documents (``lengths``, in row order) over ``cp``
-    ranks: the cheapest candidate by ``cp_step_price`` (module docstring)."""
+    ranks (the cp ranks, or the dp x cp domain's): the cheapest candidate by ``cp_step_price``
+    (module docstring). ``inner_cp``: over a dp x cp domain, the cp degree, whose static cp
+    (every document over one of the ``cp / inner_cp`` rings of cp ranks) is a candidate too."""
     seqs = [int(n) for n in lengths]
     ranks = Ranks(cp, per_node=cp)  # one machine's ranks: every group inside a node
     sizing = per_token_square(costs)  # the planner's unit; each candidate priced in pairs
     candidates = [replace(plan, costs=costs) for remap in (False, True)
                   for plan in zeppelin_candidates(seqs, ranks, sizing, remap=remap)]
-    return min(candidates + [partition_static_cp(seqs, ranks, cp, costs)], key=cp_step_price)
+    static = [partition_static_cp(seqs, ranks, ring, costs)
+              for ring in dict.fromkeys((cp, inner_cp)) if ring > 1 and cp % ring == 0]
+    return min(candidates + static, key=cp_step_price)
 
 
 def document_runs(document_ids_S: np.ndarray) -> list[int]:
@@ -177,19 +220,42 @@ def document_runs(document_ids_S: np.ndarray) -> list[int]:
 
 
 def zeppelin_shard_indices(document_ids_BS: torch.Tensor, cp: int, cp_rank: int,
-                           costs: TokenCosts) -> torch.Tensor:
+                           costs: TokenCosts, inner_cp: int = 0) -> torch.Tensor:
     """Which tokens of a varlen microbatch (``[1, S]``) cp rank ``cp_rank`` holds: int64
     ``[1, L]`` indices into the row (``place_over_cp``'s ``token_indices``), ``L`` its own
     token count (not padded: the sub-rings pass each member's own count); a rank the placement
-    gives no token holds one ``PAD_SLOT`` (a forward needs a token)."""
+    gives no token holds one ``PAD_SLOT`` (a forward needs a token). Over a dp x cp domain
+    ``cp`` is the domain's size, ``cp_rank`` the rank's place in it, ``inner_cp`` the cp degree."""
     if document_ids_BS.shape[0] != 1:
         raise ValueError(f"data.balance = zeppelin places a varlen microbatch (one row), not"
                          f" {document_ids_BS.shape[0]} rows")
-    partition = place_over_cp(document_runs(document_ids_BS[0].cpu().numpy()), cp, costs)
+    partition = place_over_cp(document_runs(document_ids_BS[0].cpu().numpy()), cp, costs,
+                              inner_cp)
     mine = partition.token_indices(cp_rank)
     index = mine[None] if len(mine) else np.full((1, 1), PAD_SLOT, dtype=np.int64)
     return torch.from_numpy(index).to(document_ids_BS.device)
 
+
+def merge_dp_microbatches(batch: VarlenBatch, dp: int) -> VarlenBatch:
+    """The step's ``N`` microbatches (every dp rank's, dp rank ``d`` holding ``[d*M, (d+1)*M)``,
+    ``M = N / dp``) as the ``M`` merged ones every rank of a dp x cp domain runs (module
+    docstring): merged microbatch ``i`` is microbatch ``d*M + i`` of every ``d``, concatenated
+    in dp order, its document ids renumbered to stay run ordinals (neighbours differ)."""
+    count = len(batch.microbatches)
+    if dp < 1 or count % dp:
+        raise ValueError(f"{count} microbatches cannot be merged over {dp} data-parallel ranks")
+    per_rank = count // dp
+    merged = []
+    for i in range(per_rank):
+        parts = [batch.microbatches[d * per_rank + i] for d in range(dp)]
+        ids, first = [], 0
+        for part in parts:  # each part's ids are 0 .. k-1 ordinals
+            ids.append(part.document_ids + first)
+            first += int(part.document_ids.max()) + 1
+        merged.append(DocumentBatch(*(torch.cat(column, dim=1) for column in (
+            [p.inputs for p in parts], [p.targets for p in parts],
+            [p.positions for p in parts], ids))))
+    return VarlenBatch(tuple(merged), batch.step_tokens)
 
 
 # -- the sub-rings: process groups, made once ---------------------------------------------------
@@ -470,7 +536,9 @@ def sub_ring_attention(q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch
     return out_BNLH
 
 
-__all__ = ["KERNEL_SLOWDOWN", "RING_SLOWDOWN", "TILE_SLOWDOWN", "RingPart", "SubRingKeys",
-           "SubRings", "aligned_blocks", "cp_step_price", "document_runs", "model_token_costs",
-           "new_sub_rings", "per_token_square", "place_over_cp", "ring_block", "sub_ring_attention",
-           "sub_ring_keys", "tiled_attention", "zeppelin_shard_indices"]
+__all__ = ["KERNEL_SLOWDOWN", "RING_CHUNK", "RING_CHUNK_EXPONENT", "RING_SLOWDOWN",
+           "TILE_SLOWDOWN", "RingPart", "SubRingKeys",
+           "SubRings", "aligned_blocks", "cp_step_price", "document_runs",
+           "merge_dp_microbatches", "model_token_costs", "new_sub_rings", "per_token_square",
+           "place_over_cp", "ring_block", "sub_ring_attention", "sub_ring_keys",
+           "tiled_attention", "zeppelin_shard_indices"]

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from loom.config import Config, job_of, layout_of, model_args, to_dict
 from loom.config_rules import varlen_budgets
+from loom.config_rules.data import zeppelin_over_dp
 from loom.data.loader import DataFiles, DistributedLoader, eval_batches
 from loom.data.packing import IGNORE_INDEX, DocumentBatch
 from loom.data.varlen import VarlenBatch, VarlenLoader, varlen_eval_batches
@@ -55,7 +56,8 @@ from loom.parallel import comm, vocab_pipeline
 from loom.parallel.comm import CommLedger
 from loom.parallel.context import CPLayout, new_cp_groups, shard_documents, shard_sequence
 from loom.parallel.context_documents import take_shard
-from loom.parallel.zeppelin_cp import model_token_costs, zeppelin_shard_indices
+from loom.parallel.zeppelin_cp import (merge_dp_microbatches, model_token_costs,
+                                       zeppelin_shard_indices)
 from loom.parallel.expert import reduce_gradients, sequence_shard_lengths
 from loom.parallel.fp8 import precompute_all_gather_scales
 from loom.parallel.load import load_local_shards
@@ -128,7 +130,15 @@ class Trainer:
         self.ledger = CommLedger() if config.metrics.comm else None
         self.cp_groups = None
         lay = self.layout
-        if lay.cp > 1:
+        # data.balance = zeppelin over dp > 1: one placement domain of every dp x cp rank, its
+        # groups over the flattened dp x cp index (cp innermost; loom.parallel.zeppelin_cp)
+        self.placed_over_dp = (config.data.balance == "zeppelin"
+                               and zeppelin_over_dp(config) is None)
+        if self.placed_over_dp:
+            self.cp_groups = new_cp_groups(self.grid.groups(*DATA_AXES, "cp"),
+                                           CPLayout.from_mode("ring", self.dp_size * lay.cp),
+                                           self.ctx.rank, sub_rings=True)
+        elif lay.cp > 1:
             split = CPLayout.from_mode(lay.cp_mode, lay.cp, lay.cp_ulysses)
             self.cp_groups = new_cp_groups(self.grid.groups("cp"), split, self.ctx.rank,
                                            sub_rings=config.data.balance == "zeppelin")
@@ -219,7 +229,7 @@ class Trainer:
         sampler = self.data.sampler(self.train_set, tr.global_batch_size, tr.seed)
         if config.data.packing == "varlen":  # steps of token budgets (loom/data/varlen.py)
             self.loader = VarlenLoader(self.train_set, sampler, *varlen_budgets(config),
-                                       config.data.balance, self.dp_rank, self.dp_size,
+                                       config.data.balance, *self._varlen_data_rank(),
                                        self.ctx.device)
         else:
             self.loader = DistributedLoader(self.train_set, sampler, self.dp_rank,
@@ -321,7 +331,8 @@ class Trainer:
         if self.config.data.balance == "zeppelin":
             costs = model_token_costs(model_args(self.config))
             return take_shard(batch, zeppelin_shard_indices(
-                batch.document_ids, self.cp_groups.layout.ring, self.cp_groups.cp_rank, costs))
+                batch.document_ids, self.cp_groups.layout.ring, self.cp_groups.cp_rank, costs,
+                self.layout.cp))
         return shard_documents(batch, self.cp_groups.cp_rank, self.cp_groups.layout)
 
     def _compute_context(self) -> contextlib.AbstractContextManager:
@@ -397,6 +408,8 @@ class Trainer:
         the reducer's mean is the mean over every prediction of the step; the receive buffers
         take each microbatch's own length."""
         schedule = self.pipeline.schedule if training else forward_only(self.pipeline.schedule)
+        if self.placed_over_dp:  # every dp rank's i-th microbatch, merged (zeppelin_cp)
+            batch = merge_dp_microbatches(batch, self.dp_size)
         micro = [self._shard_documents(mb) for mb in batch.microbatches]
         # cp pads a microbatch's shards (IGNORE_INDEX targets): count the predictions only
         tokens = sum((mb.targets != IGNORE_INDEX).sum() for mb in micro).to(self.ctx.device)
@@ -411,6 +424,12 @@ class Trainer:
             activation_shapes=[(1, self._wire_length(mb.inputs.shape[1]), self.args.dim)
                                for mb in micro],
             documents=[(mb.positions, mb.document_ids) for mb in micro])
+
+    def _varlen_data_rank(self) -> tuple[int, int]:
+        """The (dp rank, dp size) a varlen loader deals for: every bin of the step where the
+        dp x cp ranks place merged microbatches (``_run_varlen`` merges them), else this dp
+        rank's share."""
+        return (0, 1) if self.placed_over_dp else (self.dp_rank, self.dp_size)
 
     def _wire_length(self, length: int) -> int:
         """The sequence length a microbatch of ``length`` tokens travels between stages with:
@@ -452,7 +471,7 @@ class Trainer:
         if self.config.data.packing == "varlen":
             batches = varlen_eval_batches(self.val_set, *varlen_budgets(self.config),
                                           self.config.data.balance, tr.eval_batches,
-                                          self.dp_rank, self.dp_size, self.ctx.device)
+                                          *self._varlen_data_rank(), self.ctx.device)
         else:
             batches = eval_batches(self.val_set, tr.global_batch_size, tr.eval_batches,
                                    self.dp_rank, self.dp_size, self.ctx.device)
