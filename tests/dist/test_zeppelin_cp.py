@@ -363,11 +363,9 @@ def test_whole_documents_need_no_ring_traffic(dist):
 _reference: dict[str, dict] = {}
 
 
-def record_placed_training(ctx, config_table: dict, data_dir: str, steps: int) -> dict:
-    """``record_training``, plus where this rank sits (its cp, tp and data coordinates, whether
-    tp is applied), each microbatch's (document id, position) pairs whole and in this rank's
-    shard, and the bytes it sent on the cp axis (the sub-rings' hops)."""
-    trainer = Trainer(from_dict(config_table), Path(data_dir), None, ctx)
+def record_placements(trainer: Trainer) -> list[tuple[list, list]]:
+    """The list ``trainer`` will fill, per microbatch it shards, with the (document id,
+    position) pairs of the whole microbatch and of this rank's shard."""
     placed: list[tuple[list, list]] = []
     shard = trainer._shard_documents
 
@@ -378,6 +376,15 @@ def record_placed_training(ctx, config_table: dict, data_dir: str, steps: int) -
         return local
 
     trainer._shard_documents = recording
+    return placed
+
+
+def record_placed_training(ctx, config_table: dict, data_dir: str, steps: int) -> dict:
+    """``record_training``, plus where this rank sits (its cp, tp and data coordinates, whether
+    tp is applied), each microbatch's (document id, position) pairs whole and in this rank's
+    shard, and the bytes it sent on the cp axis (the sub-rings' hops)."""
+    trainer = Trainer(from_dict(config_table), Path(data_dir), None, ctx)
+    placed = record_placements(trainer)
     record = train_and_record(trainer, steps)
     coords = trainer.grid.coords(ctx.rank)
     record.update(placed=placed, tp_applied=trainer.tp is not None,

@@ -41,6 +41,7 @@ from loom.testing.parity import assert_parity, layout_config, record_training, t
 from loom.train.trainer import Trainer
 from tests.conftest import matrix
 from tests.data_fixtures import DataCfg, prepared_documents
+from tests.dist.test_zeppelin_cp import record_placements
 
 STEPS = 2
 SEQ_LEN, BUDGET = 1024, 1152  # split length, tokens per microbatch (a dp rank's bin)
@@ -105,16 +106,7 @@ def record_domain_training(ctx, config_table: dict, data_dir: str, steps: int) -
     coordinate, each microbatch's merged row and this rank's shard of it as (document id,
     position) pairs, and the bytes it sent in ring hops (the ``cp`` axis of the ledger)."""
     trainer = Trainer(from_dict(config_table), Path(data_dir), None, ctx)
-    placed: list[tuple[list, list]] = []
-    shard = trainer._shard_documents
-
-    def recording(batch: DocumentBatch) -> DocumentBatch:
-        local = shard(batch)
-        placed.append(tuple(list(zip(b.document_ids[0].tolist(), b.positions[0].tolist()))
-                            for b in (batch, local)))
-        return local
-
-    trainer._shard_documents = recording
+    placed = record_placements(trainer)
     record = train_and_record(trainer, steps)
     record.update(placed=placed, domain_rank=trainer.cp_groups.cp_rank,
                   domain=trainer.cp_groups.layout.ring, dp_rank=trainer.dp_rank,
