@@ -243,13 +243,17 @@ def validate_vocab_pp(config: Config) -> None:
     """``parallel.vocab_parallel_pp`` (loom/parallel/vocab_pipeline.py): the embedding and head
     split over pp ranks, as built and tested: pp > 1, the vocabulary divisible by pp x tp (the
     rows split over all pp x tp ranks; tp with or without sequence parallelism, whose split
-    backwards the general SP rule below refuses), plain data parallelism over dp_replicate only
-    (no dp_shard, cp, ep: the shards have no ZeRO, cp reducer or expert split yet), concatenated
-    rows, a dense model, one route, no offload or CheckFree. Composed and tested: every
-    train.dtype (fp32; bf16 parameters with fp32 masters; bf16 autocast), checkpoints and
-    pretrained weights (each rank's rows saved at, and read from, their offset in the full
-    weight: ``loom.train.checkpoint_state``, ``loom.parallel.load``), so any layout resumes
-    them; under tp too, and tp with SP (tests/dist/test_pipeline_vocab_tp.py)."""
+    backwards the general SP rule below refuses), data parallelism over dp_replicate and
+    dp_shard (the rows reduced as the stages' parameters: plain, or ZeRO-1/2/3 and HSDP on
+    dp_shard, ``vocab_pipeline.data_parallel_rows``; tests/dist/test_vocab_pp_zero.py: fp32
+    and bf16, tp, checkpoints, pretrained weights), no cp or ep (a cp rank holds other tokens
+    of the same sequences: the S/T statistics and the partial embeddings would need an
+    exchange over cp of their own; ep is for MoE, refused below), concatenated rows, a dense
+    model, one route, no offload or CheckFree. Composed and tested: every train.dtype (fp32;
+    bf16 parameters with fp32 masters; bf16 autocast), checkpoints and pretrained weights
+    (each rank's rows saved at, and read from, their offset in the full weight:
+    ``loom.train.checkpoint_state``, ``loom.parallel.load``), so any layout resumes them;
+    under tp too, and tp with SP (tests/dist/test_pipeline_vocab_tp.py)."""
     par, m = config.parallel, config.model
     rule = "vocab_parallel_pp"
     if par.pp < 2:
@@ -262,13 +266,17 @@ def validate_vocab_pp(config: Config) -> None:
                           f" parallel.tp = {par.pp} x {par.tp} (parallel.vocab_parallel_pp splits"
                           " it evenly over every rank of a pipeline); nearest: "
                           + nearest_multiples(m.vocab_size, shards))
-    others = {"cp": par.cp, "ep": par.ep, "dp_shard": par.dp_shard}
-    for name, degree in others.items():
+    why = {"cp": "a cp rank holds other tokens of the same sequences, so the S and T passes'"
+                  " statistics and the partial embeddings would need an exchange over cp of"
+                  " their own, which is not built",
+           "ep": "expert parallelism needs a mixture-of-experts model, and the vocabulary"
+                 " shards are built for a dense one"}
+    for name, reason in why.items():
+        degree = getattr(par, name)
         if degree != 1:
             raise ConfigError(f"parallel.{name}", degree, f"parallel.{rule} is not composed with"
-                              f" {name} yet (the vocabulary shards have no {name} split or"
-                              " reducer; dp_replicate and tp are): set it to 1 or"
-                              " parallel.vocab_parallel_pp = false")
+                              f" {name} ({reason}; dp_replicate, dp_shard with every ZeRO stage"
+                              " and tp are): set it to 1 or parallel.vocab_parallel_pp = false")
     if par.dp_mode != "sync":
         raise ConfigError("parallel.dp_mode", par.dp_mode, f"parallel.{rule} runs with"
                           " dp_mode = 'sync' only (an outer loop over the vocabulary shards is"
@@ -373,7 +381,7 @@ def validate_schedule(config: Config) -> None:
         _validate_routes(config, schedule, how)
     if par.schedule_offload_limit:
         _validate_offload(config, schedule, how)
-    if m.tie_embeddings:
+    if m.tie_embeddings and not par.vocab_parallel_pp:  # (vocab-pp: each shard ties its rows)
         _validate_tied_pipeline(config, schedule)
 
 

@@ -52,6 +52,8 @@ def load_local_shards(model: nn.Module, source: PretrainedSource,
                                                                    outer)
             if name in expert_names:
                 offsets = (offsets[0] + experts.rank * _experts_of(param), *offsets[1:])
+            if name in vocab_rows:  # this pipeline rank's rows of the vocabulary
+                offsets = (offsets[0] + vocab_rows[name][0], *offsets[1:])
             region = source.read(name, tuple(offsets), tuple(shape))
             for mesh_dim, placement in enumerate(param.placements):
                 if isinstance(placement, _StridedShard):

@@ -85,6 +85,25 @@ Checkpoints: ``VocabRows`` records where its rows sit in the full ``[V, D]`` wei
 their Adam moments) at that offset, so a checkpoint holds the whole embedding and head under
 their names, as one process's does, and any layout loads it.
 
+Data parallelism: the rows are reduced over the same data-parallel axes, in the same form, as
+the stages' parameters (``data_parallel_rows``): plain data parallelism over ``dp`` (a
+``GradientReducer``); ZeRO-1/2 on ``dp_shard`` (``loom.parallel.zero``: the shard's own sharded
+optimizer, whose buckets the trainer steps and clips with the stages', ``of_stages``); ZeRO-3
+(FSDP2 over ``dp_shard``, or ``(dp_replicate, dp_shard)`` for HSDP): the rows are sharded at rest
+over dp_shard, 1/d of V/p rows a rank, and gathered by hand (``GatheredRows``), because the
+shard has no forward for FSDP2's hooks: its passes are methods the runtime calls at schedule
+positions of their own (the embedding at the step's start and its backward after the schedule,
+S and T in between). So they are gathered once at the step's start, one all-gather of the V/p
+rows over dp_shard (``(d-1)/d`` of them on the wire), held across the step as the stages are
+under ``reshard_after_forward = false``, and after the embedding's backward reduce-scattered
+once and freed: plain data parallelism's bytes per step whatever the stages'
+``reshard_after_forward``, and the gathered rows (1/p of the embedding and head, 1/(p·t)
+under tp) held for the whole step. Clipping then counts
+each element once: the reduced slices' (ZeRO-1/2) or the DTensor shards' (ZeRO-3) squares over
+dp_shard, over tp for tp shards, and over pp, whose ranks hold disjoint rows. Checkpoints write
+each rank's slice of its rows at its offset in the full weight (the ZeRO-1/2 bucket boxes, the
+FSDP2 DTensor's placement, shifted by the rows' start). Not composed: cp and ep (config rules).
+
 Hand-written because no library offers it: torch's pipelining and Megatron-Core keep the head
 on the last stage; the paper's code patches Megatron-LM's schedules.
 """
@@ -102,11 +121,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from loom.data.packing import IGNORE_INDEX
+from loom.layout import Job
 from loom.models import TransformerArgs
 from loom.models.llama import initial_value, seeded_name
-from loom.parallel import comm
+from loom.parallel import comm, zero_mesh
 from loom.parallel.comm import CommLedger
+from loom.parallel.data import FullyShardedSync, GradientReducer, apply_fully_shard
+from loom.parallel.mixed_precision import apply_bf16_parameters
 from loom.parallel.vocab import cross_entropy as tensor_cross_entropy
+from loom.parallel.zero import ZeroShardedOptimizer, apply_zero
+from loom.topology import Meshes
 
 
 class VocabRows(nn.Module):
@@ -273,6 +297,83 @@ class VocabShard(nn.Module):
         return loss.detach(), self.scatter_sequence(state.x.grad)
 
 
+class GatheredRows(FullyShardedSync):
+    """ZeRO-3 of a vocabulary shard (FSDP2, one unit: the whole shard), gathered by hand.
+
+    FSDP2 gathers a unit in its forward's pre-hook; a ``VocabShard`` has no forward (the runtime
+    calls ``embed``, ``s_pass`` and ``t_pass`` where the schedule puts them). So the runtime calls
+    ``gather`` at the step's start; the gathered rows then are the shard's parameters, into
+    whose ``.grad`` every pass accumulates, until ``flush`` (training: after the embedding's
+    backward; reduce-scatter, HSDP's all-reduce, reshard) or ``reshard`` (evaluation). One
+    reduction per step whatever ``sync`` says (no module hook would fire for another), so
+    ``finish`` flushes a step the runtime ran with ``sync`` on all along."""
+
+    def __init__(self, shard: nn.Module) -> None:
+        super().__init__(shard, per_microbatch=False)
+        self.gathered = False
+
+    def gather(self) -> None:
+        """All-gather the rows (a no-op when they are gathered). The first call initialises
+        FSDP2's state, which its first forward would otherwise do."""
+        from torch.distributed.fsdp import fully_shard
+
+        if not self.gathered:
+            fully_shard.state(self._model)._lazy_init()
+            self._model.unshard()
+            self.gathered = True
+
+    def flush(self) -> None:
+        """Reduce-scatter the step's accumulated gradients, then reshard."""
+        self._sync = False  # accumulated either way: the base class's by-hand reduction
+        super().flush()
+        self.gathered = False
+
+    def reshard(self) -> None:
+        super().reshard()
+        self.gathered = False
+
+    def finish(self) -> None:
+        if self.gathered:  # sync was on all along: nothing flushed the step's gradients yet
+            self.flush()
+
+
+def data_parallel_rows(shard: VocabShard, meshes: Meshes, job: Job,
+                       ledger: CommLedger | None = None
+                       ) -> GradientReducer | ZeroShardedOptimizer | GatheredRows | None:
+    """The reducer of ``shard``'s gradients over the data axes, in the stages' form (the module
+    docstring): ZeRO-3 (``GatheredRows``), ZeRO-1/2 (``zero.apply_zero``, the shard's buckets
+    over ``dp_shard``, averaged over ``dp_replicate``) or, at ``dp_shard`` = 1, a
+    ``GradientReducer`` over ``dp`` (None at degree 1). Under ``train.dtype = bf16`` each keeps
+    the rows' fp32 masters its own way, as for a stage (``loom.parallel.parallelize``)."""
+    layout = job.layout
+    reduce_dtype = torch.bfloat16 if job.grad_reduce_dtype == "bf16" else torch.float32
+    bucket_bytes = int(job.grad_bucket_mb * 2**20)
+    if layout.zero_stage == 3:
+        mesh, axis = zero_mesh(meshes, layout)
+        compute = torch.bfloat16 if job.dtype in ("bf16", "bf16_autocast") else None
+        # gathered and resharded by hand (GatheredRows): FSDP2 never reshards by itself
+        apply_fully_shard(shard, mesh, reshard_after_forward=False, reshard_after_backward=False,
+                          param_dtype=compute, reduce_dtype=reduce_dtype,
+                          offload_optimizer=job.offload_optimizer, ledger=ledger, axis=axis,
+                          cast_forward_inputs=job.dtype != "bf16")
+        return GatheredRows(shard)
+    if layout.zero_stage:
+        mesh, axis = zero_mesh(meshes, layout)
+        shard_mesh = mesh[mesh.mesh_dim_names[-1]] if mesh.ndim == 2 else mesh
+        return apply_zero(shard, layout.zero_stage, shard_mesh, meshes.root["dp_replicate"],
+                          axis=axis, reduce_dtype=reduce_dtype, offload=job.offload_optimizer,
+                          ledger=ledger, bucket_bytes=bucket_bytes,
+                          tp_group=shard.tp.get_group() if shard.tp is not None else None,
+                          param_dtype=torch.bfloat16 if job.dtype == "bf16" else torch.float32)
+    if job.dtype == "bf16":  # bf16 rows with fp32 masters, before the reducer's hooks
+        apply_bf16_parameters(shard, reduce_dtype)
+    if meshes.dp.size() == 1:
+        return None
+    return GradientReducer(list(shard.parameters()), meshes.dp.get_group(), meshes.dp.size(),
+                           ledger=ledger, axis="dp", bucket_bytes=bucket_bytes,
+                           reduce_dtype=reduce_dtype, compression=job.compression, seed=job.seed)
+
+
 @dataclass
 class OutputPass:
     """What one microbatch's S keeps for its T: the leaf copy of X, exp(logits - the shard's row
@@ -362,4 +463,4 @@ def cross_entropy(logits: torch.Tensor | ShardedLogits, targets_BS: torch.Tensor
 
 
 __all__ = ["VocabShard", "VocabRows", "row_slices", "ShardedLogits", "OutputPass", "combine",
-           "cross_entropy"]
+           "cross_entropy", "GatheredRows", "data_parallel_rows"]

@@ -98,8 +98,8 @@ from loom.layout import Job
 from loom.parallel import comm, parallelize
 from loom.parallel.comm import CommLedger
 from loom.parallel.data import FullyShardedSync, GradientReducer
-from loom.parallel.mixed_precision import apply_bf16_parameters, gradient_of
-from loom.parallel.vocab_pipeline import OutputPass, VocabShard
+from loom.parallel.mixed_precision import gradient_of
+from loom.parallel.vocab_pipeline import GatheredRows, OutputPass, VocabShard, data_parallel_rows
 from loom.parallel.zero import ZeroShardedOptimizer
 from loom.pipeline.host_offload import SavedActivations
 from loom.pipeline.partition import partition_model
@@ -214,7 +214,8 @@ class PipelineRuntime:
                  compute_context: Callable[[], contextlib.AbstractContextManager]
                  = contextlib.nullcontext, reduce_every_microbatch: bool = False,
                  wire_dtype: torch.dtype = WIRE_DTYPE, vocab: VocabShard | None = None,
-                 vocab_reducer: GradientReducer | None = None) -> None:
+                 vocab_reducer: GradientReducer | ZeroShardedOptimizer | FullyShardedSync
+                 | None = None) -> None:
         if sorted(stages) != list(schedule.stages_of(pp_rank)):
             raise ValueError(f"rank {pp_rank} holds stages {sorted(stages)}, the schedule places "
                              f"{list(schedule.stages_of(pp_rank))} on it")
@@ -254,6 +255,7 @@ class PipelineRuntime:
                          if stage.applied is not None and stage.applied.reducer is not None}
         if vocab_reducer is not None:  # the vocabulary rows' reducer, flushed after the step
             self.reducers[VOCAB_ROWS] = vocab_reducer
+        self.vocab_reducer = vocab_reducer  # (ZeRO-1/2: the trainer steps its buckets too)
         # Routes: the copies' gradient sum, unit by unit and eagerly (``route_copies``); under
         # ZeRO-1/2 it sums the reduced slices, and the replicas' slices stay out of the norm
         self.copy_sum: RouteCopySum | None = None
@@ -335,6 +337,8 @@ class PipelineRuntime:
         embedded: dict[int, torch.Tensor] = {}
         outputs: dict[int, OutputPass] = {}
         if self.vocab is not None:
+            if isinstance(self.reducers.get(VOCAB_ROWS), GatheredRows):  # ZeRO-3: for the step
+                self.reducers[VOCAB_ROWS].gather()
             partial, embedded = self._embed(schedule, inputs, training, device, posted, sends,
                                             activation_shape, activation_shapes)
 
@@ -702,14 +706,8 @@ def build_pipeline(job: Job, schedule: Schedule, *, grid: RankGrid, meshes: Mesh
         vocab = VocabShard(args, pp_rank, schedule.pp_size, device, job.seed, **kwargs,
                            tp=meshes.root["tp"] if grid.degree("tp") > 1 else None, ledger=ledger,
                            sequence_parallel=job.layout.sequence_parallel)
-        reduce_dtype = torch.bfloat16 if job.grad_reduce_dtype == "bf16" else torch.float32
-        if job.dtype == "bf16":  # bf16 rows with fp32 masters, as the stages' parameters
-            apply_bf16_parameters(vocab, reduce_dtype)  # (before the reducer's hooks)
-        if meshes.dp.size() > 1:  # plain data parallelism (the config refuses the others)
-            vocab_reducer = GradientReducer(
-                list(vocab.parameters()), meshes.dp.get_group(), meshes.dp.size(),
-                ledger=ledger, axis="dp", bucket_bytes=int(job.grad_bucket_mb * 2**20),
-                reduce_dtype=reduce_dtype, compression=job.compression, seed=job.seed)
+        # over the data axes as the stages: plain dp, ZeRO-1/2 or ZeRO-3 (cp, ep: refused)
+        vocab_reducer = data_parallel_rows(vocab, meshes, job, ledger)
     return PipelineRuntime(schedule, stages, pp_rank, grid.group(rank, "pp"), pp_group,
                            vocab=vocab, vocab_reducer=vocab_reducer,
                            ledger=ledger, tie_group=tie_group, copy_group=copy_group,

@@ -164,11 +164,14 @@ def _adamw_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[
 
 
 def _zero_optimizer_state(zero: Any, optimizer: torch.optim.Optimizer,
-                          ep: Any = None, masters: dict[str, Any] | None = None) -> dict[str, Any]:
+                          ep: Any = None, masters: dict[str, Any] | None = None,
+                          vocab: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
     """The flattened optimizer state of ZeRO-1/2 under per-parameter names and full shapes
     (``ep``: an expert bucket's boxes sit in this ep rank's slice of the ``[E, ...]`` tensor).
     ``masters`` (bf16 parameters): filled with each weight's fp32 master, from the rank's
-    slices in the moments' boxes, as ShardedTensors under the weight's name."""
+    slices in the moments' boxes, as ShardedTensors under the weight's name. ``vocab``
+    (``row_slices``): a vocabulary shard's boxes sit at its rows' offset in the full weight."""
+    vocab = vocab or {}
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     out: dict[str, Any] = {}
     local: dict[str, Any] = {}
@@ -189,6 +192,10 @@ def _zero_optimizer_state(zero: Any, optimizer: torch.optim.Optimizer,
                 rows = shape[0]
                 boxes = [((off[0] + ep.rank * rows, *off[1:]), size) for off, size in boxes]
                 shape = (rows * ep.size, *shape[1:])
+            if name in vocab:  # vocab_parallel_pp: this pipeline rank's rows of [V, D]
+                start, total = vocab[name]
+                boxes = [((off[0] + start, *off[1:]), size) for off, size in boxes]
+                shape = (total, *shape[1:])
             if masters is not None:
                 master_local[name] = (shape, _views(bucket.shard.detach(), boxes, begin - lo))
             for key, value in state.items():
@@ -346,8 +353,9 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, *,
         model_sd = get_model_state_dict(model, options=_options())
         if ep is not None:  # the expert weights as slices (their moments: the boxes above)
             _experts_as_slices(model, ep, model_sd, {})
+        _vocab_as_slices(model, model_sd, {})  # (vocabulary rows: theirs too)
         masters: dict[str, Any] | None = {} if zero.keeps_master else None
-        optim_sd = _zero_optimizer_state(zero, optimizer, ep, masters)
+        optim_sd = _zero_optimizer_state(zero, optimizer, ep, masters, row_slices(model))
         if masters is not None:  # bf16 parameters: the weights saved are the fp32 masters
             unknown = set(masters) - set(model_sd)
             if unknown:

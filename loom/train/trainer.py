@@ -183,7 +183,10 @@ class Trainer:
         # and gathering: every stage of this rank had the same (any one's TP / EP records), and
         # ZeRO-1/2 steps the stages' slices as one sharded optimizer
         self.tp, self.ep = stages[0].applied.tensor, stages[0].applied.experts
-        self.zero = of_stages([s.applied.reducer for s in stages], self.pipeline.pp_group)
+        # (and the vocabulary rows', parallel.vocab_parallel_pp: theirs are one more part)
+        rows = getattr(self.pipeline, "vocab_reducer", None)
+        parts = [s.applied.reducer for s in stages] + ([rows] if rows is not None else [])
+        self.zero = of_stages(parts, self.pipeline.pp_group)
         self.pretrained_bytes_read = 0
         if config.model.init_from:  # pretrained weights: each rank reads only what it holds
             source = PretrainedSource.open(config.model.init_from)

@@ -81,6 +81,14 @@ REJECTED = [
     ({**PP2, "parallel.vocab_parallel_pp": "true", "parallel.tp": "2", "model.preset": "debug",
       "model.vocab_size": "322"}, 4, "model.vocab_size", "model.vocab_size=322",
      ["divisible by parallel.pp x parallel.tp = 2 x 2", "nearest: 320"]),
+    # ... over data-parallel axes only: cp's ranks hold other tokens of the same sequences, ep is
+    # for MoE models (dp_shard is composed: accepted below)
+    ({**PP2, "parallel.vocab_parallel_pp": "true", "model.preset": "debug", "parallel.cp": "2"},
+     4, "parallel.cp", "parallel.cp=2", ["vocab_parallel_pp is not composed with cp",
+                                         "other tokens of the same sequences"]),
+    ({**PP2, "parallel.vocab_parallel_pp": "true", "model.preset": "debug", "parallel.ep": "2",
+      "model.n_experts": "4"}, 4, "parallel.ep", "parallel.ep=2",
+     ["vocab_parallel_pp is not composed with ep", "mixture-of-experts"]),
 ]
 
 
@@ -130,6 +138,14 @@ def test_a_schedule_without_a_pipeline_is_refused() -> None:
     ({**PP2, "parallel.vocab_parallel_pp": "true", "parallel.tp": "2", "model.preset": "debug",
       "parallel.schedule": "zbv", "model.tie_embeddings": "true",
       "parallel.dp_replicate": "2", "train.global_batch_size": "16"}, 8),
+    # ... and with ZeRO on dp_shard, every stage, HSDP too (tests/dist/test_vocab_pp_zero.py)
+    ({**PP2, "parallel.vocab_parallel_pp": "true", "model.preset": "debug",
+      "parallel.dp_shard": "2", "parallel.zero_stage": "1"}, 4),
+    ({**PP2, "parallel.vocab_parallel_pp": "true", "model.preset": "debug",
+      "parallel.dp_shard": "2", "parallel.zero_stage": "3"}, 4),
+    ({**PP2, "parallel.vocab_parallel_pp": "true", "model.preset": "debug",
+      "parallel.dp_shard": "2", "parallel.dp_replicate": "2", "parallel.zero_stage": "2",
+      "train.global_batch_size": "16"}, 8),
     ({**PP2, "parallel.schedule": "search", "parallel.schedule_memory_limit": "3",
       "parallel.schedule_costs": "1,1,0.5,0.05"}, 2),
     # sequence parallelism under schedules that split the backward into I and W, vocabulary

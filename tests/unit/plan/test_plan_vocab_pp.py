@@ -76,7 +76,6 @@ ARGS = ["plan", "--model", "llama3-8b", "--gpus", "16", "--gpu", "H100-SXM", "--
 
 
 @pytest.mark.parametrize("layout, field", [
-    ("pp=4,dp_replicate=2,dp_shard=2,schedule=1f1b,microbatches=32", "parallel.dp_shard"),
     ("pp=4,dp_replicate=2,cp=2,schedule=1f1b,microbatches=32", "parallel.cp"),
     ("pp=1,dp_replicate=16", "parallel.vocab_parallel_pp"),
 ])
@@ -90,3 +89,11 @@ def test_layout_prices_an_allowed_split(capsys):
     layout = "pp=4,dp_replicate=4,schedule=zbv,chunks=2,microbatches=32,vocab_parallel_pp=true"
     assert main(ARGS + [layout]) == 0
     assert "vocab-pp" in capsys.readouterr().out
+
+
+def test_an_explicit_layout_with_zero_on_dp_shard_is_priced(capsys):
+    """The trainer runs the split with ZeRO on dp_shard (tests/dist/test_vocab_pp_zero.py);
+    ``--layout`` prices it (the search leaves it out: ``vocab_pp_fits``)."""
+    layout = "pp=4,dp_replicate=2,dp_shard=2,schedule=1f1b,microbatches=32"
+    assert main(ARGS + [layout + ",vocab_parallel_pp=true"]) == 0
+    assert "activations" in capsys.readouterr().out

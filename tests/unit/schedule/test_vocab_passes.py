@@ -204,7 +204,7 @@ def test_the_config_turns_it_on():
 
 @pytest.mark.parametrize("overrides, field", [
     ({"parallel.pp": 1, "world": 1}, "parallel.vocab_parallel_pp"),
-    ({"parallel.dp_shard": 2, "world": 4, "train.global_batch_size": 8}, "parallel.dp_shard"),
+    ({"parallel.cp": 2, "world": 4, "train.global_batch_size": 8}, "parallel.cp"),
     ({"parallel.dp_replicate": 2, "world": 4, "train.global_batch_size": 8,
       "parallel.dp_mode": "diloco"}, "parallel.dp_mode"),
     ({"model.vocab_size": 511}, "model.vocab_size"),
