@@ -41,7 +41,7 @@ def _check_exact_cover(part: Partition) -> None:
                                            for r in range(part.ranks.count)]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)  # 150 took 9 s of the suite's budget
 @given(steps)
 def test_every_token_is_held_exactly_once_in_both_layouts(step):
     lengths, (count, per_node), costs = step
