@@ -154,8 +154,9 @@ def _state_tensors(trainer) -> dict[str, list]:
                 if not any(p is q for q in params)]  # ZeRO-1/2's slices (fp32: views)
     grads = [t for p in params + masters
              for t in (p.grad, getattr(p, "main_grad", None)) if t is not None]
-    for stage in trainer.pipeline.stages.values():
-        reducer = stage.applied.reducer
+    # the stages' ZeRO-1/2 buffers and the vocabulary rows' (parallel.vocab_parallel_pp)
+    rows = getattr(trainer.pipeline, "vocab_reducer", None)
+    for reducer in [s.applied.reducer for s in trainer.pipeline.stages.values()] + [rows]:
         if isinstance(reducer, ZeroShardedOptimizer):
             grads += [t for b in reducer.buckets for t in (b.grad_flat, b.grad_shard)
                       if t is not None]
@@ -318,6 +319,19 @@ PEAK_LAYOUTS = [  # (name, ranks, overrides): global batch 16, so m = 16 / (dp x
                                             "vocab_parallel_pp": True,
                                             "model.vocab_size": 8192,
                                             "train.micro_batch_size": 4}),
+    # the split with ZeRO on dp_shard (issue 22, vocab_pipeline.data_parallel_rows): ZeRO-1's
+    # rows whole with their optimizer state sliced; ZeRO-3's rows sharded at rest, gathered for
+    # the whole step (GatheredRows) with their unsharded gradients until the reduce-scatter
+    ("pp2 x zero1-dp2 vocab-pp 1f1b m=4 vocab 8192", 4, {
+        "pp": 2, "dp_shard": 2, "zero_stage": 1, "vocab_parallel_pp": True,
+        "model.vocab_size": 8192, "train.micro_batch_size": 2}),
+    ("pp2 x zero3-dp2 vocab-pp 1f1b per-mb m=4 vocab 8192", 4, {
+        "pp": 2, "dp_shard": 2, "zero_stage": 3, "vocab_parallel_pp": True,
+        "model.vocab_size": 8192, "train.micro_batch_size": 2}),
+    ("pp2 x zero3-dp2 vocab-pp 1f1b held m=4 vocab 8192", 4, {
+        "pp": 2, "dp_shard": 2, "zero_stage": 3, "vocab_parallel_pp": True,
+        "reshard_after_forward": False, "model.vocab_size": 8192,
+        "train.micro_batch_size": 2}),
 ]
 
 

@@ -289,13 +289,19 @@ class StageSpan:
     """One pipeline stage a rank holds: its parameters and when (indices of the rank's actions)
     it is first run forward, first produces weight gradients (B or W) and runs its last backward
     piece (after which it is flushed: gradients reduced, a held ZeRO-3 stage resharded).
-    ``early``: its parameters whose gradients a backward makes first (the head's)."""
+    ``early``: its parameters whose gradients a backward makes first (the head's).
+    ``gathered``: under ZeRO-3 it is whole from its first F to its last piece and its gradients
+    unsharded from its first weight gradient to then, whatever ``StateRules.held`` and
+    ``accumulates`` say: the vocabulary rows of ``parallel.vocab_parallel_pp``
+    (``loom.parallel.vocab_pipeline.GatheredRows``: all-gathered at the step's start, held,
+    reduce-scattered once after the embedding's backward)."""
 
     psi: float
     first_f: int
     first_w: int
     last: int
     early: float = 0.0
+    gathered: bool = False
 
 
 @dataclass(frozen=True)
@@ -406,9 +412,13 @@ def rank_state_instants(psi: float, experts: float, step: RankStep, rules: State
     # flushed by the runtime instead (indices are F, B, F, B... without one)
     in_backward = stage == 3 and not r.held and not r.pipelined and block > 0
     last_index = len(step.during) - 1
-    # what accumulating turns each stage's gradients into: full-size beside the slice
-    grown = {st: state(st.psi, True)[1] - state(st.psi)[1] for st in step.stages} \
-        if r.accumulates else {}
+    # ZeRO-3 units whole from their first F to their flush: every stage when held, the
+    # vocabulary rows always (``StageSpan.gathered``)
+    whole = [st for st in step.stages if r.held or stage == 3 and st.gathered]
+    # what accumulating turns each stage's gradients into: full-size beside the slice (the
+    # gathered rows' always: GatheredRows reduces once a step)
+    grown = {st: state(st.psi, True)[1] - state(st.psi)[1] for st in step.stages
+             if r.accumulates or stage == 3 and st.gathered}
     # a stage's gradients at rest, and those that exist from its first backward's start
     at_rest = {st: state(st.psi)[1] for st in step.stages}
     early = {st: state(st.early)[1] for st in step.stages}
@@ -416,9 +426,9 @@ def rank_state_instants(psi: float, experts: float, step: RankStep, rules: State
         for level, ended in ((step.during[index], False), (step.after[index], True)):
             # a stage's parameters are whole from its first F to its flush; its full-size
             # gradients from its first weight-gradient piece to the flush
-            gathered = sum(r.compute_bytes * st.psi for st in step.stages if
+            gathered = sum(r.compute_bytes * st.psi for st in whole if
                            st.first_f <= index and (index < st.last or not ended and
-                                                    index == st.last)) if r.held else 0.0
+                                                    index == st.last))
             full = [st for st in grown if (st.first_w < index <= st.last if not ended
                                            else st.first_w <= index < st.last)]
             g = grads + sum(grown[st] for st in full) if full else grads
@@ -428,11 +438,14 @@ def rank_state_instants(psi: float, experts: float, step: RankStep, rules: State
                     at_rest[st] - early[st] for st in step.stages
                     if index == st.first_w and not ended)
             # FSDP2 computes a unit's fresh gradient beside its accumulated one, then adds it
-            fresh = r.grad_bytes * block if stage == 3 and full else 0.0
+            # (a block's; the vocabulary rows' fresh gradient is the caller's, with its T)
+            fresh = r.grad_bytes * block if stage == 3 and any(
+                not st.gathered for st in full) else 0.0
             notes = []
             if gathered and r.explain:
-                notes.append(f"ZeRO-3 units held gathered (reshard_after_forward = false):"
-                             f" {gathered:,.0f} B of whole parameters in 'parameters'")
+                notes.append(f"ZeRO-3 units held gathered (reshard_after_forward = false,"
+                             f" or the vocabulary rows): {gathered:,.0f} B of whole parameters"
+                             f" in 'parameters'")
             if full and r.explain:
                 notes.append(f"gradients full-size while microbatches accumulate (ZeRO-"
                              f"{stage}, reduce-scattered after the last backward):"

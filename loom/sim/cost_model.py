@@ -111,8 +111,8 @@ from loom.sim.frameworks import LOOM, Framework
 from loom.sim.launch_cost import block_kernels, host_bound
 from loom.sim.optimizer_cost import step_traffic
 from loom.sim.streams import Pieces, chunked_overlap, layer_overlap
-from loom.sim.vocab_cost import (VocabPasses, vocab_pass_times, vocab_pp, vocab_shares,
-                                 vocab_stats_time)
+from loom.sim.vocab_cost import (VocabPasses, rows_data_parallel, rows_parameters,
+                                 vocab_pass_times, vocab_pp, vocab_shares, vocab_stats_time)
 
 ELEMENTWISE_PASSES = 20  # activation-sized reads + writes per layer forward (see docstring)
 # FlashAttention (v1) against FlashAttention-2, which the core's matmul rate prices: "around 2x"
@@ -709,13 +709,23 @@ class CostModel:
         # the rank distances of the dense groups (the experts' groups are priced on the same)
         strides = self._strides(lay)
         shard_stride, rep_stride, dp_stride = strides["shard"], strides["rep"], strides["dp"]
+        # the vocabulary rows (vocab-pp): reduced after the schedule, exposed (``vocab_cost``)
+        rows = rows_parameters(self.model.vocab_size, self.model.dim, lay,
+                               self.model.tie_embeddings) if vocab_pp(lay) else 0.0
+        rows_time = rows_data_parallel(
+            rows, lay, grad_bytes=self.grad_bytes,
+            gather_bytes=self.e if zero == 3 else self.framework.zero12_gather_bytes,
+            shard_link=c.link_for(lay.dp_shard, shard_stride),
+            rep_link=c.link_for(lay.dp_replicate, rep_stride),
+            dp_link=c.link_for(lay.dp_replicate * lay.dp_shard, dp_stride)) if rows else 0.0
         for r, psi in rank_params.items():
             layers = max(1, rank_layers[r])
             # per stream (a link's name): the reduction's and the gathers' seconds, whole step
             reduce: dict[str, float] = {}
             gather: dict[str, float] = {}
             # dense parameters are replicated over ep too, routed experts are not
-            for count, over, in_fp8 in ((psi - experts[r], lay.ep, fp8[r]), (experts[r], 1, 0)):
+            for count, over, in_fp8 in ((psi - experts[r] - rows, lay.ep, fp8[r]),
+                                        (experts[r], 1, 0)):
                 if zero:
                     # ZeRO shards over dp_shard x cp (the cp ranks hold the same weights), dense
                     # parameters also over ep; HSDP all-reduces the slices over dp_replicate
@@ -771,6 +781,7 @@ class CostModel:
                     exposed += self._overlap(layers, fwd_slice, gather_pieces)
                 else:  # after the optimizer step, before the next forward
                     exposed += ag_total
+            exposed, total = exposed + rows_time, total + rows_time
             worst_exposed = max(worst_exposed, exposed)
             worst_total = max(worst_total, total)
         return worst_exposed, worst_total

@@ -14,6 +14,9 @@ and the head's (F, I, W) seconds over V/t columns as the cost model prices them:
   gradients back, p - 1 messages of N·D·e each way, plus the tp all-reduce, on the first rank's
   link, exposed once per microbatch.
 
+The rows' data-parallel collectives (``rows_data_parallel``) follow the ZeRO stage and are
+exposed: they run after the schedule (the gradients' reduction) or before it (ZeRO-3's gather).
+
 Within a rank, S goes with the forwards, T's input-gradient half and the statistics with the
 input gradients and its weight-gradient half with the weight gradients, split evenly over the
 rank's stages (the schedule inserts S and T where they overlap the pipeline's barriers,
@@ -85,4 +88,35 @@ def vocab_stats_time(passes: VocabPasses, head: tuple[float, float, float], pp: 
     return passes[1] - sum(head[1:]) / pp
 
 
-__all__ = ["VocabPasses", "vocab_pass_times", "vocab_pp", "vocab_shares", "vocab_stats_time"]
+def rows_parameters(vocab: int, dim: int, lay: Layout, tied: bool) -> float:
+    """One rank's vocabulary rows: V/(pp x tp) rows of D of the embedding, and as many of the
+    head unless ``tied`` (one Parameter)."""
+    return vocab * dim / (lay.pp * lay.tp) * (1 if tied else 2)
+
+
+def rows_data_parallel(rows: float, lay: Layout, *, grad_bytes: float, gather_bytes: float,
+                       shard_link: Any, rep_link: Any, dp_link: Any) -> float:
+    """Seconds per step of the data-parallel collectives of one rank's ``rows`` parameters
+    (``loom.parallel.vocab_pipeline.data_parallel_rows``), all exposed: their gradients are
+    complete only after the embedding's backward, which follows the schedule (the runtime
+    reduces them after it, no backward left to hide behind), and the step's first action, the
+    embedding's lookup, needs them whole. By ZeRO stage on dp_shard, with ``grad_bytes`` a
+    gradient element and ``gather_bytes`` a gathered parameter's (ZeRO-3: the compute dtype;
+    ZeRO-1/2: the framework's ``zero12_gather_bytes``):
+
+    * ZeRO-3 (``GatheredRows``): one all-gather of the rows at the step's start and one
+      reduce-scatter of their gradients after the embedding's backward, whatever
+      ``reshard_after_forward`` says; HSDP's all-reduce of the slices over dp_replicate;
+    * ZeRO-1/2: the reduce-scatter of the gradients (and HSDP's all-reduce of the slices), the
+      optimizer's all-gather of the updated slices;
+    * none: one all-reduce over dp."""
+    if lay.zero_stage and lay.dp_shard > 1:
+        shard = lay.dp_shard  # no cp or ep with the split (``loom.plan.space.vocab_pp_fits``)
+        return (gather_time(rows * grad_bytes, shard, shard_link)
+                + allreduce_time(rows * grad_bytes / shard, lay.dp_replicate, rep_link)
+                + gather_time(rows * gather_bytes, shard, shard_link))
+    return allreduce_time(rows * grad_bytes, lay.dp_replicate * lay.dp_shard, dp_link)
+
+
+__all__ = ["VocabPasses", "rows_data_parallel", "rows_parameters", "vocab_pass_times",
+           "vocab_pp", "vocab_shares", "vocab_stats_time"]

@@ -105,7 +105,12 @@ last ends at the final norm); each microbatch's fp32 exp-logits ``[N, V/(pp·tp)
 received X live from its S to its T (``vocab_pass_bytes``), a T after the rank's first adds
 the rows' fresh gradient, and the m partial embeddings with as many ``[N, D]`` buffers live all
 step (``vocab_embedding_bytes``; both ``loom.formulas.memory``'s, the planner's too). Measured
-within 6% (docs/benchmarks.md, the last section).
+within 6% (docs/benchmarks.md, the last section). With ZeRO on dp_shard the rows' state follows
+the stages' rules (ZeRO-1/2: whole rows, optimizer state and ZeRO-2's gradients sliced over
+dp_shard), but ZeRO-3's rows are gathered by hand (``GatheredRows``): whole, in the compute
+dtype, from the step's start to the embedding's backward after the schedule, with their
+unsharded gradients from the rank's first T (the head's) and that backward (the embedding's)
+until the one reduce-scatter, whatever ``reshard_after_forward`` says (``StageSpan.gathered``).
 """
 
 from __future__ import annotations
@@ -313,12 +318,14 @@ def _vocab_spans(config: Config, row: tuple[Action, ...]) -> list[StageSpan]:
     """The vocabulary shard as the model state sees it: its rows are used from the step's start
     (the embedding's lookup) to its end (the embedding's gradient scatter, after the
     schedule); the head rows' gradients appear at the rank's first T, the embedding's (untied)
-    only at that scatter, after the last action."""
+    only at that scatter, after the last action. Under ZeRO-3 they are ``gathered`` spans: whole
+    (compute dtype) all step and their gradients unsharded until that scatter's reduce-scatter,
+    whatever ``reshard_after_forward`` says (``GatheredRows``)."""
     rows, end = _vocab_rows(config), len(row) - 1
     first_t = next(i for i, a in enumerate(row) if a.op is Op.T)
-    spans = [StageSpan(rows, 0, first_t, end)]
+    spans = [StageSpan(rows, 0, first_t, end, gathered=True)]
     if not config.model.tie_embeddings:
-        spans.append(StageSpan(rows, 0, end, end))
+        spans.append(StageSpan(rows, 0, end, end, gathered=True))
     return spans
 
 

@@ -89,3 +89,48 @@ def test_other_ranks_keep_the_received_x():
     pass_bytes = 4 * N * (V // 4) + 4 * N * D
     assert instants[2 * 6].activations == approx(4 * layer_activation_bytes(cfg)
                                                  + M * N * D * 8 + 2 * pass_bytes)
+
+
+# ZeRO on dp_shard (vocab_pipeline.data_parallel_rows): pp 2 x dp_shard 2, two layers a rank
+# and V/2 = 160 rows of the embedding and of the head, m = 2 (8 sequences / (2 x 2))
+ROWS2 = V // 2 * D
+
+
+def zero_config(stage: int, **overrides):
+    return resolve(load_config(None, {**SMALL, "parallel.pp": "2", "parallel.dp_shard": "2",
+                                      "parallel.zero_stage": str(stage),
+                                      "parallel.vocab_parallel_pp": "true", **overrides}), 4)
+
+
+def test_zero3_holds_the_rows_gathered_all_step_and_their_gradients_unsharded():
+    """ZeRO-3 (GatheredRows): the rows are all-gathered at the step's start and held until the
+    reduce-scatter after the embedding's backward, whatever reshard_after_forward says (here
+    true: the stage's blocks are gathered per use, not held). Rank 0 runs F F S S T T B B:
+    from the first instant its parameters are the shards 4Ψ/2 plus both rows whole (fp32),
+    after its first T the head rows' unsharded gradient (fp32) is the only gradient, and after
+    the last action the rows are resharded."""
+    psi = 2 * LAYER + 2 * ROWS2
+    instants = rank_instants(zero_config(3), 0)
+    assert instants[0].parameters == 4 * psi / 2 + 4 * 2 * ROWS2
+    assert instants[2 * 4 + 1].gradients == 4 * ROWS2  # right after T0.0
+    assert instants[2 * 7].parameters == 4 * psi / 2 + 4 * 2 * ROWS2  # during the last B
+    assert instants[2 * 7 + 1].parameters == 4 * psi / 2  # after it: resharded
+    # bf16: the rows gathered in the compute dtype, the shards fp32 (FSDP2's masters)
+    bf16 = rank_instants(zero_config(3, **{"train.dtype": "bf16"}), 0)
+    assert bf16[0].parameters == 4 * psi / 2 + 2 * 2 * ROWS2
+
+
+def test_zero3_rows_are_counted_once_when_the_stages_are_held():
+    """reshard_after_forward = false holds the stage from its first F as well: the rows are
+    gathered once, not twice."""
+    psi = 2 * LAYER + 2 * ROWS2
+    held = rank_instants(zero_config(3, **{"parallel.reshard_after_forward": "false"}), 0)
+    assert held[0].parameters == 4 * psi / 2 + 4 * psi
+
+
+def test_zero1_keeps_the_rows_whole_and_slices_their_optimizer_state():
+    """ZeRO-1: the rows and their gradients whole, AdamW's moments sliced over dp_shard with
+    the stages' (8Ψ/2), at the optimizer step."""
+    psi = 2 * LAYER + 2 * ROWS2
+    rest = rank_instants(zero_config(1), 0)[-1]
+    assert (rest.parameters, rest.gradients, rest.optimizer) == (4 * psi, 4 * psi, 8 * psi / 2)
