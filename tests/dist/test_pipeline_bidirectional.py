@@ -212,6 +212,8 @@ def test_a_checkpoint_holds_one_model(dist, small_data_dir, tmp_path, source, ta
                   f"{source} -> {target}")
 
 
+@pytest.mark.matrix  # a CLI run (12 s); the composed layouts above train it in process, and
+# test_pipeline_parity.py's ZB-V CLI run covers the command's pipeline path
 def test_loom_train_runs_a_bidirectional_pipeline(tmp_path):
     result = loom("train", "--nproc", "2", "--parallel.pp=2",
                   "--parallel.schedule=bidirectional_v", "--model.preset=debug",

@@ -223,6 +223,7 @@ def test_a_vocab_tp_checkpoint_reshards_bit_exactly(dist, small_data_dir, tmp_pa
                   checkpoint_layout(target), f"{source} -> {target}")
 
 
+@pytest.mark.matrix  # 34 s; vocab-pp resumes run in CI (test_vocab_pp_checkpoint.py), tp reshards above
 def test_a_vocab_tp_run_resumes_bit_exactly(dist, small_data_dir, tmp_path):
     from tests.dist.test_checkpoint_resume import check_resume
 
