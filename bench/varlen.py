@@ -30,7 +30,9 @@ documents whole), ``static-cp4`` as cp = 4 (ring, every document zig-zag over th
 microbatches placed by ``loom.parallel.zeppelin_cp``: whole documents on one rank with no ring
 traffic, long ones over a sub-ring of their own group, shards not padded), ``zeppelin-dp`` as
 dp = 4, cp = 1 (``data.balance = zeppelin`` over the data-parallel ranks: every rank runs the
-4 ranks' microbatches merged, placed over the 4 dp ranks) and ``zeppelin-step`` the
+4 ranks' microbatches merged, placed over the 4 dp ranks), ``zeppelin-dp-remap`` the same
+with the remapping layer (``data.zeppelin_remap``: linear modules on an equal split) and
+``zeppelin-step`` the
 same with one microbatch of the step's ``4 x --micro x --seq-len`` tokens (the step's documents
 placed over the 4 ranks at once; one bin of 4 budgets may take other pieces than 4 bins of one: its
 losses can differ from the others' in the third digit). Per step: each rank's CPU time
@@ -167,6 +169,9 @@ BALANCE_LAYOUTS = {  # name: (data.balance, parallel degrees and mode)
     # dp = 4, cp = 1: every rank runs the 4 ranks' i-th microbatches merged, placed over the
     # 4 dp ranks (short documents whole on one, long ones over a sub-ring of dp ranks)
     "zeppelin-dp": ("zeppelin", {"parallel.dp_replicate": -1}),
+    # the same with the remapping layer: the linear modules on an equal split of each merged
+    # microbatch, q, k, v and the attention output moved by all-to-alls (data.zeppelin_remap)
+    "zeppelin-dp-remap": ("zeppelin", {"parallel.dp_replicate": -1, "data.zeppelin_remap": True}),
 }
 # One microbatch of the whole step's tokens, placed over the 4 ranks at once (Zeppelin's
 # placement of a step's sequences over all its ranks; one bin may fit other pieces than four)
@@ -259,7 +264,7 @@ def measure_balances(corpus: dict, data_dir: str, seq_len: int, args, registry) 
                       "cp_sent_mb_max": float(np.median(
                           np.array([r["cp_sent"] for r in got]).max(axis=0))) / 2**20}
         r = rows[name]
-        print(f"  {name:11s} imbalance {r['imbalance']:.2f}  busiest rank CPU"
+        print(f"  {name:17s} imbalance {r['imbalance']:.2f}  busiest rank CPU"
               f" {r['busiest_cpu_s']:.2f} s  mean {r['mean_cpu_s']:.2f} s  wall"
               f" {r['wall_s']:.2f} s  cp sent (busiest rank) {r['cp_sent_mb_max']:.1f} MiB",
               flush=True)

@@ -276,6 +276,10 @@ class DataConfig:
     # longest first, dealt so every microbatch and rank gets nearly equal tokens) or "zeppelin"
     # (tokens' microbatches, each placed over the cp ranks by loom/data/zeppelin.py; cp > 1)
     balance: Literal["none", "tokens", "zeppelin"] = "none"
+    # zeppelin: run the linear modules on an equal split of each microbatch's tokens, moved to
+    # the placement's attention layout and back inside every attention layer by all-to-alls
+    # (loom/parallel/remap.py via loom/parallel/zeppelin_cp.py); off: a rank's own tokens
+    zeppelin_remap: bool = False
 
 
 @dataclass

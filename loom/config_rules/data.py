@@ -46,6 +46,9 @@ def validate_packing(config: Config) -> None:
     if data.balance != "none" and packing != "varlen":
         raise ConfigError("data.balance", data.balance, "deals the documents of varlen steps:"
                           " needs data.packing = varlen")
+    if data.zeppelin_remap and data.balance != "zeppelin":
+        raise ConfigError("data.zeppelin_remap", True, "remaps the tokens of Zeppelin's"
+                          f" placement: needs data.balance = zeppelin (here {data.balance})")
     if packing == "concat":
         return
     if data.balance == "zeppelin":
@@ -101,7 +104,8 @@ def _validate_zeppelin(config: Config) -> None:
     (merged microbatches, sub-rings over the flattened dp x cp index, cp = 1 included);
     otherwise the cp ranks of each data-parallel rank, which needs cp > 1 and runs with tp
     (sequence parallelism on or off) and pp (every rank of a cp rank's tp group and pipeline
-    computes the same placement; sub-rings per (dp, tp, pp) coordinate, like the cp ring)."""
+    computes the same placement; sub-rings per (dp, tp, pp) coordinate, like the cp ring).
+    ``data.zeppelin_remap`` (the remapping layer) is built with tp = pp = 1 only."""
     par = config.parallel
     if par.cp > 1 and par.cp_mode != "ring":
         raise ConfigError("parallel.cp_mode", par.cp_mode, "data.balance = zeppelin runs its"
@@ -111,6 +115,12 @@ def _validate_zeppelin(config: Config) -> None:
         raise ConfigError("data.balance", "zeppelin", "places documents over the dp x cp ranks,"
                           f" or over the cp ranks with parallel.cp > 1; here cp = {par.cp} and"
                           f" the dp x cp domain is out: {why_not_dp}. Use tokens, or cp > 1")
+    if config.data.zeppelin_remap:
+        for name, value in (("tp", par.tp), ("pp", par.pp)):
+            if value > 1:
+                raise ConfigError("data.zeppelin_remap", True, "the remapping layer is built"
+                                  f" and proven with tp = pp = 1; here parallel.{name} ="
+                                  f" {value}: turn it off")
 
 
 def _validate_varlen_layout(config: Config) -> None:

@@ -48,10 +48,11 @@ cp rank (cp index innermost, so an aligned block is nearest ranks first; each ra
 ranks' microbatches merged) with these candidates (``zeppelin_candidates``), priced as that
 runtime runs them, and hands every rank its ``token_indices``; attention runs on sub-rings
 (``zeppelin_cp.sub_ring_attention``): a document whole on one rank with no communication, a
-grouped one over its group's own process group, shards unpadded. What it still lacks: the
-remapping layer in the model (``loom.parallel.remap`` is built and tested alone; a rank's
-linear work is its own tokens'), and the dp x cp domain with tp or pp > 1 (refused by the
-config; at dp = 1 the cp placement runs with both).
+grouped one over its group's own process group, shards unpadded. With
+``data.zeppelin_remap`` the remapping layer runs too (every candidate priced remapped, the
+shards the linear layout, ``loom.parallel.remap`` inside each attention layer; tp = pp = 1).
+What it still lacks: the dp x cp domain with tp or pp > 1 (refused by the config; at dp = 1
+the cp placement runs with both), and remapping with tp or pp > 1.
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ the planner makes deterministically on every rank: nothing but the rows is commu
 
 The collectives go through ``loom.parallel.comm`` (axis ``remap`` by default), so a
 ``CommLedger`` counts their calls and exact wire bytes (the rows that leave the rank).
+In training (``data.zeppelin_remap``) ``loom.parallel.zeppelin_cp`` builds one plan per
+microbatch (``sub_ring_keys``) and moves each attention layer's q, k, v and output with it.
 Hand-written because torch has no uneven all-to-all with autograd (``torch.distributed
 .nn.functional.all_to_all_single`` exists but bypasses Loom's ledger).
 """

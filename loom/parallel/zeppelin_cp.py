@@ -66,7 +66,23 @@ backward passes) stay as they are; one merged microbatch of the whole step would
 planner more freedom but ``M`` times the activations (the bench's ``zeppelin-step`` row
 measures that choice at cp = 4).
 
-Without the remapping layer (``loom.parallel.remap`` is not wired into the model), a rank's
+**The remapping layer** (``data.zeppelin_remap``, ``loom.parallel.remap``): the trainer's
+shard is then the placement's *linear layout* (``Partition.linear_layout``: an equal split of
+the microbatch, token counts within one of each other, each rank keeping what fits its quota of
+what the placement gave it), so embedding, norms, projections, MLP and loss run balanced. The
+attention core (``sub_ring_keys``, once per forward, shared by every layer) gathers the shard's
+(id, position) pairs as it does without remapping, recomputes the same placement from the
+microbatch's run lengths on every rank (``RemapPlacement``: the trainer's costs; nothing
+communicated to agree), rebuilds the row and plans the sub-rings on the attention layout; each
+layer's q, k and v (RoPE applied in linear layout at each token's own position) go to the
+attention layout in one all-to-all (``Remap.to_attention``) and the output comes back in
+another (``Remap.to_linear``; backward the same two the other way, ledger axis ``remap``).
+Every candidate is then priced remapped (``cp_step_price``): the busiest rank's attention plus
+the equal split's linear work plus the busiest rank's remapped bytes
+(``REMAP_BYTE_FLOPS``, an estimate). Built and proven with tp = pp = 1 (the config refuses it
+otherwise).
+
+Without the remapping layer (the default), a rank's
 linear work is its own tokens', so a placement is priced as the busiest rank's attention
 (``tiled_attention``: a document cut over more ranks than its length needs costs each of them
 a whole tile) plus its linear work, ``max(attention + tokens x linear)`` (``cp_step_price``;
@@ -110,6 +126,7 @@ from loom.parallel.comm import CommLedger
 from loom.parallel.context_documents import (PAD_KEY, PAD_SLOT, TILE_TOKENS, Tile,
                                              block_backward, block_forward, document_tiles,
                                              merge_masked)
+from loom.parallel.remap import Remap, build_remap
 from loom.parallel.ring_attention import DKV_TAG, KV_TAG, Ring, wait_all
 
 
@@ -137,6 +154,11 @@ RING_SLOWDOWN = 1.13
 # 2048-token pieces over 4 ranks at a predicted 0.85 of tokens' step and ran ~1.3x slower.
 RING_CHUNK = 2048
 RING_CHUNK_EXPONENT = 0.35
+# The remapping layer's all-to-alls (data.zeppelin_remap) priced in linear flops per byte a
+# rank sends or receives: gloo between local processes moves ~1 GB/s where one CPU thread runs
+# the linear modules' fp32 matmuls at ~40 GFLOP/s (REMAP_BYTE_FLOPS = their ratio; an estimate,
+# not a calibration: see cp_step_price).
+REMAP_BYTE_FLOPS = 40.0
 
 
 def model_token_costs(args: TransformerArgs,
@@ -151,7 +173,12 @@ def model_token_costs(args: TransformerArgs,
     per_layer = 2 * d * d + 2 * d * kv + args.mlp_matrices * d * args.ffn_dim  # q, o; k, v; MLP
     linear = 3 * 2 * (layers * per_layer + d * args.vocab_size)
     attention = 3 * 4 * d * layers * attention_slowdown  # q.k and p.v, 2 flops per mul-add
-    return TokenCosts(linear=float(linear), attention=float(attention))
+    # a remapped token's q, k, v out and its attention output back, and their gradients the
+    # other way: 2 x (2d + 2kv) fp32 values per layer each way (Partition.remap_seconds takes
+    # the larger of what a rank sends and receives)
+    remap = REMAP_BYTE_FLOPS * 4 * 2 * (2 * d + 2 * kv) * layers
+    return TokenCosts(linear=float(linear), attention=float(attention), remap_intra=float(remap),
+                      remap_inter=float(remap))
 
 
 def tiled_attention(partition: Partition, tile_tokens: int = TILE_TOKENS,
@@ -192,23 +219,32 @@ def per_token_square(costs: TokenCosts) -> TokenCosts:
 
 def cp_step_price(partition: Partition) -> float:
     """A placement's time on the cp runtime (module docstring): the busiest rank's attention
-    (``tiled_attention``) plus linear work on its own tokens (shards are not padded)."""
-    return float((tiled_attention(partition)
-                  + partition.rank_tokens() * partition.costs.linear).max())
+    (``tiled_attention``) plus linear work on its own tokens (shards are not padded). Remapped
+    (``partition.remapped``: data.zeppelin_remap), the attention stage and the linear stage
+    each wait for their busiest rank (the all-to-alls between them synchronise every layer),
+    the linear stage on the equal split, plus the busiest rank's remapped bytes
+    (``Partition.remap_seconds`` at ``costs.remap_intra``, ``model_token_costs``)."""
+    attention = tiled_attention(partition)
+    if partition.remapped:
+        return float(attention.max() + partition.quotas().max() * partition.costs.linear
+                     + partition.remap_seconds())
+    return float((attention + partition.rank_tokens() * partition.costs.linear).max())
 
 
 def place_over_cp(lengths: list[int] | np.ndarray, cp: int, costs: TokenCosts,
-                  inner_cp: int = 0) -> Partition:
+                  inner_cp: int = 0, remap: bool = False) -> Partition:
     """The placement of one microbatch's documents (``lengths``, in row order) over ``cp``
     ranks (the cp ranks, or the dp x cp domain's): the cheapest candidate by ``cp_step_price``
     (module docstring). ``inner_cp``: over a dp x cp domain, the cp degree, whose static cp
-    (every document over one of the ``cp / inner_cp`` rings of cp ranks) is a candidate too."""
+    (every document over one of the ``cp / inner_cp`` rings of cp ranks) is a candidate too.
+    ``remap``: the runtime remaps every microbatch (data.zeppelin_remap), so every candidate
+    is priced remapped."""
     seqs = [int(n) for n in lengths]
     ranks = Ranks(cp, per_node=cp)  # one machine's ranks: every group inside a node
     sizing = per_token_square(costs)  # the planner's unit; each candidate priced in pairs
-    candidates = [replace(plan, costs=costs) for remap in (False, True)
-                  for plan in zeppelin_candidates(seqs, ranks, sizing, remap=remap)]
-    static = [partition_static_cp(seqs, ranks, ring, costs)
+    candidates = [replace(plan, costs=costs, remapped=remap) for balanced in (False, True)
+                  for plan in zeppelin_candidates(seqs, ranks, sizing, remap=balanced)]
+    static = [replace(partition_static_cp(seqs, ranks, ring, costs), remapped=remap)
               for ring in dict.fromkeys((cp, inner_cp)) if ring > 1 and cp % ring == 0]
     return min(candidates + static, key=cp_step_price)
 
@@ -220,18 +256,21 @@ def document_runs(document_ids_S: np.ndarray) -> list[int]:
 
 
 def zeppelin_shard_indices(document_ids_BS: torch.Tensor, cp: int, cp_rank: int,
-                           costs: TokenCosts, inner_cp: int = 0) -> torch.Tensor:
+                           costs: TokenCosts, inner_cp: int = 0,
+                           remap: bool = False) -> torch.Tensor:
     """Which tokens of a varlen microbatch (``[1, S]``) cp rank ``cp_rank`` holds: int64
     ``[1, L]`` indices into the row (``place_over_cp``'s ``token_indices``), ``L`` its own
     token count (not padded: the sub-rings pass each member's own count); a rank the placement
     gives no token holds one ``PAD_SLOT`` (a forward needs a token). Over a dp x cp domain
-    ``cp`` is the domain's size, ``cp_rank`` the rank's place in it, ``inner_cp`` the cp degree."""
+    ``cp`` is the domain's size, ``cp_rank`` the rank's place in it, ``inner_cp`` the cp degree.
+    ``remap``: the placement's linear layout instead (``Partition.linear_layout``, the equal
+    split), which the model holds outside attention (``RemapPlacement``)."""
     if document_ids_BS.shape[0] != 1:
         raise ValueError(f"data.balance = zeppelin places a varlen microbatch (one row), not"
                          f" {document_ids_BS.shape[0]} rows")
     partition = place_over_cp(document_runs(document_ids_BS[0].cpu().numpy()), cp, costs,
-                              inner_cp)
-    mine = partition.token_indices(cp_rank)
+                              inner_cp, remap)
+    mine = partition.linear_layout()[cp_rank] if remap else partition.token_indices(cp_rank)
     index = mine[None] if len(mine) else np.full((1, 1), PAD_SLOT, dtype=np.int64)
     return torch.from_numpy(index).to(document_ids_BS.device)
 
@@ -283,9 +322,27 @@ class SubRings:
     members: tuple[int, ...]
     cp_rank: int
     groups: tuple[tuple[tuple[int, int], Any], ...]
+    remap: "RemapPlacement | None" = None  # data.zeppelin_remap: shards in linear layout
 
     def group(self, block: tuple[int, int]) -> Any:
         return dict(self.groups)[block]
+
+
+@dataclass(frozen=True)
+class RemapPlacement:
+    """``data.zeppelin_remap``: the shards the model holds are the linear layout of
+    ``place_over_cp(lengths, cp, costs, inner_cp, remap=True)`` (``zeppelin_shard_indices``
+    with ``remap``), and attention remaps q, k, v to its attention layout and the output back
+    (``sub_ring_keys``, ``sub_ring_attention``). ``costs`` and ``inner_cp`` must be the
+    trainer's, so that every rank's core recomputes the placement the shards were cut by."""
+
+    costs: TokenCosts
+    inner_cp: int = 0
+
+
+def with_remap(sub_rings: SubRings, costs: TokenCosts, inner_cp: int = 0) -> SubRings:
+    """``sub_rings`` whose attention runs the remapping layer (``RemapPlacement``)."""
+    return replace(sub_rings, remap=RemapPlacement(costs, inner_cp))
 
 
 def new_sub_rings(cp_rank_groups: Sequence[Sequence[int]], rank: int) -> SubRings:
@@ -350,6 +407,13 @@ class SubRingKeys:
     ring_index: torch.Tensor
     own: tuple[Tile, ...]
     rings: tuple[RingPart, ...]
+    # data.zeppelin_remap: the rows above are the attention layout's (``attention_real`` real
+    # ones, a padding row where none); the model's shard is the linear layout, ``linear_rows``
+    # rows of which ``linear_real`` real; ``remap`` moves the rows between the two
+    remap: Remap | None = None
+    attention_real: int = 0
+    linear_rows: int = 0
+    linear_real: int = 0
 
 
 def _plain_runs(ids: np.ndarray, pos: np.ndarray, docs: set[int]) -> set[int]:
@@ -369,7 +433,8 @@ def sub_ring_keys(documents: DocumentMask, sub_rings: SubRings, cp_group: Any,
     counts, then one of the pairs padded to the longest, ``2 x L_max`` int64 per rank) and
     derive the plan: each document's block (``ring_block`` of the ranks that hold it), this
     rank's whole documents, its other rows' own tiles and, for every ring it is in, the tiles
-    of each hop."""
+    of each hop. With ``sub_rings.remap`` the shards are the linear layout and the plan is
+    the attention layout's, with the ``Remap`` between them (``_remapped_plan``)."""
     positions = documents.known_positions
     if documents.shape[0] != 1 or positions is None:
         raise ValueError("sub-ring attention runs a varlen microbatch ([1, L]) with each"
@@ -388,6 +453,46 @@ def sub_ring_keys(documents: DocumentMask, sub_rings: SubRings, cp_group: Any,
     pairs = gathered.view(cp, 2, longest).cpu().numpy()
     ids = [pairs[p, 0, :n] for p, n in enumerate(counts.tolist())]
     pos = [pairs[p, 1, :n] for p, n in enumerate(counts.tolist())]
+    if sub_rings.remap is None:
+        return _plan(ids, pos, sub_rings, ledger, axis, device)
+    return _remapped_plan(ids, pos, sub_rings, cp_group, ledger, axis, device)
+
+
+def _remapped_plan(ids: list[np.ndarray], pos: list[np.ndarray], sub_rings: SubRings,
+                   cp_group: Any, ledger: CommLedger | None, axis: str,
+                   device: torch.device) -> SubRingKeys:
+    """``data.zeppelin_remap``: ``ids`` and ``pos`` are every rank's linear layout. The
+    microbatch's document lengths are their ids' counts (ids are the row's run ordinals), so
+    every rank recomputes the placement the trainer cut the shards by (``RemapPlacement``),
+    rebuilds the row from the linear layout, and plans attention on the attention layout's
+    (id, position) pairs; the ``Remap`` between the two layouts runs on the cp group."""
+    cp, me, placement = len(ids), sub_rings.cp_rank, sub_rings.remap
+    real = [ids[p] >= 0 for p in range(cp)]  # a rank given no token holds one padding slot
+    lengths = np.bincount(np.concatenate([ids[p][real[p]] for p in range(cp)]))
+    if not len(lengths) or (lengths == 0).any():
+        raise ValueError("remapping needs the microbatch's document ids as run ordinals")
+    partition = place_over_cp(lengths, cp, placement.costs, placement.inner_cp, remap=True)
+    linear = partition.linear_layout()
+    row_ids = np.empty(partition.total_tokens, dtype=np.int64)
+    row_pos = np.empty(partition.total_tokens, dtype=np.int64)
+    for p in range(cp):
+        if len(linear[p]) != int(real[p].sum()):
+            raise ValueError(f"cp rank {p} holds {int(real[p].sum())} tokens, the placement's"
+                             f" linear layout {len(linear[p])}: shards cut by another placement")
+        row_ids[linear[p]], row_pos[linear[p]] = ids[p][real[p]], pos[p][real[p]]
+    attention = [partition.token_indices(p) for p in range(cp)]
+    ids_a = [row_ids[a] if len(a) else np.array([PAD_KEY]) for a in attention]
+    pos_a = [row_pos[a] if len(a) else np.zeros(1, dtype=np.int64) for a in attention]
+    keys = _plan(ids_a, pos_a, sub_rings, ledger, axis, device)
+    remap = build_remap(attention, me, cp_group, linear, ledger=ledger)
+    return replace(keys, remap=remap, attention_real=len(attention[me]),
+                   linear_rows=len(ids[me]), linear_real=len(linear[me]))
+
+
+def _plan(ids: list[np.ndarray], pos: list[np.ndarray], sub_rings: SubRings,
+          ledger: CommLedger | None, axis: str, device: torch.device) -> SubRingKeys:
+    """``sub_ring_keys``' plan from every rank's (document id, position) pairs."""
+    cp = len(ids)
     holders: dict[int, list[int]] = {}
     for p in range(cp):
         for d in np.unique(ids[p][ids[p] >= 0]).tolist():
@@ -424,7 +529,7 @@ def sub_ring_keys(documents: DocumentMask, sub_rings: SubRings, cp_group: Any,
         rings.append(RingPart(ring, tuple(int(h.sum()) for h in held),
                               torch.from_numpy(np.flatnonzero(held[j])).to(device),
                               tuple(tiles)))
-    return SubRingKeys(len(ids_L), whole, torch.from_numpy(whole_rows).to(device),
+    return SubRingKeys(len(ids[me]), whole, torch.from_numpy(whole_rows).to(device),
                        torch.from_numpy(engine_rows[me]).to(device), own, tuple(rings))
 
 
@@ -522,7 +627,32 @@ def sub_ring_attention(q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch
     """Attention inside each document of this rank's shard (``[1, N, L, Hd]`` queries,
     un-repeated ``[1, K, L, Hd]`` keys and values): whole documents by the model's own
     document attention (what ``tokens`` runs), the others on the engine with their sub-rings
-    (module docstring); ``keys`` from ``sub_ring_keys`` of the same forward."""
+    (module docstring); ``keys`` from ``sub_ring_keys`` of the same forward. Remapped
+    (``keys.remap``): the shard is the linear layout; q, k and v (RoPE already applied at each
+    token's own position) go to the attention layout in one all-to-all, and the output comes
+    back in another (``Remap``; their gradients the reverse way in backward)."""
+    if keys.remap is None:
+        return _attend(q_BNLH, k_BKLH, v_BKLH, keys)
+    heads = (q_BNLH.shape[1], k_BKLH.shape[1], v_BKLH.shape[1])
+    qkv = _relayout(torch.cat([q_BNLH, k_BKLH, v_BKLH], dim=1), keys.remap.to_attention,
+                    keys.linear_real, keys.rows)
+    out_BNLH = _attend(*qkv.split(heads, dim=1), keys)
+    return _relayout(out_BNLH, keys.remap.to_linear, keys.attention_real, keys.linear_rows)
+
+
+def _relayout(x_BHLH: torch.Tensor, move: Any, real: int, rows: int) -> torch.Tensor:
+    """``x``'s first ``real`` rows (tokens, dim 2) through ``move`` (a ``Remap`` direction,
+    on rows ``[L, H, Hd]``), then zero rows up to ``rows`` (a rank's padding slot)."""
+    moved = move(x_BHLH[0, :, :real].transpose(0, 1))
+    if rows > moved.shape[0]:
+        moved = torch.cat([moved, moved.new_zeros((rows - moved.shape[0],) + moved.shape[1:])])
+    return moved.transpose(0, 1).unsqueeze(0).contiguous()
+
+
+def _attend(q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch.Tensor,
+            keys: SubRingKeys) -> torch.Tensor:
+    """``sub_ring_attention`` on the layout ``keys`` plans (the shard's, or the attention
+    layout when remapped)."""
     if keys.whole is not None and len(keys.whole_index) == keys.rows:  # all whole, in order
         return keys.whole.attention(q_BNLH, k_BKLH, v_BKLH)
     # padding rows attend to nothing: output 0, in the graph (a shard of padding alone has a
@@ -536,9 +666,9 @@ def sub_ring_attention(q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch
     return out_BNLH
 
 
-__all__ = ["KERNEL_SLOWDOWN", "RING_CHUNK", "RING_CHUNK_EXPONENT", "RING_SLOWDOWN",
-           "TILE_SLOWDOWN", "RingPart", "SubRingKeys",
+__all__ = ["KERNEL_SLOWDOWN", "REMAP_BYTE_FLOPS", "RING_CHUNK", "RING_CHUNK_EXPONENT",
+           "RING_SLOWDOWN", "TILE_SLOWDOWN", "RemapPlacement", "RingPart", "SubRingKeys",
            "SubRings", "aligned_blocks", "cp_step_price", "document_runs",
            "merge_dp_microbatches", "model_token_costs", "new_sub_rings", "per_token_square",
            "place_over_cp", "ring_block", "sub_ring_attention", "sub_ring_keys",
-           "tiled_attention", "zeppelin_shard_indices"]
+           "tiled_attention", "with_remap", "zeppelin_shard_indices"]

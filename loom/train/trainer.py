@@ -33,6 +33,7 @@ layout computes the same number as one process (the parity tests check exactly t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -56,7 +57,7 @@ from loom.parallel import comm, vocab_pipeline
 from loom.parallel.comm import CommLedger
 from loom.parallel.context import CPLayout, new_cp_groups, shard_documents, shard_sequence
 from loom.parallel.context_documents import take_shard
-from loom.parallel.zeppelin_cp import (merge_dp_microbatches, model_token_costs,
+from loom.parallel.zeppelin_cp import (merge_dp_microbatches, model_token_costs, with_remap,
                                        zeppelin_shard_indices)
 from loom.parallel.expert import reduce_gradients, sequence_shard_lengths
 from loom.parallel.fp8 import precompute_all_gather_scales
@@ -142,6 +143,9 @@ class Trainer:
             split = CPLayout.from_mode(lay.cp_mode, lay.cp, lay.cp_ulysses)
             self.cp_groups = new_cp_groups(self.grid.groups("cp"), split, self.ctx.rank,
                                            sub_rings=config.data.balance == "zeppelin")
+        if config.data.zeppelin_remap:  # shards in linear layout, remapped in attention
+            self.cp_groups = dataclasses.replace(self.cp_groups, sub_rings=with_remap(
+                self.cp_groups.sub_rings, model_token_costs(model_args(config)), lay.cp))
 
         self.args = model_args(config)
 
@@ -335,7 +339,7 @@ class Trainer:
             costs = model_token_costs(model_args(self.config))
             return take_shard(batch, zeppelin_shard_indices(
                 batch.document_ids, self.cp_groups.layout.ring, self.cp_groups.cp_rank, costs,
-                self.layout.cp))
+                self.layout.cp, self.config.data.zeppelin_remap))
         return shard_documents(batch, self.cp_groups.cp_rank, self.cp_groups.layout)
 
     def _compute_context(self) -> contextlib.AbstractContextManager:

@@ -10,7 +10,8 @@ ranks (checked: the test is about a step that has both).
   tokens (not padded to the longest), a document either whole on one rank or zig-zag over an
   aligned power-of-two group, and no worse than static cp on the runtime's price.
 * The runtime's price: a whole document's causal pairs at the model's kernel rate, a grouped
-  one's shared evenly by its ranks at the calibrated ring rate; a long-context microbatch's
+  one's shared evenly by its ranks at the calibrated ring rate; remapped, the busiest
+  attention plus the equal split's linear work plus the busiest rank's moved tokens; a long-context microbatch's
   4309-token document goes to a group of 4 and its short ones stay whole.
 * The sub-ring engine (``zeppelin_cp.sub_ring_attention``, cp = 4: a document over all four
   ranks, one over ranks 2-3 only, whole ones on single ranks)
@@ -18,6 +19,10 @@ ranks (checked: the test is about a step that has both).
   each document's own group's (ranks 0-1 send nothing of the 2-3 document), and a microbatch
   of whole documents sends nothing at all, also where a rank is given no token (it holds one
   padding slot).
+* With the remapping layer (``data.zeppelin_remap``) the core on an equal split of the
+  microbatch (a 2048-token document over the 4 ranks beside whole ones; 3 tokens over 4 ranks,
+  a rank holding none in either layout) equals one process's document attention (output, dQ,
+  dK, dV), with the 4 all-to-alls of one forward and backward counted on axis ``remap``.
 * The tiled document ring (``context_documents.document_tiles``) equals the dense masked one,
   also where a step-0 tile runs torch's causal kernel and where a split document's chunk pairs
   run as full (non-causal) tiles on it.
@@ -37,6 +42,7 @@ ranks (checked: the test is about a step that has both).
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -55,9 +61,9 @@ from loom.parallel.context_documents import (PAD_SLOT, block_backward, block_for
 from loom.parallel.zeppelin_cp import (RING_SLOWDOWN, aligned_blocks, cp_step_price,
                                        document_runs, model_token_costs, per_token_square,
                                        place_over_cp, ring_block, tiled_attention,
-                                       zeppelin_shard_indices)
-from loom.data.zeppelin import (UNIT, Partition, Ranks, group_time, partition_static_cp,
-                                partition_tokens)
+                                       with_remap, zeppelin_shard_indices)
+from loom.data.zeppelin import (UNIT, Partition, Ranks, TokenCosts, group_time,
+                                partition_static_cp, partition_tokens)
 from loom.testing.parity import (assert_parity, layout_config, record_training,
                                  train_and_record)
 from loom.train.trainer import Trainer
@@ -331,13 +337,19 @@ def ring_send_bytes(counts: list[int], j: int) -> int:
     return (2 * kv + dkv) * per_token
 
 
-def test_sub_rings_are_document_attention_with_traffic_inside_each_group(dist):
-    lengths = SUB_RING_PLACEMENT["lengths"]
-    S = sum(lengths)
+def reference_document_attention(lengths: list[int]) -> tuple[torch.Tensor, ...]:
+    """One process's per-document attention over documents of ``lengths`` (out, then q, k, v
+    with their gradients from a fixed upstream gradient)."""
     ids = torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths))[None]
-    q, k, v, dout = (t.requires_grad_() for t in _qkv(S))
+    q, k, v, dout = (t.requires_grad_() for t in _qkv(sum(lengths)))
     want = DocumentMask(ids).attention(q, k, v, 0, kernel="segments")
     want.backward(dout.detach())
+    return want, q, k, v
+
+
+def test_sub_rings_are_document_attention_with_traffic_inside_each_group(dist):
+    lengths = SUB_RING_PLACEMENT["lengths"]
+    want, q, k, v = reference_document_attention(lengths)
     got = [torch.full_like(t, float("nan")) for t in (want, q, k, v)]
     sent, gathers = [], []
     for index, *local, sends, calls in dist.run(4, sub_ring_core, SUB_RING_PLACEMENT):
@@ -360,6 +372,52 @@ def test_whole_documents_need_no_ring_traffic(dist):
         assert sends == 0 and calls == 2
 
 
+REMAP_COSTS = TokenCosts(linear=4.0, attention=1.0, remap_intra=1.0)
+
+
+def remapped_core(ctx, lengths: list[int]):
+    """The cp = 4 core with the remapping layer on this rank's linear-layout shard (as the
+    trainer cuts it) of a seeded q, k, v: its indices, output, dQ, dK, dV and the remap
+    all-to-all calls of one forward and backward."""
+    groups = new_cp_groups([list(range(4))], CPLayout.from_mode("ring", 4, 0), ctx.rank,
+                           sub_rings=True)
+    groups = replace(groups, sub_rings=with_remap(groups.sub_rings, REMAP_COSTS, 4))
+    ids = torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths))[None]
+    index = zeppelin_shard_indices(ids, 4, groups.cp_rank, REMAP_COSTS, 4, remap=True)
+    zeros = torch.zeros_like(ids)
+    local = take_shard(DocumentBatch(zeros, zeros, DocumentMask(ids).positions(), ids), index)
+    at = index[0].clamp(min=0)
+    q, k, v, dout = (t[:, :, at].clone().requires_grad_() for t in _qkv(ids.shape[1]))
+    ledger = CommLedger()
+    out = ContextParallelAttention(groups, ledger)(
+        q, k, v, documents=DocumentMask(local.document_ids, local.positions))
+    out.backward(dout.detach())
+    return (index[0], out.detach(), q.grad, k.grad, v.grad,
+            ledger.get("remap", "all_to_all").calls, ledger.get("cp", "send").payload_bytes)
+
+
+@pytest.mark.parametrize("lengths", [[2048, 30, 20, 10], [1, 1, 1]])
+def test_remapped_core_is_document_attention_on_an_equal_split(dist, lengths):
+    """``data.zeppelin_remap`` in the core: a 2048-token document over all 4 ranks beside
+    whole ones, and 3 tokens over 4 ranks (a rank holds none in either layout: a padding slot, and an
+    empty share of the all-to-alls); output, dQ, dK, dV as one process's document attention."""
+    want, q, k, v = reference_document_attention(lengths)
+    got = [torch.full_like(t, float("nan")) for t in (want, q, k, v)]
+    counts, sent = [], []
+    for index, *local, calls, sends in dist.run(4, remapped_core, lengths):
+        real = index != PAD_SLOT
+        for full, part in zip(got, local):
+            full[:, :, index[real]] = part[:, :, real]
+        counts.append(int(real.sum()))
+        sent.append(sends)
+        assert calls == 4  # q, k, v out and the output back; their gradients the other way
+    assert max(counts) - min(counts) <= 1 and sum(counts) == sum(lengths)
+    assert all(sent) if lengths[0] > 1 else not any(sent)  # the long document's ring ran
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, (want, q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(g, w, rtol=RTOL_FIRST, atol=ATOL_FIRST,
+                                   msg=lambda m: f"{name}: {m}")
+
+
 _reference: dict[str, dict] = {}
 
 
@@ -377,6 +435,47 @@ def record_placements(trainer: Trainer) -> list[tuple[list, list]]:
 
     trainer._shard_documents = recording
     return placed
+
+
+def record_remapped_training(ctx, config_table: dict, data_dir: str, steps: int) -> dict:
+    """``record_domain_training``, plus the remapping's all-to-all calls (ledger axis
+    ``remap``) and the costs the placement was priced with."""
+    trainer = Trainer(from_dict(config_table), Path(data_dir), None, ctx)
+    placed = record_placements(trainer)
+    record = train_and_record(trainer, steps)
+    record.update(placed=placed, domain_rank=trainer.cp_groups.cp_rank,
+                  domain=trainer.cp_groups.layout.ring,
+                  ring_sent=trainer.ledger.get("cp", "send").payload_bytes,
+                  remap_calls=trainer.ledger.get("remap", "all_to_all").calls,
+                  remap_wire=trainer.ledger.get("remap", "all_to_all").wire_bytes,
+                  costs=model_token_costs(trainer.args))
+    return record
+
+
+def assert_linear_layout(ranks: list[dict], domain: int, cp: int) -> None:
+    """Each rank's shard is the remapped placement's linear layout: an equal split of the
+    merged row (counts differ by one at most), every token once; some microbatch holds a
+    document longer than a rank's share, and the attention layout it is remapped from keeps
+    some document whole and cuts some over a group."""
+    by_place = {got["domain_rank"]: got for got in ranks}
+    assert sorted(by_place) == list(range(domain))
+    rows = [[row for row, _ in got["placed"]] for got in ranks]
+    assert all(r == rows[0] for r in rows)
+    grouped = whole = longer = 0
+    for mb, row in enumerate(rows[0]):
+        shards = [by_place[p]["placed"][mb][1] for p in range(domain)]
+        counts = [len(shard) for shard in shards]
+        assert max(counts) - min(counts) <= 1 and sum(counts) == len(row), counts
+        assert sorted(pair for shard in shards for pair in shard) == sorted(row)
+        runs = document_runs(np.array([doc for doc, _ in row]))
+        part = place_over_cp(runs, domain, ranks[0]["costs"], cp, remap=True)
+        assert part.remapped
+        for p in range(domain):
+            assert [row[i] for i in part.linear_layout()[p]] == shards[p]
+        grouped += sum(g > 1 for g in part.size)
+        whole += sum(g == 1 for g in part.size)
+        longer += max(runs) > len(row) / domain
+    assert longer and whole and grouped, (longer, whole, grouped)
 
 
 def record_placed_training(ctx, config_table: dict, data_dir: str, steps: int) -> dict:
@@ -447,6 +546,19 @@ def test_zeppelin_under_cp_matches_one_process(dist, long_tail, layout):
         assert_parity(reference, got, rtol=RTOL, atol=ATOL, label=where)
     assert_placed_over_cp(ranks, degrees["cp"])
     assert reference["loss"][-1] != reference["loss"][0]
+
+
+def test_a_remapped_price_is_the_busiest_attention_plus_the_equal_split_and_the_moves():
+    """Remapped, the attention and linear stages each wait for their busiest rank, the linear
+    one on the equal split, plus the busiest rank's remapped tokens at ``remap_intra``."""
+    costs = TokenCosts(linear=10.0, attention=1.0, remap_intra=3.0)
+    ranks = Ranks(2, per_node=2)
+    part = Partition("zeppelin", (8, 2), (0, 1), (1, 1), ranks, costs, remapped=True)
+    attention = tiled_attention(part)  # 8 tokens whole on rank 0, 2 on rank 1: 32 and 2 pairs
+    assert attention.tolist() == [32.0, 2.0]
+    moved = 3  # rank 0 holds 8, its quota 5: 3 go to rank 1
+    assert cp_step_price(part) == 32.0 + 5 * 10.0 + moved * 3.0
+    assert cp_step_price(replace(part, remapped=False)) == 32.0 + 8 * 10.0
 
 
 def evaluation_loss(ctx, config_table: dict, data_dir: str) -> float:

@@ -18,6 +18,12 @@ single ranks.
   domain's ranks hold each of its tokens exactly once between them (ranks holding unequal
   token counts), some document is cut over ranks of different dp coordinates (each of them
   sends ring hops: the cross-dp sub-ring ran) and some is kept whole.
+* The remapping layer (``data.zeppelin_remap``; CI: dp = 2; matrix: dp = 2 x cp = 2, cp = 2,
+  cp = 4): the same parity, each rank's shard the remapped placement's linear layout (an
+  equal split, counts within one), a document longer than a rank's share among the
+  microbatches, the attention layout cutting some document over a group (its ring sent hops)
+  and keeping some whole, and the all-to-alls counted on every rank (ledger axis ``remap``).
+  The config refuses it without zeppelin, or with tp or pp > 1.
 * The config accepts zeppelin with dp > 1 and cp = 1, dp_replicate or dp_shard, and refuses by
   name what the dp x cp domain does not run yet: tp, pp or ep > 1, an outer dp mode, MoE.
 """
@@ -41,7 +47,8 @@ from loom.testing.parity import assert_parity, layout_config, record_training, t
 from loom.train.trainer import Trainer
 from tests.conftest import matrix
 from tests.data_fixtures import DataCfg, prepared_documents
-from tests.dist.test_zeppelin_cp import record_placements
+from tests.dist.test_zeppelin_cp import (assert_linear_layout, record_placements,
+                                         record_remapped_training)
 
 STEPS = 2
 SEQ_LEN, BUDGET = 1024, 1152  # split length, tokens per microbatch (a dp rank's bin)
@@ -221,3 +228,50 @@ def test_with_cp_what_the_dp_domain_is_not_built_for_places_over_each_cp_group()
     config = _config({"parallel.dp_replicate": "2", "parallel.tp": "2", "parallel.cp": "2"}, 8)
     assert zeppelin_over_dp(config) == "parallel.tp = 2 (the dp x cp domain is not built with it yet)"
     assert zeppelin_over_dp(_config({"parallel.dp_replicate": "2"}, 2)) is None
+
+# -- the remapping layer (data.zeppelin_remap) -------------------------------------------------
+REMAP_LAYOUTS = {"dp2": LAYOUTS["dp2"], "dp2-cp2": LAYOUTS["dp2-cp2"],
+                 "cp2": (2, {"dp_replicate": 1, "cp": 2}), "cp4": (4, {"dp_replicate": 1, "cp": 4})}
+REMAP_CI = ["dp2"]
+
+
+@pytest.mark.parametrize("layout", matrix(REMAP_LAYOUTS, ci=REMAP_CI))
+def test_remapped_zeppelin_over_dp_matches_one_process(dist, long_tail, layout):
+    """The linear modules on an equal split, attention on Zeppelin's layout: loss, norm and
+    every gradient as one process running the same bins; the all-to-alls ran on every rank
+    and the grouped documents' rings sent hops."""
+    data_dir, base = long_tail
+    world, degrees = REMAP_LAYOUTS[layout]
+    cp = degrees.get("cp", 1)
+    # two bins a step: merged into one microbatch over dp = 2, two microbatches at dp = 1
+    base = {**base, "train.global_batch_tokens": 2 * BUDGET}
+    if 2 not in _reference:
+        _reference[2] = dist.run(1, record_training,
+                                 layout_config({**base, "data.balance": "tokens"}, 1),
+                                 data_dir, STEPS)[0]
+    reference = _reference[2]
+    config = layout_config({**base, "data.balance": "zeppelin", "data.zeppelin_remap": True,
+                            "parallel.cp_mode": "ring", "metrics.comm": True}, world, **degrees)
+    ranks = dist.run(world, record_remapped_training, config, data_dir, STEPS)
+    for rank, got in enumerate(ranks):
+        where = f"zeppelin remapped {layout} rank {rank}"
+        assert_parity(reference, got, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=where,
+                      steps=range(1))
+        assert_parity(reference, got, rtol=RTOL, atol=ATOL, label=where)
+        assert got["remap_calls"] > 0
+    assert sum(got["remap_wire"] for got in ranks) > 0  # some token moved
+    assert_linear_layout(ranks, world, cp)
+    assert any(got["ring_sent"] > 0 for got in ranks)
+
+
+def test_remapping_needs_zeppelin_and_refuses_tp_or_pp_by_name():
+    with pytest.raises(ConfigError) as info:
+        resolve(load_config(None, {"model.preset": "tiny", "data.seq_len": "32",
+                                   "data.packing": "varlen", "data.balance": "tokens",
+                                   "data.zeppelin_remap": "true"}), 1)
+    assert info.value.field_name == "data.zeppelin_remap" and "data.balance" in str(info.value)
+    with pytest.raises(ConfigError, match="parallel.tp = 2") as info:
+        _config({"parallel.cp": "2", "parallel.tp": "2", "data.zeppelin_remap": "true"}, 4)
+    assert info.value.field_name == "data.zeppelin_remap"
+    assert _config({"parallel.dp_replicate": "2", "data.zeppelin_remap": "true"},
+                   2).data.zeppelin_remap
