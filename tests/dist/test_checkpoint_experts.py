@@ -60,7 +60,7 @@ def test_other_expert_layouts_reshard(dist, small_data_dir, tmp_path, source, ta
 
 
 @pytest.mark.parametrize("layout", matrix(["ep2", "dp2-ep2", "ep2-tp2", "pp2-ep2"],
-                                          ci=["ep2", "ep2-tp2", "pp2-ep2"]))
+                                          ci=["ep2", "pp2-ep2"]))  # ep2 x tp2: reshards
 def test_an_expert_parallel_run_resumes_bit_exact(dist, small_data_dir, tmp_path, layout):
     check_resume(dist, small_data_dir, tmp_path, LAYOUTS[layout][0], config_for(layout), layout,
                  steps=STEPS)

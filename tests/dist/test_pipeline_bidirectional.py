@@ -251,11 +251,14 @@ COMPOSED.update(ZERO)
 COMPOSED["p2-tp2-zero1"] = (8, 4, {"pp": 2, "tp": 2, "dp_shard": 2, "zero_stage": 1}, {})
 
 
-# CI: tp through the tied vocab-parallel case, ZeRO-1/2/3 without tp (matrix: the rest, HSDP)
+# CI: tp through the tied vocab-parallel case, ZeRO-1 and ZeRO-3 without tp (matrix: the
+# rest: HSDP, ZeRO-2 (ZeRO-1's flat slices), cp (routes' cp rings), post-validation's norm)
 @pytest.mark.parametrize("layout", matrix(COMPOSED, ci=[name for name in COMPOSED
                                                         if name not in ("p2-tp2", "p2-hsdp-2x2",
                                                                         "p2-tp2-zero1",
-                                                                        "p2-hsdp-2x2-zero2")]))
+                                                                        "p2-hsdp-2x2-zero2",
+                                                                        "p2-zero2", "p2-cp2",
+                                                                        "p2-post-validation")]))
 def test_composed_layouts_match_one_process(dist, small_data_dir, tmp_path, layout):
     world, micro, parallel, extra = COMPOSED[layout]
     base = {**BASE, **extra}
