@@ -87,6 +87,9 @@ LAYOUTS = {  # name: (world, degrees[, other overrides])
     "pp2-cp2-zb": (4, {"cp": 2, "pp": 2, "dp_replicate": 1, "schedule": "zb_h1"}),
     "pp2-cp2-dualpipev": (4, {"cp": 2, "pp": 2, "dp_replicate": 1, "schedule": "dualpipev"},
                           {"model.n_layers": 4, "train.global_batch_tokens": 4 * BUDGET}),
+    # all three at once (8 ranks): each (tp, pp) coordinate's cp ranks place and ring alike
+    "tp2sp-pp2-cp2": (8, {"cp": 2, "tp": 2, "pp": 2, "dp_replicate": 1,
+                          "sequence_parallel": True}),
 }
 # tp2-cp2 in the matrix: tp2sp-cp2 runs the same tp split with sequence parallelism on top
 CI_LAYOUTS = ["cp2", "cp4", "tp2sp-cp2", "pp2-cp2"]
