@@ -48,7 +48,7 @@ files, split at ``--seq-len``), ``longtail-long`` (long-context: median ``--long
 sigma ``--long-sigma`` = 1.5, max 32x = 8192, split at 8192 so documents stay whole and a step is
 4 x 8192 tokens: a few long documents hold most of the attention work, more than a rank's fair
 share) and ``stdlib``. ``--calibrate``
-prints the costs the placement uses (``zeppelin_cp.KERNEL_SLOWDOWN``, ``TILE_SLOWDOWN``,
+prints the costs the placement uses (``zeppelin_placement.KERNEL_SLOWDOWN``, ``TILE_SLOWDOWN``,
 ``RING_SLOWDOWN``; ``calibrate``), alone with ``--corpora ""``.
 
     python bench/varlen.py --ranks 4 [--seq-len 2048 --micro 1 --steps 3]
@@ -273,7 +273,7 @@ def measure_balances(corpus: dict, data_dir: str, seq_len: int, args, registry) 
 
 def calibrate(reps: int = 2) -> dict:
     """The attention costs per flop over the linear modules' (one thread, ``tiny``, forward and
-    backward), what ``zeppelin_cp.KERNEL_SLOWDOWN`` and ``TILE_SLOWDOWN`` hold, and a grouped
+    backward), what ``zeppelin_placement.KERNEL_SLOWDOWN`` and ``TILE_SLOWDOWN`` hold, and a grouped
     document's tiles over the same document whole (``RING_SLOWDOWN``, ``ring_over_whole``).
 
     The model's own kernel: the model on rows of ``T`` tokens (1024, 2048, 4096) cut into ``k``
@@ -285,7 +285,7 @@ def calibrate(reps: int = 2) -> dict:
     Each is divided by its flops (``model_token_costs`` with a slowdown of 1)."""
     from dataclasses import replace as with_fields
     from loom.parallel.context_documents import block_backward, block_forward, document_tiles
-    from loom.parallel.zeppelin_cp import model_token_costs
+    from loom.parallel.zeppelin_placement import model_token_costs
     args = with_fields(preset("tiny"), max_seq_len=4096)
     model = build_model(args, device="cpu")
     reset_parameters(model, seed=0)

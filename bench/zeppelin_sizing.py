@@ -1,6 +1,6 @@
 """Priced effect of the Zeppelin candidates' attention unit on the cp runtime (issue 17).
 
-``loom.parallel.zeppelin_cp.place_over_cp`` sizes its candidates with the planner
+``loom.parallel.zeppelin_placement.place_over_cp`` sizes its candidates with the planner
 (``loom.data.zeppelin``, attention per token²) from costs counted per query-key pair
 (``model_token_costs``), converted by ``per_token_square``. This prices, with the runtime's own
 cost model (``cp_step_price``; no run is timed), the placement chosen per microbatch with the
@@ -21,7 +21,8 @@ import numpy as np
 
 from loom.data.zeppelin import Ranks, partition_static_cp, zeppelin_candidates
 from loom.models import preset
-from loom.parallel.zeppelin_cp import cp_step_price, model_token_costs, per_token_square
+from loom.parallel.zeppelin_placement import (cp_step_price, model_token_costs,
+                                              per_token_square)
 
 MEDIAN, SIGMA, BUDGET = 256, 1.5, 8192
 

@@ -57,8 +57,9 @@ from loom.parallel import comm, vocab_pipeline
 from loom.parallel.comm import CommLedger
 from loom.parallel.context import CPLayout, new_cp_groups, shard_documents, shard_sequence
 from loom.parallel.context_documents import take_shard
-from loom.parallel.zeppelin_cp import (merge_dp_microbatches, model_token_costs, with_remap,
-                                       zeppelin_shard_indices)
+from loom.parallel.zeppelin_cp import with_remap
+from loom.parallel.zeppelin_placement import (merge_dp_microbatches, model_token_costs,
+                                              zeppelin_shard_indices)
 from loom.parallel.expert import reduce_gradients, sequence_shard_lengths
 from loom.parallel.fp8 import precompute_all_gather_scales
 from loom.parallel.load import load_local_shards

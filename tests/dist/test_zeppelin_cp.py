@@ -58,10 +58,11 @@ from loom.parallel.comm import CommLedger
 from loom.parallel.context import CPLayout, ContextParallelAttention, new_cp_groups
 from loom.parallel.context_documents import (PAD_SLOT, block_backward, block_forward,
                                              document_tiles, take_shard)
-from loom.parallel.zeppelin_cp import (RING_SLOWDOWN, aligned_blocks, cp_step_price,
-                                       document_runs, model_token_costs, per_token_square,
-                                       place_over_cp, ring_block, tiled_attention,
-                                       with_remap, zeppelin_shard_indices)
+from loom.parallel.zeppelin_cp import aligned_blocks, ring_block, with_remap
+from loom.parallel.zeppelin_placement import (RING_SLOWDOWN, cp_step_price, document_runs,
+                                              model_token_costs, per_token_square,
+                                              place_over_cp, tiled_attention,
+                                              zeppelin_shard_indices)
 from loom.data.zeppelin import (UNIT, Partition, Ranks, TokenCosts, group_time,
                                 partition_static_cp, partition_tokens)
 from loom.testing.parity import (assert_parity, layout_config, record_training,

@@ -42,7 +42,7 @@ from loom.data.loader import prepare_data
 from loom.data.packing import DocumentBatch
 from loom.data.varlen import VarlenBatch
 from loom.errors import ConfigError
-from loom.parallel.zeppelin_cp import merge_dp_microbatches
+from loom.parallel.zeppelin_placement import merge_dp_microbatches
 from loom.testing.parity import assert_parity, layout_config, record_training, train_and_record
 from loom.train.trainer import Trainer
 from tests.conftest import matrix
