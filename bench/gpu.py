@@ -139,8 +139,26 @@ def run_variant(name: str, table: dict[str, object], workdir: Path, warmup: int,
             "final_loss": steps[-1]["loss"], "losses": [row["loss"] for row in every_step]}
 
 
+# Run 4's measured median step seconds (H100 80GB HBM3, docs/benchmarks.md "Run 4"): what
+# ``--reestimate-run4`` divides the planner's prediction by, with no GPU needed
+RUN4_STEP_S = (("bf16", 8192, 0.359), ("bf16-compile", 8192, 0.313),
+               ("fp8-tensorwise-compile", 8192, 0.289), ("bf16", 2048, 0.124))
+
+
+def reestimate_run4() -> None:
+    """Print the planner's predicted step for run 4's rows against their measured steps (the
+    tables of docs/planner.md "Against the H100 (run 4)" come from this)."""
+    for name, seq_len, measured in RUN4_STEP_S:
+        table = {**overrides("llama3-8b", 4, seq_len, 10, "cuda"), **VARIANTS[name]}
+        predicted = predicted_step_s(resolve(load_config(None, table), 1), "H100-SXM")
+        print(f"{name:<24} seq {seq_len:>5}  measured {measured:.3f} s  predicted"
+              f" {predicted:.3f} s  predicted/measured {predicted / measured:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reestimate-run4", action="store_true",
+                        help="print the planner's prediction of run 4's steps and exit (no GPU)")
     parser.add_argument("--preset", default="llama3-8b", help="model shape (tiny: a CPU smoke run)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--device", default="cuda")
@@ -150,6 +168,8 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--out", default=str(ROOT / "bench" / "out" / "gpu.json"))
     args = parser.parse_args()
+    if args.reestimate_run4:
+        return reestimate_run4()
     import torch  # the GPU's name only; the runs are subprocesses
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
