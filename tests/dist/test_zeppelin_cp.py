@@ -11,8 +11,8 @@ ranks (checked: the test is about a step that has both).
   aligned power-of-two group, and no worse than static cp on the runtime's price.
 * The runtime's price: a whole document's causal pairs at the model's kernel rate, a grouped
   one's shared evenly by its ranks at the calibrated ring rate; remapped, the busiest
-  attention plus the equal split's linear work plus the busiest rank's moved tokens; a long-context microbatch's
-  4309-token document goes to a group of 4 and its short ones stay whole.
+  attention plus the equal split's linear work plus the busiest rank's moved tokens; a
+  long-context microbatch's 4309-token document goes to a group of 4 and its short ones stay whole.
 * The sub-ring engine (``zeppelin_cp.sub_ring_attention``, cp = 4: a document over all four
   ranks, one over ranks 2-3 only, whole ones on single ranks)
   equals one process's per-document attention (output, dQ, dK, dV); its ring traffic is exactly
@@ -403,8 +403,9 @@ def remapped_core(ctx, lengths: list[int]):
 @pytest.mark.parametrize("lengths", [[2048, 30, 20, 10], [1, 1, 1]])
 def test_remapped_core_is_document_attention_on_an_equal_split(dist, lengths):
     """``data.zeppelin_remap`` in the core: a 2048-token document over all 4 ranks beside
-    whole ones, and 3 tokens over 4 ranks (a rank holds none in either layout: a padding slot, and an
-    empty share of the all-to-alls); output, dQ, dK, dV as one process's document attention."""
+    whole ones, and 3 tokens over 4 ranks (a rank holds none in either layout: a padding slot,
+    and an empty share of the all-to-alls); output, dQ, dK, dV as one process's document
+    attention."""
     want, q, k, v = reference_document_attention(lengths)
     got = [torch.full_like(t, float("nan")) for t in (want, q, k, v)]
     counts, sent = [], []
@@ -569,42 +570,49 @@ def evaluation_loss(ctx, config_table: dict, data_dir: str) -> float:
     return Trainer(from_dict(config_table), data_dir, None, ctx).evaluate()
 
 
-def test_evaluation_under_zeppelin_matches_one_process(dist, long_tail, tmp_path):
-    _, base = long_tail
-    data_dir = str(tmp_path / "half_validation")  # enough validation pieces for whole steps
-    prepare_data(DataCfg(source=base["data.source"], extensions=(".txt",), seq_len=SEQ_LEN,
+def check_evaluation(dist, base: dict, seq_len: int, tmp_path, world: int,
+                     **degrees: int) -> None:
+    """Validation under zeppelin on ``world`` ranks equals one process's under ``tokens``
+    (the corpus re-prepared with half its files for validation, for whole steps)."""
+    data_dir = str(tmp_path / "half_validation")
+    prepare_data(DataCfg(source=base["data.source"], extensions=(".txt",), seq_len=seq_len,
                          val_fraction=0.5), data_dir)
     base = {**base, "data.val_fraction": 0.5, "train.eval_batches": 2}
     want = dist.run(1, evaluation_loss, layout_config({**base, "data.balance": "tokens"}, 1),
                     data_dir)[0]
-    config = layout_config({**base, "data.balance": "zeppelin", "parallel.cp_mode": "ring"}, 4,
-                           cp=4, dp_replicate=1)
+    config = layout_config({**base, "data.balance": "zeppelin"}, world, **degrees)
     assert want == want  # not NaN: the split holds whole steps
-    for got in dist.run(4, evaluation_loss, config, data_dir):
+    for got in dist.run(world, evaluation_loss, config, data_dir):
         assert got == pytest.approx(want, rel=1e-5)
 
 
-def _config(overrides: dict, world: int):
+def test_evaluation_under_zeppelin_matches_one_process(dist, long_tail, tmp_path):
+    _, base = long_tail
+    check_evaluation(dist, {**base, "parallel.cp_mode": "ring"}, SEQ_LEN, tmp_path, 4, cp=4,
+                     dp_replicate=1)
+
+
+def zeppelin_config(overrides: dict, world: int):
+    """A resolved varlen config with data.balance = zeppelin and ``overrides``."""
     return resolve(load_config(None, {"model.preset": "tiny", "data.seq_len": "32",
                                       "data.packing": "varlen", "data.balance": "zeppelin",
                                       **overrides}), world)
 
 
 def test_zeppelin_is_accepted_with_a_cp_ring_and_dp_tp_or_pp():
-    config = _config({"parallel.cp": "2", "parallel.dp_replicate": "2"}, 4)
+    config = zeppelin_config({"parallel.cp": "2", "parallel.dp_replicate": "2"}, 4)
     assert config.data.balance == "zeppelin" and config.parallel.cp == 2
-    config = _config({"parallel.cp": "2", "parallel.tp": "2"}, 4)
+    config = zeppelin_config({"parallel.cp": "2", "parallel.tp": "2"}, 4)
     assert config.parallel.tp == 2 and not config.parallel.sequence_parallel
     # with sequence parallelism too: a cp rank's shard is its own tokens, split unevenly over
     # its tp ranks as varlen is at cp = 1 (the static cp shard still refuses it: tokens)
-    config = _config({"parallel.cp": "2", "parallel.tp": "2", "parallel.sequence_parallel":
-                      "true"}, 4)
+    sp = {"parallel.cp": "2", "parallel.tp": "2", "parallel.sequence_parallel": "true"}
+    config = zeppelin_config(sp, 4)
     assert config.parallel.sequence_parallel
     with pytest.raises(ConfigError, match="not built") as info:
-        _config({"parallel.cp": "2", "parallel.tp": "2", "parallel.sequence_parallel": "true",
-                 "data.balance": "tokens"}, 4)
+        zeppelin_config({**sp, "data.balance": "tokens"}, 4)
     assert info.value.field_name == "parallel.sequence_parallel"
-    assert _config({"parallel.cp": "2", "parallel.pp": "2"}, 4).parallel.pp == 2
+    assert zeppelin_config({"parallel.cp": "2", "parallel.pp": "2"}, 4).parallel.pp == 2
 
 
 @pytest.mark.parametrize("overrides, world, field, words", [
@@ -614,5 +622,5 @@ def test_zeppelin_is_accepted_with_a_cp_ring_and_dp_tp_or_pp():
 ])
 def test_zeppelin_refuses_what_is_not_built_by_name(overrides, world, field, words):
     with pytest.raises(ConfigError, match=words) as info:
-        _config(overrides, world)
+        zeppelin_config(overrides, world)
     assert info.value.field_name == field

@@ -38,7 +38,6 @@ import torch
 
 from loom.config import from_dict, load_config, resolve
 from loom.config_rules.data import zeppelin_over_dp
-from loom.data.loader import prepare_data
 from loom.data.packing import DocumentBatch
 from loom.data.varlen import VarlenBatch
 from loom.errors import ConfigError
@@ -46,8 +45,9 @@ from loom.parallel.zeppelin_placement import merge_dp_microbatches
 from loom.testing.parity import assert_parity, layout_config, record_training, train_and_record
 from loom.train.trainer import Trainer
 from tests.conftest import matrix
-from tests.data_fixtures import DataCfg, prepared_documents
-from tests.dist.test_zeppelin_cp import (assert_linear_layout, record_placements,
+from tests.data_fixtures import prepared_documents
+from tests.dist.test_zeppelin_cp import (check_evaluation, zeppelin_config,
+                                         assert_linear_layout, record_placements,
                                          record_remapped_training)
 
 STEPS = 2
@@ -180,34 +180,15 @@ def test_zeppelin_over_dp_matches_one_process(dist, long_tail, layout):
     assert reference["loss"][-1] != reference["loss"][0]
 
 
-def evaluation_loss(ctx, config_table: dict, data_dir: str) -> float:
-    return Trainer(from_dict(config_table), data_dir, None, ctx).evaluate()
-
-
 def test_evaluation_over_dp_matches_one_process(dist, long_tail, tmp_path):
     _, base = long_tail
-    data_dir = str(tmp_path / "half_validation")  # enough validation pieces for whole steps
-    prepare_data(DataCfg(source=base["data.source"], extensions=(".txt",), seq_len=SEQ_LEN,
-                         val_fraction=0.5), data_dir)
-    base = {**base, "data.val_fraction": 0.5, "train.eval_batches": 2,
-            "train.global_batch_tokens": 2 * BUDGET}
-    want = dist.run(1, evaluation_loss, layout_config({**base, "data.balance": "tokens"}, 1),
-                    data_dir)[0]
-    config = layout_config({**base, "data.balance": "zeppelin"}, 2, dp_replicate=2)
-    assert want == want  # not NaN: the split holds whole steps
-    for got in dist.run(2, evaluation_loss, config, data_dir):
-        assert got == pytest.approx(want, rel=1e-5)
-
-
-def _config(overrides: dict, world: int):
-    return resolve(load_config(None, {"model.preset": "tiny", "data.seq_len": "32",
-                                      "data.packing": "varlen", "data.balance": "zeppelin",
-                                      **overrides}), world)
+    check_evaluation(dist, {**base, "train.global_batch_tokens": 2 * BUDGET}, SEQ_LEN,
+                     tmp_path, 2, dp_replicate=2)
 
 
 def test_zeppelin_is_accepted_over_dp_with_or_without_cp():
-    assert _config({"parallel.dp_replicate": "2"}, 2).parallel.cp == 1
-    assert _config({"parallel.dp_shard": "2", "parallel.cp": "2"}, 4).parallel.dp == 2
+    assert zeppelin_config({"parallel.dp_replicate": "2"}, 2).parallel.cp == 1
+    assert zeppelin_config({"parallel.dp_shard": "2", "parallel.cp": "2"}, 4).parallel.dp == 2
 
 
 @pytest.mark.parametrize("overrides, world, blocker", [
@@ -218,16 +199,18 @@ def test_zeppelin_is_accepted_over_dp_with_or_without_cp():
 ])
 def test_zeppelin_at_cp_1_refuses_what_the_dp_domain_is_not_built_for(overrides, world, blocker):
     with pytest.raises(ConfigError, match="dp x cp domain is out") as info:
-        _config(overrides, world)
+        zeppelin_config(overrides, world)
     assert info.value.field_name == "data.balance" and blocker in str(info.value)
 
 
 def test_with_cp_what_the_dp_domain_is_not_built_for_places_over_each_cp_group():
     """dp x tp x cp ran before the dp x cp domain existed, placing over each dp rank's cp
     ranks; it still does (the trainer asks ``zeppelin_over_dp``)."""
-    config = _config({"parallel.dp_replicate": "2", "parallel.tp": "2", "parallel.cp": "2"}, 8)
-    assert zeppelin_over_dp(config) == "parallel.tp = 2 (the dp x cp domain is not built with it yet)"
-    assert zeppelin_over_dp(_config({"parallel.dp_replicate": "2"}, 2)) is None
+    config = zeppelin_config({"parallel.dp_replicate": "2", "parallel.tp": "2",
+                              "parallel.cp": "2"}, 8)
+    assert zeppelin_over_dp(config) == ("parallel.tp = 2 (the dp x cp domain is not built with"
+                                        " it yet)")
+    assert zeppelin_over_dp(zeppelin_config({"parallel.dp_replicate": "2"}, 2)) is None
 
 # -- the remapping layer (data.zeppelin_remap) -------------------------------------------------
 REMAP_LAYOUTS = {"dp2": LAYOUTS["dp2"], "dp2-cp2": LAYOUTS["dp2-cp2"],
@@ -271,7 +254,7 @@ def test_remapping_needs_zeppelin_and_refuses_tp_or_pp_by_name():
                                    "data.zeppelin_remap": "true"}), 1)
     assert info.value.field_name == "data.zeppelin_remap" and "data.balance" in str(info.value)
     with pytest.raises(ConfigError, match="parallel.tp = 2") as info:
-        _config({"parallel.cp": "2", "parallel.tp": "2", "data.zeppelin_remap": "true"}, 4)
+        zeppelin_config({"parallel.cp": "2", "parallel.tp": "2", "data.zeppelin_remap": "true"}, 4)
     assert info.value.field_name == "data.zeppelin_remap"
-    assert _config({"parallel.dp_replicate": "2", "data.zeppelin_remap": "true"},
+    assert zeppelin_config({"parallel.dp_replicate": "2", "data.zeppelin_remap": "true"},
                    2).data.zeppelin_remap
