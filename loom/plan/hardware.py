@@ -161,7 +161,8 @@ class Link:
 # 1.36 ms / 64 in fp32; bf16 1.25 ms / 48 and 1.83 ms / 76), Python, autograd and the
 # dispatcher included. A CUDA launch adds cudaLaunchKernel's few microseconds and saves the tiny
 # CPU kernel's; a dedicated server core is likely faster than these two shared ones, so 25 us
-# leans towards host-bound. Measured on no GPU, fitted to no step time.
+# leans towards host-bound. Measured on no GPU, fitted to no step time
+# (``bench/launch_overhead.py`` repeats the measurement, on a GPU too).
 HOST_LAUNCH = 25e-6
 
 GPUS: dict[str, Gpu] = {g.name: dataclasses.replace(g, launch_overhead=HOST_LAUNCH) for g in (
