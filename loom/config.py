@@ -274,7 +274,8 @@ class DataConfig:
     tokens_per_microbatch: int = 0
     # varlen: "none" (microbatches filled in sampling order) or "tokens" (the step's documents,
     # longest first, dealt so every microbatch and rank gets nearly equal tokens) or "zeppelin"
-    # (tokens' microbatches, each placed over the cp ranks by loom/data/zeppelin.py; cp > 1)
+    # (tokens' microbatches, each placed over the dp x cp ranks by loom/data/zeppelin.py, or
+    # over the cp ranks at dp = 1, cp > 1)
     balance: Literal["none", "tokens", "zeppelin"] = "none"
     # zeppelin: run the linear modules on an equal split of each microbatch's tokens, moved to
     # the placement's attention layout and back inside every attention layer by all-to-alls

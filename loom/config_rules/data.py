@@ -81,15 +81,19 @@ def _validate_context_documents(config: Config) -> None:
 
 def zeppelin_over_dp(config: Config) -> str | None:
     """Why ``data.balance = zeppelin`` places over the cp ranks of each data-parallel rank
-    rather than over every dp x cp rank, or None where it places over dp x cp: the domain is
-    built for a data-parallel degree > 1 with tp = pp = ep = 1, synchronous data parallelism
-    and a dense model (dp_replicate and dp_shard alike: ZeRO/FSDP shards parameters, not data)."""
+    rather than over every dp x cp rank, or None where it places over dp x cp. The domain is
+    built for a data-parallel degree > 1 (dp_replicate and dp_shard alike: ZeRO/FSDP shards
+    parameters, not data), synchronous data parallelism and a dense model, with tp and pp: one
+    domain per (tp, pp) coordinate, its sub-rings over the flattened dp x cp index of that
+    coordinate, and every tp rank and stage of a domain rank computing the same placement
+    (tests/dist/test_zeppelin_dp.py: dp x tp with sequence parallelism off and on, dp x pp
+    with 1f1b and ZB-H1, dp x cp x tp, dp x cp x pp, dp x tp x pp, each as one process). ep
+    > 1 is out (ep is for MoE models, whose routing the domain is not built for)."""
     par = config.parallel
     if par.dp < 2:
         return "one data-parallel rank"
-    for name, value in (("tp", par.tp), ("pp", par.pp), ("ep", par.ep)):
-        if value > 1:
-            return f"parallel.{name} = {value} (the dp x cp domain is not built with it yet)"
+    if par.ep > 1:
+        return f"parallel.ep = {par.ep} (the dp x cp domain is not built with it yet)"
     if par.dp_mode != "sync":
         return (f"parallel.dp_mode = {par.dp_mode} (an outer mode's replicas train their own"
                 " data)")
@@ -101,10 +105,12 @@ def zeppelin_over_dp(config: Config) -> str | None:
 def _validate_zeppelin(config: Config) -> None:
     """``data.balance = zeppelin`` places each varlen microbatch's documents over a domain of
     ranks (``loom.parallel.zeppelin_cp``): every dp x cp rank where ``zeppelin_over_dp`` allows
-    (merged microbatches, sub-rings over the flattened dp x cp index, cp = 1 included);
-    otherwise the cp ranks of each data-parallel rank, which needs cp > 1 and runs with tp
-    (sequence parallelism on or off) and pp (every rank of a cp rank's tp group and pipeline
-    computes the same placement; sub-rings per (dp, tp, pp) coordinate, like the cp ring).
+    (merged microbatches, sub-rings over the flattened dp x cp index, cp = 1 included; with tp
+    and pp one domain per (tp, pp) coordinate, the schedule's microbatch count kept: a dp
+    rank's bins, merged); otherwise the cp ranks of each data-parallel rank, which needs
+    cp > 1. Either runs with tp (sequence parallelism on or off) and pp: every rank of a domain
+    rank's tp group and pipeline computes the same placement; sub-rings per (tp, pp)
+    coordinate (and per data coordinate over cp alone), like the cp ring.
     ``data.zeppelin_remap`` (the remapping layer) is built with tp = pp = 1 only."""
     par = config.parallel
     if par.cp > 1 and par.cp_mode != "ring":

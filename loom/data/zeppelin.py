@@ -51,8 +51,10 @@ runtime runs them, and hands every rank its ``token_indices``; attention runs on
 grouped one over its group's own process group, shards unpadded. With
 ``data.zeppelin_remap`` the remapping layer runs too (every candidate priced remapped, the
 shards the linear layout, ``loom.parallel.remap`` inside each attention layer; tp = pp = 1).
-What it still lacks: the dp x cp domain with tp or pp > 1 (refused by the config; at dp = 1
-the cp placement runs with both), and remapping with tp or pp > 1.
+Both domains run with tp (SP on or off) and pp: one domain per (tp, pp) coordinate, every tp
+rank and stage of a domain rank computing the same plan. What it still lacks: the dp x cp
+domain with ep > 1, an outer dp mode or MoE (refused by the config; with cp > 1 the
+placement falls back to each dp rank's cp ranks), and remapping with tp or pp > 1.
 """
 
 from __future__ import annotations

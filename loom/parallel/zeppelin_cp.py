@@ -27,8 +27,8 @@ every layer: ``sub_ring_keys``):
 * A rank's own block of its grouped documents (their queries against its own keys: causal
   tiles) is computed while the first hop of each of its rings is in flight; then its rings
   run one after another in one global order (largest first, then by start), the same on
-  every rank, so ranks in several rings cannot wait on each other in a cycle. Forward and backward are one autograd
-  ``Function``, so the order does not depend on autograd's.
+  every rank, so ranks in several rings cannot wait on each other in a cycle. Forward and
+  backward are one autograd ``Function``, so the order does not depend on autograd's.
 * Messages carry exactly the sender's tokens of the ring's documents (every rank knows every
   rank's counts from the all-gather): **no shard is padded to the longest** (a rank's shard is
   its own tokens, ``zeppelin_shard_indices``; one padding slot only for a rank given none),
@@ -64,7 +64,13 @@ its ``M = N / D`` microbatches, each merged from ``D`` bins, rather than one mic
 ``tokens`` gives a rank under cp, so activation memory and the schedule (``M`` forward and
 backward passes) stay as they are; one merged microbatch of the whole step would give the
 planner more freedom but ``M`` times the activations (the bench's ``zeppelin-step`` row
-measures that choice at cp = 4).
+measures that choice at cp = 4). With tp and pp the domain is per (tp, pp) coordinate, as the
+cp ring is: the domain groups (``RankGrid.groups(dp axes, "cp")``) are one per tp index and
+stage, every tp rank and stage of a domain rank merges and places the same microbatches (the
+loader deals each of them every bin of the step), and a stage's messages to the next go
+between ranks of one domain index, which hold the same shard; the schedule runs its ``M``
+microbatches as with ``tokens`` (tests/dist/test_zeppelin_dp.py: dp x tp with SP off and on,
+dp x pp with 1f1b and ZB-H1, and the three-axis composites).
 
 **The remapping layer** (``data.zeppelin_remap``, ``loom.parallel.remap``): the trainer's
 shard is then the placement's *linear layout* (``Partition.linear_layout``: an equal split of

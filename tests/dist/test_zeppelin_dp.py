@@ -12,20 +12,26 @@ single ranks.
   bins), concatenated in dp order: the same tokens, targets and positions, document ids still
   run ordinals.
 * The ``Trainer`` (2 AdamW steps: loss, gradient norm, every gradient) with dp = 2 (cp = 1:
-  pure data parallelism), dp = 2 x cp = 2 (matrix: dp_shard = 2 x cp = 2, FSDP; dp = 4)
+  pure data parallelism), dp = 2 x cp = 2, dp = 2 x tp = 2 with sequence parallelism and
+  dp = 2 x pp = 2 (1f1b, two bins per dp rank; matrix: dp_shard = 2 x cp = 2, FSDP; dp = 4;
+  dp = 2 x tp = 2 without SP; ZB-H1; dp x cp x tp, dp x cp x pp, dp x tp x pp on 8 ranks)
   equals one process running the same bins (``tokens``) with per-document attention; so does
-  its evaluation loss (dp = 2). In each run every rank gets the same merged microbatch, the
-  domain's ranks hold each of its tokens exactly once between them (ranks holding unequal
-  token counts), some document is cut over ranks of different dp coordinates (each of them
-  sends ring hops: the cross-dp sub-ring ran) and some is kept whole.
+  its evaluation loss (dp = 2; matrix: dp x tp x pp). In each run every rank gets the same
+  merged microbatch, as many a step as a dp rank has bins (the schedule's microbatch count);
+  every tp rank and stage of a domain rank holds the same tokens (the same placement; the tp
+  ranks of a stage send the same ring bytes), the domain's ranks hold each of its tokens
+  exactly once between them (ranks holding unequal token counts), some document is cut over
+  ranks of different dp coordinates (each of them sends ring hops: the cross-dp sub-ring ran)
+  and some is kept whole.
 * The remapping layer (``data.zeppelin_remap``; CI: dp = 2; matrix: dp = 2 x cp = 2, cp = 2,
   cp = 4): the same parity, each rank's shard the remapped placement's linear layout (an
   equal split, counts within one), a document longer than a rank's share among the
   microbatches, the attention layout cutting some document over a group (its ring sent hops)
   and keeping some whole, and the all-to-alls counted on every rank (ledger axis ``remap``).
   The config refuses it without zeppelin, or with tp or pp > 1.
-* The config accepts zeppelin with dp > 1 and cp = 1, dp_replicate or dp_shard, and refuses by
-  name what the dp x cp domain does not run yet: tp, pp or ep > 1, an outer dp mode, MoE.
+* The config accepts zeppelin with dp > 1 and cp = 1, dp_replicate or dp_shard, with tp (SP
+  on or off) and pp, placing over the dp x cp domain, and refuses by name what the domain
+  does not run yet: ep > 1, an outer dp mode, MoE.
 """
 
 from __future__ import annotations
@@ -54,13 +60,28 @@ STEPS = 2
 SEQ_LEN, BUDGET = 1024, 1152  # split length, tokens per microbatch (a dp rank's bin)
 RTOL_FIRST, ATOL_FIRST = 1e-5, 1e-6
 RTOL, ATOL = 1e-4, 1e-5
-LAYOUTS = {  # name: (world, degrees)
+LAYOUTS = {  # name: (world, degrees[, bins per dp rank])
     "dp2": (2, {"dp_replicate": 2}),
     "dp2-cp2": (4, {"dp_replicate": 2, "cp": 2}),
     "dpshard2-cp2": (4, {"dp_replicate": 1, "dp_shard": 2, "cp": 2}),
     "dp4": (4, {"dp_replicate": 4}),
+    # each tp rank of a domain rank: the same placement, its shard of the heads, its sub-rings
+    # among the dp x cp ranks of its own tp index (sequence parallelism off and on)
+    "dp2-tp2": (4, {"dp_replicate": 2, "tp": 2}),
+    "dp2-tp2sp": (4, {"dp_replicate": 2, "tp": 2, "sequence_parallel": True}),
+    "dp2-cp2-tp2sp": (8, {"dp_replicate": 2, "cp": 2, "tp": 2, "sequence_parallel": True}),
+    # every stage of a domain rank: the same placement of each merged microbatch, two of them
+    # (two bins per dp rank) through the schedule's two microbatches; each stage's sub-rings
+    # among its own dp x cp ranks, run in the schedule's order
+    "dp2-pp2": (4, {"dp_replicate": 2, "pp": 2}, 2),
+    "dp2-pp2-zb": (4, {"dp_replicate": 2, "pp": 2, "schedule": "zb_h1"}, 2),
+    # with cp, and with tp (sequence parallelism): each (tp, pp) coordinate's dp x cp domain
+    # places and rings alike
+    "dp2-cp2-pp2": (8, {"dp_replicate": 2, "cp": 2, "pp": 2}, 2),
+    "dp2-tp2sp-pp2": (8, {"dp_replicate": 2, "tp": 2, "pp": 2, "sequence_parallel": True}, 2),
 }
-CI_LAYOUTS = ["dp2", "dp2-cp2"]
+# dp2-tp2 in the matrix: dp2-tp2sp runs the same tp split with sequence parallelism on top
+CI_LAYOUTS = ["dp2", "dp2-cp2", "dp2-tp2sp", "dp2-pp2"]
 
 
 def write_long_tail(directory: Path, count: int, seed: int) -> None:
@@ -109,33 +130,58 @@ def test_merged_microbatch_i_is_every_dp_ranks_ith_in_dp_order():
 
 
 def record_domain_training(ctx, config_table: dict, data_dir: str, steps: int) -> dict:
-    """``train_and_record``, plus this rank's place in the dp x cp domain and its dp
-    coordinate, each microbatch's merged row and this rank's shard of it as (document id,
-    position) pairs, and the bytes it sent in ring hops (the ``cp`` axis of the ledger)."""
+    """``train_and_record``, plus this rank's place in the dp x cp domain, its dp, tp and pp
+    coordinates (and whether tp, sequence parallelism are applied), each microbatch's merged
+    row and this rank's shard of it as (document id, position) pairs, the microbatches it ran
+    (``merged``, per step) and its schedule's count, and the bytes it sent in ring hops (the
+    ``cp`` axis of the ledger)."""
     trainer = Trainer(from_dict(config_table), Path(data_dir), None, ctx)
     placed = record_placements(trainer)
-    record = train_and_record(trainer, steps)
+    record: dict = {}
+    merged = []
+    for _ in range(steps):  # one step at a time: the microbatches each step ran
+        before = len(placed)
+        for key, values in train_and_record(trainer, 1).items():
+            record.setdefault(key, []).extend(values)
+        merged.append(len(placed) - before)
+    coords = trainer.grid.coords(ctx.rank)
     record.update(placed=placed, domain_rank=trainer.cp_groups.cp_rank,
                   domain=trainer.cp_groups.layout.ring, dp_rank=trainer.dp_rank,
+                  tp_rank=coords["tp"], pp_rank=coords["pp"], merged=merged,
+                  scheduled=trainer.pipeline.schedule.num_microbatches,
+                  tp_applied=trainer.tp is not None,
+                  sequence_parallel=trainer.tp is not None and trainer.tp.sequence_parallel,
                   ring_sent=trainer.ledger.get("cp", "send").payload_bytes)
     return record
 
 
-def assert_placed_over_the_domain(ranks: list[dict], dp: int, cp: int) -> None:
-    """Every rank gets the same merged row; the domain's D x C ranks (cp index innermost) hold
-    each of its tokens exactly once; some document is cut over ranks of different dp
-    coordinates (each of them sent ring hops) and some kept whole."""
-    assert sorted(got["domain_rank"] for got in ranks) == list(range(dp * cp))
-    by_place = {got["domain_rank"]: got for got in ranks}
-    for place, got in by_place.items():
-        assert got["domain"] == dp * cp and got["dp_rank"] == place // cp
+def assert_placed_over_the_domain(ranks: list[dict], dp: int, cp: int, tp: int = 1,
+                                  pp: int = 1) -> None:
+    """Every rank gets the same merged row; each (tp, pp) coordinate has one domain of D x C
+    ranks (cp index innermost), and a domain rank's tp ranks and stages hold the same tokens
+    (the same placement) and its tp ranks of a stage send the same ring bytes (each its shard
+    of the heads); the domain's ranks hold each of the row's tokens exactly once; some
+    document is cut over ranks of different dp coordinates (each of them, on every tp rank
+    and stage, sent ring hops) and some kept whole."""
+    by_place: dict[int, list[dict]] = {}
+    for got in ranks:
+        by_place.setdefault(got["domain_rank"], []).append(got)
+    assert sorted(by_place) == list(range(dp * cp))
+    for place, alike in by_place.items():  # one domain rank's tp ranks and stages
+        assert sorted((got["tp_rank"], got["pp_rank"]) for got in alike) == [
+            (t, s) for t in range(tp) for s in range(pp)]
+        for got in alike:
+            assert got["domain"] == dp * cp and got["dp_rank"] == place // cp
+            assert got["placed"] == alike[0]["placed"]
+        for stage in range(pp):
+            assert len({got["ring_sent"] for got in alike if got["pp_rank"] == stage}) == 1
     rows = [[row for row, _ in got["placed"]] for got in ranks]
     assert all(r == rows[0] for r in rows)
     across_dp = whole = 0
     uneven = False
     in_cross_rings: set[int] = set()
     for mb, row in enumerate(rows[0]):
-        shards = [by_place[p]["placed"][mb][1] for p in range(dp * cp)]
+        shards = [by_place[p][0]["placed"][mb][1] for p in range(dp * cp)]
         held = [pair for shard in shards for pair in shard if pair[0] >= 0]
         assert sorted(held) == sorted(row)  # every token once (no padding in a varlen row)
         counts = [sum(pair[0] >= 0 for pair in shard) for shard in shards]
@@ -151,7 +197,7 @@ def assert_placed_over_the_domain(ranks: list[dict], dp: int, cp: int) -> None:
                 in_cross_rings |= places
             whole += len(places) == 1
     assert across_dp and whole and uneven, (across_dp, whole, uneven)
-    assert all(by_place[p]["ring_sent"] > 0 for p in in_cross_rings)
+    assert all(got["ring_sent"] > 0 for p in in_cross_rings for got in by_place[p])
 
 
 _reference: dict[int, dict] = {}
@@ -160,42 +206,55 @@ _reference: dict[int, dict] = {}
 @pytest.mark.parametrize("layout", matrix(LAYOUTS, ci=CI_LAYOUTS))
 def test_zeppelin_over_dp_matches_one_process(dist, long_tail, layout):
     data_dir, base = long_tail
-    world, degrees = LAYOUTS[layout]
-    dp = world // degrees.get("cp", 1)
-    base = {**base, "train.global_batch_tokens": dp * BUDGET}  # one bin per dp rank
-    if dp not in _reference:  # the same bins: tokens' deal, every document whole
-        _reference[dp] = dist.run(1, record_training,
-                                  layout_config({**base, "data.balance": "tokens"}, 1),
-                                  data_dir, STEPS)[0]
-    reference = _reference[dp]
+    world, degrees, *bins = LAYOUTS[layout]
+    bins = bins[0] if bins else 1  # per dp rank and step
+    dp = world // (degrees.get("cp", 1) * degrees.get("tp", 1) * degrees.get("pp", 1))
+    base = {**base, "train.global_batch_tokens": dp * bins * BUDGET}
+    if dp * bins not in _reference:  # the same bins: tokens' deal, every document whole
+        _reference[dp * bins] = dist.run(1, record_training,
+                                         layout_config({**base, "data.balance": "tokens"}, 1),
+                                         data_dir, STEPS)[0]
+    reference = _reference[dp * bins]
     config = layout_config({**base, "data.balance": "zeppelin", "parallel.cp_mode": "ring",
                             "metrics.comm": True}, world, **degrees)
     ranks = dist.run(world, record_domain_training, config, data_dir, STEPS)
     for rank, got in enumerate(ranks):
         where = f"zeppelin {layout} rank {rank}"
+        assert got["tp_applied"] == (degrees.get("tp", 1) > 1)
+        assert got["sequence_parallel"] == degrees.get("sequence_parallel", False)
         assert_parity(reference, got, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=where,
                       steps=range(1))
         assert_parity(reference, got, rtol=RTOL, atol=ATOL, label=where)
-    assert_placed_over_the_domain(ranks, dp, degrees.get("cp", 1))
+    assert_placed_over_the_domain(ranks, dp, degrees.get("cp", 1), degrees.get("tp", 1),
+                                  degrees.get("pp", 1))
+    for got in ranks:  # the schedule's microbatch count: a dp rank's bins, merged
+        assert got["merged"] == [bins] * STEPS and got["scheduled"] == bins
     assert reference["loss"][-1] != reference["loss"][0]
 
 
-def test_evaluation_over_dp_matches_one_process(dist, long_tail, tmp_path):
+@pytest.mark.parametrize("layout", matrix(["dp2", "dp2-tp2sp-pp2"], ci=["dp2"]))
+def test_evaluation_over_dp_matches_one_process(dist, long_tail, tmp_path, layout):
     _, base = long_tail
+    world, degrees, *_ = LAYOUTS[layout]
     check_evaluation(dist, {**base, "train.global_batch_tokens": 2 * BUDGET}, SEQ_LEN,
-                     tmp_path, 2, dp_replicate=2)
+                     tmp_path, world, **degrees)
 
 
-def test_zeppelin_is_accepted_over_dp_with_or_without_cp():
+def test_zeppelin_is_accepted_over_dp_with_or_without_cp_and_with_tp_or_pp():
     assert zeppelin_config({"parallel.dp_replicate": "2"}, 2).parallel.cp == 1
     assert zeppelin_config({"parallel.dp_shard": "2", "parallel.cp": "2"}, 4).parallel.dp == 2
+    for overrides, world in (({"parallel.tp": "2"}, 4),
+                             ({"parallel.tp": "2", "parallel.sequence_parallel": "true"}, 4),
+                             ({"parallel.pp": "2"}, 4),
+                             ({"parallel.tp": "2", "parallel.pp": "2", "parallel.cp": "2"}, 16)):
+        config = zeppelin_config({"parallel.dp_replicate": "2", **overrides}, world)
+        assert zeppelin_over_dp(config) is None, overrides  # the dp x cp domain, not per cp
 
 
 @pytest.mark.parametrize("overrides, world, blocker", [
-    ({"parallel.dp_replicate": "2", "parallel.tp": "2"}, 4, "parallel.tp = 2"),
-    ({"parallel.dp_replicate": "2", "parallel.pp": "2"}, 4, "parallel.pp = 2"),
     ({"parallel.dp_replicate": "2", "parallel.dp_mode": "diloco"}, 2, "parallel.dp_mode"),
     ({"parallel.dp_replicate": "2", "model.n_experts": "4"}, 2, "an MoE model"),
+    ({"parallel.ep": "2", "model.n_experts": "4"}, 2, "parallel.ep = 2"),
 ])
 def test_zeppelin_at_cp_1_refuses_what_the_dp_domain_is_not_built_for(overrides, world, blocker):
     with pytest.raises(ConfigError, match="dp x cp domain is out") as info:
@@ -203,14 +262,15 @@ def test_zeppelin_at_cp_1_refuses_what_the_dp_domain_is_not_built_for(overrides,
     assert info.value.field_name == "data.balance" and blocker in str(info.value)
 
 
-def test_with_cp_what_the_dp_domain_is_not_built_for_places_over_each_cp_group():
-    """dp x tp x cp ran before the dp x cp domain existed, placing over each dp rank's cp
-    ranks; it still does (the trainer asks ``zeppelin_over_dp``)."""
+def test_with_one_data_parallel_rank_zeppelin_places_over_the_cp_ranks():
+    """The trainer asks ``zeppelin_over_dp``: dp x tp x cp places over the dp x cp domain of
+    each tp index (it placed over each dp rank's cp ranks before tp was built into the
+    domain); with one data-parallel rank the domain is the cp ranks."""
     config = zeppelin_config({"parallel.dp_replicate": "2", "parallel.tp": "2",
                               "parallel.cp": "2"}, 8)
-    assert zeppelin_over_dp(config) == ("parallel.tp = 2 (the dp x cp domain is not built with"
-                                        " it yet)")
-    assert zeppelin_over_dp(zeppelin_config({"parallel.dp_replicate": "2"}, 2)) is None
+    assert zeppelin_over_dp(config) is None
+    config = zeppelin_config({"parallel.tp": "2", "parallel.cp": "2"}, 4)
+    assert zeppelin_over_dp(config) == "one data-parallel rank"
 
 # -- the remapping layer (data.zeppelin_remap) -------------------------------------------------
 REMAP_LAYOUTS = {"dp2": LAYOUTS["dp2"], "dp2-cp2": LAYOUTS["dp2-cp2"],
