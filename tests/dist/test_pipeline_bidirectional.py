@@ -25,6 +25,8 @@ against one process with the same global batch. On top, what is particular to tw
   loads into one process with bit-identical weights and optimizer state (each name saved once,
   no conflicting copies), and the other way;
 * ``loom train --parallel.pp=2 --parallel.schedule=bidirectional_v`` runs from the command line;
+* ``bitpipe`` (the same two copies in BitPipe's own order, full backwards) matches one process
+  with bit-identical copies at p2 m4 and p4 m8 (two basic units each);
 * compositions, against one process at the same tolerances: pp2 x tp2, pp2 x tp2 with a
   vocabulary-parallel tied head, pp2 x cp2, pp2 x dp_shard2 and pp2 x HSDP 2x2 (ZeRO-3,
   gathered across the step) on the debug model, and MoE (tiny-moe) at pp2, pp2 x ep2 dropless
@@ -59,6 +61,8 @@ LAYOUTS = {  # name -> (world size, microbatches per pipeline, parallel degrees)
     "p2-dp2-m4": (4, 4, {"pp": 2, "dp_replicate": 2}),
     "p2-dp2-m3": (4, 3, {"pp": 2, "dp_replicate": 2}),  # odd: the copies' shares differ
 }
+# bitpipe (BitPipe's own order, full backwards): m a multiple of p, units of p/2 down, p/2 up
+BITPIPE_LAYOUTS = {"bitpipe-p2-m4": (2, 4, {"pp": 2}), "bitpipe-p4-m8": (4, 8, {"pp": 4})}
 TIED_BASE = {**COPY_BASE, "model.tie_embeddings": True}
 TIED_LAYOUTS = ["p2-m2", "p4-m9", "p2-dp2-m4"]
 
@@ -98,6 +102,15 @@ def test_the_copies_stay_identical_and_the_sum_is_counted(dist, small_data_dir, 
     check_copies(dist, small_data_dir, references, tmp_path, COPY_BASE, layout)
 
 
+@pytest.mark.parametrize("layout", matrix(list(BITPIPE_LAYOUTS), ci=["bitpipe-p2-m4"]))
+def test_bitpipe_order_trains_like_one_process(dist, small_data_dir, references, tmp_path,
+                                               layout):
+    """BitPipe's own order on the same two copies (loom.schedule.families.bitpipe: its phases,
+    units of p microbatches, full backwards): one process's loss, norm and gradients, and the
+    copies bit-identical after every step."""
+    check_copies(dist, small_data_dir, references, tmp_path, COPY_BASE, layout, "bitpipe")
+
+
 @pytest.mark.parametrize("layout", matrix(TIED_LAYOUTS, ci=["p2-m2", "p2-dp2-m4"]))
 def test_tied_embeddings_share_one_weight_per_copy(dist, small_data_dir, tied_references,
                                                    tmp_path, layout):
@@ -106,15 +119,16 @@ def test_tied_embeddings_share_one_weight_per_copy(dist, small_data_dir, tied_re
     check_copies(dist, small_data_dir, tied_references, tmp_path, TIED_BASE, layout)
 
 
-def check_copies(dist, data_dir, references, tmp_path, base: dict, layout: str) -> None:
+def check_copies(dist, data_dir, references, tmp_path, base: dict, layout: str,
+                 schedule: str = "bidirectional_v") -> None:
     import torch
 
-    world, micro, parallel = LAYOUTS[layout]
+    world, micro, parallel = {**LAYOUTS, **BITPIPE_LAYOUTS}[layout]
     dp = parallel.get("dp_replicate", 1)
     config = layout_config({**base, "train.global_batch_size": micro * dp,
-                            "parallel.schedule": "bidirectional_v"}, world, **parallel)
+                            "parallel.schedule": schedule}, world, **parallel)
     results = dist.run(world, record_pipeline, config, data_dir, STEPS, str(tmp_path), copies)
-    label = f"bidirectional_v {layout}{' tied' if base is TIED_BASE else ''}"
+    label = f"{schedule} {layout}{' tied' if base is TIED_BASE else ''}"
     check(references(micro * dp), results, label)
     for step in range(STEPS):
         holders: dict[str, list[int]] = {}

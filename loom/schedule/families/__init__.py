@@ -11,8 +11,11 @@ export, and the config would refuse them for training by name).
 
 * ``bidirectional_v`` (routed): BitPipe's shape, two V pipelines in opposite directions over two
   copies of the model. Trainable for an even pp and m >= 2: the runtime holds both copies and
-  sums their gradients over the mirror ranks (see ``loom.pipeline.runtime``); the config refuses
-  ZeRO-1/2, which it does not compose with yet, by name.
+  sums their gradients over the mirror ranks (see ``loom.pipeline.runtime``), with tp and every
+  ZeRO stage (docs/design.md, "BitPipe in full").
+
+* ``bitpipe`` (routed): the same placement with BitPipe's own order (its warm-up, steady and
+  cool-down phases, full backwards), written by construction; even p, m a multiple of p.
 
 * ``hanayo``: Hanayo's wave (Liu et al. SC'23), ``chunks / 2`` down-and-up waves (an even
   count; ``chunks=2`` is the V placement) with full backwards (see the module).
@@ -24,6 +27,7 @@ from collections.abc import Callable
 
 from loom.schedule.ir import Schedule
 from loom.schedule.families.bidirectional import bidirectional_v
+from loom.schedule.families.bitpipe import bitpipe
 from loom.schedule.families.controllable_memory import v_half, v_min
 from loom.schedule.families.dualpipev import dualpipev
 from loom.schedule.families.gpipe import gpipe
@@ -54,6 +58,7 @@ _REGISTRY: dict[str, Generator] = {
 # ends with a routes row (Loom's extension of torch's format, ``Schedule.to_torch_csv``).
 _ROUTED: dict[str, Generator] = {
     "bidirectional_v": bidirectional_v,
+    "bitpipe": bitpipe,
 }
 
 

@@ -9,8 +9,9 @@ p+r of copy 1: four chunks, twice a V schedule's weights. Microbatches alternate
 and odd ones up (``Schedule.routes``), so both ends of the pipeline start working at once.
 
 Order. Loom derives the per-rank order with its greedy list scheduler (``_greedy.py``) under
-1F1B's activation budget of p units per rank, with the backward split into I and W. It does not
-transcribe BitPipe's hand-built order, so the bubbles are Loom's, not the paper's. Measured in
+1F1B's activation budget of p units per rank, with the backward split into I and W, for any m;
+BitPipe's own hand-built order on this placement (full backwards, units of p microbatches) is
+the family ``bitpipe`` (``loom.schedule.families.bitpipe``). Measured in
 docs/design.md with F = I = W: the bubble is below 1F1B's and at most interleaved 1F1B's, with
 a lower activation peak than either; it is above ZB-V's. Full backwards under the same budget
 do worse than 1F1B.
