@@ -246,10 +246,12 @@ def validate_vocab_pp(config: Config) -> None:
     backwards the general SP rule below refuses), data parallelism over dp_replicate and
     dp_shard (the rows reduced as the stages' parameters: plain, or ZeRO-1/2/3 and HSDP on
     dp_shard, ``vocab_pipeline.data_parallel_rows``; tests/dist/test_vocab_pp_zero.py: fp32
-    and bf16, tp, checkpoints, pretrained weights), no cp or ep (a cp rank holds other tokens
-    of the same sequences: the S/T statistics and the partial embeddings would need an
-    exchange over cp of their own; ep is for MoE, refused below), concatenated rows, a dense
-    model, one route, no offload or CheckFree. Composed and tested: every train.dtype (fp32;
+    and bf16, tp, checkpoints, pretrained weights), cp in every cp_mode (the passes are per
+    token: each cp coordinate's pipeline runs its own tokens', nothing crosses cp; the rows are
+    averaged over dp x cp, ZeRO's over dp_shard x cp; tests/dist/test_vocab_pp_cp.py: ring
+    and Ulysses in CI, all-gather, hybrid, ZeRO-1/3 and tp with and without SP in the
+    matrix), no ep (MoE, refused below), concatenated rows (under cp too), a dense model, one
+    route, no offload or CheckFree. Composed and tested: every train.dtype (fp32;
     bf16 parameters with fp32 masters; bf16 autocast), checkpoints and pretrained weights
     (each rank's rows saved at, and read from, their offset in the full weight:
     ``loom.train.checkpoint_state``, ``loom.parallel.load``), so any layout resumes them;
@@ -266,17 +268,12 @@ def validate_vocab_pp(config: Config) -> None:
                           f" parallel.tp = {par.pp} x {par.tp} (parallel.vocab_parallel_pp splits"
                           " it evenly over every rank of a pipeline); nearest: "
                           + nearest_multiples(m.vocab_size, shards))
-    why = {"cp": "a cp rank holds other tokens of the same sequences, so the S and T passes'"
-                  " statistics and the partial embeddings would need an exchange over cp of"
-                  " their own, which is not built",
-           "ep": "expert parallelism needs a mixture-of-experts model, and the vocabulary"
-                 " shards are built for a dense one"}
-    for name, reason in why.items():
-        degree = getattr(par, name)
-        if degree != 1:
-            raise ConfigError(f"parallel.{name}", degree, f"parallel.{rule} is not composed with"
-                              f" {name} ({reason}; dp_replicate, dp_shard with every ZeRO stage"
-                              " and tp are): set it to 1 or parallel.vocab_parallel_pp = false")
+    if par.ep != 1:
+        raise ConfigError("parallel.ep", par.ep, f"parallel.{rule} is not composed with ep"
+                          " (expert parallelism needs a mixture-of-experts model, and the"
+                          " vocabulary shards are built for a dense one; dp_replicate, dp_shard"
+                          " with every ZeRO stage, tp and cp are): set it to 1 or"
+                          " parallel.vocab_parallel_pp = false")
     if par.dp_mode != "sync":
         raise ConfigError("parallel.dp_mode", par.dp_mode, f"parallel.{rule} runs with"
                           " dp_mode = 'sync' only (an outer loop over the vocabulary shards is"

@@ -102,7 +102,19 @@ under tp) held for the whole step. Clipping then counts
 each element once: the reduced slices' (ZeRO-1/2) or the DTensor shards' (ZeRO-3) squares over
 dp_shard, over tp for tp shards, and over pp, whose ranks hold disjoint rows. Checkpoints write
 each rank's slice of its rows at its offset in the full weight (the ZeRO-1/2 bucket boxes, the
-FSDP2 DTensor's placement, shifted by the rows' start). Not composed: cp and ep (config rules).
+FSDP2 DTensor's placement, shifted by the rows' start). Not composed: ep (config rules).
+
+Context parallelism (``parallel.cp`` > 1, every ``cp_mode``): nothing here crosses cp. A cp rank
+holds its part of every sequence (zig-zag under the ring, its targets cut with its tokens, its
+positions only the stages' RoPE reads), and everything this module computes is per token: the
+lookup, and each token's logits over the rows with their statistics, which meet over the rows'
+owners, the pp ranks, never over other tokens. So each cp coordinate's pipeline (its pp group,
+per tp slice) runs the passes and the embedding for its own N = b·S/cp tokens, exactly as
+above, and only attention inside the stages talks over cp. What cp changes is the data axes:
+the cp ranks hold the same rows and compute their gradients from other tokens, so the rows
+are averaged over dp x cp as the stages' parameters are (``data_parallel_rows``: ``dp_cp``,
+or ZeRO on dp_shard x cp), and the loss stays each cp rank's token mean (``cross_entropy``),
+averaged with the others' by the trainer (equal shares under concatenated rows).
 
 Hand-written because no library offers it: torch's pipelining and Megatron-Core keep the head
 on the last stage; the paper's code patches Megatron-LM's schedules.
@@ -343,8 +355,10 @@ def data_parallel_rows(shard: VocabShard, meshes: Meshes, job: Job,
     """The reducer of ``shard``'s gradients over the data axes, in the stages' form (the module
     docstring): ZeRO-3 (``GatheredRows``), ZeRO-1/2 (``zero.apply_zero``, the shard's buckets
     over ``dp_shard``, averaged over ``dp_replicate``) or, at ``dp_shard`` = 1, a
-    ``GradientReducer`` over ``dp`` (None at degree 1). Under ``train.dtype = bf16`` each keeps
-    the rows' fp32 masters its own way, as for a stage (``loom.parallel.parallelize``)."""
+    ``GradientReducer`` over ``dp`` (None at degree 1). Under cp every form takes in the cp
+    ranks too, as the stages' do: ZeRO on ``zero_mesh``'s dp_shard x cp, the reducer on
+    ``dp_cp``. Under ``train.dtype = bf16`` each keeps the rows' fp32 masters its own way, as
+    for a stage (``loom.parallel.parallelize``)."""
     layout = job.layout
     reduce_dtype = torch.bfloat16 if job.grad_reduce_dtype == "bf16" else torch.float32
     bucket_bytes = int(job.grad_bucket_mb * 2**20)
@@ -367,10 +381,12 @@ def data_parallel_rows(shard: VocabShard, meshes: Meshes, job: Job,
                           param_dtype=torch.bfloat16 if job.dtype == "bf16" else torch.float32)
     if job.dtype == "bf16":  # bf16 rows with fp32 masters, before the reducer's hooks
         apply_bf16_parameters(shard, reduce_dtype)
-    if meshes.dp.size() == 1:
+    # cp ranks hold the same rows and other tokens: averaged over dp x cp, as a stage's are
+    mesh, axis = (meshes.dp_cp, "dp_cp") if layout.cp > 1 else (meshes.dp, "dp")
+    if mesh.size() == 1:
         return None
-    return GradientReducer(list(shard.parameters()), meshes.dp.get_group(), meshes.dp.size(),
-                           ledger=ledger, axis="dp", bucket_bytes=bucket_bytes,
+    return GradientReducer(list(shard.parameters()), mesh.get_group(), mesh.size(),
+                           ledger=ledger, axis=axis, bucket_bytes=bucket_bytes,
                            reduce_dtype=reduce_dtype, compression=job.compression, seed=job.seed)
 
 

@@ -706,7 +706,7 @@ def build_pipeline(job: Job, schedule: Schedule, *, grid: RankGrid, meshes: Mesh
         vocab = VocabShard(args, pp_rank, schedule.pp_size, device, job.seed, **kwargs,
                            tp=meshes.root["tp"] if grid.degree("tp") > 1 else None, ledger=ledger,
                            sequence_parallel=job.layout.sequence_parallel)
-        # over the data axes as the stages: plain dp, ZeRO-1/2 or ZeRO-3 (cp, ep: refused)
+        # over the data axes as the stages: plain dp (x cp), ZeRO-1/2 or ZeRO-3 (ep: refused)
         vocab_reducer = data_parallel_rows(vocab, meshes, job, ledger)
     return PipelineRuntime(schedule, stages, pp_rank, grid.group(rank, "pp"), pp_group,
                            vocab=vocab, vocab_reducer=vocab_reducer,

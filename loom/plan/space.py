@@ -90,15 +90,17 @@ def _tp_ok(m: TransformerArgs, tp: int, seq: int, cp: int) -> bool:
 def vocab_pp_fits(m: TransformerArgs, lay: Layout) -> bool:
     """Whether the trainer's rules on the axes allow ``lay`` with the embedding and head split
     over its pipeline (``loom.config_rules.pipeline``'s vocab_parallel_pp rules): pp > 1, the
-    vocabulary divisible by pp x tp, no cp or ep (the shards have no split or reducer over
-    them), a dense model and one route through the pipeline (Loom's families here). ZeRO on
+    vocabulary divisible by pp x tp, no ep (the shards are built for dense models), a dense
+    model and one route through the pipeline (Loom's families here). cp is allowed: each cp
+    coordinate's pipeline runs its own tokens' passes (b·S/cp of them, ``cost_memory``) and the
+    rows are reduced over dp x cp (``vocab_cost.rows_data_parallel``). ZeRO on
     dp_shard included (``vocab_pipeline.data_parallel_rows``): the memory prices ZeRO-3's rows
     gathered across the step with their unsharded gradients (``StageSpan.gathered``; the
     allocator's peak of pp2 x dp_shard2 at ZeRO-1 and ZeRO-3 within the estimator's usual
     accuracy, bench/zero_memory.py), the step time the rows' reduction after the schedule
     (``vocab_cost.rows_data_parallel``)."""
-    return (lay.pp > 1 and m.vocab_size % (lay.pp * lay.tp) == 0 and lay.cp == 1
-            and lay.ep == 1 and m.n_experts == 0)
+    return (lay.pp > 1 and m.vocab_size % (lay.pp * lay.tp) == 0 and lay.ep == 1
+            and m.n_experts == 0)
 
 
 def _cp_modes(m: TransformerArgs, tp: int, cp: int, seq: int) -> list[str]:

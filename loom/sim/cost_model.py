@@ -712,12 +712,13 @@ class CostModel:
         # the vocabulary rows (vocab-pp): reduced after the schedule, exposed (``vocab_cost``)
         rows = rows_parameters(self.model.vocab_size, self.model.dim, lay,
                                self.model.tie_embeddings) if vocab_pp(lay) else 0.0
-        rows_time = rows_data_parallel(
+        rows_time = rows_data_parallel(  # under cp over dp x cp too, as the stages' below
             rows, lay, grad_bytes=self.grad_bytes,
             gather_bytes=self.e if zero == 3 else self.framework.zero12_gather_bytes,
-            shard_link=c.link_for(lay.dp_shard, shard_stride),
+            shard_link=c.link_for(lay.dp_shard * lay.cp, shard_stride),
             rep_link=c.link_for(lay.dp_replicate, rep_stride),
-            dp_link=c.link_for(lay.dp_replicate * lay.dp_shard, dp_stride)) if rows else 0.0
+            dp_link=c.link_for(lay.dp_replicate * lay.dp_shard * lay.cp, dp_stride)
+        ) if rows else 0.0
         for r, psi in rank_params.items():
             layers = max(1, rank_layers[r])
             # per stream (a link's name): the reduction's and the gathers' seconds, whole step

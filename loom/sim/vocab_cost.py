@@ -109,13 +109,17 @@ def rows_data_parallel(rows: float, lay: Layout, *, grad_bytes: float, gather_by
       ``reshard_after_forward`` says; HSDP's all-reduce of the slices over dp_replicate;
     * ZeRO-1/2: the reduce-scatter of the gradients (and HSDP's all-reduce of the slices), the
       optimizer's all-gather of the updated slices;
-    * none: one all-reduce over dp."""
+    * none: one all-reduce over dp.
+
+    Under cp the cp ranks hold the same rows, so they join every group, as for the stages'
+    parameters: ZeRO shards over dp_shard x cp, the plain all-reduce runs over dp x cp (the
+    links given are those groups'). No ep with the split (config rules)."""
     if lay.zero_stage and lay.dp_shard > 1:
-        shard = lay.dp_shard  # no cp or ep with the split (``loom.plan.space.vocab_pp_fits``)
+        shard = lay.dp_shard * lay.cp
         return (gather_time(rows * grad_bytes, shard, shard_link)
                 + allreduce_time(rows * grad_bytes / shard, lay.dp_replicate, rep_link)
                 + gather_time(rows * gather_bytes, shard, shard_link))
-    return allreduce_time(rows * grad_bytes, lay.dp_replicate * lay.dp_shard, dp_link)
+    return allreduce_time(rows * grad_bytes, lay.dp_replicate * lay.dp_shard * lay.cp, dp_link)
 
 
 __all__ = ["VocabPasses", "rows_data_parallel", "rows_parameters", "vocab_pass_times",

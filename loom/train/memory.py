@@ -407,21 +407,22 @@ def _per_microbatch_activations(config: Config, line: _Timeline) -> float:
 
 
 def _vocab_pass_bytes(config: Config, final: bool) -> float:
-    """``vocab_pass_bytes`` of ``config``: N = micro_batch x seq_len tokens, the wire dtype
-    bf16 under ``train.dtype = bf16``, else fp32."""
+    """``vocab_pass_bytes`` of ``config``: N = micro_batch x seq_len / cp tokens (a cp rank's
+    part of the sequences), the wire dtype bf16 under ``train.dtype = bf16``, else fp32."""
     m, lay = config.model, layout_of(config)
-    return vocab_pass_bytes(tokens=lay.micro_batch * config.data.seq_len, vocab=m.vocab_size,
+    tokens = lay.micro_batch * (config.data.seq_len // lay.cp)
+    return vocab_pass_bytes(tokens=tokens, vocab=m.vocab_size,
                             shards=lay.pp * lay.tp, h=m.dim,
                             wire=2 if config.train.dtype == "bf16" else 4, final=final)
 
 
 def _vocab_embedding_bytes(config: Config) -> float:
     """``vocab_embedding_bytes`` of ``config`` (parameters and wire in bf16 under
-    ``train.dtype = bf16``, else fp32)."""
+    ``train.dtype = bf16``, else fp32), over a cp rank's part of the sequences."""
     lay = layout_of(config)
     e = 2 if config.train.dtype == "bf16" else 4
     return vocab_embedding_bytes(microbatches=lay.microbatches,
-                                 tokens=lay.micro_batch * config.data.seq_len,
+                                 tokens=lay.micro_batch * (config.data.seq_len // lay.cp),
                                  h=config.model.dim, e=e, wire=e)
 
 

@@ -90,6 +90,16 @@ def reference_runs(dist, data_dir: str, out: str, base: dict, steps: int):
     return get
 
 
+def tied_reference_runs(dist, data_dir: str, out_dirs, base: dict, steps: int):
+    """``reference_runs`` by (global batch, tied embeddings): ``base`` with
+    ``model.tie_embeddings`` off and on, each in its own directory from ``out_dirs``
+    (``tmp_path_factory``), computed on first use."""
+    runs = {tied: reference_runs(dist, data_dir, str(out_dirs.mktemp("ref")),
+                                 {**base, "model.tie_embeddings": tied}, steps)
+            for tied in (False, True)}
+    return lambda batch, tied: runs[tied](batch)
+
+
 @pytest.fixture(scope="module")
 def references(dist, small_data_dir, tmp_path_factory):
     """One-process runs by global batch size, computed on first use."""

@@ -34,7 +34,8 @@ import pytest
 
 from loom.testing.parity import layout_config
 from tests.conftest import matrix
-from tests.dist.test_pipeline_parity import BASE, STEPS, check, reference_runs, record_pipeline
+from tests.dist.test_pipeline_parity import (BASE, STEPS, check, record_pipeline,
+                                           tied_reference_runs)
 
 VOCAB = {**BASE, "parallel.vocab_parallel_pp": True}
 MICRO = 4  # microbatches per pipeline
@@ -54,10 +55,7 @@ CASES = [  # (schedule, ZeRO stage, tied, dp_replicate)
 @pytest.fixture(scope="module")
 def references(dist, small_data_dir, tmp_path_factory):
     """One-process runs by (global batch, tied), computed on first use."""
-    runs = {tied: reference_runs(dist, small_data_dir, str(tmp_path_factory.mktemp("ref")),
-                                 {**BASE, "model.tie_embeddings": tied}, STEPS)
-            for tied in (False, True)}
-    return lambda batch, tied: runs[tied](batch)
+    return tied_reference_runs(dist, small_data_dir, tmp_path_factory, BASE, STEPS)
 
 
 def held_rows(trainer) -> dict:

@@ -81,11 +81,11 @@ REJECTED = [
     ({**PP2, "parallel.vocab_parallel_pp": "true", "parallel.tp": "2", "model.preset": "debug",
       "model.vocab_size": "322"}, 4, "model.vocab_size", "model.vocab_size=322",
      ["divisible by parallel.pp x parallel.tp = 2 x 2", "nearest: 320"]),
-    # ... over data-parallel axes only: cp's ranks hold other tokens of the same sequences, ep is
-    # for MoE models (dp_shard is composed: accepted below)
-    ({**PP2, "parallel.vocab_parallel_pp": "true", "model.preset": "debug", "parallel.cp": "2"},
-     4, "parallel.cp", "parallel.cp=2", ["vocab_parallel_pp is not composed with cp",
-                                         "other tokens of the same sequences"]),
+    # ... not over ep, which is for MoE models (dp_shard and cp are composed: accepted below),
+    # and under cp with concatenated rows only, as without it (packed documents are not built)
+    ({**PP2, "parallel.vocab_parallel_pp": "true", "model.preset": "debug", "parallel.cp": "2",
+      "data.packing": "varlen"}, 4, "data.packing", "data.packing='varlen'",
+     ["vocab_parallel_pp runs with data.packing = 'concat' only"]),
     ({**PP2, "parallel.vocab_parallel_pp": "true", "model.preset": "debug", "parallel.ep": "2",
       "model.n_experts": "4"}, 4, "parallel.ep", "parallel.ep=2",
      ["vocab_parallel_pp is not composed with ep", "mixture-of-experts"]),
@@ -146,6 +146,16 @@ def test_a_schedule_without_a_pipeline_is_refused() -> None:
     ({**PP2, "parallel.vocab_parallel_pp": "true", "model.preset": "debug",
       "parallel.dp_shard": "2", "parallel.dp_replicate": "2", "parallel.zero_stage": "2",
       "train.global_batch_size": "16"}, 8),
+    # ... and with cp, every cp_mode (each cp coordinate's pipeline runs its own tokens' passes;
+    # the rows reduced over dp x cp: tests/dist/test_vocab_pp_cp.py), ZeRO and tp too
+    ({**PP2, "parallel.vocab_parallel_pp": "true", "model.preset": "debug", "parallel.cp": "2"},
+     4),
+    ({**PP2, "parallel.vocab_parallel_pp": "true", "model.preset": "debug", "parallel.cp": "2",
+      "parallel.cp_mode": "ulysses", "parallel.schedule": "zbv"}, 4),
+    ({**PP2, "parallel.vocab_parallel_pp": "true", "model.preset": "debug", "parallel.cp": "2",
+      "parallel.dp_shard": "2", "parallel.zero_stage": "3"}, 8),
+    ({**PP2, "parallel.vocab_parallel_pp": "true", "model.preset": "debug", "parallel.cp": "2",
+      "parallel.tp": "2", "parallel.sequence_parallel": "true"}, 8),
     ({**PP2, "parallel.schedule": "search", "parallel.schedule_memory_limit": "3",
       "parallel.schedule_costs": "1,1,0.5,0.05"}, 2),
     # sequence parallelism under schedules that split the backward into I and W, vocabulary
@@ -164,7 +174,8 @@ def test_a_schedule_without_a_pipeline_is_refused() -> None:
 ])
 def test_valid_pipeline_configs_resolve(overrides, world_size) -> None:
     config = resolve(load_config(None, overrides), world_size)
-    assert config.parallel.pp * config.parallel.dp * config.parallel.tp == world_size
+    par = config.parallel
+    assert par.pp * par.dp * par.tp * par.cp == world_size
 
 
 def test_defaults_are_1f1b_with_the_family_chunks() -> None:

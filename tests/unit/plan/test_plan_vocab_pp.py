@@ -48,7 +48,7 @@ def test_every_proposed_split_keeps_the_trainers_rules(chosen):
     for cost in chosen.ranked:
         lay = cost.layout
         if lay.vocab_parallel_pp:
-            assert lay.cp == 1 and lay.ep == 1 and lay.pp > 1
+            assert lay.ep == 1 and lay.pp > 1
             assert LLAMA.vocab_size % (lay.pp * lay.tp) == 0
 
 
@@ -60,7 +60,7 @@ def test_the_rules_on_the_axes():
     # test_memory_vocab_pp.py), the cost model prices their reduction per stage (below)
     for zero in (1, 2, 3):
         assert vocab_pp_fits(LLAMA, replace(base, dp_replicate=1, dp_shard=2, zero_stage=zero))
-    assert not vocab_pp_fits(LLAMA, replace(base, dp_replicate=1, cp=2))
+    assert vocab_pp_fits(LLAMA, replace(base, dp_replicate=1, cp=2))  # rows over dp x cp
     assert not vocab_pp_fits(LLAMA, replace(base, dp_replicate=1, ep=2))
     assert not vocab_pp_fits(replace(LLAMA, vocab_size=LLAMA.vocab_size + 1), base)
     assert not vocab_pp_fits(replace(LLAMA, n_experts=8), base)
@@ -81,7 +81,7 @@ ARGS = ["plan", "--model", "llama3-8b", "--gpus", "16", "--gpu", "H100-SXM", "--
 
 
 @pytest.mark.parametrize("layout, field", [
-    ("pp=4,dp_replicate=2,cp=2,schedule=1f1b,microbatches=32", "parallel.cp"),
+    ("pp=4,dp_replicate=2,ep=2,schedule=1f1b,microbatches=32", "parallel.ep"),
     ("pp=1,dp_replicate=16", "parallel.vocab_parallel_pp"),
 ])
 def test_layout_refuses_a_forbidden_split_naming_the_field(layout, field, capsys):
@@ -92,6 +92,14 @@ def test_layout_refuses_a_forbidden_split_naming_the_field(layout, field, capsys
 
 def test_layout_prices_an_allowed_split(capsys):
     layout = "pp=4,dp_replicate=4,schedule=zbv,chunks=2,microbatches=32,vocab_parallel_pp=true"
+    assert main(ARGS + [layout]) == 0
+    assert "vocab-pp" in capsys.readouterr().out
+
+
+def test_an_explicit_layout_with_cp_is_priced(capsys):
+    """The trainer runs the split under cp (tests/dist/test_vocab_pp_cp.py): ``--layout``
+    prices it, as the search does (``vocab_pp_fits``)."""
+    layout = "pp=4,dp_replicate=2,cp=2,schedule=1f1b,microbatches=32,vocab_parallel_pp=true"
     assert main(ARGS + [layout]) == 0
     assert "vocab-pp" in capsys.readouterr().out
 

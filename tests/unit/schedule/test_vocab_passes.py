@@ -200,11 +200,14 @@ def test_the_config_turns_it_on():
     assert _config(4, **{"parallel.tp": 2}).parallel.tp == 2
     assert _config(4, **{"parallel.tp": 2, "parallel.sequence_parallel": True}
                    ).parallel.sequence_parallel is True
+    # cp (tests/dist/test_vocab_pp_cp.py)
+    assert _config(4, **{"parallel.cp": 2}).parallel.cp == 2
 
 
 @pytest.mark.parametrize("overrides, field", [
     ({"parallel.pp": 1, "world": 1}, "parallel.vocab_parallel_pp"),
-    ({"parallel.cp": 2, "world": 4, "train.global_batch_size": 8}, "parallel.cp"),
+    ({"parallel.ep": 2, "model.n_experts": 4, "world": 4, "train.global_batch_size": 8},
+     "parallel.ep"),
     ({"parallel.dp_replicate": 2, "world": 4, "train.global_batch_size": 8,
       "parallel.dp_mode": "diloco"}, "parallel.dp_mode"),
     ({"model.vocab_size": 511}, "model.vocab_size"),
