@@ -232,7 +232,10 @@ def korthikanti_block_activation_bytes(*, s: int, b: int, h: int, f: float, a: i
                                        t: int = 1, sequence_parallel: bool = False,
                                        sp_shards_all: bool = True, e: int = 2,
                                        recompute: str = "none", flash: bool = True,
-                                       dropout: bool = False, gated: bool = True) -> float:
+                                       dropout: bool = False, gated: bool = True,
+                                       scores_bytes: float | None = None,
+                                       norm_outputs: bool = False,
+                                       eager_copies: bool = False) -> float:
     """Saved-for-backward bytes of one block as Megatron-style stacks keep them (Korthikanti et
     al. 2022, §4.1, generalised to GQA, gated MLPs, flash attention and blocks without dropout),
     for the planner's framework profiles (``loom.sim.frameworks``); Loom's own trainer is
@@ -248,7 +251,16 @@ def korthikanti_block_activation_bytes(*, s: int, b: int, h: int, f: float, a: i
     the QKV and MLP inputs and the masks (10·s·b·h replicated for GPT); sequence parallelism
     splits those too when ``sp_shards_all`` (Megatron), otherwise it keeps the QKV and MLP inputs
     (the all-gathered ones) whole. ``recompute``: "selective" drops the s x s part (the core is
-    recomputed), "full" keeps only the block's input (split under sequence parallelism)."""
+    recomputed), "full" keeps only the block's input (split under sequence parallelism).
+
+    Two knobs for stacks that keep more (``loom.sim.frameworks``, Aleph Alpha's Scaling):
+    ``scores_bytes``, the bytes a non-flash core saves per s x s element instead of the above
+    (``unfused_scores_bytes``); ``norm_outputs``, each RMSNorm written as eager ops also saves its
+    normalized output for the weight's gradient (one more e·x per norm, split like the norms'
+    inputs); ``eager_copies``, a block of eager PyTorch ops in Megatron's [s, b, h] layout also
+    saves SwiGLU's ``silu(x)`` (the product's operand; a fused SwiGLU recomputes it: e·s·b·f)
+    and, with a flash kernel, the attention output twice (the kernel's [b·s, heads, d] output
+    and the output projection's input reshaped back to [s, b, h]: e·x), both split by t."""
     x = s * b * h
     sp = sequence_parallel and t > 1
     if recompute == "full":
@@ -256,12 +268,18 @@ def korthikanti_block_activation_bytes(*, s: int, b: int, h: int, f: float, a: i
     masks = 2 * x if dropout else 0.0
     norms, inputs = 2 * e * x, 2 * e * x  # the norms' inputs; the QKV and MLP inputs
     split = e * x * (1 + 2 * kv / a + 1) + (3 if gated else 2) * e * s * b * f  # Q, K, V, proj in
+    if eager_copies:
+        split += (e * s * b * f if gated else 0.0) + (e * x if flash else 0.0)
     if flash:
         core = 4 * s * b * a
     elif recompute == "selective":
         core = 0.0
+    elif scores_bytes is not None:
+        core = scores_bytes * a * s * s * b
     else:
         core = (e + (e + 1 if dropout else 0)) * a * s * s * b
+    if norm_outputs:
+        norms *= 2  # the input and the normalized output of each of the two norms
     if not sp:
         replicated = norms + inputs + masks
     elif sp_shards_all:
@@ -282,6 +300,40 @@ def framework_state_bytes(psi: float, shard: int, stage: int, *, param_bytes: in
     return (param_bytes * psi / (d if stage == 3 else 1),
             grad_bytes * psi / (d if stage >= 2 else 1),
             optimizer_bytes * psi / d)
+
+
+def unfused_scores_bytes(*, e: int = 2, softmax_in_fp32: bool = False,
+                         dropout: bool = False) -> float:
+    """Bytes per s x s element that attention written out in PyTorch ops saves for backward
+    (Aleph Alpha's Scaling, ``MaskedSoftmaxTorch``: scores, ``masked_fill_`` with a dense
+    boolean mask, softmax, a cast back, a batched matmul with V): the boolean mask (1 byte,
+    saved by ``masked_fill_``) and the probabilities the matmul reads (e); with
+    ``softmax_in_fp32`` the scores are upcast first, so the softmax saves its fp32 output (4)
+    beside the cast copy the matmul saves; ``dropout`` adds a 1-byte mask and its output (e).
+    In bf16: 3 bytes, 7 with the fp32 softmax. Megatron's fused scale-mask-softmax saves only
+    its e-byte output (``korthikanti_block_activation_bytes``'s default)."""
+    return 1 + e + (4 if softmax_in_fp32 else 0) + (e + 1 if dropout else 0)
+
+
+def gathered_logits_bytes(*, tokens: int, vocab: int, e: int = 2) -> float:
+    """What a head that all-gathers its logits over tensor parallelism and takes the loss on the
+    whole vocabulary holds beyond the saved fp32 log-probabilities (``head_activation_bytes``
+    with the whole ``vocab``), at the loss's backward: the gathered logits in the compute dtype
+    (the pipeline keeps the last stage's output until its backward: e bytes per logit) and the
+    cross entropy's backward (``loss_backward_bytes``: 8). Aleph Alpha's Scaling:
+    ``ColumnParallelLinear(parallel_output=False)`` concatenates the shards, and
+    ``CrossEntropyLoss`` upcasts them to fp32 for ``F.cross_entropy``. ``tokens``: the
+    microbatch's s·b."""
+    return (e + 8) * tokens * vocab
+
+
+def bucket_allreduce_bytes(psi: float, *, grad_bytes: int = 2,
+                           bucket_elements: float = 500_000_000) -> float:
+    """The data-parallel all-reduce's transient when gradients held in a 16-bit dtype are
+    reduced in fp32 a bucket at a time (Aleph Alpha's Scaling, ``allreduce_no_retain``: the
+    bucket is flattened, then copied to fp32 for the all-reduce; 5·10^8 elements by default, at
+    most the rank's ``psi`` parameters): (grad_bytes + 4) bytes per bucket element."""
+    return (grad_bytes + 4) * min(psi, bucket_elements)
 
 
 @dataclass(frozen=True)

@@ -287,7 +287,8 @@ def _framework(args: argparse.Namespace) -> Framework:
     if kernel and chosen.is_loom and kernel != chosen.attention_kernel:
         raise PlanInputError(f"--attention-kernel {kernel}: Loom's trainer runs"
                              f" {chosen.attention_kernel} (SDPA's flash kernel); another stack's"
-                             " kernel goes with --framework megatron, torchtitan or deepspeed")
+                             " kernel goes with --framework "
+                             + ", ".join(name for name in FRAMEWORKS if name != "loom"))
     return dataclasses.replace(chosen, attention_kernel=kernel) if kernel else chosen
 
 

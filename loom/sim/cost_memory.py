@@ -25,7 +25,9 @@ from loom.schedule.vocab_passes import vocab_schedule
 from loom.formulas.memory import (StateRules, adamw_step_fused, allgather_attention_bytes,
                                   block_activation_bytes,
                                   last_microbatch, framework_state_bytes, head_activation_bytes,
+                                  bucket_allreduce_bytes, gathered_logits_bytes,
                                   korthikanti_block_activation_bytes, largest_parameter,
+                                  unfused_scores_bytes,
                                   loss_backward_bytes, rank_state_instants,
                                   vocab_embedding_bytes, vocab_pass_bytes)
 
@@ -214,6 +216,10 @@ def _activation_bytes(model: Any, lay: Layout) -> tuple[float, float, float, flo
     moe_f = width * (m.top_k + m.n_shared_experts) + (m.top_k - 1) * m.dim / 4
 
     fw = model.framework
+    # a written-out core's saved mask and probabilities in an eager block (Scaling's)
+    scores = unfused_scores_bytes(e=model.e, softmax_in_fp32=fw.softmax_in_fp32,
+                                  dropout=fw.dropout) \
+        if fw.attention_kernel == "unfused" and fw.eager_copies else None
 
     def block(f: float, recompute: str, gated: bool = True) -> float:
         """One block's bytes; ``gated``: a SwiGLU MLP (the experts always), else GELU."""
@@ -221,7 +227,9 @@ def _activation_bytes(model: Any, lay: Layout) -> tuple[float, float, float, flo
             return korthikanti_block_activation_bytes(
                 s=s_local, b=b, h=m.dim, f=f, a=m.n_heads, kv=m.n_kv_heads, t=lay.tp,
                 sequence_parallel=sp, sp_shards_all=fw.sp_shards_all, e=model.e,
-                recompute=recompute, flash=fw.flash_attention, dropout=fw.dropout, gated=gated)
+                recompute=recompute, flash=fw.flash_attention, dropout=fw.dropout, gated=gated,
+                scores_bytes=scores, norm_outputs=fw.norm_saves_output and not fw.fused_norm,
+                eager_copies=fw.eager_copies)
         if fw.sp_keeps_gathered:  # Loom's block with the gathered inputs saved whole
             return block_activation_bytes(s=s_local, b=b, h=m.dim, f=f, a=m.n_heads,
                                           kv=m.n_kv_heads, t=lay.tp, sequence_parallel=sp,
@@ -231,8 +239,12 @@ def _activation_bytes(model: Any, lay: Layout) -> tuple[float, float, float, flo
                                       kv=m.n_kv_heads, t=lay.tp, sequence_parallel=sp,
                                       e=model.e, recompute=recompute, gated=gated)
 
-    head = head_activation_bytes(s=s_local, b=b, h=m.dim, vocab=m.vocab_size // lay.tp,
-                                 e=model.e)
+    if fw.gathered_logits:  # the whole vocabulary on every tp rank, and the loss's backward
+        head = head_activation_bytes(s=s_local, b=b, h=m.dim, vocab=m.vocab_size, e=model.e) \
+            + gathered_logits_bytes(tokens=s_local * b, vocab=m.vocab_size, e=model.e)
+    else:
+        head = head_activation_bytes(s=s_local, b=b, h=m.dim, vocab=m.vocab_size // lay.tp,
+                                     e=model.e)
     gated = m.mlp == "swiglu"
     full = block(m.ffn_dim, "none", gated) if lay.recompute == "full" else 0.0
     cache[key] = (block(m.ffn_dim, lay.recompute, gated), block(moe_f, lay.recompute), head, full)
@@ -339,10 +351,18 @@ def _framework_instants(model: Any, lay: Layout, psi: float, experts: float
     transient = 2 * model.e * block if stage == 3 and not held else 0.0
     passes_grads = fw.grad_bytes * psi if stage == 3 and lay.microbatches > 1 else grads
     temporaries = state(8)[2] if fw.optimizer_temporaries else 0.0  # two fp32 state slices
+    step_grads, step_copy = grads, 0.0
+    if fw.fp32_grad_slice and stage <= 1:  # the step keeps its own slice (all without ZeRO)
+        own = d * lay.ep if stage else 1  # and copies it to fp32, freeing the 16-bit one
+        step_grads, step_copy = (grads / own if stage else 0.0), 4 * psi / own
     out = [{"parameters": params + (model.e * psi if held else 0.0), "gradients": passes_grads,
             "optimizer": optim, "activations": 0.0, "transient": transient, "_acts": "all"},
-           {"parameters": params, "gradients": grads, "optimizer": optim, "activations": 0.0,
-            "transient": temporaries, "_acts": "none"}]
+           {"parameters": params, "gradients": step_grads, "optimizer": optim,
+            "activations": 0.0, "transient": temporaries + step_copy, "_acts": "none"}]
+    if fw.bucket_allreduce and lay.dp > 1:  # after the backward: one fp32 bucket in flight
+        out.append({"parameters": params, "gradients": grads, "optimizer": optim,
+                    "activations": 0.0, "_acts": "none",
+                    "transient": bucket_allreduce_bytes(psi, grad_bytes=fw.grad_bytes)})
     for entry in out:
         entry["_total"] = sum(v for k, v in entry.items() if not k.startswith("_"))
     return out

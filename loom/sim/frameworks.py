@@ -1,10 +1,10 @@
 """Which training stack the planner prices: memory layout and overlap defaults per framework.
 
-``loom plan --framework loom|megatron|torchtitan|deepspeed`` picks one ``Framework``. The cost
-model reads from it what differs between the stacks at the same layout; everything else (the
-FLOPs, the alpha-beta links, the schedules) is shared. Loom's own profile follows Loom's trainer
-and is what the cost model always priced; the others let a user plan for their stack and let
-Loom's model be checked against runs published on those stacks.
+``loom plan --framework loom|megatron|torchtitan|deepspeed|scaling`` picks one ``Framework``.
+The cost model reads from it what differs between the stacks at the same layout; everything
+else (the FLOPs, the alpha-beta links, the schedules) is shared. Loom's own profile follows
+Loom's trainer and is what the cost model always priced; the others let a user plan for their
+stack and let Loom's model be checked against runs published on those stacks.
 
 What a profile fixes:
 
@@ -36,6 +36,41 @@ What a profile fixes:
   (Megatron-DeepSpeed's blocks); ``flash_attention`` (a flash ``attention_kernel``) says whether
   the attention core stores the s x s probabilities, ``dropout`` whether the block keeps 1-byte
   dropout masks (GPT-style).
+* **Memory beyond the block** (Aleph Alpha's Scaling, the stack of Hagemann et al. 2023's
+  layout sweep, ``bench/planner_sweep.py``; read from its public code, github.com/Aleph-Alpha/
+  scaling, the 2024 release of the "AA-Scaling" codebase the paper ran):
+  - model state: bf16 parameters and gradients (autograd accumulates into the bf16
+    parameters' ``.grad``, on every data-parallel rank: "each data-parallel worker will still
+    have all original-precision weights as well as gradients"), fp32 master + two moments
+    sharded over data parallelism with ``zero`` (its ZeRO-1): 2 + 2 + 12/d; foreach AdamW's
+    temporaries (``torch.optim.AdamW``'s default on CUDA);
+  - after the backward the gradients are all-reduced in buckets of 5·10^8 elements, each
+    flattened and copied to fp32 (``bucket_allreduce``: ``bucket_allreduce_bytes``), then the
+    step frees the gradients it does not own and copies its own slice to fp32
+    (``fp32_grad_slice``: 4 bytes per stepped parameter beside its 2-byte gradients);
+  - the attention core without flash is PyTorch ops: a dense boolean mask saved by
+    ``masked_fill_``, the softmax (``softmax_in_fp32``: upcast, its fp32 output saved beside
+    the bf16 copy the matmul saves; ``unfused_scores_bytes``). An assumption: the sweep's
+    "fused" kernel is Megatron's scale-mask-softmax (its bf16 output only), a kernel the public
+    release no longer has;
+  - RMSNorm without the kernel is ``x * rsqrt(mean(x^2) + eps)`` cast and multiplied by the
+    weight: it also saves the normalized output (``norm_saves_output``);
+  - the block is eager PyTorch in Megatron's [s, b, h] layout (``eager_copies``): SwiGLU's
+    ``silu(x) * gate`` saves ``silu(x)``, and flash attention's output is rearranged from
+    [b·s, heads, d] back for the output projection, which saves that copy beside the kernel's;
+  - the head all-gathers its logits (``ColumnParallelLinear(parallel_output=False)``) and the
+    loss upcasts them whole to fp32: log-probabilities, the logits and the loss's backward on
+    the whole vocabulary on every tensor-parallel rank (``gathered_logits``:
+    ``gathered_logits_bytes``);
+  - its pipeline schedule (``PipelineScheduleTrain``, DeepSpeed's) holds p microbatches on
+    the first stage, as 1F1B;
+  - ``allocator_reserve``: what PyTorch's caching allocator holds in fragments it cannot hand
+    out, as a share of the device's memory, so that a layout fits when its bytes are within
+    (1 - reserve) of it. 0.15: GMLake (Guo et al., ASPLOS 2024) measured the caching
+    allocator's fragmentation over eight LLMs' training on A100-80GB at 15% on average (up to
+    33%). A property of the allocator, not of Scaling: the other profiles keep 0 (their
+    published comparisons were made without it), and the planner's own ``--budget`` plays
+    this part for a plan.
 * **Attention kernel** (``attention_kernel``, its time; ``loom.sim.cost_model``): a flash kernel
   skips the causal half of the square, FlashAttention (v1) at half FlashAttention-2's rate
   (Dao 2023: "around 2x" faster); the others compute the whole square with two batched matmuls
@@ -125,6 +160,18 @@ class Framework:
     dropout: bool = False  # 1-byte dropout masks kept (GPT-style blocks)
     optimizer_temporaries: bool = False  # foreach AdamW's two state-sized temporaries
     sp_keeps_gathered: bool = False  # Loom's block, SP saving the gathered inputs whole
+    # what Aleph Alpha's Scaling holds beyond a Megatron-style block (see "Memory beyond the
+    # block" in the module docstring); all false elsewhere
+    softmax_in_fp32: bool = False  # the written-out core's softmax in fp32 (unfused_scores_bytes)
+    norm_saves_output: bool = False  # an eager RMSNorm (fused_norm false) saves its output too
+    # an eager block: SwiGLU's silu(x), the flash output's reshaped copy, and a written-out
+    # core's mask and probabilities (unfused_scores_bytes)
+    eager_copies: bool = False
+    gathered_logits: bool = False  # logits all-gathered over tp, the loss on the whole vocabulary
+    bucket_allreduce: bool = False  # 16-bit gradients all-reduced in fp32 buckets after backward
+    fp32_grad_slice: bool = False  # the ZeRO-1 step copies its own gradients' slice to fp32
+    # the share of device memory the caching allocator holds but cannot hand out (fragments)
+    allocator_reserve: float = 0.0
     # whose gradient handling and optimizer step the step's HBM traffic follows
     # (``loom.sim.optimizer_cost.STACKS``)
     step_path: str = "loom"
@@ -135,6 +182,8 @@ class Framework:
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"attention_kernel {self.attention_kernel!r}: one of"
                              f" {', '.join(ATTENTION_KERNELS)}")
+        if not 0.0 <= self.allocator_reserve < 1.0:
+            raise ValueError(f"allocator_reserve {self.allocator_reserve}: a share in [0, 1)")
         if self.step_path not in STACKS:
             raise ValueError(f"step_path {self.step_path!r}: one of {', '.join(STACKS)}")
         if sorted(self.rank_order) != sorted(RANK_ORDER):
@@ -202,6 +251,16 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     Framework("deepspeed", param_bytes=2, grad_bytes=4, optimizer_bytes=12, zero12_gather_bytes=2,
               sp_shards_all=True, attention_kernel="fused", dropout=True, step_path="deepspeed",
               overlap=Overlap(tp_comm=False, param_gather=False, grad_reduce="last_backward")),
+    # Aleph Alpha's Scaling (github.com/Aleph-Alpha/scaling, core/optimizer, core/nn,
+    # transformer/model): bf16 parameters with their bf16 gradients on every data-parallel
+    # rank, fp32 master + moments (ZeRO-1 shards them), eager PyTorch blocks, the gradients
+    # all-reduced after the backward
+    Framework("scaling", param_bytes=2, grad_bytes=2, optimizer_bytes=12, zero12_gather_bytes=2,
+              sp_shards_all=True, compiled=False, optimizer_temporaries=True,
+              softmax_in_fp32=True, norm_saves_output=True, eager_copies=True,
+              gathered_logits=True, bucket_allreduce=True, fp32_grad_slice=True,
+              allocator_reserve=0.15, step_path="megatron",
+              overlap=Overlap(tp_comm=False, param_gather=False, grad_reduce="none")),
 )}
 LOOM = FRAMEWORKS["loom"]
 

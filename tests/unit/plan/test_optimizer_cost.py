@@ -99,7 +99,7 @@ def test_bad_inputs_are_refused():
 def test_profiles_name_their_own_paths():
     assert {name: fw.step_path for name, fw in FRAMEWORKS.items()} == {
         "loom": "loom", "megatron": "megatron", "torchtitan": "torchtitan",
-        "deepspeed": "deepspeed"}
+        "deepspeed": "deepspeed", "scaling": "megatron"}
 
 
 def _model(gpus: int, framework: Framework = LOOM, **kw) -> CostModel:
