@@ -279,10 +279,12 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
     ``vocab_pp``: the twins of the best ``VOCAB_PP_TWINS`` kept pipeline layouts with the
     vocabulary split over the pipeline are priced too (off: the space without the split)."""
     started = time.perf_counter()
-    # eager or compiled blocks as the workload trains them (``Framework.compiled``)
-    compiled = workload_config(work).train.compile if work.compile is None else work.compile
-    model = cost_model or CostModel(work.model, work.seq_len, work.global_batch, cluster,
-                                    framework=replace(LOOM, compiled=compiled))
+    model = cost_model
+    if model is None:  # eager or compiled blocks as the workload trains them (a given cost
+        # model's framework says it already; a workload named for no preset has no config)
+        compiled = workload_config(work).train.compile if work.compile is None else work.compile
+        model = CostModel(work.model, work.seq_len, work.global_batch, cluster,
+                          framework=replace(LOOM, compiled=compiled))
     budget = cluster.gpu.memory_bytes * memory_fraction
     keep = max(finalists * 2, top * 4)
     # kept entries (-step time, -ordinal, cost): a min-heap whose top is the slowest kept, ties
