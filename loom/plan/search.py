@@ -285,7 +285,9 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
         compiled = workload_config(work).train.compile if work.compile is None else work.compile
         model = CostModel(work.model, work.seq_len, work.global_batch, cluster,
                           framework=replace(LOOM, compiled=compiled))
-    budget = cluster.gpu.memory_bytes * memory_fraction
+    # a stack whose allocator keeps fragments (``Framework.allocator_reserve``) leaves them out
+    budget = cluster.gpu.memory_bytes * min(memory_fraction,
+                                            1.0 - model.framework.allocator_reserve)
     keep = max(finalists * 2, top * 4)
     # kept entries (-step time, -ordinal, cost): a min-heap whose top is the slowest kept, ties
     # going to the later layout of the space's order, whatever order the groups are priced in

@@ -14,6 +14,8 @@ from loom.formulas.memory import (bucket_allreduce_bytes, gathered_logits_bytes,
 from loom.layout import Layout
 from loom.models.presets import PRESETS, parameter_count
 from loom.plan.hardware import GB, Cluster, Gpu, Link
+from loom.plan.search import plan
+from loom.plan.space import Workload
 from loom.sim.cost_memory import _activation_bytes
 from loom.sim.cost_model import CostModel
 from loom.sim.frameworks import FRAMEWORKS, framework
@@ -160,3 +162,17 @@ def test_the_block_follows_the_profile_and_megatron_keeps_its_own():
     megatron = replace(framework("megatron"), attention_kernel="unfused", fused_norm=False)
     assert _activation_bytes(_model(megatron), lay)[0] == korthikanti_block_activation_bytes(
         **shape, dropout=True)
+
+
+def test_the_planners_budget_leaves_out_the_allocators_reserve():
+    """``plan`` keeps ``memory_fraction`` of the device for a stack without a reserve and
+    ``1 - allocator_reserve`` where that is smaller (Scaling: 0.85 of 80 GiB)."""
+    cluster = Cluster(UNIT, 8, 8, intra=FAST, inter=FAST)
+    work = Workload("debug", DEBUG, 64, 8)
+    budgets = {}
+    for name in ("megatron", "scaling"):
+        model = CostModel(DEBUG, 64, 8, cluster, framework=framework(name))
+        budgets[name] = plan(work, cluster, top=1, cost_model=model,
+                             runnable_only=False).memory_budget
+    assert budgets["megatron"] == pytest.approx(0.9 * UNIT.memory_bytes)
+    assert budgets["scaling"] == pytest.approx(0.85 * UNIT.memory_bytes)
