@@ -69,8 +69,8 @@ What a profile fixes:
     (1 - reserve) of it. 0.15: GMLake (Guo et al., ASPLOS 2024) measured the caching
     allocator's fragmentation over eight LLMs' training on A100-80GB at 15% on average (up to
     33%). A property of the allocator, not of Scaling: the other profiles keep 0 (their
-    published comparisons were made without it), and the planner's own ``--budget`` plays
-    this part for a plan.
+    published comparisons were made without it); ``loom.plan.search.plan`` budgets the
+    smaller of its memory fraction (0.9) and 1 - reserve.
 * **Attention kernel** (``attention_kernel``, its time; ``loom.sim.cost_model``): a flash kernel
   skips the causal half of the square, FlashAttention (v1) at half FlashAttention-2's rate
   (Dao 2023: "around 2x" faster); the others compute the whole square with two batched matmuls
