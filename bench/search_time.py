@@ -7,9 +7,10 @@ time of the process (user + system: what the machine's load does not inflate muc
 output's digest. With ``--baseline DIR`` an older checkout (DIR on ``PYTHONPATH``) runs the same cases in
 the same loop, alternating with this one, so both see the same machine load, and the digests
 show whether both printed the same result. Default effort; the limit is 2p (Benchmark A's
-target cells) with its hardest cost profile and with the default costs.
+target cells) with its hardest cost profile and with the default costs, plus F, I, W = 1, 2, 1
+with latency 0.1 at limits p and 2p (``--more``: the cells issue 22 names).
 
-    python bench/search_time.py [--repeats 5] [--baseline /path/to/old/checkout]
+    python bench/search_time.py [--repeats 5] [--baseline /path/to/old/checkout] [--more]
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ CASES = [  # (p, m, costs, limit)
     (32, 256, "1,1,0.5,0.05", 64), (32, 256, "1,1,1", 64),
     (64, 512, "1,1,0.5,0.05", 128), (64, 512, "1,1,1", 128),
 ]
+MORE = [(32, 256, "1,2,1,0.1", 32), (32, 256, "1,2,1,0.1", 64), (64, 512, "1,2,1,0.1", 64)]
 
 
 def run(source: str, p: int, m: int, costs: str, limit: int) -> tuple[float, float, str]:
@@ -49,12 +51,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--baseline", help="an older checkout to time beside this one")
+    parser.add_argument("--more", action="store_true", help="also the F,I,W = 1,2,1 cells")
+    parser.add_argument("--only-more", action="store_true", help="only the F,I,W = 1,2,1 cells")
     args = parser.parse_args()
+    cases = MORE if args.only_more else CASES + MORE * args.more
     sources = {"this": ROOT, **({"baseline": args.baseline} if args.baseline else {})}
     print("| case | " + " | ".join(f"{name} median wall s (runs) | {name} median CPU s"
                                    for name in sources) + " | same output |")
     print("|---|" + "---|" * (2 * len(sources) + 1))
-    for p, m, costs, limit in CASES:
+    for p, m, costs, limit in cases:
         times: dict[str, list[float]] = {name: [] for name in sources}
         cpus: dict[str, list[float]] = {name: [] for name in sources}
         digests: dict[str, set[str]] = {name: set() for name in sources}

@@ -45,6 +45,21 @@ d. local improvement of the best orders, seeds included (small sizes only): swap
 e. a patient forward-backward pass (``_PATIENT``) with its own effort, ``effort / 4`` on top:
    ranks wait briefly for urgent inputs, except the last few, which lowers the Zero Bubble idle
    at the same makespan. It runs last, so everything before it is what it would be without it.
+
+   Large problems (above ``REDUCE_FROM`` actions at the most chunks, with effort left after the
+   seeds) run b, c and e on a copy with m' microbatches, m' in [3p, 4p) and at most m / 2
+   (``reduced_microbatches``), with the effort scaled by m'/m, so they try the same orders at a
+   fraction of the cost. The copy's best ``GROWN`` orders come back to full size only where they
+   can win: its makespan on the copy plus the busiest rank's work for the m - m' microbatches it
+   lacks (the steady state's slope) must be within ``GROWN_MARGIN`` of the best full-size one.
+   Such an order is grown by repeating its steady state (``loom.schedule.periodic``), or, the
+   first that does not grow, rebuilt at full size by its recipe; either is replayed and its peak
+   checked at full size before it ranks. So the winner is always a full-size order, replayed and
+   exactly simulated; the seeds are priced at full size as before. What the copy can miss: an
+   order that ranks below the copy's best three yet would win at full size, or one whose
+   prediction overstates it by more than the margin. Over a grid of 27 cells at p = 16-64
+   (docs/benchmarks.md, "Search time, third pass") every winner's makespan was unchanged.
+   Below the threshold the search is exactly what it was (``test_search_pinned.py``).
 f. only with ``offload=True``: PipeOffload after a-e, which it leaves as they are
    (``loom.schedule.search_offload``).
 
@@ -78,6 +93,7 @@ from typing import Any
 from loom.schedule.ir import Schedule, looped_placement, v_placement
 from loom.schedule.families import SEARCH_PLACEMENTS, get, names
 from loom.schedule.families.zero_bubble import interleaved_zb
+from loom.schedule.periodic import extend
 from loom.schedule.replay import (EPS, B, F, I, W, Costs, Row, Score, decode, encode, peak_units,
                                   score)
 from loom.schedule.search_greedy import Knobs, list_schedule
@@ -99,6 +115,10 @@ LOCAL_MAX_ACTIONS = 5_000  # local improvement only below this size: each try re
 SCREEN_PP = 8  # above this many ranks the seeds are ranked on a copy with this many first
 MIN_SEEDS = 1  # family seeds priced exactly however little effort is left: the screen's best
 OFFLOAD_SCREENED = 12  # step f above SCREEN_PP ranks: seeds built at full size, best screened
+REDUCE_FROM = 30_000  # steps b, c, e explore a copy with fewer microbatches above these actions
+REDUCED_PER_RANK = 3  # ... with about this many microbatches per rank (m' in [3p, 4p))
+GROWN = 3  # the copy's best orders grown to full size (``periodic.extend``) and replayed
+GROWN_MARGIN = 0.01  # ... unless their predicted makespan is this much over the best one's
 
 
 class SearchError(ValueError):
@@ -262,28 +282,39 @@ def search(
     forward_backward = chunked[:2]
     swept = list(dict.fromkeys(forward_backward + (ranked or open_places)[:1]))
 
+    # Large problems explore on a copy with fewer microbatches (``reduced_microbatches``), with
+    # the effort scaled alike, and grow their best orders back (``_grown``); small ones explore
+    # the problem itself, into the same pool and budget.
+    # (Only while effort is left after the seeds: else the full-size steps build one order, the
+    # patient pass's, which growing the copy's best would build again on top of the copy's.)
+    small_m = reduced_microbatches(pp, microbatches, max(v for _, v in allowed))
+    explore, xpool, xbudget = problem, pool, budget
+    if small_m < microbatches and budget.left > 0:
+        explore, xpool = _Problem(pp, small_m, costs), _Pool()
+        xbudget = _Budget(max(budget.left, 0) * small_m // microbatches, None, budget.deadline)
+
     # Half of what is left for forward-backward scheduling, the better ranked first; two thirds
     # of that go to it when there are two placements.
     built: dict[Place, Built] = {place: {} for place in forward_backward}
-    half = budget.share(2)
+    half = xbudget.share(2)
     for n, place in enumerate(forward_backward):
         share = half.share(1) if n + 1 == len(forward_backward) else _Budget(
             2 * half.left // 3, None, half.deadline)
-        if share.left < 2 * 2 * 3 * len(problem.layout(place)) * microbatches:
+        if share.left < 2 * 2 * 3 * len(problem.layout(place)) * explore.microbatches:
             continue  # not even one backward and forward pass (``_backward``'s charge) is
             # left: the patient pass below always builds one, so this only drops a second pass
-        _backward(place, problem, memory_limit, share, pool, _BACKWARD, built[place])
+        _backward(place, explore, memory_limit, share, xpool, _BACKWARD, built[place])
         half.spend(share.spent)
-        budget.spend(share.spent)
+        xbudget.spend(share.spent)
 
     shares = len(swept)
     for n, place in enumerate(swept):  # an equal share of what is left for each placement's
-        if n and budget.exhausted():  # sweep; past the first, only while effort is left
+        if n and xbudget.exhausted():  # sweep; past the first, only while effort is left
             break
-        share = budget.share(shares)
+        share = xbudget.share(shares)
         shares -= 1
-        _sweep(place, problem, memory_limit, share, pool)
-        budget.spend(share.spent)
+        _sweep(place, explore, memory_limit, share, xpool)
+        xbudget.spend(share.spent)
 
     for candidate, rows in pool.best(3):
         if budget.exhausted() or sum(map(len, rows)) > LOCAL_MAX_ACTIONS:
@@ -297,11 +328,15 @@ def search(
                 candidate, label=candidate.label + "+local", makespan=scored.makespan,
                 peak=max(peak_units(new_rows, layout)), idle_zb=scored.idle_zb), new_rows)
 
-    patient = _Budget(effort // PATIENT_SHARE, None, budget.deadline)
+    patient = _Budget(effort // PATIENT_SHARE * explore.microbatches // microbatches, None,
+                      budget.deadline)
     for n, place in enumerate(forward_backward):  # the better ranked first, as above
         share = patient.share(len(forward_backward) - n)
-        _backward(place, problem, memory_limit, share, pool, _PATIENT, built[place])
+        _backward(place, explore, memory_limit, share, xpool, _PATIENT, built[place])
         patient.spend(share.spent)
+
+    if xpool is not pool:
+        _grown(xpool, explore, pool, problem, memory_limit)
 
     if not pool.entries:  # cannot happen for limit >= 1: reserve=all always fits
         raise SearchError(f"no schedule fits memory_limit={memory_limit:g}")
@@ -331,6 +366,94 @@ def search(
         seeds = _screened(seeds, problem, allowed, float("inf"))[0][:OFFLOAD_SCREENED]
     made = functools.partial(_made, problem=problem, allowed=allowed, limit=memory_limit)
     return with_offload(found, seeds, made, problem, budget.late)
+
+
+def reduced_microbatches(pp: int, microbatches: int, chunks: int) -> int:
+    """The microbatches of the copy that steps b, c and e explore: ``microbatches`` itself up to
+    ``REDUCE_FROM`` actions (3 per stage and microbatch at ``chunks`` stages per rank), else the
+    fewest at or above ``REDUCED_PER_RANK * pp`` that differ from it by a multiple of ``pp``
+    (so that a steady-state period of 1, 2, ... or pp microbatches can grow the copy back),
+    when that is at most half of them (a larger copy costs more than it saves: the winner
+    that does not grow is built again at full size)."""
+    if 3 * pp * microbatches * chunks <= REDUCE_FROM:
+        return microbatches
+    small = microbatches - pp * ((microbatches - REDUCED_PER_RANK * pp) // pp)
+    return small if 2 * small <= microbatches else microbatches
+
+
+def _grown(small: _Pool, copy: _Problem, pool: _Pool, problem: _Problem, limit: float) -> None:
+    """The best ``GROWN`` orders of the copy's pool at full size, added to ``pool`` when they
+    run and fit: grown by repeating their steady state (``periodic.extend``) and replayed, or, the
+    first that does not grow, rebuilt at full size by its recipe (the list schedulers again).
+
+    One that cannot beat the pool's best is left out unbuilt: its makespan on the copy plus the
+    busiest rank's work for the microbatches the copy lacks (the steady state's slope; its ramps
+    do not shrink with more microbatches) over the best makespan by ``GROWN_MARGIN``. Where no
+    seed fits (nothing in ``pool``), every order of the copy is tried in turn until one does."""
+    pool.tried += small.tried
+    best = pool.best(1)[0][0].makespan if pool.entries else float("inf")
+    slope = _busiest(problem.costs) * (problem.microbatches - copy.microbatches)
+    rebuilt = False
+    for candidate, rows in small.best(GROWN):
+        if candidate.makespan + slope > best * (1 + GROWN_MARGIN):
+            break  # the others are longer on the copy too
+        rebuilt |= _to_full_size(candidate, rows, small, copy, pool, problem, limit, rebuilt)
+    if not pool.entries:
+        for candidate, rows in small.best(len(small.entries)):
+            if _to_full_size(candidate, rows, small, copy, pool, problem, limit, False) and \
+                    pool.entries:
+                return
+
+
+def _to_full_size(candidate: Candidate, rows: list[Row], small: _Pool, copy: _Problem,
+                  pool: _Pool, problem: _Problem, limit: float, rebuilt: bool) -> bool:
+    """``_grown``'s step for one order: grow it, or rebuild it unless ``rebuilt`` (one was
+    already), and add it to ``pool`` if it runs and fits. True when it was rebuilt."""
+    layout = problem.layout(candidate.place)
+    grown, scored = extend(rows, copy.microbatches, problem.microbatches), None
+    from_recipe = grown is None
+    if from_recipe:
+        recipe = small.recipes.get(id(rows))
+        if rebuilt or recipe is None:
+            return False
+        made = recipe(problem, limit)
+        if made is None:
+            return False
+        grown, scored = made
+    peak = _peak(grown, layout)
+    if peak > limit + EPS:
+        return False
+    if scored is None:
+        return _add_scored(pool, candidate.label, candidate.place, grown, peak, problem) \
+            and from_recipe
+    pool.add(Candidate(candidate.label, candidate.placement, scored.makespan, peak,
+                       scored.idle_zb, candidate.chunks), grown)
+    return from_recipe
+
+
+Recipe = Callable[["_Problem", float], "tuple[list[Row], Score | None] | None"]
+
+
+def _greedy_recipe(place: Place, knobs: Knobs, problem: _Problem, limit: float
+                   ) -> tuple[list[Row], Score | None] | None:
+    """A sweep candidate on ``problem``: its rows (its idle is replayed by the caller)."""
+    made = list_schedule(problem.layout(place), problem.microbatches, problem.fast(place), limit,
+                         knobs)
+    return None if made is None else (made[0], None)
+
+
+def _backward_recipe(place: Place, knobs: ReverseKnobs, forward: tuple | None, problem: _Problem,
+                     limit: float) -> tuple[list[Row], Score | None] | None:
+    """A backward candidate (``forward`` None) or a forward-backward one (``forward``: its
+    reserve and per-rank waits) on ``problem``: rows, and the score where built with it."""
+    layout, m, costs = problem.layout(place), problem.microbatches, problem.fast(place)
+    made = reverse_schedule(layout, m, costs, limit, knobs)
+    if made is None or forward is None:
+        return None if made is None else (made[0], None)
+    reserve, waits = forward
+    asap = Asap(layout, m, costs)  # scored while built, as ``_backward`` does
+    made = priority_schedule(layout, m, costs, limit, made[2], reserve, waits, asap)
+    return None if made is None else (made[0], asap.score(made[0]))
 
 
 def _check_complete(rows: list[Row], layout: tuple[int, ...], microbatches: int,
@@ -414,9 +537,13 @@ class _Pool:
         self.built: dict[int, Schedule] = {}
         # entry index -> (layout, microbatches, costs) to replay its idle with (``add``)
         self.unscored: dict[int, tuple[tuple[int, ...], int, Costs]] = {}
+        # how to build an order again on another problem, by the id of its rows: ``_grown``'s
+        # way back to full size for an order whose steady state does not repeat
+        self.recipes: dict[int, Recipe] = {}
 
     def add(self, candidate: Candidate, rows: list[Row], built: Schedule | None = None,
-            idle_from: tuple[tuple[int, ...], int, Costs] | None = None) -> None:
+            idle_from: tuple[tuple[int, ...], int, Costs] | None = None,
+            recipe: Recipe | None = None) -> None:
         """``idle_from``: ``candidate``'s idle is not known yet; replay ``rows`` on this layout,
         microbatches and costs when it counts (``candidate.idle_zb`` is a placeholder until)."""
         if idle_from is not None:
@@ -424,6 +551,8 @@ class _Pool:
         self.entries.append((candidate, rows))
         if built is not None:
             self.built[id(rows)] = built
+        if recipe is not None:
+            self.recipes[id(rows)] = recipe
 
     def best(self, count: int) -> list[tuple[Candidate, list[Row]]]:
         self._score(count)
@@ -680,7 +809,8 @@ def _sweep(place: Place, problem: _Problem, limit: float, budget: _Budget, pool:
                 rows, makespan, peak = made  # the idle is replayed if it ever counts
                 pool.add(Candidate(f"greedy:{_label(place)}:{knobs.label()}", place[0], makespan,
                                    peak, 0.0, place[1]), rows,
-                         idle_from=(layout, microbatches, costs))
+                         idle_from=(layout, microbatches, costs),
+                         recipe=functools.partial(_greedy_recipe, place, knobs))
                 if makespan < best_time - EPS:
                     best_knobs, best_time, improved = knobs, makespan, True
         if not improved:
@@ -739,7 +869,8 @@ def _backward(place: Place, problem: _Problem, limit: float, budget: _Budget, po
             built[knobs] = made = reverse_schedule(layout, microbatches, costs, limit, knobs)
             if made is not None:
                 _add_scored(pool, f"backward:{name}:{knobs.label()}", place, made[0], made[1],
-                            problem)
+                            problem, recipe=functools.partial(_backward_recipe, place, knobs,
+                                                              None))
         made = built[knobs]
         if made is None:
             continue
@@ -756,16 +887,18 @@ def _backward(place: Place, problem: _Problem, limit: float, budget: _Budget, po
                      + (f",calm={calm}" if calm and patience else ""))
             scored = asap.score(forward[0])
             pool.add(Candidate(label, place[0], scored.makespan, forward[1], scored.idle_zb,
-                               place[1]), forward[0])
+                               place[1]), forward[0],
+                     recipe=functools.partial(_backward_recipe, place, knobs, (reserve, waits)))
 
 
 def _add_scored(pool: _Pool, label: str, place: Place, rows: list[Row], peak: float,
-                problem: _Problem, built: Schedule | None = None) -> bool:
+                problem: _Problem, built: Schedule | None = None,
+                recipe: Recipe | None = None) -> bool:
     """Add ``rows`` (and ``built``, its schedule if there is one) to the pool with its score;
     False when it deadlocks (nothing added)."""
     scored = score(rows, problem.layout(place), problem.microbatches, problem.fast(place))
     if scored is None:
         return False
     pool.add(Candidate(label, place[0], scored.makespan, peak, scored.idle_zb, place[1]), rows,
-             built)
+             built, recipe=recipe)
     return True

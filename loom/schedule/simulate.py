@@ -206,16 +206,20 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, *,
     starts = replayed.start
     finishes = [replayed.finish(rank) for rank in range(len(rows))]
     time = from_ints(starts + finishes, scale)
-    timeline = tuple(tuple(Slot(*slot) for slot in zip(row, time[rank], time[len(rows) + rank]))
+    timeline = tuple(tuple(map(Slot._make, zip(row, time[rank], time[len(rows) + rank])))
                      for rank, row in enumerate(schedule.actions))
     curves: tuple[tuple[tuple[Number, Number], ...], ...] = ((),) * schedule.pp_size
+    peaks = None
     if memory:
         deltas, unit = _memory_deltas(schedule, costs)
         points = [_memory_curve(*args, deltas) for args in zip(rows, starts, finishes)]
         times = from_ints([[t for t, _ in curve] for curve in points], scale)
-        levels = from_ints([[level for _, level in curve] for curve in points], unit)
+        raw = [[level for _, level in curve] for curve in points]
+        levels = from_ints(raw, unit)
         curves = tuple(tuple(zip(*pair)) for pair in zip(times, levels))
-    return SimResult(
+        if unit is not None and unit > 1:  # the peaks from the scaled ints: one Fraction a rank
+            peaks = tuple(Fraction(max(row), unit) for row in raw)
+    result = SimResult(
         name=schedule.name,
         num_stages=schedule.num_stages,
         num_microbatches=schedule.num_microbatches,
@@ -224,6 +228,17 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, *,
         memory=curves,
         costs=costs.describe(),
     )
+    # Figures the summary asks for at once, from the ints while they are at hand (the same
+    # numbers, of the same types, that ``busy`` and ``peak_memory`` compute from the Fractions,
+    # without adding up one Fraction per action): stored where their cached properties keep
+    # them.
+    if scale is not None and scale > 1:
+        result.__dict__["busy"] = tuple(
+            Fraction(sum(finish) - sum(start), scale) if start else 0
+            for start, finish in zip(starts, finishes))
+    if peaks is not None:
+        result.__dict__["peak_memory"] = peaks
+    return result
 
 
 def replay_shared(schedule: Schedule, work: dict[Action, float], latency: float,
