@@ -110,8 +110,12 @@ def _validate_zeppelin(config: Config) -> None:
     rank's bins, merged); otherwise the cp ranks of each data-parallel rank, which needs
     cp > 1. Either runs with tp (sequence parallelism on or off) and pp: every rank of a domain
     rank's tp group and pipeline computes the same placement; sub-rings per (tp, pp)
-    coordinate (and per data coordinate over cp alone), like the cp ring.
-    ``data.zeppelin_remap`` (the remapping layer) is built with tp = pp = 1 only."""
+    coordinate (and per data coordinate over cp alone), like the cp ring. So does
+    ``data.zeppelin_remap`` (the remapping layer): its all-to-alls run on the same domain
+    group of the rank's (tp, pp) coordinate, each tp rank moving its shard of the heads of the
+    linear shard every tp rank holds (SP splits it over tp around the blocks only, and the
+    attention core sees it whole), each stage remapping inside its own attention layers and
+    passing the linear shard on; nothing to refuse beyond ``balance = zeppelin``."""
     par = config.parallel
     if par.cp > 1 and par.cp_mode != "ring":
         raise ConfigError("parallel.cp_mode", par.cp_mode, "data.balance = zeppelin runs its"
@@ -121,12 +125,6 @@ def _validate_zeppelin(config: Config) -> None:
         raise ConfigError("data.balance", "zeppelin", "places documents over the dp x cp ranks,"
                           f" or over the cp ranks with parallel.cp > 1; here cp = {par.cp} and"
                           f" the dp x cp domain is out: {why_not_dp}. Use tokens, or cp > 1")
-    if config.data.zeppelin_remap:
-        for name, value in (("tp", par.tp), ("pp", par.pp)):
-            if value > 1:
-                raise ConfigError("data.zeppelin_remap", True, "the remapping layer is built"
-                                  f" and proven with tp = pp = 1; here parallel.{name} ="
-                                  f" {value}: turn it off")
 
 
 def _validate_varlen_layout(config: Config) -> None:

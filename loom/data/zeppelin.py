@@ -50,7 +50,8 @@ runtime runs them, and hands every rank its ``token_indices``; attention runs on
 (``zeppelin_cp.sub_ring_attention``): a document whole on one rank with no communication, a
 grouped one over its group's own process group, shards unpadded. With
 ``data.zeppelin_remap`` the remapping layer runs too (every candidate priced remapped, the
-shards the linear layout, ``loom.parallel.remap`` inside each attention layer; tp = pp = 1).
+shards the linear layout, ``loom.parallel.remap`` inside each attention layer; with tp and
+pp as the placement).
 Both domains run with tp (SP on or off) and pp: one domain per (tp, pp) coordinate, every tp
 rank and stage of a domain rank computing the same plan. What it still lacks: the dp x cp
 domain with ep > 1, an outer dp mode or MoE (refused by the config; with cp > 1 the

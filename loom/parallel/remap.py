@@ -20,6 +20,9 @@ The collectives go through ``loom.parallel.comm`` (axis ``remap`` by default), s
 ``CommLedger`` counts their calls and exact wire bytes (the rows that leave the rank).
 In training (``data.zeppelin_remap``) ``loom.parallel.zeppelin_cp`` builds one plan per
 microbatch (``sub_ring_keys``) and moves each attention layer's q, k, v and output with it.
+A ``Remap`` moves rows whatever the rest of a row holds, so tp and pp need nothing here: the
+group is the placement domain of the rank's own (tp, pp) coordinate, every tp rank plans the
+same rows and moves its shard of the heads, and each stage remaps in its own layers.
 Hand-written because torch has no uneven all-to-all with autograd (``torch.distributed
 .nn.functional.all_to_all_single`` exists but bypasses Loom's ledger).
 """

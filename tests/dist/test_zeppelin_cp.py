@@ -442,21 +442,6 @@ def record_placements(trainer: Trainer) -> list[tuple[list, list]]:
     return placed
 
 
-def record_remapped_training(ctx, config_table: dict, data_dir: str, steps: int) -> dict:
-    """``record_domain_training``, plus the remapping's all-to-all calls (ledger axis
-    ``remap``) and the costs the placement was priced with."""
-    trainer = Trainer(from_dict(config_table), Path(data_dir), None, ctx)
-    placed = record_placements(trainer)
-    record = train_and_record(trainer, steps)
-    record.update(placed=placed, domain_rank=trainer.cp_groups.cp_rank,
-                  domain=trainer.cp_groups.layout.ring,
-                  ring_sent=trainer.ledger.get("cp", "send").payload_bytes,
-                  remap_calls=trainer.ledger.get("remap", "all_to_all").calls,
-                  remap_wire=trainer.ledger.get("remap", "all_to_all").wire_bytes,
-                  costs=model_token_costs(trainer.args))
-    return record
-
-
 def assert_linear_layout(ranks: list[dict], domain: int, cp: int) -> None:
     """Each rank's shard is the remapped placement's linear layout: an equal split of the
     merged row (counts differ by one at most), every token once; some microbatch holds a
