@@ -156,7 +156,13 @@ def test_pipeline_matches_one_process(dist, small_data_dir, references, tmp_path
     check(references(microbatches), results, f"{family} pp={pp} m={microbatches}")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# CI: data parallelism under the runtime's kinds of order, one family each (1F1B's full
+# backwards, ZB-V's split ones on a V, interleaving, a wave, a searched order); every family
+# has its own pipeline-only case above, and the reducer does not depend on which it is
+DP_CI = ["1f1b", "zbv", "interleaved_1f1b", "hanayo", "search"]
+
+
+@pytest.mark.parametrize("family", matrix(FAMILIES, ci=DP_CI))
 def test_pipeline_with_data_parallel_matches_one_process(dist, small_data_dir, references,
                                                          tmp_path, family):
     microbatches = 4  # per pipeline; valid for every family at p = 2 (DualPipeV needs 2p)
