@@ -53,7 +53,7 @@ def test_an_ep2_checkpoint_loads_bit_identically(dist, small_data_dir, ep2_saved
 @pytest.mark.parametrize("source, target", matrix(
     [("ep4", "ep2"), ("dp2-ep2", "ep4"), ("single", "ep2"), ("ep2-tp2", "single"),
      ("ep4", "ep2-tp2"), ("tp2", "ep2"), ("pp2-ep2", "single"), ("ep4", "pp2-ep2")],
-    ci=[("dp2-ep2", "ep4"), ("ep2-tp2", "single"), ("tp2", "ep2"), ("ep4", "pp2-ep2")]))
+    ci=[("ep2-tp2", "single"), ("ep4", "pp2-ep2")]))  # ep, tp and pp on one side each
 def test_other_expert_layouts_reshard(dist, small_data_dir, tmp_path, source, target):
     check_reshard(dist, small_data_dir, tmp_path, (LAYOUTS[source][0], config_for(source)),
                   (LAYOUTS[target][0], config_for(target)), f"{source} -> {target}")
