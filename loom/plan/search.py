@@ -336,6 +336,8 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
             work, cluster.gpus, cluster.gpus_per_node, drop=state_too_large,
             skipped=dropped.append,
             **(space or {}))):
+        if group.first.zero_stage not in model.framework.zero_stages:
+            continue  # a ZeRO stage the planned stack does not have
         considered += len(group)
         if group.first.schedule == "search":
             searched_groups.append((ordinal, group))

@@ -172,6 +172,10 @@ class Framework:
     fp32_grad_slice: bool = False  # the ZeRO-1 step copies its own gradients' slice to fp32
     # the share of device memory the caching allocator holds but cannot hand out (fragments)
     allocator_reserve: float = 0.0
+    # the ZeRO stages the stack has (the planner's search proposes no other): Scaling has
+    # only its optimizer sharding (stage 1); the others keep every stage (Megatron's
+    # distributed optimizer and Megatron-FSDP, FSDP2 with and without resharding, DeepSpeed)
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     # whose gradient handling and optimizer step the step's HBM traffic follows
     # (``loom.sim.optimizer_cost.STACKS``)
     step_path: str = "loom"
@@ -259,7 +263,7 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
               sp_shards_all=True, compiled=False, optimizer_temporaries=True,
               softmax_in_fp32=True, norm_saves_output=True, eager_copies=True,
               gathered_logits=True, bucket_allreduce=True, fp32_grad_slice=True,
-              allocator_reserve=0.15, step_path="megatron",
+              allocator_reserve=0.15, zero_stages=(0, 1), step_path="megatron",
               overlap=Overlap(tp_comm=False, param_gather=False, grad_reduce="none")),
 )}
 LOOM = FRAMEWORKS["loom"]

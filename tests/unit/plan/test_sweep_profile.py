@@ -176,3 +176,17 @@ def test_the_planners_budget_leaves_out_the_allocators_reserve():
                              runnable_only=False).memory_budget
     assert budgets["megatron"] == pytest.approx(0.9 * UNIT.memory_bytes)
     assert budgets["scaling"] == pytest.approx(0.85 * UNIT.memory_bytes)
+
+
+def test_the_search_proposes_only_the_zero_stages_the_stack_has():
+    """Scaling shards only its optimizer (ZeRO-1): its plan holds no ZeRO-2/3 layout, where
+    Megatron's profile, on the same problem, ranks ZeRO-3 ones too."""
+    cluster = Cluster(UNIT, 8, 8, intra=FAST, inter=FAST)
+    work = Workload("debug", DEBUG, 64, 8)
+    stages = {}
+    for name in ("megatron", "scaling"):
+        model = CostModel(DEBUG, 64, 8, cluster, framework=framework(name))
+        ranked = plan(work, cluster, top=200, cost_model=model, runnable_only=False).ranked
+        stages[name] = {cost.layout.zero_stage for cost in ranked}
+    assert stages["scaling"] <= {0, 1} and 1 in stages["scaling"]
+    assert 3 in stages["megatron"]
