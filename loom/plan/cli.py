@@ -330,11 +330,17 @@ def _run(args: argparse.Namespace) -> int:
             raise PlanInputError(f"--layout: the degrees multiply to {layout.world}, not --gpus"
                                  f" {cluster.gpus}")
         check_vocab_pp(layout, work)  # the trainer's rules for it (ConfigError: exit 2)
+        if layout.zero_stage not in stack.zero_stages:
+            raise PlanInputError(f"--layout zero_stage={layout.zero_stage}: --framework"
+                                 f" {stack.name} has ZeRO stages"
+                                 f" {', '.join(map(str, stack.zero_stages))} only")
         model = CostModel(work.model, work.seq_len, work.global_batch, cluster, framework=stack,
                           fp8=fp8, fp8_all_gather=work.fp8_all_gather)
         cost = simulate_step(model, model.evaluate(layout))
-        result = Plan(work, cluster, cluster.gpu.memory_bytes * args.memory_fraction, [cost], 1,
-                      int(cost.memory_total <= cluster.gpu.memory_bytes * args.memory_fraction))
+        # the budget ``plan`` keeps: a stack's allocator reserve leaves its fragments out
+        budget = cluster.gpu.memory_bytes * min(args.memory_fraction,
+                                                1.0 - stack.allocator_reserve)
+        result = Plan(work, cluster, budget, [cost], 1, int(cost.memory_total <= budget))
         print(explain.to_json(result) if args.json else explain.breakdown(result, cost))
         return 0
     model = CostModel(work.model, work.seq_len, work.global_batch, cluster, framework=stack,

@@ -14,6 +14,7 @@ from loom.formulas.memory import (bucket_allreduce_bytes, gathered_logits_bytes,
 from loom.layout import Layout
 from loom.models.presets import PRESETS, parameter_count
 from loom.plan.hardware import GB, Cluster, Gpu, Link
+from loom.plan.cli import main
 from loom.plan.search import plan
 from loom.plan.space import Workload
 from loom.sim.cost_memory import _activation_bytes
@@ -190,3 +191,12 @@ def test_the_search_proposes_only_the_zero_stages_the_stack_has():
         stages[name] = {cost.layout.zero_stage for cost in ranked}
     assert stages["scaling"] <= {0, 1} and 1 in stages["scaling"]
     assert 3 in stages["megatron"]
+
+
+def test_an_explicit_layout_with_a_zero_stage_the_stack_lacks_is_refused(capsys):
+    base = ["plan", "--model", "tiny", "--gpus", "2", "--seq", "256",
+            "--global-batch-tokens", "4096", "--framework", "scaling", "--layout"]
+    assert main(base + ["dp_shard=2,zero_stage=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "zero_stage=3" in err[0] and "scaling" in err[0]
+    assert main(base + ["dp_shard=2,zero_stage=1"]) == 0
