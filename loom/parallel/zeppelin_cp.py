@@ -85,11 +85,12 @@ attention layout in one all-to-all (``Remap.to_attention``) and the output comes
 another (``Remap.to_linear``; backward the same two the other way, ledger axis ``remap``).
 Every candidate is then priced remapped (``zeppelin_placement.cp_step_price``): the busiest
 rank's attention plus the equal split's linear work plus the busiest rank's remapped bytes
-(``REMAP_BYTE_FLOPS``, an estimate). With tp and pp it runs unchanged: the all-to-alls go over
-the domain group of the rank's own (tp, pp) coordinate (the cp group the core is given), each
-tp rank moving its shard of the heads (under SP the attention core sees the whole linear
-shard, SP splitting it only around the blocks), and each stage remaps inside its own layers and
-passes the linear shard on (tests/dist/test_zeppelin_dp.py's remap section).
+(``REMAP_BYTE_FLOPS``, measured by bench/remap_price.py). With tp and pp it runs unchanged:
+the all-to-alls go over the domain group of the rank's own (tp, pp) coordinate (the cp group
+the core is given), each tp rank moving its shard of the heads (under SP the attention core
+sees the whole linear shard, SP splitting it only around the blocks), and each stage remaps
+inside its own layers and passes the linear shard on (tests/dist/test_zeppelin_dp.py's remap
+section).
 
 How a placement is chosen and priced: ``loom.parallel.zeppelin_placement``.
 

@@ -67,10 +67,11 @@ RING_SLOWDOWN = 1.13
 RING_CHUNK = 2048
 RING_CHUNK_EXPONENT = 0.35
 # The remapping layer's all-to-alls (data.zeppelin_remap) priced in linear flops per byte a
-# rank sends or receives: gloo between local processes moves ~1 GB/s where one CPU thread runs
-# the linear modules' fp32 matmuls at ~40 GFLOP/s (REMAP_BYTE_FLOPS = their ratio; an estimate,
-# not a calibration: see cp_step_price).
-REMAP_BYTE_FLOPS = 40.0
+# rank sends or receives: their ratio measured by bench/remap_price.py on this 2-core machine
+# (load ~1, tiny preset, 4 gloo ranks): one thread's fp32 projections at 110-146 GFLOP/s, an
+# all-to-all at 0.69-0.87 GB/s sent per rank, 160-169 flops per byte at 512-2048 rows (the
+# earlier estimate, 40, assumed 40 GFLOP/s and 1 GB/s). A GPU's ratio differs: rerun there.
+REMAP_BYTE_FLOPS = 160.0
 
 
 def model_token_costs(args: TransformerArgs,
