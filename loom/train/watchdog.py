@@ -189,8 +189,12 @@ def diagnose(records: dict[int, dict[str, Any]], reporter: int, *, now: float | 
     waited_on = {c for found in waits.values() for c in found}
     culprits = sorted(r for r in waited_on
                       if (r in running or r not in records) and (r not in waits or stale(r)))
-    if not culprits:
-        culprits = sorted(r for r in running if stale(r) and r != reporter)
+    # A live rank the reporter waits for may itself be blocked in an op it has not recorded
+    # yet (a point-to-point op to a frozen neighbour): a rank whose heartbeat has stopped
+    # explains the wait better, and killing the live one too would lose two neighbouring
+    # stages at once (CheckFree rebuilds one stage from its two neighbours).
+    silent = sorted(r for r in running if stale(r) and r != reporter)
+    culprits = [r for r in culprits if stale(r)] or silent or culprits
     if not culprits or reporter in culprits:
         return None
     lines = []

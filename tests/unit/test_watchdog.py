@@ -113,3 +113,21 @@ def test_preempt_grace_must_be_positive():
     with pytest.raises(ConfigError) as err:
         resolve(load_config(None, {"train.preempt_grace_s": "0"}), 1)
     assert err.value.field_name == "train.preempt_grace_s"
+
+
+def test_a_frozen_rank_is_named_rather_than_the_live_neighbour_blocked_on_it():
+    # pp = 3, rank 2 frozen (heartbeat stopped 15 s ago); rank 1 is live, blocked on it in an
+    # op it has not recorded. Rank 0 waits for both on pp, or for rank 1 alone on their own
+    # point-to-point key: either way only the frozen rank is named, never the live neighbour.
+    pp = {"pp": [0, 1, 2]}
+    both = {0: record(0, {"pp": 3}, members=pp),
+            1: record(1, {"pp": 2}, members=pp, heartbeat=NOW - 0.9),
+            2: record(2, {"pp": 2}, members=pp, heartbeat=NOW - 15)}
+    pair = {"pp": [0, 1, 2], "p2p01": [0, 1]}
+    one = {0: record(0, {"pp": 2, "p2p01": 5}, members=pair),
+           1: record(1, {"pp": 2, "p2p01": 4}, members=pair, heartbeat=NOW - 0.9),
+           2: record(2, {"pp": 2}, members=pp, heartbeat=NOW - 15)}
+    for records in (both, one):
+        found = diagnose(records, 0, now=NOW, state=no_state)
+        assert found.culprits == [2]
+        assert "last seen 15 s ago" in found.message
