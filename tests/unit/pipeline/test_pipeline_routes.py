@@ -212,14 +212,15 @@ def test_the_command_line_lists_shows_simulates_and_exports_json(capsys, tmp_pat
     assert "--format" in capsys.readouterr().err  # a route without microbatches: JSON only
 
 
-def eager_windows(p: int, m: int) -> list[float]:
-    """Per copy-sum unit of every rank (``route_copies.copy_units``): the share of the simulated
-    step (F = I = W) left after both ranks of its pair are past its last W or B, the time an
-    eager all-reduce has to hide behind."""
+def eager_windows(schedule: Schedule) -> list[float]:
+    """Per copy-sum unit of every rank (``route_copies.copy_units``) of a two-copy schedule: the
+    share of the simulated step (F = I = W) left after both ranks of its pair are past its last
+    W or B, the time an eager all-reduce has to hide behind (tests/unit/schedule/test_bitpipe.py
+    compares BitPipe's order with it)."""
     from loom.pipeline.route_copies import copy_units
     from loom.pipeline.runtime import copy_groups
 
-    schedule = get("bidirectional_v")(p, m)
+    p = schedule.pp_size
     result = simulate(schedule, StageCosts.uniform(1, 1, 1))
     finish = {slot.action: slot.finish for row in result.timeline for slot in row}
     span = max(finish.values())
@@ -243,7 +244,7 @@ def test_eager_sync_has_the_drain_to_hide_behind(p, m, early, mean):
     """The numbers in docs/design.md ("BitPipe in full"): the greedy order fills the drain with
     W pieces, so units are ready only in the last few percent of the step; most are ready
     before its end, which is what eager synchronisation overlaps."""
-    windows = eager_windows(p, m)
+    windows = eager_windows(get("bidirectional_v")(p, m))
     assert sum(w > 0 for w in windows) / len(windows) == early
     assert sum(windows) / len(windows) == pytest.approx(mean, abs=0.0005)
 

@@ -12,14 +12,13 @@ import pytest
 
 from loom.config import ConfigError, load_config, resolve
 from loom.pipeline.cli import main
-from loom.pipeline.route_copies import copy_units
-from loom.pipeline.runtime import copy_groups
 from loom.schedule.cost import StageCosts
 from loom.schedule.families import get, names, routed, trainable
 from loom.schedule.families.bidirectional import bidirectional_placement
 from loom.schedule.ir import Op, Schedule, csv_text
 from loom.schedule.simulate import simulate
 from loom.schedule.validate import peak_memory, validate
+from tests.unit.pipeline.test_pipeline_routes import eager_windows
 
 # The paper's figures (p = 4; the authors' repository draws them), transcribed per rank: one
 # unit of 4 microbatches (0, 1 down, 2, 3 up), then two units concatenated. Stages 0..7 are the
@@ -136,25 +135,6 @@ def test_the_command_line_exports_csv_with_routes_and_json_that_read_back(capsys
     assert main(["schedule", "simulate", "bitpipe", "--pp", "4", "-m", "6"]) == 2
     assert "multiple of pp_size=4" in capsys.readouterr().err
 
-
-
-def eager_windows(schedule: Schedule) -> list[float]:
-    """Per copy-sum unit of every rank (``route_copies.copy_units``): the share of the simulated
-    step (F = I = W) left after both ranks of its pair ran its last W or B, the time an eager
-    all-reduce has to hide behind (as tests/unit/pipeline/test_pipeline_routes.py measures)."""
-    result = simulate(schedule, StageCosts.uniform(1, 1, 1))
-    finish = {slot.action: slot.finish for row in result.timeline for slot in row}
-    span, length = max(finish.values()), schedule.stages_per_route
-    windows = []
-    for pair in copy_groups(schedule):
-        for rank in pair:
-            for unit in copy_units(schedule, rank, pair, tied=False):
-                ready = max(finish[next(a for a in reversed(schedule.actions[member])
-                                        if a.op in (Op.W, Op.B)
-                                        and a.stage % length in unit.model_stages)]
-                            for member in pair)
-                windows.append((span - ready) / span)
-    return windows
 
 
 @pytest.mark.parametrize("p, m, mean", [(2, 4, 0.125), (4, 8, 0.134), (4, 16, 0.069),
