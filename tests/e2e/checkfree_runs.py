@@ -12,6 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from loom.train.checkfree import NORM_EPS
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
 ROOT = Path(__file__).parents[2]
@@ -57,3 +60,26 @@ def logged_steps(run_dir: Path) -> list[int]:
         if "loss" in row:
             steps.append(row["step"])
     return steps
+
+
+def check_middle_rebuild(dumps: Path, after_step: int | None = None) -> None:
+    """From the dumps of recovery generation 1 (``fault.dump_recovery``): stage 2 was rebuilt
+    from stages 1 and 3 as their gradient-norm-weighted average, bit for bit, with an empty
+    optimizer and ``fault.recovery_lr_scale`` (1.1) times their learning rate; ``after_step``:
+    the last step the lost stage finished (None: whatever it was, the same in all three)."""
+    prev = torch.load(dumps / "gen1_rank1_sent.pt")
+    nxt = torch.load(dumps / "gen1_rank3_sent.pt")
+    rebuilt = torch.load(dumps / "gen1_rank2_rebuilt.pt")
+    assert prev["step"] == nxt["step"] == rebuilt["step"]
+    assert after_step is None or rebuilt["step"] == after_step
+    w_prev, w_next = prev["grad_norm"] + NORM_EPS, nxt["grad_norm"] + NORM_EPS
+    assert prev["grad_norm"] > 0 and nxt["grad_norm"] > 0
+    assert (rebuilt["w_prev"], rebuilt["w_next"]) == (w_prev, w_next)
+    assert set(rebuilt["blocks"]) == set(prev["blocks"]) == set(nxt["blocks"])
+    assert rebuilt["sources"] == [1, 3] and rebuilt["optimizer_states"] == 0
+    assert prev["lr"] == nxt["lr"] == rebuilt["source_lr"] > 0
+    assert rebuilt["lr"] == pytest.approx(1.1 * prev["lr"], rel=1e-12)
+    for key, value in rebuilt["blocks"].items():
+        want = (prev["blocks"][key] * w_prev + nxt["blocks"][key] * w_next) / (w_prev + w_next)
+        assert torch.equal(value, want), key
+        assert not torch.equal(value, prev["blocks"][key])  # really a mix of both

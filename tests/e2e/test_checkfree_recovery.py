@@ -10,16 +10,19 @@ from __future__ import annotations
 
 
 import pytest
-import torch
 
-from loom.train.checkfree import NORM_EPS
-from tests.e2e.checkfree_runs import logged_steps, pipeline_args, run_to_end
+from tests.e2e.checkfree_runs import (check_middle_rebuild, logged_steps, pipeline_args,
+                                     run_to_end)
 
 STEPS, KILL_STEP = 6, 3
 FAULT = ["--fault.test_kill_stage=2", f"--fault.test_kill_step={KILL_STEP}",
          "--fault.dump_recovery=true"]
 
 
+# slow (62 s in CI): the hung-stage test (test_checkfree_relaunch.py) rebuilds stage 2 through
+# the same recovery and checks the same average bit for bit; CheckFree+'s test covers a killed
+# (exited) process. This one adds only the kill at a chosen step.
+@pytest.mark.slow
 def test_a_killed_middle_stage_is_rebuilt_from_its_neighbours_and_the_run_finishes(tmp_path):
     run_dir = tmp_path / "run"
     log = run_to_end(pipeline_args("checkfree", STEPS, run_dir) + FAULT, 240)
@@ -32,19 +35,4 @@ def test_a_killed_middle_stage_is_rebuilt_from_its_neighbours_and_the_run_finish
     assert logged_steps(run_dir) == list(range(1, STEPS + 1))
     assert (run_dir / "model.safetensors").exists()
 
-    dumps = run_dir / "checkfree"
-    prev = torch.load(dumps / "gen1_rank1_sent.pt")
-    nxt = torch.load(dumps / "gen1_rank3_sent.pt")
-    rebuilt = torch.load(dumps / "gen1_rank2_rebuilt.pt")
-    assert prev["step"] == nxt["step"] == rebuilt["step"] == KILL_STEP - 1
-    w_prev, w_next = prev["grad_norm"] + NORM_EPS, nxt["grad_norm"] + NORM_EPS
-    assert prev["grad_norm"] > 0 and nxt["grad_norm"] > 0
-    assert (rebuilt["w_prev"], rebuilt["w_next"]) == (w_prev, w_next)
-    assert set(rebuilt["blocks"]) == set(prev["blocks"]) == set(nxt["blocks"])
-    assert rebuilt["sources"] == [1, 3] and rebuilt["optimizer_states"] == 0
-    assert prev["lr"] == nxt["lr"] == rebuilt["source_lr"] > 0
-    assert rebuilt["lr"] == pytest.approx(1.1 * prev["lr"], rel=1e-12)
-    for key, value in rebuilt["blocks"].items():
-        want = (prev["blocks"][key] * w_prev + nxt["blocks"][key] * w_next) / (w_prev + w_next)
-        assert torch.equal(value, want), key
-        assert not torch.equal(value, prev["blocks"][key])  # really a mix of both
+    check_middle_rebuild(run_dir / "checkfree", after_step=KILL_STEP - 1)

@@ -4,7 +4,9 @@ launcher itself is told to stop.
 * A hung middle stage: once step 2 is logged, stage 2's process is SIGSTOPped (a frozen node:
   alive, its sockets open, answering nothing). Its neighbours' collectives time out after
   ``train.timeout_s``; their watchdog names rank 2; the launcher SIGKILLs it and replaces it
-  exactly as if it had died, rebuilt from stages 1 and 3. Every step finishes, in bounded time.
+  exactly as if it had died, rebuilt from stages 1 and 3: from the dumps the ranks wrote, the
+  replacement's blocks equal the neighbours' gradient-norm-weighted average bit for bit. Every
+  step finishes, in bounded time.
 * A hung first stage under checkfree (which cannot rebuild it): the same detection and kill,
   then the job fails naming the hung rank, in bounded time, and no worker is left behind.
 * SIGTERM to the launcher: it stops every worker and exits nonzero saying so; no worker process
@@ -21,13 +23,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.checkfree_runs import logged_steps, pipeline_args, start
+from tests.e2e.checkfree_runs import check_middle_rebuild, logged_steps, pipeline_args, start
 
 TIMEOUT_S = 15
 
 
-def _start(steps: int, run_dir: Path) -> subprocess.Popen:
-    return start(pipeline_args("checkfree", steps, run_dir, timeout_s=TIMEOUT_S))
+def _start(steps: int, run_dir: Path, *extra: str) -> subprocess.Popen:
+    return start(pipeline_args("checkfree", steps, run_dir, timeout_s=TIMEOUT_S) + list(extra))
 
 
 def _wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, limit_s: float) -> None:
@@ -65,7 +67,7 @@ def _finish(proc: subprocess.Popen, limit_s: float) -> str:
 
 def test_a_hung_middle_stage_is_killed_and_rebuilt_and_the_run_finishes(tmp_path):
     run_dir, steps = tmp_path / "run", 12
-    proc = _start(steps, run_dir)
+    proc = _start(steps, run_dir, "--fault.dump_recovery=true")
     _wait_for_step(proc, run_dir, 2, 240)
     hung = _workers(proc.pid)[2]
     os.kill(hung, signal.SIGSTOP)
@@ -80,6 +82,8 @@ def test_a_hung_middle_stage_is_killed_and_rebuilt_and_the_run_finishes(tmp_path
     assert logged_steps(run_dir) == list(range(1, steps + 1))
     with pytest.raises(ProcessLookupError):
         os.kill(hung, 0)  # the frozen process is gone, not left stopped
+    # the replacement is its neighbours' weighted average, bit for bit
+    check_middle_rebuild(run_dir / "checkfree")
 
 
 @pytest.mark.slow  # 34 s: the hang path itself is covered by the rebuild test above
