@@ -89,37 +89,6 @@ def _digest(path: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
 
 
-def test_train_from_a_hf_model_then_export_gives_transformers_the_same_logits(tmp_path):
-    _setup(tmp_path, "good")
-    before = _digest(tmp_path / "model")
-    env = clean_env()
-    train = subprocess.run(
-        [sys.executable, "-m", "loom", "train", "--nproc", "2", "--parallel.tp=2",
-         "--model.init_from=model", "--data.tokenizer=byte", "--data.seq_len=32",
-         "--data.max_bytes=100000", "--train.steps=3", "--train.global_batch_size=4",
-         "--train.micro_batch_size=2", "--train.eval_every=0", "--metrics.tensorboard=false",
-         "--metrics.plot=false", "--train.run_dir=runs/ft"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert train.returncode == 0, train.stderr[-2000:]
-    assert _digest(tmp_path / "model") == before  # the pretrained directory is untouched
-    export = subprocess.run([sys.executable, "-m", "loom", "hf", "export", "runs/ft", "out"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert export.returncode == 0, export.stderr[-2000:]
-
-    from loom.generate import load_trained_model
-
-    ours, _, _ = load_trained_model(tmp_path / "runs" / "ft", torch.device("cpu"))
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
-                                                               dtype=torch.float32)
-    start = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model",
-                                                              dtype=torch.float32)
-    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        got, want, initial = ours(tokens), theirs(tokens).logits, start(tokens).logits
-    assert (got - want).abs().max() <= 1e-5
-    assert (want - initial).abs().max() > 1e-4  # it trained: not the starting weights
-
-
 def test_a_hf_model_directorys_tokenizer_is_the_default(tmp_path, monkeypatch, capsys):
     from tests.data_fixtures import make_tokenizer
 
@@ -148,9 +117,12 @@ def test_a_tokenizer_larger_than_the_pretrained_vocabulary_is_refused(tmp_path, 
     assert snapshot(tmp_path) == before
 
 
-def test_greedy_loom_generate_continues_as_transformers_greedy_generate(tmp_path):
-    """Fine-tune from a HF directory with its tokenizer, export, then the same prompt: Loom's
-    `--temperature 0` text is transformers' greedy `generate` on the exported weights."""
+def test_a_hf_fine_tune_under_tp_exports_the_same_logits_and_the_same_greedy_text(tmp_path):
+    """Fine-tune from a HF directory with its tokenizer under tp = 2, export: transformers'
+    logits on the exported weights are Loom's on the run's (and not the starting weights'), the
+    pretrained directory is untouched, and for the same prompt Loom's `--temperature 0` text is
+    transformers' greedy `generate`. (One fine-tune checked both ways: each costs a 2-rank
+    launch.)"""
     from tests.data_fixtures import make_tokenizer
 
     _setup(tmp_path, "good")
@@ -163,11 +135,27 @@ def test_greedy_loom_generate_continues_as_transformers_greedy_generate(tmp_path
         assert done.returncode == 0, done.stderr[-2000:]
         return done
 
-    loom("train", "--model.init_from=model", "--data.seq_len=32", "--data.max_bytes=100000",
-         "--train.steps=2", "--train.global_batch_size=4", "--train.micro_batch_size=2",
-         "--train.eval_every=0", "--metrics.tensorboard=false", "--metrics.plot=false",
-         "--train.run_dir=runs/ft")
+    before = _digest(tmp_path / "model")
+    loom("train", "--nproc", "2", "--parallel.tp=2", "--model.init_from=model",
+         "--data.seq_len=32", "--data.max_bytes=100000", "--train.steps=3",
+         "--train.global_batch_size=4", "--train.micro_batch_size=2", "--train.eval_every=0",
+         "--metrics.tensorboard=false", "--metrics.plot=false", "--train.run_dir=runs/ft")
+    assert _digest(tmp_path / "model") == before  # the pretrained directory is untouched
     loom("hf", "export", "runs/ft", "out")
+
+    from loom.generate import load_trained_model
+
+    trained, _, _ = load_trained_model(tmp_path / "runs" / "ft", torch.device("cpu"))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                                 dtype=torch.float32)
+    start = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model",
+                                                              dtype=torch.float32)
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want, initial = trained(tokens), exported(tokens).logits, start(tokens).logits
+    assert (got - want).abs().max() <= 1e-5
+    assert (want - initial).abs().max() > 1e-4  # it trained: not the starting weights
+
     prompt = "def add(a, b):"
     ours = loom("generate", "--run", "runs/ft", "--prompt", prompt, "--temperature", "0",
                 "--max-new-tokens", "12").stdout
@@ -176,8 +164,7 @@ def test_greedy_loom_generate_continues_as_transformers_greedy_generate(tmp_path
 
     tokenizer = load_tokenizer(tmp_path / "runs" / "ft" / "data")  # the run's own copy
     ids = torch.tensor([tokenizer.encode(prompt)])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
-    out = hf.generate(ids, do_sample=False, max_new_tokens=12, eos_token_id=tokenizer.eos_id,
+    out = exported.generate(ids, do_sample=False, max_new_tokens=12, eos_token_id=tokenizer.eos_id,
                       pad_token_id=tokenizer.eos_id)
     new = [t for t in out[0, ids.shape[1]:].tolist()]
     if tokenizer.eos_id in new:
