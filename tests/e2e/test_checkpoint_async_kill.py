@@ -4,19 +4,15 @@ still the newest complete checkpoint, and a new run resumes from it.
 
 The write is held (DCP's file writer waits before writing, as on a very slow disk) so the kill
 lands inside it every time; everything else is the real Trainer and checkpoint code in a child
-process of its own. And through ``loom train``: asynchronous checkpoints are committed before
-the run exits and do not change the trained weights.
+process of its own. (Through ``loom train``, that asynchronous checkpoints are committed before
+the run exits and do not change the trained weights is test_fault_restart.py's.)
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import subprocess
-import sys
 import time
 from pathlib import Path
-
-import torch
 
 from loom.config import from_dict
 from loom.testing.parity import layout_config
@@ -92,35 +88,3 @@ def test_a_kill_during_the_background_write_keeps_the_previous_checkpoint(
     assert newest == step_dir(root, 2) and refused == []
     path, step = dist.run(1, resumed_step, config, small_data_dir, str(run_dir))[0]
     assert (path, step) == (str(step_dir(root, 2)), 2)
-
-
-def test_loom_train_with_async_checkpoints_commits_them_and_matches_a_sync_run(tmp_path):
-    """Through the CLI (2 processes, fit): the last background save is committed before the run
-    exits, keep-K holds, nothing is left half-written, and the final weights equal a run with
-    synchronous checkpoints."""
-    from loom.train.checkpoint import complete_checkpoints, step_dir
-    from tests.e2e.test_fault_restart import ARGS, ENV, _weights
-
-    args = [a for a in ARGS if not a.startswith(("--train.steps", "--checkpoint.interval"))]
-    args += ["--train.steps=7", "--checkpoint.interval=2", "--checkpoint.keep=2"]
-    runs = {}  # the two runs side by side: their start-ups overlap
-    for mode in ("sync", "async"):
-        log = (tmp_path / f"{mode}.log").open("w")  # a file: an unread pipe could stall a run
-        runs[mode] = (subprocess.Popen([sys.executable, "-m", "loom", "train", *args,
-                                        f"--checkpoint.async_save={str(mode == 'async').lower()}",
-                                        f"--train.run_dir=runs/{mode}"], cwd=tmp_path, env=ENV,
-                                       stdout=log, stderr=subprocess.STDOUT), log)
-    for mode, (proc, log) in runs.items():
-        try:
-            code = proc.wait(timeout=600)
-        finally:
-            proc.kill()
-            log.close()
-        assert code == 0, (tmp_path / f"{mode}.log").read_text()[-2000:]
-    root = tmp_path / "runs" / "async" / "checkpoints"
-    assert complete_checkpoints(root) == [step_dir(root, 6), step_dir(root, 7)]
-    assert not list(root.glob("*.partial"))
-    expected, got = _weights(tmp_path / "runs" / "sync"), _weights(tmp_path / "runs" / "async")
-    assert set(got) == set(expected)
-    for name, value in expected.items():
-        assert torch.equal(got[name], value), name

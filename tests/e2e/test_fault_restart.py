@@ -1,6 +1,10 @@
 """Fault tolerance end to end: a worker SIGKILLed mid-run under `--max-restarts` makes the elastic
 agent restart the job, which resumes from the newest complete checkpoint and finishes with final
-weights bit-identical to an uninterrupted run (fp32, deterministic CPU kernels)."""
+weights bit-identical to an uninterrupted run (fp32, deterministic CPU kernels).
+
+The uninterrupted run saves its checkpoints asynchronously (the faulty one synchronously), so the
+same comparison shows through the CLI that background saves do not change the trained weights;
+its last save is committed before it exits, keep-K holds and nothing is left half-written."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from loom.train.checkpoint import complete_checkpoints, step_dir
 from tests.e2e.test_cli_train import _worker_pids
 
 STEPS = 24
@@ -42,6 +47,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bit_identical(tmp_path):
     straight_log = tmp_path / "straight.log"
     with straight_log.open("w") as log:
         straight = subprocess.Popen([sys.executable, "-m", "loom", "train", *ARGS,
+                                     "--checkpoint.async_save=true", "--checkpoint.keep=2",
                                      "--train.run_dir=runs/straight"], cwd=tmp_path, env=ENV,
                                     stdout=log, stderr=subprocess.STDOUT)
     run_dir = tmp_path / "runs" / "faulty"
@@ -63,6 +69,9 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bit_identical(tmp_path):
         proc.kill()
         straight.kill()
     assert straight.returncode == 0, straight_log.read_text()[-2000:]
+    root = tmp_path / "runs" / "straight" / "checkpoints"
+    assert complete_checkpoints(root) == [step_dir(root, STEPS - 4), step_dir(root, STEPS)]
+    assert not list(root.glob("*.partial"))
     assert proc.returncode == 0, stderr[-3000:]
     assert "resume: continuing from" in stderr, stderr[-3000:]
     expected, got = _weights(tmp_path / "runs" / "straight"), _weights(run_dir)
