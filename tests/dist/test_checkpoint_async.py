@@ -18,7 +18,7 @@ import pytest
 
 from loom.config import from_dict
 from loom.testing.parity import layout_config
-from tests.conftest import SMALL_DATA_OVERRIDES
+from tests.conftest import SMALL_DATA_OVERRIDES, matrix
 from tests.dist.test_checkpoint_resume import (assert_equal_states, check_resume,
                                                resume_and_finish, state_after_load)
 
@@ -85,7 +85,9 @@ def async_stop_resume(ctx, config_table, data_dir, run_dir, steps):
     return resume_and_finish(ctx, config_table, data_dir, run_dir, steps)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# dp2 in the matrix: replicated state is the simplest case, and through the CLI an async dp2 run
+# is compared with a sync one by tests/e2e/test_fault_restart.py
+@pytest.mark.parametrize("layout", matrix(LAYOUTS, ci=["zero1-dp2", "tp2"]))
 def test_an_async_checkpoint_equals_a_sync_one(dist, small_data_dir, tmp_path, layout):
     sync_path, async_path, overlapped = dist.run(2, sync_then_async, config_for(layout, False),
                                                  small_data_dir, str(tmp_path))[0]
