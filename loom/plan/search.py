@@ -33,6 +33,7 @@ import heapq
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from typing import Any
 
 from loom.config import Config, ConfigError, load_config, resolve, with_layout
@@ -42,6 +43,9 @@ from loom.plan.hardware import Cluster
 from loom.plan.space import LayoutGroup, Workload, layouts, vocab_pp_fits
 from loom.schedule import families as schedules
 from loom.schedule.select import SEARCH, schedule_of
+from loom.schedule.cost import StageCosts
+from loom.schedule.ir import Schedule
+from loom.schedule.replay import Costs, encode, replay
 from loom.schedule.simulate import replay_shared, simulate
 from loom.schedule.validate import peak_memory
 from loom.sim.cost_memory import memory_floor, search_units_left
@@ -82,14 +86,14 @@ def simulate_step(model: CostModel, cost: StepCost, *, max_simulated: int | None
     cores = model.shared_cores(lay)
     if lay.schedule == SEARCH:
         return _simulate_searched(model, cost, stage_costs, cores)
-    generator = schedules.get(lay.schedule)
 
     def makespan(microbatches: int) -> float:
         # the families' generators are validated for these sizes by their tests; the runtime's
         # schedule_for would validate again, which costs more than the simulation itself
-        schedule = generator(p, microbatches, chunks=lay.chunks) \
-            if lay.schedule == "interleaved_1f1b" else generator(p, microbatches)
-        return _replay(schedule, stage_costs, cores)
+        chunks = lay.chunks if lay.schedule == "interleaved_1f1b" else None
+        if cores:
+            return _replay(_family(lay.schedule, p, microbatches, chunks)[0], stage_costs, cores)
+        return _family_makespan(lay.schedule, p, microbatches, chunks, stage_costs)
 
     pipeline = makespan(first)
     if m > first:  # extend by the steady state's slope, measured one pipeline length later
@@ -99,6 +103,35 @@ def simulate_step(model: CostModel, cost: StepCost, *, max_simulated: int | None
     if lay.vocab_parallel_pp:  # the split embedding's messages at the step's edges
         pipeline += model.vocab_pass_times(lay)[4] * m
     return replace(cost, pipeline=pipeline, simulated=True)
+
+
+@functools.lru_cache(maxsize=4)  # (a 64-rank V of 192 microbatches: ~10 MB)
+def _family(name: str, pp: int, microbatches: int, chunks: int | None
+            ) -> tuple[Schedule, list]:
+    """A family's schedule (``chunks`` None: not passed, the family's own) and its rows as the
+    replay's integer triples, cached: finalists that differ only in their data parallelism
+    share them, and a 64-rank V's generation costs more than its replay."""
+    generator = schedules.get(name)
+    schedule = generator(pp, microbatches) if chunks is None \
+        else generator(pp, microbatches, chunks=chunks)
+    return schedule, encode(schedule)
+
+
+def _family_makespan(name: str, pp: int, microbatches: int, chunks: int | None,
+                     stage_costs: StageCosts) -> float:
+    """``simulate(...).makespan`` of a family's schedule on ``stage_costs``, from the replay
+    alone: the simulator's timeline (a slot per action, tens of thousands on a deep pipeline)
+    is not built, and the same times come out (each rank's last finish). A family's schedule
+    has no offload or vocabulary passes (what ``simulate`` checks for first)."""
+    schedule, rows = _family(name, pp, microbatches, chunks)
+    stage_costs.check(schedule)
+    timing, scale = Costs.exact(stage_costs, schedule.num_stages)
+    replayed = replay(rows, schedule.placement, schedule.num_microbatches, timing,
+                      schedule.stages_per_route)
+    if not replayed.completed:  # a stall: the simulator raises it with its grid
+        return float(simulate(schedule, stage_costs, memory=False).makespan)
+    last = max((end for end, row in zip(replayed.end, rows) if row), default=0)
+    return float(Fraction(last, scale) if scale is not None and scale > 1 else last)
 
 
 def _replay(schedule: Any, stage_costs: Any, cores: float) -> float:
@@ -368,6 +401,12 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
             if (not searched and not exhaustive and len(heap) == keep
                     and model.compute_floor(layout) > -heap[0][0]):
                 break  # recomputing more is slower still
+            if not exhaustive and len(heap) == keep and model.step_floor(layout) > -heap[0][0]:
+                # its step without the data-parallel part is already slower than every layout
+                # kept: what pricing it whole would find (below), at a fifth of the price
+                if settled:
+                    break
+                continue
             cost = model.evaluate(layout)
             entry = (-cost.step_time, rank, cost)
             if len(heap) == keep and entry[:2] < heap[0][:2]:

@@ -27,9 +27,10 @@ Which of these Loom can run today (some combinations are still refused by
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import overload
+from types import MappingProxyType
+from typing import Any, overload
 
 from loom.layout import Layout
 from loom.models.args import TransformerArgs
@@ -121,6 +122,20 @@ def _cp_modes(m: TransformerArgs, tp: int, cp: int, seq: int) -> list[str]:
     return modes
 
 
+def _layout(fields: Mapping[str, Any]) -> Layout:
+    """``Layout(**fields)`` given every field: the same object (its fields, then its
+    ``__post_init__``) at a quarter of the price. The frozen dataclass's ``__init__`` sets 24
+    fields one ``object.__setattr__`` at a time, and the space builds tens of thousands."""
+    layout = object.__new__(Layout)
+    layout.__dict__.update(fields)
+    layout.__post_init__()
+    return layout
+
+
+# every field of a Layout at its default (``_layout``'s starting point)
+_DEFAULTS: Mapping[str, Any] = MappingProxyType(vars(Layout()))
+
+
 class LayoutGroup(Sequence[Layout]):
     """Layouts that differ only in the recomputation policy, cheapest first. Only the first is
     built up front: the planner drops most groups on it alone (their model state does not fit),
@@ -150,7 +165,7 @@ class LayoutGroup(Sequence[Layout]):
         while len(self._built) <= index:
             # the first's fields with another policy (dataclasses.replace takes twice as long)
             fields = {**vars(self.first), "recompute": self._recompute[len(self._built)]}
-            self._built.append(Layout(**fields))
+            self._built.append(_layout(fields))
         return self._built[index]
 
     def __iter__(self) -> Iterator[Layout]:
@@ -167,9 +182,10 @@ def layouts(work: Workload, world: int, gpus_per_node: int, *,
     """Every layout of ``work`` on ``world`` accelerators (see the module docstring), in groups
     that differ only in the recomputation policy, cheapest first: a search may stop at the first
     of a group that fits in memory, since recomputing more never makes a step faster.
-    ``drop``: a test that must not look at the context-parallel mode or the recomputation
-    (the planner's: the model state does not fit); asked once for the groups that differ only
-    in those, which are then not built (``skipped`` is told how many layouts)."""
+    ``drop``: a test that must not look at the context-parallel mode or the recomputation, nor
+    at the microbatches beyond whether there is more than one (the planner's: the model state
+    does not fit); asked once for the groups that differ only in those, which are then not
+    built (``skipped`` is told how many layouts)."""
     m, seq, batch = work.model, work.seq_len, work.global_batch
     families = SCHEDULES if schedules is None else schedules
     experts = m.n_experts
@@ -211,6 +227,8 @@ def _inner(m, pp, dp, ep, cp, tp, local, modes, gpus_per_node, families, micro_b
     for shard in _shard_options(dp, tp * cp * ep, gpus_per_node):
         stages = (0,) if shard == 1 else (1, 2, 3)
         for zero in stages:
+            # ``drop``'s verdicts by (schedule, chunks, m > 1): the microbatch sizes share them
+            verdicts: dict[tuple[str, int, bool], bool] = {}
             for b in micro_batches:
                 if local % b:
                     continue
@@ -225,17 +243,24 @@ def _inner(m, pp, dp, ep, cp, tp, local, modes, gpus_per_node, families, micro_b
                              and (name != "interleaved_1f1b" or micro % pp == 0)
                              and (name != "search" or pp * micro <= SEARCH_MAX_WORK)]
                 for schedule, chunks in plans:
+                    key = (schedule, chunks, micro > 1)
+                    if verdicts.get(key):  # dropped at another microbatch size: not built
+                        skipped(len(modes) * len(recompute))
+                        continue
                     sp = tp > 1  # under every schedule (split I/W backwards too, since the
                     # retaining split's W applies TP's gradient placement: loom.pipeline.stage)
                     for mode in modes:
-                        first = Layout(pp=pp, dp_replicate=dp // shard, dp_shard=shard, ep=ep,
-                                       cp=cp, tp=tp, zero_stage=zero, sequence_parallel=sp,
-                                       # ZeRO-3 stages stay gathered across the step, as priced
-                                       reshard_after_forward=not (pp > 1 and zero == 3),
-                                       cp_mode=mode, schedule=schedule, chunks=chunks,
-                                       micro_batch=b, microbatches=micro,
-                                       recompute=recompute[0])
-                        if drop is not None and drop(first):
+                        first = _layout({
+                            **_DEFAULTS, "pp": pp, "dp_replicate": dp // shard,
+                            "dp_shard": shard, "ep": ep, "cp": cp, "tp": tp, "zero_stage": zero,
+                            "sequence_parallel": sp,
+                            # ZeRO-3 stages stay gathered across the step, as priced
+                            "reshard_after_forward": not (pp > 1 and zero == 3),
+                            "cp_mode": mode, "schedule": schedule, "chunks": chunks,
+                            "micro_batch": b, "microbatches": micro, "recompute": recompute[0]})
+                        if drop is not None and key not in verdicts:
+                            verdicts[key] = drop(first)
+                        if verdicts.get(key):
                             skipped(len(modes) * len(recompute))
                             break  # the other modes share what ``drop`` looks at
                         yield LayoutGroup(first, recompute)

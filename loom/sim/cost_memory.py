@@ -94,11 +94,12 @@ def layout_memory(model: Any, lay: Layout, in_flight: tuple[float, ...] | None =
     attention = attention_transient(model, lay)  # at the instants with every activation
     worst: tuple[dict[str, float], float, float] | None = None
     worst_total = 0.0
+    per_mbs = _per_microbatch(model, lay.pp, lay.chunks, v_shaped, dense_act, moe_act)
     for r, instants in states.items():
         if rank is not None and r != rank:
             continue
         own = owned[r]
-        per_mb = sum(counts[s][0] * dense_act + counts[s][1] * moe_act for s in own)
+        per_mb = per_mbs[r]
         # in flight on rank r: the schedule's peak on rank 0 (and on every rank of a V, whose
         # ranks are balanced), one fewer per rank further down a looped pipeline
         # (the search's limit binds every rank alike)
@@ -129,6 +130,20 @@ def layout_memory(model: Any, lay: Layout, in_flight: tuple[float, ...] | None =
     entry, acts, extra = worst
     return {name: (acts if name == "activations" else value + extra if name == "transient"
                    else value) for name, value in entry.items() if not name.startswith("_")}
+
+
+def _per_microbatch(model: Any, pp: int, chunks: int, v_shaped: bool, dense: float,
+                    moe: float) -> dict[int, float]:
+    """The end ranks' activations of one microbatch, their stages' blocks at ``dense`` and
+    ``moe`` bytes each, cached on ``model`` (a few shapes recur across the layouts)."""
+    key = (pp, chunks, v_shaped, dense, moe)
+    found = model._per_mb_cache.get(key)
+    if found is None:
+        counts, _, owned = model._geometry(pp, chunks, v_shaped)
+        found = model._per_mb_cache[key] = {
+            r: sum(counts[s][0] * dense + counts[s][1] * moe for s in owned[r])
+            for r in {0, pp - 1}}
+    return found
 
 
 def attention_transient(model: Any, lay: Layout) -> float:
@@ -270,6 +285,22 @@ def search_units_left(model: Any, lay: Layout, budget: float, cap: float) -> flo
 
 def _instants(model: Any, lay: Layout, psi: float, experts: float = 0.0, head: float = 0.0
               ) -> list[dict[str, float]]:
+    """``_rank_instants``, cached on ``model`` by the values it reads: layouts whose state keys
+    differ (in the chunks, the schedule, the pipeline's length) often put the same parameters on
+    an end rank under the same rules (a fifth as many distinct ones in the 1T plan). The
+    entries are shared, never modified."""
+    key = (psi, experts, head, lay.zero_stage if lay.dp_shard > 1 else 0, lay.dp_shard * lay.cp,
+           lay.ep, lay.tp, lay.pp > 1, lay.sequence_parallel, lay.vocab_parallel,
+           lay.vocab_parallel_pp, lay.microbatches > 1, lay.dp > 1)
+    cache = model._instants_cache
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = _rank_instants(model, lay, psi, experts, head)
+    return found
+
+
+def _rank_instants(model: Any, lay: Layout, psi: float, experts: float = 0.0, head: float = 0.0
+                   ) -> list[dict[str, float]]:
     """The instants of a rank's step that can be its peak, as the estimator weighs them
     (``loom.formulas.memory.rank_state_instants``) over its last microbatch: the passes (peak
     activations beside the gradients accumulated so far), ZeRO's reductions (in the last

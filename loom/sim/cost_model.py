@@ -198,11 +198,15 @@ class CostModel:
         self._times_cache: dict[tuple, tuple] = {}
         self._memory_cache: dict[tuple, dict] = {}
         self._memory_floor_cache: dict[tuple, float] = {}  # cost_memory.memory_floor
+        self._instants_cache: dict[tuple, list] = {}  # cost_memory._instants
+        self._per_mb_cache: dict[tuple, dict] = {}  # cost_memory._per_microbatch
         self._activation_cache: dict[tuple, tuple] = {}  # cost_memory._activation_bytes
         self._model_flops: float | None = None
         self._overlap_cache: dict[tuple, float] = {}  # streams.layer_overlap answers
         self._ops_cache: dict[tuple, tuple] = {}  # _ops_and_busiest
-        self._rank_layers_cache: dict[tuple, frozenset] = {}
+        self._rank_layers_cache: dict[tuple, Any] = {}  # _rank_layers, _distinct_ranks
+        self._rank_cache: dict[tuple, dict] = {}  # _rank_params, _rank_expert_params
+        self._floor_cache: dict[tuple, float] = {}  # compute_floor's busiest rank
 
     # ----- FLOPs -------------------------------------------------------------------------
     def layer_flops(self, tokens: float, tp: int, moe: bool) -> tuple[float, float]:
@@ -436,7 +440,15 @@ class CostModel:
 
     def _rank_expert_params(self, lay: Layout) -> dict[int, float]:
         """Routed-expert parameters on the end pipeline ranks (E / ep experts of every MoE layer,
-        split by expert-TP = tp): ZeRO shards them over dp_shard x cp only."""
+        split by expert-TP = tp): ZeRO shards them over dp_shard x cp only. Cached per shape
+        (the answer is shared: callers read it)."""
+        key = ("experts", lay.pp, lay.chunks, lay.v_shaped, lay.tp, lay.ep)
+        found = self._rank_cache.get(key)
+        if found is None:
+            found = self._rank_cache[key] = self._count_rank_expert_params(lay)
+        return found
+
+    def _count_rank_expert_params(self, lay: Layout) -> dict[int, float]:
         m = self.model
         counts, _, owned = self._geometry(lay.pp, lay.chunks, lay.v_shaped)
         per_layer = 3 * m.dim * (m.expert_ffn_dim or m.ffn_dim) * m.n_experts / (lay.ep * lay.tp)
@@ -469,16 +481,30 @@ class CostModel:
     def _is_moe(self, i: int) -> bool:
         return bool(self.model.n_experts) and self.model.moe_layer(i)
 
+    def _charged_wrappers(self, lay: Layout) -> tuple[str, ...]:
+        """``wrappers(lay)`` where the accelerator charges framework work by wrapper (a CPU
+        profile's ``Gpu.framework``), else (): the layer times do not depend on them then, and
+        the caches keyed by them hit across ZeRO stages and data-parallel splits."""
+        return wrappers(lay) if self.cluster.gpu.framework else ()
+
     def _times(self, lay: Layout, moe: bool) -> tuple[float, float, float, dict[str, float]]:
         key = (lay.tp, lay.cp, lay.cp_mode, lay.ep, lay.sequence_parallel, lay.micro_batch,
-               lay.recompute, moe, wrappers(lay))
+               lay.recompute, moe, self._charged_wrappers(lay))
         if key not in self._times_cache:
             self._times_cache[key] = self._layer_times(lay, moe)
         return self._times_cache[key]
 
     # ----- the whole step ------------------------------------------------------------------
     def _rank_params(self, lay: Layout) -> dict[int, float]:
-        """Parameters on the end pipeline ranks (the embedding's and the head's, the worst)."""
+        """Parameters on the end pipeline ranks (the embedding's and the head's, the worst).
+        Cached per shape, like ``_rank_expert_params``."""
+        key = ("params", lay.pp, lay.chunks, lay.v_shaped, lay.tp, lay.ep, vocab_pp(lay))
+        found = self._rank_cache.get(key)
+        if found is None:
+            found = self._rank_cache[key] = self._count_rank_params(lay)
+        return found
+
+    def _count_rank_params(self, lay: Layout) -> dict[int, float]:
         m = self.model
         counts, _, owned = self._geometry(lay.pp, lay.chunks, lay.v_shaped)
         last = len(counts) - 1
@@ -512,15 +538,23 @@ class CostModel:
         optimizer step (the planner skips layouts whose floor cannot beat those it keeps).
         Summed per rank, not per stage as ``evaluate`` does, so it is lowered by a rounding
         margin to stay below that sum."""
-        dense = self._times(lay, False)
-        moe = self._times(lay, True) if self.moe_layers else dense
-        head = self._head_times(lay)
-        per_layer = (sum(dense[:3]), sum(moe[:3]))
-        tail = sum(head)
-        spread = vocab_pp(lay)  # every rank runs 1/p of the head (its messages left out)
-        busiest = max(nd * per_layer[0] + nm * per_layer[1]
-                      + (tail / lay.pp if spread else tail if last else 0.0)
-                      for nd, nm, last in self._rank_layers(lay.pp, lay.chunks, lay.v_shaped))
+        # the busiest rank's passes per microbatch, cached by what they depend on (the planner
+        # asks for tens of thousands of layouts that differ in data parallelism and m alone)
+        key = (lay.pp, lay.chunks, lay.v_shaped, lay.tp, lay.cp, lay.cp_mode, lay.ep,
+               lay.sequence_parallel, lay.micro_batch, lay.recompute, self._charged_wrappers(lay),
+               vocab_pp(lay))
+        busiest = self._floor_cache.get(key)
+        if busiest is None:
+            dense = self._times(lay, False)
+            moe = self._times(lay, True) if self.moe_layers else dense
+            head = self._head_times(lay)
+            per_layer = (sum(dense[:3]), sum(moe[:3]))
+            tail = sum(head)
+            spread = vocab_pp(lay)  # every rank runs 1/p of the head (its messages left out)
+            busiest = self._floor_cache[key] = max(
+                nd * per_layer[0] + nm * per_layer[1]
+                + (tail / lay.pp if spread else tail if last else 0.0)
+                for nd, nm, last in self._rank_layers(lay.pp, lay.chunks, lay.v_shaped))
         return busiest * lay.microbatches * (1 - 1e-9)
 
     def _rank_layers(self, pp: int, chunks: int, v_shaped: bool) -> frozenset[tuple]:
@@ -535,16 +569,32 @@ class CostModel:
                 for own in owned)
         return found
 
+    def _distinct_ranks(self, pp: int, chunks: int, v_shaped: bool) -> list[list[int]]:
+        """The stages of one rank of each kind: ranks whose stages hold the same (dense, MoE)
+        layers in the same order, and the last stage or not."""
+        key = ("distinct", pp, chunks, v_shaped)
+        found = self._rank_layers_cache.get(key)
+        if found is None:
+            counts, _, owned = self._geometry(pp, chunks, v_shaped)
+            kinds = {(tuple(counts[s] for s in own), len(counts) - 1 in own): own
+                     for own in reversed(owned)}  # (the lowest rank of each kind)
+            found = self._rank_layers_cache[key] = list(kinds.values())
+        return found
+
     def _ops_and_busiest(self, lay: Layout) -> tuple[tuple[tuple[float, float, float], ...],
                                                      float]:
         key = (lay.pp, lay.chunks, lay.v_shaped, lay.tp, lay.cp, lay.cp_mode, lay.ep,
-               lay.sequence_parallel, lay.micro_batch, lay.recompute, wrappers(lay),
+               lay.sequence_parallel, lay.micro_batch, lay.recompute, self._charged_wrappers(lay),
                vocab_pp(lay))
         cached = self._ops_cache.get(key)
         if cached is None:
             ops = self._stage_ops(lay)
-            owned = self._geometry(lay.pp, lay.chunks, lay.v_shaped)[2]
-            busiest = max(sum(f + i + w for f, i, w in (ops[s] for s in own)) for own in owned)
+            # ranks whose stages hold the same layers have the same ops (``_stage_ops``): one
+            # of each is summed, unless the vocabulary's passes differ from stage to stage
+            ranks = self._geometry(lay.pp, lay.chunks, lay.v_shaped)[2] if vocab_pp(lay) \
+                else self._distinct_ranks(lay.pp, lay.chunks, lay.v_shaped)
+            passes = [f + i + w for f, i, w in ops]  # each stage's F+I+W, then per rank
+            busiest = max(sum([passes[s] for s in own]) for own in ranks)
             cached = self._ops_cache[key] = (ops, busiest)
         return cached
 
@@ -556,7 +606,16 @@ class CostModel:
         last = len(counts) - 1
         shares = self._vocab_shares(lay, owned) if vocab_pp(lay) else None
         ops = []
+        alike: dict[tuple[int, int], tuple[float, float, float]] = {}  # by (dense, MoE) layers
         for s, (nd, nm) in enumerate(counts):
+            if shares is None and s != last:  # the same layers, the same costs: computed once
+                op = alike.get((nd, nm))
+                if op is None:
+                    op = alike[nd, nm] = (nd * dense[0] + nm * moe[0],
+                                          nd * dense[1] + nm * moe[1],
+                                          nd * dense[2] + nm * moe[2])
+                ops.append(op)
+                continue
             f = nd * dense[0] + nm * moe[0]
             i = nd * dense[1] + nm * moe[1]
             w = nd * dense[2] + nm * moe[2]
@@ -586,32 +645,23 @@ class CostModel:
         """Price ``lay`` (``memory``: its ``self.memory(lay)`` when already computed). The
         pipelined part is a fast analytical estimate here (``pipeline_estimate``; ``simulate_step``
         replaces it by the simulator's makespan)."""
-        m, c = self.model, self.cluster
+        m = self.model
         counts, placement, owned = self._geometry(lay.pp, lay.chunks, lay.v_shaped)
         dense = self._times(lay, False)
         moe = self._times(lay, True) if self.moe_layers else dense
-        ops, busiest = self._ops_and_busiest(lay)
-        compute = busiest * lay.microbatches  # compute_floor(lay), but for its rounding margin
-        if lay.pp > 1 and self.shared_cores(lay):  # the busiest rank's work at its share of cores
-            compute *= max(1.0, lay.pp / self.shared_cores(lay))
-        stage_costs, send = None, 0.0
+        ops, compute, pipeline, send = self._pipeline_part(lay)
+        stage_costs = _LazyStageCosts(ops, send) if lay.pp > 1 else None
         per_rank_mb = lay.microbatches / lay.pp
         n_dense = m.n_layers - self.moe_layers
         comm = {k: (n_dense * dense[3][k] + self.moe_layers * moe[3][k]) * per_rank_mb
                 for k in ("tp", "cp", "ep")}
         if lay.pp > 1:
-            send = self.send_time(lay)
-            stage_costs = _LazyStageCosts(ops, send)
-            pipeline = pipeline_estimate(lay, ops, busiest, send, self.contention)
             comm["pp"] = 2 * send * per_rank_mb * lay.pp * lay.chunks
-            if vocab_pp(lay):  # the split embedding's messages at the step's edges, exposed
+            if vocab_pp(lay):  # the split embedding's messages, and the statistics' exchange
                 passes = self.vocab_pass_times(lay)
                 s_pass, t_pass, x_out, dx_in, edges = passes
-                pipeline += edges * lay.microbatches
                 stats = vocab_stats_time(passes, self._head_times(lay), lay.pp)
                 comm["pp_vocab"] = (edges + stats + x_out + dx_in) * lay.microbatches
-        else:
-            pipeline = compute
         # data parallelism and the optimizer on the end ranks (embedding, head: the worst)
         rank_params = self._rank_params(lay)
         rank_fwd, rank_bwd, rank_layers = {}, {}, {}
@@ -621,13 +671,7 @@ class CostModel:
             rank_layers[r] = sum(sum(counts[s]) for s in owned[r])
         dp_exposed, comm["dp"] = self._data_parallel(lay, rank_params, rank_fwd, rank_bwd,
                                                      rank_layers)
-        # the framework's gradient handling and AdamW step (loom.sim.optimizer_cost); a CPU
-        # profile measures its AdamW step instead (torch's multi-tensor AdamW, several passes)
-        optimizer = self.stepped_parameters(lay) * c.gpu.optimizer_per_param \
-            if c.gpu.optimizer_per_param else self.optimizer_bytes(lay) / c.gpu.hbm_bandwidth
-        # per-step framework work (optimizer over many tensors, hooks, the loss) runs on every
-        # rank at once, so it is always charged the full contention
-        optimizer = (optimizer + c.gpu.framework_overhead(wrappers(lay))[1]) * self.contention
+        optimizer = self._optimizer_time(lay)
         memory = memory if memory is not None else self.memory(lay)
         model_flops = self.model_flops_per_step()
         extra = 0.0
@@ -637,6 +681,41 @@ class CostModel:
             extra = self.batch * self.seq * m.n_layers * self.layer_flops(1, 1, False)[1] * 2
         return StepCost(lay, stage_costs, compute, pipeline, dp_exposed, optimizer, memory,
                         model_flops, model_flops + extra, comm)
+
+    def _pipeline_part(self, lay: Layout
+                       ) -> tuple[tuple[tuple[float, float, float], ...], float, float, float]:
+        """``evaluate``'s (per-stage ops, the busiest rank's compute over the step, the pipelined
+        part's estimate, one stage-boundary send) of ``lay``."""
+        ops, busiest = self._ops_and_busiest(lay)
+        compute = busiest * lay.microbatches  # compute_floor(lay), but for its rounding margin
+        if lay.pp > 1 and self.shared_cores(lay):  # the busiest rank's work at its share of cores
+            compute *= max(1.0, lay.pp / self.shared_cores(lay))
+        if lay.pp == 1:
+            return ops, compute, compute, 0.0
+        send = self.send_time(lay)
+        pipeline = pipeline_estimate(lay, ops, busiest, send, self.contention)
+        if vocab_pp(lay):  # the split embedding's messages at the step's edges, exposed
+            pipeline += self.vocab_pass_times(lay)[4] * lay.microbatches
+        return ops, compute, pipeline, send
+
+    def _optimizer_time(self, lay: Layout) -> float:
+        """``evaluate``'s optimizer seconds: the framework's gradient handling and AdamW step
+        (loom.sim.optimizer_cost); a CPU profile measures its AdamW step instead (torch's
+        multi-tensor AdamW, several passes). Per-step framework work (optimizer over many
+        tensors, hooks, the loss) runs on every rank at once, so it is always charged the full
+        contention."""
+        gpu = self.cluster.gpu
+        optimizer = self.stepped_parameters(lay) * gpu.optimizer_per_param \
+            if gpu.optimizer_per_param else self.optimizer_bytes(lay) / gpu.hbm_bandwidth
+        return (optimizer + gpu.framework_overhead(wrappers(lay))[1]) * self.contention
+
+    def step_floor(self, lay: Layout) -> float:
+        """A lower bound of ``evaluate(lay).step_time`` without its data-parallel part, the
+        dearest to price: the same pipelined part and optimizer step, the exposed
+        communication taken as none. ``step_time`` adds the latter (>= 0) first, and rounding
+        is monotonic, so the bound holds exactly, without a margin; the planner skips a layout
+        whose bound is slower than every layout it keeps."""
+        return self._pipeline_part(lay)[2] + self._optimizer_time(lay)
 
     def stepped_parameters(self, lay: Layout) -> float:
         """Parameters the busiest end rank steps: its ZeRO slices (dense ones also over ep), or
