@@ -30,7 +30,10 @@ sys.path.insert(0, str(ROOT))
 
 from tests.e2e.test_cli_train import _worker_pids  # noqa: E402
 from tests.e2e.test_fault_restart import ENV, _steps_logged, _weights  # noqa: E402
-from tests.e2e.test_preemption import ARGS, PREEMPTED, STEPS  # noqa: E402
+from tests.e2e.test_preemption import ARGS as TEST_ARGS, PREEMPTED  # noqa: E402
+
+STEPS = 150  # the test's arguments, with a longer run to preempt at random moments
+ARGS = [a for a in TEST_ARGS if not a.startswith("--train.steps=")] + [f"--train.steps={STEPS}"]
 
 
 def launch(workdir: Path, *extra: str, **kwargs) -> subprocess.Popen:
