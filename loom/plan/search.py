@@ -33,7 +33,6 @@ import heapq
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from fractions import Fraction
 from typing import Any
 
 from loom.config import Config, ConfigError, load_config, resolve, with_layout
@@ -43,10 +42,9 @@ from loom.plan.hardware import Cluster
 from loom.plan.space import LayoutGroup, Workload, layouts, vocab_pp_fits
 from loom.schedule import families as schedules
 from loom.schedule.select import SEARCH, schedule_of
-from loom.schedule.cost import StageCosts
 from loom.schedule.ir import Schedule
-from loom.schedule.replay import Costs, encode, replay
-from loom.schedule.simulate import replay_shared, simulate
+from loom.schedule.replay import encode
+from loom.schedule.simulate import makespan as replayed_makespan, replay_shared, simulate
 from loom.schedule.validate import peak_memory
 from loom.sim.cost_memory import memory_floor, search_units_left
 from loom.sim.cost_model import CostModel, StepCost
@@ -93,7 +91,8 @@ def simulate_step(model: CostModel, cost: StepCost, *, max_simulated: int | None
         chunks = lay.chunks if lay.schedule == "interleaved_1f1b" else None
         if cores:
             return _replay(_family(lay.schedule, p, microbatches, chunks)[0], stage_costs, cores)
-        return _family_makespan(lay.schedule, p, microbatches, chunks, stage_costs)
+        schedule, rows = _family(lay.schedule, p, microbatches, chunks)
+        return replayed_makespan(schedule, stage_costs, rows)  # no timeline needed
 
     pipeline = makespan(first)
     if m > first:  # extend by the steady state's slope, measured one pipeline length later
@@ -115,23 +114,6 @@ def _family(name: str, pp: int, microbatches: int, chunks: int | None
     schedule = generator(pp, microbatches) if chunks is None \
         else generator(pp, microbatches, chunks=chunks)
     return schedule, encode(schedule)
-
-
-def _family_makespan(name: str, pp: int, microbatches: int, chunks: int | None,
-                     stage_costs: StageCosts) -> float:
-    """``simulate(...).makespan`` of a family's schedule on ``stage_costs``, from the replay
-    alone: the simulator's timeline (a slot per action, tens of thousands on a deep pipeline)
-    is not built, and the same times come out (each rank's last finish). A family's schedule
-    has no offload or vocabulary passes (what ``simulate`` checks for first)."""
-    schedule, rows = _family(name, pp, microbatches, chunks)
-    stage_costs.check(schedule)
-    timing, scale = Costs.exact(stage_costs, schedule.num_stages)
-    replayed = replay(rows, schedule.placement, schedule.num_microbatches, timing,
-                      schedule.stages_per_route)
-    if not replayed.completed:  # a stall: the simulator raises it with its grid
-        return float(simulate(schedule, stage_costs, memory=False).makespan)
-    last = max((end for end, row in zip(replayed.end, rows) if row), default=0)
-    return float(Fraction(last, scale) if scale is not None and scale > 1 else last)
 
 
 def _replay(schedule: Any, stage_costs: Any, cores: float) -> float:

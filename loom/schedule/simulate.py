@@ -241,6 +241,24 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, *,
     return result
 
 
+def makespan(schedule: Schedule, costs: StageCosts, rows: list[Row] | None = None) -> float:
+    """``simulate(schedule, costs, memory=False).makespan`` as a float, from the replay alone:
+    the timeline (a ``Slot`` per action, ~10^5 on a deep pipeline) is not built, and the same
+    time comes out (the ranks' last finish). ``rows``: ``encode(schedule)`` when the caller
+    holds it. For schedules without host transfers or vocabulary passes (``ValueError``)."""
+    if schedule.has_transfers or schedule.has_vocab_passes:
+        raise ValueError(f"{schedule.name}: makespan() takes compute-only schedules; use simulate")
+    costs.check(schedule)
+    rows = encode(schedule) if rows is None else rows
+    timing, scale = Costs.exact(costs, schedule.num_stages)
+    replayed = replay(rows, schedule.placement, schedule.num_microbatches, timing,
+                      schedule.stages_per_route)
+    if not replayed.completed:
+        raise deadlock_error(schedule)
+    last = max((end for end, row in zip(replayed.end, rows) if row), default=0)
+    return float(Fraction(last, scale) if scale is not None and scale > 1 else last)
+
+
 def replay_shared(schedule: Schedule, work: dict[Action, float], latency: float,
                   cores: float) -> float:
     """Makespan of ``schedule`` when its ranks share ``cores`` equally (each rank at most one):

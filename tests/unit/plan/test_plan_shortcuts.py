@@ -18,11 +18,10 @@ import pytest
 from loom.layout import Layout
 from loom.models.presets import PRESETS
 from loom.plan.hardware import Cluster, Gpu, Link, GB, make_cluster
-from loom.plan.search import _family_makespan
 from loom.plan.space import Workload, layouts
 from loom.schedule import families as schedules
 from loom.schedule.cost import OpCosts, StageCosts
-from loom.schedule.simulate import simulate
+from loom.schedule.simulate import makespan, simulate
 from loom.sim.cost_model import CostModel
 from loom.sim.frameworks import FRAMEWORKS
 
@@ -154,5 +153,5 @@ def test_the_makespan_from_the_replay_is_the_simulators(name, chunks):
                   StageCosts(tuple(OpCosts(Fraction(3 + s, 7), Fraction(5, 3), Fraction(2, 5))
                                    for s in range(stages)), latency=Fraction(1, 11))):
         expected = float(simulate(schedule, costs, memory=False).makespan)
-        assert _family_makespan(name, p, m, chunks, costs) == expected
+        assert makespan(schedule, costs) == expected
 
