@@ -63,7 +63,7 @@ def layout_memory(model: Any, lay: Layout, in_flight: tuple[float, ...] | None =
     just the sum (the planner's screening drops most layouts on it). ``rank``: that end
     rank's worst instant instead (0 or pp - 1)."""
     v_shaped = lay.v_shaped
-    counts, _, owned = model._geometry(lay.pp, lay.chunks, v_shaped)
+    counts, _, owned = model.ranks.geometry(lay.pp, lay.chunks, v_shaped)
     states = _states(model, lay, v_shaped)
     dense_act, moe_act, head, full_block = _activation_bytes(model, lay)
     split_vocab = lay.vocab_parallel_pp and lay.pp > 1
@@ -139,7 +139,7 @@ def _per_microbatch(model: Any, pp: int, chunks: int, v_shaped: bool, dense: flo
     key = (pp, chunks, v_shaped, dense, moe)
     found = model._per_mb_cache.get(key)
     if found is None:
-        counts, _, owned = model._geometry(pp, chunks, v_shaped)
+        counts, _, owned = model.ranks.geometry(pp, chunks, v_shaped)
         found = model._per_mb_cache[key] = {
             r: sum(counts[s][0] * dense + counts[s][1] * moe for s in owned[r])
             for r in {0, pp - 1}}
@@ -183,9 +183,9 @@ def _states(model: Any, lay: Layout, v_shaped: bool) -> dict[int, list[dict[str,
     key = _state_key(lay, v_shaped)
     states = model._memory_cache.get(key)
     if states is None:
-        rank_params = model._rank_params(lay)
-        experts = model._rank_expert_params(lay)
-        counts, _, owned = model._geometry(lay.pp, lay.chunks, v_shaped)
+        rank_params = model.ranks.end_rank_params(lay)
+        experts = model.ranks.end_rank_expert_params(lay)
+        counts, _, owned = model.ranks.geometry(lay.pp, lay.chunks, v_shaped)
         head = model.model.vocab_size * model.model.dim / lay.tp  # the output layer's weight
         if lay.vocab_parallel_pp and lay.pp > 1:
             head = 0.0  # the rows' gradients come with T, not first in a stage's backward
@@ -318,7 +318,7 @@ def _rank_instants(model: Any, lay: Layout, psi: float, experts: float = 0.0, he
         grad_bytes=model.grad_bytes, master=model.e == 2, accumulates=stage in (2, 3),
         # ZeRO-3 stages held gathered across the step inside a pipeline (to_overrides)
         held=stage == 3 and lay.pp > 1, pipelined=lay.pp > 1,
-        block=max(model._layer_params(True, lay), model._layer_params(False, lay)),
+        block=max(model.ranks.layer_params(True, lay), model.ranks.layer_params(False, lay)),
         largest=4 * largest_parameter(model.model, lay.tp, lay.ep),
         resting_grads=stage in (1, 2), explain=False,
         # the trainer's fused AdamW on the accelerator (no temporaries) where the layout allows;
@@ -352,8 +352,8 @@ def gathered_block(model: Any, lay: Layout) -> float:
     """A ZeRO-3 unit's gathered bytes in elements of ``model.e`` (the largest layer's
     parameters on a rank): FSDP2's float8 all-gather (``CostModel.fp8_all_gather``) holds the
     FP8 linears' weights at 1 byte."""
-    e = model.e
-    return max(model._layer_params(moe, lay) - model.fp8_layer_params(moe, lay) * (e - 1) / e
+    e, ranks = model.e, model.ranks
+    return max(ranks.layer_params(moe, lay) - ranks.fp8_layer_params(moe, lay) * (e - 1) / e
                for moe in (True, False))
 
 

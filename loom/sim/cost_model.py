@@ -3,7 +3,8 @@
 ``CostModel(model, seq_len, global_batch, cluster).evaluate(layout)`` prices one step of Loom's
 runtime on a cluster: per-stage F / I / W durations (``StageCosts``, what ``loom.schedule.simulate``
 replays, so the pipeline part of the step is the simulator's, not a formula's), the exposed
-communication around it, the optimizer step, and the bytes every rank holds (``cost_memory``).
+communication around it, the optimizer step, and the bytes every rank holds (``cost_memory``);
+which layers and parameters each rank holds is ``loom.sim.rank_params``'s (``CostModel.ranks``).
 Its stage costs are ``loom.schedule.cost``'s container, so that the planner and the simulator
 share one notion of cost. It communicates nothing.
 
@@ -103,13 +104,13 @@ from loom.layout import Layout
 from loom.models.args import TransformerArgs
 from loom.layout import CPLayout  # Loom's own split of cp into u x r
 from loom.schedule.cost import OpCosts, StageCosts
-from loom.schedule.ir import v_placement
 from loom.sim.collectives import all_to_all_time, allreduce_time, gather_time, p2p_time
 from loom.sim.cost_memory import layout_memory
 from loom.sim.eager_cost import eager_extra_bytes
 from loom.sim.frameworks import LOOM, Framework
 from loom.sim.launch_cost import block_kernels, host_bound
 from loom.sim.optimizer_cost import step_traffic
+from loom.sim.rank_params import RankParams
 from loom.sim.streams import Pieces, chunked_overlap, layer_overlap
 from loom.sim.vocab_cost import (VocabPasses, rows_data_parallel, rows_parameters,
                                  vocab_pass_times, vocab_pp, vocab_shares, vocab_stats_time)
@@ -193,8 +194,10 @@ class CostModel:
         self.e = dtype_bytes
         self.grad_bytes = framework.grad_bytes if grad_bytes is None else grad_bytes
         self.op_overhead = cluster.gpu.op_overhead if op_overhead is None else op_overhead
-        self.moe_layers = sum(1 for i in range(model.n_layers) if self._is_moe(i))
-        self._geometry_cache: dict[tuple, tuple] = {}
+        # which layers and parameters each pipeline rank holds (loom.sim.rank_params)
+        self.ranks = RankParams(model, fp8_all_gather=fp8_all_gather,
+                                loom_trainer=framework.is_loom)
+        self.moe_layers = self.ranks.moe_layers
         self._times_cache: dict[tuple, tuple] = {}
         self._memory_cache: dict[tuple, dict] = {}
         self._memory_floor_cache: dict[tuple, float] = {}  # cost_memory.memory_floor
@@ -204,8 +207,6 @@ class CostModel:
         self._model_flops: float | None = None
         self._overlap_cache: dict[tuple, float] = {}  # streams.layer_overlap answers
         self._ops_cache: dict[tuple, tuple] = {}  # _ops_and_busiest
-        self._rank_layers_cache: dict[tuple, Any] = {}  # _rank_layers, _distinct_ranks
-        self._rank_cache: dict[tuple, dict] = {}  # _rank_params, _rank_expert_params
         self._floor_cache: dict[tuple, float] = {}  # compute_floor's busiest rank
 
     # ----- FLOPs -------------------------------------------------------------------------
@@ -404,83 +405,6 @@ class CostModel:
         ranks = min(self.cluster.gpus, self.cluster.gpus_per_node)
         return min(float(lay.pp), cores * lay.pp / ranks)
 
-    # ----- parameters per rank -------------------------------------------------------------
-    def _layer_params(self, moe: bool, lay: Layout) -> float:
-        """Parameters of one (MoE or dense) layer one rank holds (experts split by ep and tp)."""
-        m = self.model
-        attn = m.dim * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads) / lay.tp
-        norms = 2 * m.dim
-        if moe:
-            width = m.expert_ffn_dim or m.ffn_dim
-            experts = 3 * m.dim * width * m.n_experts / (lay.ep * lay.tp)
-            shared = 3 * m.dim * width * m.n_shared_experts / lay.tp
-            return attn + norms + experts + shared + m.dim * m.n_experts
-        return attn + norms + m.mlp_matrices * m.dim * m.ffn_dim / lay.tp
-
-    def fp8_gathered_params(self, lay: Layout) -> dict[int, float]:
-        """Parameters of the FP8 linears (``_fp8_share``'s: the attention projections and the
-        dense or shared-expert MLP) on the end pipeline ranks, split by tp: what FSDP2's float8
-        all-gather moves at 1 byte (0 without it)."""
-        dense, moe = self.fp8_layer_params(False, lay), self.fp8_layer_params(True, lay)
-        counts, _, owned = self._geometry(lay.pp, lay.chunks, lay.v_shaped)
-        return {r: sum(counts[s][0] * dense + counts[s][1] * moe for s in owned[r])
-                for r in {0, lay.pp - 1}}
-
-    def fp8_layer_params(self, moe: bool, lay: Layout) -> float:
-        """``fp8_gathered_params`` of one (MoE or dense) layer on one rank (none where Loom's
-        trainer does not build the float8 gather: tp > 1)."""
-        if not self.fp8_all_gather or (self.framework.is_loom and lay.tp > 1):
-            return 0.0
-        m = self.model
-        attn = m.dim * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
-        if moe:
-            shared = 3 * m.dim * (m.expert_ffn_dim or m.ffn_dim) * m.n_shared_experts
-            return (attn + shared) / lay.tp
-        return (attn + m.mlp_matrices * m.dim * m.ffn_dim) / lay.tp
-
-    def _rank_expert_params(self, lay: Layout) -> dict[int, float]:
-        """Routed-expert parameters on the end pipeline ranks (E / ep experts of every MoE layer,
-        split by expert-TP = tp): ZeRO shards them over dp_shard x cp only. Cached per shape
-        (the answer is shared: callers read it)."""
-        key = ("experts", lay.pp, lay.chunks, lay.v_shaped, lay.tp, lay.ep)
-        found = self._rank_cache.get(key)
-        if found is None:
-            found = self._rank_cache[key] = self._count_rank_expert_params(lay)
-        return found
-
-    def _count_rank_expert_params(self, lay: Layout) -> dict[int, float]:
-        m = self.model
-        counts, _, owned = self._geometry(lay.pp, lay.chunks, lay.v_shaped)
-        per_layer = 3 * m.dim * (m.expert_ffn_dim or m.ffn_dim) * m.n_experts / (lay.ep * lay.tp)
-        return {r: sum(counts[s][1] for s in owned[r]) * per_layer for r in {0, lay.pp - 1}}
-
-    def _geometry(self, pp: int, chunks: int, v_shaped: bool) -> tuple:
-        """Cached: per global stage (dense layers, MoE layers, parameters at tp = ep = 1 are not
-        needed), the placement, and each rank's stages. Layers split evenly, the remainder on the
-        middle stages (the ends also carry the embedding and the head)."""
-        key = (pp, chunks, v_shaped)
-        if key not in self._geometry_cache:
-            stages = pp * chunks
-            n = self.model.n_layers
-            base, extra = divmod(n, stages)
-            order = sorted(range(stages), key=lambda s: abs(s - (stages - 1) / 2))
-            sizes = [base + (1 if s in order[:extra] else 0) for s in range(stages)]
-            counts, start = [], 0
-            for size in sizes:
-                moe = sum(1 for i in range(start, start + size) if self._is_moe(i))
-                counts.append((size - moe, moe))
-                start += size
-            if v_shaped:  # a V, or Hanayo's snake of ``chunks`` sweeps
-                placement = v_placement(pp, max(chunks, 2))
-            else:
-                placement = tuple(s % pp for s in range(stages))
-            owned = [[s for s in range(stages) if placement[s] == r] for r in range(pp)]
-            self._geometry_cache[key] = (counts, placement, owned)
-        return self._geometry_cache[key]
-
-    def _is_moe(self, i: int) -> bool:
-        return bool(self.model.n_experts) and self.model.moe_layer(i)
-
     def _charged_wrappers(self, lay: Layout) -> tuple[str, ...]:
         """``wrappers(lay)`` where the accelerator charges framework work by wrapper (a CPU
         profile's ``Gpu.framework``), else (): the layer times do not depend on them then, and
@@ -495,37 +419,6 @@ class CostModel:
         return self._times_cache[key]
 
     # ----- the whole step ------------------------------------------------------------------
-    def _rank_params(self, lay: Layout) -> dict[int, float]:
-        """Parameters on the end pipeline ranks (the embedding's and the head's, the worst).
-        Cached per shape, like ``_rank_expert_params``."""
-        key = ("params", lay.pp, lay.chunks, lay.v_shaped, lay.tp, lay.ep, vocab_pp(lay))
-        found = self._rank_cache.get(key)
-        if found is None:
-            found = self._rank_cache[key] = self._count_rank_params(lay)
-        return found
-
-    def _count_rank_params(self, lay: Layout) -> dict[int, float]:
-        m = self.model
-        counts, _, owned = self._geometry(lay.pp, lay.chunks, lay.v_shaped)
-        last = len(counts) - 1
-        dense_params = self._layer_params(False, lay)
-        moe_params = self._layer_params(True, lay) if self.moe_layers else dense_params
-        vocab = m.vocab_size * m.dim / lay.tp
-        out = {}
-        for r in sorted({0, lay.pp - 1}):
-            psi = sum(counts[s][0] * dense_params + counts[s][1] * moe_params for s in owned[r])
-            if vocab_pp(lay):  # every rank: V/(pp x tp) rows of the embedding and of the head
-                rows = vocab / lay.pp
-                out[r] = psi + rows * (1 if m.tie_embeddings else 2) + (
-                    m.dim if last in owned[r] else 0)  # the final norm
-                continue
-            if 0 in owned[r]:
-                psi += vocab
-            if last in owned[r]:
-                psi += m.dim + (0 if m.tie_embeddings and lay.pp == 1 else vocab)
-            out[r] = psi
-        return out
-
     def evaluate_ops(self, lay: Layout) -> tuple[tuple[float, float, float], ...]:
         """(F, I, W) seconds of one microbatch on each global stage of ``lay`` (the last also
         runs the head), cached with the busiest rank's F+I+W: layouts that differ only in data
@@ -554,32 +447,8 @@ class CostModel:
             busiest = self._floor_cache[key] = max(
                 nd * per_layer[0] + nm * per_layer[1]
                 + (tail / lay.pp if spread else tail if last else 0.0)
-                for nd, nm, last in self._rank_layers(lay.pp, lay.chunks, lay.v_shaped))
+                for nd, nm, last in self.ranks.rank_layers(lay.pp, lay.chunks, lay.v_shaped))
         return busiest * lay.microbatches * (1 - 1e-9)
-
-    def _rank_layers(self, pp: int, chunks: int, v_shaped: bool) -> frozenset[tuple]:
-        """The distinct (dense layers, MoE layers, holds the head) of the pipeline's ranks."""
-        key = (pp, chunks, v_shaped)
-        found = self._rank_layers_cache.get(key)
-        if found is None:
-            counts, _, owned = self._geometry(pp, chunks, v_shaped)
-            last = len(counts) - 1
-            found = self._rank_layers_cache[key] = frozenset(
-                (sum(counts[s][0] for s in own), sum(counts[s][1] for s in own), last in own)
-                for own in owned)
-        return found
-
-    def _distinct_ranks(self, pp: int, chunks: int, v_shaped: bool) -> list[list[int]]:
-        """The stages of one rank of each kind: ranks whose stages hold the same (dense, MoE)
-        layers in the same order, and the last stage or not."""
-        key = ("distinct", pp, chunks, v_shaped)
-        found = self._rank_layers_cache.get(key)
-        if found is None:
-            counts, _, owned = self._geometry(pp, chunks, v_shaped)
-            kinds = {(tuple(counts[s] for s in own), len(counts) - 1 in own): own
-                     for own in reversed(owned)}  # (the lowest rank of each kind)
-            found = self._rank_layers_cache[key] = list(kinds.values())
-        return found
 
     def _ops_and_busiest(self, lay: Layout) -> tuple[tuple[tuple[float, float, float], ...],
                                                      float]:
@@ -591,15 +460,15 @@ class CostModel:
             ops = self._stage_ops(lay)
             # ranks whose stages hold the same layers have the same ops (``_stage_ops``): one
             # of each is summed, unless the vocabulary's passes differ from stage to stage
-            ranks = self._geometry(lay.pp, lay.chunks, lay.v_shaped)[2] if vocab_pp(lay) \
-                else self._distinct_ranks(lay.pp, lay.chunks, lay.v_shaped)
+            ranks = self.ranks.geometry(lay.pp, lay.chunks, lay.v_shaped)[2] if vocab_pp(lay) \
+                else self.ranks.distinct_ranks(lay.pp, lay.chunks, lay.v_shaped)
             passes = [f + i + w for f, i, w in ops]  # each stage's F+I+W, then per rank
             busiest = max(sum([passes[s] for s in own]) for own in ranks)
             cached = self._ops_cache[key] = (ops, busiest)
         return cached
 
     def _stage_ops(self, lay: Layout) -> tuple[tuple[float, float, float], ...]:
-        counts, _, owned = self._geometry(lay.pp, lay.chunks, lay.v_shaped)
+        counts, _, owned = self.ranks.geometry(lay.pp, lay.chunks, lay.v_shaped)
         dense = self._times(lay, False)
         moe = self._times(lay, True) if self.moe_layers else dense
         head = self._head_times(lay)
@@ -646,7 +515,7 @@ class CostModel:
         pipelined part is a fast analytical estimate here (``pipeline_estimate``; ``simulate_step``
         replaces it by the simulator's makespan)."""
         m = self.model
-        counts, placement, owned = self._geometry(lay.pp, lay.chunks, lay.v_shaped)
+        counts, placement, owned = self.ranks.geometry(lay.pp, lay.chunks, lay.v_shaped)
         dense = self._times(lay, False)
         moe = self._times(lay, True) if self.moe_layers else dense
         ops, compute, pipeline, send = self._pipeline_part(lay)
@@ -663,7 +532,7 @@ class CostModel:
                 stats = vocab_stats_time(passes, self._head_times(lay), lay.pp)
                 comm["pp_vocab"] = (edges + stats + x_out + dx_in) * lay.microbatches
         # data parallelism and the optimizer on the end ranks (embedding, head: the worst)
-        rank_params = self._rank_params(lay)
+        rank_params = self.ranks.end_rank_params(lay)
         rank_fwd, rank_bwd, rank_layers = {}, {}, {}
         for r in rank_params:
             rank_fwd[r] = sum(ops[s][0] for s in owned[r])
@@ -724,9 +593,9 @@ class CostModel:
 
     def _held_and_stepped(self, lay: Layout) -> dict[int, tuple[float, float]]:
         """Per end rank, (parameters it holds, parameters it steps: ``stepped_parameters``)."""
-        experts = self._rank_expert_params(lay)
+        experts = self.ranks.end_rank_expert_params(lay)
         out = {}
-        for r, psi in self._rank_params(lay).items():
+        for r, psi in self.ranks.end_rank_params(lay).items():
             stepped = psi
             if lay.zero_stage and lay.dp_shard > 1:
                 d = lay.dp_shard * lay.cp
@@ -782,9 +651,9 @@ class CostModel:
         worst_exposed = worst_total = 0.0
         if group <= 1:
             return 0.0, 0.0
-        experts = self._rank_expert_params(lay)
+        experts = self.ranks.end_rank_expert_params(lay)
         zero = lay.zero_stage if lay.dp_shard > 1 else 0
-        fp8 = self.fp8_gathered_params(lay)  # gathered at 1 byte under ZeRO-3
+        fp8 = self.ranks.fp8_gathered_params(lay)  # gathered at 1 byte under ZeRO-3
         # the rank distances of the dense groups (the experts' groups are priced on the same)
         strides = self._strides(lay)
         shard_stride, rep_stride, dp_stride = strides["shard"], strides["rep"], strides["dp"]
@@ -1005,7 +874,7 @@ def search_costs(model: Any, lay: Layout) -> str:
     search splits a rank's share evenly among its chunks; the simulation replays every stage's
     own costs."""
     ops = model.evaluate_ops(lay)
-    _, _, owned = model._geometry(lay.pp, lay.chunks, lay.v_shaped)
+    _, _, owned = model.ranks.geometry(lay.pp, lay.chunks, lay.v_shaped)
     ranks = [tuple(sum(ops[s][k] for s in own) for k in range(3)) for own in owned]
     unit = max(f for f, _, _ in ranks)
     text = ";".join(",".join(f"{x / unit:.3g}" for x in rank) for rank in ranks)

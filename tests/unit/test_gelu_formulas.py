@@ -99,7 +99,7 @@ def test_cost_model_layer_flops_and_fp8_share_by_hand():
     assert model.layer_flops(tokens, 1, moe=False) == (proj + mlp, core)
     assert model.layer_flops(tokens, 2, moe=False) == ((proj + mlp) / 2, core / 2)
     assert model._fp8_share(tokens, 1, moe=False) == (proj + mlp, tokens * (4 * 64 + 64 + 256))
-    assert model._rank_params(Layout())[0] == parameter_count(GELU)
+    assert model.ranks.end_rank_params(Layout())[0] == parameter_count(GELU)
 
 
 def _saved_bytes(args: TransformerArgs) -> int:

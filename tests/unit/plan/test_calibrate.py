@@ -47,7 +47,7 @@ def test_a_measured_optimizer_step_prices_the_optimizer_per_parameter():
     plain = model.evaluate(Layout(dp_replicate=4, micro_batch=2, microbatches=1)).optimizer
     sharded = model.evaluate(Layout(dp_shard=4, zero_stage=1, micro_batch=2,
                                     microbatches=1)).optimizer
-    params = model._rank_params(Layout())[0]  # without a pipeline one rank holds them all
+    params = model.ranks.end_rank_params(Layout())[0]  # without a pipeline one rank holds them all
     assert plain == pytest.approx(5e-9 * params)
     assert sharded == pytest.approx(plain / 4)
     unmeasured, _ = fit(synthetic(peak=4e10, knee=48.0, alpha=2e-5, beta=3e9, n=4), nproc=4)

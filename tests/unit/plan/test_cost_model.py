@@ -82,7 +82,7 @@ def test_full_recompute_costs_one_more_forward():
 def test_parameters_on_one_rank_equal_the_preset_count(name):
     m = PRESETS[name]
     model = CostModel(m, seq_len=64, global_batch=4, cluster=cluster(1))
-    assert model._rank_params(Layout())[0] == parameter_count(m)
+    assert model.ranks.end_rank_params(Layout())[0] == parameter_count(m)
 
 
 @pytest.mark.parametrize("stage, factor", [(0, (2, 4, 12)), (2, (2, 4 / 8, 12 / 8)),

@@ -84,10 +84,10 @@ def test_the_float8_all_gather_moves_the_converted_weights_at_one_byte():
     m = MODEL
     linears = m.n_layers * (m.dim * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
                             + 3 * m.dim * m.ffn_dim)
-    assert gathered.fp8_gathered_params(lay) == {0: pytest.approx(linears)}
+    assert gathered.ranks.fp8_gathered_params(lay) == {0: pytest.approx(linears)}
     link = cluster.link_for(8, 1)
     passes = 2 * lay.microbatches  # forward and backward of each microbatch, no pipeline
-    psi = plain._rank_params(lay)[0]
+    psi = plain.ranks.end_rank_params(lay)[0]
     saved = passes * (gather_time(2 * psi, 8, link) - gather_time(2 * psi - linears, 8, link))
     assert plain.evaluate(lay).comm["dp"] - gathered.evaluate(lay).comm["dp"] == \
         pytest.approx(saved, rel=1e-9)

@@ -43,7 +43,7 @@ def test_model_state_bytes_per_parameter_follow_the_profile():
     Loom's own bf16 (``train.dtype = bf16``: bf16 parameters, fp32 masters in the optimizer)."""
     lay = Layout(dp_shard=2, zero_stage=1, micro_batch=4, microbatches=1)
     psi = parameter_count(DEBUG)
-    assert model("loom")._rank_params(lay)[0] == psi
+    assert model("loom").ranks.end_rank_params(lay)[0] == psi
     memory = model("torchtitan").memory(lay)
     assert (memory["parameters"], memory["gradients"], memory["optimizer"]) == \
         (4 * psi, 4 * psi, 4 * psi)

@@ -133,7 +133,7 @@ def test_the_busiest_rank_is_found_among_one_rank_of_each_kind():
                                      (4, "zbv", 2), (8, "v_min", 2), (3, "zb_h1", 1)):
             lay = Layout(pp=pp, tp=2, schedule=schedule, chunks=chunks, microbatches=2 * pp)
             ops, busiest = model._ops_and_busiest(lay)
-            owned = model._geometry(pp, chunks, lay.v_shaped)[2]
+            owned = model.ranks.geometry(pp, chunks, lay.v_shaped)[2]
             assert busiest == max(sum(f + i + w for f, i, w in (ops[s] for s in own))
                                   for own in owned)
 

@@ -71,7 +71,7 @@ def test_the_last_rank_no_longer_holds_the_head():
     cm = model()
     vocab = LLAMA.vocab_size * LLAMA.dim
     rows = vocab / P
-    plain, split = cm._rank_params(BASE), cm._rank_params(SPLIT)
+    plain, split = cm.ranks.end_rank_params(BASE), cm.ranks.end_rank_params(SPLIT)
     assert split[P - 1] == plain[P - 1] - vocab + 2 * rows
     assert split[0] == plain[0] - vocab + 2 * rows
     last_plain = layout_memory(cm, BASE, rank=P - 1)
