@@ -334,6 +334,9 @@ class FaultConfig:
     # Instead of test_kill_stage and test_kill_count: the stage killed in each generation, in
     # order (e.g. 0,3: the first stage at test_kill_step, the last at 2 * test_kill_step)
     test_kill_stages: tuple[int, ...] = ()
+    # Instead of test_kill_step: the step at whose start each generation's kill lands, one per
+    # entry of test_kill_stages, increasing (e.g. 7,31 with stages 1,2: irregular failures)
+    test_kill_steps: tuple[int, ...] = ()
     # For tests: write the neighbours' sent blocks and the rebuilt stage to run_dir/checkfree/
     dump_recovery: bool = False
 

@@ -37,7 +37,7 @@ def validate_fault(config: Config) -> None:
     embeddings, concatenated rows."""
     fault, par, tr = config.fault, config.parallel, config.train
     if fault.recovery == "checkpoint":
-        for name in ("test_kill_stage", "test_kill_stages"):
+        for name in ("test_kill_stage", "test_kill_stages", "test_kill_steps"):
             if getattr(fault, name) not in (-1, ()):
                 raise ConfigError(f"fault.{name}", getattr(fault, name),
                                   "injects a failure for fault.recovery=checkfree(_plus) only"
@@ -80,6 +80,16 @@ def validate_fault(config: Config) -> None:
                           "replaces fault.test_kill_stage and test_kill_count; set one of them")
     kills = fault.test_kill_stages or ((fault.test_kill_stage,) if fault.test_kill_stage >= 0
                                        else ())
+    if fault.test_kill_steps:
+        steps = fault.test_kill_steps
+        if len(steps) != len(fault.test_kill_stages):
+            raise ConfigError("fault.test_kill_steps", ",".join(map(str, steps)),
+                              "needs one step per entry of fault.test_kill_stages"
+                              f" ({len(fault.test_kill_stages)} given)")
+        if any(not 1 <= s <= tr.steps for s in steps) or list(steps) != sorted(set(steps)):
+            raise ConfigError("fault.test_kill_steps", ",".join(map(str, steps)),
+                              f"must be strictly increasing steps in [1, train.steps ="
+                              f" {tr.steps}]")
     if not kills:
         return
     name = "fault.test_kill_stages" if fault.test_kill_stages else "fault.test_kill_stage"
@@ -89,7 +99,7 @@ def validate_fault(config: Config) -> None:
             raise ConfigError(name, stage, f"fault.recovery={fault.recovery} recovers stages"
                               f" {low}..{high}" + ("" if plus else "; the first and last stage"
                                                    " need checkfree_plus"))
-    if not 1 <= fault.test_kill_step <= tr.steps:
+    if not fault.test_kill_steps and not 1 <= fault.test_kill_step <= tr.steps:
         raise ConfigError("fault.test_kill_step", fault.test_kill_step,
                           f"must be in [1, train.steps = {tr.steps}]")
     if fault.test_kill_count < 1:

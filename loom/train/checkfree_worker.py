@@ -69,9 +69,16 @@ class CheckFreeTrainer(Trainer):
         fault = self.config.fault
         return fault.test_kill_stages or (fault.test_kill_stage,) * fault.test_kill_count
 
+    def kill_steps(self) -> tuple[int, ...]:
+        """The step at whose start each generation's kill lands (``fault.test_kill_steps``, or
+        every ``test_kill_step`` steps)."""
+        fault = self.config.fault
+        return fault.test_kill_steps or tuple(
+            fault.test_kill_step * (g + 1) for g in range(len(self.kill_schedule())))
+
     def train_step(self) -> dict[str, float]:
-        kills = self.kill_schedule()
-        kill = self.config.fault.test_kill_step * (self.generation + 1)
+        kills, steps = self.kill_schedule(), self.kill_steps()
+        kill = steps[self.generation] if self.generation < len(steps) else -1
         if (self.generation < len(kills) and self.stage == kills[self.generation]
                 and self.step + 1 == kill):
             print(f"checkfree: test kill of stage {self.stage} (rank {self.ctx.rank}, pid"

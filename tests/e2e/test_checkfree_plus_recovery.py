@@ -1,7 +1,7 @@
 """CheckFree+ end to end (loom/pipeline/out_of_order.py, loom/train/checkfree_worker.py,
 loom/relaunch.py): `loom train --fault.recovery=checkfree_plus` with four pipeline stages; the
 FIRST stage's process is SIGKILLed at the start of step 2 and, after its replacement has trained,
-the LAST stage's at the start of step 4. Each time the survivors keep their state in memory and
+the LAST stage's at the start of step 5 (irregular kill steps: ``fault.test_kill_steps``). Each time the survivors keep their state in memory and
 the replacement is rebuilt from its one neighbour; the run finishes every step.
 
 From the dumps the ranks wrote: the rebuilt stage's blocks are its neighbour's blocks bit for
@@ -19,8 +19,8 @@ import torch
 
 from tests.e2e.checkfree_runs import logged_steps, pipeline_args, run_to_end
 
-STEPS, KILL_EVERY = 6, 2
-FAULT = ["--fault.test_kill_stages=0,3", f"--fault.test_kill_step={KILL_EVERY}",
+STEPS = 6
+FAULT = ["--fault.test_kill_stages=0,3", "--fault.test_kill_steps=2,5",
          "--fault.dump_recovery=true"]
 SCALE = 1.1  # fault.recovery_lr_scale's default
 
@@ -52,7 +52,7 @@ def test_the_first_and_the_last_stage_are_rebuilt_from_their_neighbour(tmp_path)
     assert "worker rank 3 (stage 3) killed by signal 9" in log, log[-4000:]
     assert ("checkfree_plus: stage 0 (rank 0) rebuilt after step 1 from stage 1: a copy of its"
             " blocks" in log), log[-4000:]
-    assert ("checkfree_plus: stage 3 (rank 3) rebuilt after step 3 from stage 2: a copy of its"
+    assert ("checkfree_plus: stage 3 (rank 3) rebuilt after step 4 from stage 2: a copy of its"
             " blocks" in log), log[-4000:]
     assert not (run_dir / "checkpoints").exists()
     assert "resume:" not in log
@@ -61,5 +61,5 @@ def test_the_first_and_the_last_stage_are_rebuilt_from_their_neighbour(tmp_path)
 
     dumps = run_dir / "checkfree"
     _check_rebuild(dumps, 1, lost=0, source=1, after_step=1, end_names={"tok_embeddings.weight"})
-    _check_rebuild(dumps, 2, lost=3, source=2, after_step=3,
+    _check_rebuild(dumps, 2, lost=3, source=2, after_step=4,
                    end_names={"norm.weight", "output.weight"})
