@@ -84,7 +84,6 @@ import functools
 import gc
 import inspect
 import itertools
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -103,6 +102,7 @@ from loom.schedule.search_priority import priority_schedule
 from loom.schedule.search_reverse import ReverseKnobs, reverse_schedule
 from loom.schedule.cost import StageCosts, full_stage_costs
 from loom.schedule.search_offload import with_offload
+from loom.schedule.search_pool import Budget, Pool, Recipe
 from loom.schedule.search_types import Candidate, Place, SearchResult
 from loom.schedule.simulate import simulate
 
@@ -261,8 +261,8 @@ def search(
     problem = _Problem(pp, microbatches, costs)
     for place in allowed:  # the costs' errors (per-rank count, activation weights) up front
         problem.fast(place)
-    budget = _Budget(effort, time_budget_s)
-    pool = _Pool()
+    budget = Budget(effort, time_budget_s)
+    pool = Pool()
 
     ranked = _seed(problem, allowed, memory_limit, budget, pool)
 
@@ -290,15 +290,15 @@ def search(
     small_m = reduced_microbatches(pp, microbatches, max(v for _, v in allowed))
     explore, xpool, xbudget = problem, pool, budget
     if small_m < microbatches and budget.left > 0:
-        explore, xpool = _Problem(pp, small_m, costs), _Pool()
-        xbudget = _Budget(max(budget.left, 0) * small_m // microbatches, None, budget.deadline)
+        explore, xpool = _Problem(pp, small_m, costs), Pool()
+        xbudget = Budget(max(budget.left, 0) * small_m // microbatches, None, budget.deadline)
 
     # Half of what is left for forward-backward scheduling, the better ranked first; two thirds
     # of that go to it when there are two placements.
     built: dict[Place, Built] = {place: {} for place in forward_backward}
     half = xbudget.share(2)
     for n, place in enumerate(forward_backward):
-        share = half.share(1) if n + 1 == len(forward_backward) else _Budget(
+        share = half.share(1) if n + 1 == len(forward_backward) else Budget(
             2 * half.left // 3, None, half.deadline)
         if share.left < 2 * 2 * 3 * len(problem.layout(place)) * explore.microbatches:
             continue  # not even one backward and forward pass (``_backward``'s charge) is
@@ -328,7 +328,7 @@ def search(
                 candidate, label=candidate.label + "+local", makespan=scored.makespan,
                 peak=max(peak_units(new_rows, layout)), idle_zb=scored.idle_zb), new_rows)
 
-    patient = _Budget(effort // PATIENT_SHARE * explore.microbatches // microbatches, None,
+    patient = Budget(effort // PATIENT_SHARE * explore.microbatches // microbatches, None,
                       budget.deadline)
     for n, place in enumerate(forward_backward):  # the better ranked first, as above
         share = patient.share(len(forward_backward) - n)
@@ -381,7 +381,7 @@ def reduced_microbatches(pp: int, microbatches: int, chunks: int) -> int:
     return small if 2 * small <= microbatches else microbatches
 
 
-def _grown(small: _Pool, copy: _Problem, pool: _Pool, problem: _Problem, limit: float) -> None:
+def _grown(small: Pool, copy: _Problem, pool: Pool, problem: _Problem, limit: float) -> None:
     """The best ``GROWN`` orders of the copy's pool at full size, added to ``pool`` when they
     run and fit: grown by repeating their steady state (``periodic.extend``) and replayed, or, the
     first that does not grow, rebuilt at full size by its recipe (the list schedulers again).
@@ -405,8 +405,8 @@ def _grown(small: _Pool, copy: _Problem, pool: _Pool, problem: _Problem, limit: 
                 return
 
 
-def _to_full_size(candidate: Candidate, rows: list[Row], small: _Pool, copy: _Problem,
-                  pool: _Pool, problem: _Problem, limit: float, rebuilt: bool) -> bool:
+def _to_full_size(candidate: Candidate, rows: list[Row], small: Pool, copy: _Problem,
+                  pool: Pool, problem: _Problem, limit: float, rebuilt: bool) -> bool:
     """``_grown``'s step for one order: grow it, or rebuild it unless ``rebuilt`` (one was
     already), and add it to ``pool`` if it runs and fits. True when it was rebuilt."""
     layout = problem.layout(candidate.place)
@@ -429,9 +429,6 @@ def _to_full_size(candidate: Candidate, rows: list[Row], small: _Pool, copy: _Pr
     pool.add(Candidate(candidate.label, candidate.placement, scored.makespan, peak,
                        scored.idle_zb, candidate.chunks), grown)
     return from_recipe
-
-
-Recipe = Callable[["_Problem", float], "tuple[list[Row], Score | None] | None"]
 
 
 def _greedy_recipe(place: Place, knobs: Knobs, problem: _Problem, limit: float
@@ -493,101 +490,12 @@ def _check_complete(rows: list[Row], layout: tuple[int, ...], microbatches: int,
 # ----------------------------------------------------------------------------------------------
 
 
-class _Budget:
-    """Effort counted in simulated actions (deterministic), plus an optional wall-time stop."""
-
-    def __init__(self, effort: int, time_budget_s: float | None, deadline: float | None = None):
-        self.left = effort
-        self.spent = 0
-        self.deadline = deadline
-        if time_budget_s is not None:
-            self.deadline = time.monotonic() + time_budget_s
-
-    def spend(self, actions: int) -> None:
-        self.left -= actions
-        self.spent += actions
-
-    def share(self, parts: int) -> _Budget:
-        """A budget of 1/parts of what is left (the caller spends what the share spent)."""
-        return _Budget(max(self.left, 0) // max(parts, 1), None, self.deadline)
-
-    def late(self) -> bool:
-        return self.deadline is not None and time.monotonic() > self.deadline
-
-    def exhausted(self) -> bool:
-        return self.left <= 0 or self.late()
-
-
-class _Pool:
-    """Every candidate that fits; ``best`` orders by makespan, then idle, then peak, then
-    arrival.
-
-    A candidate whose makespan is known without a replay (the list scheduler's sweep) may come
-    without its idle (``add(..., idle_from=...)``): the idle is replayed only when ``best`` needs
-    it, i.e. when the makespan alone does not already rank the candidate below the ones asked
-    for. Most sweep candidates are longer than five others and are never replayed (a replay at
-    p=32, m=256 and four chunks per rank is a twentieth of a second), and the order is exactly
-    the one with every idle known."""
-
-    def __init__(self) -> None:
-        self.entries: list[tuple[Candidate, list[Row]]] = []
-        self.tried = 0
-        # a seed's own Schedule, by the id of its rows (which the pool keeps alive): the winner
-        # need not be decoded again (a second at p=64, m=512 and 8 chunks)
-        self.built: dict[int, Schedule] = {}
-        # entry index -> (layout, microbatches, costs) to replay its idle with (``add``)
-        self.unscored: dict[int, tuple[tuple[int, ...], int, Costs]] = {}
-        # how to build an order again on another problem, by the id of its rows: ``_grown``'s
-        # way back to full size for an order whose steady state does not repeat
-        self.recipes: dict[int, Recipe] = {}
-
-    def add(self, candidate: Candidate, rows: list[Row], built: Schedule | None = None,
-            idle_from: tuple[tuple[int, ...], int, Costs] | None = None,
-            recipe: Recipe | None = None) -> None:
-        """``idle_from``: ``candidate``'s idle is not known yet; replay ``rows`` on this layout,
-        microbatches and costs when it counts (``candidate.idle_zb`` is a placeholder until)."""
-        if idle_from is not None:
-            self.unscored[len(self.entries)] = idle_from
-        self.entries.append((candidate, rows))
-        if built is not None:
-            self.built[id(rows)] = built
-        if recipe is not None:
-            self.recipes[id(rows)] = recipe
-
-    def best(self, count: int) -> list[tuple[Candidate, list[Row]]]:
-        self._score(count)
-
-        def key(n: int) -> tuple:
-            c = self.entries[n][0]
-            return (*Score(c.makespan, c.idle_zb).key(), c.peak, n)
-
-        order = sorted(range(len(self.entries)), key=key)
-        return [self.entries[n] for n in order[:count]]
-
-    def _score(self, count: int) -> None:
-        """Replay the idle of every unscored entry that the makespan alone does not rank below
-        the first ``count``: those ranked below have ``count`` entries whose (rounded) makespan
-        is smaller, which no idle can reorder."""
-        if not self.unscored or count <= 0:
-            return
-        rounded = sorted(Score(c.makespan, 0.0).key()[0] for c, _ in self.entries)
-        bar = rounded[min(count, len(rounded)) - 1]
-        for n in sorted(self.unscored):
-            candidate, rows = self.entries[n]
-            if Score(candidate.makespan, 0.0).key()[0] > bar:
-                continue
-            layout, microbatches, costs = self.unscored.pop(n)
-            scored = score(rows, layout, microbatches, costs)
-            idle = scored.idle_zb if scored is not None else float("inf")
-            self.entries[n] = (dataclasses.replace(candidate, idle_zb=idle), rows)
-
-
 def _label(place: Place) -> str:
     """``v``, ``interleaved``, ``looped`` at their classic chunk counts, else ``interleavedx4``."""
     return place[0] if place in PINNED.values() else f"{place[0]}x{place[1]}"
 
 
-def _ranked_places(pool: _Pool, allowed: list[Place]) -> list[Place]:
+def _ranked_places(pool: Pool, allowed: list[Place]) -> list[Place]:
     """The placements that hold a candidate, by their best candidate, best first."""
     ranked: list[Place] = []
     for candidate, _ in pool.best(len(pool.entries)):
@@ -681,8 +589,8 @@ def _peak(rows: list[Row], layout: tuple[int, ...]) -> float:
     return peak
 
 
-def _seed(problem: _Problem, allowed: list[Place], limit: float, budget: _Budget,
-          pool: _Pool) -> list[Place]:
+def _seed(problem: _Problem, allowed: list[Place], limit: float, budget: Budget,
+          pool: Pool) -> list[Place]:
     """Step a: price the seeds exactly: all of them up to ``SCREEN_PP`` ranks, whatever the
     effort (at those sizes they are cheap, and they are what makes the search never worse than
     torch's schedules); above it, best screened first while half the effort lasts (and at least
@@ -771,7 +679,7 @@ def _busiest(costs: StageCosts) -> float:
     return max(float(c.f) + float(c.i) + float(c.w) for c in costs.stages)
 
 
-def _sweep(place: Place, problem: _Problem, limit: float, budget: _Budget, pool: _Pool) -> None:
+def _sweep(place: Place, problem: _Problem, limit: float, budget: Budget, pool: Pool) -> None:
     """Coordinate search over the list scheduler's knobs, starting from the safe default."""
     layout, microbatches, costs = problem.layout(place), problem.microbatches, problem.fast(place)
     pp = max(layout) + 1
@@ -851,7 +759,7 @@ PATIENT_SHARE = 4  # the patient pass gets effort / PATIENT_SHARE on top of ``ef
 Built = dict[ReverseKnobs, "tuple[list[Row], float, dict] | None"]
 
 
-def _backward(place: Place, problem: _Problem, limit: float, budget: _Budget, pool: _Pool,
+def _backward(place: Place, problem: _Problem, limit: float, budget: Budget, pool: Pool,
               settings: list, built: Built) -> None:
     """Forward-backward candidates: a backward schedule, then a forward one by its priorities
     (``settings``: entries like ``_BACKWARD``'s; ``built`` caches the backward schedules)."""
@@ -891,7 +799,7 @@ def _backward(place: Place, problem: _Problem, limit: float, budget: _Budget, po
                      recipe=functools.partial(_backward_recipe, place, knobs, (reserve, waits)))
 
 
-def _add_scored(pool: _Pool, label: str, place: Place, rows: list[Row], peak: float,
+def _add_scored(pool: Pool, label: str, place: Place, rows: list[Row], peak: float,
                 problem: _Problem, built: Schedule | None = None,
                 recipe: Recipe | None = None) -> bool:
     """Add ``rows`` (and ``built``, its schedule if there is one) to the pool with its score;

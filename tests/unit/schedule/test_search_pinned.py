@@ -14,6 +14,7 @@ speed work takes against the slow path it replaces."""
 import pytest
 
 import loom.schedule.search as search_module
+import loom.schedule.search_pool as search_pool
 from loom.schedule.cost import OpCosts, StageCosts
 from loom.schedule.families import get
 from loom.schedule.replay import encode, score
@@ -206,7 +207,7 @@ def test_the_pool_replays_an_idle_only_where_it_can_change_the_order():
     problem = search_module._Problem(4, 8, UNEQUAL)
     place = ("interleaved", 2)
     layout, fast = problem.layout(place), problem.fast(place)
-    lazy, eager = search_module._Pool(), search_module._Pool()
+    lazy, eager = search_pool.Pool(), search_pool.Pool()
     for n, reserve in enumerate((None, 0, 1, 2)):
         for patience in (0.0, 0.1, 0.5):
             rows, makespan, peak = list_schedule(layout, 8, fast, 8,
