@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from loom.cli import main
+
 SMALL = ["--train.steps=3", "--model.preset=debug", "--data.max_bytes=100000",
          "--data.seq_len=32", "--train.eval_every=0", "--metrics.progress=false"]
 SLOW_LINK = """
@@ -109,10 +111,16 @@ def test_a_slower_node_slows_every_step_to_its_pace(tmp_path):
     (["--cluster", "missing.toml", "--emulate"], "cannot be read"),
     (["--cluster", "cluster.toml", "--emulate", "--nproc", "4"], "the world has 4"),
 ])
-def test_bad_uses_are_refused_before_anything_starts(tmp_path, args, words):
+def test_bad_uses_are_refused_before_anything_starts(tmp_path, monkeypatch, capsys, args,
+                                                     words):
+    """In process (``loom.cli.main``: no interpreter start per case), as
+    ``test_cli_input_refusals.py`` checks the other refusals."""
     (tmp_path / "cluster.toml").write_text(SLOW_LINK)
+    monkeypatch.chdir(tmp_path)
     nproc = [] if "--nproc" in args else ["--nproc", "2"]
-    refused = loom("train", *nproc, *args, "--train.run_dir=runs/x", *SMALL, cwd=tmp_path)
-    assert refused.returncode == 2
-    assert words in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    code = main(["train", *nproc, *args, "--train.run_dir=runs/x", *SMALL])
+    out = capsys.readouterr()
+    assert code == 2, out.err
+    assert words in out.err and len(out.err.strip().splitlines()) == 1, out.err
+    assert "Traceback" not in out.err
     assert not (tmp_path / "runs").exists()
