@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import multiprocessing
 import os
 import shutil
 import sys
@@ -45,6 +46,16 @@ from loom.train import preempt, watchdog
 from loom.train.distributed import init_distributed
 
 THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+# Workers are forked from a server process that has imported these once (multiprocessing's
+# forkserver, preloaded), instead of each spawning an interpreter that imports torch and the
+# trainer again: 3-4 s of CPU per worker, which N workers on a few cores pay N times over at
+# every launch and restart. The server imports and never computes, so it starts no OpenMP,
+# CUDA or gloo state for the fork to copy.
+WORKER_MODULES = ["loom.launch", "loom.train.trainer"]
+# Loom's own variables a launch sets for its workers (emulation): a forkserver's children
+# inherit the server's environment, fixed when it started, so ``worker_main`` sets these from
+# the launching call instead
+LAUNCH_ENV = (NAMESPACE_ENV, COMPUTE_ENV, CLUSTER_ENV)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
@@ -120,13 +131,20 @@ def prepare_run_dir(config: Config, run_dir: Path, *, is_main: bool = True) -> P
 
 
 @record  # torch elastic's error recorder: a worker's traceback reaches the launcher's message
-def worker_main(config_table: dict[str, Any], run_dir: str) -> dict[str, float]:
-    """Entry point of every rank: build the Trainer and run it to the end."""
+def worker_main(config_table: dict[str, Any], run_dir: str,
+                launch_env: dict[str, str] | None = None) -> dict[str, float]:
+    """Entry point of every rank: build the Trainer and run it to the end. ``launch_env``: the
+    ``LAUNCH_ENV`` variables the launch set (an absent one is unset here)."""
     import torch.distributed as dist
 
     from loom.train.trainer import Trainer  # 0.9 s of imports (DCP, FSDP2): workers only
 
     preempt.install_handlers()  # first: a SIGTERM from now on asks for a checkpoint, not death
+    for key in LAUNCH_ENV if launch_env is not None else ():
+        if key in launch_env:
+            os.environ[key] = launch_env[key]
+        else:
+            os.environ.pop(key, None)
     watchdog.register(run_dir, int(os.environ.get("RANK", "0")))  # the launcher signals this pid
     config = from_dict(config_table)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not config.checkpoint.resume:
@@ -172,8 +190,10 @@ def launch_local(config: Config, run_dir: Path, nproc: int, max_restarts: int = 
     launch_config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts, monitor_interval=0.2,
-        start_method="spawn", **{key: value for key, value in optional.items() if key in known},
+        start_method="forkserver",
+        **{key: value for key, value in optional.items() if key in known},
     )
+    multiprocessing.set_forkserver_preload(WORKER_MODULES)
     watchdog.clear(run_dir)
     grace = config.train.preempt_grace_s
     network = EmulatedNetwork(emulate) if emulate is not None else contextlib.nullcontext()
@@ -184,7 +204,9 @@ def launch_local(config: Config, run_dir: Path, nproc: int, max_restarts: int = 
             os.environ[CLUSTER_ENV] = emulate.to_toml()  # skippipe plans its paths for it
             print(f"loom train: {network.describe()}", file=sys.stderr)
         try:
-            results = elastic_launch(launch_config, worker_main)(to_dict(config), str(run_dir))
+            launch_env = {key: os.environ[key] for key in LAUNCH_ENV if key in os.environ}
+            results = elastic_launch(launch_config, worker_main)(to_dict(config), str(run_dir),
+                                                                 launch_env)
         except ChildFailedError as err:
             raise WorkerFailed(_describe_failures(err, supervisor.hang)) from None
         except SignalException as err:

@@ -141,12 +141,16 @@ class Supervisor:
                 if str(d.get("job", "")).startswith(f"{self.run_id}/")]
 
     def _workers(self, job: str | None = None) -> dict[int, int]:
-        """rank -> pid of the registered workers that are this process's children."""
+        """rank -> pid of the registered workers this process started: its children's children,
+        forked by the launch's forkserver (``loom.launch.WORKER_MODULES``), or its children. A
+        record of an earlier run whose pid was reused by another process is left alone."""
         out = {}
+        me = os.getpid()
         for rank, record in watchdog.read_records(self.run_dir).items():
             job_of = str(record.get("job", ""))
+            parent = parent_pid(int(record["pid"]))
             if job_of.startswith(f"{self.run_id}/") and (job is None or job_of == job) \
-                    and parent_pid(int(record["pid"])) == os.getpid():
+                    and parent is not None and (parent == me or parent_pid(parent) == me):
                 out[rank] = int(record["pid"])
         return out
 
