@@ -131,6 +131,17 @@ def prepare_run_dir(config: Config, run_dir: Path, *, is_main: bool = True) -> P
 
 
 @record  # torch elastic's error recorder: a worker's traceback reaches the launcher's message
+def apply_launch_env(launch_env: dict[str, str]) -> None:
+    """Set this process's ``LAUNCH_ENV`` variables to the launch's: those it set, and none it
+    did not (a fork server started by an earlier launch may have left them in the environment
+    its workers inherit)."""
+    for key in LAUNCH_ENV:
+        if key in launch_env:
+            os.environ[key] = launch_env[key]
+        else:
+            os.environ.pop(key, None)
+
+
 def worker_main(config_table: dict[str, Any], run_dir: str,
                 launch_env: dict[str, str] | None = None) -> dict[str, float]:
     """Entry point of every rank: build the Trainer and run it to the end. ``launch_env``: the
@@ -140,11 +151,8 @@ def worker_main(config_table: dict[str, Any], run_dir: str,
     from loom.train.trainer import Trainer  # 0.9 s of imports (DCP, FSDP2): workers only
 
     preempt.install_handlers()  # first: a SIGTERM from now on asks for a checkpoint, not death
-    for key in LAUNCH_ENV if launch_env is not None else ():
-        if key in launch_env:
-            os.environ[key] = launch_env[key]
-        else:
-            os.environ.pop(key, None)
+    if launch_env is not None:
+        apply_launch_env(launch_env)
     watchdog.register(run_dir, int(os.environ.get("RANK", "0")))  # the launcher signals this pid
     config = from_dict(config_table)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not config.checkpoint.resume:
