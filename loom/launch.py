@@ -130,7 +130,6 @@ def prepare_run_dir(config: Config, run_dir: Path, *, is_main: bool = True) -> P
     return data_dir
 
 
-@record  # torch elastic's error recorder: a worker's traceback reaches the launcher's message
 def apply_launch_env(launch_env: dict[str, str]) -> None:
     """Set this process's ``LAUNCH_ENV`` variables to the launch's: those it set, and none it
     did not (a fork server started by an earlier launch may have left them in the environment
@@ -142,6 +141,7 @@ def apply_launch_env(launch_env: dict[str, str]) -> None:
             os.environ.pop(key, None)
 
 
+@record  # torch elastic's error recorder: a worker's traceback reaches the launcher's message
 def worker_main(config_table: dict[str, Any], run_dir: str,
                 launch_env: dict[str, str] | None = None) -> dict[str, float]:
     """Entry point of every rank: build the Trainer and run it to the end. ``launch_env``: the

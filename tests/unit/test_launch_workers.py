@@ -53,3 +53,12 @@ def test_the_supervisor_finds_workers_forked_by_the_fork_server(tmp_path):
         release.set()
         worker.join(30)
     assert worker.exitcode == 0
+
+
+def test_the_worker_entry_point_records_its_error_for_the_launchers_message():
+    # torch elastic's ``record`` writes a failing worker's traceback where the agent reads it;
+    # without it the launcher could only say "exit code 1" (``launch._describe_failures``)
+    from loom.launch import worker_main
+
+    assert getattr(worker_main, "__wrapped__", None) is not None
+    assert worker_main.__wrapped__.__name__ == "worker_main"
