@@ -52,9 +52,9 @@ THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 # every launch and restart. The server imports and never computes, so it starts no OpenMP,
 # CUDA or gloo state for the fork to copy.
 WORKER_MODULES = ["loom.launch", "loom.train.trainer"]
-# Loom's own variables a launch sets for its workers (emulation): a forkserver's children
-# inherit the server's environment, fixed when it started, so ``worker_main`` sets these from
-# the launching call instead
+# Loom's own variables a launch sets for its workers (emulation). They travel as
+# ``worker_main``'s argument, not through the launcher's environment: a fork server's children
+# inherit the server's environment, fixed when it started (possibly by an earlier launch)
 LAUNCH_ENV = (NAMESPACE_ENV, COMPUTE_ENV, CLUSTER_ENV)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
@@ -206,13 +206,12 @@ def launch_local(config: Config, run_dir: Path, nproc: int, max_restarts: int = 
     grace = config.train.preempt_grace_s
     network = EmulatedNetwork(emulate) if emulate is not None else contextlib.nullcontext()
     with Supervisor(run_dir, run_id, grace) as supervisor, network:
-        if emulate is not None:  # the workers inherit these: their namespace and their speed
-            os.environ[NAMESPACE_ENV] = network.prefix
-            os.environ[COMPUTE_ENV] = compute_speeds(emulate)
-            os.environ[CLUSTER_ENV] = emulate.to_toml()  # skippipe plans its paths for it
+        launch_env: dict[str, str] = {}  # ``worker_main`` sets these (and unsets the others)
+        if emulate is not None:  # each worker's namespace and speed, and the cluster
+            launch_env = {NAMESPACE_ENV: network.prefix, COMPUTE_ENV: compute_speeds(emulate),
+                          CLUSTER_ENV: emulate.to_toml()}  # skippipe plans its paths for it
             print(f"loom train: {network.describe()}", file=sys.stderr)
         try:
-            launch_env = {key: os.environ[key] for key in LAUNCH_ENV if key in os.environ}
             results = elastic_launch(launch_config, worker_main)(to_dict(config), str(run_dir),
                                                                  launch_env)
         except ChildFailedError as err:
@@ -225,10 +224,6 @@ def launch_local(config: Config, run_dir: Path, nproc: int, max_restarts: int = 
                                    f" stop within train.preempt_grace_s = {grace:g} s; they were"
                                    " killed") from None
             raise WorkerFailed(f"stopped by {err.sigval.name}; the workers were stopped") from None
-        finally:
-            os.environ.pop(NAMESPACE_ENV, None)
-            os.environ.pop(COMPUTE_ENV, None)
-            os.environ.pop(CLUSTER_ENV, None)
     return results[0]
 
 
