@@ -82,6 +82,9 @@ def validate_fault(config: Config) -> None:
                                        else ())
     if fault.test_kill_steps:
         steps = fault.test_kill_steps
+        if fault.test_kill_step:
+            raise ConfigError("fault.test_kill_steps", ",".join(map(str, steps)),
+                              "replaces fault.test_kill_step; set one of them")
         if len(steps) != len(fault.test_kill_stages):
             raise ConfigError("fault.test_kill_steps", ",".join(map(str, steps)),
                               "needs one step per entry of fault.test_kill_stages"

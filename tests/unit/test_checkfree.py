@@ -111,6 +111,8 @@ def test_blocks_line_up_by_position_in_the_stage_and_skip_embedding_and_head():
       "fault.test_kill_steps": "3,3"}, 4, "fault.test_kill_steps"),
     ({"fault.recovery": "checkfree", "parallel.pp": "4", "fault.test_kill_stages": "1",
       "fault.test_kill_steps": "0"}, 4, "fault.test_kill_steps"),
+    ({"fault.recovery": "checkfree", "parallel.pp": "4", "fault.test_kill_stages": "1",
+      "fault.test_kill_steps": "3", "fault.test_kill_step": "2"}, 4, "fault.test_kill_steps"),
 ])
 def test_layouts_checkfree_cannot_recover_are_refused_by_name(overrides, world, field):
     with pytest.raises(ConfigError) as err:
