@@ -187,6 +187,9 @@ def main() -> int:
                         " checkfree_plus_nofail (out of order, no kill)")
     parser.add_argument("--plus-stage", type=int, default=0,
                         help="the stage killed in the periodic checkfree_plus runs (0..3)")
+    parser.add_argument("--report", metavar="JSON", default=None,
+                        help="run nothing: report the runs saved in JSON (a checkfree.json)"
+                        " against --target-step (with the --steps and --eval-every they ran)")
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     unknown = set(modes) - {"none", "checkfree", "checkfree_plus", "checkpoint",
@@ -208,6 +211,11 @@ def main() -> int:
     if target_step % args.eval_every or not 0 < target_step <= args.steps:
         parser.error(f"--target-step must be an evaluation step in (0, {args.steps}],"
                      f" got {target_step}")
+    if args.report:  # the runs of an earlier invocation, measured against --target-step
+        saved = json.loads(Path(args.report).read_text())
+        results, modes = saved["results"], list(dict.fromkeys(r["mode"] for r in saved["results"]))
+        report(results, modes, target_step, "as recorded in " + args.report, args.interval)
+        return 0
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for trial in range(args.trials):
@@ -227,6 +235,21 @@ def main() -> int:
                       f" {[(round(t, 1), s, round(v, 3)) for t, s, v in res['evals']]}",
                       flush=True)
                 shutil.rmtree(workdir / mode, ignore_errors=True)
+    failures = ("periodic: a kill every %d steps" % args.every if args.failure_rate is None
+                else f"random: each step fails with probability {args.failure_rate}"
+                f" (seeds {args.seed}..{args.seed + args.trials - 1})")
+    report(results, modes, target_step, failures, args.interval)
+    out = ROOT / "bench" / "out"
+    out.mkdir(exist_ok=True)
+    (out / "checkfree.json").write_text(json.dumps({"args": vars(args), "results": results},
+                                                   indent=1))
+    return 0
+
+
+def report(results: list[dict], modes: list[str], target_step: int, failures: str,
+           interval: int) -> None:
+    """Time to the failure-free run's validation loss at ``target_step``, per run and per mode
+    (adds the target's fields to each result)."""
     base = next(r for r in results if r["mode"] == "none")
     target = next((v for _, s, v in base["evals"] if s == target_step), None)
     for res in results:
@@ -237,12 +260,9 @@ def main() -> int:
             and res["first_step_s"] is not None else None
         res["steps_to_target"] = next((s for _, s, v in res["evals"]
                                        if target is not None and v <= target), None)
-    failures = ("periodic: a kill every %d steps" % args.every if args.failure_rate is None
-                else f"random: each step fails with probability {args.failure_rate}"
-                f" (seeds {args.seed}..{args.seed + args.trials - 1})")
     print(f"\ntarget: the failure-free run's validation loss at step {target_step}"
           f" ({target if target is not None else float('nan'):.4f}); failures {failures};"
-          f" checkpoints every {args.interval} steps for the restart mode")
+          f" checkpoints every {interval} steps for the restart mode")
     print(f"{'trial':>5} {'mode':>14} {'kills':>5} {'to target (s)':>14}"
           f" {'from step 1 (s)':>15} {'at step':>7} {'final val':>9} {'wall (s)':>8}"
           "  per failure (s)")
@@ -269,11 +289,6 @@ def main() -> int:
               f" {_stat([r['train_to_target_s'] for r in reached], '.1f'):>17}"
               f" {_stat([r['steps_to_target'] for r in reached], '.1f'):>11}"
               f" {_stat(costs, '.1f'):>17} {_stat(finals, '.3f'):>17}")
-    out = ROOT / "bench" / "out"
-    out.mkdir(exist_ok=True)
-    (out / "checkfree.json").write_text(json.dumps({"args": vars(args), "results": results},
-                                                   indent=1))
-    return 0
 
 
 def _stat(values: list[float], spec: str) -> str:
