@@ -52,13 +52,19 @@ parameters; bytes per step, wire): none 13.2 MB, int8 3.3 MB, topk 1% 0.27 MB, p
 **L-GreCo** (``compression_adaptive = lgreco``, Alimohammadi et al. 2023) on top of powersgd or
 topk: each tensor ("layer") may use one of five levels around the configured one (PowerSGD ranks
 r/4, r/2, r, 2r, 4r; top-k ratios ratio/4 ... 4 ratio). Every ``compression_refresh`` steps the
-compressor measures, on that step's ``g + e``, each layer's squared error at each level (exactly:
-the tail of its squared singular values for PowerSGD, of its sorted squared magnitudes for top-k),
-sums the table over the data-parallel group (one small all-reduce, so every rank decides alike),
-and ``choose_levels`` picks per layer the level minimizing the total bytes subject to the total
-error staying within that of the uniform configured level (a knapsack solved by dynamic
-programming over discretized error, never worse than the uniform choice). The new levels apply
-from the next step.
+compressor measures, on that step's ``g + e``, each layer's squared error at each level: for top-k
+the tail of its sorted squared magnitudes (what it drops); for PowerSGD the error of the compressor
+itself, one power iteration from the warm-started Q on this rank's ``g + e``. The best rank-r
+error (the tail of the squared singular values, one SVD per matrix) was the first measure and a
+worse one: a single warm-started power iteration does not reach it, plausibly least at the ranks
+whose columns of Q have not been in use, so the program bought error at high ranks that the
+compressor did not deliver (bench/lowcomm_convergence.py, 96 steps at reference rank 4, seed
+1234: 2.714 validation loss at 130 bytes/token with the SVD, 2.646 at 118 with the compressor's
+own error; docs/benchmarks.md). The table is summed over the data-parallel group (one small
+all-reduce, so every rank decides alike), and ``choose_levels`` picks per layer the level
+minimizing the total bytes subject to the total error staying within that of the uniform
+configured level (a knapsack solved by dynamic programming over discretized error, never worse
+than the uniform choice). The new levels apply from the next step.
 
 State (training state, saved in checkpoints by the trainer under this rank's key; a resume under
 another parallel config restarts it at zero residuals and the seeded Q): every tensor's residual,
@@ -397,19 +403,20 @@ class PowerSGDCompressor(GradCompressor):
         return sizes
 
     def _level_errors(self, slot: int, accumulated: torch.Tensor) -> torch.Tensor:
-        # the best rank-r approximation's squared error: the tail of the squared singular values
-        # (what warm-started power iteration converges to); one SVD per matrix per refresh.
-        # A non-finite gradient (a step about to be skipped) is measured as zeros: the SVD
-        # would raise.
+        # The squared error of the compressor itself at each rank: one power iteration from the
+        # warm-started Q on this rank's g + e, as the step runs it (before the group's sum of
+        # the Ps). Its approximation is the projection B B^T M onto B = orth(M Q_r), so its error
+        # is ||M||^2 - ||B^T M||^2; the first r columns of the QR of M Q_top span M Q_r, so one QR
+        # at the largest rank serves every level. A non-finite gradient (a step about to be
+        # skipped) is measured as zeros.
         matrix = _clean(accumulated.double().reshape(accumulated.shape[0], -1))
-        squares = torch.linalg.svdvals(matrix).square()
-        tail = torch.cat([squares.flip(0).cumsum(0).flip(0), squares.new_zeros(1)])
-        errors = []
-        for level in range(len(LEVEL_FACTORS)):
-            rank = self.rank_of(slot, level)
-            errors.append(tail[min(rank, squares.numel())] if rank is not None
-                          else squares.new_zeros(()))
-        return torch.stack(errors)
+        ranks = [self.rank_of(slot, level) for level in range(len(LEVEL_FACTORS))]
+        top = max((r for r in ranks if r is not None), default=0)
+        basis = orthonormalize(matrix @ self.q[slot][:, :top].double())
+        captured = torch.cat([matrix.new_zeros(1), (basis.t() @ matrix).square().sum(1).cumsum(0)])
+        total = matrix.square().sum()
+        return torch.stack([(total - captured[r]).clamp(min=0) if r is not None
+                            else total.new_zeros(()) for r in ranks])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         state = super().state_dict()

@@ -1,6 +1,6 @@
 """The gradient compressors' pieces on single tensors (``loom.parallel.compression``): int8
 quantization and top-k selection keep ``sent + residual == input``, PowerSGD's power step is exact
-at full rank, and L-GreCo's dynamic program finds the brute-force optimum within the budget. The
+at full rank, L-GreCo measures PowerSGD's own error per rank, and L-GreCo's dynamic program finds the brute-force optimum within the budget. The
 same compressors across two ranks (collectives, error feedback over steps, the ledger) are
 ``tests/dist/test_grad_compression.py``."""
 
@@ -11,10 +11,12 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from loom.config import ConfigError, load_config, resolve
-from loom.parallel.compression import (INT8_CHUNK, Int8Compressor, TopKCompressor, choose_levels,
-                                       orthonormalize)
+from loom.layout import CompressionSpec
+from loom.parallel.compression import (INT8_CHUNK, Int8Compressor, PowerSGDCompressor,
+                                       TopKCompressor, choose_levels, orthonormalize)
 
 
 def _tensor(numel: int, seed: int) -> torch.Tensor:
@@ -101,6 +103,32 @@ def test_powersgd_power_step_below_full_rank_is_a_projection():
     approximation = basis @ (matrix.t() @ basis).t()
     error = (matrix - approximation).norm()
     assert 0 < error < matrix.norm()
+
+
+@pytest.mark.parametrize("shape", [(40, 24), (24, 40), (6, 5, 8)])
+def test_lgreco_measures_powersgd_error_of_one_warm_started_power_step(shape):
+    """L-GreCo's table for a PowerSGD tensor is the squared error the compressor itself would
+    leave at each level's rank (P = M Q_r orthonormalized, approximation P P^T M), computed
+    separately per rank here; it falls as the rank grows and is zero where the level sends the
+    tensor whole."""
+    param = nn.Parameter(torch.zeros(shape))
+    spec = CompressionSpec(method="powersgd", rank=4, adaptive="lgreco", refresh=1,
+                           min_compression_rate=1.0)
+    compressor = PowerSGDCompressor([param], group=None, size=1, spec=spec, seed=3)
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape)))
+    measured = compressor._level_errors(0, grad)
+    matrix = grad.double().reshape(shape[0], -1)
+    for level, value in enumerate(measured):
+        rank = compressor.rank_of(0, level)
+        if rank is None:
+            assert value == 0
+            continue
+        basis = orthonormalize(matrix @ compressor.q[0][:, :rank].double())
+        expected = (matrix - basis @ (basis.t() @ matrix)).square().sum()
+        torch.testing.assert_close(value, expected, rtol=1e-9, atol=1e-9)
+    assert (measured[1:] <= measured[:-1] + 1e-9).all()
+    lossy = [value for level, value in enumerate(measured) if compressor.rank_of(0, level)]
+    assert lossy[0] > lossy[-1] > 0  # below full rank a random matrix is never exact
 
 
 def _brute_force(errors: torch.Tensor, sizes: torch.Tensor, budget: float) -> float:
