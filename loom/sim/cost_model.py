@@ -56,8 +56,8 @@ Loom's runtime:
   per step per stage with one, prefetched so only what exceeds the layer's compute is exposed,
   plus one reduce-scatter, all over dp_shard·cp (the cp ranks hold the same weights), the FP8
   linears' weights at 1 byte under FSDP2's float8 all-gather (``fp8_all_gather``); HSDP adds
-  an all-reduce of 1/(dp_shard·cp) over dp_replicate. Each of these is cut into one piece per
-  layer and queued on its link's stream behind the layer passes it overlaps
+  an all-reduce of 1/(dp_shard·cp) over dp_replicate (``loom.sim.dp_cost``). Each of these is
+  cut into one piece per layer and queued on its link's stream behind the layer passes it overlaps
   (``loom.sim.streams``: collectives sharing a link take their sum there, on two links the max):
   the reduction behind the last microbatch's backward of the rank (or, per the framework
   profile, not at all, or across the pipeline flush), ZeRO-3's gathers ahead of each layer of
@@ -105,6 +105,7 @@ from loom.models.args import TransformerArgs
 from loom.layout import CPLayout  # Loom's own split of cp into u x r
 from loom.schedule.cost import OpCosts, StageCosts
 from loom.sim.collectives import all_to_all_time, allreduce_time, gather_time, p2p_time
+from loom.sim.dp_cost import data_parallel_time
 from loom.sim.cost_memory import layout_memory
 from loom.sim.eager_cost import eager_extra_bytes
 from loom.sim.frameworks import LOOM, Framework
@@ -112,8 +113,8 @@ from loom.sim.launch_cost import block_kernels, host_bound
 from loom.sim.optimizer_cost import step_traffic
 from loom.sim.rank_params import RankParams
 from loom.sim.streams import Pieces, chunked_overlap, layer_overlap
-from loom.sim.vocab_cost import (VocabPasses, rows_data_parallel, rows_parameters,
-                                 vocab_pass_times, vocab_pp, vocab_shares, vocab_stats_time)
+from loom.sim.vocab_cost import (VocabPasses, vocab_pass_times, vocab_pp, vocab_shares,
+                                 vocab_stats_time)
 
 ELEMENTWISE_PASSES = 20  # activation-sized reads + writes per layer forward (see docstring)
 # FlashAttention (v1) against FlashAttention-2, which the core's matmul rate prices: "around 2x"
@@ -301,7 +302,7 @@ class CostModel:
         if lay.cp > 1:
             split = CPLayout.from_mode(lay.cp_mode, lay.cp)
             ulysses, ring = split.ulysses, split.ring
-            stride = self._strides(lay)["cp"]
+            stride = self.group_strides(lay)["cp"]
             if ulysses > 1:
                 qkvo = tokens * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads) / lay.tp * self.e
                 cp_fwd += all_to_all_time(qkvo, ulysses, c.link_for(ulysses, stride))
@@ -323,7 +324,7 @@ class CostModel:
         ep_fwd = 0.0
         if moe and lay.ep > 1:
             rows = tokens * m.top_k * m.dim * self.e
-            ep_link = c.link_for(lay.ep, self._strides(lay)["ep"])
+            ep_link = c.link_for(lay.ep, self.group_strides(lay)["ep"])
             ep_fwd = 2 * all_to_all_time(rows, lay.ep, ep_link)
         per_pass, _, per_token = gpu.framework_overhead(wrappers(lay))
         overhead = self.op_overhead + per_pass + per_token * tokens
@@ -502,7 +503,7 @@ class CostModel:
         c = self.cluster
         return vocab_pass_times(
             lay, self.model.dim, self.seq, self.e, self._head_times(lay),
-            c.link_for(lay.pp, self._strides(lay)["pp"]), c.link_for(lay.tp, 1))
+            c.link_for(lay.pp, self.group_strides(lay)["pp"]), c.link_for(lay.tp, 1))
 
     def _vocab_shares(self, lay: Layout, owned: Sequence[Sequence[int]]
                       ) -> list[tuple[float, float, float]]:
@@ -538,8 +539,8 @@ class CostModel:
             rank_fwd[r] = sum(ops[s][0] for s in owned[r])
             rank_bwd[r] = sum(ops[s][1] + ops[s][2] for s in owned[r])
             rank_layers[r] = sum(sum(counts[s]) for s in owned[r])
-        dp_exposed, comm["dp"] = self._data_parallel(lay, rank_params, rank_fwd, rank_bwd,
-                                                     rank_layers)
+        dp_exposed, comm["dp"] = data_parallel_time(self, lay, rank_params, rank_fwd, rank_bwd,
+                                                    rank_layers)
         optimizer = self._optimizer_time(lay)
         memory = memory if memory is not None else self.memory(lay)
         model_flops = self.model_flops_per_step()
@@ -625,7 +626,7 @@ class CostModel:
         return max(traffic.bytes(held, stepped)
                    for held, stepped in self._held_and_stepped(lay).values())
 
-    def _strides(self, lay: Layout) -> dict[str, int]:
+    def group_strides(self, lay: Layout) -> dict[str, int]:
         """The rank distance of each group the model prices (``Framework.group_strides``)."""
         return self.framework.group_strides(
             (lay.tp, lay.cp, lay.ep, lay.dp_shard, lay.dp_replicate, lay.pp))
@@ -636,115 +637,9 @@ class CostModel:
         if lay.sequence_parallel and lay.tp > 1:
             act /= lay.tp
         return p2p_time(act, self.cluster.link_for(
-            lay.pp, self._strides(lay)["pp"]))
+            lay.pp, self.group_strides(lay)["pp"]))
 
-    def _data_parallel(self, lay: Layout, rank_params: dict[int, float],
-                       rank_fwd: dict[int, float], rank_bwd: dict[int, float],
-                       rank_layers: dict[int, int]) -> tuple[float, float]:
-        """(exposed seconds, total seconds) of gradient reduction and ZeRO parameter gathers on
-        the worst pipeline rank. Each collective is cut into one piece per layer and queued on
-        its link's stream (``loom.sim.streams``) behind the layer passes it overlaps, so the
-        collectives that share a link (ZeRO-3's gathers and reduce-scatters in one backward)
-        take their sum there; the framework's ``Overlap`` says what overlaps what."""
-        c, fw = self.cluster, self.framework.overlap
-        group = lay.dp_replicate * lay.dp_shard * lay.ep * lay.cp
-        worst_exposed = worst_total = 0.0
-        if group <= 1:
-            return 0.0, 0.0
-        experts = self.ranks.end_rank_expert_params(lay)
-        zero = lay.zero_stage if lay.dp_shard > 1 else 0
-        fp8 = self.ranks.fp8_gathered_params(lay)  # gathered at 1 byte under ZeRO-3
-        # the rank distances of the dense groups (the experts' groups are priced on the same)
-        strides = self._strides(lay)
-        shard_stride, rep_stride, dp_stride = strides["shard"], strides["rep"], strides["dp"]
-        # the vocabulary rows (vocab-pp): reduced after the schedule, exposed (``vocab_cost``)
-        rows = rows_parameters(self.model.vocab_size, self.model.dim, lay,
-                               self.model.tie_embeddings) if vocab_pp(lay) else 0.0
-        rows_time = rows_data_parallel(  # under cp over dp x cp too, as the stages' below
-            rows, lay, grad_bytes=self.grad_bytes,
-            gather_bytes=self.e if zero == 3 else self.framework.zero12_gather_bytes,
-            shard_link=c.link_for(lay.dp_shard * lay.cp, shard_stride),
-            rep_link=c.link_for(lay.dp_replicate, rep_stride),
-            dp_link=c.link_for(lay.dp_replicate * lay.dp_shard * lay.cp, dp_stride)
-        ) if rows else 0.0
-        for r, psi in rank_params.items():
-            layers = max(1, rank_layers[r])
-            # per stream (a link's name): the reduction's and the gathers' seconds, whole step
-            reduce: dict[str, float] = {}
-            gather: dict[str, float] = {}
-            # dense parameters are replicated over ep too, routed experts are not
-            for count, over, in_fp8 in ((psi - experts[r] - rows, lay.ep, fp8[r]),
-                                        (experts[r], 1, 0)):
-                if zero:
-                    # ZeRO shards over dp_shard x cp (the cp ranks hold the same weights), dense
-                    # parameters also over ep; HSDP all-reduces the slices over dp_replicate
-                    shard = lay.dp_shard * lay.cp * over
-                    shard_link = c.link_for(shard, shard_stride)
-                    rep_link = c.link_for(lay.dp_replicate, rep_stride)
-                    _add(reduce, shard_link.name,
-                         gather_time(count * self.grad_bytes, shard, shard_link))
-                    _add(reduce, rep_link.name, allreduce_time(
-                        count * self.grad_bytes / shard, lay.dp_replicate, rep_link))
-                    width = self.e if zero == 3 else self.framework.zero12_gather_bytes
-                    gathered = count * width - (in_fp8 * (width - 1) if zero == 3 else 0)
-                    _add(gather, shard_link.name, gather_time(gathered, shard, shard_link))
-                else:
-                    n = lay.dp_replicate * lay.dp_shard * lay.cp * over
-                    link = c.link_for(n, dp_stride)
-                    _add(reduce, link.name, allreduce_time(count * self.grad_bytes, n, link))
-            red_total, ag_total = sum(reduce.values()), sum(gather.values())
-            fwd_slice, bwd_slice = rank_fwd[r] / layers, rank_bwd[r] / layers
-            reduce_pieces = [Pieces(k, v / layers) for k, v in reduce.items()]
-            gather_pieces = [Pieces(k, v / layers, before=True) for k, v in gather.items()]
-            # the window that hides the reduction: the last microbatch's backward of the rank,
-            # under "pipeline_flush" widened to the drain after it (see ``_flush_window``)
-            slice_, slack = bwd_slice, 0.0
-            if fw.grad_reduce == "pipeline_flush" and lay.pp > 1:
-                slice_, slack = self._flush_window(lay, r, rank_bwd[r], layers)
-            if zero == 3:
-                # without a pipeline gathered per microbatch, forward and backward; with one
-                # once per step per stage (kept through the schedule window)
-                passes = 2 * lay.microbatches if lay.pp == 1 else 1
-                total = red_total + passes * ag_total
-                if not self.overlaps or not fw.zero3_prefetch:
-                    exposed = passes * ag_total + self._reduce_exposed(
-                        layers, slice_, reduce_pieces, slack, red_total, fw.grad_reduce)
-                elif lay.pp == 1:
-                    m = lay.microbatches
-                    fwd = self._overlap(layers, fwd_slice, gather_pieces)
-                    bwd = self._overlap(layers, bwd_slice, gather_pieces)
-                    last = self._overlap(layers, bwd_slice, gather_pieces + (
-                        reduce_pieces if fw.grad_reduce != "none" else []))
-                    if fw.grad_reduce == "none":
-                        last += red_total
-                    exposed = m * fwd + (m - 1) * bwd + last
-                else:
-                    exposed = self._overlap(layers, fwd_slice, gather_pieces) + \
-                        self._reduce_exposed(layers, slice_, reduce_pieces, slack, red_total,
-                                             fw.grad_reduce)
-            else:
-                total = red_total + ag_total
-                exposed = self._reduce_exposed(layers, slice_, reduce_pieces, slack, red_total,
-                                               fw.grad_reduce)
-                if zero and fw.param_gather and self.overlaps:  # behind the next forward
-                    exposed += self._overlap(layers, fwd_slice, gather_pieces)
-                else:  # after the optimizer step, before the next forward
-                    exposed += ag_total
-            exposed, total = exposed + rows_time, total + rows_time
-            worst_exposed = max(worst_exposed, exposed)
-            worst_total = max(worst_total, total)
-        return worst_exposed, worst_total
-
-    def _reduce_exposed(self, layers: int, slice_: float, pieces: list[Pieces], slack: float,
-                        total: float, mode: str) -> float:
-        """Exposed seconds of the gradient reduction: all of it when nothing overlaps it (the
-        framework's choice, or ranks sharing cores), otherwise what its pieces, queued behind
-        ``layers`` backward slices, leave past them and the ``slack``."""
-        if mode == "none" or not self.overlaps:
-            return total
-        return self._overlap(layers, slice_, pieces, slack)
-
-    def _overlap(self, layers: int, slice_: float, pieces: list[Pieces],
+    def queued_overlap(self, layers: int, slice_: float, pieces: list[Pieces],
                  slack: float = 0.0) -> float:
         """``streams.layer_overlap``, cached per model (the same few shapes recur across the
         hundreds of thousands of layouts the planner screens)."""
@@ -753,20 +648,6 @@ class CostModel:
         if value is None:
             value = self._overlap_cache[key] = layer_overlap(layers, slice_, pieces, slack)
         return value
-
-    def _flush_window(self, lay: Layout, r: int, bwd: float, layers: int
-                      ) -> tuple[float, float]:
-        """(seconds per layer slice, slack) of rank ``r``'s gradient reduction when it overlaps
-        the pipeline's flush (Megatron's ``--overlap-grad-reduce``: each model chunk's buckets
-        are reduced once its last microbatch's backward is done). The last microbatch's
-        backward runs down the stages, one stage backward b = bwd / v each, so rank r's stages
-        r, r + p, ... finish theirs (v - 1)·p, ... stage backwards before its last: its v·layers
-        pieces are released over a window of ((v - 1)·p + 1)·b, and it then idles r·b while
-        the stages below it finish."""
-        p, v = lay.pp, (2 if lay.v_shaped else lay.chunks)
-        b = bwd / v
-        window = ((v - 1) * p + 1) * b
-        return window / layers, r * b
 
     # ----- memory --------------------------------------------------------------------------
     def memory(self, lay: Layout, in_flight: tuple[float, ...] | None = None
@@ -801,12 +682,6 @@ def wrappers(lay: Layout) -> tuple[str, ...]:
     if lay.pp > 1:
         names.append("pp")
     return tuple(names)
-
-
-def _add(seconds: dict[str, float], stream: str, value: float) -> None:
-    """Add ``value`` seconds to ``stream``'s entry (collectives grouped by the link they use)."""
-    if value > 0:
-        seconds[stream] = seconds.get(stream, 0.0) + value
 
 
 # -- the pipeline's part of the step, in closed form (screening; finalists are simulated) -------

@@ -30,7 +30,7 @@ def test_the_rows_are_reduced_over_cp_too(zero):
     lay = Layout(pp=4, cp=2, dp_shard=shard, zero_stage=zero, reshard_after_forward=zero != 3,
                  schedule="1f1b", microbatches=16, vocab_parallel_pp=True)
     rows = rows_parameters(LLAMA.vocab_size, LLAMA.dim, lay, LLAMA.tie_embeddings)
-    c, strides = model.cluster, model._strides(lay)
+    c, strides = model.cluster, model.group_strides(lay)
     group = 2 * shard
     if zero:
         link = c.link_for(group, strides["shard"])

@@ -16,6 +16,7 @@ from loom.plan.hardware import GB, Cluster, Gpu, Link
 from loom.sim.cost_model import CostModel, allreduce_time, gather_time
 from loom.sim.frameworks import FRAMEWORKS, LOOM, framework
 from loom.sim.cost_memory import _activation_bytes
+from loom.sim.dp_cost import flush_window
 from loom.sim.streams import Pieces, layer_overlap
 
 DEBUG = PRESETS["debug"]  # h 64, 4 layers, 4 heads, 2 KV heads, FFN 128, vocab 320
@@ -118,8 +119,8 @@ def test_megatron_reduces_gradients_across_the_pipeline_flush():
     backward / v, and it idles r·b after its last backward (hand: p 4, v 2, backward 8 s,
     4 layers: b 4, window 20 s, 5 s per slice, slack 12 s on rank 3)."""
     lay = Layout(pp=4, schedule="interleaved_1f1b", chunks=2, microbatches=8)
-    assert model("megatron", gpus=4)._flush_window(lay, 3, 8.0, 4) == (5.0, 12.0)
-    assert model("megatron", gpus=4)._flush_window(lay, 0, 8.0, 4) == (5.0, 0.0)
+    assert flush_window(lay, 3, 8.0, 4) == (5.0, 12.0)
+    assert flush_window(lay, 0, 8.0, 4) == (5.0, 0.0)
     # a reduction of 30 s behind 4 slices of 5 s on rank 3: 30 + 5 - 20 - 12 = 3 s exposed
     assert layer_overlap(4, 5.0, [Pieces("slow", 7.5)], slack=12.0) == pytest.approx(3.0)
 

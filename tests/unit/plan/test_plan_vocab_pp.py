@@ -127,7 +127,7 @@ def test_the_rows_data_parallel_traffic_follows_the_zero_stage_exposed(zero):
                  vocab_parallel_pp=True)
     rows = rows_parameters(LLAMA.vocab_size, LLAMA.dim, lay, LLAMA.tie_embeddings)
     assert rows == 2 * 128_256 * 4096 / 4
-    c, strides = model.cluster, model._strides(lay)
+    c, strides = model.cluster, model.group_strides(lay)
     shard_link = c.link_for(shard, strides["shard"])
     rep_link = c.link_for(8 // shard, strides["rep"])
     if zero:
