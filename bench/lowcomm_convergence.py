@@ -6,6 +6,9 @@
     python bench/lowcomm_convergence.py --seed 4321 --runs diloco32,noloco32 --outer-lr 1.0 \\
         --outer-momentum 0
     python bench/lowcomm_convergence.py --table            # every run recorded so far
+    python bench/lowcomm_convergence.py --seed 11 --runs powersgd4 --steps 96 \
+        --set parallel.compression_rank=2                  # one point of a fixed-rank sweep
+    python bench/lowcomm_convergence.py --lgreco-table     # L-GreCo against the fixed ranks
 
 The validation loss after a given number of tokens does not depend on the links' speed (the
 emulation changes time, not arithmetic: bench/lowcomm.py's runs at 0.1 and 1 Gbit/s gave identical
@@ -19,6 +22,13 @@ run's validation loss at every evaluation and its ratio to sync's at the same st
 tokens: every mode trains on global_batch x seq_len tokens per step) and the evaluations at which
 it is within issue 19's 5%. The runs, their grid and the held-out table: docs/benchmarks.md,
 "Convergence at equal tokens, without the emulation".
+
+``--lgreco-table`` answers issue 19's "L-GreCo >= 1.5x fewer bytes than fixed-rank PowerSGD at
+the same final loss": per seed and number of steps, the final validation loss and bytes per
+token of each fixed-rank ``powersgd4`` run (``--set parallel.compression_rank=R``) and of the
+``lgreco`` run, and the bytes a fixed rank would need for L-GreCo's loss, interpolated between
+the two fixed ranks whose losses bracket it, linearly in the logarithm of the bytes (each rank
+doubles them; the loss falls about evenly per doubling); outside the sweep it says so instead.
 """
 
 from __future__ import annotations
@@ -26,6 +36,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -86,6 +98,47 @@ def print_table(records: list[dict]) -> None:
             print(f"| {label} | " + " | ".join(cells) + f" | {shown} |")
 
 
+def fixed_rank_bytes_at(loss: float, sweep: list[tuple[float, float]]) -> float | None:
+    """Bytes per token a fixed rank needs for ``loss``: ``sweep`` holds (loss, bytes) of the
+    fixed ranks; interpolated in log bytes between the two whose losses bracket ``loss``, None
+    outside the sweep."""
+    points = sorted(sweep, key=lambda point: point[1])  # by bytes: rank 1, 2, 4, ...
+    for (loss_lo, bytes_lo), (loss_hi, bytes_hi) in zip(points, points[1:]):
+        if loss_hi <= loss <= loss_lo and loss_lo > loss_hi:
+            fraction = (loss_lo - loss) / (loss_lo - loss_hi)
+            return math.exp(math.log(bytes_lo) + fraction * math.log(bytes_hi / bytes_lo))
+    return None
+
+
+def print_lgreco_table(records: list[dict]) -> None:
+    print("| seed | steps | fixed ranks: val loss @ bytes/token | lgreco | fixed rank's bytes at "
+          "lgreco's loss | lgreco's fewer bytes |")
+    print("| ---: | ---: | --- | --- | ---: | ---: |")
+    ratios = []
+    for seed, steps in sorted({(r["seed"], r["steps"]) for r in records}):
+        rows = [r for r in records if (r["seed"], r["steps"]) == (seed, steps)
+                and "error" not in r]
+        fixed = {int(r["outer"]["parallel.compression_rank"]): r for r in rows
+                 if r["mode"] == "powersgd4" and "parallel.compression_rank" in r["outer"]}
+        lgrecos = [r for r in rows if r["mode"] == "lgreco" and not r["outer"]]
+        if len(fixed) < 2 or not lgrecos:
+            continue
+        lgreco = lgrecos[-1]  # the latest (the file keeps earlier versions' runs too)
+        sweep = [(r["val_loss"], r["bytes_per_token"]) for r in fixed.values()]
+        needed = fixed_rank_bytes_at(lgreco["val_loss"], sweep)
+        cells = ", ".join(f"r{rank} {r['val_loss']:.3f} @ {r['bytes_per_token']:.0f}"
+                          for rank, r in sorted(fixed.items()))
+        ratio = needed / lgreco["bytes_per_token"] if needed else None
+        if ratio:
+            ratios.append(ratio)
+        print(f"| {seed} | {steps} | {cells} | {lgreco['val_loss']:.3f} @ "
+              f"{lgreco['bytes_per_token']:.0f} | "
+              + (f"{needed:.0f} | {ratio:.2f}x |" if needed else "outside the sweep | |"))
+    if ratios:
+        print(f"\nmedian {statistics.median(ratios):.2f}x over {len(ratios)} seeds "
+              f"(min {min(ratios):.2f}x, max {max(ratios):.2f}x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=1234, help="train.seed")
@@ -100,8 +153,14 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=32)
     parser.add_argument("--out", default=str(ROOT / "bench" / "out" / "lowcomm_convergence.jsonl"))
     parser.add_argument("--table", action="store_true", help="print what --out holds and stop")
+    parser.add_argument("--lgreco-table", action="store_true",
+                        help="print L-GreCo against the fixed-rank sweeps in --out and stop")
     args = parser.parse_args()
     out = Path(args.out)
+    if args.lgreco_table:
+        print_lgreco_table([json.loads(line) for line in out.read_text().splitlines()
+                            if line.strip()])
+        return
     if not args.table:
         out.parent.mkdir(parents=True, exist_ok=True)
         extra = dict(item.split("=", 1) for item in args.set)
