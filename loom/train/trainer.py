@@ -22,7 +22,7 @@ replica's own data ranks (dp_shard, cp), the clipping norm is the replica's, and
 ``parallel.outer_steps`` inner steps ``loom.parallel.outer.OuterLoop`` merges the replicas'
 weights over the rank's dp_replicate group (its table lists the bytes). Only the 1-element loss
 mean still spans the replicas each step, so the logged loss is the same number as under sync.
-Checkpoints keep one state per replica (``_checkpoint_tensors``). A non-finite loss or gradient
+Checkpoints keep one state per replica (``loom.train.checkpointing``). A non-finite loss or gradient
 norm in any replica stops or skips every replica alike (the norm poisons the shared loss mean).
 
 The loss is the mean token cross entropy over the *global* batch: each microbatch's mean is
@@ -34,16 +34,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from loom.config import Config, job_of, layout_of, model_args, to_dict
+from loom.config import Config, job_of, layout_of, model_args
 from loom.config_rules import varlen_budgets
 from loom.config_rules.data import zeppelin_over_dp
 from loom.data.loader import DataFiles, DistributedLoader, eval_batches
@@ -74,8 +72,7 @@ from loom.pipeline.stage import LocalStages
 from loom.schedule.paths import SKIPPIPE
 from loom.schedule.select import schedule_of
 from loom.topology import DATA_AXES, build_mesh
-from loom.train import checkpoint, full_state, preempt
-from loom.train.checkpoint_state import load_training_state, training_state
+from loom.train import checkpointing, full_state, preempt
 from loom.train.distributed import DistContext, init_distributed
 from loom.train.emulated_speed import slowed_to
 from loom.train.flops import describe_peak, device_peak_flops
@@ -86,9 +83,6 @@ from loom.train.profiling import StepProfiler
 from loom.train.trackers import open_trackers
 from loom.train.watchdog import CollectiveWatch
 
-
-# checkpoint.resume values that pick the newest valid checkpoint of the run by themselves
-AUTO_RESUME = ("auto", "auto_or_fresh")
 
 
 def cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor,
@@ -502,159 +496,28 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["data"])
 
-    # -- checkpoints ------------------------------------------------------------------------------
-    def _checkpoint_tensors(self) -> dict[str, Any]:
-        """Model and optimizer state keyed by the full model's parameter names and shapes, so any
-        layout can load what any other saved (``loom.train.checkpoint_state``).
-
-        Outer modes: between outer steps every replica's weights and inner optimizer state are its
-        own (and NoLoCo's snapshot always is), so the state, with the outer loop's tensors, goes
-        under ``replica<r>``: unprefixed, DCP would keep one copy of what looks replicated and
-        every replica would resume from replica 0's. Within a replica it reshards by name."""
-        state = training_state(self.model, self.optimizer, zero=self.zero, ep=self.ep)
-        compression = self._compression_state()
-        if compression:  # sync only (config rules): never beside the outer loop's replicas
-            state["compression"] = compression
-        if self.outer is None:
-            return state
-        outer = self.outer.state_dict()  # co2: waits for the average in flight (kept pending)
-        state["outer"] = {key: value for key, value in outer.items() if isinstance(value, dict)}
-        return {f"replica{self.replica}": state}
-
-    def _compression_state(self) -> dict[str, Any]:
-        """Gradient compression's training state (``loom.parallel.compression``: error-feedback
-        residuals, PowerSGD's Q, L-GreCo's levels and step count): every rank's own, so keyed by
-        the global rank and stage; loaded back only under the same parallel config
-        (``load_checkpoint``)."""
-        state = {f"stage{index}": reducer.compressor.state_dict()
-                 for index, reducer in sorted(self.pipeline.reducers.items())
-                 if getattr(reducer, "compressor", None) is not None}
-        return {f"rank{self.ctx.rank}": state} if state else {}
-
-    def _same_parallel_config(self, path: Path) -> bool:
-        """Whether the checkpoint was saved under this run's ``[parallel]`` (extra.json)."""
-        try:
-            saved = json.loads((Path(path) / checkpoint.EXTRA).read_text())["config"]["parallel"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return False
-        return saved == to_dict(self.config)["parallel"]
-
-    def _outer_counters(self) -> dict[str, Any]:
-        """The outer loop's plain state (the same on every rank): extra.json's ``outer``."""
-        outer = self.outer.state_dict() if self.outer is not None else {}
-        return {key: value for key, value in outer.items() if not isinstance(value, dict)}
-
+    # -- checkpoints (loom.train.checkpointing) ------------------------------------------------
     def save_checkpoint(self, root: Path | None = None) -> Path:
         """Save the full training state as checkpoint ``step`` under ``root`` (collective).
         With ``checkpoint.async_save`` the write continues in the background (one at a time:
         this first waits for the previous one); the returned path exists once it is committed."""
-        root = root or self.run_dir / "checkpoints"
-        self.wait_for_checkpoint()
-        self._refuse_non_finite_weights()
-        extra = {"step": self.step, "scheduler": self.scheduler.state_dict(),
-                 "data": self.loader.state_dict(), "config": to_dict(self.config)}
-        if self.outer is not None:
-            extra["outer"] = self._outer_counters()
-        if isinstance(self.pipeline, PathPipeline):  # skippipe: the paths it trains on
-            extra["skippipe"] = self.pipeline.state_dict()
-        with master_window(self.model):  # bf16 parameters: their fp32 masters are saved
-            saved = checkpoint.save(root, self.step, self._checkpoint_tensors(), extra,
-                                    keep=self.config.checkpoint.keep, device=self.ctx.device,
-                                    async_save=self.config.checkpoint.async_save)
-        if isinstance(saved, checkpoint.PendingSave):
-            self._pending_save, saved = saved, saved.path
-        return saved
+        return checkpointing.save(self, root or self.run_dir / "checkpoints")
 
     def wait_for_checkpoint(self) -> Path | None:
         """Block until the background checkpoint write (if any) is written and committed."""
         pending, self._pending_save = self._pending_save, None
         return pending.wait() if pending is not None else None
 
-    def _refuse_non_finite_weights(self) -> None:
-        """A checkpoint never holds NaN or infinity: checked on every rank's local values."""
-        bad = torch.zeros((), device=self.ctx.device)
-        for param in self.model.parameters():
-            local = getattr(param, "_local_tensor", param)
-            if not torch.isfinite(local).all():
-                bad.fill_(1)
-                break
-        if dist.is_initialized():
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        if bad.item():
-            raise checkpoint.CheckpointError(f"refusing to save step {self.step}: the weights"
-                                             " hold non-finite values")
-
     def load_checkpoint(self, path: Path, *, verified: bool = False) -> None:
         """Continue from a checkpoint saved under this or any other layout (collective);
         ``verified``: rank 0 has just verified it (``checkpoint.load`` does not hash it again)."""
-        self._refuse_other_dp_mode(path)
-        with master_window(self.model):  # bf16 parameters: loaded into their fp32 masters
-            self._load_checkpoint(path, verified)
-
-    def _load_checkpoint(self, path: Path, verified: bool) -> None:
-        """``load_checkpoint``'s body (inside the master window)."""
-        tensors = self._checkpoint_tensors()
-        if "compression" in tensors and not self._same_parallel_config(path):
-            # Saved under another layout or compression: its per-rank residuals do not map onto
-            # this one's, so compression restarts (zero residuals, the seeded warm-start Q).
-            del tensors["compression"]
-        extra = checkpoint.load(path, tensors, device=self.ctx.device, verified=verified)
-        if self.outer is not None:
-            tensors = tensors[f"replica{self.replica}"]
-            self.outer.load_state_dict({**extra["outer"], **tensors.pop("outer")})
-        load_training_state(self.model, self.optimizer, tensors, zero=self.zero)
-        self.step = int(extra["step"])
-        self.scheduler.load_state_dict(extra["scheduler"])
-        self.loader.load_state_dict(extra["data"])
-        if isinstance(self.pipeline, PathPipeline) and "skippipe" in extra:
-            self.pipeline.load_state_dict(extra["skippipe"])  # the paths it trained with
-
-    def _refuse_other_dp_mode(self, path: Path) -> None:
-        """A checkpoint's tensors are keyed per replica under an outer dp_mode (see
-        ``_checkpoint_tensors``): one saved under another dp_mode or dp_replicate is refused by
-        name here rather than by DCP's missing keys. Reads extra.json's config (plain JSON; the
-        files are verified by ``checkpoint.load`` next)."""
-        try:
-            saved = json.loads((Path(path) / checkpoint.EXTRA).read_text())["config"]["parallel"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return  # unreadable: checkpoint.load's verification names the problem
-        par = self.config.parallel
-        mine = (par.dp_mode, par.dp_replicate if par.dp_mode != "sync" else None)
-        theirs = (saved.get("dp_mode", "sync"),
-                  saved.get("dp_replicate") if saved.get("dp_mode", "sync") != "sync" else None)
-        if mine != theirs:
-            raise checkpoint.CheckpointError(
-                f"{path}: saved with parallel.dp_mode={theirs[0]} (dp_replicate={theirs[1]}),"
-                f" resuming with dp_mode={mine[0]} (dp_replicate={mine[1]}): an outer mode keeps"
-                " one state per replica, so its dp_mode and dp_replicate must stay the same")
+        checkpointing.load(self, path, verified=verified)
 
     def resume(self, spec: str, log=print) -> Path | None:
         """``spec`` is ``auto`` (the newest checkpoint of this run that is complete and valid;
         none: refuse, naming the ones skipped), ``auto_or_fresh`` (the same, but none: start
         from step 0) or a checkpoint directory. Refused checkpoints are logged, never loaded."""
-        verified = spec in AUTO_RESUME  # latest_loadable verifies what it picks
-        if not verified:
-            path = Path(spec)
-        else:
-            found: list[Any] = [None, []]
-            if self.ctx.is_main:  # one rank reads and hashes the files; all follow its choice
-                found = list(checkpoint.latest_loadable(self.run_dir / "checkpoints"))
-            if dist.is_initialized():
-                dist.broadcast_object_list(found, src=0)
-            path, refused = found
-            for reason in refused:
-                log(f"resume: skipping {reason}")
-            if path is None:
-                if spec == "auto":
-                    raise checkpoint.CheckpointError(
-                        f"checkpoint.resume=auto: no complete and valid checkpoint under"
-                        f" {self.run_dir / 'checkpoints'} ({len(refused)} refused); pass"
-                        " --resume auto_or_fresh to start from step 0 instead")
-                log("resume: no complete and valid checkpoint found; starting from step 0")
-                return None
-        self.load_checkpoint(path, verified=verified)
-        log(f"resume: continuing from {path} (step {self.step})")
-        return path
+        return checkpointing.resume(self, spec, log)
 
     def named_gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's full gradient by its model name (for parity tests); a collective:

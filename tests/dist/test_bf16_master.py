@@ -167,6 +167,7 @@ def test_bf16_layout_matches_one_bf16_process(dist, small_data_dir, bf16_referen
 # -- checkpoints: the fp32 masters, across dtype modes and layouts ----------------------------
 def save_state(ctx, config_table, data_dir, root):
     """Train a step, save; the saved state gathered in full (the masters, in the window)."""
+    from loom.train.checkpointing import checkpoint_tensors
     from loom.parallel.mixed_precision import master_window
     from loom.train.checkpoint_state import gather_full
     from loom.train.trainer import Trainer
@@ -175,13 +176,14 @@ def save_state(ctx, config_table, data_dir, root):
     trainer.train_step()
     path = trainer.save_checkpoint(root)
     with master_window(trainer.model):
-        state = gather_full(trainer._checkpoint_tensors())
+        state = gather_full(checkpoint_tensors(trainer))
     return str(path), state
 
 
 def load_state(ctx, config_table, data_dir, path, root):
     """Load ``path``; the loaded state in full, whether every bf16 parameter is its master's
     rounding, and (``root``) a checkpoint saved right after the load."""
+    from loom.train.checkpointing import checkpoint_tensors
     from loom.parallel.mixed_precision import master_window, mastered
     from loom.train.checkpoint_state import gather_full
     from loom.train.trainer import Trainer
@@ -191,7 +193,7 @@ def load_state(ctx, config_table, data_dir, path, root):
     rounded = all(torch.equal(p.data, p.master_weight.to(p.dtype))
                   for p in mastered(trainer.model))
     with master_window(trainer.model):
-        state = gather_full(trainer._checkpoint_tensors())
+        state = gather_full(checkpoint_tensors(trainer))
     saved = str(trainer.save_checkpoint(root)) if root else None
     return state, rounded, saved
 

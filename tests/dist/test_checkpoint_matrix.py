@@ -47,6 +47,7 @@ def _config(layout: str) -> dict:
 
 def save_and_step(ctx, config_table, data_dir, root):
     """Train SAVE_AT steps, save, gather the saved state, then train one more step."""
+    from loom.train.checkpointing import checkpoint_tensors
     from loom.train.checkpoint_state import gather_full
     from loom.train.trainer import Trainer
 
@@ -54,7 +55,7 @@ def save_and_step(ctx, config_table, data_dir, root):
     for _ in range(SAVE_AT):
         trainer.train_step()
     path = trainer.save_checkpoint(root)
-    state = gather_full(trainer._checkpoint_tensors())
+    state = gather_full(checkpoint_tensors(trainer))
     next_loss = trainer.train_step()["loss"]
     return (str(path), state, next_loss) if ctx.rank == 0 else None
 
@@ -62,6 +63,7 @@ def save_and_step(ctx, config_table, data_dir, root):
 def load_each_and_step(ctx, config_table, data_dir, paths):
     """One Trainer of the target layout loads each checkpoint in turn: its step, full state and
     the loss of the step after the load."""
+    from loom.train.checkpointing import checkpoint_tensors
     from loom.train.checkpoint_state import gather_full
     from loom.train.trainer import Trainer
 
@@ -70,7 +72,7 @@ def load_each_and_step(ctx, config_table, data_dir, paths):
     for source, path in paths.items():
         trainer.load_checkpoint(path)
         step = trainer.step
-        state = gather_full(trainer._checkpoint_tensors())
+        state = gather_full(checkpoint_tensors(trainer))
         out[source] = (step, state, trainer.train_step()["loss"])
     return out if ctx.rank == 0 else None
 

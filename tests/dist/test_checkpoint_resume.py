@@ -45,9 +45,10 @@ def config_for(layout: str) -> dict:
 def _full_state(trainer) -> dict:
     """Model and optimizer state (tensors and hyper-parameters) of the whole model, by name, on
     every rank (gathered: DTensors, ZeRO-1/2 slices and expert shards become full tensors)."""
+    from loom.train.checkpointing import checkpoint_tensors
     from loom.train.checkpoint_state import gather_full
 
-    return gather_full(trainer._checkpoint_tensors())
+    return gather_full(checkpoint_tensors(trainer))
 
 
 def train_straight(ctx, config_table, data_dir, steps):
