@@ -111,32 +111,36 @@ def fixed_rank_bytes_at(loss: float, sweep: list[tuple[float, float]]) -> float 
 
 
 def print_lgreco_table(records: list[dict]) -> None:
-    print("| seed | steps | fixed ranks: val loss @ bytes/token | lgreco | fixed rank's bytes at "
-          "lgreco's loss | lgreco's fewer bytes |")
+    print("| seed | steps | fixed ranks: val loss @ bytes/token | lgreco (reference rank) | "
+          "fixed rank's bytes at lgreco's loss | lgreco's fewer bytes |")
     print("| ---: | ---: | --- | --- | ---: | ---: |")
-    ratios = []
+    default_rank = MODES["lgreco"]["parallel.compression_rank"]
+    ratios: dict[int, list[float]] = {}
     for seed, steps in sorted({(r["seed"], r["steps"]) for r in records}):
         rows = [r for r in records if (r["seed"], r["steps"]) == (seed, steps)
                 and "error" not in r]
         fixed = {int(r["outer"]["parallel.compression_rank"]): r for r in rows
-                 if r["mode"] == "powersgd4" and "parallel.compression_rank" in r["outer"]}
-        lgrecos = [r for r in rows if r["mode"] == "lgreco" and not r["outer"]]
-        if len(fixed) < 2 or not lgrecos:
+                 if r["mode"] == "powersgd4" and set(r["outer"]) == {"parallel.compression_rank"}}
+        lgreco = {}  # by reference rank: the latest run (the file keeps earlier versions' too)
+        for r in rows:
+            if r["mode"] == "lgreco" and set(r["outer"]) <= {"parallel.compression_rank"}:
+                lgreco[int(r["outer"].get("parallel.compression_rank", default_rank))] = r
+        if len(fixed) < 2:
             continue
-        lgreco = lgrecos[-1]  # the latest (the file keeps earlier versions' runs too)
         sweep = [(r["val_loss"], r["bytes_per_token"]) for r in fixed.values()]
-        needed = fixed_rank_bytes_at(lgreco["val_loss"], sweep)
         cells = ", ".join(f"r{rank} {r['val_loss']:.3f} @ {r['bytes_per_token']:.0f}"
                           for rank, r in sorted(fixed.items()))
-        ratio = needed / lgreco["bytes_per_token"] if needed else None
-        if ratio:
-            ratios.append(ratio)
-        print(f"| {seed} | {steps} | {cells} | {lgreco['val_loss']:.3f} @ "
-              f"{lgreco['bytes_per_token']:.0f} | "
-              + (f"{needed:.0f} | {ratio:.2f}x |" if needed else "outside the sweep | |"))
-    if ratios:
-        print(f"\nmedian {statistics.median(ratios):.2f}x over {len(ratios)} seeds "
-              f"(min {min(ratios):.2f}x, max {max(ratios):.2f}x)")
+        for reference, run in sorted(lgreco.items()):
+            needed = fixed_rank_bytes_at(run["val_loss"], sweep)
+            ratio = needed / run["bytes_per_token"] if needed else None
+            if ratio:
+                ratios.setdefault(reference, []).append(ratio)
+            print(f"| {seed} | {steps} | {cells} | {run['val_loss']:.3f} @ "
+                  f"{run['bytes_per_token']:.0f} (r{reference}) | "
+                  + (f"{needed:.0f} | {ratio:.2f}x |" if needed else "outside the sweep | |"))
+    for reference, values in sorted(ratios.items()):
+        print(f"\nreference rank {reference}: median {statistics.median(values):.2f}x over "
+              f"{len(values)} seeds (min {min(values):.2f}x, max {max(values):.2f}x)")
 
 
 def main() -> None:
