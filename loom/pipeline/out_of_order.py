@@ -48,13 +48,12 @@ from loom.parallel import comm, parallelize
 from loom.parallel.comm import CommLedger
 from loom.pipeline.partition import partition_model
 from loom.pipeline.stage import LossFn, PipelineStage, build_stages
+from loom.pipeline.transfers import ACTIVATION, GRADIENT, WIRE_DTYPE
 from loom.schedule.ir import Schedule
 from loom.topology import Meshes, RankGrid
 
 EMBED, BLOCKS, HEAD = "embed", "blocks", "head"
 MIN_STAGES = 4  # two disjoint swapped pairs: (0, 1) and (pp-2, pp-1)
-ACTIVATION, GRADIENT = 0, 1
-WIRE_DTYPE = torch.float32
 
 
 @dataclass(frozen=True)

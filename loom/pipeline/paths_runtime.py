@@ -60,7 +60,7 @@ from loom.parallel import Parallelized, comm
 from loom.parallel.comm import CommLedger
 from loom.pipeline.partition import partition_model
 # the runtime's messages (their ``peer`` is a global rank here: paths span the replicas)
-from loom.pipeline.runtime import ACTIVATION, GRADIENT, WIRE_DTYPE, Transfer
+from loom.pipeline.transfers import ACTIVATION, GRADIENT, WIRE_DTYPE, Transfer
 from loom.pipeline.stage import LossFn, PipelineStage
 from loom.schedule.path_replay import (BACKWARD, FORWARD, PathCosts, Task, execution_orders,
                                        replay_paths)

@@ -19,9 +19,10 @@ transfer and reduction below goes through ``loom.parallel.comm`` with the traine
   from the inputs every rank holds), so they overlap the compute before it; every send is
   asynchronous and only waited for at the end of the step, so no ordering of sends and receives
   can deadlock a schedule that ``loom.schedule.validate`` accepts.
-* Tags: the transfer into stage ``s`` for microbatch ``m`` in direction ``d`` (0 activation, 1
-  gradient) uses tag ``(s·M + m)·2 + d``. Every transfer of a step has its own tag, so matching
-  by (source, tag) cannot pair the wrong messages whatever order the ranks post them in.
+* Tags (``loom.pipeline.transfers``, which derives every action's messages): the transfer into
+  stage ``s`` for microbatch ``m`` in direction ``d`` (0 activation, 1 gradient) uses tag
+  ``(s·M + m)·2 + d``. Every transfer of a step has its own tag, so matching by (source, tag)
+  cannot pair the wrong messages whatever order the ranks post them in.
 * Data parallelism: each stage's gradients are reduced by the reducer in its ``parallelize``
   record (``PipelineStage.applied``; ``parallelize`` runs on every stage module, in its one
   order), driven here: every backward piece accumulates with the reducer's ``sync`` off; a
@@ -87,7 +88,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -105,6 +106,9 @@ from loom.pipeline.host_offload import SavedActivations
 from loom.pipeline.partition import partition_model
 from loom.pipeline.route_copies import RouteCopySum, copy_units
 from loom.pipeline.stage import LossFn, PipelineStage, build_stages
+from loom.pipeline.transfers import (ACTIVATION, DX_PART, EMBED_GRAD, EMBED_PART, GRADIENT, STATS,
+                                     WIRE_DTYPE, X_OUT, Transfer, incoming, outgoing,
+                                     vocab_incoming, vocab_transfer)
 from loom.schedule.ir import Action, Op, Schedule
 from loom.schedule.vocab_passes import vocab_schedule
 from loom.topology import Meshes, RankGrid
@@ -112,89 +116,7 @@ from loom.topology import Meshes, RankGrid
 if TYPE_CHECKING:
     from loom.pipeline.profile import PipelineRecorder
 
-ACTIVATION, GRADIENT = 0, 1
-WIRE_DTYPE = torch.float32  # activations and their gradients travel in fp32 (see step())
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """A point-to-point message: into ``stage`` for ``microbatch``, ``direction`` 0 or 1."""
-
-    stage: int
-    microbatch: int
-    direction: int
-    peer: int  # rank of the other side (pipeline rank here; global in paths_runtime)
-
-    def tag(self, num_microbatches: int) -> int:
-        return (self.stage * num_microbatches + self.microbatch) * 2 + self.direction
-
-
-def incoming(schedule: Schedule, rank: int, action: Action) -> Transfer | None:
-    """The receive ``action`` (on ``rank``) needs from another rank, if any."""
-    s, mb = action.stage, action.microbatch
-    if action.op is Op.F and not schedule.is_first(s) and schedule.rank_of(s - 1) != rank:
-        return Transfer(s, mb, ACTIVATION, schedule.rank_of(s - 1))
-    if action.op in (Op.I, Op.B) and not schedule.is_last(s) \
-            and schedule.rank_of(s + 1) != rank:
-        return Transfer(s, mb, GRADIENT, schedule.rank_of(s + 1))
-    return None
-
-
-def outgoing(schedule: Schedule, action: Action) -> Transfer | None:
-    """Where the result of ``action`` goes: a transfer into the neighbouring stage (its ``peer``
-    is the sender's own rank when the neighbour is local), or None at the ends of the
-    microbatch's route and for W."""
-    s, mb = action.stage, action.microbatch
-    if action.op is Op.F and not schedule.is_last(s):
-        return Transfer(s + 1, mb, ACTIVATION, schedule.rank_of(s + 1))
-    if action.op in (Op.I, Op.B) and not schedule.is_first(s):
-        return Transfer(s - 1, mb, GRADIENT, schedule.rank_of(s - 1))
-    return None
-
-
-# Vocabulary parallelism's messages (module docstring): their tags are those of virtual stages
-# num_stages + kind, so they never meet a stage boundary's.
-X_OUT, STATS, DX_PART, EMBED_PART, EMBED_GRAD = range(5)
 VOCAB_ROWS = -1  # the key of the vocabulary rows' data-parallel reducer (stages are >= 0)
-
-
-def vocab_transfer(schedule: Schedule, kind: int, microbatch: int, peer: int) -> Transfer:
-    """The message of vocabulary-parallel ``kind`` for ``microbatch`` from or to ``peer``."""
-    return Transfer(schedule.num_stages + kind, microbatch, ACTIVATION, peer)
-
-
-def vocab_incoming(schedule: Schedule, rank: int, action: Action) -> list[Transfer]:
-    """The receives a vocabulary-parallel ``action`` needs on ``rank``: S the last stage's output,
-    T every other shard's statistics, the last stage's I or B every other shard's part of dX."""
-    last_rank = schedule.rank_of(schedule.num_stages - 1)
-    others = [q for q in range(schedule.pp_size) if q != rank]
-    mb = action.microbatch
-    if action.op is Op.S:
-        return [] if last_rank == rank else [vocab_transfer(schedule, X_OUT, mb, last_rank)]
-    if action.op is Op.T:
-        return [vocab_transfer(schedule, STATS, mb, q) for q in others]
-    if action.op in (Op.I, Op.B) and action.stage == schedule.num_stages - 1 \
-            and schedule.has_vocab_passes:
-        return [vocab_transfer(schedule, DX_PART, mb, q) for q in others]
-    return []
-
-
-def forward_only(schedule: Schedule) -> Schedule:
-    """An F-only schedule with ``schedule``'s placement and routes: each rank runs its stages in
-    increasing order, every microbatch that visits a stage before the next (deadlock-free: data
-    flows to higher stages only). Used for evaluation. With vocabulary passes every rank then
-    runs S of every microbatch, then T (the loss, no backward)."""
-    rows = []
-    for rank in range(schedule.pp_size):
-        vocab = ([Action(rank, op, mb) for op in (Op.S, Op.T)
-                  for mb in range(schedule.num_microbatches)]
-                 if schedule.has_vocab_passes else [])
-        rows.append(tuple(Action(stage, Op.F, mb) for stage in schedule.stages_of(rank)
-                          for mb in range(schedule.num_microbatches)
-                          if stage in schedule.route_stages(mb)) + tuple(vocab))
-    return Schedule(schedule.num_stages, schedule.num_microbatches, schedule.placement,
-                    tuple(rows), name=f"{schedule.name}-forward",
-                    num_routes=schedule.num_routes, routes=schedule.routes)
 
 
 class PipelineRuntime:

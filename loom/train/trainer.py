@@ -67,7 +67,8 @@ from loom.parallel.outer import OuterLoop
 from loom.parallel.zero import of_stages
 from loom.pipeline.out_of_order import build_out_of_order_pipeline
 from loom.pipeline.paths_runtime import PathPipeline, build_path_pipeline
-from loom.pipeline.runtime import build_pipeline, forward_only
+from loom.pipeline.runtime import build_pipeline
+from loom.pipeline.transfers import forward_only
 from loom.pipeline.stage import LocalStages
 from loom.schedule.paths import SKIPPIPE
 from loom.schedule.select import schedule_of

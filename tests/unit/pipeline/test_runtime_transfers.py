@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from loom.pipeline.runtime import forward_only, incoming, outgoing
+from loom.pipeline.transfers import forward_only, incoming, outgoing
 from loom.schedule.select import schedule_for
 from loom.schedule.families import names
 
