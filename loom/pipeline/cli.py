@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import inspect
 import json
+import math
 import os
 import sys
 from typing import Any, NoReturn
@@ -80,8 +81,8 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
     return value
 
 

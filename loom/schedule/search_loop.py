@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from loom.schedule.replay import EPS, F, I, Costs, Row, Score, score_of
 
 Action = tuple[int, int, int]  # (stage, op code, microbatch)
+# A limit in chunks beyond any count a schedule reaches: where ``limit x v`` is not finite (an
+# infinite limit, or 1e308 units times v chunks), no limit binds, and this stands for it.
+UNBOUNDED_CHUNKS = 2 ** 62
 Decide = Callable[[int, float], "tuple[Action, float] | float"]
 Commit = Callable[[int, Action, float], None]
 
@@ -44,7 +47,7 @@ def ranks_of(placement: Sequence[int], limit: float) -> Ranks | None:
     stages_of = tuple(tuple(s for s in range(len(placement)) if placement[s] == r)
                       for r in range(pp))
     v = tuple(len(stages) for stages in stages_of)
-    limit_c = tuple(int(limit * v[r] + EPS) for r in range(pp))
+    limit_c = tuple(int(min(limit * v[r] + EPS, UNBOUNDED_CHUNKS)) for r in range(pp))
     if min(limit_c[r] - v[r] for r in range(pp)) < 0:
         return None
     return Ranks(pp, stages_of, v, limit_c)

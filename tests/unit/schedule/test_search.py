@@ -94,6 +94,15 @@ def test_a_limit_of_one_unit_still_works_and_chunk_costs_are_shares():
     assert [(c.f, c.i, c.w) for c in costs.stages][0] == (0.5, 1, 0.5)
 
 
+@pytest.mark.parametrize("huge", [1e308, float("inf")])
+def test_a_limit_no_schedule_reaches_is_no_limit(huge):
+    """A rank never holds more than m units (every microbatch of all its stages), so an infinite
+    limit, or one whose chunk count overflows a float, searches what a limit of 10 m does."""
+    unbounded, bounded = search(4, 8, UNEQUAL, huge), search(4, 8, UNEQUAL, 80)
+    assert unbounded.schedule == bounded.schedule
+    assert unbounded.sim_result.makespan == bounded.sim_result.makespan
+
+
 def test_search_is_deterministic():
     a = search(4, 9, UNEQUAL, 6)
     b = search(4, 9, UNEQUAL, 6)
