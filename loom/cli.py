@@ -32,6 +32,7 @@ from loom.cluster import load as load_cluster
 from loom.config import Config, ConfigError, load_config, parse_overrides, resolve, to_toml
 from loom.config_help import help_text
 from loom.data.cli import add_data_commands
+from loom.errors import OneLineParser
 from loom.fp8_support import device_refusal as fp8_device_refusal
 from loom.generate import generate, sampling_errors
 from loom.grid_summary import describe_grid
@@ -206,7 +207,7 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="loom", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="loom", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a model on local processes or under torchrun",

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 from loom.config import load_config, model_args, to_toml
+from loom.errors import OneLineParser
 from loom.models.hf import (HFConversionError, SINGLE_FILE, atomic_save_safetensors,
                             read_hf_checkpoint, write_hf_checkpoint)
 from loom.models.args import TransformerArgs
@@ -156,7 +157,7 @@ def add_hf_commands(subparsers: Any) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``hf ...`` commands without the rest of ``loom``."""
-    parser = argparse.ArgumentParser(prog="loom")
+    parser = OneLineParser(prog="loom")
     add_hf_commands(parser.add_subparsers(dest="command", required=True))
     args, extra = parser.parse_known_args(argv)
     return args.handler(args, extra)

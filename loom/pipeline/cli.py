@@ -30,8 +30,9 @@ import json
 import math
 import os
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
+from loom.errors import OneLineParser
 from loom.schedule.cost import StageCosts, full_stage_costs, parse_cost_spec
 from loom.schedule.families import get, names, routed, simulation_only
 from loom.schedule.ir import Schedule, csv_text
@@ -57,13 +58,6 @@ class UsageError(Exception):
 
     def __init__(self, argument: str, message: str):
         super().__init__(f"{argument}: {message}")
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """Reports a bad argument as one line (no usage dump), exit code 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def _positive_int(text: str) -> int:
@@ -134,7 +128,7 @@ def add_schedule_commands(subparsers: Any) -> argparse.ArgumentParser:
         "schedule", help="list, draw, export and simulate pipeline schedules",
         description="List, draw, export and simulate pipeline schedules.")
     sub = schedule.add_subparsers(dest="schedule_command", required=True,
-                                  parser_class=_OneLineParser, metavar="COMMAND")
+                                  parser_class=OneLineParser, metavar="COMMAND")
 
     listing = sub.add_parser("list", help="the schedule families and their valid sizes")
     listing.set_defaults(handler=_list)
@@ -518,7 +512,7 @@ def _summary_line(result: Any, per_rank: bool = True) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``schedule ...`` commands without the rest of ``loom`` (tests, ``python -m``)."""
-    parser = argparse.ArgumentParser(prog="loom")
+    parser = OneLineParser(prog="loom")
     add_schedule_commands(parser.add_subparsers(dest="command", required=True))
     try:
         args, extra = parser.parse_known_args(argv)

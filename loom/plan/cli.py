@@ -22,11 +22,13 @@ import contextlib
 import dataclasses
 import gc
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from loom.config import ConfigError, load_config
+from loom.errors import OneLineParser
 from loom.layout import Layout
 from loom.models.presets import PRESETS
 from loom.layout import FP8_RECIPES
@@ -129,7 +131,8 @@ def add_plan_commands(sub: argparse._SubParsersAction,
                                                                " the profile --gpu local uses")
     plan.add_argument("--nproc", type=int, default=0, help="processes for --calibrate (and"
                                                            " --gpu local's default --gpus)")
-    plan.add_argument("--profile", help="calibration profile path (default ~/.cache/loom/local.json)")
+    plan.add_argument("--profile",
+                      help="calibration profile path (default ~/.cache/loom/local.json)")
     plan.add_argument("--fp8", default="none", metavar="RECIPE",
                       help="price the blocks' linears in FP8 (train.fp8: tensorwise, rowwise,"
                            " rowwise_with_gw_hp) at the accelerator's FP8 peak")
@@ -311,6 +314,20 @@ def _framework(args: argparse.Namespace) -> Framework:
     return dataclasses.replace(chosen, attention_kernel=kernel) if kernel else chosen
 
 
+def _check_output(path: str) -> None:
+    """Refuse ``-o PATH`` before the search when no file can be written there: a folder, or a
+    path whose nearest existing folder (``write_chosen`` makes the missing ones) is a file or
+    not writable. Writes nothing."""
+    target = Path(path)
+    if target.is_dir():
+        raise PlanInputError(f"-o {path}: is a folder; give a file name")
+    existing = target.absolute().parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise PlanInputError(f"-o {path}: {existing} is not a writable folder")
+
+
 def _compiled(args: argparse.Namespace, stack: Framework) -> tuple[Framework, bool]:
     """``stack`` eager or compiled as ``--compile`` says (default: Loom's from the --model
     config's ``train.compile``, another stack's its profile's), and that choice."""
@@ -332,6 +349,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.length_dist:
         return _run_varlen(args, stack)
     work, cluster = _workload(args), _cluster(args)
+    if args.output:
+        _check_output(args.output)
     if args.fp8 not in FP8_RECIPES:
         raise PlanInputError(f"--fp8 {args.fp8}: one of {', '.join(FP8_RECIPES)}")
     fp8 = args.fp8 != "none"
@@ -385,7 +404,10 @@ def _run(args: argparse.Namespace) -> int:
         print()
         print(explain.breakdown(result, result.ranked[index]))
     if args.output and result.ranked:
-        command = explain.write_chosen(result, result.ranked[0], args.output)
+        try:
+            command = explain.write_chosen(result, result.ranked[0], args.output)
+        except OSError as err:  # what the check before the search cannot see (/proc, a full disk)
+            raise PlanInputError(f"-o {args.output}: cannot be written ({err.strerror})") from None
         print(f"\nwrote {args.output}; launch with:\n  {command}")
     return 0 if result.ranked else 1
 
@@ -420,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     """``loom plan ...`` without the rest of ``loom`` (``loom.__main__`` sends it here, so the
     planner never imports torch); ``--calibrate`` needs the trainer and goes through
     ``loom.cli``."""
-    parser = argparse.ArgumentParser(prog="loom")
+    parser = OneLineParser(prog="loom")
     add_plan_commands(parser.add_subparsers(dest="command", required=True))
     try:
         args, extra = parser.parse_known_args(argv)

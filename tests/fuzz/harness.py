@@ -349,7 +349,7 @@ def run_cli(argv: list[str], root: Path, *, launch: bool = False, command: str =
         try:
             with (contextlib.nullcontext() if launch else stub.installed()):
                 rc = cli.main([command, *argv])
-        except SystemExit as exc:  # argparse: usage errors exit 2 with a usage line
+        except SystemExit as exc:  # argparse: usage errors exit 2 with one line
             rc = exc.code if isinstance(exc.code, int) else 1
             if rc == 2:
                 return _judge_refusal(root, before, err.getvalue(), command, usage=True)
@@ -401,10 +401,10 @@ def _judge_refusal(root: Path, before: dict, stderr: str, command: str, usage: b
         return Outcome("other", f"refused (exit 2) but wrote or changed: {written[:8]}",
                        stderr[-2000:])
     lines = [line for line in stderr.strip().split("\n") if line.strip()]  # only \n breaks
-    if usage:  # argparse's own refusal: a usage line and an error line
-        if not lines or "error:" not in lines[-1]:
-            return Outcome("other", f"argparse exit 2 without an error line: {stderr[-500:]!r}")
-        return Outcome("refused", lines[-1])
+    if usage:  # argparse's own refusal (``loom.errors.OneLineParser``): one error line
+        if len(lines) != 1 or "error:" not in lines[0]:
+            return Outcome("other", f"argparse exit 2 without one error line: {stderr[-500:]!r}")
+        return Outcome("refused", lines[0])
     if len(lines) > 1 and stderr.startswith(f"loom {command}: ") \
             and stderr.count(f"loom {command}: ") == 1 and "Traceback" not in stderr:
         return Outcome("other", f"exit 2 with one message whose text holds a line break:"
