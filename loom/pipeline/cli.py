@@ -207,7 +207,8 @@ def _run(handler: Any) -> Any:
             print(f"loom schedule {args.schedule_command}: {err}", file=sys.stderr)
             return EXIT_USAGE
         except OSError as err:  # a path the checks above could not foresee (e.g. under /proc)
-            print(f"loom schedule {args.schedule_command}: {err.filename}: {err.strerror}",
+            where = err.filename or getattr(args, "output", None) or "output"  # ENOSPC: no name
+            print(f"loom schedule {args.schedule_command}: {where}: {err.strerror}",
                   file=sys.stderr)
             return EXIT_USAGE
 

@@ -104,6 +104,7 @@ def test_show_prints_the_grid_or_draws_a_chart(capsys, tmp_path):
     (["export", "zbv", "--pp", "4", "-m", "8", "-o", "/"], "-o"),
     (["export", "zbv", "--pp", "4", "-m", "8", "-o", "/nonexistent/dir/x.csv"], "-o"),
     (["show", "zbv", "--pp", "4", "-m", "8", "-o", "/proc/x.png"], "/proc/x.png"),
+    (["export", "zbv", "--pp", "4", "-m", "8", "-o", "/dev/full"], "/dev/full"),  # a full disk
 ])
 def test_a_bad_argument_is_one_line_naming_it_and_exit_code_2(capsys, argv, argument):
     code, _, err = run(capsys, *argv)
