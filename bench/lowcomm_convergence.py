@@ -115,7 +115,8 @@ def print_lgreco_table(records: list[dict]) -> None:
           "fixed rank's bytes at lgreco's loss | lgreco's fewer bytes |")
     print("| ---: | ---: | --- | --- | ---: | ---: |")
     default_rank = MODES["lgreco"]["parallel.compression_rank"]
-    ratios: dict[int, list[float]] = {}
+    ratios: dict[int, list[tuple[float, str]]] = {}
+    pooled: dict[int, list[tuple[dict[int, dict], dict]]] = {}  # reference: (fixed, lgreco)
     for seed, steps in sorted({(r["seed"], r["steps"]) for r in records}):
         rows = [r for r in records if (r["seed"], r["steps"]) == (seed, steps)
                 and "error" not in r]
@@ -131,16 +132,53 @@ def print_lgreco_table(records: list[dict]) -> None:
         cells = ", ".join(f"r{rank} {r['val_loss']:.3f} @ {r['bytes_per_token']:.0f}"
                           for rank, r in sorted(fixed.items()))
         for reference, run in sorted(lgreco.items()):
-            needed = fixed_rank_bytes_at(run["val_loss"], sweep)
-            ratio = needed / run["bytes_per_token"] if needed else None
-            if ratio:
-                ratios.setdefault(reference, []).append(ratio)
+            pooled.setdefault(reference, []).append((fixed, run))
+            ratio, shown = _ratio(run, sweep)
+            ratios.setdefault(reference, []).append((ratio, shown))
             print(f"| {seed} | {steps} | {cells} | {run['val_loss']:.3f} @ "
-                  f"{run['bytes_per_token']:.0f} (r{reference}) | "
-                  + (f"{needed:.0f} | {ratio:.2f}x |" if needed else "outside the sweep | |"))
+                  f"{run['bytes_per_token']:.0f} (r{reference}) | {shown} |")
     for reference, values in sorted(ratios.items()):
-        print(f"\nreference rank {reference}: median {statistics.median(values):.2f}x over "
-              f"{len(values)} seeds (min {min(values):.2f}x, max {max(values):.2f}x)")
+        bounds = sum("<" in shown or ">" in shown for _, shown in values)
+        middle = statistics.median(ratio for ratio, _ in values)
+        print(f"\nreference rank {reference}, per seed: median {middle:.2f}x over {len(values)}"
+              f" seeds" + (f" ({bounds} of them a bound: outside the sweep)" if bounds else ""))
+        _print_pooled(reference, pooled[reference])
+
+
+def _ratio(run: dict, sweep: list[tuple[float, float]]) -> tuple[float, str]:
+    """(fixed-rank bytes at ``run``'s loss / its bytes, the table's two cells); outside the
+    sweep a bound: below the smallest rank's ratio when worse than every rank, above the
+    largest's when better than every rank."""
+    needed = fixed_rank_bytes_at(run["val_loss"], sweep)
+    if needed:
+        ratio = needed / run["bytes_per_token"]
+        return ratio, f"{needed:.0f} | {ratio:.2f}x"
+    worst = max(sweep, key=lambda point: point[0])
+    best = min(sweep, key=lambda point: point[0])
+    if run["val_loss"] > worst[0]:
+        ratio = min(size for _, size in sweep) / run["bytes_per_token"]
+        return ratio, f"worse than every rank | < {ratio:.2f}x"
+    ratio = best[1] / run["bytes_per_token"]
+    return ratio, f"better than every rank | > {ratio:.2f}x"
+
+
+def _print_pooled(reference: int, runs: list[tuple[dict[int, dict], dict]]) -> None:
+    """The same comparison on the losses averaged over the seeds (each configuration's bytes
+    are the same on every seed): the fixed ranks every seed ran, against the mean L-GreCo."""
+    common = set.intersection(*(set(fixed) for fixed, _ in runs))
+    if len(common) < 2:
+        return
+    sweep = [(statistics.mean(fixed[rank]["val_loss"] for fixed, _ in runs),
+              statistics.mean(fixed[rank]["bytes_per_token"] for fixed, _ in runs))
+             for rank in sorted(common)]
+    mean = {"val_loss": statistics.mean(run["val_loss"] for _, run in runs),
+            "bytes_per_token": statistics.mean(run["bytes_per_token"] for _, run in runs)}
+    cells = ", ".join(f"r{rank} {loss:.3f} @ {size:.0f}"
+                      for rank, (loss, size) in zip(sorted(common), sweep))
+    _, shown = _ratio(mean, sweep)
+    print(f"reference rank {reference}, mean over the {len(runs)} seeds: fixed {cells}; lgreco"
+          f" {mean['val_loss']:.3f} @ {mean['bytes_per_token']:.0f}; fixed rank's bytes at its"
+          f" loss | fewer: {shown}")
 
 
 def main() -> None:

@@ -47,3 +47,23 @@ def test_the_table_compares_each_seed_latest_lgreco_run(bench, capsys):
     needed = math.sqrt(128 * 248)
     assert f"2.640 @ 100 (r4) | {needed:.0f} | {needed / 100:.2f}x |" in out
     assert "2.750" not in out
+
+
+def test_a_run_outside_the_sweep_is_a_bound_and_seeds_are_also_pooled(bench, capsys):
+    def run(seed, mode, loss, size, **outer):
+        return {"seed": seed, "steps": 96, "mode": mode, "outer": outer, "val_loss": loss,
+                "bytes_per_token": size}
+    records = []
+    for seed, shift in ((1, 0.0), (2, 0.1)):
+        records += [run(seed, "powersgd4", loss + shift, size,
+                        **{"parallel.compression_rank": str(rank)})
+                    for rank, (loss, size) in zip((1, 2, 4), SWEEP)]
+    records += [run(1, "lgreco", 2.64, 100.0), run(2, "lgreco", 3.0, 100.0)]  # seed 2: worst
+    bench.print_lgreco_table(records)
+    out = capsys.readouterr().out
+    assert "worse than every rank | < 0.67x |" in out
+    assert "(1 of them a bound: outside the sweep)" in out
+    # pooled: fixed 2.85 @ 67, 2.73 @ 128, 2.65 @ 248 against L-GreCo's mean 2.82 @ 100
+    assert "mean over the 2 seeds: fixed r1 2.850 @ 67, r2 2.730 @ 128, r4 2.650 @ 248" in out
+    needed = 67 * (128 / 67) ** ((2.85 - 2.82) / (2.85 - 2.73))
+    assert f"lgreco 2.820 @ 100; fixed rank's bytes at its loss | fewer: {needed:.0f} |" in out
