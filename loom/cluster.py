@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from loom.errors import ConfigError
+from loom.errors import ConfigError, InputFileError, read_input_text
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -208,9 +208,9 @@ def load(path: str | Path) -> Cluster:
     """Read and check a cluster file (``ConfigError`` names what is wrong, the file included)."""
     path = Path(path)
     try:
-        text = path.read_text()
-    except OSError as err:
-        raise ConfigError("cluster", str(path), f"cannot be read: {err.strerror}") from None
+        text = read_input_text(path)
+    except InputFileError as err:
+        raise ConfigError("cluster", str(path), err.rule) from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:

@@ -28,7 +28,7 @@ else:  # pragma: no cover
 from loom.config_rules import DEFAULT_SCHEDULE, check_bpe_vocab, validate
 from loom.data.tokenizer import tokenizer_vocab_size
 from loom.data.budgets import token_budgets
-from loom.errors import ConfigError, suggest
+from loom.errors import ConfigError, InputFileError, read_input_text, suggest
 from loom.layout import CompressionSpec, Job, Layout
 from loom.models.hf_config import HFConversionError
 from loom.models.args import TransformerArgs
@@ -452,20 +452,12 @@ def _flatten_toml(table: dict[str, Any]) -> dict[str, Any]:
 
 def _read_toml(path: Path) -> dict[str, Any]:
     """The table of a TOML config file; ConfigError naming ``--config`` when it cannot be one
-    (missing, a directory or other non-file, unreadable, not UTF-8, not TOML)."""
-    if not path.exists():
-        raise ConfigError("--config", str(path), "file does not exist")
-    if path.is_dir():
-        raise ConfigError("--config", str(path), "is a directory, not a TOML file")
-    if not path.is_file():  # a pipe, socket or device: never opened (reading a FIFO would block)
-        raise ConfigError("--config", str(path), "is not a regular file")
+    (missing, a directory or other non-file, over 64 MiB, unreadable, not UTF-8, not TOML)."""
     try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError("--config", str(path), f"is not UTF-8 text (byte {err.start}:"
-                          f" {err.reason}); TOML files are UTF-8") from None
-    except OSError as err:
-        raise ConfigError("--config", str(path), f"cannot be read: {err.strerror}") from None
+        text = read_input_text(path)
+    except InputFileError as err:
+        rule = err.rule + ("; TOML files are UTF-8" if err.rule.startswith("is not UTF-8") else "")
+        raise ConfigError("--config", str(path), rule) from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:

@@ -4,16 +4,22 @@
 exits 2. It lives here, not in ``loom.config``, so the data layer (which checks corpora) and the
 config schema (which imports the data layer's tokenizer sizes) need not import each other.
 ``OneLineParser`` is the argument parser of every ``loom`` command: a bad flag is one line and
-exit 2, like a bad config value, not argparse's usage dump.
+exit 2, like a bad config value, not argparse's usage dump. ``read_input_text`` reads a text file
+the user named (a config, a cluster, costs, hardware, lengths) without hanging or exhausting
+memory on a device, a FIFO or a huge file; each reader turns its ``InputFileError`` into its
+own one-line refusal.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import os
 from typing import Any, NoReturn
 
 EXIT_BAD_INPUT = 2
+# far above any real input file of these kinds (the largest, a cost CSV of 10^4 stages, is < 1 MB)
+MAX_INPUT_BYTES = 64 * 2**20
 
 
 class ConfigError(ValueError):
@@ -38,3 +44,35 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class InputFileError(ValueError):
+    """A named input file that cannot be read as text: ``str()`` is ``"PATH: RULE"``."""
+
+    def __init__(self, path: str, rule: str) -> None:
+        self.path, self.rule = path, rule
+        super().__init__(f"{path}: {rule}")
+
+
+def read_input_text(path: str | os.PathLike) -> str:
+    """The UTF-8 text of the file at ``path``, or ``InputFileError`` naming why not: missing, a
+    directory, not a regular file (never opened: /dev/zero never ends, a FIFO blocks), larger
+    than ``MAX_INPUT_BYTES``, unreadable, or not UTF-8."""
+    shown = os.fspath(path)
+    try:
+        if os.path.isdir(shown):
+            raise InputFileError(shown, "is a directory, not a file")
+        if not os.path.exists(shown):
+            raise InputFileError(shown, "file does not exist")
+        if not os.path.isfile(shown):
+            raise InputFileError(shown, "is not a regular file")
+        with open(shown, "rb") as handle:
+            data = handle.read(MAX_INPUT_BYTES + 1)
+    except OSError as err:
+        raise InputFileError(shown, f"cannot be read: {err.strerror}") from None
+    if len(data) > MAX_INPUT_BYTES:
+        raise InputFileError(shown, f"is larger than {MAX_INPUT_BYTES // 2**20} MiB")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InputFileError(shown, f"is not UTF-8 text (byte {err.start}: {err.reason})") from None

@@ -32,7 +32,7 @@ import os
 import sys
 from typing import Any
 
-from loom.errors import OneLineParser
+from loom.errors import OneLineParser, read_input_text
 from loom.schedule.cost import StageCosts, full_stage_costs, parse_cost_spec
 from loom.schedule.families import get, names, routed, simulation_only
 from loom.schedule.ir import Schedule, csv_text
@@ -448,8 +448,7 @@ def _build(args: argparse.Namespace) -> Schedule:
 def _load_file(args: argparse.Namespace) -> Schedule:
     try:
         if args.name.lower().endswith(".json"):
-            with open(args.name) as handle:
-                schedule = Schedule.from_json(handle.read())
+            schedule = Schedule.from_json(read_input_text(args.name))
         else:
             schedule = Schedule.from_torch_csv(args.name, num_microbatches=args.microbatches)
     except (OSError, ValueError, KeyError) as err:

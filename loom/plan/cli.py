@@ -241,6 +241,8 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"loom plan: unexpected arguments {extra}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
+        if args.nproc < 0:
+            raise PlanInputError(f"--nproc {args.nproc}: must be >= 0 (0: the default)")
         if args.calibrate:
             if args.measure_machine is None:
                 raise PlanInputError("--calibrate: this entry point cannot measure the machine")

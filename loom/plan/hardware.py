@@ -49,6 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loom.errors import InputFileError, read_input_text
+
 GB = 1e9
 GiB = 2**30
 
@@ -376,9 +378,9 @@ def load_catalog(path: str | Path | None = None) -> tuple[dict[str, Gpu], dict[s
     if path is None:
         return gpus, links, defaults
     try:
-        table = tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise HardwareError(f"--hardware {path}: file does not exist") from None
+        table = tomllib.loads(read_input_text(path))
+    except InputFileError as err:
+        raise HardwareError(f"--hardware {path}: {err.rule}") from None
     except tomllib.TOMLDecodeError as err:
         raise HardwareError(f"--hardware {path}: not valid TOML: {err}") from None
     for name, entry in table.get("gpu", {}).items():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
 import math
 import os
@@ -30,6 +31,7 @@ from fractions import Fraction
 from numbers import Rational, Real
 from typing import Any
 
+from loom.errors import read_input_text
 from loom.schedule.ir import Action, Op, Schedule
 
 Number = Real  # int, float or Fraction; arithmetic keeps whatever exactness the inputs have
@@ -163,12 +165,11 @@ class StageCosts:
         ``latency=0.1``) replace what the file says.
         """
         path = os.fspath(path)
+        text = read_input_text(path)  # InputFileError (a ValueError) for a device, FIFO, ...
         if path.endswith(".json"):
-            with open(path) as handle:
-                data = json.load(handle)
+            data = json.loads(text)
         else:
-            with open(path, newline="") as handle:
-                rows = list(csv.DictReader(handle))
+            rows = list(csv.DictReader(io.StringIO(text, newline="")))
             data = {"stages": rows}
             if rows and rows[0].get("activation") not in (None, ""):
                 data["activation"] = [_number(row["activation"], "activation") for row in rows]

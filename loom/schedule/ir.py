@@ -45,6 +45,8 @@ from functools import cached_property
 from fractions import Fraction
 from typing import IO
 
+from loom.errors import read_input_text
+
 
 class Op(str, enum.Enum):
     """A compute operation on one (stage, microbatch).
@@ -402,8 +404,7 @@ class Schedule:
         if isinstance(source, (str, os.PathLike)):
             if name is None:
                 name = os.path.splitext(os.path.basename(os.fspath(source)))[0] or "torch_csv"
-            with open(source, newline="") as handle:
-                rows = list(csv.reader(handle))
+            rows = list(csv.reader(io.StringIO(read_input_text(source), newline="")))
         else:
             rows = list(csv.reader(source))
         name = "torch_csv" if name is None else name

@@ -51,7 +51,7 @@ import numpy as np
 
 from loom.data.zeppelin import (Partition, Ranks, TokenCosts, partition_none, partition_static_cp,
                                 partition_tokens, plan_zeppelin)
-from loom.errors import ConfigError
+from loom.errors import ConfigError, InputFileError, read_input_text
 from loom.sim.cost_model import CostModel
 
 BALANCES = ("none", "tokens", "static-cp", "zeppelin", "zeppelin-noremap")
@@ -189,10 +189,9 @@ def load_length_distribution(path: str | Path) -> LengthDistribution:
     ``--length-dist``, the file and the rule broken."""
     shown = str(path)
     try:
-        text = Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError("--length-dist", shown,
-                          f"cannot be read: {getattr(err, 'strerror', None) or err}") from None
+        text = read_input_text(path)
+    except InputFileError as err:
+        raise ConfigError("--length-dist", shown, err.rule) from None
     pairs: list[tuple[int, int]] = []
     stripped = text.lstrip()
     if stripped.startswith(("[", "{")):

@@ -108,7 +108,7 @@ def test_a_slower_node_slows_every_step_to_its_pace(tmp_path):
 @pytest.mark.parametrize("args, words", [
     (["--emulate"], "--emulate=True: needs --cluster FILE"),
     (["--cluster", "cluster.toml"], "is used by loom train only with --emulate"),
-    (["--cluster", "missing.toml", "--emulate"], "cannot be read"),
+    (["--cluster", "missing.toml", "--emulate"], "file does not exist"),
     (["--cluster", "cluster.toml", "--emulate", "--nproc", "4"], "the world has 4"),
 ])
 def test_bad_uses_are_refused_before_anything_starts(tmp_path, monkeypatch, capsys, args,

@@ -106,8 +106,10 @@ def test_bad_values_are_refused_by_name(change, field, words):
 
 
 def test_an_unreadable_or_broken_file_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="cannot be read"):
+    with pytest.raises(ConfigError, match="file does not exist"):
         load(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="is a directory"):
+        load(tmp_path)
     (tmp_path / "bad.toml").write_text("[[node]\nname=")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load(tmp_path / "bad.toml")

@@ -134,7 +134,7 @@ def test_a_bad_length_file_is_refused_by_name(tmp_path, text, rule):
 
 
 def test_a_missing_length_file_is_refused_by_name(tmp_path):
-    with pytest.raises(ConfigError, match="--length-dist.*cannot be read"):
+    with pytest.raises(ConfigError, match="--length-dist.*file does not exist"):
         load_length_distribution(tmp_path / "absent")
 
 
