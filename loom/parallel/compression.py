@@ -20,7 +20,8 @@ powersgd   two fp32 all-reduces: the Ps, then the Qs   4 (sum (rows + cols) r  2
 
 (k = sum over tensors of ceil(ratio numel).) Measured on the tiny preset at dp = 2 (3.3 M
 parameters; bytes per step, wire): none 13.2 MB, int8 3.3 MB, topk 1% 0.27 MB, powersgd rank 4
-0.34 MB, powersgd rank 4 + lgreco 0.15-0.17 MB.
+0.34 MB, powersgd rank 4 + lgreco 0.15-0.17 MB (with the SVD error measure L-GreCo had before
+session 21).
 
 * **int8** (the 8-bit approximation of Dettmers 2016, with error feedback): ``g + e`` cut into
   chunks of 1024 elements, each scaled by its max magnitude / 127 and rounded. A sum of int8
