@@ -119,6 +119,11 @@ def prepare_run_dir(config: Config, run_dir: Path, *, is_main: bool = True) -> P
             made = made.parent
         made = None if made.exists() else made
         try:
+            try:  # the first write: a path check_run_dir cannot foresee (under /proc, a race)
+                data_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise ConfigError("train.run_dir", str(run_dir),
+                                  f"cannot be created: {err.strerror}") from None
             prepare_data(config.data, data_dir)
         except ConfigError:
             if made is not None:

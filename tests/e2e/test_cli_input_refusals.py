@@ -98,6 +98,11 @@ CASES = {  # name: (argv, substrings of the one stderr line)
                            ("train.run_dir='afile/run'", "lies under 'afile'")),
     "run-dir-not-writable": (("--train.run_dir=/proc/self/loom-run",),
                              ("train.run_dir='/proc/self/loom-run'", "is not writable")),
+    # as root /proc passes the access checks (a writable mode, not a read-only mount) and still
+    # refuses the mkdir: caught at that first write ("cannot be created"; otherwise refused as
+    # not writable, before it)
+    "run-dir-under-proc": (("--train.run_dir=/proc/loom-run",),
+                           ("train.run_dir='/proc/loom-run'",)),
     "run-dir-config-is-dir": ((f"--train.run_dir={RUN}",),
                               (f"train.run_dir='{RUN}'",
                                "holds 'config.toml', which is a directory")),
