@@ -25,7 +25,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from loom.config_rules import DEFAULT_SCHEDULE, check_bpe_vocab, validate
+from loom.config_rules import DEFAULT_SCHEDULE, check_bpe_vocab, validate, validate_model_shape
 from loom.data.tokenizer import tokenizer_vocab_size
 from loom.data.budgets import token_budgets
 from loom.errors import ConfigError, InputFileError, read_input_text, suggest
@@ -565,13 +565,27 @@ def resolve(config: Config, world_size: int) -> Config:
                               f"world size {world_size} is not divisible by pp*dp_shard*ep*cp*tp"
                               f" = {others}")
         par.dp_replicate = world_size // others
+    _fill_vocab(config)
+    validate(config, world_size)
+    return config
+
+
+def _fill_vocab(config: Config) -> None:
+    """``model.vocab_size = 0``: the tokenizer's vocabulary rounded up to ``vocab_multiple``."""
     check_bpe_vocab(config.data)
     if config.model.vocab_size == 0:
         base = tokenizer_vocab_size(config.data.tokenizer, config.data.bpe_vocab_size)
         multiple = config.model.vocab_multiple
         config.model.vocab_size = -(-base // multiple) * multiple
-    validate(config, world_size)
-    return config
+
+
+def planned_model(config: Config) -> TransformerArgs:
+    """The model a config file describes, for the planner (no world size, no layout): its
+    vocabulary filled as ``resolve`` fills it, its shape checked (``validate_model_shape``)."""
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model))
+    _fill_vocab(config)
+    validate_model_shape(config)
+    return model_args(config)
 
 
 def layout_of(config: Config) -> Layout:
@@ -697,5 +711,5 @@ def from_dict(table: dict[str, dict[str, Any]]) -> Config:
                        pretrained=False)
 
 
-__all__ = ["AXES", "Config", "ConfigError", "load_config", "parse_overrides", "resolve",
-           "validate", "to_dict", "to_toml", "from_dict", "layout_of", "with_layout", "job_of"]
+__all__ = ["AXES", "Config", "ConfigError", "load_config", "parse_overrides", "planned_model",
+           "resolve", "validate", "to_dict", "to_toml", "from_dict", "layout_of", "with_layout", "job_of"]

@@ -41,12 +41,30 @@ if TYPE_CHECKING:  # the rules read a config; loom.config imports them to run th
     from loom.config import Config
 
 
+# Bounds far beyond any real run that keep hostile values from hanging the checks (the memory
+# estimators walk the layers and the microbatches one by one)
+MAX_LAYERS = 100_000
+MAX_MICROBATCHES = 1_000_000  # per rank and optimizer step
+
+
+def validate_model_shape(config: Config) -> None:
+    """The model section's own rules, which need no world size: what ``validate`` checks first
+    and what the planner checks of a config file's model."""
+    m = config.model
+    require_positive(config, ["model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
+                               "model.ffn_dim", "model.vocab_size", "model.max_seq_len",
+                               "model.vocab_multiple"])
+    if m.n_layers > MAX_LAYERS:
+        raise ConfigError("model.n_layers", m.n_layers, f"must be <= {MAX_LAYERS:,}")
+    require_divisible("model.n_heads", m.n_heads, m.n_kv_heads, "model.n_kv_heads")
+    _validate_attention(config)
+
+
 def validate(config: Config, world_size: int) -> None:
     """Check every cross-field rule; raise ConfigError naming the first broken one."""
     m, par, tr, data, opt = config.model, config.parallel, config.train, config.data, config.optim
-    require_positive(config, ["model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
-                               "model.ffn_dim", "model.vocab_size", "model.max_seq_len",
-                               "model.vocab_multiple", "train.steps", "train.global_batch_size",
+    validate_model_shape(config)
+    require_positive(config, ["train.steps", "train.global_batch_size",
                                "train.micro_batch_size", "train.eval_batches", "data.seq_len",
                                "data.bpe_vocab_size", "metrics.log_every"])
     require_positive(config, ["train.eval_every", "train.grad_clip", "train.threads",
@@ -71,9 +89,7 @@ def validate(config: Config, world_size: int) -> None:
     if tr.preempt_grace_s <= 0:
         raise ConfigError("train.preempt_grace_s", tr.preempt_grace_s, "must be > 0")
 
-    # Model shape.
-    _validate_attention(config)
-    require_divisible("model.n_heads", m.n_heads, m.n_kv_heads, "model.n_kv_heads")
+    # Model shape (beyond validate_model_shape).
     if data.seq_len > m.max_seq_len:
         raise ConfigError("data.seq_len", data.seq_len,
                           f"must not exceed model.max_seq_len = {m.max_seq_len}")
@@ -119,6 +135,11 @@ def validate(config: Config, world_size: int) -> None:
             raise ConfigError("train.micro_batch_size", tr.micro_batch_size,
                               f"must divide the per-rank batch global_batch_size / dp ="
                               f" {tr.global_batch_size} / {par.dp} = {local_batch}")
+        if local_batch // tr.micro_batch_size > MAX_MICROBATCHES:
+            raise ConfigError("train.global_batch_size", tr.global_batch_size,
+                              f"gives {local_batch // tr.micro_batch_size:,} microbatches per rank"
+                              f" and step (/ dp {par.dp} / micro_batch_size"
+                              f" {tr.micro_batch_size}); at most {MAX_MICROBATCHES:,}")
     validate_schedule(config)
 
     # What this version of Loom runs: each later parallelism lifts its own rule when it lands.

@@ -27,7 +27,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from loom.config import ConfigError, load_config
+from loom.config import ConfigError, load_config, planned_model
 from loom.errors import OneLineParser
 from loom.layout import Layout
 from loom.models.presets import PRESETS
@@ -184,7 +184,7 @@ def _workload(args: argparse.Namespace):
         model, name, default_seq = PRESETS[args.model], args.model, PRESETS[args.model].max_seq_len
     elif Path(args.model).is_file():
         config = load_config(args.model)
-        model, name, config_path = config.model, Path(args.model).stem, args.model
+        model, name, config_path = planned_model(config), Path(args.model).stem, args.model
         default_seq = config.data.seq_len
     else:
         raise PlanInputError(f"--model {args.model}: neither a preset ({', '.join(PRESETS)})"
@@ -428,7 +428,7 @@ def _run_varlen(args: argparse.Namespace, stack: Framework) -> int:
     if args.model in PRESETS:
         model, name = PRESETS[args.model], args.model
     elif args.model and Path(args.model).is_file():
-        model, name = load_config(args.model).model, Path(args.model).stem
+        model, name = planned_model(load_config(args.model)), Path(args.model).stem
     else:
         raise PlanInputError(f"--model {args.model}: neither a preset ({', '.join(PRESETS)})"
                              " nor an existing config file")

@@ -48,3 +48,26 @@ def test_plan_writes_an_output_under_new_folders(capsys, tmp_path):
     path = tmp_path / "new" / "dir" / "plan.toml"
     assert plan_main([*PLAN, "-o", str(path)]) == 0
     assert path.read_text().startswith("# written by `loom plan`")
+
+
+def test_plan_takes_a_config_file_whose_vocabulary_comes_from_its_tokenizer(capsys, tmp_path):
+    """A config leaves ``model.vocab_size = 0`` to the tokenizer (configs/tiny.toml does): the
+    planner fills it as ``resolve`` does (the tiny preset's byte tokenizer: 257 -> 320)."""
+    config = tmp_path / "tiny.toml"
+    config.write_text("[model]\npreset = 'tiny'\n")
+    assert plan_main(["plan", "--model", str(config), "--gpus", "4", "--gpu", "A100-80GB",
+                      "--global-batch-tokens", "4096", "--json"]) == 0
+    assert '"ranked": [' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model, rule", [
+    ("ffn_dim = 0", "model.ffn_dim=0: must be >= 1"),
+    ("n_layers = 100000000", "model.n_layers=100000000: must be <= 100,000"),
+])
+def test_plan_refuses_a_config_file_whose_model_is_broken(capsys, tmp_path, model, rule):
+    config = tmp_path / "broken.toml"
+    config.write_text(f"[model]\npreset = 'tiny'\n{model}\n")
+    assert plan_main(["plan", "--model", str(config), "--gpus", "4", "--gpu", "A100-80GB",
+                      "--global-batch-tokens", "4096"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and rule in err

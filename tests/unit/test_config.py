@@ -138,6 +138,12 @@ REJECTED = [
      ["must be divisible by the data-parallel degree", "= 3", "nearest valid: 15 or 18"]),
     ({"train.micro_batch_size": "3"}, 2, "train.micro_batch_size", "train.micro_batch_size=3",
      ["must divide the per-rank batch", "16 / 2 = 8"]),
+    # Hostile sizes: refused at once rather than walked by the memory estimators.
+    ({"train.global_batch_size": "1000000000000", "train.micro_batch_size": "1"}, 1,
+     "train.global_batch_size", "train.global_batch_size=1000000000000",
+     ["gives 1,000,000,000,000 microbatches per rank and step", "at most 1,000,000"]),
+    ({"model.n_layers": "100000000"}, 1, "model.n_layers", "model.n_layers=100000000",
+     ["must be <= 100,000"]),
 ]
 
 
