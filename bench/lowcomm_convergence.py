@@ -116,7 +116,8 @@ def print_lgreco_table(records: list[dict]) -> None:
     print("| ---: | ---: | --- | --- | ---: | ---: |")
     default_rank = MODES["lgreco"]["parallel.compression_rank"]
     ratios: dict[int, list[tuple[float, str]]] = {}
-    pooled: dict[int, list[tuple[dict[int, dict], dict]]] = {}  # reference: (fixed, lgreco)
+    pooled: dict[int, list[tuple[dict[int, dict], dict, dict | None]]] = {}  # (fixed, lgreco,
+    # sync) per seed, by reference rank
     for seed, steps in sorted({(r["seed"], r["steps"]) for r in records}):
         rows = [r for r in records if (r["seed"], r["steps"]) == (seed, steps)
                 and "error" not in r]
@@ -128,11 +129,12 @@ def print_lgreco_table(records: list[dict]) -> None:
                 lgreco[int(r["outer"].get("parallel.compression_rank", default_rank))] = r
         if len(fixed) < 2:
             continue
+        sync = next((r for r in rows if r["mode"] == "sync" and not r["outer"]), None)
         sweep = [(r["val_loss"], r["bytes_per_token"]) for r in fixed.values()]
         cells = ", ".join(f"r{rank} {r['val_loss']:.3f} @ {r['bytes_per_token']:.0f}"
                           for rank, r in sorted(fixed.items()))
         for reference, run in sorted(lgreco.items()):
-            pooled.setdefault(reference, []).append((fixed, run))
+            pooled.setdefault(reference, []).append((fixed, run, sync))
             ratio, shown = _ratio(run, sweep)
             ratios.setdefault(reference, []).append((ratio, shown))
             print(f"| {seed} | {steps} | {cells} | {run['val_loss']:.3f} @ "
@@ -162,23 +164,29 @@ def _ratio(run: dict, sweep: list[tuple[float, float]]) -> tuple[float, str]:
     return ratio, f"better than every rank | > {ratio:.2f}x"
 
 
-def _print_pooled(reference: int, runs: list[tuple[dict[int, dict], dict]]) -> None:
+def _print_pooled(reference: int, runs: list[tuple[dict[int, dict], dict, dict | None]]
+                  ) -> None:
     """The same comparison on the losses averaged over the seeds (each configuration's bytes
-    are the same on every seed): the fixed ranks every seed ran, against the mean L-GreCo."""
-    common = set.intersection(*(set(fixed) for fixed, _ in runs))
+    are the same on every seed): the fixed ranks every seed ran, against the mean L-GreCo;
+    where every seed has a sync run, each fixed rank's mean loss over sync's."""
+    common = set.intersection(*(set(fixed) for fixed, _, _ in runs))
     if len(common) < 2:
         return
-    sweep = [(statistics.mean(fixed[rank]["val_loss"] for fixed, _ in runs),
-              statistics.mean(fixed[rank]["bytes_per_token"] for fixed, _ in runs))
+    sweep = [(statistics.mean(fixed[rank]["val_loss"] for fixed, _, _ in runs),
+              statistics.mean(fixed[rank]["bytes_per_token"] for fixed, _, _ in runs))
              for rank in sorted(common)]
-    mean = {"val_loss": statistics.mean(run["val_loss"] for _, run in runs),
-            "bytes_per_token": statistics.mean(run["bytes_per_token"] for _, run in runs)}
+    mean = {"val_loss": statistics.mean(run["val_loss"] for _, run, _ in runs),
+            "bytes_per_token": statistics.mean(run["bytes_per_token"] for _, run, _ in runs)}
     cells = ", ".join(f"r{rank} {loss:.3f} @ {size:.0f}"
                       for rank, (loss, size) in zip(sorted(common), sweep))
     _, shown = _ratio(mean, sweep)
     print(f"reference rank {reference}, mean over the {len(runs)} seeds: fixed {cells}; lgreco"
           f" {mean['val_loss']:.3f} @ {mean['bytes_per_token']:.0f}; fixed rank's bytes at its"
           f" loss | fewer: {shown}")
+    if all(sync is not None for _, _, sync in runs):
+        base = statistics.mean(sync["val_loss"] for _, _, sync in runs)
+        print(f"  sync {base:.3f} on the mean; fixed rank / sync: " + ", ".join(
+            f"r{rank} {loss / base:.3f}" for rank, (loss, _) in zip(sorted(common), sweep)))
 
 
 def main() -> None:

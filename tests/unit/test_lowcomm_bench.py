@@ -59,6 +59,7 @@ def test_a_run_outside_the_sweep_is_a_bound_and_seeds_are_also_pooled(bench, cap
                         **{"parallel.compression_rank": str(rank)})
                     for rank, (loss, size) in zip((1, 2, 4), SWEEP)]
     records += [run(1, "lgreco", 2.64, 100.0), run(2, "lgreco", 3.0, 100.0)]  # seed 2: worst
+    records += [run(1, "sync", 2.50, 9000.0), run(2, "sync", 2.60, 9000.0)]
     bench.print_lgreco_table(records)
     out = capsys.readouterr().out
     assert "worse than every rank | < 0.67x |" in out
@@ -67,3 +68,4 @@ def test_a_run_outside_the_sweep_is_a_bound_and_seeds_are_also_pooled(bench, cap
     assert "mean over the 2 seeds: fixed r1 2.850 @ 67, r2 2.730 @ 128, r4 2.650 @ 248" in out
     needed = 67 * (128 / 67) ** ((2.85 - 2.82) / (2.85 - 2.73))
     assert f"lgreco 2.820 @ 100; fixed rank's bytes at its loss | fewer: {needed:.0f} |" in out
+    assert f"sync 2.550 on the mean; fixed rank / sync: r1 {2.85 / 2.55:.3f}" in out
