@@ -37,7 +37,8 @@ from loom.schedule.cost import StageCosts, full_stage_costs, parse_cost_spec
 from loom.schedule.families import get, names, routed, simulation_only
 from loom.schedule.ir import Schedule, csv_text
 from loom.schedule.render import render_gantt, summary_text, write_chrome_trace
-from loom.schedule.search import DEFAULT_EFFORT, MAX_CHUNKS, PLACEMENTS, SearchError, search
+from loom.schedule.search import DEFAULT_EFFORT, search
+from loom.schedule.search_places import MAX_CHUNKS, PLACEMENTS, SearchError
 from loom.schedule.simulate import simulate
 from loom.schedule.validate import ScheduleError, format_grid, validate
 

@@ -9,11 +9,11 @@ iterations overlap), then the lowest peak. Memory follows ``loom.schedule.valida
 unit is one full rank's activations for one microbatch, a chunk of a v-chunk placement weighs
 1/v. So 1F1B needs p units, and no schedule fits below 1 unit (one microbatch in flight).
 
-Placements (``places``): v = 1..``max_chunks`` (at most ``MAX_CHUNKS`` = 8) stages per rank,
-looped (v = 1), interleaved (looped with v >= 2), V (the v = 2 zig-zag) and wave (the zig-zag
-with v >= 3, Hanayo's); ``placement`` pins one of the first three at its classic chunk count
-(looped 1, interleaved 2, v 2, the config's ``parallel.schedule_placement``), and ``max_chunks``
-is what the model's layers allow (``loom.schedule.select`` passes layers // pp).
+Placements (``places``, in ``loom.schedule.search_places``): v = 1..``max_chunks`` (at most 8)
+stages per rank, looped (v = 1), interleaved (looped with v >= 2), V (the v = 2 zig-zag) and
+wave (the zig-zag with v >= 3, Hanayo's); ``placement`` pins one of the first three at its
+classic chunk count (looped 1, interleaved 2, v 2, the config's ``parallel.schedule_placement``),
+and ``max_chunks`` is what the model's layers allow (``loom.schedule.select`` passes layers // pp).
 
 Candidates, all ranked by the one replay engine (``loom.schedule.replay``, float costs) and the
 winner re-simulated exactly with ``loom.schedule.simulate``:
@@ -89,8 +89,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from loom.schedule.ir import Schedule, looped_placement, v_placement
-from loom.schedule.families import SEARCH_PLACEMENTS, get, names
+from loom.schedule.ir import Schedule
+from loom.schedule.families import get, names
 from loom.schedule.families.zero_bubble import interleaved_zb
 from loom.schedule.periodic import extend
 from loom.schedule.replay import (EPS, B, F, I, W, Costs, Row, Score, decode, encode, peak_units,
@@ -100,15 +100,14 @@ from loom.schedule.search_local import improve
 from loom.schedule.search_loop import Asap
 from loom.schedule.search_priority import priority_schedule
 from loom.schedule.search_reverse import ReverseKnobs, reverse_schedule
-from loom.schedule.cost import StageCosts, full_stage_costs
+from loom.schedule.cost import StageCosts
 from loom.schedule.search_offload import with_offload
 from loom.schedule.search_pool import Budget, Pool, Recipe
+from loom.schedule.search_places import (MAX_CHUNKS, PINNED, SearchError, place_of,
+                                         placement_costs, placement_of, places)
 from loom.schedule.search_types import Candidate, Place, SearchResult
 from loom.schedule.simulate import simulate
 
-PLACEMENTS = SEARCH_PLACEMENTS  # what ``placement`` pins: looped (v=1), interleaved (v=2), v (V)
-PINNED = {"looped": ("looped", 1), "interleaved": ("interleaved", 2), "v": ("v", 2)}
-MAX_CHUNKS = 8  # stages per rank the search goes up to (fewer where the layers do not allow)
 MIN_MEMORY_LIMIT = 1.0  # one microbatch in flight: every chunk of it is live on its rank at once
 DEFAULT_EFFORT = 500_000  # simulated actions over all candidates (p=32, m=256: ~12 candidates)
 LOCAL_MAX_ACTIONS = 5_000  # local improvement only below this size: each try replays everything
@@ -119,69 +118,6 @@ REDUCE_FROM = 30_000  # steps b, c, e explore a copy with fewer microbatches abo
 REDUCED_PER_RANK = 3  # ... with about this many microbatches per rank (m' in [3p, 4p))
 GROWN = 3  # the copy's best orders grown to full size (``periodic.extend``) and replayed
 GROWN_MARGIN = 0.01  # ... unless their predicted makespan is this much over the best one's
-
-
-class SearchError(ValueError):
-    """The search cannot run with these inputs (the message names the argument and the rule)."""
-
-
-def places(pp: int, placement: str = "any", max_chunks: int = MAX_CHUNKS) -> list[Place]:
-    """The placements the search considers: ``placement`` pinned, or for "any" every kind at
-    every chunk count up to ``max_chunks`` (one rank has nothing to interleave: looped only)."""
-    if max_chunks < 1:
-        raise SearchError(f"max_chunks must be >= 1, got {max_chunks}")
-    if placement != "any":
-        if placement not in PINNED:
-            raise SearchError(f"placement: unknown {placement!r}; choose from any, "
-                              f"{', '.join(PLACEMENTS)}")
-        kind, chunks = PINNED[placement]
-        if chunks > max_chunks:
-            raise SearchError(f"placement {placement!r} puts {chunks} stages on each rank, more "
-                              f"than max_chunks={max_chunks} (the model's layers / pp)")
-        return [PINNED[placement]]
-    if pp == 1:
-        return [("looped", 1)]
-    top = min(max_chunks, MAX_CHUNKS)
-    return ([("looped", 1)] + [("interleaved", v) for v in range(2, top + 1)]
-            + [("v", 2)] * (top >= 2) + [("wave", v) for v in range(3, top + 1)])
-
-
-def placement_of(name: str, pp: int, chunks: int = 0) -> tuple[int, ...]:
-    """The stage -> rank tuple of a placement kind with ``chunks`` stages per rank (0: the kind's
-    classic count: looped 1, interleaved 2, v 2, wave 4)."""
-    chunks = chunks or {"looped": 1, "interleaved": 2, "v": 2, "wave": 4}.get(name, 0)
-    if name in ("looped", "interleaved"):
-        return looped_placement(pp, chunks)
-    if name in ("v", "wave"):
-        return v_placement(pp, chunks)
-    raise SearchError(f"placement: unknown {name!r}; choose from any, {', '.join(PLACEMENTS)}")
-
-
-def place_of(layout: tuple[int, ...]) -> Place | None:
-    """The ``Place`` of a stage -> rank tuple, or None when it is none of the search's kinds."""
-    pp = max(layout) + 1
-    chunks, extra = divmod(len(layout), pp)
-    if extra:
-        return None
-    if layout == looped_placement(pp, chunks):
-        return ("looped", 1) if chunks == 1 else ("interleaved", chunks)
-    if chunks >= 2 and layout == v_placement(pp, chunks):
-        return ("v", 2) if chunks == 2 else ("wave", chunks)
-    return None
-
-
-def placement_costs(costs: StageCosts, placement: tuple[int, ...]) -> StageCosts:
-    """``costs`` of full stages, per global stage of ``placement`` (a chunk gets 1/v of them:
-    ``loom.schedule.cost.full_stage_costs``, the CLI's one meaning of ``--costs``)."""
-    pp = max(placement) + 1
-    if len(costs.stages) not in (1, pp):
-        raise SearchError(
-            f"costs: give one F,I,W for every stage or one per rank ({pp}), got {len(costs.stages)}"
-        )
-    if costs.activation is not None:
-        raise SearchError("costs: per-stage activation weights are not supported by the search; "
-                          "it uses the validator's units (a chunk of v weighs 1/v)")
-    return full_stage_costs(costs, Schedule(len(placement), 1, placement, [[]] * pp))
 
 
 def _without_cyclic_gc(function: Callable[..., SearchResult]) -> Callable[..., SearchResult]:
