@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from loom.config import load_config
+from loom.config_rules import validate_model_shape
 from loom.data.tokenizer import load_tokenizer
 from loom.models import build_model, reset_parameters
 from loom.config import model_args
@@ -39,6 +40,7 @@ def sampling_errors(max_new_tokens: int, temperature: float, top_k: int) -> list
 
 def load_trained_model(run_dir: Path, device: torch.device):
     """The run's model with its final weights, in eval mode, and its tokenizer."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     run_dir = Path(run_dir)
@@ -46,16 +48,27 @@ def load_trained_model(run_dir: Path, device: torch.device):
     if not weights.is_file():
         raise FileNotFoundError(f"{weights} not found: has the run in {run_dir} finished?")
     config = load_config(run_dir / "config.toml", pretrained=False)
+    validate_model_shape(config)
     args = model_args(config)
     model = build_model(args, device="meta")
-    model.to_empty(device=device)
-    reset_parameters(model, seed=0)  # rebuilds the RoPE tables; every weight is then loaded
-    state = load_file(str(weights), device=str(device))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    # The file's header against the model's shapes before any memory is taken: a config.toml
+    # edited to another size is refused, not allocated.
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    with safe_open(str(weights), framework="pt") as handle:
+        stored = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
     allowed_missing = {"output.weight"} if args.tie_embeddings else set()
-    if set(missing) - allowed_missing or unexpected:
+    missing = sorted(set(expected) - set(stored) - allowed_missing)
+    unexpected = sorted(set(stored) - set(expected))
+    if missing or unexpected:
         raise ValueError(f"{weights} does not match the run's model: missing {missing},"
                          f" unexpected {unexpected}")
+    for name in sorted(set(stored) & set(expected)):
+        if stored[name] != expected[name]:
+            raise ValueError(f"{weights}: {name} has shape {stored[name]}, the run's config.toml"
+                             f" says {expected[name]}")
+    model.to_empty(device=device)
+    reset_parameters(model, seed=0)  # rebuilds the RoPE tables; every weight is then loaded
+    model.load_state_dict(load_file(str(weights), device=str(device)), strict=False)
     return model.eval(), load_tokenizer(run_dir / "data"), config
 
 

@@ -15,7 +15,8 @@ direction needs ``transformers`` installed; the conversion itself is ``loom.mode
 
 ``add_hf_commands(subparsers)`` registers ``hf`` on the top-level ``loom`` parser; ``main(argv)``
 runs these commands on their own (tests, ``python -m loom.hf_cli``). A checkpoint Loom cannot
-convert exactly prints one line naming the field and exits with code 2; a missing file exits 1.
+convert exactly, a missing or unreadable file, or a shape no run could train prints one line
+naming the field or file and exits with code 2.
 """
 
 from __future__ import annotations
@@ -29,23 +30,32 @@ from typing import Any, Callable
 
 import torch
 
-from loom.config import load_config, model_args, to_toml
-from loom.errors import OneLineParser
+from loom.config import Config, load_config, model_args, to_toml
+from loom.config_rules import validate_model_shape
+from loom.errors import ConfigError, OneLineParser
 from loom.models.hf import (HFConversionError, SINGLE_FILE, atomic_save_safetensors,
-                            read_hf_checkpoint, write_hf_checkpoint)
+                            load_safetensors, read_hf_checkpoint, read_hf_config,
+                            write_hf_checkpoint)
 from loom.models.args import TransformerArgs
 
 EXIT_USAGE = 2
 CONFIG_FILE = "config.toml"
 
 
+def run_config(args: TransformerArgs) -> Config:
+    """The Loom config of a model shape, held to the model section's rules (``ConfigError``
+    names the first it breaks: a shape no Loom run could train, or too large to enumerate)."""
+    # Every shape field is explicit, so the preset (the default one) contributes nothing.
+    config = load_config(None, {f"model.{k}": v for k, v in dataclasses.asdict(args).items()})
+    validate_model_shape(config)
+    return config
+
+
 def write_run(run_dir: str | Path, args: TransformerArgs, state: dict[str, torch.Tensor],
               origin: str = "") -> None:
     """A Loom run directory holding a model: ``config.toml`` and ``model.safetensors``."""
     run_dir = Path(run_dir)
-    # Every shape field is explicit, so the preset (the default one) contributes nothing.
-    overrides = {f"model.{k}": v for k, v in dataclasses.asdict(args).items()}
-    config = load_config(None, overrides)
+    config = run_config(args)
     config.train.run_dir = str(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_save_safetensors(state, run_dir / SINGLE_FILE, {"loom_origin": origin})
@@ -56,19 +66,20 @@ def write_run(run_dir: str | Path, args: TransformerArgs, state: dict[str, torch
 
 def read_run(run_dir: str | Path) -> tuple[TransformerArgs, dict[str, torch.Tensor]]:
     """A run's model shape (from ``config.toml``) and final weights (``model.safetensors``)."""
-    from safetensors.torch import load_file
-
     run_dir = Path(run_dir)
     for name in (CONFIG_FILE, SINGLE_FILE):
         if not (run_dir / name).is_file():
             raise FileNotFoundError(f"{run_dir / name} not found: not a finished Loom run")
-    args = model_args(load_config(run_dir / CONFIG_FILE, pretrained=False))
-    return args, load_file(str(run_dir / SINGLE_FILE))
+    config = load_config(run_dir / CONFIG_FILE, pretrained=False)
+    validate_model_shape(config)  # before the names of every layer are listed
+    return model_args(config), load_safetensors(run_dir / SINGLE_FILE)
 
 
 def import_hf(hf_dir: str | Path, run_dir: str | Path) -> TransformerArgs:
     """Convert an HF model directory into a Loom run directory; returns the model shape."""
-    args, state = read_hf_checkpoint(hf_dir)
+    args = read_hf_config(hf_dir)
+    run_config(args)  # refused before any weight is read or anything written
+    args, state = read_hf_checkpoint(hf_dir, args)
     write_run(run_dir, args, state, origin=str(Path(hf_dir).resolve()))
     return args
 
@@ -114,7 +125,7 @@ def _run(command: str, convert: Callable[[], TransformerArgs], target: Path, out
     try:
         _refuse_existing([target / name for name in outputs], args.overwrite)
         shape = convert()
-    except HFConversionError as err:
+    except (HFConversionError, ConfigError) as err:
         print(f"loom hf {command}: {err}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as err:  # FileNotFoundError, FileExistsError, an unwritable target

@@ -57,6 +57,8 @@ def validate_model_shape(config: Config) -> None:
     if m.n_layers > MAX_LAYERS:
         raise ConfigError("model.n_layers", m.n_layers, f"must be <= {MAX_LAYERS:,}")
     require_divisible("model.n_heads", m.n_heads, m.n_kv_heads, "model.n_kv_heads")
+    if not m.norm_eps > 0:  # RMSNorm divides by sqrt(mean(x^2) + eps): 0 or less can give inf/nan
+        raise ConfigError("model.norm_eps", m.norm_eps, "must be > 0")
     _validate_attention(config)
 
 

@@ -36,14 +36,15 @@ from typing import Any
 
 import torch
 
+from loom.errors import InputFileError, read_input_text
 from loom.models import build_model
 from loom.models.hf_config import (ARCHITECTURES, HFConversionError, architecture_of,
                                    args_from_hf_config, hf_config_from_args)
 from loom.models.args import TransformerArgs
 
 __all__ = ["ARCHITECTURES", "HFConversionError", "architecture_of", "args_from_hf_config",
-           "hf_config_from_args", "name_pairs", "permute_from_hf", "permute_to_hf",
-           "read_hf_checkpoint", "rope_heads", "state_dict_from_hf", "state_dict_to_hf",
+           "hf_config_from_args", "load_safetensors", "name_pairs", "permute_from_hf", "permute_to_hf",
+           "read_hf_checkpoint", "read_hf_config", "rope_heads", "state_dict_from_hf", "state_dict_to_hf",
            "write_hf_checkpoint"]
 
 SINGLE_FILE = "model.safetensors"
@@ -166,31 +167,72 @@ def state_dict_to_hf(state: dict[str, torch.Tensor], args: TransformerArgs,
 # Files
 
 
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file; a missing or corrupt one is named (never a pickle)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    return load_file(str(path))
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (named by the checkpoint)")
+    try:
+        return load_file(str(path))
+    except SafetensorError as err:  # a truncated or corrupt file: its header names the problem
+        raise HFConversionError(f"{path}: not a readable safetensors file ({err})") from None
 
 
-def read_hf_checkpoint(hf_dir: str | Path) -> tuple[TransformerArgs, dict[str, torch.Tensor]]:
-    """``config.json`` and the safetensors weights (single file or sharded) of an HF directory,
-    converted to Loom's model shape and state dict."""
-    hf_dir = Path(hf_dir)
-    config_path = hf_dir / "config.json"
-    if not config_path.is_file():
+def _read_json(path: Path) -> Any:
+    """A JSON file of the checkpoint, or ``HFConversionError`` naming the file and why not."""
+    try:
+        return json.loads(read_input_text(path))
+    except InputFileError as err:
+        raise HFConversionError(str(err)) from None
+    except ValueError as err:  # json.JSONDecodeError
+        raise HFConversionError(f"{path}: not JSON ({err})") from None
+
+
+def read_hf_config(hf_dir: str | Path) -> TransformerArgs:
+    """Loom's model shape for the ``config.json`` of an HF directory (refused by name where Loom
+    cannot compute the model exactly)."""
+    config_path = Path(hf_dir) / "config.json"
+    if not config_path.exists():
         raise FileNotFoundError(f"{config_path} not found: not a Hugging Face model directory")
-    args = args_from_hf_config(json.loads(config_path.read_text()))
+    cfg = _read_json(config_path)
+    if not isinstance(cfg, dict):
+        raise HFConversionError(f"{config_path}: must hold a JSON object, not"
+                                f" {type(cfg).__name__}")
+    return args_from_hf_config(cfg)
+
+
+def _shard_names(index_path: Path) -> list[str]:
+    """The shard files an index's ``weight_map`` names, each a plain file name in the directory."""
+    index = _read_json(index_path)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()):
+        raise HFConversionError(f"{index_path}: weight_map must be an object of tensor name ->"
+                                " shard file name")
+    for shard in weight_map.values():
+        # A shard name is data from the checkpoint: it must not point outside the directory.
+        if Path(shard).name != shard or shard in ("", ".", ".."):
+            raise HFConversionError(f"{INDEX_FILE}: shard name {shard!r} is not a plain file"
+                                    " name in the checkpoint directory")
+    return sorted(set(weight_map.values()))
+
+
+def read_hf_checkpoint(hf_dir: str | Path, args: TransformerArgs | None = None,
+                       ) -> tuple[TransformerArgs, dict[str, torch.Tensor]]:
+    """``config.json`` and the safetensors weights (single file or sharded) of an HF directory,
+    converted to Loom's model shape and state dict. ``args``: the shape ``read_hf_config`` gave,
+    when the caller has checked it before any weight is read."""
+    hf_dir = Path(hf_dir)
+    if args is None:
+        args = read_hf_config(hf_dir)
     if (hf_dir / SINGLE_FILE).is_file():
-        state = _load_safetensors(hf_dir / SINGLE_FILE)
+        state = load_safetensors(hf_dir / SINGLE_FILE)
     elif (hf_dir / INDEX_FILE).is_file():
-        weight_map: dict[str, str] = json.loads((hf_dir / INDEX_FILE).read_text())["weight_map"]
         state = {}
-        for shard in sorted(set(weight_map.values())):
-            # A shard name is data from the checkpoint: it must not point outside the directory.
-            if Path(shard).name != shard:
-                raise HFConversionError(f"{INDEX_FILE}: shard name {shard!r} is not a plain file"
-                                        " name in the checkpoint directory")
-            state.update(_load_safetensors(hf_dir / shard))
+        for shard in _shard_names(hf_dir / INDEX_FILE):
+            state.update(load_safetensors(hf_dir / shard))
     elif any(hf_dir.glob("*.bin")) or any(hf_dir.glob("*.pt")):
         raise HFConversionError(
             f"{hf_dir} holds only pickled weights (.bin/.pt); Loom reads safetensors only, because"

@@ -74,9 +74,11 @@ def _architecture(cfg: dict[str, Any]) -> str:
     architectures = cfg.get("architectures")
     if not architectures:
         by_type = {t: a for a, t in _MODEL_TYPES.items()}
-        architectures = [by_type[cfg["model_type"]]] if cfg.get("model_type") in by_type else None
+        model_type = cfg.get("model_type")
+        architectures = [by_type[model_type]] if isinstance(model_type, str) and (
+            model_type in by_type) else None
     if not (isinstance(architectures, list) and len(architectures) == 1
-            and architectures[0] in ARCHITECTURES):
+            and isinstance(architectures[0], str) and architectures[0] in ARCHITECTURES):
         raise _refuse("architectures", cfg.get("architectures"),
                       f"supported: one of {', '.join(ARCHITECTURES)}")
     return architectures[0]
@@ -101,6 +103,26 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def _number(field: str, value: Any) -> float:
+    """A JSON number (not a boolean, not a string), else refused by name."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _refuse(field, value, "must be a number")
+    return float(value)
+
+
+def _flag(field: str, value: Any) -> bool:
+    """A JSON boolean: a string such as "false" would be truthy, so it is refused, not read."""
+    if not isinstance(value, bool):
+        raise _refuse(field, value, "must be true or false")
+    return value
+
+
+def _object(field: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _refuse(field, value, "must be a JSON object (or null)")
+    return value
+
+
 def _rope(cfg: dict[str, Any], theta: float) -> dict[str, Any]:
     """The RoPE fields of ``TransformerArgs`` from either generation of config.json.
 
@@ -115,14 +137,16 @@ def _rope(cfg: dict[str, Any], theta: float) -> dict[str, Any]:
         params = cfg.get(field)
         if params is None:
             continue
+        params = _object(field, params)
         kind = params.get("rope_type", params.get("type", "default"))
-        if kind not in _ROPE_TYPES:
+        if not isinstance(kind, str) or kind not in _ROPE_TYPES:
             raise _refuse(f"{field}.rope_type", kind, f"Loom computes RoPE types"
                           f" {', '.join(_ROPE_TYPES)} exactly, not this one")
         if params.get("partial_rotary_factor", 1.0) != 1.0:
             raise _refuse(f"{field}.partial_rotary_factor", params["partial_rotary_factor"],
                           "Loom rotates every channel of a head (1.0)")
-        out = {"rope_theta": float(params.get("rope_theta", out["rope_theta"])),
+        out = {"rope_theta": _number(f"{field}.rope_theta",
+                                     params.get("rope_theta", out["rope_theta"])),
                "rope_scaling": _ROPE_TYPES[kind]}
         keys = {"linear": {"factor": "rope_scaling_factor"}, "llama3": _LLAMA3_KEYS}.get(kind, {})
         for key, loom_field in keys.items():
@@ -149,7 +173,7 @@ def _sliding_window(arch: str, read: _Reader, n_layers: int) -> int:
     if arch == LLAMA:
         return 0
     window = read.get("sliding_window")
-    if arch in (QWEN2, QWEN3) and not read.get("use_sliding_window"):
+    if arch in (QWEN2, QWEN3) and not _flag("use_sliding_window", read.get("use_sliding_window")):
         window = None
     if window is None:
         return 0
@@ -157,12 +181,20 @@ def _sliding_window(arch: str, read: _Reader, n_layers: int) -> int:
         raise _refuse("sliding_window", window, "a positive integer or null")
     if arch == MISTRAL:
         return window
-    first = read.get("max_window_layers")
-    kinds = read.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
-                                        for i in range(n_layers)]
-    if set(kinds) == {"full_attention"}:
+    kinds = read.get("layer_types")
+    if kinds:
+        if not (isinstance(kinds, list) and all(isinstance(k, str) for k in kinds)):
+            raise _refuse("layer_types", kinds, "must be a list of layer kinds")
+        kinds = set(kinds)
+    else:  # the layers from max_window_layers on slide (a set: n_layers may be any size)
+        first = read.get("max_window_layers")
+        if isinstance(first, bool) or not isinstance(first, int):
+            raise _refuse("max_window_layers", first, "must be an integer")
+        kinds = {"sliding_attention" if i >= first else "full_attention"
+                 for i in (0, n_layers - 1)}
+    if kinds == {"full_attention"}:
         return 0
-    if set(kinds) != {"sliding_attention"}:
+    if kinds != {"sliding_attention"}:
         raise _refuse("layer_types", kinds, "Loom's layers are all alike: every layer"
                       " full_attention or every layer sliding_attention (max_window_layers=0)")
     return window
@@ -195,20 +227,25 @@ def args_from_hf_config(cfg: dict[str, Any]) -> TransformerArgs:
     if not _positive_int(head_dim) or head_dim % 2:
         raise _refuse("head_dim", head_dim, "a positive even integer (RoPE rotates pairs)")
     n_kv_heads = read.get("num_key_value_heads") or n_heads
+    if not _positive_int(n_kv_heads):
+        raise _refuse("num_key_value_heads", n_kv_heads, "a positive integer (or null)")
     if n_heads % n_kv_heads:
         raise _refuse("num_key_value_heads", n_kv_heads,
                       f"must divide num_attention_heads {n_heads}")
     n_layers = cfg["num_hidden_layers"]
+    max_seq_len = read.get("max_position_embeddings")
+    if not _positive_int(max_seq_len):
+        raise _refuse("max_position_embeddings", max_seq_len, "a positive integer")
     return TransformerArgs(
         dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
         ffn_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
-        max_seq_len=int(read.get("max_position_embeddings")),
-        norm_eps=float(read.get("rms_norm_eps")),
-        tie_embeddings=bool(read.get("tie_word_embeddings")),
+        max_seq_len=max_seq_len,
+        norm_eps=_number("rms_norm_eps", read.get("rms_norm_eps")),
+        tie_embeddings=_flag("tie_word_embeddings", read.get("tie_word_embeddings")),
         head_dim_override=0 if head_dim * n_heads == dim else head_dim,
         qkv_bias=arch == QWEN2, qk_norm=arch == QWEN3,
         sliding_window=_sliding_window(arch, read, n_layers),
-        **_rope(cfg, float(read.get("rope_theta"))))
+        **_rope(cfg, _number("rope_theta", read.get("rope_theta"))))
 
 
 # --------------------------------------------------------------------------------------------

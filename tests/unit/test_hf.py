@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from loom.errors import ConfigError
+from loom.generate import load_trained_model
 from loom.hf_cli import export_hf, import_hf, main, read_run, write_run
 from loom.models import TransformerArgs, build_model, reset_parameters
 from loom.models.hf import (HFConversionError, args_from_hf_config, hf_config_from_args,
@@ -200,6 +203,75 @@ def test_cli(tmp_path: Path, capsys) -> None:
     (hf / "config.json").write_text(json.dumps({**hf_config_from_args(SMALL), "mlp_bias": True}))
     assert main(["hf", "import", str(hf), "--run", str(tmp_path / "r2")]) == 2
     assert "mlp_bias=True" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change, message", [
+    # sizes no run could train are refused before a layer name is listed (10**12 layers once
+    # ran the importer out of memory)
+    ({"num_hidden_layers": 10**12}, "model.n_layers=1000000000000: must be <= 100,000"),
+    ({"rms_norm_eps": float("nan")}, "model.norm_eps=nan: must be a finite number"),
+    ({"rms_norm_eps": -1.0}, "model.norm_eps=-1.0: must be > 0"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings=0: a positive integer"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 0.0}},
+     "model.rope_theta=0.0: must be > 0"),
+    # JSON of the wrong type is named, never coerced ("false" would be truthy)
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings='false': must be true or false"),
+    ({"rms_norm_eps": "1e-5"}, "rms_norm_eps='1e-5': must be a number"),
+    ({"num_key_value_heads": "4"}, "num_key_value_heads='4'"),
+    ({"rope_parameters": [1, 2]}, "rope_parameters=\\[1, 2\\]: must be a JSON object"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": "x"}},
+     "rope_parameters.rope_theta='x': must be a number"),
+    ({"architectures": None, "model_type": ["llama"]}, "architectures=None"),
+])
+def test_hostile_configs_exit_2_with_one_line(tmp_path: Path, capsys, change: dict,
+                                              message: str) -> None:
+    hf = hf_dir_with(tmp_path, **change)
+    assert main(["hf", "import", str(hf), "--run", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and re.search(message, err), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_hostile_files_exit_2_naming_the_file(tmp_path: Path, capsys) -> None:
+    hf = hf_dir_with(tmp_path)
+    weights = (hf / "model.safetensors").read_bytes()
+    cases = [
+        ("config.json", "{not json", "config.json: not JSON"),
+        ("config.json", "[1, 2]", "config.json: must hold a JSON object, not list"),
+        ("model.safetensors", weights[:300], "model.safetensors: not a readable safetensors"),
+    ]
+    for name, content, message in cases:
+        original = (hf / name).read_bytes()
+        (hf / name).write_bytes(content.encode() if isinstance(content, str) else content)
+        assert main(["hf", "import", str(hf), "--run", str(tmp_path / "run")]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and message in err, err
+        (hf / name).write_bytes(original)
+    (hf / "model.safetensors").rename(hf / "a.safetensors")
+    index = hf / "model.safetensors.index.json"
+    for weight_map, message in [([1], "weight_map must be an object"),
+                                ({"x": "b.safetensors"}, "b.safetensors not found")]:
+        index.write_text(json.dumps({"weight_map": weight_map}))
+        assert main(["hf", "import", str(hf), "--run", str(tmp_path / "run")]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_edited_to_another_size_is_refused_before_allocating(tmp_path: Path) -> None:
+    """``hf export`` and ``generate`` read a run's config.toml: a shape the weights do not have
+    is named (once ``dim = 100000000`` tried to allocate 128 GB; 10**12 layers never ended)."""
+    write_run(tmp_path / "run", SMALL, loom_model(SMALL).state_dict())
+    config = tmp_path / "run" / "config.toml"
+    original = config.read_text()
+    config.write_text(re.sub(r"(?m)^n_layers = .*$", "n_layers = 1000000000000", original))
+    with pytest.raises(ConfigError, match="model.n_layers"):
+        read_run(tmp_path / "run")
+    with pytest.raises(ConfigError, match="model.n_layers"):
+        load_trained_model(tmp_path / "run", torch.device("cpu"))
+    config.write_text(re.sub(r"(?m)^dim = .*$", "dim = 100000000", original))
+    with pytest.raises(ValueError, match="has shape .* the run's config.toml says"):
+        load_trained_model(tmp_path / "run", torch.device("cpu"))
 
 
 # --------------------------------------------------------------------------------------------
