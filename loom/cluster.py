@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from loom.errors import ConfigError, InputFileError, read_input_text
+from loom.errors import ConfigError, InputFileError, loads_toml, read_input_text
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -212,7 +212,7 @@ def load(path: str | Path) -> Cluster:
     except InputFileError as err:
         raise ConfigError("cluster", str(path), err.rule) from None
     try:
-        data = tomllib.loads(text)
+        data = loads_toml(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError("cluster", str(path), f"is not valid TOML: {err}") from None
     return parse(data)

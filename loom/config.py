@@ -28,7 +28,7 @@ else:  # pragma: no cover
 from loom.config_rules import DEFAULT_SCHEDULE, check_bpe_vocab, validate, validate_model_shape
 from loom.data.tokenizer import tokenizer_vocab_size
 from loom.data.budgets import token_budgets
-from loom.errors import ConfigError, InputFileError, read_input_text, suggest
+from loom.errors import ConfigError, InputFileError, loads_toml, read_input_text, suggest
 from loom.layout import CompressionSpec, Job, Layout
 from loom.models.hf_config import HFConversionError
 from loom.models.args import TransformerArgs
@@ -459,7 +459,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
         rule = err.rule + ("; TOML files are UTF-8" if err.rule.startswith("is not UTF-8") else "")
         raise ConfigError("--config", str(path), rule) from None
     try:
-        return tomllib.loads(text)
+        return loads_toml(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError("--config", str(path), f"is not valid TOML: {err}") from None
 

@@ -7,15 +7,24 @@ config schema (which imports the data layer's tokenizer sizes) need not import e
 exit 2, like a bad config value, not argparse's usage dump. ``read_input_text`` reads a text file
 the user named (a config, a cluster, costs, hardware, lengths) without hanging or exhausting
 memory on a device, a FIFO or a huge file; each reader turns its ``InputFileError`` into its
-own one-line refusal.
+own one-line refusal. ``loads_json`` and ``loads_toml`` parse such a text: a value nested deeper
+than the parsers' recursion (``[[[[...`` a few thousand deep) raises their own decode error,
+which every reader already turns into one line, instead of ``RecursionError``.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import os
+import sys
 from typing import Any, NoReturn
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 EXIT_BAD_INPUT = 2
 # far above any real input file of these kinds (the largest, a cost CSV of 10^4 stages, is < 1 MB)
@@ -76,3 +85,22 @@ def read_input_text(path: str | os.PathLike) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise InputFileError(shown, f"is not UTF-8 text (byte {err.start}: {err.reason})") from None
+
+
+_TOO_DEEP = "nested too deeply (more than Python's recursion limit of levels)"
+
+
+def loads_json(text: str) -> Any:
+    """``json.loads``; a value nested too deeply is a ``json.JSONDecodeError`` like any other."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError(_TOO_DEEP, text, 0) from None
+
+
+def loads_toml(text: str) -> dict[str, Any]:
+    """``tomllib.loads``; a value nested too deeply is a ``TOMLDecodeError`` like any other."""
+    try:
+        return tomllib.loads(text)
+    except RecursionError:
+        raise tomllib.TOMLDecodeError(_TOO_DEEP) from None

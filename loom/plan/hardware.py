@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loom.errors import InputFileError, read_input_text
+from loom.errors import InputFileError, loads_toml, read_input_text
 
 GB = 1e9
 GiB = 2**30
@@ -378,7 +378,7 @@ def load_catalog(path: str | Path | None = None) -> tuple[dict[str, Gpu], dict[s
     if path is None:
         return gpus, links, defaults
     try:
-        table = tomllib.loads(read_input_text(path))
+        table = loads_toml(read_input_text(path))
     except InputFileError as err:
         raise HardwareError(f"--hardware {path}: {err.rule}") from None
     except tomllib.TOMLDecodeError as err:

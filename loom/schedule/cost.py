@@ -22,7 +22,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -31,7 +30,7 @@ from fractions import Fraction
 from numbers import Rational, Real
 from typing import Any
 
-from loom.errors import read_input_text
+from loom.errors import loads_json, read_input_text
 from loom.schedule.ir import Action, Op, Schedule
 
 Number = Real  # int, float or Fraction; arithmetic keeps whatever exactness the inputs have
@@ -167,7 +166,7 @@ class StageCosts:
         path = os.fspath(path)
         text = read_input_text(path)  # InputFileError (a ValueError) for a device, FIFO, ...
         if path.endswith(".json"):
-            data = json.loads(text)
+            data = loads_json(text)
         else:
             rows = list(csv.DictReader(io.StringIO(text, newline="")))
             data = {"stages": rows}

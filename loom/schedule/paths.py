@@ -41,7 +41,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-from loom.errors import ConfigError
+from loom.errors import ConfigError, loads_json
 
 DEFAULT_MAX_CONSECUTIVE_SKIPS = 3
 SKIPPIPE = "skippipe"  # parallel.schedule's name for path-scheduled pipelines
@@ -136,7 +136,7 @@ class PathSet:
 
     @classmethod
     def from_json(cls, text: str) -> PathSet:
-        return cls.from_dict(json.loads(text))
+        return cls.from_dict(loads_json(text))
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ import numpy as np
 
 from loom.data.zeppelin import (Partition, Ranks, TokenCosts, partition_none, partition_static_cp,
                                 partition_tokens, plan_zeppelin)
-from loom.errors import ConfigError, InputFileError, read_input_text
+from loom.errors import ConfigError, InputFileError, loads_json, read_input_text
 from loom.sim.cost_model import CostModel
 
 BALANCES = ("none", "tokens", "static-cp", "zeppelin", "zeppelin-noremap")
@@ -196,7 +196,7 @@ def load_length_distribution(path: str | Path) -> LengthDistribution:
     stripped = text.lstrip()
     if stripped.startswith(("[", "{")):
         try:
-            data = json.loads(text)
+            data = loads_json(text)
         except json.JSONDecodeError as err:
             raise ConfigError("--length-dist", shown, f"is not valid JSON: {err}") from None
         if isinstance(data, list):

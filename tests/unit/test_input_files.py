@@ -72,3 +72,26 @@ def test_every_reader_refuses_a_fifo_by_its_name(fifo, read, error, named):
     with pytest.raises(error, match="is not a regular file") as err:
         read(str(fifo))
     assert named in str(err.value) and str(fifo) in str(err.value)
+
+
+DEEP_TOML = "a = " + "[" * 50_000 + "]" * 50_000 + "\n"
+DEEP_JSON = "[" * 50_000 + "]" * 50_000
+
+
+@pytest.mark.parametrize("read, error, named, text, suffix", [
+    (lambda path: load_config(path), ConfigError, "--config", DEEP_TOML, ".toml"),
+    (load_cluster, ConfigError, "cluster", DEEP_TOML, ".toml"),
+    (load_catalog, HardwareError, "--hardware", DEEP_TOML, ".toml"),
+    (load_length_distribution, ConfigError, "--length-dist", DEEP_JSON, ".json"),
+    (StageCosts.from_file, ValueError, "", DEEP_JSON, ".json"),
+    (lambda path: Schedule.from_json(read_input_text(path)), ValueError, "", DEEP_JSON, ".json"),
+])
+def test_nesting_deeper_than_the_parser_is_a_decode_error_not_a_crash(
+        tmp_path, read, error, named, text, suffix):
+    """``[[[[...`` tens of thousands deep overflows the stdlib parsers' recursion: every reader
+    refuses it like any malformed file (``loads_json`` / ``loads_toml``), not ``RecursionError``."""
+    path = tmp_path / f"deep{suffix}"
+    path.write_text(text)
+    with pytest.raises(error, match="nested too deeply") as err:
+        read(str(path))
+    assert named in str(err.value)
