@@ -35,7 +35,7 @@ from typing import Any
 from loom.errors import OneLineParser, read_input_text
 from loom.schedule.cost import StageCosts, full_stage_costs, parse_cost_spec
 from loom.schedule.families import get, names, routed, simulation_only
-from loom.schedule.ir import Schedule, csv_text
+from loom.schedule.ir import Op, Schedule, csv_text
 from loom.schedule.render import render_gantt, summary_text, write_chrome_trace
 from loom.schedule.search import DEFAULT_EFFORT, search
 from loom.schedule.search_places import MAX_CHUNKS, PLACEMENTS, SearchError
@@ -415,7 +415,13 @@ def _load(args: argparse.Namespace) -> Schedule:
     try:
         validate(schedule)
     except ScheduleError as err:
-        raise UsageError(args.name, f"[{err.rule}] {err.reason}\n{err.grid}") from None
+        # One line names the rule; the grid that marks the broken action (as long as the
+        # schedule) is printed only when asked for.
+        if getattr(args, "gantt", False):
+            print(err.grid, file=sys.stderr)
+        hint = "" if not hasattr(args, "gantt") or args.gantt else (
+            " (show --gantt also prints the step grid with it marked)")
+        raise UsageError(args.name, f"[{err.rule}] {err.reason}{hint}") from None
     return schedule
 
 
@@ -456,6 +462,14 @@ def _load_file(args: argparse.Namespace) -> Schedule:
         raise UsageError(args.name, f"cannot read the schedule: {err}") from None
     if args.pp is not None and args.pp != schedule.pp_size:
         raise UsageError("--pp", f"{args.pp} given but {args.name} has {schedule.pp_size} ranks")
+    # Every stage of a route runs F once per microbatch, so the file's own actions bound the
+    # step it can describe; a larger num_microbatches would only make the checks run for ever.
+    forwards = sum(action.op is Op.F for row in schedule.actions for action in row)
+    needed = schedule.stages_per_route * schedule.num_microbatches
+    if needed > forwards:
+        raise UsageError(args.name, f"num_microbatches={schedule.num_microbatches} x"
+                         f" {schedule.stages_per_route} stages = {needed:,} forwards, but the file"
+                         f" has {forwards:,} F actions (every stage runs F once per microbatch)")
     return schedule
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import csv
 import enum
 import io
+import itertools
 import json
 import operator
 import os
@@ -45,7 +46,7 @@ from functools import cached_property
 from fractions import Fraction
 from typing import IO
 
-from loom.errors import read_input_text
+from loom.errors import loads_json, read_input_text
 
 
 class Op(str, enum.Enum):
@@ -159,7 +160,32 @@ def _check_positive(**values: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# Schedule files: JSON read strictly (a file is data)
 
+
+def _json_int(data: Mapping, key: str, default: int | None = None) -> int:
+    value = data.get(key, default)
+    if value is None:
+        raise KeyError(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key}={value!r}: must be an integer")
+    return value
+
+
+def _json_list(data: Mapping, key: str, default: list | None = None) -> list:
+    value = data.get(key, default)
+    if value is None:
+        raise KeyError(key)
+    if not isinstance(value, list):
+        raise ValueError(f"{key}={value!r}: must be a list")
+    return value
+
+
+def _json_ints(data: Mapping, key: str, default: list | None = None) -> list[int]:
+    values = _json_list(data, key, default)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{key}: must be a list of integers")
+    return values
 
 @dataclass(frozen=True)
 class Schedule:
@@ -335,14 +361,21 @@ class Schedule:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> Schedule:
+        """The schedule ``to_dict`` wrote. A file is data: each field must have its JSON type
+        (a string or a float is not coerced to an integer), else ``ValueError`` names it."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a schedule is a JSON object, not {type(data).__name__}")
+        rows = _json_list(data, "actions")
+        if not all(isinstance(row, list) and all(isinstance(t, str) for t in row) for row in rows):
+            raise ValueError("actions must be a list of rows (one per rank) of action strings")
         return cls(
-            num_stages=int(data["num_stages"]),
-            num_microbatches=int(data["num_microbatches"]),
-            placement=tuple(data["placement"]),
-            actions=tuple(tuple(Action.parse(t) for t in row) for row in data["actions"]),
+            num_stages=_json_int(data, "num_stages"),
+            num_microbatches=_json_int(data, "num_microbatches"),
+            placement=tuple(_json_ints(data, "placement")),
+            actions=tuple(tuple(Action.parse(t) for t in row) for row in rows),
             name=str(data.get("name", "custom")),
-            num_routes=int(data.get("num_routes", 1)),
-            routes=tuple(data.get("routes", ())),
+            num_routes=_json_int(data, "num_routes", 1),
+            routes=tuple(_json_ints(data, "routes", [])),
         )
 
     def to_json(self) -> str:
@@ -350,7 +383,7 @@ class Schedule:
 
     @classmethod
     def from_json(cls, text: str) -> Schedule:
-        return cls.from_dict(json.loads(text))
+        return cls.from_dict(loads_json(text))
 
     # -- PyTorch pipelining CSV -----------------------------------------------------------------
 
@@ -470,9 +503,11 @@ def from_torch_rows(
     for rank, row in enumerate(actions):
         for action in row:
             owner.setdefault(action.stage, rank)
-    missing = [stage for stage in range(num_stages) if stage not in owner]
-    if missing:
-        raise ValueError(f"stages {missing} never appear, so their rank cannot be inferred")
+    if len(owner) < num_stages:  # name the first few: a stage index may be any size
+        missing = list(itertools.islice((s for s in itertools.count() if s not in owner), 5))
+        raise ValueError(f"{num_stages - len(owner):,} of stages 0..{num_stages - 1} never appear"
+                         f" (first {', '.join(map(str, missing))}), so their rank cannot be"
+                         " inferred")
     if num_microbatches is None:
         num_microbatches = max(action.microbatch for action in every) + 1
     return Schedule(

@@ -261,3 +261,31 @@ def test_a_hostile_cost_file_is_one_line_naming_it(capsys, tmp_path, content):
                  ["search", "--pp", "2", "-m", "2", "--memory-limit", "4"]):
         code, _, err = run(capsys, *argv, "--cost-file", str(path))
         assert code == 2 and len(err.strip().splitlines()) == 1 and "--cost-file" in err, err
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_stages": "2"}, "num_stages='2': must be an integer"),
+    ({"num_microbatches": 2.0}, "num_microbatches=2.0: must be an integer"),
+    ({"placement": "ab"}, "placement='ab': must be a list"),
+    ({"actions": [[1], [2]]}, "actions must be a list of rows"),
+    # a step the file's actions cannot hold would only make the checks run for ever
+    ({"num_microbatches": 10**12}, "num_microbatches=1000000000000 x 2 stages"),
+])
+def test_a_hostile_schedule_file_is_one_line_naming_the_field(capsys, tmp_path, change, message):
+    data = {**get("1f1b")(2, 4).to_dict(), **change}
+    path = tmp_path / "schedule.json"
+    path.write_text(json.dumps(data))
+    code, _, err = run(capsys, "simulate", str(path))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_a_broken_schedule_file_is_one_line_and_the_grid_on_request(capsys, tmp_path):
+    data = get("1f1b")(2, 4).to_dict()
+    data["actions"][0].reverse()  # every backward before its forward
+    path = tmp_path / "schedule.json"
+    path.write_text(json.dumps(data))
+    code, _, err = run(capsys, "simulate", str(path))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "[order]" in err, err
+    assert "--gantt" in err  # says how to see where
+    code, _, err = run(capsys, "show", str(path), "--gantt")
+    assert code == 2 and "rank 0" in err and "[order]" in err.strip().splitlines()[-1], err
