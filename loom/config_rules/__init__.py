@@ -36,6 +36,7 @@ from loom.data.corpus import STDLIB_SOURCE
 from loom.data.tokenizer import tokenizer_vocab_size
 from loom.errors import ConfigError, suggest
 from loom.layout import FP8_RECIPES, CPLayout, check_layout
+from loom.models.args import MAX_LAYERS
 
 if TYPE_CHECKING:  # the rules read a config; loom.config imports them to run them in resolve()
     from loom.config import Config
@@ -43,7 +44,6 @@ if TYPE_CHECKING:  # the rules read a config; loom.config imports them to run th
 
 # Bounds far beyond any real run that keep hostile values from hanging the checks (the memory
 # estimators walk the layers and the microbatches one by one)
-MAX_LAYERS = 100_000
 MAX_MICROBATCHES = 1_000_000  # per rank and optimizer step
 
 
@@ -57,8 +57,8 @@ def validate_model_shape(config: Config) -> None:
     if m.n_layers > MAX_LAYERS:
         raise ConfigError("model.n_layers", m.n_layers, f"must be <= {MAX_LAYERS:,}")
     require_divisible("model.n_heads", m.n_heads, m.n_kv_heads, "model.n_kv_heads")
-    if not m.norm_eps > 0:  # RMSNorm divides by sqrt(mean(x^2) + eps): 0 or less can give inf/nan
-        raise ConfigError("model.norm_eps", m.norm_eps, "must be > 0")
+    if not (math.isfinite(m.norm_eps) and m.norm_eps > 0):  # RMSNorm: x / sqrt(mean(x^2) + eps)
+        raise ConfigError("model.norm_eps", m.norm_eps, "must be a finite number > 0")
     _validate_attention(config)
 
 

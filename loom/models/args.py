@@ -15,6 +15,9 @@ from typing import Literal
 ROPE_SCALINGS = ("none", "linear", "llama3")
 # Dense MLP kinds (``TransformerArgs.mlp``) and their D x F weight matrices.
 MLP_MATRICES = {"swiglu": 3, "gelu": 2}
+# Far beyond any real model; what walks the layers one by one (weight names, the memory
+# estimators) refuses more, so a hostile config never hangs or exhausts memory.
+MAX_LAYERS = 100_000
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from loom.errors import InputFileError, read_input_text
+from loom.errors import InputFileError, loads_json, read_input_text
 from loom.models import build_model
 from loom.models.hf_config import (ARCHITECTURES, HFConversionError, architecture_of,
                                    args_from_hf_config, hf_config_from_args)
@@ -183,7 +183,7 @@ def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def _read_json(path: Path) -> Any:
     """A JSON file of the checkpoint, or ``HFConversionError`` naming the file and why not."""
     try:
-        return json.loads(read_input_text(path))
+        return loads_json(read_input_text(path))
     except InputFileError as err:
         raise HFConversionError(str(err)) from None
     except ValueError as err:  # json.JSONDecodeError

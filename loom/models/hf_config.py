@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from loom.models.args import TransformerArgs
+from loom.models.args import MAX_LAYERS, TransformerArgs
 
 LLAMA, QWEN2, QWEN3, MISTRAL = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                 "MistralForCausalLM")
@@ -233,6 +233,8 @@ def args_from_hf_config(cfg: dict[str, Any]) -> TransformerArgs:
         raise _refuse("num_key_value_heads", n_kv_heads,
                       f"must divide num_attention_heads {n_heads}")
     n_layers = cfg["num_hidden_layers"]
+    if n_layers > MAX_LAYERS:  # before any per-layer name is listed
+        raise _refuse("num_hidden_layers", n_layers, f"at most {MAX_LAYERS:,}")
     max_seq_len = read.get("max_position_embeddings")
     if not _positive_int(max_seq_len):
         raise _refuse("max_position_embeddings", max_seq_len, "a positive integer")

@@ -21,9 +21,7 @@ Loom run directory, and the load here is one slice per parameter with no collect
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,12 +31,8 @@ from safetensors import safe_open
 
 from loom.models.hf import (INDEX_FILE, SINGLE_FILE, args_from_hf_config, name_pairs,
                             permute_from_hf, rope_heads)
-from loom.models.args import TransformerArgs
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from loom.errors import loads_json, loads_toml
+from loom.models.args import MAX_LAYERS, TransformerArgs
 
 LOOM_WEIGHTS = "model.safetensors"
 LOOM_CONFIG = "config.toml"
@@ -77,7 +71,7 @@ class PretrainedSource:
     @classmethod
     def _open_hf(cls, path: Path) -> PretrainedSource:
         try:
-            hf_config = json.loads((path / "config.json").read_text())
+            hf_config = loads_json((path / "config.json").read_text())
         except (OSError, ValueError) as err:
             raise PretrainedError(f"{path / 'config.json'}: not readable JSON ({err})") from None
         args = args_from_hf_config(hf_config)  # refuses what Loom cannot compute, by key
@@ -94,7 +88,7 @@ class PretrainedSource:
     @classmethod
     def _open_loom(cls, path: Path) -> PretrainedSource:
         try:
-            table = tomllib.loads((path / LOOM_CONFIG).read_text())
+            table = loads_toml((path / LOOM_CONFIG).read_text())
         except (OSError, ValueError) as err:
             raise PretrainedError(f"{path / LOOM_CONFIG}: not readable TOML ({err})") from None
         model = table.get("model", {})
@@ -110,6 +104,9 @@ class PretrainedSource:
                                           f" a {want.__name__}")
             shape[key] = want(value)
         args = TransformerArgs(**shape)
+        if args.n_layers > MAX_LAYERS:  # before any per-layer name is listed
+            raise PretrainedError(f"{path / LOOM_CONFIG}: model.n_layers = {args.n_layers} is"
+                                  f" more than {MAX_LAYERS:,}")
         weights = path / LOOM_WEIGHTS
         if not weights.is_file():
             raise PretrainedError(f"{path}: no {LOOM_WEIGHTS} (a Loom run writes it at the end of"
@@ -182,9 +179,13 @@ def _hf_tensor_files(path: Path) -> dict[str, Path]:
         return {name: path / SINGLE_FILE for name in _tensor_names(path / SINGLE_FILE)}
     if (path / INDEX_FILE).is_file():
         try:
-            weight_map: dict[str, str] = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+            weight_map = loads_json((path / INDEX_FILE).read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise PretrainedError(f"{path / INDEX_FILE}: not a readable index ({err})") from None
+        if not (isinstance(weight_map, dict) and all(
+                isinstance(s, str) for s in weight_map.values())):
+            raise PretrainedError(f"{path / INDEX_FILE}: weight_map must be an object of tensor"
+                                  " name -> shard file name")
         out = {}
         for name, shard in weight_map.items():
             # a shard name is data from the checkpoint: it must not point outside the directory

@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from loom.config import load_config
 from loom.errors import ConfigError
 from loom.generate import load_trained_model
 from loom.hf_cli import export_hf, import_hf, main, read_run, write_run
@@ -208,9 +209,9 @@ def test_cli(tmp_path: Path, capsys) -> None:
 @pytest.mark.parametrize("change, message", [
     # sizes no run could train are refused before a layer name is listed (10**12 layers once
     # ran the importer out of memory)
-    ({"num_hidden_layers": 10**12}, "model.n_layers=1000000000000: must be <= 100,000"),
+    ({"num_hidden_layers": 10**12}, "num_hidden_layers=1000000000000: at most 100,000"),
     ({"rms_norm_eps": float("nan")}, "model.norm_eps=nan: must be a finite number"),
-    ({"rms_norm_eps": -1.0}, "model.norm_eps=-1.0: must be > 0"),
+    ({"rms_norm_eps": -1.0}, "model.norm_eps=-1.0: must be a finite number > 0"),
     ({"max_position_embeddings": 0}, "max_position_embeddings=0: a positive integer"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 0.0}},
      "model.rope_theta=0.0: must be > 0"),
@@ -256,6 +257,28 @@ def test_hostile_files_exit_2_naming_the_file(tmp_path: Path, capsys) -> None:
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and message in err, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_hidden_layers": 10**12}, "num_hidden_layers=1000000000000: at most 100,000"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": "x"}}, "must be a number"),
+    ({"tie_word_embeddings": "false"}, "must be true or false"),
+])
+def test_init_from_a_hostile_hf_directory_is_a_config_error(tmp_path: Path, change: dict,
+                                                             message: str) -> None:
+    """``model.init_from`` opens the directory while the config loads (``PretrainedSource``):
+    the same refusals as ``hf import``, before a layer name is listed."""
+    hf = hf_dir_with(tmp_path, **change)
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, {"model.init_from": str(hf)})
+
+
+def test_init_from_a_malformed_shard_index_is_a_config_error(tmp_path: Path) -> None:
+    hf = hf_dir_with(tmp_path)
+    (hf / "model.safetensors").rename(hf / "a.safetensors")
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": [1]}))
+    with pytest.raises(ConfigError, match="weight_map must be an object"):
+        load_config(None, {"model.init_from": str(hf)})
 
 
 def test_a_run_edited_to_another_size_is_refused_before_allocating(tmp_path: Path) -> None:
