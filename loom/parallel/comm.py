@@ -94,7 +94,8 @@ def all_reduce(tensor: torch.Tensor, group: Any, *, axis: str, ledger: CommLedge
 def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group: Any, *, axis: str,
                            ledger: CommLedger | None = None, async_op: bool = False):
     _record(ledger, axis, "all_gather", _nbytes(output), group, lambda n: (n - 1) / n)
-    return dist.all_gather_into_tensor(output, tensor, group=group, async_op=async_op)
+    # torch 2.13 deprecates all_gather_into_tensor (a FutureWarning in every run) for this name
+    return dist.all_gather_single(output, tensor, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, group: Any, *, axis: str,
