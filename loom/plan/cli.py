@@ -28,8 +28,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from loom.config import ConfigError, load_config, planned_model
-from loom.errors import OneLineParser
+from loom.errors import InputFileError, OneLineParser, loads_json, read_input_text
 from loom.layout import Layout
+from loom.models.args import TransformerArgs
+from loom.models.hf_config import HFConversionError, args_from_hf_config
 from loom.models.presets import PRESETS
 from loom.layout import FP8_RECIPES
 from loom.plan import explain, varlen
@@ -98,7 +100,9 @@ def add_plan_commands(sub: argparse._SubParsersAction,
     reads profiles."""
     plan = sub.add_parser("plan", help="predict and rank parallel layouts for a model on a cluster",
                           description=__doc__.splitlines()[0])
-    plan.add_argument("--model", help="a preset name (loom.models.presets) or a Loom TOML config")
+    plan.add_argument("--model", help="a preset name (loom.models.presets), a Loom TOML config,"
+                      " or a Hugging Face model directory or its config.json (Llama, Qwen2/3,"
+                      " Mistral; only the config is read; --seq required)")
     plan.add_argument("--gpus", type=int, help="number of accelerators")
     plan.add_argument("--gpu", default="H100-SXM",
                       help="accelerator type from the catalog, or 'local' (the calibrated machine)")
@@ -176,19 +180,56 @@ def parse_layout(text: str) -> Layout:
     return Layout(**values)
 
 
+def _hf_config_path(model: str) -> Path | None:
+    """The ``config.json`` ``--model`` names: a Hugging Face model directory or the file itself."""
+    path = Path(model)
+    if path.is_dir() and (path / "config.json").exists():
+        return path / "config.json"
+    return path if path.suffix.lower() == ".json" and path.exists() else None
+
+
+def _hf_model(config_json: Path) -> TransformerArgs:
+    """The shape of a Hugging Face ``config.json`` (Llama, Qwen2/3, Mistral; anything Loom's
+    model does not compute exactly refused by key), held to Loom's model rules. Only the config
+    is read, never the weights, and nothing imports torch."""
+    try:
+        hf = loads_json(read_input_text(config_json))
+        if not isinstance(hf, dict):
+            raise HFConversionError(f"{config_json}: must hold a JSON object")
+        shape = args_from_hf_config(hf)
+    except (InputFileError, HFConversionError, ValueError) as err:
+        raise PlanInputError(f"--model {config_json}: {err}") from None
+    fields = {f"model.{k}": v for k, v in dataclasses.asdict(shape).items()}
+    return planned_model(load_config(None, fields))
+
+
+def _planned(args: argparse.Namespace) -> tuple[TransformerArgs, str, int | None, str | None]:
+    """``--model``: a preset, a Loom TOML config, or a Hugging Face model directory / its
+    config.json. Returns the shape, a name, the default sequence length (None: --seq is
+    required) and the config file to plan for (None: the shape alone)."""
+    if args.model in PRESETS:
+        return PRESETS[args.model], args.model, PRESETS[args.model].max_seq_len, None
+    hf_json = _hf_config_path(args.model)
+    if hf_json is not None:
+        # max_position_embeddings is a limit, not the length a run trains at (131,072 for
+        # Llama 3.1): the user says the length
+        return _hf_model(hf_json), hf_json.parent.name or "hf", None, None
+    if Path(args.model).is_file():
+        config = load_config(args.model)
+        return planned_model(config), Path(args.model).stem, config.data.seq_len, args.model
+    raise PlanInputError(f"--model {args.model}: neither a preset ({', '.join(PRESETS)}), a Loom"
+                         " config file, nor a Hugging Face model directory or config.json")
+
+
 def _workload(args: argparse.Namespace):
     if not args.model:
-        raise PlanInputError("--model: required (a preset name or a Loom TOML config)")
-    config_path = None
-    if args.model in PRESETS:
-        model, name, default_seq = PRESETS[args.model], args.model, PRESETS[args.model].max_seq_len
-    elif Path(args.model).is_file():
-        config = load_config(args.model)
-        model, name, config_path = planned_model(config), Path(args.model).stem, args.model
-        default_seq = config.data.seq_len
-    else:
-        raise PlanInputError(f"--model {args.model}: neither a preset ({', '.join(PRESETS)})"
-                             " nor an existing config file")
+        raise PlanInputError("--model: required (a preset name, a Loom TOML config, or a Hugging"
+                             " Face model directory)")
+    model, name, default_seq, config_path = _planned(args)
+    if args.seq is None and default_seq is None:
+        raise PlanInputError(f"--seq: required with a Hugging Face config ({args.model}): its"
+                             f" max_position_embeddings ({model.max_seq_len:,}) is a limit, not"
+                             " the length to train at")
     seq = default_seq if args.seq is None else args.seq  # (0 was taken as "not given")
     if seq < 1:
         raise PlanInputError(f"--seq {seq}: must be >= 1")
@@ -334,7 +375,8 @@ def _compiled(args: argparse.Namespace, stack: Framework) -> tuple[Framework, bo
     """``stack`` eager or compiled as ``--compile`` says (default: Loom's from the --model
     config's ``train.compile``, another stack's its profile's), and that choice."""
     if args.compile is None:
-        config = args.model and args.model not in PRESETS and Path(args.model).is_file()
+        config = args.model and args.model not in PRESETS and Path(args.model).is_file() \
+            and _hf_config_path(args.model) is None  # (an HF config says nothing of it)
         compiled = (load_config(args.model).train.compile if config else False) \
             if stack.is_loom else stack.compiled
     elif args.compile.lower() in ("true", "false"):
@@ -425,13 +467,10 @@ def _run_varlen(args: argparse.Namespace, stack: Framework) -> int:
     if not args.global_batch_tokens or args.global_batch_tokens < 1:
         raise PlanInputError(f"--global-batch-tokens {args.global_batch_tokens}: required with"
                              " --length-dist, >= 1")
-    if args.model in PRESETS:
-        model, name = PRESETS[args.model], args.model
-    elif args.model and Path(args.model).is_file():
-        model, name = planned_model(load_config(args.model)), Path(args.model).stem
-    else:
-        raise PlanInputError(f"--model {args.model}: neither a preset ({', '.join(PRESETS)})"
-                             " nor an existing config file")
+    if not args.model:
+        raise PlanInputError("--model: required (a preset name, a Loom TOML config, or a Hugging"
+                             " Face model directory)")
+    model, name, _, _ = _planned(args)
     print(varlen.run(model, name, _cluster(args), dist, args.global_batch_tokens, stack,
                      args.json))
     return 0

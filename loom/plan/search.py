@@ -32,12 +32,13 @@ import functools
 import heapq
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from loom.config import Config, ConfigError, load_config, resolve, with_layout
 from loom.config_rules.pipeline import validate_vocab_pp
 from loom.layout import Layout
+from loom.models.presets import PRESETS
 from loom.plan.hardware import Cluster
 from loom.plan.space import LayoutGroup, Workload, layouts, vocab_pp_fits
 from loom.schedule import families as schedules
@@ -142,12 +143,17 @@ def _simulate_searched(model: CostModel, cost: StepCost, stage_costs: Any,
 def workload_config(work: Workload) -> Config:
     """The Loom config of ``work`` before any layout: its config file or model preset, its
     sequence length, bf16 compute (the global batch comes with the layout)."""
-    return _parsed(work.config_path, None if work.config_path else work.name, work.seq_len,
-                   work.fp8)
+    preset = work.name if work.config_path is None and work.name in PRESETS else None
+    # a shape from elsewhere (a Hugging Face config.json) is written in field by field
+    shape = () if work.config_path or preset else tuple(
+        (f"model.{k}", tuple(v) if isinstance(v, list) else v)
+        for k, v in asdict(work.model).items())
+    return _parsed(work.config_path, preset, shape, work.seq_len, work.fp8)
 
 
 @functools.lru_cache(maxsize=8)
-def _parsed(config_path: str | None, preset: str | None, seq_len: int, fp8: str) -> Config:
+def _parsed(config_path: str | None, preset: str | None, shape: tuple[tuple[str, Any], ...],
+            seq_len: int, fp8: str) -> Config:
     """Parsed once per workload (parsing TOML and presets per layout dominated the planner's
     time); ``with_layout`` copies the sections it changes, and nothing mutates the rest."""
     values: dict[str, Any] = {"data.seq_len": seq_len, "train.dtype": "bf16"}
@@ -155,6 +161,7 @@ def _parsed(config_path: str | None, preset: str | None, seq_len: int, fp8: str)
         values["train.fp8"] = fp8
     if preset:
         values["model.preset"] = preset
+    values.update(shape)  # (hashable: the cache's key)
     return load_config(config_path, values)
 
 
