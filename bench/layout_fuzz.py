@@ -1,0 +1,159 @@
+"""Random multi-rank layouts trained for real: ``loom train`` on 2 or 4 local ranks, 2 steps each,
+with a random combination of the parallel axes and the features that interact with them.
+
+    python bench/layout_fuzz.py [--seed 1] [--budget-s 1800] [--out bench/out/layout_fuzz.jsonl]
+
+The suite proves each named combination against one process (``tests/dist``); this probes the
+combinations nobody named. Each draw sets tp, pp, cp, dp_shard and ep to 1 or 2 within the world
+size, and independently a schedule, sequence parallelism, a cp mode, a ZeRO stage, recomputation,
+packing and balancing, a dtype, tied embeddings, q/k norms, a GELU MLP, a sliding window, MoE
+experts, gradient compression, an outer data-parallel mode, vocabulary parallelism over the
+pipeline, bf16 reduction, checkpointing every step and activation offload. Every run must end in
+one of two ways:
+
+* ``ok``: exit 0, a finite loss logged for both steps, and nothing on stderr that Python or torch
+  flags (a traceback, a ``Warning``);
+* ``refused``: exit 2 and one line naming the field and the rule (a combination not built).
+
+Anything else is a ``FINDING``: its command line and the last lines of its output are kept.
+Writes one JSON line per run and prints a summary with every refusal's rule and count. The
+draws depend only on ``--seed``; the time budget decides how many are run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXED = ["--train.steps=2", "--train.global_batch_size=8", "--train.micro_batch_size=2",
+         "--data.seq_len=128", "--train.eval_every=2", "--train.eval_batches=1",
+         "--metrics.plot=false", "--metrics.tensorboard=false", "--metrics.progress=false",
+         "--train.timeout_s=60"]
+SCHEDULES = ["1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv", "looped_bfs", "search"]
+FLAGGED = re.compile(r"Traceback|Warning\b|Error\b")
+
+
+def draw(rng: random.Random) -> tuple[int, dict[str, object]]:
+    """One random layout: the world size and its ``section.key -> value`` overrides."""
+    world = rng.choice([2, 4])
+    over: dict[str, object] = {}
+    left = world
+    for axis in rng.sample(["tp", "pp", "cp", "dp_shard", "ep"], 5):
+        if left > 1 and rng.random() < 0.45:
+            over[f"parallel.{axis}"] = 2
+            left //= 2
+    if "parallel.ep" in over or rng.random() < 0.15:
+        over["model.n_experts"] = 4
+    if "parallel.pp" in over:
+        over["parallel.schedule"] = rng.choice(SCHEDULES)
+    if "parallel.tp" in over and rng.random() < 0.5:
+        over["parallel.sequence_parallel"] = "true"
+    if "parallel.cp" in over:
+        over["parallel.cp_mode"] = rng.choice(["ring", "ulysses", "allgather"])
+    if "parallel.dp_shard" in over:
+        over["parallel.zero_stage"] = rng.choice([1, 2, 3])
+    for key, chance, values in [
+            ("train.recompute", 0.3, ["full", "selective", "every_k"]),
+            ("data.packing", 0.3, ["pack", "varlen"]),
+            ("data.balance", 0.2, ["tokens", "zeppelin"]),
+            ("train.dtype", 0.2, ["bf16", "bf16_autocast"]),
+            ("model.tie_embeddings", 0.15, ["true"]),
+            ("model.qk_norm", 0.15, ["true"]),
+            ("model.mlp", 0.1, ["gelu"]),
+            ("model.sliding_window", 0.1, [64]),
+            ("parallel.grad_compression", 0.15, ["powersgd", "int8", "topk"]),
+            ("parallel.dp_mode", 0.15, ["diloco", "noloco", "co2"]),
+            ("parallel.vocab_parallel_pp", 0.1, ["true"]),
+            ("train.grad_reduce_dtype", 0.1, ["bf16"]),
+            ("checkpoint.interval", 0.1, [1]),
+            ("train.offload_activations", 0.1, ["true"])]:
+        if rng.random() < chance:
+            over[key] = rng.choice(values)
+    if over.get("data.packing") == "varlen":
+        over["data.tokens_per_microbatch"] = 512
+    if "parallel.dp_mode" in over:
+        over["parallel.outer_steps"] = 1
+    return world, over
+
+
+def losses(run_dir: Path) -> list[float]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    records = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return [r["loss"] for r in records if "loss" in r and "step" in r]
+
+
+def run_one(world: int, over: dict[str, object], run_dir: Path) -> dict:
+    argv = [sys.executable, "-m", "loom", "train", "--config", str(ROOT / "configs/tiny.toml"),
+            "--nproc", str(world), *FIXED, f"--train.run_dir={run_dir}",
+            *[f"--{k}={v}" for k, v in over.items()]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    started = time.time()
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+        code, out, err = done.returncode, done.stdout, done.stderr
+    except subprocess.TimeoutExpired:
+        code, out, err = "timeout", "", ""
+    seen = losses(run_dir)
+    lines = [line for line in (out + err).splitlines() if line.strip()]
+    if code == 0 and len(seen) == 2 and all(map(math.isfinite, seen)) and not FLAGGED.search(err):
+        verdict = "ok"
+    elif code == 2 and len(lines) == 1:
+        verdict = "refused"
+    else:
+        verdict = "FINDING"
+    return {"world": world, "overrides": over, "exit": code, "verdict": verdict,
+            "seconds": round(time.time() - started, 1), "losses": seen,
+            "last": lines[-1][:300] if lines else "",
+            "tail": lines[-30:] if verdict == "FINDING" else []}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--budget-s", type=float, default=1800.0)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/out/layout_fuzz.jsonl")
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    results = []
+    started = time.time()
+    with args.out.open("w") as sink, tempfile.TemporaryDirectory() as scratch:
+        while time.time() - started < args.budget_s:
+            world, over = draw(rng)
+            run_dir = Path(scratch) / f"run{len(results)}"
+            result = run_one(world, over, run_dir)
+            shutil.rmtree(run_dir, ignore_errors=True)
+            results.append(result)
+            sink.write(json.dumps(result) + "\n")
+            sink.flush()
+            print(f"{len(results):4d} {result['verdict']:8s} world {world} {over}", flush=True)
+    kinds = collections.Counter(r["verdict"] for r in results)
+    print(f"\n{len(results)} runs (seed {args.seed}): {kinds['ok']} ok, {kinds['refused']}"
+          f" refused, {kinds['FINDING']} findings; {args.out}")
+    rules = collections.Counter(re.sub(r"^loom train: config error: ", "", r["last"])[:160]
+                                for r in results if r["verdict"] == "refused")
+    for rule, count in rules.most_common():
+        print(f"  {count:3d} refused: {rule}")
+    for r in results:
+        if r["verdict"] == "FINDING":
+            print(f"\nFINDING (exit {r['exit']}, world {r['world']}): {r['overrides']}")
+            print("\n".join("    " + line for line in r["tail"][-12:]))
+    return 1 if kinds["FINDING"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
