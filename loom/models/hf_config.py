@@ -195,7 +195,7 @@ def _sliding_window(arch: str, read: _Reader, n_layers: int) -> int:
     if kinds == {"full_attention"}:
         return 0
     if kinds != {"sliding_attention"}:
-        raise _refuse("layer_types", kinds, "Loom's layers are all alike: every layer"
+        raise _refuse("layer_types", sorted(kinds), "Loom's layers are all alike: every layer"
                       " full_attention or every layer sliding_attention (max_window_layers=0)")
     return window
 
