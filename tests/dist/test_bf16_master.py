@@ -100,7 +100,12 @@ def test_bf16_training_equals_the_reference_master_weight_loop(dist, small_data_
 # same size as one of the reference's two, so its bf16 forward and backward are the same
 # arithmetic; fp32 gradient accumulation sums g1/2 + g2/2 where the layouts reduce (g1 + g2)/2,
 # equal in fp32 up to one rounding of the sum; the fp32 masters then step elementwise. So the
-# tolerances are fp32 parity's (test_zero.py): summation order only, not bf16's 2^-8. A layout
+# first step's tolerances are fp32 parity's (test_zero.py): summation order only, not bf16's
+# 2^-8. From the second step on, the bf16 weights are the masters rounded to bf16, and a master
+# one fp32 rounding away from a bf16 rounding boundary lands one bf16 ulp apart: seen on an
+# AVX-512 CPU without bf16 GEMMs, where pp2's step-1 gradients were 1e-12..1e-9 from the
+# reference's (its loss bitwise equal) and one embedding gradient of 20,480 was 1.6% off at step
+# 2. Later steps are therefore held to bf16's tolerance below, the first to fp32's. A layout
 # computing in a different order in bf16 (tp's split matmuls, ring attention's partial sums, a
 # tied embedding's two gradients summed across ranks) rounds bf16 values differently: rtol 2e-2
 # there (8 bits of mantissa, a few roundings), atol 1e-4 for gradients near zero, on the first
@@ -142,6 +147,10 @@ def bf16_references(dist, small_data_dir):
                                                    ("fp32", True))}
 
 
+def first_step(record: dict) -> dict:
+    return {key: values[:1] for key, values in record.items()}
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_bf16_layout_matches_one_bf16_process(dist, small_data_dir, bf16_references, layout):
     from loom.testing.parity import assert_parity, record_training
@@ -157,11 +166,12 @@ def test_bf16_layout_matches_one_bf16_process(dist, small_data_dir, bf16_referen
                                             for g in r["grads"]]}
         assert_parity(as_fp32(reference), as_fp32(result), rtol=2**-8, atol=ATOL, label=layout)
     elif exact:
-        assert_parity(reference, result, rtol=RTOL, atol=ATOL, label=layout)
+        assert_parity(first_step(reference), first_step(result), rtol=RTOL, atol=ATOL,
+                      label=layout)
+        assert_parity(reference, result, rtol=2e-2, atol=1e-4, label=layout)
     else:
-        first = {k: v[:1] for k, v in result.items()}
-        ref_first = {k: v[:1] for k, v in reference.items()}
-        assert_parity(ref_first, first, rtol=2e-2, atol=1e-4, label=layout)
+        assert_parity(first_step(reference), first_step(result), rtol=2e-2, atol=1e-4,
+                      label=layout)
 
 
 # -- checkpoints: the fp32 masters, across dtype modes and layouts ----------------------------
