@@ -2,6 +2,7 @@
 with a random combination of the parallel axes and the features that interact with them.
 
     python bench/layout_fuzz.py [--seed 1] [--budget-s 1800] [--out bench/out/layout_fuzz.jsonl]
+    python bench/layout_fuzz.py --summarize bench/out/layout_fuzz.jsonl   # an earlier run's summary
 
 The suite proves each named combination against one process (``tests/dist``); this probes the
 combinations nobody named. Each draw sets tp, pp, cp, dp_shard and ep to 1 or 2 within the world
@@ -30,6 +31,7 @@ import os
 import random
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,6 +44,7 @@ FIXED = ["--train.steps=2", "--train.global_batch_size=8", "--train.micro_batch_
          "--metrics.plot=false", "--metrics.tensorboard=false", "--metrics.progress=false",
          "--train.timeout_s=60"]
 SCHEDULES = ["1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv", "looped_bfs", "search"]
+AXES = ["tp", "pp", "cp", "dp_shard", "ep"]
 FLAGGED = re.compile(r"Traceback|Warning\b|Error\b")
 
 
@@ -50,7 +53,7 @@ def draw(rng: random.Random) -> tuple[int, dict[str, object]]:
     world = rng.choice([2, 4])
     over: dict[str, object] = {}
     left = world
-    for axis in rng.sample(["tp", "pp", "cp", "dp_shard", "ep"], 5):
+    for axis in rng.sample(AXES, len(AXES)):
         if left > 1 and rng.random() < 0.45:
             over[f"parallel.{axis}"] = 2
             left //= 2
@@ -126,7 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--budget-s", type=float, default=1800.0)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/out/layout_fuzz.jsonl")
+    parser.add_argument("--summarize", type=Path, metavar="JSONL",
+                        help="print the summary of an earlier run's records; run nothing")
     args = parser.parse_args(argv)
+    if args.summarize:
+        records = [json.loads(line) for line in args.summarize.read_text().splitlines() if line]
+        return summarize(records, str(args.summarize), args.summarize)
     rng = random.Random(args.seed)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     results = []
@@ -141,11 +149,25 @@ def main(argv: list[str] | None = None) -> int:
             sink.write(json.dumps(result) + "\n")
             sink.flush()
             print(f"{len(results):4d} {result['verdict']:8s} world {world} {over}", flush=True)
+    return summarize(results, f"seed {args.seed}", args.out)
+
+
+def summarize(results: list[dict], label: str, path: Path) -> int:
+    """The counts docs/benchmarks.md quotes, from the runs' records; 1 if any run is a finding."""
     kinds = collections.Counter(r["verdict"] for r in results)
-    print(f"\n{len(results)} runs (seed {args.seed}): {kinds['ok']} ok, {kinds['refused']}"
-          f" refused, {kinds['FINDING']} findings; {args.out}")
+    trained = [r for r in results if r["verdict"] == "ok"]
+    print(f"\n{len(results)} runs ({label}): {kinds['ok']} ok ("
+          f"{sum(r['world'] == 4 for r in trained)} on 4 ranks), {kinds['refused']} refused,"
+          f" {kinds['FINDING']} findings; {path}")
+    if trained:
+        print(f"median seconds per trained run: {statistics.median(r['seconds'] for r in trained):.1f}")
+    axes = collections.Counter(" x ".join(sorted(
+        k.split(".")[1] for k in r["overrides"] if k.split(".")[1] in AXES)) or "dp_replicate only"
+        for r in trained)
+    print("trained, by the axes above 1: " + ", ".join(f"{a} {n}" for a, n in axes.most_common()))
     rules = collections.Counter(re.sub(r"^loom train: config error: ", "", r["last"])[:160]
                                 for r in results if r["verdict"] == "refused")
+    print(f"{len(rules)} distinct refusals:")
     for rule, count in rules.most_common():
         print(f"  {count:3d} refused: {rule}")
     for r in results:
