@@ -36,16 +36,17 @@ from typing import Any
 
 import torch
 
-from loom.errors import InputFileError, loads_json, read_input_text
 from loom.models import build_model
 from loom.models.hf_config import (ARCHITECTURES, HFConversionError, architecture_of,
-                                   args_from_hf_config, hf_config_from_args)
+                                   args_from_hf_config, args_from_hf_file,
+                                   hf_config_from_args, read_json)
 from loom.models.args import TransformerArgs
 
 __all__ = ["ARCHITECTURES", "HFConversionError", "architecture_of", "args_from_hf_config",
-           "hf_config_from_args", "load_safetensors", "name_pairs", "permute_from_hf", "permute_to_hf",
-           "read_hf_checkpoint", "read_hf_config", "rope_heads", "state_dict_from_hf", "state_dict_to_hf",
-           "write_hf_checkpoint"]
+           "hf_config_from_args", "load_safetensors", "name_pairs", "permute_from_hf",
+           "permute_to_hf",
+           "read_hf_checkpoint", "read_hf_config", "rope_heads", "state_dict_from_hf",
+           "state_dict_to_hf", "weight_map", "write_hf_checkpoint"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -180,43 +181,28 @@ def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise HFConversionError(f"{path}: not a readable safetensors file ({err})") from None
 
 
-def _read_json(path: Path) -> Any:
-    """A JSON file of the checkpoint, or ``HFConversionError`` naming the file and why not."""
-    try:
-        return loads_json(read_input_text(path))
-    except InputFileError as err:
-        raise HFConversionError(str(err)) from None
-    except ValueError as err:  # json.JSONDecodeError
-        raise HFConversionError(f"{path}: not JSON ({err})") from None
-
-
 def read_hf_config(hf_dir: str | Path) -> TransformerArgs:
     """Loom's model shape for the ``config.json`` of an HF directory (refused by name where Loom
     cannot compute the model exactly)."""
     config_path = Path(hf_dir) / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{config_path} not found: not a Hugging Face model directory")
-    cfg = _read_json(config_path)
-    if not isinstance(cfg, dict):
-        raise HFConversionError(f"{config_path}: must hold a JSON object, not"
-                                f" {type(cfg).__name__}")
-    return args_from_hf_config(cfg)
+    return args_from_hf_file(config_path)
 
 
-def _shard_names(index_path: Path) -> list[str]:
-    """The shard files an index's ``weight_map`` names, each a plain file name in the directory."""
-    index = _read_json(index_path)
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-            isinstance(v, str) for v in weight_map.values()):
+def weight_map(index_path: Path) -> dict[str, str]:
+    """A sharded checkpoint's index: tensor name -> shard file, each a plain file name in the
+    checkpoint directory (a name is data from the checkpoint: it must not point outside it)."""
+    index = read_json(index_path)
+    mapping = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
         raise HFConversionError(f"{index_path}: weight_map must be an object of tensor name ->"
                                 " shard file name")
-    for shard in weight_map.values():
-        # A shard name is data from the checkpoint: it must not point outside the directory.
+    for shard in mapping.values():
         if Path(shard).name != shard or shard in ("", ".", ".."):
-            raise HFConversionError(f"{INDEX_FILE}: shard name {shard!r} is not a plain file"
+            raise HFConversionError(f"{index_path.name}: shard name {shard!r} is not a plain file"
                                     " name in the checkpoint directory")
-    return sorted(set(weight_map.values()))
+    return mapping
 
 
 def read_hf_checkpoint(hf_dir: str | Path, args: TransformerArgs | None = None,
@@ -231,7 +217,7 @@ def read_hf_checkpoint(hf_dir: str | Path, args: TransformerArgs | None = None,
         state = load_safetensors(hf_dir / SINGLE_FILE)
     elif (hf_dir / INDEX_FILE).is_file():
         state = {}
-        for shard in _shard_names(hf_dir / INDEX_FILE):
+        for shard in sorted(set(weight_map(hf_dir / INDEX_FILE).values())):
             state.update(load_safetensors(hf_dir / shard))
     elif any(hf_dir.glob("*.bin")) or any(hf_dir.glob("*.pt")):
         raise HFConversionError(

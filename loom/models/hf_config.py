@@ -29,8 +29,10 @@ importing it for a table of field names would make it a hard dependency of the m
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from loom.errors import InputFileError, loads_json, read_input_text
 from loom.models.args import MAX_LAYERS, TransformerArgs
 
 LLAMA, QWEN2, QWEN3, MISTRAL = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -198,6 +200,25 @@ def _sliding_window(arch: str, read: _Reader, n_layers: int) -> int:
         raise _refuse("layer_types", sorted(kinds), "Loom's layers are all alike: every layer"
                       " full_attention or every layer sliding_attention (max_window_layers=0)")
     return window
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file of a checkpoint, or ``HFConversionError`` naming the file and why not."""
+    try:
+        return loads_json(read_input_text(path))
+    except InputFileError as err:
+        raise HFConversionError(str(err)) from None
+    except ValueError as err:  # json.JSONDecodeError
+        raise HFConversionError(f"{path}: not JSON ({err})") from None
+
+
+def args_from_hf_file(config_json: Path) -> TransformerArgs:
+    """``args_from_hf_config`` of a ``config.json`` file (which must hold a JSON object)."""
+    cfg = read_json(config_json)
+    if not isinstance(cfg, dict):
+        raise HFConversionError(f"{config_json}: must hold a JSON object, not"
+                                f" {type(cfg).__name__}")
+    return args_from_hf_config(cfg)
 
 
 def args_from_hf_config(cfg: dict[str, Any]) -> TransformerArgs:

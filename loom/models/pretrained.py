@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from loom.models.hf import (INDEX_FILE, SINGLE_FILE, args_from_hf_config, name_pairs,
-                            permute_from_hf, rope_heads)
-from loom.errors import loads_json, loads_toml
+from loom.models.hf import (INDEX_FILE, SINGLE_FILE, args_from_hf_file, name_pairs,
+                            permute_from_hf, rope_heads, weight_map)
+from loom.errors import loads_toml
 from loom.models.args import MAX_LAYERS, TransformerArgs
 
 LOOM_WEIGHTS = "model.safetensors"
@@ -70,11 +70,7 @@ class PretrainedSource:
 
     @classmethod
     def _open_hf(cls, path: Path) -> PretrainedSource:
-        try:
-            hf_config = loads_json((path / "config.json").read_text())
-        except (OSError, ValueError) as err:
-            raise PretrainedError(f"{path / 'config.json'}: not readable JSON ({err})") from None
-        args = args_from_hf_config(hf_config)  # refuses what Loom cannot compute, by key
+        args = args_from_hf_file(path / "config.json")  # refuses what Loom cannot compute, by key
         files = _hf_tensor_files(path)
         names = dict(name_pairs(args))
         if args.tie_embeddings:  # the head is the embedding (an lm_head stored anyway is unused)
@@ -178,18 +174,9 @@ def _hf_tensor_files(path: Path) -> dict[str, Path]:
     if (path / SINGLE_FILE).is_file():
         return {name: path / SINGLE_FILE for name in _tensor_names(path / SINGLE_FILE)}
     if (path / INDEX_FILE).is_file():
-        try:
-            weight_map = loads_json((path / INDEX_FILE).read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise PretrainedError(f"{path / INDEX_FILE}: not a readable index ({err})") from None
-        if not (isinstance(weight_map, dict) and all(
-                isinstance(s, str) for s in weight_map.values())):
-            raise PretrainedError(f"{path / INDEX_FILE}: weight_map must be an object of tensor"
-                                  " name -> shard file name")
         out = {}
-        for name, shard in weight_map.items():
-            # a shard name is data from the checkpoint: it must not point outside the directory
-            if Path(shard).name != shard or not (path / shard).is_file():
+        for name, shard in weight_map(path / INDEX_FILE).items():
+            if not (path / shard).is_file():
                 raise PretrainedError(f"{path / INDEX_FILE}: shard {shard!r} is not a file in"
                                       " the model directory")
             out[name] = path / shard

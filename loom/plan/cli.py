@@ -28,10 +28,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from loom.config import ConfigError, load_config, planned_model
-from loom.errors import InputFileError, OneLineParser, loads_json, read_input_text
+from loom.errors import OneLineParser
 from loom.layout import Layout
 from loom.models.args import TransformerArgs
-from loom.models.hf_config import HFConversionError, args_from_hf_config
+from loom.models.hf_config import HFConversionError, args_from_hf_file
 from loom.models.presets import PRESETS
 from loom.layout import FP8_RECIPES
 from loom.plan import explain, varlen
@@ -193,11 +193,8 @@ def _hf_model(config_json: Path) -> TransformerArgs:
     model does not compute exactly refused by key), held to Loom's model rules. Only the config
     is read, never the weights, and nothing imports torch."""
     try:
-        hf = loads_json(read_input_text(config_json))
-        if not isinstance(hf, dict):
-            raise HFConversionError(f"{config_json}: must hold a JSON object")
-        shape = args_from_hf_config(hf)
-    except (InputFileError, HFConversionError, ValueError) as err:
+        shape = args_from_hf_file(config_json)
+    except HFConversionError as err:
         raise PlanInputError(f"--model {config_json}: {err}") from None
     fields = {f"model.{k}": v for k, v in dataclasses.asdict(shape).items()}
     return planned_model(load_config(None, fields))
