@@ -18,7 +18,7 @@ SMALL = ["--train.steps=3", "--model.preset=debug", "--data.max_bytes=100000",
 SLOW_LINK = """
 [defaults]
 latency_ms = 0
-bandwidth_gbit = 0.05
+bandwidth_gbit = 0.025
 
 [[node]]
 name = "a"
@@ -58,9 +58,12 @@ def test_training_on_an_emulated_slow_link_gives_the_same_losses_more_slowly(tmp
     assert plain.returncode == 0, plain.stderr[-3000:]
     on_link, local = steps(tmp_path / "runs/emulated"), steps(tmp_path / "runs/plain")
     assert [r["loss"] for r in on_link] == [r["loss"] for r in local]
-    # 189k fp32 gradients (0.76 MB) all-reduced over 50 Mbit/s: >= 0.12 s a step on the wire
-    assert min(r["step_time_s"] for r in on_link) >= 0.1
-    assert min(r["step_time_s"] for r in on_link) > 2 * min(r["step_time_s"] for r in local)
+    # 189k fp32 gradients (0.76 MB) all-reduced over 25 Mbit/s: >= 0.24 s a step on the wire.
+    # The bucketed all-reduce overlaps the backward, so the step grows by less than the wire
+    # time (measured: 0.077 s more at 50 Mbit/s on a 0.09 s step); half of it is the bound, and
+    # it is absolute, not a ratio, so a slower machine's longer compute cannot eat the margin.
+    assert min(r["step_time_s"] for r in on_link) >= 0.2
+    assert min(r["step_time_s"] for r in on_link) > min(r["step_time_s"] for r in local) + 0.12
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "loom" not in namespaces  # removed on exit
 
