@@ -17,6 +17,15 @@ one of two ways:
 * ``refused``: exit 2 and one line naming the field and the rule (a combination not built).
 
 Anything else is a ``FINDING``: its command line and the last lines of its output are kept.
+
+With ``--parity`` each trained run whose arithmetic does not depend on the layout is also held to
+one process: the same model, data and features with every ``parallel.*`` key dropped, trained on
+one rank (one reference per feature set, cached). Left out are the draws whose numbers depend on
+the layout by design: gradient compression, the outer data-parallel modes, bf16 weights or
+reductions (a parity run skips those draws). Each step's loss and gradient norm (the norm of step 1 is the gradient before any
+update) and the validation loss must agree within ``PARITY_RTOL``; otherwise the run is a
+``MISMATCH``, a finding too.
+
 Writes one JSON line per run and prints a summary with every refusal's rule and count. The
 draws depend only on ``--seed``; the time budget decides how many are run.
 """
@@ -46,6 +55,13 @@ FIXED = ["--train.steps=2", "--train.global_batch_size=8", "--train.micro_batch_
 SCHEDULES = ["1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv", "looped_bfs", "search"]
 AXES = ["tp", "pp", "cp", "dp_shard", "ep"]
 FLAGGED = re.compile(r"Traceback|Warning\b|Error\b")
+# Keys whose numbers differ from one process's by design (lossy or lower-precision reductions,
+# outer optimisers over replicas): such runs are only checked to train.
+INEXACT = {"parallel.grad_compression", "parallel.dp_mode", "train.dtype",
+           "train.grad_reduce_dtype"}
+# fp32 sums in another order: 1e-7..1e-6 relative on the parity tests' models; a wrong gradient
+# (a missed scale, a dropped bucket) moves the step-2 loss and the norms by 1e-3 or more.
+PARITY_RTOL = 1e-4
 
 
 def draw(rng: random.Random) -> tuple[int, dict[str, object]]:
@@ -91,12 +107,40 @@ def draw(rng: random.Random) -> tuple[int, dict[str, object]]:
     return world, over
 
 
-def losses(run_dir: Path) -> list[float]:
+def _records(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
-    records = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
-    return [r["loss"] for r in records if "loss" in r and "step" in r]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in _records(run_dir) if "loss" in r and "step" in r]
+
+
+def numbers(run_dir: Path) -> dict[str, float]:
+    """What parity compares: each step's loss and gradient norm, and the validation losses."""
+    found: dict[str, float] = {}
+    for r in _records(run_dir):
+        for key in ("loss", "grad_norm", "val/loss"):
+            if key in r and "step" in r:
+                found[f"{key}@{r['step']}"] = r[key]
+    return found
+
+
+def reference_overrides(over: dict[str, object]) -> dict[str, object] | None:
+    """The one-process twin of a draw, or None where its numbers depend on the layout."""
+    if INEXACT & set(over):
+        return None
+    return {k: v for k, v in over.items() if not k.startswith("parallel.")}
+
+
+def relative_gap(got: dict[str, float], want: dict[str, float]) -> float:
+    """The largest relative difference over the numbers both runs logged (inf if they differ
+    in what they logged)."""
+    if not want or got.keys() != want.keys():
+        return math.inf
+    return max(abs(got[k] - want[k]) / max(abs(want[k]), 1e-12) for k in want)
 
 
 def run_one(world: int, over: dict[str, object], run_dir: Path) -> dict:
@@ -120,6 +164,7 @@ def run_one(world: int, over: dict[str, object], run_dir: Path) -> dict:
         verdict = "FINDING"
     return {"world": world, "overrides": over, "exit": code, "verdict": verdict,
             "seconds": round(time.time() - started, 1), "losses": seen,
+            "numbers": numbers(run_dir),
             "last": lines[-1][:300] if lines else "",
             "tail": lines[-30:] if verdict == "FINDING" else []}
 
@@ -129,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--budget-s", type=float, default=1800.0)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/out/layout_fuzz.jsonl")
+    parser.add_argument("--parity", action="store_true",
+                        help="also hold each exact trained run to a one-process run")
     parser.add_argument("--summarize", type=Path, metavar="JSONL",
                         help="print the summary of an earlier run's records; run nothing")
     args = parser.parse_args(argv)
@@ -138,13 +185,30 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     results = []
+    references: dict[str, dict] = {}
     started = time.time()
     with args.out.open("w") as sink, tempfile.TemporaryDirectory() as scratch:
         while time.time() - started < args.budget_s:
             world, over = draw(rng)
+            if args.parity and reference_overrides(over) is None:
+                continue  # a parity run spends its budget on the draws it can compare
             run_dir = Path(scratch) / f"run{len(results)}"
             result = run_one(world, over, run_dir)
             shutil.rmtree(run_dir, ignore_errors=True)
+            twin = reference_overrides(over) if args.parity else None
+            if result["verdict"] == "ok" and twin is not None:
+                key = json.dumps(twin, sort_keys=True)
+                if key not in references:
+                    ref_dir = Path(scratch) / f"ref{len(references)}"
+                    references[key] = run_one(1, twin, ref_dir)
+                    shutil.rmtree(ref_dir, ignore_errors=True)
+                reference = references[key]
+                if reference["verdict"] == "ok":
+                    gap = relative_gap(result["numbers"], reference["numbers"])
+                    result["parity_gap"] = gap if math.isfinite(gap) else "logged differently"
+                    if not gap <= PARITY_RTOL:
+                        result["verdict"] = "MISMATCH"
+                        result["reference"] = reference["numbers"]
             results.append(result)
             sink.write(json.dumps(result) + "\n")
             sink.flush()
@@ -155,10 +219,16 @@ def main(argv: list[str] | None = None) -> int:
 def summarize(results: list[dict], label: str, path: Path) -> int:
     """The counts docs/benchmarks.md quotes, from the runs' records; 1 if any run is a finding."""
     kinds = collections.Counter(r["verdict"] for r in results)
-    trained = [r for r in results if r["verdict"] == "ok"]
-    print(f"\n{len(results)} runs ({label}): {kinds['ok']} ok ("
+    trained = [r for r in results if r["verdict"] in ("ok", "MISMATCH")]
+    print(f"\n{len(results)} runs ({label}): {len(trained)} trained ("
           f"{sum(r['world'] == 4 for r in trained)} on 4 ranks), {kinds['refused']} refused,"
           f" {kinds['FINDING']} findings; {path}")
+    compared = [r for r in trained if "parity_gap" in r]
+    if compared:
+        gaps = [r["parity_gap"] for r in compared if isinstance(r["parity_gap"], float)]
+        print(f"held to one process: {len(compared)}, {kinds['MISMATCH']} mismatches (relative"
+              f" tolerance {PARITY_RTOL:g}); largest gap of the matches:"
+              f" {max((g for g in gaps if g <= PARITY_RTOL), default=0.0):.1e}")
     if trained:
         print(f"median seconds per trained run: {statistics.median(r['seconds'] for r in trained):.1f}")
     axes = collections.Counter(" x ".join(sorted(
@@ -174,7 +244,10 @@ def summarize(results: list[dict], label: str, path: Path) -> int:
         if r["verdict"] == "FINDING":
             print(f"\nFINDING (exit {r['exit']}, world {r['world']}): {r['overrides']}")
             print("\n".join("    " + line for line in r["tail"][-12:]))
-    return 1 if kinds["FINDING"] else 0
+        if r["verdict"] == "MISMATCH":
+            print(f"\nMISMATCH (gap {r['parity_gap']}, world {r['world']}): {r['overrides']}")
+            print(f"    layout:      {r['numbers']}\n    one process: {r['reference']}")
+    return 1 if kinds["FINDING"] or kinds["MISMATCH"] else 0
 
 
 if __name__ == "__main__":
