@@ -157,8 +157,13 @@ def validate_varlen_batch(config: Config) -> None:
                           " documents are cut into pieces of at most seq_len predictions and"
                           " each piece must fit in one microbatch")
     if step % (par.dp * micro):
+        # Unset, the step's tokens come from the sequence counts: say so, or the line names a
+        # field the user never wrote.
+        derived = ("" if config.train.global_batch_tokens else
+                   f"(unset: train.global_batch_size {config.train.global_batch_size} x"
+                   f" data.seq_len {data.seq_len}) ")
         raise ConfigError("train.global_batch_tokens", step,
-                          f"must be divisible by dp * data.tokens_per_microbatch = {par.dp} *"
+                          f"{derived}must be divisible by dp * data.tokens_per_microbatch = {par.dp} *"
                           f" {micro} (equal microbatch counts on every data-parallel rank);"
                           f" nearest valid: {nearest_multiples(step, par.dp * micro)}")
 

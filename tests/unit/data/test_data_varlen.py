@@ -144,6 +144,10 @@ def _varlen(overrides: dict, world: int = 1):
     ({"data.tokens_per_microbatch": "16"}, 1, "data.tokens_per_microbatch", "split length"),
     ({"data.tokens_per_microbatch": "64", "train.global_batch_tokens": "192",
       "parallel.dp_replicate": "2"}, 2, "train.global_batch_tokens", "nearest valid: 128 or"),
+    # unset, the step's tokens are derived, and the line says from what
+    ({"data.tokens_per_microbatch": "96", "train.global_batch_size": "4",
+      "parallel.dp_replicate": "2"}, 2, "train.global_batch_tokens",
+     r"\(unset: train.global_batch_size 4 x data.seq_len 32\) must be divisible"),
     ({"train.compile": "true"}, 1, "data.packing", "recompile"),
 ])
 def test_varlen_refuses_by_name(overrides, world, field, words):
