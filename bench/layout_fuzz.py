@@ -22,9 +22,9 @@ With ``--parity`` each trained run whose arithmetic does not depend on the layou
 one process: the same model, data and features with every ``parallel.*`` key dropped, trained on
 one rank (one reference per feature set, cached). Left out are the draws whose numbers depend on
 the layout by design: gradient compression, the outer data-parallel modes, bf16 weights or
-reductions (a parity run skips those draws). Each step's loss and gradient norm (the norm of step 1 is the gradient before any
-update) and the validation loss must agree within ``PARITY_RTOL``; otherwise the run is a
-``MISMATCH``, a finding too.
+reductions (a parity run skips those draws). Each step's loss and gradient norm (the norm of
+step 1 is the gradient before any update) and the validation loss must agree within
+``PARITY_RTOL``; otherwise the run is a ``MISMATCH``, a finding too.
 
 Writes one JSON line per run and prints a summary with every refusal's rule and count. The
 draws depend only on ``--seed``; the time budget decides how many are run.

@@ -163,8 +163,8 @@ def validate_varlen_batch(config: Config) -> None:
                    f"(unset: train.global_batch_size {config.train.global_batch_size} x"
                    f" data.seq_len {data.seq_len}) ")
         raise ConfigError("train.global_batch_tokens", step,
-                          f"{derived}must be divisible by dp * data.tokens_per_microbatch = {par.dp} *"
-                          f" {micro} (equal microbatch counts on every data-parallel rank);"
+                          f"{derived}must be divisible by dp * data.tokens_per_microbatch ="
+                          f" {par.dp} * {micro} (equal microbatch counts on every data-parallel rank);"
                           f" nearest valid: {nearest_multiples(step, par.dp * micro)}")
 
 
