@@ -44,9 +44,8 @@ from loom.models.args import TransformerArgs
 
 __all__ = ["ARCHITECTURES", "HFConversionError", "architecture_of", "args_from_hf_config",
            "hf_config_from_args", "load_safetensors", "name_pairs", "permute_from_hf",
-           "permute_to_hf",
-           "read_hf_checkpoint", "read_hf_config", "rope_heads", "state_dict_from_hf",
-           "state_dict_to_hf", "weight_map", "write_hf_checkpoint"]
+           "permute_to_hf", "read_hf_checkpoint", "read_hf_config", "rope_heads",
+           "state_dict_from_hf", "state_dict_to_hf", "weight_map", "write_hf_checkpoint"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

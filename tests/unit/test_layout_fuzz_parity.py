@@ -39,3 +39,15 @@ def test_numbers_logged_differently_or_not_at_all_are_an_infinite_gap():
     want = {"loss@1": 4.0, "loss@2": 3.0}
     assert fuzz.relative_gap({"loss@1": 4.0}, want) == math.inf
     assert fuzz.relative_gap({}, {}) == math.inf
+
+
+def test_the_numbers_are_read_from_the_runs_metrics_in_step_order(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1, "loss": 5.7, "grad_norm": 18.1, "lr": 0.001}\n'
+        '{"step": 2, "loss": 5.0, "grad_norm": 8.5, "lr": 0.002}\n'
+        '{"step": 2, "val/loss": 4.7}\n'
+        '{"event": "done"}\n')
+    assert list(fuzz.numbers(tmp_path).items()) == [
+        ("loss@1", 5.7), ("grad_norm@1", 18.1), ("loss@2", 5.0), ("grad_norm@2", 8.5),
+        ("val/loss@2", 4.7)]
+    assert fuzz.numbers(tmp_path / "missing") == {}
