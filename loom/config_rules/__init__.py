@@ -536,11 +536,6 @@ def _validate_context_parallel(config: Config) -> None:
         raise ConfigError("parallel.cp_ulysses", par.cp_ulysses,
                           f"must divide parallel.cp = {par.cp}")
     layout = CPLayout.from_mode(par.cp_mode, par.cp, par.cp_ulysses)
-    if layout.gather and config.data.packing != "concat":
-        raise ConfigError("parallel.cp_mode", par.cp_mode, f"data.packing = {config.data.packing}"
-                          " cuts documents over cp on the document ring; all-gather attention"
-                          " runs concatenated rows only: use cp_mode = \"ring\" (or"
-                          " ulysses, hybrid) or data.packing = concat")
     if m.sliding_window and layout.ring > 1:
         raise ConfigError("model.sliding_window", m.sliding_window,
                           f"sliding-window attention under ring attention (parallel.cp ="

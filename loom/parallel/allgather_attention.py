@@ -24,8 +24,15 @@ collectives instead of ``3 (r-1)`` dependent hops, so no step waits for a neighb
 late, at the price of memory for the gathered blocks during each layer's attention. With few
 key/value heads (GQA) the gathered tensors are small, which is why Llama 3 chose it.
 
-Documents (packed rows, varlen) are not built on this mode (``loom.config_rules`` refuses them by
-name): their per-document shards use the document ring (``loom.parallel.context_documents``).
+Documents (``data.packing = pack | varlen``; ``document_allgather_attention``): the shards are the
+document ring's (``loom.parallel.context_documents``: each document zig-zag over the cp ranks),
+and so are the block masks, one per key owner (``DocumentKeys.block_masks``: same document and
+``position_k <= position_q``, or per-document tiles for a varlen microbatch; ``None`` where no
+query of this rank sees a key of that owner, which then costs nothing but its share of the
+gathered tensor). The collectives are the three above, unchanged; the masks come from the one
+all-gather of (document id, position) pairs per forward that every cp mode's document path
+makes. This is the combination Llama 3 trained its long-context stage with: all-gather context
+parallelism under document masks.
 
 Why hand-written: torch's context parallelism has no CPU backward; this reuses the ring's block
 math, so only the communication pattern is new.
@@ -38,6 +45,8 @@ from typing import Any
 import torch
 
 from loom.parallel import comm
+from loom.parallel.context_documents import (DocumentKeys, block_backward, block_forward,
+                                             merge_masked)
 from loom.parallel.ring_attention import Ring, attend_kind, backward_kind, block_kind
 
 
@@ -51,17 +60,26 @@ def _gather(kv: torch.Tensor, ring: Ring) -> torch.Tensor:
 
 
 class _AllGatherAttention(torch.autograd.Function):
+    """Concatenated rows (``masks`` None): each gathered block is one of the zig-zag ring's
+    causal kinds. Documents: each is masked by the document ring's mask for its owner
+    (``masks[step]``, None where this rank's queries see none of its keys)."""
+
     @staticmethod
     def forward(ctx: Any, q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
-                ring: Ring) -> torch.Tensor:
+                ring: Ring, masks: tuple[Any, ...] | None) -> torch.Tensor:
         with torch.autocast(q_BNSH.device.type, enabled=False):  # fp32 softmax statistics
             B, N, S, Hd = q_BNSH.shape
             out = torch.zeros(B, N, S, Hd, dtype=torch.float32, device=q_BNSH.device)
             lse = torch.full((B, N, S), float("-inf"), dtype=torch.float32, device=q_BNSH.device)
             gathered = _gather(torch.stack([k_BKSH, v_BKSH]), ring)
-            for owner in _order(ring):
-                attend_kind(q_BNSH, gathered[owner], out, lse, block_kind(ring.index, owner))
-        ctx.ring = ring
+            for step, owner in enumerate(_order(ring)):
+                kv = gathered[owner]
+                if masks is None:
+                    attend_kind(q_BNSH, kv, out, lse, block_kind(ring.index, owner))
+                elif masks[step] is not None:
+                    out, lse = merge_masked(out, lse, *block_forward(q_BNSH, kv[0], kv[1],
+                                                                     masks[step]))
+        ctx.ring, ctx.masks = ring, masks
         ctx.save_for_backward(q_BNSH, k_BKSH, v_BKSH, out, lse)
         return out.to(q_BNSH.dtype)
 
@@ -72,15 +90,21 @@ class _AllGatherAttention(torch.autograd.Function):
             q_BNSH, k_BKSH, v_BKSH, out, lse = ctx.saved_tensors
             gathered = _gather(torch.stack([k_BKSH, v_BKSH]), ring)
             dq = torch.zeros_like(out)
-            by_owner: list[torch.Tensor] = [torch.empty(0)] * ring.size  # rank order
-            for owner in _order(ring):
-                by_owner[owner] = backward_kind(q_BNSH, gathered[owner], out, dout_BNSH, lse,
-                                                dq, block_kind(ring.index, owner))
-            dkv = torch.stack(by_owner)
+            dkv = torch.zeros(gathered.shape, dtype=torch.float32, device=gathered.device)
+            for step, owner in enumerate(_order(ring)):  # dkv in rank order
+                kv = gathered[owner]
+                if ctx.masks is None:
+                    dkv[owner] = backward_kind(q_BNSH, kv, out, dout_BNSH, lse, dq,
+                                               block_kind(ring.index, owner))
+                elif ctx.masks[step] is not None:
+                    dq_b, dkv[owner, 0], dkv[owner, 1] = block_backward(
+                        q_BNSH, kv[0], kv[1], out, dout_BNSH, lse, ctx.masks[step])
+                    dq += dq_b
             own = torch.empty(dkv.shape[1:], dtype=torch.float32, device=dkv.device)
             comm.reduce_scatter_tensor(own, dkv.flatten(0, 1), ring.group, axis=ring.axis,
                                        ledger=ring.ledger)
-        return (dq.to(q_BNSH.dtype), own[0].to(k_BKSH.dtype), own[1].to(v_BKSH.dtype), None)
+        return (dq.to(q_BNSH.dtype), own[0].to(k_BKSH.dtype), own[1].to(v_BKSH.dtype), None,
+                None)
 
 
 def _order(ring: Ring) -> list[int]:
@@ -94,7 +118,16 @@ def allgather_attention(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torc
                         ring: Ring) -> torch.Tensor:
     """Causal attention of this rank's zig-zag shard against every cp rank's keys and values,
     gathered in one collective (module docstring)."""
-    return _AllGatherAttention.apply(q_BNSH, k_BKSH, v_BKSH, ring)
+    return _AllGatherAttention.apply(q_BNSH, k_BKSH, v_BKSH, ring, None)
 
 
-__all__ = ["allgather_attention"]
+def document_allgather_attention(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor,
+                                 v_BKSH: torch.Tensor, ring: Ring,
+                                 keys: DocumentKeys) -> torch.Tensor:
+    """Attention inside each document of this rank's shard against every cp rank's keys and
+    values, gathered in one collective; ``keys`` from ``document_keys`` of the same forward
+    (module docstring)."""
+    return _AllGatherAttention.apply(q_BNSH, k_BKSH, v_BKSH, ring, keys.block_masks)
+
+
+__all__ = ["allgather_attention", "document_allgather_attention"]

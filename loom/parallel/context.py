@@ -40,7 +40,8 @@ per document, not per row (``shard_documents``: each document zig-zag over the r
 padding only where a varlen microbatch or uneven document lengths need it, kept out of
 attention and out of the loss), and the core gets the shard's ``DocumentMask`` (ids and
 positions). Ulysses alone runs the ordinary document attention on the gathered row; the ring
-(and hybrid) masks each block by ``same document and position_k <= position_q``. Added
+(and hybrid) masks each block by ``same document and position_k <= position_q``, and so does
+all-gather for each gathered rank's block (``document_allgather_attention``). Added
 communication: one all-gather over cp of the shard's (id, position) pairs per forward,
 ``2*B*S_loc`` int64 per rank, shared by every layer; the all-to-alls and ring sends are the
 ones above. Ranks then hold different numbers of real tokens, so the trainer's loss is the
@@ -79,7 +80,8 @@ from loom.models.document_attention import DocumentMask
 from loom.models.layers import sdpa_causal
 from loom.models.moe import MoEFeedForward
 from loom.parallel import comm
-from loom.parallel.allgather_attention import allgather_attention
+from loom.parallel.allgather_attention import (allgather_attention,
+                                               document_allgather_attention)
 from loom.parallel.comm import CommLedger
 from loom.parallel.context_documents import (DocumentKeys, document_keys, document_ring_attention,
                                              document_shard_indices, take_shard)
@@ -250,10 +252,9 @@ class ContextParallelAttention:
         if self.ulysses is not None:
             q_BNSH, k_BKSH, v_BKSH = (_Redistribute.apply(t, self.ulysses, True)
                                       for t in (q_BNSH, k_BKSH, v_BKSH))
-        if keys is not None and self.layout.gather:
-            raise ValueError("all-gather attention runs concatenated rows only; documents need"
-                             " the document ring (cp_mode ring)")
-        if keys is not None and self.ring is not None:
+        if keys is not None and self.ring is not None and self.layout.gather:
+            out_BNSH = document_allgather_attention(q_BNSH, k_BKSH, v_BKSH, self.ring, keys)
+        elif keys is not None and self.ring is not None:
             out_BNSH = document_ring_attention(q_BNSH, k_BKSH, v_BKSH, self.ring, keys)
         elif keys is not None:  # Ulysses only: the whole row in global order, for my heads
             out_BNSH = keys.whole.attention(q_BNSH, k_BKSH, v_BKSH, self.window)

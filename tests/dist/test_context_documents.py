@@ -8,15 +8,17 @@ layout divides (cp padding, kept out of attention and out of the loss).
 
 * The sharding: every token lands on exactly one cp rank, every rank the same length, each
   document's tokens spread zig-zag over the ring groups, and pack rows need no padding.
-* The attention core (output, dQ, dK, dV) of cp=2 ring, cp=2 Ulysses and cp=4 hybrid (u=2,
-  r=2) equals ``DocumentMask.attention`` on the whole row; its communication is the
-  document-free core's plus one all-gather of (id, position) pairs per forward.
+* The attention core (output, dQ, dK, dV) of cp=2 ring, cp=2 Ulysses, cp=4 hybrid (u=2,
+  r=2) and cp=4 all-gather equals ``DocumentMask.attention`` on the whole row; its
+  communication is the document-free core's plus one all-gather of (id, position) pairs per
+  forward.
 * A model (8 query, 4 key/value heads) trained 2 AdamW steps in fp32 on both kinds of batch:
   the loss (summed over each rank's real tokens, divided by the step's real tokens) and every
   gradient equal one process's.
 * The ``Trainer`` (2 AdamW steps: loss, gradient norm, every gradient) equals one process with
   varlen under cp=2 ring and Ulysses, with selective and with full recomputation, cp=4 hybrid,
-  dp=2 x cp=2, tp=2 x cp=2 (Ulysses) and pp=2 x cp=2, and with pack under cp=2 ring.
+  dp=2 x cp=2, tp=2 x cp=2 (Ulysses) and pp=2 x cp=2, and with pack under cp=2 ring; with
+  varlen and pack under cp=2 all-gather (Llama 3's context parallelism with document masks).
 * The config accepts pack and varlen in every cp mode and refuses, by name, what is not built
   on them yet.
 """
@@ -46,7 +48,8 @@ ARGS = TransformerArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=128,
 SEED, LR, STEPS = 1234, 3e-3, 2
 RTOL_FIRST, ATOL_FIRST = 1e-5, 1e-6
 RTOL, ATOL = 1e-4, 1e-5
-LAYOUTS = [("ring", 2, 0), ("ulysses", 2, 0), ("hybrid", 4, 2)]  # (mode, cp, Ulysses degree)
+LAYOUTS = [("ring", 2, 0), ("ulysses", 2, 0), ("hybrid", 4, 2),  # (mode, cp, Ulysses degree)
+           ("allgather", 4, 0)]
 
 
 def _ids(lengths: list[int], pad: int = 0) -> list[int]:
@@ -176,7 +179,15 @@ def test_the_document_path_adds_one_all_gather_per_forward(dist, mode, cp, ulyss
         if u > 1:  # q, k, v, out forward and their gradients backward, as without documents
             payload = calls * 2 * B * s_loc * (2 * 8 + 2 * 4) * 16 * 4
             expected[("cp", "all_to_all")] = (8 * calls, payload, (u - 1) / u * payload)
-        if r > 1:  # key/value hops forward, again backward, and the travelling dK/dV sum
+        if layout.gather:  # keys and values gathered forward and again backward, dK/dV
+            kv = 2 * B * 4 * s_loc * 16 * 4  # scattered back (one of each per core call)
+            gathered_kv = cp * kv
+            expected[("cp", "all_gather")] = (
+                1 + 2 * calls, gathered + 2 * calls * gathered_kv,
+                (cp - 1) / cp * (gathered + 2 * calls * gathered_kv))
+            expected[("cp", "reduce_scatter")] = (calls, calls * gathered_kv,
+                                                  calls * (cp - 1) / cp * gathered_kv)
+        elif r > 1:  # key/value hops forward, again backward, and the travelling dK/dV sum
             block = 2 * B * (4 // u) * (u * s_loc) * 16 * 4
             sends = 3 * (r - 1) * calls
             expected[("cp", "send")] = (sends, sends * block, sends * block)
@@ -267,6 +278,10 @@ TRAINER_LAYOUTS = {  # name: (world, degrees, extra overrides)
     "varlen-dp2-cp2": (4, {"cp": 2, "dp_replicate": 2}, {"parallel.cp_mode": "ring"}),
     "varlen-tp2-cp2": (4, {"cp": 2, "tp": 2, "dp_replicate": 1},
                        {"parallel.cp_mode": "ulysses", "parallel.vocab_parallel": True}),
+    # Llama 3's context parallelism: the keys all-gathered, masked per document
+    "varlen-allgather-cp2": (2, {"cp": 2, "dp_replicate": 1}, {"parallel.cp_mode": "allgather"}),
+    "pack-allgather-cp2": (2, {"cp": 2, "dp_replicate": 1},
+                           {"parallel.cp_mode": "allgather", "data.packing": "pack"}),
     # a pipeline carries each microbatch's cp shard, of its own length, between stages
     "varlen-pp2-cp2": (4, {"pp": 2, "cp": 2, "dp_replicate": 1},
                        {"parallel.cp_mode": "ring", "parallel.schedule": "1f1b"}),
@@ -320,7 +335,7 @@ def _config(overrides: dict, world: int):
 
 
 @pytest.mark.parametrize("packing", ["pack", "varlen"])
-@pytest.mark.parametrize("mode", ["ring", "ulysses", "hybrid"])
+@pytest.mark.parametrize("mode", ["ring", "ulysses", "hybrid", "allgather"])
 def test_documents_are_accepted_in_every_cp_mode(packing, mode):
     config = _config({"data.packing": packing, "parallel.cp": "4", "parallel.cp_mode": mode}, 4)
     assert config.parallel.cp == 4 and config.data.packing == packing
