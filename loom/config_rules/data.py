@@ -65,14 +65,11 @@ def validate_packing(config: Config) -> None:
 
 def _validate_context_documents(config: Config) -> None:
     """pack/varlen under cp > 1: what is not built on top of it yet, by name. Sequence
-    parallelism runs under ``data.balance = zeppelin`` (a cp rank's shard is its own tokens,
-    split over its tp ranks unevenly as varlen is at cp = 1), not under the static cp shard."""
+    parallelism runs on every cp shard of documents, static or Zeppelin's: a cp rank's shard
+    is split over its tp ranks, unevenly where tp does not divide it, as a varlen microbatch is
+    at cp = 1 (tests/dist/test_context_documents.py: tp = 2 with SP x cp = 2, ring and
+    Ulysses, pack and varlen)."""
     packing, par = config.data.packing, config.parallel
-    if par.tp > 1 and par.sequence_parallel and config.data.balance != "zeppelin":
-        raise ConfigError("parallel.sequence_parallel", True, f"{packing} under cp ="
-                          f" {par.cp} with sequence parallelism is not built yet (a cp shard"
-                          " of documents is padded to the Ulysses degree, not to tp): turn it"
-                          " off or use cp = 1")
     if par.dp_mode != "sync":
         raise ConfigError("parallel.dp_mode", par.dp_mode, f"{packing} under cp = {par.cp}"
                           " counts a step's tokens over dp x cp; the outer modes' replica"

@@ -18,7 +18,9 @@ layout divides (cp padding, kept out of attention and out of the loss).
 * The ``Trainer`` (2 AdamW steps: loss, gradient norm, every gradient) equals one process with
   varlen under cp=2 ring and Ulysses, with selective and with full recomputation, cp=4 hybrid,
   dp=2 x cp=2, tp=2 x cp=2 (Ulysses) and pp=2 x cp=2, and with pack under cp=2 ring; with
-  varlen and pack under cp=2 all-gather (Llama 3's context parallelism with document masks).
+  varlen and pack under cp=2 all-gather (Llama 3's context parallelism with document masks);
+  tp=2 with sequence parallelism x cp=2 (ring: varlen and pack; Ulysses: varlen), whose cp
+  shards of odd length are split over tp unevenly.
 * The config accepts pack and varlen in every cp mode and refuses, by name, what is not built
   on them yet.
 """
@@ -282,6 +284,14 @@ TRAINER_LAYOUTS = {  # name: (world, degrees, extra overrides)
     "varlen-allgather-cp2": (2, {"cp": 2, "dp_replicate": 1}, {"parallel.cp_mode": "allgather"}),
     "pack-allgather-cp2": (2, {"cp": 2, "dp_replicate": 1},
                            {"parallel.cp_mode": "allgather", "data.packing": "pack"}),
+    "varlen-tp2-sp-cp2-ring": (4, {"cp": 2, "tp": 2, "dp_replicate": 1},
+                               {"parallel.cp_mode": "ring", "parallel.sequence_parallel": True}),
+    "pack-tp2-sp-cp2-ring": (4, {"cp": 2, "tp": 2, "dp_replicate": 1},
+                             {"parallel.cp_mode": "ring", "parallel.sequence_parallel": True,
+                              "data.packing": "pack"}),
+    "varlen-tp2-sp-cp2-ulysses": (4, {"cp": 2, "tp": 2, "dp_replicate": 1},
+                                  {"parallel.cp_mode": "ulysses",
+                                   "parallel.sequence_parallel": True}),
     # a pipeline carries each microbatch's cp shard, of its own length, between stages
     "varlen-pp2-cp2": (4, {"pp": 2, "cp": 2, "dp_replicate": 1},
                        {"parallel.cp_mode": "ring", "parallel.schedule": "1f1b"}),
@@ -342,8 +352,6 @@ def test_documents_are_accepted_in_every_cp_mode(packing, mode):
 
 
 @pytest.mark.parametrize("overrides, world, field, words", [
-    ({"parallel.tp": "2", "parallel.sequence_parallel": "true"}, 4,
-     "parallel.sequence_parallel", "not built yet"),
     ({"parallel.dp_replicate": "2", "parallel.dp_mode": "diloco"}, 4, "parallel.dp_mode",
      "dp x cp"),
     ({"model.sliding_window": "8"}, 2, "model.sliding_window", "ring"),  # ring, not the window
