@@ -57,10 +57,11 @@ def validate_packing(config: Config) -> None:
         _validate_varlen_layout(config)
     if par.cp > 1:  # documents cut per document over cp (loom.parallel.context_documents)
         _validate_context_documents(config)
-    if config.model.n_experts and par.cp > 1:
-        raise ConfigError("data.packing", packing, "MoE routes and balances each document as a"
-                          f" whole; context parallelism (parallel.cp = {par.cp}) splits"
-                          " documents over ranks: use cp = 1 with model.n_experts > 0")
+    if config.model.n_experts and par.cp > 1 and data.balance == "zeppelin":
+        raise ConfigError("data.balance", data.balance, "Zeppelin's cp placement is built for"
+                          f" dense models; an MoE model (model.n_experts ="
+                          f" {config.model.n_experts}) under cp = {par.cp} runs documents on the"
+                          " static cp shards: use data.balance = none or tokens")
 
 
 def _validate_context_documents(config: Config) -> None:

@@ -30,6 +30,12 @@ tokens) over the parts: the parts are equal shares, so the mean of the parts' ``
 the whole sequence's, and the balancing loss is one process's on every part. Routing itself is
 per token, so dropless routing needs nothing else. Capacity cannot be split this way (a queue
 position depends on the order of all the sequence's tokens), so ``route`` refuses the pair.
+Documents split over ranks (packed rows or varlen under cp) are not equal shares, so their
+statistics are summed instead (``MoEFeedForward.document_counts``): each rank scatters its
+tokens' assignments per expert and its token count by document id (run ordinals of the whole
+row, equal on every part) and the parts' counts are summed; f is then the whole document's,
+P stays per token, and the balancing loss is the same sum over tokens as below, each rank's
+share of it taken over its own tokens.
 
 **Documents as routing groups** (``data.packing = pack | varlen``: ``forward(x, documents)``
 with the model's ``DocumentMask``). A row then holds several documents (and, packed, padding),
@@ -75,7 +81,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -110,25 +116,48 @@ def capacity(seq_len: int, n_experts: int, top_k: int, capacity_factor: float) -
 SequenceStatistics = Callable[[torch.Tensor], torch.Tensor]
 
 
+class DocumentCounts(Protocol):
+    """Documents split over ranks (context parallelism; module docstring): this rank's counts
+    per document -> the whole documents'. Context parallelism sets it."""
+
+    def slots(self, documents: DocumentMask) -> int:
+        """Document slots per row, the same on every part: one more than the largest document
+        id (ids are run ordinals of the whole row, equal on every part)."""
+
+    def __call__(self, counts_BDX: torch.Tensor) -> torch.Tensor:
+        """``[B, slots, X]`` counts of this rank's tokens -> their sum over the parts."""
+
+
 def route(logits_BSE: torch.Tensor, top_k: int, capacity_factor: float = 0.0,
           renormalize: bool = True,
           sequence_statistics: SequenceStatistics | None = None,
-          documents: DocumentMask | None = None) -> Routing:
+          documents: DocumentMask | None = None,
+          document_counts: DocumentCounts | None = None) -> Routing:
     """Top-k routing with per-sequence capacity and balancing loss (see the module docstring).
     ``sequence_statistics``: the rows are parts of longer sequences; it averages f and P over
     the parts (dropless only). ``documents``: the rows' documents are the routing groups, the
-    padding routed nowhere, the balancing loss a sum over tokens (module docstring)."""
+    padding routed nowhere, the balancing loss a sum over tokens (module docstring);
+    ``document_counts``: those documents are parts of documents split over ranks, whose
+    assignment and token counts it sums (dropless only)."""
     B, S, E = logits_BSE.shape
     probs_BSE = logits_BSE.float().softmax(dim=-1)  # fp32 router as Mixtral / Switch
     topw_BSK, topi_BSK = probs_BSE.topk(top_k, dim=-1)
     if renormalize:
         topw_BSK = topw_BSK / topw_BSK.sum(dim=-1, keepdim=True)
     onehot_BSKE = F.one_hot(topi_BSK, E)
+    if documents is not None and document_counts is not None:
+        if capacity_factor > 0:
+            raise ValueError(f"capacity_factor={capacity_factor} needs whole documents (a"
+                             " queue position depends on the order of all of a document's"
+                             " tokens); split documents route dropless only")
+        keep_BSK, aux_loss = _split_document_groups(onehot_BSKE, probs_BSE, documents,
+                                                    document_counts)
+        return _assignments(topi_BSK, topw_BSK, keep_BSK, aux_loss, E)
     if documents is not None:
         if sequence_statistics is not None:
-            raise ValueError("documents as routing groups need whole documents on this rank;"
-                             " sequences split over ranks (context parallelism) are not built"
-                             " for them")
+            raise ValueError("documents split over ranks need their counts summed over the"
+                             " parts (document_counts); sequence statistics average equal"
+                             " shares of whole rows")
         keep_BSK, aux_loss = _document_groups(onehot_BSKE, probs_BSE, documents,
                                               capacity_factor)
         return _assignments(topi_BSK, topw_BSK, keep_BSK, aux_loss, E)
@@ -186,6 +215,29 @@ def _document_groups(onehot_BSKE: torch.Tensor, probs_BSE: torch.Tensor,
         cap_BS = torch.ceil(tokens_BS.double() * capacity_factor * K / E).long()
         keep_BSK = keep_BSK & (position_BSK < cap_BS[:, :, None])
     return keep_BSK, aux_loss
+
+
+def _split_document_groups(onehot_BSKE: torch.Tensor, probs_BSE: torch.Tensor,
+                           documents: DocumentMask,
+                           counts: DocumentCounts) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_document_groups`` (dropless) where a rank holds parts of documents: each token's
+    document is its id (a run ordinal of the whole row, ``loom.parallel.context_documents``),
+    the document's per-expert assignments and its token count are this rank's, scattered by
+    id and summed over the parts (counts, so exact in fp32, and no gradient: f is a count)."""
+    B, S, K, E = onehot_BSKE.shape
+    real_BS = documents.real_BS
+    slots = counts.slots(documents)
+    id_BS = documents.document_ids.long().clamp(min=0)
+    # per token: its assignments per expert, then 1 (the token itself); padding adds nothing
+    mine_BSX = torch.cat([onehot_BSKE.sum(dim=2), torch.ones_like(onehot_BSKE[:, :, 0, :1])],
+                         dim=-1).float() * real_BS[:, :, None]
+    local_BDX = mine_BSX.new_zeros(B, slots, E + 1).scatter_add_(
+        1, id_BS[:, :, None].expand(B, S, E + 1), mine_BSX)
+    whole_BSX = counts(local_BDX).gather(1, id_BS[:, :, None].expand(B, S, E + 1))
+    f_BSE = whole_BSX[:, :, :E] / (whole_BSX[:, :, E:].clamp(min=1) * K)
+    term_BS = E * (f_BSE * probs_BSE).sum(dim=-1)
+    aux_loss = (term_BS * real_BS).sum()
+    return real_BS[:, :, None].expand(B, S, K), aux_loss
 
 
 def _assignments(topi_BSK: torch.Tensor, topw_BSK: torch.Tensor, keep_BSK: torch.Tensor,
@@ -269,8 +321,9 @@ class MoEFeedForward(nn.Module):
         # only the last one holds the loss). 0: the caller adds ``aux_loss`` to its objective.
         self.aux_loss_backward_scale = 0.0
         self.routing: Routing | None = None  # the last forward's decisions (tests, metrics)
-        # The seam for sequences split over ranks (a callable, not a submodule).
+        # The seams for sequences and documents split over ranks (callables, not submodules).
         self.sequence_statistics: SequenceStatistics | None = None
+        self.document_counts: DocumentCounts | None = None
 
     def forward(self, x_BSD: torch.Tensor,
                 documents: DocumentMask | None = None) -> torch.Tensor:
@@ -281,7 +334,7 @@ class MoEFeedForward(nn.Module):
         """The router's decisions for ``x_BSD`` (whole sequences; ``documents``: the rows'
         documents as routing groups); recorded on the module."""
         routing = route(self.router(x_BSD), self.top_k, self.capacity_factor, self.renormalize,
-                        self.sequence_statistics, documents)
+                        self.sequence_statistics, documents, self.document_counts)
         self.aux_loss, self.routing = routing.aux_loss, routing
         if self.aux_loss_backward_scale and torch.is_grad_enabled():
             weight_A = _AuxLossGradient.apply(routing.weight_A, routing.aux_loss,

@@ -28,7 +28,10 @@ local to the cp group, Hd head dim), all counted in the ``CommLedger`` under axi
   ``2(r-1)`` sends of that size (key/value again, and the travelling dK/dV sum).
 * MoE layers (dropless): one all-reduce per MoE layer per forward of the balancing loss's
   per-sequence statistics f and P (``[2, B, E]`` fp32, 8*B*E bytes, wire ``2(cp-1)/cp`` of that),
-  averaged over cp (``SequenceStatisticsMean``); nothing in backward (see there).
+  averaged over cp (``SequenceStatisticsMean``); nothing in backward (see there). With
+  documents, each document's assignment and token counts summed instead
+  (``DocumentCountsSum``: ``[B, documents, E + 1]`` fp32 per MoE layer, plus one scalar
+  all-reduce per forward).
 * Gradients of the (replicated) parameters: averaged over cp, by ``reduce_gradients_over_cp``
   (one all-reduce per parameter) or, in the trainer, by the data-parallel reducer over the flattened ``dp x cp`` group.
 
@@ -302,19 +305,46 @@ class SequenceStatisticsMean:
         return _MeanOverParts.apply(stats_2BE, self.g, self.size)
 
 
+class DocumentCountsSum:
+    """``MoEFeedForward.document_counts`` under cp: a document's expert assignments and token
+    count summed over the cp ranks that hold its parts (``loom.models.moe``). Per forward, one
+    all-reduce (max) of the rows' largest document id, shared by its MoE layers (and by
+    recomputation: the same ``DocumentMask``); per MoE layer, one all-reduce of ``4 * B *
+    documents * (E + 1)`` bytes. Counts carry no gradient, so nothing in backward."""
+
+    def __init__(self, groups: CPGroups, ledger: CommLedger | None = None, axis: str = "cp"):
+        self.g = _Group(groups.cp, ledger, axis)
+        self._slots: weakref.WeakKeyDictionary[DocumentMask, int] = weakref.WeakKeyDictionary()
+
+    def slots(self, documents: DocumentMask) -> int:
+        if documents not in self._slots:
+            top = documents.document_ids.max().long().reshape(1) + 1
+            comm.all_reduce(top, self.g.group, axis=self.g.axis, ledger=self.g.ledger,
+                            op=dist.ReduceOp.MAX)
+            self._slots[documents] = int(top.item())
+        return self._slots[documents]
+
+    def __call__(self, counts_BDX: torch.Tensor) -> torch.Tensor:
+        summed = counts_BDX.detach().clone()
+        comm.all_reduce(summed, self.g.group, axis=self.g.axis, ledger=self.g.ledger)
+        return summed
+
+
 def apply_context_parallel(model: nn.Module, groups: CPGroups,
                            ledger: CommLedger | None = None) -> nn.Module:
     """Swap every attention core of ``model`` for the cp one, and give every MoE layer the
-    statistics mean over cp; identity at cp degree 1."""
+    statistics mean over cp (rows) and the document counts' sum (documents); identity at cp
+    degree 1."""
     if groups.layout.size == 1:
         return model
     core = ContextParallelAttention(groups, ledger, window=model.args.sliding_window)
     for layer in model.layers.values():
         layer.attention.core = core
     statistics = SequenceStatisticsMean(groups, ledger)
+    counts = DocumentCountsSum(groups, ledger)
     for module in model.modules():
         if isinstance(module, MoEFeedForward):
-            module.sequence_statistics = statistics
+            module.sequence_statistics, module.document_counts = statistics, counts
     return model
 
 

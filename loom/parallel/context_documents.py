@@ -140,8 +140,10 @@ def take_shard(batch: DocumentBatch, index_BL: torch.Tensor) -> DocumentBatch:
     def take(values_BS: torch.Tensor, fill: int) -> torch.Tensor:
         return values_BS.gather(1, at_BL).masked_fill(pad_BL, fill)
 
+    # the batch's own padding (a negative id: packed rows' tail) stays padding, as cp's does
+    ordinals = run_ordinals(batch.document_ids).masked_fill(batch.document_ids < 0, PAD_KEY)
     return DocumentBatch(take(batch.inputs, 0), take(batch.targets, IGNORE_INDEX),
-                         take(batch.positions, 0), take(run_ordinals(batch.document_ids), PAD_KEY))
+                         take(batch.positions, 0), take(ordinals, PAD_KEY))
 
 
 # -- the keys every rank needs ------------------------------------------------------------------

@@ -14,7 +14,8 @@ balancing loss, or a mean of per-microbatch or per-rank means would each change 
   padding nowhere, its balancing loss a token mean (``loom.models.moe``): one process equals
   each document routed alone, and ep2 and dp2 (dropless and with capacity 1.0, a document's
   own capacity), tp2 + SP (expert-TP; varlen shards of odd lengths), pp2 and ZeRO-3 on
-  dp_shard 2 equal one process.
+  dp_shard 2 equal one process; so do cp2 (ring, Ulysses) and ep2 x cp2, where a document's
+  parts are on several ranks and its assignment and token counts are summed over them.
 * tp2 + SP: the row is split over the tp ranks outside attention and gathered whole before it,
   with the document ids and RoPE positions of the whole row; the vocab-parallel loss sums only
   real targets (and the replicated head's). pp2 x tp2 + SP (slow: four ranks): each tp rank
@@ -71,6 +72,12 @@ LAYOUTS = {  # name: (model, world, degrees, extra overrides)
     "moe-tp2-sp": ("moe", 2, {"tp": 2, "dp_replicate": 1}, {"parallel.sequence_parallel": True}),
     "moe-pp2": ("moe", 2, {"pp": 2, "dp_replicate": 1}, {"parallel.schedule": "1f1b"}),
     "moe-zero3-dp2": ("moe", 2, {"dp_shard": 2, "dp_replicate": 1}, {}),
+    # documents split over cp ranks: each document's counts summed over its parts
+    "moe-cp2-ring": ("moe", 2, {"cp": 2, "dp_replicate": 1}, {"parallel.cp_mode": "ring"}),
+    "moe-cp2-ulysses": ("moe", 2, {"cp": 2, "dp_replicate": 1},
+                        {"parallel.cp_mode": "ulysses"}),
+    "moe-ep2-cp2": ("moe", 4, {"ep": 2, "cp": 2, "dp_replicate": 1},
+                    {"parallel.cp_mode": "ring"}),
     "pp2-tp2-sp": ("dense", 4, {"pp": 2, "tp": 2, "dp_replicate": 1},
                    {"parallel.sequence_parallel": True, "parallel.schedule": "1f1b"}),
 }
@@ -107,7 +114,8 @@ def references(dist, short_documents):
 
 
 # CI: every layout under one of the two packings (matrix: the other)
-VARLEN_IN_CI = {"tp2-sp", "selective", "moe-ep2", "moe-capacity-dp2", "moe-pp2"}
+VARLEN_IN_CI = {"tp2-sp", "selective", "moe-ep2", "moe-capacity-dp2", "moe-pp2",
+                "moe-cp2-ulysses", "moe-ep2-cp2"}
 
 
 @pytest.mark.parametrize("layout,packing", [

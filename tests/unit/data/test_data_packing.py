@@ -243,7 +243,8 @@ def test_an_unknown_packing_is_refused_by_name():
 
 
 @pytest.mark.parametrize("overrides, world, words", [
-    ({"model.preset": "tiny-moe", "parallel.cp": "2"}, 2, "MoE routes and balances each"),
+    ({"parallel.pp": "2", "parallel.vocab_parallel_pp": "true"}, 2,
+     "vocab_parallel_pp runs with data.packing = 'concat' only"),
 ])
 def test_pack_refuses_what_does_not_carry_it_yet(overrides, world, words):
     with pytest.raises(ConfigError, match=words) as info:
@@ -265,8 +266,9 @@ def test_pack_is_accepted_where_the_trainer_carries_it():
     ({"parallel.pp": "2", "parallel.tp": "2", "parallel.sequence_parallel": "true"}, 4),
     ({"model.preset": "tiny-moe"}, 1),
     ({"model.preset": "tiny-moe", "parallel.ep": "2", "parallel.dp_replicate": "1"}, 2),
+    ({"model.preset": "tiny-moe", "parallel.cp": "2"}, 2),
 ])
-def test_pack_runs_on_tp_sp_moe_and_selective_recompute(overrides, world):
+def test_pack_runs_on_tp_sp_moe_cp_and_selective_recompute(overrides, world):
     config = resolve(load_config(None, {"data.packing": "pack", "model.preset": "debug",
                                         **overrides}), world)
     assert config.data.packing == "pack"
