@@ -11,7 +11,8 @@ the saved weights too (``test_pipeline_parity.check``). Layouts: pp2 1F1B, pp2 i
 (2 chunks per rank), pp2 ZB-V (same rank), ZB-V x dp2 (the shared weight reduced once by the
 first stage's reducer), pp2 x dp2, pp2 x tp2 with vocab_parallel (each tp rank ties its own vocab
 shard; with and without sequence parallelism), pp2 x dp_shard2 (ZeRO-3: each copy sharded, the
-local shards summed), and pp2 1F1B with the post-validated optimizer step. After every step the embedding on the first stage and the head on the last
+local shards summed), pp2 x cp2 (1F1B, ZB-V: one tie pair per cp coordinate), an MoE model
+(pp2, pp2 x ep2), and pp2 1F1B with the post-validated optimizer step. After every step the embedding on the first stage and the head on the last
 stage must be bit-identical, weights and gradients (``torch.equal``), on every rank that holds
 one. The tie all-reduce is counted: 4·V·D/t bytes per tie rank per step.
 
@@ -23,7 +24,6 @@ rtol 1e-5, atol 1e-6; later steps inherit Adam's amplification of rounding-level
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -47,6 +47,12 @@ LAYOUTS = {  # name -> (world size, parallel settings)
                               "sequence_parallel": True, "schedule": "1f1b"}),
     "1f1b-zero3": (4, {"pp": 2, "dp_shard": 2, "schedule": "1f1b",
                        "reshard_after_forward": False}),
+    # the pair's tie sum per cp coordinate, after the gradients' mean over dp x cp
+    "1f1b-cp2": (4, {"pp": 2, "cp": 2, "schedule": "1f1b"}),
+    "zbv-cp2": (4, {"pp": 2, "cp": 2, "schedule": "zbv"}),
+    # an MoE model: experts and router per stage, the tied ends as in a dense one
+    "1f1b-moe": (2, {"pp": 2, "schedule": "1f1b"}, {"model.preset": "tiny-moe"}),
+    "1f1b-moe-ep2": (4, {"pp": 2, "ep": 2, "schedule": "1f1b"}, {"model.preset": "tiny-moe"}),
     # The post-validated optimizer step leaves the replica out of its norm too.
     "1f1b-post-validation": (2, {"pp": 2, "schedule": "1f1b"}, {"train.post_validation": True}),
 }
@@ -69,14 +75,25 @@ def tied_copy(trainer) -> dict:
 
 @pytest.fixture(scope="module")
 def references(dist, small_data_dir, tmp_path_factory):
-    return reference_runs(dist, small_data_dir, str(tmp_path_factory.mktemp("weights-ref")), BASE,
-                          STEPS)
+    """One process by (global batch, model preset; None: BASE's), computed on first use."""
+    runs: dict = {}
+
+    def get(global_batch: int, preset: str | None = None) -> dict:
+        if preset not in runs:
+            base = {**BASE, **({"model.preset": preset} if preset else {})}
+            runs[preset] = reference_runs(dist, small_data_dir,
+                                          str(tmp_path_factory.mktemp("weights-ref")), base, STEPS)
+        return runs[preset](global_batch)
+    return get
 
 
 # (a tied vocabulary-parallel head under tp across stages runs in CI in
 # test_pipeline_bidirectional.py's p2-tp2-vocab-tied; both variants here in the matrix)
-@pytest.mark.parametrize("layout", matrix(LAYOUTS, ci=[name for name in LAYOUTS
-                                                       if not name.startswith("1f1b-tp2-vocab")]))
+MATRIX_ONLY = {"zbv-cp2", "1f1b-moe"}  # (cp and MoE run in CI under 1F1B with cp2, ep2)
+
+
+@pytest.mark.parametrize("layout", matrix(LAYOUTS, ci=[
+    name for name in LAYOUTS if not name.startswith("1f1b-tp2-vocab") and name not in MATRIX_ONLY]))
 def test_tied_pipeline_matches_one_process(dist, small_data_dir, references, tmp_path, layout):
     import torch
 
@@ -86,7 +103,8 @@ def test_tied_pipeline_matches_one_process(dist, small_data_dir, references, tmp
                             **(train[0] if train else {})}, world, **parallel)
     results = dist.run(world, record_pipeline, config, small_data_dir, STEPS, str(tmp_path),
                        tied_copy)
-    check(references(MICRO * dp), results, f"tied {layout}")
+    check(references(MICRO * dp, (train[0] if train else {}).get("model.preset")), results,
+          f"tied {layout}")
     holders = [r for r in results if r["observed"][0]["copy"] is not None]
     v_shaped = parallel["schedule"] == "zbv"  # both ends on pp rank 0: one shared Parameter
     assert len(holders) == (world // 2 if v_shaped else world), layout
