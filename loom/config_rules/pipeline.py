@@ -258,7 +258,9 @@ def validate_vocab_pp(config: Config) -> None:
     token: each cp coordinate's pipeline runs its own tokens', nothing crosses cp; the rows are
     averaged over dp x cp, ZeRO's over dp_shard x cp; tests/dist/test_vocab_pp_cp.py: ring
     and Ulysses in CI, all-gather, hybrid, ZeRO-1/3 and tp with and without SP in the
-    matrix), no ep (MoE, refused below), concatenated rows (under cp too), a dense model, one
+    matrix), no ep (MoE, refused below), packed and varlen documents as well as concatenated
+    rows (the passes are per token and the loss sums real targets only;
+    tests/dist/test_documents_axes.py: 1F1B, ZB-V, and 1F1B x cp2 ring), a dense model, one
     route, no offload or CheckFree. Composed and tested: every train.dtype (fp32;
     bf16 parameters with fp32 masters; bf16 autocast), checkpoints and pretrained weights
     (each rank's rows saved at, and read from, their offset in the full weight:
@@ -286,8 +288,7 @@ def validate_vocab_pp(config: Config) -> None:
         raise ConfigError("parallel.dp_mode", par.dp_mode, f"parallel.{rule} runs with"
                           " dp_mode = 'sync' only (an outer loop over the vocabulary shards is"
                           " not tested)")
-    plain = {"data.packing": (config.data.packing, "concat"),
-             "model.n_experts": (m.n_experts, 0), "parallel.schedule_offload_limit":
+    plain = {"model.n_experts": (m.n_experts, 0), "parallel.schedule_offload_limit":
              (par.schedule_offload_limit, 0.0), "fault.recovery": (config.fault.recovery,
                                                                    "checkpoint")}
     for name, (value, wanted) in plain.items():

@@ -20,6 +20,8 @@ balancing loss, or a mean of per-microbatch or per-rank means would each change 
   with the document ids and RoPE positions of the whole row; the vocab-parallel loss sums only
   real targets (and the replicated head's). pp2 x tp2 + SP (slow: four ranks): each tp rank
   sends its own shard of a varlen microbatch, uneven for odd lengths.
+* Vocabulary parallelism across the pipeline (pp2 1F1B and ZB-V, pp2 x cp2 ring): the output
+  layer's passes are per token, and its loss sums the real targets only.
 * Selective recomputation wraps the document attention core as it wraps the plain one.
 * Loss semantics (issue 17 item 3): varlen on dp2 whose ranks hold very different token counts
   (``data.balance = none``): the mean of the ranks' own means is far from the step's token mean,
@@ -78,6 +80,13 @@ LAYOUTS = {  # name: (model, world, degrees, extra overrides)
                         {"parallel.cp_mode": "ulysses"}),
     "moe-ep2-cp2": ("moe", 4, {"ep": 2, "cp": 2, "dp_replicate": 1},
                     {"parallel.cp_mode": "ring"}),
+    "vocab-pp2": ("dense", 2, {"pp": 2, "dp_replicate": 1},
+                  {"parallel.vocab_parallel_pp": True, "parallel.schedule": "1f1b"}),
+    "vocab-pp2-zbv": ("dense", 2, {"pp": 2, "dp_replicate": 1},
+                      {"parallel.vocab_parallel_pp": True, "parallel.schedule": "zbv"}),
+    "vocab-pp2-cp2": ("dense", 4, {"pp": 2, "cp": 2, "dp_replicate": 1},
+                      {"parallel.vocab_parallel_pp": True, "parallel.schedule": "1f1b",
+                       "parallel.cp_mode": "ring"}),
     "pp2-tp2-sp": ("dense", 4, {"pp": 2, "tp": 2, "dp_replicate": 1},
                    {"parallel.sequence_parallel": True, "parallel.schedule": "1f1b"}),
 }
@@ -115,7 +124,7 @@ def references(dist, short_documents):
 
 # CI: every layout under one of the two packings (matrix: the other)
 VARLEN_IN_CI = {"tp2-sp", "selective", "moe-ep2", "moe-capacity-dp2", "moe-pp2",
-                "moe-cp2-ulysses", "moe-ep2-cp2"}
+                "moe-cp2-ulysses", "moe-ep2-cp2", "vocab-pp2", "vocab-pp2-cp2"}
 
 
 @pytest.mark.parametrize("layout,packing", [

@@ -53,8 +53,6 @@ REJECTED = [
     ({**PP2, "model.tie_embeddings": "true", "parallel.dp_shard": "2",
       "parallel.zero_stage": "1"}, 4, "parallel.zero_stage", "parallel.zero_stage=1",
      ["tied embeddings across pipeline stages with ZeRO-1/2", "use zero_stage = 3"]),
-    ({**PP2, "model.tie_embeddings": "true", "parallel.cp": "2"}, 4, "parallel.cp",
-     "parallel.cp=2", ["with cp > 1 are not tested yet"]),
     # The schedule search (parallel.schedule = "search") and its two knobs.
     ({**PP2, "parallel.schedule": "search", "parallel.schedule_costs": "1,1,0,0"}, 2,
      "parallel.schedule_costs", "parallel.schedule_costs='1,1,0,0'",
@@ -81,11 +79,7 @@ REJECTED = [
     ({**PP2, "parallel.vocab_parallel_pp": "true", "parallel.tp": "2", "model.preset": "debug",
       "model.vocab_size": "322"}, 4, "model.vocab_size", "model.vocab_size=322",
      ["divisible by parallel.pp x parallel.tp = 2 x 2", "nearest: 320"]),
-    # ... not over ep, which is for MoE models (dp_shard and cp are composed: accepted below),
-    # and under cp with concatenated rows only, as without it (packed documents are not built)
-    ({**PP2, "parallel.vocab_parallel_pp": "true", "model.preset": "debug", "parallel.cp": "2",
-      "data.packing": "varlen"}, 4, "data.packing", "data.packing='varlen'",
-     ["vocab_parallel_pp runs with data.packing = 'concat' only"]),
+    # ... not over ep, which is for MoE models (dp_shard and cp are composed: accepted below)
     ({**PP2, "parallel.vocab_parallel_pp": "true", "model.preset": "debug", "parallel.ep": "2",
       "model.n_experts": "4"}, 4, "parallel.ep", "parallel.ep=2",
      ["vocab_parallel_pp is not composed with ep", "mixture-of-experts"]),
@@ -156,6 +150,14 @@ def test_a_schedule_without_a_pipeline_is_refused() -> None:
       "parallel.dp_shard": "2", "parallel.zero_stage": "3"}, 8),
     ({**PP2, "parallel.vocab_parallel_pp": "true", "model.preset": "debug", "parallel.cp": "2",
       "parallel.tp": "2", "parallel.sequence_parallel": "true"}, 8),
+    # ... and on documents, packed or varlen (tests/dist/test_documents_axes.py)
+    ({**PP2, "parallel.vocab_parallel_pp": "true", "model.preset": "debug",
+      "data.packing": "pack"}, 2),
+    ({**PP2, "parallel.vocab_parallel_pp": "true", "model.preset": "debug", "parallel.cp": "2",
+      "data.packing": "varlen"}, 4),
+    # tied embeddings across stages under cp and with an MoE model (test_pipeline_tied.py)
+    ({**PP2, "model.tie_embeddings": "true", "parallel.cp": "2"}, 4),
+    ({**PP2, "model.tie_embeddings": "true", "model.preset": "tiny-moe"}, 2),
     ({**PP2, "parallel.schedule": "search", "parallel.schedule_memory_limit": "3",
       "parallel.schedule_costs": "1,1,0.5,0.05"}, 2),
     # sequence parallelism under schedules that split the backward into I and W, vocabulary

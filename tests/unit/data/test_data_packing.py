@@ -243,8 +243,8 @@ def test_an_unknown_packing_is_refused_by_name():
 
 
 @pytest.mark.parametrize("overrides, world, words", [
-    ({"parallel.pp": "2", "parallel.vocab_parallel_pp": "true"}, 2,
-     "vocab_parallel_pp runs with data.packing = 'concat' only"),
+    ({"parallel.pp": "4", "fault.recovery": "checkfree_plus"}, 4,
+     "checkfree_plus runs concatenated rows only"),
 ])
 def test_pack_refuses_what_does_not_carry_it_yet(overrides, world, words):
     with pytest.raises(ConfigError, match=words) as info:
@@ -267,8 +267,9 @@ def test_pack_is_accepted_where_the_trainer_carries_it():
     ({"model.preset": "tiny-moe"}, 1),
     ({"model.preset": "tiny-moe", "parallel.ep": "2", "parallel.dp_replicate": "1"}, 2),
     ({"model.preset": "tiny-moe", "parallel.cp": "2"}, 2),
+    ({"parallel.pp": "2", "parallel.vocab_parallel_pp": "true"}, 2),
 ])
-def test_pack_runs_on_tp_sp_moe_cp_and_selective_recompute(overrides, world):
+def test_pack_runs_on_tp_sp_moe_cp_vocab_pp_and_selective_recompute(overrides, world):
     config = resolve(load_config(None, {"data.packing": "pack", "model.preset": "debug",
                                         **overrides}), world)
     assert config.data.packing == "pack"
