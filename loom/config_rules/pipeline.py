@@ -146,14 +146,9 @@ def validate_zero_pipeline(config: Config) -> None:
 
 def _validate_tied_pipeline(config: Config, schedule) -> None:
     """Tied embeddings across pipeline stages (loom.pipeline.runtime.tie_embedding): what has a
-    parity test runs (tests/dist/test_pipeline_tied.py: dp, tp, ZeRO-3, cp and MoE models with
+    parity test runs (tests/dist/test_pipeline_tied.py: dp, tp, ZeRO-1/2/3, cp and MoE models with
     ep among them); the rest is refused by name."""
     par, m = config.parallel, config.model
-    if par.dp_shard > 1 and par.zero_stage < 3:
-        raise ConfigError("parallel.zero_stage", par.zero_stage, "tied embeddings across pipeline"
-                          " stages with ZeRO-1/2 are not implemented yet (the tie sum would miss"
-                          " the reduced gradient slices the optimizer steps); use zero_stage = 3"
-                          " or dp_replicate")
     last = schedule.stages_per_route - 1  # of route 0 (each route of bidirectional_v alike)
     if par.dp_shard > 1 and schedule.rank_of(0) == schedule.rank_of(last):
         raise ConfigError("parallel.dp_shard", par.dp_shard,

@@ -149,6 +149,20 @@ def parallelize(model: nn.Module, meshes: Meshes, job: Job, *, cp_groups: Any = 
                         _data_parallel(model, meshes, job, ledger, experts))
 
 
+def _tied_ends(model: nn.Module) -> dict[str, str]:
+    """A tied model's embedding or head weight as a pipeline stage holds it (both are one
+    Parameter where one module holds both ends), by its name in ``model`` -> its global name
+    (the embedding's, as ``LocalStages`` and checkpoints name a tied head): ZeRO-1/2 buckets it
+    alone under that name, so the two stages' copies are sliced alike, the pipeline's tie sum
+    adds their reduced slices (``loom.pipeline.runtime``) and the optimizer state has one key."""
+    args = getattr(model, "args", None)
+    if args is None or not args.tie_embeddings:
+        return {}
+    names = {name for name, _ in model.named_parameters()}
+    return {n: "tok_embeddings.weight" for n in ("tok_embeddings.weight", "output.weight")
+            if n in names}
+
+
 def _data_parallel(model: nn.Module, meshes: Meshes, job: Job, ledger: CommLedger | None,
                    experts: ExpertParallel | None) -> Any:
     """The reducer of ``model``'s gradients over the data axes (ZeRO-3 shards ``model`` in
@@ -185,7 +199,8 @@ def _data_parallel(model: nn.Module, meshes: Meshes, job: Job, ledger: CommLedge
                           tp_group=meshes.root["tp"].get_group() if parallel.tp > 1 else None,
                           experts=expert_zero_mesh(meshes, parallel, 1),
                           ep_size=experts.size if experts is not None else 1,
-                          param_dtype=torch.bfloat16 if job.dtype == "bf16" else torch.float32)
+                          param_dtype=torch.bfloat16 if job.dtype == "bf16" else torch.float32,
+                          alone=_tied_ends(model))
     if job.dtype == "bf16":  # bf16 parameters, fp32 masters, before any reducer's hooks
         apply_bf16_parameters(model, reduce_dtype)
     dp_mesh, axis = (meshes.dp_cp, "dp_cp") if parallel.cp > 1 else (meshes.dp, "dp")

@@ -159,8 +159,10 @@ class ZeroShardedOptimizer:
                  decays: Callable[[nn.Parameter], bool] = lambda p: p.ndim >= 2,
                  axis: str = "dp_shard", tp_group: Any = None,
                  experts: set[str] = frozenset(), expert_shards: ShardGroup | None = None,
-                 ep_size: int = 1, param_dtype: torch.dtype = torch.float32) -> None:
+                 ep_size: int = 1, param_dtype: torch.dtype = torch.float32,
+                 alone: dict[str, str] | None = None) -> None:
         self.stage, self.group, self.d, self.rank = stage, shard_group, shard_size, shard_rank
+        alone = alone or {}
         # bf16 parameters (train.dtype = bf16): the buckets hold bf16, each rank's slice is an
         # fp32 master copy (the distributed optimizer); gradients go to ``reduce_dtype``
         self.param_dtype = param_dtype
@@ -189,6 +191,9 @@ class ZeroShardedOptimizer:
             current: list[tuple[str, nn.Parameter]] = []
             size = 0
             for name, param in group:
+                if name in alone:  # a bucket of its own, under its global name
+                    self._add_bucket([(alone[name], param)], decay, sharded, expert)
+                    continue
                 current.append((name, param))
                 size += _local(param).numel() * param.element_size()
                 if size >= bucket_bytes:
@@ -361,12 +366,24 @@ class ZeroShardedOptimizer:
             bucket.shard.grad = bucket.grad_shard.to(bucket.shard.device, bucket.shard.dtype)
         self._next = 0
 
-    def leave_out_of_norm(self) -> None:
-        """These parameters are a copy whose gradient another rank holds and counts (a pipeline
-        route's replica, after the runtime's copy sum): ``clip_grad_norm`` leaves their slices'
+    def leave_out_of_norm(self, name: str | None = None) -> None:
+        """These parameters (all, or the one bucketed alone under ``name``) are a copy whose
+        gradient another rank holds and counts (a pipeline route's replica after the runtime's
+        copy sum; a tied head after the tie sum): ``clip_grad_norm`` leaves their slices'
         squares out and still scales them by the same factor, so the copies stay identical."""
-        for bucket in self.buckets:
+        for bucket in self.buckets if name is None else [self._alone(name)]:
             bucket.counted = False
+
+    def _alone(self, name: str) -> _Bucket:
+        (bucket,) = [b for b in self.buckets if b.names == [name]]
+        return bucket
+
+    def alone_gradient(self, name: str) -> torch.Tensor:
+        """After ``finish``: this rank's reduced gradient slice of the parameter bucketed alone
+        under ``name`` (``alone``), the tensor the optimizer steps. Two such parameters of one
+        shape (a tied embedding's two copies on two pipeline stages) are padded and sliced
+        alike on every dp_shard rank, so their slices line up element by element."""
+        return self._alone(name).shard.grad
 
     # -- optimizer ------------------------------------------------------------------------------
     def build_optimizer(self, *, lr: float, weight_decay: float, betas: tuple[float, float],
@@ -491,13 +508,16 @@ def apply_zero(model: nn.Module, stage: int, shard_mesh: Any, replicate_mesh: An
                offload: bool = False, ledger: comm.CommLedger | None = None,
                tp_group: Any = None, experts: tuple[Any, str] | None = None, ep_size: int = 1,
                bucket_bytes: int = BUCKET_BYTES,
-               param_dtype: torch.dtype = torch.float32) -> ZeroShardedOptimizer:
+               param_dtype: torch.dtype = torch.float32,
+               alone: dict[str, str] | None = None) -> ZeroShardedOptimizer:
     """ZeRO-1/2 of ``model`` over ``shard_mesh`` (``dp_shard``, ``dp_shard x cp`` or, under
     expert parallelism, ``dp_shard x ep`` flattened) and ``replicate_mesh`` (``dp_replicate``);
     ``tp_group``: the model's tensor-parallel group (its DTensor parameters are bucketed by
     local shard); ``experts``: with ``ep_size`` > 1, the 1-D mesh the expert weights (already
     cut to this ep rank's experts) shard over, ``dp_shard`` or ``dp_shard x cp``, and its ledger
-    name; ``param_dtype`` bf16: bf16 parameters, fp32 master slices (``train.dtype = bf16``).
+    name; ``param_dtype`` bf16: bf16 parameters, fp32 master slices (``train.dtype = bf16``);
+    ``alone``: parameters (by name in ``model``) that get a bucket of their own, named by
+    the value (a tied embedding's copies, under their one global name).
     Returns the sharded optimizer, which also reduces the gradients."""
     names, expert_shards = frozenset(), None
     if experts is not None:
@@ -509,7 +529,7 @@ def apply_zero(model: nn.Module, stage: int, shard_mesh: Any, replicate_mesh: An
         replicate_group=replicate_mesh.get_group(), replicate_size=replicate_mesh.size(),
         reduce_dtype=reduce_dtype, offload=offload, ledger=ledger, axis=axis, tp_group=tp_group,
         experts=names, expert_shards=expert_shards, ep_size=ep_size, bucket_bytes=bucket_bytes,
-        param_dtype=param_dtype)
+        param_dtype=param_dtype, alone=alone)
 
 
 def of_stages(parts: list[Any], pp_group: Any) -> ZeroShardedOptimizer | None:

@@ -190,6 +190,11 @@ class PipelineRuntime:
                 if index >= schedule.stages_per_route and \
                         isinstance(reducer, ZeroShardedOptimizer):
                     reducer.leave_out_of_norm()
+        final = schedule.num_stages - 1
+        if tie_group is not None and 0 not in stages and \
+                isinstance(self.reducers.get(final), ZeroShardedOptimizer):
+            # the tied head's slices: the first stage's rank counts the summed gradient
+            self.reducers[final].leave_out_of_norm("tok_embeddings.weight")
         splits = any(a.op in (Op.I, Op.W) for a in schedule.actions[pp_rank])
         if splits and any(getattr(r, "per_microbatch", False) for r in self.reducers.values()):
             raise ValueError(f"schedule {schedule.name!r} splits the backward into I and W: its "
@@ -541,6 +546,13 @@ class PipelineRuntime:
             self.copy_sum.finish()
         if self.tie_group is not None:
             param = self.tied_weight
+            end = 0 if 0 in self.stages else self.schedule.num_stages - 1
+            if isinstance(self.reducers.get(end), ZeroShardedOptimizer):
+                # ZeRO-1/2: each copy is bucketed alone, so the two stages' reduced slices
+                # line up; their sum is what both optimizers step
+                comm.all_reduce(self.reducers[end].alone_gradient("tok_embeddings.weight"),
+                                self.tie_group, axis="pp_tie", ledger=self.ledger)
+                return
             # zeros if none (cannot happen in a training step; keeps the pair matched); a bf16
             # parameter's gradient is its fp32 ``main_grad`` (loom.parallel.mixed_precision)
             grad = gradient_of(param, create=True)

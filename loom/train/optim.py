@@ -128,7 +128,10 @@ def clip_gradients(model: nn.Module, max_norm: float, *, tp=None, ep=None,
     dp_shard, FSDP2 over the mesh dims each gradient is sharded on, EP the experts' over ep, TP
     the shards' over tp, and a pipeline every stage's over ``pp_group``; a tied embedding's
     replica is left out of the sum and scaled like the original, so both stay identical."""
-    replicas = [p for p in tied_replicas(model) if p.grad is not None]
+    # ZeRO-1/2 leave a replica's bucket out of the norm themselves and scale every slice (a
+    # stage-1 ``p.grad`` is a view of the buffer those slices are cut from: no second scaling)
+    replicas = [] if zero is not None else \
+        [p for p in tied_replicas(model) if p.grad is not None]
     if replicas:  # counted on the rank holding the original; scaled here by the same factor
         grads = [p.grad for p in replicas]
         for param in replicas:

@@ -47,6 +47,11 @@ LAYOUTS = {  # name -> (world size, parallel settings)
                               "sequence_parallel": True, "schedule": "1f1b"}),
     "1f1b-zero3": (4, {"pp": 2, "dp_shard": 2, "schedule": "1f1b",
                        "reshard_after_forward": False}),
+    # ZeRO-1/2: each copy bucketed alone, its reduced slices summed over the pair
+    "1f1b-zero1": (4, {"pp": 2, "dp_shard": 2, "zero_stage": 1, "schedule": "1f1b"}),
+    "1f1b-zero2": (4, {"pp": 2, "dp_shard": 2, "zero_stage": 2, "schedule": "1f1b"}),
+    "interleaved-zero1": (4, {"pp": 2, "dp_shard": 2, "zero_stage": 1,
+                              "schedule": "interleaved_1f1b", "chunks": 2}),
     # the pair's tie sum per cp coordinate, after the gradients' mean over dp x cp
     "1f1b-cp2": (4, {"pp": 2, "cp": 2, "schedule": "1f1b"}),
     "zbv-cp2": (4, {"pp": 2, "cp": 2, "schedule": "zbv"}),
@@ -61,9 +66,18 @@ LAYOUTS = {  # name -> (world size, parallel settings)
 def tied_copy(trainer) -> dict:
     """After a step: this rank's copy of the tied weight and its gradient (full tensors; None on
     a rank with neither end), and the tie all-reduce's counted wire bytes (then reset)."""
+    from loom.parallel.zero import ZeroShardedOptimizer
+
     weight = trainer.pipeline.tied_weight
     full = lambda t: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
-    copy = None if weight is None else (full(weight), full(weight.grad))
+    grad = None if weight is None else weight.grad
+    end = 0 if 0 in trainer.pipeline.stages else trainer.pipeline.schedule.num_stages - 1
+    reducer = trainer.pipeline.reducers.get(end)
+    if weight is not None and isinstance(reducer, ZeroShardedOptimizer):
+        # ZeRO-1/2: the reduced slices the optimizer steps, gathered over dp_shard (collective;
+        # a tied head's bucket carries the embedding's global name)
+        grad = reducer.full_named_gradients()["tok_embeddings.weight"]
+    copy = None if weight is None else (full(weight), full(grad))
     stages, final = trainer.pipeline.stages, trainer.pipeline.schedule.num_stages - 1
     shared = 0 in stages and final in stages and \
         stages[final].module.output.weight is stages[0].module.tok_embeddings.weight

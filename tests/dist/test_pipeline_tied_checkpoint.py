@@ -5,7 +5,9 @@ Under pp > 1 the last stage's copy of the tied weight is saved under the embeddi
 the keys of a one-process one. Saved after 2 steps and loaded under the other layout, every weight
 and optimizer tensor is bit-identical (``test_checkpoint_resume.check_reshard``: keys and values
 with ``torch.equal``). Layouts: one process, pp2 1F1B (the ends on two ranks), pp2 ZB-V (one rank,
-one shared Parameter). A pp2 run stopped and resumed ends bit-identical to one that did not stop,
+one shared Parameter), pp2 x ZeRO-1 on dp_shard 2 resharded to dp_shard 2 alone (the optimizer's
+slices of each stage, the tied copy in a bucket of its own). A pp2 run (plain, and with ZeRO-1)
+stopped and resumed ends bit-identical to one that did not stop,
 and after loading, both copies are equal on both ranks and stay so through a training step.
 """
 
@@ -23,7 +25,10 @@ TIED = {**SMALL_DATA_OVERRIDES, "model.preset": "debug", "model.tie_embeddings":
         "train.steps": 4, "train.global_batch_size": 8, "train.micro_batch_size": 2,
         "optim.warmup_steps": 1, "train.eval_every": 0}
 LAYOUTS = {"single": (1, {}), "pp2-1f1b": (2, {"pp": 2, "schedule": "1f1b"}),
-           "pp2-zbv": (2, {"pp": 2, "schedule": "zbv"})}
+           "pp2-zbv": (2, {"pp": 2, "schedule": "zbv"}),
+           # ZeRO-1 on dp_shard 2: each stage's optimizer slices, the tied copy bucketed alone
+           "pp2-zero1": (4, {"pp": 2, "dp_shard": 2, "zero_stage": 1, "schedule": "1f1b"}),
+           "dp2-zero1": (2, {"dp_shard": 2, "zero_stage": 1})}
 
 
 def _layout(name: str) -> tuple[int, dict]:
@@ -32,15 +37,17 @@ def _layout(name: str) -> tuple[int, dict]:
 
 
 @pytest.mark.parametrize("source, target", [("pp2-1f1b", "single"), ("single", "pp2-1f1b"),
-                                            ("pp2-zbv", "single"), ("pp2-1f1b", "pp2-zbv")])
+                                            ("pp2-zbv", "single"), ("pp2-1f1b", "pp2-zbv"),
+                                            ("pp2-zero1", "dp2-zero1")])
 def test_a_tied_checkpoint_reshards_bit_exactly(dist, small_data_dir, tmp_path, source, target):
     check_reshard(dist, small_data_dir, tmp_path, _layout(source), _layout(target),
                   f"tied {source} -> {target}")
 
 
-def test_a_tied_pipeline_resumes_bit_exactly(dist, small_data_dir, tmp_path):
-    world, config = _layout("pp2-1f1b")
-    check_resume(dist, small_data_dir, tmp_path, world, config, "tied pp2-1f1b")
+@pytest.mark.parametrize("layout", ["pp2-1f1b", "pp2-zero1"])
+def test_a_tied_pipeline_resumes_bit_exactly(dist, small_data_dir, tmp_path, layout):
+    world, config = _layout(layout)
+    check_resume(dist, small_data_dir, tmp_path, world, config, f"tied {layout}")
 
 
 def copies_after_load(ctx, config_table, data_dir, path):

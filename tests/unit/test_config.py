@@ -127,9 +127,6 @@ REJECTED = [
                                              "reshard_after_forward = false"]),
     ({"parallel.pp": "8"}, 8, "parallel.pp", "parallel.pp=8",
      ["must not exceed model.n_layers = 4"]),
-    ({"parallel.pp": "2", "parallel.dp_shard": "2", "parallel.zero_stage": "1",
-      "model.tie_embeddings": "true"}, 4, "parallel.zero_stage", "parallel.zero_stage=1",
-     ["tied embeddings across pipeline stages with ZeRO-1/2", "use zero_stage = 3"]),
     # Batch.
     ({}, 3, "train.global_batch_size", "train.global_batch_size=16",
      ["must be divisible by the data-parallel degree", "= 3", "nearest valid: 15 or 18"]),

@@ -50,9 +50,6 @@ REJECTED = [
       "parallel.dp_shard": "2", "parallel.reshard_after_forward": "false"}, 4,
      "parallel.dp_shard", "parallel.dp_shard=2", ["first and last stage on one rank",
                                                   "use dp_replicate or a looped schedule"]),
-    ({**PP2, "model.tie_embeddings": "true", "parallel.dp_shard": "2",
-      "parallel.zero_stage": "1"}, 4, "parallel.zero_stage", "parallel.zero_stage=1",
-     ["tied embeddings across pipeline stages with ZeRO-1/2", "use zero_stage = 3"]),
     # The schedule search (parallel.schedule = "search") and its two knobs.
     ({**PP2, "parallel.schedule": "search", "parallel.schedule_costs": "1,1,0,0"}, 2,
      "parallel.schedule_costs", "parallel.schedule_costs='1,1,0,0'",
@@ -158,6 +155,8 @@ def test_a_schedule_without_a_pipeline_is_refused() -> None:
     # tied embeddings across stages under cp and with an MoE model (test_pipeline_tied.py)
     ({**PP2, "model.tie_embeddings": "true", "parallel.cp": "2"}, 4),
     ({**PP2, "model.tie_embeddings": "true", "model.preset": "tiny-moe"}, 2),
+    ({**PP2, "model.tie_embeddings": "true", "parallel.dp_shard": "2",
+      "parallel.zero_stage": "1"}, 4),
     ({**PP2, "parallel.schedule": "search", "parallel.schedule_memory_limit": "3",
       "parallel.schedule_costs": "1,1,0.5,0.05"}, 2),
     # sequence parallelism under schedules that split the backward into I and W, vocabulary
