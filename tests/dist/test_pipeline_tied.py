@@ -11,10 +11,13 @@ the saved weights too (``test_pipeline_parity.check``). Layouts: pp2 1F1B, pp2 i
 (2 chunks per rank), pp2 ZB-V (same rank), ZB-V x dp2 (the shared weight reduced once by the
 first stage's reducer), pp2 x dp2, pp2 x tp2 with vocab_parallel (each tp rank ties its own vocab
 shard; with and without sequence parallelism), pp2 x dp_shard2 (ZeRO-3: each copy sharded, the
-local shards summed), pp2 x cp2 (1F1B, ZB-V: one tie pair per cp coordinate), an MoE model
-(pp2, pp2 x ep2), and pp2 1F1B with the post-validated optimizer step. After every step the embedding on the first stage and the head on the last
-stage must be bit-identical, weights and gradients (``torch.equal``), on every rank that holds
-one. The tie all-reduce is counted: 4·V·D/t bytes per tie rank per step.
+local shards summed), pp2 x dp_shard2 with ZeRO-1 and ZeRO-2 (each copy bucketed alone, the
+reduced slices summed; 1F1B and interleaved), pp2 x cp2 (1F1B, ZB-V: one tie pair per cp
+coordinate), an MoE model (pp2, pp2 x ep2), and pp2 1F1B with the post-validated optimizer
+step. After every step the embedding on the first stage and the head on the last stage must be
+bit-identical, weights and gradients (``torch.equal``; under ZeRO-1/2 the reduced slices,
+gathered), on every rank that holds one. The tie all-reduce is counted: 4·V·D/t bytes per tie
+rank per step.
 
 Tolerances are test_pipeline_parity.py's: step 1 differs from one process only by summation order
 (the tied gradient is summed as embedding part + head part here, interleaved by microbatch there):
