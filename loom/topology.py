@@ -152,6 +152,9 @@ class Meshes:
     # (dp_replicate, that) mesh when dp_replicate > 1. None otherwise.
     dp_shard_ep: Any = None
     dense_2d: Any = None
+    # One replica's data ranks (dp_shard x ep x cp flattened) when dp_replicate > 1: where an
+    # outer mode (parallel.dp_mode != sync) averages gradients and counts a step's tokens.
+    replica: Any = None
 
 
 def build_mesh(grid: RankGrid, device_type: str) -> Meshes:
@@ -180,5 +183,9 @@ def build_mesh(grid: RankGrid, device_type: str) -> Meshes:
             dense_2d = root[("dp_replicate", *axes)]._flatten(f"dp_rep_{name}") \
                 ._unflatten(0, (grid.degree("dp_replicate"), dp_shard_ep.size()),
                             ("dp_replicate", name))
+    replica = None
+    if grid.degree("dp_replicate") > 1:
+        replica = root[("dp_shard", "ep", "cp")]._flatten("replica")
     return Meshes(root=root, dp=dp, dp_cp=dp_cp, dp_no_ep=dp_no_ep, dp_shard_cp=dp_shard_cp,
-                  shard_2d=shard_2d, dp_shard_ep=dp_shard_ep, dense_2d=dense_2d)
+                  shard_2d=shard_2d, dp_shard_ep=dp_shard_ep, dense_2d=dense_2d,
+                  replica=replica)

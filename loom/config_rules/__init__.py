@@ -376,7 +376,7 @@ def _validate_outer(config: Config) -> None:
     """Outer-loop data parallelism (``parallel.dp_mode``, ``loom.parallel.outer``): the outer
     optimizer's knobs are checked whatever the mode (a bad value is refused before it matters),
     and an outer mode needs replicas and a layout whose gradient reduction this version keeps
-    inside a replica (dp_shard and cp; never dp_replicate)."""
+    inside a replica (dp_shard, ep and cp; never dp_replicate)."""
     par = config.parallel
     require_positive(config, {"parallel.outer_steps": "H: inner optimizer steps per outer step"})
     if not par.outer_lr > 0:
@@ -401,13 +401,14 @@ def _validate_outer(config: Config) -> None:
         raise ConfigError("parallel.outer_fragments", par.outer_fragments,
                           f"must be <= parallel.outer_steps = {par.outer_steps}: each fragment"
                           f" merges at its own inner step of the window")
-    # Not built yet, and why: expert gradients are reduced over groups spanning dp_replicate
-    # (dp_no_ep, dp_shard x ep) that have no replica-local version in the mesh yet.
-    if par.ep > 1:
+    # Expert parallelism inside a replica averages its dense gradients over the replica's ep
+    # (x cp) ranks and its experts' over cp; with ZeRO-3 the expert and dense shard groups
+    # (dp_shard x ep) would need replica-local versions in the mesh, not built yet.
+    if par.ep > 1 and par.dp_shard > 1:
         raise ConfigError("parallel.ep", par.ep,
-                          f"expert parallelism with dp_mode = {par.dp_mode} is not built yet"
-                          " (the expert gradient groups span dp_replicate); use ep = 1 or"
-                          " dp_mode = sync")
+                          f"expert parallelism with ZeRO (dp_shard = {par.dp_shard}) and"
+                          f" dp_mode = {par.dp_mode} is not built yet (the expert shard groups"
+                          " span dp_replicate); use dp_shard = 1, ep = 1 or dp_mode = sync")
     # ZeRO-1/2 keep the whole model on every dp_shard rank and average their gradient slices
     # over dp_replicate themselves: the outer loop would need each rank's owned slices only
     # (else it sends dp_shard times the bytes), which is not built.

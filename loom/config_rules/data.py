@@ -26,9 +26,11 @@ def check_bpe_vocab(data: DataConfig) -> None:
 
 def validate_packing(config: Config) -> None:
     """``data.packing``: a known mode; documents run on every axis (cp cuts them per
-    document, ``_validate_context_documents``; tp, sequence parallelism, selective recompute
-    and MoE all run: the attention core sees whole rows, MoE routes and balances per document,
-    padding excluded)."""
+    document, ``loom.parallel.context_documents``, with sequence parallelism splitting a cp
+    shard over tp unevenly; tp, selective recompute and MoE all run: the attention core sees
+    whole rows, MoE routes and balances per document, padding excluded, its counts summed over
+    the cp ranks holding a document's parts; outer dp modes count a step's tokens over a
+    replica's dp_shard x ep x cp ranks)."""
     packing, par, tr = config.data.packing, config.parallel, config.train
     if packing not in PACKINGS:
         raise ConfigError("data.packing", packing, f"must be one of {', '.join(PACKINGS)}"
@@ -55,26 +57,11 @@ def validate_packing(config: Config) -> None:
         _validate_zeppelin(config)
     if packing == "varlen":
         _validate_varlen_layout(config)
-    if par.cp > 1:  # documents cut per document over cp (loom.parallel.context_documents)
-        _validate_context_documents(config)
     if config.model.n_experts and par.cp > 1 and data.balance == "zeppelin":
         raise ConfigError("data.balance", data.balance, "Zeppelin's cp placement is built for"
                           f" dense models; an MoE model (model.n_experts ="
                           f" {config.model.n_experts}) under cp = {par.cp} runs documents on the"
                           " static cp shards: use data.balance = none or tokens")
-
-
-def _validate_context_documents(config: Config) -> None:
-    """pack/varlen under cp > 1: what is not built on top of it yet, by name. Sequence
-    parallelism runs on every cp shard of documents, static or Zeppelin's: a cp rank's shard
-    is split over its tp ranks, unevenly where tp does not divide it, as a varlen microbatch is
-    at cp = 1 (tests/dist/test_context_documents.py: tp = 2 with SP x cp = 2, ring and
-    Ulysses, pack and varlen)."""
-    packing, par = config.data.packing, config.parallel
-    if par.dp_mode != "sync":
-        raise ConfigError("parallel.dp_mode", par.dp_mode, f"{packing} under cp = {par.cp}"
-                          " counts a step's tokens over dp x cp; the outer modes' replica"
-                          " groups do not include cp yet: use dp_mode = sync or cp = 1")
 
 
 def zeppelin_over_dp(config: Config) -> str | None:

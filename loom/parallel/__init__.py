@@ -174,8 +174,10 @@ def _data_parallel(model: nn.Module, meshes: Meshes, job: Job, ledger: CommLedge
     # weights itself: gradients are averaged inside a replica only (dp_shard, cp). The config
     # refuses the layouts whose reduction groups have no replica-local form yet (ep, ZeRO-1/2).
     across_replicas = job.dp_mode == "sync"
-    if not across_replicas and (parallel.ep > 1 or parallel.zero_stage in (1, 2)):
-        raise ValueError(f"dp_mode={job.dp_mode!r} with ep > 1 or ZeRO-1/2 is not built")
+    if not across_replicas and (parallel.ep > 1 and parallel.dp_shard > 1
+                                or parallel.zero_stage in (1, 2)):
+        raise ValueError(f"dp_mode={job.dp_mode!r} with ep > 1 and ZeRO, or ZeRO-1/2, is not"
+                         " built")
     if parallel.zero_stage == 3:
         mesh, axis = zero_mesh(meshes, parallel, across_replicas)
         # bf16 (and bf16 autocast): FSDP2 gathers bf16 copies of its sharded fp32 parameters,
@@ -204,8 +206,9 @@ def _data_parallel(model: nn.Module, meshes: Meshes, job: Job, ledger: CommLedge
     if job.dtype == "bf16":  # bf16 parameters, fp32 masters, before any reducer's hooks
         apply_bf16_parameters(model, reduce_dtype)
     dp_mesh, axis = (meshes.dp_cp, "dp_cp") if parallel.cp > 1 else (meshes.dp, "dp")
-    if not across_replicas:  # dp_shard = 1 here (else ZeRO): only cp ranks share a replica's data
-        dp_mesh, axis = meshes.root["cp"], "cp"
+    if not across_replicas:  # dp_shard = 1 here (else ZeRO): a replica's ep and cp ranks
+        dp_mesh, axis = (meshes.replica, "replica") if parallel.ep > 1 else (meshes.root["cp"],
+                                                                            "cp")
     params = list(model.parameters())
     if experts is not None:  # the dense ones: expert gradients follow reduce_gradients' rule
         names = expert_parameter_names(model)

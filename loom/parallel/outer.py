@@ -107,7 +107,8 @@ co2 the last displacement and the pending average (16 in all).
 
 Composition. The object takes the parameters as they are after ``parallelize``: plain tensors
 or DTensors (tp, FSDP2), whose ``_local_tensor`` it reads and writes in place — the replica group
-only ever combines identically sharded local tensors. Call ``after_inner_step`` after the inner
+only ever combines identically sharded local tensors (under expert parallelism an ep rank's
+experts: the group pairs one ep coordinate across replicas, so the same experts). Call ``after_inner_step`` after the inner
 optimizer step (under FSDP2 the parameters are then sharded, which is what it must see), on every
 rank of every replica. Replicas must start from identical weights. Under Loom's ZeRO-1/2 every
 dp_shard rank holds its replica's whole model: given all of it, each dp_shard rank would send the

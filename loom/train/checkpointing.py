@@ -23,7 +23,8 @@ from loom.config import to_dict
 from loom.parallel.mixed_precision import master_window
 from loom.pipeline.paths_runtime import PathPipeline
 from loom.train import checkpoint
-from loom.train.checkpoint_state import load_training_state, training_state
+from loom.train.checkpoint_state import (experts_by_name_as_slices, load_training_state,
+                                         local_values, training_state)
 
 if TYPE_CHECKING:  # the trainer imports this module
     from loom.train.trainer import Trainer
@@ -47,7 +48,9 @@ def checkpoint_tensors(trainer: Trainer) -> dict[str, Any]:
     if trainer.outer is None:
         return state
     outer = trainer.outer.state_dict()  # co2: waits for the average in flight (kept pending)
-    state["outer"] = {key: value for key, value in outer.items() if isinstance(value, dict)}
+    # expert shards as boxes of the global tensors, as the weights are (every rank, same order)
+    state["outer"] = {key: experts_by_name_as_slices(trainer.model, trainer.ep, value)
+                      for key, value in outer.items() if isinstance(value, dict)}
     return {f"replica{trainer.replica}": state}
 
 
@@ -131,7 +134,8 @@ def _load(trainer: Trainer, path: Path, verified: bool) -> None:
     extra = checkpoint.load(path, tensors, device=trainer.ctx.device, verified=verified)
     if trainer.outer is not None:
         tensors = tensors[f"replica{trainer.replica}"]
-        trainer.outer.load_state_dict({**extra["outer"], **tensors.pop("outer")})
+        outer = {key: local_values(value) for key, value in tensors.pop("outer").items()}
+        trainer.outer.load_state_dict({**extra["outer"], **outer})
     load_training_state(trainer.model, trainer.optimizer, tensors, zero=trainer.zero)
     trainer.step = int(extra["step"])
     trainer.scheduler.load_state_dict(extra["scheduler"])

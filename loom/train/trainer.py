@@ -121,8 +121,8 @@ class Trainer:
         # replica (one scalar all-reduce per step, as in sync: the same number for both).
         self.replica = self.grid.coords(self.ctx.rank)["dp_replicate"]
         self.token_group, self.token_group_size = self.loss_group, self.loss_group_size
-        if config.parallel.dp_mode != "sync":  # ep = 1, and packing has cp = 1 (config rules)
-            inner = self.meshes.root["dp_shard"]
+        if config.parallel.dp_mode != "sync":  # the replica's dp_shard x ep x cp ranks
+            inner = self.meshes.replica
             self.token_group, self.token_group_size = inner.get_group(), inner.size()
         self.ledger = CommLedger() if config.metrics.comm else None
         self.cp_groups = None
@@ -356,8 +356,8 @@ class Trainer:
         sharded reduction already gave both kinds their divisor."""
         if self.ep is None or self.layout.dp_shard > 1:
             return
-
-        no_ep = self.meshes.dp_no_ep
+        # an outer mode averages inside a replica: dp_shard = 1 there (config rules), so only cp
+        no_ep = self.meshes.dp_no_ep if self.config.parallel.dp_mode == "sync" else None
         reduce_gradients(self.model, self.ep, dense=False,
                          dp_group=no_ep.get_group() if no_ep is not None else None,
                          cp_group=self.cp_groups.cp if self.cp_groups is not None else None)

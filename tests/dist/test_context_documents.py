@@ -352,8 +352,6 @@ def test_documents_are_accepted_in_every_cp_mode(packing, mode):
 
 
 @pytest.mark.parametrize("overrides, world, field, words", [
-    ({"parallel.dp_replicate": "2", "parallel.dp_mode": "diloco"}, 4, "parallel.dp_mode",
-     "dp x cp"),
     ({"model.sliding_window": "8"}, 2, "model.sliding_window", "ring"),  # ring, not the window
 ])
 def test_documents_under_cp_refuse_what_is_not_built_by_name(overrides, world, field, words):

@@ -24,10 +24,12 @@ from torch.distributed.tensor import DTensor
 
 from loom.config import from_dict
 from loom.data.loader import DistributedLoader
+from loom.parallel.expert import expert_parameter_names, gather_expert_weights
 from loom.testing.parity import layout_config
 from loom.train.checkpoint import CheckpointError
 from loom.train.trainer import Trainer
 from tests.conftest import SMALL_DATA_OVERRIDES, matrix
+from tests.data_fixtures import prepared_documents
 
 GLOBAL_BATCH = 8
 REPLICAS = 2
@@ -50,6 +52,9 @@ def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     dp_shard), then the pipeline stages (over pp)."""
     local = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
              for n, p in trainer.model.named_parameters()}
+    if trainer.ep is not None:  # the experts' shards stacked back (collective over ep)
+        local.update({n: v.cpu() for n, v in gather_expert_weights(trainer.model,
+                                                                   trainer.ep).items()})
     group = trainer.pipeline.pp_group
     if group is None:
         return local
@@ -286,6 +291,60 @@ def test_diloco_composes_with_a_layout_inside_each_replica(dist, small_data_dir,
     assert_matches(split, expected, f"diloco {layout}", rtol=1e-4, atol=1e-5)
 
 
+MOE = {"model.n_experts": 4}
+
+
+@pytest.mark.parametrize("layout", [dict(ep=2), dict(ep=2, cp=2)], ids=["ep2", "ep2-cp2"])
+def test_diloco_composes_with_expert_parallelism_inside_each_replica(dist, small_data_dir,
+                                                                     layout):
+    """An MoE model: replicas of ep = 2 (dense gradients averaged over the replica's ep ranks,
+    experts' kept per ep rank; with cp = 2 over ep x cp, experts' over cp) equal replicas of
+    one rank, whose outer step merges every expert too (the dp_replicate group pairs the same
+    ep coordinate, so the same experts)."""
+    steps = 4
+    options = dict(outer_steps=2, outer_lr=0.7, outer_momentum=0.9)
+    world = 2 * math.prod(layout.values())
+    configs = [layout_config({**BASE, **MOE, "parallel.dp_mode": "diloco"}, n,
+                             **{"dp_replicate": REPLICAS, **options, **extra})
+               for n, extra in ((2, {}), (world, layout))]
+    plain = dist.run(2, train, configs[0], small_data_dir, steps)
+    split = dist.run(world, train, configs[1], small_data_dir, steps)
+    expected = {"loss": plain[0]["loss"], "weights": {r["replica"]: r["weights"] for r in plain}}
+    assert_matches(split, expected, f"diloco moe {layout}", rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory) -> tuple[str, dict]:
+    """Short documents of very different lengths (``tests/dist/test_documents_axes.py``'s)."""
+    return prepared_documents(tmp_path_factory, "outer_docs", 32, count=400, seed=29)
+
+
+@pytest.mark.parametrize("packing", ["pack", "varlen", "varlen-zeppelin"])
+def test_diloco_composes_with_documents_under_cp_inside_each_replica(dist, short_documents,
+                                                                     packing):
+    """Documents cut over cp = 2 inside each replica (ranks holding unequal real tokens): the
+    step's tokens counted over the replica's cp ranks (never across replicas) give replicas of
+    two ranks equal to replicas of one; so does Zeppelin's placement over each replica's cp
+    ranks (its microbatches are ``tokens``' deal, the replicas of one rank's balance)."""
+    data_dir, docs = short_documents
+    varlen = {"data.packing": "varlen", "data.tokens_per_microbatch": 48,
+              "train.global_batch_tokens": 4 * 48}
+    per_packing = {"pack": ({"data.packing": "pack", "train.global_batch_size": 8,
+                             "train.micro_batch_size": 2}, {}),
+                   "varlen": (varlen, {}),
+                   "varlen-zeppelin": ({**varlen, "data.balance": "tokens"},
+                                       {"data.balance": "zeppelin"})}[packing]
+    options = dict(outer_steps=2, outer_lr=0.7, outer_momentum=0.9)
+    configs = [layout_config({**docs, "model.preset": "debug", **per_packing[0], **split_data,
+                              "parallel.dp_mode": "diloco"}, n,
+                             **{"dp_replicate": REPLICAS, **options, **extra})
+               for n, extra, split_data in ((2, {}, {}), (4, dict(cp=2), per_packing[1]))]
+    plain = dist.run(2, train, configs[0], data_dir, 4)
+    split = dist.run(4, train, configs[1], data_dir, 4)
+    expected = {"loss": plain[0]["loss"], "weights": {r["replica"]: r["weights"] for r in plain}}
+    assert_matches(split, expected, f"diloco {packing} cp2", rtol=1e-4, atol=1e-5)
+
+
 # -- (d) checkpoints hold the outer state and resume bit-exactly --------------------------------
 def straight_and_resumed(ctx, config_table: dict, data_dir: str, run_dir: str, steps: int,
                          stop: int) -> dict:
@@ -355,8 +414,17 @@ def test_checkpoint_resume_is_bit_exact(dist, small_data_dir, tmp_path, mode, op
 def _outer_state(trainer: Trainer) -> dict[str, torch.Tensor]:
     """The outer loop's snapshot and momentum, full tensors by name (collective under ZeRO-3)."""
     state = trainer.outer.state_dict()
-    return {f"{key}/{name}": (v.full_tensor() if isinstance(v, DTensor) else v).cpu().clone()
-            for key in ("snapshot", "momentum") for name, v in state[key].items()}
+    out = {f"{key}/{name}": (v.full_tensor() if isinstance(v, DTensor) else v).cpu().clone()
+           for key in ("snapshot", "momentum") for name, v in state[key].items()}
+    if trainer.ep is not None:  # the experts' entries stacked back over ep (collective)
+        experts = expert_parameter_names(trainer.model)
+        for key in ("snapshot", "momentum"):
+            for name in sorted(experts):
+                local = state[key][name].contiguous()
+                full = local.new_empty((local.shape[0] * trainer.ep.size, *local.shape[1:]))
+                torch_dist.all_gather_into_tensor(full, local, group=trainer.ep.group)
+                out[f"{key}/{name}"] = full.cpu()
+    return out
 
 
 def save_after(ctx, config_table: dict, data_dir: str, root: str, steps: int) -> dict:
@@ -390,6 +458,34 @@ def test_checkpoint_reshards_inside_each_replica(dist, small_data_dir, tmp_path)
     for rank, got in enumerate(loaded):
         want = by_replica[got["replica"]]
         assert got["inner_steps"] == 5
+        for part in ("weights", "outer"):
+            assert set(got[part]) == set(want[part])
+            assert all(torch.equal(got[part][n], want[part][n]) for n in want[part]), \
+                f"rank {rank} {part}"
+
+
+def test_an_expert_parallel_replica_resumes_and_reshards(dist, small_data_dir, tmp_path):
+    """Replicas of ep = 2 (an MoE model): stopped mid-window and resumed, they end bit-identical
+    to a run that did not stop; saved, they load into replicas of one rank with every weight
+    and the outer snapshot and momentum bit for bit (the experts' outer state is saved as each
+    ep rank's box of the global tensor, as the weights are)."""
+    options = dict(outer_steps=2, outer_lr=0.7, outer_momentum=0.9)
+
+    def config(world: int, **extra) -> dict:
+        return layout_config({**BASE, **MOE, "parallel.dp_mode": "diloco"}, world,
+                             **{"dp_replicate": REPLICAS, **options, **extra})
+
+    results = dist.run(4, straight_and_resumed, config(4, ep=2), small_data_dir,
+                       str(tmp_path / "resume"), 6, 3)
+    for rank, result in enumerate(results):
+        (want_losses, want), (got_losses, got) = result["straight"], result["resumed"]
+        assert got_losses == want_losses, f"rank {rank}: {got_losses} != {want_losses}"
+        assert all(torch.equal(got[n], want[n]) for n in want), f"rank {rank}: weights differ"
+    saved = dist.run(4, save_after, config(4, ep=2), small_data_dir, str(tmp_path / "save"), 3)
+    loaded = dist.run(2, load_into, config(2), small_data_dir, saved[0]["path"])
+    by_replica = {s["replica"]: s for s in saved}
+    for rank, got in enumerate(loaded):
+        want = by_replica[got["replica"]]
         for part in ("weights", "outer"):
             assert set(got[part]) == set(want[part])
             assert all(torch.equal(got[part][n], want[part][n]) for n in want[part]), \

@@ -48,8 +48,9 @@ DILOCO = {"parallel.dp_mode": "diloco"}
      "ZeRO-1"),
     ({**DILOCO, "parallel.dp_shard": "2", "parallel.zero_stage": "2"}, 4, "parallel.zero_stage",
      "ZeRO-2"),
-    ({**DILOCO, "model.preset": "tiny-moe", "parallel.ep": "2"}, 4, "parallel.ep",
-     "expert parallelism"),
+    ({**DILOCO, "model.preset": "tiny-moe", "parallel.ep": "2", "parallel.dp_shard": "2",
+      "parallel.zero_stage": "3", "train.micro_batch_size": "1"}, 8, "parallel.ep",
+     "expert parallelism with ZeRO"),
 ])
 def test_rules(overrides, world, field, words):
     with pytest.raises(ConfigError) as err:
@@ -72,6 +73,10 @@ def test_rules(overrides, world, field, words):
     ({**DILOCO, "parallel.cp": "2"}, 4),
     # an MoE model without expert parallelism: its experts are ordinary parameters
     ({**DILOCO, "model.preset": "tiny-moe"}, 2),
+    # expert parallelism inside each replica (tests/dist/test_outer_trainer.py), documents
+    # under cp too
+    ({**DILOCO, "model.preset": "tiny-moe", "parallel.ep": "2"}, 4),
+    ({**DILOCO, "parallel.cp": "2", "data.packing": "pack"}, 4),
 ])
 def test_built_layouts_resolve(overrides, world):
     config = resolved(world, **overrides)
