@@ -409,15 +409,13 @@ def _validate_outer(config: Config) -> None:
                           f"expert parallelism with ZeRO (dp_shard = {par.dp_shard}) and"
                           f" dp_mode = {par.dp_mode} is not built yet (the expert shard groups"
                           " span dp_replicate); use dp_shard = 1, ep = 1 or dp_mode = sync")
-    # ZeRO-1/2 keep the whole model on every dp_shard rank and average their gradient slices
-    # over dp_replicate themselves: the outer loop would need each rank's owned slices only
-    # (else it sends dp_shard times the bytes), which is not built.
-    if par.dp_shard > 1 and par.zero_stage in (1, 2):
-        raise ConfigError("parallel.zero_stage", par.zero_stage,
-                          f"ZeRO-{par.zero_stage} with dp_mode = {par.dp_mode} is not built yet"
-                          " (its sharded optimizer averages over dp_replicate, and every"
-                          " dp_shard rank would send its replica's whole model); use"
-                          " zero_stage = 3 or dp_shard = 1")
+    # ZeRO-1/2: the outer loop merges each rank's owned slices (on the device: an offloaded
+    # optimizer's slices live on the host, where the replica group's collectives are not built)
+    if par.dp_shard > 1 and par.zero_stage in (1, 2) and config.train.offload_optimizer:
+        raise ConfigError("train.offload_optimizer", True,
+                          f"ZeRO-{par.zero_stage} with dp_mode = {par.dp_mode} merges the"
+                          " optimizer's slices across replicas on the device; an offloaded"
+                          " optimizer keeps them on the host: use offload_optimizer = false")
 
 
 def _validate_compression(config: Config) -> None:

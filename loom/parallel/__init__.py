@@ -171,13 +171,12 @@ def _data_parallel(model: nn.Module, meshes: Meshes, job: Job, ledger: CommLedge
     reduce_dtype = torch.bfloat16 if job.grad_reduce_dtype == "bf16" else torch.float32
     bucket_bytes = int(job.grad_bucket_mb * 2**20)
     # An outer loop (job.dp_mode != sync, loom.parallel.outer) merges the dp_replicate replicas'
-    # weights itself: gradients are averaged inside a replica only (dp_shard, cp). The config
-    # refuses the layouts whose reduction groups have no replica-local form yet (ep, ZeRO-1/2).
+    # weights itself: gradients are averaged inside a replica only (dp_shard, ep, cp). The
+    # config refuses the layouts whose reduction groups have no replica-local form yet (ep
+    # with ZeRO).
     across_replicas = job.dp_mode == "sync"
-    if not across_replicas and (parallel.ep > 1 and parallel.dp_shard > 1
-                                or parallel.zero_stage in (1, 2)):
-        raise ValueError(f"dp_mode={job.dp_mode!r} with ep > 1 and ZeRO, or ZeRO-1/2, is not"
-                         " built")
+    if not across_replicas and parallel.ep > 1 and parallel.dp_shard > 1:
+        raise ValueError(f"dp_mode={job.dp_mode!r} with ep > 1 and ZeRO is not built")
     if parallel.zero_stage == 3:
         mesh, axis = zero_mesh(meshes, parallel, across_replicas)
         # bf16 (and bf16 autocast): FSDP2 gathers bf16 copies of its sharded fp32 parameters,
@@ -195,7 +194,10 @@ def _data_parallel(model: nn.Module, meshes: Meshes, job: Job, ledger: CommLedge
     if parallel.zero_stage:
         mesh, axis = zero_mesh(meshes, parallel)
         shard_mesh = mesh[mesh.mesh_dim_names[-1]] if mesh.ndim == 2 else mesh
-        return apply_zero(model, parallel.zero_stage, shard_mesh, meshes.root["dp_replicate"],
+        # an outer mode: the slices are averaged inside the replica only (the outer loop
+        # merges the replicas' slices, ``Trainer._outer_loop``)
+        replicate = meshes.root["dp_replicate"] if across_replicas else None
+        return apply_zero(model, parallel.zero_stage, shard_mesh, replicate,
                           axis=axis, reduce_dtype=reduce_dtype, offload=job.offload_optimizer,
                           ledger=ledger, bucket_bytes=bucket_bytes,
                           tp_group=meshes.root["tp"].get_group() if parallel.tp > 1 else None,

@@ -112,8 +112,9 @@ experts: the group pairs one ep coordinate across replicas, so the same experts)
 optimizer step (under FSDP2 the parameters are then sharded, which is what it must see), on every
 rank of every replica. Replicas must start from identical weights. Under Loom's ZeRO-1/2 every
 dp_shard rank holds its replica's whole model: given all of it, each dp_shard rank would send the
-whole model across replicas (dp_shard times the bytes); give each rank only the slices its
-optimizer owns and re-gather them inside the replica afterwards.
+whole model across replicas (dp_shard times the bytes), so the trainer gives each rank only the
+slices its optimizer owns (``Trainer._outer_loop``: one tensor per bucket) and re-gathers them
+inside the replica after an outer step (one all-gather of the model per H steps).
 
 Checkpoints. ``state_dict`` holds the counters, the snapshot and momentum (and co2's displacement
 and pending average, after waiting for it), by parameter name; a DTensor parameter's state is a

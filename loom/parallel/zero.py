@@ -503,7 +503,7 @@ def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
     return {}
 
 
-def apply_zero(model: nn.Module, stage: int, shard_mesh: Any, replicate_mesh: Any, *,
+def apply_zero(model: nn.Module, stage: int, shard_mesh: Any, replicate_mesh: Any | None, *,
                axis: str = "dp_shard", reduce_dtype: torch.dtype = torch.float32,
                offload: bool = False, ledger: comm.CommLedger | None = None,
                tp_group: Any = None, experts: tuple[Any, str] | None = None, ep_size: int = 1,
@@ -511,7 +511,8 @@ def apply_zero(model: nn.Module, stage: int, shard_mesh: Any, replicate_mesh: An
                param_dtype: torch.dtype = torch.float32,
                alone: dict[str, str] | None = None) -> ZeroShardedOptimizer:
     """ZeRO-1/2 of ``model`` over ``shard_mesh`` (``dp_shard``, ``dp_shard x cp`` or, under
-    expert parallelism, ``dp_shard x ep`` flattened) and ``replicate_mesh`` (``dp_replicate``);
+    expert parallelism, ``dp_shard x ep`` flattened) and ``replicate_mesh`` (``dp_replicate``;
+    None: no averaging across replicas, an outer dp mode's);
     ``tp_group``: the model's tensor-parallel group (its DTensor parameters are bucketed by
     local shard); ``experts``: with ``ep_size`` > 1, the 1-D mesh the expert weights (already
     cut to this ep rank's experts) shard over, ``dp_shard`` or ``dp_shard x cp``, and its ledger
@@ -526,7 +527,8 @@ def apply_zero(model: nn.Module, stage: int, shard_mesh: Any, replicate_mesh: An
                                    expert_axis)
     return ZeroShardedOptimizer(
         model, stage, shard_mesh.get_group(), shard_mesh.size(), shard_mesh.get_local_rank(),
-        replicate_group=replicate_mesh.get_group(), replicate_size=replicate_mesh.size(),
+        replicate_group=replicate_mesh.get_group() if replicate_mesh is not None else None,
+        replicate_size=replicate_mesh.size() if replicate_mesh is not None else 1,
         reduce_dtype=reduce_dtype, offload=offload, ledger=ledger, axis=axis, tp_group=tp_group,
         experts=names, expert_shards=expert_shards, ep_size=ep_size, bucket_bytes=bucket_bytes,
         param_dtype=param_dtype, alone=alone)

@@ -171,14 +171,34 @@ def _zero_optimizer_state(zero: Any, optimizer: torch.optim.Optimizer,
     ``masters`` (bf16 parameters): filled with each weight's fp32 master, from the rank's
     slices in the moments' boxes, as ShardedTensors under the weight's name. ``vocab``
     (``row_slices``): a vocabulary shard's boxes sit at its rows' offset in the full weight."""
-    vocab = vocab or {}
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     out: dict[str, Any] = {}
     local: dict[str, Any] = {}
     master_local: dict[str, Any] = {}
-    for bucket in zero.buckets:
+    for bucket, name, shape, boxes, at in _slice_boxes(zero, ep, vocab):
         state = _adamw_state(optimizer, bucket.shard)
+        if masters is not None:
+            master_local[name] = (shape, _views(bucket.shard.detach(), boxes, at))
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.shape == bucket.shard.shape:  # moments
+                local[f"state.{name}.{key}"] = (shape, _views(value, boxes, at))
+            else:  # the step count; a copy per name, so a load can check they agree
+                out[f"state.{name}.{key}"] = value.detach().clone()
         hyper = {k: v for k, v in group_of[id(bucket.shard)].items() if k != "params"}
+        out.update({f"param_groups.{name}.{k}": v for k, v in hyper.items()})
+    _as_sharded(out, local)
+    if masters is not None:
+        _as_sharded(masters, master_local)
+    return out
+
+
+def _slice_boxes(zero: Any, ep: Any = None, vocab: dict[str, tuple[int, int]] | None = None):
+    """For every parameter of every ZeRO-1/2 bucket: ``(bucket, name, global shape, boxes of
+    the global tensor this rank's slice holds, where in the slice they start)`` (``ep``: an
+    expert bucket's boxes sit in this ep rank's rows of ``[E, ...]``; ``vocab``, ``row_slices``:
+    a vocabulary shard's at its rows' offset in the full weight)."""
+    vocab = vocab or {}
+    for bucket in zero.buckets:
         per_rank = bucket.flat.numel() // bucket.shards.size
         lo, hi = bucket.shards.rank * per_rank, (bucket.shards.rank + 1) * per_rank
         offset = 0
@@ -196,18 +216,21 @@ def _zero_optimizer_state(zero: Any, optimizer: torch.optim.Optimizer,
                 start, total = vocab[name]
                 boxes = [((off[0] + start, *off[1:]), size) for off, size in boxes]
                 shape = (total, *shape[1:])
-            if masters is not None:
-                master_local[name] = (shape, _views(bucket.shard.detach(), boxes, begin - lo))
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.shape == bucket.shard.shape:  # moments
-                    local[f"state.{name}.{key}"] = (shape, _views(value, boxes, begin - lo))
-                else:  # the step count; a copy per name, so a load can check they agree
-                    out[f"state.{name}.{key}"] = value.detach().clone()
-            out.update({f"param_groups.{name}.{k}": v for k, v in hyper.items()})
+            yield bucket, name, shape, boxes, begin - lo
             offset += part.numel()
+
+
+def zero_slices_by_name(zero: Any, per_bucket: list[torch.Tensor], ep: Any = None,
+                        vocab: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
+    """A state shaped like the ZeRO-1/2 buckets' slices (``per_bucket[i]`` like
+    ``zero.buckets[i].shard``: the outer loop's snapshot, momentum, ...) under per-parameter
+    names and full shapes, as the optimizer's moments are saved: ShardedTensors whose boxes
+    view ``per_bucket``, so a load fills it in place and any layout reads it (collective)."""
+    index = {id(bucket): i for i, bucket in enumerate(zero.buckets)}
+    local = {name: (shape, _views(per_bucket[index[id(bucket)]], boxes, at))
+             for bucket, name, shape, boxes, at in _slice_boxes(zero, ep, vocab)}
+    out: dict[str, Any] = {}
     _as_sharded(out, local)
-    if masters is not None:
-        _as_sharded(masters, master_local)
     return out
 
 

@@ -23,8 +23,9 @@ from loom.config import to_dict
 from loom.parallel.mixed_precision import master_window
 from loom.pipeline.paths_runtime import PathPipeline
 from loom.train import checkpoint
+from loom.parallel.vocab_pipeline import row_slices
 from loom.train.checkpoint_state import (experts_by_name_as_slices, load_training_state,
-                                         local_values, training_state)
+                                         local_values, training_state, zero_slices_by_name)
 
 if TYPE_CHECKING:  # the trainer imports this module
     from loom.train.trainer import Trainer
@@ -48,10 +49,22 @@ def checkpoint_tensors(trainer: Trainer) -> dict[str, Any]:
     if trainer.outer is None:
         return state
     outer = trainer.outer.state_dict()  # co2: waits for the average in flight (kept pending)
-    # expert shards as boxes of the global tensors, as the weights are (every rank, same order)
-    state["outer"] = {key: experts_by_name_as_slices(trainer.model, trainer.ep, value)
-                      for key, value in outer.items() if isinstance(value, dict)}
+    state["outer"] = {key: _outer_tensors(trainer, value) for key, value in outer.items()
+                      if isinstance(value, dict)}
     return {f"replica{trainer.replica}": state}
+
+
+def _outer_tensors(trainer: Trainer, by_name: dict[str, Any]) -> dict[str, Any]:
+    """One of the outer loop's per-parameter states, saved under the model's parameter names and
+    full shapes so it reshards: under ZeRO-1/2 its entries are the optimizer's slices
+    (``Trainer._outer_loop``), saved as the moments are; expert shards as boxes of the global
+    tensors, as the weights are (collective: every rank, the same order). A load fills the
+    outer loop's buffers in place (these are views of them)."""
+    if trainer.zero is not None:
+        per_bucket = [by_name[f"zero.bucket{i}"] for i in range(len(trainer.zero.buckets))]
+        return zero_slices_by_name(trainer.zero, per_bucket, trainer.ep,
+                                   row_slices(trainer.model))
+    return experts_by_name_as_slices(trainer.model, trainer.ep, by_name)
 
 
 def _compression_state(trainer: Trainer) -> dict[str, Any]:
@@ -135,6 +148,9 @@ def _load(trainer: Trainer, path: Path, verified: bool) -> None:
     if trainer.outer is not None:
         tensors = tensors[f"replica{trainer.replica}"]
         outer = {key: local_values(value) for key, value in tensors.pop("outer").items()}
+        if trainer.zero is not None:  # filled in place: the loop's own views, by its names
+            outer = {key: value for key, value in trainer.outer.state_dict().items()
+                     if isinstance(value, dict)}
         trainer.outer.load_state_dict({**extra["outer"], **outer})
     load_training_state(trainer.model, trainer.optimizer, tensors, zero=trainer.zero)
     trainer.step = int(extra["step"])

@@ -248,7 +248,12 @@ class Trainer:
         par = self.config.parallel
         if par.dp_mode == "sync":
             return None
-        return OuterLoop(self.model.named_parameters(),
+        # ZeRO-1/2: the slices this rank's optimizer owns (every dp_shard rank holds its
+        # replica's whole model; each sends only its slices, and ``train_step`` re-gathers
+        # them inside the replica after an outer step)
+        params = (self.model.named_parameters() if self.zero is None else
+                  [(f"zero.bucket{i}", bucket.shard) for i, bucket in enumerate(self.zero.buckets)])
+        return OuterLoop(params,
                          self.meshes.root["dp_replicate"].get_group(), mode=par.dp_mode,
                          outer_steps=par.outer_steps, outer_lr=par.outer_lr,
                          outer_momentum=par.outer_momentum, seed=self.config.train.seed,
@@ -276,7 +281,9 @@ class Trainer:
         self._reduce_expert_gradients()
         metrics = self._optimizer_step(loss_sum)
         if self.outer is not None:  # every H inner steps, the outer step across the replicas
-            self.outer.after_inner_step(self.step)
+            merged = self.outer.after_inner_step(self.step)
+            if merged and self.zero is not None:  # the slices it merged, into every parameter
+                self.zero.gather_parameters()
         if self.aux_coef and self.aux_step_scale is not None:  # documents: a token mean
             metrics["moe_aux_loss"] = self._mean_over_dp(self.pipeline.aux_loss
                                                          * self.aux_step_scale)

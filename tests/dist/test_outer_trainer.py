@@ -275,9 +275,12 @@ def test_the_outer_step_changes_the_weights(dist, small_data_dir):
 # -- composition: the outer loop over replicas that are themselves split ------------------------
 @pytest.mark.parametrize("layout", [
     dict(dp_shard=2, zero_stage=3),  # ZeRO-3 (FSDP2) inside each replica: no HSDP across them
+    # ZeRO-1/2: each rank merges only the slices its optimizer owns, then re-gathers them
+    dict(dp_shard=2, zero_stage=1),
+    dict(dp_shard=2, zero_stage=2),
     dict(tp=2, sequence_parallel=True),
     dict(pp=2, schedule="1f1b"),
-], ids=["zero3", "tp2-sp", "pp2"])
+], ids=["zero3", "zero1", "zero2", "tp2-sp", "pp2"])
 def test_diloco_composes_with_a_layout_inside_each_replica(dist, small_data_dir, layout):
     """dp_replicate = 2 replicas of 2 ranks each equal dp_replicate = 2 replicas of one rank
     (which (c) proves against single processes), to the layouts' own parity tolerance."""
@@ -383,6 +386,8 @@ RESUMES = [
     ("diloco", dict(outer_steps=2, outer_lr=0.7, outer_momentum=0.9)),
     ("diloco", dict(outer_steps=2, outer_lr=0.7, outer_momentum=0.9, dp_shard=2,
                     zero_stage=3)),
+    ("co2", dict(outer_steps=2, outer_lr=0.7, outer_momentum=0.9, co2_clip=0.01, dp_shard=2,
+                 zero_stage=1)),
     ("diloco", dict(outer_steps=4, outer_lr=0.7, outer_momentum=0.9, outer_fragments=2)),
     ("noloco", dict(outer_steps=2, outer_lr=0.7, outer_momentum=0.9)),
     ("co2", dict(outer_steps=2, outer_lr=0.7, outer_momentum=0.9, co2_clip=0.01)),
@@ -390,9 +395,11 @@ RESUMES = [
 
 
 # matrix: ZeRO-3 inside the replicas (its resume runs in tests/dist/test_checkpoint_resume.py)
-# CI: streaming DiLoCo (its fragments hold plain DiLoCo's state and more), NoLoCo, CO2
-@pytest.mark.parametrize("mode, options", matrix(RESUMES, ci=[RESUMES[i] for i in (2, 3, 4)]),
-                         ids=["diloco", "diloco-zero3", "diloco-streaming", "noloco", "co2"])
+# and CO2 over ZeRO-1's slices; CI: streaming DiLoCo (its fragments hold plain DiLoCo's state
+# and more), NoLoCo, CO2
+@pytest.mark.parametrize("mode, options", matrix(RESUMES, ci=[RESUMES[i] for i in (2, 3, 4, 5)]),
+                         ids=["diloco", "diloco-zero3", "co2-zero1", "diloco-streaming", "noloco",
+                              "co2"])
 def test_checkpoint_resume_is_bit_exact(dist, small_data_dir, tmp_path, mode, options):
     # stop at 5: after outer steps have built momentum (co2: an average in flight; streaming:
     # one fragment merged since the other), in the middle of a window
@@ -414,6 +421,17 @@ def test_checkpoint_resume_is_bit_exact(dist, small_data_dir, tmp_path, mode, op
 def _outer_state(trainer: Trainer) -> dict[str, torch.Tensor]:
     """The outer loop's snapshot and momentum, full tensors by name (collective under ZeRO-3)."""
     state = trainer.outer.state_dict()
+    if trainer.zero is not None:  # ZeRO-1/2: the optimizer's slices, gathered and cut by name
+        out = {}
+        for key in ("snapshot", "momentum"):
+            for i, bucket in enumerate(trainer.zero.buckets):
+                slice_ = state[key][f"zero.bucket{i}"].contiguous()
+                full = slice_.new_empty(bucket.flat.numel())
+                torch_dist.all_gather_into_tensor(full, slice_, group=bucket.shards.group)
+                for name, param in zip(bucket.names, bucket.params):
+                    at = bucket.offsets[id(param)]
+                    out[f"{key}/{name}"] = full[at:at + param.numel()].view(param.shape).cpu()
+        return out
     out = {f"{key}/{name}": (v.full_tensor() if isinstance(v, DTensor) else v).cpu().clone()
            for key in ("snapshot", "momentum") for name, v in state[key].items()}
     if trainer.ep is not None:  # the experts' entries stacked back over ep (collective)
@@ -490,3 +508,20 @@ def test_an_expert_parallel_replica_resumes_and_reshards(dist, small_data_dir, t
             assert set(got[part]) == set(want[part])
             assert all(torch.equal(got[part][n], want[part][n]) for n in want[part]), \
                 f"rank {rank} {part}"
+
+
+def test_a_zero1_replica_checkpoint_reshards_to_one_rank_replicas(dist, small_data_dir, tmp_path):
+    """Saved by replicas of two ZeRO-1 ranks (the outer state held as the optimizer's slices),
+    loaded by replicas of one rank: every weight and the outer snapshot and momentum, bit for
+    bit, by parameter name."""
+    options = dict(outer_steps=2, outer_lr=0.7, outer_momentum=0.9)
+    saved = dist.run(4, save_after, outer_config(4, "diloco", dp_shard=2, zero_stage=1,
+                                                 **options), small_data_dir, str(tmp_path), 5)
+    loaded = dist.run(2, load_into, outer_config(2, "diloco", **options), small_data_dir,
+                      saved[0]["path"])
+    for rank, got in enumerate(loaded):
+        want = next(s for s in saved if s["replica"] == got["replica"])
+        assert set(got["weights"]) == set(want["weights"])
+        assert all(torch.equal(got["weights"][n], want["weights"][n]) for n in want["weights"])
+        assert set(got["outer"]) == set(want["outer"])
+        assert all(torch.equal(got["outer"][n], want["outer"][n]) for n in want["outer"]), rank
