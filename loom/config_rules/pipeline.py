@@ -154,9 +154,8 @@ def _validate_tied_pipeline(config: Config, schedule) -> None:
         raise ConfigError("parallel.dp_shard", par.dp_shard,
                           f"schedule {par.schedule!r} puts the first and last stage on one rank,"
                           " where a tied embedding is one Parameter shared by two stages, and"
-                          f" ZeRO-{par.zero_stage} cannot shard it in both; use dp_replicate"
-                          " or a looped"
-                          " schedule (1f1b, interleaved_1f1b, zb_h1 ...)")
+                          f" ZeRO-{par.zero_stage} cannot shard it in both; use dp_replicate or"
+                          " a looped schedule (1f1b, interleaved_1f1b, zb_h1 ...)")
 
 
 def _validate_routes(config: Config, schedule, how: str) -> None:

@@ -108,13 +108,14 @@ co2 the last displacement and the pending average (16 in all).
 Composition. The object takes the parameters as they are after ``parallelize``: plain tensors
 or DTensors (tp, FSDP2), whose ``_local_tensor`` it reads and writes in place — the replica group
 only ever combines identically sharded local tensors (under expert parallelism an ep rank's
-experts: the group pairs one ep coordinate across replicas, so the same experts). Call ``after_inner_step`` after the inner
-optimizer step (under FSDP2 the parameters are then sharded, which is what it must see), on every
-rank of every replica. Replicas must start from identical weights. Under Loom's ZeRO-1/2 every
-dp_shard rank holds its replica's whole model: given all of it, each dp_shard rank would send the
-whole model across replicas (dp_shard times the bytes), so the trainer gives each rank only the
-slices its optimizer owns (``Trainer._outer_loop``: one tensor per bucket) and re-gathers them
-inside the replica after an outer step (one all-gather of the model per H steps).
+experts: the group pairs one ep coordinate across replicas, so the same experts). Call
+``after_inner_step`` after the inner optimizer step (under FSDP2 the parameters are then
+sharded, which is what it must see), on every rank of every replica. Replicas must start
+from identical weights. Under Loom's ZeRO-1/2 every dp_shard rank holds its replica's whole
+model: given all of it, each dp_shard rank would send the whole model across replicas
+(dp_shard times the bytes), so the trainer gives each rank only the slices its optimizer owns
+(``Trainer._outer_loop``: one tensor per bucket) and re-gathers them inside the replica after
+an outer step (one all-gather of the model per H steps).
 
 Checkpoints. ``state_dict`` holds the counters, the snapshot and momentum (and co2's displacement
 and pending average, after waiting for it), by parameter name; a DTensor parameter's state is a

@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from loom.config import to_dict
 from loom.parallel.mixed_precision import master_window
+from loom.parallel.vocab_pipeline import row_slices
 from loom.pipeline.paths_runtime import PathPipeline
 from loom.train import checkpoint
-from loom.parallel.vocab_pipeline import row_slices
 from loom.train.checkpoint_state import (experts_by_name_as_slices, load_training_state,
                                          local_values, training_state, zero_slices_by_name)
 
