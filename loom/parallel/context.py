@@ -325,9 +325,9 @@ class DocumentCountsSum:
         return self._slots[documents]
 
     def __call__(self, counts_BDX: torch.Tensor) -> torch.Tensor:
-        summed = counts_BDX.detach().clone()
-        comm.all_reduce(summed, self.g.group, axis=self.g.axis, ledger=self.g.ledger)
-        return summed
+        # in place: the caller's fresh counts, which carry no gradient
+        comm.all_reduce(counts_BDX, self.g.group, axis=self.g.axis, ledger=self.g.ledger)
+        return counts_BDX
 
 
 def apply_context_parallel(model: nn.Module, groups: CPGroups,

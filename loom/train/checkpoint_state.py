@@ -316,19 +316,13 @@ def experts_by_name_as_slices(model: nn.Module, ep: Any | None,
     """A per-parameter state other than the optimizer's (the outer loop's snapshot, momentum,
     ...: ``name -> tensor`` shaped like the parameter) with each expert entry made this ep
     rank's box of the global tensor, as the weights are (collective over the job when ep > 1;
-    ``local_values`` undoes it after a load, which fills the boxes in place)."""
+    a load fills the boxes in place, so the tensors of ``by_name`` hold the loaded values)."""
     if ep is None:
         return by_name
     state = dict(by_name)
     _as_slices(expert_parameter_names(model) & set(state),
                lambda name, value: _expert_pieces(value, ep), state, {})
     return state
-
-
-def local_values(state: dict[str, Any]) -> dict[str, Any]:
-    """``experts_by_name_as_slices`` undone: each ShardedTensor replaced by the rank's own
-    tensor it views."""
-    return _locals(state)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from loom.parallel.vocab_pipeline import row_slices
 from loom.pipeline.paths_runtime import PathPipeline
 from loom.train import checkpoint
 from loom.train.checkpoint_state import (experts_by_name_as_slices, load_training_state,
-                                         local_values, training_state, zero_slices_by_name)
+                                         training_state, zero_slices_by_name)
 
 if TYPE_CHECKING:  # the trainer imports this module
     from loom.train.trainer import Trainer
@@ -147,10 +147,9 @@ def _load(trainer: Trainer, path: Path, verified: bool) -> None:
     extra = checkpoint.load(path, tensors, device=trainer.ctx.device, verified=verified)
     if trainer.outer is not None:
         tensors = tensors[f"replica{trainer.replica}"]
-        outer = {key: local_values(value) for key, value in tensors.pop("outer").items()}
-        if trainer.zero is not None:  # filled in place: the loop's own views, by its names
-            outer = {key: value for key, value in trainer.outer.state_dict().items()
-                     if isinstance(value, dict)}
+        del tensors["outer"]  # loaded in place into the loop's buffers (``_outer_tensors``)
+        outer = {key: value for key, value in trainer.outer.state_dict().items()
+                 if isinstance(value, dict)}
         trainer.outer.load_state_dict({**extra["outer"], **outer})
     load_training_state(trainer.model, trainer.optimizer, tensors, zero=trainer.zero)
     trainer.step = int(extra["step"])
