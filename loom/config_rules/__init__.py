@@ -535,12 +535,6 @@ def _validate_context_parallel(config: Config) -> None:
         raise ConfigError("parallel.cp_ulysses", par.cp_ulysses,
                           f"must divide parallel.cp = {par.cp}")
     layout = CPLayout.from_mode(par.cp_mode, par.cp, par.cp_ulysses)
-    if m.sliding_window and layout.ring > 1:
-        raise ConfigError("model.sliding_window", m.sliding_window,
-                          f"sliding-window attention under ring attention (parallel.cp ="
-                          f" {par.cp}, cp_mode = {par.cp_mode}, ring degree {layout.ring}) is not"
-                          " implemented: the ring's blocks would attend past the window; use"
-                          " parallel.cp_mode = \"ulysses\" (exact) or cp = 1")
     try:
         check_layout(layout, config.data.seq_len, m.n_heads // par.tp, m.n_kv_heads // par.tp)
     except ValueError as err:

@@ -57,9 +57,11 @@ core runs ``zeppelin_cp.sub_ring_attention``: each group's ring on its own proce
 nothing sent for whole documents.
 
 Sliding-window attention (``model.sliding_window``): the Ulysses core sees the whole sequence
-in global order and applies the window exactly; the ring's blocks are plain causal and would
-attend past it, so a ring degree > 1 with a window is refused (here, and by name in
-``loom.config_rules``) rather than computing full attention silently.
+in global order and applies the window there. A ring (or all-gather) of degree > 1 runs each
+block under the window too: the blocks' masks come from the tokens' positions
+(``context_documents.window_keys`` for concatenated rows, the documents' own masks otherwise),
+so a block wholly past the window is skipped (its keys still travel) and one wholly inside it
+keeps torch's kernel; only the window's edge runs as a masked fp32 tile.
 
 Degree 1: ``apply_context_parallel`` returns the model untouched; nothing is communicated.
 Why hand-written: torch's context parallelism has no CPU backward and no causal load balancing
@@ -87,7 +89,7 @@ from loom.parallel.allgather_attention import (allgather_attention,
                                                document_allgather_attention)
 from loom.parallel.comm import CommLedger
 from loom.parallel.context_documents import (DocumentKeys, document_keys, document_ring_attention,
-                                             document_shard_indices, take_shard)
+                                             document_shard_indices, take_shard, window_keys)
 from loom.parallel.ring_attention import Ring, ring_attention, zigzag_positions
 from loom.parallel.zeppelin_cp import (SubRingKeys, new_sub_rings, sub_ring_attention,
                                        sub_ring_keys)
@@ -212,17 +214,15 @@ def new_cp_groups(cp_rank_groups: Sequence[Sequence[int]], layout: CPLayout,
 class ContextParallelAttention:
     """A drop-in ``Attention.core``: queries ``[B, N, S/cp, Hd]``, un-repeated keys/values
     ``[B, K, S/cp, Hd]`` of this rank's shard -> its attention output ``[B, N, S/cp, Hd]``.
-    ``window`` > 0: sliding-window attention, Ulysses only (module docstring). With
+    ``window`` > 0: sliding-window attention, in every cp mode (module docstring). With
     ``documents`` (the shard's ``DocumentMask``, ids and positions from ``shard_documents``)
     attention stays inside each document (``loom.parallel.context_documents``)."""
 
     def __init__(self, groups: CPGroups, ledger: CommLedger | None = None, axis: str = "cp",
                  window: int = 0):
-        if window and groups.layout.ring > 1:
-            raise ValueError(f"sliding_window={window} with a ring of {groups.layout.ring} cp"
-                             " ranks: ring attention does not apply the window; use cp_mode"
-                             " 'ulysses'")
         self.window = window
+        # concatenated rows' block tiles under the window, by (group tokens, device)
+        self._window_keys: dict[tuple[int, Any], DocumentKeys] = {}
         # Attention.forward hands packed rows' documents to a core that says so (an instance
         # attribute: selective recompute's functools.wraps copies it onto its wrapper)
         self.takes_documents = True
@@ -244,17 +244,19 @@ class ContextParallelAttention:
             keys = self._keys.get(documents)
             if keys is None and self.sub_rings is not None and documents.shape[0] == 1:
                 keys = self._keys[documents] = sub_ring_keys(documents, self.sub_rings, self.cp,
-                                                             self.ledger, self.axis)
+                                                             self.ledger, self.axis, self.window)
             if keys is None:  # the forward's first layer: one all-gather of ids and positions
                 ring_index = self.ring.index if self.ring is not None else 0
                 keys = self._keys[documents] = document_keys(
                     documents, self.cp, self.layout.ring, self.layout.ulysses, ring_index,
-                    self.ledger, self.axis)
+                    self.ledger, self.axis, self.window)
         if isinstance(keys, SubRingKeys):  # whole documents local, grouped ones on sub-rings
             return sub_ring_attention(q_BNSH, k_BKSH, v_BKSH, keys)
         if self.ulysses is not None:
             q_BNSH, k_BKSH, v_BKSH = (_Redistribute.apply(t, self.ulysses, True)
                                       for t in (q_BNSH, k_BKSH, v_BKSH))
+        if keys is None and self.window and self.ring is not None:
+            keys = self._windowed_rows(q_BNSH.shape[2], q_BNSH.device)
         if keys is not None and self.ring is not None and self.layout.gather:
             out_BNSH = document_allgather_attention(q_BNSH, k_BKSH, v_BKSH, self.ring, keys)
         elif keys is not None and self.ring is not None:
@@ -270,6 +272,18 @@ class ContextParallelAttention:
         if self.ulysses is not None:
             out_BNSH = _Redistribute.apply(out_BNSH, self.ulysses, False)
         return out_BNSH
+
+    def _windowed_rows(self, group_tokens: int, device: torch.device) -> DocumentKeys | None:
+        """The ring's block tiles for concatenated rows under the sliding window; None when
+        the window spans the whole sequence (plain causal attention is then exact)."""
+        seq_len = group_tokens * self.ring.size
+        if self.window >= seq_len:
+            return None
+        key = (group_tokens, device)
+        if key not in self._window_keys:
+            self._window_keys[key] = window_keys(seq_len, self.ring.size, self.ring.index,
+                                                 self.window, device)
+        return self._window_keys[key]
 
 
 # -- mixture of experts: the balancing loss's statistics of split sequences --------------------

@@ -73,7 +73,8 @@ from loom.parallel import comm
 from loom.parallel.comm import CommLedger
 from loom.parallel.ring_attention import (GradientRelay, Ring, attend_block,
                                           attend_block_backward, attend_block_backward_math,
-                                          attend_block_math, finite, ring_hops)
+                                          attend_block_math, finite, ring_hops,
+                                          zigzag_positions)
 
 PAD_SLOT = -1  # a shard's gather index for a padding slot
 PAD_KEY = -1  # the document id of cp padding; real documents are run ordinals >= 0
@@ -169,6 +170,14 @@ def _position_runs(index: np.ndarray, positions: np.ndarray) -> list[np.ndarray]
     return np.split(index, cuts)
 
 
+def _visible(ids_q: Any, pos_q: Any, ids_k: Any, pos_k: Any, window: int) -> Any:
+    """Which keys each query sees (numpy or torch, the last two axes queries x keys): its own
+    document, at or before its position, and inside the sliding window if there is one."""
+    distance = pos_q[..., :, None] - pos_k[..., None, :]
+    allowed = (ids_q[..., :, None] == ids_k[..., None, :]) & (distance >= 0)
+    return allowed & (distance < window) if window else allowed
+
+
 @dataclass(frozen=True)
 class DocumentKeys:
     """What the cp core needs of one forward's documents: the whole row's ``DocumentMask``
@@ -181,7 +190,7 @@ class DocumentKeys:
 
 def document_tiles(ids_q: np.ndarray, pos_q: np.ndarray, ids_k: np.ndarray, pos_k: np.ndarray,
                    device: torch.device, tile_tokens: int = TILE_TOKENS,
-                   own_keys: bool = False) -> tuple[Tile, ...]:
+                   own_keys: bool = False, window: int = 0) -> tuple[Tile, ...]:
     """One row's block cut per document: for every real document (id >= 0; cp padding sees
     nothing and is seen by nothing real) present among the queries and the keys, its queries
     against its keys, consecutive documents merged while the tile's queries stay within
@@ -199,7 +208,12 @@ def document_tiles(ids_q: np.ndarray, pos_q: np.ndarray, ids_k: np.ndarray, pos_
     (runs of consecutive positions) on both sides; a chunk pair is either fully visible (every
     key at or before the first query) or not at all (chunks of different ranks never overlap),
     so it becomes a ``full`` tile on torch's kernel, or nothing; a pair that overlaps (not made
-    by the cp sharding) keeps the document masked."""
+    by the cp sharding) keeps the document masked.
+
+    ``window`` W > 0 (sliding-window attention): a key is also visible only while
+    ``position_q - position_k < W``. A causal tile stays one while its document's span here is
+    under W, a full chunk pair while its farthest pair is; a pair wholly past the window is
+    dropped (nothing computed), and the rest are masked tiles with the window in their mask."""
     def runs(ids: np.ndarray) -> dict[int, np.ndarray]:
         order = np.argsort(ids, kind="stable")
         values, starts = np.unique(ids[order], return_index=True)
@@ -213,7 +227,8 @@ def document_tiles(ids_q: np.ndarray, pos_q: np.ndarray, ids_k: np.ndarray, pos_
         rest = []
         for d in shared:
             qi = queries[d]
-            if np.array_equal(qi, keys[d]) and bool(np.all(np.diff(pos_q[qi]) > 0)):
+            if (np.array_equal(qi, keys[d]) and bool(np.all(np.diff(pos_q[qi]) > 0))
+                    and not (window and pos_q[qi[-1]] - pos_q[qi[0]] >= window)):
                 tiles.append(Tile(torch.from_numpy(qi).to(device),
                                   torch.from_numpy(qi).to(device),
                                   torch.ones(1, 1, 1, dtype=torch.bool, device=device), "causal"))
@@ -229,9 +244,13 @@ def document_tiles(ids_q: np.ndarray, pos_q: np.ndarray, ids_k: np.ndarray, pos_
             pairs, overlap = [], False
             for q_run in _position_runs(queries[d], pos_q):
                 for k_run in _position_runs(keys[d], pos_k):
-                    if pos_k[k_run[-1]] <= pos_q[q_run[0]]:
+                    nearest = pos_q[q_run[0]] - pos_k[k_run[-1]]
+                    farthest = pos_q[q_run[-1]] - pos_k[k_run[0]]
+                    if window and nearest >= window:
+                        continue  # every key of the pair is past every query's window
+                    if nearest >= 0 and not (window and farthest >= window):
                         pairs.append((q_run, k_run))
-                    elif pos_k[k_run[0]] <= pos_q[q_run[-1]]:
+                    elif farthest >= 0:
                         overlap = True
             if overlap:
                 rest.append(d)
@@ -253,8 +272,7 @@ def document_tiles(ids_q: np.ndarray, pos_q: np.ndarray, ids_k: np.ndarray, pos_
     for docs in groups:
         qi = np.concatenate([queries[d] for d in docs])
         ki = np.concatenate([keys[d] for d in docs])
-        allowed = ((ids_q[qi][:, None] == ids_k[ki][None, :])
-                   & (pos_k[ki][None, :] <= pos_q[qi][:, None]))
+        allowed = _visible(ids_q[qi], pos_q[qi], ids_k[ki], pos_k[ki], window)
         if allowed.any():
             tiles.append(Tile(torch.from_numpy(qi).to(device), torch.from_numpy(ki).to(device),
                               torch.from_numpy(allowed)[None].to(device)))
@@ -262,9 +280,11 @@ def document_tiles(ids_q: np.ndarray, pos_q: np.ndarray, ids_k: np.ndarray, pos_
 
 
 def document_keys(documents: DocumentMask, group: Any, ring: int, ulysses: int, ring_index: int,
-                  ledger: CommLedger | None = None, axis: str = "cp") -> DocumentKeys:
+                  ledger: CommLedger | None = None, axis: str = "cp",
+                  window: int = 0) -> DocumentKeys:
     """All-gather the shard's (document id, position) pairs over the cp group (one call of
-    ``2 * B * S_loc`` int64 per rank) and derive the row's mask or the ring's block masks."""
+    ``2 * B * S_loc`` int64 per rank) and derive the row's mask or the ring's block masks
+    (with a sliding ``window``, in them; the row's mask takes it at attention time)."""
     positions = documents.known_positions
     if positions is None:
         raise ValueError("context-parallel document attention needs each token's position in"
@@ -286,14 +306,31 @@ def document_keys(documents: DocumentMask, group: Any, ring: int, ulysses: int, 
         for step in range(ring):
             ids_k, pos_k = by_group[(ring_index - step) % ring]
             tiles = document_tiles(*q_np, ids_k[0].cpu().numpy(), pos_k[0].cpu().numpy(),
-                                   ids_q.device, own_keys=step == 0)
+                                   ids_q.device, own_keys=step == 0, window=window)
             masks.append(tiles or None)
         return DocumentKeys(None, tuple(masks))
     for step in range(ring):
         ids_k, pos_k = by_group[(ring_index - step) % ring]
-        allowed = ((ids_q[:, :, None] == ids_k[:, None, :])
-                   & (pos_k[:, None, :] <= pos_q[:, :, None]))
+        allowed = _visible(ids_q, pos_q, ids_k, pos_k, window)
         masks.append(allowed if bool(allowed.any()) else None)
+    return DocumentKeys(None, tuple(masks))
+
+
+def window_keys(seq_len: int, ring: int, ring_index: int, window: int,
+                device: torch.device) -> DocumentKeys:
+    """The ring's blocks for concatenated rows (every row one sequence at positions 0..S-1,
+    sharded zig-zag as ``ring_attention`` shards it) under a sliding ``window``: the whole row
+    is one document to ``document_tiles``, so a block wholly past the window is skipped, one
+    wholly inside it runs on torch's kernel (causal on the diagonal, full elsewhere), and the
+    window's edge is a masked tile. Every row has the same positions, so the tiles serve all
+    of them. Nothing is communicated: the positions follow from the layout."""
+    pos_q = zigzag_positions(seq_len, ring_index, ring).numpy()
+    zeros = np.zeros(len(pos_q), dtype=np.int64)
+    masks = []
+    for step in range(ring):
+        pos_k = zigzag_positions(seq_len, (ring_index - step) % ring, ring).numpy()
+        masks.append(document_tiles(zeros, pos_q, zeros, pos_k, device, own_keys=step == 0,
+                                    window=window) or None)
     return DocumentKeys(None, tuple(masks))
 
 
@@ -404,4 +441,4 @@ def document_ring_attention(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: 
 
 __all__ = ["DocumentKeys", "PAD_KEY", "PAD_SLOT", "TILE_TOKENS", "Tile", "block_backward",
            "block_forward", "document_keys", "document_ring_attention", "document_shard_indices",
-           "document_tiles", "merge_masked", "run_ordinals", "take_shard"]
+           "document_tiles", "merge_masked", "run_ordinals", "take_shard", "window_keys"]

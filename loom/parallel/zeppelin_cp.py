@@ -104,6 +104,7 @@ rank's tokens, n a member's tokens of one ring's documents, Hd head dim, g a rin
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
@@ -238,6 +239,7 @@ class SubRingKeys:
     attention_real: int = 0
     linear_rows: int = 0
     linear_real: int = 0
+    window: int = 0  # model.sliding_window (0: none), in the tiles and for the whole documents
 
 
 def _plain_runs(ids: np.ndarray, pos: np.ndarray, docs: set[int]) -> set[int]:
@@ -252,7 +254,8 @@ def _plain_runs(ids: np.ndarray, pos: np.ndarray, docs: set[int]) -> set[int]:
 
 
 def sub_ring_keys(documents: DocumentMask, sub_rings: SubRings, cp_group: Any,
-                  ledger: CommLedger | None = None, axis: str = "cp") -> SubRingKeys:
+                  ledger: CommLedger | None = None, axis: str = "cp",
+                  window: int = 0) -> SubRingKeys:
     """Gather every cp rank's (document id, position) pairs (an all-gather of the token
     counts, then one of the pairs padded to the longest, ``2 x L_max`` int64 per rank) and
     derive the plan: each document's block (``ring_block`` of the ranks that hold it), this
@@ -278,13 +281,13 @@ def sub_ring_keys(documents: DocumentMask, sub_rings: SubRings, cp_group: Any,
     ids = [pairs[p, 0, :n] for p, n in enumerate(counts.tolist())]
     pos = [pairs[p, 1, :n] for p, n in enumerate(counts.tolist())]
     if sub_rings.remap is None:
-        return _plan(ids, pos, sub_rings, ledger, axis, device)
-    return _remapped_plan(ids, pos, sub_rings, cp_group, ledger, axis, device)
+        return _plan(ids, pos, sub_rings, ledger, axis, device, window)
+    return _remapped_plan(ids, pos, sub_rings, cp_group, ledger, axis, device, window)
 
 
 def _remapped_plan(ids: list[np.ndarray], pos: list[np.ndarray], sub_rings: SubRings,
                    cp_group: Any, ledger: CommLedger | None, axis: str,
-                   device: torch.device) -> SubRingKeys:
+                   device: torch.device, window: int = 0) -> SubRingKeys:
     """``data.zeppelin_remap``: ``ids`` and ``pos`` are every rank's linear layout. The
     microbatch's document lengths are their ids' counts (ids are the row's run ordinals), so
     every rank recomputes the placement the trainer cut the shards by (``RemapPlacement``),
@@ -307,14 +310,15 @@ def _remapped_plan(ids: list[np.ndarray], pos: list[np.ndarray], sub_rings: SubR
     attention = [partition.token_indices(p) for p in range(cp)]
     ids_a = [row_ids[a] if len(a) else np.array([PAD_KEY]) for a in attention]
     pos_a = [row_pos[a] if len(a) else np.zeros(1, dtype=np.int64) for a in attention]
-    keys = _plan(ids_a, pos_a, sub_rings, ledger, axis, device)
+    keys = _plan(ids_a, pos_a, sub_rings, ledger, axis, device, window)
     remap = build_remap(attention, me, cp_group, linear, ledger=ledger)
     return replace(keys, remap=remap, attention_real=len(attention[me]),
                    linear_rows=len(ids[me]), linear_real=len(linear[me]))
 
 
 def _plan(ids: list[np.ndarray], pos: list[np.ndarray], sub_rings: SubRings,
-          ledger: CommLedger | None, axis: str, device: torch.device) -> SubRingKeys:
+          ledger: CommLedger | None, axis: str, device: torch.device,
+          window: int = 0) -> SubRingKeys:
     """``sub_ring_keys``' plan from every rank's (document id, position) pairs."""
     cp = len(ids)
     holders: dict[int, list[int]] = {}
@@ -333,7 +337,8 @@ def _plan(ids: list[np.ndarray], pos: list[np.ndarray], sub_rings: SubRings,
                    for p in range(cp)]  # other ranks' "plain" ids are never in my rings
     ids_e = [ids[p][engine_rows[p]] for p in range(cp)]
     pos_e = [pos[p][engine_rows[p]] for p in range(cp)]
-    own = document_tiles(ids_e[me], pos_e[me], ids_e[me], pos_e[me], device, own_keys=True)
+    own = document_tiles(ids_e[me], pos_e[me], ids_e[me], pos_e[me], device, own_keys=True,
+                         window=window)
     rings = []
     for start, size in aligned_blocks(cp):
         if not start <= me < start + size:
@@ -347,14 +352,15 @@ def _plan(ids: list[np.ndarray], pos: list[np.ndarray], sub_rings: SubRings,
         for hop in range(1, size):
             src = start + (j - hop) % size
             tiles.append(document_tiles(ids_e[me], pos_e[me], ids_e[src][held[src - start]],
-                                        pos_e[src][held[src - start]], device))
+                                        pos_e[src][held[src - start]], device, window=window))
         ring = Ring(sub_rings.group((start, size)), sub_rings.members[start:start + size], j,
                     ledger, axis)
         rings.append(RingPart(ring, tuple(int(h.sum()) for h in held),
                               torch.from_numpy(np.flatnonzero(held[j])).to(device),
                               tuple(tiles)))
     return SubRingKeys(len(ids[me]), whole, torch.from_numpy(whole_rows).to(device),
-                       torch.from_numpy(engine_rows[me]).to(device), own, tuple(rings))
+                       torch.from_numpy(engine_rows[me]).to(device), own, tuple(rings),
+                       window=window)
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -477,12 +483,14 @@ def _attend(q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch.Tensor,
             keys: SubRingKeys) -> torch.Tensor:
     """``sub_ring_attention`` on the layout ``keys`` plans (the shard's, or the attention
     layout when remapped)."""
-    if keys.whole is not None and len(keys.whole_index) == keys.rows:  # all whole, in order
-        return keys.whole.attention(q_BNLH, k_BKLH, v_BKLH)
+    whole = (functools.partial(keys.whole.attention, window=keys.window)
+             if keys.whole is not None else None)
+    if whole is not None and len(keys.whole_index) == keys.rows:  # all whole, in order
+        return whole(q_BNLH, k_BKLH, v_BKLH)
     # padding rows attend to nothing: output 0, in the graph (a shard of padding alone has a
     # backward too)
     out_BNLH = q_BNLH * 0
-    for index, attend in ((keys.whole_index, keys.whole.attention if keys.whole else None),
+    for index, attend in ((keys.whole_index, whole),
                           (keys.ring_index, lambda *qkv: _SubRingAttention.apply(*qkv, keys))):
         if len(index):
             part = attend(*(t.index_select(2, index) for t in (q_BNLH, k_BKLH, v_BKLH)))

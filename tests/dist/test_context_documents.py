@@ -9,7 +9,8 @@ layout divides (cp padding, kept out of attention and out of the loss).
 * The sharding: every token lands on exactly one cp rank, every rank the same length, each
   document's tokens spread zig-zag over the ring groups, and pack rows need no padding.
 * The attention core (output, dQ, dK, dV) of cp=2 ring, cp=2 Ulysses, cp=4 hybrid (u=2,
-  r=2) and cp=4 all-gather equals ``DocumentMask.attention`` on the whole row; its
+  r=2) and cp=4 all-gather, without and with a sliding window (``model.sliding_window``,
+  inside each document), equals ``DocumentMask.attention`` on the whole row; its
   communication is the document-free core's plus one all-gather of (id, position) pairs per
   forward.
 * A model (8 query, 4 key/value heads) trained 2 AdamW steps in fp32 on both kinds of batch:
@@ -21,8 +22,7 @@ layout divides (cp padding, kept out of attention and out of the loss).
   varlen and pack under cp=2 all-gather (Llama 3's context parallelism with document masks);
   tp=2 with sequence parallelism x cp=2 (ring: varlen and pack; Ulysses: varlen), whose cp
   shards of odd length are split over tp unevenly.
-* The config accepts pack and varlen in every cp mode and refuses, by name, what is not built
-  on them yet.
+* The config accepts pack and varlen in every cp mode.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import torch.nn.functional as F
 
 from loom.config import load_config, resolve
 from loom.data.packing import IGNORE_INDEX, PAD_DOCUMENT, DocumentBatch
-from loom.errors import ConfigError
 from loom.models.document_attention import DocumentMask
 from loom.models.layers import TransformerArgs
 from loom.models.llama import Transformer, reset_parameters
@@ -43,6 +42,7 @@ from loom.parallel.context import (CPLayout, ContextParallelAttention, apply_con
                                    new_cp_groups, reduce_gradients_over_cp, shard_documents)
 from loom.parallel.context_documents import PAD_SLOT, document_shard_indices
 from loom.testing.parity import assert_parity, layout_config, record_training
+from tests.conftest import matrix
 from tests.data_fixtures import prepared_documents
 
 ARGS = TransformerArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=128, vocab_size=64,
@@ -129,10 +129,14 @@ def cp_document_core(ctx, mode, cp, ulysses, ids, window=0):
     return index, out.detach(), q.grad, k.grad, v.grad
 
 
-@pytest.mark.parametrize("mode, cp, ulysses, window", [
-    *((*layout, 0) for layout in LAYOUTS),
-    ("ulysses", 2, 0, 5),  # a sliding window inside each document: Ulysses sees whole rows
-])
+WINDOWED = [  # a sliding window inside each document: Ulysses sees whole rows; the ring's and
+    ("ulysses", 2, 0, 5),  # all-gather's blocks take it in their masks and tiles
+    ("ring", 2, 0, 5), ("ring", 4, 0, 3), ("hybrid", 4, 2, 12), ("allgather", 4, 0, 5)]
+
+
+@pytest.mark.parametrize("mode, cp, ulysses, window", matrix(
+    [*((*layout, 0) for layout in LAYOUTS), *WINDOWED],
+    ci=[(*layout, 0) for layout in LAYOUTS] + [WINDOWED[0], WINDOWED[1], WINDOWED[4]]))
 @pytest.mark.parametrize("kind", BATCHES)
 def test_the_core_is_document_attention_on_the_whole_row(dist, kind, mode, cp, ulysses, window):
     ids = BATCHES[kind]
@@ -351,12 +355,3 @@ def test_documents_are_accepted_in_every_cp_mode(packing, mode):
     assert config.parallel.cp == 4 and config.data.packing == packing
 
 
-@pytest.mark.parametrize("overrides, world, field, words", [
-    ({"model.sliding_window": "8"}, 2, "model.sliding_window", "ring"),  # ring, not the window
-])
-def test_documents_under_cp_refuse_what_is_not_built_by_name(overrides, world, field, words):
-    for packing in ("pack", "varlen"):
-        with pytest.raises(ConfigError, match=words) as info:
-            _config({"data.packing": packing, "parallel.cp": "2", "parallel.cp_mode": "ring",
-                     **overrides}, world)
-        assert info.value.field_name == field

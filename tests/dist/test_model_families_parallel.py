@@ -10,7 +10,7 @@ checks their gradients and steps 2-3 check forwards that use the trained values.
 
 Context parallelism: Ulysses (cp = 2) sees the whole sequence for its heads and applies the
 sliding window exactly; the local logits and the cp-averaged gradients of one forward/backward
-must equal one process's. (Ring attention refuses a window: ``tests/unit/test_model_families``.)
+must equal one process's. (The ring's and all-gather's window: ``test_context_window.py``.)
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from loom.config import ConfigError, load_config, model_args, resolve
 from loom.models import TransformerArgs, build_model, parameter_count, reset_parameters
 from loom.models.layers import sdpa_causal
 from loom.models.rope import RopeScaling, inverse_frequencies, rope_tables
-from loom.parallel.context import CPGroups, CPLayout, ContextParallelAttention
 
 torch.set_num_threads(1)
 
@@ -182,11 +181,6 @@ def test_fields_are_config_keys() -> None:
      "< model.rope_scaling_high_freq_factor"),
     ({"model.rope_scaling": "linear", "model.rope_scaling_factor": "0"}, 1,
      "model.rope_scaling_factor", "must be > 0"),
-    # Ring attention would attend past the window: refused, never computed as full attention.
-    ({"model.sliding_window": "64", "parallel.cp": "2"}, 2, "model.sliding_window",
-     "ring attention"),
-    ({"model.sliding_window": "64", "parallel.cp": "4", "parallel.cp_mode": "hybrid"}, 4,
-     "model.sliding_window", "ring degree 2"),
 ])
 def test_rules_refuse_naming_the_field(overrides, world: int, field: str, words: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -194,12 +188,9 @@ def test_rules_refuse_naming_the_field(overrides, world: int, field: str, words:
     assert f"{field}=" in str(info.value) and words in str(info.value)
 
 
-def test_a_window_under_ulysses_context_parallelism_is_allowed() -> None:
-    overrides = {"model.sliding_window": "64", "parallel.cp": "2", "parallel.cp_mode": "ulysses"}
-    assert resolve(load_config(None, overrides), 2).model.sliding_window == 64
-
-
-def test_the_ring_core_refuses_a_window_itself() -> None:
-    ring = CPGroups(CPLayout(2, 1), cp_rank=0, cp=None, ulysses=None, ring=None, ring_ranks=(0, 1))
-    with pytest.raises(ValueError, match="ring attention does not apply the window"):
-        ContextParallelAttention(ring, window=8)
+@pytest.mark.parametrize("mode, cp", [("ulysses", 2), ("ring", 2), ("hybrid", 4),
+                                      ("allgather", 2)])
+def test_a_window_is_allowed_in_every_context_parallel_mode(mode: str, cp: int) -> None:
+    # every mode applies the window (tests/dist/test_context_window.py holds them to one process)
+    overrides = {"model.sliding_window": "64", "parallel.cp": str(cp), "parallel.cp_mode": mode}
+    assert resolve(load_config(None, overrides), cp).model.sliding_window == 64
