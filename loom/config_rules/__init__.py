@@ -491,9 +491,6 @@ def _validate_experts(config: Config) -> None:
     """MoE shape rules, and what expert parallelism composes with in this version."""
     m, par = config.model, config.parallel
     require_positive(config, {"model.n_experts": "0: a dense model"}, minimum=0)
-    if m.n_experts > 0 and m.mlp != "swiglu":
-        raise ConfigError("model.mlp", m.mlp, f"must be 'swiglu' with model.n_experts ="
-                          f" {m.n_experts} (the experts are SwiGLU only)")
     if m.n_experts == 0:
         if par.ep > 1:
             raise ConfigError("parallel.ep", par.ep, "expert parallelism needs an MoE model"

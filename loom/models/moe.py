@@ -64,7 +64,8 @@ all second choices, and so on; assignments past C are dropped (that expert contr
 to the token; the residual stream carries it). The kept weights are not renormalised.
 ``capacity_factor = 0`` is dropless: every assignment is computed.
 
-Experts are ``GroupedExperts``: ``w1``, ``w3`` ``[E, D, F]`` and ``w2`` ``[E, F, D]`` stacked
+Experts are ``GroupedExperts`` of the dense MLP's kind (SwiGLU, or GELU without ``w3``):
+``w1``, ``w3`` ``[E, D, F]`` and ``w2`` ``[E, F, D]`` stacked
 along dim 0, so expert parallelism shards dim 0 and keeps global parameter names. The expert
 computation goes through ``MoEFeedForward.dispatcher(x_AD, counts_E, experts)`` (tokens sorted
 by global expert id, counts per global expert); ``loom.parallel.expert`` swaps it for the
@@ -253,19 +254,28 @@ def _assignments(topi_BSK: torch.Tensor, topw_BSK: torch.Tensor, keep_BSK: torch
 
 
 class GroupedExperts(nn.Module):
-    """SwiGLU experts with stacked weights; may hold a contiguous shard of the experts (EP)."""
+    """Experts with stacked weights, the dense MLP's kind (``TransformerArgs.mlp``): SwiGLU
+    ``w2(silu(w1 x) * w3 x)`` or, ``gated=False``, GELU ``w2(gelu(w1 x))`` (tanh approximation,
+    as ``layers.FeedForward``; GPT-style MoE: GShard's, Megatron's GPT without ``--swiglu``),
+    which has no ``w3``. May hold a contiguous shard of the experts (EP)."""
 
-    def __init__(self, n_experts: int, dim: int, hidden: int) -> None:
+    def __init__(self, n_experts: int, dim: int, hidden: int, gated: bool = True) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
-        self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        if gated:
+            self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.gated = gated
 
     def forward(self, x_AD: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows grouped by (local) expert, ``counts[e]`` rows for expert e, in order."""
         outs = []
         for e, x in enumerate(x_AD.split(counts)):  # a loop: CPU has no grouped GEMM
-            outs.append((F.silu(x @ self.w1[e]) * (x @ self.w3[e])) @ self.w2[e])
+            if self.gated:
+                hidden = F.silu(x @ self.w1[e]) * (x @ self.w3[e])
+            else:
+                hidden = F.gelu(x @ self.w1[e], approximate="tanh")
+            outs.append(hidden @ self.w2[e])
         return torch.cat(outs)
 
 
@@ -303,14 +313,11 @@ class MoEFeedForward(nn.Module):
 
     def __init__(self, args: TransformerArgs) -> None:
         super().__init__()
-        if args.mlp != "swiglu":
-            raise ValueError(f"model.mlp={args.mlp!r} with model.n_experts={args.n_experts}: the"
-                             " experts are SwiGLU only; use mlp = 'swiglu' for an MoE model")
         self.n_experts, self.top_k = args.n_experts, args.top_k
         self.capacity_factor, self.renormalize = args.capacity_factor, args.renormalize_top_k
         hidden = args.expert_ffn_dim or args.ffn_dim
         self.router = nn.Linear(args.dim, args.n_experts, bias=False)
-        self.experts = GroupedExperts(args.n_experts, args.dim, hidden)
+        self.experts = GroupedExperts(args.n_experts, args.dim, hidden, args.mlp == "swiglu")
         shared_args = dataclasses.replace(args, ffn_dim=args.n_shared_experts * hidden)
         self.shared = FeedForward(shared_args) if args.n_shared_experts else None
         # The seam for expert parallelism (a plain callable, not a submodule).

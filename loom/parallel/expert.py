@@ -177,7 +177,7 @@ class ExpertTensorParallel:
     ledger: CommLedger | None = None
 
 
-# Placement of each weight over tp: SwiGLU's w1/w3 by columns (the hidden dim), w2 by rows.
+# Placement of each weight over tp: w1 (and SwiGLU's w3) by columns (the hidden dim), w2 by rows.
 _EXPERT_SHARD_DIM = {"w1": 2, "w3": 2, "w2": 1}  # GroupedExperts, [E, D, F] / [E, F, D]
 _SHARED_SHARD_DIM = {"w1.weight": 0, "w3.weight": 0, "w2.weight": 1}  # nn.Linear, [out, in]
 
@@ -347,10 +347,11 @@ def apply_expert_tensor_parallel(moe: MoEFeedForward, tp_mesh: Any, *, sequence_
     etp = ExpertTensorParallel(tp_mesh, tp_mesh.get_group(), tp_mesh.size(), sequence_parallel,
                                ledger)
     for module, dims in ((moe.experts, _EXPERT_SHARD_DIM), (moe.shared, _SHARED_SHARD_DIM)):
-        for name, dim in dims.items() if module is not None else ():
+        # the weights the module has (GELU experts and shared experts have no w3)
+        for name, param in list(module.named_parameters()) if module is not None else ():
+            dim = dims[name]
             owner, _, leaf = name.rpartition(".")
             holder = module.get_submodule(owner) if owner else module
-            param = getattr(holder, leaf)
             value = distribute_tensor(param.detach(), tp_mesh, [Shard(dim)], src_data_rank=None)
             setattr(holder, leaf, nn.Parameter(value, requires_grad=param.requires_grad))
     _compute_on_local_shards(moe.experts)

@@ -4,12 +4,16 @@ without sequence parallelism) and pipeline parallelism trains exactly as one pro
 Same harness and tolerances as tests/dist/test_layouts_parity.py: the debug preset (4 query and
 4 key/value heads) with a GELU MLP of hidden size 4·dim, 3 optimizer steps, fp32. Under tp the
 plan splits ``w1`` by columns and ``w2`` by rows, with no ``w3`` (loom.parallel.tensor).
+
+GELU experts (the tiny MoE preset with ``mlp = "gelu"``: routed and shared experts are
+``w2(gelu(w1 x))``): expert parallelism (ep 2, 4), expert tensor parallelism with SP, ZeRO-3
+over dp_shard x ep and a 1F1B pipeline x ep train exactly as one process does.
 """
 
 import pytest
 
 from loom.testing.parity import assert_parity, layout_config, record_training
-from tests.conftest import SMALL_DATA_OVERRIDES
+from tests.conftest import SMALL_DATA_OVERRIDES, matrix
 
 STEPS = 3
 BASE = {**SMALL_DATA_OVERRIDES, "model.preset": "debug", "model.n_kv_heads": 4,
@@ -50,3 +54,41 @@ def test_gelu_layout_matches_one_process(dist, small_data_dir, reference, layout
         assert_parity(reference, result, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=label,
                       steps=range(1))
         assert_parity(reference, result, rtol=RTOL, atol=ATOL, label=label)
+
+
+# -- GELU experts (an MoE model with mlp = "gelu": GShard's, Megatron's GPT MoE) ----------------
+MOE = {**SMALL_DATA_OVERRIDES, "model.preset": "tiny-moe", "model.mlp": "gelu",
+       "train.steps": STEPS, "train.global_batch_size": 8, "train.micro_batch_size": 2,
+       "optim.warmup_steps": 1, "optim.lr": 1e-3, "train.grad_clip": 1.0}
+MOE_LAYOUTS = {
+    "ep2": (2, {"ep": 2, "dp_replicate": 1}),
+    # expert tensor parallelism: every expert's w1 by columns, w2 by rows, no w3 to split
+    "tp2-sp": (2, {"tp": 2, "sequence_parallel": True}),
+    "zero3-dp2-ep2": (4, {"dp_shard": 2, "ep": 2, "dp_replicate": 1, "zero_stage": 3}),
+    "pp2-ep2": (4, {"pp": 2, "ep": 2, "dp_replicate": 1, "schedule": "1f1b"}),
+    "ep4": (4, {"ep": 4, "dp_replicate": 1}),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_reference(dist, small_data_dir):
+    return dist.run(1, record_training, layout_config(MOE, 1), small_data_dir, STEPS)[0]
+
+
+def test_the_moe_reference_has_gelu_experts(moe_reference):
+    names = set(moe_reference["grads"][0])
+    assert any(name.endswith("experts.w1") for name in names)
+    assert any(name.endswith("experts.w2") for name in names)
+    assert not any("w3" in name for name in names), sorted(names)
+    assert moe_reference["loss"][-1] < moe_reference["loss"][0]
+
+
+@pytest.mark.parametrize("layout", matrix(MOE_LAYOUTS, ci=["ep2", "tp2-sp", "zero3-dp2-ep2"]))
+def test_gelu_experts_match_one_process(dist, small_data_dir, moe_reference, layout):
+    world, parallel = MOE_LAYOUTS[layout]
+    config = layout_config(MOE, world, **parallel)
+    for rank, result in enumerate(dist.run(world, record_training, config, small_data_dir, STEPS)):
+        label = f"gelu experts {layout} rank {rank}"
+        assert_parity(moe_reference, result, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=label,
+                      steps=range(1))
+        assert_parity(moe_reference, result, rtol=RTOL, atol=ATOL, label=label)

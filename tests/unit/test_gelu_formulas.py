@@ -2,7 +2,8 @@
 
 Each expected value is counted from the real module (parameters, saved-for-backward bytes) or
 written out by hand from the formula the docstrings state; none is computed by the code under
-test. The parity of a GELU model under tp / SP / pp with one process: tests/dist/test_gelu_mlp.py.
+test. The parity of a GELU model under tp / SP / pp (and of GELU experts under ep, tp, ZeRO and
+pp) with one process: tests/dist/test_gelu_mlp.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import torch.nn.functional as F
 
 from loom.cli import main
 from loom.config import load_config, resolve
-from loom.errors import ConfigError
 from loom.formulas.flops import model_flops_per_token, training_flops_per_token
 from loom.formulas.memory import block_activation_bytes, korthikanti_block_activation_bytes
 from loom.layout import Layout
@@ -174,12 +174,29 @@ def test_pipeline_partition_weighs_two_matrices():
     assert stage_costs(GELU, 64)["head"] == pytest.approx(64 * 320 / block)
 
 
-def test_gelu_with_experts_is_refused_by_name():
-    with pytest.raises(ConfigError) as err:
-        resolve(load_config(None, {"model.preset": "tiny-moe", "model.mlp": "gelu"}), 1)
-    assert err.value.field_name == "model.mlp" and "SwiGLU" in str(err.value)
-    with pytest.raises(ValueError, match="model.mlp='gelu'"):
-        MoEFeedForward(TransformerArgs(**{**PRESETS["tiny-moe"].__dict__, "mlp": "gelu"}))
+def test_gelu_experts_are_w2_gelu_w1_with_no_w3():
+    """An MoE model with ``mlp = "gelu"`` has GELU experts (and GELU shared experts): each
+    routed expert computes w2(gelu_tanh(w1 x)), as the dense GELU MLP does."""
+    config = resolve(load_config(None, {"model.preset": "tiny-moe", "model.mlp": "gelu"}), 1)
+    assert config.model.mlp == "gelu" and config.model.n_experts > 0
+    args = TransformerArgs(**{**PRESETS["tiny-moe"].__dict__, "mlp": "gelu"})
+    moe = MoEFeedForward(args)
+    assert sorted(n for n, _ in moe.experts.named_parameters()) == ["w1", "w2"]
+    torch.manual_seed(0)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(2, 5, args.dim)
+    routing = moe.route_tokens(x)
+    want = torch.zeros(10, args.dim)
+    for token, expert, weight in zip(routing.token_A.tolist(), routing.expert_A.tolist(),
+                                     routing.weight_A.tolist()):
+        x_t = x.reshape(10, -1)[token]
+        hidden = F.gelu(x_t @ moe.experts.w1[expert], approximate="tanh")
+        want[token] += weight * (hidden @ moe.experts.w2[expert])
+    if moe.shared is not None:
+        want += moe.shared(x).reshape(10, -1)
+        assert not hasattr(moe.shared, "w3")
+    torch.testing.assert_close(moe.experts_output(x, routing).reshape(10, -1), want)
 
 
 def test_an_unknown_mlp_is_refused_with_the_choices(capsys):
