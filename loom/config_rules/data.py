@@ -31,7 +31,7 @@ def validate_packing(config: Config) -> None:
     whole rows, MoE routes and balances per document, padding excluded, its counts summed over
     the cp ranks holding a document's parts; outer dp modes count a step's tokens over a
     replica's dp_shard x ep x cp ranks)."""
-    packing, par, tr = config.data.packing, config.parallel, config.train
+    packing, tr = config.data.packing, config.train
     if packing not in PACKINGS:
         raise ConfigError("data.packing", packing, f"must be one of {', '.join(PACKINGS)}"
                           + suggest(str(packing), list(PACKINGS)))
@@ -57,11 +57,6 @@ def validate_packing(config: Config) -> None:
         _validate_zeppelin(config)
     if packing == "varlen":
         _validate_varlen_layout(config)
-    if config.model.n_experts and par.cp > 1 and data.balance == "zeppelin":
-        raise ConfigError("data.balance", data.balance, "Zeppelin's cp placement is built for"
-                          f" dense models; an MoE model (model.n_experts ="
-                          f" {config.model.n_experts}) under cp = {par.cp} runs documents on the"
-                          " static cp shards: use data.balance = none or tokens")
 
 
 def zeppelin_over_dp(config: Config) -> str | None:
