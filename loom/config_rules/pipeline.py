@@ -256,7 +256,9 @@ def validate_vocab_pp(config: Config) -> None:
     matrix), no ep (MoE, refused below), packed and varlen documents as well as concatenated
     rows (the passes are per token and the loss sums real targets only;
     tests/dist/test_documents_axes.py: 1F1B, ZB-V, and 1F1B x cp2 ring), a dense model, one
-    route, no offload or CheckFree. Composed and tested: every train.dtype (fp32;
+    route, no offload or CheckFree. Composed and tested: an outer ``dp_mode`` (the rows
+    averaged inside each replica, merged by the outer loop; tests/dist/test_outer_trainer.py),
+    every train.dtype (fp32;
     bf16 parameters with fp32 masters; bf16 autocast), checkpoints and pretrained weights
     (each rank's rows saved at, and read from, their offset in the full weight:
     ``loom.train.checkpoint_state``, ``loom.parallel.load``), so any layout resumes them;
@@ -279,10 +281,6 @@ def validate_vocab_pp(config: Config) -> None:
                           " vocabulary shards are built for a dense one; dp_replicate, dp_shard"
                           " with every ZeRO stage, tp and cp are): set it to 1 or"
                           " parallel.vocab_parallel_pp = false")
-    if par.dp_mode != "sync":
-        raise ConfigError("parallel.dp_mode", par.dp_mode, f"parallel.{rule} runs with"
-                          " dp_mode = 'sync' only (an outer loop over the vocabulary shards is"
-                          " not tested)")
     plain = {"model.n_experts": (m.n_experts, 0), "parallel.schedule_offload_limit":
              (par.schedule_offload_limit, 0.0), "fault.recovery": (config.fault.recovery,
                                                                    "checkpoint")}

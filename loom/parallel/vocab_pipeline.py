@@ -357,13 +357,16 @@ def data_parallel_rows(shard: VocabShard, meshes: Meshes, job: Job,
     over ``dp_shard``, averaged over ``dp_replicate``) or, at ``dp_shard`` = 1, a
     ``GradientReducer`` over ``dp`` (None at degree 1). Under cp every form takes in the cp
     ranks too, as the stages' do: ZeRO on ``zero_mesh``'s dp_shard x cp, the reducer on
-    ``dp_cp``. Under ``train.dtype = bf16`` each keeps the rows' fp32 masters its own way, as
+    ``dp_cp``. Under an outer ``dp_mode`` every form leaves ``dp_replicate`` out, as the
+    stages' do (the outer loop merges the replicas' rows). Under ``train.dtype = bf16`` each keeps the rows' fp32 masters its own way, as
     for a stage (``loom.parallel.parallelize``)."""
     layout = job.layout
     reduce_dtype = torch.bfloat16 if job.grad_reduce_dtype == "bf16" else torch.float32
     bucket_bytes = int(job.grad_bucket_mb * 2**20)
+    # an outer dp_mode merges the replicas' rows itself: averaged inside a replica only
+    across_replicas = job.dp_mode == "sync"
     if layout.zero_stage == 3:
-        mesh, axis = zero_mesh(meshes, layout)
+        mesh, axis = zero_mesh(meshes, layout, across_replicas)
         compute = torch.bfloat16 if job.dtype in ("bf16", "bf16_autocast") else None
         # gathered and resharded by hand (GatheredRows): FSDP2 never reshards by itself
         apply_fully_shard(shard, mesh, reshard_after_forward=False, reshard_after_backward=False,
@@ -374,7 +377,8 @@ def data_parallel_rows(shard: VocabShard, meshes: Meshes, job: Job,
     if layout.zero_stage:
         mesh, axis = zero_mesh(meshes, layout)
         shard_mesh = mesh[mesh.mesh_dim_names[-1]] if mesh.ndim == 2 else mesh
-        return apply_zero(shard, layout.zero_stage, shard_mesh, meshes.root["dp_replicate"],
+        replicate = meshes.root["dp_replicate"] if across_replicas else None
+        return apply_zero(shard, layout.zero_stage, shard_mesh, replicate,
                           axis=axis, reduce_dtype=reduce_dtype, offload=job.offload_optimizer,
                           ledger=ledger, bucket_bytes=bucket_bytes,
                           tp_group=shard.tp.get_group() if shard.tp is not None else None,
@@ -383,6 +387,8 @@ def data_parallel_rows(shard: VocabShard, meshes: Meshes, job: Job,
         apply_bf16_parameters(shard, reduce_dtype)
     # cp ranks hold the same rows and other tokens: averaged over dp x cp, as a stage's are
     mesh, axis = (meshes.dp_cp, "dp_cp") if layout.cp > 1 else (meshes.dp, "dp")
+    if not across_replicas:  # dp_shard = 1 here (else ZeRO) and no ep: the replica's cp ranks
+        mesh, axis = meshes.root["cp"], "cp"
     if mesh.size() == 1:
         return None
     return GradientReducer(list(shard.parameters()), mesh.get_group(), mesh.size(),

@@ -33,6 +33,17 @@ def named_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
     return _gather_over_pp(trainer, _gather_experts(trainer, grads))
 
 
+def named_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Every parameter's full value by its model name, on every rank (for tests and tools):
+    gathered over tp and ZeRO-3's shards, expert shards stacked over ep, every stage's merged
+    over ``pp`` (vocabulary rows concatenated). Collectives: call it on every rank."""
+    local = {n: p.full_tensor() if hasattr(p, "full_tensor") else p
+             for n, p in trainer.model.named_parameters()}
+    if trainer.ep is not None:
+        local.update(gather_expert_weights(trainer.model, trainer.ep))
+    return _gather_over_pp(trainer, local)
+
+
 def _gather_experts(trainer: Trainer, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Expert shards stacked back in ep-rank order (collective over ep)."""
     if trainer.ep is not None:

@@ -24,8 +24,9 @@ from torch.distributed.tensor import DTensor
 
 from loom.config import from_dict
 from loom.data.loader import DistributedLoader
-from loom.parallel.expert import expert_parameter_names, gather_expert_weights
+from loom.parallel.expert import expert_parameter_names
 from loom.testing.parity import layout_config
+from loom.train import full_state
 from loom.train.checkpoint import CheckpointError
 from loom.train.trainer import Trainer
 from tests.conftest import SMALL_DATA_OVERRIDES, matrix
@@ -49,18 +50,8 @@ def outer_config(world: int, mode: str, **parallel) -> dict:
 
 def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     """This rank's replica's whole model by name: DTensors gathered (collectives over tp or
-    dp_shard), then the pipeline stages (over pp)."""
-    local = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
-             for n, p in trainer.model.named_parameters()}
-    if trainer.ep is not None:  # the experts' shards stacked back (collective over ep)
-        local.update({n: v.cpu() for n, v in gather_expert_weights(trainer.model,
-                                                                   trainer.ep).items()})
-    group = trainer.pipeline.pp_group
-    if group is None:
-        return local
-    parts: list = [None] * torch_dist.get_world_size(group)
-    torch_dist.all_gather_object(parts, local, group=group)
-    return {name: value for part in parts for name, value in part.items()}
+    dp_shard), experts over ep, then the pipeline stages (over pp; vocabulary rows in order)."""
+    return full_state.named_weights(trainer)
 
 
 def train(ctx, config_table: dict, data_dir: str, steps: int) -> dict:
@@ -280,20 +271,26 @@ INSIDE = [
     dict(dp_shard=2, zero_stage=2),
     dict(tp=2, sequence_parallel=True),
     dict(pp=2, schedule="1f1b"),
+    # the embedding and the head split over the pipeline's ranks: each merges its own rows
+    dict(pp=2, schedule="1f1b", vocab_parallel_pp=True),
+    dict(pp=2, schedule="1f1b", vocab_parallel_pp=True, dp_shard=2, zero_stage=1),
+    dict(pp=2, schedule="1f1b", vocab_parallel_pp=True, dp_shard=2, zero_stage=3),
 ]
 
 
 # CI: all but ZeRO-2 (ZeRO-1 takes the same slice path)
 @pytest.mark.parametrize("layout", matrix(INSIDE, ci=[c for c in INSIDE
                                                      if c.get("zero_stage") != 2]),
-                         ids=["zero3", "zero1", "zero2", "tp2-sp", "pp2"])
+                         ids=["zero3", "zero1", "zero2", "tp2-sp", "pp2", "pp2-vocab",
+                              "pp2-vocab-zero1", "pp2-vocab-zero3"])
 def test_diloco_composes_with_a_layout_inside_each_replica(dist, small_data_dir, layout):
     """dp_replicate = 2 replicas of 2 ranks each equal dp_replicate = 2 replicas of one rank
     (which (c) proves against single processes), to the layouts' own parity tolerance."""
     steps, options = 6, dict(outer_steps=3, outer_lr=0.7, outer_momentum=0.9)
     plain = dist.run(2, train, outer_config(2, "diloco", **options), small_data_dir, steps)
-    split = dist.run(4, train, outer_config(4, "diloco", **options, **layout), small_data_dir,
-                     steps)
+    world = REPLICAS * math.prod(layout.get(axis, 1) for axis in ("dp_shard", "tp", "pp"))
+    split = dist.run(world, train, outer_config(world, "diloco", **options, **layout),
+                     small_data_dir, steps)
     expected = {"loss": plain[0]["loss"], "weights": {r["replica"]: r["weights"] for r in plain}}
     # the layouts' parity with one process (test_zero.py, test_tensor_parallel.py, ...):
     # summation order only, carried through AdamW
