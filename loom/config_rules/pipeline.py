@@ -253,9 +253,12 @@ def validate_vocab_pp(config: Config) -> None:
     token: each cp coordinate's pipeline runs its own tokens', nothing crosses cp; the rows are
     averaged over dp x cp, ZeRO's over dp_shard x cp; tests/dist/test_vocab_pp_cp.py: ring
     and Ulysses in CI, all-gather, hybrid, ZeRO-1/3 and tp with and without SP in the
-    matrix), no ep (MoE, refused below), packed and varlen documents as well as concatenated
+    matrix), MoE models with ep and ZeRO on dp_shard x ep (the rows stay dense, replicated
+    over ep like every dense weight; tests/dist/test_pipeline_vocab.py, a checkpoint of
+    vocab-pp x ep resharding to one process in test_vocab_pp_checkpoint.py), packed and varlen
+    documents as well as concatenated
     rows (the passes are per token and the loss sums real targets only;
-    tests/dist/test_documents_axes.py: 1F1B, ZB-V, and 1F1B x cp2 ring), a dense model, one
+    tests/dist/test_documents_axes.py: 1F1B, ZB-V, and 1F1B x cp2 ring), one
     route, no offload or CheckFree. Composed and tested: an outer ``dp_mode`` (the rows
     averaged inside each replica, merged by the outer loop; tests/dist/test_outer_trainer.py),
     every train.dtype (fp32;
@@ -275,13 +278,7 @@ def validate_vocab_pp(config: Config) -> None:
                           f" parallel.tp = {par.pp} x {par.tp} (parallel.vocab_parallel_pp splits"
                           " it evenly over every rank of a pipeline); nearest: "
                           + nearest_multiples(m.vocab_size, shards))
-    if par.ep != 1:
-        raise ConfigError("parallel.ep", par.ep, f"parallel.{rule} is not composed with ep"
-                          " (expert parallelism needs a mixture-of-experts model, and the"
-                          " vocabulary shards are built for a dense one; dp_replicate, dp_shard"
-                          " with every ZeRO stage, tp and cp are): set it to 1 or"
-                          " parallel.vocab_parallel_pp = false")
-    plain = {"model.n_experts": (m.n_experts, 0), "parallel.schedule_offload_limit":
+    plain = {"parallel.schedule_offload_limit":
              (par.schedule_offload_limit, 0.0), "fault.recovery": (config.fault.recovery,
                                                                    "checkpoint")}
     for name, (value, wanted) in plain.items():

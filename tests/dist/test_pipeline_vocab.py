@@ -21,6 +21,11 @@ saved weight element (of layers.7.attention.wv's 2048, after 3 Adam steps) lands
 over atol 1e-5: one process sums the tied weight's two parts per microbatch (H_m + E_m),
 here the head parts come during the schedule and the embedding parts after it.
 
+An MoE model (experts in every stage but the first block; the balancing loss's gradient
+joins each MoE layer's backward) on 1F1B and ZB-V, with dp_replicate = 2, ep = 2, and ep = 2
+with ZeRO-1 and ZeRO-3 on dp_shard x ep (matrix beyond ZB-V and ep = 2) equals one process
+too, its logged balancing loss included.
+
 The memory it moves is checked too: with it no rank holds a [V, D] weight, every rank holds the
 same V/p rows of each. And its traffic: every message of the passes and of the embedding goes
 through the ledger on axis ``pp``, and the counted bytes equal the volume the runtime's
@@ -31,8 +36,8 @@ from __future__ import annotations
 
 import pytest
 
-from loom.testing.parity import layout_config
-from tests.conftest import matrix
+from loom.testing.parity import assert_parity, layout_config, record_training
+from tests.conftest import SMALL_DATA_OVERRIDES, matrix
 from tests.dist.test_pipeline_parity import BASE, STEPS, check, record_pipeline, reference_runs
 
 VOCAB = {**BASE, "parallel.vocab_parallel_pp": True}
@@ -120,3 +125,40 @@ def test_vocab_traffic_is_counted_and_equals_its_volume(dist, small_data_dir, tm
             assert records["recv"] == (micro * (recvs_big + n_stats),
                                        micro * (recvs_big * big + n_stats * stats), 0.0), where
             assert records["all_reduce"][0] == 1, where  # the loss
+
+
+# -- a mixture-of-experts model (its experts over ep, ZeRO on dp_shard x ep) -----------------------
+MOE = {**SMALL_DATA_OVERRIDES, "model.preset": "tiny-moe", "train.steps": STEPS,
+       "train.global_batch_size": 4, "train.micro_batch_size": 1, "optim.warmup_steps": 1,
+       "optim.lr": 1e-3, "train.grad_clip": 1.0, "parallel.vocab_parallel_pp": True}
+MOE_LAYOUTS = {
+    "pp2-1f1b": (2, {"pp": 2, "schedule": "1f1b"}),
+    "pp2-zbv": (2, {"pp": 2, "schedule": "zbv"}),
+    "pp2-dp2": (4, {"pp": 2, "dp_replicate": 2, "schedule": "1f1b"}),
+    "pp2-ep2": (4, {"pp": 2, "ep": 2, "dp_replicate": 1, "schedule": "1f1b"}),
+    "pp2-ep2-zero1": (8, {"pp": 2, "ep": 2, "dp_shard": 2, "zero_stage": 1, "dp_replicate": 1,
+                          "schedule": "1f1b"}),
+    "pp2-ep2-zero3": (8, {"pp": 2, "ep": 2, "dp_shard": 2, "zero_stage": 3, "dp_replicate": 1,
+                          "schedule": "1f1b"}),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_reference(dist, small_data_dir):
+    moe = {k: v for k, v in MOE.items() if k != "parallel.vocab_parallel_pp"}
+    return dist.run(1, record_training, layout_config(moe, 1), small_data_dir, STEPS)[0]
+
+
+@pytest.mark.parametrize("layout", matrix(MOE_LAYOUTS, ci=["pp2-zbv", "pp2-ep2"]))
+def test_an_moe_model_matches_one_process(dist, small_data_dir, moe_reference, layout):
+    """The balancing loss's gradient joins each MoE layer's backward (every stage's), the
+    rows' passes stay dense: loss, gradient norm, every gradient and the logged balancing loss
+    equal one process's, with the experts over ep and ZeRO over dp_shard x ep too."""
+    world, parallel = MOE_LAYOUTS[layout]
+    results = dist.run(world, record_training, layout_config(MOE, world, **parallel),
+                       small_data_dir, STEPS)
+    assert moe_reference["moe_aux_loss"]
+    for rank, got in enumerate(results):
+        where = f"vocab-pp moe {layout} rank {rank}"
+        assert_parity(moe_reference, got, rtol=1e-5, atol=1e-6, label=where, steps=range(1))
+        assert_parity(moe_reference, got, rtol=1e-4, atol=1e-5, label=where)

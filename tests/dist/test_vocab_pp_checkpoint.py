@@ -10,7 +10,7 @@ writes each rank's rows at their offset in the ``[V, D]`` weight (``VocabRows`` 
   and in bf16, whose checkpoint holds the rows' fp32 masters; and from an asynchronous save);
 * saved after 2 steps and loaded under another layout — one process, plain pp (1F1B or ZB-V, the
   ends on other ranks), vocab-pp at another p (other rows per rank), and each of those back into
-  vocab-pp — every weight and optimizer tensor is bit-identical (``torch.equal``, full tensors
+  vocab-pp; an MoE model's vocab-pp x ep = 2 to and from one process — every weight and optimizer tensor is bit-identical (``torch.equal``, full tensors
   gathered by name: ``check_reshard``);
 * continued after such a load, the next steps' losses are those of the source run continued
   (the state is identical, so only the layouts' summation orders differ: step 1's tolerance of
@@ -49,6 +49,10 @@ LAYOUTS = {  # name -> (world size, config overrides, parallel degrees and sched
     "vocab-pp4": (4, VOCAB, {"pp": 4, "schedule": "1f1b"}),
     "vocab-pp2xdp2": (4, VOCAB, {"pp": 2, "dp_replicate": 2, "schedule": "1f1b"}),
     "vocab-pp2-bf16": (2, {**VOCAB, "train.dtype": "bf16"}, {"pp": 2, "schedule": "1f1b"}),
+    # an MoE model: the rows on every pipeline rank, the experts over ep
+    "moe-single": (1, {"model.preset": "tiny-moe"}, {}),
+    "moe-vocab-pp2xep2": (4, {**VOCAB, "model.preset": "tiny-moe"},
+                          {"pp": 2, "ep": 2, "schedule": "1f1b"}),
 }
 SAVE_AT, RTOL_FIRST, ATOL_FIRST, RTOL, ATOL = 2, 1e-5, 1e-6, 1e-4, 1e-5
 
@@ -80,13 +84,15 @@ def test_a_vocab_parallel_run_resumes_bit_exactly_from_an_async_checkpoint(dist,
 RESHARDS = [("vocab-pp2", "single"), ("single", "vocab-pp2"), ("vocab-pp2", "pp2-1f1b"),
             ("pp2-1f1b", "vocab-pp4"), ("vocab-pp4", "vocab-pp2"),
             ("vocab-pp2xdp2", "vocab-pp2"), ("vocab-pp2-zbv-tied", "single-tied"),
-            ("pp2-zbv-tied", "vocab-pp2-zbv-tied")]
+            ("pp2-zbv-tied", "vocab-pp2-zbv-tied"), ("moe-vocab-pp2xep2", "moe-single"),
+            ("moe-single", "moe-vocab-pp2xep2")]
 
 
 # CI: to and from one process, to a plain pipeline and back, the tied ZB-V pair
 @pytest.mark.parametrize("source, target", matrix(RESHARDS, ci=[
     ("vocab-pp2", "single"), ("single", "vocab-pp2"), ("vocab-pp2", "pp2-1f1b"),
-    ("pp2-1f1b", "vocab-pp4"), ("vocab-pp2-zbv-tied", "single-tied")]),
+    ("pp2-1f1b", "vocab-pp4"), ("vocab-pp2-zbv-tied", "single-tied"),
+    ("moe-vocab-pp2xep2", "moe-single")]),
     ids=[f"{s}-to-{t}" for s, t in RESHARDS])
 def test_a_vocab_parallel_checkpoint_reshards_bit_exactly(dist, small_data_dir, tmp_path, source,
                                                           target):

@@ -76,10 +76,6 @@ REJECTED = [
     ({**PP2, "parallel.vocab_parallel_pp": "true", "parallel.tp": "2", "model.preset": "debug",
       "model.vocab_size": "322"}, 4, "model.vocab_size", "model.vocab_size=322",
      ["divisible by parallel.pp x parallel.tp = 2 x 2", "nearest: 320"]),
-    # ... not over ep, which is for MoE models (dp_shard and cp are composed: accepted below)
-    ({**PP2, "parallel.vocab_parallel_pp": "true", "model.preset": "debug", "parallel.ep": "2",
-      "model.n_experts": "4"}, 4, "parallel.ep", "parallel.ep=2",
-     ["vocab_parallel_pp is not composed with ep", "mixture-of-experts"]),
 ]
 
 

@@ -202,14 +202,16 @@ def test_the_config_turns_it_on():
                    ).parallel.sequence_parallel is True
     # cp (tests/dist/test_vocab_pp_cp.py)
     assert _config(4, **{"parallel.cp": 2}).parallel.cp == 2
+    # an outer dp_mode (tests/dist/test_outer_trainer.py), an MoE model with ep
+    # (tests/dist/test_pipeline_vocab.py)
+    assert _config(4, **{"parallel.dp_replicate": 2, "train.global_batch_size": 8,
+                         "parallel.dp_mode": "diloco"}).parallel.dp_mode == "diloco"
+    assert _config(4, **{"parallel.ep": 2, "model.n_experts": 4,
+                         "train.global_batch_size": 8}).parallel.ep == 2
 
 
 @pytest.mark.parametrize("overrides, field", [
     ({"parallel.pp": 1, "world": 1}, "parallel.vocab_parallel_pp"),
-    ({"parallel.ep": 2, "model.n_experts": 4, "world": 4, "train.global_batch_size": 8},
-     "parallel.ep"),
-    ({"parallel.dp_replicate": 2, "world": 4, "train.global_batch_size": 8,
-      "parallel.dp_mode": "diloco"}, "parallel.dp_mode"),
     ({"model.vocab_size": 511}, "model.vocab_size"),
     ({"parallel.schedule": "bidirectional_v", "world": 4, "parallel.pp": 4,
       "train.global_batch_size": 8}, "parallel.schedule"),
