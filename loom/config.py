@@ -669,7 +669,8 @@ def with_layout(config: Config, layout: Layout) -> Config:
         reshard_after_forward=layout.reshard_after_forward,
         sequence_parallel=layout.sequence_parallel, vocab_parallel=layout.vocab_parallel,
         cp_mode=layout.cp_mode, cp_ulysses=layout.cp_ulysses,
-        vocab_parallel_pp=layout.vocab_parallel_pp)
+        vocab_parallel_pp=layout.vocab_parallel_pp,
+        schedule_offload_limit=layout.schedule_offload_limit)
     if layout.zero_stage:
         par.zero_stage = layout.zero_stage
     if layout.searched:

@@ -37,6 +37,7 @@ from loom.layout import FP8_RECIPES
 from loom.plan import explain, varlen
 from loom.plan.calibrate import describe, load_profile
 from loom.plan.hardware import LINKS, Cluster, HardwareError, load_catalog, make_cluster
+from loom.plan.layout_input import LayoutInputError, check_layout_input
 from loom.plan.search import Plan, check_vocab_pp, plan, simulate_step
 from loom.plan.space import Workload
 from loom.sim.cost_model import CostModel, StepCost
@@ -405,6 +406,10 @@ def _run(args: argparse.Namespace) -> int:
     site_flags = _site_flags(args, cluster)  # refused now, not after the search
     if args.layout:
         layout = parse_layout(args.layout)
+        try:  # what the cost model cannot price (a degree below 1, a schedule that cannot
+            check_layout_input(layout, work.model, work.seq_len)  # be built, ...)
+        except LayoutInputError as err:
+            raise PlanInputError(str(err)) from None
         if layout.world != cluster.gpus:
             raise PlanInputError(f"--layout: the degrees multiply to {layout.world}, not --gpus"
                                  f" {cluster.gpus}")

@@ -81,7 +81,8 @@ ARGS = ["plan", "--model", "llama3-8b", "--gpus", "16", "--gpu", "H100-SXM", "--
 
 
 @pytest.mark.parametrize("layout, field", [
-    ("pp=4,dp_replicate=2,ep=2,schedule=1f1b,microbatches=32", "parallel.ep"),
+    ("pp=4,dp_replicate=4,schedule=1f1b,microbatches=32,schedule_offload_limit=2",
+     "parallel.schedule_offload_limit"),
     ("pp=1,dp_replicate=16", "parallel.vocab_parallel_pp"),
 ])
 def test_layout_refuses_a_forbidden_split_naming_the_field(layout, field, capsys):
