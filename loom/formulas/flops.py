@@ -65,11 +65,12 @@ def training_flops_per_token(
     * Megatron eq. 3 (Narayanan et al. 2021, 96·B·s·l·h²·...) includes the recompute forward; it
       is a *hardware* FLOP count, not model FLOPs, so it is deliberately not what we compute.
 
-    Mixture of experts: ``moe_layers`` of the ``n_layers`` replace the SwiGLU by a router (h x E,
+    Mixture of experts: ``moe_layers`` of the ``n_layers`` replace the MLP by a router (h x E,
     ``n_experts``) and the ``top_k`` routed plus ``n_shared_experts`` always-active experts a token
-    passes through, each SwiGLU of width ``expert_ffn_dim`` (0: ``ffn_dim``): the *active*
-    parameters count, 3·h·f_e·(top_k + shared) + h·E per MoE layer (Switch, DeepSeekMoE
-    convention); experts a token skips are not model FLOPs.
+    passes through, each an MLP of the dense one's kind (c = ``mlp_matrices`` matrices: SwiGLU
+    or GELU) of width ``expert_ffn_dim`` (0: ``ffn_dim``): the *active* parameters count,
+    c·h·f_e·(top_k + shared) + h·E per MoE layer (Switch, DeepSeekMoE convention); experts a
+    token skips are not model FLOPs.
 
     Causal mask: with a causal mask only about half of the s x s score matrix is needed, but
     PaLM and TorchTitan (``get_num_flop_per_token``) count the full 12·l·s·H·d and we follow them
@@ -93,7 +94,7 @@ def training_flops_per_token(
         raise ValueError(f"training_flops_per_token: mlp_matrices={mlp_matrices} must be 3"
                          " (SwiGLU) or 2 (GELU)")
     mlp_params = mlp_matrices * dim * ffn_dim
-    moe_mlp = (3 * dim * (expert_ffn_dim or ffn_dim) * (top_k + n_shared_experts)
+    moe_mlp = (mlp_matrices * dim * (expert_ffn_dim or ffn_dim) * (top_k + n_shared_experts)
                + dim * n_experts)
     n_matmul_params = ((n_layers - moe_layers) * (attn_proj + mlp_params)
                        + moe_layers * (attn_proj + moe_mlp) + dim * vocab_size)

@@ -38,7 +38,8 @@ class TransformerArgs:
     w2(gelu(w1 x)), two, tanh approximation; no biases, as everywhere in Loom's block).
 
     Mixture of experts (``loom.models.moe``; ``n_experts=0`` is a dense model): ``n_experts``
-    routed SwiGLU experts of hidden size ``expert_ffn_dim`` (0: ``ffn_dim``), ``top_k`` per token
+    routed experts of the dense MLP's kind (SwiGLU or GELU: ``mlp``) of hidden size
+    ``expert_ffn_dim`` (0: ``ffn_dim``), ``top_k`` per token
     (weights renormalised over the top k when ``renormalize_top_k``, as Mixtral), plus
     ``n_shared_experts`` always-active experts (DeepSeekMoE). ``capacity_factor`` 0 is dropless;
     otherwise each expert takes at most ``ceil(capacity_factor * S * top_k / n_experts)``

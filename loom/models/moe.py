@@ -1,4 +1,4 @@
-"""Mixture-of-experts feed-forward (top-k softmax router, SwiGLU experts), single device.
+"""Mixture-of-experts feed-forward (top-k softmax router, SwiGLU or GELU experts), single device.
 
 ``MoEFeedForward`` replaces ``FeedForward`` in the layers ``TransformerArgs.moe_layer`` selects.
 Per token: router logits ``x W_r`` (D -> E), softmax in fp32, the top ``k`` experts, their weights

@@ -76,8 +76,8 @@ def layer_parameter_count(args: TransformerArgs, layer_id: int, *, active: bool 
     Attention D*(N*Hd) + 2*D*(K*Hd) + (N*Hd)*D and two norms 2*D, with ``qkv_bias`` the biases
     N*Hd + 2*K*Hd and with ``qk_norm`` two Hd-sized norms, plus the feed-forward: dense 3*D*F
     (SwiGLU) or 2*D*F (GELU, ``mlp_matrices``); MoE
-    a router D*E and 3*D*F_e per routed expert (E of them, or top_k when ``active``) and per
-    shared expert.
+    a router D*E and c*D*F_e per routed expert (E of them, or top_k when ``active``) and per
+    shared expert, with the dense MLP's c (the experts are of its kind: 3 SwiGLU, 2 GELU).
     """
     q_width = args.n_heads * args.head_dim
     kv_width = args.n_kv_heads * args.head_dim
@@ -87,7 +87,7 @@ def layer_parameter_count(args: TransformerArgs, layer_id: int, *, active: bool 
     if not args.moe_layer(layer_id):
         return count + args.mlp_matrices * args.dim * args.ffn_dim
     routed = args.top_k if active else args.n_experts
-    expert = 3 * args.dim * (args.expert_ffn_dim or args.ffn_dim)
+    expert = args.mlp_matrices * args.dim * (args.expert_ffn_dim or args.ffn_dim)
     return count + args.dim * args.n_experts + (routed + args.n_shared_experts) * expert
 
 

@@ -228,7 +228,11 @@ def _activation_bytes(model: Any, lay: Layout) -> tuple[float, float, float, flo
     s_local, b = model.seq // lay.cp, lay.micro_batch
     sp = lay.sequence_parallel and lay.tp > 1
     width = m.expert_ffn_dim or m.ffn_dim
-    moe_f = width * (m.top_k + m.n_shared_experts) + (m.top_k - 1) * m.dim / 4
+    # an MoE block as a dense one of its active experts' width (routed and shared, of the dense
+    # MLP's kind), plus the experts' input gathered once per assignment: k - 1 D-wide rows per
+    # token beyond the block's own, in units of that kind's F-wide saved tensors (4 or 2)
+    gated = m.mlp == "swiglu"
+    moe_f = width * (m.top_k + m.n_shared_experts) + (m.top_k - 1) * m.dim / (4 if gated else 2)
 
     fw = model.framework
     # a written-out core's saved mask and probabilities in an eager block (Scaling's)
@@ -236,8 +240,8 @@ def _activation_bytes(model: Any, lay: Layout) -> tuple[float, float, float, flo
                                   dropout=fw.dropout) \
         if fw.attention_kernel == "unfused" and fw.eager_copies else None
 
-    def block(f: float, recompute: str, gated: bool = True) -> float:
-        """One block's bytes; ``gated``: a SwiGLU MLP (the experts always), else GELU."""
+    def block(f: float, recompute: str, gated: bool) -> float:
+        """One block's bytes; ``gated``: a SwiGLU MLP (dense or experts), else GELU."""
         if not fw.is_loom and (fw.sp_shards_all or not fw.flash_attention or fw.dropout):
             return korthikanti_block_activation_bytes(
                 s=s_local, b=b, h=m.dim, f=f, a=m.n_heads, kv=m.n_kv_heads, t=lay.tp,
@@ -260,9 +264,9 @@ def _activation_bytes(model: Any, lay: Layout) -> tuple[float, float, float, flo
     else:
         head = head_activation_bytes(s=s_local, b=b, h=m.dim, vocab=m.vocab_size // lay.tp,
                                      e=model.e)
-    gated = m.mlp == "swiglu"
     full = block(m.ffn_dim, "none", gated) if lay.recompute == "full" else 0.0
-    cache[key] = (block(m.ffn_dim, lay.recompute, gated), block(moe_f, lay.recompute), head, full)
+    cache[key] = (block(m.ffn_dim, lay.recompute, gated), block(moe_f, lay.recompute, gated),
+                  head, full)
     return cache[key]
 
 

@@ -19,7 +19,7 @@ heads of width d, f FFN width, t = tp; a matmul of m x k by k x n is 2mkn FLOPs)
   (``SCORE_PASSES`` e-byte passes each way, at the HBM bandwidth); a stack without a fused
   RMSNorm (``Framework.fused_norm``) moves ``UNFUSED_NORM_BYTES`` more per element; an MoE
   layer replaces the MLP by a router 2T·h·E and top_k routed plus n_shared experts of width
-  f_e: 6T·h·f_e·(top_k + n_shared)/t;
+  f_e, each of the dense MLP's kind: 2c·T·h·f_e·(top_k + n_shared)/t (c = 3 SwiGLU, 2 GELU);
 * backward after Zero Bubble (Qi et al. 2024, Table 1): I = the matmuls again plus twice the
   attention core, W = the matmuls again; full recomputation adds F to I, selective the core;
 * matmul time = FLOPs / ``Gpu.matmul_rate(smallest dim)``; element-wise work (norms, residuals,
@@ -219,7 +219,8 @@ class CostModel:
         proj = 2 * tokens * m.dim * d * (2 * m.n_heads + 2 * m.n_kv_heads)
         if moe:
             width = m.expert_ffn_dim or m.ffn_dim
-            mlp = 6 * tokens * m.dim * width * (m.top_k + m.n_shared_experts)
+            # the experts (routed and shared) are of the dense MLP's kind: 3 or 2 matrices
+            mlp = 2 * m.mlp_matrices * tokens * m.dim * width * (m.top_k + m.n_shared_experts)
             router = 2 * tokens * m.dim * m.n_experts
         else:
             mlp, router = 2 * m.mlp_matrices * tokens * m.dim * m.ffn_dim, 0.0
@@ -235,10 +236,10 @@ class CostModel:
         m = self.model
         proj = 2 * tokens * m.dim * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
         width = m.expert_ffn_dim or m.ffn_dim
-        matrices = 3 if moe else m.mlp_matrices  # experts are SwiGLU; GELU has no w3
+        matrices = m.mlp_matrices  # the shared experts are of the dense MLP's kind too
         mlp = 2 * matrices * tokens * m.dim * (width * m.n_shared_experts if moe else m.ffn_dim)
         ffn = width * m.n_shared_experts if moe else m.ffn_dim
-        # each linear casts its own input: w1 (and w3) D elements each, w2 F
+        # each linear casts its own input: w1 (and SwiGLU's w3) D elements each, w2 F
         cast = tokens * (4 * m.dim + ((matrices - 1) * m.dim + ffn if ffn else 0))
         return (proj + mlp) / tp, cast / tp
 

@@ -18,11 +18,11 @@ widths RoPE rotates, F the MLP width); forward, eager:
 * two residual adds, 3e each;
 * RoPE on q and on k (``apply_rope``): upcast (c), four half-width products (4 each),
   a subtract and an add (6 each, over halves), the stack (8), downcast (c): 36 + 2c;
-* SwiGLU: SiLU (2e), the gate product (3e): 5e.
+* SwiGLU: SiLU (2e), the gate product (3e): 5e (GELU, dense or experts: one kernel, 2e).
 
 Compiled (inductor fuses each chain into one kernel; the matmuls stay cuBLAS calls, so nothing
 fuses across them): the first norm 2e, the residual add fused with the second norm 4e, the last
-residual add 3e, RoPE 2e, SiLU times the gate 3e.
+residual add 3e, RoPE 2e, SiLU times the gate 3e (GELU 2e: as eager).
 
 Backward, eager: each norm's hand-written backward (76 + 3c: two upcasts, a downcast, eight
 fp32 products and differences, a mean and the weight's row sum), five gradient accumulations
@@ -34,9 +34,10 @@ read in (about 9e per norm: x, the incoming gradients, dx, and the weight's redu
 2e, SwiGLU one kernel reading the gradient and both inputs and writing two gradients (5e).
 
 Eager minus compiled, per element: forward D 56 + 4c - 3e, Q + KV 36 + 2c - 2e, F 2e;
-backward D 152 + 6c - 3e, Q + KV 60 + 2c - 2e, F 4e (bf16: 74, 44, 4; 182, 68, 8). The host
-time of launching these kernels is ``loom.sim.launch_cost``'s (the same counts, pinned to the
-dispatcher's). FP8's casts (``CostModel._fp8_share``) are priced the same either way.
+backward D 152 + 6c - 3e, Q + KV 60 + 2c - 2e, F 4e (bf16: 74, 44, 4; 182, 68, 8); a GELU
+MLP's F 0 both ways (its backward one kernel, eager or compiled). The host time of launching
+these kernels is ``loom.sim.launch_cost``'s (the same counts, pinned to the dispatcher's).
+FP8's casts (``CostModel._fp8_share``) are priced the same either way.
 Torch-free.
 """
 
@@ -51,14 +52,18 @@ def eager_extra_bytes(model: TransformerArgs, tokens: float, tp: int, sequence_p
     mode beyond a compiled block (the module docstring's counts). The D-wide work is split by
     ``tp`` under sequence parallelism only (replicated otherwise); RoPE's and the MLP's run
     over the rank's heads and MLP columns, split by ``tp`` always; an MoE layer's SwiGLU runs
-    over its ``top_k`` routed and its shared experts' columns for every token."""
+    over its ``top_k`` routed and its shared experts' columns for every token. A GELU MLP, dense
+    or experts (the experts are of the dense MLP's kind), is one eager kernel each way, as
+    compiled, so it moves nothing more."""
     d = model.dim / (tp if sequence_parallel and tp > 1 else 1)
     heads = model.head_dim * (model.n_heads + model.n_kv_heads) / tp
-    if moe:
+    if model.mlp_matrices != 3:  # GELU
+        ffn = 0.0
+    elif moe:
         width = model.expert_ffn_dim or model.ffn_dim
         ffn = width * (model.top_k + model.n_shared_experts) / tp
-    else:  # GELU: one eager kernel, as compiled, so nothing more
-        ffn = model.ffn_dim / tp if model.mlp_matrices == 3 else 0.0
+    else:
+        ffn = model.ffn_dim / tp
     c = 0 if e == 4 else e + 4  # one cast to or from fp32
     forward = d * (56 + 4 * c - 3 * e) + heads * (36 + 2 * c - 2 * e) + ffn * 2 * e
     backward = d * (152 + 6 * c - 3 * e) + heads * (60 + 2 * c - 2 * e) + ffn * 4 * e

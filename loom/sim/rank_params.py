@@ -95,14 +95,15 @@ class RankParams:
         return found
 
     def layer_params(self, moe: bool, lay: Layout) -> float:
-        """Parameters of one (MoE or dense) layer one rank holds (experts split by ep and tp)."""
+        """Parameters of one (MoE or dense) layer one rank holds (experts split by ep and tp;
+        each expert, routed or shared, of the dense MLP's kind: ``mlp_matrices`` D x F_e)."""
         m = self.model
         attn = m.dim * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads) / lay.tp
         norms = 2 * m.dim
         if moe:
             width = m.expert_ffn_dim or m.ffn_dim
-            experts = 3 * m.dim * width * m.n_experts / (lay.ep * lay.tp)
-            shared = 3 * m.dim * width * m.n_shared_experts / lay.tp
+            experts = m.mlp_matrices * m.dim * width * m.n_experts / (lay.ep * lay.tp)
+            shared = m.mlp_matrices * m.dim * width * m.n_shared_experts / lay.tp
             return attn + norms + experts + shared + m.dim * m.n_experts
         return attn + norms + m.mlp_matrices * m.dim * m.ffn_dim / lay.tp
 
@@ -116,7 +117,8 @@ class RankParams:
         m = self.model
         attn = m.dim * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
         if moe:
-            shared = 3 * m.dim * (m.expert_ffn_dim or m.ffn_dim) * m.n_shared_experts
+            shared = (m.mlp_matrices * m.dim * (m.expert_ffn_dim or m.ffn_dim)
+                      * m.n_shared_experts)
             return (attn + shared) / lay.tp
         return (attn + m.mlp_matrices * m.dim * m.ffn_dim) / lay.tp
 
@@ -167,7 +169,7 @@ class RankParams:
         if found is None:
             m = self.model
             counts, _, owned = self.geometry(lay.pp, lay.chunks, lay.v_shaped)
-            per_layer = (3 * m.dim * (m.expert_ffn_dim or m.ffn_dim) * m.n_experts
+            per_layer = (m.mlp_matrices * m.dim * (m.expert_ffn_dim or m.ffn_dim) * m.n_experts
                          / (lay.ep * lay.tp))
             found = self._params[key] = {
                 r: sum(counts[s][1] for s in owned[r]) * per_layer for r in {0, lay.pp - 1}}

@@ -366,11 +366,12 @@ def _head_parameters(config: Config) -> float:
 
 def _expert_parameters(config: Config, layers: list[int]) -> float:
     """Routed-expert parameters one rank holds in ``layers`` (E / ep experts, each split by
-    expert-TP = tp); ZeRO shards them over dp_shard (x cp) only, not over ep."""
+    expert-TP = tp), each of the dense MLP's kind (``mlp_matrices`` D x F_e: SwiGLU 3, GELU 2);
+    ZeRO shards them over dp_shard (x cp) only, not over ep."""
     m, lay = config.model, layout_of(config)
     if not m.n_experts:
         return 0.0
-    expert = 3 * m.dim * (m.expert_ffn_dim or m.ffn_dim)
+    expert = m.mlp_matrices * m.dim * (m.expert_ffn_dim or m.ffn_dim)
     return sum(m.n_experts * expert / (lay.ep * lay.tp) for i in layers if m.moe_layer(i))
 
 
