@@ -104,6 +104,17 @@ def training_flops_per_token(
     return float(6 * n_matmul_params + attention)
 
 
+def attended_keys(seq_len: int, window: int = 0) -> float:
+    """The mean number of keys a query of a causal ``seq_len``-token sequence attends to: half
+    the sequence (the convention of the causal-halved core, ``seq_len / 2``), or with a sliding
+    window W < seq_len (Mistral's: query i sees keys i-W+1 .. i) the visible pairs
+    ``W·S - W·(W-1)/2`` over the S queries. What a kernel that skips masked blocks computes,
+    up to its block size; a window at least as long as the sequence changes nothing."""
+    if not window or window >= seq_len:
+        return seq_len / 2
+    return (window * seq_len - window * (window - 1) / 2) / seq_len
+
+
 def model_flops_per_token(args: Any, seq_len: int, *, halve_causal: bool = False) -> float:
     """``training_flops_per_token`` of a model shape (``loom.models.layers.TransformerArgs`` or
     anything with its fields and ``moe_layer(i)``), its MoE layers counted by their experts."""

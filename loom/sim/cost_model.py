@@ -13,8 +13,10 @@ heads of width d, f FFN width, t = tp; a matmul of m x k by k x n is 2mkn FLOPs)
 
 * projections 2T·h·d·(2a + 2k)/t, SwiGLU MLP 6T·h·f/t (GELU: 4T·h·f/t), attention core
   4T·s·a·d/t halved for a causal mask (the work a mask-skipping kernel does; MFU below counts
-  the full square, as PaLM and TorchTitan do) with the stack's flash kernel (FlashAttention v1
-  at half v2's rate); a kernel that stores the s x s scores (``Framework.attention_kernel``
+  the full square, as PaLM and TorchTitan do), or under a sliding window W (Mistral's) the
+  pairs inside it, 4T·a·d·(W - W(W-1)/2s)/t (``formulas.flops.attended_keys``; flash kernels
+  skip the blocks past the window, so does Loom's ring), with the stack's flash kernel
+  (FlashAttention v1 at half v2's rate); a kernel that stores the s x s scores (``Framework.attention_kernel``
   fused or unfused) computes the whole square and moves the scores through memory
   (``SCORE_PASSES`` e-byte passes each way, at the HBM bandwidth); a stack without a fused
   RMSNorm (``Framework.fused_norm``) moves ``UNFUSED_NORM_BYTES`` more per element; an MoE
@@ -98,7 +100,7 @@ from dataclasses import dataclass, field, replace
 from collections.abc import Sequence
 from typing import Any
 
-from loom.formulas.flops import model_flops_per_token
+from loom.formulas.flops import attended_keys, model_flops_per_token
 from loom.formulas.memory import adamw_step_fused
 from loom.layout import Layout
 from loom.models.args import TransformerArgs
@@ -224,7 +226,8 @@ class CostModel:
             router = 2 * tokens * m.dim * m.n_experts
         else:
             mlp, router = 2 * m.mlp_matrices * tokens * m.dim * m.ffn_dim, 0.0
-        core = 4 * tokens * self.seq * m.n_heads * d / 2  # causal: half the square
+        # causal: half the square; a sliding window: its visible pairs (``attended_keys``)
+        core = 4 * tokens * attended_keys(self.seq, m.sliding_window) * m.n_heads * d
         return (proj + mlp) / tp + router, core / tp
 
     def _fp8_share(self, tokens: float, tp: int, moe: bool) -> tuple[float, float]:
@@ -277,7 +280,7 @@ class CostModel:
         if kernel == "flash1":
             t_core *= FLASH1_SLOWDOWN
         elif kernel in SCORE_PASSES:  # the whole square (no causal skipping), scores stored
-            t_core *= 2
+            t_core *= self.seq / attended_keys(self.seq, m.sliding_window)
             scores = lay.micro_batch * m.n_heads / lay.tp * s_local * self.seq * self.e
             passes_f, passes_i = SCORE_PASSES[kernel]
             t_scores_f = passes_f * scores / gpu.hbm_bandwidth
