@@ -1,7 +1,7 @@
 """The fuzz suite (tests/fuzz) at the ``bench`` profile: 1,000+ examples across the strategies,
 counted per category as tried / exit 0 / exit 2 / known bug / other, with examples of "other".
 
-    python bench/fuzz.py [--profile bench|ci] [--only config,toml,data,checkpoint] [--strict]
+    python bench/fuzz.py [--profile bench|ci] [--only config,toml,data,checkpoint,plan] [--strict]
 
 "exit 0" is a success (``loom train`` exit 0, a library call that returned), "exit 2" a clean
 refusal (exit 2 with one line and nothing written, ``ConfigError``, ``CheckpointError``);
@@ -31,6 +31,7 @@ MODULES = {
     "toml": "tests.fuzz.test_fuzz_toml",
     "data": "tests.fuzz.test_fuzz_data",
     "checkpoint": "tests.fuzz.test_fuzz_checkpoint",
+    "plan": "tests.fuzz.test_fuzz_plan",
 }
 
 

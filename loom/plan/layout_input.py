@@ -81,8 +81,28 @@ def _check_schedule(layout: Layout, model: TransformerArgs) -> None:
     if name not in known:
         raise _refuse("schedule", layout.schedule, f"pp = {layout.pp} needs a schedule: one of"
                       f" {', '.join(known)}")
-    if name in (SEARCH, SKIPPIPE):
-        return  # the search picks its stages per rank; SkipPipe is priced as GPipe
+    if name == SKIPPIPE:  # paths over one stage per rank, priced as GPipe
+        if layout.chunks != 1:
+            raise _refuse("chunks", layout.chunks, "skippipe runs one stage per rank; use"
+                          " chunks = 1")
+        return
+    if name == SEARCH:  # what the planner prices: the search over one placement
+        pinned = {1: "looped", 2: "v"}
+        if layout.chunks not in pinned:
+            raise _refuse("chunks", layout.chunks, "a searched schedule is priced with one stage"
+                          " per rank (chunks = 1: the looped placement) or two (chunks = 2: the"
+                          " V placement)")
+        if layout.schedule_placement != pinned[layout.chunks]:
+            raise _refuse("schedule_placement", layout.schedule_placement,
+                          f"chunks = {layout.chunks} prices the {pinned[layout.chunks]}"
+                          " placement; leave it auto")
+        if 0 < layout.schedule_memory_limit < 1:
+            raise _refuse("schedule_memory_limit", layout.schedule_memory_limit, "must be 0 (the"
+                          " planner's choice) or >= 1 unit (one microbatch's activations)")
+        if layout.chunks == 2 and 2 * layout.pp > model.n_layers:
+            raise _refuse("chunks", layout.chunks, f"the V placement's {2 * layout.pp} stages"
+                          f" need as many layers; the model has {model.n_layers}")
+        return
     try:
         schedule = schedule_of(layout, max_stages=model.n_layers)
     except ChunksError as err:

@@ -43,6 +43,7 @@ from loom.plan.hardware import Cluster
 from loom.plan.space import LayoutGroup, Workload, layouts, vocab_pp_fits
 from loom.schedule import families as schedules
 from loom.schedule.select import SEARCH, schedule_of
+from loom.schedule.paths import SKIPPIPE
 from loom.schedule.ir import Schedule
 from loom.schedule.replay import encode
 from loom.schedule.simulate import makespan as replayed_makespan, replay_shared, simulate
@@ -86,13 +87,16 @@ def simulate_step(model: CostModel, cost: StepCost, *, max_simulated: int | None
     if lay.schedule == SEARCH:
         return _simulate_searched(model, cost, stage_costs, cores)
 
+    # SkipPipe's paths are priced as GPipe over one replica's microbatches (``schedule_of``)
+    family = "gpipe" if lay.schedule == SKIPPIPE else lay.schedule
+
     def makespan(microbatches: int) -> float:
         # the families' generators are validated for these sizes by their tests; the runtime's
         # schedule_for would validate again, which costs more than the simulation itself
-        chunks = lay.chunks if lay.schedule == "interleaved_1f1b" else None
+        chunks = lay.chunks if family == "interleaved_1f1b" else None
         if cores:
-            return _replay(_family(lay.schedule, p, microbatches, chunks)[0], stage_costs, cores)
-        schedule, rows = _family(lay.schedule, p, microbatches, chunks)
+            return _replay(_family(family, p, microbatches, chunks)[0], stage_costs, cores)
+        schedule, rows = _family(family, p, microbatches, chunks)
         return replayed_makespan(schedule, stage_costs, rows)  # no timeline needed
 
     pipeline = makespan(first)

@@ -6,7 +6,9 @@ family, batch sizes of 0, splits of a dense model over experts. Each either pric
 is refused on one line naming the field (exit 2); a traceback is a failure. Before
 ``loom.plan.layout_input`` 25 of 300 such layouts crashed the planner (seven causes: an unknown
 schedule at pp > 1, division by a zero micro batch or chunk count, a fixed-chunk family given
-other chunks, a bad cp mode, ...); the regression cases below are those.
+other chunks, a bad cp mode, ...), and 666 of 1,296 searched or SkipPipe layouts (the search's
+stages per rank against the layout's chunks, a limit below one unit, SkipPipe simulated as a
+family); the regression cases below are those.
 """
 
 from __future__ import annotations
@@ -103,8 +105,23 @@ COMMON = ["plan", "--gpu", "H100-SXM", "--seq", "2048", "--global-batch-tokens",
     ("llama3-8b", 16, "pp=4,dp_replicate=4,schedule=zbv,chunks=3,microbatches=32", "chunks=3"),
     ("llama3-8b", 16, "pp=4,dp_replicate=4,schedule=nosuch,microbatches=32", "schedule=nosuch"),
     ("llama3-8b", 4, "ep=2,dp_replicate=2", "ep=2"),  # a dense model has no experts
+    # the schedule search: priced looped (chunks 1) or V (chunks 2), a limit of >= 1 unit
+    ("llama3-8b", 2, "pp=2,schedule=search,chunks=0,microbatches=4", "chunks=0"),
+    ("llama3-8b", 2, "pp=2,schedule=search,chunks=1,schedule_placement=v,microbatches=4",
+     "schedule_placement=v"),
+    ("llama3-8b", 2, "pp=2,schedule=search,schedule_memory_limit=0.5,microbatches=4",
+     "schedule_memory_limit=0.5"),
+    ("llama3-8b", 16, "pp=16,schedule=skippipe,chunks=4,microbatches=16", "chunks=4"),
 ])
 def test_the_layouts_that_crashed_the_planner_are_refused_by_field(model, gpus, layout, field):
     outcome = plan_outcome([*COMMON, "--model", model, "--gpus", str(gpus), "--layout", layout])
     assert outcome.kind == "refused", outcome
     assert f"--layout {field}" in outcome.detail, outcome.detail
+
+
+def test_a_skippipe_layout_is_priced_as_gpipe():
+    """It crashed the simulation (``schedules.get("skippipe")``): the planner prices SkipPipe's
+    paths as GPipe over one replica's microbatches (``schedule.select.schedule_of``)."""
+    outcome = plan_outcome([*COMMON, "--model", "llama3-8b", "--gpus", "2", "--layout",
+                            "pp=2,schedule=skippipe,microbatches=4"])
+    assert outcome.kind == "ok", outcome
