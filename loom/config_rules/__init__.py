@@ -401,14 +401,6 @@ def _validate_outer(config: Config) -> None:
         raise ConfigError("parallel.outer_fragments", par.outer_fragments,
                           f"must be <= parallel.outer_steps = {par.outer_steps}: each fragment"
                           f" merges at its own inner step of the window")
-    # Expert parallelism inside a replica averages its dense gradients over the replica's ep
-    # (x cp) ranks and its experts' over cp; with ZeRO-3 the expert and dense shard groups
-    # (dp_shard x ep) would need replica-local versions in the mesh, not built yet.
-    if par.ep > 1 and par.dp_shard > 1:
-        raise ConfigError("parallel.ep", par.ep,
-                          f"expert parallelism with ZeRO (dp_shard = {par.dp_shard}) and"
-                          f" dp_mode = {par.dp_mode} is not built yet (the expert shard groups"
-                          " span dp_replicate); use dp_shard = 1, ep = 1 or dp_mode = sync")
     # ZeRO-1/2: the outer loop merges each rank's owned slices (on the device: an offloaded
     # optimizer's slices live on the host, where the replica group's collectives are not built)
     if par.dp_shard > 1 and par.zero_stage in (1, 2) and config.train.offload_optimizer:

@@ -171,12 +171,10 @@ def _data_parallel(model: nn.Module, meshes: Meshes, job: Job, ledger: CommLedge
     reduce_dtype = torch.bfloat16 if job.grad_reduce_dtype == "bf16" else torch.float32
     bucket_bytes = int(job.grad_bucket_mb * 2**20)
     # An outer loop (job.dp_mode != sync, loom.parallel.outer) merges the dp_replicate replicas'
-    # weights itself: gradients are averaged inside a replica only (dp_shard, ep, cp). The
-    # config refuses the layouts whose reduction groups have no replica-local form yet (ep
-    # with ZeRO).
+    # weights itself: gradients are averaged inside a replica only (dp_shard, ep, cp), and
+    # ZeRO's meshes are the replica's own (1-D: no HSDP dimension across replicas), the
+    # experts' too.
     across_replicas = job.dp_mode == "sync"
-    if not across_replicas and parallel.ep > 1 and parallel.dp_shard > 1:
-        raise ValueError(f"dp_mode={job.dp_mode!r} with ep > 1 and ZeRO is not built")
     if parallel.zero_stage == 3:
         mesh, axis = zero_mesh(meshes, parallel, across_replicas)
         # bf16 (and bf16 autocast): FSDP2 gathers bf16 copies of its sharded fp32 parameters,
@@ -189,7 +187,8 @@ def _data_parallel(model: nn.Module, meshes: Meshes, job: Job, ledger: CommLedge
                                  reshard_after_backward=after_backward, param_dtype=compute,
                                  reduce_dtype=reduce_dtype, offload_optimizer=job.offload_optimizer,
                                  ledger=ledger, axis=axis,
-                                 experts=expert_zero_mesh(meshes, parallel, 2),
+                                 experts=expert_zero_mesh(meshes, parallel,
+                                                          2 if across_replicas else 1),
                                  cast_forward_inputs=job.dtype != "bf16")
     if parallel.zero_stage:
         mesh, axis = zero_mesh(meshes, parallel)

@@ -301,18 +301,27 @@ def test_diloco_composes_with_a_layout_inside_each_replica(dist, small_data_dir,
 MOE = {"model.n_experts": 4}
 
 
-@pytest.mark.parametrize("layout", matrix([dict(ep=2), dict(ep=2, cp=2)], ci=[dict(ep=2)]),
-                         ids=["ep2", "ep2-cp2"])
+EXPERT_LAYOUTS = [dict(ep=2), dict(ep=2, cp=2),
+                  # ZeRO on the replica's dp_shard x ep (dense) and dp_shard (experts) only
+                  dict(ep=2, dp_shard=2, zero_stage=1), dict(ep=2, dp_shard=2, zero_stage=3)]
+
+
+@pytest.mark.parametrize("layout", matrix(EXPERT_LAYOUTS, ci=[dict(ep=2),
+                                                             dict(ep=2, dp_shard=2, zero_stage=3)]),
+                         ids=["ep2", "ep2-cp2", "ep2-zero1", "ep2-zero3"])
 def test_diloco_composes_with_expert_parallelism_inside_each_replica(dist, small_data_dir,
                                                                      layout):
     """An MoE model: replicas of ep = 2 (dense gradients averaged over the replica's ep ranks,
-    experts' kept per ep rank; with cp = 2 over ep x cp, experts' over cp) equal replicas of
-    one rank, whose outer step merges every expert too (the dp_replicate group pairs the same
-    ep coordinate, so the same experts)."""
+    experts' kept per ep rank; with cp = 2 over ep x cp, experts' over cp; with ZeRO-1 or
+    ZeRO-3 on dp_shard = 2, sharded inside the replica) equal replicas of one rank, whose
+    outer step merges every expert too (the dp_replicate group pairs the same ep coordinate,
+    so the same experts)."""
     steps = 4
     options = dict(outer_steps=2, outer_lr=0.7, outer_momentum=0.9)
-    world = 2 * math.prod(layout.values())
-    configs = [layout_config({**BASE, **MOE, "parallel.dp_mode": "diloco"}, n,
+    world = REPLICAS * math.prod(layout.get(axis, 1) for axis in ("ep", "cp", "dp_shard"))
+    # one sequence per microbatch: 8 data ranks (2 replicas x dp_shard 2 x ep 2) share 8
+    configs = [layout_config({**BASE, **MOE, "parallel.dp_mode": "diloco",
+                              "train.micro_batch_size": 1}, n,
                              **{"dp_replicate": REPLICAS, **options, **extra})
                for n, extra in ((2, {}), (world, layout))]
     plain = dist.run(2, train, configs[0], small_data_dir, steps)
@@ -425,7 +434,9 @@ def test_checkpoint_resume_is_bit_exact(dist, small_data_dir, tmp_path, mode, op
 
 
 def _outer_state(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """The outer loop's snapshot and momentum, full tensors by name (collective under ZeRO-3)."""
+    """The outer loop's snapshot and momentum, full tensors by name (collective under ZeRO and
+    ep): ZeRO-1/2's slices gathered and cut by name, ZeRO-3's shards gathered, then the experts'
+    entries stacked back over ep."""
     state = trainer.outer.state_dict()
     if trainer.zero is not None:  # ZeRO-1/2: the optimizer's slices, gathered and cut by name
         out = {}
@@ -437,17 +448,16 @@ def _outer_state(trainer: Trainer) -> dict[str, torch.Tensor]:
                 for name, param in zip(bucket.names, bucket.params):
                     at = bucket.offsets[id(param)]
                     out[f"{key}/{name}"] = full[at:at + param.numel()].view(param.shape).cpu()
-        return out
-    out = {f"{key}/{name}": (v.full_tensor() if isinstance(v, DTensor) else v).cpu().clone()
-           for key in ("snapshot", "momentum") for name, v in state[key].items()}
+    else:
+        out = {f"{key}/{name}": (v.full_tensor() if isinstance(v, DTensor) else v).cpu().clone()
+               for key in ("snapshot", "momentum") for name, v in state[key].items()}
     if trainer.ep is not None:  # the experts' entries stacked back over ep (collective)
-        experts = expert_parameter_names(trainer.model)
         for key in ("snapshot", "momentum"):
-            for name in sorted(experts):
-                local = state[key][name].contiguous()
+            for name in sorted(expert_parameter_names(trainer.model)):
+                local = out[f"{key}/{name}"].contiguous()
                 full = local.new_empty((local.shape[0] * trainer.ep.size, *local.shape[1:]))
                 torch_dist.all_gather_into_tensor(full, local, group=trainer.ep.group)
-                out[f"{key}/{name}"] = full.cpu()
+                out[f"{key}/{name}"] = full
     return out
 
 
@@ -488,24 +498,31 @@ def test_checkpoint_reshards_inside_each_replica(dist, small_data_dir, tmp_path)
                 f"rank {rank} {part}"
 
 
-def test_an_expert_parallel_replica_resumes_and_reshards(dist, small_data_dir, tmp_path):
-    """Replicas of ep = 2 (an MoE model): stopped mid-window and resumed, they end bit-identical
-    to a run that did not stop; saved, they load into replicas of one rank with every weight
-    and the outer snapshot and momentum bit for bit (the experts' outer state is saved as each
-    ep rank's box of the global tensor, as the weights are)."""
+@pytest.mark.parametrize("layout", matrix([dict(ep=2), dict(ep=2, dp_shard=2, zero_stage=3),
+                                           dict(ep=2, dp_shard=2, zero_stage=1)],
+                                          ci=[dict(ep=2)]), ids=["ep2", "ep2-zero3", "ep2-zero1"])
+def test_an_expert_parallel_replica_resumes_and_reshards(dist, small_data_dir, tmp_path, layout):
+    """Replicas of ep = 2 (an MoE model; with ZeRO-3 or ZeRO-1 on dp_shard = 2 too): stopped
+    mid-window and resumed, they end bit-identical to a run that did not stop; saved, they load
+    into replicas of one rank with every weight and the outer snapshot and momentum bit for bit
+    (the experts' outer state is saved as each ep rank's box of the global tensor, as the
+    weights are; under ZeRO-1 as the optimizer's slices)."""
     options = dict(outer_steps=2, outer_lr=0.7, outer_momentum=0.9)
 
     def config(world: int, **extra) -> dict:
-        return layout_config({**BASE, **MOE, "parallel.dp_mode": "diloco"}, world,
+        return layout_config({**BASE, **MOE, "parallel.dp_mode": "diloco",
+                              "train.micro_batch_size": 1}, world,
                              **{"dp_replicate": REPLICAS, **options, **extra})
 
-    results = dist.run(4, straight_and_resumed, config(4, ep=2), small_data_dir,
+    world = REPLICAS * math.prod(layout.get(axis, 1) for axis in ("ep", "dp_shard"))
+    results = dist.run(world, straight_and_resumed, config(world, **layout), small_data_dir,
                        str(tmp_path / "resume"), 6, 3)
     for rank, result in enumerate(results):
         (want_losses, want), (got_losses, got) = result["straight"], result["resumed"]
         assert got_losses == want_losses, f"rank {rank}: {got_losses} != {want_losses}"
         assert all(torch.equal(got[n], want[n]) for n in want), f"rank {rank}: weights differ"
-    saved = dist.run(4, save_after, config(4, ep=2), small_data_dir, str(tmp_path / "save"), 3)
+    saved = dist.run(world, save_after, config(world, **layout), small_data_dir,
+                     str(tmp_path / "save"), 3)
     loaded = dist.run(2, load_into, config(2), small_data_dir, saved[0]["path"])
     by_replica = {s["replica"]: s for s in saved}
     for rank, got in enumerate(loaded):

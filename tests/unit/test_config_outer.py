@@ -46,9 +46,6 @@ DILOCO = {"parallel.dp_mode": "diloco"}
     # not built yet, refused with the reason
     ({**DILOCO, "parallel.dp_shard": "2", "parallel.zero_stage": "2",
       "train.offload_optimizer": "true"}, 4, "train.offload_optimizer", "on the host"),
-    ({**DILOCO, "model.preset": "tiny-moe", "parallel.ep": "2", "parallel.dp_shard": "2",
-      "parallel.zero_stage": "3", "train.micro_batch_size": "1"}, 8, "parallel.ep",
-     "expert parallelism with ZeRO"),
 ])
 def test_rules(overrides, world, field, words):
     with pytest.raises(ConfigError) as err:
@@ -68,6 +65,9 @@ def test_rules(overrides, world, field, words):
     ({**DILOCO, "parallel.dp_shard": "2", "parallel.dp_replicate": "2"}, 4),
     ({**DILOCO, "parallel.tp": "2", "model.n_kv_heads": "4"}, 4),
     ({**DILOCO, "parallel.pp": "2"}, 4),
+    # ep with ZeRO on the replica's own meshes (tests/dist/test_outer_trainer.py)
+    ({**DILOCO, "model.preset": "tiny-moe", "parallel.ep": "2", "parallel.dp_shard": "2",
+      "parallel.zero_stage": "3", "train.micro_batch_size": "1"}, 8),
     ({**DILOCO, "parallel.cp": "2"}, 4),
     # an MoE model without expert parallelism: its experts are ordinary parameters
     ({**DILOCO, "model.preset": "tiny-moe"}, 2),
