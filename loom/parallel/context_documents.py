@@ -213,7 +213,10 @@ def document_tiles(ids_q: np.ndarray, pos_q: np.ndarray, ids_k: np.ndarray, pos_
     ``window`` W > 0 (sliding-window attention): a key is also visible only while
     ``position_q - position_k < W``. A causal tile stays one while its document's span here is
     under W, a full chunk pair while its farthest pair is; a pair wholly past the window is
-    dropped (nothing computed), and the rest are masked tiles with the window in their mask."""
+    dropped (nothing computed), and the rest are masked tiles with the window in their mask. On
+    ring step 0 a document of at least ``tile_tokens`` queries spanning more than W is cut into
+    its chunks the same way (``_windowed_own_tiles``), so a zig-zag shard's two far-apart
+    chunks cost two chunk-sized tiles, not one tile of the whole shard."""
     def runs(ids: np.ndarray) -> dict[int, np.ndarray]:
         order = np.argsort(ids, kind="stable")
         values, starts = np.unique(ids[order], return_index=True)
@@ -223,15 +226,19 @@ def document_tiles(ids_q: np.ndarray, pos_q: np.ndarray, ids_k: np.ndarray, pos_
     queries = runs(ids_q)
     shared = [d for d in dict.fromkeys(ids_q.tolist()) if d >= 0 and d in keys]
     tiles = []
+    def whole(q: np.ndarray, k: np.ndarray, kernel: str) -> Tile:
+        return Tile(torch.from_numpy(q).to(device), torch.from_numpy(k).to(device),
+                    torch.ones(1, 1, 1, dtype=torch.bool, device=device), kernel)
+
     if own_keys:
         rest = []
         for d in shared:
             qi = queries[d]
-            if (np.array_equal(qi, keys[d]) and bool(np.all(np.diff(pos_q[qi]) > 0))
-                    and not (window and pos_q[qi[-1]] - pos_q[qi[0]] >= window)):
-                tiles.append(Tile(torch.from_numpy(qi).to(device),
-                                  torch.from_numpy(qi).to(device),
-                                  torch.ones(1, 1, 1, dtype=torch.bool, device=device), "causal"))
+            ordered = np.array_equal(qi, keys[d]) and bool(np.all(np.diff(pos_q[qi]) > 0))
+            if ordered and not (window and pos_q[qi[-1]] - pos_q[qi[0]] >= window):
+                tiles.append(whole(qi, qi, "causal"))
+            elif ordered and len(qi) >= tile_tokens:  # a window shorter than the document here
+                tiles += _windowed_own_tiles(qi, ids_q, pos_q, window, device, whole)
             else:
                 rest.append(d)
         shared = rest
@@ -277,6 +284,31 @@ def document_tiles(ids_q: np.ndarray, pos_q: np.ndarray, ids_k: np.ndarray, pos_
             tiles.append(Tile(torch.from_numpy(qi).to(device), torch.from_numpy(ki).to(device),
                               torch.from_numpy(allowed)[None].to(device)))
     return tuple(tiles)
+
+
+def _windowed_own_tiles(index: np.ndarray, ids: np.ndarray, pos: np.ndarray, window: int,
+                        device: torch.device, whole: Any) -> list[Tile]:
+    """A document's own keys (positions increasing along ``index``) under a window shorter than
+    its span here: cut into its runs (its zig-zag chunks), each run against itself causal while
+    its span is inside the window, each against an earlier run full while wholly inside it,
+    nothing when wholly past it, and a masked tile of the pair only at the window's edge."""
+    tiles = []
+    runs = _position_runs(index, pos)
+    for qi, q_run in enumerate(runs):
+        for k_run in runs[:qi + 1]:
+            nearest = pos[q_run[0]] - pos[k_run[-1]]  # negative on the diagonal
+            farthest = pos[q_run[-1]] - pos[k_run[0]]
+            if k_run is not q_run and nearest >= window:
+                continue
+            if farthest < window:
+                tiles.append(whole(q_run, k_run, "causal" if k_run is q_run else "full"))
+                continue
+            allowed = _visible(ids[q_run], pos[q_run], ids[k_run], pos[k_run], window)
+            if allowed.any():
+                tiles.append(Tile(torch.from_numpy(q_run).to(device),
+                                  torch.from_numpy(k_run).to(device),
+                                  torch.from_numpy(allowed)[None].to(device)))
+    return tiles
 
 
 def document_keys(documents: DocumentMask, group: Any, ring: int, ulysses: int, ring_index: int,

@@ -119,6 +119,10 @@ def test_a_block_past_the_window_is_skipped_and_one_inside_it_keeps_the_kernel()
     assert [t.kernel for t in wide[0]] == ["causal"]
     for step in (1, 2, 3):  # its queries (one run: 384-639) against the owner's past chunk
         assert [t.kernel for t in wide[step]] == ["full"]
+    # ring rank 0's own block (0-127 and 896-1023) under a window of 100: each chunk against
+    # itself (masked at the window's edge), nothing across them, not one 256 x 256 tile
+    own = window_keys(1024, 4, 0, 100, CPU).block_masks[0]
+    assert [(t.kernel, len(t.q_index), len(t.k_index)) for t in own] == [("masked", 128, 128)] * 2
     # ring rank 0 (0-127, 896-1023) against owner 1 (128-255, 768-895) under a window of 400:
     # 896-1023 x 768-895 is inside it, 896-1023 x 128-255 wholly past it: one full tile
     assert [t.kernel for t in window_keys(1024, 4, 0, 400, CPU).block_masks[3]] == ["full"]
