@@ -71,7 +71,8 @@ PIPELINE_LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", matrix(PIPELINE_LAYOUTS, ci=[  # pp2-tp2: inside the others
-    name for name in PIPELINE_LAYOUTS if name not in ("pp2-cp2-tp2-zbh1", "pp2-tp2")]))
+    name for name in PIPELINE_LAYOUTS if name not in ("pp2-cp2-tp2-zbh1", "pp2-tp2",
+                                                      "pp2-cp2-tp2")]))
 def test_parallelism_inside_pipeline_stages_matches_one_process(dist, small_data_dir, reference,
                                                                layout):
     world, parallel = PIPELINE_LAYOUTS[layout]
