@@ -13,6 +13,8 @@ rank order.
 importable module (a test file is fine). A task that raises on any rank, or does not finish within
 ``task_timeout_s``, fails the call with every rank's traceback, and the pool shuts itself down —
 its process group may be wedged — so the next call gets fresh workers (``PoolRegistry`` does this).
+Each rank's stderr goes to a log in the pool's folder; when a rank dies or goes silent, the
+report quotes the end of its log (a native abort prints its reason there, not as a traceback).
 
 An accelerator ``device`` type (``"cuda"`` in tests/gpu) gives each rank its own device (rank r
 uses index r) and the trainer's backend for it (``resolve_backend``: NCCL on CUDA); NCCL refuses
@@ -59,6 +61,11 @@ class HarnessError(RuntimeError):
 def _worker_loop(rank: int, world_size: int, init_file: str, tasks: Any, results: Any,
                  pg_timeout_s: float, device_type: str) -> None:
     os.environ.update(WORKER_ENV)
+    # A native abort (gloo's I/O thread throwing, a failed assertion in C++) leaves no Python
+    # traceback; what it prints goes to this rank's log, which a failure report quotes.
+    log = os.open(_stderr_log(init_file, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 2)
+    os.close(log)
     import torch
     import torch.distributed as dist
 
@@ -82,6 +89,20 @@ def _worker_loop(rank: int, world_size: int, init_file: str, tasks: Any, results
         except BaseException:  # report everything, including assertion errors, to the parent
             results.put((rank, "error", traceback.format_exc(), _thread_count()))
     dist.destroy_process_group()
+
+
+def _stderr_log(init_file: str, rank: int) -> str:
+    """Where rank ``rank`` of the pool whose rendezvous file is ``init_file`` writes its stderr."""
+    return str(Path(init_file).with_name(f"rank{rank}.stderr"))
+
+
+def _log_tail(path: str, lines: int = 15) -> str:
+    """The last ``lines`` lines of a worker's stderr log ("" when it is empty or gone)."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.strip().splitlines()[-lines:])
 
 
 def _death_note(proc: Any) -> str:
@@ -138,6 +159,7 @@ class WorkerPool:
         context.set_forkserver_preload(PRELOAD)
         self._tmp = tempfile.TemporaryDirectory(prefix="loom-pool-")
         init_file = str(Path(self._tmp.name) / "rendezvous")
+        self._logs = [_stderr_log(init_file, rank) for rank in range(world_size)]
         self._results = context.Queue()
         self._tasks = [context.Queue() for _ in range(world_size)]
         saved = {k: os.environ.get(k) for k in WORKER_ENV}
@@ -190,10 +212,16 @@ class WorkerPool:
             except queue.Empty:
                 pass
             if dead or time.monotonic() >= deadline:
-                self.close()
                 missing = sorted(set(range(self.world_size)) - set(reports))
                 detail = "\n".join(f"--- rank {r}: {s}\n{p}" for r, (s, p) in sorted(reports.items())
                                    if s == "error")
+                # The silent ranks left no traceback: quote what they printed (a native abort's
+                # reason), before close() removes the logs.
+                for r in missing:
+                    tail = _log_tail(self._logs[r])
+                    if tail:
+                        detail += f"\n--- rank {r}: stderr (last lines)\n{tail}"
+                self.close()
                 cause = f"processes died: {dead}" if dead else f"timed out after {timeout_s:.0f} s"
                 raise HarnessError(f"{what} on {self.world_size} ranks: {cause}; no answer from "
                                    f"ranks {missing}\n{detail}")

@@ -35,6 +35,14 @@ def die_on_rank_one(ctx, how):
     return ctx.rank
 
 
+def abort_natively_on_rank_one(ctx):
+    """What a C++ abort looks like from Python: a message on fd 2, then SIGABRT, no traceback."""
+    if ctx.rank == 1:
+        os.write(2, b"terminate called after throwing an instance of 'gloo::IoException'\n")
+        os.abort()
+    return ctx.rank
+
+
 def test_results_come_back_in_rank_order(dist):
     assert dist.run(4, rank_times, 10) == [0, 10, 20, 30]
 
@@ -54,6 +62,13 @@ def test_a_failing_rank_is_named_and_the_pool_is_replaced(dist):
 def test_a_rank_that_dies_is_named_with_how_it_ended(dist, how, note):
     with pytest.raises(HarnessError, match=r"processes died: \['loom-rank1 \(" + note):
         dist.run(2, die_on_rank_one, how, task_timeout_s=30)
+    assert dist.run(2, rank_times, 1) == [0, 1]
+
+
+def test_a_native_abort_is_reported_with_what_the_rank_printed(dist):
+    with pytest.raises(HarnessError, match=r"killed by SIGABRT[\s\S]*rank 1: stderr[\s\S]*"
+                                           r"gloo::IoException"):
+        dist.run(2, abort_natively_on_rank_one, task_timeout_s=30)
     assert dist.run(2, rank_times, 1) == [0, 1]
 
 
