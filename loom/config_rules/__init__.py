@@ -465,8 +465,6 @@ def _validate_bf16(config: Config) -> None:
         (par.grad_compression != "none", f"parallel.grad_compression = {par.grad_compression}",
          "the compressor reads bf16 gradients, not their fp32 accumulation",
          "grad_compression = none"),
-        (par.ep > 1, f"expert parallelism (ep = {par.ep})",
-         "expert gradients take their own reduction", "ep = 1"),
         (tr.offload_optimizer, "train.offload_optimizer",
          "the fp32 master slices stay on the device", "offload_optimizer = false"),
         (tr.post_validation, "train.post_validation", "untested rollback of fp32 masters",

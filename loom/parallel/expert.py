@@ -93,6 +93,7 @@ from loom.models.document_attention import DocumentMask
 from loom.models.moe import GroupedExperts, MoEFeedForward
 from loom.parallel import comm
 from loom.parallel.comm import CommLedger
+from loom.parallel.mixed_precision import gradient_of
 
 
 @dataclass(frozen=True)
@@ -415,9 +416,12 @@ def reduce_gradients(model: nn.Module, ep: ExpertParallel, *, dp_group: Any = No
     holders = [(g, axis) for g, n, axis in ((dp_group, dp, "dp"), (cp_group, cp, "cp")) if n > 1]
     experts = expert_parameter_names(model)
     for name, param in model.named_parameters():
-        if param.grad is None:
+        # a bf16 parameter's gradient is its fp32 ``main_grad`` (``mixed_precision``); .grad
+        # is then empty, and reducing it would leave the masters' gradient unreduced
+        grad = gradient_of(param)
+        if grad is None:
             continue
-        grad = _local_tensor(param.grad)  # a tp shard under expert-TP: reduced as it is
+        grad = _local_tensor(grad)  # a tp shard under expert-TP: reduced as it is
         if name in experts:
             groups = holders
         elif dense:

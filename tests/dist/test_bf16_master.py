@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from loom.config import from_dict
 from loom.testing.parity import layout_config
 from loom.train.optim import clip_grad_norm
-from tests.conftest import SMALL_DATA_OVERRIDES
+from tests.conftest import SMALL_DATA_OVERRIDES, matrix
 
 STEPS = 3
 BASE = {**SMALL_DATA_OVERRIDES, "model.preset": "debug", "train.steps": STEPS,
@@ -173,6 +173,44 @@ def test_bf16_layout_matches_one_bf16_process(dist, small_data_dir, bf16_referen
         assert_parity(first_step(reference), first_step(result), rtol=2e-2, atol=1e-4,
                       label=layout)
 
+
+
+# -- expert parallelism: the expert gradients reduced from their fp32 main_grads -------------
+# tiny-moe (4 experts, top-2), 8 sequences per step so that 4 ranks hold whole microbatches.
+# Under ep each expert's tokens from every rank go through one matmul where one process runs
+# them per microbatch: each bf16 product rounds once over another set of rows, so these are
+# held at rtol 2e-2, atol 1e-4, like the layouts above that reorder bf16 sums, at both steps
+# (the second after the masters' step). A reduction that missed the experts' main_grads leaves
+# them unreduced (ep2 and pp2: twice the gradient; dp2: one replica's), far outside that.
+MOE_PARITY = {**PARITY, "model.preset": "tiny-moe", "train.global_batch_size": 8}
+MOE_LAYOUTS = {  # name -> (world, degrees)
+    "ep2": (2, {"ep": 2}),  # expert.reduce_gradients: divided by ep
+    "dp2-ep2": (4, {"dp_replicate": 2, "ep": 2}),  # ... and summed over the replica
+    "zero1-dp2-ep2": (4, {"dp_shard": 2, "ep": 2, "zero_stage": 1}),  # fp32 master slices
+    "zero3-dp2-ep2": (4, {"dp_shard": 2, "ep": 2, "zero_stage": 3}),  # FSDP2 expert units
+    "pp2-ep2": (4, {"pp": 2, "ep": 2, "schedule": "1f1b"}),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_bf16_reference(dist, small_data_dir):
+    from loom.testing.parity import record_training
+
+    return dist.run(1, record_training, layout_config(MOE_PARITY, 1), small_data_dir, 2)[0]
+
+
+# matrix: ZeRO-3's expert units and pp2 x ep2 (ep2, dp x ep and ZeRO-1 over dp_shard x ep run)
+@pytest.mark.parametrize("layout", matrix(MOE_LAYOUTS, ci=["ep2", "dp2-ep2", "zero1-dp2-ep2"]))
+def test_bf16_expert_parallel_layout_matches_one_bf16_process(dist, small_data_dir,
+                                                              moe_bf16_reference, layout):
+    from loom.testing.parity import assert_parity, record_training
+
+    world, degrees = MOE_LAYOUTS[layout]
+    results = dist.run(world, record_training, layout_config(MOE_PARITY, world, **degrees),
+                       small_data_dir, 2)
+    for rank, result in enumerate(results):
+        assert_parity(moe_bf16_reference, result, rtol=2e-2, atol=1e-4,
+                      label=f"bf16 {layout} rank {rank}")
 
 # -- checkpoints: the fp32 masters, across dtype modes and layouts ----------------------------
 def save_state(ctx, config_table, data_dir, root):

@@ -17,7 +17,6 @@ REFUSED = [  # (overrides, world, words in the message)
     ({"parallel.dp_replicate": "2", "parallel.dp_mode": "diloco"}, 2, "dp_mode = diloco"),
     ({"parallel.dp_replicate": "2", "parallel.grad_compression": "int8"}, 2,
      "grad_compression = int8"),
-    ({"model.preset": "tiny-moe", "parallel.ep": "2"}, 2, "expert parallelism (ep = 2)"),
     ({"parallel.dp_shard": "2", "parallel.zero_stage": "2", "train.offload_optimizer": "true"},
      2, "offload_optimizer"),
     ({"parallel.pp": "2", "train.post_validation": "true"}, 2, "post_validation"),
@@ -39,6 +38,18 @@ def test_unbuilt_combinations_are_refused_by_name(overrides, world, words):
 def test_bf16_parameters_resolve_with_dp_zero_tp_pp(degrees):
     world = 2 if degrees else 1
     assert resolved(world, **{"train.dtype": "bf16", **degrees}).train.dtype == "bf16"
+
+
+@pytest.mark.parametrize("world, degrees", [(2, {}), (4, {"parallel.dp_shard": "2",
+                                                          "parallel.zero_stage": "1"}),
+                                            (4, {"parallel.dp_shard": "2",
+                                                 "parallel.zero_stage": "3"})])
+def test_bf16_parameters_resolve_with_expert_parallelism(world, degrees):
+    """Expert gradients are reduced from their fp32 ``main_grad`` (tests/dist/test_bf16_master.py
+    holds ep2, ZeRO over dp_shard x ep and pp x ep to one bf16 process)."""
+    config = resolved(world, **{"model.preset": "tiny-moe", "parallel.ep": "2",
+                                "train.dtype": "bf16", **degrees})
+    assert config.train.dtype == "bf16" and config.parallel.ep == 2
 
 
 def _state(stage: int, **overrides) -> float:
