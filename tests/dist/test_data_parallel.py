@@ -1,6 +1,6 @@
 """Data parallelism is one process, split: 1, 2 and 4 ranks give the same loss and gradients.
 
-Same model (debug preset), seed and data; 5 optimizer steps, fp32. Microbatch sizes differ between
+Same model (debug preset), seed and data; 3 optimizer steps, fp32. Microbatch sizes differ between
 layouts on purpose, so gradient accumulation is exercised against the all-reduce as well.
 """
 
@@ -14,7 +14,7 @@ from loom.testing.parity import assert_parity, layout_config, record_training
 from loom.train.trainer import Trainer
 from tests.conftest import SMALL_DATA_OVERRIDES
 
-STEPS = 5
+STEPS = 3
 BASE = {
     **SMALL_DATA_OVERRIDES,
     "model.preset": "debug",

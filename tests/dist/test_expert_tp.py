@@ -1,7 +1,7 @@
 """MoE under tensor parallelism (expert-TP = TP), alone and with expert and data parallelism.
 
 Parity through the real ``Trainer`` (``loom.testing.parity``): the ``tiny-moe`` model (1 dense + 3
-MoE layers, 4 experts top-2, one shared expert), same seed and data, 3 AdamW steps in fp32 with
+MoE layers, 4 experts top-2, one shared expert), same seed and data, 2 AdamW steps in fp32 with
 global-norm clipping, on one process and on tp2, tp2+SP, ep2 x tp2 (with and without SP, dropless
 and with a capacity factor that drops assignments) and ep2 x tp2 x dp2 on 8 ranks. Loss, gradient
 norm and every parameter's full gradient must match.
@@ -28,7 +28,7 @@ from loom.topology import RankGrid, build_mesh
 from tests.conftest import SMALL_DATA_OVERRIDES, matrix
 from tests.dist.test_tensor_parallel import expected_tp_volume
 
-STEPS = 3
+STEPS = 2
 BASE = {**SMALL_DATA_OVERRIDES, "model.preset": "tiny-moe", "train.steps": STEPS,
         "train.global_batch_size": 8, "train.micro_batch_size": 2, "optim.warmup_steps": 1,
         "optim.lr": 1e-3, "train.grad_clip": 1.0}

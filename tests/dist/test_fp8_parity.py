@@ -24,7 +24,7 @@ from tests.conftest import SMALL_DATA_OVERRIDES, matrix
 
 pytestmark = pytest.mark.skipif(not torchao_available(), reason="needs torchao (loom[fp8])")
 
-STEPS = 3
+STEPS = 2
 BASE = {**SMALL_DATA_OVERRIDES, "model.preset": "debug", "model.n_kv_heads": 4,
         "train.steps": STEPS, "train.global_batch_size": 8, "train.micro_batch_size": 2,
         "optim.warmup_steps": 1, "optim.lr": 1e-3, "train.grad_clip": 1.0}

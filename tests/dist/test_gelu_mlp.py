@@ -2,7 +2,7 @@
 without sequence parallelism) and pipeline parallelism trains exactly as one process does.
 
 Same harness and tolerances as tests/dist/test_layouts_parity.py: the debug preset (4 query and
-4 key/value heads) with a GELU MLP of hidden size 4·dim, 3 optimizer steps, fp32. Under tp the
+4 key/value heads) with a GELU MLP of hidden size 4·dim, 2 optimizer steps, fp32. Under tp the
 plan splits ``w1`` by columns and ``w2`` by rows, with no ``w3`` (loom.parallel.tensor).
 
 GELU experts (the tiny MoE preset with ``mlp = "gelu"``: routed and shared experts are
@@ -15,7 +15,7 @@ import pytest
 from loom.testing.parity import assert_parity, layout_config, record_training
 from tests.conftest import SMALL_DATA_OVERRIDES, matrix
 
-STEPS = 3
+STEPS = 2
 BASE = {**SMALL_DATA_OVERRIDES, "model.preset": "debug", "model.n_kv_heads": 4,
         "model.mlp": "gelu", "model.ffn_dim": 256,
         "train.steps": STEPS, "train.global_batch_size": 8, "train.micro_batch_size": 2,

@@ -11,7 +11,7 @@ import pytest
 from loom.testing.parity import assert_parity, layout_config, record_training
 from tests.conftest import SMALL_DATA_OVERRIDES
 
-STEPS = 3
+STEPS = 2
 BASE = {**SMALL_DATA_OVERRIDES, "model.preset": "tiny-moe", "train.steps": STEPS,
         "train.global_batch_size": 8, "train.micro_batch_size": 2, "optim.warmup_steps": 1,
         "optim.lr": 1e-3, "train.grad_clip": 1.0}

@@ -1,7 +1,7 @@
 """bidirectional_v trains: two model copies, opposite V pipelines, one process's numbers.
 
 Parity, as for every one-copy family in tests/dist/test_pipeline_parity.py (whose harness, model
-and tolerances this reuses: debug preset with 8 layers, fp32, 3 steps, clipping at 1.0): for p in
+and tolerances this reuses: debug preset with 8 layers, fp32, 2 steps, clipping at 1.0): for p in
 {2, 4} x m in {p, 2p+1} and for pp2 x dp2 (m = 3 and 4 per pipeline), loss, gradient norm and
 every parameter's gradient after each step, then the validation loss and the saved weights,
 against one process with the same global batch. On top, what is particular to two copies:

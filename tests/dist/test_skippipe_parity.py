@@ -255,7 +255,7 @@ def test_loom_train_skippipe_at_skip_zero_matches_one_process(dist, small_data_d
                                                               tmp_path, pp, replicas):
     """``parallel.schedule = skippipe`` with skip 0 through the trainer: the replicas load
     their own shares (dp_replicate = stage_replicas), gather the batch, average their
-    gradients; 3 steps of loss, norm and every gradient, and the validation loss, against one
+    gradients; 2 steps of loss, norm and every gradient, and the validation loss, against one
     process (test_pipeline_parity's helpers and tolerances)."""
     config = layout_config({**BASE, "train.global_batch_size": 4, "parallel.schedule": "skippipe",
                             "parallel.stage_replicas": replicas}, 4, pp=pp,

@@ -1,5 +1,5 @@
 """ZeRO-1/2/3, HSDP, ZeRO-3 x TP and every recomputation policy through the real Trainer give one
-process's loss and every gradient (5 steps, fp32); ZeRO-3 moves 1.5x plain data parallelism's
+process's loss and every gradient (3 steps, fp32); ZeRO-3 moves 1.5x plain data parallelism's
 bytes; ZeRO-1/2's optimizer-state offload logic runs (host copies) and stays exact.
 
 Tolerances as in test_layouts_parity.py: step 1 differs from one process only by summation order
@@ -15,7 +15,7 @@ from loom.config import from_dict
 from loom.testing.parity import assert_parity, layout_config, record_training
 from tests.conftest import SMALL_DATA_OVERRIDES, matrix
 
-STEPS = 5
+STEPS = 3
 BASE = {**SMALL_DATA_OVERRIDES, "model.preset": "debug", "train.steps": STEPS,
         "train.global_batch_size": 8, "train.micro_batch_size": 2, "optim.warmup_steps": 1,
         "optim.lr": 1e-3, "train.grad_clip": 1.0}

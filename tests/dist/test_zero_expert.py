@@ -7,7 +7,7 @@
   experts are reduced over dp_shard only (each rank's expert gradient already sums the tokens
   of all ep ranks). ZeRO-3 gives the experts their own FSDP2 unit on the dp_shard mesh.
 
-Parity with one process (5 steps, fp32: loss, gradient norm, every gradient), dropless and with a
+Parity with one process (3 steps, fp32: loss, gradient norm, every gradient), dropless and with a
 capacity factor that drops assignments; HSDP (dp_replicate2 x dp_shard2 x ep2, 8 ranks); with tp,
 cp (ep = 1) and pp (1F1B, ZB-V), and ep2 with tp2 (ZeRO-1, ZeRO-2 + SP, ZeRO-3), ring cp2 (ZeRO-2/3:
 dense weights over dp_shard x ep x cp, experts over dp_shard x cp) and pp2 (ZeRO-2/3), 8 ranks; the ledger's bytes per group; bit-exact resume and checkpoints resharded to and from
@@ -26,7 +26,7 @@ from loom.testing.parity import assert_parity, layout_config, record_training
 from tests.conftest import SMALL_DATA_OVERRIDES, matrix
 from tests.dist.test_zero import ATOL, ATOL_FIRST, RTOL, RTOL_FIRST
 
-STEPS = 5
+STEPS = 3
 BASE = {**SMALL_DATA_OVERRIDES, "model.preset": "tiny-moe", "train.steps": STEPS,
         "train.global_batch_size": 8, "train.micro_batch_size": 2, "optim.warmup_steps": 1,
         "optim.lr": 1e-3, "train.grad_clip": 1.0}

@@ -1,7 +1,7 @@
 """ZeRO-3 inside pipeline stages, and the pipeline's data-parallel bytes, through the real Trainer.
 
 Parity: pp = 2 x dp_shard = 2 (and pp2 x dp_replicate2 x dp_shard2, HSDP) give one process's
-loss, gradient norm and every parameter's gradient for 5 steps (fp32) under 1F1B, interleaved
+loss, gradient norm and every parameter's gradient for 3 steps (fp32) under 1F1B, interleaved
 1F1B with 2 stages per rank, and the I/W-split schedules ZB-H1 and ZB-V; with the stages gathered
 once per step (``reshard_after_forward = false``) and, for 1F1B, gathered per microbatch.
 4 microbatches per pipeline, so every stage accumulates gradients over several backward pieces
@@ -27,7 +27,7 @@ from tests.conftest import SMALL_DATA_OVERRIDES, matrix
 from tests.dist.test_pipeline_parity import check, record_pipeline
 from tests.dist.test_zero import step_bytes
 
-STEPS = 5
+STEPS = 3
 BASE = {**SMALL_DATA_OVERRIDES, "model.preset": "debug", "train.steps": STEPS,
         "train.global_batch_size": 8, "train.micro_batch_size": 1, "optim.warmup_steps": 1,
         "optim.lr": 1e-3, "train.grad_clip": 1.0, "train.eval_batches": 2}
