@@ -217,6 +217,9 @@ def loom(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, timeout=300)
 
 
+# matrix: the pipeline runtime is the dist tests' above, and `loom train` runs pipelines in CI
+# through tests/e2e/test_checkfree_relaunch.py and test_checkfree_plus_recovery.py
+@pytest.mark.matrix
 def test_loom_train_runs_a_zbv_pipeline(tmp_path):
     result = loom("train", "--nproc", "2", "--parallel.pp=2", "--parallel.schedule=zbv",
                   "--model.preset=debug", "--train.steps=2", "--train.global_batch_size=4",
