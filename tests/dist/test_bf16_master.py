@@ -278,3 +278,26 @@ def test_a_bf16_checkpoint_holds_fp32_masters_and_loads_into_fp32_and_back(
     bf16_zero2 = layout_config({**ckpt, "train.dtype": "bf16"}, 2, dp_shard=2, zero_stage=2)
     state, _, _ = dist.run(2, load_state, bf16_zero2, small_data_dir, again, None)[0]
     _assert_same_state(saved, state)
+
+
+def test_a_bf16_expert_parallel_checkpoint_holds_fp32_masters_and_reshards(
+        dist, small_data_dir, tmp_path):
+    """bf16 ep2 saves the experts' fp32 masters under their global names: one fp32 process
+    loads the same state, and bf16 ep2 (each parameter its master's rounding) and bf16 ZeRO-1
+    over dp_shard2 x ep2 load it back."""
+    ckpt = {**BASE, "model.preset": "tiny-moe", "train.global_batch_size": 8,
+            "train.eval_every": 0}
+    bf16 = {**ckpt, "train.dtype": "bf16"}
+    path, saved = dist.run(2, save_state, layout_config(bf16, 2, ep=2), small_data_dir,
+                           str(tmp_path / "a"))[0]
+    assert {v.dtype for k, v in saved.items() if k.startswith("model/")} == {torch.float32}
+    state, _, again = dist.run(1, load_state, layout_config(ckpt, 1), small_data_dir, path,
+                               str(tmp_path / "b"))[0]
+    _assert_same_state(saved, state)
+    state, rounded, _ = dist.run(2, load_state, layout_config(bf16, 2, ep=2), small_data_dir,
+                                 again, None)[0]
+    _assert_same_state(saved, state)
+    assert rounded
+    state, _, _ = dist.run(4, load_state, layout_config(bf16, 4, dp_shard=2, ep=2, zero_stage=1),
+                           small_data_dir, again, None)[0]
+    _assert_same_state(saved, state)
