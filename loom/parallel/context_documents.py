@@ -226,19 +226,15 @@ def document_tiles(ids_q: np.ndarray, pos_q: np.ndarray, ids_k: np.ndarray, pos_
     queries = runs(ids_q)
     shared = [d for d in dict.fromkeys(ids_q.tolist()) if d >= 0 and d in keys]
     tiles = []
-    def whole(q: np.ndarray, k: np.ndarray, kernel: str) -> Tile:
-        return Tile(torch.from_numpy(q).to(device), torch.from_numpy(k).to(device),
-                    torch.ones(1, 1, 1, dtype=torch.bool, device=device), kernel)
-
     if own_keys:
         rest = []
         for d in shared:
             qi = queries[d]
             ordered = np.array_equal(qi, keys[d]) and bool(np.all(np.diff(pos_q[qi]) > 0))
             if ordered and not (window and pos_q[qi[-1]] - pos_q[qi[0]] >= window):
-                tiles.append(whole(qi, qi, "causal"))
+                tiles.append(_whole_tile(qi, qi, "causal", device))
             elif ordered and len(qi) >= tile_tokens:  # a window shorter than the document here
-                tiles += _windowed_own_tiles(qi, ids_q, pos_q, window, device, whole)
+                tiles += _windowed_own_tiles(qi, ids_q, pos_q, window, device)
             else:
                 rest.append(d)
         shared = rest
@@ -262,10 +258,7 @@ def document_tiles(ids_q: np.ndarray, pos_q: np.ndarray, ids_k: np.ndarray, pos_
             if overlap:
                 rest.append(d)
                 continue
-            for q_run, k_run in pairs:
-                tiles.append(Tile(torch.from_numpy(q_run).to(device),
-                                  torch.from_numpy(k_run).to(device),
-                                  torch.ones(1, 1, 1, dtype=torch.bool, device=device), "full"))
+            tiles += [_whole_tile(q_run, k_run, "full", device) for q_run, k_run in pairs]
         shared = rest
     groups: list[list[int]] = []
     count = 0
@@ -281,13 +274,24 @@ def document_tiles(ids_q: np.ndarray, pos_q: np.ndarray, ids_k: np.ndarray, pos_
         ki = np.concatenate([keys[d] for d in docs])
         allowed = _visible(ids_q[qi], pos_q[qi], ids_k[ki], pos_k[ki], window)
         if allowed.any():
-            tiles.append(Tile(torch.from_numpy(qi).to(device), torch.from_numpy(ki).to(device),
-                              torch.from_numpy(allowed)[None].to(device)))
+            tiles.append(_masked_tile(qi, ki, allowed, device))
     return tuple(tiles)
 
 
+def _whole_tile(q: np.ndarray, k: np.ndarray, kernel: str, device: torch.device) -> Tile:
+    """Queries ``q`` against keys ``k`` through torch's kernel (``causal`` or ``full``)."""
+    return Tile(torch.from_numpy(q).to(device), torch.from_numpy(k).to(device),
+                torch.ones(1, 1, 1, dtype=torch.bool, device=device), kernel)
+
+
+def _masked_tile(q: np.ndarray, k: np.ndarray, allowed: np.ndarray, device: torch.device) -> Tile:
+    """Queries ``q`` against keys ``k`` under the boolean mask ``allowed`` (queries x keys)."""
+    return Tile(torch.from_numpy(q).to(device), torch.from_numpy(k).to(device),
+                torch.from_numpy(allowed)[None].to(device))
+
+
 def _windowed_own_tiles(index: np.ndarray, ids: np.ndarray, pos: np.ndarray, window: int,
-                        device: torch.device, whole: Any) -> list[Tile]:
+                        device: torch.device) -> list[Tile]:
     """A document's own keys (positions increasing along ``index``) under a window shorter than
     its span here: cut into its runs (its zig-zag chunks), each run against itself causal while
     its span is inside the window, each against an earlier run full while wholly inside it,
@@ -301,13 +305,12 @@ def _windowed_own_tiles(index: np.ndarray, ids: np.ndarray, pos: np.ndarray, win
             if k_run is not q_run and nearest >= window:
                 continue
             if farthest < window:
-                tiles.append(whole(q_run, k_run, "causal" if k_run is q_run else "full"))
+                tiles.append(_whole_tile(q_run, k_run, "causal" if k_run is q_run else "full",
+                                         device))
                 continue
             allowed = _visible(ids[q_run], pos[q_run], ids[k_run], pos[k_run], window)
             if allowed.any():
-                tiles.append(Tile(torch.from_numpy(q_run).to(device),
-                                  torch.from_numpy(k_run).to(device),
-                                  torch.from_numpy(allowed)[None].to(device)))
+                tiles.append(_masked_tile(q_run, k_run, allowed, device))
     return tiles
 
 
