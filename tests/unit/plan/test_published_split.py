@@ -70,6 +70,52 @@ def test_a_cell_published_as_out_of_memory_is_scored_by_the_verdict(bench):
     assert "OOM verdict right" in bench.format_split_report(report)
 
 
+def test_the_open_knobs_are_those_the_run_could_have_used(bench):
+    """Sequence parallelism is open only with tensor parallelism and from 2022 on (or on
+    TorchTitan, whose tensor parallelism always shards the norms); recomputation only where
+    the row does not state it."""
+    rows = {r["name"]: r for r in bench.load_rows()}
+    assert bench.published_year(rows["llama3-405b-8192gpu-seq8k"]) == 2024  # arXiv 2407.x
+    assert bench.published_year(rows["megatron2021-t1-1.7b-32gpu"]) == 2021
+    assert bench.unstated_choices(rows["megatron2021-t1-145.6b-1536gpu"]) == {}  # tp8, 2021
+    assert bench.unstated_choices(rows["megascale2024-megatron-baseline-175b-256gpu"]) == {
+        "sequence_parallel": (False, True), "recompute": ("none", "selective", "full")}
+    # stated: "without activation checkpointing"
+    assert bench.unstated_choices(rows["llama3-405b-8192gpu-seq8k"]) == {
+        "sequence_parallel": (False, True)}
+    assert bench.unstated_choices(rows["korthikanti2022-1t-512gpu-full-recompute"]) == {}
+    assert bench.unstated_choices(rows["torchtitan-llama3-8b-a100-64gpu-fsdp"]) == {}  # tp 1
+
+
+def test_a_run_is_priced_with_the_fastest_open_setting_that_fits(bench):
+    """MegaScale's Megatron baseline states neither sequence parallelism nor recomputation.
+    Both off, the model judges it out of memory; the run ran, so it is priced as its user
+    would have run it: the fastest setting of the two that fits."""
+    row = {r["name"]: r for r in bench.load_rows()}["megascale2024-megatron-baseline-175b-256gpu"]
+    result = bench.compare(row, search=False)
+    assert not result["oom"]
+    every = []
+    for sp in (False, True):
+        for recompute in ("none", "selective", "full"):
+            forced = {**row, "layout": {**row["layout"], "sequence_parallel": sp,
+                                        "recompute": recompute}}
+            every.append(bench.compare(forced, search=False))
+    assert every[0]["oom"]  # both off: out of memory
+    fitting = [r for r in every if not r["oom"]]
+    fastest = min(fitting, key=lambda r: r["predicted_step_s"])
+    assert result["predicted_step_s"] == fastest["predicted_step_s"]
+    assert result["layout"] == fastest["layout"]
+    assert "sequence parallel" in result["assumed"]
+
+
+def test_a_run_that_states_its_knobs_is_priced_as_stated(bench):
+    """Narayanan et al.'s ZeRO-3 cell states its knobs; with none open it is priced as
+    stated, and its out-of-memory verdict stands."""
+    row = {r["name"]: r for r in bench.load_rows()}["megatron2021-t2-530b-zero3-560gpu-oom"]
+    assert bench.unstated_choices(row) == {}
+    assert bench.compare(row, search=False)["oom"]
+
+
 def test_llama3_rows_are_priced_on_their_stated_network_and_rank_order(bench):
     """The paper's network (2 servers a rack, 192 racks a pod, 1:7 above) and its "[TP, CP,
     PP, DP]" order: the pipeline stays inside a pod, so the row prices as on a flat network,
