@@ -460,8 +460,6 @@ def _validate_bf16(config: Config) -> None:
     if tr.dtype != "bf16":
         return
     unbuilt = [  # (refused when, the combination, why, the other way out)
-        (par.dp_mode != "sync", f"parallel.dp_mode = {par.dp_mode}",
-         "the outer loop merges the parameters, not their fp32 masters", "dp_mode = sync"),
         (par.grad_compression != "none", f"parallel.grad_compression = {par.grad_compression}",
          "the compressor reads bf16 gradients, not their fp32 accumulation",
          "grad_compression = none"),

@@ -115,7 +115,11 @@ from identical weights. Under Loom's ZeRO-1/2 every dp_shard rank holds its repl
 model: given all of it, each dp_shard rank would send the whole model across replicas
 (dp_shard times the bytes), so the trainer gives each rank only the slices its optimizer owns
 (``Trainer._outer_loop``: one tensor per bucket) and re-gathers them inside the replica after
-an outer step (one all-gather of the model per H steps).
+an outer step (one all-gather of the model per H steps). With bf16 parameters
+(``train.dtype = bf16``) the weights the inner AdamW steps are the fp32 masters: the outer loop
+reads and merges those (``param.master_weight`` without ZeRO; the ZeRO-1/2 slices and FSDP2's
+sharded parameters already are the fp32 masters) and restarts every bf16 parameter at its
+master's rounding, so the snapshot, momentum and pseudo-gradients are the fp32 run's.
 
 Checkpoints. ``state_dict`` holds the counters, the snapshot and momentum (and co2's displacement
 and pending average, after waiting for it), by parameter name; a DTensor parameter's state is a
@@ -148,6 +152,7 @@ from torch.distributed.tensor import DTensor
 from loom.formulas.memory import BUCKET_BYTES, MAX_IN_FLIGHT
 from loom.parallel import comm
 from loom.parallel.comm import local_shard
+from loom.parallel.mixed_precision import MASTER, has_master
 
 MODES: tuple[str, ...] = ("diloco", "noloco", "co2")
 _NORM_FLOOR = 1e-12  # keeps the staleness ratio finite when a stale average is exactly zero
@@ -277,8 +282,8 @@ class OuterLoop:
         self._offsets = fragment_offsets(outer_steps, fragments)
         self._buckets = self._make_buckets(bucket_bytes)
         with torch.no_grad():
-            self._snapshot = [local_shard(p).detach().to(torch.float32, copy=True)
-                              for p in self.params]
+            self._snapshot = [self._value(i).detach().to(torch.float32, copy=True)
+                              for i in range(len(self.params))]
             self._momentum = [torch.zeros_like(s) for s in self._snapshot]
             if mode == "co2":
                 self._displacement = [torch.zeros_like(s) for s in self._snapshot]
@@ -352,8 +357,7 @@ class OuterLoop:
         c = self.noloco_consensus
         for tag, bucket in enumerate(buckets):
             phi = torch.cat([self._snapshot[i].reshape(-1) for i in bucket.indices])
-            theta = torch.cat([local_shard(self.params[i]).reshape(-1).float()
-                               for i in bucket.indices])
+            theta = torch.cat([self._value(i).reshape(-1).float() for i in bucket.indices])
             if peer is None:  # sitting this one out: a group of one
                 outer_grad = phi.sub_(theta)
             else:
@@ -380,7 +384,7 @@ class OuterLoop:
             else:  # x_{1,0} = x_{0,0}: nothing stale to apply yet
                 for i in bucket.indices:
                     self._displacement[i].zero_()
-                    local_shard(self.params[i]).copy_(self._snapshot[i])
+                    self._write(i, self._snapshot[i])
             self._pending_flat[k].copy_(fresh)
             self._pending_work[k] = comm.all_reduce(self._pending_flat[k], self.group,
                                                     axis=self.axis, ledger=self.ledger,
@@ -416,7 +420,22 @@ class OuterLoop:
             displacement.sub_(snapshot).neg_()  # x_{t+1,0} - x_{t,0}, the next step's gap
         else:
             snapshot.sub_(update, alpha=self.outer_lr)
-        local_shard(self.params[i]).copy_(snapshot)
+        self._write(i, snapshot)
+
+    # -- the weights it reads and writes -----------------------------------------------------------
+    def _value(self, i: int) -> torch.Tensor:
+        """Parameter i's local value as the inner optimizer steps it: the fp32 master of a bf16
+        parameter (``loom.parallel.mixed_precision``), else the parameter itself."""
+        param = self.params[i]
+        return local_shard(getattr(param, MASTER) if has_master(param) else param)
+
+    def _write(self, i: int, value: torch.Tensor) -> None:
+        """Restart parameter i from ``value``: its master and its bf16 rounding (the rounding
+        ``master_window`` gives it after an optimizer step), or the parameter itself."""
+        param = self.params[i]
+        if has_master(param):
+            local_shard(getattr(param, MASTER)).copy_(value)
+        local_shard(param).copy_(value)
 
     # -- packing -----------------------------------------------------------------------------------
     def _make_buckets(self, bucket_bytes: int) -> list[_Bucket]:
@@ -433,7 +452,7 @@ class OuterLoop:
 
     def _pseudo_gradient(self, bucket: _Bucket) -> torch.Tensor:
         """This replica's phi - theta over the bucket, flat fp32."""
-        return torch.cat([(self._snapshot[i] - local_shard(self.params[i]).float()).reshape(-1)
+        return torch.cat([(self._snapshot[i] - self._value(i).float()).reshape(-1)
                           for i in bucket.indices])
 
     def _unflatten(self, flat: torch.Tensor, bucket: _Bucket):

@@ -14,7 +14,6 @@ def resolved(world: int, **overrides):
 
 
 REFUSED = [  # (overrides, world, words in the message)
-    ({"parallel.dp_replicate": "2", "parallel.dp_mode": "diloco"}, 2, "dp_mode = diloco"),
     ({"parallel.dp_replicate": "2", "parallel.grad_compression": "int8"}, 2,
      "grad_compression = int8"),
     ({"parallel.dp_shard": "2", "parallel.zero_stage": "2", "train.offload_optimizer": "true"},
@@ -50,6 +49,17 @@ def test_bf16_parameters_resolve_with_expert_parallelism(world, degrees):
     config = resolved(world, **{"model.preset": "tiny-moe", "parallel.ep": "2",
                                 "train.dtype": "bf16", **degrees})
     assert config.train.dtype == "bf16" and config.parallel.ep == 2
+
+
+@pytest.mark.parametrize("mode", ["diloco", "noloco", "co2"])
+@pytest.mark.parametrize("world, degrees", [(2, {}), (4, {"parallel.dp_shard": "2",
+                                                          "parallel.zero_stage": "1"})])
+def test_bf16_parameters_resolve_with_an_outer_loop(mode, world, degrees):
+    """The outer loop merges the fp32 masters (tests/dist/test_outer_loop.py: bit for bit the
+    fp32 arithmetic; test_outer_trainer.py: through the trainer against single processes)."""
+    config = resolved(world, **{"parallel.dp_replicate": "2", "parallel.dp_mode": mode,
+                                "train.dtype": "bf16", **degrees})
+    assert config.train.dtype == "bf16" and config.parallel.dp_mode == mode
 
 
 def _state(stage: int, **overrides) -> float:
