@@ -456,13 +456,10 @@ def _validate_bf16(config: Config) -> None:
     """``train.dtype = bf16`` (bf16 parameters, fp32 masters: ``loom.parallel.mixed_precision``,
     ``zero.py``, FSDP2) with what it is not built for yet: each of these reads or writes the
     parameters' gradients or values outside the master-weight path; bf16_autocast runs them."""
-    par, tr = config.parallel, config.train
+    tr = config.train
     if tr.dtype != "bf16":
         return
     unbuilt = [  # (refused when, the combination, why, the other way out)
-        (par.grad_compression != "none", f"parallel.grad_compression = {par.grad_compression}",
-         "the compressor reads bf16 gradients, not their fp32 accumulation",
-         "grad_compression = none"),
         (tr.offload_optimizer, "train.offload_optimizer",
          "the fp32 master slices stay on the device", "offload_optimizer = false"),
         (tr.post_validation, "train.post_validation", "untested rollback of fp32 masters",

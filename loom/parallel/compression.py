@@ -67,6 +67,11 @@ minimizing the total bytes subject to the total error staying within that of the
 configured level (a knapsack solved by dynamic programming over discretized error, never worse
 than the uniform choice). The new levels apply from the next step.
 
+bf16 parameters (``train.dtype = bf16``): the reducer hands the compressor each parameter's fp32
+``main_grad`` (``mixed_precision.gradient_of``), the residuals are fp32, and the average is
+written back into ``main_grad`` for the masters' step; with ``grad_reduce_dtype = bf16`` the
+bf16 ``.grad`` is compressed through the same fp32 arithmetic and the average rounded back.
+
 State (training state, saved in checkpoints by the trainer under this rank's key; a resume under
 another parallel config restarts it at zero residuals and the seeded Q): every tensor's residual,
 PowerSGD's Q (held at the largest level's rank; a level uses its first columns, so a level change
@@ -168,7 +173,11 @@ class GradCompressor:
         self.ledger, self.axis, self.seed = ledger, axis, seed
         self.params = list(params)  # the reducer's order: the slot of each tensor's state
         self.slot = {id(p): i for i, p in enumerate(self.params)}
-        self.residual = [torch.zeros_like(local_shard(p)) for p in self.params]
+        # fp32 whatever the parameters' dtype: a bf16 parameter's gradient is reduced from its
+        # fp32 accumulation (``main_grad``), and a residual rounded to bf16 would lose part of
+        # what error feedback owes the next step
+        self.residual = [torch.zeros_like(local_shard(p), dtype=torch.float32)
+                         for p in self.params]
         self.level = torch.full((len(self.params),), REFERENCE_LEVEL, dtype=torch.long)
         self.steps = torch.zeros((), dtype=torch.long)
         self._errors: dict[int, torch.Tensor] = {}  # L-GreCo's measurements this step, by slot

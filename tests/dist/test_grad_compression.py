@@ -23,6 +23,7 @@ from loom.layout import CompressionSpec
 from loom.parallel.comm import CommLedger
 from loom.parallel.compression import Int8Compressor
 from loom.parallel.data import GradientReducer
+from loom.parallel.mixed_precision import apply_bf16_parameters, clear_main_grads, gradient_of
 from loom.testing.parity import layout_config
 from loom.train.trainer import Trainer
 from tests.conftest import SMALL_DATA_OVERRIDES
@@ -63,22 +64,34 @@ def _gradients(rank: int, step: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def reduce_known(ctx, spec: dict | None, steps: int) -> dict:
-    """Feed ``steps`` steps of known gradients through a reducer; record what it returns."""
+def reduce_known(ctx, spec: dict | None, steps: int, *, bf16: bool = False,
+                 rounded: bool = False) -> dict:
+    """Feed ``steps`` steps of known gradients through a reducer; record what it returns.
+    ``bf16``: bf16 parameters with fp32 masters and fp32 ``main_grad`` (``train.dtype = bf16``),
+    whose backward delivers the gradients rounded to bf16; ``rounded``: fp32 parameters fed
+    those same rounded gradients."""
     model = _Known()
+    if bf16:  # before the reducer: the fold into main_grad runs before its hooks
+        apply_bf16_parameters(model, torch.float32)
     ledger = CommLedger()
     compression = CompressionSpec(**spec) if spec is not None else None
+    # buckets are sized by the parameters' bytes: half of them hold the same bf16 parameters
     reducer = GradientReducer(list(model.parameters()), dist.group.WORLD, ctx.world_size,
-                              ledger=ledger, bucket_bytes=BUCKET_BYTES, compression=compression,
+                              ledger=ledger, bucket_bytes=BUCKET_BYTES // (2 if bf16 else 1),
+                              compression=compression,
                               seed=7)
     names = {id(p): n for n, p in model.weights.items()}
     record = {"reduced": [], "ledger": [], "buckets": [[names[id(p)] for p in bucket]
                                                       for bucket in reducer.buckets]}
     for step in range(steps):
         model.zero_grad(set_to_none=True)
-        model.loss(_gradients(ctx.rank, step)).backward()
+        clear_main_grads(list(model.parameters()))  # the trainer's zero_grad of main_grad
+        grads = _gradients(ctx.rank, step)
+        if rounded:
+            grads = {n: g.to(torch.bfloat16).float() for n, g in grads.items()}
+        model.loss(grads).backward()
         reducer.finish()
-        record["reduced"].append({n: p.grad.clone() for n, p in model.weights.items()})
+        record["reduced"].append({n: gradient_of(p).clone() for n, p in model.weights.items()})
         record["ledger"].append({key: (r.calls, r.payload_bytes)
                                  for key, r in ledger.records.items()})
         ledger.reset()
@@ -146,6 +159,31 @@ def test_error_feedback_sent_plus_residual_is_the_true_sum(dist, mode):
         held_back = max(held_back, residual.abs().max().item())
     assert held_back > 1e-3, f"{mode}: nothing was held back, nothing was compressed"
     assert results[0]["levels"] == results[1]["levels"]
+
+
+@pytest.mark.parametrize("mode", list(SPECS))
+def test_bf16_parameters_compress_their_fp32_gradients_with_fp32_residuals(dist, mode):
+    """bf16 parameters (``train.dtype = bf16``): the compressor reads each fp32 ``main_grad``,
+    keeps fp32 residuals and averages into ``main_grad``, so it is bit for bit the fp32
+    compressor fed the same (bf16-rounded) gradients. A residual kept in bf16 would round away
+    part of what error feedback owes the next step."""
+    steps = 3
+    bf16 = dist.run(WORLD, reduce_known, SPECS[mode], steps, bf16=True)
+    fp32 = dist.run(WORLD, reduce_known, SPECS[mode], steps, rounded=True)
+    assert bf16[0]["buckets"] == fp32[0]["buckets"]  # the same tensors packed together
+    for rank in range(WORLD):
+        for step in range(steps):
+            for name in SHAPES:
+                got = bf16[rank]["reduced"][step][name]
+                assert got.dtype == torch.float32
+                assert torch.equal(got, fp32[rank]["reduced"][step][name]), (rank, step, name)
+        for name in SHAPES:
+            residual = bf16[rank]["residual"][name]
+            assert residual.dtype == torch.float32
+            assert torch.equal(residual, fp32[rank]["residual"][name]), (rank, name)
+        # something was held back (PowerSGD sends vectors whole: their residual stays 0)
+        assert max(r.abs().max() for r in bf16[rank]["residual"].values()) > 1e-3
+        assert bf16[rank]["levels"] == fp32[rank]["levels"]
 
 
 def test_powersgd_at_full_rank_is_the_uncompressed_average(dist):
@@ -240,13 +278,14 @@ def train_and_count(ctx, config_table: dict, data_dir: str, steps: int) -> dict:
             "param_bytes": sum(4 * p.numel() for p in trainer.model.parameters())}
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_training_with_each_mode_learns(dist, small_data_dir, mode):
+@pytest.mark.parametrize("mode, dtype", [(mode, "fp32") for mode in MODES]
+                         + [("powersgd", "bf16")])  # bf16 parameters: fp32 main_grads compressed
+def test_training_with_each_mode_learns(dist, small_data_dir, mode, dtype):
     """20 steps of the debug model at dp = 2: the loss falls (the mean of the last 5 steps well
     below the first step's) and the compressed modes put fewer gradient bytes on the wire than
     none (an all-gather's payload counts every rank's message, so wire bytes compare)."""
-    config = layout_config({**BASE, **MODES[mode], "train.steps": 20}, WORLD,
-                           dp_replicate=WORLD)
+    config = layout_config({**BASE, **MODES[mode], "train.steps": 20, "train.dtype": dtype},
+                           WORLD, dp_replicate=WORLD)
     result = dist.run(WORLD, train_and_count, config, small_data_dir, 20)[0]
     losses = result["loss"]
     assert sum(losses[-5:]) / 5 < losses[0] - 0.5, losses
@@ -280,9 +319,12 @@ def train_save_resume(ctx, config_table: dict, data_dir: str, run_dir: str, step
     return {"straight": state(straight), "resumed": state(resumed)}
 
 
-@pytest.mark.parametrize("mode", ["powersgd-lgreco", "int8"])
-def test_resume_restores_the_residuals_bit_exactly(dist, small_data_dir, tmp_path, mode):
-    config = layout_config({**BASE, **MODES[mode], "train.steps": 6,
+# bf16: bf16 parameters, fp32 masters, the fp32 residuals in the checkpoint
+@pytest.mark.parametrize("mode, dtype", [("powersgd-lgreco", "fp32"), ("int8", "fp32"),
+                                         ("powersgd-lgreco", "bf16")])
+def test_resume_restores_the_residuals_bit_exactly(dist, small_data_dir, tmp_path, mode,
+                                                   dtype):
+    config = layout_config({**BASE, **MODES[mode], "train.steps": 6, "train.dtype": dtype,
                             "parallel.compression_refresh": 2}, WORLD, dp_replicate=WORLD)
     for rank, result in enumerate(dist.run(WORLD, train_save_resume, config, small_data_dir,
                                            str(tmp_path), 6)):

@@ -14,8 +14,6 @@ def resolved(world: int, **overrides):
 
 
 REFUSED = [  # (overrides, world, words in the message)
-    ({"parallel.dp_replicate": "2", "parallel.grad_compression": "int8"}, 2,
-     "grad_compression = int8"),
     ({"parallel.dp_shard": "2", "parallel.zero_stage": "2", "train.offload_optimizer": "true"},
      2, "offload_optimizer"),
     ({"parallel.pp": "2", "train.post_validation": "true"}, 2, "post_validation"),
@@ -60,6 +58,15 @@ def test_bf16_parameters_resolve_with_an_outer_loop(mode, world, degrees):
     config = resolved(world, **{"parallel.dp_replicate": "2", "parallel.dp_mode": mode,
                                 "train.dtype": "bf16", **degrees})
     assert config.train.dtype == "bf16" and config.parallel.dp_mode == mode
+
+
+@pytest.mark.parametrize("method", ["int8", "topk", "powersgd"])
+def test_bf16_parameters_resolve_with_gradient_compression(method):
+    """The compressor reads the fp32 main_grads and keeps fp32 residuals
+    (tests/dist/test_grad_compression.py: bit for bit the fp32 compressor)."""
+    config = resolved(2, **{"parallel.dp_replicate": "2", "parallel.grad_compression": method,
+                            "train.dtype": "bf16"})
+    assert config.parallel.grad_compression == method
 
 
 def _state(stage: int, **overrides) -> float:
