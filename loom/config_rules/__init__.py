@@ -462,8 +462,6 @@ def _validate_bf16(config: Config) -> None:
     unbuilt = [  # (refused when, the combination, why, the other way out)
         (tr.offload_optimizer, "train.offload_optimizer",
          "the fp32 master slices stay on the device", "offload_optimizer = false"),
-        (tr.post_validation, "train.post_validation", "untested rollback of fp32 masters",
-         "post_validation = false"),
     ]
     for refused, combination, why, other in unbuilt:
         if refused:

@@ -69,8 +69,8 @@ than the uniform choice). The new levels apply from the next step.
 
 bf16 parameters (``train.dtype = bf16``): the reducer hands the compressor each parameter's fp32
 ``main_grad`` (``mixed_precision.gradient_of``), the residuals are fp32, and the average is
-written back into ``main_grad`` for the masters' step; with ``grad_reduce_dtype = bf16`` the
-bf16 ``.grad`` is compressed through the same fp32 arithmetic and the average rounded back.
+written back into ``main_grad`` for the masters' step (``grad_reduce_dtype`` stays fp32 with
+compression: the config refuses bf16, the compressors send their own formats).
 
 State (training state, saved in checkpoints by the trainer under this rank's key; a resume under
 another parallel config restarts it at zero residuals and the seeded Q): every tensor's residual,

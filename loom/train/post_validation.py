@@ -39,7 +39,10 @@ Communication: the same collectives and bytes as the synchronous step; only the 
 Memory: the rollback copy holds every parameter the rank steps plus its optimizer state. For
 fp32 AdamW that is parameter + exp_avg + exp_avg_sq = 12 bytes per parameter (and a 4-byte step
 counter per tensor): 3/4 of the 16 B/param model state again, for the rank's own parameters only
-(a pipeline rank holds 1/pp of them). The buffers are allocated once and reused every step. Time:
+(a pipeline rank holds 1/pp of them). The buffers are allocated once and reused every step.
+With bf16 parameters (``train.dtype = bf16``) the trainer runs either step inside
+``master_window``, so what is copied, stepped and restored is the fp32 masters with their fp32
+gradients: the same 12 bytes per parameter. Time:
 one 12 B/param copy per step, plus the restore and a second optimizer step on the steps that clip
 or are non-finite.
 """

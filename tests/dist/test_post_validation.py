@@ -145,12 +145,13 @@ LAYOUTS = {"pp2-1f1b": {"pp": 2}, "pp2-zbv": {"pp": 2, "schedule": "zbv"},
 
 
 def _run(dist, data_dir: str, layout: str, *, post: bool, poison_step: int = 0,
-         nonfinite: str = "skip") -> list[dict]:
+         nonfinite: str = "skip", dtype: str = "fp32") -> list[dict]:
     degrees = dict(LAYOUTS[layout])
     schedule = degrees.pop("schedule", "1f1b")
     world = math.prod(degrees.values())
     config = layout_config({**BASE, "parallel.schedule": schedule, "train.nonfinite": nonfinite,
-                            "train.post_validation": post}, world, **degrees)
+                            "train.post_validation": post, "train.dtype": dtype}, world,
+                           **degrees)
     return dist.run(world, record, config, data_dir, STEPS, poison_step)
 
 
@@ -203,3 +204,32 @@ def test_stop_restores_the_weights_and_names_the_step(dist, small_data_dir):
                        nonfinite="stop"):
         assert "at step 2" in result["stopped"] and "train.nonfinite=stop" in result["stopped"]
         assert result["restored"] and len(result["loss"]) == 1
+
+
+# bf16 parameters: the step (synchronous or post-validated) runs inside ``master_window``, so the
+# rollback copies and restores the fp32 masters and their AdamW state; the bf16 parameters take
+# the masters' rounding after it. CI: the pipeline, which rolls back where clipping is needed.
+@pytest.mark.parametrize("layout", matrix(["pp2-1f1b", "dp2"], ci=["pp2-1f1b"]))
+def test_bf16_post_validation_equals_the_synchronous_bf16_step_bit_for_bit(dist, small_data_dir,
+                                                                           layout):
+    sync = _run(dist, small_data_dir, layout, post=False, dtype="bf16")
+    post = _run(dist, small_data_dir, layout, post=True, dtype="bf16")
+    norms = sync[0]["grad_norm"]
+    clipped = [n > CLIP * (1 + 1e-3) for n in norms]
+    assert any(clipped) and not all(clipped), norms
+    for rank, (s, p) in enumerate(zip(sync, post)):
+        label = f"bf16 {layout} rank {rank}"
+        assert_bit_identical(s, p, label)
+        assert all(v.dtype == torch.bfloat16 for v in p["params"][-1].values()), label
+        assert p["rollbacks"] == (sum(clipped) if "pp" in LAYOUTS[layout] else 0), label
+
+
+def test_a_bf16_non_finite_step_is_skipped_and_the_masters_restored(dist, small_data_dir):
+    sync = _run(dist, small_data_dir, "pp2-1f1b", post=False, poison_step=2, dtype="bf16")
+    post = _run(dist, small_data_dir, "pp2-1f1b", post=True, poison_step=2, dtype="bf16")
+    for rank, (s, p) in enumerate(zip(sync, post)):
+        label = f"bf16 pp2-1f1b rank {rank}"
+        assert_bit_identical(s, p, label)
+        assert p["skipped"][1] == 1 and p["rollbacks"] >= 1, label
+        for name, value in p["params"][0].items():
+            assert _same_bits(p["params"][1][name], value), f"{label}: {name} moved"

@@ -16,7 +16,6 @@ def resolved(world: int, **overrides):
 REFUSED = [  # (overrides, world, words in the message)
     ({"parallel.dp_shard": "2", "parallel.zero_stage": "2", "train.offload_optimizer": "true"},
      2, "offload_optimizer"),
-    ({"parallel.pp": "2", "train.post_validation": "true"}, 2, "post_validation"),
 ]
 
 
@@ -67,6 +66,14 @@ def test_bf16_parameters_resolve_with_gradient_compression(method):
     config = resolved(2, **{"parallel.dp_replicate": "2", "parallel.grad_compression": method,
                             "train.dtype": "bf16"})
     assert config.parallel.grad_compression == method
+
+
+@pytest.mark.parametrize("degrees", [{"parallel.pp": "2"}, {"parallel.dp_replicate": "2"}])
+def test_bf16_parameters_resolve_with_post_validation(degrees):
+    """The post-validated step runs inside ``master_window``: its rollback is the masters'
+    (tests/dist/test_post_validation.py: bit for bit the synchronous bf16 step)."""
+    config = resolved(2, **{"train.post_validation": "true", "train.dtype": "bf16", **degrees})
+    assert config.train.post_validation
 
 
 def _state(stage: int, **overrides) -> float:
