@@ -278,8 +278,9 @@ def train_and_count(ctx, config_table: dict, data_dir: str, steps: int) -> dict:
             "param_bytes": sum(4 * p.numel() for p in trainer.model.parameters())}
 
 
+# bf16 parameters (fp32 main_grads compressed): matrix; CI trains them in the resume test
 @pytest.mark.parametrize("mode, dtype", [(mode, "fp32") for mode in MODES]
-                         + [("powersgd", "bf16")])  # bf16 parameters: fp32 main_grads compressed
+                         + [pytest.param("powersgd", "bf16", marks=pytest.mark.matrix)])
 def test_training_with_each_mode_learns(dist, small_data_dir, mode, dtype):
     """20 steps of the debug model at dp = 2: the loss falls (the mean of the last 5 steps well
     below the first step's) and the compressed modes put fewer gradient bytes on the wire than

@@ -517,6 +517,8 @@ def test_checkpoint_resume_is_bit_exact(dist, small_data_dir, tmp_path, mode, op
     assert any(not torch.equal(at_stop[0][n], at_stop[1][n]) for n in at_stop[0])
 
 
+@pytest.mark.matrix  # CI: co2's resume in fp32 (the outer state is fp32 in both) and the
+# bf16 checkpoints' masters (tests/dist/test_bf16_master.py)
 def test_a_bf16_replica_resumes_bit_exactly(dist, small_data_dir, tmp_path):
     """CO2 (the most outer state: momentum, displacement, an average in flight) over bf16
     parameters: the checkpoint's fp32 masters and the outer state resume both replicas bit for

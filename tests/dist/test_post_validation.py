@@ -224,6 +224,7 @@ def test_bf16_post_validation_equals_the_synchronous_bf16_step_bit_for_bit(dist,
         assert p["rollbacks"] == (sum(clipped) if "pp" in LAYOUTS[layout] else 0), label
 
 
+@pytest.mark.matrix  # CI runs the clipping rollbacks above (the same restore of the masters)
 def test_a_bf16_non_finite_step_is_skipped_and_the_masters_restored(dist, small_data_dir):
     sync = _run(dist, small_data_dir, "pp2-1f1b", post=False, poison_step=2, dtype="bf16")
     post = _run(dist, small_data_dir, "pp2-1f1b", post=True, poison_step=2, dtype="bf16")

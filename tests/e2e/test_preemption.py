@@ -21,7 +21,7 @@ import torch
 from tests.e2e.test_cli_train import _worker_pids
 from tests.e2e.test_fault_restart import ENV, _steps_logged, _weights
 
-STEPS = 40  # preempted after 5 logged steps, at the next step's end: far from the last
+STEPS = 16  # preempted after 5 logged steps, at the next step's end: far from the last
 GRACE_S = 30
 ARGS = ["--nproc", "2", f"--train.steps={STEPS}", "--checkpoint.interval=0",
         "--model.preset=debug", "--data.max_bytes=300000", "--data.seq_len=64",
