@@ -433,14 +433,6 @@ def _validate_compression(config: Config) -> None:
                           f" {par.zero_stage}): its gradients are reduce-scattered into shards,"
                           " not all-reduced by the reducer compression plugs into; use"
                           " dp_shard = 1 or grad_compression = none")
-    if par.ep > 1:
-        # Not built yet: expert gradients take expert parallelism's own reduction
-        # (expert.reduce_gradients), which compression does not plug into, so only the dense
-        # half of the model would be compressed, and that combination is untested.
-        raise ConfigError("parallel.grad_compression", par.grad_compression,
-                          f"is not built with expert parallelism (ep = {par.ep}): expert"
-                          " gradients take their own reduction; use ep = 1 or"
-                          " grad_compression = none")
     if par.dp_mode != "sync":
         raise ConfigError("parallel.grad_compression", par.grad_compression,
                           f"compresses synchronous data parallelism's gradients; dp_mode ="

@@ -77,6 +77,12 @@ another parallel config restarts it at zero residuals and the seeded Q): every t
 PowerSGD's Q (held at the largest level's rank; a level uses its first columns, so a level change
 keeps the warm start), the chosen levels and the step count. Gradient accumulation and pipeline
 flushes are the reducer's: a compressor sees each bucket once per optimizer step.
+
+Expert parallelism: the dense gradients are the reducer's over dp x ep as usual; the expert
+shards take their own reduction over the data-parallel ranks outside ep
+(``expert.reduce_gradients``), where a second compressor of the same spec, built for them by the
+trainer (``Trainer._expert_compressor``), averages them in one bucket; its state is saved beside
+the reducers'.
 """
 
 from __future__ import annotations

@@ -401,7 +401,7 @@ def apply_expert_parallel(model: nn.Module, group: Any,
 
 @torch.no_grad()
 def reduce_gradients(model: nn.Module, ep: ExpertParallel, *, dp_group: Any = None,
-                     cp_group: Any = None, dense: bool = True) -> None:
+                     cp_group: Any = None, dense: bool = True, compressor: Any = None) -> None:
     """Turn every local gradient into the one-process gradient of the global-mean loss.
 
     ``dp_group``: the data-parallel ranks outside ep holding the same experts (dp_replicate x
@@ -410,11 +410,21 @@ def reduce_gradients(model: nn.Module, ep: ExpertParallel, *, dp_group: Any = No
     gradients (``dense=True``): summed over ep, dp and cp, divided by dp x ep x cp; pass
     ``dense=False`` when the data-parallel reducer over the flattened dp x ep (x cp) mesh
     already averages them.
+
+    ``compressor`` (``loom.parallel.compression.GradCompressor`` over ``dp_group``, built for
+    the expert parameters in model order; ``parallel.grad_compression``): the expert gradients
+    are averaged over ``dp_group`` by it, with error feedback, in one bucket, instead of the
+    fp32 all-reduce; then summed over cp and divided by ep x cp, as above.
     """
     dp = dist.get_world_size(dp_group) if dp_group is not None else 1
     cp = dist.get_world_size(cp_group) if cp_group is not None else 1
     holders = [(g, axis) for g, n, axis in ((dp_group, dp, "dp"), (cp_group, cp, "cp")) if n > 1]
     experts = expert_parameter_names(model)
+    if compressor is not None and dp > 1:
+        _reduce_compressed_experts(model, ep, experts, compressor, cp_group, cp)
+        experts = set()  # reduced; the loop below leaves them alone
+        if not dense:
+            return
     for name, param in model.named_parameters():
         # a bf16 parameter's gradient is its fp32 ``main_grad`` (``mixed_precision``); .grad
         # is then empty, and reducing it would leave the masters' gradient unreduced
@@ -431,6 +441,20 @@ def reduce_gradients(model: nn.Module, ep: ExpertParallel, *, dp_group: Any = No
         for group, axis in groups:
             comm.all_reduce(grad, group, axis=axis, ledger=ep.ledger)
         grad.div_(dp * ep.size * cp)
+
+
+def _reduce_compressed_experts(model: nn.Module, ep: ExpertParallel, experts: set[str],
+                               compressor: Any, cp_group: Any, cp: int) -> None:
+    """``reduce_gradients``' expert half under gradient compression: every expert gradient
+    (zeros for one that got no tokens, so every rank sends the same tensors) averaged over the
+    compressor's group, then summed over cp and divided by ep x cp."""
+    params = [p for n, p in model.named_parameters() if n in experts]
+    grads = [_local_tensor(gradient_of(p, create=True)) for p in params]
+    compressor.complete([compressor.launch(params, grads)])
+    for grad in grads:
+        if cp > 1:
+            comm.all_reduce(grad, cp_group, axis="cp", ledger=ep.ledger)
+        grad.div_(ep.size * cp)
 
 
 def _local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -75,6 +75,8 @@ def _compression_state(trainer: Trainer) -> dict[str, Any]:
     state = {f"stage{index}": reducer.compressor.state_dict()
              for index, reducer in sorted(trainer.pipeline.reducers.items())
              if getattr(reducer, "compressor", None) is not None}
+    if trainer.expert_compressor is not None:  # the expert shards' own (ep)
+        state["experts"] = trainer.expert_compressor.state_dict()
     return {f"rank{trainer.ctx.rank}": state} if state else {}
 
 

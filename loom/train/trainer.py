@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from loom.config import Config, job_of, layout_of, model_args
+from loom.config import Config, compression_of, job_of, layout_of, model_args
 from loom.config_rules import varlen_budgets
 from loom.config_rules.data import zeppelin_over_dp
 from loom.data.loader import DataFiles, DistributedLoader, eval_batches
@@ -58,7 +58,8 @@ from loom.parallel.context_documents import take_shard
 from loom.parallel.zeppelin_cp import with_remap
 from loom.parallel.zeppelin_placement import (merge_dp_microbatches, model_token_costs,
                                               zeppelin_shard_indices)
-from loom.parallel.expert import reduce_gradients, sequence_shard_lengths
+from loom.parallel.compression import GradCompressor, build_compressor
+from loom.parallel.expert import expert_parameter_names, reduce_gradients, sequence_shard_lengths
 from loom.parallel.fp8 import precompute_all_gather_scales
 from loom.parallel.load import load_local_shards
 from loom.parallel.mixed_precision import master_window
@@ -222,6 +223,7 @@ class Trainer:
             norm_is_local=config.parallel.dp_mode != "sync")
         # After any pretrained load: the outer loop's snapshot is the weights it starts from.
         self.outer = self._outer_loop()
+        self.expert_compressor = self._expert_compressor()
 
         self.data = DataFiles.open(data_dir)
         seq_len = config.data.seq_len
@@ -260,6 +262,21 @@ class Trainer:
                          fragments=par.outer_fragments, co2_gap_penalty=par.co2_gap_penalty,
                          co2_clip=par.co2_clip or None, noloco_consensus=par.noloco_consensus,
                          ledger=self.ledger)
+
+    def _expert_compressor(self) -> GradCompressor | None:
+        """Gradient compression of the expert shards, whose gradients take their own reduction
+        over the data-parallel ranks outside ep (``_reduce_expert_gradients``): a compressor
+        of their own over that group, so that every gradient is compressed, the dense ones by
+        the data-parallel reducer's. None without compression, ep, or such ranks."""
+        spec = compression_of(self.config)
+        no_ep = getattr(self.meshes, "dp_no_ep", None)
+        if spec is None or self.ep is None or self.layout.dp_shard > 1 or no_ep is None \
+                or no_ep.size() == 1:
+            return None
+        names = expert_parameter_names(self.model)
+        return build_compressor([p for n, p in self.model.named_parameters() if n in names],
+                                no_ep.get_group(), no_ep.size(), spec, ledger=self.ledger,
+                                axis="dp", seed=self.config.train.seed)
 
     # -- one step ---------------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -367,7 +384,8 @@ class Trainer:
         no_ep = self.meshes.dp_no_ep if self.config.parallel.dp_mode == "sync" else None
         reduce_gradients(self.model, self.ep, dense=False,
                          dp_group=no_ep.get_group() if no_ep is not None else None,
-                         cp_group=self.cp_groups.cp if self.cp_groups is not None else None)
+                         cp_group=self.cp_groups.cp if self.cp_groups is not None else None,
+                         compressor=self.expert_compressor)
 
     def _run_pipeline(self, batch: tuple[torch.Tensor, ...], *,
                       training: bool) -> torch.Tensor:
