@@ -186,6 +186,26 @@ def zero2_reduction_bytes(psi: float, shard: int, *, accumulated: bool,
     return (4 * psi if accumulated else 0.0), buffers + 4 * psi / shard
 
 
+# fp32 values ``loom.parallel.outer`` keeps per parameter its optimizer steps: the snapshot and
+# the momentum; co2 also the last displacement and the pending (stale) average
+OUTER_STATE_BYTES = {"sync": 0, "diloco": 8, "noloco": 8, "co2": 16}
+
+
+def outer_loop_state_bytes(owned: float, mode: str) -> float:
+    """Bytes of the outer loop's state (``parallel.dp_mode``) for ``owned`` parameters: those
+    the rank's optimizer steps (ZeRO-1/2's slices, ZeRO-3's shards, otherwise all), which are
+    what ``OuterLoop`` snapshots. fp32 whatever the parameters' dtype."""
+    return OUTER_STATE_BYTES[mode] * owned
+
+
+def compression_residual_bytes(psi: float, method: str) -> float:
+    """Bytes of gradient compression's error feedback (``parallel.grad_compression``): an fp32
+    residual for each of the ``psi`` parameters the data-parallel reducer averages (compression
+    runs without ZeRO, so all of the rank's). PowerSGD's warm-start Q (columns x rank per
+    matrix, a few percent of the residual's bytes at the ranks it runs) is not counted."""
+    return 0.0 if method == "none" else 4 * psi
+
+
 def optimizer_step_bytes(psi: float, shard: int, stage: int) -> float:
     """Transient bytes of an unfused optimizer step: torch's foreach AdamW allocates two
     temporaries the size of the state it steps (the square root of the second moment, then its

@@ -69,7 +69,13 @@ for 8 of 10 layouts with accumulation and pipelines (docs/benchmarks.md "ZeRO me
   the layout; ZeRO-1/2's flat slices are plain, FSDP2's parameters all DTensors; a dist test
   checks it against the trainer's optimizer). Charging them to the fused step put the estimate
   of 4 layers of Llama-3-8B's shape on an H100 (bf16, seq 2048) 1.27x over the allocator's
-  peak; without them 0.96.
+  peak; without them 0.96;
+* state beside the optimizer's, at every instant (in ``optimizer``): an outer loop's
+  (``parallel.dp_mode``) fp32 snapshot and momentum of each parameter the optimizer steps,
+  8 bytes (co2: 16, with its displacement and pending average; ``outer_loop_state_bytes``), and
+  gradient compression's fp32 residual of each parameter the reducer averages, 4 bytes
+  (``compression_residual_bytes``; PowerSGD's small Q not counted). Both measured to the byte
+  against the trainer's tensors (tests/dist/test_memory_outer_state.py).
 
 Activations per layer and microbatch (docs/benchmarks.md "Activation memory per layer": Korthikanti
 et al. 2022 Table 2 adjusted to Loom's block and measured to the byte; x = s·b·h, e = bytes per
@@ -121,9 +127,10 @@ from dataclasses import dataclass
 from loom.config import Config, ConfigError, layout_of
 from loom.formulas.memory import (RankStep, StageSpan, StateRules, accumulation_loop,
                                   adamw_step_fused, allgather_attention_bytes,
-                                  block_activation_bytes, head_activation_bytes, largest_parameter,
+                                  block_activation_bytes, compression_residual_bytes,
+                                  head_activation_bytes, largest_parameter,
                                   loss_backward_bytes, model_state_bytes, optimizer_step_bytes,
-                                  rank_state_instants,
+                                  outer_loop_state_bytes, rank_state_instants,
                                   vocab_embedding_bytes, vocab_pass_bytes, zero2_bucket_bytes,
                                   zero2_reduction_bytes)
 from loom.models.presets import layer_parameter_count
@@ -492,15 +499,26 @@ def _rank_instants(config: Config, rank: int, line: _Timeline) -> Iterator[Memor
     attention = attention_transient_bytes(config) if line.layers else 0.0
     attention_note = (f"all-gather CP: one layer's gathered keys and values,"
                       f" {attention:,.0f} B in 'transient'",)
-    for instant in rank_state_instants(psi, _expert_parameters(config, line.layers), step,
-                                       rules):
+    instants = list(rank_state_instants(psi, _expert_parameters(config, line.layers), step,
+                                        rules))
+    # beside the optimizer: the outer loop's state of every parameter the optimizer steps (its
+    # moments' count: 8 bytes each, 12 with bf16 parameters' masters below ZeRO-3; 0 when the
+    # state is on the host) and compression's residuals of every parameter the reducer averages
+    per_owned = 12 if rules.master and stage < 3 else 8
+    owned = max(i.optimizer for i in instants) / per_owned
+    beside = (outer_loop_state_bytes(owned, config.parallel.dp_mode)
+              + compression_residual_bytes(psi, config.parallel.grad_compression))
+    beside_note = ((f"outer loop ({config.parallel.dp_mode}) and compression state:"
+                    f" {beside:,.0f} B in 'optimizer'",) if beside else ())
+    for instant in instants:
         live = max(0.0, per_micro - head_and_top) if instant.less_head_and_top else per_micro
         loss = _loss_backward_bytes(config) if instant.loss and line.head else 0.0
         extra = attention if (instant.level and not instant.loss
                               and not instant.less_head_and_top) else 0.0
-        yield MemoryEstimate(instant.parameters, instant.gradients, instant.optimizer,
+        yield MemoryEstimate(instant.parameters, instant.gradients, instant.optimizer + beside,
                              live * instant.level + loss, instant.transient + extra, rank,
-                             instant.notes + attention_note if extra else instant.notes)
+                             instant.notes + beside_note
+                             + (attention_note if extra else ()))
 
 
 def estimate_memory(config: Config) -> MemoryEstimate:
