@@ -183,15 +183,21 @@ def sites_table(lay: Any, sites: Any, inner: StepCost, modes: list, chosen: Any)
     lines = [f"{lay.label()} with its {lay.dp_replicate} replicas over {sites.count} sites"
              f" ({sites.name or 'custom link'}: {sites.bandwidth * 8 / 1e9:g} Gbit/s per site,"
              f" {sites.latency * 1e3:g} ms); one replica's step {inner.step_time:.3f} s",
-             f"{'mode':<8} {'H':>5} {'step s':>10} {'exposed s':>10} {'MB/step/GPU':>12}"]
+             f"{'mode':<8} {'H':>5} {'step s':>10} {'exposed s':>10} {'MB/step/GPU':>12}"
+             f" {'memory GiB':>11}"]
     for cost in modes:
         mark = "  <- recommended" if cost is chosen else ""
         lines.append(f"{cost.mode:<8} {cost.outer_steps:>5} {cost.step_time:>10.3f}"
-                     f" {cost.exposed:>10.3f} {cost.bytes_per_step / 1e6:>12.1f}{mark}")
-    rule = ("sync is within 10% of one replica's step" if chosen.mode == "sync" else
-            "the smallest H within 10% of one replica's step"
-            if chosen.step_time <= 1.1 * inner.step_time else
+                     f" {cost.exposed:>10.3f} {cost.bytes_per_step / 1e6:>12.1f}"
+                     f" {cost.memory / 2**30:>10.1f}{'' if cost.fits else '!'}{mark}")
+    within = chosen.step_time <= 1.1 * inner.step_time
+    rule = ("sync is within 10% of one replica's step" if chosen.mode == "sync" and within else
+            "the smallest H within 10% of one replica's step" if within else
             "no mode is within 10% of one replica's step: the fastest")
+    if not all(cost.fits for cost in modes):
+        rule += (" of those that fit (!: over the accelerator's memory with the outer loop's"
+                 " fp32 snapshot and momentum)" if any(cost.fits for cost in modes) else
+                 "; none fits in memory (!)")
     lines.append(f"recommended: {rule}; outer modes trade convergence per token for"
                  " communication, which is not priced here")
     return "\n".join(lines)
@@ -202,4 +208,5 @@ def sites_json(lay: Any, sites: Any, inner: StepCost, modes: list, chosen: Any) 
             "replica_step_s": inner.step_time,
             "modes": [{"mode": c.mode, "outer_steps": c.outer_steps, "step_time_s": c.step_time,
                        "exposed_s": c.exposed, "bytes_per_step": c.bytes_per_step,
+                       "memory_bytes": c.memory, "fits": c.fits,
                        "recommended": c is chosen} for c in modes]}

@@ -20,6 +20,11 @@ How a step is priced:
   what the backward (taken as two thirds of the replica's compute) does not cover is exposed;
   DiLoCo's and NoLoCo's outer step blocks; CO2's hides behind the next H steps.
 
+Memory: every outer mode keeps an fp32 snapshot and momentum of the parameters a rank steps
+(co2 also its displacement and pending average: ``loom.formulas.memory.outer_loop_state_bytes``,
+the trainer's estimator's formula), on top of one replica's step; ``recommend`` chooses among
+the modes that fit.
+
 ``recommend`` picks the mode a user of these papers would: ``sync`` when its step is within the
 tolerance of one replica's step (cross-site cost nearly free), else the outer mode and the
 smallest H that brings the step within it (a larger H costs convergence, which the planner does
@@ -32,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from loom.formulas.memory import outer_loop_state_bytes
 from loom.formulas.outer import replica_link_cost
 from loom.layout import Layout
 from loom.sim.cost_model import CostModel, StepCost
@@ -67,6 +73,8 @@ class ModeCost:
     exposed: float  # seconds per step the replicas wait for the sites' link
     link_busy: float  # seconds per step the link is busy
     bytes_per_step: float  # wire bytes one rank sends across sites per step
+    memory: float = 0.0  # bytes on the worst rank: one replica's step + the outer loop's state
+    fits: bool = True  # within the accelerator's memory
 
 
 def replica_step(model: CostModel, lay: Layout) -> StepCost:
@@ -92,34 +100,40 @@ def price_modes(model: CostModel, lay: Layout, sites: Sites,
     bandwidth = sites.bandwidth / per_site  # every group of ranks shares the uplink
     stepped = model.stepped_parameters(lay)
     backward = inner.compute * 2 / 3
+    limit = model.cluster.gpu.memory_bytes
     costs = []
     sync = replica_link_cost("sync", message_bytes=stepped * model.grad_bytes, replicas=replicas,
                              bandwidth_bytes_per_s=bandwidth, latency_s=sites.latency)
     exposed = max(0.0, sync.comm_time_per_step_s - backward)
     costs.append(ModeCost("sync", 1, inner.step_time + exposed, exposed,
-                          sync.comm_time_per_step_s, sync.bytes_per_step))
+                          sync.comm_time_per_step_s, sync.bytes_per_step, inner.memory_total,
+                          inner.memory_total <= limit))
     for mode in ("diloco", "noloco", "co2"):
+        memory = inner.memory_total + outer_loop_state_bytes(stepped, mode)
         for h in outer_steps:
             link = replica_link_cost(mode, message_bytes=4 * stepped, replicas=replicas,
                                      bandwidth_bytes_per_s=bandwidth, latency_s=sites.latency,
                                      outer_steps=h, compute_time_per_step_s=inner.step_time)
             costs.append(ModeCost(mode, h, inner.step_time + link.exposed_time_per_step_s,
                                   link.exposed_time_per_step_s, link.comm_time_per_step_s,
-                                  link.bytes_per_step))
+                                  link.bytes_per_step, memory, memory <= limit))
     return inner, costs
 
 
 def recommend(inner: StepCost, costs: Sequence[ModeCost],
               tolerance: float = RECOMMEND_TOLERANCE) -> ModeCost:
     """``sync`` if within ``tolerance`` of one replica's step; else the outer mode with the
-    smallest H within it (ties: the fastest); else the fastest mode."""
+    smallest H within it (ties: the fastest); else the fastest mode. Only modes that fit in
+    memory are chosen from (an outer loop adds its fp32 snapshot and momentum, co2 twice that),
+    unless none does: then the same rule over all of them."""
+    fitting = [c for c in costs if c.fits] or list(costs)
     bar = inner.step_time * (1 + tolerance)
-    if costs[0].step_time <= bar:
-        return costs[0]
-    within = [c for c in costs[1:] if c.step_time <= bar]
+    if fitting[0].mode == "sync" and fitting[0].step_time <= bar:
+        return fitting[0]
+    within = [c for c in fitting if c.mode != "sync" and c.step_time <= bar]
     if within:
         return min(within, key=lambda c: (c.outer_steps, c.step_time))
-    return min(costs, key=lambda c: c.step_time)
+    return min(fitting, key=lambda c: c.step_time)
 
 
 __all__ = ["Sites", "ModeCost", "OUTER_STEPS", "replica_step", "price_modes", "recommend"]

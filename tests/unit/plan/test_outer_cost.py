@@ -1,6 +1,7 @@
 """``loom plan --sites``: a layout's replicas over slow links under each dp_mode
 (``loom.sim.outer_cost``, on the link formulas of ``loom.formulas.outer``)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -60,6 +61,29 @@ def test_the_recommendation_is_sync_when_the_sites_are_close_else_the_smallest_h
     assert chosen.mode != "sync" and chosen.step_time <= 1.1 * inner.step_time
     assert all(c.outer_steps >= chosen.outer_steps for c in costs[1:]
                if c.step_time <= 1.1 * inner.step_time)
+
+
+def test_each_outer_mode_carries_its_state_in_memory_and_is_recommended_only_if_it_fits():
+    """An outer loop keeps an fp32 snapshot and momentum of the parameters a rank steps (co2
+    also its displacement and pending average): 8 and 16 bytes each over one replica's step.
+    On an accelerator with just enough memory for sync, the outer modes are not recommended
+    even where the link makes them faster."""
+    m = model()
+    lay = dataclasses.replace(LAYOUT, recompute="full")  # LAYOUT itself needs 99 GB of 80
+    inner, costs = price_modes(m, lay, sites("wan-1gbit"), outer_steps=(8, 32))
+    stepped = m.stepped_parameters(lay)
+    for cost in costs:
+        extra = {"sync": 0, "diloco": 8, "noloco": 8, "co2": 16}[cost.mode] * stepped
+        assert cost.memory == pytest.approx(inner.memory_total + extra)
+        assert cost.fits
+    assert recommend(inner, costs).mode != "sync"  # a slow link: an outer mode pays
+    tight = [dataclasses.replace(c, fits=c.mode == "sync") for c in costs]
+    assert recommend(inner, tight).mode == "sync"
+    # the mode's own memory decides it against the accelerator's
+    small = dataclasses.replace(m.cluster.gpu, memory_bytes=inner.memory_total + 4 * stepped)
+    shrunk = CostModel(m.model, m.seq, m.batch, dataclasses.replace(m.cluster, gpu=small))
+    _, on_small = price_modes(shrunk, lay, sites("wan-1gbit"), outer_steps=(8,))
+    assert [c.fits for c in on_small] == [True, False, False, False]
 
 
 def test_replicas_must_split_evenly_over_the_sites():
