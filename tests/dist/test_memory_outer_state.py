@@ -17,7 +17,7 @@ import pytest
 from loom.config import from_dict
 from loom.testing.parity import layout_config
 from loom.train.memory import memory_instants
-from tests.conftest import SMALL_DATA_OVERRIDES
+from tests.conftest import SMALL_DATA_OVERRIDES, matrix
 
 BASE = {**SMALL_DATA_OVERRIDES, "model.preset": "debug", "train.global_batch_size": 8,
         "train.micro_batch_size": 2}
@@ -72,7 +72,9 @@ CASES = {  # name -> (world, parallel, overrides)
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# CI: 16 bytes (co2), the masters (bf16), ZeRO-1's slices, both compressors under ep
+@pytest.mark.parametrize("case", matrix(CASES, ci=["co2", "noloco-bf16", "diloco-zero1",
+                                                   "int8-ep2"]))
 def test_the_estimate_charges_what_the_trainer_holds(dist, small_data_dir, case):
     world, parallel, overrides = CASES[case]
     table = layout_config({**BASE, **overrides}, world, **parallel)
