@@ -23,7 +23,6 @@ import pytest
 import torch
 import torch._dynamo
 
-from loom.errors import ConfigError
 from loom.testing.parity import assert_parity, layout_config, record_training
 from tests.conftest import SMALL_DATA_OVERRIDES, matrix
 
@@ -74,3 +73,49 @@ def test_compiled_layout_matches_eager_one_process(dist, small_data_dir, referen
         assert_parity(reference, result, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=label,
                       steps=range(1))
         assert_parity(reference, result, rtol=RTOL, atol=ATOL, label=label)
+
+
+# -- MoE: the attention and norms compiled block by block, the MoE layer eager ------------------
+MOE = {"model.n_experts": 4, "model.top_k": 2}
+MOE_LAYOUTS = {"moe-single": (1, {}), "moe-ep2": (2, {"ep": 2})}
+
+
+@pytest.fixture(scope="module")
+def moe_reference(dist, small_data_dir):
+    return dist.run(1, record_training, layout_config({**BASE, **MOE}, 1), small_data_dir,
+                    STEPS)[0]
+
+
+def compiled_moe_modules(ctx, config_table: dict, data_dir: str, steps: int) -> dict:
+    """``record_compiled``, plus which modules of each block got a compiled forward."""
+    from loom.config import from_dict
+    from loom.models.moe import MoEFeedForward
+    from loom.testing.parity import train_and_record
+    from loom.train.trainer import Trainer
+
+    torch._dynamo.reset()
+    trainer = Trainer(from_dict(config_table), data_dir, None, ctx)
+    compiled = sorted({name for block in trainer.model.layers.values()
+                       for name, module in [("block", block), *block.named_children()]
+                       if "forward" in vars(module)})
+    moe_eager = all("forward" not in vars(b.feed_forward) for b in trainer.model.layers.values()
+                    if isinstance(b.feed_forward, MoEFeedForward))
+    record = train_and_record(trainer, steps)
+    record["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    record["compiled"], record["moe_eager"] = compiled, moe_eager
+    return record
+
+
+# CI: one process (ep2 in the matrix: the same per-block split under ep's all-to-all)
+@pytest.mark.parametrize("layout", matrix(MOE_LAYOUTS, ci=["moe-single"]))
+def test_compiled_moe_matches_eager_one_process(dist, small_data_dir, moe_reference, layout):
+    world, parallel = MOE_LAYOUTS[layout]
+    config = layout_config({**COMPILED, **MOE}, world, **parallel)
+    for rank, result in enumerate(dist.run(world, compiled_moe_modules, config, small_data_dir,
+                                           STEPS)):
+        label = f"compiled {layout} rank {rank}"
+        assert result["compiled"] == ["attention", "attention_norm", "ffn_norm"], label
+        assert result["moe_eager"] and result["graphs"] > 0, label
+        assert_parity(moe_reference, result, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=label,
+                      steps=range(1))
+        assert_parity(moe_reference, result, rtol=RTOL, atol=ATOL, label=label)

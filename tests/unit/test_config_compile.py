@@ -19,8 +19,6 @@ def test_compile_is_off_by_default_and_reaches_the_job():
 
 
 @pytest.mark.parametrize("overrides, world, field, words", [
-    ({"model.n_experts": "4"}, 1, "train.compile", "not built for MoE models"),
-    ({"model.n_experts": "4", "parallel.ep": "2"}, 2, "train.compile", "recompile"),
     ({"metrics.comm": "true", "parallel.tp": "2", "model.n_kv_heads": "4"}, 2, "metrics.comm",
      "TorchDispatchMode"),
     ({"train.compile": "maybe"}, 1, "train.compile", ""),
@@ -39,6 +37,8 @@ def test_refused(overrides, world, field, words):
     ({"train.recompute": "full"}, 1),
     ({"metrics.comm": "true", "parallel.dp_shard": "2"}, 2),  # counted outside the blocks
     ({"parallel.cp": "2", "parallel.cp_mode": "ulysses"}, 2),
+    ({"model.n_experts": "4"}, 1),  # the MoE layer eager, the rest of the block compiled
+    ({"model.n_experts": "4", "parallel.ep": "2"}, 2),
 ])
 def test_allowed(overrides, world):
     assert resolved(world, **{"train.compile": "true", **overrides}).train.compile
