@@ -420,12 +420,13 @@ def reduce_gradients(model: nn.Module, ep: ExpertParallel, *, dp_group: Any = No
     cp = dist.get_world_size(cp_group) if cp_group is not None else 1
     holders = [(g, axis) for g, n, axis in ((dp_group, dp, "dp"), (cp_group, cp, "cp")) if n > 1]
     experts = expert_parameter_names(model)
+    compressed = set()
     if compressor is not None and dp > 1:
         _reduce_compressed_experts(model, ep, experts, compressor, cp_group, cp)
-        experts = set()  # reduced; the loop below leaves them alone
-        if not dense:
-            return
+        compressed = experts  # reduced: the loop below leaves them alone
     for name, param in model.named_parameters():
+        if name in compressed:
+            continue
         # a bf16 parameter's gradient is its fp32 ``main_grad`` (``mixed_precision``); .grad
         # is then empty, and reducing it would leave the masters' gradient unreduced
         grad = gradient_of(param)
