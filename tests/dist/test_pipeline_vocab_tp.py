@@ -213,7 +213,9 @@ RESHARDS = [("vocab-pp2xtp2", "single"), ("single", "vocab-pp2xtp2"),
             ("vocab-pp2xtp2-zbv-tied", "single-tied"), ("vocab-pp2xtp2", "vocab-pp4")]
 
 
-@pytest.mark.parametrize("source, target", matrix(RESHARDS, ci=RESHARDS[1:]),
+# CI: into and out of vocab-pp2 x tp2 (the tied ZB-V source); into vocab-pp4 from pp2 runs in
+# test_vocab_pp_checkpoint.py, so the tp source to pp4 is the matrix's
+@pytest.mark.parametrize("source, target", matrix(RESHARDS, ci=RESHARDS[1:3]),
                          ids=[f"{s}-to-{t}" for s, t in RESHARDS])
 def test_a_vocab_tp_checkpoint_reshards_bit_exactly(dist, small_data_dir, tmp_path, source,
                                                     target):

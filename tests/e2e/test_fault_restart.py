@@ -21,7 +21,7 @@ import torch
 from loom.train.checkpoint import complete_checkpoints, step_dir
 from tests.e2e.test_cli_train import _worker_pids
 
-STEPS = 24
+STEPS = 16  # killed after 6 (past the first checkpoint at 4), resumed from 4 to the end
 ARGS = ["--nproc", "2", f"--train.steps={STEPS}", "--checkpoint.interval=4",
         "--model.preset=tiny", "--data.max_bytes=300000", "--data.seq_len=64",
         "--train.global_batch_size=4", "--train.micro_batch_size=2", "--train.eval_every=0",
