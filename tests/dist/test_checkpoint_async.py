@@ -85,9 +85,10 @@ def async_stop_resume(ctx, config_table, data_dir, run_dir, steps):
     return resume_and_finish(ctx, config_table, data_dir, run_dir, steps)
 
 
-# dp2 in the matrix: replicated state is the simplest case, and through the CLI an async dp2 run
-# is compared with a sync one by tests/e2e/test_fault_restart.py
-@pytest.mark.parametrize("layout", matrix(LAYOUTS, ci=["zero1-dp2", "tp2"]))
+# dp2 and ZeRO-1 in the matrix: replicated state is the simplest case, and through the CLI an
+# async dp2 run is compared with a sync one by tests/e2e/test_fault_restart.py; tp2's DTensor
+# shards are the case a background copy can get wrong
+@pytest.mark.parametrize("layout", matrix(LAYOUTS, ci=["tp2"]))
 def test_an_async_checkpoint_equals_a_sync_one(dist, small_data_dir, tmp_path, layout):
     sync_path, async_path, overlapped = dist.run(2, sync_then_async, config_for(layout, False),
                                                  small_data_dir, str(tmp_path))[0]

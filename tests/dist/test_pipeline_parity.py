@@ -160,7 +160,7 @@ def test_pipeline_matches_one_process(dist, small_data_dir, references, tmp_path
 # CI: data parallelism under the runtime's kinds of order, one family each (1F1B's full
 # backwards, ZB-V's split ones on a V, interleaving, a wave, a searched order); every family
 # has its own pipeline-only case above, and the reducer does not depend on which it is
-DP_CI = ["1f1b", "zbv", "interleaved_1f1b", "hanayo", "search"]
+DP_CI = ["1f1b", "zbv", "interleaved_1f1b", "hanayo"]  # search: its p4 case runs without dp
 
 
 @pytest.mark.parametrize("family", matrix(FAMILIES, ci=DP_CI))

@@ -62,8 +62,10 @@ def layout(name: str) -> tuple[int, dict]:
     return world, layout_config({**BASE, **overrides}, world, **parallel)
 
 
-@pytest.mark.parametrize("name", ["vocab-pp2", "vocab-pp2-zbv-tied", "vocab-pp2xdp2",
-                                  "vocab-pp2-bf16"])
+# matrix: plain vocab-pp2, which each of the other three adds one thing to
+@pytest.mark.parametrize("name", matrix(["vocab-pp2", "vocab-pp2-zbv-tied", "vocab-pp2xdp2",
+                                         "vocab-pp2-bf16"], ci=["vocab-pp2-zbv-tied",
+                                                                "vocab-pp2xdp2", "vocab-pp2-bf16"]))
 def test_a_vocab_parallel_run_resumes_bit_exactly(dist, small_data_dir, tmp_path, name):
     world, config = layout(name)
     check_resume(dist, small_data_dir, tmp_path, world, config, name)
