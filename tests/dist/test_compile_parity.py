@@ -48,6 +48,7 @@ LAYOUTS = {  # name: (world, parallel degrees and knobs, other overrides)
 def record_compiled(ctx, config_table: dict, data_dir: str, steps: int) -> dict:
     """``record_training`` from a fresh dynamo cache, plus the number of graphs compiled."""
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # reset() keeps them: count this task's graphs only
     record = record_training(ctx, config_table, data_dir, steps)
     record["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     return record
@@ -94,6 +95,7 @@ def compiled_moe_modules(ctx, config_table: dict, data_dir: str, steps: int) -> 
     from loom.train.trainer import Trainer
 
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     trainer = Trainer(from_dict(config_table), data_dir, None, ctx)
     compiled = sorted({name for block in trainer.model.layers.values()
                        for name, module in [("block", block), *block.named_children()]
@@ -115,7 +117,10 @@ def test_compiled_moe_matches_eager_one_process(dist, small_data_dir, moe_refere
                                            STEPS)):
         label = f"compiled {layout} rank {rank}"
         assert result["compiled"] == ["attention", "attention_norm", "ffn_norm"], label
-        assert result["moe_eager"] and result["graphs"] > 0, label
+        assert result["moe_eager"], label
+        # one graph per compiled module shape, not one per batch: a compiled MoE layer would
+        # add graphs step after step (measured: 2, at one rank and under ep2)
+        assert 0 < result["graphs"] <= 4, f"{label}: {result['graphs']} graphs"
         assert_parity(moe_reference, result, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=label,
                       steps=range(1))
         assert_parity(moe_reference, result, rtol=RTOL, atol=ATOL, label=label)
