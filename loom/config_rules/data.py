@@ -63,22 +63,22 @@ def zeppelin_over_dp(config: Config) -> str | None:
     """Why ``data.balance = zeppelin`` places over the cp ranks of each data-parallel rank
     rather than over every dp x cp rank, or None where it places over dp x cp. The domain is
     built for a data-parallel degree > 1 (dp_replicate and dp_shard alike: ZeRO/FSDP shards
-    parameters, not data), synchronous data parallelism and a dense model, with tp and pp: one
+    parameters, not data) and synchronous data parallelism, with tp, pp and MoE: one
     domain per (tp, pp) coordinate, its sub-rings over the flattened dp x cp index of that
     coordinate, and every tp rank and stage of a domain rank computing the same placement
     (tests/dist/test_zeppelin_dp.py: dp x tp with sequence parallelism off and on, dp x pp
-    with 1f1b and ZB-H1, dp x cp x tp, dp x cp x pp, dp x tp x pp, each as one process). ep
-    > 1 is out (ep is for MoE models, whose routing the domain is not built for)."""
+    with 1f1b and ZB-H1, dp x cp x tp, dp x cp x pp, dp x tp x pp, each as one process). MoE
+    models run in it with or without ep (ep is a data axis, so the domain spans it): a
+    document cut over domain ranks routes and balances as one routing group, its counts
+    summed over the domain (``DocumentCountsSum`` on the domain group), and the ep all-to-all
+    carries whatever token counts the placement gives each rank; dropless only, as with cp
+    (``_validate_zeppelin``)."""
     par = config.parallel
     if par.dp < 2:
         return "one data-parallel rank"
-    if par.ep > 1:
-        return f"parallel.ep = {par.ep} (the dp x cp domain is not built with it yet)"
     if par.dp_mode != "sync":
         return (f"parallel.dp_mode = {par.dp_mode} (an outer mode's replicas train their own"
                 " data)")
-    if config.model.n_experts:
-        return "an MoE model (the dp x cp domain is built for dense models)"
     return None
 
 
@@ -101,6 +101,12 @@ def _validate_zeppelin(config: Config) -> None:
         raise ConfigError("parallel.cp_mode", par.cp_mode, "data.balance = zeppelin runs its"
                           " placement on the document ring: use cp_mode = ring")
     why_not_dp = zeppelin_over_dp(config)
+    capacity = config.model.capacity_factor
+    if why_not_dp is None and config.model.n_experts and capacity > 0:
+        raise ConfigError("model.capacity_factor", capacity, "must be 0 (dropless) with"
+                          " data.balance = zeppelin over the dp x cp ranks: capacity is per"
+                          " document, and a queue position depends on the order of all of a"
+                          " document's tokens, which the placement splits over ranks")
     if why_not_dp is not None and par.cp < 2:
         raise ConfigError("data.balance", "zeppelin", "places documents over the dp x cp ranks,"
                           f" or over the cp ranks with parallel.cp > 1; here cp = {par.cp} and"

@@ -382,10 +382,12 @@ class Trainer:
             return
         # an outer mode averages inside a replica: dp_shard = 1 there (config rules), so only cp
         no_ep = self.meshes.dp_no_ep if self.config.parallel.dp_mode == "sync" else None
+        # the cp axis's own group: Zeppelin's dp x cp domain (``cp_groups`` when placed over
+        # dp) spans ep too, whose ranks hold different experts
+        cp = self.meshes.root.get_group("cp") if self.layout.cp > 1 else None
         reduce_gradients(self.model, self.ep, dense=False,
                          dp_group=no_ep.get_group() if no_ep is not None else None,
-                         cp_group=self.cp_groups.cp if self.cp_groups is not None else None,
-                         compressor=self.expert_compressor)
+                         cp_group=cp, compressor=self.expert_compressor)
 
     def _run_pipeline(self, batch: tuple[torch.Tensor, ...], *,
                       training: bool) -> torch.Tensor:

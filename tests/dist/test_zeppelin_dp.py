@@ -32,9 +32,19 @@ single ranks.
   group (its ring sent hops) and keeping some whole, and the all-to-alls counted on every
   rank (ledger axis ``remap``; a domain rank's tp ranks of a stage moving the same bytes,
   each its shard of the heads). The config refuses it without zeppelin only.
+* An MoE model (the debug shape, its second layer 4 experts top 2 and a shared expert,
+  dropless) over the domain (CI: ep = 2, dp = 2 x ep = 2, ep = 2 remapped; matrix: dp = 2
+  without ep, ep = 2 x cp = 2, dp_shard = 2 x ep = 2, ep = 2 x pp = 2, ep = 2 x tp = 2 with
+  SP, dp = 2 remapped): ep is a data axis, so the domain spans it; a document cut over
+  domain ranks routes and balances as one routing group (its counts summed over the
+  domain), the ep all-to-all carries the placement's unequal token counts, and the expert
+  gradients are summed over the dp ranks outside ep and the cp axis only (the domain's
+  group spans ep, whose ranks hold different experts): the same parity, the logged
+  balancing loss included, and the same domain checks.
 * The config accepts zeppelin with dp > 1 and cp = 1, dp_replicate or dp_shard, with tp (SP
-  on or off) and pp, placing over the dp x cp domain, and refuses by name what the domain
-  does not run yet: ep > 1, an outer dp mode, MoE.
+  on or off), pp, MoE and ep, placing over the dp x cp domain, and refuses by name what the
+  domain does not run: an outer dp mode; an MoE model with capacity (a queue position
+  depends on the order of all of a document's tokens, which the placement splits).
 """
 
 from __future__ import annotations
@@ -253,15 +263,65 @@ def test_zeppelin_is_accepted_over_dp_with_or_without_cp_and_with_tp_or_pp():
         assert zeppelin_over_dp(config) is None, overrides  # the dp x cp domain, not per cp
 
 
-@pytest.mark.parametrize("overrides, world, blocker", [
-    ({"parallel.dp_replicate": "2", "parallel.dp_mode": "diloco"}, 2, "parallel.dp_mode"),
-    ({"parallel.dp_replicate": "2", "model.n_experts": "4"}, 2, "an MoE model"),
-    ({"parallel.ep": "2", "model.n_experts": "4"}, 2, "parallel.ep = 2"),
-])
-def test_zeppelin_at_cp_1_refuses_what_the_dp_domain_is_not_built_for(overrides, world, blocker):
+def test_zeppelin_at_cp_1_refuses_an_outer_dp_mode():
     with pytest.raises(ConfigError, match="dp x cp domain is out") as info:
-        zeppelin_config(overrides, world)
-    assert info.value.field_name == "data.balance" and blocker in str(info.value)
+        zeppelin_config({"parallel.dp_replicate": "2", "parallel.dp_mode": "diloco"}, 2)
+    assert info.value.field_name == "data.balance" and "parallel.dp_mode" in str(info.value)
+
+
+@pytest.mark.parametrize("overrides, world", [
+    ({"parallel.dp_replicate": "2"}, 2),
+    ({"parallel.dp_replicate": "1", "parallel.ep": "2"}, 2),
+    ({"parallel.dp_replicate": "2", "parallel.ep": "2", "parallel.cp": "2"}, 8),
+])
+def test_zeppelin_places_moe_over_the_dp_domain_dropless_only(overrides, world):
+    moe = {"model.n_experts": "4", "model.top_k": "2", **overrides}
+    assert zeppelin_over_dp(zeppelin_config(moe, world)) is None
+    with pytest.raises(ConfigError, match="dropless") as info:
+        zeppelin_config({**moe, "model.capacity_factor": "1.0"}, world)
+    assert info.value.field_name == "model.capacity_factor"
+    assert "splits over ranks" in str(info.value)
+
+
+# -- MoE models over the domain ------------------------------------------------------------
+MOE = {"model.n_experts": 4, "model.top_k": 2, "model.expert_ffn_dim": 64,
+       "model.n_shared_experts": 1, "model.n_dense_layers": 1}  # layer 1 of 2: MoE
+EXPERT_LAYOUTS = {  # name: (world, degrees, remapped)
+    "dp2": (2, {"dp_replicate": 2}, False),
+    "ep2": (2, {"dp_replicate": 1, "ep": 2}, False),
+    "dp2-ep2": (4, {"dp_replicate": 2, "ep": 2}, False),
+    "ep2-cp2": (4, {"dp_replicate": 1, "ep": 2, "cp": 2}, False),
+    "dpshard2-ep2": (4, {"dp_replicate": 1, "dp_shard": 2, "ep": 2}, False),
+    "ep2-pp2": (4, {"dp_replicate": 1, "ep": 2, "pp": 2}, False),
+    "ep2-tp2sp": (4, {"dp_replicate": 1, "ep": 2, "tp": 2, "sequence_parallel": True}, False),
+    "ep2-remap": (2, {"dp_replicate": 1, "ep": 2}, True),
+    "dp2-remap": (2, {"dp_replicate": 2}, True),
+}
+EXPERT_CI = ["ep2", "dp2-ep2", "ep2-remap"]
+
+
+@pytest.mark.parametrize("layout", matrix(EXPERT_LAYOUTS, ci=EXPERT_CI))
+def test_zeppelin_over_dp_with_experts_matches_one_process(dist, long_tail, layout):
+    data_dir, base = long_tail
+    world, degrees, remapped = EXPERT_LAYOUTS[layout]
+    cp, tp, pp = (degrees.get(axis, 1) for axis in ("cp", "tp", "pp"))
+    dp = world // (cp * tp * pp)
+    base = {**base, **MOE, "train.global_batch_tokens": dp * BUDGET}
+    reference = dist.run(1, record_training, layout_config({**base, "data.balance": "tokens"}, 1),
+                         data_dir, STEPS)[0]
+    config = layout_config({**base, "data.balance": "zeppelin", "data.zeppelin_remap": remapped,
+                            "parallel.cp_mode": "ring", "metrics.comm": True}, world, **degrees)
+    record = record_remapped_domain_training if remapped else record_domain_training
+    ranks = dist.run(world, record, config, data_dir, STEPS)
+    assert len(reference["moe_aux_loss"]) == STEPS
+    for rank, got in enumerate(ranks):
+        where = f"zeppelin MoE {layout} rank {rank}"
+        assert_parity(reference, got, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=where,
+                      steps=range(1))
+        assert_parity(reference, got, rtol=RTOL, atol=ATOL, label=where)
+        assert not remapped or got["remap_calls"] > 0
+    if not remapped:
+        assert_placed_over_the_domain(ranks, dp, cp, tp, pp)
 
 
 def test_with_one_data_parallel_rank_zeppelin_places_over_the_cp_ranks():

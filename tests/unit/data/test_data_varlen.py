@@ -202,18 +202,16 @@ def test_varlen_refuses_a_doc_index_that_does_not_match_its_token_file(tmp_path)
     assert info.value.field_name == "data.source"
 
 
-def test_moe_documents_under_cp_are_accepted_with_zeppelin_and_its_dp_domain_refused():
-    """An MoE model's documents split over cp ranks sum their counts over the parts (loom.models
-    .moe), on the static cp shards and on Zeppelin's cp placement alike
-    (tests/dist/test_zeppelin_cp.py); Zeppelin's dp x cp domain is built for dense models, so
-    an MoE model at cp = 1 is refused by name."""
+def test_moe_documents_are_accepted_with_zeppelin_under_cp_and_over_the_dp_domain():
+    """An MoE model's documents split over ranks sum their counts over the parts (loom.models
+    .moe), on the static cp shards, on Zeppelin's cp placement and on its dp x cp domain alike
+    (tests/dist/test_zeppelin_cp.py, test_zeppelin_dp.py)."""
     base = {"model.preset": "tiny-moe", "data.packing": "varlen", "parallel.cp": "2",
             "data.tokens_per_microbatch": "512", "train.global_batch_tokens": "2048"}
     config = resolve(load_config(None, base), 2)
     assert config.parallel.cp == 2 and config.model.n_experts > 0
     zeppelin = resolve(load_config(None, {**base, "data.balance": "zeppelin"}), 2)
     assert zeppelin.data.balance == "zeppelin" and zeppelin.model.n_experts > 0
-    with pytest.raises(ConfigError, match="built for dense models") as info:
-        resolve(load_config(None, {**base, "data.balance": "zeppelin", "parallel.cp": "1",
-                                   "parallel.dp_replicate": "2"}), 2)
-    assert info.value.field_name == "data.balance"
+    over_dp = resolve(load_config(None, {**base, "data.balance": "zeppelin", "parallel.cp": "1",
+                                         "parallel.dp_replicate": "2"}), 2)
+    assert over_dp.parallel.dp == 2 and over_dp.model.n_experts > 0
