@@ -346,18 +346,17 @@ def _validate_zero(config: Config) -> None:
 
 
 def _validate_post_validation(config: Config) -> None:
-    """The post-validated optimizer step needs the global gradient norm to be one reduction
-    over pp (or none): TP, EP and ZeRO sum their squares over other or chained groups."""
+    """The post-validated optimizer step rolls back what the optimizer stepped: whole
+    parameters (plain, dp, tp, ep, pp; tp and ep sum the norm's squares over their groups
+    first, blocking), not ZeRO's or FSDP's slices, whose step also re-gathers the model."""
     par = config.parallel
     if not config.train.post_validation:
         return
-    for axis, why in (("tp", "the norm sums shards over tp, then over pp"),
-                      ("ep", "the norm sums expert shards over ep"),
-                      ("dp_shard", "ZeRO's norm sums slices over dp_shard")):
-        if getattr(par, axis) > 1:
-            raise ConfigError("train.post_validation", True,
-                              f"not implemented with {axis} > 1 ({why}); use"
-                              " train.post_validation = false")
+    if par.dp_shard > 1:
+        raise ConfigError("train.post_validation", True,
+                          f"not implemented with dp_shard = {par.dp_shard} (ZeRO's optimizer"
+                          " steps slices and re-gathers the parameters inside its step); use"
+                          " train.post_validation = false")
     if par.dp_mode != "sync":
         raise ConfigError("train.post_validation", True,
                           f"not implemented with parallel.dp_mode = {par.dp_mode} (each replica's"

@@ -488,10 +488,25 @@ def clip_grad_norm(model: nn.Module, max_norm: float, ep: ExpertParallel,
     over tp; replicated gradients are added once; with pipeline stages (``pp_group``) the total
     is summed over pp. Returns the norm.
     """
+    total = grad_squares(model, ep, tp)
+    if pp_group is not None:  # each pipeline rank holds other layers
+        comm.all_reduce(total, pp_group, axis="pp", ledger=ep.ledger)
+    norm = total.sqrt()
+    scale_gradients(model, max_norm, norm)
+    return norm
+
+
+@torch.no_grad()
+def grad_squares(model: nn.Module, ep: ExpertParallel, tp: Any = None) -> torch.Tensor:
+    """``clip_grad_norm``'s squared norm before pp: expert squares over ep, then tp-sharded
+    ones over tp (blocking), plus the replicated ones (the post-validated step sums this over
+    pp in the background, ``loom.train.post_validation``)."""
     experts = expert_parameter_names(model)
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     expert_sq, sharded_sq, replicated_sq = (torch.zeros((), dtype=torch.float32) for _ in range(3))
-    for name, grad in grads.items():
+    for name, param in model.named_parameters():
+        grad = param.grad
+        if grad is None:
+            continue
         square = _local_tensor(grad).float().pow(2).sum().cpu()
         if name in experts:
             expert_sq += square
@@ -503,13 +518,15 @@ def clip_grad_norm(model: nn.Module, max_norm: float, ep: ExpertParallel,
     sharded_sq += expert_sq
     if tp is not None:  # under expert-TP every expert shard is a tp shard too
         comm.all_reduce(sharded_sq, tp.mesh.get_group(), axis="tp", ledger=tp.ledger)
-    total = sharded_sq + replicated_sq
-    if pp_group is not None:  # each pipeline rank holds other layers
-        comm.all_reduce(total, pp_group, axis="pp", ledger=ep.ledger)
-    norm = total.sqrt()
+    return sharded_sq + replicated_sq
+
+
+@torch.no_grad()
+def scale_gradients(model: nn.Module, max_norm: float, norm: torch.Tensor) -> None:
+    """Scale every gradient by torch's clip factor for ``norm`` (0: leave them)."""
     if max_norm > 0:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for grad in grads.values():
-            grad = _local_tensor(grad)
-            grad.mul_(scale.to(grad.device))
-    return norm
+        for param in model.parameters():
+            if param.grad is not None:
+                grad = _local_tensor(param.grad)
+                grad.mul_(scale.to(grad.device))

@@ -305,6 +305,20 @@ def clip_grad_norm(parameters, max_norm: float, *, tp: TensorParallel | None,
     same on every TP rank, counted once. ``other_groups``, ``(axis, process group)`` pairs along
     which the model is split further (e.g. ``("pp", stage_group)``), sum both.
     """
+    parameters = list(parameters)
+    total = grad_squares(parameters, tp=tp)
+    for axis, group in other_groups:
+        comm.all_reduce(total, group, axis=axis, ledger=tp.ledger if tp else None)
+    norm = total.sqrt()
+    scale_gradients(parameters, max_norm, norm)
+    return norm
+
+
+@torch.no_grad()
+def grad_squares(parameters, *, tp: TensorParallel | None) -> torch.Tensor:
+    """``clip_grad_norm``'s squared norm before ``other_groups``: the sharded gradients' squares
+    all-reduced over ``tp`` (blocking) plus the replicated ones' (the post-validated step sums
+    this over pp in the background, ``loom.train.post_validation``)."""
     grads = [p.grad for p in parameters if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     sharded = [l for g, l in zip(grads, local) if _is_sharded(g)]
@@ -314,11 +328,14 @@ def clip_grad_norm(parameters, max_norm: float, *, tp: TensorParallel | None,
     sharded_sq = sq(sharded)
     if tp is not None:
         comm.all_reduce(sharded_sq, tp.mesh.get_group(), axis="tp", ledger=tp.ledger)
-    total = sharded_sq + sq(replicated)
-    for axis, group in other_groups:
-        comm.all_reduce(total, group, axis=axis, ledger=tp.ledger if tp else None)
-    norm = total.sqrt()
+    return sharded_sq + sq(replicated)
+
+
+@torch.no_grad()
+def scale_gradients(parameters, max_norm: float, norm: torch.Tensor) -> None:
+    """Scale every gradient's local shard by torch's clip factor for ``norm`` (0: leave them)."""
+    local = [g.to_local() if isinstance(g, DTensor) else g
+             for g in (p.grad for p in parameters) if g is not None]
     if max_norm > 0 and local:  # torch's clip_grads_with_norm_ formula, on the local shards
         torch._foreach_mul_(local, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-    return norm
 

@@ -99,6 +99,14 @@ def apply_if_finite(optimizer: torch.optim.Optimizer, loss: float, norm: float,
     return False
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A tp shard's (DTensor's) local tensor, sharing its storage; others as they are. The
+    snapshot copies shards: DTensor has no ``_foreach_copy_``, and each rank owns its shard."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     """``targets[i].copy_(sources[i])``, fused per device pair (a step counter may live on the
     host while its parameter is on an accelerator)."""
@@ -135,8 +143,8 @@ class OptimizerSnapshot:
                 keys = tuple(sorted(k for k, v in state.items() if torch.is_tensor(v))) \
                     if state else None
                 entries.append((param, keys))
-                sources.append(param.detach())
-                sources.extend(state[k] for k in keys or ())
+                sources.append(_local(param.detach()))
+                sources.extend(_local(state[k]) for k in keys or ())
         layout = [(s.shape, s.dtype, s.device) for s in sources]
         if layout != [(b.shape, b.dtype, b.device) for b in self._buffers]:
             self._buffers = [torch.empty_like(s) for s in sources]
@@ -146,12 +154,12 @@ class OptimizerSnapshot:
     def restore(self) -> None:
         targets = []
         for param, keys in self._entries:
-            targets.append(param.detach())
+            targets.append(_local(param.detach()))
             if keys is None:
                 self.optimizer.state.pop(param, None)
             else:
                 state = self.optimizer.state[param]
-                targets.extend(state[k] for k in keys)
+                targets.extend(_local(state[k]) for k in keys)
         _copy(targets, self._buffers)
 
     def nbytes(self) -> int:
@@ -203,31 +211,71 @@ class PostValidatedStep:
 
     ``pp_group``: the group the squared gradient norm is summed over (a pipeline's), or None
     when every rank holds whole gradients (data parallelism: the reduced gradients, hence their
-    norm, are the same everywhere). Layouts whose norm needs other or chained reductions (TP, EP,
-    ZeRO) are not supported: ``optimizer_step_for`` and ``loom.config_rules`` refuse them.
+    norm, are the same everywhere). ``tp`` / ``ep`` (their ``TensorParallel`` /
+    ``ExpertParallel``): the norm's squares are first summed over those groups, blocking, as
+    the synchronous step does (``tensor.grad_squares``, ``expert.grad_squares``); only the sum
+    over pp runs behind the optimistic step. A tied embedding's replica is left out of the
+    squares and scaled like the rest (``optim.clip_gradients``). Layouts whose optimizer steps
+    slices (ZeRO, FSDP) are not supported: ``optimizer_step_for`` and ``loom.config_rules``
+    refuse them.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, mean: MeanOf, *,
                  max_norm: float, nonfinite: Literal["stop", "skip"],
-                 pp_group: dist.ProcessGroup | None = None) -> None:
+                 pp_group: dist.ProcessGroup | None = None, tp: Any = None,
+                 ep: Any = None) -> None:
         self.optimizer, self.model, self.mean = optimizer, model, mean
         self.max_norm, self.nonfinite, self.pp_group = max_norm, nonfinite, pp_group
+        self.tp, self.ep = tp, ep
         self.snapshot = OptimizerSnapshot(optimizer)
         self.rollbacks = 0  # steps restored after validation (then redone clipped, or skipped)
+
+    def _squares(self) -> torch.Tensor:
+        """The squared norm of the gradients under tp / ep, summed over everything but pp."""
+        from loom.parallel import expert, tensor  # the layouts' own formulas (bit-identical)
+
+        hidden = [p for p in tied_replicas(self.model) if p.grad is not None]
+        grads = [p.grad for p in hidden]
+        for param in hidden:  # counted on the rank holding the original
+            param.grad = None
+        try:
+            if self.ep is not None:
+                return expert.grad_squares(self.model, self.ep, self.tp)
+            return tensor.grad_squares(self.model.parameters(), tp=self.tp)
+        finally:
+            for param, grad in zip(hidden, grads):
+                param.grad = grad
+
+    def _clip(self, parameters: list[nn.Parameter], norm: torch.Tensor) -> None:
+        if self.tp is None and self.ep is None:
+            clip_to_norm(parameters, self.max_norm, norm)
+            return
+        from loom.parallel import expert, tensor
+
+        if self.ep is not None:  # every gradient, a tied replica's too: x * torch's factor
+            expert.scale_gradients(self.model, self.max_norm, norm)
+        else:
+            tensor.scale_gradients(parameters, self.max_norm, norm)
 
     @torch.no_grad()
     def __call__(self, loss_sum: torch.Tensor, where: str) -> StepOutcome:
         """As ``SynchronousStep.__call__``, with the same result."""
         parameters = [p for p in self.model.parameters() if p.grad is not None]
-        replicas = {id(p) for p in tied_replicas(self.model)}  # counted on another rank
-        counted = [p.grad for p in parameters if id(p) not in replicas]
-        norm = local_grad_norm(counted) if counted else torch.zeros(())
+        if self.tp is None and self.ep is None:
+            replicas = {id(p) for p in tied_replicas(self.model)}  # counted on another rank
+            counted = [p.grad for p in parameters if id(p) not in replicas]
+            norm = local_grad_norm(counted) if counted else torch.zeros(())
+            squares = norm.pow(2)
+        else:
+            squares = self._squares()
+            norm = squares.sqrt()
         pending = None
         if self.pp_group is not None and parameters:
-            squares = norm.pow(2)
-            pending = dist.all_reduce(squares, group=self.pp_group, async_op=True)
+            ledger = getattr(self.ep if self.ep is not None else self.tp, "ledger", None)
+            pending = comm.all_reduce(squares, self.pp_group, axis="pp", ledger=ledger,
+                                      async_op=True)
         else:  # the norm is already global: clip now, as the synchronous step does
-            clip_to_norm(parameters, self.max_norm, norm)
+            self._clip(parameters, norm)
         loss = self.mean(loss_sum)  # started: waited for below
         self.snapshot.save()
         self.optimizer.step()  # optimistic; validated below
@@ -243,7 +291,7 @@ class PostValidatedStep:
         self.snapshot.restore()
         self.rollbacks += 1
         if pending is not None:  # the synchronous step clips before it checks
-            clip_to_norm(parameters, self.max_norm, norm)
+            self._clip(parameters, norm)
         applied = apply_if_finite(self.optimizer, loss_value, norm_value, self.nonfinite, where)
         return StepOutcome(loss_value, norm_value, applied)
 
@@ -262,8 +310,7 @@ def optimizer_step_for(train: Any, optimizer: torch.optim.Optimizer, model: nn.M
                                norm_is_local=norm_is_local, **kwargs)
     if norm_is_local:
         raise ValueError("train.post_validation with an outer parallel.dp_mode is not supported")
-    if tp is not None or ep is not None or zero is not None \
-            or is_fully_sharded(model):
-        raise ValueError("train.post_validation supports plain, data-parallel and pipeline"
-                         " layouts only (not tp, ep or dp_shard)")
-    return PostValidatedStep(optimizer, model, mean, **kwargs)
+    if zero is not None or is_fully_sharded(model):
+        raise ValueError("train.post_validation supports plain, data-, tensor-, expert-parallel"
+                         " and pipeline layouts (not dp_shard: the optimizer steps slices)")
+    return PostValidatedStep(optimizer, model, mean, tp=tp, ep=ep, **kwargs)
