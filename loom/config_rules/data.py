@@ -115,10 +115,8 @@ def _validate_zeppelin(config: Config) -> None:
 
 def _validate_varlen_layout(config: Config) -> None:
     """What varlen microbatches (``loom.data.varlen``) do not run on yet, beyond ``pack``'s
-    rules: mixed sources and compiled blocks (every microbatch has its own length)."""
-    if config.data.mix:
-        raise ConfigError("data.packing", "varlen", "varlen draws pieces of one token range;"
-                          " data.mix is not built for it yet: use pack or concat with data.mix")
+    rules: compiled blocks (every microbatch has its own length). Mixed sources run
+    (``varlen.MixedPieces``: ``data.mix``'s weights as shares of tokens)."""
     if config.train.compile:
         raise ConfigError("data.packing", "varlen", "every varlen microbatch has its own length,"
                           " which train.compile would recompile for: use compile = false")

@@ -51,7 +51,7 @@ from loom.data.mix import MixedSequences, MixSampler, check_mix_paths, interleav
 from loom.data.packing import DocumentBatch, PackedDocuments, document_offsets
 from loom.data.prepare import PreparedData
 from loom.data.samples import BatchSampler, WindowedSamples, rank_slice
-from loom.data.varlen import VarlenDocuments
+from loom.data.varlen import MixedPieces, VarlenDocuments
 from loom.data.sources import (PREPARED, TEXT, Source, check_text_field, read_source_documents,
                                record_val_count, resolve_source, split_records)
 from loom.data.tokenizer import (Tokenizer, build_tokenizer, encode_documents, identity_of,
@@ -138,30 +138,43 @@ class DataFiles:
         documents = VarlenDocuments if packing == "varlen" else PackedDocuments
         return documents(tokens, offsets, seq_len, name=str(path))
 
-    def _weights(self) -> list[float]:
-        return [float(p["weight"]) for p in self.meta["parts"]]
+    def _weights(self, parts: Sequence[Any] = ()) -> list[float]:
+        """``data.mix``'s weights, per sample of ``parts``. They are shares of tokens: a row of
+        ``concat`` or ``pack`` is ``seq_len`` tokens whatever its source, so they apply to rows
+        as written; a ``varlen`` piece is as long as its document allows, so each source's
+        weight is divided by its mean piece length (a source of short documents would
+        otherwise get its weight in pieces but far less of the tokens)."""
+        weights = [float(p["weight"]) for p in self.meta["parts"]]
+        if parts and isinstance(parts[0], VarlenDocuments):
+            weights = [w / float(p.lengths.mean()) if len(p) else 0.0
+                       for w, p in zip(weights, parts)]
+        return weights
 
-    def train_set(self, seq_len: int,
-                  packing: str = "concat") -> "PackedSequences | PackedDocuments | MixedSequences":
+    def train_set(self, seq_len: int, packing: str = "concat"
+                  ) -> "PackedSequences | PackedDocuments | MixedSequences | MixedPieces":
         """The training samples: one packed token range, or the mixed sources' as one index
         space (dataset index = offset of the source + its sample). ``packing`` is
-        ``data.packing``: ``pack`` gives rows of whole documents (``loom.data.packing``)."""
+        ``data.packing``: ``pack`` gives rows of whole documents (``loom.data.packing``),
+        ``varlen`` pieces of them (``loom.data.varlen``)."""
         parts = self._datasets("train", seq_len, packing)
-        return MixedSequences(parts) if self.mixed else parts[0]
+        if not self.mixed:
+            return parts[0]
+        return MixedPieces(parts) if packing == "varlen" else MixedSequences(parts)
 
-    def val_set(self, seq_len: int,
-                packing: str = "concat") -> "PackedSequences | PackedDocuments | MixedSequences":
+    def val_set(self, seq_len: int, packing: str = "concat"
+                ) -> "PackedSequences | PackedDocuments | MixedSequences | MixedPieces":
         """The validation samples; mixed sources in mixture order (``interleaved_order``)."""
         parts = self._datasets("val", seq_len, packing)
         if not self.mixed:
             return parts[0]
-        return MixedSequences(parts, interleaved_order([len(p) for p in parts], self._weights()))
+        order = interleaved_order([len(p) for p in parts], self._weights(parts))
+        return MixedPieces(parts, order) if packing == "varlen" else MixedSequences(parts, order)
 
     def sampler(self, dataset: Any, global_batch_size: int,
                 seed: int) -> "GlobalBatchSampler | MixSampler":
         """The global sampler of ``train_set``'s samples: shuffled epochs, or the mixture."""
         if self.mixed:
-            return MixSampler([len(p) for p in dataset.parts], self._weights(),
+            return MixSampler([len(p) for p in dataset.parts], self._weights(dataset.parts),
                               global_batch_size, seed)
         return GlobalBatchSampler(len(dataset), global_batch_size, seed)
 

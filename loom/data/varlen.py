@@ -157,26 +157,86 @@ class VarlenDocuments(DocumentTokens):
     def __len__(self) -> int:
         return len(self.pieces.length)
 
+    def piece(self, p: int) -> np.ndarray:
+        """Piece ``p``'s tokens: its predictions' inputs and, one further, their targets."""
+        doc, n = int(self.pieces.document[p]), int(self.pieces.length[p])
+        first = int(self.offsets[doc] + self.pieces.offset[p])
+        return np.asarray(self.tokens[first:first + n + 1], dtype=np.int64)
+
     def microbatch(self, pieces: Sequence[int] | np.ndarray) -> DocumentBatch:
         """The given pieces, in order, as one row ``[1, T]`` (T their predictions)."""
-        parts = []
-        for ordinal, p in enumerate(np.asarray(pieces, dtype=np.int64).tolist()):
-            doc, n = int(self.pieces.document[p]), int(self.pieces.length[p])
-            first = int(self.offsets[doc] + self.pieces.offset[p])
-            window = np.asarray(self.tokens[first:first + n + 1], dtype=np.int64)
-            parts.append((window[:-1], window[1:], np.arange(n, dtype=np.int64),
-                          np.full(n, ordinal, dtype=np.int64)))
-        if not parts:
-            raise ValueError("a varlen microbatch needs at least one piece")
-        return DocumentBatch(*(torch.from_numpy(np.concatenate(column))[None]
-                               for column in zip(*parts)))
+        return _row([self.piece(p) for p in np.asarray(pieces, dtype=np.int64).tolist()])
 
     def rank_batch(self, plan: StepPlan, dp_rank: int, dp_size: int) -> VarlenBatch:
-        """Data-parallel rank ``dp_rank``'s microbatches of ``plan``: its contiguous share of
-        the bins."""
-        per_rank = plan.num_bins // dp_size
-        micro = [self.microbatch(p) for p in plan.microbatch_pieces(dp_rank * per_rank, per_rank)]
-        return VarlenBatch(tuple(micro), int(self.lengths[plan.pieces].sum()))
+        return _rank_batch(self, plan, dp_rank, dp_size)
+
+
+class MixedPieces:
+    """Several sources' pieces (``data.mix`` with ``varlen``) as one index space: piece j of
+    the concatenation is piece ``j - start`` of the source it falls in (source s's pieces after
+    those of sources < s), or, with ``order``, ``order[j]`` of the concatenation (validation in
+    mixture order, ``mix.interleaved_order``). The interface ``VarlenLoader`` and
+    ``varlen_eval_batches`` read: ``lengths``, ``len``, ``microbatch``, ``rank_batch``; a
+    microbatch may hold pieces of every source (document ordinals still run per row)."""
+
+    packing = "varlen"
+
+    def __init__(self, parts: Sequence[VarlenDocuments], order: np.ndarray | None = None) -> None:
+        if not parts or len({p.seq_len for p in parts}) != 1:
+            raise ValueError("mixed pieces need at least one source, all of one split length")
+        self.parts = list(parts)
+        self.seq_len = parts[0].seq_len
+        self.name = " + ".join(p.name for p in parts)
+        self.starts = np.concatenate([[0], np.cumsum([len(p) for p in parts])]).astype(np.int64)
+        self.order = None if order is None else np.asarray(order, dtype=np.int64)
+        lengths = np.concatenate([p.lengths for p in parts])
+        self._lengths = lengths if self.order is None else lengths[self.order]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self._lengths
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(p.num_tokens for p in self.parts)
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def mean_piece_lengths(self) -> list[float]:
+        """Each source's predictions per piece (0 for a source without pieces)."""
+        return [float(p.lengths.mean()) if len(p) else 0.0 for p in self.parts]
+
+    def microbatch(self, pieces: Sequence[int] | np.ndarray) -> DocumentBatch:
+        index = np.asarray(pieces, dtype=np.int64)
+        if self.order is not None:
+            index = self.order[index]
+        source = np.searchsorted(self.starts, index, side="right") - 1
+        return _row([self.parts[s].piece(int(j - self.starts[s]))
+                     for s, j in zip(source.tolist(), index.tolist())])
+
+    def rank_batch(self, plan: StepPlan, dp_rank: int, dp_size: int) -> VarlenBatch:
+        return _rank_batch(self, plan, dp_rank, dp_size)
+
+
+def _row(windows: list[np.ndarray]) -> DocumentBatch:
+    """Pieces' token windows (each its inputs plus one target further) as one row ``[1, T]``:
+    positions restart at every piece, document ids are the pieces' ordinals."""
+    if not windows:
+        raise ValueError("a varlen microbatch needs at least one piece")
+    columns = [(w[:-1], w[1:], np.arange(len(w) - 1, dtype=np.int64),
+                np.full(len(w) - 1, ordinal, dtype=np.int64)) for ordinal, w in enumerate(windows)]
+    return DocumentBatch(*(torch.from_numpy(np.concatenate(column))[None]
+                           for column in zip(*columns)))
+
+
+def _rank_batch(dataset: VarlenDocuments | MixedPieces, plan: StepPlan, dp_rank: int,
+                dp_size: int) -> VarlenBatch:
+    """Data-parallel rank ``dp_rank``'s microbatches of ``plan``: its contiguous share of the
+    bins."""
+    per_rank = plan.num_bins // dp_size
+    micro = [dataset.microbatch(p) for p in plan.microbatch_pieces(dp_rank * per_rank, per_rank)]
+    return VarlenBatch(tuple(micro), int(dataset.lengths[plan.pieces].sum()))
 
 
 def _check_split(dp_size: int, num_bins: int) -> None:
@@ -191,7 +251,7 @@ class VarlenLoader:
     ``sampler`` is the training set's ``loader.GlobalBatchSampler`` over pieces (only its seeded
     ``indices``, ``num_samples`` and ``seed`` are read)."""
 
-    def __init__(self, dataset: VarlenDocuments, sampler: PieceOrder,
+    def __init__(self, dataset: VarlenDocuments | MixedPieces, sampler: PieceOrder,
                  global_batch_tokens: int, tokens_per_microbatch: int, balance: str = "none",
                  dp_rank: int = 0, dp_size: int = 1,
                  device: str | torch.device = "cpu") -> None:
@@ -245,7 +305,7 @@ class VarlenLoader:
         self.consumed_samples = int(state["consumed_samples"])
 
 
-def varlen_eval_batches(dataset: VarlenDocuments, global_batch_tokens: int,
+def varlen_eval_batches(dataset: VarlenDocuments | MixedPieces, global_batch_tokens: int,
                         tokens_per_microbatch: int, balance: str = "none", max_batches: int = 0,
                         dp_rank: int = 0, dp_size: int = 1,
                         device: str | torch.device = "cpu") -> Iterator[VarlenBatch]:

@@ -17,6 +17,9 @@ must carry activations of a different length per microbatch.
   and loss), pp2 with 1F1B (four microbatches of four lengths through the pipeline) and pp2
   with ZB-V (I/W split) each equal one process (loss, gradient norm and every gradient, 2
   AdamW steps); marked slow: pp2 x dp2 and ZeRO-3 on dp_shard 2.
+* Mixed sources (``data.mix``: the short documents at 0.6 and a source of long ones, 200 to
+  400 bytes, at 0.4, so a step holds pieces of both): dp2 with ``tokens`` (CI) and pp2 1F1B
+  (matrix) equal one process on the same mixture.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ import torch.nn.functional as F
 
 from loom.config import from_dict
 from loom.data.varlen import plan_step
+from loom.data.loader import prepare_data
 from loom.testing.parity import assert_parity, layout_config, record_training
 from loom.train.trainer import Trainer
-from tests.data_fixtures import prepared_documents
+from tests.conftest import matrix
+from tests.data_fixtures import DataCfg, prepared_documents, write_short_documents
 
 STEPS = 2
 SEQ_LEN = 32  # the split length
@@ -121,11 +126,44 @@ def reference(dist, short_documents):
                                     else name for name in LAYOUTS])
 def test_varlen_layouts_match_one_process(dist, short_documents, reference, layout):
     data_dir, base = short_documents
-    world, degrees, extra = LAYOUTS[layout]
+    _assert_layout_matches(dist, data_dir, base, LAYOUTS[layout], reference, layout)
+
+
+def _assert_layout_matches(dist, data_dir: str, base: dict, layout: tuple, reference: dict,
+                           label: str) -> None:
+    """Every rank of ``layout`` (world, degrees, overrides) equals one process's ``reference``
+    (the first step at the tight tolerances), and the reference learns."""
+    world, degrees, extra = layout
     config = layout_config({**base, **extra}, world, **degrees)
     for rank, got in enumerate(dist.run(world, record_training, config, data_dir, STEPS)):
-        where = f"{layout} rank {rank}"
+        where = f"{label} rank {rank}"
         assert_parity(reference, got, rtol=RTOL_FIRST, atol=ATOL_FIRST, label=where,
                       steps=range(1))
         assert_parity(reference, got, rtol=RTOL, atol=ATOL, label=where)
     assert reference["loss"][-1] < reference["loss"][0]
+
+
+@pytest.fixture(scope="module")
+def mixed_documents(tmp_path_factory, short_documents) -> tuple[str, dict]:
+    """A data directory mixing the short documents (0.6) with a source of long ones (0.4)."""
+    _, base = short_documents
+    short = tmp_path_factory.mktemp("varlen_mix_short")
+    write_short_documents(short, 300, 23)
+    long = tmp_path_factory.mktemp("varlen_mix_long")
+    for i in range(40):
+        (long / f"long{i:03d}.txt").write_text("qrstuvwxyz"[i % 10] * (200 + 5 * i))
+    mix = f"{short}:0.6,{long}:0.4"
+    out = tmp_path_factory.mktemp("varlen_mix_data")
+    prepare_data(DataCfg(mix=mix, extensions=(".txt",), seq_len=SEQ_LEN, val_fraction=0.1), out)
+    overrides = {key: value for key, value in base.items() if key != "data.source"}
+    return str(out), {**overrides, "data.mix": mix}
+
+
+MIXED = {"dp2-tokens": LAYOUTS["dp2-tokens"], "pp2-1f1b": LAYOUTS["pp2-1f1b"]}
+
+
+@pytest.mark.parametrize("layout", matrix(MIXED, ci=["dp2-tokens"]))
+def test_mixed_sources_match_one_process(dist, mixed_documents, layout):
+    data_dir, base = mixed_documents
+    reference = dist.run(1, record_training, layout_config(base, 1), data_dir, STEPS)[0]
+    _assert_layout_matches(dist, data_dir, base, MIXED[layout], reference, f"mixed {layout}")

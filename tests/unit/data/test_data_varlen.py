@@ -1,7 +1,8 @@
 """Specification of ``data.packing = "varlen"`` (``loom.data.varlen``): pieces that hold every
 prediction once, steps of token-budget microbatches that do not depend on the layout, the
 ``tokens`` balance, microbatches with no padding and positions restarting at every piece, a
-resumable loader, and the refusals that name the field at fault."""
+resumable loader, mixed sources (``data.mix``) whose weights are shares of tokens, and the
+refusals that name the field at fault."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from loom.config import ConfigError, layout_of, load_config, resolve
 from loom.data.loader import GlobalBatchSampler, prepare_data
 from loom.data.prepare import INDEX_DTYPE, INDEX_FILE, prepare
 from loom.data.varlen import (
+    MixedPieces,
     VarlenDocuments,
     VarlenLoader,
     balance_tokens,
@@ -215,3 +217,78 @@ def test_moe_documents_are_accepted_with_zeppelin_under_cp_and_over_the_dp_domai
     over_dp = resolve(load_config(None, {**base, "data.balance": "zeppelin", "parallel.cp": "1",
                                          "parallel.dp_replicate": "2"}), 2)
     assert over_dp.parallel.dp == 2 and over_dp.model.n_experts > 0
+
+
+# -- mixed sources (data.mix) ------------------------------------------------------------------
+def test_mixed_pieces_are_one_index_space_of_the_sources_pieces():
+    a = VarlenDocuments(*_corpus(seed=3), SPLIT, name="a")
+    b = VarlenDocuments(*_corpus(seed=4, count=20), SPLIT, name="b")
+    mixed = MixedPieces([a, b])
+    assert len(mixed) == len(a) + len(b)
+    assert mixed.lengths.tolist() == a.lengths.tolist() + b.lengths.tolist()
+    row = mixed.microbatch([2, len(a) + 5, 0])  # pieces of both sources in one row
+    parts = [a.microbatch([2]), b.microbatch([5]), a.microbatch([0])]
+    assert torch.equal(row.inputs, torch.cat([p.inputs for p in parts], dim=1))
+    assert torch.equal(row.targets, torch.cat([p.targets for p in parts], dim=1))
+    assert torch.equal(row.positions, torch.cat([p.positions for p in parts], dim=1))
+    sizes = [len(p.inputs[0]) for p in parts]  # ordinals run over the row's pieces
+    assert row.document_ids[0].tolist() == [i for i, n in enumerate(sizes) for _ in range(n)]
+    reordered = MixedPieces([a, b], np.array([len(a) + 5, 2]))  # validation's mixture order
+    assert len(reordered) == 2 and reordered.lengths.tolist() == [b.lengths[5], a.lengths[2]]
+    assert torch.equal(reordered.microbatch([0, 1]).inputs,
+                       torch.cat([parts[1].inputs, parts[0].inputs], dim=1))
+
+
+def _two_sources(tmp_path, short_weight: float):
+    """A run mixing a source of short documents (5 to 13 bytes of 'a') with one of long ones
+    (150 to 230 bytes of 'b'), the short ones at ``short_weight``; varlen pieces of 32."""
+    short = write_source(tmp_path / "short", "text", ["a" * (5 + i % 9) for i in range(400)])
+    long = write_source(tmp_path / "long", "text", ["b" * (150 + 2 * i) for i in range(40)])
+    files = prepare_data(DataCfg(mix=f"{short}:{short_weight},{long}:{1 - short_weight}",
+                                 val_fraction=0.25), tmp_path / f"run{short_weight}")
+    return files, files.train_set(32, packing="varlen")
+
+
+@pytest.mark.parametrize("short_weight", [0.5, 0.2])
+def test_mixed_varlen_weights_are_shares_of_the_tokens(tmp_path, short_weight):
+    """A piece of the long source holds about 30 predictions, one of the short source about 8:
+    weighted per piece, the short source would get far less than its share of the tokens."""
+    files, train = _two_sources(tmp_path, short_weight)
+    assert isinstance(train, MixedPieces) and len(train.parts) == 2
+    loader = VarlenLoader(train, files.sampler(train, 1, seed=0), 256, 128, "tokens")
+    counts = {ord("a"): 0, ord("b"): 0}
+    for _ in range(60):
+        for mb in loader.next_batch().microbatches:
+            for token in (ord("a"), ord("b")):
+                counts[token] += int((mb.targets == token).sum())
+    share = counts[ord("a")] / (counts[ord("a")] + counts[ord("b")])
+    assert share == pytest.approx(short_weight, abs=0.04), counts
+
+
+def test_mixed_varlen_validation_and_resume(tmp_path):
+    files, train = _two_sources(tmp_path, 0.5)
+    val = files.val_set(32, packing="varlen")
+    assert isinstance(val, MixedPieces) and val.order is not None
+    assert len(set(val.order.tolist())) == len(val)  # each piece at most once
+    assert {int(j >= val.starts[1]) for j in val.order.tolist()} == {0, 1}  # both sources
+    assert len(list(varlen_eval_batches(val, 128, 64))) > 0
+
+    def loader(rank: int, dp: int) -> VarlenLoader:
+        return VarlenLoader(train, files.sampler(train, 1, seed=3), 256, 64, "tokens", rank, dp)
+
+    reference = loader(0, 1)
+    for _ in range(3):
+        reference.next_batch()
+    state = reference.state_dict()
+    expected = reference.next_batch().microbatches
+    resumed = [loader(r, 2) for r in range(2)]  # at another dp degree
+    for lo in resumed:
+        lo.load_state_dict(state)
+    got = [mb for lo in resumed for mb in lo.next_batch().microbatches]
+    assert len(got) == len(expected) == 4
+    assert all(torch.equal(x.inputs, y.inputs) for x, y in zip(got, expected))
+
+
+def test_varlen_accepts_mixed_sources():
+    config = _varlen({"data.mix": "stdlib:0.5,stdlib:0.5"})
+    assert config.data.mix and config.data.packing == "varlen"
