@@ -25,7 +25,9 @@ def check_bpe_vocab(data: DataConfig) -> None:
 
 
 def validate_packing(config: Config) -> None:
-    """``data.packing``: a known mode; documents run on every axis (cp cuts them per
+    """``data.packing``: a known mode; documents run on every axis, with mixed sources
+    (``varlen.MixedPieces``: ``data.mix``'s weights as shares of tokens) and compiled blocks
+    (varlen compiles them for any length, ``loom.parallel.compile``) (cp cuts them per
     document, ``loom.parallel.context_documents``, with sequence parallelism splitting a cp
     shard over tp unevenly; tp, selective recompute and MoE all run: the attention core sees
     whole rows, MoE routes and balances per document, padding excluded, its counts summed over
@@ -55,8 +57,6 @@ def validate_packing(config: Config) -> None:
         return
     if data.balance == "zeppelin":
         _validate_zeppelin(config)
-    if packing == "varlen":
-        _validate_varlen_layout(config)
 
 
 def zeppelin_over_dp(config: Config) -> str | None:
@@ -113,13 +113,6 @@ def _validate_zeppelin(config: Config) -> None:
                           f" the dp x cp domain is out: {why_not_dp}. Use tokens, or cp > 1")
 
 
-def _validate_varlen_layout(config: Config) -> None:
-    """What varlen microbatches (``loom.data.varlen``) do not run on yet, beyond ``pack``'s
-    rules: compiled blocks (every microbatch has its own length). Mixed sources run
-    (``varlen.MixedPieces``: ``data.mix``'s weights as shares of tokens)."""
-    if config.train.compile:
-        raise ConfigError("data.packing", "varlen", "every varlen microbatch has its own length,"
-                          " which train.compile would recompile for: use compile = false")
 
 
 def varlen_budgets(config: Config) -> tuple[int, int]:

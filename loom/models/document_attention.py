@@ -144,6 +144,14 @@ class DocumentMask:
         if kernel != "segments":
             raise ValueError(f"unknown document attention kernel {kernel!r}; known: auto,"
                              " segments, flex")
+        return self._segments(q_BNSH, k_BKSH, v_BKSH, window)
+
+    # Eager under torch.compile (a clean graph break around it): the spans are host-side
+    # integers that change with every batch, so a traced loop over them would recompile per
+    # batch until dynamo's limit; the blocks' code before and after still compiles.
+    @torch.compiler.disable
+    def _segments(self, q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
+                  window: int) -> torch.Tensor:
         if len(self.spans) == 1:  # every row is one document: the plain kernel, no copies
             return sdpa_causal(q_BNSH, k_BKSH, v_BKSH, window)
         out_BNSH = q_BNSH.new_empty(q_BNSH.shape)  # every position lies in exactly one span

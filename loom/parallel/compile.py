@@ -22,7 +22,12 @@ compiled forward (torch also marks them dynamo-disabled).
 ``fullgraph=False``: a graph break (ring attention's isend/irecv, document masks' lock) costs
 speed, not correctness. ``dynamic=False``: the shapes of a run are fixed (sequence length,
 micro-batch), and a static graph is what inductor fuses best; a new shape (evaluation's batch)
-compiles once more.
+compiles once more. Varlen microbatches (``data.packing = varlen``) are the exception: every
+one has its own length, so ``apply_compile(dynamic=True)`` compiles each block once for any
+length (a symbolic sequence dimension) instead of once per length until dynamo's recompile
+limit sends the blocks back to eager. Their per-document attention
+(``DocumentMask._segments``, on the CPU) runs eagerly between two compiled pieces: its spans
+are host-side integers that change with every batch.
 """
 
 from __future__ import annotations
@@ -60,29 +65,30 @@ def _fresh_views(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def _compile_forward(module: nn.Module) -> None:
+def _compile_forward(module: nn.Module, dynamic: bool = False) -> None:
     """Give ``module`` a compiled ``forward`` as an instance attribute, as activation.py does:
     names and class unchanged; the module's own hooks (FSDP2's all-gather, added later; TP's
     redistributions) stay outside the compiled region."""
-    compiled = torch.compile(module.forward, backend="inductor", fullgraph=False, dynamic=False)
+    compiled = torch.compile(module.forward, backend="inductor", fullgraph=False, dynamic=dynamic)
     module.forward = _fresh_views(compiled)
 
 
-def apply_compile(model: nn.Module) -> nn.Module:
+def apply_compile(model: nn.Module, dynamic: bool = False) -> nn.Module:
     """Compile every block of ``model.layers`` in place (inductor); returns ``model``. A module
     without ``layers`` is returned unchanged. A block whose feed-forward is an MoE layer gets
     its attention and its two norms compiled one by one and its MoE layer left eager: the
     router's token counts per expert (and ep's all-to-all splits) are data, so a compiled MoE
     would recompile every batch until dynamo's limit and then run eagerly anyway (measured
     before this split: 2 steps of the debug MoE model 86 s compiled against 10 s eager; with
-    it, 2 graphs in all, counted by tests/dist/test_compile_parity.py)."""
+    it, 2 graphs in all, counted by tests/dist/test_compile_parity.py). ``dynamic``: compile
+    for any sequence length (varlen microbatches; module docstring)."""
     layers = getattr(model, "layers", None)
     if layers is None:
         return model
     for block in layers.values():
         if isinstance(getattr(block, "feed_forward", None), MoEFeedForward):
             for name in ("attention_norm", "attention", "ffn_norm"):
-                _compile_forward(getattr(block, name))
+                _compile_forward(getattr(block, name), dynamic)
         else:
-            _compile_forward(block)
+            _compile_forward(block, dynamic)
     return model

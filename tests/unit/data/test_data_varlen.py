@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from loom.config import ConfigError, layout_of, load_config, resolve
+from loom.config import ConfigError, job_of, layout_of, load_config, resolve
 from loom.data.loader import GlobalBatchSampler, prepare_data
 from loom.data.prepare import INDEX_DTYPE, INDEX_FILE, prepare
 from loom.data.varlen import (
@@ -150,7 +150,6 @@ def _varlen(overrides: dict, world: int = 1):
     ({"data.tokens_per_microbatch": "96", "train.global_batch_size": "4",
       "parallel.dp_replicate": "2"}, 2, "train.global_batch_tokens",
      r"\(unset: train.global_batch_size 4 x data.seq_len 32\) must be divisible"),
-    ({"train.compile": "true"}, 1, "data.packing", "recompile"),
 ])
 def test_varlen_refuses_by_name(overrides, world, field, words):
     with pytest.raises(ConfigError, match=words) as info:
@@ -289,6 +288,9 @@ def test_mixed_varlen_validation_and_resume(tmp_path):
     assert all(torch.equal(x.inputs, y.inputs) for x, y in zip(got, expected))
 
 
-def test_varlen_accepts_mixed_sources():
+def test_varlen_accepts_mixed_sources_and_compiled_blocks():
     config = _varlen({"data.mix": "stdlib:0.5,stdlib:0.5"})
     assert config.data.mix and config.data.packing == "varlen"
+    compiled = _varlen({"train.compile": "true"})  # tests/dist/test_compile_parity.py
+    assert compiled.train.compile and job_of(compiled).compile_dynamic
+    assert not job_of(_varlen({"train.compile": "true", "data.packing": "pack"})).compile_dynamic
