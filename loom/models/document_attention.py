@@ -144,12 +144,8 @@ class DocumentMask:
         if kernel != "segments":
             raise ValueError(f"unknown document attention kernel {kernel!r}; known: auto,"
                              " segments, flex")
-        return self._segments(q_BNSH, k_BKSH, v_BKSH, window)
+        return _eager(DocumentMask._segments)(self, q_BNSH, k_BKSH, v_BKSH, window)
 
-    # Eager under torch.compile (a clean graph break around it): the spans are host-side
-    # integers that change with every batch, so a traced loop over them would recompile per
-    # batch until dynamo's limit; the blocks' code before and after still compiles.
-    @torch.compiler.disable
     def _segments(self, q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
                   window: int) -> torch.Tensor:
         if len(self.spans) == 1:  # every row is one document: the plain kernel, no copies
@@ -186,6 +182,16 @@ class DocumentMask:
         on_gpu = run_BS.device.type != "cpu"
         return create_block_mask(same_document, B, None, padded, padded, device=run_BS.device,
                                  _compile=on_gpu)
+
+
+@functools.cache
+def _eager(function):
+    """``function`` run eagerly under torch.compile (a clean graph break around it): the
+    segments' spans are host-side integers that change with every batch, so a traced loop over
+    them would recompile per batch until dynamo's limit; the block's code before and after
+    still compiles. Wrapped on first use: ``torch.compiler.disable`` imports dynamo (and
+    sympy), which the launcher's imports of the model must not pay."""
+    return torch.compiler.disable(function)
 
 
 def flex_length(S: int) -> int:

@@ -57,8 +57,9 @@ from typing import Any, Callable, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from loom.parallel import comm
+from loom.parallel import comm, expert, tensor  # tp's and ep's own norm formulas (bit-identical)
 from loom.parallel.data import is_fully_sharded
 from loom.train.optim import (clip_coefficient, clip_gradients, clip_to_norm, local_grad_norm,
                               tied_replicas)
@@ -102,8 +103,6 @@ def apply_if_finite(optimizer: torch.optim.Optimizer, loss: float, norm: float,
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A tp shard's (DTensor's) local tensor, sharing its storage; others as they are. The
     snapshot copies shards: DTensor has no ``_foreach_copy_``, and each rank owns its shard."""
-    from torch.distributed.tensor import DTensor
-
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
@@ -232,8 +231,6 @@ class PostValidatedStep:
 
     def _squares(self) -> torch.Tensor:
         """The squared norm of the gradients under tp / ep, summed over everything but pp."""
-        from loom.parallel import expert, tensor  # the layouts' own formulas (bit-identical)
-
         hidden = [p for p in tied_replicas(self.model) if p.grad is not None]
         grads = [p.grad for p in hidden]
         for param in hidden:  # counted on the rank holding the original
@@ -250,8 +247,6 @@ class PostValidatedStep:
         if self.tp is None and self.ep is None:
             clip_to_norm(parameters, self.max_norm, norm)
             return
-        from loom.parallel import expert, tensor
-
         if self.ep is not None:  # every gradient, a tied replica's too: x * torch's factor
             expert.scale_gradients(self.model, self.max_norm, norm)
         else:
