@@ -258,6 +258,12 @@ def _validate_compile(config: Config) -> None:
     refused where the compiled blocks would quietly run eagerly."""
     if not config.train.compile:
         return
+    if config.data.packing == "varlen" and config.parallel.tp > 1:
+        raise ConfigError("train.compile", True, "with data.packing = varlen and parallel.tp ="
+                          f" {config.parallel.tp} > 1 is not built: varlen compiles the blocks"
+                          " for a symbolic sequence length, and tp's DTensor blocks traced"
+                          " that way exceed the recursion limit in torch 2.13's dynamo; use"
+                          " compile = false or tp = 1")
     if config.metrics.comm and config.parallel.tp > 1:
         raise ConfigError("metrics.comm", True, "with train.compile = true and parallel.tp ="
                           f" {config.parallel.tp} > 1: tensor parallelism's collectives are"

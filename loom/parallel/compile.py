@@ -27,7 +27,11 @@ one has its own length, so ``apply_compile(dynamic=True)`` compiles each block o
 length (a symbolic sequence dimension) instead of once per length until dynamo's recompile
 limit sends the blocks back to eager. Their per-document attention
 (``DocumentMask._segments``, on the CPU) runs eagerly between two compiled pieces: its spans
-are host-side integers that change with every batch.
+are host-side integers that change with every batch. So does a core that takes the documents
+(context parallelism's, Zeppelin's): its document path splits by data-dependent sizes, which
+symbolic shapes cannot trace. Tensor parallelism is refused with varlen and compile
+(``config_rules``): tp's DTensor blocks traced with a symbolic length exceed the recursion
+limit in torch 2.13's dynamo.
 """
 
 from __future__ import annotations
@@ -85,6 +89,15 @@ def apply_compile(model: nn.Module, dynamic: bool = False) -> nn.Module:
     layers = getattr(model, "layers", None)
     if layers is None:
         return model
+    if dynamic:  # a core that takes documents (cp's): eager between the compiled pieces
+        eager: dict[int, Callable[..., Any]] = {}
+        for block in layers.values():
+            core = block.attention.core
+            if getattr(core, "takes_documents", False):
+                if id(core) not in eager:
+                    eager[id(core)] = torch.compiler.disable(core)
+                    eager[id(core)].takes_documents = True
+                block.attention.core = eager[id(core)]
     for block in layers.values():
         if isinstance(getattr(block, "feed_forward", None), MoEFeedForward):
             for name in ("attention_norm", "attention", "ffn_norm"):

@@ -168,18 +168,31 @@ def record_compiled_lengths(ctx, config_table: dict, data_dir: str, steps: int) 
     return record
 
 
-@pytest.mark.parametrize("layout", matrix({"single": (1, {}), "dp2": (2, {"dp_replicate": 2})},
-                                          ci=["single"]))
+VARLEN_LAYOUTS = {  # name: (world, parallel degrees, other overrides)
+    "single": (1, {}, {}),
+    "dp2": (2, {"dp_replicate": 2}, {}),
+    "pp2": (2, {"pp": 2, "dp_replicate": 1}, {}),
+    # context parallelism's core (and Zeppelin's, over cp or over dp) runs eagerly between the
+    # compiled pieces: its document path splits by data-dependent sizes
+    "cp2": (2, {"cp": 2, "dp_replicate": 1}, {"parallel.cp_mode": "ring"}),
+    "zeppelin-dp2": (2, {"dp_replicate": 2}, {"data.balance": "zeppelin"}),
+    "moe-ep2": (2, {"ep": 2, "dp_replicate": 1}, MOE),
+}
+
+
+@pytest.mark.parametrize("layout", matrix(VARLEN_LAYOUTS, ci=["single", "cp2"]))
 def test_compiled_varlen_matches_eager_and_compiles_once_for_every_length(dist, varlen_documents,
                                                                           layout):
     """More distinct microbatch lengths than dynamo's recompile limit (8), and a bounded number
     of graphs: the blocks are compiled for a symbolic length (measured: 6 graphs over 10
-    lengths, the block and its attention split around the eager per-document kernel; 32
-    compiled for static shapes), not once per length."""
+    lengths at one rank, the block and its attention split around the eager per-document
+    kernel, 32 compiled for static shapes; 4 under cp2), not once per length."""
     data_dir, base = varlen_documents
-    reference = dist.run(1, record_training, layout_config(base, 1), data_dir, VARLEN_STEPS)[0]
-    world, parallel = {"single": (1, {}), "dp2": (2, {"dp_replicate": 2})}[layout]
-    config = layout_config({**base, "train.compile": True}, world, **parallel)
+    world, parallel, overrides = VARLEN_LAYOUTS[layout]
+    model = {k: v for k, v in overrides.items() if k.startswith("model.")}
+    reference = dist.run(1, record_training, layout_config({**base, **model}, 1), data_dir,
+                         VARLEN_STEPS)[0]
+    config = layout_config({**base, **overrides, "train.compile": True}, world, **parallel)
     results = dist.run(world, record_compiled_lengths, config, data_dir, VARLEN_STEPS)
     lengths = {n for result in results for n in result["lengths"]}
     assert len(lengths) > 8, sorted(lengths)

@@ -294,3 +294,6 @@ def test_varlen_accepts_mixed_sources_and_compiled_blocks():
     compiled = _varlen({"train.compile": "true"})  # tests/dist/test_compile_parity.py
     assert compiled.train.compile and job_of(compiled).compile_dynamic
     assert not job_of(_varlen({"train.compile": "true", "data.packing": "pack"})).compile_dynamic
+    with pytest.raises(ConfigError, match="recursion limit") as info:  # not built with tp
+        _varlen({"train.compile": "true", "parallel.tp": "2"}, 2)
+    assert info.value.field_name == "train.compile"
