@@ -644,7 +644,7 @@ def job_of(config: Config, offload_optimizer: bool = False) -> Job:
                grad_bucket_mb=tr.grad_bucket_mb, offload_optimizer=offload_optimizer,
                grad_reduce_every_microbatch=tr.grad_reduce_every_microbatch,
                dp_mode=config.parallel.dp_mode, compile=tr.compile,
-               compile_dynamic=tr.compile and config.data.packing == "varlen",
+               packing=config.data.packing,
                compression=compression_of(config), fp8=tr.fp8, fp8_emulate=tr.fp8_emulate,
                fp8_all_gather=tr.fp8_all_gather,
                vocab_parallel_pp=config.parallel.vocab_parallel_pp)

@@ -228,8 +228,9 @@ class Job:
     # the simulator and the planner price sync only (issue 19 item 4 moves it).
     dp_mode: str = "sync"
     compile: bool = False  # torch.compile each transformer block (``train.compile``)
-    # ... with dynamic shapes: every microbatch has its own length (``data.packing = varlen``)
-    compile_dynamic: bool = False
+    # ``data.packing``: documents (pack, varlen) compile around their eager attention kernel,
+    # varlen for any sequence length (``loom.parallel.compile``)
+    packing: str = "concat"
     # The data-parallel reducer's gradient compression (``parallel.grad_compression``); None:
     # none. A Job field for the same reason as dp_mode: the planner does not price it yet.
     compression: CompressionSpec | None = None

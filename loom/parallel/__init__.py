@@ -144,7 +144,8 @@ def parallelize(model: nn.Module, meshes: Meshes, job: Job, *, cp_groups: Any = 
         keep_saved_inputs_sharded([b for k, b in layers.items() if int(k) not in full],
                                   meshes.root["tp"], ledger)
     if job.compile:
-        model = apply_compile(model, dynamic=job.compile_dynamic)
+        model = apply_compile(model, documents=job.packing != "concat",
+                              dynamic=job.packing == "varlen")
     return Parallelized(model, tensor, experts,
                         _data_parallel(model, meshes, job, ledger, experts))
 

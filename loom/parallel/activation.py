@@ -43,11 +43,15 @@ from loom.models.layers import sdpa_causal
 POLICIES = ("none", "full", "selective", "every_k")
 
 
-def _checkpointed(fn: Callable) -> Callable:
+def checkpointed(fn: Callable) -> Callable:
+    """``fn`` recomputed in backward (non-reentrant ``torch.utils.checkpoint``); the wrapper's
+    ``recomputes`` is ``fn`` (``compile.py`` compiles it inside the checkpoint where a block's
+    code cannot all be traced)."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
+    run.recomputes = fn
     return run
 
 
@@ -93,10 +97,10 @@ def apply_activation_checkpointing(model: nn.Module, policy: str, every: int = 1
             core = attention.core
             if _is_local(core):  # a CP core keeps its own document path (and flag)
                 core = _local_core_with_documents(core, attention.sliding_window)
-            attention.core = _checkpointed(core)
+            attention.core = checkpointed(core)
         return model
     full = set(recomputed_layers([int(k) for k in layers], policy, every))
     for key, block in layers.items():
         if int(key) in full:
-            block.forward = _checkpointed(block.forward)  # instance attribute: names unchanged
+            block.forward = checkpointed(block.forward)  # instance attribute: names unchanged
     return model

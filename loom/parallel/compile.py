@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from loom.models.moe import MoEFeedForward
+from loom.parallel.activation import checkpointed
 
 __all__ = ["apply_compile"]
 
@@ -69,15 +70,25 @@ def _fresh_views(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def _compile_forward(module: nn.Module, dynamic: bool = False) -> None:
+def _compile_forward(module: nn.Module, dynamic: bool = False, documents: bool = False) -> None:
     """Give ``module`` a compiled ``forward`` as an instance attribute, as activation.py does:
     names and class unchanged; the module's own hooks (FSDP2's all-gather, added later; TP's
-    redistributions) stay outside the compiled region."""
-    compiled = torch.compile(module.forward, backend="inductor", fullgraph=False, dynamic=dynamic)
+    redistributions) stay outside the compiled region. ``documents``: a checkpointed forward
+    (full recomputation) is compiled inside its checkpoint rather than traced with it: dynamo
+    traces a checkpoint as one higher-order op that cannot break around the eager
+    per-document kernel, so the whole block would run eagerly (measured: 0 graphs)."""
+    forward = module.forward
+    inner = getattr(forward, "recomputes", None)
+    if documents and inner is not None:
+        compiled = torch.compile(inner, backend="inductor", fullgraph=False, dynamic=dynamic)
+        module.forward = _fresh_views(checkpointed(compiled))
+        return
+    compiled = torch.compile(forward, backend="inductor", fullgraph=False, dynamic=dynamic)
     module.forward = _fresh_views(compiled)
 
 
-def apply_compile(model: nn.Module, dynamic: bool = False) -> nn.Module:
+def apply_compile(model: nn.Module, dynamic: bool = False, documents: bool = False
+                  ) -> nn.Module:
     """Compile every block of ``model.layers`` in place (inductor); returns ``model``. A module
     without ``layers`` is returned unchanged. A block whose feed-forward is an MoE layer gets
     its attention and its two norms compiled one by one and its MoE layer left eager: the
@@ -85,7 +96,8 @@ def apply_compile(model: nn.Module, dynamic: bool = False) -> nn.Module:
     would recompile every batch until dynamo's limit and then run eagerly anyway (measured
     before this split: 2 steps of the debug MoE model 86 s compiled against 10 s eager; with
     it, 2 graphs in all, counted by tests/dist/test_compile_parity.py). ``dynamic``: compile
-    for any sequence length (varlen microbatches; module docstring)."""
+    for any sequence length (varlen microbatches; module docstring); ``documents``: rows of
+    documents (``pack``, ``varlen``), whose attention kernel runs eagerly."""
     layers = getattr(model, "layers", None)
     if layers is None:
         return model
@@ -101,7 +113,7 @@ def apply_compile(model: nn.Module, dynamic: bool = False) -> nn.Module:
     for block in layers.values():
         if isinstance(getattr(block, "feed_forward", None), MoEFeedForward):
             for name in ("attention_norm", "attention", "ffn_norm"):
-                _compile_forward(getattr(block, name), dynamic)
+                _compile_forward(getattr(block, name), dynamic, documents)
         else:
-            _compile_forward(block, dynamic)
+            _compile_forward(block, dynamic, documents)
     return model

@@ -292,8 +292,7 @@ def test_varlen_accepts_mixed_sources_and_compiled_blocks():
     config = _varlen({"data.mix": "stdlib:0.5,stdlib:0.5"})
     assert config.data.mix and config.data.packing == "varlen"
     compiled = _varlen({"train.compile": "true"})  # tests/dist/test_compile_parity.py
-    assert compiled.train.compile and job_of(compiled).compile_dynamic
-    assert not job_of(_varlen({"train.compile": "true", "data.packing": "pack"})).compile_dynamic
+    assert compiled.train.compile and job_of(compiled).packing == "varlen"
     with pytest.raises(ConfigError, match="recursion limit") as info:  # not built with tp
         _varlen({"train.compile": "true", "parallel.tp": "2"}, 2)
     assert info.value.field_name == "train.compile"
