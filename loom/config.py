@@ -196,7 +196,7 @@ class TrainConfig:
     # first non-finite step, as "stop" does, but counted and named as a skip)
     max_skipped_steps: int = 10
     # Step the optimizer before the global grad norm / non-finite check arrives, roll back if it
-    # says so (loom/train/post_validation.py); bit-identical either way. Not with dp_shard > 1.
+    # says so (loom/train/post_validation.py); bit-identical either way. Not with ZeRO-1/2.
     post_validation: bool = False
     grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype of the gradient reduction
     # Gradient buckets of plain data parallelism and ZeRO-1/2, in MiB of gradients: a bucket is

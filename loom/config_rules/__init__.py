@@ -352,16 +352,17 @@ def _validate_zero(config: Config) -> None:
 
 
 def _validate_post_validation(config: Config) -> None:
-    """The post-validated optimizer step rolls back what the optimizer stepped: whole
-    parameters (plain, dp, tp, ep, pp; tp and ep sum the norm's squares over their groups
-    first, blocking), not ZeRO's or FSDP's slices, whose step also re-gathers the model."""
+    """The post-validated optimizer step rolls back what the optimizer stepped: parameters or
+    their shards (plain, dp, tp, ep, pp, FSDP2; tp, ep and FSDP2 sum the norm's squares over
+    their groups first, blocking), not ZeRO-1/2's slices, whose step also re-gathers them."""
     par = config.parallel
     if not config.train.post_validation:
         return
-    if par.dp_shard > 1:
+    if par.dp_shard > 1 and par.zero_stage in (1, 2):
         raise ConfigError("train.post_validation", True,
-                          f"not implemented with dp_shard = {par.dp_shard} (ZeRO's optimizer"
-                          " steps slices and re-gathers the parameters inside its step); use"
+                          f"not implemented with ZeRO-{par.zero_stage} (dp_shard ="
+                          f" {par.dp_shard}: its optimizer steps slices and re-gathers the"
+                          " parameters inside its step); use zero_stage = 3 or"
                           " train.post_validation = false")
     if par.dp_mode != "sync":
         raise ConfigError("train.post_validation", True,

@@ -179,17 +179,35 @@ def clip_grad_norm_dtensor(parameters: Iterable[nn.Parameter], max_norm: float,
     squares, after their mesh dims, are summed over ep as well (each ep rank's experts are its
     own, a dimension their DTensor mesh does not show).
     """
-    from torch.distributed.tensor import DTensor
-
     params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    if not grads:
+    if not params:
         return torch.zeros(())
-    local = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
+    total = dtensor_grad_squares(params, experts)
+    for group in model_parallel_groups:  # every rank holds other stages' gradients
+        dist.all_reduce(total, group=group)
+    norm = total.sqrt()
+    scale_dtensor_gradients(params, max_norm, norm)
+    return norm
+
+
+def _local_grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+    """Each gradient's local tensor (a DTensor's shard, sharing its storage)."""
+    return [getattr(p.grad, "_local_tensor", p.grad) for p in params]
+
+
+@torch.no_grad()
+def dtensor_grad_squares(params: Sequence[nn.Parameter],
+                         experts: tuple[set[int], dist.ProcessGroup] | None = None
+                         ) -> torch.Tensor:
+    """``clip_grad_norm_dtensor``'s squared norm before ``model_parallel_groups``: each bucket
+    all-reduced over its mesh dims (and the experts' over ep), blocking; ``params`` those with
+    a gradient (the post-validated step sums this over pp in the background)."""
+    grads = [p.grad for p in params]
+    local = _local_grads(params)
     expert_ids, ep_group = experts if experts is not None else (set(), None)
     buckets: dict[tuple, tuple[object, torch.Tensor]] = {}
     for param, grad, part in zip(params, grads, local):
-        mesh = grad.device_mesh if isinstance(grad, DTensor) else None
+        mesh = getattr(grad, "device_mesh", None)  # a DTensor's; None for a plain tensor
         # _StridedShard (FSDP2 over TP's Shard(0)) is not ``is_shard()`` in torch 2.13
         dims = tuple(i for i, p in enumerate(grad.placements)
                      if not (p.is_replicate() or p.is_partial())) if mesh else ()
@@ -203,9 +221,13 @@ def clip_grad_norm_dtensor(parameters: Iterable[nn.Parameter], max_norm: float,
         if expert:
             dist.all_reduce(squares, group=ep_group)
         total = total + squares
-    for group in model_parallel_groups:  # every rank holds other stages' gradients
-        dist.all_reduce(total, group=group)
-    norm = total.sqrt()
-    if max_norm > 0:
+    return total
+
+
+@torch.no_grad()
+def scale_dtensor_gradients(params: Sequence[nn.Parameter], max_norm: float,
+                            norm: torch.Tensor) -> None:
+    """Scale the local shards of ``params``' gradients by torch's clip factor (0: leave)."""
+    local = _local_grads([p for p in params if p.grad is not None])
+    if max_norm > 0 and local:
         torch._foreach_mul_(local, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-    return norm

@@ -61,7 +61,9 @@ from torch.distributed.tensor import DTensor
 
 from loom.parallel import comm, expert, tensor  # tp's and ep's own norm formulas (bit-identical)
 from loom.parallel.data import is_fully_sharded
-from loom.train.optim import (clip_coefficient, clip_gradients, clip_to_norm, local_grad_norm,
+from loom.parallel.expert import expert_parameter_names
+from loom.train.optim import (clip_coefficient, clip_gradients, clip_to_norm,
+                              dtensor_grad_squares, local_grad_norm, scale_dtensor_gradients,
                               tied_replicas)
 
 
@@ -214,9 +216,10 @@ class PostValidatedStep:
     ``ExpertParallel``): the norm's squares are first summed over those groups, blocking, as
     the synchronous step does (``tensor.grad_squares``, ``expert.grad_squares``); only the sum
     over pp runs behind the optimistic step. A tied embedding's replica is left out of the
-    squares and scaled like the rest (``optim.clip_gradients``). Layouts whose optimizer steps
-    slices (ZeRO, FSDP) are not supported: ``optimizer_step_for`` and ``loom.config_rules``
-    refuse them.
+    squares and scaled like the rest (``optim.clip_gradients``). FSDP2 (ZeRO-3): the buckets'
+    squares over their mesh dims first (``optim.dtensor_grad_squares``); the rollback restores
+    each rank's shards. ZeRO-1/2, whose step re-gathers the slices it stepped, is not
+    supported: ``optimizer_step_for`` and ``loom.config_rules`` refuse it.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, mean: MeanOf, *,
@@ -226,6 +229,8 @@ class PostValidatedStep:
         self.optimizer, self.model, self.mean = optimizer, model, mean
         self.max_norm, self.nonfinite, self.pp_group = max_norm, nonfinite, pp_group
         self.tp, self.ep = tp, ep
+        # FSDP2 (ZeRO-3): DTensor gradients, each bucket's squares over its mesh dims
+        self.fully_sharded = is_fully_sharded(model)
         self.snapshot = OptimizerSnapshot(optimizer)
         self.rollbacks = 0  # steps restored after validation (then redone clipped, or skipped)
 
@@ -236,6 +241,9 @@ class PostValidatedStep:
         for param in hidden:  # counted on the rank holding the original
             param.grad = None
         try:
+            if self.fully_sharded:
+                return dtensor_grad_squares([p for p in self.model.parameters()
+                                             if p.grad is not None], self._experts())
             if self.ep is not None:
                 return expert.grad_squares(self.model, self.ep, self.tp)
             return tensor.grad_squares(self.model.parameters(), tp=self.tp)
@@ -243,11 +251,24 @@ class PostValidatedStep:
             for param, grad in zip(hidden, grads):
                 param.grad = grad
 
+    def _experts(self) -> tuple[set[int], Any] | None:
+        """``optim.clip_gradients``' experts argument under FSDP2: their ids and the ep group."""
+        if self.ep is None:
+            return None
+        names = expert_parameter_names(self.model)
+        return {id(p) for n, p in self.model.named_parameters() if n in names}, self.ep.group
+
+    def _layout_norm(self) -> bool:
+        """Whether the norm sums squares over other groups than pp (tp, ep, FSDP2's mesh)."""
+        return self.tp is not None or self.ep is not None or self.fully_sharded
+
     def _clip(self, parameters: list[nn.Parameter], norm: torch.Tensor) -> None:
-        if self.tp is None and self.ep is None:
+        if not self._layout_norm():
             clip_to_norm(parameters, self.max_norm, norm)
             return
-        if self.ep is not None:  # every gradient, a tied replica's too: x * torch's factor
+        if self.fully_sharded:  # every gradient's local shard, a tied replica's too
+            scale_dtensor_gradients(parameters, self.max_norm, norm)
+        elif self.ep is not None:  # every gradient, a tied replica's too: x * torch's factor
             expert.scale_gradients(self.model, self.max_norm, norm)
         else:
             tensor.scale_gradients(parameters, self.max_norm, norm)
@@ -256,7 +277,7 @@ class PostValidatedStep:
     def __call__(self, loss_sum: torch.Tensor, where: str) -> StepOutcome:
         """As ``SynchronousStep.__call__``, with the same result."""
         parameters = [p for p in self.model.parameters() if p.grad is not None]
-        if self.tp is None and self.ep is None:
+        if not self._layout_norm():
             replicas = {id(p) for p in tied_replicas(self.model)}  # counted on another rank
             counted = [p.grad for p in parameters if id(p) not in replicas]
             norm = local_grad_norm(counted) if counted else torch.zeros(())
@@ -305,7 +326,7 @@ def optimizer_step_for(train: Any, optimizer: torch.optim.Optimizer, model: nn.M
                                norm_is_local=norm_is_local, **kwargs)
     if norm_is_local:
         raise ValueError("train.post_validation with an outer parallel.dp_mode is not supported")
-    if zero is not None or is_fully_sharded(model):
-        raise ValueError("train.post_validation supports plain, data-, tensor-, expert-parallel"
-                         " and pipeline layouts (not dp_shard: the optimizer steps slices)")
+    if zero is not None:
+        raise ValueError("train.post_validation supports plain, data-, tensor-, expert-parallel,"
+                         " pipeline and FSDP2 layouts (not ZeRO-1/2: its step re-gathers slices)")
     return PostValidatedStep(optimizer, model, mean, tp=tp, ep=ep, **kwargs)

@@ -98,12 +98,13 @@ def test_stop_raises_naming_the_step_with_the_weights_restored():
     assert _bits(model, optimizer) == before
 
 
-def test_zero_is_refused_by_name():
+@pytest.mark.parametrize("stage", ["1", "2"])
+def test_zero_1_and_2_are_refused_by_name(stage):
     with pytest.raises(ConfigError) as info:
-        resolve(load_config(None, {"parallel.dp_shard": "2", "train.post_validation": "true"}),
-                2)
+        resolve(load_config(None, {"parallel.dp_shard": "2", "parallel.zero_stage": stage,
+                                   "train.post_validation": "true"}), 2)
     assert info.value.field_name == "train.post_validation"
-    assert "dp_shard = 2" in str(info.value)
+    assert f"ZeRO-{stage} (dp_shard = 2" in str(info.value)
     assert "train.post_validation = false" in str(info.value)
 
 
@@ -114,8 +115,9 @@ def test_zero_is_refused_by_name():
     ({}, 1),
     ({"parallel.tp": "2", "parallel.pp": "2"}, 4),
     ({"model.n_experts": "4", "parallel.ep": "2"}, 2),
+    ({"parallel.dp_shard": "2", "parallel.zero_stage": "3", "parallel.pp": "2"}, 4),
 ])
-def test_pipeline_data_tensor_and_expert_parallel_layouts_are_accepted(overrides, world_size):
+def test_pipeline_data_tensor_expert_parallel_and_fsdp_layouts_are_accepted(overrides, world_size):
     config = resolve(load_config(None, {**overrides, "train.post_validation": "true"}),
                      world_size)
     assert config.train.post_validation
