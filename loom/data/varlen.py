@@ -203,10 +203,6 @@ class MixedPieces:
     def __len__(self) -> int:
         return len(self._lengths)
 
-    def mean_piece_lengths(self) -> list[float]:
-        """Each source's predictions per piece (0 for a source without pieces)."""
-        return [float(p.lengths.mean()) if len(p) else 0.0 for p in self.parts]
-
     def microbatch(self, pieces: Sequence[int] | np.ndarray) -> DocumentBatch:
         index = np.asarray(pieces, dtype=np.int64)
         if self.order is not None:
