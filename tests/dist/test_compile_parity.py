@@ -184,7 +184,7 @@ VARLEN_LAYOUTS = {  # name: (world, parallel degrees, other overrides)
 }
 
 
-@pytest.mark.parametrize("layout", matrix(VARLEN_LAYOUTS, ci=["single", "cp2"]))
+@pytest.mark.parametrize("layout", matrix(VARLEN_LAYOUTS, ci=["single"]))
 def test_compiled_varlen_matches_eager_and_compiles_once_for_every_length(dist, varlen_documents,
                                                                           layout):
     """More distinct microbatch lengths than dynamo's recompile limit (8), and a bounded number
