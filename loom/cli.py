@@ -194,6 +194,9 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
                                              args.top_k)[:1]:
         print(f"loom generate: --{name.replace('_', '-')} {value}: {rule}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    if not 0 <= args.seed < 2 ** 63:  # what torch.Generator.manual_seed takes, non-negative
+        print(f"loom generate: --seed {args.seed}: must be in [0, 2**63)", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     try:
         text = generate(Path(args.run), args.prompt, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_k=args.top_k, seed=args.seed,

@@ -112,6 +112,15 @@ class Cluster:
         return "\n".join(lines)
 
 
+def _finite(value: float) -> bool:
+    """Whether ``value`` is a finite float, or an int that converts to one (TOML's integers
+    have no bound: 1 followed by 400 zeros overflows the conversion)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _number(table: dict[str, Any], key: str, where: str, *, positive: bool,
             default: float | None = None) -> float:
     if key not in table:
@@ -119,7 +128,7 @@ def _number(table: dict[str, Any], key: str, where: str, *, positive: bool,
             raise ConfigError(f"{where}.{key}", None, "is required")
         return default
     value = table[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
         raise ConfigError(f"{where}.{key}", value, "must be a finite number")
     if positive and value <= 0:
         raise ConfigError(f"{where}.{key}", value, "must be > 0")
@@ -192,7 +201,7 @@ def parse(data: dict[str, Any]) -> Cluster:
             ends, both = [table.get("from"), table.get("to")], False
         ranks = []
         for end in ends:
-            if end not in index:
+            if not isinstance(end, str) or end not in index:
                 raise ConfigError(where, end, f"names no node; nodes: {', '.join(index)}")
             ranks.append(index[end])
         if ranks[0] == ranks[1]:

@@ -402,12 +402,16 @@ def _coerce(key: str, raw: Any, kind: Any) -> Any:
             value = None
         if value is None:
             raise ConfigError(key, raw, "must be an integer")
+        if not -2 ** 63 <= value < 2 ** 63:  # what torch, numpy and the checkpoints hold
+            raise ConfigError(key, raw, "must be a 64-bit integer (|value| < 2**63)")
         return value
     if kind is float:
         try:
             if isinstance(raw, bool):
                 raise ValueError
             value = float(raw)
+        except OverflowError:  # an integer beyond any float (TOML's 1 followed by 400 zeros)
+            raise ConfigError(key, raw, "must be a finite number") from None
         except (TypeError, ValueError):
             raise ConfigError(key, raw, "must be a number") from None
         if not math.isfinite(value):

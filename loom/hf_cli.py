@@ -32,7 +32,8 @@ import torch
 
 from loom.config import Config, load_config, model_args, to_toml
 from loom.config_rules import validate_model_shape
-from loom.errors import ConfigError, OneLineParser
+from loom.errors import (ConfigError, InputFileError, OneLineParser, loads_json,
+                         read_input_text)
 from loom.models.hf import (HFConversionError, SINGLE_FILE, atomic_save_safetensors,
                             load_safetensors, read_hf_checkpoint, read_hf_config,
                             write_hf_checkpoint)
@@ -89,7 +90,14 @@ def _tokenizer_ids(run_dir: Path) -> dict[str, Any]:
     meta = run_dir / "data" / "tokenizer_meta.json"
     if not meta.is_file():
         return {}
-    return {"eos_token_id": int(json.loads(meta.read_text())["eos_id"]), "bos_token_id": None}
+    try:
+        data = loads_json(read_input_text(meta))
+    except (InputFileError, json.JSONDecodeError) as err:
+        raise HFConversionError(f"{meta}: not a tokenizer description ({err})") from None
+    eos = data.get("eos_id") if isinstance(data, dict) else None
+    if isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < 2**31:
+        raise HFConversionError(f"{meta}: eos_id {eos!r} must be a token id (an integer >= 0)")
+    return {"eos_token_id": eos, "bos_token_id": None}
 
 
 def export_hf(run_dir: str | Path, out_dir: str | Path) -> TransformerArgs:

@@ -45,6 +45,8 @@ if TYPE_CHECKING:  # the rules read a config; loom.config imports them to run th
 # Bounds far beyond any real run that keep hostile values from hanging the checks (the memory
 # estimators walk the layers and the microbatches one by one)
 MAX_MICROBATCHES = 1_000_000  # per rank and optimizer step
+MAX_SECONDS = 1e9  # a timeout or grace period (31 years; Python's timedelta ends near 8.6e13 s)
+MAX_THREADS = 4096  # intra-op threads per rank
 
 
 def validate_model_shape(config: Config) -> None:
@@ -86,10 +88,15 @@ def validate(config: Config, world_size: int) -> None:
     check_bpe_vocab(data)
     validate_packing(config)
     _validate_resume(config.checkpoint.resume)
-    if tr.timeout_s <= 0:
-        raise ConfigError("train.timeout_s", tr.timeout_s, "must be > 0")
-    if tr.preempt_grace_s <= 0:
-        raise ConfigError("train.preempt_grace_s", tr.preempt_grace_s, "must be > 0")
+    for key, seconds in (("train.timeout_s", tr.timeout_s),
+                         ("train.preempt_grace_s", tr.preempt_grace_s)):
+        if not 0 < seconds <= MAX_SECONDS:
+            raise ConfigError(key, seconds, f"must be > 0 and <= {MAX_SECONDS:g} seconds")
+    if tr.seed < 0:  # numpy's and the samplers' seeds are non-negative
+        raise ConfigError("train.seed", tr.seed, "must be >= 0")
+    if tr.threads > MAX_THREADS:
+        raise ConfigError("train.threads", tr.threads, f"must be <= {MAX_THREADS} (0: cores /"
+                          " local ranks)")
 
     # Model shape (beyond validate_model_shape).
     if data.seq_len > m.max_seq_len:

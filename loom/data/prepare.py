@@ -46,7 +46,7 @@ from loom.data.sources import (DEFAULT_EXTENSIONS, PREPARED, PREPARED_MANIFEST, 
                                TEXT, Source, check_readable, iter_texts, record_val_count,
                                resolve_source)
 from loom.data.tokenizer import Tokenizer, build_tokenizer, encode_documents, tokenizer_identity
-from loom.errors import ConfigError
+from loom.errors import ConfigError, InputFileError, loads_json, read_input_text
 
 FORMAT = "loom-prepared"
 VERSION = 1
@@ -88,17 +88,24 @@ class PreparedData:
                               f" directory: {rule}")
 
         try:
-            manifest = json.loads((directory / PREPARED_MANIFEST).read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            manifest = loads_json(read_input_text(directory / PREPARED_MANIFEST))
+        except (InputFileError, json.JSONDecodeError) as err:
             refuse(f"{PREPARED_MANIFEST} is unreadable ({err})")
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             refuse(f"{PREPARED_MANIFEST} is not a {FORMAT} manifest")
         if manifest.get("version") != VERSION:
             refuse(f"format version {manifest.get('version')!r}, this Loom reads {VERSION}")
+        if manifest.get("dtype") not in ("uint16", "uint32"):  # what prepared_dtype writes
+            refuse(f"{PREPARED_MANIFEST}'s dtype {manifest.get('dtype')!r} is not uint16 or"
+                   " uint32")
+        for key in ("num_tokens", "num_docs"):  # counts of a file on disk: int64 at most
+            count = manifest.get(key)
+            if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count < 2**62:
+                refuse(f"{PREPARED_MANIFEST}'s {key} {count!r} is not a count")
         try:
             itemsize = np.dtype(manifest["dtype"]).itemsize
-            sizes = {TOKENS_FILE: int(manifest["num_tokens"]) * itemsize,
-                     INDEX_FILE: (int(manifest["num_docs"]) + 1) * np.dtype(INDEX_DTYPE).itemsize}
+            sizes = {TOKENS_FILE: manifest["num_tokens"] * itemsize,
+                     INDEX_FILE: (manifest["num_docs"] + 1) * np.dtype(INDEX_DTYPE).itemsize}
             manifest["tokenizer"]["identity"]
         except (KeyError, TypeError, ValueError) as err:
             refuse(f"{PREPARED_MANIFEST} lacks {err}")

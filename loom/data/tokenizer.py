@@ -25,6 +25,7 @@ import numpy as np
 from loom.data.corpus import Document
 from loom.data.hf_tokenizer import KIND as HF_KIND
 from loom.data.hf_tokenizer import HfTokenizer, load_hf_tokenizer
+from loom.errors import InputFileError, loads_json, read_input_text
 
 META_FILE = "tokenizer_meta.json"
 BPE_FILE = "tokenizer.json"
@@ -190,14 +191,23 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     meta_path = directory / META_FILE
     if not meta_path.exists():
         raise FileNotFoundError(f"no tokenizer in {str(directory)!r}: {META_FILE} is missing")
-    meta = json.loads(meta_path.read_text())
-    if meta["kind"] == HF_KIND:
+    try:
+        meta = loads_json(read_input_text(meta_path))
+    except (InputFileError, json.JSONDecodeError) as err:
+        raise ValueError(f"{meta_path}: not a tokenizer description ({err})") from None
+    kind = meta.get("kind") if isinstance(meta, dict) else None
+    if kind == HF_KIND:
         return load_hf_tokenizer(directory)
-    if meta["kind"] not in KINDS:
-        raise ValueError(f"data.tokenizer={meta['kind']!r} is not one of {KINDS}")
-    if meta["kind"] == "byte":
+    if kind not in KINDS:
+        raise ValueError(f"{meta_path}: kind={kind!r} is not one of {KINDS}")
+    if kind == "byte":
         return ByteTokenizer()
-    return BpeTokenizer.load(directory, int(meta["vocab_size"]))
+    vocab_size = meta.get("vocab_size")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not (
+            260 <= vocab_size < 2 ** 31):
+        raise ValueError(f"{meta_path}: vocab_size={vocab_size!r} must be an integer in"
+                         " [260, 2**31) for a BPE tokenizer")
+    return BpeTokenizer.load(directory, vocab_size)
 
 
 def encode_documents(tok: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:

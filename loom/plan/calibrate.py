@@ -41,6 +41,7 @@ from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
+from loom.errors import InputFileError, loads_json, read_input_text
 from loom.layout import Layout
 from loom.models.args import TransformerArgs
 from loom.plan.hardware import Cluster, Gpu, HardwareError, Link
@@ -169,8 +170,21 @@ def load_profile(path: str | Path | None = None) -> tuple[Gpu, Link]:
     if not target.is_file():
         raise HardwareError(f"--gpu local: no calibration profile at {target}; run"
                             " `loom plan --calibrate --nproc N` first")
-    data = json.loads(target.read_text())
-    return Gpu(**data["gpu"]), Link(**data["link"])
+    try:
+        data = loads_json(read_input_text(target))
+    except InputFileError as err:
+        raise HardwareError(f"--profile {target}: {err.rule}") from None
+    except json.JSONDecodeError as err:
+        raise HardwareError(f"--profile {target}: not valid JSON: {err}") from None
+    if not isinstance(data, dict) or not all(isinstance(data.get(key), dict)
+                                             for key in ("gpu", "link")):
+        raise HardwareError(f"--profile {target}: must be a calibration profile (an object"
+                            " with \"gpu\" and \"link\" objects, as `loom plan --calibrate`"
+                            " writes)")
+    try:
+        return Gpu(**data["gpu"]), Link(**data["link"])
+    except (TypeError, ValueError) as err:  # unknown or missing keys, bad values
+        raise HardwareError(f"--profile {target}: {err}") from None
 
 
 __all__ = ["fit", "layer_scale", "write_profile", "describe", "load_profile", "DEFAULT_PROFILE",

@@ -387,6 +387,8 @@ def _compiled(args: argparse.Namespace, stack: Framework) -> tuple[Framework, bo
 def _run(args: argparse.Namespace) -> int:
     if args.top < 1 or not 0 < args.memory_fraction <= 1:
         raise PlanInputError("--top must be >= 1 and --memory-fraction in (0, 1]")
+    if args.explain is not None and args.explain < 1:
+        raise PlanInputError(f"--explain {args.explain}: must be >= 1 (a rank of the table)")
     stack, compiled = _compiled(args, _framework(args))
     if args.length_dist:
         return _run_varlen(args, stack)

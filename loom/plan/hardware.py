@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,25 @@ from loom.errors import InputFileError, loads_toml, read_input_text
 
 GB = 1e9
 GiB = 2**30
+
+
+def _check_numbers(entry: Any, kind: str) -> None:
+    """Every field of ``entry`` declared a number (float or int) holds a finite real number of
+    that kind (a catalog file or a profile can write "abc", true, nan or 1e999 anywhere); an
+    int field takes a whole number. Raises ValueError naming the field."""
+    for spec in dataclasses.fields(entry):
+        if spec.type not in ("float", "int"):
+            continue
+        value = getattr(entry, spec.name)
+        whole = spec.type == "int"
+        try:
+            ok = (not isinstance(value, bool) and isinstance(value, (int, float))
+                  and math.isfinite(value) and (not whole or float(value).is_integer()))
+        except OverflowError:  # an int beyond any float
+            ok = False
+        if not ok:
+            raise ValueError(f"{kind} {entry.name}: {spec.name} must be a finite"
+                             f" {'whole ' if whole else ''}number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -93,6 +113,13 @@ class Gpu:
     power_fraction_range: tuple = ()
 
     def __post_init__(self) -> None:
+        _check_numbers(self, "gpu")
+        for key in ("intra", "inter"):
+            if not isinstance(getattr(self, key), str):
+                raise ValueError(f"gpu {self.name}: {key} must be a link's name")
+        for key in ("framework", "power_fraction_range"):
+            if not isinstance(getattr(self, key), (list, tuple)):
+                raise ValueError(f"gpu {self.name}: {key} must be a list")
         # a profile read back from JSON holds lists; keep the dataclass hashable
         object.__setattr__(self, "framework", tuple(tuple(entry) for entry in self.framework))
         object.__setattr__(self, "power_fraction_range", tuple(self.power_fraction_range))
@@ -147,6 +174,7 @@ class Link:
     efficiency: float = 0.8  # fraction of ``bandwidth`` collectives reach
 
     def __post_init__(self) -> None:
+        _check_numbers(self, "link")
         if self.bandwidth <= 0 or self.latency < 0 or not 0 < self.efficiency <= 1:
             raise ValueError(f"link {self.name}: bandwidth > 0, latency >= 0 and efficiency in"
                              " (0, 1] are required")
@@ -358,17 +386,18 @@ def _from_table(kind: type, name: str, table: dict[str, Any]) -> Any:
         raise HardwareError(f"{kind.__name__.lower()}.{name}: unknown key(s) {sorted(unknown)};"
                             f" known: {sorted(fields)}")
     values = dict(table)
-    if "memory_gb" in values:
-        values["memory_bytes"] = float(values.pop("memory_gb")) * GB
-    if "hbm_gbps" in values:
-        values["hbm_bandwidth"] = float(values.pop("hbm_gbps")) * GB
-    if "bandwidth_gbps" in values:
-        values["bandwidth"] = float(values.pop("bandwidth_gbps")) * GB
-    if "latency_us" in values:
-        values["latency"] = float(values.pop("latency_us")) * 1e-6
     try:
+        for given, field, scale in (("memory_gb", "memory_bytes", GB),
+                                    ("hbm_gbps", "hbm_bandwidth", GB),
+                                    ("bandwidth_gbps", "bandwidth", GB),
+                                    ("latency_us", "latency", 1e-6)):
+            if given in values:
+                value = values.pop(given)
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise ValueError(f"{given} must be a number, got {value!r}")
+                values[field] = float(value) * scale
         return kind(name=name, **values)
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, OverflowError) as err:
         raise HardwareError(f"{kind.__name__.lower()}.{name}: {err}") from None
 
 
@@ -383,12 +412,15 @@ def load_catalog(path: str | Path | None = None) -> tuple[dict[str, Gpu], dict[s
         raise HardwareError(f"--hardware {path}: {err.rule}") from None
     except tomllib.TOMLDecodeError as err:
         raise HardwareError(f"--hardware {path}: not valid TOML: {err}") from None
-    for name, entry in table.get("gpu", {}).items():
-        gpus[name] = _from_table(Gpu, name, entry)
-    for name, entry in table.get("link", {}).items():
-        links[name] = _from_table(Link, name, entry)
-    defaults = table.get("cluster", {})
-    return gpus, links, defaults
+    for section in ("gpu", "link", "cluster"):
+        if not isinstance(table.get(section, {}), dict):
+            raise HardwareError(f"--hardware {path}: [{section}] must be a table")
+    for section, kind, known in (("gpu", Gpu, gpus), ("link", Link, links)):
+        for name, entry in table.get(section, {}).items():
+            if not isinstance(entry, dict):
+                raise HardwareError(f"--hardware {path}: [{section}.{name}] must be a table")
+            known[name] = _from_table(kind, name, entry)
+    return gpus, links, table.get("cluster", {})
 
 
 def make_cluster(gpu: str, gpus: int, gpus_per_node: int | None = None, *, intra: str | None = None,
@@ -398,6 +430,17 @@ def make_cluster(gpu: str, gpus: int, gpus_per_node: int | None = None, *, intra
     ``network`` (keys of ``TOPOLOGY_KEYS``: ``loom plan --nodes-per-rack`` and the like, a
     published row's ``[run.topology]``) overrides the catalog's ``[cluster]`` topology."""
     gpu_table, link_table, defaults = catalog or ({**GPUS, **VARIANTS}, LINKS, {})
+    # the names and the node size may come from a catalog file's [cluster] table
+    if not isinstance(gpu, str):
+        raise HardwareError(f"--gpu {gpu!r}: an accelerator's name is required (--gpu, or gpu"
+                            " in the catalog's [cluster] table)")
+    for role, name in (("intra", intra), ("inter", inter)):
+        if name is not None and not isinstance(name, str):
+            raise HardwareError(f"--{role} {name!r}: must be a link's name")
+    if gpus_per_node is not None and (isinstance(gpus_per_node, bool)
+                                      or not isinstance(gpus_per_node, int) or gpus_per_node < 1):
+        raise HardwareError(f"gpus_per_node {gpus_per_node!r} (--gpus-per-node, or the catalog's"
+                            " [cluster] table): must be a whole number >= 1")
     topology = {}
     for key in TOPOLOGY_KEYS:
         given = key in (network or {})
@@ -423,7 +466,7 @@ def make_cluster(gpu: str, gpus: int, gpus_per_node: int | None = None, *, intra
     try:
         return Cluster(device, gpus, min(per_node, gpus), *links, nics_per_node=nics_per_node,
                        **topology)
-    except ValueError as err:
+    except (TypeError, ValueError) as err:
         raise HardwareError(str(err)) from None
 
 

@@ -14,6 +14,8 @@ are one list a hostile-input test can hold the CLI to.
 
 from __future__ import annotations
 
+import math
+
 from loom.layout import MODES, CPLayout, Layout, check_layout
 from loom.models.args import TransformerArgs
 from loom.schedule.families import SEARCH_PLACEMENTS, simulation_only, trainable
@@ -42,8 +44,9 @@ def check_layout_input(layout: Layout, model: TransformerArgs, seq_len: int) -> 
         if getattr(layout, field) < 1:
             raise _refuse(field, getattr(layout, field), "must be >= 1")
     for field in ("chunks", "cp_ulysses", "schedule_memory_limit", "schedule_offload_limit"):
-        if getattr(layout, field) < 0:
-            raise _refuse(field, getattr(layout, field), "must be >= 0")
+        value = getattr(layout, field)
+        if not (0 <= value < math.inf):  # also NaN, which every comparison lets through
+            raise _refuse(field, value, "must be a finite number >= 0")
     if layout.zero_stage not in (0, 1, 2, 3):
         raise _refuse("zero_stage", layout.zero_stage, "must be 0, 1, 2 or 3")
     if layout.recompute not in RECOMPUTE:

@@ -23,6 +23,7 @@ import csv
 import dataclasses
 import io
 import math
+import re
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -264,6 +265,10 @@ def _fmt(value: Number) -> str:
 MAX_COST = 10**15
 
 
+_EXPONENT = re.compile(r"[eE]\s*([+-]?\d+)\s*$")
+MAX_COST_CHARS = 64
+
+
 def _number(text: Any, where: str) -> Number:
     """Parse a number, keeping decimals exact (``"0.1"`` becomes 1/10, not a float); numbers
     pass as they are. At most ``MAX_COST`` in size (sums of larger ones overflow a float in the
@@ -274,8 +279,14 @@ def _number(text: Any, where: str) -> Number:
     if isinstance(text, (int, float, Fraction)):
         value = text
     else:
+        shown = str(text).strip()
+        # Fraction("1e999999999") builds 10**999999999 (hours) before any size check could run
+        exponent = _EXPONENT.search(shown)
+        if len(shown) > MAX_COST_CHARS or (exponent and abs(int(exponent.group(1))) > 300):
+            raise ValueError(f"{where}: expected a number of at most {MAX_COST_CHARS} characters"
+                             f" and an exponent within +-300, got {shown[:40]!r}")
         try:
-            parsed = Fraction(str(text).strip())
+            parsed = Fraction(shown)
         except (ValueError, ZeroDivisionError):
             raise ValueError(f"{where}: expected a number, got {text!r}") from None
         value = int(parsed) if parsed.denominator == 1 else parsed

@@ -177,10 +177,15 @@ class LengthDistribution:
                 total += n
 
 
+# A length or count beyond any corpus (the arrays below are int64; sums of them must stay inside)
+MAX_LENGTH = 10 ** 12
+
+
 def _positive_int(value: Any, where: str, path: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError("--length-dist", path,
-                          f"{where}: {value!r} is not an integer >= {minimum}")
+    if (isinstance(value, bool) or not isinstance(value, int) or value < minimum
+            or value >= MAX_LENGTH):
+        raise ConfigError("--length-dist", path, f"{where}: {value!r} is not an integer >= "
+                          f"{minimum} and < {MAX_LENGTH:.0e}")
     return value
 
 
@@ -217,11 +222,13 @@ def load_length_distribution(path: str | Path) -> LengthDistribution:
             fields = line.split("#", 1)[0].split()
             if not fields:
                 continue
-            if len(fields) > 2 or not all(f.isdigit() for f in fields):
+            # ASCII digits only: str.isdigit() also takes "²", which int() refuses
+            if len(fields) > 2 or not all(f.isascii() and f.isdigit() for f in fields):
                 raise ConfigError("--length-dist", shown, f"line {number}: {line.strip()!r} is"
                                   " not 'length' or 'length count' (non-negative integers)")
             length = _positive_int(int(fields[0]), f"line {number} length", shown)
-            count = int(fields[1]) if len(fields) == 2 else 1
+            count = (_positive_int(int(fields[1]), f"line {number} count", shown, 0)
+                     if len(fields) == 2 else 1)
             pairs.append((length, count))
     if not pairs or sum(c for _, c in pairs) == 0:
         raise ConfigError("--length-dist", shown, "holds no lengths (or only zero counts)")

@@ -1,0 +1,166 @@
+"""Hostile values a review of every command's input path found crashing, hanging or slipping
+through (2026-11-28), each now refused in one line naming the field and the rule, exit 2,
+before anything is written: integers beyond any float or int64, NaN and infinity in the
+hardware catalog, tables where names belong, superscript digits, a cost whose exponent
+would take hours to expand, counts that overflow, a seed torch cannot take."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loom import cli
+
+PLAN = ["plan", "--model", "tiny", "--gpus", "4", "--seq", "256",
+        "--global-batch-tokens", "4096"]
+HUGE = "1" + "0" * 400  # a TOML integer: no float holds it
+
+
+def refusal(capsys, argv: list[str]) -> str:
+    """Run ``loom argv`` in-process; the one line it refused with (exit 2)."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2, (code, err)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("override, field, rule", [
+    ("--train.seed=-1", "train.seed", ">= 0"),
+    ("--train.timeout_s=1e14", "train.timeout_s", "<= 1e+09"),
+    ("--train.preempt_grace_s=1e14", "train.preempt_grace_s", "<= 1e+09"),
+    ("--train.threads=5000", "train.threads", "<= 4096"),
+    (f"--train.threads={10 ** 30}", "train.threads", "64-bit integer"),
+    (f"--train.steps={10 ** 19}", "train.steps", "64-bit integer"),
+])
+def test_train_refuses_values_its_workers_could_not_take(capsys, tmp_path, override, field, rule):
+    err = refusal(capsys, ["train", "--dry-run", f"--train.run_dir={tmp_path / 'run'}",
+                           override])
+    assert field in err and rule in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_config_float_written_as_a_huge_integer_is_refused(capsys, tmp_path):
+    (tmp_path / "c.toml").write_text(f"[optim]\nlr = {HUGE}\n")
+    err = refusal(capsys, ["train", "--dry-run", "--config", str(tmp_path / "c.toml")])
+    assert "optim.lr" in err and "finite number" in err
+
+
+@pytest.mark.parametrize("link, field", [
+    ('between = [["a"], "b"]\nlatency_ms = 1\nbandwidth_gbit = 1', "cluster.link[0]"),
+    (f'between = ["a", "b"]\nlatency_ms = {HUGE}\nbandwidth_gbit = 1',
+     "cluster.link[0].latency_ms"),
+])
+def test_a_cluster_file_with_a_list_for_a_name_or_a_huge_number_is_refused(capsys, tmp_path,
+                                                                            link, field):
+    (tmp_path / "c.toml").write_text(
+        "[defaults]\nlatency_ms = 1\nbandwidth_gbit = 1\n[[node]]\nname = \"a\"\n"
+        f"[[node]]\nname = \"b\"\n[[link]]\n{link}\n")
+    err = refusal(capsys, ["train", "--dry-run", "--nproc", "2", "--cluster",
+                           str(tmp_path / "c.toml"), "--emulate"])
+    assert field in err
+
+
+@pytest.mark.parametrize("catalog, names", [
+    ("gpu = 5", "[gpu] must be a table"),
+    ("[gpu]\nX = 5", "[gpu.X] must be a table"),
+    ('[gpu.X]\npeak_flops = 1e15\nhbm_gbps = 3000\nmemory_gb = "abc"', "memory_gb"),
+    ("cluster = 5", "[cluster] must be a table"),
+    ('[cluster]\ngpus_per_node = "x"', "gpus_per_node"),
+    ("[gpu.A100-80GB]\npeak_flops = nan\nmemory_gb = 80\nhbm_gbps = 2000", "peak_flops"),
+    ("[gpu.A100-80GB]\npeak_flops = 1e15\nmemory_gb = inf\nhbm_gbps = 2000", "memory_bytes"),
+    ("[link.nvlink3]\nbandwidth_gbps = nan\nlatency_us = 1", "bandwidth"),
+    ('[cluster]\nintra = ["nvlink3"]', "--intra"),
+])
+def test_a_hardware_catalog_with_hostile_entries_is_refused(capsys, tmp_path, catalog, names):
+    (tmp_path / "hw.toml").write_text(catalog + "\n")
+    err = refusal(capsys, [*PLAN, "--gpu", "A100-80GB", "--hardware", str(tmp_path / "hw.toml")])
+    assert names in err
+
+
+@pytest.mark.parametrize("profile, names", [
+    ("{}", "calibration profile"),
+    ("[1]", "calibration profile"),
+    ('{"gpu": {"x": 1}, "link": {}}', "'x'"),
+    ('{"gpu": {"name": "g", "peak_flops": 1e12, "memory_bytes": 1e9, "hbm_bandwidth": "x"},'
+     ' "link": {"name": "l", "bandwidth": 1, "latency": 0}}', "hbm_bandwidth"),
+    ("[" * 100_000, "not valid JSON"),
+])
+def test_a_broken_calibration_profile_is_refused(capsys, tmp_path, profile, names):
+    (tmp_path / "p.json").write_text(profile)
+    err = refusal(capsys, [*PLAN, "--gpu", "local", "--profile", str(tmp_path / "p.json")])
+    assert "--profile" in err and names in err
+
+
+def test_a_length_distribution_with_superscript_digits_or_huge_counts_is_refused(capsys,
+                                                                                 tmp_path):
+    for text in ("128\n²\n", f"128 {10 ** 30}\n"):
+        (tmp_path / "lengths.txt").write_text(text)
+        err = refusal(capsys, [*PLAN, "--gpu", "A100-80GB", "--length-dist",
+                               str(tmp_path / "lengths.txt")])
+        assert "--length-dist" in err and "line" in err
+
+
+@pytest.mark.parametrize("explain", ["0", "-1"])
+def test_plan_explains_a_rank_of_the_table_only(capsys, explain):
+    err = refusal(capsys, [*PLAN, "--gpu", "A100-80GB", "--top", "1", "--explain", explain])
+    assert f"--explain {explain}" in err
+
+
+def test_plan_refuses_a_nan_limit_in_a_layout(capsys):
+    err = refusal(capsys, [*PLAN, "--gpu", "A100-80GB", "--layout",
+                           "dp_replicate=4,schedule_memory_limit=nan"])
+    assert "schedule_memory_limit" in err and "finite" in err
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("costs", ["1e999999999,1,1", "1e-999999999,1,1", "1" * 100 + ",1,1"])
+def test_a_cost_that_would_take_hours_to_expand_is_refused_at_once(capsys, costs):
+    err = refusal(capsys, ["schedule", "simulate", "1f1b", "--pp", "4", "-m", "4",
+                           "--costs", costs])
+    assert "--costs" in err and "exponent" in err
+
+
+def test_generate_refuses_a_seed_torch_cannot_take(capsys, tmp_path):
+    err = refusal(capsys, ["generate", "--run", str(tmp_path), "--seed", str(10 ** 30)])
+    assert "--seed" in err
+
+
+@pytest.mark.parametrize("meta", ["{}", "[1]", '{"kind": "bpe", "vocab_size": null}',
+                                  '{"kind": "bpe", "vocab_size": 1e999}', "not json"])
+def test_a_broken_tokenizer_description_is_a_value_error_naming_the_file(tmp_path, meta):
+    from loom.data.tokenizer import META_FILE, load_tokenizer
+
+    (tmp_path / META_FILE).write_text(meta)
+    with pytest.raises(ValueError, match=META_FILE):
+        load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("meta", ["{}", "[1]", '{"eos_id": "x"}', "not json"])
+def test_hf_export_refuses_a_broken_tokenizer_description(tmp_path, meta):
+    from loom.hf_cli import _tokenizer_ids
+    from loom.models.hf import HFConversionError
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "tokenizer_meta.json").write_text(meta)
+    with pytest.raises(HFConversionError, match="tokenizer_meta.json"):
+        _tokenizer_ids(tmp_path)
+
+
+@pytest.mark.parametrize("change", [{"num_tokens": 1e999}, {"num_tokens": 2.5},
+                                    {"num_docs": -1}, {"dtype": "O"}])
+def test_a_prepared_manifest_with_hostile_counts_is_refused(tmp_path, change):
+    from loom.data.prepare import FORMAT, PREPARED_MANIFEST, VERSION, PreparedData
+    from loom.errors import ConfigError
+
+    manifest = {"format": FORMAT, "version": VERSION, "dtype": "uint16", "num_tokens": 4,
+                "num_docs": 1, "tokenizer": {"identity": "x"}, **change}
+    text = json.dumps(manifest).replace("Infinity", "1e999")
+    (tmp_path / PREPARED_MANIFEST).write_text(text)
+    with pytest.raises(ConfigError, match="data.source"):
+        PreparedData.open(Path(tmp_path), str(tmp_path))
