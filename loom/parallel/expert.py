@@ -92,6 +92,7 @@ from torch.func import functional_call
 from loom.models.document_attention import DocumentMask
 from loom.models.moe import GroupedExperts, MoEFeedForward
 from loom.parallel import comm
+from loom.parallel.clipping import scale_local_gradients
 from loom.parallel.comm import CommLedger
 from loom.parallel.mixed_precision import gradient_of
 
@@ -492,7 +493,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, ep: ExpertParallel,
     if pp_group is not None:  # each pipeline rank holds other layers
         comm.all_reduce(total, pp_group, axis="pp", ledger=ep.ledger)
     norm = total.sqrt()
-    scale_gradients(model, max_norm, norm)
+    scale_local_gradients(model.parameters(), max_norm, norm)
     return norm
 
 
@@ -521,12 +522,3 @@ def grad_squares(model: nn.Module, ep: ExpertParallel, tp: Any = None) -> torch.
     return sharded_sq + replicated_sq
 
 
-@torch.no_grad()
-def scale_gradients(model: nn.Module, max_norm: float, norm: torch.Tensor) -> None:
-    """Scale every gradient by torch's clip factor for ``norm`` (0: leave them)."""
-    if max_norm > 0:
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for param in model.parameters():
-            if param.grad is not None:
-                grad = _local_tensor(param.grad)
-                grad.mul_(scale.to(grad.device))

@@ -81,6 +81,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from loom.models.moe import MoEFeedForward
 from loom.parallel import comm
+from loom.parallel.clipping import scale_local_gradients
 from loom.parallel.comm import CommLedger
 from loom.parallel.comm_trace import CollectiveCounter
 from loom.parallel.expert import apply_expert_tensor_parallel
@@ -310,7 +311,7 @@ def clip_grad_norm(parameters, max_norm: float, *, tp: TensorParallel | None,
     for axis, group in other_groups:
         comm.all_reduce(total, group, axis=axis, ledger=tp.ledger if tp else None)
     norm = total.sqrt()
-    scale_gradients(parameters, max_norm, norm)
+    scale_local_gradients(parameters, max_norm, norm)
     return norm
 
 
@@ -330,12 +331,4 @@ def grad_squares(parameters, *, tp: TensorParallel | None) -> torch.Tensor:
         comm.all_reduce(sharded_sq, tp.mesh.get_group(), axis="tp", ledger=tp.ledger)
     return sharded_sq + sq(replicated)
 
-
-@torch.no_grad()
-def scale_gradients(parameters, max_norm: float, norm: torch.Tensor) -> None:
-    """Scale every gradient's local shard by torch's clip factor for ``norm`` (0: leave them)."""
-    local = [g.to_local() if isinstance(g, DTensor) else g
-             for g in (p.grad for p in parameters) if g is not None]
-    if max_norm > 0 and local:  # torch's clip_grads_with_norm_ formula, on the local shards
-        torch._foreach_mul_(local, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
 

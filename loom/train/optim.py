@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.parallel.clipping import clip_coefficient, scale_local_gradients
 from loom.parallel.data import is_fully_sharded
 from loom.parallel.expert import clip_grad_norm as ep_clip_grad_norm, expert_parameter_names
 from loom.parallel.mixed_precision import clear_main_grads, mastered
@@ -78,12 +79,6 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, total_steps: int, warmu
 def local_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of the gradients this rank holds (torch's fused per-tensor norms), fp32."""
     return torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).float()
-
-
-def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """torch's clipping factor min(max_norm / (norm + 1e-6), 1): the gradients are scaled by it.
-    Exactly 1 means clipping leaves every gradient bit unchanged (x * 1.0 == x)."""
-    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
 @torch.no_grad()
@@ -186,7 +181,7 @@ def clip_grad_norm_dtensor(parameters: Iterable[nn.Parameter], max_norm: float,
     for group in model_parallel_groups:  # every rank holds other stages' gradients
         dist.all_reduce(total, group=group)
     norm = total.sqrt()
-    scale_dtensor_gradients(params, max_norm, norm)
+    scale_local_gradients(params, max_norm, norm)
     return norm
 
 
@@ -224,10 +219,3 @@ def dtensor_grad_squares(params: Sequence[nn.Parameter],
     return total
 
 
-@torch.no_grad()
-def scale_dtensor_gradients(params: Sequence[nn.Parameter], max_norm: float,
-                            norm: torch.Tensor) -> None:
-    """Scale the local shards of ``params``' gradients by torch's clip factor (0: leave)."""
-    local = _local_grads([p for p in params if p.grad is not None])
-    if max_norm > 0 and local:
-        torch._foreach_mul_(local, torch.clamp(max_norm / (norm + 1e-6), max=1.0))

@@ -62,9 +62,9 @@ from torch.distributed.tensor import DTensor
 from loom.parallel import comm, expert, tensor  # tp's and ep's own norm formulas (bit-identical)
 from loom.parallel.data import is_fully_sharded
 from loom.parallel.expert import expert_parameter_names
-from loom.train.optim import (clip_coefficient, clip_gradients, clip_to_norm,
-                              dtensor_grad_squares, local_grad_norm, scale_dtensor_gradients,
-                              tied_replicas)
+from loom.parallel.clipping import clip_coefficient, scale_local_gradients
+from loom.train.optim import (clip_gradients, clip_to_norm, dtensor_grad_squares,
+                              local_grad_norm, tied_replicas)
 
 
 class PendingMean:
@@ -266,12 +266,8 @@ class PostValidatedStep:
         if not self._layout_norm():
             clip_to_norm(parameters, self.max_norm, norm)
             return
-        if self.fully_sharded:  # every gradient's local shard, a tied replica's too
-            scale_dtensor_gradients(parameters, self.max_norm, norm)
-        elif self.ep is not None:  # every gradient, a tied replica's too: x * torch's factor
-            expert.scale_gradients(self.model, self.max_norm, norm)
-        else:
-            tensor.scale_gradients(parameters, self.max_norm, norm)
+        # tp, ep, FSDP2: every gradient's local tensor, a tied replica's too (their clip's own)
+        scale_local_gradients(parameters, self.max_norm, norm)
 
     @torch.no_grad()
     def __call__(self, loss_sum: torch.Tensor, where: str) -> StepOutcome:
