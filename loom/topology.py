@@ -31,6 +31,8 @@ from typing import Any, Iterable, Mapping
 
 AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 DATA_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard", "ep")
+# The data axes inside one dp_replicate replica (an outer dp_mode's replica trains on its own data)
+INNER_DATA_AXES: tuple[str, ...] = ("dp_shard", "ep")
 
 
 @dataclass(frozen=True)
@@ -185,7 +187,7 @@ def build_mesh(grid: RankGrid, device_type: str) -> Meshes:
                             ("dp_replicate", name))
     replica = None
     if grid.degree("dp_replicate") > 1:
-        replica = root[("dp_shard", "ep", "cp")]._flatten("replica")
+        replica = root[(*INNER_DATA_AXES, "cp")]._flatten("replica")
     return Meshes(root=root, dp=dp, dp_cp=dp_cp, dp_no_ep=dp_no_ep, dp_shard_cp=dp_shard_cp,
                   shard_2d=shard_2d, dp_shard_ep=dp_shard_ep, dense_2d=dense_2d,
                   replica=replica)

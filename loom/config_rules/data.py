@@ -72,13 +72,18 @@ def zeppelin_over_dp(config: Config) -> str | None:
     document cut over domain ranks routes and balances as one routing group, its counts
     summed over the domain (``DocumentCountsSum`` on the domain group), and the ep all-to-all
     carries whatever token counts the placement gives each rank; dropless only, as with cp
-    (``_validate_zeppelin``)."""
+    (``_validate_zeppelin``). Under an outer ``dp_mode`` each replica trains on its own share
+    of the step, so the domain is one replica's dp_shard x ep x cp ranks (the replica's
+    ``loom.topology`` mesh), which needs dp_shard x ep > 1; with one data rank per replica
+    the placement runs over its cp ranks, as without dp."""
     par = config.parallel
+    if par.dp_mode != "sync":  # the domain is one replica's data ranks (module docstring)
+        if par.dp_shard * par.ep < 2:
+            return (f"parallel.dp_mode = {par.dp_mode} places over one replica's data ranks, and"
+                    f" a replica here has one (dp_shard x ep = {par.dp_shard * par.ep})")
+        return None
     if par.dp < 2:
         return "one data-parallel rank"
-    if par.dp_mode != "sync":
-        return (f"parallel.dp_mode = {par.dp_mode} (an outer mode's replicas train their own"
-                " data)")
     return None
 
 

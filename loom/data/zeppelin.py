@@ -52,10 +52,12 @@ grouped one over its group's own process group, shards unpadded. With
 ``data.zeppelin_remap`` the remapping layer runs too (every candidate priced remapped, the
 shards the linear layout, ``loom.parallel.remap`` inside each attention layer; with tp and
 pp as the placement).
-Both domains run with tp (SP on or off) and pp: one domain per (tp, pp) coordinate, every tp
-rank and stage of a domain rank computing the same plan. What it still lacks: the dp x cp
-domain with ep > 1, an outer dp mode or MoE (refused by the config; with cp > 1 the
-placement falls back to each dp rank's cp ranks), and remapping with tp or pp > 1.
+Both domains run with tp (SP on or off), pp and MoE models (ep is a data axis: the dp x cp
+domain spans it): one domain per (tp, pp) coordinate, every tp rank and stage of a domain rank
+computing the same plan. Under an outer dp mode the domain is one replica's data ranks x cp
+(each replica places its own share of the step). What it lacks is named by the config
+(``loom.config_rules.data``): expert capacity, a non-ring cp mode, and an outer mode whose
+replicas hold one data rank and cp = 1.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ from loom.pipeline.transfers import forward_only
 from loom.pipeline.stage import LocalStages
 from loom.schedule.paths import SKIPPIPE
 from loom.schedule.select import schedule_of
-from loom.topology import DATA_AXES, build_mesh
+from loom.topology import DATA_AXES, INNER_DATA_AXES, build_mesh
 from loom.train import checkpointing, full_state, preempt
 from loom.train.distributed import DistContext, init_distributed
 from loom.train.emulated_speed import slowed_to
@@ -128,14 +128,17 @@ class Trainer:
         self.ledger = CommLedger() if config.metrics.comm else None
         self.cp_groups = None
         lay = self.layout
-        # data.balance = zeppelin over dp > 1: one placement domain of every dp x cp rank, its
-        # groups over the flattened dp x cp index (cp innermost; loom.parallel.zeppelin_cp)
+        # data.balance = zeppelin over dp > 1: one placement domain of every dp x cp rank (under
+        # an outer dp_mode, of the replica's), its groups over the flattened dp x cp index (cp
+        # innermost; loom.parallel.zeppelin_cp)
         self.placed_over_dp = (config.data.balance == "zeppelin"
                                and zeppelin_over_dp(config) is None)
+        self.domain_axes = DATA_AXES if config.parallel.dp_mode == "sync" else INNER_DATA_AXES
         if self.placed_over_dp:
-            self.cp_groups = new_cp_groups(self.grid.groups(*DATA_AXES, "cp"),
-                                           CPLayout.from_mode("ring", self.dp_size * lay.cp),
-                                           self.ctx.rank, sub_rings=True)
+            self.cp_groups = new_cp_groups(
+                self.grid.groups(*self.domain_axes, "cp"),
+                CPLayout.from_mode("ring", self.grid.degree(*self.domain_axes) * lay.cp),
+                self.ctx.rank, sub_rings=True)
         elif lay.cp > 1:
             split = CPLayout.from_mode(lay.cp_mode, lay.cp, lay.cp_ulysses)
             self.cp_groups = new_cp_groups(self.grid.groups("cp"), split, self.ctx.rank,
@@ -438,8 +441,8 @@ class Trainer:
         the reducer's mean is the mean over every prediction of the step; the receive buffers
         take each microbatch's own length."""
         schedule = self.pipeline.schedule if training else forward_only(self.pipeline.schedule)
-        if self.placed_over_dp:  # every dp rank's i-th microbatch, merged (zeppelin_cp)
-            batch = merge_dp_microbatches(batch, self.dp_size)
+        if self.placed_over_dp:  # every domain rank's i-th microbatch, merged (zeppelin_cp)
+            batch = merge_dp_microbatches(batch, self.grid.degree(*self.domain_axes))
         micro = [self._shard_documents(mb) for mb in batch.microbatches]
         # cp pads a microbatch's shards (IGNORE_INDEX targets): count the predictions only
         tokens = sum((mb.targets != IGNORE_INDEX).sum() for mb in micro).to(self.ctx.device)
@@ -456,10 +459,14 @@ class Trainer:
             documents=[(mb.positions, mb.document_ids) for mb in micro])
 
     def _varlen_data_rank(self) -> tuple[int, int]:
-        """The (dp rank, dp size) a varlen loader deals for: every bin of the step where the
-        dp x cp ranks place merged microbatches (``_run_varlen`` merges them), else this dp
+        """The (dp rank, dp size) a varlen loader deals for: where a domain of dp x cp ranks
+        places merged microbatches (``_run_varlen`` merges them), every bin of the domain's
+        share of the step (the whole step; a replica's under an outer dp_mode), else this dp
         rank's share."""
-        return (0, 1) if self.placed_over_dp else (self.dp_rank, self.dp_size)
+        if not self.placed_over_dp:
+            return self.dp_rank, self.dp_size
+        outside = [axis for axis in DATA_AXES if axis not in self.domain_axes]
+        return self.grid.index(self.ctx.rank, *outside), self.grid.degree(*outside)
 
     def _wire_length(self, length: int) -> int:
         """The sequence length a microbatch of ``length`` tokens travels between stages with:

@@ -41,10 +41,17 @@ single ranks.
   gradients are summed over the dp ranks outside ep and the cp axis only (the domain's
   group spans ep, whose ranks hold different experts): the same parity, the logged
   balancing loss included, and the same domain checks.
+* Under an outer dp mode (DiLoCo: two replicas, each of dp_shard = 2 in CI; matrix: ep = 2
+  with the MoE model, dp_shard = 2 x cp = 2) every replica is its own domain, its data ranks x
+  cp, placing the replica's own share of the step: equal to replicas of one rank dealt the
+  same bins (``tokens``), the weights after the outer step included, with the domain checks
+  per replica.
 * The config accepts zeppelin with dp > 1 and cp = 1, dp_replicate or dp_shard, with tp (SP
-  on or off), pp, MoE and ep, placing over the dp x cp domain, and refuses by name what the
-  domain does not run: an outer dp mode; an MoE model with capacity (a queue position
-  depends on the order of all of a document's tokens, which the placement splits).
+  on or off), pp, MoE and ep, placing over the dp x cp domain (under an outer dp mode, a
+  replica's, which needs dp_shard x ep > 1 there), and refuses by name what the domain does
+  not run: an outer dp mode with one data rank per replica and cp = 1; an MoE model with
+  capacity (a queue position depends on the order of all of a document's tokens, which the
+  placement splits).
 """
 
 from __future__ import annotations
@@ -107,8 +114,12 @@ def write_long_tail(directory: Path, count: int, seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def long_tail(tmp_path_factory) -> tuple[str, dict]:
-    data_dir, overrides = prepared_documents(tmp_path_factory, "zeppelin_dp_docs", SEQ_LEN,
-                                             count=240, seed=7, write=write_long_tail)
+    return _long_tail(tmp_path_factory, "zeppelin_dp_docs", seed=7)
+
+
+def _long_tail(tmp_path_factory, name: str, seed: int) -> tuple[str, dict]:
+    data_dir, overrides = prepared_documents(tmp_path_factory, name, SEQ_LEN,
+                                             count=240, seed=seed, write=write_long_tail)
     overrides.update({"data.packing": "varlen", "data.tokens_per_microbatch": BUDGET,
                       "model.preset": "debug", "model.max_seq_len": SEQ_LEN, "model.n_layers": 2,
                       "train.steps": STEPS})
@@ -168,13 +179,14 @@ def record_domain_training(ctx, config_table: dict, data_dir: str, steps: int) -
 
 
 def assert_placed_over_the_domain(ranks: list[dict], dp: int, cp: int, tp: int = 1,
-                                  pp: int = 1) -> None:
+                                  pp: int = 1, require_cut: bool = True) -> int:
     """Every rank gets the same merged row; each (tp, pp) coordinate has one domain of D x C
     ranks (cp index innermost), and a domain rank's tp ranks and stages hold the same tokens
     (the same placement) and its tp ranks of a stage send the same ring bytes (each its shard
     of the heads); the domain's ranks hold each of the row's tokens exactly once; some
     document is cut over ranks of different dp coordinates (each of them, on every tp rank
-    and stage, sent ring hops) and some kept whole."""
+    and stage, sent ring hops) and some kept whole (``require_cut``; either way, returns how
+    many documents were cut over dp coordinates)."""
     by_place: dict[int, list[dict]] = {}
     for got in ranks:
         by_place.setdefault(got["domain_rank"], []).append(got)
@@ -208,8 +220,9 @@ def assert_placed_over_the_domain(ranks: list[dict], dp: int, cp: int, tp: int =
                 across_dp += 1
                 in_cross_rings |= places
             whole += len(places) == 1
-    assert across_dp and whole and uneven, (across_dp, whole, uneven)
+    assert not require_cut or (across_dp and whole and uneven), (across_dp, whole, uneven)
     assert all(got["ring_sent"] > 0 for p in in_cross_rings for got in by_place[p])
+    return across_dp
 
 
 _reference: dict[int, dict] = {}
@@ -263,9 +276,17 @@ def test_zeppelin_is_accepted_over_dp_with_or_without_cp_and_with_tp_or_pp():
         assert zeppelin_over_dp(config) is None, overrides  # the dp x cp domain, not per cp
 
 
-def test_zeppelin_at_cp_1_refuses_an_outer_dp_mode():
+def test_under_an_outer_dp_mode_the_domain_is_one_replicas_data_ranks():
+    outer = {"parallel.dp_replicate": "2", "parallel.dp_mode": "diloco"}
+    for extra, world in (({"parallel.dp_shard": "2"}, 4),
+                         ({"parallel.ep": "2", "model.n_experts": "4", "model.top_k": "2"}, 4),
+                         ({"parallel.dp_shard": "2", "parallel.cp": "2"}, 8)):
+        assert zeppelin_over_dp(zeppelin_config({**outer, **extra}, world)) is None, extra
+    # one data rank per replica: over each replica's cp ranks, and nothing to place over at cp 1
+    assert "a replica here has one" in zeppelin_over_dp(
+        zeppelin_config({**outer, "parallel.cp": "2"}, 4))
     with pytest.raises(ConfigError, match="dp x cp domain is out") as info:
-        zeppelin_config({"parallel.dp_replicate": "2", "parallel.dp_mode": "diloco"}, 2)
+        zeppelin_config(outer, 2)
     assert info.value.field_name == "data.balance" and "parallel.dp_mode" in str(info.value)
 
 
@@ -433,3 +454,81 @@ def test_remapping_needs_zeppelin_and_runs_with_tp_and_pp():
         config = zeppelin_config({"parallel.dp_replicate": "2", "data.zeppelin_remap": "true",
                                   **overrides}, world)
         assert config.data.zeppelin_remap, overrides
+
+
+
+# -- under an outer dp_mode: one domain per replica --------------------------------------------
+OUTER_LAYOUTS = {  # name: (world, degrees inside each of the 2 replicas, MoE)
+    "shard2": (4, {"dp_shard": 2}, False),
+    "ep2-moe": (4, {"ep": 2}, True),
+    "shard2-cp2": (8, {"dp_shard": 2, "cp": 2}, False),
+}
+OUTER = {"parallel.dp_mode": "diloco", "parallel.outer_steps": STEPS, "parallel.outer_lr": 0.7,
+         "parallel.outer_momentum": 0.9}
+
+
+def record_replica_training(ctx, config_table: dict, data_dir: str, steps: int) -> dict:
+    """``record_training``, plus this rank's replica and its weights after the last step
+    (under an outer mode whose last step ends an outer step: the merged weights); with
+    Zeppelin's domain, ``record_domain_training``'s placement records as well."""
+    from loom.train import full_state
+
+    trainer = Trainer(from_dict(config_table), Path(data_dir), None, ctx)
+    domain = trainer.placed_over_dp
+    placed = record_placements(trainer) if domain else []
+    record = train_and_record(trainer, steps)
+    record.update(replica=trainer.replica, weights=full_state.named_weights(trainer))
+    if domain:
+        record.update(placed=placed, domain_rank=trainer.cp_groups.cp_rank,
+                      domain=trainer.cp_groups.layout.ring, dp_rank=trainer.dp_rank, tp_rank=0,
+                      pp_rank=0, ring_sent=trainer.ledger.get("cp", "send").payload_bytes)
+    return record
+
+
+@pytest.fixture(scope="module")
+def long_tail_outer(tmp_path_factory) -> tuple[str, dict]:
+    """``long_tail``'s corpus drawn with another seed: with seed 7 one replica's merged
+    microbatches held two 1024-token pieces each (one whole per rank, nothing to cut) and the
+    other's short documents only, so the check that a document is cut had nothing to see."""
+    return _long_tail(tmp_path_factory, "zeppelin_outer_docs", seed=OUTER_SEED)
+
+
+OUTER_SEED = 12  # seeds 7 and 11 cut nothing over a replica's ranks, 12 and 13 do
+
+
+@pytest.mark.parametrize("layout", matrix(OUTER_LAYOUTS, ci=["shard2"]))
+def test_under_diloco_zeppelin_places_over_each_replicas_data_ranks(dist, long_tail_outer,
+                                                                    layout):
+    """Two DiLoCo replicas, each of 2 data ranks (dp_shard, or ep with an MoE model; x cp 2),
+    Zeppelin placing each replica's merged microbatches over the replica's own ranks, equal
+    replicas of one rank dealt the same bins (``tokens``): loss, gradient norm and gradients
+    each step, and the weights after the outer step; each replica's domain holds each of its
+    tokens once; some replica cuts a document over its data ranks."""
+    data_dir, base = long_tail_outer
+    world, degrees, moe = OUTER_LAYOUTS[layout]
+    cp = degrees.get("cp", 1)
+    inner = world // (2 * cp)
+    base = {**base, **OUTER, **(MOE if moe else {}),
+            "train.global_batch_tokens": 2 * inner * BUDGET}
+    plain = dist.run(2, record_replica_training,
+                     layout_config({**base, "data.balance": "tokens"}, 2, dp_replicate=2),
+                     data_dir, STEPS)
+    assert [got["replica"] for got in plain] == [0, 1]
+    config = layout_config({**base, "data.balance": "zeppelin", "parallel.cp_mode": "ring",
+                            "metrics.comm": True}, world, dp_replicate=2, **degrees)
+    ranks = dist.run(world, record_replica_training, config, data_dir, STEPS)
+    assert {got["replica"] for got in ranks} == {0, 1}
+    for rank, got in enumerate(ranks):
+        expected = plain[got["replica"]]
+        where = f"zeppelin under diloco {layout} rank {rank}"
+        assert_parity(expected, got, rtol=RTOL, atol=ATOL, label=where)
+        assert set(got["weights"]) == set(expected["weights"])
+        for name, value in expected["weights"].items():
+            torch.testing.assert_close(got["weights"][name], value, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, n=name: f"{where} weight {n}: {m}")
+    cut = 0
+    for replica in (0, 1):  # each replica's domain (its data ranks x cp), as over dp in sync
+        members = [dict(got, dp_rank=got["dp_rank"] % inner) for got in ranks
+                   if got["replica"] == replica]
+        cut += assert_placed_over_the_domain(members, inner, cp, require_cut=False)
+    assert cut, "no replica cut a document over its data ranks"
