@@ -98,6 +98,16 @@ def loads_json(text: str) -> Any:
         raise json.JSONDecodeError(_TOO_DEEP, text, 0) from None
 
 
+def read_input_json(path: str | os.PathLike) -> Any:
+    """The JSON value in the file at ``path`` (``read_input_text``'s checks, then
+    ``loads_json``), or ``InputFileError`` naming the file and why not, malformed JSON too."""
+    text = read_input_text(path)
+    try:
+        return loads_json(text)
+    except json.JSONDecodeError as err:
+        raise InputFileError(os.fspath(path), f"is not valid JSON ({err})") from None
+
+
 def loads_toml(text: str) -> dict[str, Any]:
     """``tomllib.loads``; a value nested too deeply is a ``TOMLDecodeError`` like any other."""
     try:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -32,8 +31,7 @@ import torch
 
 from loom.config import Config, load_config, model_args, to_toml
 from loom.config_rules import validate_model_shape
-from loom.errors import (ConfigError, InputFileError, OneLineParser, loads_json,
-                         read_input_text)
+from loom.errors import ConfigError, InputFileError, OneLineParser, read_input_json
 from loom.models.hf import (HFConversionError, SINGLE_FILE, atomic_save_safetensors,
                             load_safetensors, read_hf_checkpoint, read_hf_config,
                             write_hf_checkpoint)
@@ -91,8 +89,8 @@ def _tokenizer_ids(run_dir: Path) -> dict[str, Any]:
     if not meta.is_file():
         return {}
     try:
-        data = loads_json(read_input_text(meta))
-    except (InputFileError, json.JSONDecodeError) as err:
+        data = read_input_json(meta)
+    except InputFileError as err:
         raise HFConversionError(f"{meta}: not a tokenizer description ({err})") from None
     eos = data.get("eos_id") if isinstance(data, dict) else None
     if isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < 2**31:

@@ -35,7 +35,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 from tokenizers import Tokenizer as RustTokenizer
 
-from loom.errors import ConfigError, InputFileError, loads_json, read_input_text
+from loom.errors import ConfigError, InputFileError, read_input_json
 
 KIND = "hf"
 TOKENIZER_FILE = "tokenizer.json"
@@ -67,8 +67,8 @@ def _read_json(path: Path, spec: str) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        data = loads_json(read_input_text(path))
-    except (InputFileError, json.JSONDecodeError) as err:
+        data = read_input_json(path)
+    except InputFileError as err:
         raise ConfigError("data.tokenizer", spec, f"{path.name} is unreadable: {err}") from None
     return data if isinstance(data, dict) else {}
 

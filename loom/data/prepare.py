@@ -46,7 +46,7 @@ from loom.data.sources import (DEFAULT_EXTENSIONS, PREPARED, PREPARED_MANIFEST, 
                                TEXT, Source, check_readable, iter_texts, record_val_count,
                                resolve_source)
 from loom.data.tokenizer import Tokenizer, build_tokenizer, encode_documents, tokenizer_identity
-from loom.errors import ConfigError, InputFileError, loads_json, read_input_text
+from loom.errors import ConfigError, InputFileError, read_input_json
 
 FORMAT = "loom-prepared"
 VERSION = 1
@@ -88,8 +88,8 @@ class PreparedData:
                               f" directory: {rule}")
 
         try:
-            manifest = loads_json(read_input_text(directory / PREPARED_MANIFEST))
-        except (InputFileError, json.JSONDecodeError) as err:
+            manifest = read_input_json(directory / PREPARED_MANIFEST)
+        except InputFileError as err:
             refuse(f"{PREPARED_MANIFEST} is unreadable ({err})")
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             refuse(f"{PREPARED_MANIFEST} is not a {FORMAT} manifest")

@@ -25,7 +25,7 @@ import numpy as np
 from loom.data.corpus import Document
 from loom.data.hf_tokenizer import KIND as HF_KIND
 from loom.data.hf_tokenizer import HfTokenizer, load_hf_tokenizer
-from loom.errors import InputFileError, loads_json, read_input_text
+from loom.errors import InputFileError, read_input_json
 
 META_FILE = "tokenizer_meta.json"
 BPE_FILE = "tokenizer.json"
@@ -192,8 +192,8 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     if not meta_path.exists():
         raise FileNotFoundError(f"no tokenizer in {str(directory)!r}: {META_FILE} is missing")
     try:
-        meta = loads_json(read_input_text(meta_path))
-    except (InputFileError, json.JSONDecodeError) as err:
+        meta = read_input_json(meta_path)
+    except InputFileError as err:
         raise ValueError(f"{meta_path}: not a tokenizer description ({err})") from None
     kind = meta.get("kind") if isinstance(meta, dict) else None
     if kind == HF_KIND:

@@ -41,7 +41,7 @@ from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from loom.errors import InputFileError, loads_json, read_input_text
+from loom.errors import InputFileError, read_input_json
 from loom.layout import Layout
 from loom.models.args import TransformerArgs
 from loom.plan.hardware import Cluster, Gpu, HardwareError, Link
@@ -171,11 +171,9 @@ def load_profile(path: str | Path | None = None) -> tuple[Gpu, Link]:
         raise HardwareError(f"--gpu local: no calibration profile at {target}; run"
                             " `loom plan --calibrate --nproc N` first")
     try:
-        data = loads_json(read_input_text(target))
+        data = read_input_json(target)
     except InputFileError as err:
         raise HardwareError(f"--profile {target}: {err.rule}") from None
-    except json.JSONDecodeError as err:
-        raise HardwareError(f"--profile {target}: not valid JSON: {err}") from None
     if not isinstance(data, dict) or not all(isinstance(data.get(key), dict)
                                              for key in ("gpu", "link")):
         raise HardwareError(f"--profile {target}: must be a calibration profile (an object"

@@ -430,10 +430,7 @@ def make_cluster(gpu: str, gpus: int, gpus_per_node: int | None = None, *, intra
     ``network`` (keys of ``TOPOLOGY_KEYS``: ``loom plan --nodes-per-rack`` and the like, a
     published row's ``[run.topology]``) overrides the catalog's ``[cluster]`` topology."""
     gpu_table, link_table, defaults = catalog or ({**GPUS, **VARIANTS}, LINKS, {})
-    # the names and the node size may come from a catalog file's [cluster] table
-    if not isinstance(gpu, str):
-        raise HardwareError(f"--gpu {gpu!r}: an accelerator's name is required (--gpu, or gpu"
-                            " in the catalog's [cluster] table)")
+    # the link names and the node size may come from a catalog file's [cluster] table
     for role, name in (("intra", intra), ("inter", inter)):
         if name is not None and not isinstance(name, str):
             raise HardwareError(f"--{role} {name!r}: must be a link's name")

@@ -89,7 +89,7 @@ def test_a_hardware_catalog_with_hostile_entries_is_refused(capsys, tmp_path, ca
     ('{"gpu": {"x": 1}, "link": {}}', "'x'"),
     ('{"gpu": {"name": "g", "peak_flops": 1e12, "memory_bytes": 1e9, "hbm_bandwidth": "x"},'
      ' "link": {"name": "l", "bandwidth": 1, "latency": 0}}', "hbm_bandwidth"),
-    ("[" * 100_000, "not valid JSON"),
+    ("[" * 100_000, "is not valid JSON"),
 ])
 def test_a_broken_calibration_profile_is_refused(capsys, tmp_path, profile, names):
     (tmp_path / "p.json").write_text(profile)
@@ -155,12 +155,24 @@ def test_hf_export_refuses_a_broken_tokenizer_description(tmp_path, meta):
 @pytest.mark.parametrize("change", [{"num_tokens": 1e999}, {"num_tokens": 2.5},
                                     {"num_docs": -1}, {"dtype": "O"}])
 def test_a_prepared_manifest_with_hostile_counts_is_refused(tmp_path, change):
-    from loom.data.prepare import FORMAT, PREPARED_MANIFEST, VERSION, PreparedData
+    import math
+
+    import numpy as np
+
+    from loom.data.prepare import (FORMAT, INDEX_FILE, PREPARED_MANIFEST, TOKENS_FILE, VERSION,
+                                   PreparedData)
     from loom.errors import ConfigError
 
     manifest = {"format": FORMAT, "version": VERSION, "dtype": "uint16", "num_tokens": 4,
                 "num_docs": 1, "tokenizer": {"identity": "x"}, **change}
     text = json.dumps(manifest).replace("Infinity", "1e999")
     (tmp_path / PREPARED_MANIFEST).write_text(text)
+    # the files as long as int() of the counts says (what a check of the sizes alone accepts),
+    # so that only the checks of the counts and the dtype can refuse
+    tokens, docs = manifest["num_tokens"], manifest["num_docs"]
+    if math.isfinite(tokens):
+        (tmp_path / TOKENS_FILE).write_bytes(bytes(int(tokens) * np.dtype(manifest["dtype"])
+                                                   .itemsize))
+        (tmp_path / INDEX_FILE).write_bytes(bytes(max(int(docs) + 1, 0) * 8))
     with pytest.raises(ConfigError, match="data.source"):
         PreparedData.open(Path(tmp_path), str(tmp_path))
