@@ -167,17 +167,37 @@ def state_dict_to_hf(state: dict[str, torch.Tensor], args: TransformerArgs,
 # Files
 
 
+# The stored types read as weights (safetensors' names): each converts to fp32 exactly. Integer,
+# boolean and complex tensors are no weights of these families (casting would drop a sign, a
+# range or the imaginary part), and 8- and 4-bit floats are quantized checkpoints whose scales
+# live in other tensors: reading those alone would give silently wrong weights.
+WEIGHT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                 "BF16": torch.bfloat16}
+
+
+def weight_dtype_rule() -> str:
+    return (f"Loom reads weights stored as {', '.join(WEIGHT_DTYPES)} (a quantized or"
+            " non-float tensor is not converted)")
+
+
 def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file; a missing or corrupt one is named (never a pickle)."""
+    """The tensors of a safetensors file; a missing or corrupt one is named (never a pickle),
+    as is a tensor of a type ``WEIGHT_DTYPES`` lacks."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found (named by the checkpoint)")
     try:
-        return load_file(str(path))
+        state = load_file(str(path))
     except SafetensorError as err:  # a truncated or corrupt file: its header names the problem
         raise HFConversionError(f"{path}: not a readable safetensors file ({err})") from None
+    weight_types = set(WEIGHT_DTYPES.values())
+    for name, tensor in state.items():
+        if tensor.dtype not in weight_types:
+            raise HFConversionError(f"{path}: {name} is stored as {tensor.dtype};"
+                                    f" {weight_dtype_rule()}")
+    return state
 
 
 def read_hf_config(hf_dir: str | Path) -> TransformerArgs:

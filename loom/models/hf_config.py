@@ -28,6 +28,7 @@ importing it for a table of field names would make it a hard dependency of the m
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,10 @@ _LLAMA3_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_scalin
 
 class HFConversionError(ValueError):
     """A checkpoint or config Loom cannot convert exactly; the message names the field or file."""
+
+
+# a context length no model has trained on (2^31 positions); a larger one is a typo or an attack
+MAX_POSITIONS = 2**31
 
 
 def _refuse(field: str, value: Any, rule: str) -> HFConversionError:
@@ -106,10 +111,17 @@ def _positive_int(value: Any) -> bool:
 
 
 def _number(field: str, value: Any) -> float:
-    """A JSON number (not a boolean, not a string), else refused by name."""
+    """A finite JSON number (not a boolean, not a string), else refused by name. Python's JSON
+    reader takes ``Infinity``, ``NaN`` and integers no float holds; none is a model's field."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _refuse(field, value, "must be a number")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise _refuse(field, value, "must be a finite number")
+    return number
 
 
 def _flag(field: str, value: Any) -> bool:
@@ -156,7 +168,11 @@ def _rope(cfg: dict[str, Any], theta: float) -> dict[str, Any]:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise _refuse(f"{field}.{key}", value, f"rope_type {kind!r} needs it, a positive"
                               " number")
-            out[loom_field] = int(value) if loom_field.endswith("_len") else float(value)
+            number = _number(f"{field}.{key}", value)
+            if loom_field.endswith("_len") and not (number.is_integer() and number < MAX_POSITIONS):
+                raise _refuse(f"{field}.{key}", value, f"a whole number of positions below"
+                              f" {MAX_POSITIONS:,}")
+            out[loom_field] = int(number) if loom_field.endswith("_len") else number
         if kind == "llama3" and not out["rope_scaling_low_freq_factor"] < out[
                 "rope_scaling_high_freq_factor"]:
             raise _refuse(f"{field}.low_freq_factor", params["low_freq_factor"],

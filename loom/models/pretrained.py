@@ -29,10 +29,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from loom.models.hf import (INDEX_FILE, SINGLE_FILE, args_from_hf_file, name_pairs,
-                            permute_from_hf, rope_heads, weight_map)
+from loom.models.hf import (INDEX_FILE, SINGLE_FILE, WEIGHT_DTYPES, args_from_hf_file,
+                            name_pairs, permute_from_hf, rope_heads, weight_dtype_rule,
+                            weight_map)
 from loom.errors import loads_toml
 from loom.models.args import MAX_LAYERS, TransformerArgs
+from loom.models import build_model
 
 LOOM_WEIGHTS = "model.safetensors"
 LOOM_CONFIG = "config.toml"
@@ -79,7 +81,7 @@ class PretrainedSource:
         if missing:
             raise PretrainedError(f"{path}: the weights lack {missing[:3]}"
                                   f"{'...' if len(missing) > 3 else ''} that its config.json needs")
-        return cls(path, "hf", args, files, names)
+        return cls(path, "hf", args, files, names)._checked()
 
     @classmethod
     def _open_loom(cls, path: Path) -> PretrainedSource:
@@ -98,7 +100,7 @@ class PretrainedSource:
                 if not (want is float and isinstance(value, int) and not isinstance(value, bool)):
                     raise PretrainedError(f"{path / LOOM_CONFIG}: model.{key} = {value!r} is not"
                                           f" a {want.__name__}")
-            shape[key] = want(value)
+            shape[key] = _bounded(path / LOOM_CONFIG, key, want, value)
         args = TransformerArgs(**shape)
         if args.n_layers > MAX_LAYERS:  # before any per-layer name is listed
             raise PretrainedError(f"{path / LOOM_CONFIG}: model.n_layers = {args.n_layers} is"
@@ -111,7 +113,28 @@ class PretrainedSource:
         names = {name: name for name in stored}
         if args.tie_embeddings:
             names.setdefault("output.weight", "tok_embeddings.weight")
-        return cls(path, "loom", args, {name: weights for name in stored}, names)
+        return cls(path, "loom", args, {name: weights for name in stored}, names)._checked()
+
+    def _checked(self) -> PretrainedSource:
+        """``self``, once every parameter of the model ``args`` describes is found stored whole
+        in a type converted to fp32 exactly. Read from the files' headers while the config
+        loads: a larger tensor would otherwise train silently on a corner of it, a smaller one
+        fail in every worker after the run directory is written."""
+        model = build_model(self.args, device="meta")
+        for name, param in model.named_parameters():  # a tied head is yielded once
+            if name not in self._names:
+                raise PretrainedError(f"{self.path}: holds no weights for parameter {name!r}"
+                                      " of the model its config describes")
+            stored = self._names[name]
+            lazy = self._handle(self._files[stored]).get_slice(stored)
+            shape, dtype = tuple(lazy.get_shape()), lazy.get_dtype()
+            if shape != tuple(param.shape):
+                raise PretrainedError(f"{self._files[stored]}: {stored} has shape {shape}; the"
+                                      f" model its config describes needs {tuple(param.shape)}")
+            if dtype not in WEIGHT_DTYPES:
+                raise PretrainedError(f"{self._files[stored]}: {stored} is stored as {dtype};"
+                                      f" {weight_dtype_rule()}")
+        return self
 
     # -- reading -------------------------------------------------------------------------------
     def has(self, name: str) -> bool:
@@ -157,6 +180,22 @@ class PretrainedSource:
             except Exception as err:  # safetensors raises its own error types on a bad header
                 raise PretrainedError(f"{file}: not a readable safetensors file ({err})") from None
         return self._open[file]
+
+
+def _bounded(config: Path, key: str, want: type, value: Any) -> Any:
+    """``want(value)`` for a field of a Loom run's config.toml, refusing what the config's own
+    reader refuses (``loom.config`` sits above this module): an integer beyond int64, a float
+    that is infinite, NaN, or an integer no float holds."""
+    if want is int and not -2 ** 63 <= value < 2 ** 63:
+        raise PretrainedError(f"{config}: model.{key} = {value} is not a 64-bit integer")
+    if want is float:
+        try:
+            value = float(value)
+        except OverflowError:
+            value = math.inf
+        if not math.isfinite(value):
+            raise PretrainedError(f"{config}: model.{key} = {value} is not a finite number")
+    return want(value)
 
 
 def _tensor_names(file: Path) -> list[str]:

@@ -42,6 +42,17 @@ def _setup(cwd: Path, case: str) -> None:
     if case == "corrupt-weights":
         weights = model / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[:4096])  # cut short: offsets past the end
+    if case in ("wider-weights", "narrower-weights", "quantized-weights"):
+        from safetensors.torch import load_file, save_file
+
+        weights = model / "model.safetensors"
+        state = load_file(str(weights))
+        name = "model.layers.0.self_attn.q_proj.weight"
+        rows = {"wider-weights": 2 * SHAPE["hidden_size"],
+                "narrower-weights": SHAPE["hidden_size"] // 2}.get(case)
+        state[name] = (torch.zeros(rows, SHAPE["hidden_size"]) if rows
+                       else state[name].to(torch.float8_e4m3fn))
+        save_file(state, str(weights), metadata={"format": "pt"})
     if case == "unknown-rope":
         config = json.loads((model / "config.json").read_text())
         config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
@@ -56,6 +67,11 @@ CASES = {
     "no-weights": ((), ("model.init_from='model'", "no model.safetensors")),
     "corrupt-weights": ((), ("model.init_from='model'", "not a readable safetensors file")),
     "unknown-rope": ((), ("model.init_from='model'", "rope_type")),
+    # a larger tensor once trained on its corner; a smaller one failed in every worker
+    "wider-weights": ((), ("model.init_from='model'", "q_proj.weight has shape (128, 64)",
+                           "needs (64, 64)")),
+    "narrower-weights": ((), ("model.init_from='model'", "has shape (32, 64)")),
+    "quantized-weights": ((), ("model.init_from='model'", "stored as F8_E4M3")),
     "contradicting-override": (("--model.n_layers=3",),
                                ("model.n_layers=3", "contradicts model.init_from", "is 2")),
     "run-dir-inside": (("--train.run_dir=model/run",),
@@ -173,12 +189,20 @@ def test_a_hf_fine_tune_under_tp_exports_the_same_logits_and_the_same_greedy_tex
     assert ours.rstrip("\n") == prompt + tokenizer.decode(new)
 
 
-def test_a_loom_run_with_a_mistyped_shape_is_refused(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("line, message", [
+    ('dim = "wide"', "model.dim = 'wide' is not a int"),
+    # TOML integers beyond any float or int64 (float() of the first overflowed)
+    (f"norm_eps = {10 ** 400}", "model.norm_eps = inf is not a finite number"),
+    (f"dim = {10 ** 30}", "is not a 64-bit integer"),
+])
+def test_a_loom_run_with_a_mistyped_shape_is_refused(tmp_path, monkeypatch, capsys, line,
+                                                     message):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "config.toml").write_text('[model]\ndim = "wide"\n')
+    (tmp_path / "run" / "config.toml").write_text(f"[model]\n{line}\n")
     before = snapshot(tmp_path)
     assert main(["train", "--model.init_from=run", "--data.tokenizer=byte"]) == EXIT_CONFIG_ERROR
     err = capsys.readouterr().err
-    assert "model.init_from='run'" in err and "model.dim = 'wide' is not a int" in err, err
+    assert "model.init_from='run'" in err and message in err, err
+    assert len(err.strip().splitlines()) == 1
     assert "Traceback" not in err and snapshot(tmp_path) == before

@@ -116,6 +116,10 @@ def test_files_round_trip_bit_exactly(tmp_path: Path) -> None:
         assert all(torch.equal(back[k], state[k]) for k in state)
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
 def hf_dir_with(tmp_path: Path, **config_changes) -> Path:
     """An HF directory exported from Loom, then its config.json edited by hand."""
     state = loom_model(SMALL).state_dict()
@@ -210,7 +214,7 @@ def test_cli(tmp_path: Path, capsys) -> None:
     # sizes no run could train are refused before a layer name is listed (10**12 layers once
     # ran the importer out of memory)
     ({"num_hidden_layers": 10**12}, "num_hidden_layers=1000000000000: at most 100,000"),
-    ({"rms_norm_eps": float("nan")}, "model.norm_eps=nan: must be a finite number"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps=nan: must be a finite number"),
     ({"rms_norm_eps": -1.0}, "model.norm_eps=-1.0: must be a finite number > 0"),
     ({"max_position_embeddings": 0}, "max_position_embeddings=0: a positive integer"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 0.0}},
@@ -223,6 +227,13 @@ def test_cli(tmp_path: Path, capsys) -> None:
     ({"rope_parameters": {"rope_type": "default", "rope_theta": "x"}},
      "rope_parameters.rope_theta='x': must be a number"),
     ({"architectures": None, "model_type": ["llama"]}, "architectures=None"),
+    # Python's JSON reader takes Infinity and integers no float holds (int(inf) overflowed)
+    ({"rope_parameters": {**LLAMA3_ROPE, "original_max_position_embeddings": float("inf")}},
+     "original_max_position_embeddings=inf: must be a finite number"),
+    ({"rope_parameters": {**LLAMA3_ROPE, "original_max_position_embeddings": 1e300}},
+     "original_max_position_embeddings=1e\\+300: a whole number of positions below"),
+    ({"rope_parameters": {**LLAMA3_ROPE, "factor": 10**400}}, "factor=1000.*: must be a finite"),
+    ({"rope_theta": float("inf"), "rope_parameters": None}, "rope_theta=inf: must be a finite"),
 ])
 def test_hostile_configs_exit_2_with_one_line(tmp_path: Path, capsys, change: dict,
                                               message: str) -> None:
@@ -230,6 +241,21 @@ def test_hostile_configs_exit_2_with_one_line(tmp_path: Path, capsys, change: di
     assert main(["hf", "import", str(hf), "--run", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and re.search(message, err), err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.complex64, torch.int32])
+def test_weights_of_a_type_that_is_no_exact_weight_are_refused_by_name(tmp_path: Path, capsys,
+                                                                       dtype) -> None:
+    """8-bit floats are a quantized checkpoint's (its scales live elsewhere), complex ones lose
+    their imaginary part in fp32, integers are no weights: each is named, never converted."""
+    hf = hf_dir_with(tmp_path)
+    state = load_file(str(hf / "model.safetensors"))
+    state["model.norm.weight"] = state["model.norm.weight"].to(dtype)
+    save_file(state, str(hf / "model.safetensors"))
+    assert main(["hf", "import", str(hf), "--run", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and f"model.norm.weight is stored as {dtype}" in err, err
     assert not (tmp_path / "run").exists()
 
 
