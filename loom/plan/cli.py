@@ -46,6 +46,7 @@ from loom.sim.outer_cost import Sites, price_modes, recommend
 from loom.sim.varlen_cost import load_length_distribution
 
 EXIT_BAD_INPUT = 2
+DEFAULT_GPU = "H100-SXM"  # assumed where neither --gpu nor a --hardware [cluster] names one
 
 
 class PlanInputError(ValueError):
@@ -105,8 +106,9 @@ def add_plan_commands(sub: argparse._SubParsersAction,
                       " or a Hugging Face model directory or its config.json (Llama, Qwen2/3,"
                       " Mistral; only the config is read; --seq required)")
     plan.add_argument("--gpus", type=int, help="number of accelerators")
-    plan.add_argument("--gpu", default="H100-SXM",
-                      help="accelerator type from the catalog, or 'local' (the calibrated machine)")
+    plan.add_argument("--gpu", help="accelerator type from the catalog, or 'local' (the"
+                      f" calibrated machine; default: a --hardware file's [cluster] gpu, else"
+                      f" {DEFAULT_GPU})")
     plan.add_argument("--gpus-per-node", type=int, default=0, help="0: the accelerator's default")
     plan.add_argument("--intra", help="intra-node link name (default: the accelerator's)")
     plan.add_argument("--inter", help="inter-node link name (default: the accelerator's)")
@@ -242,6 +244,12 @@ def _workload(args: argparse.Namespace):
 
 def _cluster(args: argparse.Namespace):
     catalog = load_catalog(args.hardware)
+    defaults = catalog[2]
+    if args.gpu is None:  # the catalog file's own default, as its docstring promises
+        args.gpu = defaults.get("gpu", DEFAULT_GPU)
+        if not isinstance(args.gpu, str):
+            raise PlanInputError(f"--hardware {args.hardware}: [cluster] gpu = {args.gpu!r}:"
+                                 " must be an accelerator's name")
     if args.gpu == "local":
         gpu, link = load_profile(args.profile)
         catalog[0][gpu.name], catalog[1][link.name] = gpu, link
@@ -249,10 +257,9 @@ def _cluster(args: argparse.Namespace):
         args.gpus = args.gpus or args.nproc or gpu.gpus_per_node
     if not args.gpus or args.gpus < 1:
         raise PlanInputError(f"--gpus {args.gpus}: required, >= 1")
-    defaults = catalog[2]
     if args.nics_per_node < 0:
         raise PlanInputError(f"--nics-per-node {args.nics_per_node}: must be >= 0")
-    return make_cluster(args.gpu or defaults.get("gpu"), args.gpus,
+    return make_cluster(args.gpu, args.gpus,
                         args.gpus_per_node or defaults.get("gpus_per_node"),
                         intra=args.intra or defaults.get("intra"),
                         inter=args.inter or defaults.get("inter"), catalog=catalog,

@@ -120,6 +120,26 @@ def test_the_plan_of_a_capped_part_reports_the_wider_band(capsys):
     assert bands["H100-SXM-500W"] > bands["H100-SXM"]
 
 
+def test_a_hardware_files_cluster_gpu_is_the_default_accelerator(capsys, tmp_path):
+    """The catalog's documented ``[cluster] gpu`` is what a plan prices when --gpu is not
+    given (the flag's own default once hid it); --gpu still wins over it."""
+    args = ["plan", "--model", "llama3-8b", "--gpus", "8", "--seq", "4096",
+            "--global-batch-tokens", str(16 * 4096), "--layout",
+            "dp_shard=8,zero_stage=3,micro_batch=1,microbatches=2", "--json"]
+    path = tmp_path / "hw.toml"
+    path.write_text('[cluster]\ngpu = "A100-80GB"\n')
+    steps = {}
+    for name, extra in [("H100", []), ("A100", ["--gpu", "A100-80GB"]),
+                        ("file", ["--hardware", str(path)]),
+                        ("flag wins", ["--hardware", str(path), "--gpu", "H100-SXM"])]:
+        assert main([*args, *extra]) == 0
+        steps[name] = json.loads(capsys.readouterr().out)["ranked"][0]["step_time_s"]
+    assert steps["file"] == steps["A100"] > steps["H100"] == steps["flag wins"]
+    path.write_text("[cluster]\ngpu = 5\n")
+    assert main([*args, "--hardware", str(path)]) == 2
+    assert "[cluster] gpu = 5: must be an accelerator's name" in capsys.readouterr().err
+
+
 # ----- topology flags -----------------------------------------------------------------------
 
 PLAN = ["plan", "--model", "llama3-8b", "--gpus", "64", "--seq", "4096",
