@@ -370,15 +370,18 @@ def _check_output(path: str) -> None:
         raise UsageError("-o", f"{path}: not writable")
 
 
-def _check_size(pp: int, microbatches: int, chunks: int, which: str) -> None:
+def _check_size(pp: int, microbatches: int, chunks: int, which: str,
+                file: str | None = None) -> None:
     """Refuse a step larger than ``MAX_STEP_CELLS`` ranks x microbatches x stages per rank
-    (``which`` says where the stages per rank come from)."""
+    (``which`` says where the stages per rank come from; ``file``: the schedule file that
+    holds the step, named instead of the flags)."""
     cells = pp * microbatches * chunks
     if cells > MAX_STEP_CELLS:
-        raise UsageError("--pp", f"--pp {pp} x --microbatches {microbatches} x {chunks} stages"
-                         f" per rank ({which}) = {cells:,}: at most {MAX_STEP_CELLS:,} (a larger"
-                         " step takes minutes to build; published pipelines have p <= 128,"
-                         " m <= 4096)")
+        sizes = (f"{pp} ranks x {microbatches} microbatches" if file else
+                 f"--pp {pp} x --microbatches {microbatches}")
+        raise UsageError(file or "--pp", f"{sizes} x {chunks} stages per rank ({which}) ="
+                         f" {cells:,}: at most {MAX_STEP_CELLS:,} (a larger step takes minutes"
+                         " to build; published pipelines have p <= 128, m <= 4096)")
 
 
 def _view(args: argparse.Namespace, schedule: Schedule, default: str) -> str:
@@ -470,6 +473,8 @@ def _load_file(args: argparse.Namespace) -> Schedule:
         raise UsageError(args.name, f"num_microbatches={schedule.num_microbatches} x"
                          f" {schedule.stages_per_route} stages = {needed:,} forwards, but the file"
                          f" has {forwards:,} F actions (every stage runs F once per microbatch)")
+    _check_size(schedule.pp_size, schedule.num_microbatches, schedule.chunks_per_rank,
+                "the file's", file=args.name)
     return schedule
 
 

@@ -151,6 +151,9 @@ class StageCosts:
             if value is None:
                 continue
             if key == "activation":
+                if not isinstance(value, (list, tuple)):  # a number or a string would iterate
+                    raise ValueError(f"activation: expected a list of one number per stage, got"
+                                     f" {value!r:.40}")
                 options[key] = tuple(_number(v, f"activation[{n}]") for n, v in enumerate(value))
             else:
                 options[key] = _number(value, key)
@@ -169,7 +172,10 @@ class StageCosts:
         if path.endswith(".json"):
             data = loads_json(text)
         else:
-            rows = list(csv.DictReader(io.StringIO(text, newline="")))
+            try:
+                rows = list(csv.DictReader(io.StringIO(text, newline="")))
+            except csv.Error as err:  # e.g. a cell past the csv module's 128 KiB field limit
+                raise ValueError(f"{path}: not a readable CSV ({err})") from None
             data = {"stages": rows}
             if rows and rows[0].get("activation") not in (None, ""):
                 data["activation"] = [_number(row["activation"], "activation") for row in rows]

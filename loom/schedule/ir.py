@@ -250,7 +250,16 @@ class Schedule:
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages ``rank`` owns, in increasing order."""
-        return tuple(stage for stage, owner in enumerate(self.placement) if owner == rank)
+        return self._stages_by_rank.get(rank, ())
+
+    @cached_property
+    def _stages_by_rank(self) -> dict[int, tuple[int, ...]]:
+        """rank -> its stages, built once: a scan of the placement per rank made a file of
+        many ranks quadratic (200,000 ranks: minutes)."""
+        stages: dict[int, list[int]] = {}
+        for stage, owner in enumerate(self.placement):
+            stages.setdefault(owner, []).append(stage)
+        return {rank: tuple(owned) for rank, owned in stages.items()}
 
     def rank_of(self, stage: int) -> int:
         """The rank that owns ``stage``."""
@@ -368,11 +377,24 @@ class Schedule:
         rows = _json_list(data, "actions")
         if not all(isinstance(row, list) and all(isinstance(t, str) for t in row) for row in rows):
             raise ValueError("actions must be a list of rows (one per rank) of action strings")
+        num_stages = _json_int(data, "num_stages")
+        num_microbatches = _json_int(data, "num_microbatches")
+        for key, count in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+            if count < 1:
+                raise ValueError(f"{key}={count}: must be >= 1")
+        actions = tuple(tuple(Action.parse(t) for t in row) for row in rows)
+        for rank, row in enumerate(actions):
+            # out-of-range actions are the validator's to report, but on a grid of the declared
+            # size: a stage of 10**20 would size it (or overflow an index) first
+            for action in row:
+                if not (action.stage < num_stages and action.microbatch < num_microbatches):
+                    raise ValueError(f"actions: rank {rank}'s {action} is outside num_stages="
+                                     f"{num_stages}, num_microbatches={num_microbatches}")
         return cls(
-            num_stages=_json_int(data, "num_stages"),
-            num_microbatches=_json_int(data, "num_microbatches"),
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
             placement=tuple(_json_ints(data, "placement")),
-            actions=tuple(tuple(Action.parse(t) for t in row) for row in rows),
+            actions=actions,
             name=str(data.get("name", "custom")),
             num_routes=_json_int(data, "num_routes", 1),
             routes=tuple(_json_ints(data, "routes", [])),
@@ -437,9 +459,13 @@ class Schedule:
         if isinstance(source, (str, os.PathLike)):
             if name is None:
                 name = os.path.splitext(os.path.basename(os.fspath(source)))[0] or "torch_csv"
-            rows = list(csv.reader(io.StringIO(read_input_text(source), newline="")))
+            text = io.StringIO(read_input_text(source), newline="")
         else:
-            rows = list(csv.reader(source))
+            text = source
+        try:
+            rows = list(csv.reader(text))
+        except csv.Error as err:  # e.g. a cell past the csv module's 128 KiB field limit
+            raise ValueError(f"not a readable CSV ({err})") from None
         name = "torch_csv" if name is None else name
         return from_torch_rows(rows, num_microbatches=num_microbatches, name=name)
 

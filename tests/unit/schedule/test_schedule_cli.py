@@ -253,7 +253,11 @@ def test_a_chart_drawn_from_a_csv_is_titled_with_the_schedules_name(capsys, tmp_
 @pytest.mark.parametrize("content", ['[{"F": 1, "I": 1, "W": 1}]', '{"stages": [[1, 1, 1]]}',
                                      '{"stages": [{"F": NaN, "I": 1, "W": 1}]}',
                                      '{"stages": [{"F": 1e308, "I": 1, "W": 1}]}',
-                                     '{"stages": [{"F": true, "I": 1, "W": 1}]}', '{"stages": 3}'])
+                                     '{"stages": [{"F": true, "I": 1, "W": 1}]}', '{"stages": 3}',
+                                     # a number or a string where a list belongs (5 raised
+                                     # TypeError; "11" was read as the list [1, 1])
+                                     '{"stages": [{"F": 1, "I": 1, "W": 1}], "activation": 5}',
+                                     '{"stages": [{"F": 1, "I": 1, "W": 1}], "activation": "11"}'])
 def test_a_hostile_cost_file_is_one_line_naming_it(capsys, tmp_path, content):
     path = tmp_path / "costs.json"
     path.write_text(content)
@@ -270,6 +274,11 @@ def test_a_hostile_cost_file_is_one_line_naming_it(capsys, tmp_path, content):
     ({"actions": [[1], [2]]}, "actions must be a list of rows"),
     # a step the file's actions cannot hold would only make the checks run for ever
     ({"num_microbatches": 10**12}, "num_microbatches=1000000000000 x 2 stages"),
+    # counts and actions outside the declared grid (tracebacks in the validator's grid before)
+    ({"num_microbatches": -5}, "num_microbatches=-5: must be >= 1"),
+    ({"num_stages": 0, "placement": []}, "num_stages=0: must be >= 1"),
+    ({"actions": [["100000000000000000000F0"], ["1F0"]]},
+     "rank 0's 100000000000000000000F0 is outside num_stages=2"),
 ])
 def test_a_hostile_schedule_file_is_one_line_naming_the_field(capsys, tmp_path, change, message):
     data = {**get("1f1b")(2, 4).to_dict(), **change}
@@ -277,6 +286,37 @@ def test_a_hostile_schedule_file_is_one_line_naming_the_field(capsys, tmp_path, 
     path.write_text(json.dumps(data))
     code, _, err = run(capsys, "simulate", str(path))
     assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_a_schedule_csv_with_a_huge_cell_is_one_line(capsys, tmp_path):
+    """A cell past the csv module's 128 KiB limit raised its own error."""
+    huge_cell = tmp_path / "cell.csv"
+    huge_cell.write_text("0F0," + "x" * 200_000 + "\n1F0,1B0\n")
+    code, _, err = run(capsys, "show", str(huge_cell))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert str(huge_cell) in err and "not a readable CSV" in err, err
+    code, _, err = run(capsys, "simulate", "gpipe", "--pp", "2", "-m", "2", "--cost-file",
+                       str(huge_cell))
+    assert code == 2 and "--cost-file" in err and "not a readable CSV" in err, err
+
+
+@pytest.mark.timeout(30)
+def test_a_schedule_file_of_many_ranks_is_read_in_linear_time(capsys, tmp_path):
+    """``stages_of`` scanned the whole placement for every rank: 20,000 ranks took 9 s here,
+    40,000 would take about 36 s; now a few."""
+    many = tmp_path / "many.csv"
+    many.write_text("".join(f"{r}F0,{r}B0\n" for r in range(40_000)))
+    code, out, err = run(capsys, "show", str(many))
+    assert code == 0 and "40000 ranks" in out, err
+
+
+def test_a_schedule_file_is_held_to_the_families_step_size():
+    """A file is refused past ``MAX_STEP_CELLS`` as a family is, naming the file."""
+    from loom.pipeline.cli import MAX_STEP_CELLS, UsageError, _check_size
+
+    _check_size(MAX_STEP_CELLS, 1, 1, "the file's", file="many.csv")
+    with pytest.raises(UsageError, match=r"^many.csv: 400000 ranks x 3 microbatches x 1 stages"):
+        _check_size(400_000, 3, 1, "the file's", file="many.csv")
 
 
 def test_a_broken_schedule_file_is_one_line_and_the_grid_on_request(capsys, tmp_path):
