@@ -15,6 +15,12 @@ from loom.schedule.offload import insert_offload
 from loom.schedule.paths import SKIPPIPE, skip_count
 from loom.schedule.select import ChunksError, SEARCH, parse_search_costs, schedule_for
 
+# ``loom.pipeline.partition`` splits the layers by an exact dynamic program of about
+# stages x (layers - stages + 1)^2 steps a pass (two passes), ~3 x 10^6 a second in Python: past
+# this the split alone takes minutes. Real models are far below it (128 layers on 2 stages:
+# 3 x 10^4; 1,000 on 2: 2 x 10^6).
+MAX_PARTITION_STEPS = 2 * 10**7
+
 if TYPE_CHECKING:  # the rules read a config; loom.config imports them to run them in resolve()
     from loom.config import Config
 
@@ -369,6 +375,12 @@ def validate_schedule(config: Config) -> None:
                           f"{model_stages} stages (pp = {par.pp} x"
                           f" {schedule.chunks_per_rank} per rank{copies}) need model.n_layers >="
                           f" {model_stages}, got {m.n_layers} (one layer per stage)")
+    steps = model_stages * (m.n_layers - model_stages + 1) ** 2
+    if steps > MAX_PARTITION_STEPS:
+        raise ConfigError("model.n_layers", m.n_layers,
+                          f"split over {model_stages} pipeline stages, the exact layer partition"
+                          f" takes {steps:.1e} steps (minutes); at most {MAX_PARTITION_STEPS:.0e}"
+                          " (stages x (layers - stages + 1)^2): fewer layers or more stages")
     if schedule.num_routes > 1 and par.vocab_parallel_pp:
         raise ConfigError("parallel.schedule", par.schedule, "parallel.vocab_parallel_pp needs one"
                           " route through the stages (the output layer follows the last stage);"

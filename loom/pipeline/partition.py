@@ -76,26 +76,30 @@ def partition(
         # best[s][j]: the optimum placing layers 0..j-1 on stages 0..s-1; cut[s][j] is where
         # stage s-1 starts in it. Without ``limit`` the objective is the largest stage cost;
         # with it, the sum of squared stage costs among splits whose stages all stay <= limit.
+        # Only j in s..s + width - 1 can be reached (every stage non-empty), so the tables hold
+        # that band, at j - s: full rows were n_stages x n_layers (8,192 of each: 0.5 GB).
         inf = float("inf")
-        best = [[inf] * (n_layers + 1) for _ in range(n_stages + 1)]
-        cut = [[0] * (n_layers + 1) for _ in range(n_stages + 1)]
+        width = n_layers - n_stages + 1
+        best = [[inf] * width for _ in range(n_stages + 1)]
+        cut = [[0] * width for _ in range(n_stages + 1)]
         best[0][0] = 0.0
         for s in range(1, n_stages + 1):
-            for j in range(s, n_layers - (n_stages - s) + 1):
+            previous, row, cuts = best[s - 1], best[s], cut[s]
+            for j in range(s, s + width):
                 for i in range(s - 1, j):
                     cost = cost_of(s - 1, i, j)
                     if limit is None:
-                        value = max(best[s - 1][i], cost)
+                        value = max(previous[i - s + 1], cost)
                     elif cost <= limit:
-                        value = best[s - 1][i] + cost * cost
+                        value = previous[i - s + 1] + cost * cost
                     else:
                         continue
-                    if value < best[s][j] - 1e-12:
-                        best[s][j], cut[s][j] = value, i
+                    if value < row[j - s] - 1e-12:
+                        row[j - s], cuts[j - s] = value, i
         bounds = [n_layers]
         for s in range(n_stages, 0, -1):
-            bounds.append(cut[s][bounds[-1]])
-        return best[n_stages][n_layers], bounds[::-1]
+            bounds.append(cut[s][bounds[-1] - s])
+        return best[n_stages][width - 1], bounds[::-1]
 
     # Two passes: the smallest largest stage, then, among the splits that reach it, the most even
     # one (least sum of squares), so stages the bottleneck does not constrain are not lopsided.

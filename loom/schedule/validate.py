@@ -159,11 +159,11 @@ def memory_profile(schedule: Schedule, rank: int) -> tuple[Fraction, ...]:
     return tuple(Fraction(level, unit) for level in levels)
 
 
-def _weights(schedule: Schedule, rank: int) -> tuple[list[int], int]:
+def _weights(schedule: Schedule, rank: int) -> tuple[tuple[int, ...], int]:
     """Every stage's weight in units of 1/unit, unit the common denominator of ``rank``'s."""
     weights = schedule.stage_weights
     unit = math.lcm(*(weights[stage].denominator for stage in schedule.stages_of(rank)))
-    return [int(weight * unit) for weight in weights], unit
+    return schedule.scaled_stage_weights(unit), unit
 
 
 def peak_memory(schedule: Schedule) -> tuple[float, ...]:

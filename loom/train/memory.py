@@ -266,7 +266,7 @@ def _timelines(config: Config) -> list[_Timeline]:
     out = []
     for rank in range(lay.pp):
         row = schedule.actions[rank]
-        ids = [s for s, r in enumerate(schedule.placement) if r == rank]
+        ids = schedule.stages_of(rank)
         last_piece = {}  # (stage, microbatch) -> its last backward piece: frees its activations
         for index, action in enumerate(row):
             if action.op in (Op.W, Op.B):

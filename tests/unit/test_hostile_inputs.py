@@ -176,3 +176,22 @@ def test_a_prepared_manifest_with_hostile_counts_is_refused(tmp_path, change):
         (tmp_path / INDEX_FILE).write_bytes(bytes(max(int(docs) + 1, 0) * 8))
     with pytest.raises(ConfigError, match="data.source"):
         PreparedData.open(Path(tmp_path), str(tmp_path))
+
+
+@pytest.mark.timeout(30)
+def test_a_deep_pipeline_is_estimated_in_seconds(capsys):
+    """Every rank's memory profile rescaled every stage's weight, and the layer partition held
+    stages x layers tables (8,192 ranks: 73 s and 0.5 GB here); now the weights are scaled once
+    per schedule and the tables hold the reachable band."""
+    code = cli.main(["estimate-memory", "--nproc=8192", "--parallel.pp=8192",
+                     "--model.n_layers=8192"])
+    assert code == 0 and "pipeline rank" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("pp, layers", [(1000, 2000), (2, 4000)])
+def test_a_layer_split_that_would_take_minutes_is_refused(capsys, pp, layers):
+    """The exact partition is a dynamic program of stages x (layers - stages + 1)^2 steps."""
+    err = refusal(capsys, ["estimate-memory", f"--nproc={pp}", f"--parallel.pp={pp}",
+                           f"--model.n_layers={layers}"])
+    assert f"model.n_layers={layers}" in err and "exact layer partition" in err
