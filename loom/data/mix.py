@@ -51,9 +51,9 @@ class MixEntry:
 def parse_mix(spec: str) -> list[MixEntry]:
     """``"path_a:0.7,path_b:0.3"`` -> entries; ConfigError naming ``data.mix`` for a malformed
     entry, a weight that is not a finite number or is negative, weights that do not sum to a
-    positive number, or a positive weight too small to get one sample in ``BLOCK``. The paths are
-    not looked at (``check_mix_paths``). A path may hold ':' (the weight is after the last one),
-    not ','."""
+    positive finite number, or a positive weight too small to get one sample in ``BLOCK``. The
+    paths are not looked at (``check_mix_paths``). A path may hold ':' (the weight is after the
+    last one), not ','."""
     entries = []
     for raw in spec.split(","):
         item = raw.strip()
@@ -75,6 +75,9 @@ def parse_mix(spec: str) -> list[MixEntry]:
     total = sum(e.weight for e in entries)
     if total <= 0:
         raise ConfigError("data.mix", spec, "the weights must sum to a positive number")
+    if not math.isfinite(total):  # every share would be w / inf = 0: the quotas a tie-break
+        raise ConfigError("data.mix", spec, "the weights sum past the largest float; scale them"
+                          " down (only their ratios matter)")
     quotas = block_quotas([e.weight for e in entries])
     for entry, quota in zip(entries, quotas):
         if entry.weight > 0 and quota == 0:

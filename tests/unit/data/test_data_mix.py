@@ -37,6 +37,8 @@ def test_parse_mix_reads_paths_and_weights():
     ("a:-0.5,b:1", "is negative"),
     ("a:0,b:0", "sum to a positive number"),
     ("a:1,b:0.00001", "below 1/10000"),
+    # each finite, the sum not: every share w / inf was 0 and the quotas a tie-break (50/50)
+    ("a:1.7e308,b:1e308", "sum past the largest float"),
 ])
 def test_malformed_mixes_are_refused_naming_data_mix(spec, words):
     with pytest.raises(ConfigError, match=words) as err:

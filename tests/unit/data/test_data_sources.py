@@ -131,3 +131,26 @@ def test_importing_loom_data_does_not_import_datasets():
     code = "import sys, loom.data; assert 'datasets' not in sys.modules, 'datasets imported'"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_record_nested_past_the_json_limit_is_refused_not_a_crash(tmp_path):
+    """pyarrow's JSON reader recurses on the C stack: a record nested 10^5 deep killed the
+    process (segfault). It is refused naming the file and line before pyarrow sees it; brackets
+    inside strings (a code corpus is full of them) are not nesting. In a subprocess, so that a
+    crash fails this test and not the run."""
+    deep = '{"text": "b", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    brackets = '{"text": "' + "[{" * 5_000 + '"}'
+    (tmp_path / "deep.jsonl").write_text(f'{{"text": "a"}}\n{brackets}\n{deep}\n')
+    (tmp_path / "fine.jsonl").write_text(f'{{"text": "a"}}\n{brackets}\n')
+    script = ("import sys; from loom.data.sources import check_text_field, resolve_source\n"
+              "from loom.errors import ConfigError\n"
+              "try:\n    check_text_field(resolve_source(sys.argv[1]), 'text')\n"
+              "except ConfigError as err:\n    print(err)\n    sys.exit(2)\n")
+    runs = {name: subprocess.run([sys.executable, "-c", script, str(tmp_path / name)],
+                                 capture_output=True, text=True, timeout=120)
+            for name in ("deep.jsonl", "fine.jsonl")}
+    assert runs["fine.jsonl"].returncode == 0, runs["fine.jsonl"].stderr
+    refused = runs["deep.jsonl"]
+    assert refused.returncode == 2, (refused.returncode, refused.stderr[-500:])
+    assert "data.source" in refused.stdout and "deep.jsonl line 3 nests deeper than 1000" in \
+        refused.stdout, refused.stdout
