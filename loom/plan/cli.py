@@ -46,6 +46,8 @@ from loom.sim.outer_cost import Sites, price_modes, recommend
 from loom.sim.varlen_cost import load_length_distribution
 
 EXIT_BAD_INPUT = 2
+# far above any cluster (published runs reach 16,384 to ~10^5 accelerators)
+MAX_GPUS = 10**7
 DEFAULT_GPU = "H100-SXM"  # assumed where neither --gpu nor a --hardware [cluster] names one
 
 
@@ -257,6 +259,8 @@ def _cluster(args: argparse.Namespace):
         args.gpus = args.gpus or args.nproc or gpu.gpus_per_node
     if not args.gpus or args.gpus < 1:
         raise PlanInputError(f"--gpus {args.gpus}: required, >= 1")
+    if args.gpus > MAX_GPUS:  # the layouts are the divisors of it: 10^21 searched for ever
+        raise PlanInputError(f"--gpus {args.gpus}: at most {MAX_GPUS:,}")
     if args.nics_per_node < 0:
         raise PlanInputError(f"--nics-per-node {args.nics_per_node}: must be >= 0")
     return make_cluster(args.gpu, args.gpus,

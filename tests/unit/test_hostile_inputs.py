@@ -195,3 +195,11 @@ def test_a_layer_split_that_would_take_minutes_is_refused(capsys, pp, layers):
     err = refusal(capsys, ["estimate-memory", f"--nproc={pp}", f"--parallel.pp={pp}",
                            f"--model.n_layers={layers}"])
     assert f"model.n_layers={layers}" in err and "exact layer partition" in err
+
+
+@pytest.mark.timeout(30)
+def test_plan_refuses_more_accelerators_than_any_cluster(capsys):
+    """The layouts are the divisors of --gpus: 10^15 took 10 s here, 10^21 ran for ever."""
+    err = refusal(capsys, ["plan", "--model", "tiny", "--gpu", "A100-80GB", "--seq", "256",
+                           "--global-batch-tokens", "4096", "--gpus", str(10 ** 21)])
+    assert f"--gpus {10 ** 21}: at most 10,000,000" in err
