@@ -48,6 +48,20 @@ from loom.train.memory import GiB, check_memory_limit, device_limit_bytes, estim
 EXIT_CONFIG_ERROR = 2
 
 
+def _launcher_count(name: str, default: int | None) -> int:
+    """A count the external launcher sets in the environment (``WORLD_SIZE``...): a whole
+    number >= 1, else ConfigError naming the variable (``default`` when it may be unset)."""
+    raw = os.environ.get(name)
+    if raw is None and default is not None:
+        return default
+    value = int(raw) if raw is not None and raw.strip().isascii() and \
+        raw.strip().isdigit() else 0
+    if value < 1:
+        raise ConfigError(f"environment {name}", raw, "must be a whole number >= 1 (the"
+                          " launcher sets it)")
+    return value
+
+
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
     try:
         if args.nproc < 1:
@@ -59,7 +73,8 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
             overrides["checkpoint.resume"] = args.resume
         config = load_config(args.config, overrides)
         external = under_external_launcher()
-        world_size = int(os.environ["WORLD_SIZE"]) if external else args.nproc
+        world_size = _launcher_count("WORLD_SIZE", None) if external else args.nproc
+        local_ranks = _launcher_count("LOCAL_WORLD_SIZE", 1) if external else args.nproc
         config = resolve(config, world_size)
         cluster = _emulated_cluster(args, world_size, external)
         tr = config.train
@@ -79,7 +94,6 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         print(to_toml(config), end="")
         return 0
     # before anything is written or started; the host's memory is shared by this node's ranks
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if external else args.nproc
     refusal = check_memory_limit(config, local_ranks)
     if refusal:
         print(f"loom train: {refusal}", file=sys.stderr)

@@ -203,3 +203,21 @@ def test_plan_refuses_more_accelerators_than_any_cluster(capsys):
     err = refusal(capsys, ["plan", "--model", "tiny", "--gpu", "A100-80GB", "--seq", "256",
                            "--global-batch-tokens", "4096", "--gpus", str(10 ** 21)])
     assert f"--gpus {10 ** 21}: at most 10,000,000" in err
+
+
+@pytest.mark.parametrize("env, name", [
+    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE"), ({"WORLD_SIZE": "0"}, "WORLD_SIZE"),
+    ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "-1"}, "LOCAL_WORLD_SIZE"),
+    ({}, "WORLD_SIZE"),  # a launcher's run id without the world size
+])
+def test_train_under_a_launcher_refuses_a_broken_environment(capsys, monkeypatch, tmp_path, env,
+                                                             name):
+    """Under torchrun the counts come from the environment; int() of them was a traceback."""
+    for key in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "hostile")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    err = refusal(capsys, ["train", "--dry-run", f"--train.run_dir={tmp_path / 'run'}"])
+    assert f"environment {name}=" in err and "whole number >= 1" in err
+    assert not (tmp_path / "run").exists()
