@@ -145,8 +145,8 @@ def _check_json_depth(src: Source) -> None:
     deeper than ``MAX_JSON_DEPTH`` (pyarrow parses each line on its own; a document spread over
     lines fails there with an error, not a crash). Only a line with more opening brackets than
     the limit can nest that deep, and only such a line is parsed, by Python's json module, whose
-    C parser stops at its recursion limit with an exception: ~0.4 s per 100 MB of text here,
-    against ~0.5 s for pyarrow's parse of it."""
+    C parser stops at its recursion limit with an exception. It reads the file once more, in
+    about the time pyarrow's own parse takes (``bench/json_depth_check.py``)."""
     for file in src.files:
         line_number = 0
         with open(file.path, "rb") as handle:
