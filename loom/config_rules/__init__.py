@@ -36,7 +36,7 @@ from loom.data.corpus import STDLIB_SOURCE
 from loom.data.tokenizer import tokenizer_vocab_size
 from loom.errors import ConfigError, suggest
 from loom.layout import FP8_RECIPES, CPLayout, check_layout
-from loom.models.args import MAX_LAYERS
+from loom.models.args import MAX_LAYERS, MAX_SEQ_LEN
 
 if TYPE_CHECKING:  # the rules read a config; loom.config imports them to run them in resolve()
     from loom.config import Config
@@ -58,6 +58,9 @@ def validate_model_shape(config: Config) -> None:
                                "model.vocab_multiple"])
     if m.n_layers > MAX_LAYERS:
         raise ConfigError("model.n_layers", m.n_layers, f"must be <= {MAX_LAYERS:,}")
+    if m.max_seq_len > MAX_SEQ_LEN:
+        raise ConfigError("model.max_seq_len", m.max_seq_len, f"must be <= {MAX_SEQ_LEN:,}"
+                          " (every rank builds RoPE tables of that many positions)")
     require_divisible("model.n_heads", m.n_heads, m.n_kv_heads, "model.n_kv_heads")
     if not (math.isfinite(m.norm_eps) and m.norm_eps > 0):  # RMSNorm: x / sqrt(mean(x^2) + eps)
         raise ConfigError("model.norm_eps", m.norm_eps, "must be a finite number > 0")

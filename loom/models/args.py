@@ -18,6 +18,10 @@ MLP_MATRICES = {"swiglu": 3, "gelu": 2}
 # Far beyond any real model; what walks the layers one by one (weight names, the memory
 # estimators) refuses more, so a hostile config never hangs or exhausts memory.
 MAX_LAYERS = 100_000
+# Every rank builds RoPE tables of max_seq_len x head_dim / 2 angles (fp64, then fp32 cos and
+# sin), so the length bounds that memory: 2^24 positions (above the longest published context,
+# ~10^7) is already 8 GiB of tables at head_dim 128; 10^12 asked for petabytes in every worker.
+MAX_SEQ_LEN = 2**24
 
 
 @dataclass(frozen=True)

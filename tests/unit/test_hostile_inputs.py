@@ -37,6 +37,8 @@ def refusal(capsys, argv: list[str]) -> str:
     ("--train.threads=5000", "train.threads", "<= 4096"),
     (f"--train.threads={10 ** 30}", "train.threads", "64-bit integer"),
     (f"--train.steps={10 ** 19}", "train.steps", "64-bit integer"),
+    # every rank builds RoPE tables of max_seq_len positions: 10^12 asked for petabytes
+    (f"--model.max_seq_len={10 ** 12}", "model.max_seq_len", "<= 16,777,216"),
 ])
 def test_train_refuses_values_its_workers_could_not_take(capsys, tmp_path, override, field, rule):
     err = refusal(capsys, ["train", "--dry-run", f"--train.run_dir={tmp_path / 'run'}",
