@@ -333,11 +333,16 @@ def full_stage_costs(costs: StageCosts, schedule: Schedule) -> StageCosts:
         raise ValueError(f"full-stage costs: give one F,I,W for every rank or one per rank "
                          f"({pp}), got {len(costs.stages)}")
     stages = []
+    made: dict[tuple[int, Fraction], OpCosts] = {}  # by (rank's entry, share): computed once
     for stage, rank in enumerate(schedule.placement):
-        full = costs.stages[0] if len(costs.stages) == 1 else costs.stages[rank]
+        entry = 0 if len(costs.stages) == 1 else rank
         share = schedule.stage_weight(stage)
-        stages.append(OpCosts(*(None if x is None else _scaled(x, share)
-                                for x in (full.f, full.i, full.w, full.b))))
+        scaled = made.get((entry, share))
+        if scaled is None:
+            full = costs.stages[entry]
+            scaled = made[entry, share] = OpCosts(*(None if x is None else _scaled(x, share)
+                                                    for x in (full.f, full.i, full.w, full.b)))
+        stages.append(scaled)
     return dataclasses.replace(costs, stages=tuple(stages))
 
 

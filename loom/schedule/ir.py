@@ -85,13 +85,22 @@ class Op(str, enum.Enum):
 _ACTION_PATTERN = re.compile(r"^(\d+)([FIWBORST])(\d+)$")
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, init=False)
 class Action:
     """One compute step: run ``op`` of ``stage`` on ``microbatch``. ``str()`` gives ``2F0``."""
 
     stage: int
     op: Op
     microbatch: int
+
+    def __init__(self, stage: int, op: Op, microbatch: int) -> None:
+        # What the frozen dataclass's own __init__ does (three ``object.__setattr__``), written
+        # straight into the instance dict: the same object, built in under half the time (the
+        # families build ~10^5 of them per schedule at p = 32, m = 256).
+        fields = self.__dict__
+        fields["stage"] = stage
+        fields["op"] = op
+        fields["microbatch"] = microbatch
 
     def __str__(self) -> str:
         return f"{self.stage}{self.op.value}{self.microbatch}"

@@ -121,13 +121,21 @@ def to_ints(values: list) -> tuple[list, int | None]:
             else values), scale
 
 
-def from_ints(rows: list[list[int]], scale: int | None) -> list[list[Number]]:
+def from_ints(rows: list[list[int]], scale: int | None, cache: dict | None = None
+              ) -> list[list[Number]]:
     """The inverse of ``to_ints`` for rows of numbers computed from them: ``Fraction(x, scale)``
     (exact; ratios of them stay exact), or as they are for scale 1 or None. Each distinct value is
-    converted once: most recur (a rank's start is often its last finish)."""
+    converted once: most recur (a rank's start is often its last finish). ``cache``: value ->
+    its Fraction at this ``scale``, kept across calls (``simulate``'s memory curve has the
+    timeline's times), filled as values come."""
     if scale is None or scale == 1:
         return rows
-    exact = {value: Fraction(value, scale) for value in {value for row in rows for value in row}}
+    values = {value for row in rows for value in row}
+    if cache is None:
+        exact = {value: Fraction(value, scale) for value in values}
+    else:
+        exact = cache
+        exact.update({value: Fraction(value, scale) for value in values.difference(exact)})
     return [[exact[value] for value in row] for row in rows]
 
 

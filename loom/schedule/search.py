@@ -91,7 +91,8 @@ from typing import Any
 
 from loom.schedule.ir import Schedule
 from loom.schedule.families import get, names
-from loom.schedule.families.zero_bubble import interleaved_zb
+from loom.schedule.families.interleaved import interleaved_1f1b, interleaved_1f1b_rows
+from loom.schedule.families.zero_bubble import interleaved_zb, interleaved_zb_rows
 from loom.schedule.periodic import extend
 from loom.schedule.replay import (EPS, B, F, I, W, Costs, Row, Score, decode, encode, peak_units,
                                   score)
@@ -453,6 +454,9 @@ class _FamilySeed:
 
     label: str
     make: Callable[[int, int], Schedule]
+    # the same order as ``placement, encode(rows)`` without the Action objects, where the family
+    # has that form (``families.zero_bubble.interleaved_zb_rows``): what the pricing needs
+    rows: Callable[[int, int], tuple[tuple[int, ...], list[Row]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -464,6 +468,8 @@ class _GreedySeed:
 
 
 _Seed = _FamilySeed | _GreedySeed
+# families that also build their rows directly (``_FamilySeed.rows``)
+_CODED: dict[Callable, Callable] = {interleaved_1f1b: interleaved_1f1b_rows}
 
 
 def _seed_list(allowed: list[Place]) -> list[_Seed]:
@@ -474,27 +480,40 @@ def _seed_list(allowed: list[Place]) -> list[_Seed]:
     seeds = []
     for family in sorted(names(), key=lambda f: (_FAMILY_ORDER + [f]).index(f)):
         generator = get(family)
+        coded = _CODED.get(generator)
         if "chunks" in inspect.signature(generator).parameters:
-            seeds += [_FamilySeed(f"{family}(v={v})", functools.partial(generator, chunks=v))
+            seeds += [_FamilySeed(f"{family}(v={v})", functools.partial(generator, chunks=v),
+                                  coded and functools.partial(coded, chunks=v))
                       for v in range(1, top + 1)]  # one chunk too: not always the 1F1B order
         else:
             seeds.append(_FamilySeed(family, generator))
-    seeds += [_FamilySeed(f"interleaved_zb(v={v})", functools.partial(interleaved_zb, chunks=v))
+    seeds += [_FamilySeed(f"interleaved_zb(v={v})", functools.partial(interleaved_zb, chunks=v),
+                          functools.partial(interleaved_zb_rows, chunks=v))
               for v in range(2, top + 1)]
     seeds += [_GreedySeed(f"greedy:{_label(place)}:{Knobs().label()}", place)
               for place in allowed if place[0] == "wave"]
     return seeds
 
 
-def _made(seed: _Seed, problem: _Problem, allowed: list[Place], limit: float
-          ) -> tuple[Place, list[Row], float, Schedule | None] | None:
+def _made(seed: _Seed, problem: _Problem, allowed: list[Place], limit: float,
+          rows_only: bool = False) -> tuple[Place, list[Row], float, Schedule | None] | None:
     """The seed's placement, integer rows, peak units and (a family's) schedule on ``problem``;
     None when it does not take these sizes, lands on a placement that is not allowed, or (a
-    list-scheduled seed) cannot be built."""
+    list-scheduled seed) cannot be built. ``rows_only``: no schedule where the family builds
+    the rows directly (the search decodes the winner's rows: the same schedule)."""
     if isinstance(seed, _GreedySeed):
         made = list_schedule(problem.layout(seed.place), problem.microbatches,
                              problem.fast(seed.place), limit, Knobs())
         return None if made is None else (seed.place, made[0], made[2], None)
+    if rows_only and seed.rows is not None:
+        try:
+            layout, rows = seed.rows(problem.pp, problem.microbatches)
+        except ValueError:
+            return None
+        place = place_of(layout)
+        if place not in allowed:
+            return None
+        return place, rows, _peak(rows, layout), None
     try:
         schedule = seed.make(problem.pp, problem.microbatches)
     except ValueError:
@@ -545,7 +564,7 @@ def _seed(problem: _Problem, allowed: list[Place], limit: float, budget: Budget,
     for seed in seeds:
         if priced >= MIN_SEEDS and (budget.late() or (screened and share.exhausted())):
             break
-        made = _made(seed, problem, allowed, limit)
+        made = _made(seed, problem, allowed, limit, rows_only=True)
         if made is None:
             continue
         place, rows, peak, schedule = made
@@ -577,7 +596,7 @@ def _screened(seeds: list[_Seed], problem: _Problem, allowed: list[Place], limit
     busy, small_busy = _busiest(problem.costs), _busiest(costs)
     keyed = []
     for n, seed in enumerate(seeds):
-        made = _made(seed, copy, allowed, small_limit)
+        made = _made(seed, copy, allowed, small_limit, rows_only=True)
         estimate, fits = float("inf"), False
         if made is not None:
             place, rows, peak, _ = made

@@ -205,7 +205,8 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, *,
         raise deadlock_error(schedule)
     starts = replayed.start
     finishes = [replayed.finish(rank) for rank in range(len(rows))]
-    time = from_ints(starts + finishes, scale)
+    exact_times: dict = {}  # each time's Fraction, for the timeline and the memory curve
+    time = from_ints(starts + finishes, scale, exact_times)
     timeline = tuple(tuple(map(Slot._make, zip(row, time[rank], time[len(rows) + rank])))
                      for rank, row in enumerate(schedule.actions))
     curves: tuple[tuple[tuple[Number, Number], ...], ...] = ((),) * schedule.pp_size
@@ -213,7 +214,7 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, *,
     if memory:
         deltas, unit = _memory_deltas(schedule, costs)
         points = [_memory_curve(*args, deltas) for args in zip(rows, starts, finishes)]
-        times = from_ints([[t for t, _ in curve] for curve in points], scale)
+        times = from_ints([[t for t, _ in curve] for curve in points], scale, exact_times)
         raw = [[level for _, level in curve] for curve in points]
         levels = from_ints(raw, unit)
         curves = tuple(tuple(zip(*pair)) for pair in zip(times, levels))

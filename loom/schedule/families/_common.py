@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Sequence
+from itertools import repeat
 
 from loom.schedule.ir import Action, Op, Schedule
+from loom.schedule.replay import OP_CODE, Row
 
 # A unit of work for the generators: (stage, microbatch).
 Work = tuple[int, int]
@@ -40,32 +42,41 @@ def one_forward_one_backward(
     warmup: int,
     split_backward: bool = False,
     weight_delay: int = 0,
-) -> list[Action]:
+    codes: bool = False,
+) -> list[Action] | Row:
     """One rank's 1F1B-shaped list: ``warmup`` forwards, then F,B pairs, then the last B's.
 
     With ``split_backward`` each backward is an I, and its W is emitted once ``weight_delay``
     later I's have been emitted (the zero-bubble trick: deferred W's fill bubbles); the
-    remaining W's close the list.
+    remaining W's close the list. ``codes``: the same list as ``loom.schedule.replay.encode``'s
+    integer triples (what the search prices), built without the ``Action`` objects.
     """
-    backward_op = Op.I if split_backward else Op.B
-    forward_op, weight_op = Op.F, Op.W
-    actions = [Action(stage, forward_op, mb) for stage, mb in forwards[:warmup]]
+    # codes: the replay's integer triples (stage, op code, microbatch), no Action objects
+    make = _triple if codes else Action
+    code = OP_CODE.__getitem__ if codes else (lambda op: op)
+    forward_op, weight_op = code(Op.F), code(Op.W)
+    backward_op = code(Op.I if split_backward else Op.B)
+    actions = [make(stage, forward_op, mb) for stage, mb in forwards[:warmup]]
     append = actions.append
     next_forward, total = warmup, len(forwards)
     deferred: deque[Work] = deque()
     for stage, mb in backwards:
         if next_forward < total:
             ahead, ahead_mb = forwards[next_forward]
-            append(Action(ahead, forward_op, ahead_mb))
+            append(make(ahead, forward_op, ahead_mb))
             next_forward += 1
-        append(Action(stage, backward_op, mb))
+        append(make(stage, backward_op, mb))
         if split_backward:
             deferred.append((stage, mb))
             if len(deferred) > weight_delay:
                 done, done_mb = deferred.popleft()
-                append(Action(done, weight_op, done_mb))
-    actions.extend(Action(stage, weight_op, mb) for stage, mb in deferred)
+                append(make(done, weight_op, done_mb))
+    actions.extend([make(stage, weight_op, mb) for stage, mb in deferred])
     return actions
+
+
+def _triple(*fields: int) -> tuple[int, ...]:
+    return fields
 
 
 def microbatch_groups(microbatches: int, group_size: int) -> list[range]:
@@ -108,6 +119,6 @@ def looped_work(rank: int, pp_size: int, chunks: int, groups: list[range]
     backwards: list[Work] = []
     for group in groups:
         for chunk in range(chunks):
-            forwards.extend((chunk * pp_size + rank, mb) for mb in group)
-            backwards.extend(((chunks - 1 - chunk) * pp_size + rank, mb) for mb in group)
+            forwards.extend(zip(repeat(chunk * pp_size + rank), group))  # (stage, mb) pairs
+            backwards.extend(zip(repeat((chunks - 1 - chunk) * pp_size + rank), group))
     return forwards, backwards

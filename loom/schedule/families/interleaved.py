@@ -17,12 +17,26 @@ and whenever torch accepts m the two schedules are identical.
 from __future__ import annotations
 
 from loom.schedule.ir import Schedule, looped_placement
+from loom.schedule.replay import Row
 from loom.schedule.families._common import (check_sizes, looped_work, make_schedule,
                                             microbatch_groups, one_forward_one_backward)
 
 
 def interleaved_1f1b(pp_size: int, microbatches: int, chunks: int = 2) -> Schedule:
     """Interleaved 1F1B with ``chunks`` stages per rank; valid for m >= p. Uses B."""
+    rows = _interleaved_1f1b(pp_size, microbatches, chunks, codes=False)
+    return make_schedule("interleaved_1f1b", looped_placement(pp_size, chunks), microbatches, rows)
+
+
+def interleaved_1f1b_rows(pp_size: int, microbatches: int, chunks: int = 2
+                          ) -> tuple[tuple[int, ...], list[Row]]:
+    """``interleaved_1f1b``'s placement and its rows as ``loom.schedule.replay.encode`` gives
+    them (the search prices seeds from these); the same errors."""
+    rows = _interleaved_1f1b(pp_size, microbatches, chunks, codes=True)
+    return looped_placement(pp_size, chunks), rows
+
+
+def _interleaved_1f1b(pp_size: int, microbatches: int, chunks: int, codes: bool) -> list:
     check_sizes("interleaved_1f1b", pp_size, microbatches, min_microbatches=pp_size)
     groups = microbatch_groups(microbatches, pp_size)
     rows = []
@@ -31,5 +45,6 @@ def interleaved_1f1b(pp_size: int, microbatches: int, chunks: int = 2) -> Schedu
         # The last stage (chunk v-1 on rank p-1) can start backwards once it has run its first
         # forward; each hop towards rank 0 adds one forward and one backward of delay.
         warmup = (chunks - 1) * len(groups[0]) + 2 * (pp_size - 1 - rank)
-        rows.append(one_forward_one_backward(forwards, backwards, min(warmup, len(forwards))))
-    return make_schedule("interleaved_1f1b", looped_placement(pp_size, chunks), microbatches, rows)
+        rows.append(one_forward_one_backward(forwards, backwards, min(warmup, len(forwards)),
+                                             codes=codes))
+    return rows

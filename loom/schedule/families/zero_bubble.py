@@ -28,6 +28,7 @@ torch-interop suites to cover a new name.
 from __future__ import annotations
 
 from loom.schedule.ir import Schedule, looped_placement
+from loom.schedule.replay import Row
 from loom.schedule.families._common import (check_sizes, looped_work, make_schedule,
                                             microbatch_groups, one_forward_one_backward)
 
@@ -60,6 +61,21 @@ def zb_h2(pp_size: int, microbatches: int) -> Schedule:
 def interleaved_zb(pp_size: int, microbatches: int, chunks: int = 2) -> Schedule:
     """torch's interleaved zero bubble (ZB-H1 over ``chunks`` looped stages per rank); valid for
     m >= 1. Uses I and W."""
+    rows = _interleaved_zb(pp_size, microbatches, chunks, codes=False)
+    name = "interleaved_zb" if chunks > 1 else "zb_h1"
+    return make_schedule(name, looped_placement(pp_size, chunks), microbatches, rows)
+
+
+def interleaved_zb_rows(pp_size: int, microbatches: int, chunks: int = 2
+                        ) -> tuple[tuple[int, ...], list[Row]]:
+    """``interleaved_zb``'s placement and its rows as ``loom.schedule.replay.encode`` gives them
+    (the search prices the full-size seeds from these and builds the ``Action``'s of the winner
+    only); the same errors."""
+    rows = _interleaved_zb(pp_size, microbatches, chunks, codes=True)
+    return looped_placement(pp_size, chunks), rows
+
+
+def _interleaved_zb(pp_size: int, microbatches: int, chunks: int, codes: bool) -> list:
     check_sizes("interleaved_zb", pp_size, microbatches)
     if chunks < 1:
         raise ValueError(f"interleaved_zb: chunks must be >= 1, got {chunks}")
@@ -69,6 +85,5 @@ def interleaved_zb(pp_size: int, microbatches: int, chunks: int = 2) -> Schedule
         forwards, backwards = looped_work(rank, pp_size, chunks, groups)
         warmup = (chunks - 1) * len(groups[0]) + pp_size - 1 - rank
         rows.append(one_forward_one_backward(forwards, backwards, min(warmup, len(forwards)),
-                                             split_backward=True, weight_delay=rank))
-    name = "interleaved_zb" if chunks > 1 else "zb_h1"
-    return make_schedule(name, looped_placement(pp_size, chunks), microbatches, rows)
+                                             split_backward=True, weight_delay=rank, codes=codes))
+    return rows
