@@ -77,7 +77,8 @@ def partition(
         # stage s-1 starts in it. Without ``limit`` the objective is the largest stage cost;
         # with it, the sum of squared stage costs among splits whose stages all stay <= limit.
         # Only j in s..s + width - 1 can be reached (every stage non-empty), so the tables hold
-        # that band, at j - s: full rows were n_stages x n_layers (8,192 of each: 0.5 GB).
+        # that band, at j - s: full rows were n_stages x n_layers (8,192 of each:
+        # two tables of 6.7 x 10^7 slots, 1.3 GB peak for `loom estimate-memory` then).
         inf = float("inf")
         width = n_layers - n_stages + 1
         best = [[inf] * width for _ in range(n_stages + 1)]

@@ -183,7 +183,7 @@ def test_a_prepared_manifest_with_hostile_counts_is_refused(tmp_path, change):
 @pytest.mark.timeout(30)
 def test_a_deep_pipeline_is_estimated_in_seconds(capsys):
     """Every rank's memory profile rescaled every stage's weight, and the layer partition held
-    stages x layers tables (8,192 ranks: 73 s and 0.5 GB here); now the weights are scaled once
+    stages x layers tables (8,192 ranks: 76 s and 1.3 GB here); now the weights are scaled once
     per schedule and the tables hold the reachable band."""
     code = cli.main(["estimate-memory", "--nproc=8192", "--parallel.pp=8192",
                      "--model.n_layers=8192"])
