@@ -270,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--run", required=True, help="run directory of a finished `loom train`")
     gen.add_argument("--prompt", default="def ")
     gen.add_argument("--max-new-tokens", type=int, default=200)
-    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--temperature", type=float, default=0.8,
+                     help="0: greedy; otherwise in [1e-4, 1e4]")
     gen.add_argument("--top-k", type=int, default=50)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--device", default="cpu", help="where to sample: cpu, cuda, cuda:N")

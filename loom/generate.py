@@ -23,17 +23,22 @@ from loom.config import model_args
 # The most tokens ``loom generate`` samples in one call: there is no key/value cache, so each
 # token re-runs the window (a bound on a command's time, not on the model)
 MAX_NEW_TOKENS = 100_000
+# Sampling divides float32 logits by the temperature: below 1e-4 the quotient overflows to inf and
+# above 1e4 the padding rows' -inf become NaN; both make ``softmax`` NaN. Outside the band the
+# sample is greedy or uniform to float32 precision anyway, so the band loses nothing.
+TEMPERATURE_BAND = (1e-4, 1e4)
 
 
 def sampling_errors(max_new_tokens: int, temperature: float, top_k: int) -> list[tuple[str, object, str]]:
     """The sampling arguments that break a rule, as ``(argument, value, rule)``: the one place
     the limits live, so ``generate_tokens`` refuses what ``loom generate`` refuses (a NaN
     temperature would otherwise sample from a softmax of NaNs)."""
-    finite = "must be a finite number >= 0 (0: greedy)"
+    low, high = TEMPERATURE_BAND
     rules = (("max_new_tokens", max_new_tokens, 0 <= max_new_tokens <= MAX_NEW_TOKENS,
               f"must be in [0, {MAX_NEW_TOKENS:,}] (no key/value cache: each token re-runs"
               " the window)"),
-             ("temperature", temperature, 0 <= temperature < float("inf"), finite),  # NaN fails
+             ("temperature", temperature, temperature == 0 or low <= temperature <= high,
+              f"must be 0 (greedy) or in [{low:g}, {high:g}]"),  # NaN fails both
              ("top_k", top_k, top_k >= 0, "must be >= 0 (0: no cut)"))
     return [(name, value, rule) for name, value, ok, rule in rules if not ok]
 
