@@ -136,22 +136,7 @@ def validate(config: Config, world_size: int) -> None:
         raise ConfigError("parallel.pp", par.pp,
                           f"must not exceed model.n_layers = {m.n_layers} (one layer per stage)")
 
-    # Batch (varlen: in tokens, validate_varlen_batch).
-    if data.packing == "varlen":
-        validate_varlen_batch(config)
-    else:
-        require_divisible("train.global_batch_size", tr.global_batch_size, par.dp,
-                           "the data-parallel degree dp_replicate*dp_shard*ep")
-        local_batch = tr.global_batch_size // par.dp
-        if local_batch % tr.micro_batch_size:
-            raise ConfigError("train.micro_batch_size", tr.micro_batch_size,
-                              f"must divide the per-rank batch global_batch_size / dp ="
-                              f" {tr.global_batch_size} / {par.dp} = {local_batch}")
-        if local_batch // tr.micro_batch_size > MAX_MICROBATCHES:
-            raise ConfigError("train.global_batch_size", tr.global_batch_size,
-                              f"gives {local_batch // tr.micro_batch_size:,} microbatches per rank"
-                              f" and step (/ dp {par.dp} / micro_batch_size"
-                              f" {tr.micro_batch_size}); at most {MAX_MICROBATCHES:,}")
+    validate_batch(config)
     validate_schedule(config)
 
     # What this version of Loom runs: each later parallelism lifts its own rule when it lands.
@@ -176,6 +161,29 @@ def validate(config: Config, world_size: int) -> None:
     if data.mix or str(data.source) != STDLIB_SOURCE:
         from loom.data.loader import check_source  # torch; the stdlib corpus needs no check
         check_source(data)
+
+
+def validate_batch(config: Config) -> None:
+    """The batch rules (varlen: in tokens, ``validate_varlen_batch``): the global batch splits
+    evenly over the data ranks and their microbatches, and gives at most ``MAX_MICROBATCHES``
+    per rank and step. Public for the planner, which checks them at a layout's real microbatch
+    count while it validates the rest with a smaller one (``loom.plan.search.runnable``)."""
+    data, tr, par = config.data, config.train, config.parallel
+    if data.packing == "varlen":
+        validate_varlen_batch(config)
+        return
+    require_divisible("train.global_batch_size", tr.global_batch_size, par.dp,
+                      "the data-parallel degree dp_replicate*dp_shard*ep")
+    local_batch = tr.global_batch_size // par.dp
+    if local_batch % tr.micro_batch_size:
+        raise ConfigError("train.micro_batch_size", tr.micro_batch_size,
+                          f"must divide the per-rank batch global_batch_size / dp ="
+                          f" {tr.global_batch_size} / {par.dp} = {local_batch}")
+    if local_batch // tr.micro_batch_size > MAX_MICROBATCHES:
+        raise ConfigError("train.global_batch_size", tr.global_batch_size,
+                          f"gives {local_batch // tr.micro_batch_size:,} microbatches per rank"
+                          f" and step (/ dp {par.dp} / micro_batch_size"
+                          f" {tr.micro_batch_size}); at most {MAX_MICROBATCHES:,}")
 
 
 def _validate_attention(config: Config) -> None:

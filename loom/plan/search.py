@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from loom.config import Config, ConfigError, load_config, resolve, with_layout
+from loom.config_rules import validate_batch
 from loom.config_rules.pipeline import validate_vocab_pp
 from loom.layout import Layout
 from loom.models.presets import PRESETS
@@ -194,6 +195,12 @@ def runnable(layout: Layout, work: Workload, *, exact: bool = True,
     seconds to validate; the space only yields m >= pp, which every family accepts).
     ``representative=True`` goes further for the screening's per-structure verdicts: a pipeline
     of two ranks and two microbatches with the same axes, schedule and knobs."""
+    if (not exact or representative) and layout.pp > 1 and layout.microbatches > 2:
+        # the batch rules at the real microbatch count, which the smaller pipeline below hides
+        try:
+            validate_batch(with_layout(workload_config(work), layout))
+        except ConfigError as err:
+            return f"{err.field_name}: {err.rule}"
     if not exact and layout.pp > 1 and layout.microbatches > layout.pp:
         layout = replace(layout, microbatches=layout.pp)
     # vocabulary parallelism over the pipeline needs V divisible by pp x tp, a size the space

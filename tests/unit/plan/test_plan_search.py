@@ -79,6 +79,21 @@ def test_plan_ranks_fitting_runnable_layouts_fastest_first():
     assert result.considered > result.fitting > 0
 
 
+def test_a_pipeline_with_more_microbatches_per_rank_than_the_trainer_runs_is_refused():
+    """The quick checks validate a pipeline's rules with a few microbatches, but the batch rule
+    (at most a million microbatches per rank and step) is checked at the layout's own count: a
+    pp = 2 layout of 40 million sequences was ranked first and then refused by ``-o``."""
+    huge = Workload("llama3-8b", PRESETS["llama3-8b"], 2048, 40_000_000)
+    result = plan(huge, make_cluster("H100-SXM", 16, 8))
+    assert result.ranked and all(cost.layout.microbatches <= 1_000_000 for cost in result.ranked)
+    for cost in result.ranked:
+        assert runnable(cost.layout, huge) is None
+    layout = Layout(pp=2, dp_shard=8, micro_batch=4, microbatches=1_250_000, zero_stage=3,
+                    schedule="zb_h1")
+    for quick in ({"exact": False}, {"exact": False, "representative": True}):
+        assert "at most 1,000,000" in runnable(layout, huge, **quick)
+
+
 def test_a_model_too_large_for_the_cluster_has_no_layout():
     result = plan(Workload("gpt-1t", PRESETS["gpt-1t"], 2048, 64), make_cluster("A100-80GB", 8, 8))
     assert result.ranked == [] and result.fitting == 0
