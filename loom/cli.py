@@ -21,6 +21,7 @@ import argparse
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -42,6 +43,7 @@ from loom.pipeline.cli import add_schedule_commands
 from loom.plan.cli import add_plan_commands
 from loom.topology import RankGrid
 from loom.train.checkpoint import resume_refusal
+from loom.train.checkpointing import model_shape_refusal
 from loom.train.distributed import resolve_device
 from loom.train.memory import GiB, check_memory_limit, device_limit_bytes, estimate_memory
 
@@ -107,7 +109,8 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     try:
         check_run_dir(Path(run_dir))
         if not external:  # under torchrun, rank 0 of the job decides (every rank would hash)
-            refusal = resume_refusal(config.checkpoint.resume, Path(run_dir) / "checkpoints")
+            refusal = resume_refusal(config.checkpoint.resume, Path(run_dir) / "checkpoints",
+                                     check=partial(model_shape_refusal, config))
             if refusal:
                 print(f"loom train: config error: {refusal}", file=sys.stderr)
                 return EXIT_CONFIG_ERROR

@@ -54,7 +54,7 @@ import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -539,21 +539,27 @@ def latest_loadable(root: Path) -> tuple[Path | None, list[str]]:
     return None, refused
 
 
-def resume_refusal(spec: str, root: Path) -> str | None:
+def resume_refusal(spec: str, root: Path,
+                   check: Callable[[Path], str | None] | None = None) -> str | None:
     """Why ``checkpoint.resume = spec`` cannot start (checked before any process starts), or
     None. ``auto`` needs a complete and valid checkpoint under ``root`` (the run's
-    ``checkpoints`` folder); ``auto_or_fresh`` never refuses; a directory must verify."""
-    if spec in ("", "auto_or_fresh"):
+    ``checkpoints`` folder); ``auto_or_fresh`` never refuses; a directory must verify. The
+    checkpoint found must then pass ``check`` (the caller's: the model it builds)."""
+    if spec == "":
         return None
-    if spec == "auto":
+    if spec in ("auto", "auto_or_fresh"):
         found, refused = latest_loadable(root)
-        if found is not None:
+        if found is None and spec == "auto_or_fresh":
             return None
-        skipped = f"; skipped: {' | '.join(refused)}" if refused else ""
-        return (f"checkpoint.resume=auto: no complete and valid checkpoint under {root}"
-                f"{skipped}; pass --resume auto_or_fresh to start from step 0 instead")
-    try:
-        verify(Path(spec))
-    except CheckpointError as err:
-        return f"checkpoint.resume={spec}: {err}"
-    return None
+        if found is None:
+            skipped = f"; skipped: {' | '.join(refused)}" if refused else ""
+            return (f"checkpoint.resume=auto: no complete and valid checkpoint under {root}"
+                    f"{skipped}; pass --resume auto_or_fresh to start from step 0 instead")
+    else:
+        found = Path(spec)
+        try:
+            verify(found)
+        except CheckpointError as err:
+            return f"checkpoint.resume={spec}: {err}"
+    refusal = check(found) if check is not None else None
+    return f"checkpoint.resume={spec}: {refusal}" if refusal else None

@@ -19,11 +19,13 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
-from loom.config import to_dict
+from loom.config import Config, model_args, to_dict
+from loom.models.llama import build_model
 from loom.parallel.mixed_precision import master_window
 from loom.parallel.vocab_pipeline import row_slices
 from loom.pipeline.paths_runtime import PathPipeline
 from loom.train import checkpoint
+from loom.train.checkpoint_safety import load_metadata
 from loom.train.checkpoint_state import (experts_by_name_as_slices, load_training_state,
                                          training_state, zero_slices_by_name)
 
@@ -211,3 +213,35 @@ def resume(trainer: Trainer, spec: str, log: Callable[[str], Any] = print) -> Pa
 
 
 __all__ = ["AUTO_RESUME", "checkpoint_tensors", "load", "resume", "save"]
+
+
+def model_shape_refusal(config: Config, path: Path) -> str | None:
+    """Why the (verified) checkpoint at ``path`` cannot load into the model ``config`` builds,
+    or None: a weight of another shape, one the model lacks, or one the checkpoint lacks. Read
+    from DCP's metadata against a meta-device model, so ``loom train`` refuses a resume with
+    another model shape before any worker starts (the workers' DCP load would refuse it too,
+    after the launch). Saved names are ``model.<name>``, under ``replica<r>.`` in outer modes."""
+    try:
+        metadata = load_metadata(path)
+    except checkpoint.CheckpointError as err:
+        return str(err)
+    saved: dict[str, tuple[int, ...]] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        parts = key.split(".")
+        if parts[0].startswith("replica") and parts[0][len("replica"):].isdigit():
+            parts = parts[1:]
+        if parts[0] == "model" and hasattr(entry, "size"):
+            saved.setdefault(".".join(parts[1:]), tuple(entry.size))
+    mine = {name: tuple(value.shape)
+            for name, value in build_model(model_args(config), device="meta").state_dict().items()}
+    for name, shape in mine.items():
+        if name not in saved:
+            return f"{path}: holds no weight {name}, which this model has (another model shape)"
+        if saved[name] != shape:
+            return (f"{path}: weight {name} is {list(saved[name])} there, {list(shape)} in this"
+                    " model (another model shape; --model.* must match the checkpoint's)")
+    unknown = sorted(set(saved) - set(mine))
+    if unknown:
+        return (f"{path}: holds {len(unknown)} weight(s) this model lacks, e.g. {unknown[0]}"
+                " (another model shape)")
+    return None

@@ -4,11 +4,13 @@ loads under another with bit-identical weights and optimizer state (DCP reshards
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from loom.config import from_dict
+from loom.config import from_dict, resolve
+from loom.train.checkpointing import model_shape_refusal
 from loom.testing.parity import layout_config
 from tests.conftest import SMALL_DATA_OVERRIDES, matrix
 
@@ -194,8 +196,10 @@ def saved_checkpoint(dist, data_dir, root, source) -> tuple[str, dict]:
 
 def check_reshard(dist, data_dir, root, source, target, label: str) -> None:
     """Save after 2 steps under ``source`` = (world, config table), load under ``target``: the
-    same step, and bit-identical weights and optimizer state."""
+    same step, and bit-identical weights and optimizer state. ``loom train``'s check before the
+    launch (``model_shape_refusal``) accepts the checkpoint for the target's model."""
     path, saved = saved_checkpoint(dist, data_dir, root, source)
+    assert model_shape_refusal(resolve(from_dict(target[1]), target[0]), Path(path)) is None
     step, loaded = dist.run(target[0], state_after_load, target[1], data_dir, path)[0]
     assert step == 2, label
     assert_equal_states(loaded, saved, label)

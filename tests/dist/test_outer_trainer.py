@@ -22,12 +22,13 @@ import torch.distributed as torch_dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from loom.config import from_dict
+from loom.config import from_dict, resolve
 from loom.data.loader import DistributedLoader
 from loom.parallel.expert import expert_parameter_names
 from loom.testing.parity import layout_config
 from loom.train import full_state
 from loom.train.checkpoint import CheckpointError
+from loom.train.checkpointing import model_shape_refusal
 from loom.train.trainer import Trainer
 from tests.conftest import SMALL_DATA_OVERRIDES, matrix
 from tests.data_fixtures import prepared_documents
@@ -627,6 +628,8 @@ def test_an_expert_parallel_replica_resumes_and_reshards(dist, small_data_dir, t
     saved = dist.run(world, save_after, config(world, **layout), small_data_dir,
                      str(tmp_path / "save"), 3)
     loaded = dist.run(2, load_into, config(2), small_data_dir, saved[0]["path"])
+    # names under replica<r>., the experts at their full shapes: loom train's check accepts it
+    assert model_shape_refusal(resolve(from_dict(config(2)), 2), Path(saved[0]["path"])) is None
     by_replica = {s["replica"]: s for s in saved}
     for rank, got in enumerate(loaded):
         want = by_replica[got["replica"]]

@@ -64,6 +64,12 @@ def _setup(cwd: Path, case: str) -> None:
             saved = checkpoint.save(cwd / RUN / "checkpoints", step,
                                     {"model": {"w": torch.ones(8) * step}}, {"step": step})
             (saved / "extra.json").write_text('{"step": 7}')  # no longer its manifest's hash
+    if case.startswith("shape-"):  # a valid checkpoint, for another model than --model.*
+        from loom.train import checkpoint
+
+        weights = {"shape-other": {"tok_embeddings.weight": torch.zeros(3, 3)},
+                   "shape-missing": {"w": torch.ones(8)}}[case]
+        checkpoint.save(cwd / "saved", 1, {"model": weights}, {"step": 1})
     if case == "auto-nothing-saved":
         (cwd / RUN / "checkpoints").mkdir(parents=True)
 
@@ -120,6 +126,13 @@ CASES = {  # name: (argv, substrings of the one stderr line)
                          ("checkpoint.resume=auto: no complete and valid checkpoint",
                           "step_00000002/extra.json: truncated",
                           "step_00000001/extra.json: truncated", "--resume auto_or_fresh")),
+    # ... and one that verifies but holds another model (the workers' load would refuse it)
+    "shape-other": (("--resume", "saved/step_00000001"),
+                    ("checkpoint.resume=saved/step_00000001", "tok_embeddings.weight is [3, 3]",
+                     "another model shape")),
+    "shape-missing": (("--resume", "saved/step_00000001"),
+                      ("checkpoint.resume=saved/step_00000001", "holds no weight",
+                       "another model shape")),
     "auto-nothing-saved": (("--resume", "auto", f"--train.run_dir={RUN}"),
                            ("checkpoint.resume=auto: no complete and valid checkpoint",
                             "--resume auto_or_fresh")),
