@@ -43,7 +43,7 @@ from loom.pipeline.cli import add_schedule_commands
 from loom.plan.cli import add_plan_commands
 from loom.topology import RankGrid
 from loom.train.checkpoint import resume_refusal
-from loom.train.checkpointing import model_shape_refusal
+from loom.train.checkpointing import resume_state_refusal
 from loom.train.distributed import resolve_device
 from loom.train.memory import GiB, check_memory_limit, device_limit_bytes, estimate_memory
 
@@ -110,7 +110,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         check_run_dir(Path(run_dir))
         if not external:  # under torchrun, rank 0 of the job decides (every rank would hash)
             refusal = resume_refusal(config.checkpoint.resume, Path(run_dir) / "checkpoints",
-                                     check=partial(model_shape_refusal, config))
+                                     check=partial(resume_state_refusal, config))
             if refusal:
                 print(f"loom train: config error: {refusal}", file=sys.stderr)
                 return EXIT_CONFIG_ERROR

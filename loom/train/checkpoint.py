@@ -73,13 +73,18 @@ def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"{_PREFIX}{step:08d}"
 
 
+def _is_step_number(text: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` also accepts "²", which ``int`` refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
     """Committed checkpoint directories under ``root``, oldest first."""
     root = Path(root)
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir()
-             if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit()
+             if p.is_dir() and p.name.startswith(_PREFIX) and _is_step_number(p.name[len(_PREFIX):])
              and (p / COMMIT_MARKER).is_file()]
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
 
@@ -101,7 +106,7 @@ def _write_atomic(path: Path, text: str) -> None:
 # Verification
 
 
-def _read_extra(path: Path) -> Any:
+def read_extra(path: Path) -> Any:
     """``extra.json``'s JSON; CheckpointError when it is not a readable regular file of JSON."""
     if not (path / EXTRA).is_file():  # a FIFO would block the read
         raise CheckpointError(f"{path / EXTRA}: missing or not a regular file")
@@ -112,12 +117,22 @@ def _read_extra(path: Path) -> Any:
                               f" {str(err)[:200]})") from None
 
 
+MAX_STEP = 2**62  # steps and sample counts: far beyond any run, and int64 arithmetic holds
+
+
 def _check_extra(path: Path, step: Any) -> None:
-    extra = _read_extra(path)
-    if not isinstance(extra, dict) or type(extra.get("step")) is not int or extra["step"] < 0:
-        raise CheckpointError(f"{path / EXTRA}: malformed (no integer step)")
+    """extra.json names an integer step in [0, MAX_STEP), the manifest's and, for a folder
+    named ``step_<N>``, N (a re-hashed edit of the step would otherwise resume elsewhere)."""
+    extra = read_extra(path)
+    if not isinstance(extra, dict) or type(extra.get("step")) is not int \
+            or not 0 <= extra["step"] < MAX_STEP:
+        raise CheckpointError(f"{path / EXTRA}: malformed (no integer step in [0, 2^62))")
     if type(step) is int and extra["step"] != step:
         raise CheckpointError(f"{path / EXTRA}: says step {extra['step']}, the manifest {step}")
+    named = path.name[len(_PREFIX):] if path.name.startswith(_PREFIX) else ""
+    if _is_step_number(named) and int(named) != extra["step"]:
+        raise CheckpointError(f"{path / EXTRA}: says step {extra['step']}, the folder's name"
+                              f" {int(named)}")
 
 
 def verify(path: Path) -> dict[str, Any]:
@@ -524,7 +539,7 @@ def load(path: Path, tensors: dict[str, Any], *, device: torch.device = torch.de
     rng_file = path / "rng" / f"rank{_rank(group)}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than saved
         set_rng_state(load_rng_file(rng_file), device)
-    return _read_extra(path)
+    return read_extra(path)
 
 
 def latest_loadable(root: Path) -> tuple[Path | None, list[str]]:

@@ -13,6 +13,7 @@ collective: all ranks call it. Split from ``trainer.py`` to keep that module abo
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -149,6 +150,9 @@ def _load(trainer: Trainer, path: Path, verified: bool) -> None:
         # this one's, so compression restarts (zero residuals, the seeded warm-start Q).
         del tensors["compression"]
     extra = checkpoint.load(path, tensors, device=trainer.ctx.device, verified=verified)
+    refusal = training_state_refusal(extra)
+    if refusal:  # loom train checks this before the launch; a torchrun job's ranks check here
+        raise checkpoint.CheckpointError(f"{path / checkpoint.EXTRA}: {refusal}")
     if trainer.outer is not None:
         tensors = tensors[f"replica{trainer.replica}"]
         del tensors["outer"]  # loaded in place into the loop's buffers (``_outer_tensors``)
@@ -212,7 +216,63 @@ def resume(trainer: Trainer, spec: str, log: Callable[[str], Any] = print) -> Pa
     return path
 
 
-__all__ = ["AUTO_RESUME", "checkpoint_tensors", "load", "resume", "save"]
+__all__ = ["AUTO_RESUME", "checkpoint_tensors", "load", "model_shape_refusal", "resume",
+           "resume_state_refusal", "save", "training_state_refusal"]
+
+
+def _is_count(value: Any, low: int = 0) -> bool:
+    return type(value) is int and low <= value < checkpoint.MAX_STEP
+
+
+def _is_number(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def training_state_refusal(extra: Any) -> str | None:
+    """Why extra.json's training state (what ``save`` writes beside the step) cannot be
+    continued, or None: the data position (``data``: seed, sample counts) and the LR schedule's
+    state (``scheduler``: LambdaLR's counters and rates) with the types and ranges ``save``
+    writes. The low-level checks (``checkpoint.verify``) know only the step; an extra.json
+    edited and re-hashed would otherwise fail in every worker, or resume at a negative
+    sample."""
+    if not isinstance(extra, dict):
+        return "not a table"
+    data = extra.get("data")
+    if not isinstance(data, dict):
+        return "no data table (the data loader's position)"
+    # (global_batch_size and num_samples: optional, as ``DataLoader.load_state_dict`` reads them)
+    for key, low in (("seed", 0), ("consumed_samples", 0), ("global_batch_size", 1),
+                     ("num_samples", 1)):
+        if (key in data or key in ("seed", "consumed_samples")) and not _is_count(data.get(key),
+                                                                                   low):
+            return (f"data.{key} = {data.get(key)!r} is not an integer in"
+                    f" [{low}, 2^62)")
+    scheduler = extra.get("scheduler")
+    if not isinstance(scheduler, dict):
+        return "no scheduler table (the LR schedule's state)"
+    for key, low in (("last_epoch", -1), ("_step_count", 0)):
+        if not _is_count(scheduler.get(key), low):
+            return (f"scheduler.{key} = {scheduler.get(key)!r} is not an integer in"
+                    f" [{low}, 2^62)")
+    for key in ("base_lrs", "_last_lr"):
+        rates = scheduler.get(key, [])
+        if not isinstance(rates, list) or not all(_is_number(rate) for rate in rates):
+            return f"scheduler.{key} is not a list of finite numbers"
+    return None
+
+
+def resume_state_refusal(config: Config, path: Path) -> str | None:
+    """Why the verified checkpoint at ``path`` cannot continue under ``config``, or None: its
+    training state (``training_state_refusal``) or its model (``model_shape_refusal``).
+    ``loom train`` asks this before it launches anything."""
+    try:
+        extra = checkpoint.read_extra(path)
+    except checkpoint.CheckpointError as err:
+        return str(err)
+    refusal = training_state_refusal(extra)
+    if refusal:
+        return f"{path / checkpoint.EXTRA}: {refusal}"
+    return model_shape_refusal(config, path)
 
 
 def model_shape_refusal(config: Config, path: Path) -> str | None:

@@ -64,16 +64,36 @@ def _setup(cwd: Path, case: str) -> None:
             saved = checkpoint.save(cwd / RUN / "checkpoints", step,
                                     {"model": {"w": torch.ones(8) * step}}, {"step": step})
             (saved / "extra.json").write_text('{"step": 7}')  # no longer its manifest's hash
-    if case.startswith("shape-"):  # a valid checkpoint, for another model than --model.*
+    if case.startswith(("shape-", "state-")):  # a valid checkpoint that cannot continue here
         from loom.train import checkpoint
 
         weights = {"shape-other": {"tok_embeddings.weight": torch.zeros(3, 3)},
-                   "shape-missing": {"w": torch.ones(8)}}[case]
-        checkpoint.save(cwd / "saved", 1, {"model": weights}, {"step": 1})
+                   "shape-missing": {"w": torch.ones(8)}}.get(case, {"w": torch.ones(8)})
+        extra = {"step": 1, "data": {"seed": 1234, "consumed_samples": 16,
+                                     "global_batch_size": 16, "num_samples": 1000},
+                 "scheduler": {"last_epoch": 1, "_step_count": 2, "base_lrs": [0.003],
+                               "_last_lr": [0.0003], "lr_lambdas": [None]}}
+        for path, value in STATE_EDITS.get(case, {}).items():  # hand edits, hashed by save
+            table, key = path.split(".")
+            if value is _DELETE:
+                del extra[table][key]
+            else:
+                extra[table] = value if key == "*" else {**extra[table], key: value}
+        checkpoint.save(cwd / "saved", 1, {"model": weights}, extra)
     if case == "auto-nothing-saved":
         (cwd / RUN / "checkpoints").mkdir(parents=True)
 
 
+_DELETE = object()
+STATE_EDITS = {  # extra.json edits that save still writes and hashes, so the files verify
+    "state-negative-samples": {"data.consumed_samples": -1},
+    "state-huge-samples": {"data.consumed_samples": 10**30},
+    "state-text-samples": {"data.consumed_samples": "abc"},
+    "state-no-data": {"data.*": None},
+    "state-no-seed": {"data.seed": _DELETE},
+    "state-text-epoch": {"scheduler.last_epoch": "x"},
+    "state-nan-rate": {"scheduler.base_lrs": [float("nan")]},
+}
 SMALL = ("--data.seq_len=64", "--model.preset=debug", "--train.steps=1")
 CASES = {  # name: (argv, substrings of the one stderr line)
     # the corpus (data.source)
@@ -133,6 +153,16 @@ CASES = {  # name: (argv, substrings of the one stderr line)
     "shape-missing": (("--resume", "saved/step_00000001"),
                       ("checkpoint.resume=saved/step_00000001", "holds no weight",
                        "another model shape")),
+    # ... or whose training state (the data position, the LR schedule) is not one save writes
+    **{case: (("--resume", "saved/step_00000001"),
+              ("checkpoint.resume=saved/step_00000001", "extra.json: ", rule))
+       for case, rule in (("state-negative-samples", "data.consumed_samples = -1 is not"),
+                          ("state-huge-samples", "data.consumed_samples = 10000"),
+                          ("state-text-samples", "data.consumed_samples = 'abc' is not"),
+                          ("state-no-data", "no data table"),
+                          ("state-no-seed", "data.seed = None is not"),
+                          ("state-text-epoch", "scheduler.last_epoch = 'x' is not"),
+                          ("state-nan-rate", "scheduler.base_lrs is not a list of finite"))},
     "auto-nothing-saved": (("--resume", "auto", f"--train.run_dir={RUN}"),
                            ("checkpoint.resume=auto: no complete and valid checkpoint",
                             "--resume auto_or_fresh")),

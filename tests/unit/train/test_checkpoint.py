@@ -63,6 +63,28 @@ def test_a_checkpoint_without_its_marker_is_refused(tmp_path):
         ckpt.verify(path)
 
 
+def test_a_checkpoint_moved_to_another_steps_folder_is_refused_and_the_older_one_is_used(tmp_path):
+    """The folder's name is not hashed: step_00000002 renamed to step_00000009 (its files
+    intact) would resume at step 2 while ``auto`` took it for the newest. A folder named with
+    a digit Python's ``int`` refuses ("²") is no checkpoint, where sorting had raised."""
+    _save(tmp_path, 1)
+    path, _ = _save(tmp_path, 2)
+    path.rename(tmp_path / "step_00000009")
+    with pytest.raises(ckpt.CheckpointError, match="says step 2, the folder's name 9"):
+        ckpt.verify(tmp_path / "step_00000009")
+    (tmp_path / "step_²").mkdir()
+    (tmp_path / "step_²" / ckpt.COMMIT_MARKER).write_text("")
+    found, refused = ckpt.latest_loadable(tmp_path)
+    assert found.name == "step_00000001" and len(refused) == 1
+
+
+def test_a_step_beyond_int64_is_refused(tmp_path):
+    model, opt = _model_and_optimizer(0)
+    path = ckpt.save(tmp_path / "ckpt", 10**30, _tensors(model, opt), {"step": 10**30})
+    with pytest.raises(ckpt.CheckpointError, match=r"no integer step in \[0, 2\^62\)"):
+        ckpt.verify(path)
+
+
 def _a_tensor_file(path):
     return next(p for p in path.iterdir() if p.suffix == ".distcp")
 
