@@ -35,7 +35,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
-from loom.data.prepare import INDEX_FILE, PreparedData
+from loom.data.prepare import INDEX_FILE, PreparedData, check_offsets
 from loom.errors import ConfigError
 
 IGNORE_INDEX = -100  # target of a padding position: F.cross_entropy's default ignore_index
@@ -62,24 +62,6 @@ def offsets_from_eos(tokens: np.ndarray, eos_id: int) -> np.ndarray:
     if offsets[-1] != len(tokens):
         offsets = np.append(offsets, len(tokens))
     return offsets
-
-
-def check_offsets(offsets: np.ndarray, num_tokens: int, source: str) -> None:
-    """ConfigError naming ``data.source`` unless ``offsets`` describe ``num_tokens`` tokens:
-    from 0 to ``num_tokens``, every document at least one token long."""
-    def refuse(why: str) -> None:
-        raise ConfigError("data.source", source, f"its {INDEX_FILE} does not match its token"
-                          f" file: {why}")
-
-    if len(offsets) < 1 or offsets[0] != 0:
-        refuse(f"the first offset is {offsets[0] if len(offsets) else 'missing'}, not 0")
-    if offsets[-1] != num_tokens:
-        refuse(f"the offsets end at {int(offsets[-1])}, the token file holds {num_tokens}"
-               " tokens")
-    empty = np.flatnonzero(np.diff(offsets) <= 0)
-    if len(empty):
-        refuse(f"document {int(empty[0])} has {int(np.diff(offsets)[empty[0]])} tokens"
-               " (offsets must increase)")
 
 
 def prepared_offsets(tokens_path: str | Path, start: int, end: int) -> np.ndarray:

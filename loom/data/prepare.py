@@ -45,7 +45,8 @@ from loom.data.corpus import fingerprint, list_files
 from loom.data.sources import (DEFAULT_EXTENSIONS, PREPARED, PREPARED_MANIFEST, RECORDS, SAVED,
                                TEXT, Source, check_readable, iter_texts, record_val_count,
                                resolve_source)
-from loom.data.tokenizer import Tokenizer, build_tokenizer, encode_documents, tokenizer_identity
+from loom.data.tokenizer import (Tokenizer, build_tokenizer, encode_documents, tokenizer_identity,
+                                  tokenizer_vocab_size)
 from loom.errors import ConfigError, InputFileError, read_input_json
 
 FORMAT = "loom-prepared"
@@ -67,6 +68,27 @@ def prepared_dtype(vocab_size: int) -> str:
 
 
 # -- Reading a prepared directory --------------------------------------------------------------
+
+
+def check_offsets(offsets: np.ndarray, num_tokens: int, source: str) -> None:
+    """ConfigError naming ``data.source`` unless ``offsets`` describe ``num_tokens`` tokens:
+    from 0 to ``num_tokens``, every document at least one token long."""
+    def refuse(why: str) -> None:
+        raise ConfigError("data.source", source, f"its {INDEX_FILE} does not match its token"
+                          f" file: {why}")
+
+    if len(offsets) < 1 or offsets[0] != 0:
+        refuse(f"the first offset is {offsets[0] if len(offsets) else 'missing'}, not 0")
+    if offsets[-1] != num_tokens:
+        refuse(f"the offsets end at {int(offsets[-1])}, the token file holds {num_tokens}"
+               " tokens")
+    empty = np.flatnonzero(np.diff(offsets) <= 0)
+    if len(empty):
+        refuse(f"document {int(empty[0])} has {int(np.diff(offsets)[empty[0]])} tokens"
+               " (offsets must increase)")
+
+
+_SCAN_CHUNK = 1 << 24  # tokens per read of ``PreparedData.check_token_ids``
 
 
 @dataclass(frozen=True)
@@ -113,7 +135,12 @@ class PreparedData:
             path = directory / name
             if not path.is_file() or path.stat().st_size != size:
                 refuse(f"{name} is missing or not the {size} bytes the manifest records")
-        return cls(directory.resolve(), manifest)
+        prepared = cls(directory.resolve(), manifest)
+        # the split and the document packing index tokens.bin by these: a wrong one would
+        # fail later as a missing file or an out-of-range read (8 bytes per document to check)
+        check_offsets(np.asarray(prepared.doc_offsets(), dtype=np.int64), prepared.num_tokens,
+                      spec)
+        return prepared
 
     @property
     def tokens_path(self) -> Path:
@@ -155,6 +182,23 @@ class PreparedData:
                               f" {str(self.directory)!r} was prepared with ({made.get('kind')},"
                               f" identity {str(made['identity'])[:12]}); use"
                               f" --data.tokenizer={use}")
+        self.check_token_ids(tokenizer_vocab_size(kind, 0))
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """ConfigError naming ``data.source`` when tokens.bin holds an id ``>= vocab_size``
+        (the embedding would raise an IndexError at whichever step first drew it). A scan in
+        chunks of 64 MiB (uint32), about 0.1 s per GB from the page cache; skipped when the
+        file's dtype cannot hold such an id."""
+        if np.iinfo(self.dtype).max < vocab_size or self.num_tokens == 0:
+            return
+        tokens = self.tokens()
+        for start in range(0, len(tokens), _SCAN_CHUNK):
+            chunk = tokens[start:start + _SCAN_CHUNK]
+            if int(chunk.max()) >= vocab_size:
+                at = int(np.argmax(chunk >= vocab_size))
+                raise ConfigError("data.source", str(self.directory), f"its {TOKENS_FILE} holds"
+                                  f" token id {int(chunk[at])} at position {start + at}, not"
+                                  f" below the tokenizer's vocabulary of {vocab_size}")
 
 
 # -- Tokenizing in worker processes ------------------------------------------------------------

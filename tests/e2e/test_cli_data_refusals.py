@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from loom.cli import EXIT_CONFIG_ERROR, main
@@ -33,6 +34,15 @@ def _setup(cwd: Path, case: str) -> None:
         if case == "prepared-incomplete":
             with open(cwd / "prep" / "tokens.bin", "r+b") as f:
                 f.truncate(100)
+        # hand edits that keep every size the manifest records
+        if case == "prepared-id-beyond-vocab":
+            with open(cwd / "prep" / "tokens.bin", "r+b") as f:
+                f.seek(5 * 2)  # uint16: the 6th token
+                f.write((65000).to_bytes(2, "little"))
+        if case in ("prepared-offset-outside", "prepared-offsets-decrease"):
+            offsets = np.fromfile(cwd / "prep" / "doc_index.bin", dtype=np.int64)
+            offsets[1] = 10**12 if case == "prepared-offset-outside" else offsets[2] + 1
+            offsets.tofile(cwd / "prep" / "doc_index.bin")
     if case == "prepare-out-not-empty":
         (cwd / "out").mkdir()
         (cwd / "out" / "notes.txt").write_text("mine\n")
@@ -60,6 +70,12 @@ TRAIN = {  # name: (argv, substrings of the one stderr line)
     "prepared-incomplete": (("--data.source=prep", "--data.tokenizer=tok"),
                             ("data.source='prep'", "not a complete `loom data prepare`",
                              "tokens.bin")),
+    "prepared-id-beyond-vocab": (("--data.source=prep", "--data.tokenizer=tok"),
+                                 ("data.source=", "tokens.bin holds token id 65000 at position 5",
+                                  "not below the tokenizer's vocabulary")),
+    **{case: (("--data.source=prep", "--data.tokenizer=tok"),
+              ("data.source='prep'", "doc_index.bin does not match", "(offsets must increase)"))
+       for case in ("prepared-offset-outside", "prepared-offsets-decrease")},
     "mix-unknown-path": (("--data.mix=docs.jsonl:0.7,nowhere.jsonl:0.3",),
                          ("data.mix='docs.jsonl:0.7,nowhere.jsonl:0.3'",
                           "path 'nowhere.jsonl' does not exist")),
