@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from functools import partial
@@ -64,6 +65,38 @@ def _launcher_count(name: str, default: int | None) -> int:
     return value
 
 
+def _launcher_number(name: str, low: int, high: int, what: str = "") -> None:
+    """A number the launcher sets (``RANK``...), when set: a whole number in [low, high], else
+    ConfigError naming the variable (a RANK past WORLD_SIZE would wait for peers that never
+    come; ``int("abc")`` would be a traceback in every worker)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return
+    value = int(raw) if raw.strip().isascii() and raw.strip().isdigit() else -1
+    if not low <= value <= high:
+        raise ConfigError(f"environment {name}", raw, f"must be a whole number in [{low},"
+                          f" {high}]{what} (the launcher sets it)")
+
+
+# A job id names the default run directory (runs/<id>): one plain path component
+_RUN_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+
+
+def _check_launcher_env(world_size: int, local_ranks: int, names_run_dir: bool) -> None:
+    """The rest of what an external launcher sets, checked before anything starts: the ranks
+    within the world, the restart count, the rendezvous port and, when it names the default
+    run directory (``runs/<TORCHELASTIC_RUN_ID>``), the job id: ``../..`` would leave runs/."""
+    _launcher_number("RANK", 0, world_size - 1, f" (WORLD_SIZE = {world_size})")
+    _launcher_number("LOCAL_RANK", 0, local_ranks - 1, f" (LOCAL_WORLD_SIZE = {local_ranks})")
+    _launcher_number("TORCHELASTIC_RESTART_COUNT", 0, 2**31 - 1)
+    _launcher_number("MASTER_PORT", 1, 65535)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if names_run_dir and run_id is not None and not _RUN_ID.fullmatch(run_id):
+        raise ConfigError("environment TORCHELASTIC_RUN_ID", run_id[:80], "must be 1-128"
+                          " letters, digits, '_', '.' or '-', not starting with '.' or '-', to"
+                          " name the default run directory (or set --train.run_dir)")
+
+
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
     try:
         if args.nproc < 1:
@@ -77,6 +110,8 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         external = under_external_launcher()
         world_size = _launcher_count("WORLD_SIZE", None) if external else args.nproc
         local_ranks = _launcher_count("LOCAL_WORLD_SIZE", 1) if external else args.nproc
+        if external:
+            _check_launcher_env(world_size, local_ranks, not config.train.run_dir)
         config = resolve(config, world_size)
         cluster = _emulated_cluster(args, world_size, external)
         tr = config.train

@@ -223,3 +223,36 @@ def test_train_under_a_launcher_refuses_a_broken_environment(capsys, monkeypatch
     err = refusal(capsys, ["train", "--dry-run", f"--train.run_dir={tmp_path / 'run'}"])
     assert f"environment {name}=" in err and "whole number >= 1" in err
     assert not (tmp_path / "run").exists()
+
+
+_LAUNCHER_ENV = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT",
+                 "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID")
+
+
+@pytest.mark.parametrize("env, name, rule", [
+    ({"RANK": "2"}, "RANK", "in [0, 1] (WORLD_SIZE = 2)"),  # had waited 15 minutes for peers
+    ({"RANK": "abc"}, "RANK", "in [0, 1]"),
+    ({"LOCAL_RANK": "-1"}, "LOCAL_RANK", "in [0, 1] (LOCAL_WORLD_SIZE = 2)"),
+    ({"TORCHELASTIC_RESTART_COUNT": "abc"}, "TORCHELASTIC_RESTART_COUNT", "in [0,"),
+    ({"MASTER_PORT": "99999"}, "MASTER_PORT", "in [1, 65535]"),
+    ({"MASTER_PORT": "0"}, "MASTER_PORT", "in [1, 65535]"),
+    ({"TORCHELASTIC_RUN_ID": "../.."}, "TORCHELASTIC_RUN_ID", "default run directory"),
+    ({"TORCHELASTIC_RUN_ID": "a\nb"}, "TORCHELASTIC_RUN_ID", "default run directory"),
+])
+def test_train_under_a_launcher_refuses_ranks_ports_and_job_ids_it_cannot_use(
+        capsys, monkeypatch, tmp_path, env, name, rule):
+    """The ranks, restart count, port and job id a launcher sets: each refused by name before
+    anything starts (they had been tracebacks, a 15-minute wait, or a run directory ``../..``).
+    The job id names the run directory only when ``train.run_dir`` is unset."""
+    monkeypatch.chdir(tmp_path)
+    for key in _LAUNCHER_ENV:
+        monkeypatch.delenv(key, raising=False)
+    launcher = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0",
+                "TORCHELASTIC_RUN_ID": "job7"}
+    for key, value in {**launcher, **env}.items():
+        monkeypatch.setenv(key, value)
+    err = refusal(capsys, ["train", "--dry-run"])
+    assert f"environment {name}=" in err and rule in err
+    assert list(tmp_path.iterdir()) == []
+    if name == "TORCHELASTIC_RUN_ID":  # with a run directory of its own, the id is not used
+        assert cli.main(["train", "--dry-run", "--train.run_dir=runs/mine"]) == 0
