@@ -155,7 +155,7 @@ def worker_main(config_table: dict[str, Any], run_dir: str,
 
     from loom.train.trainer import Trainer  # 0.9 s of imports (DCP, FSDP2): workers only
 
-    preempt.install_handlers()  # first: a SIGTERM from now on asks for a checkpoint, not death
+    preempt.install_handlers()  # first: SIGINT quiet, SIGTERM a checkpoint once training starts
     if launch_env is not None:
         apply_launch_env(launch_env)
     watchdog.register(run_dir, int(os.environ.get("RANK", "0")))  # the launcher signals this pid
@@ -171,6 +171,7 @@ def worker_main(config_table: dict[str, Any], run_dir: str,
             prepare_run_dir(config, Path(run_dir), is_main=ctx.local_rank == 0)
             dist.barrier()
         trainer = Trainer(config, Path(run_dir) / "data", run_dir, ctx)
+        preempt.arm()  # a SIGTERM from now on asks for a checkpoint at the next step
         metrics = trainer.fit()
         preempt.finished()  # a SIGTERM during the teardown has nothing left to stop
         return metrics

@@ -6,7 +6,9 @@ flag. After every step ``Trainer.fit`` all-reduces that flag (MAX of one int ove
 all ranks see the stop at the *same* step even though the signal reached one of them; they then
 save a checkpoint to ``run_dir/checkpoints`` (whatever ``checkpoint.interval`` says), log
 "preempted at step N: ...", and return normally: the job exits 0 and ``--resume auto`` continues
-bit for bit. The launcher forwards its own SIGTERM to the workers and kills them only when
+bit for bit. Until training starts (``arm``, after the Trainer is built) a SIGTERM ends
+the worker with exit code 143 instead: nothing is trained yet, and a worker blocked in the
+rendezvous (a peer that never comes) would never reach a step that reads the flag. The launcher forwards its own SIGTERM to the workers and kills them only when
 ``train.preempt_grace_s`` runs out (``loom.supervise``).
 
 SIGINT (Ctrl-C, sent by a terminal to the whole process group, or forwarded by the launcher, or by
@@ -28,25 +30,42 @@ import sys
 import torch
 
 _requested = False
+_armed = False  # set by ``arm`` when training starts: before it, SIGTERM ends the worker
 
 
 def install_handlers() -> None:
-    """In a worker's main thread: SIGTERM requests a stop, SIGINT exits 130 quietly."""
+    """In a worker's main thread: SIGTERM requests a stop (once ``arm``ed; before that it
+    exits 143 at once), SIGINT exits 130 quietly."""
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, _on_sigint)
 
 
+def arm() -> None:
+    """Training starts: from now on a SIGTERM asks the loop to checkpoint at the next step.
+    Before, nothing is trained that a checkpoint would keep, and the worker may be blocked
+    where no step will ever check the flag (a rendezvous waiting for a peer that never comes),
+    so a SIGTERM there ends it like the default action would."""
+    global _armed
+    _armed = True
+
+
 def _on_sigterm(signum, frame) -> None:
+    if not _armed:
+        _flush_and_exit(128 + signal.SIGTERM)
     request_stop()
 
 
 def _on_sigint(signum, frame) -> None:
+    _flush_and_exit(130)
+
+
+def _flush_and_exit(code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
-    os._exit(130)
+    os._exit(code)
 
 
 def finished() -> None:
@@ -68,8 +87,8 @@ def stop_requested() -> bool:
 
 
 def reset() -> None:
-    global _requested
-    _requested = False
+    global _requested, _armed
+    _requested = _armed = False
 
 
 def agree_to_stop(local: bool, device: torch.device) -> bool:
