@@ -100,6 +100,13 @@ def summary_text(result: SimResult, width: int = SUMMARY_BAR_WIDTH) -> str:
     return "\n".join(lines)
 
 
+# The drawn chart's limits: one box per action, two axes per rank. Measured on 2 cores (1F1B,
+# `loom schedule show -o x.png`): 2,048 actions took 11 s over 16 ranks and 18 s over 32;
+# 4,096 took 21 s over 16 and 39 s over 32; 8,192 over 64 ranks took 159 s.
+MAX_DRAWN_RANKS = 32
+MAX_DRAWN_ACTIONS = 4096
+
+
 def render_gantt(
     schedule: Schedule, result: SimResult | None, path: str | os.PathLike, dpi: int = 130,
     source: str = "",
@@ -114,6 +121,11 @@ def render_gantt(
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in (".png", ".svg", ".html"):
         raise ValueError(f"cannot draw {path!r}: use a .png, .svg or .html file")
+    actions = sum(len(row) for row in schedule.actions)
+    if schedule.pp_size > MAX_DRAWN_RANKS or actions > MAX_DRAWN_ACTIONS:
+        raise ValueError(f"cannot draw {schedule.pp_size} ranks and {actions:,} actions: at most"
+                         f" {MAX_DRAWN_RANKS} ranks and {MAX_DRAWN_ACTIONS:,} actions (matplotlib"
+                         " takes minutes beyond); write a .json Chrome trace (Perfetto) instead")
     result = result if result is not None else simulate(schedule)
     figure = gantt_figure(schedule, result, source)
     import matplotlib.pyplot as plt

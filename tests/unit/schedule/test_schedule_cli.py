@@ -82,6 +82,21 @@ def test_show_prints_the_grid_or_draws_a_chart(capsys, tmp_path):
     assert json.loads(trace.read_text())["traceEvents"]
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("size", [["--pp", "64", "-m", "64"], ["--pp", "256", "-m", "1"]])
+def test_a_chart_too_large_to_draw_in_a_minute_is_refused_before_drawing(capsys, tmp_path, size):
+    """Drawing takes about 10 ms per action (159 s for 8,192 over 64 ranks; 256 ranks of one
+    microbatch took 168 s): beyond 32 ranks or 4,096 actions ``-o`` refuses in one line and
+    names the Chrome trace, which writes at any size."""
+    chart = tmp_path / "chart.png"
+    code, _, err = run(capsys, "show", "1f1b", *size, "-o", str(chart))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "at most 32 ranks and 4,096 actions" in err and ".json Chrome trace" in err
+    assert not chart.exists()
+    trace = tmp_path / "trace.json"
+    assert run(capsys, "show", "1f1b", *size, "-o", str(trace))[0] == 0 and trace.exists()
+
+
 @pytest.mark.parametrize("argv, argument", [
     (["simulate", "1f1b", "--pp", "0"], "--pp"),
     (["simulate", "1f1b", "--pp", "x"], "--pp"),
