@@ -34,7 +34,7 @@ from loom.cluster import load as load_cluster
 from loom.config import Config, ConfigError, load_config, parse_overrides, resolve, to_toml
 from loom.config_help import help_text
 from loom.data.cli import add_data_commands
-from loom.errors import OneLineParser
+from loom.errors import OneLineParser, path_arg
 from loom.fp8_support import device_refusal as fp8_device_refusal
 from loom.generate import generate, sampling_errors
 from loom.grid_summary import describe_grid
@@ -272,22 +272,25 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("-h", "--help", action=_TrainHelp,
                        help="show this help, with every config key, its default and what it"
                             " does, and exit")
-    train.add_argument("--config", help="TOML config file (defaults apply for missing keys)")
+    train.add_argument("--config", type=path_arg,
+                       help="TOML config file (defaults apply for missing keys)")
     train.add_argument("--nproc", type=int, default=1,
                        help="local worker processes to start (ignored under torchrun)")
     train.add_argument("--max-restarts", type=int, default=0,
                        help="restart all workers up to N times when one fails; they resume from"
                             " the newest complete checkpoint (set --checkpoint.interval)")
-    train.add_argument("--cluster", help="a cluster description (TOML, loom/cluster.py): one"
-                                         " node per rank, each link's latency and bandwidth")
+    train.add_argument("--cluster", type=path_arg,
+                       help="a cluster description (TOML, loom/cluster.py): one"
+                            " node per rank, each link's latency and bandwidth")
     train.add_argument("--emulate", action="store_true",
                        help="run the local workers on an emulated network of --cluster: one"
                             " network namespace per rank, each link shaped to its bandwidth"
                             " (root; latency is not emulated)")
-    train.add_argument("--resume", help="'auto' (newest complete and valid checkpoint of the run;"
-                                        " refused when there is none), 'auto_or_fresh' (the"
-                                        " same, or step 0 when there is none) or a checkpoint"
-                                        " directory; same as --checkpoint.resume")
+    train.add_argument("--resume", type=path_arg,
+                       help="'auto' (newest complete and valid checkpoint of the run;"
+                            " refused when there is none), 'auto_or_fresh' (the"
+                            " same, or step 0 when there is none) or a checkpoint"
+                            " directory; same as --checkpoint.resume")
     only = train.add_mutually_exclusive_group()
     only.add_argument("--print-config", action="store_true",
                       help="print the resolved config as TOML (--config reads it back) and exit;"
@@ -300,12 +303,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     mem = sub.add_parser("estimate-memory", help="predict per-rank memory of a layout",
                          epilog="Any config field can be set as --section.key=value.")
-    mem.add_argument("--config", help="TOML config file (defaults apply for missing keys)")
+    mem.add_argument("--config", type=path_arg,
+                     help="TOML config file (defaults apply for missing keys)")
     mem.add_argument("--nproc", type=int, default=1, help="world size of the layout")
     mem.set_defaults(handler=_estimate_memory)
 
     gen = sub.add_parser("generate", help="sample text from a trained run")
-    gen.add_argument("--run", required=True, help="run directory of a finished `loom train`")
+    gen.add_argument("--run", type=path_arg, required=True,
+                     help="run directory of a finished `loom train`")
     gen.add_argument("--prompt", default="def ")
     gen.add_argument("--max-new-tokens", type=int, default=200)
     gen.add_argument("--temperature", type=float, default=0.8,

@@ -55,6 +55,38 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
 
 
+# Linux's limits on a path the kernel takes: bytes per name between slashes, and in all (one less
+# than PATH_MAX for the terminating NUL). Past them every call raises ENAMETOOLONG, which
+# ``Path.exists`` does not swallow; a NUL byte raises ValueError in every call.
+NAME_MAX, PATH_MAX = 255, 4095
+
+
+def path_error(path: str) -> str | None:
+    """Why no file system call can take ``path`` (too long, a name too long, a NUL), or None."""
+    if "\0" in path:
+        return "holds a NUL character"
+    raw = os.fsencode(path)
+    longest = max((len(name) for name in raw.split(b"/")), default=0)
+    if len(raw) > PATH_MAX or longest > NAME_MAX:
+        return (f"is not a usable path: {len(raw):,} bytes with a name of {longest:,} (at most"
+                f" {PATH_MAX:,} in all and {NAME_MAX} per name)")
+    return None
+
+
+def shortened(text: str, keep: int = 60) -> str:
+    """``text`` itself, or its first and last ``keep // 2`` characters around an ellipsis."""
+    return text if len(text) <= keep else f"{text[:keep // 2]}...{text[-(keep // 2):]}"
+
+
+def path_arg(text: str) -> str:
+    """An argparse ``type`` for a flag that names a file or directory: ``path_error`` as the
+    one-line usage error, before the command touches the file system."""
+    why = path_error(text)
+    if why:
+        raise argparse.ArgumentTypeError(f"{shortened(text)!r} {why}")
+    return text
+
+
 class InputFileError(ValueError):
     """A named input file that cannot be read as text: ``str()`` is ``"PATH: RULE"``."""
 

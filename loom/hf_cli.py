@@ -31,7 +31,7 @@ import torch
 
 from loom.config import Config, load_config, model_args, to_toml
 from loom.config_rules import validate_model_shape
-from loom.errors import ConfigError, InputFileError, OneLineParser, read_input_json
+from loom.errors import ConfigError, InputFileError, OneLineParser, path_arg, read_input_json
 from loom.models.hf import (HFConversionError, SINGLE_FILE, atomic_save_safetensors,
                             load_safetensors, read_hf_checkpoint, read_hf_config,
                             write_hf_checkpoint)
@@ -160,13 +160,16 @@ def add_hf_commands(subparsers: Any) -> argparse.ArgumentParser:
                                            " (safetensors only).")
     sub = hf.add_subparsers(dest="hf_command", required=True, metavar="COMMAND")
     imp = sub.add_parser("import", help="HF directory -> Loom run (config.toml, model.safetensors)")
-    imp.add_argument("hf_dir", metavar="HF_DIR", help="directory with config.json and safetensors")
-    imp.add_argument("--run", required=True, metavar="RUN_DIR", help="Loom run directory to write")
+    imp.add_argument("hf_dir", type=path_arg, metavar="HF_DIR",
+                     help="directory with config.json and safetensors")
+    imp.add_argument("--run", type=path_arg, required=True, metavar="RUN_DIR",
+                     help="Loom run directory to write")
     imp.add_argument("--overwrite", action="store_true", help="replace existing files")
     imp.set_defaults(handler=_import)
     exp = sub.add_parser("export", help="Loom run -> HF directory (config.json, model.safetensors)")
-    exp.add_argument("run_dir", metavar="RUN_DIR", help="a finished run (config.toml + weights)")
-    exp.add_argument("out_dir", metavar="OUT_DIR", help="HF directory to write")
+    exp.add_argument("run_dir", type=path_arg, metavar="RUN_DIR",
+                     help="a finished run (config.toml + weights)")
+    exp.add_argument("out_dir", type=path_arg, metavar="OUT_DIR", help="HF directory to write")
     exp.add_argument("--overwrite", action="store_true", help="replace existing files")
     exp.set_defaults(handler=_export)
     return hf

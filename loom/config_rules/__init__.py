@@ -34,7 +34,7 @@ from loom.config_rules.pipeline import (CHECKFREE_SCHEDULES, DEFAULT_SCHEDULE, v
                                         validate_schedule, validate_zero_pipeline)
 from loom.data.corpus import STDLIB_SOURCE
 from loom.data.tokenizer import tokenizer_vocab_size
-from loom.errors import ConfigError, suggest
+from loom.errors import ConfigError, path_error, shortened, suggest
 from loom.layout import FP8_RECIPES, CPLayout, check_layout
 from loom.models.args import MAX_LAYERS, MAX_SEQ_LEN
 
@@ -44,6 +44,9 @@ if TYPE_CHECKING:  # the rules read a config; loom.config imports them to run th
 
 # Bounds far beyond any real run that keep hostile values from hanging the checks (the memory
 # estimators walk the layers and the microbatches one by one)
+# The fields that name a file or directory: each is checked to be a path the kernel can take
+PATH_FIELDS = ("model.init_from", "train.run_dir", "data.source", "data.tokenizer",
+               "checkpoint.resume")
 MAX_MICROBATCHES = 1_000_000  # per rank and optimizer step
 MAX_SECONDS = 1e9  # a timeout or grace period (31 years; Python's timedelta ends near 8.6e13 s)
 MAX_THREADS = 4096  # intra-op threads per rank
@@ -71,6 +74,12 @@ def validate(config: Config, world_size: int) -> None:
     """Check every cross-field rule; raise ConfigError naming the first broken one."""
     m, par, tr, data, opt = config.model, config.parallel, config.train, config.data, config.optim
     validate_model_shape(config)
+    for field in PATH_FIELDS:  # before any rule or check below touches the file system
+        section, key = field.split(".")
+        value = getattr(getattr(config, section), key)
+        why = path_error(value)
+        if why:
+            raise ConfigError(field, shortened(value), why)
     require_positive(config, ["train.steps", "train.global_batch_size",
                                "train.micro_batch_size", "train.eval_batches", "data.seq_len",
                                "data.bpe_vocab_size", "metrics.log_every"])

@@ -12,7 +12,7 @@ import os
 import sys
 
 from loom.data.prepare import prepare
-from loom.errors import ConfigError
+from loom.errors import ConfigError, path_arg
 
 EXIT_CONFIG_ERROR = 2
 # The data layer names config fields; this command's options stand for them.
@@ -47,13 +47,13 @@ def add_data_commands(sub: argparse._SubParsersAction) -> None:
         description="Tokenize a text corpus, a .jsonl/.parquet/.arrow file or a datasets"
                     " save_to_disk directory into DIR (tokens.bin, doc_index.bin, prepared.json,"
                     " tokenizer/), for --data.source=DIR.")
-    prep.add_argument("--source", required=True,
+    prep.add_argument("--source", type=path_arg, required=True,
                       help="stdlib, a text file or directory, a .jsonl / .parquet / .arrow file"
                            " or a datasets save_to_disk directory")
-    prep.add_argument("--tokenizer", required=True,
+    prep.add_argument("--tokenizer", type=path_arg, required=True,
                       help="byte, or a Hugging Face tokenizer.json (or a directory holding one)")
-    prep.add_argument("--out", required=True, help="directory to write (must not exist or be"
-                                                   " empty)")
+    prep.add_argument("--out", type=path_arg, required=True,
+                      help="directory to write (must not exist or be empty)")
     prep.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
                       help="tokenizer processes (default: the cores, at most 8)")
     prep.add_argument("--text-field", default="text", help="column holding the text (default"

@@ -35,7 +35,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 from tokenizers import Tokenizer as RustTokenizer
 
-from loom.errors import ConfigError, InputFileError, read_input_json
+from loom.errors import ConfigError, InputFileError, path_error, read_input_json
 
 KIND = "hf"
 TOKENIZER_FILE = "tokenizer.json"
@@ -49,7 +49,9 @@ ID_DTYPE = np.int32  # as loom.data.tokenizer: every id of a vocabulary below 2*
 
 def tokenizer_file(path: str | os.PathLike[str]) -> Path | None:
     """The ``tokenizer.json`` that ``path`` names (the file itself, or the one in a directory),
-    or None when there is none."""
+    or None when there is none (or ``path`` could not name a file: ``path_error``)."""
+    if path_error(os.fspath(path)):
+        return None
     p = Path(path).expanduser()
     if p.is_dir():
         p = p / TOKENIZER_FILE

@@ -36,7 +36,7 @@ import torch
 
 from loom.data.packing import DocumentBatch, stack_rows
 from loom.data.samples import BatchSampler, WindowedSamples
-from loom.errors import ConfigError
+from loom.errors import ConfigError, path_error, shortened
 
 BLOCK = 10_000
 _TAG_BLOCK, _TAG_SOURCE = 0x6D6978, 0x737263  # separate the two kinds of seeded streams
@@ -89,6 +89,9 @@ def parse_mix(spec: str) -> list[MixEntry]:
 def check_mix_paths(spec: str, entries: Sequence[MixEntry]) -> None:
     """ConfigError naming ``data.mix`` for a path that does not exist ("stdlib" exists)."""
     for entry in entries:
+        why = path_error(entry.path)
+        if why:
+            raise ConfigError("data.mix", shortened(spec), f"path {shortened(entry.path)!r} {why}")
         if entry.path != "stdlib" and not os.path.exists(os.path.expanduser(entry.path)):
             raise ConfigError("data.mix", spec, f"path {entry.path!r} does not exist")
 

@@ -32,7 +32,7 @@ from safetensors import safe_open
 from loom.models.hf import (INDEX_FILE, SINGLE_FILE, WEIGHT_DTYPES, args_from_hf_file,
                             name_pairs, permute_from_hf, rope_heads, weight_dtype_rule,
                             weight_map)
-from loom.errors import loads_toml
+from loom.errors import loads_toml, path_error, shortened
 from loom.models.args import MAX_LAYERS, TransformerArgs
 from loom.models import build_model
 
@@ -59,6 +59,9 @@ class PretrainedSource:
     # -- opening -------------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | Path) -> PretrainedSource:
+        why = path_error(str(path))
+        if why:
+            raise PretrainedError(f"{shortened(str(path))!r} {why}")
         path = Path(path)
         if not path.is_dir():
             raise PretrainedError(f"{path} is not a directory (a Hugging Face model directory"

@@ -32,7 +32,7 @@ import os
 import sys
 from typing import Any
 
-from loom.errors import OneLineParser, read_input_text
+from loom.errors import OneLineParser, path_arg, read_input_text
 from loom.schedule.cost import StageCosts, full_stage_costs, parse_cost_spec
 from loom.schedule.families import get, names, routed, simulation_only
 from loom.schedule.ir import Op, Schedule, csv_text
@@ -87,8 +87,9 @@ def _takes_chunks(family: str) -> bool:
 
 def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments that pick a schedule and its costs (shared by show/export/simulate)."""
-    parser.add_argument("name", help="schedule family (see `loom schedule list`) or a schedule "
-                                     "file written by `export` (.json or torch .csv)")
+    parser.add_argument("name", type=path_arg,
+                        help="schedule family (see `loom schedule list`) or a schedule "
+                             "file written by `export` (.json or torch .csv)")
     parser.add_argument("--pp", type=_positive_int, help="pipeline ranks (required for a family)")
     parser.add_argument("--microbatches", "-m", type=_positive_int,
                         help="microbatches per step (default: 2 x --pp)")
@@ -108,7 +109,7 @@ def _add_cost_arguments(parser: argparse.ArgumentParser, where: str, per_file: s
     costs.add_argument("--costs", default="1,1,1", metavar="F,I,W[,LATENCY]",
                        help=f"durations of F, I, W {where} (B = I + W) and the send latency "
                             "between ranks (default 1,1,1)")
-    costs.add_argument("--cost-file", metavar="PATH",
+    costs.add_argument("--cost-file", type=path_arg, metavar="PATH",
                        help=f"{per_file}, JSON or CSV with columns F,I,W[,B]")
 
 
@@ -136,7 +137,7 @@ def add_schedule_commands(subparsers: Any) -> argparse.ArgumentParser:
 
     show = sub.add_parser("show", help="print the rank-by-step grid, or draw a Gantt chart")
     _add_schedule_arguments(show)
-    show.add_argument("-o", "--output", metavar="FILE",
+    show.add_argument("-o", "--output", type=path_arg, metavar="FILE",
                       help="draw to FILE: .png, .svg or .html (Gantt chart with memory), or "
                            ".json (Chrome / Perfetto trace)")
     _add_view_arguments(show)
@@ -147,13 +148,14 @@ def add_schedule_commands(subparsers: Any) -> argparse.ArgumentParser:
     export.add_argument("--format", choices=("torch-csv", "json"),
                         help="torch's compute-only CSV or Loom's JSON (default: from the -o "
                              "suffix, else torch-csv)")
-    export.add_argument("-o", "--output", metavar="FILE", help="write here (default: stdout)")
+    export.add_argument("-o", "--output", type=path_arg, metavar="FILE",
+                        help="write here (default: stdout)")
     export.set_defaults(handler=_export)
 
     simulate = sub.add_parser("simulate", help="print makespan, bubbles and peak memory")
     _add_schedule_arguments(simulate)
     simulate.add_argument("--json", action="store_true", help="print the figures as JSON")
-    simulate.add_argument("-o", "--output", metavar="FILE",
+    simulate.add_argument("-o", "--output", type=path_arg, metavar="FILE",
                           help="also write the full result (timeline, memory curves) as JSON")
     _add_view_arguments(simulate)
     simulate.set_defaults(handler=_simulate)
@@ -184,7 +186,8 @@ def add_schedule_commands(subparsers: Any) -> argparse.ArgumentParser:
                         "host_bandwidth and host_unit_bytes)")
     search.add_argument("--format", choices=("torch-csv", "json"),
                         help="file format for -o (default: from the suffix, else torch-csv)")
-    search.add_argument("-o", "--output", metavar="FILE", help="write the schedule here")
+    search.add_argument("-o", "--output", type=path_arg, metavar="FILE",
+                        help="write the schedule here")
     search.add_argument("--json", action="store_true", help="print the result as JSON")
     search.set_defaults(handler=_search)
     return schedule

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from loom.config import ConfigError, load_config, planned_model
-from loom.errors import OneLineParser
+from loom.errors import OneLineParser, path_arg
 from loom.layout import Layout
 from loom.models.args import TransformerArgs
 from loom.models.hf_config import HFConversionError, args_from_hf_file
@@ -104,7 +104,8 @@ def add_plan_commands(sub: argparse._SubParsersAction,
     reads profiles."""
     plan = sub.add_parser("plan", help="predict and rank parallel layouts for a model on a cluster",
                           description=__doc__.splitlines()[0])
-    plan.add_argument("--model", help="a preset name (loom.models.presets), a Loom TOML config,"
+    plan.add_argument("--model", type=path_arg,
+                      help="a preset name (loom.models.presets), a Loom TOML config,"
                       " or a Hugging Face model directory or its config.json (Llama, Qwen2/3,"
                       " Mistral; only the config is read; --seq required)")
     plan.add_argument("--gpus", type=int, help="number of accelerators")
@@ -114,7 +115,8 @@ def add_plan_commands(sub: argparse._SubParsersAction,
     plan.add_argument("--gpus-per-node", type=int, default=0, help="0: the accelerator's default")
     plan.add_argument("--intra", help="intra-node link name (default: the accelerator's)")
     plan.add_argument("--inter", help="inter-node link name (default: the accelerator's)")
-    plan.add_argument("--hardware", help="TOML file adding or overriding catalog entries")
+    plan.add_argument("--hardware", type=path_arg,
+                      help="TOML file adding or overriding catalog entries")
     for flag, kind, what in TOPOLOGY_FLAGS:
         plan.add_argument(flag, metavar="N" if kind is int else "R", help=what)
     plan.add_argument("--seq", type=int, help="sequence length (default: the config's)")
@@ -125,7 +127,8 @@ def add_plan_commands(sub: argparse._SubParsersAction,
                       help="time and memory breakdown of the N-th ranked layout (default 1)")
     plan.add_argument("--layout", help="price this one layout instead of searching, as"
                                        " field=value pairs of loom.layout.Layout")
-    plan.add_argument("-o", "--output", help="write the chosen layout's Loom config here")
+    plan.add_argument("-o", "--output", type=path_arg,
+                      help="write the chosen layout's Loom config here")
     plan.add_argument("--memory-fraction", type=float, default=0.9,
                       help="share of device memory a layout may plan to use")
     plan.add_argument("--any", action="store_true",
@@ -140,7 +143,7 @@ def add_plan_commands(sub: argparse._SubParsersAction,
                                                                " the profile --gpu local uses")
     plan.add_argument("--nproc", type=int, default=0, help="processes for --calibrate (and"
                                                            " --gpu local's default --gpus)")
-    plan.add_argument("--profile",
+    plan.add_argument("--profile", type=path_arg,
                       help="calibration profile path (default ~/.cache/loom/local.json)")
     plan.add_argument("--fp8", default="none", metavar="RECIPE",
                       help="price the blocks' linears in FP8 (train.fp8: tensorwise, rowwise,"
@@ -159,7 +162,7 @@ def add_plan_commands(sub: argparse._SubParsersAction,
                       help="each site's uplink (a catalog link, e.g. wan-100mbit, wan-1gbit)")
     plan.add_argument("--outer-steps", default="8,32,128", metavar="H,H,...",
                       help="the outer modes' inner steps per outer step to price")
-    plan.add_argument("--length-dist", metavar="FILE",
+    plan.add_argument("--length-dist", type=path_arg, metavar="FILE",
                       help="rank the balances of variable-length steps drawn from this length"
                            " distribution (loom.sim.varlen_cost; loom.plan.varlen)")
     plan.add_argument("--nics-per-node", type=int, default=0,

@@ -256,3 +256,36 @@ def test_train_under_a_launcher_refuses_ranks_ports_and_job_ids_it_cannot_use(
     assert list(tmp_path.iterdir()) == []
     if name == "TORCHELASTIC_RUN_ID":  # with a run directory of its own, the id is not used
         assert cli.main(["train", "--dry-run", "--train.run_dir=runs/mine"]) == 0
+
+
+LONG_NAME = "a" * 300  # one name past the kernel's 255 bytes: every call raises ENAMETOOLONG
+LONG_PATH = "/".join(["abcdefgh"] * 600)  # 5,399 bytes, past PATH_MAX
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["train", "--dry-run", f"--model.init_from={LONG_NAME}"], "model.init_from"),
+    (["train", "--dry-run", f"--data.tokenizer={LONG_NAME}"], "data.tokenizer"),
+    (["train", "--dry-run", f"--data.source={LONG_NAME}"], "data.source"),
+    (["train", "--dry-run", f"--train.run_dir=runs/{LONG_PATH}"], "train.run_dir"),
+    (["train", "--dry-run", f"--checkpoint.resume={LONG_NAME}"], "checkpoint.resume"),
+    (["train", "--dry-run", f"--data.mix={LONG_NAME}:1,stdlib:1"], "data.mix"),
+    (["train", "--dry-run", "--resume", LONG_NAME], "--resume"),
+    (["data", "prepare", "--source", LONG_NAME, "--tokenizer", "byte", "--out", "o"], "--source"),
+    (["data", "prepare", "--source", "stdlib", "--tokenizer", LONG_NAME, "--out", "o"],
+     "--tokenizer"),
+    (["data", "prepare", "--source", "stdlib", "--tokenizer", "byte", "--out", LONG_PATH],
+     "--out"),
+    (["plan", "--model", LONG_NAME, "--gpus", "8"], "--model"),
+    (PLAN + ["--length-dist", LONG_NAME], "--length-dist"),
+    (["hf", "import", "x", "--run", LONG_NAME], "--run"),
+    (["schedule", "show", "1f1b", "--pp", "2", "-o", LONG_NAME + ".png"], "--output"),
+])
+def test_a_path_no_file_system_call_can_take_is_refused_by_name(capsys, monkeypatch, tmp_path,
+                                                                argv, named):
+    """A name over 255 bytes or a path over 4,095: ``Path.exists`` and ``is_file`` raise
+    ENAMETOOLONG (they swallow only "not found"), which was a traceback in ten commands. Each
+    path flag and path field is checked first (``loom.errors.path_error``); nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    err = refusal(capsys, argv)
+    assert named in err and ("not a usable path" in err or "no such file" in err), err
+    assert list(tmp_path.iterdir()) == []
