@@ -238,9 +238,16 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
         device = torch.device(args.device)
     except RuntimeError:
         device = None
-    if device is None or (device.type == "cuda" and not torch.cuda.is_available()):
+    if device is None or str(device) != "cpu" and (device.type != "cuda" or not (
+            torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count())):
         print(f"loom generate: --device {args.device!r} must name a device this machine has"
               " (cpu, cuda, cuda:N)", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the shell passed that are not UTF-8 (kept as surrogates)
+        print(f"loom generate: --prompt {ascii(args.prompt)[:80]}: is not UTF-8 text",
+              file=sys.stderr)
         return EXIT_CONFIG_ERROR
     for name, value, rule in sampling_errors(args.max_new_tokens, args.temperature,
                                              args.top_k)[:1]:

@@ -82,6 +82,10 @@ def test_generate_continues_the_prompt(finished_run):
     (["--max-new-tokens", "1000000000"], "--max-new-tokens"),  # would sample for hours
     (["--temperature", "nan"], "--temperature"), (["--temperature", "-1"], "--temperature"),
     (["--top-k", "-5"], "--top-k"),
+    # named by the flag, not blamed on the run: bytes that are not UTF-8 (argv keeps them as
+    # surrogates) and devices torch parses that Loom does not sample on
+    (["--prompt", "\udcff\udcfe"], "--prompt"), (["--device", "meta"], "--device"),
+    (["--device", "cpu:0"], "--device"),
 ])
 def test_generate_refuses_a_bad_flag_in_one_line(finished_run, capsys, flags, named):
     from loom.cli import main
