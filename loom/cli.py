@@ -44,7 +44,6 @@ from loom.pipeline.cli import add_schedule_commands
 from loom.plan.cli import add_plan_commands
 from loom.topology import RankGrid
 from loom.train.checkpoint import resume_refusal
-from loom.train.checkpointing import resume_state_refusal
 from loom.train.distributed import resolve_device
 from loom.train.memory import GiB, check_memory_limit, device_limit_bytes, estimate_memory
 
@@ -97,6 +96,14 @@ def _check_launcher_env(world_size: int, local_ranks: int, names_run_dir: bool) 
                           " name the default run directory (or set --train.run_dir)")
 
 
+def _resume_state_refusal(config: Config, path: Path) -> str | None:
+    """``loom.train.checkpointing.resume_state_refusal``, imported only when a run resumes:
+    that module brings DTensor and the parallel layer, which the commands do not start with."""
+    from loom.train.checkpointing import resume_state_refusal
+
+    return resume_state_refusal(config, path)
+
+
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
     try:
         if args.nproc < 1:
@@ -145,7 +152,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         check_run_dir(Path(run_dir))
         if not external:  # under torchrun, rank 0 of the job decides (every rank would hash)
             refusal = resume_refusal(config.checkpoint.resume, Path(run_dir) / "checkpoints",
-                                     check=partial(resume_state_refusal, config))
+                                     check=partial(_resume_state_refusal, config))
             if refusal:
                 print(f"loom train: config error: {refusal}", file=sys.stderr)
                 return EXIT_CONFIG_ERROR
