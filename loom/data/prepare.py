@@ -48,6 +48,7 @@ from loom.data.sources import (DEFAULT_EXTENSIONS, PREPARED, PREPARED_MANIFEST, 
 from loom.data.tokenizer import (Tokenizer, build_tokenizer, encode_documents, tokenizer_identity,
                                   tokenizer_vocab_size)
 from loom.errors import ConfigError, InputFileError, read_input_json
+from loom.files import as_created
 
 FORMAT = "loom-prepared"
 VERSION = 1
@@ -457,6 +458,7 @@ def _replace(tmp: Path, out: Path) -> None:
             os.replace(out, old / out.name)
         else:
             out.rmdir()
+    as_created(tmp)  # mkdtemp made it 0700
     os.replace(tmp, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

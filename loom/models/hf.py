@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from loom.files import as_created
 from loom.models import build_model
 from loom.models.hf_config import (ARCHITECTURES, HFConversionError, architecture_of,
                                    args_from_hf_config, args_from_hf_file,
@@ -255,6 +256,7 @@ def atomic_save_safetensors(state: dict[str, torch.Tensor], path: Path,
 
     tmp = path.with_suffix(".tmp")
     save_file(state, str(tmp), metadata={"format": "pt", **(metadata or {})})
+    as_created(tmp)  # safetensors writes 0600
     os.replace(tmp, path)
 
 

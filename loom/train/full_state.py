@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from loom.files import as_created
 from loom.parallel import comm
 from loom.parallel.expert import expert_parameter_names, gather_expert_weights
 from loom.parallel.tensor import full_named_gradients
@@ -98,4 +99,5 @@ def save_weights(trainer: Trainer, path: Path) -> None:
         state.pop("output.weight", None)  # the same tensor as the embedding
     tmp = path.with_suffix(".tmp")
     save_file(state, str(tmp), metadata={"format": "pt", "loom_step": str(trainer.step)})
+    as_created(tmp)  # safetensors writes 0600
     os.replace(tmp, path)

@@ -16,6 +16,8 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from loom.files import as_created
+
 
 def _read_series(metrics_jsonl: Path, key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of ``key``, sorted by step; a step logged twice keeps its last value."""
@@ -86,6 +88,7 @@ def plot_loss_curve(metrics_jsonl: Path | str, out_png: Path | str) -> Path:
     try:
         with os.fdopen(fd, "wb") as f:
             fig.savefig(f, format="png")
+        as_created(tmp)  # mkstemp made it 0600
         os.replace(tmp, out_png)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
