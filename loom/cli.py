@@ -44,7 +44,7 @@ from loom.pipeline.cli import add_schedule_commands
 from loom.plan.cli import add_plan_commands
 from loom.topology import RankGrid
 from loom.train.checkpoint import resume_refusal
-from loom.train.distributed import resolve_device
+from loom.train.distributed import device_refusal, resolve_device
 from loom.train.memory import GiB, check_memory_limit, device_limit_bytes, estimate_memory
 
 EXIT_CONFIG_ERROR = 2
@@ -122,6 +122,10 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         config = resolve(config, world_size)
         cluster = _emulated_cluster(args, world_size, external)
         tr = config.train
+        refused = device_refusal(tr.device, tr.backend, local_ranks)
+        if refused:
+            field, rule = refused
+            raise ConfigError(field, getattr(tr, field.split(".")[1]), rule)
         # this machine's device (local rank 0's: every rank of a node has the same kind)
         refusal = fp8_device_refusal(tr.fp8, tr.fp8_emulate, resolve_device(tr.device, 0))
         if refusal:

@@ -57,6 +57,28 @@ def resolve_device(device: str, local_rank: int) -> torch.device:
     return torch.device(device)
 
 
+def device_refusal(device: str, backend: str, local_ranks: int) -> tuple[str, str] | None:
+    """``(field, rule)`` when this machine cannot give each of its ``local_ranks`` ranks the
+    device ``train.device`` names, or run ``train.backend`` on it; else None. Checked before
+    the launch: a worker finds out only after the run directory is written (a CPU build of
+    torch has no ``_cuda_setDevice``; a gloo-only one no NCCL)."""
+    first = resolve_device(device, 0)
+    if first.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        highest = first.index if device.startswith("cuda:") else local_ranks - 1
+        if highest >= count:
+            have = f"{count} visible" if count else "none (no CUDA device, or a CPU build of torch)"
+            return ("train.device", f"needs CUDA device {highest} on this machine"
+                    f" ({'cuda:N' if device.startswith('cuda:') else 'one per local rank'});"
+                    f" it has {have}")
+    chosen = resolve_backend(backend, first)
+    if chosen == "nccl" and not (first.type == "cuda" and dist.is_nccl_available()):
+        why = "NCCL communicates CUDA tensors" if first.type != "cuda" else \
+            "this build of torch has no NCCL"
+        return ("train.backend", f"cannot be nccl here: {why}; use gloo")
+    return None
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         return "nccl" if device.type == "cuda" else "gloo"

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from loom import cli
 
@@ -288,4 +289,20 @@ def test_a_path_no_file_system_call_can_take_is_refused_by_name(capsys, monkeypa
     monkeypatch.chdir(tmp_path)
     err = refusal(capsys, argv)
     assert named in err and ("not a usable path" in err or "no such file" in err), err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("override, field, rule", [
+    # one past the devices this machine has (none on a CPU build): a worker had raised
+    # AttributeError (no _cuda_setDevice) after the run directory was written
+    (f"--train.device=cuda:{torch.cuda.device_count()}", "train.device", "needs CUDA device"),
+    # train.device = auto, which is the CPU here (an explicit cpu was refused already)
+    pytest.param("--train.backend=nccl", "train.backend", "cannot be nccl here",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="auto is a GPU")),
+])
+def test_a_device_or_backend_this_machine_lacks_is_refused_before_the_launch(
+        capsys, monkeypatch, tmp_path, override, field, rule):
+    monkeypatch.chdir(tmp_path)
+    err = refusal(capsys, ["train", "--train.steps=1", override])
+    assert f"{field}=" in err and rule in err, err
     assert list(tmp_path.iterdir()) == []
