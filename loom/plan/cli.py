@@ -36,7 +36,8 @@ from loom.models.presets import PRESETS
 from loom.layout import FP8_RECIPES
 from loom.plan import explain, varlen
 from loom.plan.calibrate import describe, load_profile
-from loom.plan.hardware import LINKS, Cluster, HardwareError, load_catalog, make_cluster
+from loom.plan.hardware import (LINKS, MAX_OVERSUBSCRIPTION, Cluster, HardwareError, load_catalog,
+                                make_cluster)
 from loom.plan.layout_input import LayoutInputError, check_layout_input
 from loom.plan.search import Plan, check_vocab_pp, plan, simulate_step
 from loom.plan.space import Workload
@@ -85,9 +86,10 @@ def _topology(args: argparse.Namespace, defaults: dict) -> dict[str, float]:
             value = None
         if kind is int and (value is None or value < 0):
             raise PlanInputError(f"{flag} {raw}: must be a whole number >= 0 (0: all in one)")
-        if kind is float and (value is None or not value >= 1 or value == float("inf")):
-            raise PlanInputError(f"{flag} {raw}: must be a number >= 1 (downlink : uplink;"
-                                 " 1 is non-blocking)")
+        if kind is float and (value is None or not 1 <= value <= MAX_OVERSUBSCRIPTION):
+            raise PlanInputError(f"{flag} {raw}: must be a number in [1,"
+                                 f" {MAX_OVERSUBSCRIPTION:g}] (downlink : uplink; 1 is"
+                                 " non-blocking)")
         out[key] = value
     if out.get("racks_per_pod") and not out.get("nodes_per_rack",
                                                 defaults.get("nodes_per_rack", 0)):

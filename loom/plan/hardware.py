@@ -268,6 +268,12 @@ LINKS: dict[str, Link] = {link.name: link for link in (
 )}
 
 
+# The largest downlink : uplink ratio a cluster may declare: real fabrics are 1-7 (Llama 3's
+# aggregation layer: 7); far beyond, a link's bandwidth divided by it underflows toward zero
+# (1e308 made a link of bandwidth 0, which the link's own check then raised on)
+MAX_OVERSUBSCRIPTION = 1000.0
+
+
 @dataclass(frozen=True)
 class Cluster:
     """N accelerators of one type, ``gpus_per_node`` of them per node.
@@ -305,9 +311,10 @@ class Cluster:
             if getattr(self, name) < 0:
                 raise ValueError(f"cluster: {name}={getattr(self, name)} must be >= 0 (0: all)")
         for name in ("rack_oversubscription", "spine_oversubscription"):
-            if not getattr(self, name) >= 1:
-                raise ValueError(f"cluster: {name}={getattr(self, name)} must be >= 1"
-                                 " (downlink : uplink; 1 is non-blocking)")
+            if not 1 <= getattr(self, name) <= MAX_OVERSUBSCRIPTION:
+                raise ValueError(f"cluster: {name}={getattr(self, name)} must be in [1,"
+                                 f" {MAX_OVERSUBSCRIPTION:g}] (downlink : uplink; 1 is"
+                                 " non-blocking)")
         if self.racks_per_pod and not self.nodes_per_rack:
             raise ValueError(f"cluster: racks_per_pod={self.racks_per_pod} needs nodes_per_rack"
                              " (the size of a rack)")

@@ -173,9 +173,15 @@ def test_topology_flags_win_over_the_hardware_file(tmp_path, capsys):
     (["--nodes-per-rack", "-1"], "--nodes-per-rack -1: must be a whole number >= 0"),
     (["--nodes-per-rack", "2.5"], "--nodes-per-rack 2.5: must be a whole number >= 0"),
     (["--racks-per-pod", "x"], "--racks-per-pod x: must be a whole number >= 0"),
-    (["--rack-oversubscription", "0.5"], "--rack-oversubscription 0.5: must be a number >= 1"),
-    (["--spine-oversubscription", "nan"], "--spine-oversubscription nan: must be a number >= 1"),
-    (["--spine-oversubscription", "inf"], "--spine-oversubscription inf: must be a number >= 1"),
+    (["--rack-oversubscription", "0.5"],
+     "--rack-oversubscription 0.5: must be a number in [1, 1000]"),
+    (["--spine-oversubscription", "nan"],
+     "--spine-oversubscription nan: must be a number in [1, 1000]"),
+    (["--spine-oversubscription", "inf"],
+     "--spine-oversubscription inf: must be a number in [1, 1000]"),
+    # a link's bandwidth over 1e308 underflowed to 0, which the link's own check raised on
+    (["--nodes-per-rack", "1", "--rack-oversubscription", "1e308"],
+     "--rack-oversubscription 1e308: must be a number in [1, 1000]"),
     (["--racks-per-pod", "4"], "--racks-per-pod 4: needs --nodes-per-rack > 0"),
     # a zero taken as "not given", a flag ignored without --sites: refused, before the search
     (["--seq", "0"], "--seq 0: must be >= 1"),

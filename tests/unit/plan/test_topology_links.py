@@ -132,6 +132,7 @@ def test_a_hardware_file_describes_the_topology(tmp_path):
     path.write_text('[cluster]\nnodes_per_rack = "two"\n')
     with pytest.raises(HardwareError, match="cluster.nodes_per_rack"):
         make_cluster("H100-SXM", 64, 8, catalog=load_catalog(path))
-    path.write_text('[cluster]\nrack_oversubscription = 0.5\n')
-    with pytest.raises(HardwareError, match="rack_oversubscription"):
-        make_cluster("H100-SXM", 64, 8, catalog=load_catalog(path))
+    for ratio in ("0.5", "1e308"):  # 1e308: the uplink's bandwidth underflowed to zero
+        path.write_text(f'[cluster]\nnodes_per_rack = 1\nrack_oversubscription = {ratio}\n')
+        with pytest.raises(HardwareError, match=r"rack_oversubscription.*in \[1, 1000\]"):
+            make_cluster("H100-SXM", 64, 8, catalog=load_catalog(path))
