@@ -272,6 +272,9 @@ def resume_state_refusal(config: Config, path: Path) -> str | None:
     refusal = training_state_refusal(extra)
     if refusal:
         return f"{path / checkpoint.EXTRA}: {refusal}"
+    if extra["data"]["seed"] != config.train.seed:  # the loader's own check, before the launch
+        return (f"{path}: saved with train.seed = {extra['data']['seed']}, this run has"
+                f" {config.train.seed}: the samples after the resume would be other ones")
     return model_shape_refusal(config, path)
 
 

@@ -163,6 +163,10 @@ CASES = {  # name: (argv, substrings of the one stderr line)
                           ("state-no-seed", "data.seed = None is not"),
                           ("state-text-epoch", "scheduler.last_epoch = 'x' is not"),
                           ("state-nan-rate", "scheduler.base_lrs is not a list of finite"))},
+    # ... or whose data order is another seed's (the loader refused it in every worker)
+    "state-other-seed": (("--resume", "saved/step_00000001", "--train.seed=7"),
+                         ("checkpoint.resume=saved/step_00000001",
+                          "saved with train.seed = 1234, this run has 7")),
     "auto-nothing-saved": (("--resume", "auto", f"--train.run_dir={RUN}"),
                            ("checkpoint.resume=auto: no complete and valid checkpoint",
                             "--resume auto_or_fresh")),
