@@ -29,7 +29,8 @@ else:  # pragma: no cover
 from loom.config_rules import DEFAULT_SCHEDULE, check_bpe_vocab, validate, validate_model_shape
 from loom.data.tokenizer import tokenizer_vocab_size
 from loom.data.budgets import token_budgets
-from loom.errors import ConfigError, InputFileError, loads_toml, read_input_text, suggest
+from loom.errors import (ConfigError, InputFileError, finite_float, is_int64, loads_toml,
+                         read_input_text, suggest)
 from loom.layout import CompressionSpec, Job, Layout
 from loom.models.hf_config import HFConversionError
 from loom.models.args import TransformerArgs
@@ -402,21 +403,19 @@ def _coerce(key: str, raw: Any, kind: Any) -> Any:
             value = None
         if value is None:
             raise ConfigError(key, raw, "must be an integer")
-        if not -2 ** 63 <= value < 2 ** 63:  # what torch, numpy and the checkpoints hold
+        if not is_int64(value):
             raise ConfigError(key, raw, "must be a 64-bit integer (|value| < 2**63)")
         return value
     if kind is float:
         try:
             if isinstance(raw, bool):
                 raise ValueError
-            value = float(raw)
-        except OverflowError:  # an integer beyond any float (TOML's 1 followed by 400 zeros)
-            raise ConfigError(key, raw, "must be a finite number") from None
+            number = finite_float(raw)
         except (TypeError, ValueError):
             raise ConfigError(key, raw, "must be a number") from None
-        if not math.isfinite(value):
+        if number is None:
             raise ConfigError(key, raw, "must be a finite number")
-        return value
+        return number
     if kind is str:
         if not isinstance(raw, str):
             raise ConfigError(key, raw, "must be a string")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import math
 import os
 import sys
 from typing import Any, NoReturn
@@ -39,6 +40,22 @@ class ConfigError(ValueError):
         # one line whatever the user typed: a key with a line break is shown escaped
         shown = field_name if field_name.isprintable() else repr(field_name)[1:-1]
         super().__init__(f"config error: {shown}={value!r}: {rule}")
+
+
+def is_int64(value: int) -> bool:
+    """Whether ``value`` fits a 64-bit signed integer, what torch, numpy and checkpoints hold."""
+    return -2 ** 63 <= value < 2 ** 63
+
+
+def finite_float(value: Any) -> float | None:
+    """``float(value)`` when it is finite; None for NaN, infinity and an integer beyond any
+    float (TOML and JSON readers take 1 followed by 400 zeros). The one place these rules live
+    for the config, the Hugging Face and the pretrained-run readers."""
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def suggest(name: str, options: list[str]) -> str:

@@ -28,12 +28,11 @@ importing it for a table of field names would make it a hard dependency of the m
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loom.errors import InputFileError, loads_json, read_input_text
+from loom.errors import InputFileError, finite_float, loads_json, read_input_text
 from loom.models.args import MAX_LAYERS, TransformerArgs
 
 LLAMA, QWEN2, QWEN3, MISTRAL = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -115,11 +114,8 @@ def _number(field: str, value: Any) -> float:
     reader takes ``Infinity``, ``NaN`` and integers no float holds; none is a model's field."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _refuse(field, value, "must be a number")
-    try:
-        number = float(value)
-    except OverflowError:
-        number = math.inf
-    if not math.isfinite(number):
+    number = finite_float(value)
+    if number is None:
         raise _refuse(field, value, "must be a finite number")
     return number
 

@@ -32,7 +32,7 @@ from safetensors import safe_open
 from loom.models.hf import (INDEX_FILE, SINGLE_FILE, WEIGHT_DTYPES, args_from_hf_file,
                             name_pairs, permute_from_hf, rope_heads, weight_dtype_rule,
                             weight_map)
-from loom.errors import loads_toml, path_error, shortened
+from loom.errors import finite_float, is_int64, loads_toml, path_error, shortened
 from loom.models.args import MAX_LAYERS, TransformerArgs
 from loom.models import build_model
 
@@ -189,15 +189,14 @@ def _bounded(config: Path, key: str, want: type, value: Any) -> Any:
     """``want(value)`` for a field of a Loom run's config.toml, refusing what the config's own
     reader refuses (``loom.config`` sits above this module): an integer beyond int64, a float
     that is infinite, NaN, or an integer no float holds."""
-    if want is int and not -2 ** 63 <= value < 2 ** 63:
+    if want is int and not is_int64(value):
         raise PretrainedError(f"{config}: model.{key} = {value} is not a 64-bit integer")
     if want is float:
-        try:
-            value = float(value)
-        except OverflowError:
-            value = math.inf
-        if not math.isfinite(value):
-            raise PretrainedError(f"{config}: model.{key} = {value} is not a finite number")
+        number = finite_float(value)
+        if number is None:
+            raise PretrainedError(f"{config}: model.{key} = {shortened(str(value))} is not a"
+                                  " finite number")
+        value = number
     return want(value)
 
 
