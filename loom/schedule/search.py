@@ -26,8 +26,8 @@ a. seeds: every registered family (``loom.schedule.families``) at each chunk cou
    priced: up to ``SCREEN_PP`` ranks they all are, whatever the effort. A placement no family
    orders (the waves) gets the list scheduler's safe setting as its seed. Above ``SCREEN_PP``
    ranks the seeds are first screened on a copy of the problem with ``SCREEN_PP`` ranks and as
-   many microbatches per rank (the idle of these schedules grows with p - 1, so the copy ranks
-   them at a fraction of the cost), then priced exactly in that order while half the effort
+   many microbatches per rank, at most ``SCREEN_MICROBATCHES`` (the idle of these schedules grows
+   with p - 1, so the copy ranks them at a fraction of the cost), then priced exactly in that order while half the effort
    lasts, at least ``MIN_SEEDS`` of them; the waves' seeds are then only screened (the sweep
    builds them on the placements it takes up);
 b. forward-backward scheduling on the two best multi-chunk placements the seeds found (a
@@ -113,6 +113,7 @@ MIN_MEMORY_LIMIT = 1.0  # one microbatch in flight: every chunk of it is live on
 DEFAULT_EFFORT = 500_000  # simulated actions over all candidates (p=32, m=256: ~12 candidates)
 LOCAL_MAX_ACTIONS = 5_000  # local improvement only below this size: each try replays everything
 SCREEN_PP = 8  # above this many ranks the seeds are ranked on a copy with this many first
+SCREEN_MICROBATCHES = 4 * SCREEN_PP  # ... and at most this many microbatches
 MIN_SEEDS = 1  # family seeds priced exactly however little effort is left: the screen's best
 OFFLOAD_SCREENED = 12  # step f above SCREEN_PP ranks: seeds built at full size, best screened
 REDUCE_FROM = 30_000  # steps b, c, e explore a copy with fewer microbatches above these actions
@@ -580,13 +581,14 @@ def _seed(problem: _Problem, allowed: list[Place], limit: float, budget: Budget,
 def _screened(seeds: list[_Seed], problem: _Problem, allowed: list[Place], limit: float
               ) -> tuple[list[_Seed], list[Place]]:
     """``seeds`` ordered by their makespan estimated on a copy of the problem with
-    ``SCREEN_PP`` ranks: the same microbatches per rank, costs of evenly spread ranks, the limit
-    scaled likewise; the copy's idle (its makespan less the busiest rank's work) scaled by
+    ``SCREEN_PP`` ranks: the same microbatches per rank (at most ``SCREEN_MICROBATCHES`` in all:
+    past four per rank the steady state adds work, not idle, to every seed alike), costs of
+    evenly spread ranks, the limit scaled likewise; the copy's idle (its makespan less the busiest rank's work) scaled by
     (p - 1) / (SCREEN_PP - 1), which is how these schedules' ramps grow. Those that do not fit
     the copy's limit, or do not take its sizes, come last, in their own order. Also returns the
     placements of those that fit, by their best estimate."""
     pp, m = problem.pp, problem.microbatches
-    small_m = max(1, round(m * SCREEN_PP / pp))
+    small_m = max(1, min(round(m * SCREEN_PP / pp), SCREEN_MICROBATCHES))
     small_limit = max(MIN_MEMORY_LIMIT, limit * SCREEN_PP / pp)
     costs = problem.costs
     if len(costs.stages) > 1:
