@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 
 from loom.layout import Layout
-from loom.schedule.cost import OpCosts, StageCosts
+from loom.schedule.cost import MAX_COST, OpCosts, StageCosts
 from loom.schedule.families import SEARCH_PLACEMENTS, get
 from loom.schedule.ir import Schedule
 from loom.schedule.offload import insert_offload
@@ -37,11 +38,16 @@ def parse_search_costs(text: str, pp: int = 0
     (0: unchecked) is the number of ranks a per-rank list must name."""
     groups = [group.split(",") for group in text.split(";")]
     rule = (f"{text!r} must be F,I,W,latency (or one F,I,W per rank separated by ';', the last"
-            f" followed by ,latency) with F, I, W > 0 and latency >= 0, e.g. 1,1,1,0")
+            f" followed by ,latency) with F, I, W > 0 and latency >= 0, each at most"
+            f" {MAX_COST:.0e}, e.g. 1,1,1,0")
     try:
         numbers = [[float(v) for v in group] for group in groups]
     except ValueError:
         raise ValueError(rule) from None
+    # NaN passes every comparison below, and a latency of 1e300 made the search's makespans
+    # infinite (an OverflowError in its ranking): the bound of ``loom schedule --costs``
+    if not all(math.isfinite(v) and v <= MAX_COST for group in numbers for v in group):
+        raise ValueError(rule)
     if len(numbers[-1]) != 4 or any(len(group) != 3 for group in numbers[:-1]):
         raise ValueError(rule)
     latency = numbers[-1].pop()

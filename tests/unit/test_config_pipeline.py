@@ -54,6 +54,11 @@ REJECTED = [
     ({**PP2, "parallel.schedule": "search", "parallel.schedule_costs": "1,1,0,0"}, 2,
      "parallel.schedule_costs", "parallel.schedule_costs='1,1,0,0'",
      ["must be F,I,W,latency", "F, I, W > 0"]),
+    # NaN passed every comparison; a latency of 1e300 made the search's makespans infinite
+    *[({**PP2, "parallel.schedule": "search", "parallel.schedule_costs": costs}, 2,
+       "parallel.schedule_costs", f"parallel.schedule_costs='{costs}'",
+       ["must be F,I,W,latency", "each at most 1e+15"])
+      for costs in ("1,1,1,1e300", "nan,1,1,0", "1,inf,1,0")],
     ({**PP2, "parallel.schedule": "search", "parallel.schedule_costs": "1,1,1;1,1,1;1,1,1,0"}, 2,
      "parallel.schedule_costs", "parallel.schedule_costs='1,1,1;1,1,1;1,1,1,0'",
      ["names 3 ranks' costs", "one per rank (2)"]),
