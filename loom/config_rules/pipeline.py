@@ -13,7 +13,9 @@ from loom.errors import ConfigError, suggest
 from loom.schedule.families import SEARCH_PLACEMENTS, simulation_only, trainable
 from loom.schedule.offload import insert_offload
 from loom.schedule.paths import SKIPPIPE, skip_count
-from loom.schedule.select import ChunksError, SEARCH, parse_search_costs, schedule_for
+from loom.schedule.search_places import MAX_CHUNKS
+from loom.schedule.select import (MAX_STEP_CELLS, SEARCH, ChunksError, parse_search_costs,
+                                  schedule_for)
 
 # ``loom.pipeline.partition`` splits the layers by an exact dynamic program of about
 # stages x (layers - stages + 1)^2 steps a pass (two passes), ~3 x 10^6 a second in Python: past
@@ -296,6 +298,23 @@ def validate_vocab_pp(config: Config) -> None:
                           " in a schedule's action lists; skippipe runs paths")
 
 
+def validate_step_size(config: Config) -> None:
+    """A pipeline step of at most ``MAX_STEP_CELLS`` (stage, microbatch) pairs: pp x m x the
+    stages per rank (the search's most, ``MAX_CHUNKS``; a family's default: 2 at most). Public
+    for the planner, which checks it at a layout's own microbatch count."""
+    par = config.parallel
+    if par.pp == 1 or par.schedule.lower() == SKIPPIPE:
+        return
+    micro, how = _microbatches(config)
+    per_rank = par.chunks or (MAX_CHUNKS if par.schedule.lower() == SEARCH else 2)
+    if par.pp * micro * per_rank > MAX_STEP_CELLS:
+        raise ConfigError("parallel.pp", par.pp, f"with {how} and up to {per_rank} stages per rank"
+                          f" the step is {par.pp * micro * per_rank:,} (stage, microbatch) pairs;"
+                          f" at most {MAX_STEP_CELLS:,} (each is built and checked in Python:"
+                          " minutes beyond): fewer microbatches (a larger micro_batch_size) or"
+                          " fewer stages")
+
+
 def validate_schedule(config: Config) -> None:
     """The pipeline rules: a known schedule family, chunks it accepts, a layer per stage and a
     microbatch count m = global_batch_size / (dp * micro_batch_size) (varlen: in tokens) the
@@ -357,6 +376,7 @@ def validate_schedule(config: Config) -> None:
             raise ConfigError("parallel.chunks", par.chunks, "needs parallel.pp > 1 (stages per"
                               " pipeline rank; with pp = 1 there is no pipeline); leave it 0")
         return
+    validate_step_size(config)
     micro, how = _microbatches(config)
     try:
         schedule = schedule_for(par.schedule, par.pp, micro, par.chunks,
@@ -394,4 +414,4 @@ def validate_schedule(config: Config) -> None:
 
 
 __all__ = ["DEFAULT_SCHEDULE", "CHECKFREE_SCHEDULES", "validate_fault", "validate_schedule",
-           "validate_vocab_pp", "validate_zero_pipeline"]
+           "validate_step_size", "validate_vocab_pp", "validate_zero_pipeline"]

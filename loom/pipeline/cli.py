@@ -41,14 +41,11 @@ from loom.schedule.search import DEFAULT_EFFORT, search
 from loom.schedule.search_places import MAX_CHUNKS, PLACEMENTS, SearchError
 from loom.schedule.simulate import simulate
 from loom.schedule.validate import ScheduleError, format_grid, validate
+from loom.schedule.select import MAX_STEP_CELLS
 
 EXIT_USAGE = 2
 # From this many ranks show/simulate print the per-rank summary instead of the step grid.
 SUMMARY_FROM_PP = 16
-# The largest step the commands build: ranks x microbatches x stages per rank. A step is
-# 3 actions per (microbatch, stage); past this it takes minutes to generate and simulate in
-# Python, while the largest published pipelines are p <= 128 with m <= 4096 (1 stage a rank)
-MAX_STEP_CELLS = 2**20
 # --costs help, shared by every command: one meaning everywhere (see the module docstring)
 FULL_STAGE_COSTS = ("of one full stage (a rank's whole share of the model; a rank holding v "
                     "chunks spends 1/v of them on each)")

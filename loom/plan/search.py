@@ -37,7 +37,7 @@ from typing import Any
 
 from loom.config import Config, ConfigError, load_config, resolve, with_layout
 from loom.config_rules import validate_batch
-from loom.config_rules.pipeline import validate_vocab_pp
+from loom.config_rules.pipeline import validate_step_size, validate_vocab_pp
 from loom.layout import Layout
 from loom.models.presets import PRESETS
 from loom.plan.hardware import Cluster
@@ -196,9 +196,12 @@ def runnable(layout: Layout, work: Workload, *, exact: bool = True,
     ``representative=True`` goes further for the screening's per-structure verdicts: a pipeline
     of two ranks and two microbatches with the same axes, schedule and knobs."""
     if (not exact or representative) and layout.pp > 1 and layout.microbatches > 2:
-        # the batch rules at the real microbatch count, which the smaller pipeline below hides
+        # the batch and step-size rules at the real microbatch count, which the smaller
+        # pipeline below hides
         try:
-            validate_batch(with_layout(workload_config(work), layout))
+            config = with_layout(workload_config(work), layout)
+            validate_batch(config)
+            validate_step_size(config)
         except ConfigError as err:
             return f"{err.field_name}: {err.rule}"
     if not exact and layout.pp > 1 and layout.microbatches > layout.pp:

@@ -54,6 +54,13 @@ REJECTED = [
     ({**PP2, "parallel.schedule": "search", "parallel.schedule_costs": "1,1,0,0"}, 2,
      "parallel.schedule_costs", "parallel.schedule_costs='1,1,0,0'",
      ["must be F,I,W,latency", "F, I, W > 0"]),
+    # a step of 2 x 300,000 x 2 (stage, microbatch) pairs: validating it built 1.2 million
+    # actions (p = 64 with 10^5 microbatches took 289 s and 12 GB before this refusal)
+    ({**PP2, "train.global_batch_size": "300000"}, 2, "parallel.pp", "parallel.pp=2",
+     ["= 300000 / (1 * 1) = 300000", "the step is 1,200,000 (stage, microbatch) pairs",
+      "at most 1,048,576"]),
+    ({**PP2, "parallel.schedule": "search", "train.global_batch_size": "70000"}, 2,
+     "parallel.pp", "parallel.pp=2", ["up to 8 stages per rank", "1,120,000"]),
     # NaN passed every comparison; a latency of 1e300 made the search's makespans infinite
     *[({**PP2, "parallel.schedule": "search", "parallel.schedule_costs": costs}, 2,
        "parallel.schedule_costs", f"parallel.schedule_costs='{costs}'",
