@@ -330,7 +330,8 @@ def _search(args: argparse.Namespace) -> int:
         text = str(err)
         argument = "--memory-limit" if "memory_limit" in text else (
             "--cost-file" if args.cost_file else "--costs") if "costs" in text else (
-            "--layers") if "max_chunks" in text else "arguments"
+            "--layers") if "max_chunks" in text else "--pp" if text.startswith("pp=") else (
+            "arguments")
         raise UsageError(argument, text) from None
     schedule = found.schedule
     if args.output:

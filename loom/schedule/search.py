@@ -109,6 +109,7 @@ from loom.schedule.search_places import (MAX_CHUNKS, PINNED, SearchError, place_
 from loom.schedule.search_types import Candidate, Place, SearchResult
 from loom.schedule.simulate import simulate
 
+MAX_SEARCH_PP = 512  # ranks: 512 of two microbatches took 7.5 s on 2 cores
 MIN_MEMORY_LIMIT = 1.0  # one microbatch in flight: every chunk of it is live on its rank at once
 DEFAULT_EFFORT = 500_000  # simulated actions over all candidates (p=32, m=256: ~12 candidates)
 LOCAL_MAX_ACTIONS = 5_000  # local improvement only below this size: each try replays everything
@@ -189,6 +190,11 @@ def search(
     if pp < 1 or microbatches < 1:
         raise SearchError(f"pp and microbatches must be >= 1, got pp={pp}, "
                           f"microbatches={microbatches}")
+    if pp > MAX_SEARCH_PP:
+        raise SearchError(f"pp={pp}: the search prices every family on every placement, in time"
+                          f" growing faster than the ranks (1,024 ranks of one microbatch took"
+                          f" 24 s, 2,048 52 s); at most {MAX_SEARCH_PP} ranks (published"
+                          " pipelines have p <= 128)")
     if not memory_limit >= MIN_MEMORY_LIMIT:
         raise SearchError(
             f"memory_limit={memory_limit:g} is below the minimum of {MIN_MEMORY_LIMIT:g} unit: "

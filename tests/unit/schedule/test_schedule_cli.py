@@ -83,6 +83,15 @@ def test_show_prints_the_grid_or_draws_a_chart(capsys, tmp_path):
 
 
 @pytest.mark.timeout(30)
+def test_a_search_over_more_ranks_than_it_finishes_in_seconds_is_refused(capsys):
+    """The search's time grows faster than the ranks (1,024 ranks took 24 s, 2,048 52 s): at
+    100,000 ranks of one microbatch, within the step-size bound, it ran for hours."""
+    code, _, err = run(capsys, "search", "--pp", "100000", "-m", "1", "--memory-limit", "1")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--pp" in err and "at most 512 ranks" in err
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("size", [["--pp", "64", "-m", "64"], ["--pp", "256", "-m", "1"]])
 def test_a_chart_too_large_to_draw_in_a_minute_is_refused_before_drawing(capsys, tmp_path, size):
     """Drawing takes about 10 ms per action (159 s for 8,192 over 64 ranks; 256 ranks of one
