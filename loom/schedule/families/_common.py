@@ -109,6 +109,23 @@ class RankWriter:
         self.actions.append(Action(self.stages[chunk], op, self.count[chunk, op]))
         self.count[chunk, op] += 1
 
+    def repeat(self, times: int, body: tuple[tuple[int, Op], ...], keep: int) -> None:
+        """``times`` rounds of ``add`` over ``body``, where only microbatches below ``keep``
+        are kept: the rounds past the last that numbers one are counted, not made. The counts
+        end as the full loop leaves them, so what follows numbers its actions alike; a family
+        generated for more microbatches than it keeps (ZB-V below 2p - 1) then costs what it
+        keeps, not p^2 actions."""
+        useful = max((keep - self.count[key] for key in body), default=0)
+        made = min(times, max(useful, 0))
+        for _ in range(made):
+            for chunk, op in body:
+                if self.count[chunk, op] < keep:
+                    self.add(chunk, op)
+                else:
+                    self.count[chunk, op] += 1
+        for key in body:
+            self.count[key] += times - made
+
 
 def looped_work(rank: int, pp_size: int, chunks: int, groups: list[range]
                 ) -> tuple[list[Work], list[Work]]:

@@ -24,32 +24,22 @@ def zbv(pp_size: int, microbatches: int) -> Schedule:
     check_sizes("zbv", pp_size, microbatches)
     p = pp_size
     generated = max(microbatches, 2 * p - 1)
+    m = microbatches
+    F0, I0, W0, F1, I1, W1 = ((0, Op.F), (0, Op.I), (0, Op.W), (1, Op.F), (1, Op.I), (1, Op.W))
     rows = []
     for rank in range(p):
         w = RankWriter((rank, 2 * p - 1 - rank))
-        for _ in range(2 * (p - rank) - 1):
-            w.add(0, Op.F)
-        for _ in range(rank):
-            w.add(1, Op.F)
-            w.add(0, Op.F)
-        for _ in range(p - rank):
-            for op in (Op.F, Op.I, Op.W):
-                w.add(1, op)
-        while w.count[0, Op.F] < generated or w.count[1, Op.F] < w.count[0, Op.F]:
-            if w.count[0, Op.F] < generated:
-                w.add(0, Op.F)
-            w.add(0, Op.I)
-            w.add(0, Op.W)
-            for op in (Op.F, Op.I, Op.W):
-                w.add(1, op)
-        for _ in range(rank):
-            w.add(0, Op.I)
-            w.add(1, Op.I)
-        for _ in range(p - rank):
-            w.add(0, Op.I)
-            w.add(0, Op.W)
+        w.repeat(2 * (p - rank) - 1, (F0,), m)
+        w.repeat(rank, (F1, F0), m)
+        w.repeat(p - rank, (F1, I1, W1), m)
+        # the steady state: while forwards of chunk 0 are left (F0 in each round), then until
+        # chunk 1's forwards catch up (each round one F1)
+        full = max(generated - w.count[F0], 0)
+        w.repeat(full, (F0, I0, W0, F1, I1, W1), m)
+        w.repeat(max(w.count[F0] - w.count[F1], 0), (I0, W0, F1, I1, W1), m)
+        w.repeat(rank, (I0, I1), m)
+        w.repeat(p - rank, (I0, W0), m)
         for chunk in (1, 0):
-            while w.count[chunk, Op.W] < w.count[chunk, Op.I]:
-                w.add(chunk, Op.W)
+            w.repeat(max(w.count[chunk, Op.I] - w.count[chunk, Op.W], 0), ((chunk, Op.W),), m)
         rows.append([a for a in w.actions if a.microbatch < microbatches])
     return make_schedule("zbv", v_placement(p, 2), microbatches, rows)

@@ -353,3 +353,19 @@ def test_a_broken_schedule_file_is_one_line_and_the_grid_on_request(capsys, tmp_
     assert "--gantt" in err  # says how to see where
     code, _, err = run(capsys, "show", str(path), "--gantt")
     assert code == 2 and "rank 0" in err and "[order]" in err.strip().splitlines()[-1], err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("family, pp, chunks", [("zbv", 5000, 0), ("hanayo", 30000, 4)])
+def test_a_deep_pipeline_of_few_microbatches_costs_its_actions(family, pp, chunks):
+    """ZB-V below 2p - 1 microbatches is generated for 2p - 1 and cut (as torch's is): it made
+    all of them, p^2 actions, and ``loom schedule simulate zbv --pp 5000 -m 2`` ran past 200 s;
+    it now makes only those it keeps (``RankWriter.repeat``; the same orders as the old code on
+    372 sizes). Hanayo's wave visited every rank in every slot: 10,000 ranks of 2 microbatches
+    took 11 s to generate, 30,000 would take about 100 s. Each takes seconds now; the timeout
+    catches the old cost."""
+    from loom.schedule.families import get
+
+    made = get(family)(pp, 2, **({"chunks": chunks} if chunks else {}))
+    per_rank = chunks or 2
+    assert sum(map(len, made.actions)) == pp * per_rank * 2 * (3 if family == "zbv" else 2)
