@@ -156,7 +156,7 @@ def _validate_tied_pipeline(config: Config, schedule) -> None:
     """Tied embeddings across pipeline stages (loom.pipeline.runtime.tie_embedding): what has a
     parity test runs (tests/dist/test_pipeline_tied.py: dp, tp, ZeRO-1/2/3, cp and MoE models with
     ep among them); the rest is refused by name."""
-    par, m = config.parallel, config.model
+    par = config.parallel
     last = schedule.stages_per_route - 1  # of route 0 (each route of bidirectional_v alike)
     if par.dp_shard > 1 and schedule.rank_of(0) == schedule.rank_of(last):
         raise ConfigError("parallel.dp_shard", par.dp_shard,
