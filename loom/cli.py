@@ -99,7 +99,7 @@ def _check_launcher_env(world_size: int, local_ranks: int, names_run_dir: bool) 
 def _resume_state_refusal(config: Config, path: Path) -> str | None:
     """``loom.train.checkpointing.resume_state_refusal``, imported only when a run resumes:
     that module brings DTensor and the parallel layer, which the commands do not start with."""
-    from loom.train.checkpointing import resume_state_refusal
+    from loom.train.checkpointing import resume_state_refusal  # DTensor: resumes only
 
     return resume_state_refusal(config, path)
 
