@@ -46,6 +46,7 @@ from loom.topology import RankGrid
 from loom.train.checkpoint import resume_refusal
 from loom.train.distributed import device_refusal, resolve_device
 from loom.train.memory import GiB, check_memory_limit, device_limit_bytes, estimate_memory
+from loom.train.resume_checks import resume_state_refusal
 
 EXIT_CONFIG_ERROR = 2
 
@@ -94,14 +95,6 @@ def _check_launcher_env(world_size: int, local_ranks: int, names_run_dir: bool) 
         raise ConfigError("environment TORCHELASTIC_RUN_ID", run_id[:80], "must be 1-128"
                           " letters, digits, '_', '.' or '-', not starting with '.' or '-', to"
                           " name the default run directory (or set --train.run_dir)")
-
-
-def _resume_state_refusal(config: Config, path: Path) -> str | None:
-    """``loom.train.checkpointing.resume_state_refusal``, imported only when a run resumes:
-    that module brings DTensor and the parallel layer, which the commands do not start with."""
-    from loom.train.checkpointing import resume_state_refusal  # DTensor: resumes only
-
-    return resume_state_refusal(config, path)
 
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
@@ -156,7 +149,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         check_run_dir(Path(run_dir))
         if not external:  # under torchrun, rank 0 of the job decides (every rank would hash)
             refusal = resume_refusal(config.checkpoint.resume, Path(run_dir) / "checkpoints",
-                                     check=partial(_resume_state_refusal, config))
+                                     check=partial(resume_state_refusal, config))
             if refusal:
                 print(f"loom train: config error: {refusal}", file=sys.stderr)
                 return EXIT_CONFIG_ERROR

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from loom.config import from_dict, resolve
-from loom.train.checkpointing import model_shape_refusal
+from loom.train.resume_checks import model_shape_refusal
 from loom.testing.parity import layout_config
 from tests.conftest import SMALL_DATA_OVERRIDES, matrix
 

@@ -28,7 +28,7 @@ from loom.parallel.expert import expert_parameter_names
 from loom.testing.parity import layout_config
 from loom.train import full_state
 from loom.train.checkpoint import CheckpointError
-from loom.train.checkpointing import model_shape_refusal
+from loom.train.resume_checks import model_shape_refusal
 from loom.train.trainer import Trainer
 from tests.conftest import SMALL_DATA_OVERRIDES, matrix
 from tests.data_fixtures import prepared_documents
