@@ -27,9 +27,10 @@ a. seeds: every registered family (``loom.schedule.families``) at each chunk cou
    orders (the waves) gets the list scheduler's safe setting as its seed. Above ``SCREEN_PP``
    ranks the seeds are first screened on a copy of the problem with ``SCREEN_PP`` ranks and as
    many microbatches per rank, at most ``SCREEN_MICROBATCHES`` (the idle of these schedules grows
-   with p - 1, so the copy ranks them at a fraction of the cost), then priced exactly in that order while half the effort
-   lasts, at least ``MIN_SEEDS`` of them; the waves' seeds are then only screened (the sweep
-   builds them on the placements it takes up);
+   with p - 1, so the copy ranks them at a fraction of the cost), then priced exactly in that
+   order while each fits in what is left of half the effort (its F, I and W of every stage and
+   microbatch), at least ``MIN_SEEDS`` of them; the waves' seeds are then only screened (the
+   sweep builds them on the placements it takes up);
 b. forward-backward scheduling on the two best multi-chunk placements the seeds found (a
    placement is left out once the best seed meets its ``makespan_lower_bound``):
    ``search_reverse`` builds the schedule backwards in time (every rank ends on a run of
@@ -555,21 +556,26 @@ def _seed(problem: _Problem, allowed: list[Place], limit: float, budget: Budget,
           pool: Pool) -> list[Place]:
     """Step a: price the seeds exactly: all of them up to ``SCREEN_PP`` ranks, whatever the
     effort (at those sizes they are cheap, and they are what makes the search never worse than
-    torch's schedules); above it, best screened first while half the effort lasts (and at least
-    ``MIN_SEEDS`` families that fit). Only ``time_budget_s`` stops them earlier. Returns the
+    torch's schedules); above it, best screened first while each fits in what is left of half
+    the effort (and at least ``MIN_SEEDS`` families that fit). Only ``time_budget_s`` stops them earlier. Returns the
     placements by their best seed, best first: by the exact prices, or by the screen's
     estimates when there is one. A list-scheduled seed is only screened then: it is the sweep's
     first candidate, which builds it on the placements the screen ranks first."""
     seeds = _seed_list(allowed)
     screened = problem.pp > SCREEN_PP
     ranked: list[Place] = []
+    chunks: dict[str, int] = {}  # screened: a seed's stages per rank on the copy, by its label
     if screened:
-        seeds, ranked = _screened(seeds, problem, allowed, limit)
+        seeds, ranked, chunks = _screened(seeds, problem, allowed, limit)
         seeds = [seed for seed in seeds if isinstance(seed, _FamilySeed)]
     share = budget.share(2)  # screened: half the effort at most, the rest is the improvements'
     priced = 0
     for seed in seeds:
-        if priced >= MIN_SEEDS and (budget.late() or (screened and share.exhausted())):
+        # screened, past the first: only a seed whose actions (at most F, I and W of each of
+        # its stages and microbatches) fit in what is left of the half
+        if priced >= MIN_SEEDS and (budget.late() or (screened and (
+                share.exhausted() or 3 * problem.pp * chunks.get(seed.label, 1)
+                * problem.microbatches > share.left))):
             break
         made = _made(seed, problem, allowed, limit, rows_only=True)
         if made is None:
@@ -585,14 +591,15 @@ def _seed(problem: _Problem, allowed: list[Place], limit: float, budget: Budget,
 
 
 def _screened(seeds: list[_Seed], problem: _Problem, allowed: list[Place], limit: float
-              ) -> tuple[list[_Seed], list[Place]]:
+              ) -> tuple[list[_Seed], list[Place], dict[str, int]]:
     """``seeds`` ordered by their makespan estimated on a copy of the problem with
     ``SCREEN_PP`` ranks: the same microbatches per rank (at most ``SCREEN_MICROBATCHES`` in all:
     past four per rank the steady state adds work, not idle, to every seed alike), costs of
     evenly spread ranks, the limit scaled likewise; the copy's idle (its makespan less the busiest rank's work) scaled by
     (p - 1) / (SCREEN_PP - 1), which is how these schedules' ramps grow. Those that do not fit
     the copy's limit, or do not take its sizes, come last, in their own order. Also returns the
-    placements of those that fit, by their best estimate."""
+    placements of those that fit, by their best estimate, and each built seed's stages per
+    rank by its label."""
     pp, m = problem.pp, problem.microbatches
     small_m = max(1, min(round(m * SCREEN_PP / pp), SCREEN_MICROBATCHES))
     small_limit = max(MIN_MEMORY_LIMIT, limit * SCREEN_PP / pp)
@@ -616,7 +623,8 @@ def _screened(seeds: list[_Seed], problem: _Problem, allowed: list[Place], limit
         keyed.append(((not fits, estimate, n), seed, made[0] if made else None))
     keyed.sort(key=lambda item: item[0])
     ranked = [place for key, _, place in keyed if place is not None and not key[0]]
-    return [seed for _, seed, _ in keyed], list(dict.fromkeys(ranked))
+    chunks = {seed.label: place[1] for _, seed, place in keyed if place is not None}
+    return [seed for _, seed, _ in keyed], list(dict.fromkeys(ranked)), chunks
 
 
 def makespan_lower_bound(layout: tuple[int, ...], microbatches: int, costs: Costs) -> float:
