@@ -344,7 +344,7 @@ def _search(args: argparse.Namespace) -> int:
         return 0
     print(f"{schedule.name}: p={args.pp} m={microbatches} placement={found.best.placement}, "
           f"{found.candidates_tried} candidates; full-stage costs {costs.describe()}")
-    print(_summary_line(found.sim_result) + f" (limit {args.memory_limit:g})")
+    print(_summary_line(found.figures) + f" (limit {args.memory_limit:g})")
     if schedule.has_transfers:  # --offload: the winner moves activations to the host
         print(f"offloads {found.summary()['offloads']} (each reloaded) on a host link of "
               f"{float(costs.transfer_time(schedule, 0) * schedule.chunks_per_rank):g} per unit")

@@ -16,7 +16,8 @@ classic chunk count (looped 1, interleaved 2, v 2, the config's ``parallel.sched
 and ``max_chunks`` is what the model's layers allow (``loom.schedule.select`` passes layers // pp).
 
 Candidates, all ranked by the one replay engine (``loom.schedule.replay``, float costs) and the
-winner re-simulated exactly with ``loom.schedule.simulate``:
+winner re-simulated exactly with ``loom.schedule.simulate.headline`` (its figures; the
+result's full ``sim_result`` is simulated when first asked for):
 
 a. seeds: every registered family (``loom.schedule.families``) at each chunk count it takes, and
    torch's interleaved zero bubble (``families.zero_bubble.interleaved_zb``), on an allowed
@@ -108,7 +109,7 @@ from loom.schedule.search_pool import Budget, Pool, Recipe
 from loom.schedule.search_places import (MAX_CHUNKS, PINNED, SearchError, place_of,
                                          placement_costs, placement_of, places)
 from loom.schedule.search_types import Candidate, Place, SearchResult
-from loom.schedule.simulate import simulate
+from loom.schedule.simulate import headline
 
 MAX_SEARCH_PP = 512  # ranks: 512 of two microbatches took 7.5 s on 2 cores
 MIN_MEMORY_LIMIT = 1.0  # one microbatch in flight: every chunk of it is live on its rank at once
@@ -291,13 +292,14 @@ def search(
     schedule = (decode(rows, problem.shape(best.place), name) if seeded is None
                 else dataclasses.replace(seeded, name=name))
     _check_complete(rows, problem.layout(best.place), microbatches, name)
-    result = simulate(schedule, problem.scaled(best.place))  # raises if it does not run
-    if max(result.peak_memory) > memory_limit + EPS:
-        raise AssertionError(f"{name}: peak memory {float(max(result.peak_memory)):g} over the "
+    # exactly, as ``simulate`` would (raises if it does not run)
+    figures = headline(schedule, problem.scaled(best.place), rows=rows)
+    if max(figures.peak_memory) > memory_limit + EPS:
+        raise AssertionError(f"{name}: peak memory {float(max(figures.peak_memory)):g} over the "
                              f"limit {memory_limit:g} (a bug in the search's memory accounting)")
     found = SearchResult(
         schedule=schedule,
-        sim_result=result,
+        figures=figures,
         costs=problem.scaled(best.place),
         memory_limit=memory_limit,
         candidates_tried=pool.tried,
@@ -405,7 +407,7 @@ def _check_complete(rows: list[Row], layout: tuple[int, ...], microbatches: int,
 
     What ``loom.schedule.validate`` checks that the search has not checked already: every
     candidate's replay ran to its end (so nothing waits forever) and its peak was within the
-    limit (``simulate`` confirms both for the winner). Stated on the integer rows with sets and
+    limit (``headline`` confirms both for the winner). Stated on the integer rows with sets and
     counts, the check costs a tenth of a full validation (1.8 s at p=64, m=512 and eight chunks
     per rank), which the search's callers run where they need it (``loom.schedule.select``)."""
     pairs = len(layout) * microbatches

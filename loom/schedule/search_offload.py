@@ -60,7 +60,7 @@ def with_offload(found: SearchResult, seeds: Sequence[Seed],
     ``made(seed)`` builds a seed on ``problem`` at ``found``'s limit (None where it does not take
     these sizes or placements); ``late()`` says the search's time budget has run out."""
     limit = found.memory_limit
-    bar = float(found.sim_result.makespan)
+    bar = float(found.figures.makespan)
     bar -= EPS * max(1.0, bar)  # a tie keeps the schedule without transfers
     tried = 0
     over: list[tuple[float, int, str, Place, Schedule]] = []
@@ -116,9 +116,9 @@ def with_offload(found: SearchResult, seeds: Sequence[Seed],
         board.insert(at, candidate)
     _, candidate, schedule, place = best
     result = simulate_offload(schedule, problem.scaled(place)).result
-    return SearchResult(schedule=schedule, sim_result=result, costs=problem.scaled(place),
+    return SearchResult(schedule=schedule, figures=result.figures, costs=problem.scaled(place),
                         memory_limit=limit, candidates_tried=found.candidates_tried + tried,
-                        best=candidate, leaderboard=tuple(board[:5]))
+                        best=candidate, leaderboard=tuple(board[:5]), simulated=result)
 
 
 def float_costs(costs: StageCosts) -> StageCosts:

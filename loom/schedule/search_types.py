@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from loom.schedule.ir import Op, Schedule
 from loom.schedule.cost import StageCosts
 from loom.schedule.offload import count_transfers
-from loom.schedule.simulate import SimResult
+from loom.schedule.simulate import Figures, SimResult, simulate
 
 Place = tuple[str, int]  # (placement kind, stages per rank): ("interleaved", 4), ("v", 2), ...
 
@@ -38,24 +39,38 @@ class Candidate:
 
 @dataclass(frozen=True)
 class SearchResult:
-    """The best schedule, its reference simulation, and what the search looked at."""
+    """The best schedule, its exact headline figures, and what the search looked at; its full
+    simulation (``sim_result``: a slot per action) is made when first asked for."""
 
     schedule: Schedule
-    sim_result: SimResult
-    costs: StageCosts  # the placement-scaled costs ``sim_result`` was simulated with
+    figures: Figures  # ``simulate.headline`` of ``schedule`` with ``costs``
+    costs: StageCosts  # the placement-scaled costs ``figures`` were simulated with
     memory_limit: float
     candidates_tried: int
     best: Candidate
     leaderboard: tuple[Candidate, ...] = field(default=())  # the best few, best first
+    # the simulation when it is not ``simulate``'s (PipeOffload's, which prices the transfers)
+    simulated: SimResult | None = field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def sim_result(self) -> SimResult:
+        """The winner's simulation: timeline and memory curves (``figures`` are its numbers)."""
+        return self.simulated if self.simulated is not None else simulate(self.schedule,
+                                                                          self.costs)
 
     def summary(self) -> dict:
+        schedule = self.schedule
+        simulated = self.simulated.summary() if self.simulated is not None else {
+            "name": schedule.name, "pp_size": schedule.pp_size,
+            "num_stages": schedule.num_stages, "num_microbatches": schedule.num_microbatches,
+            "costs": self.costs.describe(), **self.figures.summary()}
         return {
             "schedule": self.schedule.name,
             "placement": self.best.placement,
             "chunks": self.best.chunks,
             "memory_limit": self.memory_limit,
             "candidates_tried": self.candidates_tried,
-            **self.sim_result.summary(),
+            **simulated,
             "leaderboard": [dataclasses.asdict(c) for c in self.leaderboard],
             # PipeOffload's transfers (``search(..., offload=True)``), when the winner has any
             **({"offloads": sum(n for (_, op), n in count_transfers(self.schedule).items()

@@ -15,6 +15,11 @@ Two bubble figures, both fractions of time:
   iteration; for GPipe / 1F1B it is Megatron's (p-1)/(m+p-1) of the whole time).
 
 ``bubble_time_zb`` and ``bubble_time_makespan`` are the same idle times, not divided.
+
+``headline(schedule, costs)`` gives only those figures (``Figures``: makespan, each rank's busy
+time, span and peak memory, and the bubbles), exactly the numbers ``simulate`` gives, without the
+timeline of one slot per action: the schedule search reports its winner with it (at p=32, m=256
+and four chunks per rank the timeline and curves cost as much again as the replay).
 """
 
 from __future__ import annotations
@@ -45,6 +50,51 @@ class Slot(NamedTuple):
     @property
     def duration(self) -> Number:
         return self.finish - self.start
+
+
+@dataclass(frozen=True)
+class Figures:
+    """A simulation's headline numbers, of the types ``simulate`` gives them (ints, Fractions or
+    floats, as the costs are): the makespan and, per rank, the time spent computing, the span
+    from the first action's start to the last one's finish, and the peak of live memory."""
+
+    makespan: Number
+    busy: tuple[Number, ...]
+    span: tuple[Number, ...]
+    peak_memory: tuple[Number, ...]
+
+    @property
+    def bubble_time_zb(self) -> Number:
+        """Idle time inside the longest rank span (the lowest such rank on a tie)."""
+        if not self.span:
+            return 0
+        rank = max(range(len(self.span)), key=lambda r: (self.span[r], -r))
+        return self.span[rank] - self.busy[rank]
+
+    @property
+    def bubble_zb(self) -> Number:
+        longest = max(self.span, default=0)
+        return self.bubble_time_zb / longest if longest else 0
+
+    @property
+    def bubble_time_makespan(self) -> Number:
+        return self.makespan - max(self.busy, default=0)
+
+    @property
+    def bubble_makespan(self) -> Number:
+        return self.bubble_time_makespan / self.makespan if self.makespan else 0
+
+    def summary(self) -> dict[str, Any]:
+        """The figures as JSON-ready floats."""
+        return {
+            "makespan": float(self.makespan),
+            "bubble_zb": float(self.bubble_zb),
+            "bubble_makespan": float(self.bubble_makespan),
+            "bubble_time_zb": float(self.bubble_time_zb),
+            "bubble_time_makespan": float(self.bubble_time_makespan),
+            "busy": [float(b) for b in self.busy],
+            "peak_memory": [float(m) for m in self.peak_memory],
+        }
 
 
 @dataclass(frozen=True)
@@ -87,26 +137,26 @@ class SimResult:
     def peak_memory(self) -> tuple[Number, ...]:
         return tuple(max(level for _, level in points) for points in self.memory)
 
+    @cached_property
+    def figures(self) -> Figures:
+        return Figures(self.makespan, self.busy, self.span, self.peak_memory)
+
     @property
     def bubble_time_zb(self) -> Number:
         """Idle time inside the longest rank span (the lowest such rank on a tie)."""
-        if not self.timeline:
-            return 0
-        rank = max(range(self.pp_size), key=lambda r: (self.span[r], -r))
-        return self.span[rank] - self.busy[rank]
+        return self.figures.bubble_time_zb
 
     @property
     def bubble_zb(self) -> Number:
-        longest = max(self.span, default=0)
-        return self.bubble_time_zb / longest if longest else 0
+        return self.figures.bubble_zb
 
     @property
     def bubble_time_makespan(self) -> Number:
-        return self.makespan - max(self.busy, default=0)
+        return self.figures.bubble_time_makespan
 
     @property
     def bubble_makespan(self) -> Number:
-        return self.bubble_time_makespan / self.makespan if self.makespan else 0
+        return self.figures.bubble_makespan
 
     @cached_property
     def _slots(self) -> dict[Action, Slot]:
@@ -135,13 +185,7 @@ class SimResult:
             "num_stages": self.num_stages,
             "num_microbatches": self.num_microbatches,
             "costs": self.costs,
-            "makespan": float(self.makespan),
-            "bubble_zb": float(self.bubble_zb),
-            "bubble_makespan": float(self.bubble_makespan),
-            "bubble_time_zb": float(self.bubble_time_zb),
-            "bubble_time_makespan": float(self.bubble_time_makespan),
-            "busy": [float(b) for b in self.busy],
-            "peak_memory": [float(m) for m in self.peak_memory],
+            **self.figures.summary(),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -191,20 +235,8 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, *,
     activation units in the memory curve (each keeps its shard's logits, ``[tokens, V/p]``,
     from S to T: a cost of its own, which the units of a stage's activations do not measure).
     """
-    if schedule.has_transfers:  # PipeOffload's O/R need copy streams and a host link
-        raise ValueError(f"{schedule.name}: holds offload/reload actions; simulate it with "
-                         "loom.schedule.offload.simulate_offload")
     costs = costs or StageCosts.uniform(1, 1, 1)
-    costs.check(schedule)
-    rows = encode(schedule)
-    timing, scale = Costs.exact(costs, schedule.num_stages,
-                                vocab_costs if schedule.has_vocab_passes else None)
-    replayed = replay(rows, schedule.placement, schedule.num_microbatches, timing,
-                      schedule.stages_per_route)
-    if not replayed.completed:
-        raise deadlock_error(schedule)
-    starts = replayed.start
-    finishes = [replayed.finish(rank) for rank in range(len(rows))]
+    rows, starts, finishes, scale = _replayed(schedule, costs, vocab_costs)
     exact_times: dict = {}  # each time's Fraction, for the timeline and the memory curve
     time = from_ints(starts + finishes, scale, exact_times)
     timeline = tuple(tuple(map(Slot._make, zip(row, time[rank], time[len(rows) + rank])))
@@ -240,6 +272,52 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, *,
     if peaks is not None:
         result.__dict__["peak_memory"] = peaks
     return result
+
+
+def headline(schedule: Schedule, costs: StageCosts | None = None, *,
+             vocab_costs: tuple[Number, Number] = (1, 1), rows: list[Row] | None = None
+             ) -> Figures:
+    """``simulate(schedule, costs, vocab_costs=...).figures``, the same numbers of the same
+    types, from the replay's times without the timeline and the memory curves' points.
+    ``rows``: ``encode(schedule)`` when the caller holds it."""
+    costs = costs or StageCosts.uniform(1, 1, 1)
+    rows, starts, finishes, scale = _replayed(schedule, costs, vocab_costs, rows)
+    exact = scale is not None and scale > 1
+
+    def value(number: Number) -> Number:  # an int time or level of the replay, as simulate's
+        return Fraction(number, scale) if exact else number
+
+    busy = tuple(value(sum(finish) - sum(start)) if exact and start else
+                 sum((end - begin for begin, end in zip(start, finish)), 0)
+                 for start, finish in zip(starts, finishes))
+    span = tuple(value(finish[-1] - start[0]) if start else 0
+                 for start, finish in zip(starts, finishes))
+    deltas, unit = _memory_deltas(schedule, costs)
+    peaks = []
+    for args in zip(rows, starts, finishes):
+        top = max(level for _, level in _memory_curve(*args, deltas))
+        peaks.append(Fraction(top, unit) if unit is not None and unit > 1 else top)
+    last = max((finish[-1] for finish in finishes if finish), default=None)
+    return Figures(0 if last is None else value(last), busy, span, tuple(peaks))
+
+
+def _replayed(schedule: Schedule, costs: StageCosts, vocab_costs: tuple[Number, Number],
+              rows: list[Row] | None = None
+              ) -> tuple[list[Row], list[list[Number]], list[list[Number]], int | None]:
+    """``simulate``'s replay: the integer rows, each action's start and finish, and the scale
+    of those times (``Costs.exact``); raises on offloads, costs that do not fit, a stall."""
+    if schedule.has_transfers:  # PipeOffload's O/R need copy streams and a host link
+        raise ValueError(f"{schedule.name}: holds offload/reload actions; simulate it with "
+                         "loom.schedule.offload.simulate_offload")
+    costs.check(schedule)
+    rows = encode(schedule) if rows is None else rows
+    timing, scale = Costs.exact(costs, schedule.num_stages,
+                                vocab_costs if schedule.has_vocab_passes else None)
+    replayed = replay(rows, schedule.placement, schedule.num_microbatches, timing,
+                      schedule.stages_per_route)
+    if not replayed.completed:
+        raise deadlock_error(schedule)
+    return rows, replayed.start, [replayed.finish(rank) for rank in range(len(rows))], scale
 
 
 def makespan(schedule: Schedule, costs: StageCosts, rows: list[Row] | None = None) -> float:

@@ -173,6 +173,7 @@ def test_search_finds_exactly_what_it_found_before_the_speed_work(case, name, ma
     result = search(p, m, _costs(costs), limit, placement, max_chunks=max_chunks, **options)
     assert result.schedule.name == name
     assert float(result.sim_result.makespan) == makespan
+    assert result.figures == result.sim_result.figures  # the search's headline is simulate's
     assert result.candidates_tried == tried
     board = tuple((c.label, c.makespan, c.idle_zb, c.peak) for c in result.leaderboard)
     assert board == leaderboard
