@@ -14,8 +14,8 @@ from loom.schedule.families import SEARCH_PLACEMENTS, simulation_only, trainable
 from loom.schedule.offload import insert_offload
 from loom.schedule.paths import SKIPPIPE, skip_count
 from loom.schedule.search_places import MAX_CHUNKS
-from loom.schedule.select import (MAX_STEP_CELLS, SEARCH, ChunksError, parse_search_costs,
-                                  schedule_for)
+from loom.schedule.ir import MAX_STEP_CELLS
+from loom.schedule.select import SEARCH, ChunksError, parse_search_costs, schedule_for
 
 # ``loom.pipeline.partition`` splits the layers by an exact dynamic program of about
 # stages x (layers - stages + 1)^2 steps a pass (two passes), ~3 x 10^6 a second in Python: past

@@ -35,13 +35,12 @@ from typing import Any
 from loom.errors import OneLineParser, path_arg, read_input_text
 from loom.schedule.cost import StageCosts, full_stage_costs, parse_cost_spec
 from loom.schedule.families import get, names, routed, simulation_only
-from loom.schedule.ir import Op, Schedule, csv_text
+from loom.schedule.ir import MAX_STEP_CELLS, Op, Schedule, csv_text
 from loom.schedule.render import render_gantt, summary_text, write_chrome_trace
 from loom.schedule.search import DEFAULT_EFFORT, search
 from loom.schedule.search_places import MAX_CHUNKS, PLACEMENTS, SearchError
 from loom.schedule.simulate import simulate
 from loom.schedule.validate import ScheduleError, format_grid, validate
-from loom.schedule.select import MAX_STEP_CELLS
 
 EXIT_USAGE = 2
 # From this many ranks show/simulate print the per-rank summary instead of the step grid.

@@ -82,6 +82,12 @@ class Op(str, enum.Enum):
         return self is Op.S or self is Op.T
 
 
+# The largest pipeline step Loom builds: ranks x microbatches x stages per rank. A step is
+# 2-3 actions per (stage, microbatch), made, validated and simulated in Python: past this it
+# takes minutes and gigabytes (p = 64 with 10^5 microbatches of 1F1B: 289 s and 12 GB to check
+# a config), while the largest published pipelines are p <= 128 with m <= 4096 (a stage a rank)
+MAX_STEP_CELLS = 2**20
+
 _ACTION_PATTERN = re.compile(r"^(\d+)([FIWBORST])(\d+)$")
 
 

@@ -30,13 +30,6 @@ class ChunksError(ValueError):
 SEARCH = "search"  # ``parallel.schedule = "search"``: the schedule search picks the schedule
 
 
-# The largest pipeline step Loom builds: ranks x microbatches x stages per rank. A step is
-# 2-3 actions per (stage, microbatch), made, validated and simulated in Python: past this it
-# takes minutes and gigabytes (p = 64 with 10^5 microbatches of 1F1B: 289 s and 12 GB to check
-# a config), while the largest published pipelines are p <= 128 with m <= 4096 (a stage a rank)
-MAX_STEP_CELLS = 2**20
-
-
 def parse_search_costs(text: str, pp: int = 0
                        ) -> tuple[tuple[tuple[float, float, float], ...], float]:
     """``parallel.schedule_costs``: ``"F,I,W,latency"``, one full stage's relative costs for every
