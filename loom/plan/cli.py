@@ -403,8 +403,9 @@ def _compiled(args: argparse.Namespace, stack: Framework) -> tuple[Framework, bo
 def _run(args: argparse.Namespace) -> int:
     if args.top < 1 or not 0 < args.memory_fraction <= 1:
         raise PlanInputError("--top must be >= 1 and --memory-fraction in (0, 1]")
-    if args.explain is not None and args.explain < 1:
-        raise PlanInputError(f"--explain {args.explain}: must be >= 1 (a rank of the table)")
+    if args.explain is not None and not 1 <= args.explain <= args.top:
+        raise PlanInputError(f"--explain {args.explain}: a rank of the table, 1 to --top"
+                             f" {args.top}")
     stack, compiled = _compiled(args, _framework(args))
     if args.length_dist:
         return _run_varlen(args, stack)
@@ -464,9 +465,11 @@ def _run(args: argparse.Namespace) -> int:
             print()
             print(explain.sites_table(*sites))
     if args.explain and result.ranked:
-        index = min(args.explain, len(result.ranked)) - 1
+        if args.explain > len(result.ranked):  # before -o writes anything
+            raise PlanInputError(f"--explain {args.explain}: the table has"
+                                 f" {len(result.ranked)} rows")
         print()
-        print(explain.breakdown(result, result.ranked[index]))
+        print(explain.breakdown(result, result.ranked[args.explain - 1]))
     if args.output and result.ranked:
         try:
             command = explain.write_chosen(result, result.ranked[0], args.output)

@@ -115,6 +115,21 @@ def test_plan_explains_a_rank_of_the_table_only(capsys, explain):
     assert f"--explain {explain}" in err
 
 
+def test_plan_explains_no_rank_past_the_table_it_will_print(capsys):
+    err = refusal(capsys, [*PLAN, "--gpu", "A100-80GB", "--top", "2", "--explain", "3"])
+    assert err.strip() == "loom plan: --explain 3: a rank of the table, 1 to --top 2"
+
+
+def test_plan_explains_no_rank_past_the_layouts_that_ranked_and_writes_nothing(capsys,
+                                                                             tmp_path):
+    out = tmp_path / "plan.toml"  # one GPU: four microbatch splits rank, not the 20 asked for
+    err = refusal(capsys, ["plan", "--model", "tiny", "--gpus", "1", "--seq", "256",
+                           "--global-batch-tokens", "4096", "--top", "20", "--explain", "5",
+                           "-o", str(out)])
+    assert err.strip() == "loom plan: --explain 5: the table has 4 rows"
+    assert not out.exists()
+
+
 def test_plan_refuses_a_nan_limit_in_a_layout(capsys):
     err = refusal(capsys, [*PLAN, "--gpu", "A100-80GB", "--layout",
                            "dp_replicate=4,schedule_memory_limit=nan"])
