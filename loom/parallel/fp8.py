@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 from torch import nn
 
 from loom.fp8_support import (FP8_CAPABILITY, device_refusal, missing_fp8_matmuls,
