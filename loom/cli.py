@@ -54,28 +54,27 @@ EXIT_CONFIG_ERROR = 2
 def _launcher_count(name: str, default: int | None) -> int:
     """A count the external launcher sets in the environment (``WORLD_SIZE``...): a whole
     number >= 1, else ConfigError naming the variable (``default`` when it may be unset)."""
-    raw = os.environ.get(name)
-    if raw is None and default is not None:
+    if name not in os.environ and default is not None:
         return default
-    value = int(raw) if raw is not None and raw.strip().isascii() and \
-        raw.strip().isdigit() else 0
-    if value < 1:
-        raise ConfigError(f"environment {name}", raw, "must be a whole number >= 1 (the"
-                          " launcher sets it)")
-    return value
+    return _launcher_number(name, 1, None, required=True)
 
 
-def _launcher_number(name: str, low: int, high: int, what: str = "") -> None:
-    """A number the launcher sets (``RANK``...), when set: a whole number in [low, high], else
-    ConfigError naming the variable (a RANK past WORLD_SIZE would wait for peers that never
-    come; ``int("abc")`` would be a traceback in every worker)."""
+def _launcher_number(name: str, low: int, high: int | None, what: str = "",
+                     required: bool = False) -> int | None:
+    """A number the launcher sets (``RANK``...), when set (``required``: also when not): a
+    whole number in [low, high] (``high`` None: no upper bound), else ConfigError naming the
+    variable (a RANK past WORLD_SIZE would wait for peers that never come; ``int("abc")``
+    would be a traceback in every worker). None when unset and not required."""
     raw = os.environ.get(name)
-    if raw is None:
-        return
-    value = int(raw) if raw.strip().isascii() and raw.strip().isdigit() else -1
-    if not low <= value <= high:
-        raise ConfigError(f"environment {name}", raw, f"must be a whole number in [{low},"
-                          f" {high}]{what} (the launcher sets it)")
+    if raw is None and not required:
+        return None
+    digits = raw is not None and raw.strip().isascii() and raw.strip().isdigit()
+    value = int(raw) if digits else low - 1
+    if value < low or (high is not None and value > high):
+        rule = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ConfigError(f"environment {name}", raw, f"must be a whole number {rule}{what}"
+                          " (the launcher sets it)")
+    return value
 
 
 # A job id names the default run directory (runs/<id>): one plain path component
