@@ -98,4 +98,6 @@ def test_the_search_reports_its_winner_by_the_headline_and_simulates_it_when_ask
     summary = found.summary()
     assert found.sim_result.figures == found.figures
     assert found.sim_result.timeline  # the full simulation, timeline and all
+    simulated = found.sim_result.summary()  # what the report held when it was simulated first
+    assert {key: summary[key] for key in simulated} == simulated
     assert found.summary() == summary  # the same report before and after it was simulated
