@@ -59,6 +59,10 @@ EXTRA = {
     "F=1 I=1 W=0.75 lat=0.02": StageCosts.uniform(1, 1, 0.75, 0.02),
 }
 CHARTED = {"F=1 I=1 W=1 lat=0": "w1", "F=1 I=1 W=0.5 lat=0.05": "w05"}
+# The charts above hold up to p = 8 ranks x m = 32 microbatches x 8 chunks x F, I, W: past
+# ``loom schedule show``'s limit, and about half a minute each to draw, which the docs' charts
+# are worth
+CHART_ACTIONS = 8 * 32 * 8 * 3
 # (torch class, stages per rank): every class torch 2.13 ships at every chunk count the search
 # goes up to; torch_schedule drops the ones torch refuses (ZB-V and DualPipeV take exactly 2)
 TORCH = [(cls, chunks) for cls in TORCH_CLASSES for chunks in range(1, MAX_CHUNKS + 1)
@@ -105,7 +109,8 @@ def run(sizes: list[int], charts: bool, profiles: dict[str, StageCosts] = PROFIL
                         _charts(found.schedule, ours, theirs, p, m, limit, profile)
                     if charts and (p, m, limit) == (8, 32, 16) and profile in CHARTED:
                         render_gantt(found.schedule, ours, os.path.join(
-                            ROOT, "docs", "img", f"schedules_loom_p8_m32_L16_{CHARTED[profile]}.png"))
+                            ROOT, "docs", "img", f"schedules_loom_p8_m32_L16_{CHARTED[profile]}.png"),
+                            max_actions=CHART_ACTIONS)
     return rows
 
 
@@ -116,8 +121,10 @@ def _charts(schedule: Schedule, ours: SimResult, theirs: tuple[Schedule, SimResu
         return
     folder = os.path.join(ROOT, "docs", "img")
     os.makedirs(folder, exist_ok=True)
-    render_gantt(schedule, ours, os.path.join(folder, f"schedules_loom_p{p}_m{m}_{tag}.png"))
-    render_gantt(theirs[0], theirs[1], os.path.join(folder, f"schedules_torch_p{p}_m{m}_{tag}.png"))
+    render_gantt(schedule, ours, os.path.join(folder, f"schedules_loom_p{p}_m{m}_{tag}.png"),
+                 max_actions=CHART_ACTIONS)
+    render_gantt(theirs[0], theirs[1], os.path.join(folder, f"schedules_torch_p{p}_m{m}_{tag}.png"),
+                 max_actions=CHART_ACTIONS)
 
 
 def _ratio(row: dict) -> float | None:

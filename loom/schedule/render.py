@@ -109,22 +109,23 @@ MAX_DRAWN_ACTIONS = 4096
 
 def render_gantt(
     schedule: Schedule, result: SimResult | None, path: str | os.PathLike, dpi: int = 130,
-    source: str = "",
+    source: str = "", max_actions: int = MAX_DRAWN_ACTIONS,
 ) -> None:
     """Write the Gantt chart of ``result`` (simulated with unit costs if None) to ``path``.
 
     The format follows the suffix: ``.png``, ``.svg`` or ``.html``. The title names the
     schedule (``Schedule.name``); ``source`` (e.g. the file it was read from) goes in the
-    subtitle.
+    subtitle. ``max_actions``: what the chart may hold (``loom schedule`` keeps the default;
+    a caller that knows its chart is worth the minutes may raise it).
     """
     path = os.fspath(path)
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in (".png", ".svg", ".html"):
         raise ValueError(f"cannot draw {path!r}: use a .png, .svg or .html file")
     actions = sum(len(row) for row in schedule.actions)
-    if schedule.pp_size > MAX_DRAWN_RANKS or actions > MAX_DRAWN_ACTIONS:
+    if schedule.pp_size > MAX_DRAWN_RANKS or actions > max_actions:
         raise ValueError(f"cannot draw {schedule.pp_size} ranks and {actions:,} actions: at most"
-                         f" {MAX_DRAWN_RANKS} ranks and {MAX_DRAWN_ACTIONS:,} actions (matplotlib"
+                         f" {MAX_DRAWN_RANKS} ranks and {max_actions:,} actions (matplotlib"
                          " takes minutes beyond); write a .json Chrome trace (Perfetto) instead")
     result = result if result is not None else simulate(schedule)
     figure = gantt_figure(schedule, result, source)
