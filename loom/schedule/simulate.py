@@ -52,16 +52,13 @@ class Slot(NamedTuple):
         return self.finish - self.start
 
 
-@dataclass(frozen=True)
-class Figures:
-    """A simulation's headline numbers, of the types ``simulate`` gives them (ints, Fractions or
-    floats, as the costs are): the makespan and, per rank, the time spent computing, the span
-    from the first action's start to the last one's finish, and the peak of live memory."""
+class _Bubbles:
+    """The bubble figures, from ``makespan``, ``busy`` and ``span`` (see the module docstring);
+    shared by ``Figures`` and ``SimResult``, which hold or derive those three."""
 
     makespan: Number
     busy: tuple[Number, ...]
     span: tuple[Number, ...]
-    peak_memory: tuple[Number, ...]
 
     @property
     def bubble_time_zb(self) -> Number:
@@ -84,6 +81,18 @@ class Figures:
     def bubble_makespan(self) -> Number:
         return self.bubble_time_makespan / self.makespan if self.makespan else 0
 
+
+@dataclass(frozen=True)
+class Figures(_Bubbles):
+    """A simulation's headline numbers, of the types ``simulate`` gives them (ints, Fractions or
+    floats, as the costs are): the makespan and, per rank, the time spent computing, the span
+    from the first action's start to the last one's finish, and the peak of live memory."""
+
+    makespan: Number
+    busy: tuple[Number, ...]
+    span: tuple[Number, ...]
+    peak_memory: tuple[Number, ...]
+
     def summary(self) -> dict[str, Any]:
         """The figures as JSON-ready floats."""
         return {
@@ -98,7 +107,7 @@ class Figures:
 
 
 @dataclass(frozen=True)
-class SimResult:
+class SimResult(_Bubbles):
     """What ``simulate`` measured. Everything else is derived from ``timeline`` and ``memory``.
 
     ``timeline[rank]`` lists the rank's slots in run order. ``memory[rank]`` is a step function:
@@ -139,24 +148,8 @@ class SimResult:
 
     @cached_property
     def figures(self) -> Figures:
+        """The headline numbers (``memory=False``: none, there are no memory curves)."""
         return Figures(self.makespan, self.busy, self.span, self.peak_memory)
-
-    @property
-    def bubble_time_zb(self) -> Number:
-        """Idle time inside the longest rank span (the lowest such rank on a tie)."""
-        return self.figures.bubble_time_zb
-
-    @property
-    def bubble_zb(self) -> Number:
-        return self.figures.bubble_zb
-
-    @property
-    def bubble_time_makespan(self) -> Number:
-        return self.figures.bubble_time_makespan
-
-    @property
-    def bubble_makespan(self) -> Number:
-        return self.figures.bubble_makespan
 
     @cached_property
     def _slots(self) -> dict[Action, Slot]:

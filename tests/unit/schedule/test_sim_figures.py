@@ -101,3 +101,11 @@ def test_the_search_reports_its_winner_by_the_headline_and_simulates_it_when_ask
     simulated = found.sim_result.summary()  # what the report held when it was simulated first
     assert {key: summary[key] for key in simulated} == simulated
     assert found.summary() == summary  # the same report before and after it was simulated
+
+
+def test_a_simulation_without_memory_curves_still_has_its_bubbles():
+    schedule = get("1f1b")(4, 8)
+    timed_only = simulate(schedule, memory=False)
+    full = simulate(schedule)
+    assert timed_only.bubble_zb == full.bubble_zb == 3 / 11  # 1F1B: (p-1)/(m+p-1)
+    assert timed_only.bubble_makespan == full.bubble_makespan
