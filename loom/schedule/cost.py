@@ -310,12 +310,22 @@ def _op_costs(row: Mapping[str, Any], where: str) -> OpCosts:
     if missing:
         raise ValueError(f"{where}: missing op cost(s) {', '.join(missing)}")
     b = upper.get("B")
-    return OpCosts(
+    return _timed(OpCosts(
         _number(upper["F"], f"{where}.F"),
         _number(upper["I"], f"{where}.I"),
         _number(upper["W"], f"{where}.W"),
         None if b in (None, "") else _number(b, f"{where}.B"),
-    )
+    ), where)
+
+
+def _timed(costs: OpCosts, where: str) -> OpCosts:
+    """``costs`` unless a stage's work takes no time at all (F, I, W and B all 0): its
+    microbatches would be live for no time, so the memory curve (frees before allocations at one
+    instant) would never count them and every schedule would report a peak of 0."""
+    if not (costs.f or costs.i or costs.w or costs.b):
+        raise ValueError(f"{where}: F, I and W are all 0; a stage must take some time (costs are"
+                         " relative: 1,1,1 is the unit profile)")
+    return costs
 
 
 def full_stage_costs(costs: StageCosts, schedule: Schedule) -> StageCosts:
@@ -362,4 +372,5 @@ def parse_cost_spec(text: str) -> StageCosts:
     if len(parts) not in (3, 4):
         raise ValueError(f"expected F,I,W or F,I,W,LATENCY, got {text!r}")
     numbers = [_number(part, name) for part, name in zip(parts, ("F", "I", "W", "LATENCY"))]
+    _timed(OpCosts(*numbers[:3]), text)
     return StageCosts.uniform(*numbers)

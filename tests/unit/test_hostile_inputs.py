@@ -130,6 +130,22 @@ def test_plan_explains_no_rank_past_the_layouts_that_ranked_and_writes_nothing(c
     assert not out.exists()
 
 
+@pytest.mark.parametrize("command", ["search", "simulate"])
+def test_a_stage_that_takes_no_time_is_refused(capsys, tmp_path, command):
+    """All-zero costs gave a makespan of 0 and a peak memory of 0 on every rank (each
+    microbatch was live for no time), which no schedule has."""
+    family = [] if command == "search" else ["1f1b"]
+    limit = ["--memory-limit", "4"] if command == "search" else []
+    err = refusal(capsys, ["schedule", command, *family, "--pp", "4", "-m", "8", *limit,
+                           "--costs", "0,0,0,0.1"])
+    assert "--costs: 0,0,0,0.1: F, I and W are all 0" in err
+    stages = tmp_path / "costs.csv"
+    stages.write_text("F,I,W\n1,1,1\n0,0,0\n1,1,1\n1,1,1\n")
+    err = refusal(capsys, ["schedule", command, *family, "--pp", "4", "-m", "8", *limit,
+                           "--cost-file", str(stages)])
+    assert "--cost-file: stages[1]: F, I and W are all 0" in err
+
+
 def test_plan_refuses_a_nan_limit_in_a_layout(capsys):
     err = refusal(capsys, [*PLAN, "--gpu", "A100-80GB", "--layout",
                            "dp_replicate=4,schedule_memory_limit=nan"])
