@@ -449,10 +449,12 @@ def _build(args: argparse.Namespace) -> Schedule:
         return generator(args.pp, microbatches, **options)
     except ValueError as err:
         text = str(err)
-        argument = next((flag for word, flag in (("microbatches", "--microbatches"),
-                                                 ("chunks", "--chunks"), ("pp_size", "--pp"))
-                         if word in text), "arguments")
-        raise UsageError(argument, text) from None
+        # the flag of the quantity the message is about: the first one it names (its reasons
+        # may name others: bitpipe's pp_size rule explains itself in microbatches)
+        named = [(text.find(word), flag) for word, flag in (
+            ("microbatches", "--microbatches"), ("chunks", "--chunks"), ("pp_size", "--pp"))
+            if word in text]
+        raise UsageError(min(named)[1] if named else "arguments", text) from None
 
 
 def _load_file(args: argparse.Namespace) -> Schedule:

@@ -146,6 +146,16 @@ def test_a_stage_that_takes_no_time_is_refused(capsys, tmp_path, command):
     assert "--cost-file: stages[1]: F, I and W are all 0" in err
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["bitpipe", "--pp", "3", "-m", "6"], "--pp"),  # its rule explains itself in microbatches
+    (["bitpipe", "--pp", "4", "-m", "6"], "--microbatches"),
+    (["hanayo", "--pp", "4", "-m", "8", "--chunks", "3"], "--chunks"),
+])
+def test_a_family_s_refusal_names_the_flag_it_is_about(capsys, argv, flag):
+    err = refusal(capsys, ["schedule", "simulate", *argv])
+    assert err.startswith(f"loom schedule simulate: {flag}: ")
+
+
 def test_plan_refuses_a_nan_limit_in_a_layout(capsys):
     err = refusal(capsys, [*PLAN, "--gpu", "A100-80GB", "--layout",
                            "dp_replicate=4,schedule_memory_limit=nan"])
