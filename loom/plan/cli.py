@@ -182,12 +182,22 @@ def parse_layout(text: str) -> Layout:
         if not sep or key not in fields:
             raise PlanInputError(f"--layout {part!r}: expected field=value with field in"
                                  f" {', '.join(fields)}")
+        if key in values:
+            raise PlanInputError(f"--layout {key}: given twice")
         kind = type(getattr(Layout(), key))
+        if kind is bool:
+            if raw.lower() not in _BOOLS:
+                raise PlanInputError(f"--layout {key}={raw}: must be true or false")
+            values[key] = _BOOLS[raw.lower()]
+            continue
         try:
-            values[key] = (raw.lower() in ("1", "true", "yes")) if kind is bool else kind(raw)
+            values[key] = kind(raw)
         except ValueError:
             raise PlanInputError(f"--layout {key}={raw}: must be {kind.__name__}") from None
     return Layout(**values)
+
+
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 def _hf_config_path(model: str) -> Path | None:

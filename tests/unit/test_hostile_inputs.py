@@ -156,6 +156,17 @@ def test_a_family_s_refusal_names_the_flag_it_is_about(capsys, argv, flag):
     assert err.startswith(f"loom schedule simulate: {flag}: ")
 
 
+@pytest.mark.parametrize("layout, message", [
+    ("pp=2,pp=4", "--layout pp: given twice"),  # the last one used to win quietly
+    ("dp_replicate=4,sequence_parallel=ture", "--layout sequence_parallel=ture: must be true or"
+                                              " false"),  # a typo used to mean false
+])
+def test_plan_refuses_a_layout_field_given_twice_or_a_flag_that_is_not_a_bool(capsys, layout,
+                                                                             message):
+    err = refusal(capsys, [*PLAN, "--gpu", "A100-80GB", "--layout", layout])
+    assert err.strip() == f"loom plan: {message}"
+
+
 def test_plan_refuses_a_nan_limit_in_a_layout(capsys):
     err = refusal(capsys, [*PLAN, "--gpu", "A100-80GB", "--layout",
                            "dp_replicate=4,schedule_memory_limit=nan"])
