@@ -59,11 +59,8 @@ class SearchResult:
                                                                           self.costs)
 
     def summary(self) -> dict:
-        schedule = self.schedule
-        simulated = self.simulated.summary() if self.simulated is not None else {
-            "name": schedule.name, "pp_size": schedule.pp_size,
-            "num_stages": schedule.num_stages, "num_microbatches": schedule.num_microbatches,
-            "costs": self.costs.describe(), **self.figures.summary()}
+        simulated = self.simulated.summary() if self.simulated is not None else \
+            self.figures.report(self.schedule, self.costs.describe())
         return {
             "schedule": self.schedule.name,
             "placement": self.best.placement,

@@ -105,6 +105,12 @@ class Figures(_Bubbles):
             "peak_memory": [float(m) for m in self.peak_memory],
         }
 
+    def report(self, of: Any, costs: str) -> dict[str, Any]:
+        """``summary()`` under the name and shape of ``of`` (a ``Schedule`` or a ``SimResult``)
+        and the ``costs`` description: what ``loom schedule simulate --json`` prints."""
+        return {"name": of.name, "pp_size": of.pp_size, "num_stages": of.num_stages,
+                "num_microbatches": of.num_microbatches, "costs": costs, **self.summary()}
+
 
 @dataclass(frozen=True)
 class SimResult(_Bubbles):
@@ -172,14 +178,7 @@ class SimResult(_Bubbles):
 
     def summary(self) -> dict[str, Any]:
         """The headline figures as JSON-ready floats (what ``loom schedule simulate`` prints)."""
-        return {
-            "name": self.name,
-            "pp_size": self.pp_size,
-            "num_stages": self.num_stages,
-            "num_microbatches": self.num_microbatches,
-            "costs": self.costs,
-            **self.figures.summary(),
-        }
+        return self.figures.report(self, self.costs)
 
     def to_dict(self) -> dict[str, Any]:
         """``summary()`` plus the placement, the timeline and the memory curves."""
@@ -259,9 +258,7 @@ def simulate(schedule: Schedule, costs: StageCosts | None = None, *,
     # without adding up one Fraction per action): stored where their cached properties keep
     # them.
     if scale is not None and scale > 1:
-        result.__dict__["busy"] = tuple(
-            Fraction(sum(finish) - sum(start), scale) if start else 0
-            for start, finish in zip(starts, finishes))
+        result.__dict__["busy"] = _exact_busy(starts, finishes, scale)
     if peaks is not None:
         result.__dict__["peak_memory"] = peaks
     return result
@@ -280,9 +277,9 @@ def headline(schedule: Schedule, costs: StageCosts | None = None, *,
     def value(number: Number) -> Number:  # an int time or level of the replay, as simulate's
         return Fraction(number, scale) if exact else number
 
-    busy = tuple(value(sum(finish) - sum(start)) if exact and start else
-                 sum((end - begin for begin, end in zip(start, finish)), 0)
-                 for start, finish in zip(starts, finishes))
+    busy = _exact_busy(starts, finishes, scale) if exact else tuple(
+        sum((end - begin for begin, end in zip(start, finish)), 0)
+        for start, finish in zip(starts, finishes))
     span = tuple(value(finish[-1] - start[0]) if start else 0
                  for start, finish in zip(starts, finishes))
     deltas, unit = _memory_deltas(schedule, costs)
@@ -292,6 +289,14 @@ def headline(schedule: Schedule, costs: StageCosts | None = None, *,
         peaks.append(Fraction(top, unit) if unit is not None and unit > 1 else top)
     last = max((finish[-1] for finish in finishes if finish), default=None)
     return Figures(0 if last is None else value(last), busy, span, tuple(peaks))
+
+
+def _exact_busy(starts: list[list[int]], finishes: list[list[int]], scale: int
+                ) -> tuple[Number, ...]:
+    """Each rank's busy time from the scaled ints, one Fraction a rank (0 for an idle rank):
+    ``SimResult.busy`` of the Fractions, without adding up one Fraction per action."""
+    return tuple(Fraction(sum(finish) - sum(start), scale) if start else 0
+                 for start, finish in zip(starts, finishes))
 
 
 def _replayed(schedule: Schedule, costs: StageCosts, vocab_costs: tuple[Number, Number],
