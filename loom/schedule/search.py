@@ -559,10 +559,10 @@ def _seed(problem: _Problem, allowed: list[Place], limit: float, budget: Budget,
     """Step a: price the seeds exactly: all of them up to ``SCREEN_PP`` ranks, whatever the
     effort (at those sizes they are cheap, and they are what makes the search never worse than
     torch's schedules); above it, best screened first while each fits in what is left of half
-    the effort (and at least ``MIN_SEEDS`` families that fit). Only ``time_budget_s`` stops them earlier. Returns the
-    placements by their best seed, best first: by the exact prices, or by the screen's
-    estimates when there is one. A list-scheduled seed is only screened then: it is the sweep's
-    first candidate, which builds it on the placements the screen ranks first."""
+    the effort (and at least ``MIN_SEEDS`` families that fit). Only ``time_budget_s`` stops them
+    earlier. Returns the placements by their best seed, best first: by the exact prices, or by
+    the screen's estimates when there is one. A list-scheduled seed is only screened then: it
+    is the sweep's first candidate, which builds it on the placements the screen ranks first."""
     seeds = _seed_list(allowed)
     screened = problem.pp > SCREEN_PP
     ranked: list[Place] = []
@@ -575,9 +575,9 @@ def _seed(problem: _Problem, allowed: list[Place], limit: float, budget: Budget,
     for seed in seeds:
         # screened, past the first: only a seed whose actions (at most F, I and W of each of
         # its stages and microbatches) fit in what is left of the half
-        if priced >= MIN_SEEDS and (budget.late() or (screened and (
-                share.exhausted() or 3 * problem.pp * chunks.get(seed.label, 1)
-                * problem.microbatches > share.left))):
+        if priced >= MIN_SEEDS and (budget.late() or (
+                screened and 3 * problem.pp * chunks.get(seed.label, 1) * problem.microbatches
+                > share.left)):
             break
         made = _made(seed, problem, allowed, limit, rows_only=True)
         if made is None:
@@ -597,8 +597,9 @@ def _screened(seeds: list[_Seed], problem: _Problem, allowed: list[Place], limit
     """``seeds`` ordered by their makespan estimated on a copy of the problem with
     ``SCREEN_PP`` ranks: the same microbatches per rank (at most ``SCREEN_MICROBATCHES`` in all:
     past four per rank the steady state adds work, not idle, to every seed alike), costs of
-    evenly spread ranks, the limit scaled likewise; the copy's idle (its makespan less the busiest rank's work) scaled by
-    (p - 1) / (SCREEN_PP - 1), which is how these schedules' ramps grow. Those that do not fit
+    evenly spread ranks, the limit scaled likewise; the copy's idle (its makespan less the
+    busiest rank's work) scaled by (p - 1) / (SCREEN_PP - 1), which is how these schedules'
+    ramps grow. Those that do not fit
     the copy's limit, or do not take its sizes, come last, in their own order. Also returns the
     placements of those that fit, by their best estimate, and each built seed's stages per
     rank by its label."""
