@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import replace
 import json
 
 import pytest
@@ -94,7 +93,7 @@ def test_a_pipeline_with_more_microbatches_per_rank_than_the_trainer_runs_is_ref
     for quick in ({"exact": False}, {"exact": False, "representative": True}):
         assert "at most 1,000,000" in runnable(layout, huge, **quick)
         # within the batch rule, past the step size the trainer builds (pp x m x 1 <= 2^20)
-        fewer = replace(layout, microbatches=1_000_000, micro_batch=5)
+        fewer = dataclasses.replace(layout, microbatches=1_000_000, micro_batch=5)
         assert "at most 1,048,576" in runnable(fewer, huge, **quick)
 
 
