@@ -11,7 +11,8 @@ sends to when the message arrives. They differ only in their ``Decide`` / ``Comm
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from array import array
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from loom.schedule.replay import EPS, F, I, Costs, Row, Score, score_of
@@ -62,6 +63,35 @@ def neighbours(placement: Sequence[int], m: int, orders: Sequence[Sequence[int]]
     return [[(s, s * m, (s + step) * m if 0 <= s + step < n else -1,
               0 <= s + step < n and placement[s + step] != placement[s]) for s in order]
             for order in orders]
+
+
+class Priorities(Mapping):
+    """Every action's priority as three flat tables by op code (F, I, W), index stage *
+    microbatches + microbatch: what ``search_reverse`` returns (its latest start times) and
+    ``search_priority`` reads, without a dict of a tuple per action (123,000 at p = 32, m = 256
+    and five chunks). Also a read-only mapping from (stage, op code, microbatch)."""
+
+    def __init__(self, microbatches: int, tables: Sequence[array]):
+        self.microbatches = microbatches
+        self.tables = tuple(tables)
+
+    def __getitem__(self, key: tuple[int, int, int]) -> float:
+        s, o, k = key
+        if not (0 <= o < 3 and 0 <= k < self.microbatches) or s < 0:
+            raise KeyError(key)
+        try:
+            return self.tables[o][s * self.microbatches + k]
+        except IndexError:
+            raise KeyError(key) from None
+
+    def __iter__(self) -> Iterator[tuple[int, int, int]]:
+        m = self.microbatches
+        for o, table in enumerate(self.tables):
+            for n in range(len(table)):
+                yield n // m, o, n % m
+
+    def __len__(self) -> int:
+        return sum(map(len, self.tables))
 
 
 class Asap:

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from array import array
 from collections.abc import Mapping, Sequence
 
+from loom.schedule.compiled import loops_for
 from loom.schedule.replay import EPS, F, I, W, Costs, Row
-from loom.schedule.search_loop import Asap, neighbours, ranks_of, run
+from loom.schedule.search_loop import Asap, Priorities, neighbours, ranks_of, run
 
 Priority = Mapping[tuple[int, int, int], float]  # (stage, op code, microbatch) -> lower runs first
 
@@ -45,7 +47,7 @@ def priority_schedule(
     to this long for a more urgent action whose inputs are on their way rather than start a less
     urgent one that would still be running when they arrive (one value, or one per rank).
     ``asap``: an ``Asap`` of this placement, microbatches and costs, which then holds the rows'
-    replayed score."""
+    replayed score. Runs compiled where ``loom.schedule.compiled`` allows: the same result."""
     num_stages, m = len(placement), microbatches
     ranks = ranks_of(placement, limit)
     if ranks is None:
@@ -68,13 +70,15 @@ def priority_schedule(
     # The priorities as flat tables by op code, index stage * m + microbatch (a dict lookup by
     # a fresh tuple per scanned action was a third of the time); per rank, the stages with their
     # neighbours above and below (``search_loop.neighbours``).
-    table: list[list[float | None]] = [[None] * (num_stages * m) for _ in range(3)]
-    for (s, o, k), value in priority.items():
-        if 0 <= s < num_stages and 0 <= k < m and o < 3:
-            table[o][s * m + k] = value
-    if any(None in ops for ops in table):
-        raise KeyError("priority: every F, I and W of the schedule needs a priority")
-    prio_f, prio_i, prio_w = table
+    prio_f, prio_i, prio_w = _tables(priority, num_stages, m)
+    compiled = loops_for(costs)
+    if compiled is not None and isinstance(prio_f, array):  # float priorities
+        loops, durations = compiled
+        made = loops.priority(list(placement), m, durations, send, EPS, list(limit_c), prio_f,
+                              prio_i, prio_w, -1 if reserve is None else reserve, wait,
+                              None if asap is None else asap.first,
+                              None if asap is None else asap.end)
+        return None if made is None else (made[0], made[1])
     scan = [[above + below[2:] for above, below in zip(*rank)]
             for rank in zip(neighbours(placement, m, stages_of, 1),
                             neighbours(placement, m, stages_of, -1))]
@@ -186,3 +190,22 @@ def priority_schedule(
     if count < total:
         return None
     return rows, peak
+
+
+def _tables(priority: Priority, num_stages: int, m: int) -> tuple[Sequence[float], ...]:
+    """``priority`` as flat tables by op code (F, I, W), index stage * m + microbatch: a
+    ``Priorities``' own tables when it has this shape, else read from the mapping (as float
+    arrays when every value is a float, else lists of the values as they are)."""
+    size = num_stages * m
+    if isinstance(priority, Priorities) and priority.microbatches == m and all(
+            len(table) == size for table in priority.tables):
+        return priority.tables  # type: ignore[return-value]
+    table: list[list[float | None]] = [[None] * size for _ in range(3)]
+    for (s, o, k), value in priority.items():
+        if 0 <= s < num_stages and 0 <= k < m and o < 3:
+            table[o][s * m + k] = value
+    if any(None in ops for ops in table):
+        raise KeyError("priority: every F, I and W of the schedule needs a priority")
+    if all(type(value) is float for ops in table for value in ops):
+        return tuple(array("d", ops) for ops in table)  # type: ignore[arg-type]
+    return tuple(table)  # type: ignore[arg-type]

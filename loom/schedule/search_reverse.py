@@ -32,11 +32,13 @@ possible (times can only move earlier) and the search keeps it when it ranks bes
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from loom.schedule.compiled import loops_for
 from loom.schedule.replay import EPS, F, I, W, Costs, Row
-from loom.schedule.search_loop import neighbours, ranks_of, run
+from loom.schedule.search_loop import Priorities, neighbours, ranks_of, run
 
 
 @dataclass(frozen=True)
@@ -61,10 +63,11 @@ def reverse_schedule(
     costs: Costs,
     limit: float,
     knobs: ReverseKnobs,
-) -> tuple[list[Row], float, dict[tuple[int, int, int], float]] | None:
+) -> tuple[list[Row], float, Priorities] | None:
     """Forward integer rows (``loom.schedule.replay.encode``'s), their peak units and every
     action's latest forward start in this schedule (the priorities ``priority_schedule``
-    follows); None on a stall."""
+    follows); None on a stall. Runs compiled where ``loom.schedule.compiled`` allows: the same
+    result."""
     num_stages, m = len(placement), microbatches
     ranks = ranks_of(placement, limit)
     if ranks is None:
@@ -91,6 +94,15 @@ def reverse_schedule(
     # start staggered like forward ones do (the last rank first), or rank 0 ends with everyone.
     hop = sum(d[I] for d in duration) / num_stages + send
     release = [(pp - 1 - r) * knobs.stagger * hop for r in range(pp)]
+    compiled = loops_for(costs)
+    if compiled is not None:
+        loops, durations = compiled
+        made = loops.reverse(list(placement), m, durations, send, EPS, list(limit_c), release,
+                             knobs.i_first)
+        if made is None:
+            return None
+        rows, peak, *tables = made
+        return rows, peak, Priorities(m, [array("d", table) for table in tables])
     total = 3 * size
     peak = 0
 
@@ -214,8 +226,8 @@ def reverse_schedule(
         return None
     end = max(free_at)
     # forward-time start of every action in this (right-justified) schedule: its latest start
-    latest = {}
+    tables = [array("d", bytes(8 * size)) for _ in range(3)]
     for r, row in enumerate(rows):
         for (s, o, k), t_end in zip(row, ends[r]):
-            latest[(s, o, k)] = end - t_end
-    return [row[::-1] for row in rows], peak, latest
+            tables[o][s * m + k] = end - t_end
+    return [row[::-1] for row in rows], peak, Priorities(m, tables)

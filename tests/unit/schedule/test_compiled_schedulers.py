@@ -1,0 +1,147 @@
+"""The compiled list schedulers (``loom/schedule/_listsched.c``) are the Python ones, to the bit.
+
+``loom.schedule.compiled`` runs the search's schedulers in C when they were built and the costs
+are floats; ``LOOM_PURE_PYTHON=1`` runs the Python code, which is their specification. On random
+problems (placements of every kind and chunk count, unequal per-stage costs, with and without a
+send time, memory limits from one unit to none, every knob) both must give the same rows, peak,
+priorities, replayed times and stalls, compared with ``==`` on the floats.
+"""
+
+import random
+from fractions import Fraction
+
+import pytest
+
+from loom.schedule import compiled
+from loom.schedule.replay import Costs
+from loom.schedule.search_greedy import Knobs, list_schedule
+from loom.schedule.search_loop import Asap, Priorities
+from loom.schedule.search_places import placement_of
+from loom.schedule.search_priority import priority_schedule
+from loom.schedule.search_reverse import ReverseKnobs, reverse_schedule
+
+pytestmark = pytest.mark.skipif(not compiled.built(), reason="loom.schedule._listsched not built"
+                                " (no C compiler at install): the Python schedulers run")
+
+KINDS = [("looped", 1), ("interleaved", 2), ("interleaved", 3), ("v", 2), ("wave", 3),
+         ("wave", 4)]
+
+
+def _problem(rng: random.Random) -> tuple[tuple[int, ...], int, Costs, float]:
+    p = rng.randint(1, 6)
+    kind, v = rng.choice(KINDS) if p > 1 else ("looped", 1)
+    layout = placement_of(kind, p, v)
+    m = rng.randint(1, 3 * p + 3)
+    stages = []
+    for _ in layout:  # unequal stages, a few exact ties among them
+        f = rng.choice([1.0, 0.5, rng.uniform(0.2, 2.0)])
+        i, w = rng.choice([f, rng.uniform(0.2, 2.0)]), rng.uniform(0.1, 1.5)
+        stages.append((f, i, w, i + w))
+    send = rng.choice([0.0, 0.05, rng.uniform(0.0, 0.5)])
+    limit = rng.choice([1.0, 1.5, p / 2, float(p), 2.0 * p, float("inf")])
+    return layout, m, Costs(tuple(stages), send), limit
+
+
+def _both(monkeypatch, build):
+    """``build()`` compiled, then with the Python loops."""
+    monkeypatch.delenv(compiled.PURE_PYTHON_VARIABLE, raising=False)
+    assert compiled.loops_for(Costs(((1.0, 1.0, 1.0, 2.0),), 0.0)) is not None
+    fast = build()
+    monkeypatch.setenv(compiled.PURE_PYTHON_VARIABLE, "1")
+    slow = build()
+    monkeypatch.delenv(compiled.PURE_PYTHON_VARIABLE)
+    return fast, slow
+
+
+def _same(fast, slow):
+    assert (fast is None) == (slow is None)
+    if fast is None:
+        return False
+    assert fast[0] == slow[0]  # the rows
+    assert fast[1] == slow[1] and type(fast[1]) is type(slow[1])  # the peak
+    return True
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_compiled_reverse_scheduler_is_the_python_one(monkeypatch, seed):
+    rng = random.Random(seed)
+    built = 0
+    for _ in range(25):
+        layout, m, costs, limit = _problem(rng)
+        knobs = ReverseKnobs(i_first=rng.random() < 0.5, stagger=rng.choice([0.0, 0.9, 1.0, 1.2]))
+        fast, slow = _both(monkeypatch, lambda: reverse_schedule(layout, m, costs, limit, knobs))
+        if _same(fast, slow):
+            built += 1
+            assert fast[2].tables == slow[2].tables  # every action's latest start
+    assert built >= 15
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_compiled_priority_scheduler_is_the_python_one(monkeypatch, seed):
+    rng = random.Random(100 + seed)
+    built = stalled = 0
+    for _ in range(25):
+        layout, m, costs, limit = _problem(rng)
+        reversed_ = reverse_schedule(layout, m, costs, limit, ReverseKnobs(stagger=1.0))
+        if reversed_ is None:
+            continue
+        priority = reversed_[2]
+        tie = rng.random()
+        if tie < 0.4:  # priorities from a plain mapping, with ties broken by (stage, op, mb)
+            priority = {key: float(round(value / 2)) if tie < 0.3 else 0.0
+                        for key, value in priority.items()}
+        reserve = rng.choice([None, 0, 1, 2])
+        pp = max(layout) + 1
+        patience = rng.choice([0.0, 0.3, [rng.choice([0.0, 0.25]) for _ in range(pp)]])
+        asaps = []
+
+        def build():
+            asaps.append(Asap(layout, m, costs))
+            return priority_schedule(layout, m, costs, limit, priority, reserve, patience,
+                                     asaps[-1])
+
+        fast, slow = _both(monkeypatch, build)
+        if _same(fast, slow):
+            built += 1
+            assert asaps[0].first == asaps[1].first and asaps[0].end == asaps[1].end
+            assert asaps[0].score(fast[0]) == asaps[1].score(slow[0])
+        else:
+            stalled += 1
+    assert built >= 15
+
+
+def test_exact_costs_and_the_variable_keep_the_python_loops(monkeypatch):
+    monkeypatch.delenv(compiled.PURE_PYTHON_VARIABLE, raising=False)
+    floats = Costs(((1.0, 1.0, 0.5, 1.5),) * 2, 0.0)
+    assert compiled.loops_for(floats) is not None
+    # ints and Fractions: their arithmetic is exact in Python, not in doubles
+    assert compiled.loops_for(Costs(((1, 1, 1, 2),) * 2, 0)) is None
+    assert compiled.loops_for(Costs(((Fraction(1, 3), 1.0, 1.0, 2.0),), 0.0)) is None
+    monkeypatch.setenv(compiled.PURE_PYTHON_VARIABLE, "1")
+    assert compiled.loops_for(floats) is None
+    monkeypatch.setenv(compiled.PURE_PYTHON_VARIABLE, "0")
+    assert compiled.loops_for(floats) is not None
+
+
+def test_priorities_read_as_a_mapping():
+    layout = placement_of("v", 2, 2)
+    costs = Costs(((1.0, 1.0, 0.5, 1.5),) * 4, 0.1)
+    rows, _, latest = reverse_schedule(layout, 3, costs, 4.0, ReverseKnobs(stagger=1.0))
+    assert isinstance(latest, Priorities) and len(latest) == 3 * 4 * 3
+    assert sorted(latest) == sorted((s, o, k) for s in range(4) for o in range(3)
+                                    for k in range(3))
+    assert dict(latest.items()) == {key: latest[key] for key in latest}
+    for bad in ((4, 0, 0), (0, 3, 0), (0, 0, 3), (-1, 0, 0)):
+        with pytest.raises(KeyError):
+            latest[bad]
+    # a plain dict of the same priorities schedules the same
+    assert priority_schedule(layout, 3, costs, 4.0, dict(latest), 0) == \
+        priority_schedule(layout, 3, costs, 4.0, latest, 0)
+
+
+def test_list_schedule_is_untouched_by_the_choice(monkeypatch):
+    """The forward list scheduler has no compiled twin yet: the variable changes nothing."""
+    layout = placement_of("interleaved", 4, 2)
+    costs = Costs(((0.5, 0.5, 0.25, 0.75),) * 8, 0.05)
+    fast, slow = _both(monkeypatch, lambda: list_schedule(layout, 9, costs, 4.0, Knobs()))
+    assert fast == slow
