@@ -1,8 +1,9 @@
-/* The schedule search's two forward-backward list schedulers, compiled (issue 22's 1 s search).
+/* The schedule search's three list schedulers, compiled (issue 22's 1 s search).
  *
  * The same algorithms as loom/schedule/search_reverse.py (``reverse_schedule``: backwards in
- * time) and loom/schedule/search_priority.py (``priority_schedule``: forwards by priorities,
- * with search_loop.Asap's replay while it builds), on the same event loop as
+ * time), loom/schedule/search_priority.py (``priority_schedule``: forwards by priorities,
+ * with search_loop.Asap's replay while it builds) and loom/schedule/search_greedy.py
+ * (``list_schedule``: forwards by knobs), on the same event loop as
  * loom/schedule/search_loop.py's ``run``, decision for decision: the same float operations in
  * the same order on C doubles (Python's floats), the same tie-breaks, so the rows, the peak and
  * the times are identical to the bit (tests/unit/schedule/test_compiled_schedulers.py compares
@@ -11,7 +12,7 @@
  * crosses the boundary: flat float lists of durations, per-rank limits in chunks, and back the
  * rows as lists of (stage, op, microbatch) tuples.
  *
- * Why hand-written C: the two loops run at 2.4-3.1 us per scheduled action in Python, and the
+ * Why hand-written C: the loops run at 2.2-3.1 us per scheduled action in Python, and the
  * search's full-size rebuild of a forward-backward order (p = 32, m = 256, five chunks: 123,000
  * actions) took 0.7 s of a 1 s target; no library runs a custom list-scheduling policy.
  */
@@ -245,6 +246,7 @@ static int problem_init(Problem *p, PyObject *placement, int m, PyObject *durati
     }
     p->n = (int)n; p->m = m; p->send = send; p->eps = eps;
     p->placement = malloc(sizeof(int) * n);
+    if (!p->placement) { free(place); PyErr_NoMemory(); return -1; }
     int pp = 0;
     for (Py_ssize_t s = 0; s < n; s++) {
         if (place[s] < 0 || place[s] >= n) {
@@ -786,9 +788,193 @@ done:
     return result;
 }
 
+/* ---- search_greedy.list_schedule ---- */
+
+typedef struct {
+    int reserve, w_backlog;          /* -1: None */
+    double patience, w_fill;
+    int depth_first, forward_first;
+    long long *admit_cap;            /* per rank: min(limit, warm-up cap) in chunks */
+    double *fin_f, *fin_i;
+    int *next_f, *next_i;
+    long long *live, *pending_total;
+    int *pending;                    /* [r * m + k]: forwards left of admitted k; 0: none */
+    int *adm_order, *adm_head, *adm_len;  /* per rank: admission order */
+    int *def_s, *def_k, *def_start, *def_head, *def_len;  /* per rank: FIFO of deferred W's */
+    double peak;
+} Greedy;
+
+static long long greedy_reserve_after(Problem *p, Greedy *q, int r) {
+    int v = p->v[r];
+    if (q->reserve < 0) return q->pending_total[r] + v - 1;
+    if (q->reserve == 0) return 0;
+    int m = p->m, *order = q->adm_order + (size_t)r * m, taken = 0;
+    long long kept = 0;
+    while (q->adm_head[r] < q->adm_len[r] && q->pending[(size_t)r * m + order[q->adm_head[r]]] == 0)
+        q->adm_head[r]++;
+    for (int a = q->adm_head[r]; a < q->adm_len[r] && taken < q->reserve; a++) {
+        int left = q->pending[(size_t)r * m + order[a]];
+        if (left) { kept += left; taken++; }
+    }
+    if (taken < q->reserve) kept += v - 1;  /* (oldest + [v - 1])[:reserve] */
+    return kept;
+}
+
+static Choice greedy_decide(void *self, Problem *p, int r, double t) {
+    Greedy *q = self;
+    int m = p->m, n = p->n, v = p->v[r];
+    int *stages = p->stages[r];
+    double wake = Py_HUGE_VAL, send = p->send, eps = p->eps;
+    int best_s = -1, best_k = 0;
+    double best_ready = 0.0;
+    for (int j = v - 1; j >= 0; j--) {  /* I's: the later stage first */
+        int s = stages[j], k = q->next_i[s];
+        if (k >= m) continue;
+        double ready = q->fin_f[(size_t)s * m + k];
+        if (ready < 0) continue;
+        if (s + 1 < n) {
+            double after = q->fin_i[(size_t)(s + 1) * m + k];
+            if (after < 0) continue;
+            if (p->placement[s + 1] != p->placement[s]) after += send;
+            if (after > ready) ready = after;
+        }
+        if (best_s < 0 || ready < best_ready - eps) { best_s = s; best_k = k; best_ready = ready; }
+    }
+    int head = q->def_head[r], backlog = q->def_len[r] - head, at = q->def_start[r] + head;
+    if (backlog && q->w_backlog >= 0 && backlog > q->w_backlog)
+        return act_at(q->def_s[at], OP_W, q->def_k[at], t);
+    if (!q->forward_first && best_s >= 0 && best_ready <= t + q->patience + eps)
+        return act_at(best_s, OP_I, best_k, best_ready > t ? best_ready : t);
+    int have_forward = 0, f_s = 0, f_k = 0;
+    double now = t + eps;
+    long long level = q->live[r];
+    int first = stages[0], admit = -1;
+    if (level < p->limit_c[r]) {
+        for (int j = 0; j < v; j++) {
+            int s = stages[q->depth_first ? v - 1 - j : j], k = q->next_f[s];
+            if (k >= m) continue;
+            double ready;
+            if (s == 0) {
+                ready = 0.0;
+            } else {
+                ready = q->fin_f[(size_t)(s - 1) * m + k];
+                if (ready < 0) continue;
+                if (p->placement[s - 1] != p->placement[s]) ready += send;
+            }
+            if (s == first) {
+                if (admit < 0)
+                    admit = level + 1 + greedy_reserve_after(p, q, r) <= q->admit_cap[r];
+                if (!admit) continue;
+            }
+            if (ready <= now) { have_forward = 1; f_s = s; f_k = k; break; }
+            if (ready < wake) wake = ready;
+        }
+    }
+    if (have_forward && q->forward_first) return act_at(f_s, OP_F, f_k, t);
+    if (best_s >= 0) {
+        if (best_ready <= t + q->patience + eps)
+            return act_at(best_s, OP_I, best_k, best_ready > t ? best_ready : t);
+        if (best_ready < wake) wake = best_ready;
+    }
+    if (have_forward) return act_at(f_s, OP_F, f_k, t);
+    if (backlog) {
+        int s = q->def_s[at];
+        if (wake - t >= q->w_fill * p->dur[s * NOPS + OP_W] - eps)
+            return act_at(s, OP_W, q->def_k[at], t);
+    }
+    return wake_at(wake);
+}
+
+static void greedy_commit(void *self, Problem *p, int r, Act a, double end) {
+    Greedy *q = self;
+    int m = p->m, v = p->v[r];
+    size_t idx = (size_t)a.s * m + a.k;
+    if (a.o == OP_F) {
+        q->fin_f[idx] = end;
+        q->next_f[a.s]++;
+        q->live[r]++;
+        double level = (double)q->live[r] / v;
+        if (level > q->peak) q->peak = level;
+        int *left = q->pending + (size_t)r * m + a.k;
+        if (a.s == p->stages[r][0]) {
+            if (v > 1) {
+                *left = v - 1;
+                q->pending_total[r] += v - 1;
+                q->adm_order[(size_t)r * m + q->adm_len[r]++] = a.k;
+            }
+        } else {
+            q->pending_total[r]--;
+            --*left;
+        }
+    } else if (a.o == OP_I) {
+        q->fin_i[idx] = end;
+        q->next_i[a.s]++;
+        int at = q->def_start[r] + q->def_len[r]++;
+        q->def_s[at] = a.s;
+        q->def_k[at] = a.k;
+    } else {
+        q->def_head[r]++;
+        q->live[r]--;
+    }
+}
+
+/* greedy(placement, microbatches, durations, send, eps, limit_c, admit_cap, reserve (-1: all),
+ *        patience, w_backlog (-1: none), depth_first, forward_first, w_fill)
+ *   -> None on a deadlock, else (rows, makespan, peak units) */
+static PyObject *py_greedy(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *placement, *durations, *limit_c, *caps;
+    int m;
+    double send, eps;
+    Greedy q;
+    memset(&q, 0, sizeof(q));
+    if (!PyArg_ParseTuple(args, "OiOddOOidippd", &placement, &m, &durations, &send, &eps,
+                          &limit_c, &caps, &q.reserve, &q.patience, &q.w_backlog,
+                          &q.depth_first, &q.forward_first, &q.w_fill))
+        return NULL;
+    Problem p;
+    PyObject *result = NULL;
+    if (problem_init(&p, placement, m, durations, send, eps, limit_c)) goto done;
+    if (!(q.admit_cap = ints_of(caps, p.pp, "admit_cap"))) goto done;
+    size_t size = (size_t)p.n * m, per_rank = (size_t)p.pp * m;
+    q.fin_f = filled(size, -1.0); q.fin_i = filled(size, -1.0);
+    q.next_f = calloc(p.n, sizeof(int)); q.next_i = calloc(p.n, sizeof(int));
+    q.live = calloc(p.pp, sizeof(long long)); q.pending_total = calloc(p.pp, sizeof(long long));
+    q.pending = calloc(per_rank, sizeof(int));
+    q.adm_order = malloc(sizeof(int) * per_rank);
+    q.adm_head = calloc(p.pp, sizeof(int)); q.adm_len = calloc(p.pp, sizeof(int));
+    q.def_s = malloc(sizeof(int) * size); q.def_k = malloc(sizeof(int) * size);
+    q.def_start = calloc(p.pp, sizeof(int)); q.def_head = calloc(p.pp, sizeof(int));
+    q.def_len = calloc(p.pp, sizeof(int));
+    if (!q.fin_f || !q.fin_i || !q.next_f || !q.next_i || !q.live || !q.pending_total ||
+        !q.pending || !q.adm_order || !q.adm_head || !q.adm_len || !q.def_s || !q.def_k ||
+        !q.def_start || !q.def_head || !q.def_len) {
+        PyErr_NoMemory(); goto done;
+    }
+    int at = 0;
+    for (int r = 0; r < p.pp; r++) { q.def_start[r] = at; at += p.v[r] * m; }
+    int error;
+    long long count = run_loop(&p, &q, greedy_decide, greedy_commit, NULL, 0, NULL, &error);
+    if (error) { PyErr_NoMemory(); goto done; }
+    if (count < 3LL * p.n * m) { result = Py_None; Py_INCREF(result); goto done; }
+    double makespan = p.free_at[0];
+    for (int r = 1; r < p.pp; r++) if (p.free_at[r] > makespan) makespan = p.free_at[r];
+    PyObject *rows = rows_of(&p, 0);
+    if (!rows) goto done;
+    result = Py_BuildValue("(Ndd)", rows, makespan, q.peak);
+done:
+    free(q.admit_cap); free(q.fin_f); free(q.fin_i); free(q.next_f); free(q.next_i);
+    free(q.live); free(q.pending_total); free(q.pending); free(q.adm_order); free(q.adm_head);
+    free(q.adm_len); free(q.def_s); free(q.def_k); free(q.def_start); free(q.def_head);
+    free(q.def_len);
+    problem_free(&p);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"reverse", py_reverse, METH_VARARGS, "search_reverse.reverse_schedule, compiled."},
     {"priority", py_priority, METH_VARARGS, "search_priority.priority_schedule, compiled."},
+    {"greedy", py_greedy, METH_VARARGS, "search_greedy.list_schedule, compiled."},
     {NULL, NULL, 0, NULL},
 };
 

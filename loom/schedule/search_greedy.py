@@ -28,6 +28,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from loom.schedule.compiled import loops_for
 from loom.schedule.replay import EPS, F, I, W, Costs, Row
 from loom.schedule.search_loop import neighbours, ranks_of, run
 
@@ -72,13 +73,22 @@ def list_schedule(
     limit: float,
     knobs: Knobs,
 ) -> tuple[list[Row], float, float] | None:
-    """Integer rows (``replay.encode``'s), makespan and peak units; None on a deadlock."""
+    """Integer rows (``replay.encode``'s), makespan and peak units; None on a deadlock. Runs
+    compiled where ``loom.schedule.compiled`` allows: the same result."""
     num_stages, m = len(placement), microbatches
     ranks = ranks_of(placement, limit)
     if ranks is None:
         return None
     pp, stages_of, v, limit_c = ranks.pp, ranks.stages_of, ranks.v, ranks.limit_c
     caps_c = ranks.caps(knobs.caps)
+    admit_cap = [min(limit_c[r], caps_c[r]) for r in range(pp)]
+    compiled = loops_for(costs)
+    if compiled is not None:
+        loops, durations = compiled
+        return loops.greedy(list(placement), m, durations, costs.send, EPS, list(limit_c),
+                            admit_cap, -1 if knobs.reserve is None else knobs.reserve,
+                            knobs.patience, -1 if knobs.w_backlog is None else knobs.w_backlog,
+                            knobs.depth_first, knobs.forward_first, knobs.w_fill)
     fin_f = [-1.0] * (num_stages * m)
     fin_i = [-1.0] * (num_stages * m)
     next_f = [0] * num_stages
@@ -103,7 +113,6 @@ def list_schedule(
     i_scan = neighbours(placement, m, backward_order, 1)
     f_scan = neighbours(placement, m, forward_order, -1)
     first_stage = [stages[0] for stages in stages_of]
-    admit_cap = [min(limit_c[r], caps_c[r]) for r in range(pp)]
     inf = float("inf")
 
     def reserve_after(r: int) -> int:
