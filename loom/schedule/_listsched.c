@@ -971,10 +971,169 @@ done:
     return result;
 }
 
+/* ---- replay.score's replay: one route, no vocabulary passes ---- */
+
+/* replay(rows, placement, microbatches, durations, send)
+ *   -> (first, ends): each rank's first start and last end when every list runs to its end
+ *      (replay.replay's rules: an action starts when its rank is free and its inputs have
+ *      finished, plus the send time across ranks); None when one stops (a deadlock); False
+ *      when the rows hold an action twice, an op other than F, I, W, B, or a stage or
+ *      microbatch outside the grid, which the Python replay handles (its first-replayed rule
+ *      and widened grid). Without reordering: each start is a max of the same finishes, so
+ *      the times do not depend on the order the ranks are visited in. */
+static PyObject *py_replay(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *rows_obj, *placement_obj, *durations_obj;
+    int m;
+    double send;
+    if (!PyArg_ParseTuple(args, "OOiOd", &rows_obj, &placement_obj, &m, &durations_obj, &send))
+        return NULL;
+    PyObject *result = NULL, *rows_fast = NULL;
+    long long *placement = NULL;
+    double *dur = NULL, *finish = NULL, *free_at = NULL, *first = NULL;
+    int *act = NULL, *row_start = NULL, *row_len = NULL, *index = NULL, *wait_head = NULL;
+    int *wait_next = NULL, *queue = NULL;
+    char *split = NULL;
+    Py_ssize_t n = PySequence_Size(placement_obj);
+    if (n < 0) return NULL;
+    if (!(placement = ints_of(placement_obj, n, "placement"))) goto done;
+    if (!(dur = floats_of(durations_obj, n * NOPS, "durations"))) goto done;
+    if (!(rows_fast = PySequence_Fast(rows_obj, "rows"))) goto done;
+    int pp = (int)PySequence_Fast_GET_SIZE(rows_fast);
+    if (m < 1 || n < 1 || (long long)n * m > (1LL << 28)) { result = Py_False; goto fallback; }
+    size_t size = (size_t)n * m, total = 0;
+    for (int r = 0; r < pp; r++) {
+        Py_ssize_t len = PySequence_Size(PySequence_Fast_GET_ITEM(rows_fast, r));
+        if (len < 0) goto done;
+        total += (size_t)len;
+    }
+    act = malloc(sizeof(int) * 3 * (total ? total : 1));
+    row_start = calloc(pp ? pp : 1, sizeof(int)); row_len = calloc(pp ? pp : 1, sizeof(int));
+    if (!act || !row_start || !row_len) { PyErr_NoMemory(); goto done; }
+    int has_i = 0, has_b = 0;
+    size_t at = 0;
+    for (int r = 0; r < pp; r++) {
+        PyObject *row = PySequence_Fast(PySequence_Fast_GET_ITEM(rows_fast, r), "a row");
+        if (!row) goto done;
+        Py_ssize_t len = PySequence_Fast_GET_SIZE(row);
+        row_start[r] = (int)at;
+        row_len[r] = (int)len;
+        for (Py_ssize_t j = 0; j < len; j++, at++) {
+            PyObject *item = PySequence_Fast_GET_ITEM(row, j);
+            if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
+                Py_DECREF(row); result = Py_False; goto fallback;
+            }
+            long values[3];
+            for (int c = 0; c < 3; c++) {
+                values[c] = PyLong_AsLong(PyTuple_GET_ITEM(item, c));
+                if (values[c] == -1 && PyErr_Occurred()) { Py_DECREF(row); goto done; }
+            }
+            if (values[0] < 0 || values[0] >= n || values[1] < 0 || values[1] > OP_B ||
+                values[2] < 0 || values[2] >= m) {
+                Py_DECREF(row); result = Py_False; goto fallback;
+            }
+            act[3 * at] = (int)values[0]; act[3 * at + 1] = (int)values[1];
+            act[3 * at + 2] = (int)values[2];
+            has_i |= values[1] == OP_I;
+            has_b |= values[1] == OP_B;
+        }
+        Py_DECREF(row);
+    }
+    /* split[(stage, mb)]: its backward runs as I and W (else as one B): replay.replay's rule */
+    split = malloc(size ? size : 1);
+    if (!split) { PyErr_NoMemory(); goto done; }
+    memset(split, !has_b ? 1 : 0, size);
+    if (has_b && has_i)
+        for (size_t a = 0; a < total; a++)
+            if (act[3 * a + 1] == OP_I) split[(size_t)act[3 * a] * m + act[3 * a + 2]] = 1;
+    finish = filled(4 * size, -1.0);
+    wait_head = malloc(sizeof(int) * 4 * size);
+    wait_next = malloc(sizeof(int) * (pp ? pp : 1));
+    queue = malloc(sizeof(int) * (pp ? pp : 1));
+    index = calloc(pp ? pp : 1, sizeof(int));
+    free_at = calloc(pp ? pp : 1, sizeof(double));
+    first = calloc(pp ? pp : 1, sizeof(double));
+    if (!finish || !wait_head || !wait_next || !queue || !index || !free_at || !first) {
+        PyErr_NoMemory(); goto done;
+    }
+    for (size_t key = 0; key < 4 * size; key++) wait_head[key] = -1;
+    int q_head = 0, q_len = pp;  /* a ring of the runnable ranks: each is in it at most once */
+    for (int r = 0; r < pp; r++) queue[r] = r;
+    while (q_len) {
+        int r = queue[q_head];
+        q_head = (q_head + 1) % pp;
+        q_len--;
+        int j = index[r], len = row_len[r];
+        double t_free = free_at[r];
+        long long dep = -1;
+        while (j < len) {
+            int *a = act + 3 * (size_t)(row_start[r] + j), s = a[0], o = a[1], k = a[2];
+            double start = t_free, t;
+            if (o == OP_F) {
+                if (s > 0) {
+                    dep = (long long)(s - 1) * m + k;
+                    if ((t = finish[dep]) < 0) break;
+                    if (send != 0.0 && placement[s - 1] != placement[s]) t += send;
+                    if (t > start) start = t;
+                }
+            } else if (o == OP_W) {
+                dep = (long long)size + (long long)s * m + k;
+                if ((t = finish[dep]) < 0) break;
+                if (t > start) start = t;
+            } else {
+                dep = (long long)s * m + k;
+                if ((t = finish[dep]) < 0) break;
+                if (t > start) start = t;
+                if (s + 1 < n) {
+                    dep = (long long)(s + 1) * m + k;
+                    dep += split[dep] ? (long long)size : 3LL * (long long)size;
+                    if ((t = finish[dep]) < 0) break;
+                    if (send != 0.0 && placement[s + 1] != placement[s]) t += send;
+                    if (t > start) start = t;
+                }
+            }
+            t_free = start + dur[s * NOPS + o];
+            if (j == 0) first[r] = start;
+            j++;
+            size_t key = (size_t)o * size + (size_t)s * m + k;
+            if (finish[key] >= 0) { result = Py_False; goto fallback; }  /* an action twice */
+            finish[key] = t_free;
+            for (int w = wait_head[key]; w >= 0; w = wait_next[w]) {
+                queue[(q_head + q_len) % pp] = w;
+                q_len++;
+            }
+            wait_head[key] = -1;
+        }
+        index[r] = j;
+        free_at[r] = t_free;
+        if (j < len) {  /* blocked on ``dep``: resumed when it finishes */
+            wait_next[r] = wait_head[dep];
+            wait_head[dep] = r;
+        }
+    }
+    for (int r = 0; r < pp; r++)
+        if (index[r] < row_len[r]) { result = Py_None; goto fallback; }
+    PyObject *firsts = PyList_New(pp), *ends = PyList_New(pp);
+    if (!firsts || !ends || store_floats(firsts, first, pp) || store_floats(ends, free_at, pp)) {
+        Py_XDECREF(firsts); Py_XDECREF(ends); goto done;
+    }
+    result = Py_BuildValue("(NN)", firsts, ends);
+    goto done;
+fallback:
+    Py_INCREF(result);
+done:
+    Py_XDECREF(rows_fast);
+    free(placement); free(dur); free(finish); free(free_at); free(first); free(act);
+    free(row_start); free(row_len); free(index); free(wait_head); free(wait_next); free(queue);
+    free(split);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"reverse", py_reverse, METH_VARARGS, "search_reverse.reverse_schedule, compiled."},
     {"priority", py_priority, METH_VARARGS, "search_priority.priority_schedule, compiled."},
     {"greedy", py_greedy, METH_VARARGS, "search_greedy.list_schedule, compiled."},
+    {"replay", py_replay, METH_VARARGS, "replay.score's replay of one route, compiled."},
     {NULL, NULL, 0, NULL},
 };
 

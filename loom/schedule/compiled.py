@@ -1,16 +1,18 @@
-"""Which implementation runs the schedule search's forward-backward list schedulers.
+"""Which implementation runs the schedule search's inner loops: Python or compiled.
 
-``search_reverse.reverse_schedule`` and ``search_priority.priority_schedule`` are written in
-Python, and that code is their specification. The same two loops also exist in C
-(``loom/schedule/_listsched.c``, built by ``pip install`` where a C compiler is found; setup.py
-marks it optional), decision for decision on the same doubles, so they give the same rows, peak
-and times to the bit (``tests/unit/schedule/test_compiled_schedulers.py``). The schedulers use
-the compiled loops when the module was built, every duration and the send time are Python
-floats (the search's ``replay.Costs.of``; exact ints or Fractions stay in Python, where their
+The search's three list schedulers (``search_reverse.reverse_schedule``,
+``search_priority.priority_schedule``, ``search_greedy.list_schedule``) and the replay behind
+``replay.score`` are written in Python, and that code is their specification. The same loops
+also exist in C (``loom/schedule/_listsched.c``, built by ``pip install`` where a C compiler is
+found; setup.py marks it optional), decision for decision on the same doubles, so they give the
+same rows, peaks and times to the bit (``tests/unit/schedule/test_compiled_schedulers.py``).
+They are used when the module was built, every duration and the send time are Python floats
+(the search's ``replay.Costs.of``; exact ints or Fractions stay in Python, where their
 arithmetic is exact), and ``LOOM_PURE_PYTHON`` is not set to 1 in the environment (to time or
-check the Python path).
+check the Python path). The compiled replay covers one route without vocabulary passes, each
+action once; anything else it hands back to the Python replay.
 
-Why: in Python the loops cost 2.4-3.1 us per scheduled action; the search's full-size rebuild of
+Why: in Python the loops cost 2.2-3.1 us per scheduled action; the search's full-size rebuild of
 a forward-backward order at p = 32, m = 256 and five chunks per rank (123,000 actions) took 0.7 s
 of issue 22's 1 s budget for the whole command. It communicates nothing.
 """
@@ -19,8 +21,10 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-from loom.schedule.replay import Costs
+if TYPE_CHECKING:  # (at run time nothing of Loom's: ``replay`` imports this module)
+    from loom.schedule.replay import Costs
 
 try:
     from loom.schedule import _listsched as _built  # type: ignore[attr-defined]
@@ -44,9 +48,7 @@ def loops_for(costs: Costs) -> tuple[ModuleType, list[float]] | None:
         return None
     flat: list[float] = []
     for row in costs.duration:
-        if len(row) < 3 or any(type(d) is not float for d in row[:4]):
+        if len(row) < 4 or any(type(d) is not float for d in row[:4]):
             return None
         flat.extend(row[:4])
-        if len(row) == 3:  # no B: the split backward never runs one
-            flat.append(0.0)
     return _built, flat

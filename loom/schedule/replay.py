@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from numbers import Rational
 
+from loom.schedule.compiled import loops_for
 from loom.schedule.cost import Number, StageCosts
 from loom.schedule.ir import Action, Op, Schedule
 
@@ -348,7 +349,16 @@ class Score:
 def score(rows: Sequence[Row], placement: Sequence[int], microbatches: int, costs: Costs
           ) -> Score | None:
     """Makespan and Zero-Bubble idle time of ``rows`` (as ``simulate`` computes them); None on a
-    deadlock. The idle time is the longest span's (lowest rank on a tie) minus that rank's work."""
+    deadlock. The idle time is the longest span's (lowest rank on a tie) minus that rank's work.
+    Replays compiled where ``loom.schedule.compiled`` allows: the same figures."""
+    compiled = loops_for(costs)
+    if compiled is not None:
+        loops, durations = compiled
+        made = loops.replay(rows, placement, microbatches, durations, costs.send)
+        if made is None:
+            return None
+        if made is not False:  # False: outside what the compiled replay covers
+            return score_of(rows, made[0], made[1], costs)
     replayed = replay(rows, placement, microbatches, costs)
     if not replayed.completed:
         return None

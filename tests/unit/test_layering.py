@@ -58,6 +58,9 @@ def _imports() -> dict[str, set[str]]:
     """Module -> the Loom modules it imports (resolved to modules that exist)."""
     root = Path(loom.__file__).parent
     modules = {_module_name(p, root): p for p in root.rglob("*.py")}
+    # a compiled extension (its C source beside the Python, e.g. loom/schedule/_listsched.c)
+    # is a module too, and a leaf: it imports nothing of Loom's
+    compiled = {_module_name(p.with_suffix(".py"), root) for p in root.rglob("*.c")}
     edges: dict[str, set[str]] = defaultdict(set)
     for name, path in modules.items():
         tree = ast.parse(path.read_text())
@@ -71,10 +74,14 @@ def _imports() -> dict[str, set[str]]:
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 # "from loom.x import y": y may be a submodule of loom.x or a name in it
-                targets = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules
+                targets = [f"{node.module}.{alias.name}"
+                           if f"{node.module}.{alias.name}" in modules.keys() | compiled
                            else node.module for alias in node.names]
             for target in targets:
                 if target.startswith("loom") and target != name:
+                    if target in compiled:
+                        edges[name].add(target)
+                        continue
                     while target not in modules and "." in target:
                         target = target.rsplit(".", 1)[0]
                     if target in modules and target != name:

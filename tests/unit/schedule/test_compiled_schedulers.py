@@ -13,7 +13,8 @@ from fractions import Fraction
 import pytest
 
 from loom.schedule import compiled
-from loom.schedule.replay import Costs
+from loom.schedule.families import get, names
+from loom.schedule.replay import Costs, encode, score
 from loom.schedule.search_greedy import Knobs, list_schedule
 from loom.schedule.search_loop import Asap, Priorities
 from loom.schedule.search_places import placement_of
@@ -163,3 +164,71 @@ def test_the_compiled_list_scheduler_is_the_python_one(monkeypatch, seed):
             assert fast == slow  # rows, makespan, peak
             built += 1
     assert built >= 12
+
+
+def _orders(rng: random.Random):
+    """Rows to replay: list-scheduled orders, every family's (split and unsplit backwards), and
+    broken ones: two actions swapped (often a deadlock), one dropped, one twice, outside the grid,
+    a rank with nothing."""
+    for _ in range(8):
+        layout, m, costs, limit = _problem(rng)
+        made = list_schedule(layout, m, costs, limit, Knobs())
+        if made is not None:
+            yield made[0], layout, m, costs
+    for family in names():
+        p, m = rng.randint(2, 5), rng.randint(4, 12)
+        try:
+            schedule = get(family)(p, m)
+        except ValueError:
+            continue
+        stages = [tuple(rng.choice([0.1, 0.2, 0.3, 0.7, 1.0]) for _ in range(3))
+                  for _ in range(schedule.num_stages)]
+        costs = Costs(tuple((f, i, w, i + w) for f, i, w in stages), rng.choice([0.0, 0.1]))
+        rows = encode(schedule)
+        if schedule.num_routes > 1:
+            continue
+        yield rows, schedule.placement, m, costs
+        broken = [list(row) for row in rows]
+        row = rng.choice([row for row in broken if len(row) > 2])
+        at = rng.randrange(len(row) - 1)
+        row[at], row[at + 1] = row[at + 1], row[at]
+        yield broken, schedule.placement, m, costs
+        dropped = [list(row) for row in rows]
+        dropped[0].pop(rng.randrange(len(dropped[0])))
+        yield dropped, schedule.placement, m, costs
+        twice = [list(row) for row in rows]
+        twice[-1].append(twice[-1][-1])
+        yield twice, schedule.placement, m, costs
+        outside = [list(row) for row in rows]
+        outside[0].append((0, 0, m))
+        yield outside, schedule.placement, m, costs
+        yield [[]] + [list(row) for row in rows[1:]], schedule.placement, m, costs
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_compiled_replay_scores_as_the_python_one(monkeypatch, seed):
+    rng = random.Random(300 + seed)
+    scored = deadlocked = 0
+    for rows, layout, m, costs in _orders(rng):
+        fast, slow = _both(monkeypatch, lambda: score(rows, layout, m, costs))
+        assert fast == slow
+        if fast is None:
+            deadlocked += 1
+        else:
+            scored += 1
+            assert type(fast.makespan) is type(slow.makespan)
+    assert scored >= 10 and deadlocked >= 3
+
+
+def test_the_compiled_replay_hands_back_what_it_does_not_cover():
+    loops, durations = compiled.loops_for(Costs(((1.0, 1.0, 1.0, 2.0),) * 2, 0.1))
+    ok = [[(0, 0, 0), (0, 1, 0), (0, 2, 0)], [(1, 0, 0), (1, 1, 0), (1, 2, 0)]]
+    # F(0) 0-1 | F(1) 1.1-2.1, I(1) -3.1, W(1) -4.1 | I(0) 3.2-4.2 (after I(1) and a send), W(0)
+    assert loops.replay(ok, (0, 1), 1, durations, 0.1) == ([0.0, 1.1], [5.2, 4.1])
+    assert loops.replay(ok[::-1], (1, 0), 1, durations, 0.1) == ([1.1, 0.0], [4.1, 5.2])
+    stuck = [[(0, 1, 0), (0, 0, 0), (0, 2, 0)], ok[1]]  # rank 0's I before its own F
+    assert loops.replay(stuck, (0, 1), 1, durations, 0.1) is None
+    assert loops.replay([[(0, 0, 0), (0, 0, 0)], []], (0, 1), 1, durations, 0.1) is False
+    assert loops.replay([[(0, 4, 0)], []], (0, 1), 1, durations, 0.1) is False  # S
+    assert loops.replay([[(2, 0, 0)], []], (0, 1), 1, durations, 0.1) is False  # no stage 2
+    assert loops.replay([[(0, 0, 1)], []], (0, 1), 1, durations, 0.1) is False  # no mb 1
