@@ -6,11 +6,14 @@ Loom's imports count) ``--repeats`` times and reports the median wall time, the 
 time of the process (user + system: what the machine's load does not inflate much) and the
 output's digest. With ``--baseline DIR`` an older checkout (DIR on ``PYTHONPATH``) runs the same cases in
 the same loop, alternating with this one, so both see the same machine load, and the digests
-show whether both printed the same result. Default effort; the limit is 2p (Benchmark A's
-target cells) with its hardest cost profile and with the default costs, plus F, I, W = 1, 2, 1
-with latency 0.1 at limits p and 2p (``--more``: the cells issue 22 names).
+show whether both printed the same result. With ``--pure-python`` this checkout also runs with
+``LOOM_PURE_PYTHON=1`` (the search's loops in Python rather than compiled,
+``loom.schedule.compiled``). Default effort; the limit is 2p (Benchmark A's target cells) with
+its hardest cost profile and with the default costs, plus F, I, W = 1, 2, 1 with latency 0.1 at
+limits p and 2p (``--more``: the cells issue 22 names).
 
     python bench/search_time.py [--repeats 5] [--baseline /path/to/old/checkout] [--more]
+                                [--pure-python]
 """
 
 from __future__ import annotations
@@ -32,12 +35,13 @@ CASES = [  # (p, m, costs, limit)
 MORE = [(32, 256, "1,2,1,0.1", 32), (32, 256, "1,2,1,0.1", 64), (64, 512, "1,2,1,0.1", 64)]
 
 
-def run(source: str, p: int, m: int, costs: str, limit: int) -> tuple[float, float, str]:
+def run(source: str, p: int, m: int, costs: str, limit: int, pure: bool = False
+        ) -> tuple[float, float, str]:
     """Wall seconds, CPU seconds (user + system) and the sha256 of stdout of one ``loom schedule
-    search`` run from ``source``."""
+    search`` run from ``source`` (``pure``: with the Python loops)."""
     command = [sys.executable, "-m", "loom", "schedule", "search", "--pp", str(p), "-m", str(m),
                "--costs", costs, "--memory-limit", str(limit), "--json"]
-    env = {**os.environ, "PYTHONPATH": source}
+    env = {**os.environ, "PYTHONPATH": source, "LOOM_PURE_PYTHON": "1" if pure else "0"}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(command, env=env, cwd=source, capture_output=True, check=True)
@@ -53,9 +57,13 @@ def main() -> None:
     parser.add_argument("--baseline", help="an older checkout to time beside this one")
     parser.add_argument("--more", action="store_true", help="also the F,I,W = 1,2,1 cells")
     parser.add_argument("--only-more", action="store_true", help="only the F,I,W = 1,2,1 cells")
+    parser.add_argument("--pure-python", action="store_true",
+                        help="also this checkout with LOOM_PURE_PYTHON=1")
     args = parser.parse_args()
     cases = MORE if args.only_more else CASES + MORE * args.more
-    sources = {"this": ROOT, **({"baseline": args.baseline} if args.baseline else {})}
+    sources = {"this": (ROOT, False), **({"pure python": (ROOT, True)} if args.pure_python
+                                         else {}),
+               **({"baseline": (args.baseline, False)} if args.baseline else {})}
     print("| case | " + " | ".join(f"{name} median wall s (runs) | {name} median CPU s"
                                    for name in sources) + " | same output |")
     print("|---|" + "---|" * (2 * len(sources) + 1))
@@ -64,8 +72,8 @@ def main() -> None:
         cpus: dict[str, list[float]] = {name: [] for name in sources}
         digests: dict[str, set[str]] = {name: set() for name in sources}
         for _ in range(args.repeats):
-            for name, source in sources.items():
-                seconds, cpu, digest = run(source, p, m, costs, limit)
+            for name, (source, pure) in sources.items():
+                seconds, cpu, digest = run(source, p, m, costs, limit, pure)
                 times[name].append(seconds)
                 cpus[name].append(cpu)
                 digests[name].add(digest)

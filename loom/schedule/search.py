@@ -68,7 +68,9 @@ f. only with ``offload=True``: PipeOffload after a-e, which it leaves as they ar
 Why hand-written: no library does pipeline-schedule search. torch.distributed.pipelining ships
 fixed families and a CSV loader; the Zero Bubble authors' ILP/heuristic lives inside their
 Megatron fork and assumes their own schedule representation. This module works on Loom's IR,
-so what it returns is what the simulator replays and the runtime executes.
+so what it returns is what the simulator replays and the runtime executes. Its inner loops (the
+three list schedulers and the replay behind ``score``) also run compiled, to the same bits
+(``loom.schedule.compiled``).
 
 Costs are those of one *full* stage (one rank's whole share of the model). On a placement with
 v chunks per rank each chunk gets 1/v of them (``placement_costs``); the send latency is per
