@@ -18,6 +18,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -1007,6 +1008,7 @@ static PyObject *py_replay(PyObject *module, PyObject *args) {
         if (len < 0) goto done;
         total += (size_t)len;
     }
+    if (total > (size_t)(INT_MAX / 3)) { result = Py_False; goto fallback; }  /* int offsets */
     act = malloc(sizeof(int) * 3 * (total ? total : 1));
     row_start = calloc(pp ? pp : 1, sizeof(int)); row_len = calloc(pp ? pp : 1, sizeof(int));
     if (!act || !row_start || !row_len) { PyErr_NoMemory(); goto done; }
