@@ -18,7 +18,9 @@ that times out names the rank that never arrived, and that rank is killed at onc
 
 Everything that can be wrong with the config is checked before this module is reached (the run
 directory by ``check_run_dir``, which writes nothing); the token files and then the run's
-``config.toml`` are made here, in the launching process, before any worker starts.
+``config.toml`` are made here, in the launching process, before any worker starts. A launch
+that fails before it saves a checkpoint puts the directory's earlier ``config.toml`` back
+(``config_kept_unless_checkpointed``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import os
 import shutil
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +136,38 @@ def prepare_run_dir(config: Config, run_dir: Path, *, is_main: bool = True) -> P
         tmp.write_text(to_toml(config))
         os.replace(tmp, run_dir / "config.toml")
     return data_dir
+
+
+@contextlib.contextmanager
+def config_kept_unless_checkpointed(run_dir: Path) -> Iterator[None]:
+    """A launch that fails or is interrupted before it saves a checkpoint leaves the run
+    directory's ``config.toml`` as it found it: the earlier run's, which that run's checkpoints
+    belong to, or none. ``prepare_run_dir`` writes the new one before the workers start, so a
+    start that fails inside them (a cause no pre-launch check foresaw) would otherwise leave a
+    config that describes no checkpoint in the directory. Once the launch has saved a
+    checkpoint, the new config is the one that describes it, and it stays."""
+    path = run_dir / "config.toml"
+    before = path.read_bytes() if path.is_file() else None
+    saved = _checkpoint_names(run_dir)
+    try:
+        yield
+    except BaseException:
+        if _checkpoint_names(run_dir) == saved:
+            if before is None:
+                path.unlink(missing_ok=True)
+            else:
+                tmp = run_dir / "config.toml.tmp"
+                tmp.write_bytes(before)
+                os.replace(tmp, path)
+        raise
+
+
+def _checkpoint_names(run_dir: Path) -> set[str]:
+    """The entries of the run's checkpoint directory (none when it has none)."""
+    try:
+        return set(os.listdir(run_dir / "checkpoints"))
+    except OSError:
+        return set()
 
 
 def apply_launch_env(launch_env: dict[str, str]) -> None:
@@ -281,14 +316,16 @@ def run_job(config: Config, run_dir: Path, nproc: int, max_restarts: int = 0,
     try:
         if config.fault.recovery != "checkpoint":  # CheckFree: loom.relaunch, not the agent
             refuse_checkfree_launch(config, max_restarts, emulate)
-            prepare_run_dir(config, run_dir)
-            launch_checkfree(config, run_dir, nproc)
+            with config_kept_unless_checkpointed(run_dir):
+                prepare_run_dir(config, run_dir)
+                launch_checkfree(config, run_dir, nproc)
             return 0
         if under_external_launcher():
             worker_main(to_dict(config), str(run_dir))
             return 0
-        prepare_run_dir(config, run_dir)
-        launch_local(config, run_dir, nproc, max_restarts, emulate)
+        with config_kept_unless_checkpointed(run_dir):
+            prepare_run_dir(config, run_dir)
+            launch_local(config, run_dir, nproc, max_restarts, emulate)
     except EmulationUnavailable as err:
         print(f"loom train: --emulate: {err}", file=sys.stderr)
         return 1
