@@ -326,12 +326,10 @@ def _search(args: argparse.Namespace) -> int:
                        max_chunks=max_chunks, effort=args.effort, time_budget_s=args.time_budget,
                        offload=args.offload)
     except SearchError as err:
-        text = str(err)
-        argument = "--memory-limit" if "memory_limit" in text else (
-            "--cost-file" if args.cost_file else "--costs") if "costs" in text else (
-            "--layers") if "max_chunks" in text else "--pp" if text.startswith("pp=") else (
-            "arguments")
-        raise UsageError(argument, text) from None
+        flag = {"memory_limit": "--memory-limit", "max_chunks": "--layers", "pp": "--pp",
+                "microbatches": "--microbatches", "placement": "--placement",
+                "costs": "--cost-file" if args.cost_file else "--costs"}[err.argument]
+        raise UsageError(flag, str(err)) from None
     schedule = found.schedule
     if args.output:
         fmt = args.format or ("json" if args.output.lower().endswith(".json") else "torch-csv")

@@ -193,18 +193,17 @@ def search(
     offload / reload actions and its ``sim_result`` is ``simulate_offload``'s."""
     if pp < 1 or microbatches < 1:
         raise SearchError(f"pp and microbatches must be >= 1, got pp={pp}, "
-                          f"microbatches={microbatches}")
+                          f"microbatches={microbatches}", "pp" if pp < 1 else "microbatches")
     if pp > MAX_SEARCH_PP:
         raise SearchError(f"pp={pp}: the search prices every family on every placement, in time"
                           f" growing faster than the ranks (1,024 ranks of one microbatch took"
                           f" 24 s, 2,048 52 s); at most {MAX_SEARCH_PP} ranks (published"
-                          " pipelines have p <= 128)")
+                          " pipelines have p <= 128)", "pp")
     if not memory_limit >= MIN_MEMORY_LIMIT:
         raise SearchError(
             f"memory_limit={memory_limit:g} is below the minimum of {MIN_MEMORY_LIMIT:g} unit: "
             "every schedule keeps at least one microbatch's activations (1 unit) live on each "
-            f"rank; use memory_limit >= {MIN_MEMORY_LIMIT:g}"
-        )
+            f"rank; use memory_limit >= {MIN_MEMORY_LIMIT:g}", "memory_limit")
     allowed = places(pp, placement, max_chunks)
     problem = _Problem(pp, microbatches, costs)
     for place in allowed:  # the costs' errors (per-rank count, activation weights) up front
@@ -287,7 +286,7 @@ def search(
         _grown(xpool, explore, pool, problem, memory_limit)
 
     if not pool.entries:  # cannot happen for limit >= 1: reserve=all always fits
-        raise SearchError(f"no schedule fits memory_limit={memory_limit:g}")
+        raise SearchError(f"no schedule fits memory_limit={memory_limit:g}", "memory_limit")
     best, rows = pool.best(1)[0]
     name = f"search[{best.label}]"
     seeded = pool.built.get(id(rows))

@@ -22,22 +22,29 @@ MAX_CHUNKS = 8  # stages per rank the search goes up to (fewer where the layers 
 
 
 class SearchError(ValueError):
-    """The search cannot run with these inputs (the message names the argument and the rule)."""
+    """The search cannot run with these inputs (the message names the argument and the rule);
+    ``argument`` is that parameter's name (pp, microbatches, costs, memory_limit, placement or
+    max_chunks), for a caller that refuses by its own flag's name."""
+
+    def __init__(self, message: str, argument: str):
+        super().__init__(message)
+        self.argument = argument
 
 
 def places(pp: int, placement: str = "any", max_chunks: int = MAX_CHUNKS) -> list[Place]:
     """The placements the search considers: ``placement`` pinned, or for "any" every kind at
     every chunk count up to ``max_chunks`` (one rank has nothing to interleave: looped only)."""
     if max_chunks < 1:
-        raise SearchError(f"max_chunks must be >= 1, got {max_chunks}")
+        raise SearchError(f"max_chunks must be >= 1, got {max_chunks}", "max_chunks")
     if placement != "any":
         if placement not in PINNED:
             raise SearchError(f"placement: unknown {placement!r}; choose from any, "
-                              f"{', '.join(PLACEMENTS)}")
+                              f"{', '.join(PLACEMENTS)}", "placement")
         kind, chunks = PINNED[placement]
         if chunks > max_chunks:
             raise SearchError(f"placement {placement!r} puts {chunks} stages on each rank, more "
-                              f"than max_chunks={max_chunks} (the model's layers / pp)")
+                              f"than max_chunks={max_chunks} (the model's layers / pp)",
+                              "max_chunks")
         return [PINNED[placement]]
     if pp == 1:
         return [("looped", 1)]
@@ -54,7 +61,8 @@ def placement_of(name: str, pp: int, chunks: int = 0) -> tuple[int, ...]:
         return looped_placement(pp, chunks)
     if name in ("v", "wave"):
         return v_placement(pp, chunks)
-    raise SearchError(f"placement: unknown {name!r}; choose from any, {', '.join(PLACEMENTS)}")
+    raise SearchError(f"placement: unknown {name!r}; choose from any, {', '.join(PLACEMENTS)}",
+                      "placement")
 
 
 def place_of(layout: tuple[int, ...]) -> Place | None:
@@ -76,11 +84,11 @@ def placement_costs(costs: StageCosts, placement: tuple[int, ...]) -> StageCosts
     pp = max(placement) + 1
     if len(costs.stages) not in (1, pp):
         raise SearchError(
-            f"costs: give one F,I,W for every stage or one per rank ({pp}), got {len(costs.stages)}"
-        )
+            f"costs: give one F,I,W for every stage or one per rank ({pp}), got {len(costs.stages)}",
+            "costs")
     if costs.activation is not None:
         raise SearchError("costs: per-stage activation weights are not supported by the search; "
-                          "it uses the validator's units (a chunk of v weighs 1/v)")
+                          "it uses the validator's units (a chunk of v weighs 1/v)", "costs")
     return full_stage_costs(costs, Schedule(len(placement), 1, placement, [[]] * pp))
 
 

@@ -91,6 +91,28 @@ def test_a_search_over_more_ranks_than_it_finishes_in_seconds_is_refused(capsys)
     assert "--pp" in err and "at most 512 ranks" in err
 
 
+@pytest.mark.parametrize("argv, flag, rule", [
+    (["--memory-limit", "0.5"], "--memory-limit", "below the minimum of 1 unit"),
+    (["--memory-limit", "4", "--placement", "v", "--layers", "5"], "--layers",
+     "more than max_chunks=1"),
+    (["--memory-limit", "4", "--pp", "600", "-m", "1"], "--pp", "at most 512 ranks"),
+])
+def test_a_search_refusal_names_the_flag_the_search_names(capsys, argv, flag, rule):
+    """``SearchError.argument`` (the search's parameter) becomes the command's flag."""
+    code, _, err = run(capsys, "search", *(["--pp", "4"] if "--pp" not in argv else []), *argv)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"loom schedule search: {flag}: ") and rule in err, err
+
+
+def test_a_search_refusal_about_the_costs_names_the_cost_file(capsys, tmp_path):
+    costs = tmp_path / "costs.csv"
+    costs.write_text("F,I,W\n1,1,1\n3,1,1\n1,1,1\n")  # 3 stages for 4 ranks
+    code, _, err = run(capsys, "search", "--pp", "4", "--memory-limit", "4", "--cost-file",
+                       str(costs))
+    assert code == 2 and err.startswith("loom schedule search: --cost-file: costs: give one F,I,W"
+                                        " for every stage or one per rank (4), got 3"), err
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("size", [["--pp", "64", "-m", "64"], ["--pp", "256", "-m", "1"]])
 def test_a_chart_too_large_to_draw_in_a_minute_is_refused_before_drawing(capsys, tmp_path, size):
