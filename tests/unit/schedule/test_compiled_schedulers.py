@@ -13,8 +13,10 @@ from fractions import Fraction
 import pytest
 
 from loom.schedule import compiled
+from loom.schedule.cost import StageCosts
 from loom.schedule.families import get, names
 from loom.schedule.replay import Costs, encode, score
+from loom.schedule.search import search
 from loom.schedule.search_greedy import Knobs, list_schedule
 from loom.schedule.search_loop import Asap, Priorities
 from loom.schedule.search_places import placement_of
@@ -232,3 +234,16 @@ def test_the_compiled_replay_hands_back_what_it_does_not_cover():
     assert loops.replay([[(0, 4, 0)], []], (0, 1), 1, durations, 0.1) is False  # S
     assert loops.replay([[(2, 0, 0)], []], (0, 1), 1, durations, 0.1) is False  # no stage 2
     assert loops.replay([[(0, 0, 1)], []], (0, 1), 1, durations, 0.1) is False  # no mb 1
+
+
+@pytest.mark.parametrize("p, m, costs, limit", [
+    (4, 16, StageCosts.uniform(1, 1, 0.5, latency=0.05), 4),
+    (8, 32, StageCosts.uniform(1, 2, 1, latency=0.1), 16),
+    (12, 40, StageCosts.uniform(1, 1, 1), 6),  # above the screen's 8 ranks
+])
+def test_the_whole_search_finds_the_same_schedule_either_way(monkeypatch, p, m, costs, limit):
+    fast, slow = _both(monkeypatch, lambda: search(p, m, costs, limit))
+    assert fast.schedule.actions == slow.schedule.actions
+    assert fast.schedule.name == slow.schedule.name
+    assert fast.figures == slow.figures
+    assert fast.leaderboard == slow.leaderboard and fast.candidates_tried == slow.candidates_tried
