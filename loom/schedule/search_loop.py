@@ -11,7 +11,6 @@ sends to when the message arrives. They differ only in their ``Decide`` / ``Comm
 from __future__ import annotations
 
 import heapq
-from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -69,9 +68,10 @@ class Priorities(Mapping):
     """Every action's priority as three flat tables by op code (F, I, W), index stage *
     microbatches + microbatch: what ``search_reverse`` returns (its latest start times) and
     ``search_priority`` reads, without a dict of a tuple per action (123,000 at p = 32, m = 256
-    and five chunks). Also a read-only mapping from (stage, op code, microbatch)."""
+    and five chunks). Also a read-only mapping from (stage, op code, microbatch). The tables are
+    float arrays from the compiled scheduler, lists from the Python one."""
 
-    def __init__(self, microbatches: int, tables: Sequence[array]):
+    def __init__(self, microbatches: int, tables: Sequence[Sequence[float]]):
         self.microbatches = microbatches
         self.tables = tuple(tables)
 

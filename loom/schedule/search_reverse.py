@@ -226,7 +226,7 @@ def reverse_schedule(
         return None
     end = max(free_at)
     # forward-time start of every action in this (right-justified) schedule: its latest start
-    tables = [array("d", bytes(8 * size)) for _ in range(3)]
+    tables: list[list[float]] = [[0.0] * size for _ in range(3)]
     for r, row in enumerate(rows):
         for (s, o, k), t_end in zip(row, ends[r]):
             tables[o][s * m + k] = end - t_end
