@@ -25,6 +25,7 @@ submission order. Each worker holds its own tokenizer and encodes batches single
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import multiprocessing
 import os
@@ -189,17 +190,39 @@ class PreparedData:
         """ConfigError naming ``data.source`` when tokens.bin holds an id ``>= vocab_size``
         (the embedding would raise an IndexError at whichever step first drew it). A scan in
         chunks of 64 MiB (uint32), about 0.1 s per GB from the page cache; skipped when the
-        file's dtype cannot hold such an id."""
+        file's dtype cannot hold such an id, and when this process already scanned the same
+        file (by device, inode, size and modification time) for the same vocabulary: the
+        launch checks a source before it starts and again while it prepares the run."""
         if np.iinfo(self.dtype).max < vocab_size or self.num_tokens == 0:
             return
-        tokens = self.tokens()
-        for start in range(0, len(tokens), _SCAN_CHUNK):
-            chunk = tokens[start:start + _SCAN_CHUNK]
-            if int(chunk.max()) >= vocab_size:
-                at = int(np.argmax(chunk >= vocab_size))
-                raise ConfigError("data.source", str(self.directory), f"its {TOKENS_FILE} holds"
-                                  f" token id {int(chunk[at])} at position {start + at}, not"
-                                  f" below the tokenizer's vocabulary of {vocab_size}")
+        found = _first_id_at_or_above(self.tokens_path, _file_identity(self.tokens_path),
+                                      self.dtype, vocab_size)
+        if found is not None:
+            position, token = found
+            raise ConfigError("data.source", str(self.directory), f"its {TOKENS_FILE} holds"
+                              f" token id {token} at position {position}, not"
+                              f" below the tokenizer's vocabulary of {vocab_size}")
+
+
+def _file_identity(path: Path) -> tuple[int, int, int, int]:
+    """What says a file is unchanged since it was last read: device, inode, size, mtime (ns)."""
+    status = os.stat(path)
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=16)
+def _first_id_at_or_above(path: Path, identity: tuple[int, int, int, int], dtype: str,
+                          vocab_size: int) -> tuple[int, int] | None:
+    """The position and value of the first id ``>= vocab_size`` in the token file, or None.
+    Cached by the file's ``identity`` (part of the key, so a rewritten file is scanned again):
+    a result depends on nothing else."""
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    for start in range(0, len(tokens), _SCAN_CHUNK):
+        chunk = tokens[start:start + _SCAN_CHUNK]
+        if int(chunk.max()) >= vocab_size:
+            at = int(np.argmax(chunk >= vocab_size))
+            return start + at, int(chunk[at])
+    return None
 
 
 # -- Tokenizing in worker processes ------------------------------------------------------------

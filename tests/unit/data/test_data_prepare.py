@@ -5,6 +5,7 @@ place by a run whose tokenizer matches."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from loom.data.prepare import (
     TOKENIZER_DIR,
     TOKENS_FILE,
     PreparedData,
+    _first_id_at_or_above,
     prepare,
     prepared_dtype,
 )
@@ -79,6 +81,29 @@ def test_the_byte_tokenizer_and_a_text_corpus_prepare_too(tmp_path):
     assert np.array_equal(PreparedData.open(tmp_path / "out").tokens(), expected)
     assert manifest["tokenizer"]["identity"] == "byte" and manifest["dtype"] == "uint16"
     assert prepared_dtype(2**16) == "uint16" and prepared_dtype(2**16 + 1) == "uint32"
+
+
+def test_the_token_id_scan_runs_once_per_file_version(tmp_path):
+    """The launch checks a prepared source before it starts and again while it prepares the run:
+    the second check of the unchanged file reads nothing; a rewritten file (another mtime) is
+    scanned again, and its bad id found."""
+    corpus = write_source(tmp_path / "corpus", "text", TEXTS[:5])
+    prepare(str(corpus), "byte", tmp_path / "out", workers=1, progress=False)
+    data = PreparedData.open(tmp_path / "out")
+    _first_id_at_or_above.cache_clear()
+    data.check_token_ids(300)
+    PreparedData.open(tmp_path / "out").check_token_ids(300)  # as the second check opens it
+    info = _first_id_at_or_above.cache_info()
+    assert (info.misses, info.hits) == (1, 1)
+    tokens = np.fromfile(data.tokens_path, dtype=data.dtype)
+    tokens[7] = 299
+    tokens.tofile(data.tokens_path)
+    stat = os.stat(data.tokens_path)
+    os.utime(data.tokens_path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    with pytest.raises(ConfigError, match="holds token id 299 at position 7"):
+        data.check_token_ids(299)
+    data.check_token_ids(300)  # the same file, another vocabulary: its own entry
+    assert _first_id_at_or_above.cache_info().misses == 3
 
 
 def test_a_run_trains_on_the_prepared_tokens_in_place(prepared, jsonl, tokenizer, tmp_path):
