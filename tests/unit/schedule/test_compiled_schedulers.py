@@ -223,7 +223,8 @@ def test_the_compiled_replay_scores_as_the_python_one(monkeypatch, seed):
     assert scored >= 10 and deadlocked >= 3
 
 
-def test_the_compiled_replay_hands_back_what_it_does_not_cover():
+def test_the_compiled_replay_hands_back_what_it_does_not_cover(monkeypatch):
+    monkeypatch.delenv(compiled.PURE_PYTHON_VARIABLE, raising=False)
     loops, durations = compiled.loops_for(Costs(((1.0, 1.0, 1.0, 2.0),) * 2, 0.1))
     ok = [[(0, 0, 0), (0, 1, 0), (0, 2, 0)], [(1, 0, 0), (1, 1, 0), (1, 2, 0)]]
     # F(0) 0-1 | F(1) 1.1-2.1, I(1) -3.1, W(1) -4.1 | I(0) 3.2-4.2 (after I(1) and a send), W(0)
