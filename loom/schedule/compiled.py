@@ -12,7 +12,8 @@ arithmetic is exact), and ``LOOM_PURE_PYTHON`` is not set to 1 in the environmen
 check the Python path). The compiled replay covers one route without vocabulary passes, each
 action once; anything else it hands back to the Python replay.
 
-Why: in Python the loops cost 2.2-3.1 us per scheduled action; the search's full-size rebuild of
+Why: in Python the reverse and priority loops cost 2.4-3.1 us per scheduled action (measured
+last session); the search's full-size rebuild of
 a forward-backward order at p = 32, m = 256 and five chunks per rank (123,000 actions) took 0.7 s
 of issue 22's 1 s budget for the whole command. It communicates nothing.
 """
@@ -20,11 +21,8 @@ of issue 22's 1 s budget for the whole command. It communicates nothing.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # (at run time nothing of Loom's: ``replay`` imports this module)
-    from loom.schedule.replay import Costs
 
 try:
     from loom.schedule import _listsched as _built  # type: ignore[attr-defined]
@@ -39,15 +37,18 @@ def built() -> bool:
     return _built is not None
 
 
-def loops_for(costs: Costs) -> tuple[ModuleType, list[float]] | None:
-    """The compiled module and the costs' durations flattened by stage (F, I, W, B each), when
-    the compiled loops may run on ``costs``; else None (the Python loops run)."""
+def loops_for(duration: Sequence[Sequence[object]], send: object
+              ) -> tuple[ModuleType, list[float]] | None:
+    """The compiled module and ``duration`` (a ``replay.Costs``' ``[stage][op code]``) flattened
+    by stage (F, I, W, B each), when the compiled loops may run on those costs and ``send``;
+    else None (the Python loops run). Takes the two fields, not the ``Costs``: ``replay``
+    imports this module."""
     if _built is None or os.environ.get(PURE_PYTHON_VARIABLE) == "1":
         return None
-    if type(costs.send) is not float:
+    if type(send) is not float:
         return None
     flat: list[float] = []
-    for row in costs.duration:
+    for row in duration:
         if len(row) < 4 or any(type(d) is not float for d in row[:4]):
             return None
         flat.extend(row[:4])

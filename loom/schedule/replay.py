@@ -351,7 +351,7 @@ def score(rows: Sequence[Row], placement: Sequence[int], microbatches: int, cost
     """Makespan and Zero-Bubble idle time of ``rows`` (as ``simulate`` computes them); None on a
     deadlock. The idle time is the longest span's (lowest rank on a tie) minus that rank's work.
     Replays compiled where ``loom.schedule.compiled`` allows: the same figures."""
-    compiled = loops_for(costs)
+    compiled = loops_for(costs.duration, costs.send)
     if compiled is not None:
         loops, durations = compiled
         made = loops.replay(rows, placement, microbatches, durations, costs.send)

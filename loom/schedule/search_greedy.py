@@ -82,7 +82,7 @@ def list_schedule(
     pp, stages_of, v, limit_c = ranks.pp, ranks.stages_of, ranks.v, ranks.limit_c
     caps_c = ranks.caps(knobs.caps)
     admit_cap = [min(limit_c[r], caps_c[r]) for r in range(pp)]
-    compiled = loops_for(costs)
+    compiled = loops_for(costs.duration, costs.send)
     if compiled is not None:
         loops, durations = compiled
         return loops.greedy(list(placement), m, durations, costs.send, EPS, list(limit_c),

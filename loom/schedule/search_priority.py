@@ -71,7 +71,7 @@ def priority_schedule(
     # a fresh tuple per scanned action was a third of the time); per rank, the stages with their
     # neighbours above and below (``search_loop.neighbours``).
     prio_f, prio_i, prio_w = _tables(priority, num_stages, m)
-    compiled = loops_for(costs)
+    compiled = loops_for(costs.duration, costs.send)
     if compiled is not None and isinstance(prio_f, array):  # float priorities
         loops, durations = compiled
         made = loops.priority(list(placement), m, durations, send, EPS, list(limit_c), prio_f,

@@ -94,7 +94,7 @@ def reverse_schedule(
     # start staggered like forward ones do (the last rank first), or rank 0 ends with everyone.
     hop = sum(d[I] for d in duration) / num_stages + send
     release = [(pp - 1 - r) * knobs.stagger * hop for r in range(pp)]
-    compiled = loops_for(costs)
+    compiled = loops_for(costs.duration, costs.send)
     if compiled is not None:
         loops, durations = compiled
         made = loops.reverse(list(placement), m, durations, send, EPS, list(limit_c), release,

@@ -49,10 +49,14 @@ def _problem(rng: random.Random) -> tuple[tuple[int, ...], int, Costs, float]:
     return layout, m, Costs(tuple(stages), send), limit
 
 
+def _loops(costs: Costs):
+    return compiled.loops_for(costs.duration, costs.send)
+
+
 def _both(monkeypatch, build):
     """``build()`` compiled, then with the Python loops."""
     monkeypatch.delenv(compiled.PURE_PYTHON_VARIABLE, raising=False)
-    assert compiled.loops_for(Costs(((1.0, 1.0, 1.0, 2.0),), 0.0)) is not None
+    assert _loops(Costs(((1.0, 1.0, 1.0, 2.0),), 0.0)) is not None
     fast = build()
     monkeypatch.setenv(compiled.PURE_PYTHON_VARIABLE, "1")
     slow = build()
@@ -121,14 +125,14 @@ def test_the_compiled_priority_scheduler_is_the_python_one(monkeypatch, seed):
 def test_exact_costs_and_the_variable_keep_the_python_loops(monkeypatch):
     monkeypatch.delenv(compiled.PURE_PYTHON_VARIABLE, raising=False)
     floats = Costs(((1.0, 1.0, 0.5, 1.5),) * 2, 0.0)
-    assert compiled.loops_for(floats) is not None
+    assert _loops(floats) is not None
     # ints and Fractions: their arithmetic is exact in Python, not in doubles
-    assert compiled.loops_for(Costs(((1, 1, 1, 2),) * 2, 0)) is None
-    assert compiled.loops_for(Costs(((Fraction(1, 3), 1.0, 1.0, 2.0),), 0.0)) is None
+    assert _loops(Costs(((1, 1, 1, 2),) * 2, 0)) is None
+    assert _loops(Costs(((Fraction(1, 3), 1.0, 1.0, 2.0),), 0.0)) is None
     monkeypatch.setenv(compiled.PURE_PYTHON_VARIABLE, "1")
-    assert compiled.loops_for(floats) is None
+    assert _loops(floats) is None
     monkeypatch.setenv(compiled.PURE_PYTHON_VARIABLE, "0")
-    assert compiled.loops_for(floats) is not None
+    assert _loops(floats) is not None
 
 
 def test_priorities_read_as_a_mapping():
@@ -225,7 +229,7 @@ def test_the_compiled_replay_scores_as_the_python_one(monkeypatch, seed):
 
 def test_the_compiled_replay_hands_back_what_it_does_not_cover(monkeypatch):
     monkeypatch.delenv(compiled.PURE_PYTHON_VARIABLE, raising=False)
-    loops, durations = compiled.loops_for(Costs(((1.0, 1.0, 1.0, 2.0),) * 2, 0.1))
+    loops, durations = _loops(Costs(((1.0, 1.0, 1.0, 2.0),) * 2, 0.1))
     ok = [[(0, 0, 0), (0, 1, 0), (0, 2, 0)], [(1, 0, 0), (1, 1, 0), (1, 2, 0)]]
     # F(0) 0-1 | F(1) 1.1-2.1, I(1) -3.1, W(1) -4.1 | I(0) 3.2-4.2 (after I(1) and a send), W(0)
     assert loops.replay(ok, (0, 1), 1, durations, 0.1) == ([0.0, 1.1], [5.2, 4.1])
