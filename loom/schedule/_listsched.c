@@ -196,40 +196,44 @@ done:
 
 /* ---- reading the arguments ---- */
 
-static double *floats_of(PyObject *seq, Py_ssize_t want, const char *what) {
+/* ``seq`` as a fast sequence of ``want`` items (want < 0: any length), or NULL with the error
+ * set; the length in ``*len``. */
+static PyObject *sequence_of(PyObject *seq, Py_ssize_t want, const char *what, Py_ssize_t *len) {
     PyObject *fast = PySequence_Fast(seq, what);
     if (!fast) return NULL;
-    Py_ssize_t len = PySequence_Fast_GET_SIZE(fast);
-    if (len != want) {
-        PyErr_Format(PyExc_ValueError, "%s: %zd values, expected %zd", what, len, want);
+    *len = PySequence_Fast_GET_SIZE(fast);
+    if (want >= 0 && *len != want) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd values, expected %zd", what, *len, want);
         Py_DECREF(fast);
         return NULL;
     }
-    double *out = malloc(sizeof(double) * (want ? want : 1));
-    if (!out) { Py_DECREF(fast); PyErr_NoMemory(); return NULL; }
-    for (Py_ssize_t i = 0; i < len; i++) {
+    return fast;
+}
+
+static double *floats_of(PyObject *seq, Py_ssize_t want, const char *what) {
+    Py_ssize_t len;
+    PyObject *fast = sequence_of(seq, want, what, &len);
+    if (!fast) return NULL;
+    double *out = malloc(sizeof(double) * (len ? len : 1));
+    for (Py_ssize_t i = 0; out && i < len; i++) {
         out[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(fast, i));
-        if (out[i] == -1.0 && PyErr_Occurred()) { free(out); Py_DECREF(fast); return NULL; }
+        if (out[i] == -1.0 && PyErr_Occurred()) { free(out); out = NULL; }
     }
+    if (!out && !PyErr_Occurred()) PyErr_NoMemory();
     Py_DECREF(fast);
     return out;
 }
 
 static long long *ints_of(PyObject *seq, Py_ssize_t want, const char *what) {
-    PyObject *fast = PySequence_Fast(seq, what);
+    Py_ssize_t len;
+    PyObject *fast = sequence_of(seq, want, what, &len);
     if (!fast) return NULL;
-    Py_ssize_t len = PySequence_Fast_GET_SIZE(fast);
-    if (want >= 0 && len != want) {
-        PyErr_Format(PyExc_ValueError, "%s: %zd values, expected %zd", what, len, want);
-        Py_DECREF(fast);
-        return NULL;
-    }
     long long *out = malloc(sizeof(long long) * (len ? len : 1));
-    if (!out) { Py_DECREF(fast); PyErr_NoMemory(); return NULL; }
-    for (Py_ssize_t i = 0; i < len; i++) {
+    for (Py_ssize_t i = 0; out && i < len; i++) {
         out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
-        if (out[i] == -1 && PyErr_Occurred()) { free(out); Py_DECREF(fast); return NULL; }
+        if (out[i] == -1 && PyErr_Occurred()) { free(out); out = NULL; }
     }
+    if (!out && !PyErr_Occurred()) PyErr_NoMemory();
     Py_DECREF(fast);
     return out;
 }
