@@ -30,8 +30,9 @@ enum { OP_F = 0, OP_I = 1, OP_W = 2, OP_B = 3, NOPS = 4 };
  * with staggered releases (the reverse scheduler's, decreasing in r) that list is not a heap
  * and heapq pops rank 0 first. To give the same schedules, these are heapq's own push and pop
  * (its _siftdown and _siftup), on the same starting list. (A heapified start gave the same
- * schedules on 400 random problems: each rank's first decision depends on its own state only.
- * Kept step for step all the same: that is the proof the tests can check.) */
+ * schedules on 400 random problems, a one-off script not committed: each rank's first decision
+ * depends on its own state only. Kept step for step all the same: that is the proof the tests
+ * can check.) */
 
 typedef struct { double t; int r; } Event;
 typedef struct { Event *a; Py_ssize_t n, cap; } EventHeap;
