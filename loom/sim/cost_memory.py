@@ -250,6 +250,10 @@ def _activation_bytes(model: Any, lay: Layout) -> tuple[float, float, float, flo
                 scores_bytes=scores, norm_outputs=fw.norm_saves_output and not fw.fused_norm,
                 eager_copies=fw.eager_copies)
         if fw.sp_keeps_gathered:  # Loom's block with the gathered inputs saved whole
+            if recompute == "full":
+                # the checkpoint keeps the block's input: the residual stream, which DTensor's
+                # sequence parallelism (torchtitan's plan) leaves sharded over tp between blocks
+                return s_local * b * m.dim * model.e / (lay.tp if sp else 1)
             return block_activation_bytes(s=s_local, b=b, h=m.dim, f=f, a=m.n_heads,
                                           kv=m.n_kv_heads, t=lay.tp, sequence_parallel=sp,
                                           e=model.e, recompute=recompute, compiled=True,

@@ -85,6 +85,18 @@ def test_megatron_sequence_parallel_activations_follow_korthikanti():
     assert mega < _activation_bytes(model("loom"), lay)[0]
 
 
+def test_torchtitan_full_recomputation_keeps_the_sequence_sharded_block_input():
+    """Full recomputation keeps each block's input, the residual stream, which torchtitan's
+    sequence parallelism (DTensor, Shard(1) between blocks) leaves split over tp: e·x/t per
+    block at tp 2 with SP (x = s·b·h), e·x without SP, as Megatron's."""
+    x = 32 * 4 * 64
+    for sp, kept in ((True, 2 * x / 2), (False, 2 * x)):
+        lay = Layout(tp=2, sequence_parallel=sp, micro_batch=4, microbatches=1,
+                     recompute="full")
+        assert _activation_bytes(model("torchtitan"), lay)[0] == kept
+        assert _activation_bytes(model("megatron"), lay)[0] == kept
+
+
 def test_megatron_overlaps_tp_communication_with_the_gemms():
     """With SP, Megatron pipelines the TP collectives with the GEMMs in tp chunks; where the
     GEMMs are longer than the collective only its first chunk shows, so the forward is shorter
