@@ -16,8 +16,10 @@ the 2021 Megatron rows (their FLOP formula includes it). Sequence parallelism (f
 on TorchTitan) and recomputation, where a row states neither, are the run's user's choice: the
 row is priced with the fastest setting that fits in memory (``unstated_choices``), and judged
 out of memory only when none does. Every published run ran, so some setting fitted; pricing the
-both off had judged eight MegaScale baseline rows out of memory by 0.7 GiB. FP8 rows and MoE rows
-with features Loom's model lacks (MLA, attention sinks) are listed as skipped with the reason.
+both off had judged eight MegaScale baseline rows out of memory by 0.7 GiB. FP8 rows (since 29 Nov
+2026) are priced with the blocks' linears in FP8 at the accelerator's FP8 peak (``loom plan
+--fp8``); MoE rows with features Loom's model lacks (MLA, attention sinks) and accelerators
+outside the catalog are listed as skipped with the reason.
 
 Each row is priced with its ``framework`` profile (``loom.sim.frameworks``; the row's
 ``[run.overlap]`` overrides its overlap defaults, its ``rank_order`` the profile's placement of
@@ -78,8 +80,6 @@ def gpu_of(row: dict) -> tuple[str, str, str] | None:
 
 def skip_reason(row: dict) -> str | None:
     precision = str(row.get("precision", "")).lower()
-    if "fp8" in precision or "float8" in precision:
-        return "FP8 GEMMs: not comparable with a BF16 peak and cost model"
     if gpu_of(row) is None:
         return f"accelerator {row.get('gpu')} not in Loom's catalog"
     model = row["model"]
@@ -88,6 +88,12 @@ def skip_reason(row: dict) -> str | None:
     if row["layout"].get("ep", 1) > 1:
         return "MoE with features beyond Loom's MoE layer"
     return None
+
+
+def fp8_of(row: dict) -> bool:
+    """Whether the row's linears ran in FP8 (its ``precision`` names fp8 or float8)."""
+    precision = str(row.get("precision", "")).lower()
+    return "fp8" in precision or "float8" in precision
 
 
 def model_of(row: dict) -> TransformerArgs:
@@ -109,7 +115,12 @@ def published_year(row: dict) -> int | None:
     if year:
         return int(year.group(1))
     arxiv = re.search(r"arXiv (\d{2})\d{2}\.\d{4,5}", source)
-    return 2000 + int(arxiv.group(1)) if arxiv else None
+    if arxiv:
+        return 2000 + int(arxiv.group(1))
+    # NVIDIA's containers are tagged year.month: "NeMo 24.07", "'26.02 NeMo Container'"
+    nemo = re.search(r"NeMo (\d{2})\.(?:0[1-9]|1[0-2])\b|\b(\d{2})\.(?:0[1-9]|1[0-2]) NeMo",
+                     source)
+    return 2000 + int(nemo.group(1) or nemo.group(2)) if nemo else None
 
 
 def unstated_choices(row: dict) -> dict[str, tuple]:
@@ -120,6 +131,10 @@ def unstated_choices(row: dict) -> dict[str, tuple]:
       2022 on (Korthikanti et al. 2022 introduced it; earlier rows cannot have used it) or its
       stack is TorchTitan (whose tensor parallelism shards the norms' activations by default).
     - ``recompute``: none, selective or full (Megatron's and TorchTitan's three settings).
+    - ``zero_stage``: 0 or 1 on a Megatron stack with data parallelism from 2023 on, where the
+      row names no sharding: Megatron's distributed optimizer (``--use-distributed-optimizer``,
+      ZeRO-1), which NeMo's and Megatron-Bridge's recipes turn on (NeMo's
+      ``distributed_fused_adam``); Korthikanti et al. 2022 and earlier predate it.
     """
     lay, choices = row["layout"], {}
     year = published_year(row)
@@ -129,6 +144,10 @@ def unstated_choices(row: dict) -> dict[str, tuple]:
         choices["sequence_parallel"] = (False, True)
     if lay.get("recompute") is None:
         choices["recompute"] = ("none", "selective", "full")
+    sharding_stated = "zero_stage" in lay or "none" not in str(lay.get("fsdp", "none")).lower()
+    if row.get("framework") == "megatron" and lay["dp"] > 1 and not sharding_stated \
+            and year is not None and year >= 2023:
+        choices["zero_stage"] = (0, 1)
     return choices
 
 
@@ -144,7 +163,11 @@ def layout_of(row: dict, **chosen) -> tuple[Layout, list[str]]:
         micro = 1
         assumed.append("micro batch 1")
     sharded = "fsdp" in lay and "none" not in str(lay["fsdp"]).lower()
+    free = unstated_choices(row)
     zero = lay.get("zero_stage", 0)
+    if "zero_stage" in free:
+        zero = chosen.get("zero_stage", free["zero_stage"][0])
+        assumed.append("distributed optimizer" if zero else "no distributed optimizer")
     if sharded:
         zero = 2 if "not resharded" in str(lay["fsdp"]) else 3
     schedule, chunks = "none", 1
@@ -158,7 +181,6 @@ def layout_of(row: dict, **chosen) -> tuple[Layout, list[str]]:
             schedule = "1f1b"
             if "schedule" not in lay:
                 assumed.append("1F1B")
-    free = unstated_choices(row)
     recompute = lay.get("recompute")
     if recompute is None:
         recompute = chosen.get("recompute", free["recompute"][0])
@@ -230,7 +252,7 @@ def _published_layout_priced(row: dict, model: TransformerArgs, seq: int, cluste
     for values in itertools.product(*free.values()):
         layout, assumed = layout_of(row, **dict(zip(free, values)))
         batch = layout.dp * layout.micro_batch * layout.microbatches
-        cost_model = CostModel(model, seq, batch, cluster, framework=stack)
+        cost_model = CostModel(model, seq, batch, cluster, framework=stack, fp8=fp8_of(row))
         priced.append((layout, assumed, simulate_step(cost_model, cost_model.evaluate(layout))))
     fits = [p for p in priced if p[2].memory_total <= cluster.gpu.memory_bytes]
     if fits:
@@ -285,7 +307,8 @@ def compare(row: dict, *, search: bool = True, forced: str | None = None) -> dic
         return out
     started = time.perf_counter()
     best = plan(Workload(row["name"], model, seq, batch), cluster, top=1, runnable_only=False,
-                cost_model=CostModel(model, seq, batch, cluster, framework=stack))
+                cost_model=CostModel(model, seq, batch, cluster, framework=stack,
+                                     fp8=fp8_of(row)))
     out["plan_seconds"] = time.perf_counter() - started
     if best.ranked:
         top = best.ranked[0]

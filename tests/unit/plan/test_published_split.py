@@ -73,13 +73,24 @@ def test_a_cell_published_as_out_of_memory_is_scored_by_the_verdict(bench):
 def test_the_open_knobs_are_those_the_run_could_have_used(bench):
     """Sequence parallelism is open only with tensor parallelism and from 2022 on (or on
     TorchTitan, whose tensor parallelism always shards the norms); recomputation only where
-    the row does not state it."""
+    the row does not state it; Megatron's distributed optimizer (ZeRO-1) on a Megatron stack
+    with data parallelism from 2023 on, where the row names no sharding."""
     rows = {r["name"]: r for r in bench.load_rows()}
     assert bench.published_year(rows["llama3-405b-8192gpu-seq8k"]) == 2024  # arXiv 2407.x
     assert bench.published_year(rows["megatron2021-t1-1.7b-32gpu"]) == 2021
+    # NVIDIA's container tags are year.month
+    assert bench.published_year(rows["nemo-24.07-gpt3-175b-h100-512gpu-fp8"]) == 2024
+    assert bench.published_year(rows["megatron-bridge-26.02-llama3-70b-h100-64gpu-fp8"]) == 2026
     assert bench.unstated_choices(rows["megatron2021-t1-145.6b-1536gpu"]) == {}  # tp8, 2021
-    assert bench.unstated_choices(rows["megascale2024-megatron-baseline-175b-256gpu"]) == {
-        "sequence_parallel": (False, True), "recompute": ("none", "selective", "full")}
+    every = {"sequence_parallel": (False, True), "recompute": ("none", "selective", "full"),
+             "zero_stage": (0, 1)}
+    assert bench.unstated_choices(rows["megascale2024-megatron-baseline-175b-256gpu"]) == every
+    assert bench.unstated_choices(rows["megatron-bridge-26.02-llama3-70b-h100-64gpu-fp8"]) == every
+    # 2022, data parallel: before the distributed optimizer; its SP and recomputation stated
+    assert bench.unstated_choices(rows["korthikanti2022-mtnlg-530b-2240gpu-dp8-sp-selective"]) \
+        == {}
+    # a stated sharding is not open: BLOOM's ZeRO-1 (DeepSpeed), Narayanan's ZeRO-3 cells
+    assert "zero_stage" not in bench.unstated_choices(rows["bloom-176b-384gpu-tp4-pp12-dp8"])
     # stated: "without activation checkpointing"
     assert bench.unstated_choices(rows["llama3-405b-8192gpu-seq8k"]) == {
         "sequence_parallel": (False, True)}
@@ -88,19 +99,20 @@ def test_the_open_knobs_are_those_the_run_could_have_used(bench):
 
 
 def test_a_run_is_priced_with_the_fastest_open_setting_that_fits(bench):
-    """MegaScale's Megatron baseline states neither sequence parallelism nor recomputation.
-    Both off, the model judges it out of memory; the run ran, so it is priced as its user
-    would have run it: the fastest setting of the two that fits."""
+    """MegaScale's Megatron baseline states neither sequence parallelism, recomputation nor
+    the distributed optimizer. All off, the model judges it out of memory; the run ran, so it
+    is priced as its user would have run it: the fastest setting of the three that fits."""
     row = {r["name"]: r for r in bench.load_rows()}["megascale2024-megatron-baseline-175b-256gpu"]
     result = bench.compare(row, search=False)
     assert not result["oom"]
     every = []
-    for sp in (False, True):
-        for recompute in ("none", "selective", "full"):
-            forced = {**row, "layout": {**row["layout"], "sequence_parallel": sp,
-                                        "recompute": recompute}}
-            every.append(bench.compare(forced, search=False))
-    assert every[0]["oom"]  # both off: out of memory
+    for zero in (0, 1):
+        for sp in (False, True):
+            for recompute in ("none", "selective", "full"):
+                forced = {**row, "layout": {**row["layout"], "sequence_parallel": sp,
+                                            "recompute": recompute, "zero_stage": zero}}
+                every.append(bench.compare(forced, search=False))
+    assert every[0]["oom"]  # all off: out of memory
     fitting = [r for r in every if not r["oom"]]
     fastest = min(fitting, key=lambda r: r["predicted_step_s"])
     assert result["predicted_step_s"] == fastest["predicted_step_s"]
@@ -114,6 +126,21 @@ def test_a_run_that_states_its_knobs_is_priced_as_stated(bench):
     row = {r["name"]: r for r in bench.load_rows()}["megatron2021-t2-530b-zero3-560gpu-oom"]
     assert bench.unstated_choices(row) == {}
     assert bench.compare(row, search=False)["oom"]
+
+
+def test_fp8_rows_are_compared_with_their_linears_in_fp8(bench):
+    """A row whose GEMMs ran in FP8 is priced, not skipped: the blocks' linears at the
+    accelerator's FP8 peak (faster than the same row in bf16), compared in tokens/s."""
+    rows = {r["name"]: r for r in bench.load_rows()}
+    for name in ("nemo-24.07-gpt3-175b-h100-512gpu-fp8",
+                 "torchtitan-llama3.1-70b-h100-256gpu-fsdp32-tp8-float8"):
+        row = rows[name]
+        assert bench.skip_reason(row) is None and bench.fp8_of(row)
+        fp8 = bench.compare(row, search=False)
+        bf16 = bench.compare({**row, "precision": "bf16"}, search=False)
+        assert fp8["metric"] == "tokens/s/GPU" and fp8["published"] > 0
+        assert fp8["predicted_step_s"] < bf16["predicted_step_s"]
+    assert not bench.fp8_of(rows["llama3-405b-8192gpu-seq8k"])
 
 
 def test_llama3_rows_are_priced_on_their_stated_network_and_rank_order(bench):
