@@ -159,7 +159,14 @@ def layout_of(row: dict, **chosen) -> tuple[Layout, list[str]]:
     dp = lay["dp"]
     batch = lay.get("global_batch_size") or lay.get("batch_per_dp", 1) * dp
     micro = lay.get("micro_batch_size")
-    if micro is None:
+    if micro is None and pp > 1 and row["source"].startswith("pytorch/torchtitan") \
+            and batch % (dp * pp) == 0:
+        # a run of torchtitan itself (not one priced with its profile, as Llama 3's) takes
+        # its default: as many microbatches as pipeline ranks (torchtitan's
+        # ``experimental.pipeline_parallel_microbatches`` unset is the pp degree)
+        micro = batch // (dp * pp)
+        assumed.append(f"{pp} microbatches of {micro} (torchtitan's default)")
+    elif micro is None:
         micro = 1
         assumed.append("micro batch 1")
     sharded = "fsdp" in lay and "none" not in str(lay["fsdp"]).lower()

@@ -128,6 +128,20 @@ def test_a_run_that_states_its_knobs_is_priced_as_stated(bench):
     assert bench.compare(row, search=False)["oom"]
 
 
+def test_a_torchtitan_pipeline_run_takes_torchtitan_s_microbatch_default(bench):
+    """torchtitan splits a rank's batch into as many microbatches as pipeline ranks unless
+    told otherwise: its 405B run (local batch 32, pp 8, no microbatch stated) is priced with
+    8 microbatches of 4. Llama 3's rows, priced with torchtitan's profile but not run on it,
+    keep Megatron's default of micro batch 1."""
+    rows = {r["name"]: r for r in bench.load_rows()}
+    layout, assumed = bench.layout_of(
+        rows["torchtitan-llama3.1-405b-h100-512gpu-fsdp8-tp8-pp8-float8"])
+    assert (layout.micro_batch, layout.microbatches) == (4, 8)
+    assert "8 microbatches of 4 (torchtitan's default)" in assumed
+    layout, assumed = bench.layout_of(rows["llama3-405b-8192gpu-seq8k"])
+    assert layout.micro_batch == 1 and "micro batch 1" in assumed
+
+
 def test_fp8_rows_are_compared_with_their_linears_in_fp8(bench):
     """A row whose GEMMs ran in FP8 is priced, not skipped: the blocks' linears at the
     accelerator's FP8 peak (faster than the same row in bf16), compared in tokens/s."""
