@@ -71,6 +71,8 @@ def gpu_of(row: dict) -> tuple[str, str, str] | None:
     if "H100" in name:
         inter = "roce-400" if "llama3-405b" in row["name"] else "ndr-ib"
         return "H100-SXM", "nvlink4", inter
+    if "B200" in name:  # DGX B200: NVLink 5 in the node, 8 ConnectX-7 at 400 Gb/s per node
+        return "B200", "nvlink5", "ndr-ib"
     if "V100" in name and "SXM3" in name:  # DGX-2H: NVSwitch, 8 EDR HCAs per 16 GPUs
         return "V100-SXM3-32GB", "nvswitch2", "edr-ib-x2"
     if "V100" in name:
