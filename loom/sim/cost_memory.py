@@ -1,7 +1,7 @@
 """Per-rank memory of a layout, for the planner's cost model (``CostModel.memory``).
 
 The bytes are ``loom.formulas.memory``'s, the formulas and model-state instants the launch-time
-estimator uses too: ZeRO model state (with full-size gradients while microbatches accumulate,
+estimator uses too: ZeRO model state (Loom's: full-size gradients while microbatches accumulate,
 ZeRO-3 stages held gathered inside pipelines, ZeRO's reductions and the optimizer step),
 per-block activations by tp / SP / cp / recomputation, the head's, and the schedule's peak
 microbatches in flight (``PEAK_IN_FLIGHT``; under vocabulary parallelism across the pipeline
@@ -370,9 +370,15 @@ def _framework_instants(model: Any, lay: Layout, psi: float, experts: float
     """``_instants`` for another stack's profile (``model.framework``, not Loom's): its bytes
     per parameter (``framework_state_bytes``), the last microbatch's passes with every
     activation (ZeRO-3: two gathered blocks in flight, or the stages held gathered inside a
-    pipeline; the unsharded gradients while microbatches accumulate), and the optimizer step
-    (with foreach AdamW's two temporaries where the profile has them). Loom's own buckets and
-    reduction instants are Loom's trainer's and are not assumed of the others."""
+    pipeline), and the optimizer step (with foreach AdamW's two temporaries where the profile
+    has them). Loom's own buckets and reduction instants are Loom's trainer's and are not
+    assumed of the others, nor are its full-size gradients while microbatches accumulate under
+    ZeRO-2/3 without a pipeline: FSDP2, DeepSpeed's ZeRO-2/3 and Megatron's FSDP reduce-scatter
+    each microbatch's gradients into the rank's shard, so a rank holds only its shard between
+    microbatches (the profile's ``grad_bytes`` per parameter over dp_shard x cp; until 29 Nov
+    2026 ZeRO-3 was priced with every parameter's gradient here, which judged a published 8B
+    run on 8 H100s out of memory with 30 GiB of fp32 gradients it never held). Inside a
+    pipeline the stage's gradients are held whole (see below)."""
     fw = model.framework
     stage = lay.zero_stage if lay.dp_shard > 1 else 0
     d = lay.dp_shard * lay.cp
@@ -388,7 +394,10 @@ def _framework_instants(model: Any, lay: Layout, psi: float, experts: float
     block = gathered_block(model, lay)
     held = stage == 3 and lay.pp > 1
     transient = 2 * model.e * block if stage == 3 and not held else 0.0
-    passes_grads = fw.grad_bytes * psi if stage == 3 and lay.microbatches > 1 else grads
+    # ZeRO-3 inside a pipeline: torch's pipelining runs FSDP without gradient sync until a
+    # stage's last microbatch (``backward_maybe_with_nosync``), so the stage's gradients are
+    # held whole while microbatches accumulate (assumed of the other stacks too)
+    passes_grads = fw.grad_bytes * psi if stage == 3 and held and lay.microbatches > 1 else grads
     temporaries = state(8)[2] if fw.optimizer_temporaries else 0.0  # two fp32 state slices
     step_grads, step_copy = grads, 0.0
     if fw.fp32_grad_slice and stage <= 1:  # the step keeps its own slice (all without ZeRO)

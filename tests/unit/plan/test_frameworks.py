@@ -97,6 +97,24 @@ def test_torchtitan_full_recomputation_keeps_the_sequence_sharded_block_input():
         assert _activation_bytes(model("megatron"), lay)[0] == kept
 
 
+def test_other_stacks_hold_only_their_gradient_shard_between_microbatches():
+    """FSDP2, DeepSpeed's ZeRO-3 and Megatron's FSDP reduce-scatter every microbatch's
+    gradients into the rank's shard: with 4 microbatches a ZeRO-3 rank holds the same
+    gradient bytes as with one (grad_bytes·Ψ/2 over 2 ranks), not every parameter's. Inside
+    a pipeline, torch's pipelining defers FSDP's gradient sync to a stage's last microbatch,
+    so a stage holds its gradients whole (grad_bytes·Ψ_stage) while microbatches accumulate."""
+    psi = parameter_count(DEBUG)
+    for name in ("torchtitan", "megatron", "deepspeed"):
+        for microbatches in (1, 4):
+            lay = Layout(dp_shard=2, zero_stage=3, micro_batch=1, microbatches=microbatches)
+            assert model(name).memory(lay)["gradients"] == 4 * psi / 2, (name, microbatches)
+        piped = model(name, gpus=4)
+        lay = Layout(pp=2, dp_shard=2, zero_stage=3, schedule="1f1b", micro_batch=1,
+                     microbatches=4)
+        stages = piped.ranks.end_rank_params(lay).values()  # the worst rank's is reported
+        assert piped.memory(lay)["gradients"] in {4 * p for p in stages}, name
+
+
 def test_megatron_overlaps_tp_communication_with_the_gemms():
     """With SP, Megatron pipelines the TP collectives with the GEMMs in tp chunks; where the
     GEMMs are longer than the collective only its first chunk shows, so the forward is shorter
