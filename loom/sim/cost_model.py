@@ -45,7 +45,8 @@ Loom's runtime:
 * tp: two all-reduces of T·h·e forward and two backward per layer (all-gather + reduce-scatter
   pairs under SP, the same time), not overlapped in Loom's profile; a profile with TP-comm
   overlap (Megatron's, with SP) pipelines them with the layer's GEMMs in tp chunks
-  (``streams.chunked_overlap``); a fully recomputed layer repeats the forward's;
+  (``streams.chunked_overlap``), each GEMM chunk of 1/tp of the rows at that narrower
+  shape's efficiency; a fully recomputed layer repeats the forward's;
 * cp ring: cp-1 steps passing K and V (2T·k·d·e/t bytes), overlapped with the attention block
   of the step (exposed only beyond it), twice the bytes in backward; Ulysses: all-to-alls of q,
   k, v and the output forward, the same backward, not overlapped; hybrid: both, at their degrees;
@@ -264,16 +265,23 @@ class CostModel:
         s_local = self.seq // lay.cp
         tokens = lay.micro_batch * s_local
         mat, core = self.layer_flops(tokens, lay.tp, moe)
-        smallest = min(tokens, m.dim / lay.tp, (m.expert_ffn_dim or m.ffn_dim) / lay.tp if moe
-                       else m.ffn_dim / lay.tp)
-        t_mat = mat / gpu.matmul_rate(smallest)
-        t_cast = 0.0
+        widths = min(m.dim / lay.tp, (m.expert_ffn_dim or m.ffn_dim) / lay.tp if moe
+                     else m.ffn_dim / lay.tp)
+        converted = cast_elements = 0.0
         if self.fp8:
             converted, cast_elements = self._fp8_share(tokens, lay.tp, moe)
-            t_mat -= converted / gpu.matmul_rate(smallest) * (1 - gpu.peak_flops / gpu.fp8_flops)
-            # dynamic scaling: each converted operand read for its amax, read again and written
-            # as one byte (unfused; torch.compile fuses some of it, not priced)
-            t_cast = cast_elements * (2 * self.e + 1) / gpu.hbm_bandwidth
+
+        def gemms(rows: float) -> float:
+            """Seconds of the layer's GEMMs run as pieces of ``rows`` rows each (the FP8 share
+            at the FP8 peak): the smallest dimension sets the efficiency."""
+            rate = gpu.matmul_rate(min(rows, widths))
+            fp8_saved = converted * (1 - gpu.peak_flops / gpu.fp8_flops) if converted else 0.0
+            return (mat - fp8_saved) / rate
+
+        t_mat = gemms(tokens)
+        # dynamic scaling: each converted operand read for its amax, read again and written
+        # as one byte (unfused; torch.compile fuses some of it, not priced)
+        t_cast = cast_elements * (2 * self.e + 1) / gpu.hbm_bandwidth
         t_core = core / gpu.matmul_rate(min(s_local, m.head_dim))
         t_scores_f = t_scores_i = 0.0  # the stored scores' memory traffic (non-flash kernels)
         kernel = self.framework.attention_kernel
@@ -337,8 +345,11 @@ class CostModel:
         slow = self._compute_slowdown(lay)
         tp_exposed = tp_fwd
         if self.framework.overlap.tp_comm and lay.sequence_parallel and tp_fwd and self.overlaps:
-            # pipelined with the GEMMs in tp chunks (Megatron's TP-comm overlap needs SP)
-            tp_exposed = chunked_overlap(t_mat * slow, tp_fwd, lay.tp) - t_mat * slow
+            # pipelined with the GEMMs in tp chunks (Megatron's TP-comm overlap needs SP): each
+            # chunk's GEMM has 1/tp of the rows, so a GEMM the chunks make narrower runs less
+            # efficiently, and that loss is the overlap's price beside its first exposed chunk
+            tp_exposed = chunked_overlap(gemms(tokens / lay.tp) * slow, tp_fwd, lay.tp) \
+                - t_mat * slow
         # the host queues each pass's kernels ahead of the device: a pass of short kernels
         # takes their launches' host time instead (loom.sim.launch_cost)
         k_f, k_i, k_w = block_kernels(m, moe, self.framework.compiled, self.e, lay.ep)

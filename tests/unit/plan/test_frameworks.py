@@ -17,7 +17,7 @@ from loom.sim.cost_model import CostModel, allreduce_time, gather_time
 from loom.sim.frameworks import FRAMEWORKS, LOOM, framework
 from loom.sim.cost_memory import _activation_bytes
 from loom.sim.dp_cost import flush_window
-from loom.sim.streams import Pieces, layer_overlap
+from loom.sim.streams import Pieces, chunked_overlap, layer_overlap
 
 DEBUG = PRESETS["debug"]  # h 64, 4 layers, 4 heads, 2 KV heads, FFN 128, vocab 320
 FAST = Link("fast", 100 * GB, 1e-6, efficiency=1.0)
@@ -130,6 +130,25 @@ def test_megatron_overlaps_tp_communication_with_the_gemms():
     assert f_loom - f_mega == pytest.approx(tp_fwd * (1 - 1 / 2))
     plain = Layout(tp=2, micro_batch=4, microbatches=1)
     assert loom._layer_times(plain, False)[0] == mega._layer_times(plain, False)[0]
+
+
+def test_tp_comm_overlap_runs_the_gemms_in_chunks_of_1_over_tp_rows():
+    """Pipelining the GEMMs with the TP collectives cuts each GEMM into tp chunks of 1/tp
+    of its rows; on a GPU whose GEMMs lose efficiency below 128 rows (half at the knee) a
+    32-token microbatch at tp 2 runs its chunks at 16 rows where the whole GEMM ran at
+    32 (the layer's narrowest width, h/tp = 32): the overlapped forward is the chunks'
+    pipeline, chunked_overlap(GEMMs at 16 rows, tp_fwd, 2), in place of GEMMs + tp_fwd."""
+    knee = replace(UNIT, matmul_knee=128.0)
+    lay = Layout(tp=2, sequence_parallel=True, micro_batch=1, microbatches=1)
+    cluster = Cluster(knee, 2, 8, FAST, SLOW)
+    mega = CostModel(DEBUG, 32, 8, cluster, framework=FRAMEWORKS["megatron"])
+    loom = CostModel(DEBUG, 32, 8, cluster, framework=replace(LOOM, compiled=True))
+    mat, _ = loom.layer_flops(32, 2, False)
+    whole, chunk = mat / knee.matmul_rate(32), mat / knee.matmul_rate(16)
+    tp_fwd = 2 * allreduce_time(32 * 64 * 2, 2, FAST)
+    f_loom, f_mega = loom._layer_times(lay, False)[0], mega._layer_times(lay, False)[0]
+    assert f_loom - f_mega == pytest.approx(tp_fwd + whole - chunked_overlap(chunk, tp_fwd, 2))
+    assert chunk > whole
 
 
 def test_megatron_gathers_parameters_in_bf16_behind_the_forward():
