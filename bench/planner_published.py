@@ -331,8 +331,13 @@ def split_report(results: list[dict]) -> dict[str, dict]:
     """Per half: rows, within 10% and 15% (time ratio Loom/published), the median ratio per
     family, how many published layouts that ran the model wrongly judges out of memory, and
     how often its out-of-memory verdict matches the published outcome over every row (those
-    that ran and the cells published as out of memory)."""
+    that ran and the cells published as out of memory); the 10th and 90th percentiles of the
+    ratio (``statistics.quantiles``, inclusive: the tune half's are
+    ``loom.sim.uncertainty.TUNE_RATIO_LOW`` / ``HIGH``) and how many rows lie between the tune
+    half's two."""
     out = {}
+    tune = [r["ratio"] for r in results if r["split"] == "tune" and r["ratio"] is not None]
+    band = deciles(tune)
     for half in SPLITS:
         everything = [r for r in results if r["split"] == half]
         rows = [r for r in everything if r["ratio"] is not None]
@@ -350,8 +355,19 @@ def split_report(results: list[dict]) -> dict[str, dict]:
             "oom_verdicts_right": sum(r["oom_right"] for r in everything),
             "published_oom_missed": [r["name"] for r in everything
                                      if r["published_oom"] and not r["oom"]],
+            "ratio_p10_p90": deciles([r["ratio"] for r in rows]),
+            "inside_tune_p10_p90": sum(band[0] <= r["ratio"] <= band[1] for r in rows)
+            if band else None,
         }
     return out
+
+
+def deciles(ratios: list[float]) -> tuple[float, float] | None:
+    """(10th, 90th) percentile of ``ratios`` (inclusive method), or None for fewer than two."""
+    if len(ratios) < 2:
+        return None
+    cuts = statistics.quantiles(ratios, n=10, method="inclusive")
+    return cuts[0], cuts[-1]
 
 
 def format_split_report(report: dict[str, dict]) -> str:

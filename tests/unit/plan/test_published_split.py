@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from loom.sim.frameworks import FRAMEWORKS
-from loom.sim.uncertainty import band, overlapping
+from loom.sim.uncertainty import TUNE_RATIO_HIGH, TUNE_RATIO_LOW, band, overlapping
 from tests.conftest import load_bench
 
 
@@ -183,11 +183,21 @@ def test_the_band_contains_the_point_estimate(step, calibrated):
         assert low < plain[0] and high > plain[1]
 
 
+def test_the_band_is_the_tune_halfs_measured_error(bench):
+    """The band's constants are the 10th and 90th percentiles of the time ratio over the
+    tune half as the bench prices it now (to 3 decimals): a change to the cost model that
+    moves them must move the band with it."""
+    tune = [bench.compare(r, search=False) for r in bench.load_rows()
+            if r["split"] == "tune" and bench.skip_reason(r) is None]
+    low, high = bench.deciles([r["ratio"] for r in tune if r["ratio"] is not None])
+    assert (round(low, 3), round(high, 3)) == (TUNE_RATIO_LOW, TUNE_RATIO_HIGH)
+
+
 def test_overlapping_counts_the_layouts_within_the_first_ones_band():
     low, high = band(10.0)
     assert overlapping([10.0]) == 1
     assert overlapping([10.0, 10.0 * 1.01, 10.0 * 2]) == 2
     # a second layout whose band just reaches the first one's high end still overlaps
-    assert overlapping([10.0, high * 1.157 * 0.999]) == 2
-    assert overlapping([10.0, high * 1.157 * 1.01]) == 1
+    assert overlapping([10.0, high * TUNE_RATIO_HIGH * 0.999]) == 2
+    assert overlapping([10.0, high * TUNE_RATIO_HIGH * 1.01]) == 1
     assert overlapping([]) == 0
