@@ -142,6 +142,20 @@ def test_a_torchtitan_pipeline_run_takes_torchtitan_s_microbatch_default(bench):
     assert layout.micro_batch == 1 and "micro batch 1" in assumed
 
 
+def test_tokens_per_second_is_compared_where_published(bench):
+    """Tokens/s counts the same thing on both sides; an MFU is the stack's own FLOP count
+    (torchtitan's includes the embedding, 5% more than Loom's). A row that publishes both is
+    compared in tokens/s; a row with only an MFU (Llama 3) keeps it."""
+    rows = {r["name"]: r for r in bench.load_rows()}
+    row = rows["torchtitan-llama3-8b-a100-64gpu-fsdp"]
+    assert {"mfu", "tokens_per_s_per_gpu"} <= set(row["reported"])
+    result = bench.compare(row, search=False)
+    assert result["metric"] == "tokens/s/GPU" and result["published"] == 2973
+    tokens = 64 * 8192 / result["predicted_step_s"] / 64
+    assert result["ratio"] == pytest.approx(2973 / tokens)
+    assert bench.compare(rows["llama3-405b-8192gpu-seq8k"], search=False)["metric"] == "MFU"
+
+
 def test_fp8_rows_are_compared_with_their_linears_in_fp8(bench):
     """A row whose GEMMs ran in FP8 is priced, not skipped: the blocks' linears at the
     accelerator's FP8 peak (faster than the same row in bf16), compared in tokens/s."""
