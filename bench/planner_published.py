@@ -203,7 +203,8 @@ def layout_of(row: dict, **chosen) -> tuple[Layout, list[str]]:
                     dp_shard=dp if (sharded or zero) else 1, cp=cp, tp=tp, zero_stage=zero,
                     cp_mode=lay.get("cp_mode", "ring"),
                     sequence_parallel=bool(sp) and tp > 1, schedule=schedule, chunks=chunks,
-                    micro_batch=micro, microbatches=batch // (dp * micro), recompute=recompute)
+                    micro_batch=micro, microbatches=batch // (dp * micro), recompute=recompute,
+                    recompute_every=lay.get("recompute_every", 2))
     return layout, assumed
 
 
