@@ -200,6 +200,35 @@ def parse_layout(text: str) -> Layout:
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
+def _derived_microbatches(layout: Layout, text: str, global_batch: int) -> Layout:
+    """``layout`` with its microbatches derived from the workload's global batch (sequences)
+    when ``--layout`` leaves them out and dp x micro_batch divides it (``_check_batch`` refuses
+    what remains inconsistent)."""
+    per_microbatch = layout.dp * layout.micro_batch
+    given = any(p.split("=")[0].strip() == "microbatches" for p in text.split(","))
+    if given or per_microbatch < 1 or global_batch % per_microbatch:
+        return layout
+    return dataclasses.replace(layout, microbatches=global_batch // per_microbatch)
+
+
+def _check_batch(layout: Layout, global_batch: int) -> None:
+    """Refuse a ``--layout`` whose dp x micro_batch x microbatches is not the global batch: a
+    step of 8 sequences priced against a batch of 128 printed an MFU of 810%."""
+    per_microbatch = layout.dp * layout.micro_batch
+    if per_microbatch * layout.microbatches == global_batch:
+        return
+    if global_batch % per_microbatch:
+        raise PlanInputError(
+            f"--layout micro_batch={layout.micro_batch}: dp {layout.dp} x micro_batch"
+            f" {layout.micro_batch} = {per_microbatch} sequences does not divide the global"
+            f" batch of {global_batch} (--global-batch-tokens / --seq)")
+    raise PlanInputError(
+        f"--layout microbatches={layout.microbatches}: dp {layout.dp} x micro_batch"
+        f" {layout.micro_batch} x microbatches {layout.microbatches} ="
+        f" {per_microbatch * layout.microbatches} sequences, not the global batch of"
+        f" {global_batch} (--global-batch-tokens / --seq); leave microbatches out to derive it")
+
+
 def _hf_config_path(model: str) -> Path | None:
     """The ``config.json`` ``--model`` names: a Hugging Face model directory or the file itself."""
     path = Path(model)
@@ -434,11 +463,12 @@ def _run(args: argparse.Namespace) -> int:
                                compile=compiled if stack.is_loom else None)
     site_flags = _site_flags(args, cluster)  # refused now, not after the search
     if args.layout:
-        layout = parse_layout(args.layout)
+        layout = _derived_microbatches(parse_layout(args.layout), args.layout, work.global_batch)
         try:  # what the cost model cannot price (a degree below 1, a schedule that cannot
             check_layout_input(layout, work.model, work.seq_len)  # be built, ...)
         except LayoutInputError as err:
             raise PlanInputError(str(err)) from None
+        _check_batch(layout, work.global_batch)
         if layout.world != cluster.gpus:
             raise PlanInputError(f"--layout: the degrees multiply to {layout.world}, not --gpus"
                                  f" {cluster.gpus}")

@@ -180,6 +180,22 @@ def test_cli_bad_input_names_the_argument(args, named, tmp_path, capsys):
     assert not out.exists()
 
 
+def test_a_given_layout_holds_the_global_batch(capsys):
+    """``--layout`` without microbatches takes them from the global batch (64 sequences over
+    dp 8 at micro batch 1: 8); a layout whose dp x micro_batch x microbatches is another batch
+    is refused by field (it was priced as the smaller step: an MFU of 810%), as is a
+    micro batch that does not divide the batch."""
+    base = ["plan", "--model", "llama3-8b", "--gpus", "8", "--seq", "4096",
+            "--global-batch-tokens", str(64 * 4096), "--layout"]
+    assert main([*base, "dp_shard=8,zero_stage=3,micro_batch=1"]) == 0
+    assert "mb1x8" in capsys.readouterr().out
+    assert main([*base, "dp_shard=8,zero_stage=3,micro_batch=1,microbatches=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--layout microbatches=1" in err[0] and "64" in err[0]
+    assert main([*base, "dp_shard=8,zero_stage=3,micro_batch=3"]) == 2
+    assert "--layout micro_batch=3" in capsys.readouterr().err
+
+
 # ----- the schedule search's own output, under the memory left ----------------------------------
 # llama3-8b with one KV head (so no tensor parallelism) and a 32k vocabulary on 4 H100s without
 # context parallelism: every layout is a pipeline or data parallelism. (With the 128k

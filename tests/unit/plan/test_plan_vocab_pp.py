@@ -100,7 +100,7 @@ def test_layout_prices_an_allowed_split(capsys):
 def test_an_explicit_layout_with_cp_is_priced(capsys):
     """The trainer runs the split under cp (tests/dist/test_vocab_pp_cp.py): ``--layout``
     prices it, as the search does (``vocab_pp_fits``)."""
-    layout = "pp=4,dp_replicate=2,cp=2,schedule=1f1b,microbatches=32,vocab_parallel_pp=true"
+    layout = "pp=4,dp_replicate=2,cp=2,schedule=1f1b,microbatches=64,vocab_parallel_pp=true"
     assert main(ARGS + [layout]) == 0
     assert "vocab-pp" in capsys.readouterr().out
 
