@@ -55,6 +55,18 @@ def block_activation_bytes(*, s: int, b: int, h: int, f: float, a: int, kv: int,
     return full
 
 
+def recomputed_fraction(recompute: str, every: int, n_layers: int) -> float:
+    """The fraction of a model's blocks recomputed in backward: all under ``full``, blocks
+    0, k, 2k, ... under ``every_k`` (k = ``every``; ``loom.train.memory`` and the trainer pick
+    the same ones), none otherwise (``selective`` recomputes the attention core, not blocks).
+    The planner spreads it evenly over a pipeline's stages."""
+    if recompute == "full":
+        return 1.0
+    if recompute == "every_k" and n_layers > 0:
+        return -(-n_layers // max(1, every)) / n_layers
+    return 0.0
+
+
 def block_weight_grad_bytes(*, s: int, b: int, h: int, f: float, a: int, kv: int,
                             e: int = 4, gated: bool = True) -> float:
     """What one block (no tp) still holds between its input-gradient step I and its weight-gradient

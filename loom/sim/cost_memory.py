@@ -28,7 +28,7 @@ from loom.formulas.memory import (StateRules, adamw_step_fused, allgather_attent
                                   bucket_allreduce_bytes, gathered_logits_bytes,
                                   korthikanti_block_activation_bytes, largest_parameter,
                                   unfused_scores_bytes,
-                                  loss_backward_bytes, rank_state_instants,
+                                  loss_backward_bytes, rank_state_instants, recomputed_fraction,
                                   vocab_embedding_bytes, vocab_pass_bytes)
 
 
@@ -217,10 +217,12 @@ def memory_floor(model: Any, lay: Layout) -> float:
 
 def _activation_bytes(model: Any, lay: Layout) -> tuple[float, float, float, float]:
     """(a dense block's, an MoE block's, the head's activations for one microbatch, and one
-    block's full set held while it is recomputed under full recomputation, else 0), cached
+    block's full set held while it is recomputed under full or every-k recomputation, else
+    0), cached
     per shape on ``model``: the planner asks for the same few shapes hundreds of thousands of
     times."""
-    key = (lay.cp, lay.micro_batch, lay.tp, lay.sequence_parallel, lay.recompute)
+    key = (lay.cp, lay.micro_batch, lay.tp, lay.sequence_parallel, lay.recompute,
+           lay.recompute_every)
     cache = model._activation_cache
     if key in cache:
         return cache[key]
@@ -268,9 +270,17 @@ def _activation_bytes(model: Any, lay: Layout) -> tuple[float, float, float, flo
     else:
         head = head_activation_bytes(s=s_local, b=b, h=m.dim, vocab=m.vocab_size // lay.tp,
                                      e=model.e)
-    full = block(m.ffn_dim, "none", gated) if lay.recompute == "full" else 0.0
-    cache[key] = (block(m.ffn_dim, lay.recompute, gated), block(moe_f, lay.recompute, gated),
-                  head, full)
+    # every k-th block recomputed (``every_k``): a block's bytes as the model's average over
+    # its recomputed and kept blocks
+    share = recomputed_fraction(lay.recompute, lay.recompute_every, m.n_layers)
+
+    def averaged(f: float) -> float:
+        if lay.recompute != "every_k":
+            return block(f, lay.recompute, gated)
+        return share * block(f, "full", gated) + (1 - share) * block(f, "none", gated)
+
+    full = block(m.ffn_dim, "none", gated) if share else 0.0
+    cache[key] = (averaged(m.ffn_dim), averaged(moe_f), head, full)
     return cache[key]
 
 

@@ -102,7 +102,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from loom.formulas.flops import attended_keys, model_flops_per_token
-from loom.formulas.memory import adamw_step_fused
+from loom.formulas.memory import adamw_step_fused, recomputed_fraction
 from loom.layout import Layout
 from loom.models.args import TransformerArgs
 from loom.layout import CPLayout  # Loom's own split of cp into u x r
@@ -360,21 +360,19 @@ class CostModel:
         i = host_bound((t_mat + t_cast + 2 * t_core + t_scores_i + 2 * t_elem + t_eager_i
                         + overhead) * slow, k_i, launch) + tp_exposed + cp_bwd + ep_fwd
         w = host_bound((t_mat + t_cast + overhead) * slow, k_w, launch)
-        if lay.recompute == "full":
-            i += f
-            comm_tp = 2 * tp_fwd
-        elif lay.recompute == "selective":
+        # the share of blocks whose forward runs again in backward (full: all; every_k: every
+        # k-th, spread evenly over the layers)
+        again = recomputed_fraction(lay.recompute, lay.recompute_every, m.n_layers)
+        i += again * f
+        comm_tp = (1 + again) * tp_fwd
+        if lay.recompute == "selective":
             i += (t_core + t_scores_f) * slow
-            comm_tp = tp_fwd
-        else:
-            comm_tp = tp_fwd
-        if self.framework.is_loom and lay.sequence_parallel and lay.tp > 1 \
-                and lay.recompute != "full":
+        if self.framework.is_loom and lay.sequence_parallel and lay.tp > 1 and again < 1:
             # Loom's SP saves the linears' gathered inputs as the rank's slice and all-gathers
             # them again in backward (loom.parallel.sequence_saved): one all-gather per block
-            # part, half an all-reduce's time each, not overlapped
-            i += tp_one
-            comm_tp += tp_one
+            # part, half an all-reduce's time each, not overlapped (a recomputed block has them)
+            i += (1 - again) * tp_one
+            comm_tp += (1 - again) * tp_one
         comm = {"tp": tp_fwd + comm_tp, "cp": cp_fwd + cp_bwd, "ep": 2 * ep_fwd}
         return f, i, w, comm
 
@@ -429,7 +427,7 @@ class CostModel:
 
     def _times(self, lay: Layout, moe: bool) -> tuple[float, float, float, dict[str, float]]:
         key = (lay.tp, lay.cp, lay.cp_mode, lay.ep, lay.sequence_parallel, lay.micro_batch,
-               lay.recompute, moe, self._charged_wrappers(lay))
+               lay.recompute, lay.recompute_every, moe, self._charged_wrappers(lay))
         if key not in self._times_cache:
             self._times_cache[key] = self._layer_times(lay, moe)
         return self._times_cache[key]
@@ -450,8 +448,8 @@ class CostModel:
         # the busiest rank's passes per microbatch, cached by what they depend on (the planner
         # asks for tens of thousands of layouts that differ in data parallelism and m alone)
         key = (lay.pp, lay.chunks, lay.v_shaped, lay.tp, lay.cp, lay.cp_mode, lay.ep,
-               lay.sequence_parallel, lay.micro_batch, lay.recompute, self._charged_wrappers(lay),
-               vocab_pp(lay))
+               lay.sequence_parallel, lay.micro_batch, lay.recompute, lay.recompute_every,
+               self._charged_wrappers(lay), vocab_pp(lay))
         busiest = self._floor_cache.get(key)
         if busiest is None:
             dense = self._times(lay, False)
@@ -469,8 +467,8 @@ class CostModel:
     def _ops_and_busiest(self, lay: Layout) -> tuple[tuple[tuple[float, float, float], ...],
                                                      float]:
         key = (lay.pp, lay.chunks, lay.v_shaped, lay.tp, lay.cp, lay.cp_mode, lay.ep,
-               lay.sequence_parallel, lay.micro_batch, lay.recompute, self._charged_wrappers(lay),
-               vocab_pp(lay))
+               lay.sequence_parallel, lay.micro_batch, lay.recompute, lay.recompute_every,
+               self._charged_wrappers(lay), vocab_pp(lay))
         cached = self._ops_cache.get(key)
         if cached is None:
             ops = self._stage_ops(lay)
@@ -559,10 +557,9 @@ class CostModel:
         optimizer = self._optimizer_time(lay)
         memory = memory if memory is not None else self.memory(lay)
         model_flops = self.model_flops_per_step()
-        extra = 0.0
-        if lay.recompute == "full":
-            extra = model_flops / 3
-        elif lay.recompute == "selective":  # the attention core's forward again
+        extra = model_flops / 3 * recomputed_fraction(lay.recompute, lay.recompute_every,
+                                                      m.n_layers)
+        if lay.recompute == "selective":  # the attention core's forward again
             extra = self.batch * self.seq * m.n_layers * self.layer_flops(1, 1, False)[1] * 2
         return StepCost(lay, stage_costs, compute, pipeline, dp_exposed, optimizer, memory,
                         model_flops, model_flops + extra, comm)

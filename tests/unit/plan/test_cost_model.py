@@ -78,6 +78,25 @@ def test_full_recompute_costs_one_more_forward():
     assert cost.hardware_flops == pytest.approx(cost.model_flops * 4 / 3)
 
 
+def test_every_kth_block_recomputed_costs_its_share_of_a_forward():
+    """``every_k``: blocks 0, k, 2k, ... run their forward again in backward, as the trainer
+    recomputes them. The debug model's 4 blocks at k = 2: blocks 0 and 2, so a layer's input
+    gradient pass costs half a forward more than without recomputation (k = 1 is full
+    recomputation), and the hardware FLOPs are the model's x (1 + 1/3 x 2/4); at k = 3,
+    blocks 0 and 3."""
+    model = CostModel(DEBUG, seq_len=32, global_batch=8, cluster=cluster(1))
+    base = Layout(micro_batch=2, microbatches=4)
+    f, i_none, _, _ = model._layer_times(base, False)
+    for k, share in ((1, 1.0), (2, 0.5), (3, 0.5), (4, 0.25)):
+        lay = replace(base, recompute="every_k", recompute_every=k)
+        assert model._layer_times(lay, False)[1] == pytest.approx(i_none + share * f), k
+        cost = model.evaluate(lay)
+        assert cost.hardware_flops == pytest.approx(cost.model_flops * (1 + share / 3)), k
+    full = model._layer_times(replace(base, recompute="full"), False)
+    assert model._layer_times(replace(base, recompute="every_k", recompute_every=1),
+                              False) == full
+
+
 @pytest.mark.parametrize("name", ["debug", "llama3-8b", "gpt3-175b", "tiny-moe"])
 def test_parameters_on_one_rank_equal_the_preset_count(name):
     m = PRESETS[name]
@@ -114,6 +133,10 @@ def test_model_state_follows_the_zero_formulas(stage, factor):
     ({"train.recompute": "selective"}, Layout(micro_batch=2, microbatches=4,
                                               recompute="selective")),
     ({"train.recompute": "full"}, Layout(micro_batch=2, microbatches=4, recompute="full")),
+    ({"train.recompute": "every_k", "train.recompute_every": "2"},
+     Layout(micro_batch=2, microbatches=4, recompute="every_k", recompute_every=2)),
+    ({"train.recompute": "every_k", "train.recompute_every": "3"},
+     Layout(micro_batch=2, microbatches=4, recompute="every_k", recompute_every=3)),
     ({"parallel.dp_shard": "2", "parallel.dp_replicate": "1"},
      Layout(dp_shard=2, zero_stage=3, micro_batch=2, microbatches=2)),
     ({"parallel.dp_shard": "2", "parallel.dp_replicate": "1", "train.global_batch_size": "4"},
