@@ -67,6 +67,35 @@ def recomputed_fraction(recompute: str, every: int, n_layers: int) -> float:
     return 0.0
 
 
+def op_sac_block_bytes(*, s: int, b: int, h: int, f: float, a: int, kv: int, t: int = 1,
+                       sequence_parallel: bool = False, e: int = 2, gated: bool = True) -> float:
+    """Saved bytes of one Llama block for one microbatch under torchtitan's op-level selective
+    checkpointing: the block's input (the checkpoint's), and the outputs of the matmuls it
+    numbers 1, 3, 5 and 7 (wq, wv, w1 and, in a SwiGLU MLP, w2; a GELU MLP's w2 is its 6th and
+    recomputed) and of the attention kernel (its output and fp32 logsumexp); everything else
+    (norms, RoPE, SiLU and the product, residual adds, the even matmuls wk, wo and w3) runs
+    again in backward. Under tensor parallelism every matmul output is the rank's shard, but
+    w2's, a row-parallel matmul's partial sums, is whole; under sequence parallelism the input
+    is the rank's slice and the reduce-scatters' outputs, also kept, add two slices."""
+    x = s * b * h
+    sp = sequence_parallel and t > 1
+    kept = x * e / (t if sp else 1)  # the block's input
+    kept += x * e / t + x * e * kv / (a * t)  # wq's and wv's outputs
+    kept += x * e / t + 4 * s * b * a / t  # the attention's output and logsumexp
+    kept += s * b * f * e / t + (x * e if gated else 0.0)  # w1's, and a SwiGLU w2's
+    if sp:
+        kept += 2 * x * e / t  # the two reduce-scatters' outputs
+    return kept
+
+
+def op_sac_recomputed_flops(*, tokens: float, h: int, f: float, a: int, kv: int,
+                            t: int = 1) -> float:
+    """The matmul FLOPs torchtitan's op-level selective checkpointing runs again per block and
+    microbatch on one rank: its even matmuls, wk, wo and one of the MLP's h x f matrices
+    (``op_sac_block_bytes``)."""
+    return 2 * tokens * h * (h * kv / a + h + f) / t
+
+
 def block_weight_grad_bytes(*, s: int, b: int, h: int, f: float, a: int, kv: int,
                             e: int = 4, gated: bool = True) -> float:
     """What one block (no tp) still holds between its input-gradient step I and its weight-gradient

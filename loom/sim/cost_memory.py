@@ -28,7 +28,8 @@ from loom.formulas.memory import (StateRules, adamw_step_fused, allgather_attent
                                   bucket_allreduce_bytes, gathered_logits_bytes,
                                   korthikanti_block_activation_bytes, largest_parameter,
                                   unfused_scores_bytes,
-                                  loss_backward_bytes, rank_state_instants, recomputed_fraction,
+                                  loss_backward_bytes, op_sac_block_bytes, rank_state_instants,
+                                  recomputed_fraction,
                                   vocab_embedding_bytes, vocab_pass_bytes)
 
 
@@ -244,6 +245,10 @@ def _activation_bytes(model: Any, lay: Layout) -> tuple[float, float, float, flo
 
     def block(f: float, recompute: str, gated: bool) -> float:
         """One block's bytes; ``gated``: a SwiGLU MLP (dense or experts), else GELU."""
+        if recompute == "selective" and fw.selective == "ops":  # torchtitan's op-level policy
+            return op_sac_block_bytes(s=s_local, b=b, h=m.dim, f=f, a=m.n_heads,
+                                      kv=m.n_kv_heads, t=lay.tp, sequence_parallel=sp,
+                                      e=model.e, gated=gated)
         if not fw.is_loom and (fw.sp_shards_all or not fw.flash_attention or fw.dropout):
             return korthikanti_block_activation_bytes(
                 s=s_local, b=b, h=m.dim, f=f, a=m.n_heads, kv=m.n_kv_heads, t=lay.tp,

@@ -102,7 +102,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from loom.formulas.flops import attended_keys, model_flops_per_token
-from loom.formulas.memory import adamw_step_fused, recomputed_fraction
+from loom.formulas.memory import adamw_step_fused, op_sac_recomputed_flops, recomputed_fraction
 from loom.layout import Layout
 from loom.models.args import TransformerArgs
 from loom.layout import CPLayout  # Loom's own split of cp into u x r
@@ -365,7 +365,13 @@ class CostModel:
         again = recomputed_fraction(lay.recompute, lay.recompute_every, m.n_layers)
         i += again * f
         comm_tp = (1 + again) * tp_fwd
-        if lay.recompute == "selective":
+        if lay.recompute == "selective" and self.framework.selective == "ops":
+            # torchtitan's op-level policy: the even matmuls (wk, wo, w3) and every
+            # element-wise op of the forward run again
+            again_mm = op_sac_recomputed_flops(tokens=tokens, h=m.dim, f=widths * lay.tp,
+                                               a=m.n_heads, kv=m.n_kv_heads, t=lay.tp)
+            i += (again_mm / gpu.matmul_rate(min(tokens, widths)) + t_elem + t_eager_f) * slow
+        elif lay.recompute == "selective":
             i += (t_core + t_scores_f) * slow
         if self.framework.is_loom and lay.sequence_parallel and lay.tp > 1 and again < 1:
             # Loom's SP saves the linears' gathered inputs as the rank's slice and all-gathers
@@ -559,7 +565,11 @@ class CostModel:
         model_flops = self.model_flops_per_step()
         extra = model_flops / 3 * recomputed_fraction(lay.recompute, lay.recompute_every,
                                                       m.n_layers)
-        if lay.recompute == "selective":  # the attention core's forward again
+        if lay.recompute == "selective" and self.framework.selective == "ops":
+            extra = m.n_layers * op_sac_recomputed_flops(
+                tokens=self.batch * self.seq, h=m.dim, f=m.expert_ffn_dim or m.ffn_dim,
+                a=m.n_heads, kv=m.n_kv_heads)
+        elif lay.recompute == "selective":  # the attention core's forward again
             extra = self.batch * self.seq * m.n_layers * self.layer_flops(1, 1, False)[1] * 2
         return StepCost(lay, stage_costs, compute, pipeline, dp_exposed, optimizer, memory,
                         model_flops, model_flops + extra, comm)

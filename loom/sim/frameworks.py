@@ -36,6 +36,14 @@ What a profile fixes:
   (Megatron-DeepSpeed's blocks); ``flash_attention`` (a flash ``attention_kernel``) says whether
   the attention core stores the s x s probabilities, ``dropout`` whether the block keeps 1-byte
   dropout masks (GPT-style).
+* **What "selective" recomputation means** (``selective``): ``"core"``, Korthikanti et al.
+  2022's, the attention core recomputed (Megatron-LM, DeepSpeed, Loom's trainer); ``"ops"``,
+  torchtitan's op-level selective checkpointing (``selective_ac_option = "op"``): each block
+  keeps the outputs of its matmuls, its attention and its reductions, except every second
+  matmul (``# Saves output of all compute ops, except every second mm``, its
+  ``_apply_ac_to_transformer_block``), and recomputes everything else in backward
+  (``loom.formulas.memory.op_sac_block_bytes``; the recomputed matmuls are a Llama block's
+  wk, wo and w3, the 2nd, 4th and 6th it runs).
 * **Memory beyond the block** (Aleph Alpha's Scaling, the stack of Hagemann et al. 2023's
   layout sweep, ``bench/planner_sweep.py``; read from its public code, github.com/Aleph-Alpha/
   scaling, the 2024 release of the "AA-Scaling" codebase the paper ran):
@@ -119,6 +127,9 @@ from dataclasses import dataclass, field, replace
 from loom.sim.optimizer_cost import STACKS
 
 GRAD_REDUCE = ("none", "last_backward", "pipeline_flush")
+# What selective recomputation recomputes (``Framework.selective``): the attention core
+# (Korthikanti et al. 2022), or torchtitan's op-level policy
+SELECTIVE = ("core", "ops")
 # How a stack runs the attention core (``Framework.attention_kernel``; the cost model prices each,
 # ``loom.sim.cost_model``): FlashAttention-2, FlashAttention (v1), or the s x s scores stored
 # and read back around a softmax, fused into one kernel (Megatron's scale-mask-softmax) or not
@@ -181,8 +192,11 @@ class Framework:
     step_path: str = "loom"
     overlap: Overlap = field(default_factory=Overlap)
     rank_order: tuple[str, ...] = RANK_ORDER  # innermost first
+    selective: str = "core"  # SELECTIVE: what selective recomputation recomputes
 
     def __post_init__(self) -> None:
+        if self.selective not in SELECTIVE:
+            raise ValueError(f"selective {self.selective!r}: one of {', '.join(SELECTIVE)}")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"attention_kernel {self.attention_kernel!r}: one of"
                              f" {', '.join(ATTENTION_KERNELS)}")
@@ -250,7 +264,7 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     Framework("torchtitan", param_bytes=4, grad_bytes=4, optimizer_bytes=8, zero12_gather_bytes=2,
               sp_shards_all=False, sp_keeps_gathered=True,  # fused AdamW by default
               compiled=False,  # compile.enable's default; its published BF16 rows ran eager
-              step_path="torchtitan",
+              step_path="torchtitan", selective="ops",
               overlap=Overlap(tp_comm=False, param_gather=False, grad_reduce="last_backward")),
     Framework("deepspeed", param_bytes=2, grad_bytes=4, optimizer_bytes=12, zero12_gather_bytes=2,
               sp_shards_all=True, attention_kernel="fused", dropout=True, step_path="deepspeed",

@@ -198,14 +198,37 @@ def test_loom_sp_pays_the_backward_regather_of_its_sharded_saved_inputs(recomput
     """Loom's SP saves the q/k/v and w1/w3 inputs as the rank's slice and all-gathers them again
     in backward (``loom.parallel.sequence_saved``): one all-gather of b·s·h per block part, each
     half an all-reduce's time, so one all-reduce's time per layer, not overlapped. TorchTitan's
-    DTensor SP keeps them whole and pays nothing; a block recomputed in full keeps no saved input."""
+    DTensor SP keeps them whole and pays nothing; a block recomputed in full keeps no saved input.
+    (torchtitan's selective is taken as Loom's here, the attention core: its own op-level
+    policy recomputes more, ``test_torchtitan_selective_is_its_op_level_policy``.)"""
     lay = Layout(tp=2, sequence_parallel=True, micro_batch=4, microbatches=2, recompute=recompute)
-    loom, titan = model("loom"), model("torchtitan")
+    loom = model("loom")
+    titan = CostModel(DEBUG, 32, 8, loom.cluster,
+                      framework=replace(FRAMEWORKS["torchtitan"], selective="core"))
     _, loom_i, _, loom_comm = loom._layer_times(lay, moe=False)
     _, titan_i, _, titan_comm = titan._layer_times(lay, moe=False)
     regather = allreduce_time(4 * 32 * DEBUG.dim * loom.e, 2, loom.cluster.link_for(2, 1))
     assert loom_comm["tp"] - titan_comm["tp"] == pytest.approx(regather if regathers else 0.0)
     assert loom_i - titan_i == pytest.approx(regather if regathers else 0.0)
+
+
+def test_torchtitan_selective_is_its_op_level_policy():
+    """torchtitan's selective checkpointing keeps the block input and the outputs of wq, wv,
+    the attention (and its fp32 logsumexp), w1 and w2, and recomputes the rest: debug shape
+    (s 32, b 4, h 64, f 128, a 4, kv 2, e 2; x = s·b·h) at tp 1 that is
+    e·x·(1 + 1 + 1/2 + 1 + 1) + e·s·b·f + 4·s·b·a bytes. Its backward runs the even matmuls
+    (wk, wo, w3: 2·T·h·(h·kv/a + h + f) FLOPs) and the forward's element-wise work again."""
+    lay = Layout(micro_batch=4, microbatches=2, recompute="selective")
+    x, sb = 32 * 4 * 64, 32 * 4
+    titan = model("torchtitan")
+    assert _activation_bytes(titan, lay)[0] == 2 * x * 4.5 + 2 * sb * 128 + 4 * sb * 4
+    f_none, i_none, _, _ = titan._layer_times(replace(lay, recompute="none"), False)
+    _, i_sel, _, _ = titan._layer_times(lay, False)
+    again = 2 * 128 * 64 * (64 * 2 / 4 + 64 + 128) / 1e12  # UNIT: 1 TFLOP/s, no knee
+    assert again < i_sel - i_none < f_none  # the matmuls and the element-wise passes, not all
+    core = CostModel(DEBUG, 32, 8, titan.cluster,
+                     framework=replace(FRAMEWORKS["torchtitan"], selective="core"))
+    assert _activation_bytes(core, lay)[0] > _activation_bytes(titan, lay)[0]
 
 
 def _layer(stack, lay: Layout) -> tuple[float, float, float]:
