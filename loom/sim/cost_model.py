@@ -368,8 +368,9 @@ class CostModel:
         if lay.recompute == "selective" and self.framework.selective == "ops":
             # torchtitan's op-level policy: the even matmuls (wk, wo, w3) and every
             # element-wise op of the forward run again
-            again_mm = op_sac_recomputed_flops(tokens=tokens, h=m.dim, f=widths * lay.tp,
-                                               a=m.n_heads, kv=m.n_kv_heads, t=lay.tp)
+            again_mm = op_sac_recomputed_flops(
+                tokens=tokens, h=m.dim, f=(m.expert_ffn_dim or m.ffn_dim) if moe else m.ffn_dim,
+                a=m.n_heads, kv=m.n_kv_heads, t=lay.tp)
             i += (again_mm / gpu.matmul_rate(min(tokens, widths)) + t_elem + t_eager_f) * slow
         elif lay.recompute == "selective":
             i += (t_core + t_scores_f) * slow

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 TUNE_RATIO_LOW = 0.833  # 10th percentile of predicted / published step time, tune half
-TUNE_RATIO_HIGH = 1.075  # 90th percentile
+TUNE_RATIO_HIGH = 1.076  # 90th percentile
 CALIBRATION_SPREAD = 0.29  # run-to-run movement of a CPU calibration's predictions
 
 
