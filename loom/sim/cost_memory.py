@@ -312,7 +312,7 @@ def _instants(model: Any, lay: Layout, psi: float, experts: float = 0.0, head: f
     differ (in the chunks, the schedule, the pipeline's length) often put the same parameters on
     an end rank under the same rules (a fifth as many distinct ones in the 1T plan). The
     entries are shared, never modified."""
-    key = (psi, experts, head, lay.zero_stage if lay.dp_shard > 1 else 0, lay.dp_shard * lay.cp,
+    key = (psi, experts, head, model.zero_stage_of(lay), lay.dp_shard * lay.cp,
            lay.ep, lay.tp, lay.pp > 1, lay.sequence_parallel, lay.vocab_parallel,
            lay.vocab_parallel_pp, lay.microbatches > 1, lay.dp > 1)
     cache = model._instants_cache
@@ -335,7 +335,7 @@ def _rank_instants(model: Any, lay: Layout, psi: float, experts: float = 0.0, he
     layer's, whose gradients a backward makes first."""
     if not model.framework.is_loom:
         return _framework_instants(model, lay, psi, experts)
-    stage = lay.zero_stage if lay.dp_shard > 1 else 0
+    stage = model.zero_stage_of(lay)
     rules = StateRules(
         shard=lay.dp_shard * lay.cp, ep=lay.ep, stage=stage, compute_bytes=model.e,
         grad_bytes=model.grad_bytes, master=model.e == 2, accumulates=stage in (2, 3),
@@ -395,7 +395,7 @@ def _framework_instants(model: Any, lay: Layout, psi: float, experts: float
     run on 8 H100s out of memory with 30 GiB of fp32 gradients it never held). Inside a
     pipeline the stage's gradients are held whole (see below)."""
     fw = model.framework
-    stage = lay.zero_stage if lay.dp_shard > 1 else 0
+    stage = model.zero_stage_of(lay)  # the cp ranks alone shard another stack's state
     d = lay.dp_shard * lay.cp
 
     def state(optimizer_bytes: int = fw.optimizer_bytes) -> tuple[float, ...]:

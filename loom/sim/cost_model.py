@@ -615,13 +615,20 @@ class CostModel:
         all it holds without ZeRO; what an outer loop synchronises per rank, too."""
         return max(stepped for _, stepped in self._held_and_stepped(lay).values())
 
+    def zero_stage_of(self, lay: Layout) -> int:
+        """The ZeRO stage ``lay`` runs, 0 where nothing is sharded. Loom's trainer shards over
+        dp_shard x cp only with dp_shard > 1 (its config rules); another stack's FSDP or ZeRO
+        mesh is dp_shard x cp, so the cp ranks alone shard it (torchtitan's "FSDP 1, CP 8")."""
+        shards = lay.dp_shard if self.framework.is_loom else lay.dp_shard * lay.cp
+        return lay.zero_stage if shards > 1 else 0
+
     def _held_and_stepped(self, lay: Layout) -> dict[int, tuple[float, float]]:
         """Per end rank, (parameters it holds, parameters it steps: ``stepped_parameters``)."""
         experts = self.ranks.end_rank_expert_params(lay)
         out = {}
         for r, psi in self.ranks.end_rank_params(lay).items():
             stepped = psi
-            if lay.zero_stage and lay.dp_shard > 1:
+            if self.zero_stage_of(lay):
                 d = lay.dp_shard * lay.cp
                 stepped = (psi - experts[r]) / (d * lay.ep) + experts[r] / d
             out[r] = (psi, stepped)
@@ -633,7 +640,7 @@ class CostModel:
         torchtitan's parameters are bf16 with fp32 masters (FSDP2's bf16 ``param_dtype``) at
         2-byte compute, the others' when their parameters are 2-byte."""
         fw = self.framework
-        stage = lay.zero_stage if lay.dp_shard > 1 else 0
+        stage = self.zero_stage_of(lay)
         master = self.e == 2 if fw.step_path in ("loom", "torchtitan") else fw.param_bytes == 2
         fused = fw.step_path != "loom" or adamw_step_fused(
             "auto", tp=lay.tp, zero_stage=stage, sequence_parallel=lay.sequence_parallel,

@@ -38,7 +38,7 @@ def data_parallel_time(cost: CostModel, lay: Layout, rank_params: dict[int, floa
     if group <= 1:
         return 0.0, 0.0
     experts = cost.ranks.end_rank_expert_params(lay)
-    zero = lay.zero_stage if lay.dp_shard > 1 else 0
+    zero = cost.zero_stage_of(lay)
     fp8 = cost.ranks.fp8_gathered_params(lay)  # gathered at 1 byte under ZeRO-3
     # the rank distances of the dense groups (the experts' groups are priced on the same)
     strides = cost.group_strides(lay)

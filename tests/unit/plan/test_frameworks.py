@@ -115,6 +115,20 @@ def test_other_stacks_hold_only_their_gradient_shard_between_microbatches():
         assert piped.memory(lay)["gradients"] in {4 * p for p in stages}, name
 
 
+def test_another_stacks_fsdp_shards_over_the_cp_ranks_alone():
+    """torchtitan's FSDP mesh is dp_shard x cp: "FSDP 1, CP 4" shards the model state over the
+    4 cp ranks (fp32 parameters 4Ψ/4) and all-gathers over them. Loom's trainer shards over
+    dp_shard x cp only with dp_shard > 1 (its config rules), so its profile keeps the state
+    whole there."""
+    psi = parameter_count(DEBUG)
+    lay = Layout(cp=4, dp_shard=1, zero_stage=3, micro_batch=1, microbatches=1)
+    titan, loom = model("torchtitan", gpus=4), model("loom", gpus=4)
+    assert titan.zero_stage_of(lay) == 3 and loom.zero_stage_of(lay) == 0
+    assert titan.memory(lay)["parameters"] == 4 * psi / 4
+    assert loom.memory(lay)["parameters"] == 2 * psi  # bf16 (2-byte) parameters, unsharded
+    assert titan.evaluate(lay).comm["dp"] > 0
+
+
 def test_megatron_overlaps_tp_communication_with_the_gemms():
     """With SP, Megatron pipelines the TP collectives with the GEMMs in tp chunks; where the
     GEMMs are longer than the collective only its first chunk shows, so the forward is shorter
