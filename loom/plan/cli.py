@@ -36,6 +36,8 @@ from loom.models.presets import PRESETS
 from loom.layout import FP8_RECIPES
 from loom.plan import explain, varlen
 from loom.plan.calibrate import describe, load_profile
+from loom.plan.mixed import MixedClusterError, load_mixed, plan_mixed
+from loom.plan.mixed import describe as describe_mixed
 from loom.plan.hardware import (LINKS, MAX_OVERSUBSCRIPTION, Cluster, HardwareError, load_catalog,
                                 make_cluster)
 from loom.plan.layout_input import LayoutInputError, check_layout_input
@@ -167,6 +169,10 @@ def add_plan_commands(sub: argparse._SubParsersAction,
     plan.add_argument("--length-dist", type=path_arg, metavar="FILE",
                       help="rank the balances of variable-length steps drawn from this length"
                            " distribution (loom.sim.varlen_cost; loom.plan.varlen)")
+    plan.add_argument("--mixed", type=path_arg, metavar="FILE",
+                      help="a cluster of unlike accelerators ([[part]] tables: gpu, gpus, links;"
+                           " [between] link): rank pipelines whose stages sit on the parts"
+                           " (loom/plan/mixed.py)")
     plan.add_argument("--nics-per-node", type=int, default=0,
                       help="NICs sharing a node's inter-node bandwidth (0: one per GPU);"
                            " read by --length-dist's routing-layer model only")
@@ -448,6 +454,8 @@ def _run(args: argparse.Namespace) -> int:
     stack, compiled = _compiled(args, _framework(args))
     if args.length_dist:
         return _run_varlen(args, stack)
+    if args.mixed:
+        return _run_mixed(args, stack)
     work, cluster = _workload(args), _cluster(args)
     if args.output:
         _check_output(args.output)
@@ -517,6 +525,53 @@ def _run(args: argparse.Namespace) -> int:
             raise PlanInputError(f"-o {args.output}: cannot be written ({err.strerror})") from None
         print(f"\nwrote {args.output}; launch with:\n  {command}")
     return 0 if result.ranked else 1
+
+
+def _run_mixed(args: argparse.Namespace, stack: Framework) -> int:
+    """``--mixed``: rank pipelines over a cluster of unlike accelerators (``loom.plan.mixed``)."""
+    for flag, value in (("--gpu", args.gpu), ("--layout", args.layout), ("-o", args.output),
+                        ("--explain", args.explain), ("--sites", args.sites),
+                        ("--length-dist", args.length_dist), ("--calibrate", args.calibrate)):
+        if value:
+            raise PlanInputError(f"{flag}: not with --mixed (its file names the accelerators,"
+                                 " and it ranks pipelines over them)")
+    try:
+        mixed = load_mixed(args.mixed, load_catalog(args.hardware))
+    except MixedClusterError as err:
+        raise PlanInputError(str(err)) from None
+    if args.gpus and args.gpus != mixed.gpus:
+        raise PlanInputError(f"--gpus {args.gpus}: the --mixed file's parts hold {mixed.gpus}")
+    if args.fp8 not in FP8_RECIPES:
+        raise PlanInputError(f"--fp8 {args.fp8}: one of {', '.join(FP8_RECIPES)}")
+    fp8 = args.fp8 != "none"
+    slow = [c.gpu.name for c in mixed.parts if fp8 and not c.gpu.fp8_flops]
+    if slow:
+        raise PlanInputError(f"--fp8 {args.fp8}: {slow[0]} has no FP8 matmuls")
+    work = _workload(args)
+    ranked = plan_mixed(work, mixed, framework=stack, fp8=fp8,
+                        memory_fraction=args.memory_fraction, top=args.top)
+    tokens = work.global_batch * work.seq_len
+    if args.json:
+        print(json.dumps({"cluster": mixed.describe(), "ranked": [
+            {"layout": p.layout.label(), "parts_along_pipeline": [
+                mixed.parts[i].gpu.name for i in p.order], "stages_per_part": list(p.stages),
+             "layers_per_stage": list(p.layers), "step_time_s": p.step_time,
+             "pipeline_s": p.pipeline, "dp_exposed_s": p.dp_exposed, "optimizer_s": p.optimizer,
+             "tokens_per_s_per_gpu": tokens / p.step_time / mixed.gpus,
+             "memory_gib_per_part": [m / 2**30 for m in p.memory]} for p in ranked]}))
+        return 0 if ranked else 1
+    print(f"{work.name} on {mixed.describe()}: pipelines over the parts (1F1B; stage memory an"
+          " upper bound)")
+    if not ranked:
+        print("no pipeline over these parts fits in memory")
+        return 1
+    for k, p in enumerate(ranked, 1):
+        print(f"{k}. {p.layout.label():<44} step {p.step_time:8.3f} s"
+              f"  {tokens / p.step_time / mixed.gpus:10,.0f} tokens/s/GPU")
+        print(f"   {describe_mixed(mixed, p)}")
+        print("   memory (worst stage, GiB): " + ", ".join(
+            f"{mixed.parts[i].gpu.name} {m / 2**30:.1f}" for i, m in zip(p.order, p.memory)))
+    return 0
 
 
 def _run_varlen(args: argparse.Namespace, stack: Framework) -> int:

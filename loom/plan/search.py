@@ -90,24 +90,34 @@ def simulate_step(model: CostModel, cost: StepCost, *, max_simulated: int | None
 
     # SkipPipe's paths are priced as GPipe over one replica's microbatches (``schedule_of``)
     family = "gpipe" if lay.schedule == SKIPPIPE else lay.schedule
+    chunks = lay.chunks if family == "interleaved_1f1b" else None
+    pipeline = family_makespan(family, p, m, chunks, stage_costs, cores, first)
+    if lay.vocab_parallel_pp:  # the split embedding's messages at the step's edges
+        pipeline += model.vocab_pass_times(lay)[4] * m
+    return replace(cost, pipeline=pipeline, simulated=True)
 
+
+def family_makespan(family: str, p: int, m: int, chunks: int | None, stage_costs: Any,
+                    cores: float = 0.0, first: int | None = None) -> float:
+    """The makespan of ``family``'s schedule of ``m`` microbatches over ``p`` ranks on
+    ``stage_costs`` (``cores``: ranks sharing processors, 0 for none): simulated for ``first``
+    microbatches (default 2p) and one pipeline length more, then extended by the steady
+    state's slope (the module docstring)."""
     def makespan(microbatches: int) -> float:
         # the families' generators are validated for these sizes by their tests; the runtime's
         # schedule_for would validate again, which costs more than the simulation itself
-        chunks = lay.chunks if family == "interleaved_1f1b" else None
         if cores:
             return _replay(_family(family, p, microbatches, chunks)[0], stage_costs, cores)
         schedule, rows = _family(family, p, microbatches, chunks)
         return replayed_makespan(schedule, stage_costs, rows)  # no timeline needed
 
+    first = min(m, first or 2 * p)
     pipeline = makespan(first)
     if m > first:  # extend by the steady state's slope, measured one pipeline length later
         second = min(m, first + p)
         later = makespan(second)
         pipeline = later + (m - second) * (later - pipeline) / (second - first)
-    if lay.vocab_parallel_pp:  # the split embedding's messages at the step's edges
-        pipeline += model.vocab_pass_times(lay)[4] * m
-    return replace(cost, pipeline=pipeline, simulated=True)
+    return pipeline
 
 
 @functools.lru_cache(maxsize=4)  # (a 64-rank V of 192 microbatches: ~10 MB)
@@ -493,5 +503,5 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
     return result
 
 
-__all__ = ["Plan", "plan", "simulate_step", "runnable", "check_vocab_pp", "to_config",
+__all__ = ["Plan", "plan", "simulate_step", "family_makespan", "runnable", "check_vocab_pp", "to_config",
            "workload_config"]

@@ -439,6 +439,21 @@ class CostModel:
             self._times_cache[key] = self._layer_times(lay, moe)
         return self._times_cache[key]
 
+    def layer_pass_times(self, lay: Layout) -> tuple[float, float, float]:
+        """(F, I, W) seconds of the model's average layer (dense and MoE layers weighed by
+        their counts) for one microbatch on one rank of ``lay``, with its exposed tp / cp / ep
+        communication: what a pipeline stage of n layers costs n times
+        (``loom.plan.mixed`` splits layers unevenly over unlike accelerators with it)."""
+        dense = self._times(lay, False)
+        moe = self._times(lay, True) if self.moe_layers else dense
+        n, k = self.model.n_layers, self.moe_layers
+        return tuple(((n - k) * d + k * e) / n for d, e in zip(dense[:3], moe[:3]))
+
+    def head_pass_times(self, lay: Layout) -> tuple[float, float, float]:
+        """(F, I, W) seconds of the final norm, output layer and loss for one microbatch on the
+        last stage's rank of ``lay``."""
+        return self._head_times(lay)
+
     # ----- the whole step ------------------------------------------------------------------
     def evaluate_ops(self, lay: Layout) -> tuple[tuple[float, float, float], ...]:
         """(F, I, W) seconds of one microbatch on each global stage of ``lay`` (the last also
@@ -661,12 +676,13 @@ class CostModel:
         return self.framework.group_strides(
             (lay.tp, lay.cp, lay.ep, lay.dp_shard, lay.dp_replicate, lay.pp))
 
-    def send_time(self, lay: Layout) -> float:
-        """One activation (or its gradient) across a stage boundary: T·h·e, T·h·e/t under SP."""
+    def send_time(self, lay: Layout, link: Any = None) -> float:
+        """One activation (or its gradient) across a stage boundary: T·h·e, T·h·e/t under SP,
+        over the pipeline group's link of this cluster, or ``link`` (a hop between clusters)."""
         act = lay.micro_batch * self.seq / lay.cp * self.model.dim * self.e
         if lay.sequence_parallel and lay.tp > 1:
             act /= lay.tp
-        return p2p_time(act, self.cluster.link_for(
+        return p2p_time(act, link or self.cluster.link_for(
             lay.pp, self.group_strides(lay)["pp"]))
 
     def queued_overlap(self, layers: int, slice_: float, pieces: list[Pieces],

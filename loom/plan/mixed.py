@@ -1,0 +1,313 @@
+"""Pipelines over unlike accelerators: ``loom plan --mixed FILE`` (issue 21 item 3).
+
+A mixed cluster is two to four *parts*. Each part is a homogeneous group of nodes: one
+accelerator type, its node size and its links. A *between* link joins the parts. The systems
+published for such clusters keep data and tensor parallelism inside a part, where the links
+are alike, and put pipeline stages on the different node types: Holmes (Yang et al. 2023,
+clusters with unlike NICs), Metis (Um et al. 2024, unlike GPUs), Pipette, Cephalo. Loom's
+planner does the same.
+
+* **One stage shape for the whole pipeline.** Each stage has tp x dp ranks (plain replicas, or
+  ZeRO-1 over dp) and the same micro batch, recomputation and 1F1B schedule. Every microbatch
+  crosses every stage, so the stages share the data parallelism and the batch.
+* **Part i holds gpus_i / (tp x dp) consecutive stages.** The order of the parts along the
+  pipeline is searched: the first stage holds the most microbatches in flight.
+* **The layers are split unevenly** (``split_layers``). Each layer goes to the stage that would
+  finish it soonest: a stage of part i with n layers costs n times that part's per-layer F + I
+  + W, and the last stage the head too. This greedy is optimal for identical jobs on machines
+  of unequal speed. No stage gets more layers than fit its accelerator.
+* **Priced with the homogeneous planner's pieces.** The stages' F / I / W go through the same
+  schedule replay (``search.family_makespan``). Every hop is priced at the slowest hop's send,
+  the between link's: an upper bound, since the hops inside a part are faster. Each part's
+  data-parallel reduction and ZeRO gathers run on its own links, and the step pays the slowest
+  part's, as it does the optimizer step.
+* **Memory.** A stage of n layers on part i is priced by that part's cost model on a virtual
+  pipeline of the same shape whose every stage holds n layers (a model of n x pp layers). That
+  model reports its worst rank: the first stage, with the embedding and pp microbatches in
+  flight. So a later stage is over-counted and never under-counted: the planner may turn down a
+  layout that would fit, but it does not propose one that runs out of memory. The same virtual
+  pipeline gives the part's data-parallel and optimizer time.
+
+Written here rather than taken from Metis or Holmes: both are research code tied to their own
+runtimes and cost profiles, and the planner's value is pricing with Loom's own cost model and
+schedule replay, which a port could not reuse. Torch-free, communicates nothing.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from loom.errors import InputFileError, loads_toml, read_input_text
+from loom.layout import Layout
+from loom.plan.hardware import Cluster, HardwareError, Link, make_cluster
+from loom.plan.search import family_makespan
+from loom.plan.space import Workload
+from loom.schedule.cost import OpCosts, StageCosts
+from loom.sim.cost_model import CostModel
+from loom.sim.frameworks import LOOM, Framework
+
+MAX_PARTS = 4  # the parts' orders are all tried: 4! = 24
+PART_KEYS = {"gpu", "gpus", "gpus_per_node", "intra", "inter"}
+MICRO_BATCHES = (1, 2, 4)
+RECOMPUTE = ("none", "full")
+
+
+class MixedClusterError(ValueError):
+    """A ``--mixed`` file breaks a rule; ``str()`` names the field and the rule."""
+
+
+@dataclass(frozen=True)
+class MixedCluster:
+    """The parts (homogeneous clusters, in the file's order) and the link joining them."""
+
+    parts: tuple[Cluster, ...]
+    between: Link
+
+    @property
+    def gpus(self) -> int:
+        return sum(part.gpus for part in self.parts)
+
+    def describe(self) -> str:
+        return " + ".join(f"{p.gpus} x {p.gpu.name}" for p in self.parts) + \
+            f", joined by {self.between.name} ({self.between.bandwidth / 1e9:g} GB/s)"
+
+
+def load_mixed(path: str | Path, catalog: tuple[dict, dict, dict]) -> MixedCluster:
+    """The mixed cluster described by the TOML file at ``path`` (``[[part]]`` tables of
+    ``gpu``, ``gpus`` and optionally ``gpus_per_node``, ``intra``, ``inter``; an optional
+    ``[between]`` table with ``link``), its names looked up in ``catalog``
+    (``hardware.load_catalog``). Raises ``MixedClusterError`` naming the field."""
+    try:
+        data = loads_toml(read_input_text(path))
+    except InputFileError as err:
+        raise MixedClusterError(f"--mixed {path}: {err}") from None
+    except ValueError as err:  # a TOML decode error
+        raise MixedClusterError(f"--mixed {path}: not valid TOML ({err})") from None
+    unknown = set(data) - {"part", "between"}
+    if unknown:
+        raise MixedClusterError(f"--mixed {sorted(unknown)[0]}: unknown table (part, between)")
+    parts = data.get("part")
+    if not isinstance(parts, list) or not 2 <= len(parts) <= MAX_PARTS:
+        raise MixedClusterError(f"--mixed part: needs 2 to {MAX_PARTS} [[part]] tables")
+    clusters = []
+    for k, part in enumerate(parts):
+        where = f"--mixed part[{k}]"
+        if not isinstance(part, dict):
+            raise MixedClusterError(f"{where}: must be a table")
+        extra = set(part) - PART_KEYS
+        if extra:
+            raise MixedClusterError(f"{where}.{sorted(extra)[0]}: unknown key"
+                                    f" ({', '.join(sorted(PART_KEYS))})")
+        for key in ("gpu", "gpus"):
+            if key not in part:
+                raise MixedClusterError(f"{where}.{key}: required")
+        gpus = part["gpus"]
+        if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= 10**6:
+            raise MixedClusterError(f"{where}.gpus: {gpus!r} must be a whole number in"
+                                    " [1, 1000000]")
+        for key in ("gpu", "intra", "inter"):
+            if key in part and not isinstance(part[key], str):
+                raise MixedClusterError(f"{where}.{key}: {part[key]!r} must be a name")
+        try:
+            clusters.append(make_cluster(part["gpu"], gpus, part.get("gpus_per_node"),
+                                         intra=part.get("intra"), inter=part.get("inter"),
+                                         catalog=catalog))
+        except HardwareError as err:  # its "--gpu Z80: ..." becomes "part[0].gpu Z80: ..."
+            text = str(err)
+            raise MixedClusterError(f"{where}.{text[2:]}" if text.startswith("--")
+                                    else f"{where}: {text}") from None
+    between = data.get("between", {})
+    if not isinstance(between, dict) or set(between) - {"link"}:
+        raise MixedClusterError("--mixed between: a table with one key, link")
+    if "link" in between:
+        name = between["link"]
+        if not isinstance(name, str) or name not in catalog[1]:
+            raise MixedClusterError(f"--mixed between.link {name!r}: unknown link; known:"
+                                    f" {', '.join(catalog[1])}")
+        link = catalog[1][name]
+    else:  # the slowest of the parts' own network links
+        link = min((c.inter for c in clusters), key=lambda lk: lk.effective_bandwidth)
+    return MixedCluster(tuple(clusters), link)
+
+
+def split_layers(n_layers: int, per_layer: Sequence[float], head: float,
+                 caps: Sequence[int]) -> list[int] | None:
+    """Layers per stage (one or more each, at most ``caps[s]``) minimizing the slowest stage,
+    where stage s costs ``per_layer[s]`` per layer and the last one ``head`` more: each layer
+    goes to the stage that would finish it soonest (optimal for identical jobs on machines of
+    unequal speed). None when the layers cannot be placed within the caps."""
+    stages = len(per_layer)
+    if n_layers < stages or min(caps) < 1 or sum(caps) < n_layers:
+        return None
+    layers = [1] * stages
+    load = [per_layer[s] + (head if s == stages - 1 else 0.0) for s in range(stages)]
+    heap = [(load[s] + per_layer[s], s) for s in range(stages) if caps[s] > 1]
+    heapq.heapify(heap)
+    for _ in range(n_layers - stages):
+        finish, s = heapq.heappop(heap)
+        layers[s] += 1
+        load[s] = finish
+        if layers[s] < caps[s]:
+            heapq.heappush(heap, (finish + per_layer[s], s))
+    return layers
+
+
+@dataclass(frozen=True)
+class MixedLayout:
+    """One priced pipeline over the parts: the stage shape (``layout``, pp = every stage), the
+    parts along the pipeline (indices into ``MixedCluster.parts``), each part's stage count,
+    every stage's layers, and the step's seconds."""
+
+    layout: Layout
+    order: tuple[int, ...]
+    stages: tuple[int, ...]  # per part, in ``order``
+    layers: tuple[int, ...]  # per stage, along the pipeline
+    pipeline: float
+    dp_exposed: float
+    optimizer: float
+    memory: tuple[float, ...]  # per part, in ``order``: its worst stage's bytes (upper bound)
+
+    @property
+    def step_time(self) -> float:
+        return self.pipeline + self.dp_exposed + self.optimizer
+
+
+def stage_shapes(workload: Workload, mixed: MixedCluster) -> Iterator[tuple[Layout,
+                                                                           tuple[int, ...]]]:
+    """Every stage shape the parts can all hold, with each part's stage count: tp within the
+    smallest node and dividing the heads, dp dividing every part's GPUs over tp, ZeRO-1 or
+    plain replicas, a micro batch that divides the batch into at least one microbatch per
+    stage, no or full recomputation."""
+    m = workload.model
+    per_node = min(part.gpus_per_node for part in mixed.parts)
+    common = math.gcd(*(part.gpus for part in mixed.parts))
+    for tp in (1, 2, 4, 8):
+        if tp > per_node or m.n_heads % tp or m.n_kv_heads % tp or common % tp:
+            continue
+        for dp in (d for d in range(1, common // tp + 1) if (common // tp) % d == 0):
+            stages = tuple(part.gpus // (tp * dp) for part in mixed.parts)
+            pp = sum(stages)
+            if pp < 2 or pp > m.n_layers:
+                continue
+            for zero, micro, recompute in itertools.product(
+                    (0, 1) if dp > 1 else (0,), MICRO_BATCHES, RECOMPUTE):
+                if workload.global_batch % (dp * micro):
+                    continue
+                microbatches = workload.global_batch // (dp * micro)
+                if microbatches < pp:
+                    continue
+                yield Layout(pp=pp, dp_replicate=1 if zero else dp, dp_shard=dp if zero else 1,
+                             zero_stage=zero, tp=tp, sequence_parallel=tp > 1, schedule="1f1b",
+                             micro_batch=micro, microbatches=microbatches,
+                             recompute=recompute), stages
+
+
+class _Part:
+    """A part's cost models for one stage shape: per-layer and head times, and the virtual
+    pipelines (every stage n layers) that price a stage of n layers' memory, data-parallel and
+    optimizer time, cached by n."""
+
+    def __init__(self, workload: Workload, cluster: Cluster, lay: Layout, framework: Framework,
+                 fp8: bool, budget: float):
+        self.workload, self.cluster, self.lay, self.framework = workload, cluster, lay, framework
+        self.fp8, self.budget = fp8, budget
+        self.model = self._model(workload.model.n_layers)
+        self.per_layer = self.model.layer_pass_times(lay)
+        self.head = self.model.head_pass_times(lay)
+        self._virtual: dict[int, Any] = {}
+
+    def _model(self, n_layers: int) -> CostModel:
+        args = replace(self.workload.model, n_layers=n_layers)
+        return CostModel(args, self.workload.seq_len, self.workload.global_batch, self.cluster,
+                         framework=self.framework, fp8=self.fp8)
+
+    def virtual(self, layers: int) -> Any:
+        """The step cost of a pipeline of this shape whose every stage holds ``layers``."""
+        cost = self._virtual.get(layers)
+        if cost is None:
+            model = self._model(layers * self.lay.pp)
+            cost = self._virtual[layers] = model.evaluate(self.lay)
+        return cost
+
+    def cap(self) -> int:
+        """The most layers a stage of this part holds within the budget (0: not one)."""
+        low, high = 0, self.workload.model.n_layers
+        while low < high:  # memory grows with the layers
+            mid = (low + high + 1) // 2
+            if self.virtual(mid).memory_total <= self.budget:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+
+def price_mixed(workload: Workload, mixed: MixedCluster, lay: Layout,
+                stages: tuple[int, ...], order: tuple[int, ...], parts: dict[int, _Part]
+                ) -> MixedLayout | None:
+    """``lay`` over the parts in ``order`` (``parts``: each part's ``_Part`` for this shape);
+    None when the layers do not fit."""
+    along = [i for i in order for _ in range(stages[i])]  # the part of each stage
+    per_layer = [sum(parts[i].per_layer) for i in along]
+    head = parts[along[-1]].head
+    caps = {i: parts[i].cap() for i in order}
+    layers = split_layers(workload.model.n_layers, per_layer, sum(head),
+                          [caps[i] for i in along])
+    if layers is None:
+        return None
+    ops = []
+    for s, (i, n) in enumerate(zip(along, layers)):
+        f, b, w = (n * x for x in parts[i].per_layer)
+        if s == len(along) - 1:
+            f, b, w = f + head[0], b + head[1], w + head[2]
+        ops.append(OpCosts(f, b, w))
+    hops = [parts[along[s]].model.send_time(lay) if along[s] == along[s + 1]
+            else parts[along[s]].model.send_time(lay, mixed.between)
+            for s in range(len(along) - 1)]
+    stage_costs = StageCosts(tuple(ops), latency=max(hops))
+    pipeline = family_makespan("1f1b", lay.pp, lay.microbatches, None, stage_costs)
+    most = {i: max(n for j, n in zip(along, layers) if j == i) for i in order}
+    worst = {i: parts[i].virtual(most[i]) for i in order}
+    return MixedLayout(lay, order, tuple(stages[i] for i in order), tuple(layers), pipeline,
+                       max(worst[i].dp_exposed for i in order),
+                       max(worst[i].optimizer for i in order),
+                       tuple(worst[i].memory_total for i in order))
+
+
+def plan_mixed(workload: Workload, mixed: MixedCluster, *, framework: Framework = LOOM,
+               fp8: bool = False, memory_fraction: float = 0.9, top: int = 5
+               ) -> list[MixedLayout]:
+    """The ``top`` fastest pipelines over ``mixed`` that fit, fastest first."""
+    found = []
+    for lay, stages in stage_shapes(workload, mixed):
+        parts = {i: _Part(workload, cluster, lay, framework, fp8,
+                          cluster.gpu.memory_bytes * min(memory_fraction,
+                                                         1.0 - framework.allocator_reserve))
+                 for i, cluster in enumerate(mixed.parts)}
+        for order in itertools.permutations(range(len(mixed.parts))):
+            priced = price_mixed(workload, mixed, lay, stages, order, parts)
+            if priced is not None:
+                found.append(priced)
+    found.sort(key=lambda p: (p.step_time, p.layout.label(), p.order))
+    return found[:top]
+
+
+def describe(mixed: MixedCluster, priced: MixedLayout) -> str:
+    """One line: the parts along the pipeline with their stages and layers per stage."""
+    out, s = [], 0
+    for i, count in zip(priced.order, priced.stages):
+        layers = priced.layers[s:s + count]
+        span = f"{min(layers)}" if min(layers) == max(layers) else f"{min(layers)}-{max(layers)}"
+        out.append(f"{mixed.parts[i].gpu.name} x {mixed.parts[i].gpus}: {count} stage(s) of"
+                   f" {span} layers")
+        s += count
+    return " | ".join(out)
+
+
+__all__ = ["MixedCluster", "MixedClusterError", "MixedLayout", "load_mixed", "plan_mixed",
+           "price_mixed", "split_layers", "stage_shapes", "describe"]
