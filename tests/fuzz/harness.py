@@ -49,10 +49,10 @@ PROFILES = {
 BUDGETS = {
     "ci": {"config_fast": 300, "config_fast_typed": 150, "config_cli": 80, "config_train": 2,
            "toml_bytes": 80, "toml_mutated": 80, "data": 80, "checkpoint": 150,
-           "checkpoint_pickle": 60, "plan_layout": 120},
+           "checkpoint_pickle": 60, "plan_layout": 120, "plan_mixed": 60},
     "bench": {"config_fast": 1500, "config_fast_typed": 500, "config_cli": 400, "config_train": 6,
               "toml_bytes": 300, "toml_mutated": 300, "data": 300, "checkpoint": 800,
-              "checkpoint_pickle": 200, "plan_layout": 1000},
+              "checkpoint_pickle": 200, "plan_layout": 1000, "plan_mixed": 400},
 }
 _ACTIVE = {"profile": "ci"}
 

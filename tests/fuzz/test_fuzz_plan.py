@@ -1,4 +1,5 @@
-"""Fuzzing ``loom plan --layout``: random what-if layouts of every ``Layout`` field.
+"""Fuzzing ``loom plan --layout``: random what-if layouts of every ``Layout`` field; and
+``loom plan --mixed``: random cluster files of unlike parts.
 
 ``--layout`` prices one layout the planner did not choose, so its fields arrive unchecked by any
 search space: degrees of 0 or below, unknown modes, schedules whose chunks do not fit their
@@ -125,3 +126,62 @@ def test_a_skippipe_layout_is_priced_as_gpipe():
     outcome = plan_outcome([*COMMON, "--model", "llama3-8b", "--gpus", "2", "--layout",
                             "pp=2,schedule=skippipe"])  # microbatches: the batch's
     assert outcome.kind == "ok", outcome
+
+
+# ----- loom plan --mixed FILE: random cluster files ------------------------------------------
+PART_VALUES = {
+    "gpu": ["A100-80GB", "H100-SXM", "A100-40GB", "B200", "Z80", "", 5, True],
+    "gpus": [1, 2, 8, 16, 0, -1, 3, 10**7, "8", 2.5, True],
+    "gpus_per_node": [1, 2, 8, 0, 3, -2, 2.5, "x"],
+    "intra": ["nvlink3", "pcie5", "nope", 3],
+    "inter": ["hdr-ib", "wan-1gbit", "nope", 3],
+    "speed": [1],  # not a key of a part
+}
+
+
+def toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace('"', '') + '"'
+    return repr(value)
+
+
+@st.composite
+def mixed_files(draw) -> str:
+    """A ``--mixed`` file: 0 to 5 parts of random keys and values, and sometimes a
+    ``[between]`` table, another table, or no TOML at all."""
+    if draw(st.integers(0, 19)) == 0:
+        return draw(st.sampled_from(["not toml [", "part = 3", "[[part]]\n[[part]]\n", ""]))
+    lines = []
+    for _ in range(draw(st.integers(0, 5))):
+        lines.append("[[part]]")
+        if draw(st.integers(0, 2)):  # a sane part, so that whole files often plan
+            lines += [f"gpu = {toml_value(draw(st.sampled_from(PART_VALUES['gpu'][:4])))}",
+                      f"gpus = {draw(st.sampled_from([8, 16]))}"]
+            continue
+        keys = draw(st.lists(st.sampled_from(sorted(PART_VALUES)), max_size=5, unique=True))
+        keys = [k for k in ("gpu", "gpus") if draw(st.integers(0, 9))] + \
+            [k for k in keys if k not in ("gpu", "gpus")]
+        lines += [f"{k} = {toml_value(draw(st.sampled_from(PART_VALUES[k])))}" for k in keys]
+    between = draw(st.sampled_from([None, "hdr-ib", "wan-10gbit", "tin-can", 5]))
+    if between is not None:
+        lines += ["[between]", f"link = {toml_value(between)}"]
+    if draw(st.integers(0, 9)) == 0:
+        lines += ["[nodes]", "x = 1"]
+    return "\n".join(lines) + "\n"
+
+
+@fuzz_settings("plan_mixed")
+@given(text=mixed_files(), model=st.sampled_from(["debug", "llama3-8b"]),
+       gpus=st.sampled_from([None, 16, 32]))
+def test_a_mixed_cluster_file_plans_or_is_refused_on_one_line(tmp_path_factory, text, model,
+                                                              gpus):
+    path = tmp_path_factory.mktemp("mixed") / "mixed.toml"
+    path.write_text(text)
+    args = ["plan", "--model", model, "--seq", "256", "--global-batch-tokens", str(64 * 256),
+            "--mixed", str(path)] + (["--gpus", str(gpus)] if gpus else [])
+    outcome = plan_outcome(args)
+    if outcome.kind == "other" and outcome.detail.startswith("exit 1"):
+        outcome = harness.Outcome("ok")  # a valid file on which no pipeline fits: exit 1
+    check("plan-mixed", outcome, text)
