@@ -36,7 +36,7 @@ from loom.models.presets import PRESETS
 from loom.layout import FP8_RECIPES
 from loom.plan import explain, varlen
 from loom.plan.calibrate import describe, load_profile
-from loom.plan.mixed import MixedClusterError, load_mixed, plan_mixed
+from loom.plan.mixed import MixedClusterError, load_mixed, plan_mixed, stage_shapes
 from loom.plan.mixed import describe as describe_mixed
 from loom.plan.hardware import (LINKS, MAX_OVERSUBSCRIPTION, Cluster, HardwareError, load_catalog,
                                 make_cluster)
@@ -563,7 +563,11 @@ def _run_mixed(args: argparse.Namespace, stack: Framework) -> int:
     print(f"{work.name} on {mixed.describe()}: pipelines over the parts (1F1B; stage memory an"
           " upper bound)")
     if not ranked:
-        print("no pipeline over these parts fits in memory")
+        shaped = next(stage_shapes(work, mixed), None) is not None
+        print("no pipeline over these parts fits in memory" if shaped else
+              "no stage shape fits these parts and this batch: each part must split into whole"
+              " stages of tp x dp ranks, and the batch must give every stage a microbatch (at"
+              f" least {mixed.gpus} / tp sequences)")
         return 1
     for k, p in enumerate(ranked, 1):
         print(f"{k}. {p.layout.label():<44} step {p.step_time:8.3f} s"
