@@ -529,12 +529,17 @@ def _run(args: argparse.Namespace) -> int:
 
 def _run_mixed(args: argparse.Namespace, stack: Framework) -> int:
     """``--mixed``: rank pipelines over a cluster of unlike accelerators (``loom.plan.mixed``)."""
-    for flag, value in (("--gpu", args.gpu), ("--layout", args.layout), ("-o", args.output),
-                        ("--explain", args.explain), ("--sites", args.sites),
-                        ("--length-dist", args.length_dist), ("--calibrate", args.calibrate)):
+    given = [("--gpu", args.gpu), ("--layout", args.layout), ("-o", args.output),
+             ("--explain", args.explain), ("--sites", args.sites),
+             ("--length-dist", args.length_dist), ("--calibrate", args.calibrate),
+             ("--gpus-per-node", args.gpus_per_node), ("--intra", args.intra),
+             ("--inter", args.inter), ("--nics-per-node", args.nics_per_node)]
+    given += [(flag, getattr(args, flag[2:].replace("-", "_"), None))
+              for flag, _, _ in TOPOLOGY_FLAGS]
+    for flag, value in given:
         if value:
-            raise PlanInputError(f"{flag}: not with --mixed (its file names the accelerators,"
-                                 " and it ranks pipelines over them)")
+            raise PlanInputError(f"{flag}: not with --mixed (its file names each part's"
+                                 " accelerators and links, and it ranks pipelines over them)")
     try:
         mixed = load_mixed(args.mixed, load_catalog(args.hardware))
     except MixedClusterError as err:

@@ -169,6 +169,8 @@ def test_loom_plan_mixed_ranks_pipelines_over_the_parts(tmp_path, capsys):
     (TWO_KINDS + '[between]\nlink = "tin-can"\n', [], "--mixed between.link 'tin-can'"),
     (TWO_KINDS, ["--layout", "pp=2"], "--layout: not with --mixed"),
     (TWO_KINDS, ["--gpus", "8"], "--gpus 8: the --mixed file's parts hold 32"),
+    (TWO_KINDS, ["--inter", "ndr-ib"], "--inter: not with --mixed"),
+    (TWO_KINDS, ["--nodes-per-rack", "2"], "--nodes-per-rack: not with --mixed"),
     ("not toml [", [], "--mixed"),
 ])
 def test_a_bad_mixed_file_is_refused_by_field(tmp_path, capsys, text, extra, named):
