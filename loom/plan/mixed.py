@@ -45,7 +45,7 @@ from typing import Any
 
 from loom.errors import InputFileError, loads_toml, read_input_text
 from loom.layout import Layout
-from loom.plan.hardware import Cluster, HardwareError, Link, make_cluster
+from loom.plan.hardware import TOPOLOGY_KEYS, Cluster, HardwareError, Link, make_cluster
 from loom.plan.search import family_makespan
 from loom.plan.space import Workload
 from loom.schedule.cost import OpCosts, StageCosts
@@ -53,7 +53,7 @@ from loom.sim.cost_model import CostModel
 from loom.sim.frameworks import LOOM, Framework
 
 MAX_PARTS = 4  # the parts' orders are all tried: 4! = 24
-PART_KEYS = {"gpu", "gpus", "gpus_per_node", "intra", "inter"}
+PART_KEYS = {"gpu", "gpus", "gpus_per_node", "intra", "inter", *TOPOLOGY_KEYS}
 MICRO_BATCHES = (1, 2, 4)
 RECOMPUTE = ("none", "full")
 
@@ -80,7 +80,8 @@ class MixedCluster:
 
 def load_mixed(path: str | Path, catalog: tuple[dict, dict, dict]) -> MixedCluster:
     """The mixed cluster described by the TOML file at ``path`` (``[[part]]`` tables of
-    ``gpu``, ``gpus`` and optionally ``gpus_per_node``, ``intra``, ``inter``; an optional
+    ``gpu``, ``gpus`` and optionally ``gpus_per_node``, ``intra``, ``inter`` and the topology
+    keys of ``hardware.TOPOLOGY_KEYS``, e.g. ``nodes_per_rack``; an optional
     ``[between]`` table with ``link``), its names looked up in ``catalog``
     (``hardware.load_catalog``). Raises ``MixedClusterError`` naming the field."""
     try:
@@ -115,9 +116,10 @@ def load_mixed(path: str | Path, catalog: tuple[dict, dict, dict]) -> MixedClust
             if key in part and not isinstance(part[key], str):
                 raise MixedClusterError(f"{where}.{key}: {part[key]!r} must be a name")
         try:
+            network = {key: part[key] for key in TOPOLOGY_KEYS if key in part}
             clusters.append(make_cluster(part["gpu"], gpus, part.get("gpus_per_node"),
                                          intra=part.get("intra"), inter=part.get("inter"),
-                                         catalog=catalog))
+                                         catalog=catalog, network=network or None))
         except HardwareError as err:  # its "--gpu Z80: ..." becomes "part[0].gpu Z80: ..."
             text = str(err)
             raise MixedClusterError(f"{where}.{text[2:]}" if text.startswith("--")

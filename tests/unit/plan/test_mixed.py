@@ -126,6 +126,24 @@ def test_a_slow_link_between_the_parts_slows_every_hop():
     assert steps["wan"] - steps["ib"] >= extra_send
 
 
+def test_a_part_may_describe_its_racks():
+    """A part's table takes the topology keys of ``--hardware``'s [cluster]: its data-parallel
+    groups that span its racks share their uplinks (``Cluster.link_for``), so a part of 4 nodes
+    behind racks of 2 oversubscribed 4:1 prices a pipeline's step slower than the same part
+    non-blocking (its ZeRO-1 gathers and reductions over 32 ranks cross the racks)."""
+    flat = load_mixed_text(two_parts("A100-80GB", "H100-SXM", 32))
+    racked = load_mixed_text(two_parts("A100-80GB", "H100-SXM", 32).replace(
+        "gpus = 32\n", "gpus = 32\nnodes_per_rack = 2\nrack_oversubscription = 4\n", 1))
+    assert racked.parts[0].nodes_per_rack == 2 and racked.parts[0].rack_oversubscription == 4
+    lay = Layout(pp=2, dp_shard=32, zero_stage=1, schedule="1f1b", micro_batch=1,
+                 microbatches=8)
+    steps = []
+    for mixed in (flat, racked):
+        parts = {i: _Part(WORK, c, lay, LOOM, False, 1e30) for i, c in enumerate(mixed.parts)}
+        steps.append(price_mixed(WORK, mixed, lay, (1, 1), (0, 1), parts).step_time)
+    assert steps[1] > steps[0]
+
+
 def test_the_stage_shapes_fit_every_part():
     """Every shape divides each part's GPUs into whole stages of tp x dp ranks, tp within
     the smallest node, and splits the batch into at least a microbatch per stage."""
@@ -169,6 +187,8 @@ def test_loom_plan_mixed_ranks_pipelines_over_the_parts(tmp_path, capsys):
     (TWO_KINDS + '[between]\nlink = "tin-can"\n', [], "--mixed between.link 'tin-can'"),
     (TWO_KINDS, ["--layout", "pp=2"], "--layout: not with --mixed"),
     (TWO_KINDS, ["--gpus", "8"], "--gpus 8: the --mixed file's parts hold 32"),
+    ('[[part]]\ngpu = "A100-80GB"\ngpus = 8\nrack_oversubscription = 0.5\n[[part]]\n'
+     'gpu = "H100-SXM"\ngpus = 8\n', [], "--mixed part[0]: cluster: rack_oversubscription=0.5"),
     (TWO_KINDS, ["--inter", "ndr-ib"], "--inter: not with --mixed"),
     (TWO_KINDS, ["--nodes-per-rack", "2"], "--nodes-per-rack: not with --mixed"),
     ("not toml [", [], "--mixed"),
