@@ -183,15 +183,17 @@ class MixedLayout:
 def stage_shapes(workload: Workload, mixed: MixedCluster) -> Iterator[tuple[Layout,
                                                                            tuple[int, ...]]]:
     """Every stage shape the parts can all hold, with each part's stage count: tp within the
-    smallest node and dividing the heads, dp dividing every part's GPUs over tp, ZeRO-1 or
+    smallest node and dividing the heads, the vocabulary and the sequence (sequence
+    parallelism's split), dp dividing every part's GPUs over tp, ZeRO-1 or
     plain replicas, a micro batch that divides the batch into at least one microbatch per
     stage, no or full recomputation."""
     m = workload.model
     per_node = min(part.gpus_per_node for part in mixed.parts)
     common = math.gcd(*(part.gpus for part in mixed.parts))
     for tp in (1, 2, 4, 8):
-        if tp > per_node or m.n_heads % tp or m.n_kv_heads % tp or common % tp:
-            continue
+        if tp > per_node or m.n_heads % tp or m.n_kv_heads % tp or m.vocab_size % tp \
+                or workload.seq_len % tp or common % tp:
+            continue  # as the homogeneous space: the heads, the vocabulary and SP's split
         for dp in (d for d in range(1, common // tp + 1) if (common // tp) % d == 0):
             stages = tuple(part.gpus // (tp * dp) for part in mixed.parts)
             pp = sum(stages)

@@ -146,12 +146,16 @@ def test_a_part_may_describe_its_racks():
 
 def test_the_stage_shapes_fit_every_part():
     """Every shape divides each part's GPUs into whole stages of tp x dp ranks, tp within
-    the smallest node, and splits the batch into at least a microbatch per stage."""
+    the smallest node and dividing the vocabulary and the sequence, and splits the batch into
+    at least a microbatch per stage."""
     mixed = load_mixed_text(TWO_KINDS)
     for lay, stages in stage_shapes(WORK, mixed):
         assert all(part.gpus == n * lay.tp * lay.dp for part, n in zip(mixed.parts, stages))
+        assert WORK.model.vocab_size % lay.tp == 0 and WORK.seq_len % lay.tp == 0
         assert lay.pp == sum(stages) and lay.microbatches >= lay.pp
         assert lay.dp * lay.micro_batch * lay.microbatches == WORK.global_batch
+    odd = Workload("odd-vocab", replace(WORK.model, vocab_size=50257), 4096, 256)
+    assert {lay.tp for lay, _ in stage_shapes(odd, mixed)} == {1}
 
 
 ARGS = ["plan", "--model", "llama3-8b", "--seq", "4096", "--global-batch-tokens",
