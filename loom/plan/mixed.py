@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from loom.errors import InputFileError, loads_toml, read_input_text
-from loom.layout import Layout
+from loom.layout import CPLayout, Layout, check_layout
 from loom.plan.hardware import TOPOLOGY_KEYS, Cluster, HardwareError, Link, make_cluster
 from loom.plan.search import family_makespan
 from loom.plan.space import Workload
@@ -194,22 +194,43 @@ def stage_shapes(workload: Workload, mixed: MixedCluster) -> Iterator[tuple[Layo
         if tp > per_node or m.n_heads % tp or m.n_kv_heads % tp or m.vocab_size % tp \
                 or workload.seq_len % tp or common % tp:
             continue  # as the homogeneous space: the heads, the vocabulary and SP's split
-        for dp in (d for d in range(1, common // tp + 1) if (common // tp) % d == 0):
-            stages = tuple(part.gpus // (tp * dp) for part in mixed.parts)
-            pp = sum(stages)
-            if pp < 2 or pp > m.n_layers:
+        for cp in (1, 2, 4, 8):
+            if (common // tp) % cp or not _ring_fits(workload, tp, cp):
                 continue
-            for zero, micro, recompute in itertools.product(
-                    (0, 1) if dp > 1 else (0,), MICRO_BATCHES, RECOMPUTE):
-                if workload.global_batch % (dp * micro):
+            rest = common // (tp * cp)
+            for dp in (d for d in range(1, rest + 1) if rest % d == 0):
+                stages = tuple(part.gpus // (tp * cp * dp) for part in mixed.parts)
+                pp = sum(stages)
+                if pp < 2 or pp > m.n_layers:
                     continue
-                microbatches = workload.global_batch // (dp * micro)
-                if microbatches < pp:
-                    continue
-                yield Layout(pp=pp, dp_replicate=1 if zero else dp, dp_shard=dp if zero else 1,
-                             zero_stage=zero, tp=tp, sequence_parallel=tp > 1, schedule="1f1b",
-                             micro_batch=micro, microbatches=microbatches,
-                             recompute=recompute), stages
+                for zero, micro, recompute in itertools.product(
+                        (0, 1) if dp * cp > 1 else (0,), MICRO_BATCHES, RECOMPUTE):
+                    if workload.global_batch % (dp * micro) or (zero and dp == 1):
+                        continue
+                    microbatches = workload.global_batch // (dp * micro)
+                    if microbatches < pp:
+                        continue
+                    yield Layout(pp=pp, dp_replicate=1 if zero else dp,
+                                 dp_shard=dp if zero else 1, zero_stage=zero, cp=cp,
+                                 cp_mode="ring", tp=tp, sequence_parallel=tp > 1,
+                                 schedule="1f1b", micro_batch=micro, microbatches=microbatches,
+                                 recompute=recompute), stages
+
+
+def _ring_fits(workload: Workload, tp: int, cp: int) -> bool:
+    """Whether ring context parallelism over ``cp`` ranks (at tp ``tp``) splits the sequence:
+    ``loom.layout.check_layout``'s rules, as the homogeneous space's."""
+    if cp == 1:
+        return True
+    m = workload.model
+    if workload.seq_len % cp or (workload.seq_len // cp) % tp:
+        return False
+    try:
+        check_layout(CPLayout.from_mode("ring", cp), workload.seq_len, max(1, m.n_heads // tp),
+                     max(1, m.n_kv_heads // tp))
+    except ValueError:
+        return False
+    return True
 
 
 class _Part:
@@ -252,10 +273,12 @@ class _Part:
 
 
 def price_mixed(workload: Workload, mixed: MixedCluster, lay: Layout,
-                stages: tuple[int, ...], order: tuple[int, ...], parts: dict[int, _Part]
-                ) -> MixedLayout | None:
+                stages: tuple[int, ...], order: tuple[int, ...], parts: dict[int, _Part],
+                ceiling: float = math.inf) -> MixedLayout | None:
     """``lay`` over the parts in ``order`` (``parts``: each part's ``_Part`` for this shape);
-    None when the layers do not fit."""
+    None when the layers do not fit, or when the busiest stage's work over the microbatches,
+    a lower bound of the step, is already ``ceiling`` or more (the planner's bound: the
+    slowest layout it keeps)."""
     along = [i for i in order for _ in range(stages[i])]  # the part of each stage
     per_layer = [sum(parts[i].per_layer) for i in along]
     head = parts[along[-1]].head
@@ -270,6 +293,8 @@ def price_mixed(workload: Workload, mixed: MixedCluster, lay: Layout,
         if s == len(along) - 1:
             f, b, w = f + head[0], b + head[1], w + head[2]
         ops.append(OpCosts(f, b, w))
+    if lay.microbatches * max(op.f + op.i + op.w for op in ops) >= ceiling:
+        return None
     hops = [parts[along[s]].model.send_time(lay) if along[s] == along[s + 1]
             else parts[along[s]].model.send_time(lay, mixed.between)
             for s in range(len(along) - 1)]
@@ -294,11 +319,15 @@ def plan_mixed(workload: Workload, mixed: MixedCluster, *, framework: Framework 
                                                          1.0 - framework.allocator_reserve))
                  for i, cluster in enumerate(mixed.parts)}
         for order in itertools.permutations(range(len(mixed.parts))):
-            priced = price_mixed(workload, mixed, lay, stages, order, parts)
+            # the top-th fastest kept so far bounds the rest (a floor at or above it cannot
+            # enter the table)
+            ceiling = found[top - 1].step_time if len(found) >= top else math.inf
+            priced = price_mixed(workload, mixed, lay, stages, order, parts, ceiling)
             if priced is not None:
                 found.append(priced)
-    found.sort(key=lambda p: (p.step_time, p.layout.label(), p.order))
-    return found[:top]
+                found.sort(key=lambda p: (p.step_time, p.layout.label(), p.order))
+                del found[top:]
+    return found
 
 
 def describe(mixed: MixedCluster, priced: MixedLayout) -> str:

@@ -89,6 +89,23 @@ def test_the_faster_part_takes_more_layers_and_the_stages_balance():
     assert sum(best.layers) == WORK.model.n_layers
 
 
+def test_the_bound_keeps_the_ranking_of_pricing_everything():
+    """``plan_mixed`` skips simulating a pipeline whose busiest stage's work over the
+    microbatches is already slower than the top-th layout it keeps: its table equals pricing
+    every shape in every order."""
+    mixed = load_mixed_text(TWO_KINDS)
+    everything = []
+    for lay, stages in stage_shapes(WORK, mixed):
+        parts = {i: _Part(WORK, c, lay, LOOM, False, c.gpu.memory_bytes * 0.9)
+                 for i, c in enumerate(mixed.parts)}
+        for order in ((0, 1), (1, 0)):
+            priced = price_mixed(WORK, mixed, lay, stages, order, parts)
+            if priced is not None:
+                everything.append(priced)
+    everything.sort(key=lambda p: (p.step_time, p.layout.label(), p.order))
+    assert plan_mixed(WORK, mixed, top=4) == everything[:4]
+
+
 def test_a_part_with_less_memory_gets_fewer_layers_per_stage():
     """A100-40GB beside A100-80GB, the same 4-stage shape (ZeRO-1 over 8, micro batch 1, no
     recomputation): a 40 GB stage holds at most 7 of the 8B's layers within 90% of its memory,
@@ -145,15 +162,17 @@ def test_a_part_may_describe_its_racks():
 
 
 def test_the_stage_shapes_fit_every_part():
-    """Every shape divides each part's GPUs into whole stages of tp x dp ranks, tp within
-    the smallest node and dividing the vocabulary and the sequence, and splits the batch into
-    at least a microbatch per stage."""
+    """Every shape divides each part's GPUs into whole stages of tp x cp x dp ranks, tp
+    within the smallest node and dividing the vocabulary and the sequence, and splits the batch
+    into at least a microbatch per stage; ring context parallelism is among them."""
     mixed = load_mixed_text(TWO_KINDS)
     for lay, stages in stage_shapes(WORK, mixed):
-        assert all(part.gpus == n * lay.tp * lay.dp for part, n in zip(mixed.parts, stages))
+        assert all(part.gpus == n * lay.tp * lay.cp * lay.dp
+                   for part, n in zip(mixed.parts, stages))
         assert WORK.model.vocab_size % lay.tp == 0 and WORK.seq_len % lay.tp == 0
         assert lay.pp == sum(stages) and lay.microbatches >= lay.pp
         assert lay.dp * lay.micro_batch * lay.microbatches == WORK.global_batch
+    assert {lay.cp for lay, _ in stage_shapes(WORK, mixed)} == {1, 2, 4, 8}
     odd = Workload("odd-vocab", replace(WORK.model, vocab_size=50257), 4096, 256)
     assert {lay.tp for lay, _ in stage_shapes(odd, mixed)} == {1}
 
@@ -171,9 +190,9 @@ def test_loom_plan_mixed_ranks_pipelines_over_the_parts(tmp_path, capsys):
     ranked = json.loads(capsys.readouterr().out)["ranked"]
     assert len(ranked) == 2 and ranked[0]["step_time_s"] <= ranked[1]["step_time_s"]
     assert sum(ranked[0]["layers_per_stage"]) == 32
-    # 2 sequences cannot give each stage of any shape over 32 GPUs a microbatch: exit 1, said
+    # 1 sequence cannot give each stage of any shape over 32 GPUs a microbatch: exit 1, said
     small = ["plan", "--model", "llama3-8b", "--seq", "4096", "--global-batch-tokens",
-             str(2 * 4096), "--mixed", str(path)]
+             str(1 * 4096), "--mixed", str(path)]
     assert main(small) == 1
     assert "no stage shape fits these parts and this batch" in capsys.readouterr().out
 
