@@ -7,11 +7,14 @@ are alike, and put pipeline stages on the different node types: Holmes (Yang et 
 clusters with unlike NICs), Metis (Um et al. 2024, unlike GPUs), Pipette, Cephalo. Loom's
 planner does the same.
 
-* **One stage shape for the whole pipeline.** Each stage has tp x dp ranks (plain replicas, or
-  ZeRO-1 over dp) and the same micro batch, recomputation and 1F1B schedule. Every microbatch
-  crosses every stage, so the stages share the data parallelism and the batch.
-* **Part i holds gpus_i / (tp x dp) consecutive stages.** The order of the parts along the
-  pipeline is searched: the first stage holds the most microbatches in flight.
+* **One stage shape for the whole pipeline.** Each stage has tp x cp x dp ranks (ring context
+  parallelism; plain replicas, or ZeRO-1 over dp) and the same micro batch, recomputation and
+  1F1B schedule. Every microbatch crosses every stage, so the stages share the data
+  parallelism and the batch.
+* **Part i holds gpus_i / (tp x cp x dp) consecutive stages.** The order of the parts along
+  the pipeline is searched: the first stage holds the most microbatches in flight. A pipeline
+  whose busiest stage's work over the microbatches is already slower than the table's last
+  is not simulated.
 * **The layers are split unevenly** (``split_layers``). Each layer goes to the stage that would
   finish it soonest: a stage of part i with n layers costs n times that part's per-layer F + I
   + W, and the last stage the head too. This greedy is optimal for identical jobs on machines
@@ -184,9 +187,9 @@ def stage_shapes(workload: Workload, mixed: MixedCluster) -> Iterator[tuple[Layo
                                                                            tuple[int, ...]]]:
     """Every stage shape the parts can all hold, with each part's stage count: tp within the
     smallest node and dividing the heads, the vocabulary and the sequence (sequence
-    parallelism's split), dp dividing every part's GPUs over tp, ZeRO-1 or
-    plain replicas, a micro batch that divides the batch into at least one microbatch per
-    stage, no or full recomputation."""
+    parallelism's split), ring cp of 1 to 8 where it splits the sequence, dp dividing every
+    part's GPUs over tp x cp, ZeRO-1 (over dp) or plain replicas, a micro batch that divides
+    the batch into at least one microbatch per stage, no or full recomputation."""
     m = workload.model
     per_node = min(part.gpus_per_node for part in mixed.parts)
     common = math.gcd(*(part.gpus for part in mixed.parts))
