@@ -81,7 +81,6 @@ def gpu_of(row: dict) -> tuple[str, str, str] | None:
 
 
 def skip_reason(row: dict) -> str | None:
-    precision = str(row.get("precision", "")).lower()
     if gpu_of(row) is None:
         return f"accelerator {row.get('gpu')} not in Loom's catalog"
     model = row["model"]
@@ -280,7 +279,7 @@ def compare(row: dict, *, search: bool = True, forced: str | None = None) -> dic
     layout, assumed, cost = _published_layout_priced(row, model, seq, cluster, stack)
     batch = layout.dp * layout.micro_batch * layout.microbatches
     step = cost.step_time
-    rep, derived = row["reported"], row.get("derived") or {}
+    rep = row["reported"]
     out = {"name": row["name"], "source": row["source"], "gpus": row["gpus"], "gpu": gpu,
            "layout": layout.label(), "assumed": assumed, "predicted_step_s": step,
            "memory_gib": cost.memory_total / 2**30, "bubble": cost.bubble,

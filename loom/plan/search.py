@@ -82,7 +82,6 @@ def simulate_step(model: CostModel, cost: StepCost, *, max_simulated: int | None
     if lay.pp == 1 or cost.stage_costs is None:
         return replace(cost, simulated=True)
     p, m = lay.pp, lay.microbatches
-    first = min(m, max_simulated or 2 * p)
     stage_costs = cost.stage_costs.build()
     cores = model.shared_cores(lay)
     if lay.schedule == SEARCH:
@@ -91,7 +90,7 @@ def simulate_step(model: CostModel, cost: StepCost, *, max_simulated: int | None
     # SkipPipe's paths are priced as GPipe over one replica's microbatches (``schedule_of``)
     family = "gpipe" if lay.schedule == SKIPPIPE else lay.schedule
     chunks = lay.chunks if family == "interleaved_1f1b" else None
-    pipeline = family_makespan(family, p, m, chunks, stage_costs, cores, first)
+    pipeline = family_makespan(family, p, m, chunks, stage_costs, cores, max_simulated)
     if lay.vocab_parallel_pp:  # the split embedding's messages at the step's edges
         pipeline += model.vocab_pass_times(lay)[4] * m
     return replace(cost, pipeline=pipeline, simulated=True)
@@ -503,5 +502,5 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
     return result
 
 
-__all__ = ["Plan", "plan", "simulate_step", "family_makespan", "runnable", "check_vocab_pp", "to_config",
-           "workload_config"]
+__all__ = ["Plan", "plan", "simulate_step", "family_makespan", "runnable", "check_vocab_pp",
+           "to_config", "workload_config"]
