@@ -3,8 +3,9 @@
 For uniform per-stage costs F, I, W = 1, 1.2, 0.8 and latency 0.02, p = 4 and 8, m = 4p, on the
 looped and the V placement: the searched schedule's makespan over the pure work m(F + I + W),
 minus 1, at L = 1..2p units, then each family of the placement with its peak units and excess,
-then how far the planner's screening estimate (``loom.sim.cost_model.search_estimate``) is
-from the search at each L. The numbers behind docs/planner.md's "What the search buys" table.
+then how far the planner's screening estimate
+(``loom.sim.pipeline_estimate.search_estimate``) is from the search at each L. The numbers
+behind docs/planner.md's "What the search buys" table.
 
     python bench/search_levels.py      # about 25 s here
 """
@@ -16,7 +17,7 @@ from loom.schedule.search import placement_costs, search
 from loom.schedule.validate import peak_memory
 from loom.schedule.cost import StageCosts
 from loom.layout import Layout
-from loom.sim.cost_model import search_estimate
+from loom.sim.pipeline_estimate import search_estimate
 from loom.schedule.simulate import simulate
 
 F, I, W, LATENCY = 1.0, 1.2, 0.8, 0.02

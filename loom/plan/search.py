@@ -250,7 +250,7 @@ SECONDS_PER_ACTION = 5e-5
 # p = 4, m = 8 and 0.9 s at p = 8, m = 32, about 70 actions' worth per rank and microbatch)
 SEARCH_ACTIONS_PER_PASS = 72
 # Searched layouts simulated beside the finalists whatever their screening estimate: it is a
-# rough one (``loom.sim.cost_model.search_estimate``), and only the search finds out
+# rough one (``loom.sim.pipeline_estimate.search_estimate``), and only the search finds out
 SEARCH_FINALISTS = 2
 SEARCH_MARGIN = 1.3  # ... unless even that estimate is this far behind the best simulated
 # Pipeline layouts (the best kept, family schedules) whose twin with the vocabulary split over

@@ -14,8 +14,8 @@ from loom.layout import Layout
 from loom.models.presets import PRESETS
 from loom.plan.hardware import GB, Cluster, Gpu, Link
 from loom.sim.cost_memory import layout_memory
-from loom.sim.cost_model import (CostModel, allreduce_time, gather_time, p2p_time,
-                                  pipeline_estimate)
+from loom.sim.cost_model import CostModel, allreduce_time, gather_time, p2p_time
+from loom.sim.pipeline_estimate import pipeline_estimate
 
 LLAMA = PRESETS["llama3-8b"]  # vocab 128,256, dim 4096, untied
 FAST = Link("fast", 100 * GB, 1e-6, efficiency=1.0)
