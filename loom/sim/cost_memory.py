@@ -412,7 +412,7 @@ def _framework_instants(model: Any, lay: Layout, psi: float, experts: float
     # ZeRO-3 inside a pipeline: torch's pipelining runs FSDP without gradient sync until a
     # stage's last microbatch (``backward_maybe_with_nosync``), so the stage's gradients are
     # held whole while microbatches accumulate (assumed of the other stacks too)
-    passes_grads = fw.grad_bytes * psi if stage == 3 and held and lay.microbatches > 1 else grads
+    passes_grads = fw.grad_bytes * psi if held and lay.microbatches > 1 else grads
     temporaries = state(8)[2] if fw.optimizer_temporaries else 0.0  # two fp32 state slices
     step_grads, step_copy = grads, 0.0
     if fw.fp32_grad_slice and stage <= 1:  # the step keeps its own slice (all without ZeRO)
