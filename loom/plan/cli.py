@@ -36,8 +36,7 @@ from loom.models.presets import PRESETS
 from loom.layout import FP8_RECIPES
 from loom.plan import explain, varlen
 from loom.plan.calibrate import describe, load_profile
-from loom.plan.mixed import MixedClusterError, load_mixed, plan_mixed, stage_shapes
-from loom.plan.mixed import describe as describe_mixed
+from loom.plan.mixed import MixedClusterError, load_mixed, plan_mixed, report
 from loom.plan.hardware import (LINKS, MAX_OVERSUBSCRIPTION, Cluster, HardwareError, load_catalog,
                                 make_cluster)
 from loom.plan.layout_input import LayoutInputError, check_layout_input
@@ -555,32 +554,8 @@ def _run_mixed(args: argparse.Namespace, stack: Framework) -> int:
     work = _workload(args)
     ranked = plan_mixed(work, mixed, framework=stack, fp8=fp8,
                         memory_fraction=args.memory_fraction, top=args.top)
-    tokens = work.global_batch * work.seq_len
-    if args.json:
-        print(json.dumps({"cluster": mixed.describe(), "ranked": [
-            {"layout": p.layout.label(), "parts_along_pipeline": [
-                mixed.parts[i].gpu.name for i in p.order], "stages_per_part": list(p.stages),
-             "layers_per_stage": list(p.layers), "step_time_s": p.step_time,
-             "pipeline_s": p.pipeline, "dp_exposed_s": p.dp_exposed, "optimizer_s": p.optimizer,
-             "tokens_per_s_per_gpu": tokens / p.step_time / mixed.gpus,
-             "memory_gib_per_part": [m / 2**30 for m in p.memory]} for p in ranked]}))
-        return 0 if ranked else 1
-    print(f"{work.name} on {mixed.describe()}: pipelines over the parts (1F1B; stage memory an"
-          " upper bound)")
-    if not ranked:
-        shaped = next(stage_shapes(work, mixed), None) is not None
-        print("no pipeline over these parts fits in memory" if shaped else
-              "no stage shape fits these parts and this batch: each part must split into whole"
-              " stages of tp x dp ranks, and the batch must give every stage a microbatch (at"
-              f" least {mixed.gpus} / tp sequences)")
-        return 1
-    for k, p in enumerate(ranked, 1):
-        print(f"{k}. {p.layout.label():<44} step {p.step_time:8.3f} s"
-              f"  {tokens / p.step_time / mixed.gpus:10,.0f} tokens/s/GPU")
-        print(f"   {describe_mixed(mixed, p)}")
-        print("   memory (worst stage, GiB): " + ", ".join(
-            f"{mixed.parts[i].gpu.name} {m / 2**30:.1f}" for i, m in zip(p.order, p.memory)))
-    return 0
+    print(report(work, mixed, ranked, args.json))
+    return 0 if ranked else 1
 
 
 def _run_varlen(args: argparse.Namespace, stack: Framework) -> int:

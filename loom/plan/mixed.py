@@ -38,8 +38,10 @@ schedule replay, which a port could not reuse. Torch-free, communicates nothing.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
+import json
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -47,10 +49,10 @@ from pathlib import Path
 from typing import Any
 
 from loom.errors import InputFileError, loads_toml, read_input_text
-from loom.layout import CPLayout, Layout, check_layout
+from loom.layout import Layout
 from loom.plan.hardware import TOPOLOGY_KEYS, Cluster, HardwareError, Link, make_cluster
 from loom.plan.search import family_makespan
-from loom.plan.space import Workload
+from loom.plan.space import Workload, cp_modes, tp_fits
 from loom.schedule.cost import OpCosts, StageCosts
 from loom.sim.cost_model import CostModel
 from loom.sim.frameworks import LOOM, Framework
@@ -193,12 +195,13 @@ def stage_shapes(workload: Workload, mixed: MixedCluster) -> Iterator[tuple[Layo
     m = workload.model
     per_node = min(part.gpus_per_node for part in mixed.parts)
     common = math.gcd(*(part.gpus for part in mixed.parts))
+    seq = workload.seq_len
     for tp in (1, 2, 4, 8):
-        if tp > per_node or m.n_heads % tp or m.n_kv_heads % tp or m.vocab_size % tp \
-                or workload.seq_len % tp or common % tp:
-            continue  # as the homogeneous space: the heads, the vocabulary and SP's split
-        for cp in (1, 2, 4, 8):
-            if (common // tp) % cp or not _ring_fits(workload, tp, cp):
+        if tp > per_node or common % tp:
+            continue
+        for cp in (1, 2, 4, 8):  # the homogeneous space's rules (loom.plan.space)
+            if (common // tp) % cp or seq % cp or not tp_fits(m, tp, seq, cp) \
+                    or "ring" not in cp_modes(m, tp, cp, seq):
                 continue
             rest = common // (tp * cp)
             for dp in (d for d in range(1, rest + 1) if rest % d == 0):
@@ -220,23 +223,7 @@ def stage_shapes(workload: Workload, mixed: MixedCluster) -> Iterator[tuple[Layo
                                  recompute=recompute), stages
 
 
-def _ring_fits(workload: Workload, tp: int, cp: int) -> bool:
-    """Whether ring context parallelism over ``cp`` ranks (at tp ``tp``) splits the sequence:
-    ``loom.layout.check_layout``'s rules, as the homogeneous space's."""
-    if cp == 1:
-        return True
-    m = workload.model
-    if workload.seq_len % cp or (workload.seq_len // cp) % tp:
-        return False
-    try:
-        check_layout(CPLayout.from_mode("ring", cp), workload.seq_len, max(1, m.n_heads // tp),
-                     max(1, m.n_kv_heads // tp))
-    except ValueError:
-        return False
-    return True
-
-
-class _Part:
+class PartCosts:
     """A part's cost models for one stage shape: per-layer and head times, and the virtual
     pipelines (every stage n layers) that price a stage of n layers' memory, data-parallel and
     optimizer time, cached by n."""
@@ -263,6 +250,7 @@ class _Part:
             cost = self._virtual[layers] = model.evaluate(self.lay)
         return cost
 
+    @functools.cached_property
     def cap(self) -> int:
         """The most layers a stage of this part holds within the budget (0: not one)."""
         low, high = 0, self.workload.model.n_layers
@@ -276,16 +264,16 @@ class _Part:
 
 
 def price_mixed(workload: Workload, mixed: MixedCluster, lay: Layout,
-                stages: tuple[int, ...], order: tuple[int, ...], parts: dict[int, _Part],
+                stages: tuple[int, ...], order: tuple[int, ...], parts: dict[int, PartCosts],
                 ceiling: float = math.inf) -> MixedLayout | None:
-    """``lay`` over the parts in ``order`` (``parts``: each part's ``_Part`` for this shape);
+    """``lay`` over the parts in ``order`` (``parts``: each part's ``PartCosts`` for this shape);
     None when the layers do not fit, or when the busiest stage's work over the microbatches,
-    a lower bound of the step, is already ``ceiling`` or more (the planner's bound: the
-    slowest layout it keeps)."""
+    a lower bound of the step, is already above ``ceiling`` (the planner's bound: the slowest
+    layout it keeps)."""
     along = [i for i in order for _ in range(stages[i])]  # the part of each stage
     per_layer = [sum(parts[i].per_layer) for i in along]
     head = parts[along[-1]].head
-    caps = {i: parts[i].cap() for i in order}
+    caps = {i: parts[i].cap for i in order}
     layers = split_layers(workload.model.n_layers, per_layer, sum(head),
                           [caps[i] for i in along])
     if layers is None:
@@ -296,8 +284,8 @@ def price_mixed(workload: Workload, mixed: MixedCluster, lay: Layout,
         if s == len(along) - 1:
             f, b, w = f + head[0], b + head[1], w + head[2]
         ops.append(OpCosts(f, b, w))
-    if lay.microbatches * max(op.f + op.i + op.w for op in ops) >= ceiling:
-        return None
+    if lay.microbatches * max(op.f + op.i + op.w for op in ops) > ceiling:
+        return None  # (one equal to it may still tie into the table)
     hops = [parts[along[s]].model.send_time(lay) if along[s] == along[s + 1]
             else parts[along[s]].model.send_time(lay, mixed.between)
             for s in range(len(along) - 1)]
@@ -317,13 +305,13 @@ def plan_mixed(workload: Workload, mixed: MixedCluster, *, framework: Framework 
     """The ``top`` fastest pipelines over ``mixed`` that fit, fastest first."""
     found = []
     for lay, stages in stage_shapes(workload, mixed):
-        parts = {i: _Part(workload, cluster, lay, framework, fp8,
+        parts = {i: PartCosts(workload, cluster, lay, framework, fp8,
                           cluster.gpu.memory_bytes * min(memory_fraction,
                                                          1.0 - framework.allocator_reserve))
                  for i, cluster in enumerate(mixed.parts)}
         for order in itertools.permutations(range(len(mixed.parts))):
-            # the top-th fastest kept so far bounds the rest (a floor at or above it cannot
-            # enter the table)
+            # the top-th fastest kept so far bounds the rest (a floor above it cannot enter
+            # the table)
             ceiling = found[top - 1].step_time if len(found) >= top else math.inf
             priced = price_mixed(workload, mixed, lay, stages, order, parts, ceiling)
             if priced is not None:
@@ -345,5 +333,36 @@ def describe(mixed: MixedCluster, priced: MixedLayout) -> str:
     return " | ".join(out)
 
 
-__all__ = ["MixedCluster", "MixedClusterError", "MixedLayout", "load_mixed", "plan_mixed",
-           "price_mixed", "split_layers", "stage_shapes", "describe"]
+def report(workload: Workload, mixed: MixedCluster, ranked: Sequence[MixedLayout],
+           as_json: bool = False) -> str:
+    """``loom plan --mixed``'s answer: the ranked pipelines as a table (each with its parts'
+    stages and layers and their worst stage's memory) or as JSON; with none, why."""
+    tokens = workload.global_batch * workload.seq_len
+    if as_json:
+        return json.dumps({"cluster": mixed.describe(), "ranked": [
+            {"layout": p.layout.label(), "parts_along_pipeline": [
+                mixed.parts[i].gpu.name for i in p.order], "stages_per_part": list(p.stages),
+             "layers_per_stage": list(p.layers), "step_time_s": p.step_time,
+             "pipeline_s": p.pipeline, "dp_exposed_s": p.dp_exposed, "optimizer_s": p.optimizer,
+             "tokens_per_s_per_gpu": tokens / p.step_time / mixed.gpus,
+             "memory_gib_per_part": [m / 2**30 for m in p.memory]} for p in ranked]})
+    lines = [f"{workload.name} on {mixed.describe()}: pipelines over the parts (1F1B; stage"
+             " memory an upper bound)"]
+    if not ranked:
+        shaped = next(stage_shapes(workload, mixed), None) is not None
+        lines.append("no pipeline over these parts fits in memory" if shaped else
+                     "no stage shape fits these parts and this batch: each part must split into"
+                     " whole stages of tp x cp x dp ranks, and the batch must give every stage"
+                     " a microbatch")
+    for k, p in enumerate(ranked, 1):
+        lines += [f"{k}. {p.layout.label():<44} step {p.step_time:8.3f} s"
+                  f"  {tokens / p.step_time / mixed.gpus:10,.0f} tokens/s/GPU",
+                  f"   {describe(mixed, p)}",
+                  "   memory (worst stage, GiB): " + ", ".join(
+                      f"{mixed.parts[i].gpu.name} {m / 2**30:.1f}"
+                      for i, m in zip(p.order, p.memory))]
+    return "\n".join(lines)
+
+
+__all__ = ["MixedCluster", "MixedClusterError", "MixedLayout", "PartCosts", "load_mixed",
+           "plan_mixed", "price_mixed", "split_layers", "stage_shapes", "describe", "report"]

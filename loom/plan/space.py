@@ -83,7 +83,9 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def _tp_ok(m: TransformerArgs, tp: int, seq: int, cp: int) -> bool:
+def tp_fits(m: TransformerArgs, tp: int, seq: int, cp: int) -> bool:
+    """Whether tp divides the heads, the KV heads, the vocabulary and a cp rank's sequence
+    (sequence parallelism's split)."""
     return (m.n_heads % tp == 0 and m.n_kv_heads % tp == 0 and m.vocab_size % tp == 0
             and (seq // cp) % tp == 0)
 
@@ -104,7 +106,7 @@ def vocab_pp_fits(m: TransformerArgs, lay: Layout) -> bool:
             and m.n_experts == 0)
 
 
-def _cp_modes(m: TransformerArgs, tp: int, cp: int, seq: int) -> list[str]:
+def cp_modes(m: TransformerArgs, tp: int, cp: int, seq: int) -> list[str]:
     """Context-parallel modes whose shape rules hold (``loom.parallel.context.check_layout``)."""
     if cp == 1:
         return ["ring"]
@@ -193,9 +195,9 @@ def layouts(work: Workload, world: int, gpus_per_node: int, *,
         if tp > gpus_per_node or m.n_heads % tp or m.n_kv_heads % tp or m.vocab_size % tp:
             continue  # tensor parallelism stays inside a node (its traffic is per layer)
         for cp in divisors(world // tp):
-            if cp > max_cp or seq % cp or not _tp_ok(m, tp, seq, cp):
+            if cp > max_cp or seq % cp or not tp_fits(m, tp, seq, cp):
                 continue
-            modes = _cp_modes(m, tp, cp, seq)
+            modes = cp_modes(m, tp, cp, seq)
             for ep in divisors(world // (tp * cp)) if experts else [1]:
                 if experts and experts % ep:
                     continue
@@ -266,5 +268,5 @@ def _inner(m, pp, dp, ep, cp, tp, local, modes, gpus_per_node, families, micro_b
                         yield LayoutGroup(first, recompute)
 
 
-__all__ = ["Workload", "LayoutGroup", "layouts", "vocab_pp_fits", "divisors", "SCHEDULES",
-           "RECOMPUTE", "MICRO_BATCHES", "SEARCH_MAX_WORK"]
+__all__ = ["Workload", "LayoutGroup", "layouts", "vocab_pp_fits", "tp_fits", "cp_modes",
+           "divisors", "SCHEDULES", "RECOMPUTE", "MICRO_BATCHES", "SEARCH_MAX_WORK"]
