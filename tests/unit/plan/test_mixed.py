@@ -177,6 +177,16 @@ def test_the_stage_shapes_fit_every_part():
     assert {lay.tp for lay, _ in stage_shapes(odd, mixed)} == {1}
 
 
+def test_the_documented_example_file_describes_its_three_parts():
+    """configs/plan-inputs/mixed-a100-h100-h200.toml, docs/planner.md's example, loads as
+    512 A100s, 256 H100s and 256 H200s joined by HDR InfiniBand."""
+    path = Path(__file__).parents[3] / "configs" / "plan-inputs" / "mixed-a100-h100-h200.toml"
+    mixed = load_mixed(path, load_catalog())
+    assert [(c.gpu.name, c.gpus) for c in mixed.parts] == [
+        ("A100-80GB", 512), ("H100-SXM", 256), ("H200", 256)]
+    assert mixed.between.name == "hdr-ib"
+
+
 ARGS = ["plan", "--model", "llama3-8b", "--seq", "4096", "--global-batch-tokens",
         str(256 * 4096)]
 
