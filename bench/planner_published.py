@@ -83,11 +83,14 @@ def gpu_of(row: dict) -> tuple[str, str, str] | None:
 def skip_reason(row: dict) -> str | None:
     if gpu_of(row) is None:
         return f"accelerator {row.get('gpu')} not in Loom's catalog"
-    model = row["model"]
-    if model.get("attention") == "MLA" or "head_dim" in model:
-        return "attention shape Loom's model lacks (MLA / head_dim != hidden/heads)"
-    if row["layout"].get("ep", 1) > 1:
-        return "MoE with features beyond Loom's MoE layer"
+    model, lay = row["model"], row["layout"]
+    if "attention" in model:  # any attention but Loom's (GQA, one causal or sliding window)
+        return f"attention Loom's model lacks ({model['attention']})"
+    if lay.get("ep", 1) > 1 and lay["ep"] > lay["dp"]:
+        # Megatron folds expert parallelism over tensor ranks too; Loom's ep is a data axis
+        return "expert parallelism across tensor-parallel ranks (ep > dp), which Loom's layout lacks"
+    if "capacity_factor" in model and not model["capacity_factor"]:
+        return "token-dropping MoE at an unstated capacity factor"
     return None
 
 
@@ -102,10 +105,17 @@ def model_of(row: dict) -> TransformerArgs:
     h = m["hidden"]
     swiglu = m.get("activation") == "swiglu"
     ffn = m.get("ffn_dim") or (round(8 * h / 3) if swiglu else 4 * h)
+    experts = m.get("n_experts", 0)
     return TransformerArgs(dim=h, n_layers=m["layers"], n_heads=m["heads"],
                            n_kv_heads=m.get("kv_heads", m["heads"]), ffn_dim=ffn,
                            vocab_size=m["vocab"], max_seq_len=m["seq_len"],
-                           mlp="swiglu" if swiglu else "gelu")
+                           mlp="swiglu" if swiglu else "gelu",
+                           head_dim_override=m.get("head_dim", 0),
+                           qk_norm=bool(m.get("qk_norm", False)),
+                           n_experts=experts, top_k=m.get("top_k", 2) if experts else 2,
+                           expert_ffn_dim=m.get("moe_ffn_dim", 0),
+                           n_shared_experts=m.get("n_shared_experts", 0),
+                           n_dense_layers=m.get("dense_layers", 0))
 
 
 def published_year(row: dict) -> int | None:
@@ -198,8 +208,13 @@ def layout_of(row: dict, **chosen) -> tuple[Layout, list[str]]:
         sp = chosen.get("sequence_parallel", False) if "sequence_parallel" in free else False
         if "sequence_parallel" in free:
             assumed.append("sequence parallel" if sp else "no sequence parallelism")
-    layout = Layout(pp=pp, dp_replicate=1 if (sharded or zero) else dp,
-                    dp_shard=dp if (sharded or zero) else 1, cp=cp, tp=tp, zero_stage=zero,
+    # Megatron's data parallelism holds its expert parallelism (the experts' groups are
+    # carved out of it); Loom's ep is a data axis of its own beside dp_replicate x dp_shard
+    ep = lay.get("ep", 1)
+    rest = dp // ep
+    layout = Layout(pp=pp, dp_replicate=1 if (sharded or zero) else rest,
+                    dp_shard=rest if (sharded or zero) else 1, ep=ep, cp=cp, tp=tp,
+                    zero_stage=zero,
                     cp_mode=lay.get("cp_mode", "ring"),
                     sequence_parallel=bool(sp) and tp > 1, schedule=schedule, chunks=chunks,
                     micro_batch=micro, microbatches=batch // (dp * micro), recompute=recompute,

@@ -634,8 +634,11 @@ class CostModel:
     def zero_stage_of(self, lay: Layout) -> int:
         """The ZeRO stage ``lay`` runs, 0 where nothing is sharded. Loom's trainer shards over
         dp_shard x cp only with dp_shard > 1 (its config rules); another stack's FSDP or ZeRO
-        mesh is dp_shard x cp, so the cp ranks alone shard it (torchtitan's "FSDP 1, CP 8")."""
-        shards = lay.dp_shard if self.framework.is_loom else lay.dp_shard * lay.cp
+        mesh is dp_shard x cp, so the cp ranks alone shard it (torchtitan's "FSDP 1, CP 8"),
+        and its dense parameters' shards span the expert ranks too (Megatron's distributed
+        optimizer over a data-parallel group that holds ep: "EP 16" at dp 16 shards them 16
+        ways while each expert has one replica)."""
+        shards = lay.dp_shard if self.framework.is_loom else lay.dp_shard * lay.cp * lay.ep
         return lay.zero_stage if shards > 1 else 0
 
     def _held_and_stepped(self, lay: Layout) -> dict[int, tuple[float, float]]:

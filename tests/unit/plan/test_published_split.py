@@ -171,6 +171,36 @@ def test_fp8_rows_are_compared_with_their_linears_in_fp8(bench):
     assert not bench.fp8_of(rows["llama3-405b-8192gpu-seq8k"])
 
 
+def test_moe_rows_are_priced_with_their_experts_and_megatron_s_expert_parallelism(bench):
+    """A Megatron MoE row's "dp 16, EP 16" is Loom's ep 16 beside dp_shard 1 (Megatron's
+    expert parallelism lives inside its data parallelism); the model keeps its head size,
+    QK-norm and experts; the distributed optimizer shards the dense parameters over the
+    expert ranks, so dropping it costs memory."""
+    rows = {r["name"]: r for r in bench.load_rows()}
+    row = rows["megatron-bridge-26.06-qwen3-30b-a3b-h100-16gpu-fp8-ep16"]
+    assert bench.skip_reason(row) is None
+    model = bench.model_of(row)
+    assert (model.n_experts, model.top_k, model.expert_ffn_dim) == (128, 8, 768)
+    assert model.head_dim == 128 != model.dim // model.n_heads and model.qk_norm
+    layout, _ = bench.layout_of(row, zero_stage=1)
+    assert (layout.ep, layout.dp_shard, layout.dp_replicate) == (16, 1, 1)
+    assert layout.microbatches == 1024 // 16
+    sharded = bench.compare(row, search=False)
+    assert sharded["metric"] == "tokens/s/GPU" and "distributed optimizer" in sharded["assumed"]
+    whole = bench.compare({**row, "layout": {**row["layout"], "zero_stage": 0}}, search=False)
+    assert whole["memory_gib"] > sharded["memory_gib"]
+
+
+def test_moe_rows_loom_cannot_express_are_skipped_with_the_reason(bench):
+    rows = {r["name"]: r for r in bench.load_rows()}
+    assert "tensor-parallel" in bench.skip_reason(
+        rows["megatron-bridge-26.04.01-qwen3-235b-a22b-h100-256gpu-fp8-tp2-ep32"])
+    assert "sliding window" in bench.skip_reason(
+        rows["megatron-bridge-26.02-gpt-oss-120b-h100-64gpu-bf16-moe"])
+    assert "MLA" in bench.skip_reason({**rows["deepseek-v3-671b-moe-2048xh800"],
+                                       "gpu": "H100 (DGX-H100)"})
+
+
 def test_llama3_rows_are_priced_on_their_stated_network_and_rank_order(bench):
     """The paper's network (2 servers a rack, 192 racks a pod, 1:7 above) and its "[TP, CP,
     PP, DP]" order: the pipeline stays inside a pod, so the row prices as on a flat network,
