@@ -24,7 +24,11 @@ heads of width d, f FFN width, t = tp; a matmul of m x k by k x n is 2mkn FLOPs)
   f_e, each of the dense MLP's kind: 2c·T·h·f_e·(top_k + n_shared)/t (c = 3 SwiGLU, 2 GELU);
 * backward after Zero Bubble (Qi et al. 2024, Table 1): I = the matmuls again plus twice the
   attention core, W = the matmuls again; full recomputation adds F to I, selective the core;
-* matmul time = FLOPs / ``Gpu.matmul_rate(smallest dim)``; element-wise work (norms, residuals,
+* matmul time = FLOPs / ``Gpu.matmul_rate(smallest dim)``, a routed expert's GEMMs at its
+  share of the rows, T·top_k·ep/E under balanced routing (a rank's E/ep experts take the
+  assignments of every ep rank), in FP8 where the stack converts them
+  (``Framework.fp8_experts``), one kernel for all local experts where it groups them
+  (``Framework.grouped_experts``, ``loom.sim.launch_cost``); element-wise work (norms, residuals,
   RoPE, SwiGLU) is memory-bound: about 20 reads or writes of T·h elements per layer forward
   (8 replicated and 12 split by tp, all split under sequence parallelism), twice that backward,
   at the HBM bandwidth (what fused kernels move: a compiled block); an eager one
@@ -97,6 +101,7 @@ closed forms checked against ``loom.schedule.validate.peak_memory`` in the tests
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Any
@@ -232,6 +237,19 @@ class CostModel:
         core = 4 * tokens * attended_keys(self.seq, m.sliding_window) * m.n_heads * d
         return (proj + mlp) / tp + router, core / tp
 
+    def routed_expert_flops(self, tokens: float, tp: int) -> float:
+        """Forward FLOPs of one MoE layer's routed experts on one rank: each token's top_k
+        assignments through an expert of the dense MLP's kind, its width split by ``tp``."""
+        m = self.model
+        return 2 * m.mlp_matrices * tokens * m.top_k * m.dim * (m.expert_ffn_dim or m.ffn_dim) / tp
+
+    def _routed_cast_elements(self, tokens: float, tp: int) -> float:
+        """Elements the routed experts' linears cast to FP8 per pass where the stack converts
+        them: each assignment's input to w1 (and SwiGLU's w3), D each, and to w2, F_e."""
+        m = self.model
+        width = m.expert_ffn_dim or m.ffn_dim
+        return tokens * m.top_k * ((m.mlp_matrices - 1) * m.dim + width) / tp
+
     def _fp8_share(self, tokens: float, tp: int, moe: bool) -> tuple[float, float]:
         """(the FLOPs of one layer's forward that run in FP8, the elements cast to FP8 per pass)
         on one rank: Loom converts the attention projections and the dense or shared-expert MLP
@@ -266,18 +284,31 @@ class CostModel:
         s_local = self.seq // lay.cp
         tokens = lay.micro_batch * s_local
         mat, core = self.layer_flops(tokens, lay.tp, moe)
-        widths = min(m.dim / lay.tp, (m.expert_ffn_dim or m.ffn_dim) / lay.tp if moe
-                     else m.ffn_dim / lay.tp)
+        expert_width = (m.expert_ffn_dim or m.ffn_dim) / lay.tp
+        routed = self.routed_expert_flops(tokens, lay.tp) if moe else 0.0
+        # the GEMMs beside the routed experts: the projections, and the dense MLP or the
+        # shared experts (n_shared x F_e wide, as one)
+        widths = min(m.dim / lay.tp, (expert_width * m.n_shared_experts if m.n_shared_experts
+                                      else math.inf) if moe else m.ffn_dim / lay.tp)
         converted = cast_elements = 0.0
         if self.fp8:
             converted, cast_elements = self._fp8_share(tokens, lay.tp, moe)
+        fp8_gain = 1 - gpu.peak_flops / gpu.fp8_flops if self.fp8 and gpu.fp8_flops else 0.0
+        routed_fp8 = routed if self.framework.fp8_experts else 0.0
+        if routed_fp8 and fp8_gain:
+            cast_elements += self._routed_cast_elements(tokens, lay.tp)
 
         def gemms(rows: float) -> float:
             """Seconds of the layer's GEMMs run as pieces of ``rows`` rows each (the FP8 share
-            at the FP8 peak): the smallest dimension sets the efficiency."""
-            rate = gpu.matmul_rate(min(rows, widths))
-            fp8_saved = converted * (1 - gpu.peak_flops / gpu.fp8_flops) if converted else 0.0
-            return (mat - fp8_saved) / rate
+            at the FP8 peak): the smallest dimension sets the efficiency. A routed expert's
+            GEMMs get its share of the assignments, balanced: rows x top_k over the experts,
+            times ep (a rank runs its E / ep experts on the tokens every ep rank sends it)."""
+            t = (mat - routed - converted * fp8_gain) / gpu.matmul_rate(min(rows, widths))
+            if routed:
+                per_expert = rows * m.top_k * lay.ep / m.n_experts
+                t += (routed - routed_fp8 * fp8_gain) / gpu.matmul_rate(
+                    min(per_expert, expert_width))
+            return t
 
         t_mat = gemms(tokens)
         # dynamic scaling: each converted operand read for its amax, read again and written
@@ -353,7 +384,8 @@ class CostModel:
                 - t_mat * slow
         # the host queues each pass's kernels ahead of the device: a pass of short kernels
         # takes their launches' host time instead (loom.sim.launch_cost)
-        k_f, k_i, k_w = block_kernels(m, moe, self.framework.compiled, self.e, lay.ep)
+        k_f, k_i, k_w = block_kernels(m, moe, self.framework.compiled, self.e, lay.ep,
+                                      self.framework.grouped_experts)
         launch = gpu.launch_overhead
         f_compute = host_bound((t_mat + t_cast + t_core + t_scores_f + t_elem + t_eager_f
                                 + overhead) * slow, k_f, launch)

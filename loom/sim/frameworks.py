@@ -44,6 +44,15 @@ What a profile fixes:
   ``_apply_ac_to_transformer_block``), and recomputes everything else in backward
   (``loom.formulas.memory.op_sac_block_bytes``; the recomputed matmuls are a Llama block's
   wk, wo and w3, the 2nd, 4th and 6th it runs).
+* **How the routed experts run** (MoE): ``grouped_experts``, one grouped GEMM per expert
+  matrix for all of a rank's experts (Megatron's ``--moe-grouped-gemm``, on in its MoE
+  recipes; torchtitan's ``GroupedExperts``), or a loop with each expert's GEMMs its own
+  kernels (Loom's trainer, whose CPU path has no grouped GEMM; DeepSpeed-MoE's local experts);
+  ``fp8_experts``, whether FP8 training converts the routed experts' GEMMs (Megatron: TE's
+  ``GroupedLinear`` runs in FP8 under ``--fp8-format``) or leaves them in bf16 (Loom's
+  ``loom.parallel.fp8`` converts only ``nn.Linear``; torchtitan's float8 for MoE is an
+  opt-in prototype). Either way each expert's GEMM has only its share of the rows
+  (``CostModel``), which sets its efficiency.
 * **Memory beyond the block** (Aleph Alpha's Scaling, the stack of Hagemann et al. 2023's
   layout sweep, ``bench/planner_sweep.py``; read from its public code, github.com/Aleph-Alpha/
   scaling, the 2024 release of the "AA-Scaling" codebase the paper ran):
@@ -193,6 +202,10 @@ class Framework:
     overlap: Overlap = field(default_factory=Overlap)
     rank_order: tuple[str, ...] = RANK_ORDER  # innermost first
     selective: str = "core"  # SELECTIVE: what selective recomputation recomputes
+    # the routed experts: one grouped GEMM per matrix for all local experts (else a loop of
+    # per-expert GEMMs, each its own kernels), and whether FP8 converts them too
+    grouped_experts: bool = False
+    fp8_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.selective not in SELECTIVE:
@@ -260,11 +273,13 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
               overlap=Overlap(tp_comm=False, param_gather=False, grad_reduce="last_backward")),
     Framework("megatron", param_bytes=2, grad_bytes=4, optimizer_bytes=12, zero12_gather_bytes=2,
               sp_shards_all=True, dropout=True, step_path="megatron",
+              grouped_experts=True, fp8_experts=True,  # --moe-grouped-gemm, TE's FP8 GroupedLinear
               overlap=Overlap(tp_comm=True, param_gather=True, grad_reduce="pipeline_flush")),
     Framework("torchtitan", param_bytes=4, grad_bytes=4, optimizer_bytes=8, zero12_gather_bytes=2,
               sp_shards_all=False, sp_keeps_gathered=True,  # fused AdamW by default
               compiled=False,  # compile.enable's default; its published BF16 rows ran eager
               step_path="torchtitan", selective="ops",
+              grouped_experts=True,  # its MoE's GroupedExperts (torch._grouped_mm)
               overlap=Overlap(tp_comm=False, param_gather=False, grad_reduce="last_backward")),
     Framework("deepspeed", param_bytes=2, grad_bytes=4, optimizer_bytes=12, zero12_gather_bytes=2,
               sp_shards_all=True, attention_kernel="fused", dropout=True, step_path="deepspeed",

@@ -70,14 +70,15 @@ COMPILED_FUSED = (5, 4)
 
 
 def block_kernels(model: TransformerArgs, moe: bool, compiled: bool, e: int,
-                  ep: int = 1) -> tuple[int, int, int]:
+                  ep: int = 1, grouped: bool = False) -> tuple[int, int, int]:
     """(F, I, W) kernels one rank's pass of one block launches (the module docstring's counts):
     eager or compiled, with ``e``-byte activations; an MoE block runs its ``n_experts / ep``
-    local experts, of the dense MLP's kind. I and W split the backward as a split backward runs
-    it (W the weight gradients); their sum is the whole backward's."""
+    local experts, of the dense MLP's kind, one after another, or all at once as one grouped
+    GEMM per matrix (``grouped``: counted as one expert). I and W split the backward as a split
+    backward runs it (W the weight gradients); their sum is the whole backward's."""
     swiglu = model.mlp_matrices == 3
     if moe:
-        experts = max(1, model.n_experts // ep)
+        experts = 1 if grouped else max(1, model.n_experts // ep)
         shared = 1 if model.n_shared_experts else 0
         if compiled:  # 4 projections, the router, each expert's and the shared experts' own
             matmuls = 5 + model.mlp_matrices * experts + model.mlp_matrices * shared
