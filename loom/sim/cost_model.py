@@ -54,7 +54,9 @@ Loom's runtime:
 * cp ring: cp-1 steps passing K and V (2T·k·d·e/t bytes), overlapped with the attention block
   of the step (exposed only beyond it), twice the bytes in backward; Ulysses: all-to-alls of q,
   k, v and the output forward, the same backward, not overlapped; hybrid: both, at their degrees;
-* ep: dispatch and combine all-to-alls of T·top_k·h·e forward, the same backward, per MoE layer;
+* ep: dispatch and combine all-to-alls of T·top_k·h·e forward, the same backward, per MoE layer
+  (an all-to-all spanning nodes, ep's or Ulysses', sends its intra-node share over the node's
+  link and the rest over the NICs at once: ``collectives.spanning_all_to_all_time``);
 * pp: one activation of T·h·e (T·h·e/t under SP) per stage boundary, as the simulator's send;
   vocabulary parallelism across the pipeline (``Layout.vocab_parallel_pp``) is in ``vocab_cost``;
 * data parallelism (group dp_replicate·dp_shard·ep·cp, gradients in ``grad_bytes`` per element):
@@ -112,7 +114,8 @@ from loom.layout import Layout
 from loom.models.args import TransformerArgs
 from loom.layout import CPLayout  # Loom's own split of cp into u x r
 from loom.schedule.cost import OpCosts, StageCosts
-from loom.sim.collectives import all_to_all_time, allreduce_time, gather_time, p2p_time
+from loom.sim.collectives import (allreduce_time, gather_time, p2p_time,
+                                  spanning_all_to_all_time)
 from loom.sim.dp_cost import data_parallel_time
 from loom.sim.cost_memory import layout_memory
 from loom.sim.eager_cost import eager_extra_bytes
@@ -349,8 +352,8 @@ class CostModel:
             stride = self.group_strides(lay)["cp"]
             if ulysses > 1:
                 qkvo = tokens * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads) / lay.tp * self.e
-                cp_fwd += all_to_all_time(qkvo, ulysses, c.link_for(ulysses, stride))
-                cp_bwd += all_to_all_time(qkvo, ulysses, c.link_for(ulysses, stride))
+                cp_fwd += spanning_all_to_all_time(qkvo, ulysses, stride, c)
+                cp_bwd += spanning_all_to_all_time(qkvo, ulysses, stride, c)
             if ring > 1 and split.gather:  # all-gather cp (loom.parallel.allgather_attention)
                 # every rank's keys and values gathered before the attention, again in the
                 # backward, and their fp32 gradients reduce-scattered after it: not overlapped
@@ -368,8 +371,7 @@ class CostModel:
         ep_fwd = 0.0
         if moe and lay.ep > 1:
             rows = tokens * m.top_k * m.dim * self.e
-            ep_link = c.link_for(lay.ep, self.group_strides(lay)["ep"])
-            ep_fwd = 2 * all_to_all_time(rows, lay.ep, ep_link)
+            ep_fwd = 2 * spanning_all_to_all_time(rows, lay.ep, self.group_strides(lay)["ep"], c)
         per_pass, _, per_token = gpu.framework_overhead(wrappers(lay))
         overhead = self.op_overhead + per_pass + per_token * tokens
         # compute (and framework work) slows down when ranks share processors; communication

@@ -21,7 +21,8 @@ from loom.layout import Layout
 from loom.sim.cost_model import CostModel
 from loom.sim.frameworks import LOOM
 from loom.sim.cost_memory import PEAK_IN_FLIGHT
-from loom.sim.cost_model import all_to_all_time, allreduce_time, gather_time, p2p_time
+from loom.sim.collectives import (all_to_all_time, allreduce_time, gather_time, p2p_time,
+                                  spanning_all_to_all_time)
 from loom.formulas.flops import training_flops_per_token
 from loom.train.memory import estimate_memory
 
@@ -191,6 +192,26 @@ def test_alpha_beta_collectives_by_hand():
     assert allreduce_time(nbytes, 1, link) == 0.0
     # small messages on many ranks: the tree's log2(n) latency wins
     assert allreduce_time(8, 1024, link) == pytest.approx(2 * 8 / beta + 2 * 10 * alpha)
+
+
+def test_an_all_to_all_across_nodes_sends_its_node_s_share_over_the_fast_link_at_once():
+    """16 ranks, 8 a node: each rank sends 1/16 of its bytes to each member, 7 of them in its
+    node (fast link) and 8 in the other (its NIC), both at once; the latency is the slow
+    link's, once per peer. Inside a node it is the one-link form; one member per node sends
+    everything but its own share over the NIC."""
+    c = cluster(32, per_node=8)
+    nbytes = 1e9
+    fast, slow = FAST.effective_bandwidth, SLOW.effective_bandwidth
+    expected = max(7 / 16 * nbytes / fast, 8 / 16 * nbytes / slow) + 15 * SLOW.latency
+    assert spanning_all_to_all_time(nbytes, 16, 1, c) == pytest.approx(expected)
+    assert spanning_all_to_all_time(nbytes, 16, 1, c) < all_to_all_time(nbytes, 16, SLOW)
+    assert spanning_all_to_all_time(nbytes, 8, 1, c) == all_to_all_time(nbytes, 8, FAST)
+    # stride 8: one member a node, every other member's share crosses a NIC
+    assert spanning_all_to_all_time(nbytes, 4, 8, c) == all_to_all_time(nbytes, 4, SLOW)
+    # stride 2: 4 members a node, so 3/8 of the bytes stay in the node and 4/8 leave it
+    assert spanning_all_to_all_time(nbytes, 8, 2, c) == pytest.approx(
+        max(3 / 8 * nbytes / fast, 4 / 8 * nbytes / slow) + 7 * SLOW.latency)
+    assert spanning_all_to_all_time(nbytes, 1, 1, c) == 0.0
 
 
 def test_groups_inside_a_node_use_the_fast_link():
