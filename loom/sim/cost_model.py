@@ -28,7 +28,8 @@ heads of width d, f FFN width, t = tp; a matmul of m x k by k x n is 2mkn FLOPs)
   share of the rows, T·top_k·ep/E under balanced routing (a rank's E/ep experts take the
   assignments of every ep rank), in FP8 where the stack converts them
   (``Framework.fp8_experts``), one kernel for all local experts where it groups them
-  (``Framework.grouped_experts``, ``loom.sim.launch_cost``); element-wise work (norms, residuals,
+  (``Framework.grouped_experts``, ``loom.sim.launch_cost``), and the tokens' moves into
+  expert order and back at the HBM bandwidth (``moe_permute_passes``); element-wise work (norms, residuals,
   RoPE, SwiGLU) is memory-bound: about 20 reads or writes of T·h elements per layer forward
   (8 replicated and 12 split by tp, all split under sequence parallelism), twice that backward,
   at the HBM bandwidth (what fused kernels move: a compiled block); an eager one
@@ -143,6 +144,18 @@ SCORE_PASSES = {"fused": (4, 7), "unfused": (8, 11)}
 # weight 2 + 2 = 36 against 4, per norm), forward; backward twice that, as every element-wise
 # pass here
 UNFUSED_NORM_BYTES = 64
+
+
+def moe_permute_passes(top_k: int, ep: int) -> int:
+    """Reads and writes of T·h elements an MoE layer's forward spends moving tokens (twice
+    that backward, which moves the gradients back the same way): the dispatch copies each
+    token's row top_k times into expert order; with ep > 1 the received rows are copied into
+    the order of the rank's own experts and the experts' outputs back into arrival order for
+    the combine's all-to-all (Megatron's permute and its two chunk sorts; Loom's gather and
+    ``loom.parallel.expert``'s ``x_in[order]`` and ``y[argsort(order)]``), each copy a read and
+    a write of top_k rows per token; the combine reads the top_k weighted rows and writes one."""
+    copies = 3 if ep > 1 else 1
+    return top_k * (2 * copies + 1) + 1
 
 
 class _LazyStageCosts:
@@ -331,6 +344,9 @@ class CostModel:
         split = ELEMENTWISE_PASSES if lay.sequence_parallel and lay.tp > 1 else 12
         kept = 0 if lay.sequence_parallel and lay.tp > 1 else ELEMENTWISE_PASSES - 12
         t_elem = tokens * m.dim * self.e * (kept + split / lay.tp) / gpu.hbm_bandwidth
+        if moe:
+            t_elem += tokens * m.dim * self.e * moe_permute_passes(m.top_k, lay.ep) \
+                / gpu.hbm_bandwidth
         t_eager_f = t_eager_i = 0.0
         if not self.framework.compiled:  # one kernel per element-wise op (its norms included)
             extra_f, extra_i = eager_extra_bytes(m, tokens, lay.tp, lay.sequence_parallel, moe,

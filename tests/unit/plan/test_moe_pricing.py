@@ -100,3 +100,21 @@ def test_a_launch_bound_moe_pass_is_shorter_with_grouped_experts():
         kernels = block_kernels(MODEL, True, compiled=False, e=2, grouped=grouped)
         assert passes[grouped] == pytest.approx(tuple(k * 1e-5 for k in kernels))
     assert all(g < loop for g, loop in zip(passes[True], passes[False]))
+
+
+@pytest.mark.parametrize("ep, copies", [(1, 1), (4, 3)])
+def test_moving_the_tokens_into_expert_order_and_back_costs_hbm_traffic(ep, copies):
+    """On an accelerator of unbounded FLOPs and links, an MoE layer's forward is longer than a
+    dense one's by its token moves: each copy reads and writes top_k rows of h per token (one
+    into expert order; with ep two more around the experts), the combine reads top_k and
+    writes one; backward moves the gradients the same way, twice the traffic."""
+    bandwidth = 1e11
+    hbm_only = replace(UNIT, peak_flops=1e30, fp8_flops=0.0, hbm_bandwidth=bandwidth)
+    cluster = Cluster(hbm_only, ep, ep, FAST, FAST)
+    stack = replace(LOOM, compiled=True)  # no per-op eager traffic, which differs by MLP
+    cost = CostModel(MODEL, SEQ, ep, cluster, framework=stack)
+    layout = Layout(dp_shard=1, ep=ep)
+    moe, dense = cost._layer_times(layout, True), cost._layer_times(layout, False)
+    moved = SEQ * D * 2 * (K * (2 * copies + 1) + 1) / bandwidth
+    assert moe[0] - dense[0] == pytest.approx(moved, rel=1e-9)
+    assert moe[1] - dense[1] == pytest.approx(2 * moved, rel=1e-9)
