@@ -71,6 +71,8 @@ def gpu_of(row: dict) -> tuple[str, str, str] | None:
     if "H100" in name:
         inter = "roce-400" if "llama3-405b" in row["name"] else "ndr-ib"
         return "H100-SXM", "nvlink4", inter
+    if "H800" in name:  # DeepSeek-V3 §3.1: NVLink in the node, 400 Gb/s InfiniBand per GPU
+        return "H800", "nvlink4-h800", "ndr-ib"
     if "B200" in name:  # DGX B200: NVLink 5 in the node, 8 ConnectX-7 at 400 Gb/s per node
         return "B200", "nvlink5", "ndr-ib"
     if "V100" in name and "SXM3" in name:  # DGX-2H: NVSwitch, 8 EDR HCAs per 16 GPUs

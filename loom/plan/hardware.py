@@ -203,6 +203,9 @@ GPUS: dict[str, Gpu] = {g.name: dataclasses.replace(g, launch_overhead=HOST_LAUN
     Gpu("H100-PCIe", 756e12, 80 * GiB, 2000 * GB, 0.7, intra="pcie5", gpus_per_node=8,
         fp8_flops=1513e12),
     Gpu("H200", 989e12, 141 * GB, 4800 * GB, 0.7, fp8_flops=1979e12),
+    # H800 SXM: the H100 SXM's die and HBM3 with NVLink cut to 8 links, 400 GB/s both ways
+    # (NVIDIA's H800 datasheet; DeepSeek-V3 §3.1 measured about 160 GB/s of it)
+    Gpu("H800", 989e12, 80 * GiB, 3350 * GB, 0.7, intra="nvlink4-h800", fp8_flops=1979e12),
     Gpu("B200", 2.25e15, 180 * GB, 8000 * GB, 0.65, intra="nvlink5", fp8_flops=4.5e15),
     Gpu("MI250X", 383e12, 128 * GB, 3200 * GB, 0.55, intra="infinity-fabric-3",
         inter="slingshot-11", gpus_per_node=4),
@@ -249,6 +252,7 @@ LINKS: dict[str, Link] = {link.name: link for link in (
     Link("nvswitch2", 150 * GB, 5e-6),  # DGX-2(H): the same 6 NVLink 2 links into NVSwitch
     Link("nvlink3", 300 * GB, 5e-6),
     Link("nvlink4", 450 * GB, 5e-6),
+    Link("nvlink4-h800", 200 * GB, 5e-6),  # H800: 8 NVLink 4 links of 25 GB/s per direction
     Link("nvlink5", 900 * GB, 5e-6),
     Link("pcie5", 64 * GB, 5e-6),
     Link("infinity-fabric-3", 100 * GB, 6e-6),  # MI250X: per-GCD-pair links of 50-100 GB/s

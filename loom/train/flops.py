@@ -30,6 +30,8 @@ _PEAK_BF16_FLOPS: tuple[tuple[str, str, float], ...] = (
     ("H100 PCIE", "H100-PCIe", 756e12),
     ("H100", "H100-SXM", 989e12),  # SXM; torchtitan's default for any other H100 name
     ("H200", "H200", 989e12),
+    ("H800 PCIE", "H800-PCIe", 756e12),  # the H100 PCIe's peak; the planner does not model it
+    ("H800", "H800", 989e12),  # SXM
     ("B200", "B200", 2.25e15),
     ("MI300X", "MI300X", 1300e12),
     ("MI250X", "MI250X", 383e12),

@@ -30,6 +30,18 @@ LLAMA3_NETWORK = {"nodes_per_rack": 2, "racks_per_pod": 192, "spine_oversubscrip
 
 # ----- the variants -------------------------------------------------------------------------
 
+def test_the_h800_computes_as_an_h100_and_talks_slower_inside_its_node():
+    """The H800 SXM is the H100 SXM's die with NVLink cut to 400 GB/s both ways: the same
+    matmuls, a tp8 all-reduce 450/200 times longer, and the same network between nodes."""
+    h800, h100 = make_cluster("H800", 16), make_cluster("H100-SXM", 16)
+    assert h800.gpu.peak_flops == h100.gpu.peak_flops and h800.gpu.memory_bytes == 80 * 2**30
+    assert h800.intra.bandwidth == 200 * GB and h800.inter is h100.inter
+    lay = Layout(dp_replicate=2, tp=8, micro_batch=1, microbatches=4)
+    comm = {name: CostModel(LLAMA_8B, 4096, 8, c).evaluate(lay).comm["tp"]
+            for name, c in (("h800", h800), ("h100", h100))}
+    assert comm["h800"] > 2 * comm["h100"]
+
+
 def test_the_variants_are_priced_but_not_in_the_trainers_table():
     assert not set(VARIANTS) & set(GPUS)
     catalog = load_catalog()[0]

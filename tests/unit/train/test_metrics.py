@@ -111,6 +111,7 @@ def test_a_cpu_has_no_stated_peak_unless_one_is_given() -> None:
     ("NVIDIA H100 PCIe", 756e12), ("NVIDIA A100-SXM4-80GB", 312e12),
     ("NVIDIA H200", 989e12), ("NVIDIA B200", 2.25e15), ("AMD Instinct MI300X", 1300e12),
     ("AMD Instinct MI250X", 383e12), ("NVIDIA RTX A6000", 154.85e12), ("NVIDIA L40S", 362e12),
+    ("NVIDIA H800", 989e12), ("NVIDIA H800 PCIe", 756e12),
 ])
 def test_known_gpu_peaks_come_from_the_catalog(monkeypatch: pytest.MonkeyPatch, name: str,
                                               peak: float) -> None:
@@ -137,6 +138,7 @@ CATALOG_DEVICE_NAMES = {
     "A100-40GB": "NVIDIA A100-SXM4-40GB", "A100-80GB": "NVIDIA A100-SXM4-80GB",
     "H100-SXM": "NVIDIA H100 80GB HBM3", "H100-NVL": "NVIDIA H100 NVL",
     "H100-PCIe": "NVIDIA H100 PCIe", "H200": "NVIDIA H200", "B200": "NVIDIA B200",
+    "H800": "NVIDIA H800",
     "MI250X": "AMD Instinct MI250X", "MI300X": "AMD Instinct MI300X",
 }
 
