@@ -36,7 +36,7 @@ from loom.models.presets import PRESETS
 from loom.layout import FP8_RECIPES
 from loom.plan import explain, varlen
 from loom.plan.calibrate import describe, load_profile
-from loom.plan.mixed import MixedClusterError, load_mixed, plan_mixed, report
+from loom.plan.mixed import MixedClusterError, load_mixed, rank_mixed, report
 from loom.plan.hardware import (LINKS, MAX_OVERSUBSCRIPTION, Cluster, HardwareError, load_catalog,
                                 make_cluster)
 from loom.plan.layout_input import LayoutInputError, check_layout_input
@@ -527,7 +527,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_mixed(args: argparse.Namespace, stack: Framework) -> int:
-    """``--mixed``: rank pipelines over a cluster of unlike accelerators (``loom.plan.mixed``)."""
+    """``--mixed``: rank pipelines over a cluster of unlike accelerators and data parallelism
+    across it (``loom.plan.mixed``, ``loom.plan.mixed_dp``)."""
     given = [("--gpu", args.gpu), ("--layout", args.layout), ("-o", args.output),
              ("--explain", args.explain), ("--sites", args.sites),
              ("--length-dist", args.length_dist), ("--calibrate", args.calibrate),
@@ -552,7 +553,7 @@ def _run_mixed(args: argparse.Namespace, stack: Framework) -> int:
     if slow:
         raise PlanInputError(f"--fp8 {args.fp8}: {slow[0]} has no FP8 matmuls")
     work = _workload(args)
-    ranked = plan_mixed(work, mixed, framework=stack, fp8=fp8,
+    ranked = rank_mixed(work, mixed, framework=stack, fp8=fp8,
                         memory_fraction=args.memory_fraction, top=args.top)
     print(report(work, mixed, ranked, args.json))
     return 0 if ranked else 1

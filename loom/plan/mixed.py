@@ -1,4 +1,5 @@
-"""Pipelines over unlike accelerators: ``loom plan --mixed FILE`` (issue 21 item 3).
+"""Pipelines over unlike accelerators: ``loom plan --mixed FILE`` (issue 21 item 3), ranked
+together with data parallelism across them (``loom.plan.mixed_dp``, ``rank_mixed``).
 
 A mixed cluster is two to four *parts*. Each part is a homogeneous group of nodes: one
 accelerator type, its node size and its links. A *between* link joins the parts. The systems
@@ -51,6 +52,8 @@ from typing import Any
 from loom.errors import InputFileError, loads_toml, read_input_text
 from loom.layout import Layout
 from loom.plan.hardware import TOPOLOGY_KEYS, Cluster, HardwareError, Link, make_cluster
+from loom.plan.mixed_dp import MixedReplicas, plan_replicas
+from loom.plan.mixed_dp import describe as describe_replicas
 from loom.plan.search import family_makespan
 from loom.plan.space import Workload, cp_modes, tp_fits
 from loom.schedule.cost import OpCosts, StageCosts
@@ -321,6 +324,19 @@ def plan_mixed(workload: Workload, mixed: MixedCluster, *, framework: Framework 
     return found
 
 
+def rank_mixed(workload: Workload, mixed: MixedCluster, *, framework: Framework = LOOM,
+               fp8: bool = False, memory_fraction: float = 0.9, top: int = 5
+               ) -> list[MixedLayout | MixedReplicas]:
+    """``loom plan --mixed``'s ranking: the ``top`` fastest of the pipelines over the parts
+    (``plan_mixed``) and the data-parallel layouts across them (``mixed_dp.plan_replicas``)."""
+    options = dict(framework=framework, fp8=fp8, memory_fraction=memory_fraction, top=top)
+    ranked: list[MixedLayout | MixedReplicas] = [
+        *plan_mixed(workload, mixed, **options),
+        *plan_replicas(workload, mixed.parts, mixed.between, **options)]
+    ranked.sort(key=lambda p: p.step_time)
+    return ranked[:top]
+
+
 def describe(mixed: MixedCluster, priced: MixedLayout) -> str:
     """One line: the parts along the pipeline with their stages and layers per stage."""
     out, s = [], 0
@@ -333,30 +349,52 @@ def describe(mixed: MixedCluster, priced: MixedLayout) -> str:
     return " | ".join(out)
 
 
-def report(workload: Workload, mixed: MixedCluster, ranked: Sequence[MixedLayout],
-           as_json: bool = False) -> str:
-    """``loom plan --mixed``'s answer: the ranked pipelines as a table (each with its parts'
-    stages and layers and their worst stage's memory) or as JSON; with none, why."""
+def _as_data(mixed: MixedCluster, p: MixedLayout | MixedReplicas, tokens: int) -> dict:
+    per_gpu = tokens / p.step_time / mixed.gpus
+    if isinstance(p, MixedReplicas):
+        return {"kind": "data_parallel", "layout": p.label(), "step_time_s": p.step_time,
+                "cross_part_reduction_s": p.cross, "tokens_per_s_per_gpu": per_gpu, "parts": [
+                    {"gpu": mixed.parts[s.part].gpu.name, "layout": s.layout.label(),
+                     "replicas": s.replicas, "sequences": s.sequences, "step_time_s": s.step,
+                     "memory_gib": s.memory / 2**30} for s in p.shares]}
+    return {"kind": "pipeline", "layout": p.layout.label(), "parts_along_pipeline": [
+        mixed.parts[i].gpu.name for i in p.order], "stages_per_part": list(p.stages),
+        "layers_per_stage": list(p.layers), "step_time_s": p.step_time,
+        "pipeline_s": p.pipeline, "dp_exposed_s": p.dp_exposed, "optimizer_s": p.optimizer,
+        "tokens_per_s_per_gpu": per_gpu, "memory_gib_per_part": [m / 2**30 for m in p.memory]}
+
+
+def report(workload: Workload, mixed: MixedCluster,
+           ranked: Sequence[MixedLayout | MixedReplicas], as_json: bool = False) -> str:
+    """``loom plan --mixed``'s answer: the ranked pipelines over the parts (each with its
+    parts' stages and layers and their worst stage's memory) and data-parallel layouts across
+    them (each part's replicas and share of the batch), as a table or as JSON; with none, why."""
     tokens = workload.global_batch * workload.seq_len
     if as_json:
-        return json.dumps({"cluster": mixed.describe(), "ranked": [
-            {"layout": p.layout.label(), "parts_along_pipeline": [
-                mixed.parts[i].gpu.name for i in p.order], "stages_per_part": list(p.stages),
-             "layers_per_stage": list(p.layers), "step_time_s": p.step_time,
-             "pipeline_s": p.pipeline, "dp_exposed_s": p.dp_exposed, "optimizer_s": p.optimizer,
-             "tokens_per_s_per_gpu": tokens / p.step_time / mixed.gpus,
-             "memory_gib_per_part": [m / 2**30 for m in p.memory]} for p in ranked]})
+        return json.dumps({"cluster": mixed.describe(),
+                           "ranked": [_as_data(mixed, p, tokens) for p in ranked]})
     lines = [f"{workload.name} on {mixed.describe()}: pipelines over the parts (1F1B; stage"
-             " memory an upper bound)"]
+             " memory an upper bound) and data parallelism across them (each part's replicas"
+             " on a share of the batch)"]
     if not ranked:
         shaped = next(stage_shapes(workload, mixed), None) is not None
-        lines.append("no pipeline over these parts fits in memory" if shaped else
+        lines.append("no layout over these parts fits in memory" if shaped else
                      "no stage shape fits these parts and this batch: each part must split into"
                      " whole stages of tp x cp x dp ranks, and the batch must give every stage"
-                     " a microbatch")
+                     " a microbatch (and, across the parts, every replica one)")
     for k, p in enumerate(ranked, 1):
-        lines += [f"{k}. {p.layout.label():<44} step {p.step_time:8.3f} s"
-                  f"  {tokens / p.step_time / mixed.gpus:10,.0f} tokens/s/GPU",
+        rate = f"step {p.step_time:8.3f} s  {tokens / p.step_time / mixed.gpus:10,.0f}" \
+            " tokens/s/GPU"
+        if isinstance(p, MixedReplicas):
+            lines += [f"{k}. data parallel across the parts{'':<14} {rate}",
+                      f"   {describe_replicas(mixed.parts, p)}",
+                      "   replicas: " + ", ".join(f"{mixed.parts[s.part].gpu.name}"
+                                                  f" {s.layout.label()}" for s in p.shares),
+                      f"   gradients across the parts {p.cross:.3f} s; memory (GiB): "
+                      + ", ".join(f"{mixed.parts[s.part].gpu.name} {s.memory / 2**30:.1f}"
+                                  for s in p.shares)]
+            continue
+        lines += [f"{k}. {p.layout.label():<44} {rate}",
                   f"   {describe(mixed, p)}",
                   "   memory (worst stage, GiB): " + ", ".join(
                       f"{mixed.parts[i].gpu.name} {m / 2**30:.1f}"
@@ -365,4 +403,5 @@ def report(workload: Workload, mixed: MixedCluster, ranked: Sequence[MixedLayout
 
 
 __all__ = ["MixedCluster", "MixedClusterError", "MixedLayout", "PartCosts", "load_mixed",
-           "plan_mixed", "price_mixed", "split_layers", "stage_shapes", "describe", "report"]
+           "plan_mixed", "price_mixed", "rank_mixed", "split_layers", "stage_shapes", "describe",
+           "report"]
