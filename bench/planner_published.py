@@ -90,7 +90,8 @@ def skip_reason(row: dict) -> str | None:
         return f"attention Loom's model lacks ({model['attention']})"
     if lay.get("ep", 1) > 1 and lay["ep"] > lay["dp"]:
         # Megatron folds expert parallelism over tensor ranks too; Loom's ep is a data axis
-        return "expert parallelism across tensor-parallel ranks (ep > dp), which Loom's layout lacks"
+        return ("expert parallelism across tensor-parallel ranks (ep > dp), which Loom's layout"
+                " lacks")
     if "capacity_factor" in model and not model["capacity_factor"]:
         return "token-dropping MoE at an unstated capacity factor"
     return None

@@ -1,8 +1,8 @@
 """Alpha-beta times of the collectives the planner prices, on one link (``loom.plan.hardware.
 Link``: ``latency`` alpha, ``effective_bandwidth`` beta; n ranks, M bytes): ring all-reduce
 2(n-1)/n·M/beta + 2(n-1)·alpha or tree all-reduce 2·M/beta + 2·log2(n)·alpha, the cheaper (as
-NCCL picks); all-gather / reduce-scatter and all-to-all (n-1)/n·M/beta + (n-1)·alpha (an all-to-all
-spanning nodes: its intra- and inter-node shares on their own links at once);
+NCCL picks); all-gather / reduce-scatter and all-to-all (n-1)/n·M/beta + (n-1)·alpha (an
+all-to-all spanning nodes: its intra- and inter-node shares on their own links at once);
 point-to-point alpha + M/beta. Its own module so that the cost model's parts
 (``cost_model``, ``vocab_cost``) share them without importing each other."""
 

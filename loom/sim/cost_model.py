@@ -29,12 +29,12 @@ heads of width d, f FFN width, t = tp; a matmul of m x k by k x n is 2mkn FLOPs)
   assignments of every ep rank), in FP8 where the stack converts them
   (``Framework.fp8_experts``), one kernel for all local experts where it groups them
   (``Framework.grouped_experts``, ``loom.sim.launch_cost``), and the tokens' moves into
-  expert order and back at the HBM bandwidth (``moe_permute_passes``); element-wise work (norms, residuals,
-  RoPE, SwiGLU) is memory-bound: about 20 reads or writes of T·h elements per layer forward
-  (8 replicated and 12 split by tp, all split under sequence parallelism), twice that backward,
-  at the HBM bandwidth (what fused kernels move: a compiled block); an eager one
-  (``Framework.compiled`` false) moves ``loom.sim.eager_cost``'s bytes more, each op its own
-  kernel; plus a fixed ``op_overhead`` per layer pass (a CPU profile's measured block cost);
+  expert order and back at the HBM bandwidth (``moe_permute_passes``); element-wise work
+  (norms, residuals, RoPE, SwiGLU) is memory-bound: about 20 reads or writes of T·h elements
+  per layer forward (8 replicated and 12 split by tp, all split under sequence parallelism),
+  twice that backward, at the HBM bandwidth (what fused kernels move: a compiled block); an
+  eager one (``Framework.compiled`` false) moves ``loom.sim.eager_cost``'s bytes more, each op
+  its own kernel; plus a fixed ``op_overhead`` per layer pass (a CPU profile's measured block cost);
   a pass takes at least its kernels' host launch time (``loom.sim.launch_cost``: eager or
   compiled kernel counts times ``Gpu.launch_overhead``), the host queuing ahead of the device.
 
