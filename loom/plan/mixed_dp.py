@@ -134,7 +134,8 @@ class PartModel:
     def line(self, lay: Layout) -> tuple[float, float]:
         """(a, b) of the part's step a + b m, from its steps at pp and pp + 64 microbatches."""
         low, high = lay.pp, lay.pp + 64
-        slope = (self.step(lay, high) - self.step(lay, low)) / (high - low)
+        # a microbatch always adds work; the floor keeps the balance's division defined
+        slope = max(1e-12, (self.step(lay, high) - self.step(lay, low)) / (high - low))
         return self.step(lay, low) - slope * low, slope
 
     def fits(self, lay: Layout) -> bool:
