@@ -22,8 +22,10 @@ heads of width d, f FFN width, t = tp; a matmul of m x k by k x n is 2mkn FLOPs)
   RMSNorm (``Framework.fused_norm``) moves ``UNFUSED_NORM_BYTES`` more per element; an MoE
   layer replaces the MLP by a router 2T·h·E and top_k routed plus n_shared experts of width
   f_e, each of the dense MLP's kind: 2c·T·h·f_e·(top_k + n_shared)/t (c = 3 SwiGLU, 2 GELU);
-* backward after Zero Bubble (Qi et al. 2024, Table 1): I = the matmuls again plus twice the
-  attention core, W = the matmuls again; full recomputation adds F to I, selective the core;
+* backward after Zero Bubble (Qi et al. 2024, Table 1): I = the matmuls again plus the
+  attention core's backward (2.5x its forward under a flash kernel, which recomputes the
+  scores; 2x under one that stores them: ``CostModel.core_backward``), W = the matmuls again;
+  full recomputation adds F to I, selective the core;
 * matmul time = FLOPs / ``Gpu.matmul_rate(smallest dim)``, a routed expert's GEMMs at its
   share of the rows, T·top_k·ep/E under balanced routing (a rank's E/ep experts take the
   assignments of every ep rank), in FP8 where the stack converts them
@@ -133,6 +135,11 @@ ELEMENTWISE_PASSES = 20  # activation-sized reads + writes per layer forward (se
 # FlashAttention (v1) against FlashAttention-2, which the core's matmul rate prices: "around 2x"
 # slower (Dao 2023, arXiv 2307.08691, abstract and §4.1)
 FLASH1_SLOWDOWN = 2.0
+# The attention core's backward against its forward: a flash kernel recomputes the scores QK^T
+# beside dV, dP, dQ and dK, five matmuls against the forward's two (FlashAttention-2, arXiv
+# 2307.08691 §3.1.2; flash-attention's benchmarks count the backward at 2.5x the forward's
+# FLOPs); a kernel that stores the scores runs the four without the recomputation
+FLASH_BACKWARD, STORED_BACKWARD = 2.5, 2.0
 # Kernels that store the s x s scores: e-byte passes over them, (forward, backward). Fused: the
 # QK^T output written, read and written by the scale-mask-softmax kernel, read by PV; backward,
 # dP written, P read for dV, P and dP read and dS written by the softmax's backward, dS read for
@@ -252,6 +259,12 @@ class CostModel:
         # causal: half the square; a sliding window: its visible pairs (``attended_keys``)
         core = 4 * tokens * attended_keys(self.seq, m.sliding_window) * m.n_heads * d
         return (proj + mlp) / tp + router, core / tp
+
+    @property
+    def core_backward(self) -> float:
+        """The attention core's backward seconds per forward second under the framework's
+        kernel (``FLASH_BACKWARD`` for a flash kernel, ``STORED_BACKWARD`` otherwise)."""
+        return FLASH_BACKWARD if self.framework.flash_attention else STORED_BACKWARD
 
     def routed_expert_flops(self, tokens: float, tp: int) -> float:
         """Forward FLOPs of one MoE layer's routed experts on one rank: each token's top_k
@@ -383,7 +396,8 @@ class CostModel:
                 link = c.link_for(ring, stride * ulysses)
                 block = t_core / ring if self.overlaps else 0.0
                 cp_fwd += (ring - 1) * max(0.0, p2p_time(kv, link) - block)
-                cp_bwd += (ring - 1) * max(0.0, p2p_time(2 * kv, link) - 2 * block)
+                cp_bwd += (ring - 1) * max(0.0, p2p_time(2 * kv, link)
+                                           - self.core_backward * block)
         ep_fwd = 0.0
         if moe and lay.ep > 1:
             rows = tokens * m.top_k * m.dim * self.e
@@ -408,7 +422,8 @@ class CostModel:
         f_compute = host_bound((t_mat + t_cast + t_core + t_scores_f + t_elem + t_eager_f
                                 + overhead) * slow, k_f, launch)
         f = f_compute + tp_exposed + cp_fwd + ep_fwd
-        i = host_bound((t_mat + t_cast + 2 * t_core + t_scores_i + 2 * t_elem + t_eager_i
+        i = host_bound((t_mat + t_cast + self.core_backward * t_core + t_scores_i + 2 * t_elem
+                        + t_eager_i
                         + overhead) * slow, k_i, launch) + tp_exposed + cp_bwd + ep_fwd
         w = host_bound((t_mat + t_cast + overhead) * slow, k_w, launch)
         # the share of blocks whose forward runs again in backward (full: all; every_k: every

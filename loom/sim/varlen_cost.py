@@ -98,7 +98,8 @@ def unit_costs(model: CostModel, fabric: Fabric) -> TokenCosts:
     layers, e = m.n_layers, model.e
     linear = 3 * layers * mat / gpu.matmul_rate(min(m.dim, m.ffn_dim)) \
         + 3 * 2 * m.dim * m.vocab_size / gpu.matmul_rate(min(m.dim, m.vocab_size))
-    attention = 3 * layers * core / model.seq / gpu.matmul_rate(m.head_dim)
+    attention = (1 + model.core_backward) * layers * core / model.seq \
+        / gpu.matmul_rate(m.head_dim)
     kv = 2 * m.n_kv_heads * m.head_dim * e  # bytes of one token's K and V in one layer
     ring = 3 * layers * kv  # forward once, backward twice (the cost model's cp ring)
     remap = 2 * layers * (2 * m.dim * e + kv)  # q, k, v in and the output back; and backward

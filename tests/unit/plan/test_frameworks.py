@@ -260,6 +260,8 @@ def test_attention_kernels_are_priced_by_what_they_compute_and_move(recompute):
     FlashAttention-2's causal core is 4·T·s·a·d/2 = 4·32·32·4·16/2 FLOPs; v1 takes twice as
     long; a kernel that stores the scores computes the whole square (twice v2's FLOPs) and moves
     the a·s² = 4·32·32 two-byte scores 4 times forward and 7 backward (fused), 8 and 11 unfused;
+    a flash kernel's backward is 2.5 times its forward (it recomputes the scores), a stored-score
+    kernel's twice (so v2's I holds 2.5 cores, v1's 5, fused 4 of the square's 2-core forward);
     W (the weight gradients) never changes. Selective recompute repeats the core's forward."""
     lay = Layout(recompute=recompute)
     core = 4 * 32 * 32 * 4 * 16 / 2 / 1e12
@@ -267,9 +269,10 @@ def test_attention_kernels_are_priced_by_what_they_compute_and_move(recompute):
     base = _layer(replace(LOOM, attention_kernel="flash2"), lay)
     again = 1 if recompute == "selective" else 0  # the core's forward once more in I
     for kernel, extra_f, extra_i in [
-            ("flash1", core, 2 * core + again * core),
-            ("fused", core + 4 * scores, 2 * core + 7 * scores + again * (core + 4 * scores)),
-            ("unfused", core + 8 * scores, 2 * core + 11 * scores + again * (core + 8 * scores))]:
+            ("flash1", core, 2.5 * core + again * core),
+            ("fused", core + 4 * scores, 1.5 * core + 7 * scores + again * (core + 4 * scores)),
+            ("unfused", core + 8 * scores,
+             1.5 * core + 11 * scores + again * (core + 8 * scores))]:
         f, i, w = _layer(replace(LOOM, attention_kernel=kernel), lay)
         assert f - base[0] == pytest.approx(extra_f, rel=1e-9)
         assert i - base[1] == pytest.approx(extra_i, rel=1e-9)
