@@ -71,6 +71,8 @@ def gpu_of(row: dict) -> tuple[str, str, str] | None:
     if "H100" in name:
         inter = "roce-400" if "llama3-405b" in row["name"] else "ndr-ib"
         return "H100-SXM", "nvlink4", inter
+    if "H200" in name:  # 8 per host on NVLink 4, 400 Gb/s per GPU (the rows' stated fabric)
+        return "H200", "nvlink4", "ndr-ib"
     if "H800" in name:  # DeepSeek-V3 §3.1: NVLink in the node, 400 Gb/s InfiniBand per GPU
         return "H800", "nvlink4-h800", "ndr-ib"
     if "B200" in name:  # DGX B200: NVLink 5 in the node, 8 ConnectX-7 at 400 Gb/s per node
@@ -101,6 +103,11 @@ def fp8_of(row: dict) -> bool:
     """Whether the row's linears ran in FP8 (its ``precision`` names fp8 or float8)."""
     precision = str(row.get("precision", "")).lower()
     return "fp8" in precision or "float8" in precision
+
+
+def fp8_all_gather_of(row: dict) -> bool:
+    """Whether FSDP2 all-gathered the FP8 linears' weights in float8 (the row says so)."""
+    return bool(row.get("fp8_all_gather")) and fp8_of(row)
 
 
 def model_of(row: dict) -> TransformerArgs:
@@ -279,7 +286,8 @@ def _published_layout_priced(row: dict, model: TransformerArgs, seq: int, cluste
     for values in itertools.product(*free.values()):
         layout, assumed = layout_of(row, **dict(zip(free, values)))
         batch = layout.dp * layout.micro_batch * layout.microbatches
-        cost_model = CostModel(model, seq, batch, cluster, framework=stack, fp8=fp8_of(row))
+        cost_model = CostModel(model, seq, batch, cluster, framework=stack, fp8=fp8_of(row),
+                               fp8_all_gather=fp8_all_gather_of(row))
         priced.append((layout, assumed, simulate_step(cost_model, cost_model.evaluate(layout))))
     fits = [p for p in priced if p[2].memory_total <= cluster.gpu.memory_bytes]
     if fits:
@@ -337,7 +345,7 @@ def compare(row: dict, *, search: bool = True, forced: str | None = None) -> dic
     started = time.perf_counter()
     best = plan(Workload(row["name"], model, seq, batch), cluster, top=1, runnable_only=False,
                 cost_model=CostModel(model, seq, batch, cluster, framework=stack,
-                                     fp8=fp8_of(row)))
+                                     fp8=fp8_of(row), fp8_all_gather=fp8_all_gather_of(row)))
     out["plan_seconds"] = time.perf_counter() - started
     if best.ranked:
         top = best.ranked[0]

@@ -191,6 +191,18 @@ def test_moe_rows_are_priced_with_their_experts_and_megatron_s_expert_parallelis
     assert whole["memory_gib"] > sharded["memory_gib"]
 
 
+def test_a_row_that_gathers_its_fp8_weights_in_float8_is_priced_so(bench):
+    """Trainy's H200 rows state FSDP2's float8 all-gather: their weights cross the network at
+    one byte, so the same row without it communicates more and is no faster."""
+    rows = {r["name"]: r for r in bench.load_rows()}
+    row = rows["trainy-2025-06-llama3.1-8b-h200-64gpu-fsdp64-float8"]
+    assert bench.fp8_all_gather_of(row) and bench.gpu_of(row)[0] == "H200"
+    gathered = bench.compare(row, search=False)
+    plain = bench.compare({**row, "fp8_all_gather": False}, search=False)
+    assert gathered["predicted_step_s"] < plain["predicted_step_s"]
+    assert not bench.fp8_all_gather_of({**row, "precision": "bf16"})  # needs FP8 linears
+
+
 def test_moe_rows_loom_cannot_express_are_skipped_with_the_reason(bench):
     rows = {r["name"]: r for r in bench.load_rows()}
     assert "tensor-parallel" in bench.skip_reason(
