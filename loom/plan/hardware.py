@@ -111,6 +111,10 @@ class Gpu:
     # the planner's uncertainty band widens by the range (``loom.sim.uncertainty``).
     power_fraction: float = 1.0
     power_fraction_range: tuple = ()
+    # streaming multiprocessors (0: not stated): a stack that runs its communication kernels
+    # beside a GEMM reserves some of them, and the GEMM runs on the rest
+    # (``Framework.tp_overlap_sms``)
+    sms: int = 0
 
     def __post_init__(self) -> None:
         _check_numbers(self, "gpu")
@@ -132,6 +136,8 @@ class Gpu:
                              f" 0 < low <= power_fraction <= high <= 1, got {list(span)}")
         if self.cores < 0:
             raise ValueError(f"gpu {self.name}: cores must be >= 0, got {self.cores}")
+        if self.sms < 0:
+            raise ValueError(f"gpu {self.name}: sms must be >= 0, got {self.sms}")
         for key in ("peak_flops", "memory_bytes", "hbm_bandwidth", "matmul_knee"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"gpu {self.name}: {key} must be > 0, got {getattr(self, key)}")
@@ -195,18 +201,24 @@ class Link:
 # (``bench/launch_overhead.py`` repeats the measurement, on a GPU too).
 HOST_LAUNCH = 25e-6
 
+# SM counts: NVIDIA's datasheets and architecture whitepapers (A100 108, H100 SXM5 / NVL / H200 /
+# H800 132, H100 PCIe 114, B200 148)
 GPUS: dict[str, Gpu] = {g.name: dataclasses.replace(g, launch_overhead=HOST_LAUNCH) for g in (
-    Gpu("A100-40GB", 312e12, 40 * GiB, 1555 * GB, 0.75, intra="nvlink3", inter="hdr-ib"),
-    Gpu("A100-80GB", 312e12, 80 * GiB, 2039 * GB, 0.75, intra="nvlink3", inter="hdr-ib"),
-    Gpu("H100-SXM", 989e12, 80 * GiB, 3350 * GB, 0.7, fp8_flops=1979e12),
-    Gpu("H100-NVL", 835e12, 94 * GB, 3900 * GB, 0.7, fp8_flops=1671e12),
+    Gpu("A100-40GB", 312e12, 40 * GiB, 1555 * GB, 0.75, intra="nvlink3", inter="hdr-ib",
+        sms=108),
+    Gpu("A100-80GB", 312e12, 80 * GiB, 2039 * GB, 0.75, intra="nvlink3", inter="hdr-ib",
+        sms=108),
+    Gpu("H100-SXM", 989e12, 80 * GiB, 3350 * GB, 0.7, fp8_flops=1979e12, sms=132),
+    Gpu("H100-NVL", 835e12, 94 * GB, 3900 * GB, 0.7, fp8_flops=1671e12, sms=132),
     Gpu("H100-PCIe", 756e12, 80 * GiB, 2000 * GB, 0.7, intra="pcie5", gpus_per_node=8,
-        fp8_flops=1513e12),
-    Gpu("H200", 989e12, 141 * GB, 4800 * GB, 0.7, fp8_flops=1979e12),
+        fp8_flops=1513e12, sms=114),
+    Gpu("H200", 989e12, 141 * GB, 4800 * GB, 0.7, fp8_flops=1979e12, sms=132),
     # H800 SXM: the H100 SXM's die and HBM3 with NVLink cut to 8 links, 400 GB/s both ways
     # (NVIDIA's H800 datasheet; DeepSeek-V3 §3.1 measured about 160 GB/s of it)
-    Gpu("H800", 989e12, 80 * GiB, 3350 * GB, 0.7, intra="nvlink4-h800", fp8_flops=1979e12),
-    Gpu("B200", 2.25e15, 180 * GB, 8000 * GB, 0.65, intra="nvlink5", fp8_flops=4.5e15),
+    Gpu("H800", 989e12, 80 * GiB, 3350 * GB, 0.7, intra="nvlink4-h800", fp8_flops=1979e12,
+        sms=132),
+    Gpu("B200", 2.25e15, 180 * GB, 8000 * GB, 0.65, intra="nvlink5", fp8_flops=4.5e15,
+        sms=148),
     Gpu("MI250X", 383e12, 128 * GB, 3200 * GB, 0.55, intra="infinity-fabric-3",
         inter="slingshot-11", gpus_per_node=4),
     Gpu("MI300X", 1300e12, 192 * GB, 5300 * GB, 0.6, intra="infinity-fabric-4", inter="ndr-ib",
@@ -230,7 +242,7 @@ VARIANTS: dict[str, Gpu] = {g.name: dataclasses.replace(g, launch_overhead=HOST_
     # longer steps at a 600 W cap (factryze.ai scale-atlas, "Power Capping"), the middle of that
     # range. Not fitted to any published run.
     Gpu("H100-SXM-500W", 989e12, 96 * GiB, 2400 * GB, 0.7, fp8_flops=1979e12,
-        power_fraction=0.8, power_fraction_range=(0.67, 0.9)),
+        power_fraction=0.8, power_fraction_range=(0.67, 0.9), sms=132),
     # V100 SXM2 32 GB (NVIDIA V100 datasheet: 125 TFLOP/s dense FP16 tensor, 32 GB HBM2 at
     # 900 GB/s, NVLink 2 300 GB/s bidirectional) in 8-GPU nodes with one 100 Gb/s EDR
     # InfiniBand NIC per GPU (``edr-ib``; a DGX-1's four per eight GPUs: ``--inter edr-ib-x2``).

@@ -53,7 +53,9 @@ Loom's runtime:
   pairs under SP, the same time), not overlapped in Loom's profile; a profile with TP-comm
   overlap (Megatron's, with SP) pipelines them with the layer's GEMMs in tp chunks
   (``streams.chunked_overlap``), each GEMM chunk of 1/tp of the rows at that narrower
-  shape's efficiency; a fully recomputed layer repeats the forward's;
+  shape's efficiency, and the GEMMs Transformer Engine runs beside its 16-SM communication
+  kernels (forward row-parallel, backward column-parallel) on the SMs left
+  (``Framework.tp_overlap_sms``, ``Gpu.sms``); a fully recomputed layer repeats the forward's;
 * cp ring: cp-1 steps passing K and V (2T·k·d·e/t bytes), overlapped with the attention block
   of the step (exposed only beyond it), twice the bytes in backward; Ulysses: all-to-alls of q,
   k, v and the output forward, the same backward, not overlapped; hybrid: both, at their degrees;
@@ -266,6 +268,27 @@ class CostModel:
         kernel (``FLASH_BACKWARD`` for a flash kernel, ``STORED_BACKWARD`` otherwise)."""
         return FLASH_BACKWARD if self.framework.flash_attention else STORED_BACKWARD
 
+    def _sm_margin_seconds(self, tokens: float, lay: Layout, moe: bool,
+                           seconds_per_flop: float) -> tuple[float, float]:
+        """(forward, each backward pass's) extra seconds of one layer's GEMMs that the stack's
+        TP-comm overlap runs with an SM margin (``Framework.tp_overlap_sms`` of ``Gpu.sms``):
+        forward the row-parallel out-projection and fc2, backward the column-parallel qkv
+        and fc1 (their dgrad in I, their wgrad in W, the same FLOPs each). An MoE layer's
+        experts are not TP-overlapped. 0 where the stack reserves none or the SMs are not
+        known."""
+        sms, reserved = self.cluster.gpu.sms, self.framework.tp_overlap_sms
+        if not reserved or sms <= reserved:
+            return 0.0, 0.0
+        m, tp = self.model, lay.tp
+        q_width = m.head_dim * m.n_heads
+        qkv = 2 * tokens * m.dim * m.head_dim * (m.n_heads + 2 * m.n_kv_heads) / tp
+        proj = 2 * tokens * q_width * m.dim / tp
+        fc1 = 0.0 if moe else 2 * tokens * m.dim * m.ffn_dim * (m.mlp_matrices - 1) / tp
+        fc2 = 0.0 if moe else 2 * tokens * m.ffn_dim * m.dim / tp
+        longer = sms / (sms - reserved) - 1
+        return ((proj + fc2) * seconds_per_flop * longer,
+                (qkv + fc1) * seconds_per_flop * longer)
+
     def routed_expert_flops(self, tokens: float, tp: int) -> float:
         """Forward FLOPs of one MoE layer's routed experts on one rank: each token's top_k
         assignments through an expert of the dense MLP's kind, its width split by ``tp``."""
@@ -414,6 +437,11 @@ class CostModel:
             # efficiently, and that loss is the overlap's price beside its first exposed chunk
             tp_exposed = chunked_overlap(gemms(tokens / lay.tp) * slow, tp_fwd, lay.tp) \
                 - t_mat * slow
+            # the GEMMs Transformer Engine launches beside its communication kernels run on the
+            # SMs left to them: the forward's row-parallel ones, the backward's column-parallel
+            margin_f, margin_b = self._sm_margin_seconds(tokens, lay, moe, t_mat / mat * slow)
+        else:
+            margin_f = margin_b = 0.0
         # the host queues each pass's kernels ahead of the device: a pass of short kernels
         # takes their launches' host time instead (loom.sim.launch_cost)
         k_f, k_i, k_w = block_kernels(m, moe, self.framework.compiled, self.e, lay.ep,
@@ -421,11 +449,11 @@ class CostModel:
         launch = gpu.launch_overhead
         f_compute = host_bound((t_mat + t_cast + t_core + t_scores_f + t_elem + t_eager_f
                                 + overhead) * slow, k_f, launch)
-        f = f_compute + tp_exposed + cp_fwd + ep_fwd
+        f = f_compute + tp_exposed + margin_f + cp_fwd + ep_fwd
         i = host_bound((t_mat + t_cast + self.core_backward * t_core + t_scores_i + 2 * t_elem
                         + t_eager_i
-                        + overhead) * slow, k_i, launch) + tp_exposed + cp_bwd + ep_fwd
-        w = host_bound((t_mat + t_cast + overhead) * slow, k_w, launch)
+                        + overhead) * slow, k_i, launch) + tp_exposed + margin_b + cp_bwd + ep_fwd
+        w = host_bound((t_mat + t_cast + overhead) * slow, k_w, launch) + margin_b
         # the share of blocks whose forward runs again in backward (full: all; every_k: every
         # k-th, spread evenly over the layers)
         again = recomputed_fraction(lay.recompute, lay.recompute_every, m.n_layers)

@@ -113,6 +113,13 @@ What a profile fixes:
   backward; ``"last_backward"``: the last microbatch's backward of the rank; ``"pipeline_flush"``:
   that and the pipeline's drain after it, Megatron's ``--overlap-grad-reduce``), and ZeRO-3's
   prefetch of the next layer's parameters (FSDP2, DeepSpeed ZeRO-3's prefetch).
+  Megatron's TP-comm overlap is Transformer Engine's userbuffers, whose defaults
+  (``transformer_engine/pytorch/module/base.py``, ``initialize_ub``) overlap the all-gathers
+  by ring exchange on the copy engines (one SM), but run the reduce-scatter behind the
+  row-parallel forward GEMMs (out-projection, fc2: "pipeline") and the bulk overlaps beside
+  the column-parallel backward GEMMs (qkv and fc1 dgrad and wgrad: "bulk") on 16 SMs each,
+  launching those GEMMs with a 16-SM margin (``tp_overlap_sms``): on an H100's 132 SMs they
+  run 132/116 times longer (``Gpu.sms``; the cost model's TP pricing).
 * **Gradient handling and optimizer step** (``step_path``): whose code path the step's HBM
   traffic follows (gradient accumulation, clipping, AdamW, masters rounded back);
   ``loom.sim.optimizer_cost`` counts each stack's bytes.
@@ -206,6 +213,9 @@ class Framework:
     # per-expert GEMMs, each its own kernels), and whether FP8 converts them too
     grouped_experts: bool = False
     fp8_experts: bool = False
+    # SMs the stack's TP-comm overlap gives its communication kernels beside the GEMMs it runs
+    # with an SM margin (0: none; see "Overlap" in the module docstring)
+    tp_overlap_sms: int = 0
 
     def __post_init__(self) -> None:
         if self.selective not in SELECTIVE:
@@ -274,6 +284,7 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     Framework("megatron", param_bytes=2, grad_bytes=4, optimizer_bytes=12, zero12_gather_bytes=2,
               sp_shards_all=True, dropout=True, step_path="megatron",
               grouped_experts=True, fp8_experts=True,  # --moe-grouped-gemm, TE's FP8 GroupedLinear
+              tp_overlap_sms=16,  # TE userbuffers' "pipeline" and "bulk" defaults
               overlap=Overlap(tp_comm=True, param_gather=True, grad_reduce="pipeline_flush")),
     Framework("torchtitan", param_bytes=4, grad_bytes=4, optimizer_bytes=8, zero12_gather_bytes=2,
               sp_shards_all=False, sp_keeps_gathered=True,  # fused AdamW by default

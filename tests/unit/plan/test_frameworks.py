@@ -165,6 +165,33 @@ def test_tp_comm_overlap_runs_the_gemms_in_chunks_of_1_over_tp_rows():
     assert chunk > whole
 
 
+def test_transformer_engine_runs_the_overlapped_gemms_on_the_sms_its_communication_leaves():
+    """TE's userbuffers give the reduce-scatter behind the forward's row-parallel GEMMs
+    (out-projection, fc2) and the bulk overlaps beside the backward's column-parallel ones
+    (qkv, fc1: dgrad in I, wgrad in W) 16 SMs each, and run those GEMMs on the rest: on a
+    100-SM unit GPU (1 TFLOP/s) each takes 100/84 times as long. The debug model at tp 2, 4 x 32
+    tokens: out-projection 2·T·64·64/2 and fc2 2·T·128·64/2 FLOPs forward; qkv
+    2·T·64·16·(4 + 2·2)/2 and fc1 (SwiGLU's w1 and w3) 2·T·64·128·2/2 in I and again in W.
+    Nothing changes without SP (no TP-comm overlap), without a known SM count, or for Loom."""
+    lay = Layout(tp=2, sequence_parallel=True, micro_batch=4, microbatches=1)
+
+    def passes(gpu, stack, layout=lay):
+        cost = CostModel(DEBUG, 32, 8, Cluster(gpu, 2, 8, FAST, SLOW), framework=stack)
+        return cost._layer_times(layout, False)[:3]
+
+    mega, sms = FRAMEWORKS["megatron"], replace(UNIT, sms=100)
+    tokens, longer = 4 * 32, 100 / 84 - 1
+    forward = (2 * tokens * 64 * 64 / 2 + 2 * tokens * 128 * 64 / 2) / 1e12 * longer
+    backward = (2 * tokens * 64 * 16 * 8 / 2 + 2 * tokens * 64 * 128 * 2 / 2) / 1e12 * longer
+    extra = [a - b for a, b in zip(passes(sms, mega), passes(UNIT, mega))]
+    assert extra == pytest.approx([forward, backward, backward], rel=1e-9)
+    assert mega.tp_overlap_sms == 16 and LOOM.tp_overlap_sms == 0
+    plain = Layout(tp=2, micro_batch=4, microbatches=1)
+    assert passes(sms, mega, plain) == passes(UNIT, mega, plain)
+    loom = replace(LOOM, compiled=True)
+    assert passes(sms, loom) == passes(UNIT, loom)
+
+
 def test_megatron_gathers_parameters_in_bf16_behind_the_forward():
     """ZeRO-1: Loom gathers fp32 parameters after the step, exposed; Megatron bf16, behind the
     next forward (one piece per layer on the link, the first exposed)."""
