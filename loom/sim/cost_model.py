@@ -31,7 +31,7 @@ heads of width d, f FFN width, t = tp; a matmul of m x k by k x n is 2mkn FLOPs)
   assignments of every ep rank), in FP8 where the stack converts them
   (``Framework.fp8_experts``), one kernel for all local experts where it groups them
   (``Framework.grouped_experts``, ``loom.sim.launch_cost``), and the tokens' moves into
-  expert order and back at the HBM bandwidth (``moe_permute_passes``); element-wise work
+  expert order and back at the HBM bandwidth (``loom.sim.expert_cost``); element-wise work
   (norms, residuals, RoPE, SwiGLU) is memory-bound: about 20 reads or writes of T·h elements
   per layer forward (8 replicated and 12 split by tp, all split under sequence parallelism),
   twice that backward, at the HBM bandwidth (what fused kernels move: a compiled block); an
@@ -55,7 +55,7 @@ Loom's runtime:
   (``streams.chunked_overlap``), each GEMM chunk of 1/tp of the rows at that narrower
   shape's efficiency, and the GEMMs Transformer Engine runs beside its 16-SM communication
   kernels (forward row-parallel, backward column-parallel) on the SMs left
-  (``Framework.tp_overlap_sms``, ``Gpu.sms``); a fully recomputed layer repeats the forward's;
+  (``loom.sim.tp_overlap_cost``); a fully recomputed layer repeats the forward's;
 * cp ring: cp-1 steps passing K and V (2T·k·d·e/t bytes), overlapped with the attention block
   of the step (exposed only beyond it), twice the bytes in backward; Ulysses: all-to-alls of q,
   k, v and the output forward, the same backward, not overlapped; hybrid: both, at their degrees;
@@ -123,6 +123,7 @@ from loom.sim.collectives import (allreduce_time, gather_time, p2p_time,
                                   spanning_all_to_all_time)
 from loom.sim.dp_cost import data_parallel_time
 from loom.sim.cost_memory import layout_memory
+from loom.sim import expert_cost
 from loom.sim.eager_cost import eager_extra_bytes
 from loom.sim.frameworks import LOOM, Framework
 from loom.sim.launch_cost import block_kernels, host_bound
@@ -130,6 +131,7 @@ from loom.sim.pipeline_estimate import pipeline_estimate
 from loom.sim.optimizer_cost import step_traffic
 from loom.sim.rank_params import RankParams
 from loom.sim.streams import Pieces, chunked_overlap, layer_overlap
+from loom.sim.tp_overlap_cost import sm_margin_seconds
 from loom.sim.vocab_cost import (VocabPasses, vocab_pass_times, vocab_pp, vocab_shares,
                                  vocab_stats_time)
 
@@ -153,18 +155,6 @@ SCORE_PASSES = {"fused": (4, 7), "unfused": (8, 11)}
 # weight 2 + 2 = 36 against 4, per norm), forward; backward twice that, as every element-wise
 # pass here
 UNFUSED_NORM_BYTES = 64
-
-
-def moe_permute_passes(top_k: int, ep: int) -> int:
-    """Reads and writes of T·h elements an MoE layer's forward spends moving tokens (twice
-    that backward, which moves the gradients back the same way): the dispatch copies each
-    token's row top_k times into expert order; with ep > 1 the received rows are copied into
-    the order of the rank's own experts and the experts' outputs back into arrival order for
-    the combine's all-to-all (Megatron's permute and its two chunk sorts; Loom's gather and
-    ``loom.parallel.expert``'s ``x_in[order]`` and ``y[argsort(order)]``), each copy a read and
-    a write of top_k rows per token; the combine reads the top_k weighted rows and writes one."""
-    copies = 3 if ep > 1 else 1
-    return top_k * (2 * copies + 1) + 1
 
 
 class _LazyStageCosts:
@@ -268,40 +258,6 @@ class CostModel:
         kernel (``FLASH_BACKWARD`` for a flash kernel, ``STORED_BACKWARD`` otherwise)."""
         return FLASH_BACKWARD if self.framework.flash_attention else STORED_BACKWARD
 
-    def _sm_margin_seconds(self, tokens: float, lay: Layout, moe: bool,
-                           seconds_per_flop: float) -> tuple[float, float]:
-        """(forward, each backward pass's) extra seconds of one layer's GEMMs that the stack's
-        TP-comm overlap runs with an SM margin (``Framework.tp_overlap_sms`` of ``Gpu.sms``):
-        forward the row-parallel out-projection and fc2, backward the column-parallel qkv
-        and fc1 (their dgrad in I, their wgrad in W, the same FLOPs each). An MoE layer's
-        experts are not TP-overlapped. 0 where the stack reserves none or the SMs are not
-        known."""
-        sms, reserved = self.cluster.gpu.sms, self.framework.tp_overlap_sms
-        if not reserved or sms <= reserved:
-            return 0.0, 0.0
-        m, tp = self.model, lay.tp
-        q_width = m.head_dim * m.n_heads
-        qkv = 2 * tokens * m.dim * m.head_dim * (m.n_heads + 2 * m.n_kv_heads) / tp
-        proj = 2 * tokens * q_width * m.dim / tp
-        fc1 = 0.0 if moe else 2 * tokens * m.dim * m.ffn_dim * (m.mlp_matrices - 1) / tp
-        fc2 = 0.0 if moe else 2 * tokens * m.ffn_dim * m.dim / tp
-        longer = sms / (sms - reserved) - 1
-        return ((proj + fc2) * seconds_per_flop * longer,
-                (qkv + fc1) * seconds_per_flop * longer)
-
-    def routed_expert_flops(self, tokens: float, tp: int) -> float:
-        """Forward FLOPs of one MoE layer's routed experts on one rank: each token's top_k
-        assignments through an expert of the dense MLP's kind, its width split by ``tp``."""
-        m = self.model
-        return 2 * m.mlp_matrices * tokens * m.top_k * m.dim * (m.expert_ffn_dim or m.ffn_dim) / tp
-
-    def _routed_cast_elements(self, tokens: float, tp: int) -> float:
-        """Elements the routed experts' linears cast to FP8 per pass where the stack converts
-        them: each assignment's input to w1 (and SwiGLU's w3), D each, and to w2, F_e."""
-        m = self.model
-        width = m.expert_ffn_dim or m.ffn_dim
-        return tokens * m.top_k * ((m.mlp_matrices - 1) * m.dim + width) / tp
-
     def _fp8_share(self, tokens: float, tp: int, moe: bool) -> tuple[float, float]:
         """(the FLOPs of one layer's forward that run in FP8, the elements cast to FP8 per pass)
         on one rank: Loom converts the attention projections and the dense or shared-expert MLP
@@ -337,7 +293,7 @@ class CostModel:
         tokens = lay.micro_batch * s_local
         mat, core = self.layer_flops(tokens, lay.tp, moe)
         expert_width = (m.expert_ffn_dim or m.ffn_dim) / lay.tp
-        routed = self.routed_expert_flops(tokens, lay.tp) if moe else 0.0
+        routed = expert_cost.routed_flops(m, tokens, lay.tp) if moe else 0.0
         # the GEMMs beside the routed experts: the projections, and the dense MLP or the
         # shared experts (n_shared x F_e wide, as one)
         widths = min(m.dim / lay.tp, (expert_width * m.n_shared_experts if m.n_shared_experts
@@ -348,7 +304,7 @@ class CostModel:
         fp8_gain = 1 - gpu.peak_flops / gpu.fp8_flops if self.fp8 and gpu.fp8_flops else 0.0
         routed_fp8 = routed if self.framework.fp8_experts else 0.0
         if routed_fp8 and fp8_gain:
-            cast_elements += self._routed_cast_elements(tokens, lay.tp)
+            cast_elements += expert_cost.routed_cast_elements(m, tokens, lay.tp)
 
         def gemms(rows: float) -> float:
             """Seconds of the layer's GEMMs run as pieces of ``rows`` rows each (the FP8 share
@@ -357,7 +313,7 @@ class CostModel:
             times ep (a rank runs its E / ep experts on the tokens every ep rank sends it)."""
             t = (mat - routed - converted * fp8_gain) / gpu.matmul_rate(min(rows, widths))
             if routed:
-                per_expert = rows * m.top_k * lay.ep / m.n_experts
+                per_expert = expert_cost.rows_per_expert(m, rows, lay.ep)
                 t += (routed - routed_fp8 * fp8_gain) / gpu.matmul_rate(
                     min(per_expert, expert_width))
             return t
@@ -381,7 +337,7 @@ class CostModel:
         kept = 0 if lay.sequence_parallel and lay.tp > 1 else ELEMENTWISE_PASSES - 12
         t_elem = tokens * m.dim * self.e * (kept + split / lay.tp) / gpu.hbm_bandwidth
         if moe:
-            t_elem += tokens * m.dim * self.e * moe_permute_passes(m.top_k, lay.ep) \
+            t_elem += tokens * m.dim * self.e * expert_cost.permute_passes(m.top_k, lay.ep) \
                 / gpu.hbm_bandwidth
         t_eager_f = t_eager_i = 0.0
         if not self.framework.compiled:  # one kernel per element-wise op (its norms included)
@@ -439,7 +395,8 @@ class CostModel:
                 - t_mat * slow
             # the GEMMs Transformer Engine launches beside its communication kernels run on the
             # SMs left to them: the forward's row-parallel ones, the backward's column-parallel
-            margin_f, margin_b = self._sm_margin_seconds(tokens, lay, moe, t_mat / mat * slow)
+            margin_f, margin_b = sm_margin_seconds(
+                m, tokens, lay.tp, moe, gpu.sms, self.framework.tp_overlap_sms, t_mat / mat * slow)
         else:
             margin_f = margin_b = 0.0
         # the host queues each pass's kernels ahead of the device: a pass of short kernels

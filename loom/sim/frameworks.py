@@ -52,7 +52,7 @@ What a profile fixes:
   ``GroupedLinear`` runs in FP8 under ``--fp8-format``) or leaves them in bf16 (Loom's
   ``loom.parallel.fp8`` converts only ``nn.Linear``; torchtitan's float8 for MoE is an
   opt-in prototype). Either way each expert's GEMM has only its share of the rows
-  (``CostModel``), which sets its efficiency.
+  (``loom.sim.expert_cost``), which sets its efficiency.
 * **Memory beyond the block** (Aleph Alpha's Scaling, the stack of Hagemann et al. 2023's
   layout sweep, ``bench/planner_sweep.py``; read from its public code, github.com/Aleph-Alpha/
   scaling, the 2024 release of the "AA-Scaling" codebase the paper ran):
@@ -119,7 +119,7 @@ What a profile fixes:
   row-parallel forward GEMMs (out-projection, fc2: "pipeline") and the bulk overlaps beside
   the column-parallel backward GEMMs (qkv and fc1 dgrad and wgrad: "bulk") on 16 SMs each,
   launching those GEMMs with a 16-SM margin (``tp_overlap_sms``): on an H100's 132 SMs they
-  run 132/116 times longer (``Gpu.sms``; the cost model's TP pricing).
+  run 132/116 times longer (``Gpu.sms``; ``loom.sim.tp_overlap_cost``).
 * **Gradient handling and optimizer step** (``step_path``): whose code path the step's HBM
   traffic follows (gradient accumulation, clipping, AdamW, masters rounded back);
   ``loom.sim.optimizer_cost`` counts each stack's bytes.
