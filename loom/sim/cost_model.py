@@ -25,7 +25,8 @@ heads of width d, f FFN width, t = tp; a matmul of m x k by k x n is 2mkn FLOPs)
 * backward after Zero Bubble (Qi et al. 2024, Table 1): I = the matmuls again plus the
   attention core's backward (2.5x its forward under a flash kernel, which recomputes the
   scores; 2x under one that stores them: ``CostModel.core_backward``), W = the matmuls again;
-  full recomputation adds F to I, selective the core;
+  recomputation adds to I what its policy runs again (``loom.sim.recompute_cost``: full F,
+  every_k its share of F, selective the core or torchtitan's op-level part);
 * matmul time = FLOPs / ``Gpu.matmul_rate(smallest dim)``, a routed expert's GEMMs at its
   share of the rows, T·top_k·ep/E under balanced routing (a rank's E/ep experts take the
   assignments of every ep rank), in FP8 where the stack converts them
@@ -114,7 +115,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from loom.formulas.flops import attended_keys, model_flops_per_token
-from loom.formulas.memory import adamw_step_fused, op_sac_recomputed_flops, recomputed_fraction
+from loom.formulas.memory import adamw_step_fused
 from loom.layout import Layout
 from loom.models.args import TransformerArgs
 from loom.layout import CPLayout  # Loom's own split of cp into u x r
@@ -130,6 +131,7 @@ from loom.sim.launch_cost import block_kernels, host_bound
 from loom.sim.pipeline_estimate import pipeline_estimate
 from loom.sim.optimizer_cost import step_traffic
 from loom.sim.rank_params import RankParams
+from loom.sim.recompute_cost import recomputed
 from loom.sim.streams import Pieces, chunked_overlap, layer_overlap
 from loom.sim.tp_overlap_cost import sm_margin_seconds
 from loom.sim.vocab_cost import (VocabPasses, vocab_pass_times, vocab_pp, vocab_shares,
@@ -411,19 +413,17 @@ class CostModel:
                         + t_eager_i
                         + overhead) * slow, k_i, launch) + tp_exposed + margin_b + cp_bwd + ep_fwd
         w = host_bound((t_mat + t_cast + overhead) * slow, k_w, launch) + margin_b
-        # the share of blocks whose forward runs again in backward (full: all; every_k: every
-        # k-th, spread evenly over the layers)
-        again = recomputed_fraction(lay.recompute, lay.recompute_every, m.n_layers)
+        # what the policy runs again in backward (loom.sim.recompute_cost): a share of the
+        # whole forward (full: all blocks; every_k: every k-th, spread evenly over the
+        # layers), or a selective part of it
+        redo = recomputed(lay, self.framework.selective, m, tokens, lay.tp, moe)
+        again = redo.forward_share
         i += again * f
         comm_tp = (1 + again) * tp_fwd
-        if lay.recompute == "selective" and self.framework.selective == "ops":
-            # torchtitan's op-level policy: the even matmuls (wk, wo, w3) and every
-            # element-wise op of the forward run again
-            again_mm = op_sac_recomputed_flops(
-                tokens=tokens, h=m.dim, f=(m.expert_ffn_dim or m.ffn_dim) if moe else m.ffn_dim,
-                a=m.n_heads, kv=m.n_kv_heads, t=lay.tp)
-            i += (again_mm / gpu.matmul_rate(min(tokens, widths)) + t_elem + t_eager_f) * slow
-        elif lay.recompute == "selective":
+        if redo.elementwise:
+            i += (redo.matmul_flops / gpu.matmul_rate(min(tokens, widths)) + t_elem
+                  + t_eager_f) * slow
+        if redo.attention_core:
             i += (t_core + t_scores_f) * slow
         if self.framework.is_loom and lay.sequence_parallel and lay.tp > 1 and again < 1:
             # Loom's SP saves the linears' gathered inputs as the rank's slice and all-gathers
@@ -630,14 +630,16 @@ class CostModel:
         optimizer = self._optimizer_time(lay)
         memory = memory if memory is not None else self.memory(lay)
         model_flops = self.model_flops_per_step()
-        extra = model_flops / 3 * recomputed_fraction(lay.recompute, lay.recompute_every,
-                                                      m.n_layers)
-        if lay.recompute == "selective" and self.framework.selective == "ops":
-            extra = m.n_layers * op_sac_recomputed_flops(
-                tokens=self.batch * self.seq, h=m.dim, f=m.expert_ffn_dim or m.ffn_dim,
-                a=m.n_heads, kv=m.n_kv_heads)
-        elif lay.recompute == "selective":  # the attention core's forward again
-            extra = self.batch * self.seq * m.n_layers * self.layer_flops(1, 1, False)[1] * 2
+        # what the policy runs again, over the step (loom.sim.recompute_cost; the attention
+        # core counted as MFU counts it, the whole square)
+        tokens = self.batch * self.seq
+        extra = 0.0
+        for moe, layers in ((False, m.n_layers - self.moe_layers), (True, self.moe_layers)):
+            redo = recomputed(lay, self.framework.selective, m, tokens, 1, moe)
+            extra += layers * redo.matmul_flops
+            if redo.attention_core:
+                extra += tokens * layers * self.layer_flops(1, 1, moe)[1] * 2
+        extra += model_flops / 3 * redo.forward_share
         return StepCost(lay, stage_costs, compute, pipeline, dp_exposed, optimizer, memory,
                         model_flops, model_flops + extra, comm)
 
