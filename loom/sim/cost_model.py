@@ -16,8 +16,9 @@ heads of width d, f FFN width, t = tp; a matmul of m x k by k x n is 2mkn FLOPs)
   the full square, as PaLM and TorchTitan do), or under a sliding window W (Mistral's) the
   pairs inside it, 4T·a·d·(W - W(W-1)/2s)/t (``formulas.flops.attended_keys``; flash kernels
   skip the blocks past the window, so does Loom's ring), with the stack's flash kernel
-  (FlashAttention v1 at half v2's rate); a kernel that stores the s x s scores (``Framework.attention_kernel``
-  fused or unfused) computes the whole square and moves the scores through memory
+  (FlashAttention v1 at half v2's rate); a kernel that stores the s x s scores
+  (``Framework.attention_kernel`` fused or unfused) computes the whole square and moves the
+  scores through memory
   (``SCORE_PASSES`` e-byte passes each way, at the HBM bandwidth); a stack without a fused
   RMSNorm (``Framework.fused_norm``) moves ``UNFUSED_NORM_BYTES`` more per element; an MoE
   layer replaces the MLP by a router 2T·h·E and top_k routed plus n_shared experts of width
