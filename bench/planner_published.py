@@ -18,8 +18,11 @@ row is priced with the fastest setting that fits in memory (``unstated_choices``
 out of memory only when none does. Every published run ran, so some setting fitted; pricing the
 both off had judged eight MegaScale baseline rows out of memory by 0.7 GiB. FP8 rows (since 29 Nov
 2026) are priced with the blocks' linears in FP8 at the accelerator's FP8 peak (``loom plan
---fp8``); MoE rows with features Loom's model lacks (MLA, attention sinks) and accelerators
-outside the catalog are listed as skipped with the reason.
+--fp8``; every recipe as tensorwise); MoE rows are priced with their experts, Megatron's
+expert parallelism (inside its data parallelism) as Loom's ep; rows with features Loom's
+model or layout lacks (MLA, alternating sliding windows with attention sinks, expert
+parallelism folded over tensor ranks) and accelerators outside the catalog are listed as
+skipped with the reason.
 
 Each row is priced with its ``framework`` profile (``loom.sim.frameworks``; the row's
 ``[run.overlap]`` overrides its overlap defaults, its ``rank_order`` the profile's placement of
@@ -94,8 +97,6 @@ def skip_reason(row: dict) -> str | None:
         # Megatron folds expert parallelism over tensor ranks too; Loom's ep is a data axis
         return ("expert parallelism across tensor-parallel ranks (ep > dp), which Loom's layout"
                 " lacks")
-    if "capacity_factor" in model and not model["capacity_factor"]:
-        return "token-dropping MoE at an unstated capacity factor"
     return None
 
 
