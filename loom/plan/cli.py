@@ -170,8 +170,8 @@ def add_plan_commands(sub: argparse._SubParsersAction,
                            " distribution (loom.sim.varlen_cost; loom.plan.varlen)")
     plan.add_argument("--mixed", type=path_arg, metavar="FILE",
                       help="a cluster of unlike accelerators ([[part]] tables: gpu, gpus, links;"
-                           " [between] link): rank pipelines whose stages sit on the parts"
-                           " (loom/plan/mixed.py)")
+                           " [between] link): rank pipelines whose stages sit on the parts and"
+                           " data parallelism across them (loom/plan/mixed.py, mixed_dp.py)")
     plan.add_argument("--nics-per-node", type=int, default=0,
                       help="NICs sharing a node's inter-node bandwidth (0: one per GPU);"
                            " read by --length-dist's routing-layer model only")
@@ -539,7 +539,7 @@ def _run_mixed(args: argparse.Namespace, stack: Framework) -> int:
     for flag, value in given:
         if value:
             raise PlanInputError(f"{flag}: not with --mixed (its file names each part's"
-                                 " accelerators and links, and it ranks pipelines over them)")
+                                 " accelerators and links, and it ranks layouts over them)")
     try:
         mixed = load_mixed(args.mixed, load_catalog(args.hardware))
     except MixedClusterError as err:
