@@ -8,10 +8,10 @@ H20s), HAPMoE, Whale. A part of fast accelerators runs more microbatches per ste
 of slow ones, so every part finishes its share at about the same time, and only the gradients
 cross the link between the parts, once per step.
 
-* **Each part runs replicas of one shape of its own**: ``tp`` inside a node, a ``1f1b``
-  pipeline of ``pp`` stages, plain replicas or ZeRO-1 over the part's replicas, no or full
-  recomputation, a micro batch shared by all parts. Part i holds
-  ``r_i = gpus_i / (tp_i x pp_i)`` replicas, each running ``m_i`` microbatches.
+* **Each part runs replicas of one shape of its own**: ``tp`` inside a node, ring context
+  parallelism ``cp``, a ``1f1b`` pipeline of ``pp`` stages, plain replicas or ZeRO-1 over
+  the part's replicas, no or full recomputation, a micro batch shared by all parts. Part i
+  holds ``r_i = gpus_i / (tp_i x cp_i x pp_i)`` replicas, each running ``m_i`` microbatches.
 * **The batch**: ``sum_i r_i x m_i x micro = global batch`` exactly. Each part's step is
   nearly linear in its microbatches (``a_i + b_i m``: exact without a pipeline, the 1F1B fill
   and drain with one), fitted from the homogeneous cost model at two counts; the shares that
@@ -45,13 +45,14 @@ from loom.layout import Layout
 from loom.models.presets import parameter_count
 from loom.plan.hardware import Cluster
 from loom.plan.search import simulate_step
-from loom.plan.space import Workload, tp_fits
+from loom.plan.space import Workload, cp_modes, tp_fits
 from loom.sim.collectives import allreduce_time
 from loom.sim.cost_model import CostModel
 from loom.sim.frameworks import LOOM, Framework
 
 MICRO_BATCHES = (1, 2, 4)
 PIPELINES = (1, 2, 4, 8)
+CONTEXT = (1, 2, 4, 8)  # ring context parallelism inside a replica
 RECOMPUTE = ("none", "full")
 KEEP = 3  # shapes kept per part and micro batch: 3^4 = 81 combinations for four parts
 WINDOW = 2  # microbatches tried either side of the balanced share, per part
@@ -94,23 +95,27 @@ class MixedReplicas:
 
 def replica_shapes(workload: Workload, cluster: Cluster, micro: int) -> Iterator[Layout]:
     """Every replica shape a part holds at ``micro``: tp within its node dividing the heads,
-    the vocabulary and the sequence, pp of 1-8 stages (at most the layers), the part's GPUs
-    split into whole replicas, ZeRO-1 where there are replicas to shard over, no or full
-    recomputation. Its microbatches are its pipeline's depth (the least a 1F1B runs)."""
+    the vocabulary and the sequence, ring context parallelism of 1-8 where it splits the
+    sequence (the homogeneous space's rules, as ``mixed.stage_shapes``), pp of 1-8 stages (at
+    most the layers), the part's GPUs split into whole replicas, ZeRO-1 where there are
+    replicas to shard over, no or full recomputation. Its microbatches are its pipeline's
+    depth (the least a 1F1B runs)."""
     m, seq = workload.model, workload.seq_len
-    for tp in (1, 2, 4, 8):
-        if tp > cluster.gpus_per_node or cluster.gpus % tp or not tp_fits(m, tp, seq, 1):
+    for tp, cp in itertools.product((1, 2, 4, 8), CONTEXT):
+        if tp > cluster.gpus_per_node or cluster.gpus % (tp * cp) or seq % cp \
+                or not tp_fits(m, tp, seq, cp) or "ring" not in cp_modes(m, tp, cp, seq):
             continue
         for pp in PIPELINES:
-            if pp > m.n_layers or (cluster.gpus // tp) % pp:
+            if pp > m.n_layers or (cluster.gpus // (tp * cp)) % pp:
                 continue
-            replicas = cluster.gpus // (tp * pp)
+            replicas = cluster.gpus // (tp * cp * pp)
             for zero, recompute in itertools.product((0, 1) if replicas > 1 else (0,),
                                                      RECOMPUTE):
                 yield Layout(pp=pp, dp_replicate=1 if zero else replicas,
-                             dp_shard=replicas if zero else 1, zero_stage=zero, tp=tp,
-                             sequence_parallel=tp > 1, schedule="1f1b" if pp > 1 else "none",
-                             micro_batch=micro, microbatches=pp, recompute=recompute)
+                             dp_shard=replicas if zero else 1, zero_stage=zero, cp=cp,
+                             cp_mode="ring", tp=tp, sequence_parallel=tp > 1,
+                             schedule="1f1b" if pp > 1 else "none", micro_batch=micro,
+                             microbatches=pp, recompute=recompute)
 
 
 class PartModel:
