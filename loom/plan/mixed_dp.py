@@ -14,9 +14,9 @@ cross the link between the parts, once per step.
   holds ``r_i = gpus_i / (tp_i x cp_i x pp_i)`` replicas, each running ``m_i`` microbatches.
 * **The batch**: ``sum_i r_i x m_i x micro = global batch`` exactly. Each part's step is
   nearly linear in its microbatches (``a_i + b_i m``: exact without a pipeline, the 1F1B fill
-  and drain with one), fitted from the homogeneous cost model at two counts; the shares that
-  equalise the lines are rounded, and the integer split nearby with the shortest slowest part
-  is kept. Every m_i is at least ``pp_i`` (a full 1F1B).
+  and drain with one), fitted from the homogeneous cost model at two counts; ``balance``
+  finds the integer split whose slowest part is shortest, exactly (a bisection over the lines'
+  values with a reachable-sums check). Every m_i is at least ``pp_i`` (a full 1F1B).
 * **Each part is priced by the homogeneous cost model** on that part alone
   (``CostModel.evaluate``, the pipelined part simulated by ``search.simulate_step``): its
   compute, its bubble, memory, its own data-parallel reduction over its replicas and its
@@ -55,7 +55,6 @@ PIPELINES = (1, 2, 4, 8)
 CONTEXT = (1, 2, 4, 8)  # ring context parallelism inside a replica
 RECOMPUTE = ("none", "full")
 KEEP = 3  # shapes kept per part and micro batch: 3^4 = 81 combinations for four parts
-WINDOW = 2  # microbatches tried either side of the balanced share, per part
 
 
 @dataclass(frozen=True)
@@ -157,38 +156,66 @@ class PartModel:
         return PartShare(part, lay, cost.step_time, cost.memory_total)
 
 
+def _shifted_or(reach: int, step: int, count: int) -> int:
+    """``reach | reach << step | ... | reach << step * (count - 1)`` in O(log count) shifts:
+    the sums reachable after adding ``step`` times any of ``count`` consecutive counts."""
+    out, offset, block, size = 0, 0, reach, 1
+    while count:
+        if count & 1:
+            out |= block << (step * offset)
+            offset += size
+        block |= block << (step * size)
+        size *= 2
+        count >>= 1
+    return out
+
+
 def balance(lines: Sequence[tuple[float, float]], replicas: Sequence[int],
             least: Sequence[int], units: int) -> list[int] | None:
     """Microbatches per replica of each part, ``sum(replicas[i] * m[i]) == units`` and
-    ``m[i] >= least[i]``, minimising the slowest part's ``a_i + b_i m_i`` (``lines``): the
-    shares that equalise the lines (a part held at its least drops out and the rest are
-    solved again), rounded down, then every split within ``WINDOW`` of them that sums exactly
-    is tried. None when none does."""
+    ``m[i] >= least[i]``, minimising the slowest part's ``a_i + b_i m_i`` (``lines``); None
+    when no split sums exactly. Exact: the slowest part's time is one of the lines' values,
+    so those are searched by bisection, each tried by whether some split with every part
+    within it reaches ``units`` (the reachable sums kept as the bits of an integer, a part's
+    range of counts added by doubling), and the split is read back from the sums."""
     parts = range(len(lines))
-    fixed: set[int] = set()
-    while True:
-        free = [i for i in parts if i not in fixed]
-        left = units - sum(replicas[i] * least[i] for i in fixed)
-        speed = sum(replicas[i] / lines[i][1] for i in free)
-        level = (left + sum(replicas[i] * lines[i][0] / lines[i][1] for i in free)) / speed
-        share = {i: (level - lines[i][0]) / lines[i][1] for i in free}
-        low = [i for i in free if share[i] < least[i]]
-        if not low or len(fixed) + len(low) == len(lines):
-            break
-        fixed.update(low)
-    base = [least[i] if i in fixed else max(least[i], math.floor(share[i])) for i in parts]
-    best, best_time = None, math.inf
-    last = len(lines) - 1
-    ranges = [range(max(least[i], base[i] - WINDOW), base[i] + WINDOW + 1) for i in parts[:-1]]
-    for head in itertools.product(*ranges):
-        rest = units - sum(r * m for r, m in zip(replicas, head))
-        if rest % replicas[last] or rest // replicas[last] < least[last]:
-            continue
-        split = [*head, rest // replicas[last]]
-        slowest = max(lines[i][0] + lines[i][1] * split[i] for i in parts)
-        if slowest < best_time:
-            best, best_time = split, slowest
-    return best
+    top = [units // r for r in replicas]
+    if any(top[i] < least[i] for i in parts):
+        return None
+    mask = (1 << (units + 1)) - 1
+
+    def caps(limit: float) -> list[int]:
+        return [min(top[i], math.floor((limit - lines[i][0]) / lines[i][1] + 1e-9))
+                for i in parts]
+
+    def reachable(cap: list[int]) -> list[int] | None:
+        sums = [1]  # sums[i]: the totals parts 0..i-1 reach within their caps
+        for i in parts:
+            if cap[i] < least[i]:
+                return None
+            span = _shifted_or(sums[-1], replicas[i], cap[i] - least[i] + 1)
+            sums.append((span << (replicas[i] * least[i])) & mask)
+        return sums if sums[-1] >> units & 1 else None
+
+    limits = sorted({a + b * m for (a, b), lo, hi in zip(lines, least, top)
+                     for m in range(lo, hi + 1)})
+    low, high = 0, len(limits) - 1
+    if reachable(caps(limits[high])) is None:
+        return None
+    while low < high:
+        mid = (low + high) // 2
+        if reachable(caps(limits[mid])) is None:
+            low = mid + 1
+        else:
+            high = mid
+    cap = caps(limits[low])
+    sums, left, split = reachable(cap), units, [0] * len(lines)
+    for i in reversed(parts):  # a count for part i that leaves a total the parts before reach
+        split[i] = next(m for m in range(least[i], cap[i] + 1)
+                        if left - replicas[i] * m >= 0
+                        and sums[i] >> (left - replicas[i] * m) & 1)
+        left -= replicas[i] * split[i]
+    return split
 
 
 def cross_part_reduction(workload: Workload, parts: Sequence[Cluster], between, grad_bytes: int
