@@ -55,7 +55,7 @@ from loom.plan.hardware import TOPOLOGY_KEYS, Cluster, HardwareError, Link, make
 from loom.plan.mixed_dp import MixedReplicas, plan_replicas
 from loom.plan.mixed_dp import describe as describe_replicas
 from loom.plan.search import family_makespan
-from loom.plan.space import Workload, cp_modes, tp_fits
+from loom.plan.space import Workload, ring_shapes
 from loom.schedule.cost import OpCosts, StageCosts
 from loom.sim.cost_model import CostModel
 from loom.sim.frameworks import LOOM, Framework
@@ -199,31 +199,25 @@ def stage_shapes(workload: Workload, mixed: MixedCluster) -> Iterator[tuple[Layo
     per_node = min(part.gpus_per_node for part in mixed.parts)
     common = math.gcd(*(part.gpus for part in mixed.parts))
     seq = workload.seq_len
-    for tp in (1, 2, 4, 8):
-        if tp > per_node or common % tp:
-            continue
-        for cp in (1, 2, 4, 8):  # the homogeneous space's rules (loom.plan.space)
-            if (common // tp) % cp or seq % cp or not tp_fits(m, tp, seq, cp) \
-                    or "ring" not in cp_modes(m, tp, cp, seq):
+    for tp, cp in ring_shapes(m, seq, per_node, common):  # the homogeneous space's rules
+        rest = common // (tp * cp)
+        for dp in (d for d in range(1, rest + 1) if rest % d == 0):
+            stages = tuple(part.gpus // (tp * cp * dp) for part in mixed.parts)
+            pp = sum(stages)
+            if pp < 2 or pp > m.n_layers:
                 continue
-            rest = common // (tp * cp)
-            for dp in (d for d in range(1, rest + 1) if rest % d == 0):
-                stages = tuple(part.gpus // (tp * cp * dp) for part in mixed.parts)
-                pp = sum(stages)
-                if pp < 2 or pp > m.n_layers:
+            for zero, micro, recompute in itertools.product(
+                    (0, 1) if dp * cp > 1 else (0,), MICRO_BATCHES, RECOMPUTE):
+                if workload.global_batch % (dp * micro) or (zero and dp == 1):
                     continue
-                for zero, micro, recompute in itertools.product(
-                        (0, 1) if dp * cp > 1 else (0,), MICRO_BATCHES, RECOMPUTE):
-                    if workload.global_batch % (dp * micro) or (zero and dp == 1):
-                        continue
-                    microbatches = workload.global_batch // (dp * micro)
-                    if microbatches < pp:
-                        continue
-                    yield Layout(pp=pp, dp_replicate=1 if zero else dp,
-                                 dp_shard=dp if zero else 1, zero_stage=zero, cp=cp,
-                                 cp_mode="ring", tp=tp, sequence_parallel=tp > 1,
-                                 schedule="1f1b", micro_batch=micro, microbatches=microbatches,
-                                 recompute=recompute), stages
+                microbatches = workload.global_batch // (dp * micro)
+                if microbatches < pp:
+                    continue
+                yield Layout(pp=pp, dp_replicate=1 if zero else dp,
+                             dp_shard=dp if zero else 1, zero_stage=zero, cp=cp,
+                             cp_mode="ring", tp=tp, sequence_parallel=tp > 1,
+                             schedule="1f1b", micro_batch=micro, microbatches=microbatches,
+                             recompute=recompute), stages
 
 
 class PartCosts:

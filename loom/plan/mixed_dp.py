@@ -45,14 +45,13 @@ from loom.layout import Layout
 from loom.models.presets import parameter_count
 from loom.plan.hardware import Cluster
 from loom.plan.search import simulate_step
-from loom.plan.space import Workload, cp_modes, tp_fits
+from loom.plan.space import Workload, ring_shapes
 from loom.sim.collectives import allreduce_time
 from loom.sim.cost_model import CostModel
 from loom.sim.frameworks import LOOM, Framework
 
 MICRO_BATCHES = (1, 2, 4)
 PIPELINES = (1, 2, 4, 8)
-CONTEXT = (1, 2, 4, 8)  # ring context parallelism inside a replica
 RECOMPUTE = ("none", "full")
 KEEP = 3  # shapes kept per part and micro batch: 3^4 = 81 combinations for four parts
 
@@ -95,15 +94,12 @@ class MixedReplicas:
 def replica_shapes(workload: Workload, cluster: Cluster, micro: int) -> Iterator[Layout]:
     """Every replica shape a part holds at ``micro``: tp within its node dividing the heads,
     the vocabulary and the sequence, ring context parallelism of 1-8 where it splits the
-    sequence (the homogeneous space's rules, as ``mixed.stage_shapes``), pp of 1-8 stages (at
+    sequence (``space.ring_shapes``, as ``mixed.stage_shapes``), pp of 1-8 stages (at
     most the layers), the part's GPUs split into whole replicas, ZeRO-1 where there are
     replicas to shard over, no or full recomputation. Its microbatches are its pipeline's
     depth (the least a 1F1B runs)."""
     m, seq = workload.model, workload.seq_len
-    for tp, cp in itertools.product((1, 2, 4, 8), CONTEXT):
-        if tp > cluster.gpus_per_node or cluster.gpus % (tp * cp) or seq % cp \
-                or not tp_fits(m, tp, seq, cp) or "ring" not in cp_modes(m, tp, cp, seq):
-            continue
+    for tp, cp in ring_shapes(m, seq, cluster.gpus_per_node, cluster.gpus):
         for pp in PIPELINES:
             if pp > m.n_layers or (cluster.gpus // (tp * cp)) % pp:
                 continue

@@ -27,6 +27,7 @@ Which of these Loom can run today (some combinations are still refused by
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -104,6 +105,18 @@ def vocab_pp_fits(m: TransformerArgs, lay: Layout) -> bool:
     (``vocab_cost.rows_data_parallel``)."""
     return (lay.pp > 1 and m.vocab_size % (lay.pp * lay.tp) == 0 and lay.ep == 1
             and m.n_experts == 0)
+
+
+def ring_shapes(m: TransformerArgs, seq: int, per_node: int, gpus: int
+                ) -> Iterator[tuple[int, int]]:
+    """The (tp, ring cp) pairs a group of ``gpus`` ranks takes: tp within a node of
+    ``per_node``, tp x cp dividing the group, ring cp splitting the sequence, and the shape
+    rules of ``tp_fits`` and ``cp_modes`` (the inside of ``loom plan --mixed``'s stages and
+    replicas)."""
+    for tp, cp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8)):
+        if tp <= per_node and gpus % (tp * cp) == 0 and seq % cp == 0 \
+                and tp_fits(m, tp, seq, cp) and "ring" in cp_modes(m, tp, cp, seq):
+            yield tp, cp
 
 
 def cp_modes(m: TransformerArgs, tp: int, cp: int, seq: int) -> list[str]:
