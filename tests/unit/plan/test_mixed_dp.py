@@ -29,13 +29,17 @@ from loom.sim.frameworks import LOOM
 WORK = Workload("llama3-8b", PRESETS["llama3-8b"], 4096, 256)
 
 
+def load_mixed_text(tmp_path: Path, text: str):
+    path = tmp_path / "mixed.toml"
+    path.write_text(text)
+    return load_mixed(path, load_catalog(None))
+
+
 def mixed_of(tmp_path: Path, first: str, second: str, gpus: int = 16, between: str = ""):
     text = "".join(f'[[part]]\ngpu = "{gpu}"\ngpus = {gpus}\n' for gpu in (first, second))
     if between:
         text += f'[between]\nlink = "{between}"\n'
-    path = tmp_path / "mixed.toml"
-    path.write_text(text)
-    return load_mixed(path, load_catalog(None))
+    return load_mixed_text(tmp_path, text)
 
 
 def test_the_batch_is_split_so_the_slowest_part_finishes_first():
@@ -137,11 +141,6 @@ def test_the_gradients_cross_the_parts_once_per_step_at_the_smallest_part_s_shar
     assert slow_plan.step_time - slow_plan.cross == pytest.approx(
         fast_plan.step_time - fast_plan.cross)  # the parts' own steps do not depend on it
 
-
-def load_mixed_text(tmp_path: Path, text: str):
-    path = tmp_path / "mixed.toml"
-    path.write_text(text)
-    return load_mixed(path, load_catalog(None))
 
 
 def test_replica_shapes_split_each_part_into_whole_replicas(tmp_path):
