@@ -41,7 +41,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,7 +100,7 @@ def predicted_step_s(config, part: str | None) -> float | None:
     if part is None or config.train.dtype == "fp32":
         return None
     cluster = make_cluster(part, 1)
-    stack = replace(LOOM, compiled=bool(config.train.compile))  # eager or compiled blocks
+    stack = LOOM.compiled_as(bool(config.train.compile))  # eager or compiled blocks
     model = CostModel(model_args(config), config.data.seq_len, config.train.global_batch_size,
                       cluster, fp8=config.train.fp8 != "none", framework=stack)
     layout = layout_of(config)

@@ -270,7 +270,7 @@ def framework_of(row: dict, forced: str | None = None) -> Framework:
         return framework(forced)
     stack = framework(row["framework"]).with_overlap(**row.get("overlap", {}))
     if "compiled" in row:  # the row's stack, where it is known to differ from the profile's
-        stack = dataclasses.replace(stack, compiled=bool(row["compiled"]))
+        stack = stack.compiled_as(bool(row["compiled"]))
     if "rank_order" in row:
         stack = dataclasses.replace(stack, rank_order=tuple(row["rank_order"]))
     return stack

@@ -441,7 +441,7 @@ def _compiled(args: argparse.Namespace, stack: Framework) -> tuple[Framework, bo
         compiled = args.compile.lower() == "true"
     else:
         raise PlanInputError(f"--compile {args.compile}: true or false")
-    return dataclasses.replace(stack, compiled=compiled), compiled
+    return stack.compiled_as(compiled), compiled
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -329,7 +329,7 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
         # model's framework says it already; a workload named for no preset has no config)
         compiled = workload_config(work).train.compile if work.compile is None else work.compile
         model = CostModel(work.model, work.seq_len, work.global_batch, cluster,
-                          framework=replace(LOOM, compiled=compiled))
+                          framework=LOOM.compiled_as(compiled))
     # a stack whose allocator keeps fragments (``Framework.allocator_reserve``) leaves them out
     budget = cluster.gpu.memory_bytes * min(memory_fraction,
                                             1.0 - model.framework.allocator_reserve)

@@ -19,8 +19,8 @@ heads of width d, f FFN width, t = tp; a matmul of m x k by k x n is 2mkn FLOPs)
   (FlashAttention v1 at half v2's rate); a kernel that stores the s x s scores
   (``Framework.attention_kernel`` fused or unfused) computes the whole square and moves the
   scores through memory
-  (``SCORE_PASSES`` e-byte passes each way, at the HBM bandwidth); a stack without a fused
-  RMSNorm (``Framework.fused_norm``) moves ``UNFUSED_NORM_BYTES`` more per element; an MoE
+  (``SCORE_PASSES`` e-byte passes each way, at the HBM bandwidth); a compiled stack without a
+  fused RMSNorm (``Framework.fused_norm``) moves ``UNFUSED_NORM_BYTES`` more per element; an MoE
   layer replaces the MLP by a router 2T·h·E and top_k routed plus n_shared experts of width
   f_e, each of the dense MLP's kind: 2c·T·h·f_e·(top_k + n_shared)/t (c = 3 SwiGLU, 2 GELU);
 * backward after Zero Bubble (Qi et al. 2024, Table 1): I = the matmuls again plus the
@@ -343,9 +343,10 @@ class CostModel:
             t_elem += tokens * m.dim * self.e * expert_cost.permute_passes(m.top_k, lay.ep) \
                 / gpu.hbm_bandwidth
         t_eager_f = t_eager_i = 0.0
-        if not self.framework.compiled:  # one kernel per element-wise op (its norms included)
+        if not self.framework.compiled:  # one kernel per element-wise op (the norms' too,
+            # unless the stack has a norm kernel)
             extra_f, extra_i = eager_extra_bytes(m, tokens, lay.tp, lay.sequence_parallel, moe,
-                                                 self.e)
+                                                 self.e, norm_kernel=self.framework.fused_norm)
             t_eager_f, t_eager_i = extra_f / gpu.hbm_bandwidth, extra_i / gpu.hbm_bandwidth
         elif not self.framework.fused_norm:  # the norms as eager fp32 ops (split under SP)
             t_elem += tokens * m.dim * UNFUSED_NORM_BYTES / (

@@ -35,7 +35,15 @@ read in (about 9e per norm: x, the incoming gradients, dx, and the weight's redu
 
 Eager minus compiled, per element: forward D 56 + 4c - 3e, Q + KV 36 + 2c - 2e, F 2e;
 backward D 152 + 6c - 3e, Q + KV 60 + 2c - 2e, F 4e (bf16: 74, 44, 4; 182, 68, 8); a GELU
-MLP's F 0 both ways (its backward one kernel, eager or compiled). The host time of launching
+MLP's F 0 both ways (its backward one kernel, eager or compiled).
+
+An eager stack with a norm kernel (``Framework.fused_norm``: Aleph Alpha's Scaling with
+flash-attn's fused RMSNorm, the sweep's "+ RMS kernel" cells) runs each norm as one kernel each
+way: forward it reads x and writes y (2e), backward it reads x and the incoming gradient and
+writes dx (3e, the weight's row sum read in the same pass), beside the five eager gradient
+accumulations (15e). Its D-wide eager traffic is then 2·2e + 6e = 10e forward and 2·3e + 15e =
+21e backward, e and 3e beyond compiled: the norms' eager ops (56 + 4c - 4e forward, 152 + 6c -
+6e backward) are what the kernel saves. The host time of launching
 these kernels is ``loom.sim.launch_cost``'s (the same counts, pinned to the dispatcher's).
 FP8's casts (``CostModel._fp8_share``) are priced the same either way.
 Torch-free.
@@ -47,14 +55,15 @@ from loom.models.args import TransformerArgs
 
 
 def eager_extra_bytes(model: TransformerArgs, tokens: float, tp: int, sequence_parallel: bool,
-                      moe: bool, e: int) -> tuple[float, float]:
+                      moe: bool, e: int, norm_kernel: bool = False) -> tuple[float, float]:
     """(forward, backward) bytes one rank's layer pass over ``tokens`` tokens moves in eager
     mode beyond a compiled block (the module docstring's counts). The D-wide work is split by
     ``tp`` under sequence parallelism only (replicated otherwise); RoPE's and the MLP's run
     over the rank's heads and MLP columns, split by ``tp`` always; an MoE layer's SwiGLU runs
     over its ``top_k`` routed and its shared experts' columns for every token. A GELU MLP, dense
     or experts (the experts are of the dense MLP's kind), is one eager kernel each way, as
-    compiled, so it moves nothing more."""
+    compiled, so it moves nothing more. ``norm_kernel``: each RMSNorm one kernel each way
+    (an eager stack with a norm kernel), its eager ops left out."""
     d = model.dim / (tp if sequence_parallel and tp > 1 else 1)
     heads = model.head_dim * (model.n_heads + model.n_kv_heads) / tp
     if model.mlp_matrices != 3:  # GELU
@@ -65,8 +74,10 @@ def eager_extra_bytes(model: TransformerArgs, tokens: float, tp: int, sequence_p
     else:
         ffn = model.ffn_dim / tp
     c = 0 if e == 4 else e + 4  # one cast to or from fp32
-    forward = d * (56 + 4 * c - 3 * e) + heads * (36 + 2 * c - 2 * e) + ffn * 2 * e
-    backward = d * (152 + 6 * c - 3 * e) + heads * (60 + 2 * c - 2 * e) + ffn * 4 * e
+    d_forward, d_backward = (e, 3 * e) if norm_kernel \
+        else (56 + 4 * c - 3 * e, 152 + 6 * c - 3 * e)
+    forward = d * d_forward + heads * (36 + 2 * c - 2 * e) + ffn * 2 * e
+    backward = d * d_backward + heads * (60 + 2 * c - 2 * e) + ffn * 4 * e
     return tokens * forward, tokens * backward
 
 

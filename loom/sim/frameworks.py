@@ -94,8 +94,14 @@ What a profile fixes:
   and move the s x s scores through memory, ``fused`` in one softmax kernel, ``unfused`` through
   separate scale, mask and softmax kernels. Loom, Megatron-LM and torchtitan run flash kernels
   today; the DeepSpeed profile (Megatron-DeepSpeed as BLOOM ran it) the fused softmax.
-  ``fused_norm`` false prices the RMSNorms as eager fp32 ops (a stack without a norm kernel);
-  every profile here has one (Loom's own is its measured element-wise passes).
+  ``fused_norm``: each RMSNorm runs as one kernel each way (a norm kernel, or the compiler's
+  fusion). In a compiled stack, false prices the norms as eager fp32 ops beside its other
+  fused kernels (Megatron without Apex's or TE's norm); in an eager one (``compiled`` false),
+  true leaves the norms' eager ops out of ``loom.sim.eager_cost``'s traffic. Loom's trainer
+  and torchtitan run their norms as eager ops unless compiled (Loom's ``_RMSNormFunction``,
+  torchtitan's ``nn.RMSNorm``); Scaling's public release too (``x * rsqrt(mean(x^2) + eps)``;
+  the sweep's "+ RMS kernel" cells ran flash-attn's fused RMSNorm). ``compiled_as`` sets both:
+  compiling fuses the norms.
 * **Eager or compiled** (``compiled``): whether the block's element-wise chains (norms,
   residual adds, RoPE, SwiGLU) run fused, as ``torch.compile``'s inductor or hand-fused kernels
   run them, or as one eager kernel per op; ``loom.sim.eager_cost`` counts what eager moves
@@ -182,7 +188,7 @@ class Framework:
     zero12_gather_bytes: int  # ZeRO-1/2's parameter all-gather after the step, per element
     sp_shards_all: bool  # sequence parallelism shards every activation (Megatron)
     attention_kernel: str = "flash2"  # ATTENTION_KERNELS: how the attention core runs
-    fused_norm: bool = True  # one kernel per RMSNorm (else eager fp32 ops; loom.sim.cost_model)
+    fused_norm: bool = True  # one kernel per RMSNorm each way (a norm kernel or the compiler's)
     compiled: bool = True  # element-wise chains fused (else one kernel per op; eager_cost)
     dropout: bool = False  # 1-byte dropout masks kept (GPT-style blocks)
     optimizer_temporaries: bool = False  # foreach AdamW's two state-sized temporaries
@@ -255,6 +261,15 @@ class Framework:
         grid: the search prices many layouts of one grid. Shared: do not change it."""
         return _group_strides(self.rank_order, degrees)
 
+    def compiled_as(self, compiled: bool) -> "Framework":
+        """This stack under ``torch.compile`` (``compiled``) or eager: compiling fuses each
+        norm's ops into one kernel too, so a compiled stack's norms are fused; eager, they are
+        what the registered profile of this name runs (this one's own if it has none)."""
+        if compiled:
+            return replace(self, compiled=True, fused_norm=True)
+        own = FRAMEWORKS.get(self.name, self)
+        return replace(self, compiled=False, fused_norm=own.fused_norm)
+
     def with_overlap(self, **changes: object) -> "Framework":
         """This profile with some overlap knobs changed (a published run's own settings)."""
         return replace(self, overlap=replace(self.overlap, **changes))
@@ -280,6 +295,7 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     Framework("loom", param_bytes=4, grad_bytes=4, optimizer_bytes=8, zero12_gather_bytes=4,
               sp_shards_all=False,  # its step: cost_memory's fused_step rule, per layout
               compiled=False,  # train.compile's default
+              fused_norm=False,  # _RMSNormFunction's eager ops (fused when compiled)
               overlap=Overlap(tp_comm=False, param_gather=False, grad_reduce="last_backward")),
     Framework("megatron", param_bytes=2, grad_bytes=4, optimizer_bytes=12, zero12_gather_bytes=2,
               sp_shards_all=True, dropout=True, step_path="megatron",
@@ -289,6 +305,7 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     Framework("torchtitan", param_bytes=4, grad_bytes=4, optimizer_bytes=8, zero12_gather_bytes=2,
               sp_shards_all=False, sp_keeps_gathered=True,  # fused AdamW by default
               compiled=False,  # compile.enable's default; its published BF16 rows ran eager
+              fused_norm=False,  # nn.RMSNorm's eager ops (fused when compiled)
               step_path="torchtitan", selective="ops",
               grouped_experts=True,  # its MoE's GroupedExperts (torch._grouped_mm)
               overlap=Overlap(tp_comm=False, param_gather=False, grad_reduce="last_backward")),
@@ -300,7 +317,7 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     # rank, fp32 master + moments (ZeRO-1 shards them), eager PyTorch blocks, the gradients
     # all-reduced after the backward
     Framework("scaling", param_bytes=2, grad_bytes=2, optimizer_bytes=12, zero12_gather_bytes=2,
-              sp_shards_all=True, compiled=False, optimizer_temporaries=True,
+              sp_shards_all=True, compiled=False, fused_norm=False, optimizer_temporaries=True,
               softmax_in_fp32=True, norm_saves_output=True, eager_copies=True,
               gathered_logits=True, bucket_allreduce=True, fp32_grad_slice=True,
               allocator_reserve=0.15, zero_stages=(0, 1), step_path="megatron",

@@ -22,7 +22,7 @@ MODEL = PRESETS["llama3-8b"]
 UNIT = Gpu("unit", peak_flops=1e12, memory_bytes=80 * GB, hbm_bandwidth=1e12,
            matmul_efficiency=1.0, matmul_knee=1e-9)
 FAST = Link("fast", bandwidth=1e11, latency=0.0, efficiency=1.0)
-EAGER, COMPILED = replace(LOOM, compiled=False), replace(LOOM, compiled=True)
+EAGER, COMPILED = LOOM.compiled_as(False), LOOM.compiled_as(True)
 
 
 def _layer(stack, lay: Layout, e: int = 2) -> tuple[float, float, float]:
@@ -52,6 +52,37 @@ def test_an_eager_block_moves_its_element_wise_bytes_more_than_a_compiled_one(tp
     assert eager[0] - compiled[0] == pytest.approx(forward, rel=1e-9)
     assert eager[1] - compiled[1] == pytest.approx(backward, rel=1e-9)
     assert eager[2] == compiled[2]
+
+
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, True)])
+def test_an_eager_block_with_a_norm_kernel_moves_only_the_rest_of_its_eager_bytes(tp, sp):
+    """An eager stack whose RMSNorms are one kernel each way (``fused_norm``: Scaling's "+ RMS
+    kernel" cells): per D element, bf16, the kernel moves 2e forward and 3e backward per norm
+    beside the residual adds' 6e and the accumulations' 15e, e and 3e beyond compiled, where
+    the eager norms moved 74 and 182; q, k and the MLP's columns are unchanged."""
+    lay = Layout(tp=tp, sequence_parallel=sp, micro_batch=1, microbatches=1)
+    kernel = _layer(replace(EAGER, fused_norm=True), lay)
+    eager, compiled = _layer(EAGER, lay), _layer(COMPILED, lay)
+    d = 4096 / (tp if sp else 1)
+    qk = 128 * (32 + 8) / tp
+    ffn = 14336 / tp
+    assert kernel[0] - compiled[0] == pytest.approx(
+        1024 * (2 * d + 44 * qk + 4 * ffn) / 1e12, rel=1e-9)
+    assert kernel[1] - compiled[1] == pytest.approx(
+        1024 * (6 * d + 68 * qk + 8 * ffn) / 1e12, rel=1e-9)
+    assert eager[0] - kernel[0] == pytest.approx(1024 * 72 * d / 1e12, rel=1e-9)
+    assert kernel[2] == compiled[2]
+
+
+def test_compiling_a_stack_fuses_its_norms_and_eager_restores_the_profiles_own():
+    """``Framework.compiled_as``: inductor fuses each norm's ops, so a compiled Loom or
+    torchtitan has fused norms; run eager again, each has its registered profile's norm."""
+    for name in ("loom", "torchtitan", "scaling"):
+        own = FRAMEWORKS[name]
+        assert not own.fused_norm  # eager norm ops: Loom's Function, nn.RMSNorm, Scaling's own
+        assert own.compiled_as(True).fused_norm and own.compiled_as(True).compiled
+        assert own.compiled_as(True).compiled_as(False) == own
+    assert FRAMEWORKS["megatron"].compiled_as(False).fused_norm  # Apex's / TE's norm kernel
 
 
 def test_in_fp32_the_casts_are_free():

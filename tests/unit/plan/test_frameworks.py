@@ -136,7 +136,7 @@ def test_megatron_overlaps_tp_communication_with_the_gemms():
     lay = Layout(tp=2, sequence_parallel=True, micro_batch=4, microbatches=1)
     mega = model("megatron")  # fused kernels: against Loom compiled, which fuses alike
     loom = CostModel(DEBUG, 32, 8, Cluster(UNIT, 2, 8, FAST, SLOW),
-                     framework=replace(LOOM, compiled=True))
+                     framework=LOOM.compiled_as(True))
     f_loom, f_mega = loom._layer_times(lay, False)[0], mega._layer_times(lay, False)[0]
     tp_fwd = 2 * allreduce_time(4 * 32 * 64 * 2, 2, FAST)
     mat, _ = loom.layer_flops(4 * 32, 2, False)
@@ -156,7 +156,7 @@ def test_tp_comm_overlap_runs_the_gemms_in_chunks_of_1_over_tp_rows():
     lay = Layout(tp=2, sequence_parallel=True, micro_batch=1, microbatches=1)
     cluster = Cluster(knee, 2, 8, FAST, SLOW)
     mega = CostModel(DEBUG, 32, 8, cluster, framework=FRAMEWORKS["megatron"])
-    loom = CostModel(DEBUG, 32, 8, cluster, framework=replace(LOOM, compiled=True))
+    loom = CostModel(DEBUG, 32, 8, cluster, framework=LOOM.compiled_as(True))
     mat, _ = loom.layer_flops(32, 2, False)
     whole, chunk = mat / knee.matmul_rate(32), mat / knee.matmul_rate(16)
     tp_fwd = 2 * allreduce_time(32 * 64 * 2, 2, FAST)
@@ -188,7 +188,7 @@ def test_transformer_engine_runs_the_overlapped_gemms_on_the_sms_its_communicati
     assert mega.tp_overlap_sms == 16 and LOOM.tp_overlap_sms == 0
     plain = Layout(tp=2, micro_batch=4, microbatches=1)
     assert passes(sms, mega, plain) == passes(UNIT, mega, plain)
-    loom = replace(LOOM, compiled=True)
+    loom = LOOM.compiled_as(True)
     assert passes(sms, loom) == passes(UNIT, loom)
 
 
@@ -310,7 +310,7 @@ def test_an_unfused_rmsnorm_moves_64_more_bytes_per_element_forward_and_128_back
     """Eager fp32 RMSNorms (``fused_norm = False``): T·h·64 bytes more forward at 1 TB/s, twice
     that in I; split over tp under sequence parallelism."""
     lay = Layout()
-    compiled = replace(LOOM, compiled=True)  # eager prices Loom's own eager norms instead
+    compiled = LOOM.compiled_as(True)  # eager prices Loom's own eager norms instead
     base = _layer(compiled, lay)
     f, i, w = _layer(replace(compiled, fused_norm=False), lay)
     extra = 32 * 64 * 64 / 1e12

@@ -20,7 +20,7 @@ from loom.sim.cost_model import CostModel
 from loom.sim.frameworks import LOOM
 from loom.sim.launch_cost import block_kernels, host_bound
 
-EAGER, COMPILED = replace(LOOM, compiled=False), replace(LOOM, compiled=True)
+EAGER, COMPILED = LOOM.compiled_as(False), LOOM.compiled_as(True)
 
 
 class _Kernels(TorchDispatchMode):

@@ -111,7 +111,7 @@ def test_moving_the_tokens_into_expert_order_and_back_costs_hbm_traffic(ep, copi
     bandwidth = 1e11
     hbm_only = replace(UNIT, peak_flops=1e30, fp8_flops=0.0, hbm_bandwidth=bandwidth)
     cluster = Cluster(hbm_only, ep, ep, FAST, FAST)
-    stack = replace(LOOM, compiled=True)  # no per-op eager traffic, which differs by MLP
+    stack = LOOM.compiled_as(True)  # no per-op eager traffic, which differs by MLP
     cost = CostModel(MODEL, SEQ, ep, cluster, framework=stack)
     layout = Layout(dp_shard=1, ep=ep)
     moe, dense = cost._layer_times(layout, True), cost._layer_times(layout, False)

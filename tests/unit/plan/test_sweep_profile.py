@@ -150,16 +150,17 @@ def test_the_sweep_judges_a_cell_against_the_memory_left_by_the_allocator(stack,
 
 def test_the_block_follows_the_profile_and_megatron_keeps_its_own():
     """One debug block (s 32, b 2, h 64, f 128, 4 heads, 2 KV heads) with the written-out core:
-    Scaling's eager block saves 7 bytes per score (fp32 softmax), silu(x) and the output copy;
-    Megatron's profile keeps Korthikanti's block (its fused softmax's e bytes, its masks)."""
+    Scaling's eager block saves 7 bytes per score (fp32 softmax), silu(x), the output copy and
+    (its own norm, not a norm kernel) each norm's output; Megatron's profile keeps
+    Korthikanti's block (its fused softmax's e bytes, its masks)."""
     lay = Layout(micro_batch=2, microbatches=1)
     shape = dict(s=32, b=2, h=64, f=128, a=4, kv=2, t=1, e=2, flash=False, gated=True)
     scaling = replace(framework("scaling"), attention_kernel="unfused")
     assert _activation_bytes(_model(scaling), lay)[0] == korthikanti_block_activation_bytes(
-        **shape, scores_bytes=7, eager_copies=True)
-    eager_norm = replace(scaling, fused_norm=False)
-    assert _activation_bytes(_model(eager_norm), lay)[0] == korthikanti_block_activation_bytes(
         **shape, scores_bytes=7, eager_copies=True, norm_outputs=True)
+    norm_kernel = replace(scaling, fused_norm=True)
+    assert _activation_bytes(_model(norm_kernel), lay)[0] == korthikanti_block_activation_bytes(
+        **shape, scores_bytes=7, eager_copies=True)
     megatron = replace(framework("megatron"), attention_kernel="unfused", fused_norm=False)
     assert _activation_bytes(_model(megatron), lay)[0] == korthikanti_block_activation_bytes(
         **shape, dropout=True)
