@@ -316,9 +316,11 @@ def korthikanti_block_activation_bytes(*, s: int, b: int, h: int, f: float, a: i
 
     Two knobs for stacks that keep more (``loom.sim.frameworks``, Aleph Alpha's Scaling):
     ``scores_bytes``, the bytes a non-flash core saves per s x s element instead of the above
-    (``unfused_scores_bytes``); ``norm_outputs``, each RMSNorm written as eager ops also saves its
-    normalized output for the weight's gradient (one more e·x per norm, split like the norms'
-    inputs); ``eager_copies``, a block of eager PyTorch ops in Megatron's [s, b, h] layout also
+    (``unfused_scores_bytes``); ``norm_outputs``, each RMSNorm written as eager ops the way
+    Llama's reference code writes it (``_norm(x.float()).type_as(x) * weight``) saves the fp32
+    copy of its input (for the square and the scaling) and its output (for the weight's
+    gradient) in place of its input: (4 + e)·x per norm where e < 4 (in fp32 the copy is the
+    input: 2e·x), split like the norms' inputs; ``eager_copies``, a block of eager PyTorch ops in Megatron's [s, b, h] layout also
     saves SwiGLU's ``silu(x)`` (the product's operand; a fused SwiGLU recomputes it: e·s·b·f)
     and, with a flash kernel, the attention output twice (the kernel's [b·s, heads, d] output
     and the output projection's input reshaped back to [s, b, h]: e·x), both split by t."""
@@ -339,8 +341,8 @@ def korthikanti_block_activation_bytes(*, s: int, b: int, h: int, f: float, a: i
         core = scores_bytes * a * s * s * b
     else:
         core = (e + (e + 1 if dropout else 0)) * a * s * s * b
-    if norm_outputs:
-        norms *= 2  # the input and the normalized output of each of the two norms
+    if norm_outputs:  # each norm's fp32 copy of its input and its output, not its input
+        norms = 2 * (max(e, 4) + e) * x
     if not sp:
         replicated = norms + inputs + masks
     elif sp_shards_all:

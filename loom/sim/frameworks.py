@@ -70,8 +70,12 @@ What a profile fixes:
     the bf16 copy the matmul saves; ``unfused_scores_bytes``). An assumption: the sweep's
     "fused" kernel is Megatron's scale-mask-softmax (its bf16 output only), a kernel the public
     release no longer has;
-  - RMSNorm without the kernel is ``x * rsqrt(mean(x^2) + eps)`` cast and multiplied by the
-    weight: it also saves the normalized output (``norm_saves_output``);
+  - RMSNorm without the kernel is Llama's reference code, ``_norm(x.float()).type_as(x) *
+    weight`` with ``_norm(x) = x * rsqrt(mean(x^2) + eps)`` (``core/nn/norm/rms_norm.py`` in
+    the release's first public commit, 7848929, Aug 2024; Oct 2024's squares the bf16 input
+    and upcasts after): it saves the fp32 copy of its input and its bf16 output, not its input
+    (``norm_saves_output``); the sweep's "+ RMS kernel" cells ran the alternative that
+    version has, flash-attn's fused ``rms_norm`` (``fused_norm``);
   - the block is eager PyTorch in Megatron's [s, b, h] layout (``eager_copies``): SwiGLU's
     ``silu(x) * gate`` saves ``silu(x)``, and flash attention's output is rearranged from
     [b·s, heads, d] back for the output projection, which saves that copy beside the kernel's;
@@ -196,7 +200,7 @@ class Framework:
     # what Aleph Alpha's Scaling holds beyond a Megatron-style block (see "Memory beyond the
     # block" in the module docstring); all false elsewhere
     softmax_in_fp32: bool = False  # the written-out core's softmax in fp32 (unfused_scores_bytes)
-    norm_saves_output: bool = False  # an eager RMSNorm (fused_norm false) saves its output too
+    norm_saves_output: bool = False  # an eager RMSNorm saves its fp32 input copy and its output
     # an eager block: SwiGLU's silu(x), the flash output's reshaped copy, and a written-out
     # core's mask and probabilities (unfused_scores_bytes)
     eager_copies: bool = False

@@ -52,8 +52,14 @@ def test_korthikanti_block_defaults_unchanged_and_the_new_knobs_by_hand():
     inputs 128, Q + K + V + projection input 2·32·4 = 256, the MLP's three 2·4·16 = 384, the
     fp32 log-sum-exp 4·4·2 = 32: 928 bytes."""
     assert korthikanti_block_activation_bytes(**SMALL) == 928
-    # each eager norm's normalized output: one more 2·32 per norm, replicated without SP
-    assert korthikanti_block_activation_bytes(**SMALL, norm_outputs=True) == 928 + 128
+    # each eager norm (Llama's reference: ``_norm(x.float()).type_as(x) * weight``) saves the
+    # fp32 copy of its input (4·32) and its bf16 output (2·32) in place of its bf16 input
+    # (2·32): one more 4·32 per norm, replicated without SP
+    assert korthikanti_block_activation_bytes(**SMALL, norm_outputs=True) == 928 + 256
+    # in fp32 the copy is the input itself: only the output more (4·32 per norm)
+    fp32 = dict(SMALL, e=4)
+    assert korthikanti_block_activation_bytes(**fp32, norm_outputs=True) == \
+        korthikanti_block_activation_bytes(**fp32) + 256
     # eager SwiGLU's silu(x) (2·4·16 = 128) and the flash output's reshaped copy (2·32 = 64)
     assert korthikanti_block_activation_bytes(**SMALL, eager_copies=True) == 928 + 192
     # tp 2 splits the copies; with SP the norms' outputs too
@@ -61,7 +67,7 @@ def test_korthikanti_block_defaults_unchanged_and_the_new_knobs_by_hand():
     assert korthikanti_block_activation_bytes(**SMALL, t=2, eager_copies=True) == base_t2 + 96
     sp = dict(SMALL, t=2, sequence_parallel=True)
     assert korthikanti_block_activation_bytes(**sp, norm_outputs=True) == \
-        korthikanti_block_activation_bytes(**sp) + 64
+        korthikanti_block_activation_bytes(**sp) + 128
     # a written-out core: 7 bytes per s x s element instead of e = 2 (a·s²·b = 32 elements)
     no_flash = dict(SMALL, flash=False)
     assert korthikanti_block_activation_bytes(**no_flash, scores_bytes=7) == \
