@@ -315,8 +315,9 @@ def korthikanti_block_activation_bytes(*, s: int, b: int, h: int, f: float, a: i
     recomputed), "full" keeps only the block's input (split under sequence parallelism).
 
     Two knobs for stacks that keep more (``loom.sim.frameworks``, Aleph Alpha's Scaling):
-    ``scores_bytes``, the bytes a non-flash core saves per s x s element instead of the above
-    (``unfused_scores_bytes``); ``norm_outputs``, each RMSNorm written as eager ops the way
+    ``scores_bytes``, the bytes a non-flash core written out in PyTorch ops saves per s x s
+    element of each head instead of the above (``unfused_scores_bytes``), beside the boolean
+    mask ``masked_fill_`` saves once for all the heads (s²·b bytes, on every tp rank); ``norm_outputs``, each RMSNorm written as eager ops the way
     Llama's reference code writes it (``_norm(x.float()).type_as(x) * weight``) saves the fp32
     copy of its input (for the square and the scaling) and its output (for the weight's
     gradient) in place of its input: (4 + e)·x per norm where e < 4 (in fp32 the copy is the
@@ -333,12 +334,14 @@ def korthikanti_block_activation_bytes(*, s: int, b: int, h: int, f: float, a: i
     split = e * x * (1 + 2 * kv / a + 1) + (3 if gated else 2) * e * s * b * f  # Q, K, V, proj in
     if eager_copies:
         split += (e * s * b * f if gated else 0.0) + (e * x if flash else 0.0)
+    attention_mask = 0.0  # a written-out core's [b, 1, s, s] boolean mask, whole on each rank
     if flash:
         core = 4 * s * b * a
     elif recompute == "selective":
         core = 0.0
     elif scores_bytes is not None:
         core = scores_bytes * a * s * s * b
+        attention_mask = s * s * b
     else:
         core = (e + (e + 1 if dropout else 0)) * a * s * s * b
     if norm_outputs:  # each norm's fp32 copy of its input and its output, not its input
@@ -349,7 +352,7 @@ def korthikanti_block_activation_bytes(*, s: int, b: int, h: int, f: float, a: i
         replicated = 0.0
     else:
         replicated = inputs
-    return replicated + (norms + inputs + masks - replicated + split + core) / t
+    return replicated + attention_mask + (norms + inputs + masks - replicated + split + core) / t
 
 
 def framework_state_bytes(psi: float, shard: int, stage: int, *, param_bytes: int,
@@ -369,13 +372,14 @@ def unfused_scores_bytes(*, e: int = 2, softmax_in_fp32: bool = False,
                          dropout: bool = False) -> float:
     """Bytes per s x s element that attention written out in PyTorch ops saves for backward
     (Aleph Alpha's Scaling, ``MaskedSoftmaxTorch``: scores, ``masked_fill_`` with a dense
-    boolean mask, softmax, a cast back, a batched matmul with V): the boolean mask (1 byte,
-    saved by ``masked_fill_``) and the probabilities the matmul reads (e); with
-    ``softmax_in_fp32`` the scores are upcast first, so the softmax saves its fp32 output (4)
-    beside the cast copy the matmul saves; ``dropout`` adds a 1-byte mask and its output (e).
-    In bf16: 3 bytes, 7 with the fp32 softmax. Megatron's fused scale-mask-softmax saves only
-    its e-byte output (``korthikanti_block_activation_bytes``'s default)."""
-    return 1 + e + (4 if softmax_in_fp32 else 0) + (e + 1 if dropout else 0)
+    boolean mask, softmax, a cast back, a batched matmul with V): the probabilities the matmul
+    reads (e); with ``softmax_in_fp32`` the scores are upcast first, so the softmax saves its
+    fp32 output (4) beside the cast copy the matmul saves; ``dropout`` adds a 1-byte mask and
+    its output (e). In bf16: 2 bytes, 6 with the fp32 softmax. The boolean mask
+    ``masked_fill_`` saves is [b, 1, s, s], one byte per element for all the heads
+    (``korthikanti_block_activation_bytes`` adds it with ``scores_bytes``). Megatron's fused
+    scale-mask-softmax saves only its e-byte output (that function's default)."""
+    return e + (4 if softmax_in_fp32 else 0) + (e + 1 if dropout else 0)
 
 
 def gathered_logits_bytes(*, tokens: int, vocab: int, e: int = 2) -> float:

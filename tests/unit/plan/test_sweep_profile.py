@@ -29,13 +29,14 @@ UNIT = Gpu("unit", peak_flops=1e12, memory_bytes=80 * 2**30, hbm_bandwidth=1e12,
 SMALL = dict(s=4, b=1, h=8, f=16, a=2, kv=2, e=2)  # x = s·b·h = 32 elements
 
 
-def test_written_out_attention_saves_mask_probabilities_and_the_fp32_softmax():
-    """bf16: the boolean mask (1) and the probabilities (2); the fp32 softmax's output (4) with
-    ``softmax_in_fp32``; dropout's mask and output (1 + 2)."""
-    assert unfused_scores_bytes(e=2) == 3
-    assert unfused_scores_bytes(e=2, softmax_in_fp32=True) == 7
-    assert unfused_scores_bytes(e=2, softmax_in_fp32=True, dropout=True) == 10
-    assert unfused_scores_bytes(e=4) == 5
+def test_written_out_attention_saves_probabilities_and_the_fp32_softmax_per_head():
+    """Per s x s element of each head, bf16: the probabilities (2); the fp32 softmax's output
+    (4) with ``softmax_in_fp32``; dropout's mask and output (1 + 2). The boolean mask is the
+    block's, once for all the heads."""
+    assert unfused_scores_bytes(e=2) == 2
+    assert unfused_scores_bytes(e=2, softmax_in_fp32=True) == 6
+    assert unfused_scores_bytes(e=2, softmax_in_fp32=True, dropout=True) == 9
+    assert unfused_scores_bytes(e=4) == 4
 
 
 def test_gathered_logits_and_the_fp32_bucket_by_hand():
@@ -68,12 +69,17 @@ def test_korthikanti_block_defaults_unchanged_and_the_new_knobs_by_hand():
     sp = dict(SMALL, t=2, sequence_parallel=True)
     assert korthikanti_block_activation_bytes(**sp, norm_outputs=True) == \
         korthikanti_block_activation_bytes(**sp) + 128
-    # a written-out core: 7 bytes per s x s element instead of e = 2 (a·s²·b = 32 elements)
+    # a written-out core: 6 bytes per s x s element of each head instead of e = 2 (a·s²·b = 32
+    # elements), and the boolean [b, 1, s, s] mask once (s²·b = 16 bytes), whole on each tp rank
     no_flash = dict(SMALL, flash=False)
-    assert korthikanti_block_activation_bytes(**no_flash, scores_bytes=7) == \
-        korthikanti_block_activation_bytes(**no_flash) + 5 * 32
+    assert korthikanti_block_activation_bytes(**no_flash, scores_bytes=6) == \
+        korthikanti_block_activation_bytes(**no_flash) + 4 * 32 + 16
+    for sp in (False, True):
+        split = dict(no_flash, t=2, sequence_parallel=sp)
+        assert korthikanti_block_activation_bytes(**split, scores_bytes=6) == \
+            korthikanti_block_activation_bytes(**split) + 4 * 32 / 2 + 16
     # full recomputation keeps the block's input whatever the knobs
-    assert korthikanti_block_activation_bytes(**no_flash, recompute="full", scores_bytes=7,
+    assert korthikanti_block_activation_bytes(**no_flash, recompute="full", scores_bytes=6,
                                               norm_outputs=True, eager_copies=True) == 2 * 32
 
 
@@ -156,17 +162,17 @@ def test_the_sweep_judges_a_cell_against_the_memory_left_by_the_allocator(stack,
 
 def test_the_block_follows_the_profile_and_megatron_keeps_its_own():
     """One debug block (s 32, b 2, h 64, f 128, 4 heads, 2 KV heads) with the written-out core:
-    Scaling's eager block saves 7 bytes per score (fp32 softmax), silu(x), the output copy and
-    (its own norm, not a norm kernel) each norm's output; Megatron's profile keeps
-    Korthikanti's block (its fused softmax's e bytes, its masks)."""
+    Scaling's eager block saves 6 bytes per score (fp32 softmax) and its mask, silu(x), the
+    output copy and (its own norm, not a norm kernel) each norm's fp32 input and output;
+    Megatron's profile keeps Korthikanti's block (its fused softmax's e bytes, its masks)."""
     lay = Layout(micro_batch=2, microbatches=1)
     shape = dict(s=32, b=2, h=64, f=128, a=4, kv=2, t=1, e=2, flash=False, gated=True)
     scaling = replace(framework("scaling"), attention_kernel="unfused")
     assert _activation_bytes(_model(scaling), lay)[0] == korthikanti_block_activation_bytes(
-        **shape, scores_bytes=7, eager_copies=True, norm_outputs=True)
+        **shape, scores_bytes=6, eager_copies=True, norm_outputs=True)
     norm_kernel = replace(scaling, fused_norm=True)
     assert _activation_bytes(_model(norm_kernel), lay)[0] == korthikanti_block_activation_bytes(
-        **shape, scores_bytes=7, eager_copies=True)
+        **shape, scores_bytes=6, eager_copies=True)
     megatron = replace(framework("megatron"), attention_kernel="unfused", fused_norm=False)
     assert _activation_bytes(_model(megatron), lay)[0] == korthikanti_block_activation_bytes(
         **shape, dropout=True)
