@@ -11,7 +11,10 @@ with the cost model, and reports per spreadsheet (one model size and sequence le
 
 * the out-of-memory verdict against the published outcome (right / cells, and both error kinds),
 * Spearman's rank correlation between predicted and published step time over the cells that
-  ran (the issue's target: >= 0.9 within each model size),
+  ran, per spreadsheet, and between predicted and published throughput per GPU over every
+  spreadsheet of one model size (the issue's target: >= 0.9 within each model size; pooling
+  sheets of different sequence lengths and GPU counts widens the range ranked, so the
+  per-sheet figure is the stricter one),
 
     git clone https://github.com/JohannesHa/COLM-submission-efficient-parallelization-layouts sweep
     python bench/planner_sweep.py sweep/data [--framework scaling|megatron] [--zero 1] \
@@ -166,7 +169,9 @@ def score(path: Path, batch: dict[int, int], zero: int, stack_name: str = "megat
             continue  # "Kernel not available", "Other Error"
         cells.append(price(cell, size, seq, batch[seq], zero, stack_name))
     ran = [c for c in cells if not c["published_oom"]]
+    gpus = int(re.search(r"_(\d+)_GPUs", path.name).group(1))
     return {"sheet": path.name, "model": size, "seq": seq, "cells": len(cells),
+            "gpus": gpus, "tokens": batch[seq] * seq,
             "half": "tune" if path.name in TUNE else "holdout",
             "oom_right": sum(c["oom"] == c["published_oom"] for c in cells),
             "ran_judged_oom": sum(c["oom"] for c in ran),
@@ -175,6 +180,29 @@ def score(path: Path, batch: dict[int, int], zero: int, stack_name: str = "megat
             "spearman": spearman([c["predicted_step_s"] for c in ran],
                                  [c["published_step_s"] for c in ran]) if len(ran) > 2 else None,
             "rows": cells}
+
+
+def throughput_per_gpu(sheet: dict, cell: dict, published: bool) -> float:
+    """A cell's tokens per second per GPU, published or predicted: its global batch of tokens
+    (``sheet["tokens"]``) over the step, over the sheet's GPUs."""
+    step = cell["published_step_s"] if published else cell["predicted_step_s"]
+    return sheet["tokens"] / step / sheet["gpus"]
+
+
+def spearman_by_model(results: list[dict]) -> list[tuple[str, str, int, float]]:
+    """(model, half, cells that ran, Spearman of predicted against published throughput per
+    GPU) over every spreadsheet of each model size, for the tune half, the held-out half and
+    both."""
+    out = []
+    for size in sorted({r["model"] for r in results}, key=lambda m: int(m[:-1])):
+        for half in ("tune", "holdout", "all"):
+            pairs = [(throughput_per_gpu(r, c, False), throughput_per_gpu(r, c, True))
+                     for r in results if r["model"] == size and half in ("all", r["half"])
+                     for c in r["rows"] if c["published_step_s"]]
+            if len(pairs) > 2:
+                out.append((size, half, len(pairs),
+                            spearman([p for p, _ in pairs], [q for _, q in pairs])))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
               f" {sum(r['ran_judged_oom'] for r in part)} runs judged OOM,"
               f" {sum(r['oom_judged_to_fit'] for r in part)} OOM cells judged to fit")
     print(f"--framework {args.framework}, --zero {args.zero}, --global-batch {args.global_batch}")
+    print("\n| model | half | cells that ran | Spearman (tokens/s per GPU, every sheet of the size) |")
+    print("|---|---|---|---|")
+    for size, half, ran, rho in spearman_by_model(results):
+        print(f"| {size} | {half} | {ran} | {rho:.2f} |")
     ratios: dict[tuple[int, str], list[float]] = {}  # published / predicted step, by kernel
     for r in results:
         for c in r["rows"]:

@@ -97,3 +97,27 @@ def test_each_cell_is_priced_at_the_layout_it_names_and_scored(sweep, tmp_path):
                            for step, (tp, pp) in zip(steps, layouts)])
         assert sweep.score(path, {2048: 2048, 8192: 512}, zero=1)["spearman"] == \
             pytest.approx(rho)
+
+
+def test_throughput_per_gpu_is_ranked_over_every_sheet_of_a_model_size(sweep):
+    """The issue's measure, Spearman within each model size: two sheets of one size (64 GPUs at
+    2k, 128 at 8k, each step 2048 x 2048 = 512 x 8192 tokens) pooled by tokens/s per GPU, not
+    by step time. Published per GPU: 2k 2184.5 and 1638.4 (30 s, 40 s); 8k 1560.4 and 1310.7
+    (21 s, 25 s)."""
+    def sheet(model, half, seq, gpus, steps):
+        return {"model": model, "half": half, "seq": seq, "gpus": gpus,
+                "tokens": {2048: 2048, 8192: 512}[seq] * seq,
+                "rows": [{"published_step_s": pub, "predicted_step_s": pred}
+                         for pub, pred in steps] + [{"published_step_s": None}]}
+    two_k = sheet("13B", "tune", 2048, 64, [(30.0, 29.0), (40.0, 41.0)])
+    eight_k = sheet("13B", "holdout", 8192, 128, [(21.0, 21.5), (25.0, 26.0)])
+    assert sweep.throughput_per_gpu(eight_k, eight_k["rows"][0], True) == \
+        pytest.approx(4194304 / 21 / 128)
+    # predicted per GPU 2260, 1598; 1524, 1260: the published order, though the 8k sheet's
+    # steps are the shortest
+    assert sweep.spearman_by_model([two_k, eight_k]) == [("13B", "all", 4, pytest.approx(1.0))]
+    # the 8k sheet's first cell predicted at 19 s (1725 per GPU) passes the 2k sheet's second:
+    # one swap of neighbours in four, 1 - 6 * 2 / (4 * 15) = 0.8 (a half of two cells ranks
+    # nothing)
+    eight_k["rows"][0]["predicted_step_s"] = 19.0
+    assert sweep.spearman_by_model([two_k, eight_k]) == [("13B", "all", 4, pytest.approx(0.8))]
