@@ -142,6 +142,9 @@ def add_plan_commands(sub: argparse._SubParsersAction,
     plan.add_argument("--attention-kernel", choices=ATTENTION_KERNELS,
                       help="the attention kernel another stack runs (default: its profile's;"
                            " fused/unfused store the s x s scores)")
+    plan.add_argument("--norm-kernel", metavar="true|false",
+                      help="whether another stack runs each RMSNorm as one kernel (default: its"
+                           " profile's; false: eager ops, e.g. Llama's reference norm)")
     plan.add_argument("--calibrate", action="store_true", help="measure this machine and store"
                                                                " the profile --gpu local uses")
     plan.add_argument("--nproc", type=int, default=0, help="processes for --calibrate (and"
@@ -429,6 +432,23 @@ def _check_output(path: str) -> None:
         raise PlanInputError(f"-o {path}: {existing} is not a writable folder")
 
 
+def _norm_kernel(args: argparse.Namespace, stack: Framework) -> Framework:
+    """``stack`` with ``--norm-kernel``'s choice (after ``--compile``, whose eager profile
+    restores the stack's own norm): another stack's norms as one kernel each or as eager ops;
+    Loom's trainer runs its own norm, fused only when compiled."""
+    if args.norm_kernel is None:
+        return stack
+    if args.norm_kernel.lower() not in ("true", "false"):
+        raise PlanInputError(f"--norm-kernel {args.norm_kernel}: true or false")
+    fused = args.norm_kernel.lower() == "true"
+    if stack.is_loom and fused != stack.fused_norm:
+        raise PlanInputError(f"--norm-kernel {args.norm_kernel}: Loom's trainer runs its own"
+                             " RMSNorm (eager ops, one kernel each when --compile true); another"
+                             " stack's norm goes with --framework "
+                             + ", ".join(name for name in FRAMEWORKS if name != "loom"))
+    return dataclasses.replace(stack, fused_norm=fused)
+
+
 def _compiled(args: argparse.Namespace, stack: Framework) -> tuple[Framework, bool]:
     """``stack`` eager or compiled as ``--compile`` says (default: Loom's from the --model
     config's ``train.compile``, another stack's its profile's), and that choice."""
@@ -451,6 +471,7 @@ def _run(args: argparse.Namespace) -> int:
         raise PlanInputError(f"--explain {args.explain}: a rank of the table, 1 to --top"
                              f" {args.top}")
     stack, compiled = _compiled(args, _framework(args))
+    stack = _norm_kernel(args, stack)
     if args.length_dist:
         return _run_varlen(args, stack)
     if args.mixed:

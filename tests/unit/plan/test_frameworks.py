@@ -335,3 +335,23 @@ def test_loom_plan_prices_another_stacks_attention_kernel_and_refuses_one_for_lo
     assert step["unfused"] > step["flash2"]
     assert main(base + ["--attention-kernel", "fused"]) == 2
     assert "--attention-kernel fused: Loom's trainer runs flash2" in capsys.readouterr().err
+
+
+def test_loom_plan_prices_another_stacks_norm_kernel_and_refuses_one_for_loom(capsys):
+    """``--norm-kernel``: Scaling's eager block with flash-attn's norm kernel is shorter than
+    with its eager norm ops at the same layout, and it survives ``--compile false`` (which
+    restores a profile's own norm); Loom's trainer runs its own norm, so a kernel is refused
+    there, and a value other than true or false is refused by name."""
+    base = ["plan", "--model", "llama3-8b", "--gpus", "2", "--gpu", "A100-80GB", "--seq",
+            "2048", "--global-batch-tokens", "16384", "--layout", "tp=2", "--json"]
+    step = {}  # (a model large enough that its passes are not the host's launches)
+    for kernel in ("true", "false"):
+        assert main(base + ["--framework", "scaling", "--compile", "false",
+                            "--norm-kernel", kernel]) == 0
+        step[kernel] = json.loads(capsys.readouterr().out)["ranked"][0]["step_time_s"]
+    assert step["true"] < step["false"]
+    assert main(base + ["--norm-kernel", "true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("loom plan: --norm-kernel true: Loom's trainer")
+    assert main(base + ["--framework", "scaling", "--norm-kernel", "maybe"]) == 2
+    assert "--norm-kernel maybe: true or false" in capsys.readouterr().err
