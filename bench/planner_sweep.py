@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
               f" {sum(r['ran_judged_oom'] for r in part)} runs judged OOM,"
               f" {sum(r['oom_judged_to_fit'] for r in part)} OOM cells judged to fit")
     print(f"--framework {args.framework}, --zero {args.zero}, --global-batch {args.global_batch}")
-    print("\n| model | half | cells that ran | Spearman (tokens/s per GPU, every sheet of the size) |")
+    print("\n| model | half | cells that ran |"
+          " Spearman (tokens/s per GPU, every sheet of the size) |")
     print("|---|---|---|---|")
     for size, half, ran, rho in spearman_by_model(results):
         print(f"| {size} | {half} | {ran} | {rho:.2f} |")

@@ -314,14 +314,15 @@ def korthikanti_block_activation_bytes(*, s: int, b: int, h: int, f: float, a: i
     (the all-gathered ones) whole. ``recompute``: "selective" drops the s x s part (the core is
     recomputed), "full" keeps only the block's input (split under sequence parallelism).
 
-    Two knobs for stacks that keep more (``loom.sim.frameworks``, Aleph Alpha's Scaling):
+    Knobs for stacks that keep more (``loom.sim.frameworks``, Aleph Alpha's Scaling):
     ``scores_bytes``, the bytes a non-flash core written out in PyTorch ops saves per s x s
     element of each head instead of the above (``unfused_scores_bytes``), beside the boolean
-    mask ``masked_fill_`` saves once for all the heads (s²·b bytes, on every tp rank); ``norm_outputs``, each RMSNorm written as eager ops the way
-    Llama's reference code writes it (``_norm(x.float()).type_as(x) * weight``) saves the fp32
-    copy of its input (for the square and the scaling) and its output (for the weight's
-    gradient) in place of its input: (4 + e)·x per norm where e < 4 (in fp32 the copy is the
-    input: 2e·x), split like the norms' inputs; ``eager_copies``, a block of eager PyTorch ops in Megatron's [s, b, h] layout also
+    mask ``masked_fill_`` saves once for all the heads (s²·b bytes, on every tp rank);
+    ``norm_outputs``, each RMSNorm written as eager ops the way Llama's reference code writes
+    it (``_norm(x.float()).type_as(x) * weight``) saves the fp32 copy of its input (for the
+    square and the scaling) and its output (for the weight's gradient) in place of its input:
+    (4 + e)·x per norm where e < 4 (in fp32 the copy is the input: 2e·x), split like the norms'
+    inputs; ``eager_copies``, a block of eager PyTorch ops in Megatron's [s, b, h] layout also
     saves SwiGLU's ``silu(x)`` (the product's operand; a fused SwiGLU recomputes it: e·s·b·f)
     and, with a flash kernel, the attention output twice (the kernel's [b·s, heads, d] output
     and the output projection's input reshaped back to [s, b, h]: e·x), both split by t."""

@@ -103,8 +103,8 @@ What a profile fixes:
   fused kernels (Megatron without Apex's or TE's norm); in an eager one (``compiled`` false),
   true leaves the norms' eager ops out of ``loom.sim.eager_cost``'s traffic. Loom's trainer
   and torchtitan run their norms as eager ops unless compiled (Loom's ``_RMSNormFunction``,
-  torchtitan's ``nn.RMSNorm``); Scaling's public release too (``x * rsqrt(mean(x^2) + eps)``;
-  the sweep's "+ RMS kernel" cells ran flash-attn's fused RMSNorm). ``compiled_as`` sets both:
+  torchtitan's ``nn.RMSNorm``); Scaling's public release too (Llama's reference norm; the
+  sweep's "+ RMS kernel" cells ran flash-attn's fused RMSNorm). ``compiled_as`` sets both:
   compiling fuses the norms.
 * **Eager or compiled** (``compiled``): whether the block's element-wise chains (norms,
   residual adds, RoPE, SwiGLU) run fused, as ``torch.compile``'s inductor or hand-fused kernels
