@@ -102,7 +102,7 @@ def predicted_step_s(config, part: str | None) -> float | None:
     cluster = make_cluster(part, 1)
     stack = LOOM.compiled_as(bool(config.train.compile))  # eager or compiled blocks
     model = CostModel(model_args(config), config.data.seq_len, config.train.global_batch_size,
-                      cluster, fp8=config.train.fp8 != "none", framework=stack)
+                      cluster, fp8=config.train.fp8, framework=stack)
     layout = layout_of(config)
     return simulate_step(model, model.evaluate(layout)).step_time
 

@@ -506,7 +506,7 @@ def _run(args: argparse.Namespace) -> int:
                                  f" {stack.name} has ZeRO stages"
                                  f" {', '.join(map(str, stack.zero_stages))} only")
         model = CostModel(work.model, work.seq_len, work.global_batch, cluster, framework=stack,
-                          fp8=fp8, fp8_all_gather=work.fp8_all_gather)
+                          fp8=work.fp8, fp8_all_gather=work.fp8_all_gather)
         cost = simulate_step(model, model.evaluate(layout))
         # the budget ``plan`` keeps: a stack's allocator reserve leaves its fragments out
         budget = cluster.gpu.memory_bytes * min(args.memory_fraction,
@@ -515,7 +515,7 @@ def _run(args: argparse.Namespace) -> int:
         print(explain.to_json(result) if args.json else explain.breakdown(result, cost))
         return 0
     model = CostModel(work.model, work.seq_len, work.global_batch, cluster, framework=stack,
-                      fp8=fp8, fp8_all_gather=work.fp8_all_gather)
+                      fp8=work.fp8, fp8_all_gather=work.fp8_all_gather)
     result = plan(work, cluster, top=args.top, memory_fraction=args.memory_fraction,
                   runnable_only=not args.any and stack.is_loom, cost_model=model)
     if not stack.is_loom and not args.json:
@@ -574,7 +574,7 @@ def _run_mixed(args: argparse.Namespace, stack: Framework) -> int:
     if slow:
         raise PlanInputError(f"--fp8 {args.fp8}: {slow[0]} has no FP8 matmuls")
     work = _workload(args)
-    ranked = rank_mixed(work, mixed, framework=stack, fp8=fp8,
+    ranked = rank_mixed(work, mixed, framework=stack, fp8=args.fp8,
                         memory_fraction=args.memory_fraction, top=args.top)
     print(report(work, mixed, ranked, args.json))
     return 0 if ranked else 1

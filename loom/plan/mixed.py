@@ -226,7 +226,7 @@ class PartCosts:
     optimizer time, cached by n."""
 
     def __init__(self, workload: Workload, cluster: Cluster, lay: Layout, framework: Framework,
-                 fp8: bool, budget: float):
+                 fp8: bool | str, budget: float):
         self.workload, self.cluster, self.lay, self.framework = workload, cluster, lay, framework
         self.fp8, self.budget = fp8, budget
         self.model = self._model(workload.model.n_layers)
@@ -297,7 +297,7 @@ def price_mixed(workload: Workload, mixed: MixedCluster, lay: Layout,
 
 
 def plan_mixed(workload: Workload, mixed: MixedCluster, *, framework: Framework = LOOM,
-               fp8: bool = False, memory_fraction: float = 0.9, top: int = 5
+               fp8: bool | str = False, memory_fraction: float = 0.9, top: int = 5
                ) -> list[MixedLayout]:
     """The ``top`` fastest pipelines over ``mixed`` that fit, fastest first."""
     found = []
@@ -319,7 +319,7 @@ def plan_mixed(workload: Workload, mixed: MixedCluster, *, framework: Framework 
 
 
 def rank_mixed(workload: Workload, mixed: MixedCluster, *, framework: Framework = LOOM,
-               fp8: bool = False, memory_fraction: float = 0.9, top: int = 5
+               fp8: bool | str = False, memory_fraction: float = 0.9, top: int = 5
                ) -> list[MixedLayout | MixedReplicas]:
     """``loom plan --mixed``'s ranking: the ``top`` fastest of the pipelines over the parts
     (``plan_mixed``) and the data-parallel layouts across them (``mixed_dp.plan_replicas``)."""

@@ -116,8 +116,8 @@ def replica_shapes(workload: Workload, cluster: Cluster, micro: int) -> Iterator
 class PartModel:
     """One part's cost model and its step at any microbatch count (cached)."""
 
-    def __init__(self, workload: Workload, cluster: Cluster, framework: Framework, fp8: bool,
-                 budget: float):
+    def __init__(self, workload: Workload, cluster: Cluster, framework: Framework,
+                 fp8: bool | str, budget: float):
         self.cluster, self.budget = cluster, budget
         self.model = CostModel(workload.model, workload.seq_len, workload.global_batch, cluster,
                                framework=framework, fp8=fp8)
@@ -223,8 +223,8 @@ def cross_part_reduction(workload: Workload, parts: Sequence[Cluster], between, 
 
 
 def plan_replicas(workload: Workload, parts: Sequence[Cluster], between, *,
-                  framework: Framework = LOOM, fp8: bool = False, memory_fraction: float = 0.9,
-                  top: int = 5) -> list[MixedReplicas]:
+                  framework: Framework = LOOM, fp8: bool | str = False,
+                  memory_fraction: float = 0.9, top: int = 5) -> list[MixedReplicas]:
     """The ``top`` fastest data-parallel layouts across ``parts`` that fit, fastest first."""
     fraction = min(memory_fraction, 1.0 - framework.allocator_reserve)
     models = [PartModel(workload, c, framework, fp8, c.gpu.memory_bytes * fraction)

@@ -325,11 +325,13 @@ def plan(work: Workload, cluster: Cluster, *, top: int = 5, finalists: int = 10,
     vocabulary split over the pipeline are priced too (off: the space without the split)."""
     started = time.perf_counter()
     model = cost_model
-    if model is None:  # eager or compiled blocks as the workload trains them (a given cost
-        # model's framework says it already; a workload named for no preset has no config)
+    if model is None:  # eager or compiled blocks and the FP8 recipe as the workload trains
+        # them (a given cost model says it already; a workload named for no preset has no
+        # config)
         compiled = workload_config(work).train.compile if work.compile is None else work.compile
         model = CostModel(work.model, work.seq_len, work.global_batch, cluster,
-                          framework=LOOM.compiled_as(compiled))
+                          framework=LOOM.compiled_as(compiled), fp8=work.fp8,
+                          fp8_all_gather=work.fp8_all_gather)
     # a stack whose allocator keeps fragments (``Framework.allocator_reserve``) leaves them out
     budget = cluster.gpu.memory_bytes * min(memory_fraction,
                                             1.0 - model.framework.allocator_reserve)

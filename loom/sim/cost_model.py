@@ -25,7 +25,8 @@ heads of width d, f FFN width, t = tp; a matmul of m x k by k x n is 2mkn FLOPs)
   f_e, each of the dense MLP's kind: 2c·T·h·f_e·(top_k + n_shared)/t (c = 3 SwiGLU, 2 GELU);
 * backward after Zero Bubble (Qi et al. 2024, Table 1): I = the matmuls again plus the
   attention core's backward (2.5x its forward under a flash kernel, which recomputes the
-  scores; 2x under one that stores them: ``CostModel.core_backward``), W = the matmuls again;
+  scores; 2x under one that stores them: ``CostModel.core_backward``), W = the matmuls again
+  (in high precision, uncast, under FP8's ``rowwise_with_gw_hp``: ``FP8_WEIGHT_GRADIENT``);
   recomputation adds to I what its policy runs again (``loom.sim.recompute_cost``: full F,
   every_k its share of F, selective the core or torchtitan's op-level part);
 * matmul time = FLOPs / ``Gpu.matmul_rate(smallest dim)``, a routed expert's GEMMs at its
@@ -117,7 +118,7 @@ from typing import Any
 
 from loom.formulas.flops import attended_keys, model_flops_per_token
 from loom.formulas.memory import adamw_step_fused
-from loom.layout import Layout
+from loom.layout import FP8_RECIPES, Layout
 from loom.models.args import TransformerArgs
 from loom.layout import CPLayout  # Loom's own split of cp into u x r
 from loom.schedule.cost import OpCosts, StageCosts
@@ -152,6 +153,11 @@ FLASH_BACKWARD, STORED_BACKWARD = 2.5, 2.0
 # dP written, P read for dV, P and dP read and dS written by the softmax's backward, dS read for
 # dQ and for dK. Unfused: scale and mask as two more read-write kernels each way.
 SCORE_PASSES = {"fused": (4, 7), "unfused": (8, 11)}
+# Whether each FP8 recipe (torchao's, ``loom.parallel.fp8``) runs the weight gradient's GEMM in
+# FP8: ``rowwise_with_gw_hp`` keeps it in high precision from the saved inputs, with no casts
+# (``Float8LinearConfig.from_recipe_name``: the input's and the output gradient's casts for it
+# are ``ScalingType.DISABLED``); tensorwise and rowwise cast both operands again for it.
+FP8_WEIGHT_GRADIENT = {"tensorwise": True, "rowwise": True, "rowwise_with_gw_hp": False}
 # Bytes per activation element a block's two RMSNorms move beyond a fused kernel's read and
 # write when run as eager ops in fp32 (``Framework.fused_norm`` false; Llama's reference
 # RMSNorm on bf16 input: upcast 2 + 4, square 4 + 4, mean 4, scale 4 + 4, downcast 4 + 2,
@@ -207,13 +213,17 @@ class CostModel:
     def __init__(self, model: TransformerArgs, seq_len: int, global_batch: int, cluster: Any, *,
                  dtype_bytes: int = 2, grad_bytes: int | None = None,
                  op_overhead: float | None = None, framework: Framework = LOOM,
-                 fp8: bool = False, fp8_all_gather: bool = False, grad_clip: bool = True):
+                 fp8: bool | str = False, fp8_all_gather: bool = False, grad_clip: bool = True):
         self.model, self.seq, self.batch, self.cluster = model, seq_len, global_batch, cluster
         self.grad_clip = grad_clip  # gradients scaled by the clipping factor (train.grad_clip > 0)
-        # FP8 matmuls in the blocks' linears (``train.fp8``; ``_fp8_share`` says which FLOPs)
-        if fp8 and not cluster.gpu.fp8_flops:
+        # FP8 matmuls in the blocks' linears (``train.fp8``: a recipe of FP8_RECIPES, True for
+        # tensorwise; ``_fp8_share`` says which FLOPs, ``FP8_WEIGHT_GRADIENT`` which passes)
+        recipe = "tensorwise" if fp8 is True else "none" if fp8 is False else fp8
+        if recipe not in FP8_RECIPES:
+            raise ValueError(f"fp8 {fp8!r}: one of {', '.join(FP8_RECIPES)}, or a bool")
+        if recipe != "none" and not cluster.gpu.fp8_flops:
             raise ValueError(f"{cluster.gpu.name} has no FP8 matmuls (fp8_flops = 0)")
-        self.fp8 = fp8
+        self.fp8, self.fp8_recipe = recipe != "none", recipe
         # FSDP2 all-gathers the FP8 linears' weights in float8 (``train.fp8_all_gather``)
         if fp8_all_gather and not fp8:
             raise ValueError("fp8_all_gather needs fp8 (the gathered weights are the FP8 linears')")
@@ -309,15 +319,16 @@ class CostModel:
         if routed_fp8 and fp8_gain:
             cast_elements += expert_cost.routed_cast_elements(m, tokens, lay.tp)
 
-        def gemms(rows: float) -> float:
+        def gemms(rows: float, gain: float = fp8_gain) -> float:
             """Seconds of the layer's GEMMs run as pieces of ``rows`` rows each (the FP8 share
-            at the FP8 peak): the smallest dimension sets the efficiency. A routed expert's
-            GEMMs get its share of the assignments, balanced: rows x top_k over the experts,
-            times ep (a rank runs its E / ep experts on the tokens every ep rank sends it)."""
-            t = (mat - routed - converted * fp8_gain) / gpu.matmul_rate(min(rows, widths))
+            at the FP8 peak, ``gain`` of its time saved): the smallest dimension sets the
+            efficiency. A routed expert's GEMMs get its share of the assignments, balanced:
+            rows x top_k over the experts, times ep (a rank runs its E / ep experts on the
+            tokens every ep rank sends it)."""
+            t = (mat - routed - converted * gain) / gpu.matmul_rate(min(rows, widths))
             if routed:
                 per_expert = expert_cost.rows_per_expert(m, rows, lay.ep)
-                t += (routed - routed_fp8 * fp8_gain) / gpu.matmul_rate(
+                t += (routed - routed_fp8 * gain) / gpu.matmul_rate(
                     min(per_expert, expert_width))
             return t
 
@@ -325,6 +336,12 @@ class CostModel:
         # dynamic scaling: each converted operand read for its amax, read again and written
         # as one byte (unfused; torch.compile fuses some of it, not priced)
         t_cast = cast_elements * (2 * self.e + 1) / gpu.hbm_bandwidth
+        # the weight gradient's GEMMs and casts: in FP8 under the recipe, or in high precision
+        # from the saved inputs, uncast (FP8_WEIGHT_GRADIENT)
+        if FP8_WEIGHT_GRADIENT.get(self.fp8_recipe, True):
+            t_mat_w, t_cast_w = t_mat, t_cast
+        else:
+            t_mat_w, t_cast_w = gemms(tokens, gain=0.0), 0.0
         t_core = core / gpu.matmul_rate(min(s_local, m.head_dim))
         t_scores_f = t_scores_i = 0.0  # the stored scores' memory traffic (non-flash kernels)
         kernel = self.framework.attention_kernel
@@ -414,7 +431,7 @@ class CostModel:
         i = host_bound((t_mat + t_cast + self.core_backward * t_core + t_scores_i + 2 * t_elem
                         + t_eager_i
                         + overhead) * slow, k_i, launch) + tp_exposed + margin_b + cp_bwd + ep_fwd
-        w = host_bound((t_mat + t_cast + overhead) * slow, k_w, launch) + margin_b
+        w = host_bound((t_mat_w + t_cast_w + overhead) * slow, k_w, launch) + margin_b
         # what the policy runs again in backward (loom.sim.recompute_cost): a share of the
         # whole forward (full: all blocks; every_k: every k-th, spread evenly over the
         # layers), or a selective part of it

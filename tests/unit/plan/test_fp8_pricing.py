@@ -59,3 +59,52 @@ def test_the_plan_follows_loom_fp8_rules(capsys):
     rules = " ".join(result["refused"])
     assert "train.fp8: with parallel.cp = 2" in rules and "parallel.tp" not in rules
     assert all(row["degrees"].get("cp", 1) == 1 for row in result["ranked"])
+
+
+def test_rowwise_with_gw_hp_runs_the_weight_gradient_in_high_precision_uncast():
+    """torchao's ``rowwise_with_gw_hp`` keeps the weight gradient's GEMM in high precision from
+    the saved inputs (its casts for it are disabled): W is the 16-bit GEMMs alone, F and I are
+    tensorwise's. Rowwise casts and runs its GEMMs as tensorwise does (the same count of
+    casts in torchao's backward, and its rowwise GEMM kernel at the tensorwise one's speed), so
+    it is priced alike."""
+    layout = Layout(dp_shard=8, zero_stage=3)
+    plain = priced(False, layout)
+    tensorwise, rowwise, gw_hp = (CostModel(MODEL, 8192, 64, make_cluster("H100-SXM", 8, 8),
+                                            fp8=recipe)
+                                  for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+    f16, f8, hp = (m._times(layout, False)[:3] for m in (plain, tensorwise, gw_hp))
+    assert hp[0] == f8[0] and hp[1] == f8[1]  # forward and input gradient: FP8, cast
+    assert hp[2] == pytest.approx(f16[2], rel=1e-12)  # the weight gradient: 16-bit, no casts
+    assert f8[2] < f16[2]
+    assert rowwise._times(layout, False) == tensorwise._times(layout, False)
+    assert priced(True, layout)._times(layout, False) == tensorwise._times(layout, False)
+    with pytest.raises(ValueError, match="fp8 'blockwise': one of none, tensorwise"):
+        CostModel(MODEL, 8192, 64, make_cluster("H100-SXM", 8, 8), fp8="blockwise")
+
+
+def test_loom_plan_prices_the_recipe_it_is_given(capsys):
+    """``loom plan --fp8 rowwise_with_gw_hp`` prices a longer step than tensorwise at the same
+    layout (its weight gradient in 16 bits), and a shorter one than no FP8."""
+    base = ["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "H100-SXM", "--seq", "4096",
+            "--global-batch-tokens", "262144", "--layout", "dp_shard=8,zero_stage=3", "--json"]
+    step = {}
+    for recipe in ("none", "tensorwise", "rowwise_with_gw_hp"):
+        assert main(base + ["--fp8", recipe]) == 0
+        step[recipe] = json.loads(capsys.readouterr().out)["ranked"][0]["step_time_s"]
+    assert step["tensorwise"] < step["rowwise_with_gw_hp"] < step["none"]
+
+
+def test_a_plan_built_without_a_cost_model_prices_the_workloads_recipe():
+    """``plan(work, cluster)`` builds its cost model from the workload: its FP8 recipe too
+    (it had priced every workload in 16 bits), so the same layout steps faster in FP8."""
+    from loom.plan.search import plan  # (the search, beside the cost model's own tests)
+    from loom.plan.space import Workload
+    cluster = make_cluster("H100-SXM", 8, 8)
+    steps = {}
+    for recipe in ("none", "tensorwise"):
+        work = Workload("llama3-8b", MODEL, 4096, 64, fp8=recipe)
+        best = plan(work, cluster, top=1, simulation_seconds=float("inf")).ranked[0]
+        steps[recipe] = CostModel(MODEL, 4096, 64, cluster, fp8=recipe).evaluate(
+            best.layout).step_time
+        assert best.step_time == pytest.approx(steps[recipe], rel=0.05)
+    assert steps["tensorwise"] < steps["none"]
