@@ -156,7 +156,10 @@ SCORE_PASSES = {"fused": (4, 7), "unfused": (8, 11)}
 # Whether each FP8 recipe (torchao's, ``loom.parallel.fp8``) runs the weight gradient's GEMM in
 # FP8: ``rowwise_with_gw_hp`` keeps it in high precision from the saved inputs, with no casts
 # (``Float8LinearConfig.from_recipe_name``: the input's and the output gradient's casts for it
-# are ``ScalingType.DISABLED``); tensorwise and rowwise cast both operands again for it.
+# are ``ScalingType.DISABLED``); tensorwise and rowwise cast both operands again for it. Rowwise
+# is otherwise priced as tensorwise: torchao 0.18's backward casts as often under both, and its
+# CUTLASS rowwise GEMM ran at the cuBLAS tensorwise one's speed in torchao's own microbenchmark
+# of Llama 70B's shapes on an H100 (pytorch/ao#2185).
 FP8_WEIGHT_GRADIENT = {"tensorwise": True, "rowwise": True, "rowwise_with_gw_hp": False}
 # Bytes per activation element a block's two RMSNorms move beyond a fused kernel's read and
 # write when run as eager ops in fp32 (``Framework.fused_norm`` false; Llama's reference
