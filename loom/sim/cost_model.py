@@ -158,8 +158,9 @@ SCORE_PASSES = {"fused": (4, 7), "unfused": (8, 11)}
 # (``Float8LinearConfig.from_recipe_name``: the input's and the output gradient's casts for it
 # are ``ScalingType.DISABLED``); tensorwise and rowwise cast both operands again for it. Rowwise
 # is otherwise priced as tensorwise: torchao 0.18's backward casts as often under both, and its
-# CUTLASS rowwise GEMM ran at the cuBLAS tensorwise one's speed in torchao's own microbenchmark
-# of Llama 70B's shapes on an H100 (pytorch/ao#2185).
+# CUTLASS rowwise GEMM ran as fast as the cuBLAS tensorwise GEMM with a rescale after it (the
+# workaround it replaced) in torchao's microbenchmark of Llama 70B's shapes (pytorch/ao#2185);
+# what the rescale itself costs is not priced.
 FP8_WEIGHT_GRADIENT = {"tensorwise": True, "rowwise": True, "rowwise_with_gw_hp": False}
 # Bytes per activation element a block's two RMSNorms move beyond a fused kernel's read and
 # write when run as eager ops in fp32 (``Framework.fused_norm`` false; Llama's reference
