@@ -270,6 +270,13 @@ class CostModel:
         return (proj + mlp) / tp + router, core / tp
 
     @property
+    def zero12_gather_bytes(self) -> int:
+        """Bytes per element of ZeRO-1/2's parameter all-gather after the step: the profile's,
+        or the parameters' own dtype where it says 0 (Loom's trainer gathers what it trains
+        in: bf16 under ``train.dtype = bf16``)."""
+        return self.framework.zero12_gather_bytes or self.e
+
+    @property
     def core_backward(self) -> float:
         """The attention core's backward seconds per forward second under the framework's
         kernel (``FLASH_BACKWARD`` for a flash kernel, ``STORED_BACKWARD`` otherwise)."""

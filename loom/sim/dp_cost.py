@@ -48,7 +48,7 @@ def data_parallel_time(cost: CostModel, lay: Layout, rank_params: dict[int, floa
                            cost.model.tie_embeddings) if vocab_pp(lay) else 0.0
     rows_time = rows_data_parallel(  # under cp over dp x cp too, as the stages' below
         rows, lay, grad_bytes=cost.grad_bytes,
-        gather_bytes=cost.e if zero == 3 else cost.framework.zero12_gather_bytes,
+        gather_bytes=cost.e if zero == 3 else cost.zero12_gather_bytes,
         shard_link=c.link_for(lay.dp_shard * lay.cp, shard_stride),
         rep_link=c.link_for(lay.dp_replicate, rep_stride),
         dp_link=c.link_for(lay.dp_replicate * lay.dp_shard * lay.cp, dp_stride)
@@ -71,7 +71,7 @@ def data_parallel_time(cost: CostModel, lay: Layout, rank_params: dict[int, floa
                      gather_time(count * cost.grad_bytes, shard, shard_link))
                 _add(reduce, rep_link.name, allreduce_time(
                     count * cost.grad_bytes / shard, lay.dp_replicate, rep_link))
-                width = cost.e if zero == 3 else cost.framework.zero12_gather_bytes
+                width = cost.e if zero == 3 else cost.zero12_gather_bytes
                 gathered = count * width - (in_fp8 * (width - 1) if zero == 3 else 0)
                 _add(gather, shard_link.name, gather_time(gathered, shard, shard_link))
             else:

@@ -13,11 +13,14 @@ What a profile fixes:
   (``optimizer_bytes``: an fp32 master copy where the parameters are 16-bit, plus AdamW's two
   fp32 moments). ZeRO stage 1 shards the optimizer state, 2 also the gradients, 3 also the
   parameters, over dp_shard x cp (Megatron's distributed optimizer is stage 1).
-  - Loom: the planner's model of Loom's trainer (``loom.formulas.memory.model_state_bytes``
-    without ``master``): fp32 parameters and gradients, two moments, 4 + 4 + 8. Loom's memory
-    path uses those formulas, not this profile's byte fields; its ``grad_bytes`` and
-    ``zero12_gather_bytes`` price its collectives. (Loom's trainer is gaining a bf16-parameter
-    mode with fp32 masters, ``train.dtype = bf16``; the planner does not follow it yet.)
+  - Loom: the planner's model of Loom's trainer (``loom.formulas.memory.model_state_bytes``):
+    fp32 parameters and gradients, two moments, 4 + 4 + 8, or under ``train.dtype = bf16``
+    (what the planner's configs train: the cost model's 2-byte ``dtype_bytes``) bf16
+    parameters with fp32 masters. Loom's memory path uses those formulas, not this profile's
+    byte fields; its ``grad_bytes`` (``train.grad_reduce_dtype``'s default fp32) and
+    ``zero12_gather_bytes`` price its collectives, the latter 0: ZeRO-1/2 all-gather the
+    updated slices in the parameters' own dtype (``loom.parallel.zero``: bf16 under
+    ``train.dtype = bf16``), ``CostModel.zero12_gather_bytes``.
   - Megatron-LM (``--bf16``, gradients accumulated and reduced in fp32, the default with bf16):
     bf16 parameters, fp32 ``main_grad``, fp32 master + moments: 2 + 4 + 12, i.e. the "6 + 12/d"
     bytes of its distributed optimizer.
@@ -189,7 +192,8 @@ class Framework:
     param_bytes: int  # the copy the GEMMs read (fp32 in Loom: autocast casts per use)
     grad_bytes: int  # gradients held and reduced
     optimizer_bytes: int  # fp32 master copy (where params are 16-bit) + AdamW's two moments
-    zero12_gather_bytes: int  # ZeRO-1/2's parameter all-gather after the step, per element
+    # ZeRO-1/2's parameter all-gather after the step, per element (0: the parameters' dtype)
+    zero12_gather_bytes: int
     sp_shards_all: bool  # sequence parallelism shards every activation (Megatron)
     attention_kernel: str = "flash2"  # ATTENTION_KERNELS: how the attention core runs
     fused_norm: bool = True  # one kernel per RMSNorm each way (a norm kernel or the compiler's)
@@ -296,7 +300,7 @@ def _stride(order: tuple[str, ...], degrees: tuple[int, ...], axes: tuple[str, .
 
 
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
-    Framework("loom", param_bytes=4, grad_bytes=4, optimizer_bytes=8, zero12_gather_bytes=4,
+    Framework("loom", param_bytes=4, grad_bytes=4, optimizer_bytes=8, zero12_gather_bytes=0,
               sp_shards_all=False,  # its step: cost_memory's fused_step rule, per layout
               compiled=False,  # train.compile's default
               fused_norm=False,  # _RMSNormFunction's eager ops (fused when compiled)

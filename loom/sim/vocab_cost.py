@@ -102,7 +102,7 @@ def rows_data_parallel(rows: float, lay: Layout, *, grad_bytes: float, gather_by
     reduces them after it, no backward left to hide behind), and the step's first action, the
     embedding's lookup, needs them whole. By ZeRO stage on dp_shard, with ``grad_bytes`` a
     gradient element and ``gather_bytes`` a gathered parameter's (ZeRO-3: the compute dtype;
-    ZeRO-1/2: the framework's ``zero12_gather_bytes``):
+    ZeRO-1/2: ``CostModel.zero12_gather_bytes``):
 
     * ZeRO-3 (``GatheredRows``): one all-gather of the rows at the step's start and one
       reduce-scatter of their gradients after the embedding's backward, whatever

@@ -34,7 +34,7 @@ def test_the_rows_are_reduced_over_cp_too(zero):
     group = 2 * shard
     if zero:
         link = c.link_for(group, strides["shard"])
-        gathered = 2 if zero == 3 else model.framework.zero12_gather_bytes
+        gathered = 2 if zero == 3 else model.zero12_gather_bytes
         expected = gather_time(rows * 4, group, link) + gather_time(rows * gathered, group, link)
         links = {"shard_link": link, "rep_link": c.link_for(1, strides["rep"]),
                  "dp_link": c.link_for(group, strides["dp"])}
@@ -45,7 +45,7 @@ def test_the_rows_are_reduced_over_cp_too(zero):
                  "rep_link": c.link_for(1, strides["rep"]), "dp_link": link}
     got = rows_data_parallel(rows, lay, grad_bytes=model.grad_bytes,
                              gather_bytes=model.e if zero == 3 else
-                             model.framework.zero12_gather_bytes, **links)
+                             model.zero12_gather_bytes, **links)
     assert got == pytest.approx(expected, rel=1e-12) and got > 0
     cost = model.evaluate(lay)
     assert cost.dp_exposed >= got and cost.comm["dp"] >= got

@@ -193,15 +193,21 @@ def test_transformer_engine_runs_the_overlapped_gemms_on_the_sms_its_communicati
 
 
 def test_megatron_gathers_parameters_in_bf16_behind_the_forward():
-    """ZeRO-1: Loom gathers fp32 parameters after the step, exposed; Megatron bf16, behind the
-    next forward (one piece per layer on the link, the first exposed)."""
+    """ZeRO-1: Loom's trainer gathers the updated parameters in their own dtype after the step,
+    exposed (``loom.parallel.zero``: bf16 under ``train.dtype = bf16``, the cost model's 2-byte
+    default; fp32 in fp32); Megatron bf16, behind the next forward (one piece per layer on the
+    link, the first exposed)."""
     lay = Layout(dp_shard=2, zero_stage=1, micro_batch=4, microbatches=1)
     psi = parameter_count(DEBUG)
     loom, mega = model("loom", per_node=1), model("megatron", per_node=1)  # over SLOW
     c_loom, c_mega = loom.evaluate(lay), mega.evaluate(lay)
-    assert c_loom.comm["dp"] - c_mega.comm["dp"] == pytest.approx(
+    assert loom.zero12_gather_bytes == mega.zero12_gather_bytes == 2
+    assert c_loom.comm["dp"] == pytest.approx(c_mega.comm["dp"])  # the same bytes
+    assert c_mega.dp_exposed < c_loom.dp_exposed  # Megatron's hide behind the forward
+    fp32 = model("loom", per_node=1, dtype_bytes=4)
+    assert fp32.zero12_gather_bytes == 4
+    assert fp32.evaluate(lay).comm["dp"] - c_loom.comm["dp"] == pytest.approx(
         gather_time(4 * psi, 2, SLOW) - gather_time(2 * psi, 2, SLOW))
-    assert c_mega.dp_exposed < c_loom.dp_exposed
 
 
 def test_megatron_reduces_gradients_across_the_pipeline_flush():

@@ -133,7 +133,7 @@ def test_the_rows_data_parallel_traffic_follows_the_zero_stage_exposed(zero):
     shard_link = c.link_for(shard, strides["shard"])
     rep_link = c.link_for(8 // shard, strides["rep"])
     if zero:
-        gathered = 2 if zero == 3 else model.framework.zero12_gather_bytes
+        gathered = 2 if zero == 3 else model.zero12_gather_bytes
         expected = (gather_time(rows * 4, shard, shard_link) + gather_time(rows * gathered, shard,
                                                                           shard_link)
                     + allreduce_time(rows * 4 / shard, 8 // shard, rep_link))
@@ -141,7 +141,7 @@ def test_the_rows_data_parallel_traffic_follows_the_zero_stage_exposed(zero):
         expected = allreduce_time(rows * 4, 8, c.link_for(8, strides["dp"]))
     got = rows_data_parallel(rows, lay, grad_bytes=model.grad_bytes,
                              gather_bytes=model.e if zero == 3 else
-                             model.framework.zero12_gather_bytes,
+                             model.zero12_gather_bytes,
                              shard_link=shard_link, rep_link=rep_link,
                              dp_link=c.link_for(8, strides["dp"]))
     assert got == pytest.approx(expected, rel=1e-12) and got > 0
