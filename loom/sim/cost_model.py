@@ -228,9 +228,11 @@ class CostModel:
         if recipe != "none" and not cluster.gpu.fp8_flops:
             raise ValueError(f"{cluster.gpu.name} has no FP8 matmuls (fp8_flops = 0)")
         self.fp8, self.fp8_recipe = recipe != "none", recipe
-        # FSDP2 all-gathers the FP8 linears' weights in float8 (``train.fp8_all_gather``)
-        if fp8_all_gather and not fp8:
-            raise ValueError("fp8_all_gather needs fp8 (the gathered weights are the FP8 linears')")
+        # FSDP2 all-gathers the FP8 linears' weights in float8 (``train.fp8_all_gather``), cast
+        # with one scale per tensor (``loom.parallel.fp8``: tensorwise only)
+        if fp8_all_gather and recipe != "tensorwise":
+            raise ValueError(f"fp8_all_gather needs fp8 tensorwise (the gathered weights are the"
+                             f" FP8 linears', one scale each), not {recipe!r}")
         self.fp8_all_gather = fp8_all_gather
         self.framework = framework  # memory layout and overlap defaults (loom.sim.frameworks)
         self.e = dtype_bytes

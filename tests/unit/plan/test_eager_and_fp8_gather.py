@@ -139,8 +139,9 @@ def test_the_float8_all_gather_changes_nothing_but_zero_3():
         gathered = CostModel(MODEL, 8192, 16, cluster, fp8=True,
                              fp8_all_gather=True).evaluate(lay)
         assert plain.step_time == gathered.step_time and plain.memory == gathered.memory
-    with pytest.raises(ValueError, match="fp8_all_gather needs fp8"):
-        CostModel(MODEL, 8192, 16, cluster, fp8_all_gather=True)
+    for off in (False, "none", "rowwise"):  # no FP8, or a recipe with more than one scale
+        with pytest.raises(ValueError, match="fp8_all_gather needs fp8 tensorwise"):
+            CostModel(MODEL, 8192, 16, cluster, fp8=off, fp8_all_gather=True)
 
 
 PLAN = ["plan", "--model", "llama3-8b", "--gpu", "H100-SXM", "--gpus", "8", "--seq", "8192",
