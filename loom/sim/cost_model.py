@@ -153,15 +153,20 @@ FLASH_BACKWARD, STORED_BACKWARD = 2.5, 2.0
 # dP written, P read for dV, P and dP read and dS written by the softmax's backward, dS read for
 # dQ and for dK. Unfused: scale and mask as two more read-write kernels each way.
 SCORE_PASSES = {"fused": (4, 7), "unfused": (8, 11)}
-# Whether each FP8 recipe (torchao's, ``loom.parallel.fp8``) runs the weight gradient's GEMM in
-# FP8: ``rowwise_with_gw_hp`` keeps it in high precision from the saved inputs, with no casts
-# (``Float8LinearConfig.from_recipe_name``: the input's and the output gradient's casts for it
-# are ``ScalingType.DISABLED``); tensorwise and rowwise cast both operands again for it. Rowwise
-# is otherwise priced as tensorwise: torchao 0.18's backward casts as often under both, and its
-# CUTLASS rowwise GEMM ran as fast as the cuBLAS tensorwise GEMM with a rescale after it (the
-# workaround it replaced) in torchao's microbenchmark of Llama 70B's shapes (pytorch/ao#2185);
-# what the rescale itself costs is not priced.
-FP8_WEIGHT_GRADIENT = {"tensorwise": True, "rowwise": True, "rowwise_with_gw_hp": False}
+# The weight gradient's GEMM under each FP8 recipe (torchao 0.18's, ``loom.parallel.fp8``):
+# (in FP8, the casts it makes in units of a pass's casts, eager and compiled). torchao's
+# backward (``matmul_with_hp_or_float8_args``) casts the output gradient for the input
+# gradient, then the output gradient and the saved 16-bit input again for the weight gradient:
+# two more casts in eager; compiled, the second tensorwise cast of the output gradient is the
+# first one again (one scale per tensor; AOTAutograd's graph CSE shares it), rowwise's is along
+# the other axis. ``rowwise_with_gw_hp`` keeps the weight gradient in high precision from the
+# saved inputs, uncast (``Float8LinearConfig.from_recipe_name``: both casts for it are
+# ``ScalingType.DISABLED``). Rowwise is otherwise priced as tensorwise: its CUTLASS GEMM ran as
+# fast as the cuBLAS tensorwise GEMM with a rescale after it (the workaround it replaced) in
+# torchao's microbenchmark of Llama 70B's shapes (pytorch/ao#2185); the rescale's own cost is
+# not priced.
+FP8_WEIGHT_GRADIENT = {"tensorwise": (True, 2, 1), "rowwise": (True, 2, 2),
+                       "rowwise_with_gw_hp": (False, 0, 0)}
 # Bytes per activation element a block's two RMSNorms move beyond a fused kernel's read and
 # write when run as eager ops in fp32 (``Framework.fused_norm`` false; Llama's reference
 # RMSNorm on bf16 input: upcast 2 + 4, square 4 + 4, mean 4, scale 4 + 4, downcast 4 + 2,
@@ -351,10 +356,11 @@ class CostModel:
         t_cast = cast_elements * (2 * self.e + 1) / gpu.hbm_bandwidth
         # the weight gradient's GEMMs and casts: in FP8 under the recipe, or in high precision
         # from the saved inputs, uncast (FP8_WEIGHT_GRADIENT)
-        if FP8_WEIGHT_GRADIENT.get(self.fp8_recipe, True):
-            t_mat_w, t_cast_w = t_mat, t_cast
-        else:
-            t_mat_w, t_cast_w = gemms(tokens, gain=0.0), 0.0
+        t_mat_w, t_cast_w = t_mat, 0.0
+        if self.fp8:
+            in_fp8, eager_casts, compiled_casts = FP8_WEIGHT_GRADIENT[self.fp8_recipe]
+            t_mat_w = t_mat if in_fp8 else gemms(tokens, gain=0.0)
+            t_cast_w = t_cast * (compiled_casts if self.framework.compiled else eager_casts)
         t_core = core / gpu.matmul_rate(min(s_local, m.head_dim))
         t_scores_f = t_scores_i = 0.0  # the stored scores' memory traffic (non-flash kernels)
         kernel = self.framework.attention_kernel
