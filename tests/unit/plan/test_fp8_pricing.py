@@ -1,5 +1,6 @@
 """The planner's FP8 (``loom plan --fp8``): the blocks' linear FLOPs at the accelerator's FP8
-peak plus the casts, the rest unchanged; refused where there are no FP8 matmuls."""
+peak plus the casts, by recipe (torchao's: which GEMMs run in FP8, which casts each makes),
+the rest unchanged; refused where there are no FP8 matmuls."""
 
 import json
 
@@ -9,7 +10,10 @@ from loom.cli import main
 from loom.layout import Layout
 from loom.models.presets import PRESETS
 from loom.plan.hardware import make_cluster
+from loom.plan.search import plan
+from loom.plan.space import Workload
 from loom.sim.cost_model import CostModel
+from loom.sim.frameworks import LOOM
 
 MODEL = PRESETS["llama3-8b"]
 
@@ -64,9 +68,9 @@ def test_the_plan_follows_loom_fp8_rules(capsys):
 def test_rowwise_with_gw_hp_runs_the_weight_gradient_in_high_precision_uncast():
     """torchao's ``rowwise_with_gw_hp`` keeps the weight gradient's GEMM in high precision from
     the saved inputs (its casts for it are disabled): W is the 16-bit GEMMs alone, F and I are
-    tensorwise's. Rowwise casts and runs its GEMMs as tensorwise does (the same count of
-    casts in torchao's backward, and its rowwise GEMM kernel at the tensorwise one's speed), so
-    it is priced alike."""
+    tensorwise's. Rowwise casts and runs its GEMMs as tensorwise does in an eager stack (the
+    same count of casts in torchao's backward, and its rowwise GEMM as fast as tensorwise's
+    with a rescale), so it is priced alike there."""
     layout = Layout(dp_shard=8, zero_stage=3)
     plain = priced(False, layout)
     tensorwise, rowwise, gw_hp = (CostModel(MODEL, 8192, 64, make_cluster("H100-SXM", 8, 8),
@@ -88,7 +92,6 @@ def test_the_weight_gradient_casts_again_as_torchaos_backward_does():
     saved input again for the weight gradient, two passes more in eager; compiled, tensorwise's
     are the casts already made (the graph's CSE, the partitioner saving the 1-byte input),
     rowwise's run along the other axis."""
-    from loom.sim.frameworks import LOOM  # (Loom's trainer, eager by default)
     layout = Layout(dp_shard=8, zero_stage=3)
     cluster = make_cluster("H100-SXM", 8, 8)
 
@@ -119,8 +122,6 @@ def test_loom_plan_prices_the_recipe_it_is_given(capsys):
 def test_a_plan_built_without_a_cost_model_prices_the_workloads_recipe():
     """``plan(work, cluster)`` builds its cost model from the workload: its FP8 recipe too
     (it had priced every workload in 16 bits), so the same layout steps faster in FP8."""
-    from loom.plan.search import plan  # (the search, beside the cost model's own tests)
-    from loom.plan.space import Workload
     cluster = make_cluster("H100-SXM", 8, 8)
     steps = {}
     for recipe in ("none", "tensorwise"):
