@@ -83,8 +83,8 @@ def replica_step(model: CostModel, lay: Layout) -> StepCost:
     cluster = replace(model.cluster, gpus=model.cluster.gpus // replicas)
     alone = CostModel(model.model, model.seq, model.batch // replicas, cluster,
                       dtype_bytes=model.e, grad_bytes=model.grad_bytes,
-                      op_overhead=model.op_overhead, framework=model.framework, fp8=model.fp8_recipe,
-                      fp8_all_gather=model.fp8_all_gather)
+                      op_overhead=model.op_overhead, framework=model.framework,
+                      fp8=model.fp8_recipe, fp8_all_gather=model.fp8_all_gather)
     return alone.evaluate(replace(lay, dp_replicate=1))
 
 
