@@ -587,6 +587,14 @@ def _run_varlen(args: argparse.Namespace, stack: Framework) -> int:
         if value:
             raise PlanInputError(f"{flag}: not with --length-dist (it ranks balances, not"
                                  " layouts of equal sequences)")
+    # what the balances' per-token costs do not price: refused, not silently left out
+    for flag, value in (("--fp8", args.fp8 if args.fp8 != "none" else None),
+                        ("--fp8-all-gather", args.fp8_all_gather), ("--mixed", args.mixed),
+                        ("--sites", args.sites)):
+        if value:
+            raise PlanInputError(f"{flag} {value if value is not True else ''}".rstrip()
+                                 + ": not with --length-dist (its balances are priced at the"
+                                 " 16-bit matmul rate on one kind of accelerator, one site)")
     dist = load_length_distribution(args.length_dist)
     if not args.global_batch_tokens or args.global_batch_tokens < 1:
         raise PlanInputError(f"--global-batch-tokens {args.global_batch_tokens}: required with"

@@ -158,6 +158,11 @@ def test_cli_ranks_the_balances_of_a_length_distribution(tmp_path, capsys):
     (["--global-batch-tokens", "100000", "--layout", "dp=16"], "--layout"),
     (["--global-batch-tokens", "100000", "--nics-per-node", "-1"], "--nics-per-node"),
     ([], "--global-batch-tokens"),
+    # what the balances do not price is refused, not silently left out
+    (["--global-batch-tokens", "100000", "--fp8", "tensorwise"], "--fp8 tensorwise"),
+    (["--global-batch-tokens", "100000", "--fp8-all-gather"], "--fp8-all-gather"),
+    (["--global-batch-tokens", "100000", "--sites", "2"], "--sites 2"),
+    (["--global-batch-tokens", "100000", "--mixed", "cluster.toml"], "--mixed cluster.toml"),
 ])
 def test_cli_refuses_bad_varlen_input_by_name(tmp_path, capsys, args, named):
     path = tmp_path / "lengths.txt"
