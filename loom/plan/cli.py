@@ -552,6 +552,7 @@ def _run_mixed(args: argparse.Namespace, stack: Framework) -> int:
     across it (``loom.plan.mixed``, ``loom.plan.mixed_dp``)."""
     given = [("--gpu", args.gpu), ("--layout", args.layout), ("-o", args.output),
              ("--explain", args.explain), ("--sites", args.sites),
+             ("--fp8-all-gather", args.fp8_all_gather),  # (its parts' replicas price none)
              ("--length-dist", args.length_dist), ("--calibrate", args.calibrate),
              ("--gpus-per-node", args.gpus_per_node), ("--intra", args.intra),
              ("--inter", args.inter), ("--nics-per-node", args.nics_per_node)]

@@ -225,6 +225,8 @@ def test_loom_plan_mixed_ranks_pipelines_over_the_parts(tmp_path, capsys):
      'gpu = "H100-SXM"\ngpus = 8\n', [], "--mixed part[0]: cluster: rack_oversubscription=0.5"),
     (TWO_KINDS, ["--inter", "ndr-ib"], "--inter: not with --mixed"),
     (TWO_KINDS, ["--nodes-per-rack", "2"], "--nodes-per-rack: not with --mixed"),
+    (TWO_KINDS, ["--fp8", "tensorwise", "--fp8-all-gather"],
+     "--fp8-all-gather: not with --mixed"),
     ("not toml [", [], "--mixed"),
 ])
 def test_a_bad_mixed_file_is_refused_by_field(tmp_path, capsys, text, extra, named):
