@@ -10,7 +10,7 @@ from loom.cli import main
 from loom.layout import Layout
 from loom.models.presets import PRESETS
 from loom.plan.hardware import make_cluster
-from loom.plan.search import plan
+from loom.plan.search import plan, simulate_step
 from loom.plan.space import Workload
 from loom.sim.cost_model import CostModel
 from loom.sim.frameworks import LOOM
@@ -127,7 +127,7 @@ def test_a_plan_built_without_a_cost_model_prices_the_workloads_recipe():
     for recipe in ("none", "tensorwise"):
         work = Workload("llama3-8b", MODEL, 4096, 64, fp8=recipe)
         best = plan(work, cluster, top=1, simulation_seconds=float("inf")).ranked[0]
-        steps[recipe] = CostModel(MODEL, 4096, 64, cluster, fp8=recipe).evaluate(
-            best.layout).step_time
-        assert best.step_time == pytest.approx(steps[recipe], rel=0.05)
+        model = CostModel(MODEL, 4096, 64, cluster, fp8=recipe)
+        steps[recipe] = simulate_step(model, model.evaluate(best.layout)).step_time
+        assert best.step_time == pytest.approx(steps[recipe], rel=1e-9)  # priced the same way
     assert steps["tensorwise"] < steps["none"]
