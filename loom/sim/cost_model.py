@@ -26,7 +26,7 @@ heads of width d, f FFN width, t = tp; a matmul of m x k by k x n is 2mkn FLOPs)
 * backward after Zero Bubble (Qi et al. 2024, Table 1): I = the matmuls again plus the
   attention core's backward (2.5x its forward under a flash kernel, which recomputes the
   scores; 2x under one that stores them: ``CostModel.core_backward``), W = the matmuls again
-  (in high precision, uncast, under FP8's ``rowwise_with_gw_hp``: ``FP8_WEIGHT_GRADIENT``);
+  (in high precision, uncast, under FP8's ``rowwise_with_gw_hp``: ``loom.sim.fp8_cost``);
   recomputation adds to I what its policy runs again (``loom.sim.recompute_cost``: full F,
   every_k its share of F, selective the core or torchtitan's op-level part);
 * matmul time = FLOPs / ``Gpu.matmul_rate(smallest dim)``, a routed expert's GEMMs at its
@@ -118,7 +118,7 @@ from typing import Any
 
 from loom.formulas.flops import attended_keys, model_flops_per_token
 from loom.formulas.memory import adamw_step_fused
-from loom.layout import FP8_RECIPES, Layout
+from loom.layout import Layout
 from loom.models.args import TransformerArgs
 from loom.layout import CPLayout  # Loom's own split of cp into u x r
 from loom.schedule.cost import OpCosts, StageCosts
@@ -126,7 +126,7 @@ from loom.sim.collectives import (allreduce_time, gather_time, p2p_time,
                                   spanning_all_to_all_time)
 from loom.sim.dp_cost import data_parallel_time
 from loom.sim.cost_memory import layout_memory
-from loom.sim import expert_cost
+from loom.sim import expert_cost, fp8_cost
 from loom.sim.eager_cost import eager_extra_bytes
 from loom.sim.frameworks import LOOM, Framework
 from loom.sim.launch_cost import block_kernels, host_bound
@@ -153,25 +153,6 @@ FLASH_BACKWARD, STORED_BACKWARD = 2.5, 2.0
 # dP written, P read for dV, P and dP read and dS written by the softmax's backward, dS read for
 # dQ and for dK. Unfused: scale and mask as two more read-write kernels each way.
 SCORE_PASSES = {"fused": (4, 7), "unfused": (8, 11)}
-# The weight gradient's GEMM under each FP8 recipe (torchao 0.18's, ``loom.parallel.fp8``):
-# (in FP8, the casts it makes in units of a pass's casts, eager and compiled). torchao's
-# backward (``matmul_with_hp_or_float8_args``) casts the output gradient for the input
-# gradient, then the output gradient and the saved 16-bit input again for the weight gradient:
-# two more casts in eager. Compiled under tensorwise (one scale per tensor) the output
-# gradient's second cast is the first (AOTAutograd's CSE merges them), the input's is not (it
-# casts a reshaped view, another node): one cast, which the partitioner moves into the forward
-# graph. Rowwise's two run along the other axis, compiled or not. Counted in the graphs
-# ``torch.compile`` makes of a Float8Linear here (tests/unit/plan/test_fp8_compiled_casts.py).
-# Transformer Engine's linears (Megatron) keep the forward's FP8 transposes for the weight
-# gradient and would cast none; its rows are priced with torchao's counts.
-# ``rowwise_with_gw_hp`` keeps the weight gradient in high precision from the
-# saved inputs, uncast (``Float8LinearConfig.from_recipe_name``: both casts for it are
-# ``ScalingType.DISABLED``). Rowwise is otherwise priced as tensorwise: its CUTLASS GEMM ran as
-# fast as the cuBLAS tensorwise GEMM with a rescale after it (the workaround it replaced) in
-# torchao's microbenchmark of Llama 70B's shapes (pytorch/ao#2185); the rescale's own cost is
-# not priced.
-FP8_WEIGHT_GRADIENT = {"tensorwise": (True, 2, 1), "rowwise": (True, 2, 2),
-                       "rowwise_with_gw_hp": (False, 0, 0)}
 # Bytes per activation element a block's two RMSNorms move beyond a fused kernel's read and
 # write when run as eager ops in fp32 (``Framework.fused_norm`` false; Llama's reference
 # RMSNorm on bf16 input: upcast 2 + 4, square 4 + 4, mean 4, scale 4 + 4, downcast 4 + 2,
@@ -230,19 +211,10 @@ class CostModel:
                  fp8: bool | str = False, fp8_all_gather: bool = False, grad_clip: bool = True):
         self.model, self.seq, self.batch, self.cluster = model, seq_len, global_batch, cluster
         self.grad_clip = grad_clip  # gradients scaled by the clipping factor (train.grad_clip > 0)
-        # FP8 matmuls in the blocks' linears (``train.fp8``: a recipe of FP8_RECIPES, True for
-        # tensorwise; ``_fp8_share`` says which FLOPs, ``FP8_WEIGHT_GRADIENT`` which passes)
-        recipe = "tensorwise" if fp8 is True else "none" if fp8 is False else fp8
-        if recipe not in FP8_RECIPES:
-            raise ValueError(f"fp8 {fp8!r}: one of {', '.join(FP8_RECIPES)}, or a bool")
-        if recipe != "none" and not cluster.gpu.fp8_flops:
-            raise ValueError(f"{cluster.gpu.name} has no FP8 matmuls (fp8_flops = 0)")
-        self.fp8, self.fp8_recipe = recipe != "none", recipe
-        # FSDP2 all-gathers the FP8 linears' weights in float8 (``train.fp8_all_gather``), cast
-        # with one scale per tensor (``loom.parallel.fp8``: tensorwise only)
-        if fp8_all_gather and recipe != "tensorwise":
-            raise ValueError(f"fp8_all_gather needs fp8 tensorwise (the gathered weights are the"
-                             f" FP8 linears', one scale each), not {recipe!r}")
+        # FP8 matmuls in the blocks' linears (``train.fp8``'s recipe, ``loom.sim.fp8_cost``),
+        # and FSDP2's float8 all-gather of their weights (``train.fp8_all_gather``)
+        self.fp8_recipe = fp8_cost.recipe_of(fp8, cluster.gpu, fp8_all_gather)
+        self.fp8 = self.fp8_recipe != "none"
         self.fp8_all_gather = fp8_all_gather
         self.framework = framework  # memory layout and overlap defaults (loom.sim.frameworks)
         self.e = dtype_bytes
@@ -294,22 +266,6 @@ class CostModel:
         kernel (``FLASH_BACKWARD`` for a flash kernel, ``STORED_BACKWARD`` otherwise)."""
         return FLASH_BACKWARD if self.framework.flash_attention else STORED_BACKWARD
 
-    def _fp8_share(self, tokens: float, tp: int, moe: bool) -> tuple[float, float]:
-        """(the FLOPs of one layer's forward that run in FP8, the elements cast to FP8 per pass)
-        on one rank: Loom converts the attention projections and the dense or shared-expert MLP
-        (``loom.parallel.fp8.converts``), not the attention core, the router or the routed
-        experts. Each linear casts its own input (q, k and v each theirs) and, in backward, its
-        output gradient; about as many elements either way."""
-        m = self.model
-        proj = 2 * tokens * m.dim * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
-        width = m.expert_ffn_dim or m.ffn_dim
-        matrices = m.mlp_matrices  # the shared experts are of the dense MLP's kind too
-        mlp = 2 * matrices * tokens * m.dim * (width * m.n_shared_experts if moe else m.ffn_dim)
-        ffn = width * m.n_shared_experts if moe else m.ffn_dim
-        # each linear casts its own input: w1 (and SwiGLU's w3) D elements each, w2 F
-        cast = tokens * (4 * m.dim + ((matrices - 1) * m.dim + ffn if ffn else 0))
-        return (proj + mlp) / tp, cast / tp
-
     def model_flops_per_step(self) -> float:
         if self._model_flops is None:
             self._model_flops = self._count_model_flops()
@@ -336,7 +292,7 @@ class CostModel:
                                       else math.inf) if moe else m.ffn_dim / lay.tp)
         converted = cast_elements = 0.0
         if self.fp8:
-            converted, cast_elements = self._fp8_share(tokens, lay.tp, moe)
+            converted, cast_elements = fp8_cost.converted_share(m, tokens, lay.tp, moe)
         fp8_gain = 1 - gpu.peak_flops / gpu.fp8_flops if self.fp8 and gpu.fp8_flops else 0.0
         routed_fp8 = routed if self.framework.fp8_experts else 0.0
         if routed_fp8 and fp8_gain:
@@ -356,16 +312,13 @@ class CostModel:
             return t
 
         t_mat = gemms(tokens)
-        # dynamic scaling: each converted operand read for its amax, read again and written
-        # as one byte (unfused; torch.compile fuses some of it, not priced)
-        t_cast = cast_elements * (2 * self.e + 1) / gpu.hbm_bandwidth
-        # the weight gradient's GEMMs and casts: in FP8 under the recipe, or in high precision
-        # from the saved inputs, uncast (FP8_WEIGHT_GRADIENT)
+        t_cast = fp8_cost.cast_bytes(cast_elements, self.e) / gpu.hbm_bandwidth
+        # the weight gradient's GEMMs and casts, as the recipe runs them (fp8_cost)
         t_mat_w, t_cast_w = t_mat, 0.0
         if self.fp8:
-            in_fp8, eager_casts, compiled_casts = FP8_WEIGHT_GRADIENT[self.fp8_recipe]
+            in_fp8, passes = fp8_cost.weight_gradient(self.fp8_recipe, self.framework.compiled)
             t_mat_w = t_mat if in_fp8 else gemms(tokens, gain=0.0)
-            t_cast_w = t_cast * (compiled_casts if self.framework.compiled else eager_casts)
+            t_cast_w = t_cast * passes
         t_core = core / gpu.matmul_rate(min(s_local, m.head_dim))
         t_scores_f = t_scores_i = 0.0  # the stored scores' memory traffic (non-flash kernels)
         kernel = self.framework.attention_kernel

@@ -45,7 +45,7 @@ accumulations (15e). Its D-wide eager traffic is then 2·2e + 6e = 10e forward a
 21e backward, e and 3e beyond compiled: the norms' eager ops (56 + 4c - 4e forward, 152 + 6c -
 6e backward) are what the kernel saves. The host time of launching
 these kernels is ``loom.sim.launch_cost``'s (the same counts, pinned to the dispatcher's).
-FP8's casts (``CostModel._fp8_share``) are priced the same either way.
+FP8's casts (``loom.sim.fp8_cost``) are priced the same either way.
 Torch-free.
 """
 

@@ -29,6 +29,7 @@ from loom.plan.hardware import GB, Cluster, Gpu, Link
 from loom.sim.cost_memory import _activation_bytes
 from loom.sim.cost_model import CostModel
 from loom.sim.eager_cost import eager_extra_bytes
+from loom.sim.fp8_cost import converted_share
 from loom.sim.launch_cost import block_kernels
 from loom.train.memory import estimate_memory, memory_instants
 from tests.unit.plan.test_launch_cost import _Kernels  # counts the kernels ops launch
@@ -124,7 +125,7 @@ def test_cost_model_moe_layer_flops_by_hand(args, c, tp):
     assert model.layer_flops(tokens, tp, moe=True) == ((proj + experts) / tp
                                                        + 2 * tokens * D * E, core / tp)
     shared = 2 * c * tokens * D * FE * S
-    assert model._fp8_share(tokens, tp, moe=True) == (
+    assert converted_share(model.model, tokens, tp, moe=True) == (
         (proj + shared) / tp, tokens * (4 * D + (c - 1) * D + S * FE) / tp)
 
 

@@ -29,6 +29,7 @@ from loom.models.presets import PRESETS, layer_parameter_count, parameter_count
 from loom.pipeline.partition import stage_costs
 from loom.plan.hardware import GB, Cluster, Gpu, Link
 from loom.sim.cost_model import CostModel
+from loom.sim.fp8_cost import converted_share
 from loom.train.memory import layer_activation_bytes
 
 GELU = TransformerArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=256, vocab_size=320,
@@ -98,7 +99,7 @@ def test_cost_model_layer_flops_and_fp8_share_by_hand():
     core = 4 * tokens * 32 * 4 * 16 / 2
     assert model.layer_flops(tokens, 1, moe=False) == (proj + mlp, core)
     assert model.layer_flops(tokens, 2, moe=False) == ((proj + mlp) / 2, core / 2)
-    assert model._fp8_share(tokens, 1, moe=False) == (proj + mlp, tokens * (4 * 64 + 64 + 256))
+    assert converted_share(GELU, tokens, 1, moe=False) == (proj + mlp, tokens * (4 * 64 + 64 + 256))
     assert model.ranks.end_rank_params(Layout())[0] == parameter_count(GELU)
 
 

@@ -16,7 +16,7 @@ import warnings
 
 import pytest
 
-from loom.sim.cost_model import FP8_WEIGHT_GRADIENT
+from loom.sim.fp8_cost import FP8_WEIGHT_GRADIENT
 
 torch = pytest.importorskip("torch")
 float8 = pytest.importorskip("torchao.float8")

@@ -13,6 +13,7 @@ from loom.plan.hardware import make_cluster
 from loom.plan.search import plan, simulate_step
 from loom.plan.space import Workload
 from loom.sim.cost_model import CostModel
+from loom.sim.fp8_cost import converted_share
 from loom.sim.frameworks import LOOM
 
 MODEL = PRESETS["llama3-8b"]
@@ -27,7 +28,7 @@ def test_fp8_makes_the_linear_layers_faster_by_at_most_the_peak_ratio():
     plain, fp8 = priced(False, layout), priced(True, layout)
     f16, f8 = plain._times(layout, False)[0], fp8._times(layout, False)[0]
     mat, core = plain.layer_flops(8192, 1, False)
-    converted, _ = plain._fp8_share(8192, 1, False)
+    converted, _ = converted_share(MODEL, 8192, 1, False)
     assert converted == pytest.approx(mat)  # a dense layer: every linear converts
     gpu = plain.cluster.gpu
     saved = mat / gpu.matmul_rate(min(8192, MODEL.dim, MODEL.ffn_dim)) / 2  # 2x the peak
@@ -38,7 +39,7 @@ def test_fp8_makes_the_linear_layers_faster_by_at_most_the_peak_ratio():
 def test_routed_experts_and_the_router_stay_in_16_bits():
     moe = PRESETS["mixtral-8x7b"]
     plain = priced(False, Layout(dp_shard=8), model=moe)
-    converted, _ = plain._fp8_share(4096, 1, True)
+    converted, _ = converted_share(moe, 4096, 1, True)
     proj = 2 * 4096 * moe.dim * moe.head_dim * (2 * moe.n_heads + 2 * moe.n_kv_heads)
     assert converted == pytest.approx(proj)  # no shared experts: only attention's projections
     assert converted < plain.layer_flops(4096, 1, True)[0] / 3
@@ -98,7 +99,7 @@ def test_the_weight_gradient_casts_again_as_torchaos_backward_does():
     def w(recipe, compiled):
         return CostModel(MODEL, 8192, 64, cluster, fp8=recipe,
                          framework=LOOM.compiled_as(compiled))._times(layout, False)[2]
-    cast = CostModel(MODEL, 8192, 64, cluster)._fp8_share(8192, 1, False)[1] * 5 \
+    cast = converted_share(MODEL, 8192, 1, False)[1] * 5 \
         / cluster.gpu.hbm_bandwidth
     assert w("tensorwise", False) - w("tensorwise", True) == pytest.approx(cast, rel=1e-9)
     assert w("rowwise", True) - w("tensorwise", True) == pytest.approx(cast, rel=1e-9)
