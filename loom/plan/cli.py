@@ -593,9 +593,9 @@ def _run_varlen(args: argparse.Namespace, stack: Framework) -> int:
                         ("--fp8-all-gather", args.fp8_all_gather), ("--mixed", args.mixed),
                         ("--sites", args.sites)):
         if value:
-            raise PlanInputError(f"{flag} {value if value is not True else ''}".rstrip()
-                                 + ": not with --length-dist (its balances are priced at the"
-                                 " 16-bit matmul rate on one kind of accelerator, one site)")
+            given = flag if value is True else f"{flag} {value}"
+            raise PlanInputError(f"{given}: not with --length-dist (its balances are priced at"
+                                 " the 16-bit matmul rate on one kind of accelerator, one site)")
     dist = load_length_distribution(args.length_dist)
     if not args.global_batch_tokens or args.global_batch_tokens < 1:
         raise PlanInputError(f"--global-batch-tokens {args.global_batch_tokens}: required with"
